@@ -1,0 +1,135 @@
+"""Scaled GEMMs on QuantizedTensors: ``scaled_mm`` dispatches to the fastest correct backend (DESIGN §5).
+
+Backends register themselves with :func:`register_backend` (cuBLAS through torch, Triton kernels);
+the float64-exact reference runs everywhere else and is the spec.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from ..quant.tensor import QuantizedTensor
+from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
+
+__all__ = ["scaled_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
+
+# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=))
+BACKENDS: dict[str, tuple[Callable, Callable]] = {}
+
+_FP8_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def register_backend(name: str, supports: Callable, fn: Callable) -> None:
+    """Register a GEMM backend; earlier registrations are preferred when several support a call."""
+    BACKENDS[name] = (supports, fn)
+
+
+def _all():
+    yield from BACKENDS.items()
+    yield "reference", (lambda *a: True, scaled_mm_reference)
+
+
+def _operand(t, name, copy):
+    if not isinstance(t, QuantizedTensor):
+        raise TypeError(f"{name}: expected a QuantizedTensor (see lowbit.quantize), got {type(t).__name__}")
+    if copy not in ("rowwise", "columnwise"):
+        raise ValueError(f"{name}_copy: expected 'rowwise' or 'columnwise', got {copy!r}")
+    if getattr(t, copy) is None:
+        raise ValueError(f"{name}: has no {copy} copy; quantize it with {copy}=True")
+    return (t.rows, t.cols) if copy == "rowwise" else (t.cols, t.rows)
+
+
+def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
+    M, K = _operand(a, "a", a_copy)
+    N, Kb = _operand(b, "b", b_copy)
+    if K != Kb:
+        raise ValueError(f"b: the contraction dims must match: a's {a_copy} copy is ({M}, {K}), b's {b_copy} copy is ({N}, {Kb})")
+    if a.device != b.device:
+        raise ValueError(f"b: must be on the same device as a ({a.device}), got {b.device}")
+    sa, sb = a.scheme, b.scheme
+    if isinstance(sa, _FP8_SCHEMES) and isinstance(sb, _FP8_SCHEMES):
+        if sa.fmt == "e5m2" and sb.fmt == "e5m2":
+            raise NotImplementedError("a, b: E5M2 x E5M2 has no FP8 tensor-core instruction; supported: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3")
+        if type(sa) is not type(sb) and not (isinstance(sa, Float8Tensorwise) or isinstance(sb, Float8Tensorwise)):
+            raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}")
+        if isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise):
+            if sa.block_dim == 2 and sb.block_dim == 2:
+                raise NotImplementedError("a, b: blockwise 2D x 2D (128x128 x 128x128) is not supported; use 1D x 2D, 2D x 1D or 1D x 1D")
+            if sa.block_size != sb.block_size:
+                raise ValueError(f"a, b: block sizes must match, got {sa.block_size} and {sb.block_size}")
+    elif type(sa) is not type(sb) or not isinstance(sa, (MXFP8, NVFP4)):
+        raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}; MXFP8 and NVFP4 pair only with themselves")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (N,):
+            raise ValueError(f"bias: expected a tensor of shape ({N},), got {getattr(bias, 'shape', bias)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: must be on {a.device}, got {bias.device}")
+    if accumulate and out is None:
+        raise ValueError("out: accumulate=True adds into `out`, so `out` must be given")
+    if out is not None:
+        if out.shape != (M, N):
+            raise ValueError(f"out: expected shape ({M}, {N}), got {tuple(out.shape)}")
+        if out.device != a.device:
+            raise ValueError(f"out: must be on {a.device}, got {out.device}")
+        if gelu and accumulate:
+            raise ValueError("gelu/accumulate: GELU followed by accumulation into out is not a supported epilogue")
+    return M, N, K
+
+
+def backend_for(a, b, *, a_copy="rowwise", b_copy="rowwise", **opts) -> str:
+    """Name of the backend :func:`scaled_mm` would run."""
+    for name, (supports, _) in _all():
+        if supports(a, b, a_copy, b_copy, opts):
+            return name
+    return "reference"
+
+
+def scaled_mm(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    a_copy: str = "rowwise",
+    b_copy: str = "rowwise",
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    gelu: bool = False,
+    accumulate: bool = False,
+    out: torch.Tensor | None = None,
+    return_pre_gelu: bool = False,
+    backend: str | None = None,
+):
+    """``y = A · Bᵀ`` on quantized operands, FP32 accumulation with per-block scale promotion, fused epilogue.
+
+    Args:
+        a, b: QuantizedTensors. A is ``a``'s ``a_copy`` as a 2D (M, K) matrix, B is ``b``'s ``b_copy``
+            as (N, K) — both contiguous along K. fprop: (x rowwise, w rowwise); dgrad: (dy rowwise,
+            w columnwise); wgrad: (dy columnwise, x columnwise).
+        out_dtype: float32, bfloat16 or float16.
+        bias: (N,) added before GELU.
+        gelu: apply GELU (erf form) in the epilogue; with ``return_pre_gelu`` the pre-GELU values are
+            returned too, for the backward.
+        accumulate: ``out += y`` (beta = 1); ``out`` (M, N) required.
+        backend: force ``"reference"`` or a registered backend; default: the fastest that supports the call.
+
+    Returns:
+        y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
+    """
+    _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
+    opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
+    table = dict(_all())
+    if backend is not None:
+        if backend not in table:
+            raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
+        if not table[backend][0](a, b, a_copy, b_copy, opts):
+            raise NotImplementedError(f"backend: {backend!r} does not support this call ({a.scheme} x {b.scheme}, {a.device}); use None to pick one")
+        fn = table[backend][1]
+    else:
+        fn = table[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
+    y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
+    return (y, pre) if return_pre_gelu else y

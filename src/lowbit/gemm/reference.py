@@ -1,0 +1,72 @@
+"""Reference scaled GEMM: exact math in float64, the spec every fast backend is tested against (DESIGN §5).
+
+``y = A · Bᵀ`` where A (M, K) and B (N, K) are copies of two QuantizedTensors, both contiguous along
+K. Each operand is dequantized *exactly* in float64 (an FP8/E2M1 element times its scale, with the
+NVFP4 scale d / S formed in float64), the product is taken in float64, and only the final result
+is rounded to ``out_dtype``. A fast FP32-accumulating backend differs from this by the rounding of
+its accumulation order alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import e8m0_decode
+from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise
+from ..quant.tensor import QuantizedTensor
+
+__all__ = ["dequantize_exact", "scaled_mm_reference", "apply_epilogue"]
+
+
+def dequantize_exact(t: QuantizedTensor, which: str) -> torch.Tensor:
+    """float64 (rows, cols) exact values of one copy (no rounding: every product fits in float64)."""
+    q = t.elements(which).to(torch.float64)
+    c = getattr(t, which)
+    r, k = q.shape
+    sch = t.scheme
+    s = t.logical_scales(which)
+    if isinstance(sch, NVFP4):
+        d = s.to(torch.float32).to(torch.float64).repeat_interleave(16, dim=1)[:, :k]
+        if sch.two_d:
+            d = d.repeat_interleave(16, dim=0)[:r]
+        return q * d / c.global_scale.to(torch.float64)
+    if isinstance(sch, MXFP8):
+        return q * e8m0_decode(s).to(torch.float64).repeat_interleave(32, dim=1)[:, :k]
+    if isinstance(sch, Float8Blockwise):
+        bs = sch.block_size
+        e = s.to(torch.float64).repeat_interleave(bs, dim=1)[:, :k]
+        if sch.block_dim == 2:
+            e = e.repeat_interleave(bs, dim=0)[:r]
+        return q * e
+    return q * s.to(torch.float64).expand(r, k)
+
+
+def apply_epilogue(acc: torch.Tensor, *, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """Epilogue shared by all backends' references: (+bias) -> pre; GELU (erf form) -> y; out += y if accumulate.
+
+    Returns ``(y, pre)``; ``pre`` is the pre-GELU value in ``out_dtype`` (None without GELU).
+    """
+    y = acc
+    if bias is not None:
+        y = y + bias.to(acc.dtype)
+    pre = None
+    if gelu:
+        pre = y.to(out_dtype)
+        y = torch.nn.functional.gelu(y)
+    if accumulate:
+        out.add_(y.to(out.dtype))
+        return out, pre
+    y = y.to(out_dtype)
+    if out is not None:
+        out.copy_(y)
+        return out, pre
+    return y, pre
+
+
+def scaled_mm_reference(a: QuantizedTensor, b: QuantizedTensor, *, a_copy="rowwise", b_copy="rowwise", out_dtype=torch.float32,
+                        bias=None, gelu=False, accumulate=False, out=None):
+    """float64-exact ``A · Bᵀ`` with the epilogue; see :func:`lowbit.gemm.scaled_mm`. Returns ``(y, pre_gelu)``."""
+    A = dequantize_exact(a, a_copy)
+    B = dequantize_exact(b, b_copy)
+    acc = A @ B.t()
+    return apply_epilogue(acc, out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)

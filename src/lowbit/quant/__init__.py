@@ -1,0 +1,105 @@
+"""Quantization: schemes, QuantizedTensor, and the one public entry :func:`quantize`.
+
+``quantize`` dispatches to a registered fast kernel where one exists for the device and scheme,
+and to the pure-torch reference (:mod:`lowbit.quant.reference`, the spec) everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import reference
+from .reference import quantize_qk_int8, quantize_reference, quantize_v_fp8
+from .scaling import AmaxHistory
+from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
+from .tensor import QuantizedCopy, QuantizedTensor
+
+__all__ = [
+    "quantize",
+    "quantize_reference",
+    "quantize_qk_int8",
+    "quantize_v_fp8",
+    "QuantizedTensor",
+    "QuantizedCopy",
+    "AmaxHistory",
+    "Float8Tensorwise",
+    "Float8Rowwise",
+    "Float8Blockwise",
+    "MXFP8",
+    "NVFP4",
+    "register_backend",
+    "backend_for",
+    "BACKENDS",
+]
+
+# name -> (supports(x, scheme, rowwise, columnwise) -> bool, fn(x, scheme, *, rowwise, columnwise, scale, seed))
+# Registered in priority order; "reference" is always last and supports everything.
+BACKENDS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_backend(name: str, supports: Callable, fn: Callable) -> None:
+    """Register a fast quantization backend (e.g. Triton kernels). Earlier registrations win."""
+    BACKENDS[name] = (supports, fn)
+
+
+def _all_backends():
+    yield from BACKENDS.items()
+    yield "reference", (lambda *a: True, quantize_reference)
+
+
+def backend_for(x: torch.Tensor, scheme: Scheme, rowwise: bool = True, columnwise: bool = False) -> str:
+    """Name of the backend :func:`quantize` would run for these arguments."""
+    for name, (supports, _) in _all_backends():
+        if supports(x, scheme, rowwise, columnwise):
+            return name
+    return "reference"
+
+
+def quantize(
+    x: torch.Tensor,
+    scheme: Scheme,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    *,
+    scale: torch.Tensor | None = None,
+    seed: int | None = None,
+    backend: str | None = None,
+) -> QuantizedTensor:
+    """Quantize a high-precision tensor.
+
+    Args:
+        x: float32 / bfloat16 / float16 (/ float64) tensor of shape (..., K), any device. Viewed as a
+            2D matrix (M, K) with M = prod(leading dims).
+        scheme: a scheme from :mod:`lowbit.quant.schemes` (Float8Tensorwise, Float8Rowwise,
+            Float8Blockwise, MXFP8, NVFP4).
+        rowwise: produce the copy quantized along K (data (M, K)).
+        columnwise: produce the transposed copy quantized along M (data (K, M)); both copies from
+            one read of x where a fused kernel exists.
+        scale: Float8Tensorwise only: a given (delayed) float32 scale of one element; the amax is
+            still measured and stored for the next step's scale.
+        seed: Philox seed for stochastic rounding (NVFP4 with ``stochastic_rounding``); default: drawn
+            from torch's default generator.
+        backend: force a backend by name (``"reference"``, or a registered kernel backend such as
+            ``"triton"``); default: the fastest one that supports the request.
+
+    Returns:
+        :class:`QuantizedTensor` with the requested copies, their scales and amax. A non-finite amax
+        is flagged by ``has_nonfinite_amax``.
+    """
+    if backend is not None:
+        table = dict(_all_backends())
+        if backend not in table:
+            raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
+        supports, fn = table[backend]
+        if not supports(x, scheme, rowwise, columnwise):
+            raise NotImplementedError(
+                f"backend: {backend!r} does not support scheme {scheme!r} on {getattr(x, 'device', '?')} "
+                f"(rowwise={rowwise}, columnwise={columnwise}); use backend='reference' or None"
+            )
+        return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+    for name, (supports, fn) in _all_backends():
+        if supports(x, scheme, rowwise, columnwise):
+            return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+    raise AssertionError("unreachable: the reference supports everything")

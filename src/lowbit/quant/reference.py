@@ -1,0 +1,446 @@
+"""Reference quantizers: the specification in plain torch (DESIGN §3). Any device, any shape the scheme takes.
+
+Every GPU kernel is tested bit for bit against these functions, so each one spells out its
+operation order (where FP32 rounding could differ, the comment says which order is the rule).
+
+Conventions shared by all schemes:
+
+* A tensor of shape (..., K) is viewed as a 2D matrix (M, K), M = prod(leading dims). The rowwise
+  copy quantizes that matrix along K; the columnwise copy quantizes its transpose (K, M) along M.
+* ``scale`` multiplies x on the way in; ``scale_inv = 1 / scale`` is stored, so x ≈ q · scale_inv.
+* A scaling group whose amax is 0 gets scale 1 (and dequantizes to exact zeros).
+* A non-finite amax is never hidden: it is stored in the copy's ``amax`` and flagged by
+  :attr:`QuantizedTensor.has_nonfinite_amax`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import (
+    E4M3,
+    FP32_MAX,
+    FloatFormat,
+    cast_to_format,
+    e8m0_encode,
+    pack_e2m1,
+    quantize_int8_symmetric,
+)
+from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
+from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to, scale_storage
+
+__all__ = [
+    "quantize_reference",
+    "compute_scale",
+    "amax_of",
+    "rht_matrix",
+    "hadamard_16",
+    "QKInt8",
+    "quantize_qk_int8",
+    "quantize_v_fp8",
+    "LOG2E",
+]
+
+LOG2E = 1.4426950408889634
+
+
+# ------------------------------------------------------------------------------------------------
+# scale math
+# ------------------------------------------------------------------------------------------------
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """float32 (1,) max |x|; NaN if any element is NaN (torch.amax propagates NaN)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32).reshape(1)
+
+
+def compute_scale(amax: torch.Tensor, fmax: float, *, pow2: bool = False, eps: float = 0.0) -> torch.Tensor:
+    """scale = fmax / max(amax, eps) in float32, with the rules every quantizer shares.
+
+    * amax == 0 (after eps) -> 1;  scale that overflows (tiny amax) -> FP32 max;
+    * ``pow2``: round the scale *down* to a power of two (zero its mantissa), so amax · scale ≤ fmax;
+    * non-finite amax -> NaN scale for NaN amax, 0-free: Inf amax gives scale 0, which the caller's
+      sentry reports (the amax is stored).
+    """
+    a = amax.to(torch.float32)
+    if eps > 0:
+        a = torch.clamp(a, min=eps)  # NaN stays NaN
+    s = torch.tensor(fmax, dtype=torch.float32, device=a.device) / a
+    s = torch.where(a == 0, torch.ones_like(s), s)
+    s = torch.where(torch.isinf(s), torch.full_like(s, FP32_MAX), s)
+    if pow2:
+        m, e = torch.frexp(s)  # s = m·2**e, m in [0.5, 1)
+        p = torch.ldexp(torch.ones_like(s), (e - 1).to(torch.float32))
+        s = torch.where(torch.isfinite(s) & (s > 0), p, s)
+    return s
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _block_amax_1d(x2: torch.Tensor, bs: int) -> torch.Tensor:
+    """(rows, ceil(cols/bs)) amax of 1 x bs segments; a ragged last segment covers what is left."""
+    r, k = x2.shape
+    kp = pad_to(k, bs)
+    xp = torch.nn.functional.pad(x2.abs().float(), (0, kp - k))
+    return xp.reshape(r, kp // bs, bs).amax(dim=-1)
+
+
+def _block_amax_2d(x2: torch.Tensor, bs: int) -> torch.Tensor:
+    """(ceil(rows/bs), ceil(cols/bs)) amax of bs x bs tiles; ragged edge tiles cover what is left."""
+    r, k = x2.shape
+    rp, kp = pad_to(r, bs), pad_to(k, bs)
+    xp = torch.nn.functional.pad(x2.abs().float(), (0, kp - k, 0, rp - r))
+    return xp.reshape(rp // bs, bs, kp // bs, bs).amax(dim=(1, 3))
+
+
+def _expand(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
+    return s.repeat_interleave(bs_r, dim=0)[:r].repeat_interleave(bs_k, dim=1)[:, :k]
+
+
+# ------------------------------------------------------------------------------------------------
+# Random Hadamard Transform
+# ------------------------------------------------------------------------------------------------
+def hadamard_16(device=None) -> torch.Tensor:
+    """The 16x16 Sylvester Hadamard matrix (entries ±1), float32."""
+    h = torch.ones(1, 1)
+    for _ in range(4):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(device=device, dtype=torch.float32)
+
+
+def rht_matrix(signs: int, device=None) -> torch.Tensor:
+    """R = diag(s) · H / 4 (16x16, float32, orthogonal: R·Rᵀ = I); a 16-vector v (row) transforms as v · R.
+
+    ``signs``: 16-bit mask, bit i set -> s_i = -1.
+    """
+    s = torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32)
+    return (s[:, None] * hadamard_16() / 4.0).to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# per-scheme copy quantizers: each takes the 2D matrix to quantize along its last dim
+# ------------------------------------------------------------------------------------------------
+def _copy_tensorwise(x2, fmt: FloatFormat, scale: torch.Tensor | None):
+    amax = amax_of(x2)
+    s = compute_scale(amax, fmt.max) if scale is None else scale.to(torch.float32).reshape(1)
+    data = cast_to_format(x2.float() * s, fmt)
+    return QuantizedCopy(data=data, scale_inv=(1.0 / s).reshape(1), amax=amax)
+
+
+def _copy_rowwise(x2, sch: Float8Rowwise):
+    fmt = sch.format
+    r = x2.shape[0]
+    row_amax = x2.abs().float().amax(dim=1, keepdim=True) if x2.shape[1] else torch.zeros(r, 1, device=x2.device)
+    s = compute_scale(row_amax, fmt.max, pow2=sch.pow2)
+    data = cast_to_format(x2.float() * s, fmt)
+    return QuantizedCopy(data=data, scale_inv=1.0 / s, amax=amax_of(x2))
+
+
+def _copy_blockwise(x2, sch: Float8Blockwise):
+    fmt, bs = sch.format, sch.block_size
+    r, k = x2.shape
+    if sch.block_dim == 1:
+        bamax = _block_amax_1d(x2, bs)
+        s = compute_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
+        se = _expand(s, r, k, 1, bs)
+    else:
+        bamax = _block_amax_2d(x2, bs)
+        s = compute_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
+        se = _expand(s, r, k, bs, bs)
+    data = cast_to_format(x2.float() * se, fmt)
+    return QuantizedCopy(data=data, scale_inv=scale_storage(sch, 1.0 / s), amax=amax_of(x2))
+
+
+def _copy_mxfp8(x2, sch: MXFP8):
+    fmt = sch.format
+    r, k = x2.shape
+    bamax = _block_amax_1d(x2, 32)
+    # X = floor(log2(amax)) - emax, from the exponent bits (frexp) so no log2 rounding can move it.
+    _, e = torch.frexp(bamax)
+    X = (e.to(torch.int32) - 1) - fmt.emax
+    X = torch.where(bamax == 0, torch.zeros_like(X), X)
+    X = torch.clamp(X, -127, 127)
+    code = e8m0_encode(X)
+    code = torch.where(torch.isnan(bamax), torch.full_like(code, 255), code)
+    Xe = X.repeat_interleave(32, dim=1)[:, :k].to(torch.float32)
+    data = cast_to_format(torch.ldexp(x2.float(), -Xe), fmt)  # x / 2**X, exact
+    return QuantizedCopy(data=data, scale_inv=code, amax=amax_of(x2))
+
+
+def _nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    S = torch.tensor(448.0 * 6.0, dtype=torch.float32, device=amax.device) / amax
+    S = torch.where(amax == 0, torch.ones_like(S), S)
+    return torch.where(torch.isinf(S), torch.full_like(S, FP32_MAX), S)
+
+
+def _copy_nvfp4(x2, sch: NVFP4, *, rht: bool, seed: int, index_base: int):
+    r, k = x2.shape
+    xf = x2.float()
+    if rht:
+        R = rht_matrix(sch.rht_signs, device=x2.device)
+        xf = (xf.reshape(r, k // 16, 16) @ R).reshape(r, k)
+    amax = amax_of(xf)
+    S = _nvfp4_global_scale(amax)
+    bamax = _block_amax_2d(xf, 16) if sch.two_d else _block_amax_1d(xf, 16)
+    # d = e4m3(clamp(amax_block · (S / 6), 448)): S/6 first, then the product (the kernels use this order).
+    d = cast_to_format(torch.clamp(bamax * (S / 6.0), max=448.0), E4M3)
+    df = d.to(torch.float32)
+    enc = 1.0 / (df / S)
+    enc = torch.where(torch.isinf(enc), torch.full_like(enc, FP32_MAX), enc)
+    enc_e = _expand(enc, r, k, 16 if sch.two_d else 1, 16)
+    v = torch.clamp(xf * enc_e, -6.0, 6.0)
+    rounding = {}
+    if sch.stochastic_rounding:
+        idx = index_base + torch.arange(r * k, device=x2.device, dtype=torch.int64).reshape(r, k)
+        rounding = dict(stochastic=True, seed=seed, index=idx)
+    codes = cast_to_format(v, "e2m1", **rounding)
+    return QuantizedCopy(data=pack_e2m1(codes), scale_inv=d, amax=amax, global_scale=S, rht=rht)
+
+
+# ------------------------------------------------------------------------------------------------
+# validation and the entry point
+# ------------------------------------------------------------------------------------------------
+def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, scale):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.is_complex() or not x.is_floating_point():
+        raise TypeError(f"x: quantizers take float32, bfloat16, float16 or float64 tensors, got {x.dtype}")
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        raise TypeError(f"x: already an FP8 tensor ({x.dtype}); quantize the high-precision tensor instead")
+    if x.dim() == 0:
+        raise ValueError(f"x: expected at least 1 dim, got a 0-dim tensor (shape {tuple(x.shape)})")
+    if x.numel() == 0:
+        raise ValueError(f"x: cannot quantize an empty tensor (shape {tuple(x.shape)})")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise/columnwise: at least one copy must be requested, got rowwise=False, columnwise=False")
+    if not isinstance(scheme, (Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4)):
+        raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+    if scale is not None:
+        if not isinstance(scheme, Float8Tensorwise):
+            raise ValueError(f"scale: a given (delayed) scale only applies to Float8Tensorwise, got scheme {scheme!r}")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            raise ValueError(f"scale: expected a float32 tensor with one element, got {scale!r}")
+        if scale.device != x.device:
+            raise ValueError(f"scale: must be on the same device as x ({x.device}), got {scale.device}")
+    M = x.numel() // x.shape[-1]
+    K = x.shape[-1]
+    if isinstance(scheme, MXFP8):
+        if rowwise and K % 32:
+            raise ValueError(f"x: MXFP8 rowwise needs the last dim divisible by 32, got shape {tuple(x.shape)} (last dim {K})")
+        if columnwise and M % 32:
+            raise ValueError(
+                f"x: MXFP8 columnwise needs the product of the leading dims divisible by 32, got shape {tuple(x.shape)} (rows {M})"
+            )
+    if isinstance(scheme, NVFP4):
+        if K % 16:
+            raise ValueError(f"x: NVFP4 needs the last dim divisible by 16, got shape {tuple(x.shape)} (last dim {K})")
+        if (columnwise or scheme.two_d) and M % 16:
+            raise ValueError(
+                f"x: NVFP4 {'16x16 tiles' if scheme.two_d else 'columnwise'} need the product of the leading dims "
+                f"divisible by 16, got shape {tuple(x.shape)} (rows {M})"
+            )
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    scheme: Scheme,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    scale: torch.Tensor | None = None,
+    seed: int | None = None,
+) -> QuantizedTensor:
+    """Quantize ``x`` with ``scheme`` in plain torch. See :func:`lowbit.quantize` for the arguments."""
+    _validate(x, scheme, rowwise, columnwise, scale)
+    x2 = _as_2d(x.detach())
+    qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
+    if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
+        # Drawn from torch's default generator, so torch.manual_seed makes the run reproducible.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    qt.meta["seed"] = seed
+
+    if isinstance(scheme, Float8Tensorwise):
+        row = _copy_tensorwise(x2, scheme.format, scale)
+        qt.rowwise = row if rowwise else None
+        if columnwise:  # same scale, transposed data: one scale per tensor commutes with the transpose
+            qt.columnwise = QuantizedCopy(data=row.data.t().contiguous(), scale_inv=row.scale_inv.clone(), amax=row.amax.clone())
+        return qt
+    if isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2 or isinstance(scheme, NVFP4) and scheme.two_d:
+        # Square tiles are symmetric under transpose: the columnwise copy is the transposed data and scale grid.
+        row = _copy_blockwise(x2, scheme) if isinstance(scheme, Float8Blockwise) else _copy_nvfp4(x2, scheme, rht=False, seed=seed or 0, index_base=0)
+        qt.rowwise = row if rowwise else None
+        if columnwise:
+            if isinstance(scheme, NVFP4):
+                from ..formats import unpack_e2m1
+
+                cdata = pack_e2m1(unpack_e2m1(row.data).t().contiguous())
+                cscale = row.scale_inv.t().contiguous()
+            else:
+                cdata = row.data.t().contiguous()
+                r, k = x2.shape
+                cb = cdiv(r, scheme.block_size)
+                logical = row.scale_inv[:, : cdiv(k, scheme.block_size)]
+                cscale = scale_storage(scheme, logical.t().contiguous())
+                assert cscale.shape[0] == cdiv(k, scheme.block_size) and cscale.shape[1] >= cb
+            qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(), global_scale=row.global_scale)
+        return qt
+
+    def one(m2, which):
+        if isinstance(scheme, Float8Rowwise):
+            return _copy_rowwise(m2, scheme)
+        if isinstance(scheme, Float8Blockwise):
+            return _copy_blockwise(m2, scheme)
+        if isinstance(scheme, MXFP8):
+            return _copy_mxfp8(m2, scheme)
+        # NVFP4 1x16: disjoint Philox counters for the two copies (rowwise 0..n-1, columnwise n..2n-1)
+        col = which == "columnwise"
+        return _copy_nvfp4(m2, scheme, rht=col and scheme.rht, seed=seed or 0, index_base=m2.numel() if col else 0)
+
+    if rowwise:
+        qt.rowwise = one(x2, "rowwise")
+    if columnwise:
+        qt.columnwise = one(x2.t(), "columnwise")
+    return qt
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: INT8 Q/K (SageAttention conventions) and per-channel FP8 V
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class QKInt8:
+    """Result of :func:`quantize_qk_int8`.
+
+    Attributes:
+        q: int8, same shape and layout as the input q (q · softmax_scale · log2(e), quantized).
+        k: int8, same shape and layout as the input k (after subtracting ``k_mean`` when smoothing).
+        q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
+        k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
+        k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
+        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2 units.
+        granularity, block_q, block_k, warp_q: the settings used.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    k_mean: torch.Tensor | None
+    softmax_scale: float
+    granularity: str = "per_block"
+    block_q: int = 128
+    block_k: int = 64
+    warp_q: int = 32
+
+
+def _to_bhsd(t: torch.Tensor, layout: str, name: str) -> torch.Tensor:
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+    if layout == "bhsd":
+        return t
+    if layout == "bshd":
+        return t.transpose(1, 2)
+    raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def _from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "bhsd" else t.transpose(1, 2).contiguous()
+
+
+def _group_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize (B, H, S, D) float32 to int8 with one scale per ``group`` consecutive rows of S."""
+    B, H, S, D = x.shape
+    n = cdiv(S, group)
+    xp = torch.nn.functional.pad(x, (0, 0, 0, n * group - S))
+    amax = xp.abs().reshape(B, H, n, group * D).amax(dim=-1)
+    scale = amax / 127.0  # fp32 true division (kernels: amax / 127.0)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    se = scale.repeat_interleave(group, dim=2)[:, :, :S, None]
+    return quantize_int8_symmetric(x, se), scale
+
+
+def quantize_qk_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    granularity: str = "per_block",
+    smooth_k: bool = True,
+    block_q: int = 128,
+    block_k: int = 64,
+    warp_q: int = 32,
+    softmax_scale: float | None = None,
+    layout: str = "bhsd",
+) -> QKInt8:
+    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3).
+
+    Args:
+        q: (B, Hq, Sq, D) for ``layout="bhsd"`` or (B, Sq, Hq, D) for ``"bshd"``; float16/bfloat16/float32.
+        k: (B, Hkv, Sk, D) / (B, Sk, Hkv, D); Hq must be divisible by Hkv.
+        granularity: ``"per_block"`` (one scale per ``block_q`` query rows) or ``"per_warp"`` (one per ``warp_q`` rows).
+        smooth_k: subtract the per-(b, h, channel) mean of K over the sequence before quantizing
+            (softmax is unchanged; the LSE shifts by q·k_mean·softmax_scale).
+        softmax_scale: default 1/sqrt(D). Q is multiplied by ``softmax_scale · log2(e)`` (float32) first.
+
+    Scales are amax / 127 over the group (amax = 0 -> 1); INT8 rounds half away from zero.
+    """
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a float16/bfloat16/float32 tensor, got {getattr(t, 'dtype', type(t))}")
+    qb, kb = _to_bhsd(q, layout, "q"), _to_bhsd(k, layout, "k")
+    B, Hq, Sq, D = qb.shape
+    if kb.shape[0] != B or kb.shape[3] != D:
+        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} (layout {layout})")
+    Hkv = kb.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, got {Hkv}")
+    if granularity not in ("per_block", "per_warp"):
+        raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
+    if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):
+        raise ValueError(f"warp_q: must divide block_q ({block_q}), got {warp_q}")
+    sm = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    qs = qb.float() * torch.tensor(sm * LOG2E, dtype=torch.float32)
+    kf = kb.float()
+    k_mean = None
+    if smooth_k:
+        k_mean = kf.mean(dim=2, keepdim=True)
+        kf = kf - k_mean
+    if granularity == "per_block":
+        q8, q_scale = _group_int8(qs, block_q)
+    else:
+        q8, q_scale = _group_int8(qs, warp_q)
+        # pad to whole query blocks, as SageAttention's scale shape (ceil(Sq/BLKQ) · BLKQ/WARPQ) has
+        want = cdiv(Sq, block_q) * (block_q // warp_q)
+        q_scale = torch.nn.functional.pad(q_scale, (0, want - q_scale.shape[-1]), value=1.0)
+    k8, k_scale = _group_int8(kf, block_k)
+    return QKInt8(
+        q=_from_bhsd(q8, layout),
+        k=_from_bhsd(k8, layout),
+        q_scale=q_scale.contiguous(),
+        k_scale=k_scale.contiguous(),
+        k_mean=k_mean,
+        softmax_scale=sm,
+        granularity=granularity,
+        block_q=block_q,
+        block_k=block_k,
+        warp_q=warp_q,
+    )
+
+
+def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(batch, head, channel) FP8 E4M3 quantization of V.
+
+    Returns ``(v_fp8, v_scale)``: v_fp8 float8_e4m3fn in v's shape and layout; v_scale float32
+    (B, Hkv, D) = amax over the sequence / 448 (amax = 0 -> 1). v ≈ v_fp8 · v_scale.
+    """
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        raise TypeError(f"v: expected a float16/bfloat16/float32 tensor, got {getattr(v, 'dtype', type(v))}")
+    vb = _to_bhsd(v, layout, "v").float()
+    amax = vb.abs().amax(dim=2)
+    scale = amax / 448.0
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    data = cast_to_format(vb / scale[:, :, None, :], E4M3)
+    return _from_bhsd(data, layout), scale.contiguous()

@@ -1,0 +1,151 @@
+"""Scaling schemes: frozen descriptions of *how* a tensor is quantized (DESIGN §3).
+
+A scheme says nothing about which tensor it is applied to; recipes (``lowbit.recipes``) map the
+tensor roles of a layer (input, weight, grad_output) to schemes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats import E2M1, E4M3, E5M2, FloatFormat, get_format
+
+__all__ = [
+    "Float8Tensorwise",
+    "Float8Rowwise",
+    "Float8Blockwise",
+    "MXFP8",
+    "NVFP4",
+    "Scheme",
+    "DEFAULT_RHT_SIGNS",
+]
+
+# The fixed ±1 diagonal of the Random Hadamard Transform (bit i set -> sign -1). Fixed so that two
+# runs (and the GPU kernel and this reference) agree; a recipe may seed another one.
+DEFAULT_RHT_SIGNS = 0b1011_0011_1000_1101
+
+
+def _fp8(fmt) -> FloatFormat:
+    f = get_format(fmt)
+    if f not in (E4M3, E5M2):
+        raise ValueError(f"fmt: an FP8 scheme takes 'e4m3' or 'e5m2', got {fmt!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class Float8Tensorwise:
+    """One FP32 scale for the whole tensor.
+
+    Current scaling by default (scale = fmax / amax of this tensor); pass ``scale=`` to
+    :func:`lowbit.quantize` for delayed scaling (the amax is still measured and returned).
+    """
+
+    fmt: str = "e4m3"
+    """FP8 element format: ``"e4m3"`` (forward tensors) or ``"e5m2"`` (gradients)."""
+
+    def __post_init__(self):
+        _fp8(self.fmt)
+
+    @property
+    def format(self) -> FloatFormat:
+        return get_format(self.fmt)
+
+
+@dataclass(frozen=True)
+class Float8Rowwise:
+    """One FP32 scale per row of each copy (per output channel for weights; cuBLAS "rowwise" scaling)."""
+
+    fmt: str = "e4m3"
+    """FP8 element format: ``"e4m3"`` or ``"e5m2"``."""
+    pow2: bool = False
+    """Round each scale down to a power of two."""
+
+    def __post_init__(self):
+        _fp8(self.fmt)
+
+    @property
+    def format(self) -> FloatFormat:
+        return get_format(self.fmt)
+
+
+@dataclass(frozen=True)
+class Float8Blockwise:
+    """DeepSeek-V3 style blockwise FP8: 1x128 row segments (``block_dim=1``) or 128x128 tiles (``block_dim=2``)."""
+
+    fmt: str = "e4m3"
+    """FP8 element format: ``"e4m3"`` or ``"e5m2"``."""
+    block_dim: int = 1
+    """1: one scale per 1 x ``block_size`` segment of a row; 2: one scale per ``block_size`` square tile."""
+    block_size: int = 128
+    """Block edge length (128 in DeepSeek-V3 and cuBLAS; other powers of two are allowed for experiments)."""
+    pow2: bool = True
+    """Round each scale *down* to a power of two, so amax·scale ≤ fmax still holds and scaling is exact."""
+    eps: float = 0.0
+    """Lower bound on a block's amax before the scale is computed (0: an all-zero block gets scale 1)."""
+
+    def __post_init__(self):
+        _fp8(self.fmt)
+        if self.block_dim not in (1, 2):
+            raise ValueError(f"block_dim: must be 1 (1x{self.block_size}) or 2 ({self.block_size}x{self.block_size}), got {self.block_dim!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two >= 16, got {self.block_size!r}")
+        if not (self.eps >= 0.0):
+            raise ValueError(f"eps: must be >= 0, got {self.eps!r}")
+
+    @property
+    def format(self) -> FloatFormat:
+        return get_format(self.fmt)
+
+
+@dataclass(frozen=True)
+class MXFP8:
+    """OCP MX v1.0 FP8: 1x32 blocks along the last dim of each copy, E8M0 (power-of-two) scales."""
+
+    fmt: str = "e4m3"
+    """FP8 element format: ``"e4m3"`` or ``"e5m2"``."""
+    block_size: int = 32
+    """Elements per scale (32 in the OCP spec)."""
+
+    def __post_init__(self):
+        _fp8(self.fmt)
+        if self.block_size != 32:
+            raise ValueError(f"block_size: MXFP8 uses 32-element blocks, got {self.block_size!r}")
+
+    @property
+    def format(self) -> FloatFormat:
+        return get_format(self.fmt)
+
+
+@dataclass(frozen=True)
+class NVFP4:
+    """NVFP4: E2M1 elements, an E4M3 scale per 16 elements (1x16, or 16x16 tiles) and an FP32 global scale."""
+
+    two_d: bool = False
+    """Use 16x16 tiles (weights), so the columnwise copy is the exact transpose of the rowwise copy."""
+    rht: bool = False
+    """Apply the 16-point Random Hadamard Transform to the columnwise copy (the wgrad operand) before quantizing."""
+    stochastic_rounding: bool = False
+    """Round E2M1 elements stochastically (Philox, reproducible from the seed given to quantize())."""
+    rht_signs: int = DEFAULT_RHT_SIGNS
+    """16-bit mask of the RHT sign diagonal (bit i set -> -1)."""
+
+    def __post_init__(self):
+        if self.two_d and self.rht:
+            raise ValueError(
+                "rht: the Random Hadamard Transform applies to 1x16 blocks of the columnwise copy; "
+                "it cannot be combined with two_d=True (16x16 tiles, whose columnwise copy is the plain transpose)"
+            )
+        if not (0 <= int(self.rht_signs) < 1 << 16):
+            raise ValueError(f"rht_signs: must be a 16-bit mask, got {self.rht_signs!r}")
+
+    @property
+    def format(self) -> FloatFormat:
+        return E2M1
+
+    @property
+    def block_size(self) -> int:
+        """Elements per E4M3 block scale along each quantized dim (16)."""
+        return 16
+
+
+Scheme = Float8Tensorwise | Float8Rowwise | Float8Blockwise | MXFP8 | NVFP4

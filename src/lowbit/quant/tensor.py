@@ -1,0 +1,228 @@
+"""QuantizedTensor: a plain container for quantized data, its scales and its amax (DESIGN §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import E2M1, e2m1_decode, e8m0_decode, unpack_e2m1
+from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
+
+__all__ = ["QuantizedCopy", "QuantizedTensor", "pad_to", "scale_storage", "scale_logical"]
+
+
+def pad_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale layouts. Logical = (rows, blocks) of the 2D copy. Storage = what the fast GEMM consumes:
+#   tensorwise      (1,) fp32
+#   rowwise         (rows, 1) fp32
+#   1xB blockwise   (n_blocks, pad4(rows)) fp32, "outer-dim-major": the GEMM reads
+#                   storage[:, :rows].t() -> shape (rows, n_blocks), strides (1, pad4(rows))
+#   BxB blockwise   (row_blocks, pad4(col_blocks)) fp32, row-major
+#   MXFP8           (rows, cols/32) uint8 E8M0
+#   NVFP4           (rows, cols/16) (1x16) or (rows/16, cols/16) (16x16) float8_e4m3fn
+# ------------------------------------------------------------------------------------------------
+def scale_storage(scheme: Scheme, logical: torch.Tensor) -> torch.Tensor:
+    """Convert a logical (rows, blocks) scale grid to the storage layout of ``scheme`` (once, at quantization)."""
+    if isinstance(scheme, Float8Tensorwise):
+        return logical.reshape(1).contiguous()
+    if isinstance(scheme, Float8Blockwise):
+        r, b = logical.shape
+        if scheme.block_dim == 1:
+            out = torch.zeros(b, pad_to(r, 4), dtype=logical.dtype, device=logical.device)
+            out[:, :r] = logical.t()
+            return out
+        out = torch.zeros(r, pad_to(b, 4), dtype=logical.dtype, device=logical.device)
+        out[:, :b] = logical
+        return out
+    return logical.contiguous()
+
+
+def scale_logical(scheme: Scheme, storage: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`scale_storage` for a copy whose 2D data is (rows, cols) (logical columns)."""
+    if isinstance(scheme, Float8Tensorwise):
+        return storage.reshape(1, 1)
+    if isinstance(scheme, Float8Blockwise):
+        bs = scheme.block_size
+        if scheme.block_dim == 1:
+            return storage[:, :rows].t()
+        return storage[:, : cdiv(cols, bs)]
+    return storage
+
+
+@dataclass
+class QuantizedCopy:
+    """One copy (rowwise or columnwise) of a quantized tensor, as a 2D matrix.
+
+    Attributes:
+        data: the quantized elements, shape (rows, cols), last dim contiguous: ``float8_e4m3fn`` /
+            ``float8_e5m2``, or ``uint8`` holding two E2M1 codes per byte (shape (rows, cols/2)).
+            For the rowwise copy rows = prod(leading dims), cols = last dim; the columnwise copy is
+            the transpose (rows = last dim).
+        scale_inv: dequantization scales (x ≈ q · scale_inv) in the storage layout of the scheme
+            (see :func:`scale_storage`); for NVFP4 the E4M3 block scales ``d`` (x ≈ q · d / global_scale).
+        amax: float32 (1,), max |x| over what this copy quantized (after the RHT where it applies).
+        global_scale: NVFP4 only: float32 (1,), S = 448·6 / amax.
+        rht: whether the Random Hadamard Transform was applied before quantizing this copy.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor
+    global_scale: torch.Tensor | None = None
+    rht: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        n = self.data.numel() * self.data.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
+        if self.global_scale is not None:
+            n += self.global_scale.numel() * self.global_scale.element_size()
+        return n
+
+
+@dataclass
+class QuantizedTensor:
+    """A quantized tensor: logical shape, nominal dtype, scheme and up to two copies (DESIGN §4).
+
+    * ``rowwise``: data laid out with the original last dim contiguous (fprop: x and w; dgrad: dy).
+    * ``columnwise``: the transpose, contiguous along the original rows (dgrad: w; wgrad: dy and x).
+
+    Build one with :func:`lowbit.quantize`.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    scheme: Scheme
+    rowwise: QuantizedCopy | None = None
+    columnwise: QuantizedCopy | None = None
+    meta: dict = field(default_factory=dict)
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        """Rows of the rowwise 2D view (product of all leading dims)."""
+        n = 1
+        for s in self.shape[:-1]:
+            n *= s
+        return n
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.rowwise or self.columnwise).data.device
+
+    @property
+    def data_nbytes(self) -> int:
+        return sum(c.data.numel() * c.data.element_size() for c in self._copies())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: data plus scales (plus the NVFP4 global scales) of every copy present."""
+        return sum(c.nbytes for c in self._copies())
+
+    def _copies(self):
+        return [c for c in (self.rowwise, self.columnwise) if c is not None]
+
+    def _copy(self, which: str) -> QuantizedCopy:
+        if which not in ("rowwise", "columnwise"):
+            raise ValueError(f"which: expected 'rowwise' or 'columnwise', got {which!r}")
+        c = getattr(self, which)
+        if c is None:
+            raise ValueError(f"which: this QuantizedTensor has no {which} copy (quantize with {which}=True)")
+        return c
+
+    # -- amax / NaN sentry ----------------------------------------------------------------------
+    @property
+    def amax(self) -> torch.Tensor:
+        """float32 (1,): amax of the high-precision tensor (of the rowwise copy if present)."""
+        return (self.rowwise or self.columnwise).amax
+
+    @property
+    def has_nonfinite_amax(self) -> bool:
+        """True when an amax measured during quantization is NaN or ±Inf (the NaN sentry's flag). Syncs."""
+        return any(not bool(torch.isfinite(c.amax).all()) for c in self._copies())
+
+    # -- scales ---------------------------------------------------------------------------------
+    def logical_scales(self, which: str = "rowwise") -> torch.Tensor:
+        """The copy's scales in the plain (rows, blocks) layout, in their stored dtype.
+
+        fp32 ``scale_inv`` for FP8 schemes (tensorwise: (1, 1)); uint8 E8M0 bytes for MXFP8;
+        float8_e4m3fn block scales ``d`` for NVFP4 ((rows, cols/16) or (rows/16, cols/16) for 16x16 tiles).
+        """
+        c = self._copy(which)
+        r, k = (self.rows, self.cols) if which == "rowwise" else (self.cols, self.rows)
+        return scale_logical(self.scheme, c.scale_inv, r, k)
+
+    def expanded_scale_inv(self, which: str = "rowwise") -> torch.Tensor:
+        """float32 (rows, cols) dequantization multiplier per element of the 2D copy (for references)."""
+        c = self._copy(which)
+        r, k = (self.rows, self.cols) if which == "rowwise" else (self.cols, self.rows)
+        s = self.logical_scales(which)
+        sch = self.scheme
+        if isinstance(sch, Float8Tensorwise):
+            return s.expand(r, k).float()
+        if isinstance(sch, Float8Rowwise):
+            return s.expand(r, k).float()
+        if isinstance(sch, Float8Blockwise):
+            bs = sch.block_size
+            s = s.repeat_interleave(bs, dim=1)[:, :k]
+            if sch.block_dim == 2:
+                s = s.repeat_interleave(bs, dim=0)[:r]
+            return s.float()
+        if isinstance(sch, MXFP8):
+            return e8m0_decode(s).repeat_interleave(sch.block_size, dim=1)[:, :k]
+        if isinstance(sch, NVFP4):
+            d = s.float().repeat_interleave(16, dim=1)[:, :k]
+            if sch.two_d:
+                d = d.repeat_interleave(16, dim=0)[:r]
+            return d / c.global_scale
+        raise TypeError(f"unknown scheme {sch!r}")
+
+    # -- dequantize -----------------------------------------------------------------------------
+    def elements(self, which: str = "rowwise") -> torch.Tensor:
+        """float32 (rows, cols) element values of a copy before scaling (E2M1 codes decoded)."""
+        c = self._copy(which)
+        if isinstance(self.scheme, NVFP4):
+            return e2m1_decode(unpack_e2m1(c.data))
+        return c.data.to(torch.float32)
+
+    def dequantize(self, which: str | None = None, *, dtype: torch.dtype | None = None, undo_rht: bool = True) -> torch.Tensor:
+        """High-precision tensor of the logical shape: element · scale_inv (NVFP4: q · d / S).
+
+        ``which`` picks the copy (default: rowwise if present). A columnwise copy quantized after the
+        Random Hadamard Transform is transformed back (``undo_rht=True``) so both copies approximate x.
+        """
+        which = which or ("rowwise" if self.rowwise is not None else "columnwise")
+        c = self._copy(which)
+        q = self.elements(which)
+        if isinstance(self.scheme, NVFP4):
+            r, k = q.shape
+            d = self.logical_scales(which).float().repeat_interleave(16, dim=1)[:, :k]
+            if self.scheme.two_d:
+                d = d.repeat_interleave(16, dim=0)[:r]
+            x = (q * d) / c.global_scale  # q·d is exact (E2M1 × E4M3); one rounding in the division
+            if c.rht and undo_rht:
+                from .reference import rht_matrix  # local: reference imports this module
+
+                R = rht_matrix(self.scheme.rht_signs, device=x.device)
+                x = (x.reshape(r, k // 16, 16) @ R.t()).reshape(r, k)
+        else:
+            x = q * self.expanded_scale_inv(which)
+        if which == "columnwise":
+            x = x.t()
+        return x.reshape(self.shape).to(dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        copies = "+".join(n for n in ("rowwise", "columnwise") if getattr(self, n) is not None)
+        return f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, scheme={self.scheme}, copies={copies}, nbytes={self.nbytes})"
