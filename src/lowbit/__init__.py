@@ -1,8 +1,13 @@
 """lowbit: low-precision (FP8, NVFP4, INT8) training and inference for transformers on NVIDIA Hopper.
 
-Public surface: number formats (:mod:`lowbit.formats`), :func:`quantize` and the schemes,
-:class:`QuantizedTensor`. Recipes, autocast, modules, ``scaled_mm`` and attention join as they land.
+Public surface: number formats (:mod:`lowbit.formats`), :func:`quantize` and the scaling schemes,
+:class:`QuantizedTensor`, :func:`scaled_mm`, recipes and :func:`autocast`, the drop-in modules in
+:mod:`lowbit.nn` and :func:`convert`, and quantized :func:`attention`. Higher layers are imported
+lazily so ``import lowbit`` stays cheap and the data flow stays one-way
+(formats -> quant -> gemm/attention -> nn -> models/train).
 """
+
+import importlib
 
 from . import formats
 from .quant import (
@@ -18,6 +23,28 @@ from .quant import (
 
 __version__ = "0.1.0"
 
+# attribute -> (module, name in module); resolved on first access
+_LAZY = {
+    "scaled_mm": ("lowbit.gemm", "scaled_mm"),
+    "gemm": ("lowbit.gemm", None),
+    "recipes": ("lowbit.recipes", None),
+    "autocast": ("lowbit.nn", "autocast"),
+    "convert": ("lowbit.nn", "convert"),
+    "nn": ("lowbit.nn", None),
+    "attention": ("lowbit.attention", "attention"),
+    "attention_qk_int8": ("lowbit.attention", "attention_qk_int8"),
+    "models": ("lowbit.models", None),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        m = importlib.import_module(mod)
+        return m if attr is None else getattr(m, attr)
+    raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
+
 __all__ = [
     "formats",
     "quantize",
@@ -29,4 +56,5 @@ __all__ = [
     "MXFP8",
     "NVFP4",
     "__version__",
+    *_LAZY,
 ]

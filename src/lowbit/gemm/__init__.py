@@ -133,3 +133,17 @@ def scaled_mm(
         fn = table[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
     y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
     return (y, pre) if return_pre_gelu else y
+
+
+def _load_fast_backends() -> None:
+    """Import the GEMM backends (cuBLAS through torch, Triton), which register what they support."""
+    import importlib.util
+
+    for mod in ("lowbit.gemm.cublas", "lowbit.gemm.triton_backend"):
+        if mod.endswith("triton_backend") and importlib.util.find_spec("triton") is None:
+            continue
+        if importlib.util.find_spec(mod) is not None:
+            importlib.import_module(mod)
+
+
+_load_fast_backends()

@@ -103,3 +103,20 @@ def quantize(
         if supports(x, scheme, rowwise, columnwise):
             return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
     raise AssertionError("unreachable: the reference supports everything")
+
+
+def _load_fast_backends() -> None:
+    """Import the kernel backends, which call :func:`register_backend` for what they support.
+
+    Only where Triton is installed; a kernel module that fails to import for another reason is a bug
+    and raises.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    if importlib.util.find_spec("lowbit.quant.triton_backend") is not None:
+        importlib.import_module("lowbit.quant.triton_backend")
+
+
+_load_fast_backends()
