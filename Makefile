@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - the main job on its embedded default (creates .venv and installs what it needs)
+#   make test   - the test suite (CPU tests always; GPU tests where CUDA is present)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.lowbit-installed
+
+.PHONY: demo test gpu-check info clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "CUDA GPU found: installing torch with CUDA"; $(PY) -m pip install -q "torch>=2.11"; \
+	else \
+	    echo "no CUDA GPU: installing the CPU build of torch"; \
+	    $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"; \
+	fi
+	@$(PY) -m pip install -q -e ".[gpu,train,test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lowbit demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 -W ignore::RuntimeWarning
+
+info: $(STAMP)
+	$(VENV)/bin/lowbit info
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) report .pytest_cache
