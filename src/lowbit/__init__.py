@@ -56,5 +56,8 @@ __all__ = [
     "MXFP8",
     "NVFP4",
     "__version__",
-    *_LAZY,
-]
+]  # the lazy names (scaled_mm, autocast, ...) are left out so `import *` stays cheap
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
