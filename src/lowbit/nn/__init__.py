@@ -1,0 +1,47 @@
+"""lowbit.nn: autocast, the quantized drop-in modules, convert() and the NaN sentry (DESIGN §6).
+
+* :func:`autocast` — the recipe context (nested, exception safe; amax reduction and delayed-scaling
+  update at the outermost exit).
+* :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP` — fprop, dgrad and wgrad quantized
+  per the recipe inside autocast; bit-identical to their torch counterparts outside.
+* :func:`convert` — swap a model's ``nn.Linear`` layers in place.
+* :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
+"""
+
+from .state import (
+    AutocastState,
+    NonFiniteAmaxError,
+    NonFiniteEvent,
+    autocast,
+    check_recipe_support,
+    get_recipe,
+    get_state,
+    is_enabled,
+    nonfinite_events,
+)
+from .base import LowbitModule, name_modules
+from .convert import ConvertSummary, convert
+from .functional import quantized_linear
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear
+
+__all__ = [
+    "autocast",
+    "AutocastState",
+    "get_state",
+    "get_recipe",
+    "is_enabled",
+    "check_recipe_support",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "LowbitModule",
+    "name_modules",
+    "convert",
+    "ConvertSummary",
+    "quantized_linear",
+    "NonFiniteAmaxError",
+    "NonFiniteEvent",
+    "nonfinite_events",
+]

@@ -1,0 +1,264 @@
+"""The quantized linear op: fprop, dgrad and wgrad as quantized ``scaled_mm`` calls (DESIGN §4–§6).
+
+``y = x · wᵀ + b`` (optionally GELU'd) where, per the active recipe's roles:
+
+* fprop  ``y  = x · wᵀ``  : x rowwise,  w rowwise
+* dgrad  ``dx = dy · w``  : dy rowwise, w columnwise
+* wgrad  ``dw = dyᵀ · x`` : dy columnwise, x columnwise
+
+The forward saves only the *quantized* columnwise copy of x (and the weight's quantized copies),
+never a high-precision x. Per-layer state (delayed scaling, the cached quantized weight, the name the
+NaN sentry reports) lives in a :class:`GemmLayer` owned by the module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import scaled_mm
+from ..quant import quantize
+from ..quant.schemes import Float8Tensorwise
+from ..quant.tensor import QuantizedTensor
+from ..recipes import DelayedScaling, Recipe
+from . import state as _ac
+
+__all__ = ["GemmLayer", "quantized_linear", "check_microbatch_arg"]
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_microbatch_arg(is_first_microbatch) -> None:
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}")
+
+
+class GemmLayer:
+    """Per-GEMM state of a lowbit module (not an nn.Module; owned by one).
+
+    Attributes:
+        suffix: name of this GEMM inside its module (``""``, ``"fc1"``, ``"fc2"``).
+        delayed: :class:`~lowbit.nn.autocast.DelayedScalingState` once a DelayedScaling forward ran
+            (or a checkpoint with one was loaded).
+        wcache: ``(recipe, weight version, weight data_ptr, QuantizedTensor)`` of the last weight
+            quantized with ``is_first_microbatch=True``.
+    """
+
+    def __init__(self, owner, suffix: str = ""):
+        self._owner_ref = owner  # plain attribute: the module keeps GemmLayers in a dict, no cycle issue for GC
+        self.suffix = suffix
+        self.delayed: _ac.DelayedScalingState | None = None
+        self._loaded: dict | None = None  # delayed state loaded before a DelayedScaling forward built it
+        self.wcache = None
+
+    # -- naming ---------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        o = self._owner_ref
+        base = getattr(o, "lowbit_name", None)
+        if not base:
+            w = getattr(o, "weight", None) if not self.suffix else getattr(o, f"{self.suffix}_weight", None)
+            shape = f"{tuple(w.shape)}" if w is not None else "?"
+            base = f"<unnamed {type(o).__name__} weight {shape}; name it with lowbit.nn.name_modules(model)>"
+        return f"{base}.{self.suffix}" if self.suffix else base
+
+    # -- delayed scaling ------------------------------------------------------------------------
+    def delayed_state(self, recipe: DelayedScaling, device) -> _ac.DelayedScalingState:
+        st = self.delayed
+        if st is None or not st.compatible(recipe):
+            if st is not None and any(h.steps for h in st.histories.values()):
+                raise ValueError(
+                    f"recipe: layer {self.name!r} holds delayed-scaling state for {st.recipe} but the active recipe is {recipe}; "
+                    "amax_history_len, amax_compute_algo, margin and fp8_format must stay the same across steps"
+                )
+            st = _ac.DelayedScalingState(recipe, device=device)
+            if self._loaded is not None:
+                st.load_state_dict(self._loaded)
+                self._loaded = None
+            self.delayed = st
+        else:
+            st.retarget(recipe)
+        return st
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.delayed is not None:
+            return self.delayed.state_dict()
+        return dict(self._loaded or {})
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not sd:
+            return
+        if self.delayed is not None:
+            self.delayed.load_state_dict(sd)
+        else:
+            need = {f"{r}.{k}" for r in ("input", "weight", "grad_output") for k in ("history", "scale", "steps")}
+            if not need <= set(sd):
+                raise ValueError(f"state: lowbit extra state for layer {self.name!r} lacks {sorted(need - set(sd))}")
+            self._loaded = dict(sd)  # built into a DelayedScalingState by the next DelayedScaling forward
+
+    # -- quantization of one role ---------------------------------------------------------------
+    def quantize(self, t: torch.Tensor, role: str, recipe: Recipe, *, rowwise: bool, columnwise: bool,
+                 phase: str, policy: str) -> QuantizedTensor:
+        rq = recipe.role(role)
+        scale = None
+        st = None
+        if rq.delayed:
+            st = self.delayed_state(recipe, t.device)
+            scale = st.scale(role, t.device)
+        q = quantize(t, rq.scheme, rowwise=rowwise, columnwise=columnwise, scale=scale)
+        # every copy's amax (the RHT copy's is measured after the transform); NaN/Inf in any -> the sentry fires
+        amax = torch.cat([c.amax.reshape(1) for c in q._copies()])
+        _ac.sentry(amax, layer=self.name, role=role, phase=phase, policy=policy)
+        if st is not None:
+            st.observe(role, q.amax)
+        return q
+
+    def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool, policy: str) -> QuantizedTensor:
+        """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False)."""
+        if is_first_microbatch is False:
+            c = self.wcache
+            if c is None:
+                raise ValueError(
+                    f"is_first_microbatch: False needs a quantized weight cached by an earlier call with True in this step; "
+                    f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None to not cache)."
+                )
+            crecipe, version, ptr, q = c
+            if crecipe != recipe:
+                raise ValueError(
+                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe is {recipe}; "
+                    f"pass True when the recipe changes (layer {self.name!r})"
+                )
+            if version != w._version or ptr != w.data_ptr():
+                raise ValueError(
+                    f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since it was cached "
+                    "(optimizer step?); pass True on the first microbatch after each weight update"
+                )
+            if columnwise and q.columnwise is None:
+                raise ValueError(
+                    f"is_first_microbatch: the cached weight of layer {self.name!r} was quantized without gradients "
+                    "(no columnwise copy for dgrad); pass True under autograd first"
+                )
+            return q
+        cache = is_first_microbatch is True
+        q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache and torch.is_grad_enabled()),
+                          phase="forward", policy=policy)
+        self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+        return q
+
+
+def _check_dims(layer: GemmLayer, recipe: Recipe, x: torch.Tensor, w: torch.Tensor) -> None:
+    m = recipe.divisibility
+    if m == 1:
+        return
+    M = x.numel() // x.shape[-1]
+    N, K = w.shape
+    for what, v in (("tokens (product of the input's leading dims)", M), ("in_features", K), ("out_features", N)):
+        if v % m:
+            raise ValueError(
+                f"input: {type(recipe).__name__} needs every GEMM dim divisible by {m}; layer {layer.name!r} has "
+                f"{what} = {v} (input shape {tuple(x.shape)}, weight shape {tuple(w.shape)}). "
+                f"Pad the batch, or keep this layer in high precision (lowbit.convert(skip=...))"
+            )
+
+
+def _gelu_grad(pre: torch.Tensor) -> torch.Tensor:
+    """d/dz GELU(z) = Φ(z) + z·φ(z) (erf form), float32."""
+    z = pre.float()
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + z * pdf
+
+
+@dataclass
+class _Cfg:
+    layer: GemmLayer
+    recipe: Recipe
+    is_first_microbatch: bool | None
+    gelu: bool
+    policy: str
+    out_dtype: torch.dtype
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg: _Cfg):
+        layer, recipe = cfg.layer, cfg.recipe
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        need_dgrad = ctx.needs_input_grad[0]
+        need_wgrad = ctx.needs_input_grad[1]
+        qx = layer.quantize(x2, "input", recipe, rowwise=True, columnwise=need_wgrad, phase="forward", policy=cfg.policy)
+        qw = layer.quantized_weight(weight, recipe, cfg.is_first_microbatch, columnwise=need_dgrad, policy=cfg.policy)
+        b = None if bias is None else bias.detach()
+        y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
+        # Keep only what the backward reads: x's columnwise (wgrad) copy, the weight's columnwise (dgrad) copy.
+        ctx.qx = QuantizedTensor(qx.shape, qx.dtype, qx.scheme, rowwise=None, columnwise=qx.columnwise, meta=qx.meta) if need_wgrad else None
+        ctx.qw = qw if need_dgrad else None
+        ctx.cfg = cfg
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(pre if cfg.gelu else None)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg = ctx.cfg
+        layer, recipe = cfg.layer, cfg.recipe
+        (pre,) = ctx.saved_tensors
+        N = dy.shape[-1]
+        dy2 = dy.reshape(-1, N)
+        if cfg.gelu:
+            dy2 = (dy2.float() * _gelu_grad(pre)).to(dy.dtype)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = db = None
+        if need_dgrad or need_wgrad:
+            qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
+                                 phase="backward", policy=cfg.policy)
+            if need_dgrad:
+                dx = scaled_mm(qdy, ctx.qw, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            if need_wgrad:
+                dw = scaled_mm(qdy, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w_dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.bias_dtype)
+        ctx.qx = ctx.qw = None
+        return dx, dw, db, None
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
+                     is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None) -> torch.Tensor:
+    """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
+
+    Args:
+        x: (..., K) float32 / bfloat16 / float16 (under ``torch.autocast`` the autocast dtype is used for the output).
+        weight: (N, K) master weight (any float dtype the GEMM can output: float32 / bfloat16 / float16).
+        bias: (N,) or None.
+        layer: the module's :class:`GemmLayer` (name, delayed scaling, weight cache).
+        is_first_microbatch: None: quantize the weight now; True: quantize and cache it; False: use the cache.
+
+    Returns:
+        (..., N) in x's dtype (or the torch.autocast dtype).
+    """
+    st = state or _ac.get_state()
+    recipe = st.recipe
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"input: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type):
+        out_dtype = torch.get_autocast_dtype(x.device.type)
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
+    if weight.dtype not in _OUT_DTYPES:
+        raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
+    _check_dims(layer, recipe, x, weight)
+    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype)
+    return _QuantizedLinearFn.apply(x, weight, bias, cfg)
+
+
+def uses_tensorwise(recipe: Recipe) -> bool:
+    return isinstance(recipe.role("input").scheme, Float8Tensorwise)

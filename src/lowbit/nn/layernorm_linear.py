@@ -1,0 +1,91 @@
+"""``lowbit.nn.LayerNormLinear``: LayerNorm or RMSNorm followed by a quantized Linear."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import state as _ac
+from .base import LowbitModule
+from .functional import check_microbatch_arg, quantized_linear
+
+__all__ = ["LayerNormLinear", "check_norm_args", "apply_norm"]
+
+_NORMS = ("LayerNorm", "RMSNorm")
+
+
+def check_norm_args(normalization, eps) -> None:
+    if normalization not in _NORMS:
+        raise ValueError(f"normalization: expected one of {_NORMS}, got {normalization!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (eps > 0) or not math.isfinite(eps):
+        raise ValueError(f"eps: expected a finite float > 0, got {eps!r}")
+
+
+def apply_norm(x, normalization, shape, weight, bias, eps):
+    """Exactly ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``'s forward (high precision, autograd)."""
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, shape, weight, bias, eps)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+def _check_features(**kw):
+    for n, v in kw.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{n}: expected a positive int, got {v!r}")
+
+
+class LayerNormLinear(LowbitModule, torch.nn.Module):
+    """``y = Linear(Norm(x))``: the norm in high precision, the Linear's three GEMMs quantized in autocast.
+
+    Args:
+        in_features, out_features, bias: as ``torch.nn.Linear``.
+        normalization: ``"LayerNorm"`` (weight and bias) or ``"RMSNorm"`` (weight only).
+        eps: the norm's epsilon.
+        return_layernorm_output: also return the normalized input (for residual branches).
+        device, dtype: parameter placement.
+
+    Parameters: ``layer_norm_weight`` (in,) [ones], ``layer_norm_bias`` (in,) [zeros, LayerNorm only],
+    ``weight`` (out, in) and ``bias`` (out,) initialised as ``torch.nn.Linear``.
+
+    Outside autocast it equals ``nn.Sequential(nn.LayerNorm(in) | nn.RMSNorm(in), nn.Linear(in, out))``
+    bit for bit. Input (..., in) -> output (..., out) [and the norm output (..., in)].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
+                 eps: float = 1e-5, return_layernorm_output: bool = False, device=None, dtype=None):
+        super().__init__()
+        _check_features(in_features=in_features, out_features=out_features)
+        check_norm_args(normalization, eps)
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization, self.eps = normalization, float(eps)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        fk = dict(device=device, dtype=dtype)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(in_features, **fk))
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, **fk)) if normalization == "LayerNorm" else None
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
+        self.reset_parameters()
+        self._init_gemms("")
+
+    def reset_parameters(self) -> None:
+        """Norm: weight 1, bias 0; Linear: as ``torch.nn.Linear.reset_parameters``."""
+        torch.nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            torch.nn.init.zeros_(self.layer_norm_bias)
+        torch.nn.Linear.reset_parameters(self)  # uses self.weight / self.bias only
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None):
+        check_microbatch_arg(is_first_microbatch)
+        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        st = _ac.get_state()
+        if not st.enabled:
+            y = F.linear(ln, self.weight, self.bias)
+        else:
+            y = quantized_linear(ln, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
+        return (y, ln) if self.return_layernorm_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"normalization={self.normalization}, eps={self.eps}")

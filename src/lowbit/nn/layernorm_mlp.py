@@ -1,0 +1,98 @@
+"""``lowbit.nn.LayerNormMLP``: Norm -> fc1 -> GELU | SwiGLU -> fc2, both Linears quantized in autocast."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import state as _ac
+from .base import LowbitModule
+from .functional import check_microbatch_arg, quantized_linear
+from .layernorm_linear import _check_features, apply_norm, check_norm_args
+
+__all__ = ["LayerNormMLP"]
+
+_ACTS = ("gelu", "swiglu")
+
+
+def _linear_init(w, b):
+    """``torch.nn.Linear.reset_parameters`` for a (out, in) weight and (out,) bias."""
+    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    if b is not None:
+        bound = 1 / math.sqrt(w.shape[1]) if w.shape[1] > 0 else 0
+        torch.nn.init.uniform_(b, -bound, bound)
+
+
+class LayerNormMLP(LowbitModule, torch.nn.Module):
+    """``y = fc2(act(fc1(Norm(x))))`` with fc1 and fc2's fprop/dgrad/wgrad quantized inside autocast.
+
+    Args:
+        hidden_size: input and output features.
+        ffn_hidden_size: features between fc1 and fc2.
+        bias: fc1 and fc2 biases.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        activation: ``"gelu"`` (erf form, as ``torch.nn.GELU()``; fused into fc1's GEMM epilogue in
+            autocast) or ``"swiglu"`` (fc1 outputs 2·ffn features [a, b]; act = silu(a) · b).
+        eps: the norm's epsilon.
+        device, dtype: parameter placement.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
+    (ffn or 2·ffn, hidden), ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias``.
+
+    Outside autocast it equals Norm -> ``F.linear`` -> ``F.gelu`` (or silu(a)·b) -> ``F.linear`` bit
+    for bit. Input (..., hidden) -> output (..., hidden).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
+                 activation: str = "gelu", eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        _check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_norm_args(normalization, eps)
+        if activation not in _ACTS:
+            raise ValueError(f"activation: expected one of {_ACTS}, got {activation!r}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.normalization, self.activation, self.eps = normalization, activation, float(eps)
+        fk = dict(device=device, dtype=dtype)
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, **fk))
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **fk)) if normalization == "LayerNorm" else None
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **fk))
+        self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **fk)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **fk))
+        self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **fk)) if bias else None
+        self.reset_parameters()
+        self._init_gemms("fc1", "fc2")
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            torch.nn.init.zeros_(self.layer_norm_bias)
+        _linear_init(self.fc1_weight, self.fc1_bias)
+        _linear_init(self.fc2_weight, self.fc2_bias)
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        check_microbatch_arg(is_first_microbatch)
+        ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        st = _ac.get_state()
+        if not st.enabled:
+            h = F.linear(ln, self.fc1_weight, self.fc1_bias)
+            if self.activation == "gelu":
+                h = F.gelu(h)
+            else:
+                a, b = h.chunk(2, dim=-1)
+                h = F.silu(a) * b
+            return F.linear(h, self.fc2_weight, self.fc2_bias)
+        g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
+        if self.activation == "gelu":
+            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
+        else:
+            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b
+        return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, normalization={self.normalization}, "
+                f"activation={self.activation}, eps={self.eps}")

@@ -1,0 +1,388 @@
+"""Autocast state, delayed-scaling state and the NaN sentry (DESIGN §6).
+
+``with lowbit.autocast(recipe=...):`` sets the recipe lowbit modules quantize with. The state is
+process-global (like TransformerEngine's), saved and restored by every ``autocast`` so contexts nest;
+the backward of a module never reads it (each forward stores what its backward needs), so
+``loss.backward()`` may run outside the context, as usual.
+
+Delayed scaling: modules *observe* the amax of every tensor they quantize into their
+:class:`DelayedScalingState` (a pending max). At the **outermost** autocast exit the pending amaxes
+of every state that observed something — this step's forward and the previous backward — are
+all-reduced (MAX) across the amax reduction group in one collective, pushed to the histories once,
+and the scales recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .. import distributed
+from ..quant.scaling import AmaxHistory
+from ..recipes import DelayedScaling, Recipe
+
+__all__ = [
+    "autocast",
+    "AutocastState",
+    "get_state",
+    "is_enabled",
+    "get_recipe",
+    "depth",
+    "step",
+    "check_recipe_support",
+    "NonFiniteAmaxError",
+    "NonFiniteEvent",
+    "nonfinite_events",
+    "DelayedScalingState",
+]
+
+_ON_NONFINITE = ("raise", "skip")
+
+
+# ------------------------------------------------------------------------------------------------
+# state
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AutocastState:
+    """What lowbit modules read in their forward.
+
+    Attributes:
+        enabled: quantize (True) or compute in high precision like torch (False).
+        recipe: the active :class:`lowbit.recipes.Recipe` (None when disabled).
+        amax_reduction_group: process group for the delayed-scaling amax reduction (None: world).
+        on_nonfinite: ``"raise"`` (NonFiniteAmaxError) or ``"skip"`` (record a :class:`NonFiniteEvent`).
+        support: ``"native"``, ``"emulated"`` or ``"reference"`` (see :func:`check_recipe_support`).
+    """
+
+    enabled: bool = False
+    recipe: Recipe | None = None
+    amax_reduction_group: object = None
+    on_nonfinite: str = "raise"
+    support: str = "reference"
+
+
+_state = AutocastState()
+_depth = 0
+_step = 0  # number of outermost autocast exits so far (the "step" in NaN-sentry events)
+_lock = threading.Lock()
+_pending: dict[int, "DelayedScalingState"] = {}  # states with pending amaxes, in first-observation order
+_notices: set[str] = set()
+
+
+def get_state() -> AutocastState:
+    """The current autocast state (a frozen snapshot)."""
+    return _state
+
+
+def is_enabled() -> bool:
+    """True inside an enabled :func:`autocast`."""
+    return _state.enabled
+
+
+def get_recipe() -> Recipe | None:
+    """The active recipe, or None outside an enabled autocast."""
+    return _state.recipe if _state.enabled else None
+
+
+def depth() -> int:
+    """How many autocast contexts are open (0 outside)."""
+    return _depth
+
+
+def step() -> int:
+    """How many outermost autocast exits have happened in this process."""
+    return _step
+
+
+# ------------------------------------------------------------------------------------------------
+# device support
+# ------------------------------------------------------------------------------------------------
+_NATIVE_FROM = {"per_tensor": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0), "nvfp4": (10, 0)}
+
+
+def check_recipe_support(recipe: Recipe, device=None, *, allow_emulation: bool = True, capability=None) -> str:
+    """How ``recipe`` runs on ``device``: ``"native"``, ``"emulated"`` or ``"reference"``.
+
+    * CPU (and any non-CUDA device): ``"reference"`` — the exact pure-torch references, every recipe.
+    * CUDA: per-tensor FP8 is native from sm_89, blockwise FP8 from sm_90 (Hopper), MXFP8 and NVFP4
+      from sm_100; below that a recipe is emulated (Hopper: MXFP8/NVFP4 unpacked to BF16/FP8 math),
+      which prints a one-time notice, or raises ``NotImplementedError`` when ``allow_emulation=False``.
+
+    Args:
+        device: default: the current CUDA device when CUDA is available, else CPU.
+        capability: override the (major, minor) compute capability (for tests).
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda" and capability is None:
+        return "reference"
+    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
+    need = _NATIVE_FROM[recipe.kind]
+    if cap >= need:
+        return "native"
+    if not allow_emulation:
+        native = [k for k, v in _NATIVE_FROM.items() if cap >= v]
+        raise NotImplementedError(
+            f"recipe: {type(recipe).__name__} ({recipe.kind}) is not native on compute capability sm_{cap[0]}{cap[1]} "
+            f"(needs sm_{need[0]}{need[1]}); natively supported here: {native or 'none'}. "
+            "Pass allow_emulation=True to run it emulated."
+        )
+    key = f"{recipe.kind}@{cap}"
+    if key not in _notices:
+        _notices.add(key)
+        warnings.warn(
+            f"lowbit: {type(recipe).__name__} is emulated on sm_{cap[0]}{cap[1]} (native from sm_{need[0]}{need[1]}): "
+            "same numbers, lower speed.",
+            stacklevel=3,
+        )
+    return "emulated"
+
+
+# ------------------------------------------------------------------------------------------------
+# NaN sentry
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NonFiniteEvent:
+    """A non-finite amax seen during quantization.
+
+    Attributes:
+        layer: qualified module name (set by :func:`lowbit.convert` / :func:`lowbit.nn.name_modules`),
+            else a description of the module.
+        role: ``"input"``, ``"weight"`` or ``"grad_output"``.
+        phase: ``"forward"`` or ``"backward"``.
+        step: :func:`step` when it happened (outermost autocast exits so far).
+        amax: the amax value (nan or inf).
+    """
+
+    layer: str
+    role: str
+    phase: str
+    step: int
+    amax: float
+
+    def __str__(self):
+        return f"non-finite amax ({self.amax}) of {self.role} in layer {self.layer!r} ({self.phase}, step {self.step})"
+
+
+class NonFiniteAmaxError(FloatingPointError):
+    """Raised when quantization measures a NaN/Inf amax and ``on_nonfinite="raise"``; ``.event`` has the details."""
+
+    def __init__(self, event: NonFiniteEvent):
+        self.event = event
+        self.layer, self.role, self.phase, self.step = event.layer, event.role, event.phase, event.step
+        super().__init__(
+            f"{event}: the {event.role} tensor holds NaN or Inf. Use lowbit.autocast(on_nonfinite='skip') to record "
+            "the event (lowbit.nn.nonfinite_events()) and skip the step instead."
+        )
+
+
+_events: list[NonFiniteEvent] = []
+
+
+def nonfinite_events() -> list[NonFiniteEvent]:
+    """Return and clear the non-finite amax events recorded with ``on_nonfinite="skip"``.
+
+    A training loop calls it after the backward: a non-empty list means "skip this optimizer step".
+    """
+    with _lock:
+        out = list(_events)
+        _events.clear()
+    return out
+
+
+def sentry(amax: torch.Tensor, *, layer: str, role: str, phase: str, policy: str) -> bool:
+    """Check an amax measured by quantization; True if finite. Syncs with the device."""
+    if bool(torch.isfinite(amax).all()):
+        return True
+    ev = NonFiniteEvent(layer=layer, role=role, phase=phase, step=_step, amax=float(amax.float().abs().max()))
+    if policy == "raise":
+        raise NonFiniteAmaxError(ev)
+    with _lock:
+        _events.append(ev)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# delayed scaling state
+# ------------------------------------------------------------------------------------------------
+class DelayedScalingState:
+    """Amax histories of the three roles of one GEMM layer under :class:`DelayedScaling`.
+
+    ``histories[role]`` is an :class:`lowbit.AmaxHistory` (float32 ``history`` (L,), ``scale`` (1,));
+    ``pending[role]`` the max amax observed since the last commit (float32 (1,)) or None.
+    """
+
+    def __init__(self, recipe: DelayedScaling, device=None):
+        self.recipe = recipe
+        self.histories = {
+            role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, rq.scheme.fmt, device=device)
+            for role, rq in recipe.roles().items()
+        }
+        self.pending: dict[str, torch.Tensor | None] = {r: None for r in self.histories}
+
+    def compatible(self, recipe: DelayedScaling) -> bool:
+        r = self.recipe
+        return (r.amax_history_len, r.amax_compute_algo, r.margin, r.fp8_format) == (
+            recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, recipe.fp8_format)
+
+    def retarget(self, recipe: DelayedScaling) -> None:
+        """Adopt ``recipe`` (same history settings; e.g. another warm-up or reduce_amax)."""
+        self.recipe = recipe
+
+    def _to(self, device) -> None:
+        for h in self.histories.values():
+            if h.history.device != device:
+                h.history, h.scale = h.history.to(device), h.scale.to(device)
+
+    def scale(self, role: str, device) -> torch.Tensor | None:
+        """The delayed scale for ``role`` (float32 (1,)), or None while warming up (use current scaling)."""
+        h = self.histories[role]
+        if h.steps < self.recipe.warmup_steps:
+            return None
+        self._to(device)
+        return h.scale
+
+    def observe(self, role: str, amax: torch.Tensor) -> None:
+        """Fold an amax measured now into the pending max (NaN propagates; the sentry reports it)."""
+        a = amax.detach().float().reshape(1)
+        p = self.pending[role]
+        self.pending[role] = a.clone() if p is None else torch.maximum(p, a.to(p.device))
+        with _lock:
+            _pending.setdefault(id(self), self)
+
+    def has_pending(self) -> bool:
+        return any(p is not None for p in self.pending.values())
+
+    def commit(self, amaxes: dict[str, torch.Tensor]) -> None:
+        """Push one amax per role to the histories and recompute the scales. A non-finite amax is recorded as 0
+        (it does not enter the history; the scale stays where it was)."""
+        for role, a in amaxes.items():
+            h = self.histories[role]
+            a = a.to(h.history.device)
+            h.record(torch.where(torch.isfinite(a), a, torch.zeros_like(a)))
+            h.update_scale()
+            self.pending[role] = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 = none)."""
+        out = {}
+        for role, h in self.histories.items():
+            for k, v in h.state_dict().items():
+                out[f"{role}.{k}"] = v
+            p = self.pending[role]
+            out[f"{role}.pending"] = torch.full((1,), -1.0) if p is None else p.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        for role, h in self.histories.items():
+            try:
+                h.load_state_dict({k: sd[f"{role}.{k}"] for k in ("history", "scale", "steps")})
+            except KeyError as e:
+                raise ValueError(f"state: missing delayed-scaling entry {e.args[0]!r}") from None
+            p = sd.get(f"{role}.pending")
+            self.pending[role] = None if p is None or float(p.reshape(-1)[0]) < 0 else p.float().reshape(1).clone()
+            if self.pending[role] is not None:
+                with _lock:
+                    _pending.setdefault(id(self), self)
+
+
+def _commit_pending(group) -> None:
+    """Outermost exit: reduce the pending amaxes across ``group`` (one collective) and update the histories."""
+    with _lock:
+        states = list(_pending.values())
+        _pending.clear()
+    entries = [(st, role) for st in states for role, p in st.pending.items() if p is not None]
+    if not entries:
+        return
+    amaxes = [st.pending[role].clone() for st, role in entries]
+    reduce = [st.recipe.reduce_amax for st, _ in entries]
+    if any(reduce):
+        # States whose recipe opted out are left out of the collective (every rank runs the same layers).
+        idx = [i for i, r in enumerate(reduce) if r]
+        devs = {amaxes[i].device for i in idx}
+        if len(devs) > 1:  # pack on one device
+            dev = next(iter(devs))
+            for i in idx:
+                amaxes[i] = amaxes[i].to(dev)
+        distributed.reduce_amax([amaxes[i] for i in idx], group)
+    by_state: dict[int, tuple[DelayedScalingState, dict]] = {}
+    for (st, role), a in zip(entries, amaxes):
+        by_state.setdefault(id(st), (st, {}))[1][role] = a
+    for st, d in by_state.values():
+        st.commit(d)
+
+
+# ------------------------------------------------------------------------------------------------
+# the context manager
+# ------------------------------------------------------------------------------------------------
+class autocast(contextlib.ContextDecorator):
+    """Quantize lowbit modules per ``recipe`` inside the context (also usable as a decorator).
+
+    Args:
+        enabled: False runs lowbit modules in high precision (bit-identical to torch) inside the context.
+        recipe: a :mod:`lowbit.recipes` recipe; None: the enclosing autocast's recipe, or
+            ``DelayedScaling()`` (TransformerEngine's default) at the outermost level.
+        amax_reduction_group: ``torch.distributed`` group whose ranks share delayed-scaling amaxes
+            (all-reduce MAX at the outermost exit); None: the enclosing one's, or the world group when
+            ``torch.distributed`` is initialized.
+        on_nonfinite: ``"raise"`` a :class:`NonFiniteAmaxError` when a quantized tensor has a NaN/Inf
+            amax, or ``"skip"``: record it (see :func:`nonfinite_events`) so the loop can skip the step.
+            None: the enclosing one's, else ``"raise"``. The backward uses the policy of its forward.
+        allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
+
+    Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
+    At the outermost exit (and only when leaving without an exception) the pending delayed-scaling
+    amaxes are reduced and the histories updated, once.
+    """
+
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None,
+                 on_nonfinite: str | None = None, *, allow_emulation: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled: expected a bool, got {enabled!r}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            hint = " (use lowbit.recipes.from_name for a name)" if isinstance(recipe, str) else ""
+            raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}{hint}")
+        if on_nonfinite is not None and on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite: expected one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+        self.enabled, self.recipe, self.group = enabled, recipe, amax_reduction_group
+        self.on_nonfinite, self.allow_emulation = on_nonfinite, allow_emulation
+        self._saved: list[AutocastState] = []
+
+    def __enter__(self):
+        global _state, _depth
+        outer = _state
+        recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled else None))
+        support = outer.support
+        if self.enabled:
+            support = check_recipe_support(recipe, allow_emulation=self.allow_emulation)
+        new = replace(
+            outer,
+            enabled=self.enabled,
+            recipe=recipe,
+            amax_reduction_group=self.group if self.group is not None else outer.amax_reduction_group,
+            on_nonfinite=self.on_nonfinite or (outer.on_nonfinite if _depth else "raise"),
+            support=support,
+        )
+        self._saved.append(outer)
+        _state = new
+        _depth += 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        global _state, _depth, _step
+        group = _state.amax_reduction_group
+        _state = self._saved.pop()
+        _depth -= 1
+        if _depth == 0:
+            _state = AutocastState()
+            if exc_type is None:
+                _commit_pending(group)
+                _step += 1
+        return False
