@@ -1,0 +1,27 @@
+"""Attention: FP32 reference, INT8/FP8 quantization prepass, Triton forward kernels (DESIGN §3, §7).
+
+Triton is imported lazily (only when a Triton backend runs), so the package works without it.
+"""
+from .api import attention, attention_qk_int8, quantize_qk, quantize_v_fp8, select_backend
+from .reference import (
+    QKQuantized,
+    attention_prequantized_reference,
+    attention_quantized_reference,
+    attention_reference,
+    quantize_qk_reference,
+    quantize_v_fp8_reference,
+)
+
+__all__ = [
+    "attention",
+    "attention_qk_int8",
+    "quantize_qk",
+    "quantize_v_fp8",
+    "select_backend",
+    "QKQuantized",
+    "attention_reference",
+    "attention_quantized_reference",
+    "attention_prequantized_reference",
+    "quantize_qk_reference",
+    "quantize_v_fp8_reference",
+]

@@ -1,0 +1,514 @@
+"""Triton kernels for quantized attention: Q/K/V quantization prepass and one forward kernel family.
+
+The forward kernel is a FlashAttention-2 style loop (one program per (query block, batch·head),
+streaming key/value tiles) with ``tl.constexpr`` switches:
+
+* ``QK_MODE``: 0 = 16-bit Q·Kᵀ (bf16/fp16 in, FP32 out), 1 = INT8 Q·Kᵀ with INT32 accumulation,
+  2 = FP8 E4M3 Q·Kᵀ.  For 1 and 2 every score tile is converted to FP32 and multiplied by
+  ``q_scale[row] * k_scale[col]`` *before* the running max/sum update, so per-block / per-warp scales
+  are exact per tile whatever the tile shape (scales are gathered per row / per column).
+* ``PV_FP8``: P·V in FP8 E4M3: P (in [0, 1]) is multiplied by 448 and rounded to E4M3, V carries one
+  scale per channel applied once in the epilogue (it commutes with the sum over keys); each tile's
+  product is promoted into the FP32 accumulator (``max_num_imprecise_acc = BLOCK_N``), avoiding the
+  reduced-precision accumulation of Hopper FP8 MMA across the whole sequence.
+* causal / sliding window are runtime ints (bottom-right aligned); tiles are split into
+  "masked" ranges and a mask-free middle range, so only boundary tiles pay for masking.
+* GQA via ``GROUP`` (query head h reads kv head h // GROUP); layouts via strides; varlen via
+  ``cu_seqlens``; all base offsets in int64.
+
+Under ``TRITON_INTERPRET=1`` (``INTERPRET``) two interpreter defects are worked around: its
+FP32 -> E4M3 cast mishandles mantissa carry (126.98 -> 64), so the cast is emulated with exact FP32
+arithmetic, and its bf16 ``tl.dot`` returns garbage and its fp32 -> bf16 cast truncates, so 16-bit operands are
+rounded by hand and upcast to FP32 (exact).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
+    from triton.runtime.interpreter import InterpretedFunction as _Interp
+except Exception:  # pragma: no cover
+    _Interp = ()
+
+from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, k_mean as _k_mean, n_q_groups
+
+BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
+
+
+# ============================================================================ shared device helpers
+@triton.jit
+def _to_e4m3(x, EMULATE: tl.constexpr):
+    """Saturating RNE cast fp32 -> float8e4nv.  x must be finite."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EMULATE:
+        # Snap to the E4M3 grid in FP32 first: ulp = 2^(e - 3) with e = max(exponent(x), -6);
+        # (x + 1.5·2^23·ulp) - (1.5·2^23·ulp) rounds to a multiple of ulp, ties to even.
+        bits = x.to(tl.int32, bitcast=True)
+        e = tl.maximum((bits >> 23) & 0xFF, 121)
+        ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)
+        big = ulp * 12582912.0
+        x = (x + big) - big
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _p_to_16(p, dt: tl.constexpr):
+    """Interpreter only: its fp32 -> bf16 cast truncates; round to nearest even by hand (p >= 0)."""
+    if dt == tl.bfloat16:
+        bits = p.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        p = bits.to(tl.float32, bitcast=True)
+    return p.to(dt)
+
+
+@triton.jit
+def _round_half_away(x):
+    a = tl.abs(x)
+    f = tl.floor(a)
+    r = f + tl.where(a - f >= 0.5, 1.0, 0.0)
+    return tl.where(x < 0, -r, r)
+
+
+# ============================================================================ prepass kernels
+@triton.jit
+def _quant_rows_kernel(X, Y, S, MEAN, CU,
+                       sxb, sxh, sxs, sxd, syb, syh, sys_, syd, ssb, ssh, smb, smh,
+                       H, seqlen, n_groups, mult,
+                       ROWS: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, QMAX: tl.constexpr,
+                       TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, VARLEN: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """One program = one scale group of ROWS rows × D channels of one (batch, head).
+
+    y = code((x·mult - mean) / scale), scale = amax/QMAX (0 -> 1), written to S[b, h, g]."""
+    g = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if VARLEN:
+        start = tl.load(CU + b).to(tl.int64)
+        seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        xb = X + start * sxs + h.to(tl.int64) * sxh
+        yb = Y + start * sys_ + h.to(tl.int64) * syh
+    else:
+        xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+        yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
+    rows = g * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    m = (rows[:, None] < seqlen) & (d[None, :] < D)
+    roff = rows.to(tl.int64)
+    x = tl.load(xb + roff[:, None] * sxs + d[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
+    x = x * mult
+    if HAS_MEAN:
+        mu = tl.load(MEAN + b.to(tl.int64) * smb + h * smh + d, mask=d < D, other=0.0)
+        x = x - mu[None, :]
+    x = tl.where(m, x, 0.0)
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
+    if g < n_groups:
+        tl.store(S + b.to(tl.int64) * ssb + h * ssh + g, scale)
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    if TO_FP8:
+        code = _to_e4m3(y, INTERPRET)
+    else:
+        code = tl.minimum(tl.maximum(_round_half_away(y), -127.0), 127.0).to(tl.int8)
+    tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
+
+
+@triton.jit
+def _v_amax_kernel(V, P, CU, svb, svh, svs, svd, H, seqlen, n_chunks,
+                   CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
+    """Partial |v| max over a CHUNK of rows, per channel -> P[bh, chunk, :]."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if VARLEN:
+        start = tl.load(CU + b).to(tl.int64)
+        seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        vb = V + start * svs + h.to(tl.int64) * svh
+    else:
+        vb = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    d = tl.arange(0, BLOCK_D)
+    m = (rows[:, None] < seqlen) & (d[None, :] < D)
+    x = tl.load(vb + rows.to(tl.int64)[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
+    tl.store(P + (bh.to(tl.int64) * n_chunks + c) * D + d, tl.max(tl.abs(x), 0), mask=d < D)
+
+
+@triton.jit
+def _v_quant_kernel(V, Y, S, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seqlen,
+                    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if VARLEN:
+        start = tl.load(CU + b).to(tl.int64)
+        seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        vb = V + start * svs + h.to(tl.int64) * svh
+        yb = Y + start * sys_ + h.to(tl.int64) * syh
+    else:
+        vb = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+        yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    d = tl.arange(0, BLOCK_D)
+    m = (rows[:, None] < seqlen) & (d[None, :] < D)
+    roff = rows.to(tl.int64)
+    x = tl.load(vb + roff[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
+    sc = tl.load(S + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
+    y = tl.math.div_rn(x, tl.zeros_like(x) + sc[None, :])
+    tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, _to_e4m3(y, INTERPRET), mask=m)
+
+
+# ============================================================================ forward kernel
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, lo, hi,
+               Sk, diag, win_left, win_right, sm_scale_log2,
+               sks, skd, svs, svd,
+               QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, K_SCALE_ROWS: tl.constexpr, MASK: tl.constexpr,
+               BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    offs_nl = tl.arange(0, BLOCK_N)
+    # 64-bit tile base once, then 32-bit increments (BLOCK_N * stride always fits)
+    kt_ptrs = k_base + lo.to(tl.int64) * sks + offs_nl[None, :] * sks + offs_d[:, None] * skd
+    v_ptrs = v_base + lo.to(tl.int64) * svs + offs_nl[:, None] * svs + offs_d[None, :] * svd
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_nl
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Sk, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        if QK_MODE == 1:
+            s = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32)
+        elif QK_MODE == 0 and INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 is exact there
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        else:
+            s = tl.dot(q, kt)
+        if QK_MODE == 0:
+            s = s * sm_scale_log2
+        else:
+            # exact per-tile dequantization: row scale (block or warp) x column scale (K block)
+            if MASK:
+                ks = tl.load(ks_base + offs_n // K_SCALE_ROWS, mask=offs_n < Sk, other=1.0)
+            else:
+                ks = tl.load(ks_base + offs_n // K_SCALE_ROWS)
+            s = s * (q_sc[:, None] * ks[None, :])
+        if MASK:
+            rel = offs_n[None, :] - (offs_m[:, None] + diag)  # j - (i + Sk - Sq)
+            ok = (offs_n[None, :] < Sk) & (rel <= win_right) & (rel >= -win_left)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row may still see nothing: keep exp2 away from (-inf) - (-inf)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < Sk, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if PV_FP8:
+            acc = tl.dot(_to_e4m3(p * 448.0, INTERPRET), v, acc, max_num_imprecise_acc=BLOCK_N)
+        elif INTERPRET:
+            acc = tl.dot(_p_to_16(p, v.dtype).to(tl.float32), v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        kt_ptrs += BLOCK_N * sks
+        v_ptrs += BLOCK_N * svs
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "win_left", "win_right", "SEQ_BUCKET"])
+def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
+              sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
+              sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh, slb, slh, sls,
+              H, GROUP, Sq, Sk, sm_scale_log2, win_left, win_right, SEQ_BUCKET,
+              QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, Q_SCALE_ROWS: tl.constexpr,
+              K_SCALE_ROWS: tl.constexpr, HAS_KMEAN: tl.constexpr, RETURN_LSE: tl.constexpr,
+              VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if REVERSE_M:  # causal: heaviest query blocks first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0 = tl.load(CUQ + b)
+        k0 = tl.load(CUK + b)
+        Sq = tl.load(CUQ + b + 1) - q0
+        Sk = tl.load(CUK + b + 1) - k0
+        q_base = Q + q0.to(tl.int64) * sqs + h.to(tl.int64) * sqh
+        o_base = O + q0.to(tl.int64) * sos + h.to(tl.int64) * soh
+        k_base = K + k0.to(tl.int64) * sks + hk.to(tl.int64) * skh
+        v_base = V + k0.to(tl.int64) * svs + hk.to(tl.int64) * svh
+        lse_base = LSE + q0.to(tl.int64) * sls + h.to(tl.int64) * slh
+    else:
+        q_base = Q + b64 * sqb + h.to(tl.int64) * sqh
+        o_base = O + b64 * sob + h.to(tl.int64) * soh
+        k_base = K + b64 * skb + hk.to(tl.int64) * skh
+        v_base = V + b64 * svb + hk.to(tl.int64) * svh
+        lse_base = LSE + b64 * slb + h.to(tl.int64) * slh
+    m0 = pid_m * BLOCK_M
+    if m0 >= Sq:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    if QK_MODE != 0:
+        q_sc = tl.load(QS + b64 * sqsb + h * sqsh + offs_m // Q_SCALE_ROWS, mask=row_ok, other=1.0)
+    else:
+        q_sc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ks_base = KS + b64 * sksb + hk * sksh
+
+    # ---- key range seen by this query block, split into masked / mask-free tiles
+    diag = Sk - Sq
+    hi = tl.minimum(Sk, m0 + BLOCK_M + diag + win_right)
+    lo = tl.maximum(m0 + diag - win_left, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - win_left, lo)
+    full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_end = tl.maximum(tl.minimum(Sk, m0 + diag + win_right + 1), 0)
+    full_hi = tl.maximum((full_end // BLOCK_N) * BLOCK_N, full_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
+                               lo, tl.minimum(full_lo, hi), Sk, diag, win_left, win_right, sm_scale_log2,
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
+                               full_lo, full_hi, Sk, diag, win_left, win_right, sm_scale_log2,
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, False, BLOCK_N, INTERPRET)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
+                               full_hi, hi, Sk, diag, win_left, win_right, sm_scale_log2,
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET)
+
+    # ---- epilogue
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if PV_FP8:
+        vs = tl.load(VS + b64 * svsb + hk * svsh + offs_d)
+        out = out * (vs * (1.0 / 448.0))[None, :]
+    tl.store(o_base + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse2 = m_i + tl.log2(l_i)
+        if HAS_KMEAN:  # undo K smoothing: true scores are higher by (q·q_scale)·mean(k)
+            km = tl.load(KM + b64 * skmb + hk * skmh + offs_d)
+            lse2 += tl.sum(q.to(tl.float32) * km[None, :], 1) * q_sc
+        tl.store(lse_base + offs_m.to(tl.int64) * sls, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+# ============================================================================ configs / autotune
+def fwd_configs():
+    """Small config generator; ``prune_fwd_configs`` filters it by shape."""
+    out = []
+    for bm, bn, warps, stages in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                                  (128, 128, 8, 3), (64, 128, 4, 2)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return out
+
+
+def prune_fwd_configs(configs, named_args, **kwargs):
+    bucket = named_args["SEQ_BUCKET"]
+    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bm > max(64, bucket) or bn > max(64, bucket):  # short sequences: no oversized tiles
+            continue
+        if d >= 256 and (bm > 64 or bn > 64):  # register / smem budget
+            continue
+        if d <= 64 and bn == 128 and c.num_stages == 2:
+            continue
+        keep.append(c)
+    return keep or configs[:1]
+
+
+_TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "QK_MODE", "PV_FP8",
+             "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN"]
+_attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
+                                  prune_configs_by={"early_config_prune": prune_fwd_configs})(_attn_fwd)
+
+INTERPRETED = isinstance(_attn_fwd, _Interp) if _Interp else False
+
+
+def heuristic_config(max_seqlen_q: int, head_dim: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) used when autotuning is off."""
+    if INTERPRETED:
+        return 32, 32, 4, 1
+    if max_seqlen_q <= 64:
+        return 64, 64, 4, 3
+    return (128, 64, 8, 3) if head_dim <= 128 else (64, 64, 4, 2)
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not INTERPRETED
+
+
+# ============================================================================ launchers
+def _views(x: torch.Tensor, layout: str, varlen: bool):
+    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0), x.stride(2)
+    if layout == "bhsd":
+        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
+
+
+def _dims(x, layout, varlen):
+    if varlen:
+        return None, x.shape[1], x.shape[0], x.shape[2]
+    if layout == "bhsd":
+        return x.shape
+    b, s, h, d = x.shape
+    return b, h, s, d
+
+
+def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=True, block_q=128, block_k=64,
+                       warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None) -> QKQuantized:
+    """Fused scale + quantize of Q and K (same outputs as ``quantize_qk_reference``)."""
+    varlen = cu_seqlens_q is not None
+    B, Hq, Sq, D = _dims(q, layout, varlen)
+    _, Hkv, Sk, _ = _dims(k, layout, varlen)
+    if varlen:
+        B = cu_seqlens_q.numel() - 1
+        Sq = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        Sk = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    mult = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
+    qmax = INT8_MAX if dtype == "int8" else E4M3_MAX
+    code_dtype = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
+    to_fp8 = dtype == "fp8"
+    qrows = warp_q if granularity == "per_warp" else block_q
+    nq = n_q_groups(Sq, granularity, block_q, warp_q)
+    nk = -(-Sk // block_k)
+    dev = q.device
+    q_scale = torch.ones(B, Hq, nq, device=dev, dtype=torch.float32)
+    k_scale = torch.ones(B, Hkv, nk, device=dev, dtype=torch.float32)
+    qc = torch.empty(q.shape, device=dev, dtype=code_dtype)
+    kc = torch.empty(k.shape, device=dev, dtype=code_dtype)
+    km = _k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k) if smooth_k else None
+    bd = triton.next_power_of_2(D)
+    cu_q = cu_seqlens_q if varlen else q_scale  # dummy pointer when unused
+    cu_k = cu_seqlens_k if varlen else k_scale
+    common = dict(BLOCK_D=bd, D=D, QMAX=qmax, TO_FP8=to_fp8, VARLEN=varlen, INTERPRET=INTERPRETED)
+    warps = lambda rows: 8 if rows * bd >= 8192 else 4  # noqa: E731
+    # Q: every group of the padded grid, including trailing per-warp groups past the end (scale 1).
+    _quant_rows_kernel[(-(-Sq // qrows), B * Hq)](
+        q, qc, q_scale, q_scale, cu_q, *_views(q, layout, varlen), *_views(qc, layout, varlen),
+        q_scale.stride(0), q_scale.stride(1), 0, 0, Hq, Sq, nq, mult,
+        ROWS=qrows, HAS_MEAN=False, num_warps=warps(qrows), **common)
+    kmv = km if km is not None else k_scale
+    _quant_rows_kernel[(nk, B * Hkv)](
+        k, kc, k_scale, kmv, cu_k, *_views(k, layout, varlen), *_views(kc, layout, varlen),
+        k_scale.stride(0), k_scale.stride(1), kmv.stride(0) if km is not None else 0,
+        kmv.stride(1) if km is not None else 0, Hkv, Sk, nk, 1.0,
+        ROWS=block_k, HAS_MEAN=km is not None, num_warps=warps(block_k), **common)
+    return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
+
+
+def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None):
+    """V -> (E4M3 codes, fp32 scale (B, Hkv, D)).
+
+    The codes have v's logical shape but are stored sequence-contiguous (a view of a
+    (B, H, D, S_pad) / (H, D, T_pad) buffer), so the P·V tile is K-major, as Hopper FP8 MMA needs.
+    """
+    varlen = cu_seqlens_k is not None
+    B, H, S, D = _dims(v, layout, varlen)
+    if varlen:
+        B = cu_seqlens_k.numel() - 1
+        T = v.shape[0]
+        S = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        buf = torch.empty(H, D, -(-T // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
+        v8 = buf[:, :, :T].permute(2, 0, 1)
+    else:
+        buf = torch.empty(B, H, D, -(-S // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
+        v8 = buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
+    chunk = 64
+    nch = max(1, -(-S // chunk))
+    bd = triton.next_power_of_2(D)
+    part = torch.zeros(B * H, nch, D, device=v.device, dtype=torch.float32)
+    cu = cu_seqlens_k if varlen else part
+    _v_amax_kernel[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
+                                 CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
+    amax = part.amax(dim=1).view(B, H, D)
+    v_scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    _v_quant_kernel[(nch, B * H)](v, v8, v_scale, cu, *_views(v, layout, varlen), *_views(v8, layout, varlen), H, S,
+                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=4)
+    return v8, v_scale
+
+
+def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
+                         q_scale_rows=128, k_scale_rows=64, softmax_scale=None, causal=False, window=None,
+                         layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                         max_seqlen_k=None, return_lse=False, out_dtype=None, config=None):
+    """Launch the forward kernel on already-prepared operands (no validation here: see api.py).
+
+    q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit or float8_e4m3fn (+ v_scale).
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
+    autotuned unless LOWBIT_ATTN_AUTOTUNE=0.
+    """
+    varlen = cu_seqlens_q is not None
+    B, Hq, Sq, D = _dims(q, layout, varlen)
+    _, Hkv, Sk, _ = _dims(k, layout, varlen)
+    if varlen:
+        B = cu_seqlens_q.numel() - 1
+        Sq = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        Sk = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    qk_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(q.dtype, 0)
+    pv_fp8 = v.dtype == torch.float8_e4m3fn
+    if out_dtype is None:
+        out_dtype = v.dtype if not pv_fp8 else torch.bfloat16
+    o = torch.empty(q.shape, device=q.device, dtype=out_dtype)
+    if varlen:
+        lse = torch.empty(Hq, q.shape[0], device=q.device, dtype=torch.float32) if return_lse else o
+        sl = (0, lse.stride(0), lse.stride(1)) if return_lse else (0, 0, 0)
+    else:
+        lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32) if return_lse else o
+        sl = lse.stride() if return_lse else (0, 0, 0)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    left = BIG if left < 0 else left
+    right = BIG if right < 0 else right
+    dummy = o
+    qs = q_scale if q_scale is not None else dummy
+    ks = k_scale if k_scale is not None else dummy
+    vs = v_scale if v_scale is not None else dummy
+    km = k_mean if (k_mean is not None and qk_mode != 0) else None
+    args = [q, k, v, o, lse, qs, ks, vs, km if km is not None else dummy,
+            cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+            *_views(q, layout, varlen), *_views(k, layout, varlen), *_views(v, layout, varlen),
+            *_views(o, layout, varlen),
+            qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
+            ks.stride(0) if k_scale is not None else 0, ks.stride(1) if k_scale is not None else 0,
+            vs.stride(0) if v_scale is not None else 0, vs.stride(1) if v_scale is not None else 0,
+            km.stride(0) if km is not None else 0, km.stride(1) if km is not None else 0,
+            *sl, Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, left, right, triton.next_power_of_2(max(Sq, 1))]
+    meta = dict(QK_MODE=qk_mode, PV_FP8=pv_fp8, Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows,
+                HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
+                REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED)
+    if config is None and _autotune_enabled():
+        grid = lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)  # noqa: E731
+        _attn_fwd_tuned[grid](*args, **meta)
+    else:
+        bm, bn, warps, stages = config or heuristic_config(Sq, D)
+        _attn_fwd[(triton.cdiv(Sq, bm), B * Hq)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                 num_stages=stages)
+    return (o, lse) if return_lse else o

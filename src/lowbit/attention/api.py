@@ -1,0 +1,416 @@
+"""Public entry points: ``attention``, ``attention_qk_int8``, ``quantize_qk``, ``quantize_v_fp8``.
+
+Backends (``backend=``):
+* ``"reference"`` — pure torch (any device; the default on CPU): the quantized reference for
+  quantized modes, the FP32 reference for ``qk=pv="bf16"``.
+* ``"triton"`` — the Triton prepass + forward kernel (CUDA, or CPU under TRITON_INTERPRET=1).
+* ``"sdpa"`` — ``torch.nn.functional.scaled_dot_product_attention`` (16-bit only, dense).
+Default on CUDA: ``"triton"`` for quantized modes; for plain 16-bit attention ``"sdpa"`` when the
+request fits it (dense, no window, no LSE) because cuDNN/flash beat a Triton BF16 kernel on
+Hopper, otherwise ``"triton"``.  ``select_backend`` returns the choice without running anything.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference as _ref
+from .reference import QKQuantized, n_q_groups
+
+_QK = ("bf16", "fp16", "int8", "fp8")
+_PV = ("bf16", "fp16", "fp8")
+_BACKENDS = ("reference", "triton", "sdpa")
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+# ----------------------------------------------------------------------------- validation helpers
+def _tensor(name, x):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _layout_of(layout, varlen: bool) -> str:
+    if varlen:
+        if layout not in (None, "thd"):
+            raise ValueError(f"with cu_seqlens the inputs are packed (total, heads, head_dim): layout must be None or "
+                             f"'thd', got {layout!r}")
+        return "thd"
+    if layout is None:
+        return "bhsd"
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd' (or None), got {layout!r}")
+    return layout
+
+
+def _shape4(name, x, layout):
+    """(B, H, S, D) of a dense / packed tensor after checking its rank."""
+    if layout == "thd":
+        if x.dim() != 3:
+            raise ValueError(f"{name}: varlen inputs must be 3-D (total, heads, head_dim), got shape {tuple(x.shape)}")
+        return None, x.shape[1], x.shape[0], x.shape[2]
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(x.shape)}")
+    if layout == "bhsd":
+        return tuple(x.shape)
+    b, s, h, d = x.shape
+    return b, h, s, d
+
+
+def _check_qkv(q, k, v, layout, *, v_heads_from_k=True):
+    bq, hq, sq, d = _shape4("q", q, layout)
+    bk, hk, sk, dk = _shape4("k", k, layout)
+    bv, hv, sv, dv = _shape4("v", v, layout)
+    if (bq != bk or bq != bv) and layout != "thd":
+        raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
+    if dk != d or dv != d:
+        raise ValueError(f"head_dim must match: q {d}, k {dk}, v {dv} (different V head dim is not supported)")
+    if hk != hv or sk != sv:
+        raise ValueError(f"k and v must have the same heads and length: k (H={hk}, S={sk}), v (H={hv}, S={sv})")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"query heads must be a multiple of key/value heads (GQA/MQA): Hq={hq}, Hkv={hk}")
+    for n, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
+    return bq, hq, sq, hk, sk, d
+
+
+def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_q is None:
+        return None, None
+    for n, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
+        _tensor(n, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise TypeError(f"{n} must be a 1-D int32 tensor of length batch+1, got dtype {cu.dtype}, "
+                            f"shape {tuple(cu.shape)}")
+        if cu.device != x.device:
+            raise ValueError(f"{n} is on {cu.device} but the tensors are on {x.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and "
+                         f"{cu_k.numel()}")
+    lq = (cu_q[1:] - cu_q[:-1])
+    lk = (cu_k[1:] - cu_k[:-1])
+    if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or bool((lq < 0).any()) or bool((lk < 0).any()):
+        raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
+    if int(cu_q[-1]) != q.shape[0] or int(cu_k[-1]) != k.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1]={int(cu_q[-1])} / cu_seqlens_k[-1]={int(cu_k[-1])} must equal the "
+                         f"packed lengths q.shape[0]={q.shape[0]} / k.shape[0]={k.shape[0]}")
+    mq, mk = int(lq.max()), int(lk.max())
+    if max_q is not None and int(max_q) < mq:
+        raise ValueError(f"max_seqlen_q={max_q} is smaller than the longest query sequence {mq}")
+    if max_k is not None and int(max_k) < mk:
+        raise ValueError(f"max_seqlen_k={max_k} is smaller than the longest key sequence {mk}")
+    return (int(max_q) if max_q is not None else mq), (int(max_k) if max_k is not None else mk)
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+        raise ValueError(f"window must be None or a pair of ints (left, right), -1 = unbounded; got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"window sizes must be >= -1, got {window!r}")
+    return tuple(window)
+
+
+def _check_blocks(granularity, block_q, block_k, warp_q):
+    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
+
+
+def _half(name, x):
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} must be float16 or bfloat16 for this path, got {x.dtype}")
+
+
+def select_backend(device: torch.device, qk: str, pv: str, *, varlen: bool, window, return_lse: bool,
+                   backend: Optional[str] = None) -> str:
+    """The backend ``attention`` will use (see module docstring)."""
+    if backend is not None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+        return backend
+    if device.type != "cuda":
+        return "reference"
+    if qk in ("bf16", "fp16") and pv in ("bf16", "fp16") and not varlen and window is None and not return_lse:
+        return "sdpa"
+    return "triton"
+
+
+def _check_triton(d, device):
+    if d not in _TRITON_HEAD_DIMS:
+        raise NotImplementedError(f"the Triton attention kernel supports head_dim in {_TRITON_HEAD_DIMS}, got {d} "
+                                  f"(use backend='reference')")
+    if device.type != "cuda":
+        from . import _triton
+        if not _triton.INTERPRETED:
+            raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+
+
+# ----------------------------------------------------------------------------- prepass
+def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str = "per_block", smooth_k: bool = True,
+                block_q: int = 128, block_k: int = 64, warp_q: int = 32, softmax_scale: Optional[float] = None,
+                layout: Optional[str] = None, cu_seqlens_q: Optional[Tensor] = None,
+                cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_k: Optional[int] = None, backend: Optional[str] = None) -> QKQuantized:
+    """Quantize Q/K to INT8 (or FP8 E4M3) with per-block / per-warp scales and K smoothing.
+
+    Returns ``QKQuantized`` (see ``reference`` module docstring for shapes and the varlen
+    convention).  CUDA -> fused Triton kernel, otherwise the torch reference (bit-identical INT8).
+    """
+    _tensor("q", q)
+    _tensor("k", k)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    lay = _layout_of(layout, varlen)
+    _half("q", q)
+    _half("k", k)
+    if dtype not in ("int8", "fp8"):
+        raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
+    _check_blocks(granularity, block_q, block_k, warp_q)
+    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    kw = dict(dtype=dtype, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
+              warp_q=warp_q, softmax_scale=softmax_scale, layout="bhsd" if lay == "thd" else lay,
+              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
+    be = backend or ("triton" if q.is_cuda else "reference")
+    if be == "triton":
+        from . import _triton
+        return _triton.quantize_qk_triton(q, k, **kw)
+    return _ref.quantize_qk_reference(q, k, **kw)
+
+
+def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
+                   max_seqlen_k: Optional[int] = None, backend: Optional[str] = None):
+    """V -> (float8_e4m3fn codes with v's shape, fp32 scales (B, Hkv, D) = amax/448 per channel).
+
+    The Triton path stores the codes sequence-contiguous (a transposed view) for the FP8 P·V MMA."""
+    _tensor("v", v)
+    _half("v", v)
+    varlen = cu_seqlens_k is not None
+    lay = _layout_of(layout, varlen)
+    be = backend or ("triton" if v.is_cuda else "reference")
+    if be == "triton":
+        from . import _triton
+        return _triton.quantize_v_fp8_triton(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k,
+                                             max_seqlen_k=max_seqlen_k)
+    return _ref.quantize_v_fp8_reference(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k)
+
+
+# ----------------------------------------------------------------------------- forward implementations
+def _sdpa(q, k, v, *, causal, scale, layout):
+    import torch.nn.functional as F
+    qh, kh, vh = (_ref._bhsd(t, layout) for t in (q, k, v))
+    sq, sk = qh.shape[2], kh.shape[2]
+    kw = {}
+    if kh.shape[1] != qh.shape[1]:
+        kw["enable_gqa"] = True
+    if causal and sq != sk:
+        from torch.nn.attention.bias import causal_lower_right
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(sq, sk), scale=scale, **kw)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, **kw)
+    return o if layout == "bhsd" else o.transpose(1, 2).contiguous()
+
+
+def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smooth_k, window, cu_q, cu_k, mq, mk,
+             return_lse, backend, block_q, block_k, warp_q, config=None):
+    lay = "bhsd" if layout == "thd" else layout
+    quant_qk = qk in ("int8", "fp8")
+    out_dtype = q.dtype
+    if backend == "sdpa":
+        if quant_qk or pv == "fp8" or cu_q is not None or window is not None or return_lse:
+            raise NotImplementedError("backend='sdpa' supports only qk/pv 16-bit, dense inputs, no window and no "
+                                      f"return_lse; got qk={qk!r}, pv={pv!r}, varlen={cu_q is not None}, "
+                                      f"window={window!r}, return_lse={return_lse}")
+        return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
+    if backend == "reference":
+        if not quant_qk and pv not in ("fp8",):
+            res = _ref.attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                           layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+        else:
+            res = _ref.attention_quantized_reference(
+                q, k, v, qk=qk if quant_qk else "bf16", pv=pv, granularity=granularity, smooth_k=smooth_k,
+                block_q=block_q, block_k=block_k, warp_q=warp_q, causal=causal, softmax_scale=softmax_scale,
+                window=window, layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
+                return_lse=True)
+        return res[0].to(out_dtype), res[1]
+    # triton
+    from . import _triton
+    _check_triton(q.shape[-1], q.device)
+    kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
+    if quant_qk:
+        qq = _triton.quantize_qk_triton(q, k, dtype=qk, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                        block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, **kw)
+        qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
+    else:
+        qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
+    if pv == "fp8":
+        va, vs = _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
+    else:
+        va, vs = v, None
+    res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=km, q_scale_rows=rows,
+                                       k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal, window=window,
+                                       return_lse=True if return_lse else False, out_dtype=out_dtype, config=config,
+                                       **kw)
+    return (res[0], res[1]) if return_lse else (res, None)
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Forward = the requested (possibly quantized) kernel; backward = autograd through the FP32
+    reference (straight-through for the quantizers).  Materializes the (Sq, Sk) scores: a stopgap
+    until the fused backward lands."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts):
+        out, lse = _forward(q, k, v, **opts)
+        ctx.save_for_backward(q, k, v)
+        ctx.opts = opts
+        if opts["return_lse"]:
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+        return out, None
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse=None):
+        q, k, v = ctx.saved_tensors
+        o = ctx.opts
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+            ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
+                                           window=o["window"], layout="bhsd" if o["layout"] == "thd" else o["layout"],
+                                           cu_seqlens_q=o["cu_q"], cu_seqlens_k=o["cu_k"])
+            ins = [t for t in (qd, kd, vd) if t.requires_grad]
+            grads = torch.autograd.grad(ref, ins, g_out.float())
+        it = iter(grads)
+        out = [next(it).to(t.dtype) if t.requires_grad else None for t in (qd, kd, vd)]
+        return out[0], out[1], out[2], None
+
+
+# ----------------------------------------------------------------------------- public entry points
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+              layout: Optional[str] = None, qk: str = "bf16", pv: str = "bf16", granularity: str = "per_block",
+              smooth_k: bool = True, window=None, cu_seqlens_q: Optional[Tensor] = None,
+              cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None,
+              dropout_p: float = 0.0, block_q: int = 128, block_k: int = 64, warp_q: int = 32):
+    """Scaled dot-product attention with optional INT8/FP8 Q·Kᵀ and FP8 P·V.
+
+    q: (B, Hq, Sq, D) ("bhsd", default) or (B, Sq, Hq, D) ("bshd"); packed (Tq, Hq, D) with
+    ``cu_seqlens_q/k`` (int32, (B+1,)).  k, v: same with Hkv heads, Hq % Hkv == 0.  float16/bfloat16
+    (float32 is accepted by the reference backend only).  softmax_scale defaults to 1/sqrt(D).
+    qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
+    pv: "bf16"/"fp16" or "fp8" (E4M3 P and per-channel-scaled V).  smooth_k subtracts mean(K)
+    before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
+    window=(left, right) sliding window, -1 unbounded.
+    Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
+    (Hq, Tq).  Differentiable: the backward runs the FP32 reference math (straight-through).
+    """
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(n, t)
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p must be 0.0 (dropout is not implemented), got {dropout_p}")
+    if qk not in _QK:
+        raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
+    if pv not in _PV:
+        raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    lay = _layout_of(layout, varlen)
+    _check_qkv(q, k, v, lay)
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q/k/v must be float16, bfloat16 (or float32 for the reference), got {q.dtype}")
+    _check_blocks(granularity, block_q, block_k, warp_q)
+    window = _check_window(window)
+    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    be = select_backend(q.device, qk, pv, varlen=varlen, window=window, return_lse=return_lse, backend=backend)
+    if be != "reference" and q.dtype == torch.float32:
+        raise TypeError(f"backend {be!r} needs float16/bfloat16 inputs, got float32")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    opts = dict(causal=bool(causal), softmax_scale=float(softmax_scale), layout=lay, qk=qk, pv=pv,
+                granularity=granularity, smooth_k=bool(smooth_k), window=window, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                mq=mq, mk=mk, return_lse=bool(return_lse), backend=be, block_q=block_q, block_k=block_k,
+                warp_q=warp_q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _AttentionFn.apply(q, k, v, opts)
+    else:
+        out, lse = _forward(q, k, v, **opts)
+    return (out, lse) if return_lse else out
+
+
+def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor, k_scale: Tensor, *,
+                      k_mean: Optional[Tensor] = None, causal: bool = False, layout: Optional[str] = None,
+                      granularity: str = "per_block", block_q: int = 128, block_k: int = 64, warp_q: int = 32,
+                      pv: str = "bf16", window=None, cu_seqlens_q: Optional[Tensor] = None,
+                      cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                      max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None):
+    """Attention on pre-quantized INT8 Q/K (SageAttention conventions, DESIGN §3).
+
+    q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
+    softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
+    k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
+    per channel inside).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
+    (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
+    are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
+    to correct the returned LSE.  Output in v's dtype.
+    """
+    for n, t in (("q_int8", q_int8), ("k_int8", k_int8), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale)):
+        _tensor(n, t)
+    if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
+        raise TypeError(f"q_int8 and k_int8 must be torch.int8, got q {q_int8.dtype}, k {k_int8.dtype}")
+    _half("v", v)
+    if pv not in _PV:
+        raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    lay = _layout_of(layout, varlen)
+    B, Hq, Sq, Hkv, Sk, D = _check_qkv(q_int8, k_int8, v, lay)
+    if D % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 for INT8 MMA, got {D}")
+    _check_blocks(granularity, block_q, block_k, warp_q)
+    window = _check_window(window)
+    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
+    if varlen:
+        B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
+    exp_q = (B, Hq, n_q_groups(Sq, granularity, block_q, warp_q))
+    exp_k = (B, Hkv, -(-Sk // block_k))
+    for n, s, exp in (("q_scale", q_scale, exp_q), ("k_scale", k_scale, exp_k)):
+        if s.dtype != torch.float32:
+            raise TypeError(f"{n} must be float32, got {s.dtype}")
+        if tuple(s.shape) != exp:
+            detail = (f"granularity={granularity!r}, block_q={block_q}, warp_q={warp_q}" if n == "q_scale"
+                      else f"block_k={block_k}")
+            raise ValueError(f"{n} shape mismatch: expected {exp} for {detail}, got {tuple(s.shape)}")
+        if s.device != q_int8.device:
+            raise ValueError(f"{n} is on {s.device} but q_int8 is on {q_int8.device}")
+    if k_mean is not None:
+        _tensor("k_mean", k_mean)
+        if k_mean.dtype != torch.float32 or tuple(k_mean.shape) != (B, Hkv, 1, D):
+            raise ValueError(f"k_mean must be float32 of shape {(B, Hkv, 1, D)}, got {k_mean.dtype} "
+                             f"{tuple(k_mean.shape)}")
+    rows = warp_q if granularity == "per_warp" else block_q
+    be = backend or ("triton" if q_int8.is_cuda else "reference")
+    if be not in ("reference", "triton"):
+        raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
+    lay2 = "bhsd" if lay == "thd" else lay
+    if be == "reference":
+        va, vs = (_ref.quantize_v_fp8_reference(v, layout=lay2, cu_seqlens_k=cu_seqlens_k) if pv == "fp8"
+                  else (v, None))
+        out, lse = _ref.attention_prequantized_reference(
+            q_int8, k_int8, va, q_scale, k_scale, v_scale=vs, k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k,
+            causal=causal, window=window, layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            return_lse=True)
+        out = out.to(v.dtype)
+    else:
+        from . import _triton
+        _check_triton(D, q_int8.device)
+        kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
+        va, vs = (_triton.quantize_v_fp8_triton(v, layout=lay2, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=mk)
+                  if pv == "fp8" else (v, None))
+        res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
+                                           k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
+                                           window=window, return_lse=return_lse, out_dtype=v.dtype, **kw)
+        out, lse = res if return_lse else (res, None)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,439 @@
+"""Pure-PyTorch references for attention (the spec the Triton kernels are tested against).
+
+Conventions shared by every function here and by the kernels:
+
+* Layouts: ``"bhsd"`` = (batch, heads, seq, head_dim), ``"bshd"`` = (batch, seq, heads, head_dim);
+  variable-length batches are packed ``(total_tokens, heads, head_dim)`` ("thd") with
+  ``cu_seqlens`` int32 of shape (batch + 1,), ``cu_seqlens[0] == 0``.
+* GQA/MQA: ``Hq % Hkv == 0``; query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
+* Causal masking is **bottom-right aligned** (FlashAttention >= 2.1): query row ``i`` of a sequence
+  with ``Sq`` queries and ``Sk`` keys sees key ``j`` iff ``j <= i + (Sk - Sq)``.  Sliding window
+  ``(left, right)`` (-1 = unbounded) keeps ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
+  ``causal=True`` is ``right = 0``.
+* A query row that sees no key at all returns 0 and LSE ``-inf`` (logsumexp of an empty set).
+* LSE is in natural log, fp32: dense (B, Hq, Sq); varlen (Hq, total_q).
+* INT8/FP8 Q/K quantization (DESIGN §3): Q is multiplied by ``softmax_scale * log2(e)`` in FP32
+  first, so dequantized scores are in log2 units and the kernels use ``exp2``.  Scale = amax / qmax
+  per block of rows (all head-dim channels), amax == 0 -> scale 1.  INT8 rounds half away from
+  zero and clamps to ±127; FP8 E4M3 clamps to ±448 and rounds to nearest even.
+  Per-warp Q scales split each ``block_q`` block into ``block_q // warp_q`` groups of consecutive
+  rows, so row ``r`` uses ``q_scale[..., r // warp_q]`` (per-block: ``r // block_q``); key column
+  ``c`` uses ``k_scale[..., c // block_k]``.
+* Varlen quantization: scales are indexed per sequence with block 0 at each sequence start,
+  ``q_scale`` (B, Hq, ceil(max_seqlen_q / block_q) * groups), ``k_scale`` (B, Hkv,
+  ceil(max_seqlen_k / block_k)), unused trailing entries = 1; ``k_mean`` (B, Hkv, 1, D) is the
+  per-sequence mean; ``v_scale`` (B, Hkv, D) per sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+INT8_MAX = 127.0
+E4M3_MAX = 448.0
+QMAX = {"int8": INT8_MAX, "fp8": E4M3_MAX}
+
+__all__ = [
+    "attention_reference",
+    "attention_quantized_reference",
+    "attention_prequantized_reference",
+    "quantize_qk_reference",
+    "quantize_v_fp8_reference",
+    "QKQuantized",
+    "round_half_away",
+    "to_e4m3",
+    "k_mean",
+    "visible_mask",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+def round_half_away(x: Tensor) -> Tensor:
+    """Round fp32 to the nearest integer, ties away from zero, exactly.
+
+    ``floor(|x| + 0.5)`` can round up at |x| = 0.5 - 2^-25 because the add itself rounds; this
+    form only uses exact operations (``|x| - floor(|x|)`` is exact), and the Triton prepass uses the
+    identical sequence, so the two agree bit for bit.
+    """
+    a = x.abs()
+    f = torch.floor(a)
+    r = f + ((a - f) >= 0.5).to(x.dtype)
+    return torch.where(x < 0, -r, r)
+
+
+def to_e4m3(x: Tensor) -> Tensor:
+    """Saturating round-to-nearest-even cast of fp32 to float8_e4m3fn (clamp first: torch's
+    unclamped cast is not saturating)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd' for dense inputs, got {layout!r}")
+
+
+def _bhsd(x: Tensor, layout: str) -> Tensor:
+    """A (B, H, S, D) *view* of a dense tensor in ``layout`` (no copy)."""
+    return x if layout == "bhsd" else x.transpose(1, 2)
+
+
+def _window(causal: bool, window) -> Tuple[int, int]:
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def visible_mask(sq: int, sk: int, causal: bool = False, window=None, device=None) -> Tensor:
+    """Bool (sq, sk): True where query row i may attend key j (bottom-right aligned)."""
+    left, right = _window(causal, window)
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    m = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        m &= j <= i + right
+    if left >= 0:
+        m &= j >= i - left
+    return m
+
+
+def _split_varlen(cu: Tensor):
+    cu_l = [int(c) for c in cu.tolist()]
+    return [(cu_l[b], cu_l[b + 1]) for b in range(len(cu_l) - 1)]
+
+
+def _default_scale(d: int, softmax_scale) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+
+# ----------------------------------------------------------------------------- FP32 reference
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None, window=None, layout: str = "bhsd",
+                        cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                        return_lse: bool = False):
+    """FP32 ``softmax(q kᵀ · softmax_scale) v`` — the accuracy baseline.
+
+    q: (B, Hq, Sq, D) / (B, Sq, Hq, D) per ``layout``, or packed (Tq, Hq, D) with ``cu_seqlens_q``.
+    k, v: same with Hkv heads (Hq % Hkv == 0).  Any float dtype; computed in FP32.
+    ``softmax_scale`` defaults to 1/sqrt(D).  Returns the output in FP32 in the input's layout,
+    and with ``return_lse`` also the natural-log LSE (B, Hq, Sq) or (Hq, Tq).
+    Differentiable (plain torch ops), so it also serves as the high-precision backward.
+    """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        outs, lses = [], []
+        for (qs, qe), (ks, ke) in zip(_split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k)):
+            o, l = attention_reference(q[qs:qe].unsqueeze(0), k[ks:ke].unsqueeze(0), v[ks:ke].unsqueeze(0),
+                                       causal=causal, softmax_scale=softmax_scale, window=window,
+                                       layout="bshd", return_lse=True)
+            outs.append(o[0])
+            lses.append(l[0])
+        out = torch.cat(outs, 0)
+        lse = torch.cat(lses, 1)
+        return (out, lse) if return_lse else out
+    _check_layout(layout)
+    qh, kh, vh = (_bhsd(t, layout).float() for t in (q, k, v))
+    hq, hkv = qh.shape[1], kh.shape[1]
+    if hq != hkv:
+        kh = kh.repeat_interleave(hq // hkv, dim=1)
+        vh = vh.repeat_interleave(hq // hkv, dim=1)
+    scale = _default_scale(q.shape[-1], softmax_scale)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    mask = visible_mask(sq, sk, causal, window, device=s.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see nothing
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    out = torch.matmul(p, vh)
+    out = out if layout == "bhsd" else out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- quantization
+@dataclass
+class QKQuantized:
+    """Quantized Q/K (same fields as ``lowbit.quant.reference.QKInt8``, plus the settings).
+
+    q, k: int8 or float8_e4m3fn, same shape/layout as the inputs (k after smoothing).
+    q_scale: fp32 (B, Hq, n_q_groups); k_scale: fp32 (B, Hkv, n_k_blocks); dequantized
+    ``q·q_scale`` is ``q_in · softmax_scale · log2(e)``.  k_mean: fp32 (B, Hkv, 1, D) or None.
+    """
+    q: Tensor
+    k: Tensor
+    q_scale: Tensor
+    k_scale: Tensor
+    k_mean: Optional[Tensor]
+    softmax_scale: float
+    dtype: str = "int8"
+    granularity: str = "per_block"
+    block_q: int = 128
+    block_k: int = 64
+    warp_q: int = 32
+
+    @property
+    def q_scale_rows(self) -> int:
+        """Consecutive query rows sharing one q_scale entry."""
+        return self.warp_q if self.granularity == "per_warp" else self.block_q
+
+
+def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = None,
+           max_seqlen_k: Optional[int] = None) -> Tensor:
+    """Mean of K over the sequence in FP32: (B, Hkv, 1, D).
+
+    Both the reference and the Triton prepass call this same function on the same tensor, so the
+    smoothing offsets (and hence the INT8 codes) agree bit for bit on a given device.
+    """
+    if cu_seqlens_k is not None:
+        nb = cu_seqlens_k.numel() - 1
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+        seg = torch.repeat_interleave(torch.arange(nb, device=k.device), lens, output_size=k.shape[0])
+        pos = torch.arange(k.shape[0], device=k.device) - cu_seqlens_k.long()[seg]
+        smax = int(max_seqlen_k) if max_seqlen_k is not None else int(lens.max())
+        dense = k.new_zeros((nb, smax, k.shape[1], k.shape[2]), dtype=torch.float32)
+        dense[seg, pos] = k.float()  # unique indices: deterministic
+        s = dense.sum(dim=1)  # (B, H, D)
+        return (s / lens.clamp(min=1).to(torch.float32)[:, None, None]).unsqueeze(2)
+    return _bhsd(k, layout).float().mean(dim=2, keepdim=True)
+
+
+def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
+    """x fp32 (B, H, S, D): per group of ``rows`` rows scale = amax/qmax (0 -> 1).
+
+    Returns codes (B, H, S, D) and scales (B, H, ceil(S/rows))."""
+    b, h, s, d = x.shape
+    ng = -(-s // rows)
+    pad = ng * rows - s
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+    amax = xp.reshape(b, h, ng, rows * d).abs().amax(dim=-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / qmax)
+    y = x / scale.repeat_interleave(rows, dim=2)[:, :, :s, None]
+    if dtype == "int8":
+        codes = round_half_away(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    else:
+        codes = to_e4m3(y)
+    return codes, scale
+
+
+def _validate_blocks(granularity: str, block_q: int, block_k: int, warp_q: int) -> None:
+    if granularity not in ("per_block", "per_warp"):
+        raise ValueError(f"granularity must be 'per_block' or 'per_warp', got {granularity!r}")
+    for name, val in (("block_q", block_q), ("block_k", block_k), ("warp_q", warp_q)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if granularity == "per_warp" and block_q % warp_q:
+        raise ValueError(f"per_warp needs block_q % warp_q == 0, got block_q={block_q}, warp_q={warp_q}")
+
+
+def n_q_groups(seqlen_q: int, granularity: str, block_q: int, warp_q: int) -> int:
+    """Number of q_scale entries per (batch, head) for ``seqlen_q`` rows (DESIGN §3)."""
+    nb = -(-seqlen_q // block_q)
+    return nb * (block_q // warp_q) if granularity == "per_warp" else nb
+
+
+def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str = "per_block",
+                          smooth_k: bool = True, block_q: int = 128, block_k: int = 64, warp_q: int = 32,
+                          softmax_scale: Optional[float] = None, layout: str = "bhsd",
+                          cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                          max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> QKQuantized:
+    """Quantize Q and K to INT8 (or FP8 E4M3) with SageAttention's scale shapes (module docstring).
+
+    Dense: q (B, Hq, Sq, D)/(B, Sq, Hq, D), k likewise.  Varlen: packed (T, H, D) + cu_seqlens.
+    """
+    if dtype not in QMAX:
+        raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
+    _validate_blocks(granularity, block_q, block_k, warp_q)
+    scale = _default_scale(q.shape[-1], softmax_scale)
+    qmax = QMAX[dtype]
+    # Python float -> fp32 scalar, exactly as the Triton launcher passes it.
+    mult = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
+    qrows = warp_q if granularity == "per_warp" else block_q
+    km = k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k) if smooth_k else None
+    code_dtype = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
+    if cu_seqlens_q is not None:
+        segs_q, segs_k = _split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k)
+        nb = len(segs_q)
+        mq = max_seqlen_q or max(e - s for s, e in segs_q)
+        mk = max_seqlen_k or max(e - s for s, e in segs_k)
+        qs = torch.ones(nb, q.shape[1], n_q_groups(mq, granularity, block_q, warp_q), device=q.device)
+        ks = torch.ones(nb, k.shape[1], -(-mk // block_k), device=q.device)
+        qc = torch.empty_like(q, dtype=code_dtype)
+        kc = torch.empty_like(k, dtype=code_dtype)
+        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
+            xq = q[a0:a1].transpose(0, 1).unsqueeze(0).float() * mult
+            codes, sc = _quant_rows(xq, qrows, qmax, dtype)
+            qc[a0:a1] = codes[0].transpose(0, 1)
+            qs[b, :, : sc.shape[-1]] = sc[0]
+            xk = k[c0:c1].transpose(0, 1).unsqueeze(0).float()
+            if km is not None:
+                xk = xk - km[b:b + 1]
+            codes, sc = _quant_rows(xk, block_k, qmax, dtype)
+            kc[c0:c1] = codes[0].transpose(0, 1)
+            ks[b, :, : sc.shape[-1]] = sc[0]
+        return QKQuantized(qc, kc, qs, ks, km, scale, dtype, granularity, block_q, block_k, warp_q)
+    _check_layout(layout)
+    xq = _bhsd(q, layout).float() * mult
+    sq = xq.shape[2]
+    # per-warp: pad to whole blocks first so trailing warp groups of the last block exist (scale 1)
+    qcodes, qs = _quant_rows(xq, qrows, qmax, dtype)
+    ng = n_q_groups(sq, granularity, block_q, warp_q)
+    if qs.shape[-1] < ng:
+        qs = torch.cat([qs, qs.new_ones(*qs.shape[:2], ng - qs.shape[-1])], dim=-1)
+    xk = _bhsd(k, layout).float()
+    if km is not None:
+        xk = xk - km
+    kcodes, ks = _quant_rows(xk, block_k, qmax, dtype)
+    if layout == "bshd":
+        qcodes, kcodes = qcodes.transpose(1, 2), kcodes.transpose(1, 2)
+    return QKQuantized(qcodes.contiguous(), kcodes.contiguous(), qs, ks, km, scale, dtype, granularity,
+                       block_q, block_k, warp_q)
+
+
+def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = None):
+    """V -> (float8_e4m3fn codes same shape/layout, fp32 scale (B, Hkv, D)).
+
+    scale = amax over the sequence per (batch, head, channel) / 448 (amax == 0 -> 1);
+    code = sat_rne(v / scale).  Dequant: code * scale.  Varlen: per sequence.
+    """
+    if cu_seqlens_k is not None:
+        segs = _split_varlen(cu_seqlens_k)
+        out = torch.empty_like(v, dtype=torch.float8_e4m3fn)
+        scales = []
+        for b, (s0, s1) in enumerate(segs):
+            o, sc = quantize_v_fp8_reference(v[s0:s1].unsqueeze(0), layout="bshd")
+            out[s0:s1] = o[0]
+            scales.append(sc[0])
+        return out, torch.stack(scales, 0)
+    _check_layout(layout)
+    vh = _bhsd(v, layout).float()
+    amax = vh.abs().amax(dim=2)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    codes = to_e4m3(vh / scale[:, :, None, :])
+    if layout == "bshd":
+        codes = codes.transpose(1, 2)
+    return codes.contiguous(), scale
+
+
+# ----------------------------------------------------------------------------- quantized attention
+def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor],
+                                     k_scale: Optional[Tensor], *, v_scale: Optional[Tensor] = None,
+                                     k_mean: Optional[Tensor] = None, q_scale_rows: int = 128,
+                                     k_scale_rows: int = 64, softmax_scale: Optional[float] = None,
+                                     causal: bool = False, window=None, layout: str = "bhsd",
+                                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                                     return_lse: bool = False, block_n: Optional[int] = None):
+    """Attention on already-quantized operands, following the kernel's math step by step.
+
+    * q, k int8 / float8_e4m3fn with q_scale, k_scale (scores = q·k · q_scale[row] · k_scale[col],
+      in log2 units; ``softmax_scale`` is ignored) — or 16-bit q, k with q_scale = k_scale = None
+      (scores = q·k · softmax_scale · log2 e in FP32).
+    * v 16-bit (P rounded to v's dtype before P·V), or float8_e4m3fn with ``v_scale`` (B, Hkv, D):
+      P·448 rounded to E4M3, output = (P8·V8) / l · v_scale / 448.
+    * ``block_n``: None = exact softmax (row max over all keys); an int = the kernel's online
+      softmax over key tiles of that width (P is quantized relative to the running max), so a
+      kernel run with the same BLOCK_N matches to FP32-rounding level.
+    * LSE (natural log) is corrected for K smoothing: + (q·q_scale)·k_mean · ln 2.
+    Returns the output in FP32 (input layout) and optionally LSE.
+    """
+    if cu_seqlens_q is not None:
+        outs, lses = [], []
+        for b, ((qs0, qs1), (ks0, ks1)) in enumerate(zip(_split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k))):
+            def sl(t):
+                return None if t is None else t[b:b + 1]
+            o, l = attention_prequantized_reference(
+                q[qs0:qs1].unsqueeze(0), k[ks0:ks1].unsqueeze(0), v[ks0:ks1].unsqueeze(0), sl(q_scale), sl(k_scale),
+                v_scale=sl(v_scale), k_mean=sl(k_mean), q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows,
+                softmax_scale=softmax_scale, causal=causal, window=window, layout="bshd", return_lse=True,
+                block_n=block_n)
+            outs.append(o[0])
+            lses.append(l[0])
+        out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
+        return (out, lse) if return_lse else out
+    _check_layout(layout)
+    qh, kh, vh = (_bhsd(t, layout) for t in (q, k, v))
+    b, hq, sq, d = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    g = hq // hkv
+    quant_qk = q_scale is not None
+    qf = qh.float()
+    kf = kh.float().repeat_interleave(g, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2))  # exact for int8 (|sum| < 2^24)
+    if quant_qk:
+        qs_row = q_scale[:, :, torch.arange(sq, device=q.device) // q_scale_rows]  # (B, Hq, Sq)
+        ks_col = k_scale.repeat_interleave(g, dim=1)[:, :, torch.arange(sk, device=q.device) // k_scale_rows]
+        s = s * (qs_row[..., :, None] * ks_col[..., None, :])
+    else:
+        c = float(torch.tensor(_default_scale(d, softmax_scale) * LOG2E, dtype=torch.float32))
+        s = s * c
+    mask = visible_mask(sq, sk, causal, window, device=s.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    pv_fp8 = v.dtype == torch.float8_e4m3fn
+    vf = vh.float().repeat_interleave(g, dim=1)
+
+    def p_round(p):
+        return to_e4m3(p * E4M3_MAX).float() if pv_fp8 else p.to(v.dtype).float()
+
+    if block_n is None:
+        m = s.amax(dim=-1)
+        m_use = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp2(s - m_use[..., None])
+        l_sum = p.sum(-1)
+        acc = torch.matmul(p_round(p), vf)
+    else:
+        m = torch.full((b, hq, sq), float("-inf"), device=s.device)
+        l_sum = torch.zeros_like(m)
+        acc = torch.zeros(b, hq, sq, d, device=s.device)
+        for n0 in range(0, sk, block_n):
+            st = s[..., n0:n0 + block_n]
+            m_new = torch.maximum(m, st.amax(-1))
+            m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp2(st - m_use[..., None])
+            alpha = torch.exp2(m - m_use)
+            l_sum = l_sum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p_round(p), vf[..., n0:n0 + block_n, :])
+            m = m_new
+    out = acc / torch.where(l_sum == 0, torch.ones_like(l_sum), l_sum)[..., None]
+    if pv_fp8:
+        vsc = (v_scale / E4M3_MAX).repeat_interleave(g, dim=1)  # (B, Hq, D)
+        out = out * vsc[:, :, None, :]
+    lse2 = m + torch.log2(l_sum)
+    if k_mean is not None and quant_qk:
+        corr = (qf * k_mean.repeat_interleave(g, dim=1)).sum(-1) * qs_row
+        lse2 = lse2 + corr
+    lse = lse2 * LN2
+    out = out if layout == "bhsd" else out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def attention_quantized_reference(q: Tensor, k: Tensor, v: Tensor, *, qk: str = "int8", pv: str = "bf16",
+                                  granularity: str = "per_block", smooth_k: bool = True, block_q: int = 128,
+                                  block_k: int = 64, warp_q: int = 32, causal: bool = False,
+                                  softmax_scale: Optional[float] = None, window=None, layout: str = "bhsd",
+                                  cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                                  max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                                  return_lse: bool = False, block_n: Optional[int] = None):
+    """Quantize (prepass reference) then run ``attention_prequantized_reference``.
+
+    qk: "int8" | "fp8" | "bf16" (16-bit: the inputs' own dtype); pv: "bf16" (16-bit) | "fp8".
+    q, k, v: 16-bit float tensors (fp32 also accepted here).  Output FP32.
+    """
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if qk in ("int8", "fp8"):
+        qq = quantize_qk_reference(q, k, dtype=qk, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                                   block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, layout=layout,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **varlen)
+        qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
+    else:
+        qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
+    if pv == "fp8":
+        va, vs = quantize_v_fp8_reference(v, layout=layout, cu_seqlens_k=cu_seqlens_k)
+    else:
+        va, vs = v, None
+    return attention_prequantized_reference(qa, ka, va, qs, ks, v_scale=vs, k_mean=km, q_scale_rows=rows,
+                                            k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal,
+                                            window=window, layout=layout, return_lse=return_lse, block_n=block_n,
+                                            **varlen)
