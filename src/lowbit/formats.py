@@ -130,17 +130,13 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 _M32 = 0xFFFFFFFF
 
 
-def _umulhi32(a: torch.Tensor | int, b: torch.Tensor) -> torch.Tensor:
-    """High 32 bits of the 64-bit product of two uint32 values held in int64 tensors."""
-    # Split into 16-bit halves so no partial product overflows int64.
-    a_lo, a_hi = (a & 0xFFFF), (a >> 16)
-    b_lo, b_hi = (b & 0xFFFF), (b >> 16)
-    lo_lo = a_lo * b_lo
-    mid1 = a_hi * b_lo
-    mid2 = a_lo * b_hi
-    hi_hi = a_hi * b_hi
-    carry = ((lo_lo >> 16) + (mid1 & 0xFFFF) + (mid2 & 0xFFFF)) >> 16
-    return (hi_hi + (mid1 >> 16) + (mid2 >> 16) + carry) & _M32
+def _umulhi32(a: int, b: torch.Tensor) -> torch.Tensor:
+    """High 32 bits of the 64-bit product of a uint32 constant and uint32 values held in int64.
+
+    The int64 product wraps modulo 2**64 (two's complement), which keeps all 64 bits of the
+    unsigned product; an arithmetic shift and a mask recover the high word.
+    """
+    return ((a * b) >> 32) & _M32
 
 
 def philox_randint(seed: int, index: torch.Tensor) -> torch.Tensor:
@@ -160,17 +156,11 @@ def philox_randint(seed: int, index: torch.Tensor) -> torch.Tensor:
         _c0, _c2 = c0, c2
         c0 = _umulhi32(B, _c2) ^ c1 ^ k0
         c2 = _umulhi32(A, _c0) ^ c3 ^ k1
-        c1 = _mul_lo32(B, _c2)
-        c3 = _mul_lo32(A, _c0)
+        c1 = (B * _c2) & _M32
+        c3 = (A * _c0) & _M32
         k0 = (k0 + 0x9E3779B9) & _M32
         k1 = (k1 + 0xBB67AE85) & _M32
     return c0
-
-
-def _mul_lo32(a: int, b: torch.Tensor) -> torch.Tensor:
-    """Low 32 bits of a * b for a uint32 constant and uint32 values, without int64 overflow."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    return (a_lo * b + ((a_hi * b) & 0xFFFF) * 65536) & _M32
 
 
 def philox_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
@@ -202,10 +192,15 @@ def round_to_format(
     wd = _work_dtype(x)
     xf = x.to(wd)
     a = torch.minimum(xf.abs(), torch.tensor(fmt.max, dtype=wd, device=x.device))  # NaN propagates
-    # exponent of the binade: a = m * 2**e with m in [0.5, 1) -> floor(log2 a) = e - 1 (for a > 0)
-    _, e = torch.frexp(a)
-    e = torch.clamp(e.to(torch.int32) - 1, min=fmt.emin)
-    quantum = torch.ldexp(torch.ones_like(a), (e - fmt.mbits).to(wd))
+    if wd == torch.float32:
+        # binade exponent straight from the float32 bits (subnormal fp32 inputs land below emin anyway)
+        e = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+        e = torch.clamp(e, min=fmt.emin)
+        quantum = ((e - fmt.mbits + 127) << 23).view(torch.float32)
+    else:
+        _, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1) -> floor(log2 a) = e - 1
+        e = torch.clamp(e.to(torch.int32) - 1, min=fmt.emin)
+        quantum = torch.ldexp(torch.ones_like(a), (e - fmt.mbits).to(wd))
     t = a / quantum  # exact: division by a power of two
     if stochastic:
         if index is None:
