@@ -1,0 +1,1 @@
+"""Triton kernels for :mod:`lowbit.quant` (imported only where Triton is installed)."""

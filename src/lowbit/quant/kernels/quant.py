@@ -1,0 +1,389 @@
+"""Triton quantization kernels (DESIGN §2-§4). Launchers live in :mod:`lowbit.quant.triton_backend`.
+
+Every kernel reproduces :mod:`lowbit.quant.reference` bit for bit:
+
+* amax is a max over the int32 bit patterns of |x| (sign bit cleared): for non-negative floats the
+  integer order is the float order, and a NaN (0x7F8xxxxx+) dominates every finite value and Inf,
+  so the amax propagates NaN exactly as ``torch.amax`` does. Tile maxima meet through an int32
+  ``atomic_max``.
+* divisions are ``div_rn`` (IEEE round-to-nearest, as torch's tensor/tensor division); products are
+  single FP32 multiplies, in the reference's order.
+* float casts: saturating round-to-nearest-even. On the GPU (``SW=False``) FP8 uses the hardware
+  conversion (``cvt.rn.satfinite``) after a NaN-preserving clamp to ±fmax; with ``SW=True`` (Triton's
+  interpreter, whose float->fp8 conversion is not exact) the value is first rounded onto the grid in
+  integer/FP32 arithmetic that mirrors :func:`lowbit.formats.round_to_format`, after which the cast is
+  exact. E2M1 (no Hopper instruction) always uses the software path; stochastic rounding draws
+  ``tl.randint(seed, index)`` with the reference's counter convention.
+* offsets are int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP32_MAX = 3.4028234663852886e38
+MAGIC_RNE = 12582912.0  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+
+
+@triton.jit
+def _abs_bits(x):
+    """int32 bit pattern of |x| (x float32): ordered like |x|, NaN above +Inf."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _bits_to_f32(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
+    """reference.compute_scale: fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down; NaN stays."""
+    if EPS > 0:
+        a = tl.where(a != a, a, tl.maximum(a, EPS))
+    s = tl.math.div_rn(tl.full(a.shape, FMAX, tl.float32), a)
+    s = tl.where(a == 0, 1.0, s)
+    s = tl.where(s == float("inf"), FP32_MAX, s)
+    if POW2:
+        p = _bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
+        s = tl.where(s == s, p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
+    return s
+
+
+@triton.jit
+def _recip(s):
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _round_sw(v, u, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SR: tl.constexpr):
+    """formats.round_to_format in FP32 arithmetic: returns v rounded onto the format grid (saturated, NaN kept).
+
+    ``u``: uniform [0, 1) numbers for stochastic rounding (ignored unless SR).
+    """
+    a = tl.abs(v)
+    a = tl.where(a > FMAX, FMAX, a)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a) for normal a
+    e = tl.maximum(e, EMIN)
+    qe = e - MBITS
+    quantum = _bits_to_f32((qe + 127) << 23)
+    inv_q = _bits_to_f32((127 - qe) << 23)
+    t = a * inv_q  # exact
+    if SR:
+        fl = tl.floor(t)
+        n = fl + tl.where(u < (t - fl), 1.0, 0.0)
+    else:
+        n = (t + MAGIC_RNE) - MAGIC_RNE
+    r = tl.minimum(n * quantum, FMAX)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    r = _bits_to_f32(r.to(tl.int32, bitcast=True) | sign)
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _fp8_prep(v, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr):
+    """FP32 value ready for ``.to(fp8)``: on-grid (SW) or clamped to ±fmax with NaN kept (hardware satfinite RNE)."""
+    if SW:
+        return _round_sw(v, v, FMAX, EMIN, MBITS, False)
+    else:
+        return tl.where(v != v, v, tl.minimum(tl.maximum(v, -FMAX), FMAX))
+
+
+@triton.jit
+def _uniform(seed, idx):
+    """formats.philox_uniform: (philox(seed, idx)[0] >> 8) * 2**-24."""
+    r = tl.randint(seed, idx)
+    r = r.to(tl.uint32, bitcast=True) >> 8
+    return r.to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _e2m1_codes(r):
+    """uint8 E2M1 codes of on-grid values (formats.e2m1_encode): NaN -> +0, -0 keeps its sign bit."""
+    a = tl.abs(r)
+    a = tl.where(r != r, 0.0, a)
+    idx = tl.where(a < 2.0, a * 2.0, tl.where(a < 4.0, a + 2.0, tl.where(a < 6.0, 6.0, 7.0)))
+    neg = (r.to(tl.int32, bitcast=True) < 0) & (r == r)
+    return (idx.to(tl.int32) | tl.where(neg, 8, 0)).to(tl.uint8)
+
+
+@triton.jit
+def _pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """(R, C) uint8 codes -> (R, C/2) bytes: element 2i in the low nibble, 2i+1 in the high."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return lo | (hi << 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# amax of a whole tensor (per-tensor current scaling, NVFP4 global scale)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def amax_kernel(x_ptr, amax_ptr, N, BLOCK: tl.constexpr):
+    """amax_ptr (int32 bits, pre-zeroed) = max |x| over the flat contiguous x of N elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, tl.max(_abs_bits(x), axis=0))
+
+
+# ------------------------------------------------------------------------------------------------
+# per-tensor (current or delayed): one scale, rowwise and/or transposed copy from one read
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def tensorwise_kernel(x_ptr, rq_ptr, cq_ptr, scale_ptr, amax_ptr, si_ptr, M, K,
+                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                      DELAYED: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SW: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr):
+    """Cast x (M, K) with one scale. DELAYED: scale read from scale_ptr (fp32) and the amax is recorded
+    here; else the scale comes from the amax already in amax_ptr (reference.compute_scale)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DELAYED:
+        s = tl.load(scale_ptr)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    else:
+        a = _bits_to_f32(tl.load(amax_ptr))
+        s = _compute_scale(a, FMAX, False, 0.0)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(si_ptr, _recip(s))
+    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+    if ROW:
+        tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
+    if COL:
+        qt = tl.trans(q)
+        tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], qt.to(cq_ptr.dtype.element_ty), mask=tl.trans(mask))
+
+
+# ------------------------------------------------------------------------------------------------
+# per-row scales (Float8Rowwise): a copy's rows are read along their length twice (amax, then cast)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
+                    FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
+                    SW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Copy (R, C) of x read through strides (stride_r, stride_c); one scale per copy row; q (R, C) row-major."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_r = pid * BR + tl.arange(0, BR)
+    rmask = offs_r < R
+    amax = tl.zeros((BR,), dtype=tl.int32)
+    for c0 in range(0, C, BC):
+        offs_c = c0 + tl.arange(0, BC).to(tl.int64)
+        mask = rmask[:, None] & (offs_c[None, :] < C)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+    s = _compute_scale(_bits_to_f32(amax), FMAX, POW2, 0.0)
+    tl.store(si_ptr + offs_r, _recip(s), mask=rmask)
+    for c0 in range(0, C, BC):
+        offs_c = c0 + tl.arange(0, BC).to(tl.int64)
+        mask = rmask[:, None] & (offs_c[None, :] < C)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        q = _fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
+        tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# blockwise 1xBS / BSxBS (DeepSeek-V3): fused rowwise + columnwise from one read of each tile
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
+                     FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
+                     EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                     SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
+    """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
+
+    1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
+    2D: rs[mb, kb] (ld pad4(cdiv(K, BS))), columnwise grid transposed cs[kb, mb] (ld pad4(cdiv(M, BS))).
+    Stored values are scale_inv = 1 / scale.
+    """
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BS + tl.arange(0, BS)
+    mmask = offs_m < M
+    kmask = offs_k < K
+    mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    ab = _abs_bits(x)
+    row_max = tl.max(ab, axis=1)
+    tl.atomic_max(amax_ptr, tl.max(row_max, axis=0))
+    if TWO_D:
+        s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
+        si = _recip(s)
+        q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+        if ROW:
+            tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
+            tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
+        if COL:
+            tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
+            tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(q).to(cq_ptr.dtype.element_ty),
+                     mask=kmask[:, None] & mmask[None, :])
+    else:
+        if ROW:
+            sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+            tl.store(rs_ptr + pid_k * rs_ld + offs_m, _recip(sr), mask=mmask)
+            q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
+            tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
+        if COL:
+            sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
+            tl.store(cs_ptr + pid_m * cs_ld + offs_k, _recip(sc), mask=kmask)
+            qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
+            tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
+                     mask=kmask[:, None] & mmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# MXFP8: 1x32 blocks, E8M0 scales; rowwise (along K) and columnwise (along M) from one read
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _mx_exponent(amax_bits, EMAX: tl.constexpr):
+    """(X, code): X = floor(log2 amax) - emax from the exponent bits (amax 0 -> 0; clamp ±127); NaN -> code 0xFF."""
+    be = (amax_bits >> 23) & 0xFF
+    # torch.frexp: normal a -> floor(log2 a) = be - 127; subnormal ends up clamped to -127 either way;
+    # Inf/NaN -> frexp exponent 0, i.e. floor = -1.
+    fl = tl.where(be == 255, -1, be - 127)
+    X = fl - EMAX
+    X = tl.where(amax_bits == 0, 0, X)
+    X = tl.minimum(tl.maximum(X, -127), 127)
+    code = tl.where(amax_bits > 0x7F800000, 255, X + 127)
+    return X, code
+
+
+@triton.jit
+def mxfp8_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K,
+                 FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr,
+                 ROW: tl.constexpr, COL: tl.constexpr, SW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """x (M, K) contiguous; rowwise q (M, K) + scales (M, K/32) uint8; columnwise q (K, M) + scales (K, M/32)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mmask = offs_m < M
+    kmask = offs_k < K
+    mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    ab = _abs_bits(x)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(ab, axis=1), axis=0))
+    if ROW:
+        bm = tl.max(tl.reshape(ab, (BM, BK // 32, 32)), axis=2)
+        X, code = _mx_exponent(bm, EMAX)
+        mult = _bits_to_f32((127 - X) << 23)  # 2**-X, a normal FP32 power of two
+        xs = tl.reshape(tl.reshape(x, (BM, BK // 32, 32)) * mult[:, :, None], (BM, BK))
+        q = _fp8_prep(xs, FMAX, EMIN, MBITS, SW)
+        tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
+        offs_kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+        tl.store(rs_ptr + offs_m[:, None] * (K // 32) + offs_kb[None, :], code.to(tl.uint8),
+                 mask=mmask[:, None] & (offs_kb[None, :] < K // 32))
+    if COL:
+        bmc = tl.max(tl.reshape(ab, (BM // 32, 32, BK)), axis=1)
+        Xc, codec = _mx_exponent(bmc, EMAX)
+        multc = _bits_to_f32((127 - Xc) << 23)
+        xc = tl.reshape(tl.reshape(x, (BM // 32, 32, BK)) * multc[:, None, :], (BM, BK))
+        qc = _fp8_prep(xc, FMAX, EMIN, MBITS, SW)
+        tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
+                 mask=kmask[:, None] & mmask[None, :])
+        offs_mb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        tl.store(cs_ptr + offs_k[:, None] * (M // 32) + offs_mb[None, :], tl.trans(codec).to(tl.uint8),
+                 mask=kmask[:, None] & (offs_mb[None, :] < M // 32))
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4: E2M1 elements, E4M3 scale per 16 (1x16 or 16x16), FP32 global scale from the tensor amax
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _nvfp4_encode(x, bamax, S, seed, idx, SR: tl.constexpr, SW: tl.constexpr):
+    """Block amax (broadcastable to x) -> (d as float32 on the E4M3 grid, E2M1 codes of x)."""
+    t = bamax * tl.math.div_rn(S, tl.full(S.shape, 6.0, tl.float32))
+    t = tl.where(t != t, t, tl.minimum(t, 448.0))
+    d = _fp8_prep(t, 448.0, -6, 3, SW).to(tl.float8e4nv).to(tl.float32)
+    enc = _recip(tl.math.div_rn(d, S))
+    enc = tl.where(enc == float("inf"), FP32_MAX, enc)
+    return d, enc
+
+
+@triton.jit
+def _nvfp4_round(v, seed, idx, SR: tl.constexpr):
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -6.0), 6.0))
+    if SR:
+        u = _uniform(seed, idx)
+    else:
+        u = v
+    return _e2m1_codes(_round_sw(v, u, 6.0, 0, 1, SR))
+
+
+@triton.jit
+def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, seed,
+                 TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr, SW: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr):
+    """x (M, K) contiguous (M % 16 == 0 when COL or TWO_D, K % 16 == 0); amax_ptr holds the tensor amax bits.
+
+    rowwise: rq (M, K/2) packed, rs (M, K/16) e4m3 (TWO_D: (M/16, K/16)); columnwise: cq (K, M/2),
+    cs (K, M/16) (TWO_D: the transposed grid (K/16, M/16)). Philox counters: rowwise m*K + k,
+    columnwise (1x16) M*K + k*M + m. gs = S = 2688 / amax (0 -> 1, overflow -> FP32 max).
+    """
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mmask = offs_m < M
+    kmask = offs_k < K
+    mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    ab = _abs_bits(x)
+    amax = _bits_to_f32(tl.load(amax_ptr))
+    S = tl.math.div_rn(tl.full((1,), 2688.0, tl.float32), tl.full((1,), 1.0, tl.float32) * amax)
+    S = tl.where(amax == 0, 1.0, S)
+    S = tl.where(S == float("inf"), FP32_MAX, S)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(gs_ptr + tl.arange(0, 1), S)
+    S2 = tl.reshape(S, (1, 1))
+    idx = offs_m[:, None] * K + offs_k[None, :]
+    K16 = K // 16
+    M16 = M // 16
+    if TWO_D:
+        bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
+        d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
+        enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16, 16)), (BM, BK))
+        codes = _nvfp4_round(x * enc_e, seed, idx, SR)
+        dq = d.to(tl.float8e4nv)
+        offs_mb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+        offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+        smask = (offs_mb[:, None] < M16) & (offs_kb[None, :] < K16)
+        if ROW:
+            offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+            tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
+                     mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
+            tl.store(rs_ptr + offs_mb[:, None] * K16 + offs_kb[None, :], dq, mask=smask)
+        if COL:
+            offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+            tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codes), BK, BM),
+                     mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
+            tl.store(cs_ptr + offs_kb[:, None] * M16 + offs_mb[None, :], tl.trans(dq), mask=tl.trans(smask))
+    else:
+        if ROW:
+            bm = _bits_to_f32(tl.max(tl.reshape(ab, (BM, BK // 16, 16)), axis=2))
+            d, enc = _nvfp4_encode(x, bm, S2, seed, idx, SR, SW)
+            enc_e = tl.reshape(tl.broadcast_to(enc[:, :, None], (BM, BK // 16, 16)), (BM, BK))
+            codes = _nvfp4_round(x * enc_e, seed, idx, SR)
+            offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+            tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
+                     mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
+            offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+            tl.store(rs_ptr + offs_m[:, None] * K16 + offs_kb[None, :], d.to(tl.float8e4nv),
+                     mask=mmask[:, None] & (offs_kb[None, :] < K16))
+        if COL:
+            bmc = _bits_to_f32(tl.max(tl.reshape(ab, (BM // 16, 16, BK)), axis=1))
+            dc, encc = _nvfp4_encode(x, bmc, S2, seed, idx, SR, SW)
+            encc_e = tl.reshape(tl.broadcast_to(encc[:, None, :], (BM // 16, 16, BK)), (BM, BK))
+            idxc = M * K + offs_k[None, :] * M + offs_m[:, None]
+            codesc = _nvfp4_round(x * encc_e, seed, idxc, SR)
+            offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+            tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codesc), BK, BM),
+                     mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
+            offs_mb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+            tl.store(cs_ptr + offs_k[:, None] * M16 + offs_mb[None, :], tl.trans(dc.to(tl.float8e4nv)),
+                     mask=kmask[:, None] & (offs_mb[None, :] < M16))

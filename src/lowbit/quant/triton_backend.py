@@ -1,0 +1,334 @@
+"""Triton quantization backend: registers ``"triton"`` with :func:`lowbit.quant.register_backend`.
+
+Covers, on CUDA tensors (float32 / bfloat16 / float16, contiguous):
+
+* ``Float8Tensorwise``: current scaling (amax pass + cast, 2 launches) and delayed scaling (given
+  ``scale``, one launch that casts and records the amax); rowwise and the transposed copy from one read.
+* ``Float8Rowwise``: one scale per row of each copy (each copy reads its rows twice: amax, then cast).
+* ``Float8Blockwise``: 1xBS (rowwise + columnwise in one launch, fused cast + transpose) and BSxBS
+  (columnwise = transposed data + transposed scale grid, same launch). Scales are written directly in
+  the storage layout of :func:`lowbit.quant.tensor.scale_storage`.
+* ``MXFP8``: both copies in one launch.
+* ``NVFP4``: 1x16 and 16x16, stochastic rounding; amax pass + one quantize launch. The Random
+  Hadamard Transform on the columnwise copy is not implemented here (``supports`` declines it, the
+  reference runs).
+
+Every output is bit-identical to :func:`lowbit.quant.reference.quantize_reference` (tests/test_quant_kernels.py).
+Nothing here touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..formats import E4M3, FloatFormat
+from . import register_backend
+from .kernels import quant as K
+from .reference import _validate
+from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
+
+__all__ = ["supports", "quantize_triton", "INTERPRET"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Software rounding onto the grid before the FP8 cast (exact in the interpreter); on the GPU the
+# hardware satfinite RNE conversion is used unless LOWBIT_SW_ROUND=1.
+SW_ROUND = INTERPRET or os.environ.get("LOWBIT_SW_ROUND", "0") == "1"
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# a small autotuner: candidate configs from a generator, pruned by shape, timed once per shape bucket
+# ------------------------------------------------------------------------------------------------
+_TUNED: dict = {}
+AUTOTUNE = os.environ.get("LOWBIT_AUTOTUNE", "1") == "1"
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def tuned_launch(name: str, key: tuple, candidates: list[dict], launch) -> dict:
+    """Run ``launch(cfg)`` with the fastest of ``candidates`` for this (name, key); returns the config used.
+
+    ``launch`` must be idempotent (the kernels here are: they overwrite outputs and atomic-max an amax).
+    In the interpreter, with one candidate, or with LOWBIT_AUTOTUNE=0, the first candidate is used.
+    """
+    if not candidates:
+        raise RuntimeError(f"{name}: no launch configuration fits key {key}")
+    if INTERPRET or not AUTOTUNE or len(candidates) == 1:
+        launch(candidates[0])
+        return candidates[0]
+    k = (name,) + tuple(key)
+    cfg = _TUNED.get(k)
+    if cfg is None:
+        best = None
+        for c in candidates:
+            try:
+                t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
+            except Exception:  # a config that does not compile (e.g. out of registers) is skipped
+                continue
+            if best is None or t < best[0]:
+                best = (t, c)
+        if best is None:
+            raise RuntimeError(f"{name}: no candidate config ran for key {key}")
+        cfg = _TUNED[k] = best[1]
+    launch(cfg)
+    return cfg
+
+
+def _configs(tile_m: list[int], tile_k: list[int], warps: list[int], M: int, K: int, *, min_m: int = 1, min_k: int = 1):
+    """Config generator with a pruning filter: drop tiles much larger than the tensor (keep one at least)."""
+    out = []
+    for bm in tile_m:
+        for bk in tile_k:
+            for w in warps:
+                if bm > max(_bucket(M), min_m) or bk > max(_bucket(K), min_k):
+                    continue
+                if bm * bk >= 128 * 128 and w < 4 or bm * bk <= 32 * 32 and w > 4:
+                    continue
+                out.append(dict(BM=bm, BK=bk, num_warps=w))
+    if not out:
+        out.append(dict(BM=tile_m[0], BK=tile_k[0], num_warps=warps[0]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch
+# ------------------------------------------------------------------------------------------------
+def supports(x, scheme, rowwise: bool, columnwise: bool) -> bool:
+    """True for CUDA, contiguous float32/bf16/fp16 tensors with a scheme and shape implemented here."""
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return False
+    return _implemented(x, scheme, rowwise, columnwise)
+
+
+def _implemented(x, scheme, rowwise: bool, columnwise: bool) -> bool:
+    if x.dtype not in _IN_DTYPES or not x.is_contiguous():
+        return False
+    if x.dim() == 0 or x.numel() == 0 or not (rowwise or columnwise):
+        return False
+    M, Kd = x.numel() // x.shape[-1], x.shape[-1]
+    if isinstance(scheme, (Float8Tensorwise, Float8Rowwise)):
+        return True
+    if isinstance(scheme, Float8Blockwise):
+        return scheme.block_size <= 128
+    if isinstance(scheme, MXFP8):
+        return (not rowwise or Kd % 32 == 0) and (not columnwise or M % 32 == 0)
+    if isinstance(scheme, NVFP4):
+        if scheme.rht and columnwise:
+            return False
+        return Kd % 16 == 0 and (not (columnwise or scheme.two_d) or M % 16 == 0)
+    return False
+
+
+def _fmt_args(fmt: FloatFormat) -> dict:
+    return dict(FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits)
+
+
+def _amax_buffer(dev) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=dev)
+
+
+def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
+    n = x2.numel()
+    block = 4096 if n >= 4096 else max(16, _bucket(n))
+    K.amax_kernel[(cdiv(n, block),)](x2, amax_i, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+
+
+def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
+                    scale: torch.Tensor | None = None, seed: int | None = None) -> QuantizedTensor:
+    """Quantize a CUDA tensor with the Triton kernels; same contract and results as :func:`quantize_reference`.
+
+    Args:
+        x: (..., K) float32/bfloat16/float16 CUDA tensor, contiguous; viewed as (M, K).
+        scheme, rowwise, columnwise, scale, seed: see :func:`lowbit.quantize`.
+    """
+    _validate(x, scheme, rowwise, columnwise, scale)
+    if not x.is_cuda and not INTERPRET:
+        raise ValueError(f"x: the triton backend runs on CUDA tensors, got device {x.device}; use backend='reference'")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"x: the triton backend takes float32, bfloat16 or float16, got {x.dtype}; use backend='reference'")
+    if not x.is_contiguous():
+        raise ValueError(f"x: the triton kernels need a contiguous tensor (got strides {tuple(x.stride())} for shape "
+                         f"{tuple(x.shape)}); call x.contiguous() or use backend='reference'")
+    if not _implemented(x, scheme, rowwise, columnwise):
+        raise NotImplementedError(f"scheme: the triton backend does not implement {scheme!r} with rowwise={rowwise}, "
+                                  f"columnwise={columnwise} for shape {tuple(x.shape)}; use backend='reference'")
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    M, Kd = x2.shape
+    qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
+    if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    qt.meta["seed"] = seed
+    dev = x.device
+    if isinstance(scheme, Float8Tensorwise):
+        _tensorwise(qt, x2, scheme, rowwise, columnwise, scale)
+    elif isinstance(scheme, Float8Rowwise):
+        _rowwise(qt, x2, scheme, rowwise, columnwise)
+    elif isinstance(scheme, Float8Blockwise):
+        _blockwise(qt, x2, scheme, rowwise, columnwise)
+    elif isinstance(scheme, MXFP8):
+        _mxfp8(qt, x2, scheme, rowwise, columnwise)
+    else:
+        _nvfp4(qt, x2, scheme, rowwise, columnwise, seed or 0)
+    del dev
+    return qt
+
+
+def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
+    M, Kd = x2.shape
+    fmt, dev = sch.format, x2.device
+    amax_i = _amax_buffer(dev)
+    delayed = scale is not None
+    if delayed:
+        s = scale.to(torch.float32).reshape(1)
+    else:
+        s = amax_i  # unused by the kernel
+        _launch_amax(x2, amax_i)
+    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
+    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
+    si = torch.empty(1, dtype=torch.float32, device=dev)
+    cands = _configs([32, 64, 128], [64, 128], [4, 8], M, Kd)
+
+    def launch(c):
+        if delayed:
+            amax_i.zero_()
+        grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
+        K.tensorwise_kernel[grid](x2, rq if rowwise else cq, cq if columnwise else rq, s, amax_i, si, M, Kd, **_fmt_args(fmt),
+                                  DELAYED=delayed, ROW=rowwise, COL=columnwise, SW=SW_ROUND,
+                                  BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
+
+    tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    amax = amax_i.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si.clone(), amax=amax.clone())
+
+
+def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
+    M, Kd = x2.shape
+    fmt, dev = sch.format, x2.device
+    for which in ("rowwise", "columnwise"):
+        if not (rowwise if which == "rowwise" else columnwise):
+            continue
+        R, C, sr, sc = (M, Kd, Kd, 1) if which == "rowwise" else (Kd, M, 1, Kd)
+        q = torch.empty(R, C, dtype=fmt.torch_dtype, device=dev)
+        si = torch.empty(R, 1, dtype=torch.float32, device=dev)
+        amax_i = _amax_buffer(dev)
+        cands = _configs([1, 4, 16, 64] if which == "rowwise" else [32, 64], [256, 512, 1024] if which == "rowwise" else [32, 64],
+                         [4, 8], R, C)
+
+        def launch(c, R=R, C=C, sr=sr, sc=sc, q=q, si=si, amax_i=amax_i):
+            K.rowscale_kernel[(cdiv(R, c["BM"]),)](x2, q, si, amax_i, R, C, sr, sc, **_fmt_args(fmt), POW2=sch.pow2,
+                                                  SW=SW_ROUND, BR=c["BM"], BC=c["BK"], num_warps=c["num_warps"])
+
+        tuned_launch("rowscale", (which, x2.dtype, _bucket(R), _bucket(C)), cands, launch)
+        setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
+
+
+def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
+    M, Kd = x2.shape
+    fmt, dev, bs = sch.format, x2.device, sch.block_size
+    two_d = sch.block_dim == 2
+    amax_i = _amax_buffer(dev)
+    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
+    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
+    mb, kb = cdiv(M, bs), cdiv(Kd, bs)
+    if two_d:
+        rs = torch.zeros(mb, pad_to(kb, 4), dtype=torch.float32, device=dev) if rowwise else None
+        cs = torch.zeros(kb, pad_to(mb, 4), dtype=torch.float32, device=dev) if columnwise else None
+    else:
+        rs = torch.zeros(kb, pad_to(M, 4), dtype=torch.float32, device=dev) if rowwise else None
+        cs = torch.zeros(mb, pad_to(Kd, 4), dtype=torch.float32, device=dev) if columnwise else None
+    square = two_d or columnwise
+    bms = [bs] if square else [b for b in (8, 16, 32, 64, 128) if b <= bs]
+    cands = _configs(bms, [bs], [4, 8], M, Kd, min_m=bs, min_k=bs)
+    if square:
+        cands = [c for c in cands if c["BM"] == bs] or [dict(BM=bs, BK=bs, num_warps=8)]
+    ld_r = rs.shape[1] if rowwise else 0
+    ld_c = cs.shape[1] if columnwise else 0
+    rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
+    cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
+
+    def launch(c):
+        grid = (cdiv(M, c["BM"]), kb)
+        K.blockwise_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **_fmt_args(fmt), POW2=sch.pow2,
+                                 EPS=float(sch.eps), TWO_D=two_d, ROW=rowwise, COL=columnwise, SW=SW_ROUND,
+                                 BM=c["BM"], BS=bs, num_warps=c["num_warps"])
+
+    tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    amax = amax_i.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone())
+
+
+def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
+    M, Kd = x2.shape
+    fmt, dev = sch.format, x2.device
+    amax_i = _amax_buffer(dev)
+    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
+    rs = torch.empty(M, Kd // 32, dtype=torch.uint8, device=dev) if rowwise else None
+    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
+    cs = torch.empty(Kd, M // 32, dtype=torch.uint8, device=dev) if columnwise else None
+    cands = _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)
+    rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
+    cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
+
+    def launch(c):
+        grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
+        K.mxfp8_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, **_fmt_args(fmt), EMAX=fmt.emax, ROW=rowwise,
+                             COL=columnwise, SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
+
+    tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    amax = amax_i.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone())
+
+
+def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
+    M, Kd = x2.shape
+    dev = x2.device
+    amax_i = _amax_buffer(dev)
+    _launch_amax(x2, amax_i)
+    gs = torch.empty(1, dtype=torch.float32, device=dev)
+    rq = torch.empty(M, Kd // 2, dtype=torch.uint8, device=dev) if rowwise else None
+    cq = torch.empty(Kd, M // 2, dtype=torch.uint8, device=dev) if columnwise else None
+    if sch.two_d:
+        rs = torch.empty(M // 16, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
+        cs = torch.empty(Kd // 16, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
+    else:
+        rs = torch.empty(M, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
+        cs = torch.empty(Kd, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
+    min_m = 16 if (columnwise or sch.two_d) else 1
+    cands = _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd, min_m=min_m, min_k=16)
+    rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
+    cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    if seed >= 2**63:
+        seed -= 2**64  # passed to the kernel as int64; the same 64 bits as the reference's key
+
+    def launch(c):
+        grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
+        K.nvfp4_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, TWO_D=sch.two_d, ROW=rowwise,
+                             COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
+                             num_warps=c["num_warps"])
+
+    tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)),
+                 cands, launch)
+    amax = amax_i.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax, global_scale=gs, rht=False)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone(), global_scale=gs.clone(), rht=False)
+
+
+register_backend("triton", supports, quantize_triton)
