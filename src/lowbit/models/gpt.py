@@ -1,0 +1,244 @@
+"""A small GPT built from lowbit modules: the reference model of ``lowbit train`` and ``lowbit demo``.
+
+Shape (per block, pre-norm)::
+
+    x = x + proj(attention(rope(qkv(x))))      qkv:  lowbit.nn.LayerNormLinear (norm fused in)
+    x = x + mlp(x)                              proj: lowbit.nn.Linear
+                                                mlp:  lowbit.nn.LayerNormMLP (norm, fc1, act, fc2)
+
+Token embedding, the final norm and the output head stay in high precision (as DESIGN §6 asks of
+``lowbit.convert``); the head shares the embedding matrix when ``tie_weights``. The vocabulary is
+bytes (256), so the presets have fewer parameters than their names (which give the transformer
+shape: ``125m`` is GPT-2 small's 12 x 768, ``350m`` 24 x 1024, ``1.3b`` 24 x 2048).
+
+Outside ``lowbit.autocast`` the lowbit modules compute in high precision exactly like torch's, so
+the same model is the BF16 baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape and architecture switches (all plain values, so a checkpoint can store it)."""
+
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    ffn_hidden: int = 384
+    """Hidden width of the MLP (for SwiGLU: of each of the gate and up halves)."""
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    pos: str = "rope"
+    """``"rope"`` (rotary, no parameters) or ``"learned"`` (an absolute position embedding)."""
+    mlp: str = "swiglu"
+    """``"swiglu"`` or ``"gelu"``."""
+    norm: str = "RMSNorm"
+    """``"RMSNorm"`` or ``"LayerNorm"``."""
+    bias: bool = False
+    tie_weights: bool = True
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "d_model", "ffn_hidden", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model: must be divisible by n_head ({self.n_head}), got {self.d_model}")
+        if self.pos == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"n_head: RoPE needs an even head dim, got d_model/n_head = {self.d_model // self.n_head}")
+        choices = {"pos": ("rope", "learned"), "mlp": ("swiglu", "gelu"), "norm": ("RMSNorm", "LayerNorm")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"config: unknown GPTConfig fields {unknown}")
+        return cls(**d)
+
+
+# Hidden widths are multiples of 128 so every quantization block (1x16 ... 128x128) tiles them.
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=4, d_model=128, ffn_hidden=384, max_seq_len=256),
+    "125m": GPTConfig(n_layer=12, n_head=12, d_model=768, ffn_hidden=2048, max_seq_len=1024),
+    "350m": GPTConfig(n_layer=24, n_head=16, d_model=1024, ffn_hidden=2816, max_seq_len=2048),
+    "1.3b": GPTConfig(n_layer=24, n_head=16, d_model=2048, ffn_hidden=5632, max_seq_len=2048),
+}
+
+
+def config_from_preset(name: str, **overrides) -> GPTConfig:
+    """The preset's config with ``overrides`` (e.g. ``max_seq_len``, ``mlp="gelu"``) applied."""
+    if name not in PRESETS:
+        raise ValueError(f"model: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(PRESETS[name], **overrides)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: one small function, so the kernel behind it is trivial to swap.
+# ------------------------------------------------------------------------------------------------
+_ATTENTION_OPTS = {"backend": "auto", "qk": "bf16", "pv": "bf16"}
+
+
+def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> None:
+    """Choose the attention used by :func:`attend`: ``"lowbit"`` (lowbit.attention), ``"sdpa"`` (torch), or
+    ``"auto"``: lowbit.attention when ``qk``/``pv`` ask for quantized attention, else SDPA (the same 16-bit math).
+    ``qk``/``pv`` are passed to lowbit.attention."""
+    if (qk, pv) != ("bf16", "bf16") and backend == "sdpa":
+        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use 'auto' or 'lowbit'")
+    if backend not in ("auto", "lowbit", "sdpa"):
+        raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
+    if backend == "lowbit" and _lowbit_attention() is None:
+        raise ValueError("backend: 'lowbit' asked for, but lowbit.attention has no attention() yet; use 'sdpa' or 'auto'")
+    _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowbit_attention():
+    """lowbit.attention.attention if that module defines it (it is being written), else None."""
+    try:
+        return getattr(importlib.import_module("lowbit.attention"), "attention", None)
+    except ImportError:
+        return None
+
+
+def attention_backend() -> str:
+    """The attention :func:`attend` runs now: ``"lowbit"`` or ``"sdpa"``."""
+    b = _ATTENTION_OPTS["backend"]
+    if b == "auto":  # 16-bit attention is the same math either way; SDPA has the fused backward
+        quantized = _ATTENTION_OPTS["qk"] != "bf16" or _ATTENTION_OPTS["pv"] != "bf16"
+        return "lowbit" if quantized and _lowbit_attention() is not None else "sdpa"
+    return b
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention on (batch, heads, seq, head_dim) tensors."""
+    if attention_backend() == "lowbit":
+        fn = _lowbit_attention()
+        return fn(q, k, v, causal=True, layout="bhsd", qk=_ATTENTION_OPTS["qk"], pv=_ATTENTION_OPTS["pv"])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim) for rotate-half RoPE, in float32."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (…, seq, head_dim) by position: x·cos + rotate_half(x)·sin."""
+    h = x.shape[-1] // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNormLinear (QKV) -> attention -> Linear, then LayerNormMLP."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        import lowbit.nn as lnn
+
+        self.n_head = cfg.n_head
+        self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm, eps=cfg.norm_eps)
+        self.proj = lnn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp)
+
+    def forward(self, x, rope=None, is_first_microbatch=None):
+        B, T, C = x.shape
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y, is_first_microbatch=is_first_microbatch)
+        return x + self.mlp(x, is_first_microbatch=is_first_microbatch)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over bytes. ``forward(idx, targets=None)`` returns ``(logits, loss)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "RMSNorm" else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.wte.weight
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) matrices, zero biases, unit norms; residual outputs scaled by 1/sqrt(2·n_layer)."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, std)
+            elif "norm" in name or name.endswith("weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+        out_std = std / math.sqrt(2 * self.config.n_layer)
+        for blk in self.blocks:
+            nn.init.normal_(blk.proj.weight, 0.0, out_std)
+            for p in blk.mlp.parameters():  # the output projection of the MLP: (d_model, ffn_hidden)
+                if p.dim() == 2 and tuple(p.shape) == (self.config.d_model, self.config.ffn_hidden):
+                    nn.init.normal_(p, 0.0, out_std)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, is_first_microbatch: bool | None = None):
+        B, T = idx.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"idx: sequence length {T} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        x = self.wte(idx)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = (self.rope_cos[:T], self.rope_sin[:T])
+        for blk in self.blocks:
+            x = blk(x, rope, is_first_microbatch)
+        logits = self.head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

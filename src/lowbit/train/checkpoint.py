@@ -1,0 +1,114 @@
+"""Checkpoints: full (unsharded) FP32 state, FQN-keyed, atomic, loadable with ``weights_only=True``.
+
+A checkpoint is one ``torch.save`` file holding only tensors and plain Python values::
+
+    {"format": "lowbit-train", "version": 1, "step": int, "model_config": dict, "recipe": str,
+     "model": {fqn: tensor}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]},
+     "train": dict (arguments that must match on resume), "history": dict, "events": list}
+
+Model and optimizer state are gathered with ``torch.distributed.checkpoint.state_dict`` as full state
+dicts keyed by parameter name, so a checkpoint written by any world size (DDP or FSDP2) loads at any
+other. Writes go to a temporary file in the same folder, are fsynced and renamed over the old file:
+a run killed while writing leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "gather_state", "apply_state", "FORMAT"]
+
+FORMAT = "lowbit-train"
+VERSION = 1
+
+
+def gather_state(model, optimizer) -> tuple[dict, dict]:
+    """Full CPU state dicts (model, optimizer). Collective under FSDP: every rank must call it."""
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def apply_state(model, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
+    """Load full state dicts into a (possibly DDP/FSDP-wrapped) model and optimizer on every rank."""
+    check_shapes(model_sd, model)
+    if optim_sd is None:
+        set_state_dict(model, optimizers=(), model_state_dict=model_sd, optim_state_dict={},
+                       options=StateDictOptions(full_state_dict=True, strict=True))
+        return
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def check_shapes(sd: dict, model) -> None:
+    """Raise a ValueError listing missing, unexpected and mis-shaped entries of ``sd`` for ``model``."""
+    own = {k: tuple(v.shape) for k, v in _unwrap(model).state_dict().items()}
+    # FSDP2 parameters are DTensors: their .shape is the full (global) shape, which is what we compare.
+    theirs = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(own) - set(theirs))
+    extra = sorted(set(theirs) - set(own))
+    bad = [f"{k}: checkpoint {theirs[k]} vs model {own[k]}" for k in sorted(set(own) & set(theirs)) if own[k] != theirs[k]]
+    if missing or extra or bad:
+        parts = []
+        if bad:
+            parts.append("shape mismatches: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else ""))
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:6]}" + (" ..." if len(missing) > 6 else ""))
+        if extra:
+            parts.append(f"not in the model: {extra[:6]}" + (" ..." if len(extra) > 6 else ""))
+        raise ValueError("checkpoint: it was saved for a different model shape — " + " | ".join(parts))
+
+
+def save_checkpoint(path: str | os.PathLike, payload: dict) -> Path:
+    """Write ``payload`` atomically (temp file in the same folder, fsync, rename). Rank 0 only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT, "version": VERSION, **payload}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # make the rename durable too
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """Load a checkpoint file with ``weights_only=True`` and check that it is one of ours."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"resume: no checkpoint at {str(path)!r}")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling/IO failure is a bad file for the user
+        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        raise ValueError(f"resume: {str(path)!r} is not a lowbit training checkpoint (format {ck.get('format') if isinstance(ck, dict) else type(ck).__name__!r})")
+    if ck.get("version") != VERSION:
+        raise ValueError(f"resume: checkpoint {str(path)!r} has version {ck.get('version')!r}; this lowbit reads version {VERSION}")
+    return ck
+
+
+def load_checkpoint(path, model, optimizer=None) -> dict:
+    """Read ``path`` and load it into ``model`` (and ``optimizer``); returns the checkpoint dict."""
+    ck = read_checkpoint(path)
+    apply_state(model, optimizer, ck["model"], ck["optimizer"] if optimizer is not None else None)
+    return ck

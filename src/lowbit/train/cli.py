@@ -1,0 +1,140 @@
+"""``lowbit train``: argument parsing and the run-and-report driver (wired into ``lowbit.cli``).
+
+Also runnable on its own: ``python -m lowbit.train.cli --model tiny --steps 20`` or
+``torchrun --nproc_per_node 2 -m lowbit.train.cli ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
+from .report import format_table, plot_losses, table_rows, write_json
+
+__all__ = ["add_train_args", "run_train", "config_from_args", "main"]
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``lowbit train`` options to ``parser`` (returns it)."""
+    p = parser
+    g = p.add_argument_group("run")
+    g.add_argument("--recipe", default="bf16", help=f"quantization recipe: {', '.join(RECIPES)} (default bf16 = no quantization)")
+    g.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESET_DEFAULTS)} (default tiny)")
+    g.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    g.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per micro-batch per rank (default: per preset)")
+    g.add_argument("--seq-len", type=_positive_int, default=None, help="tokens (bytes) per sequence (default: per preset)")
+    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step (default 1)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per preset)")
+    g.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default min(100, steps/10))")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--seed", type=int, default=1337)
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data", default=None, metavar="PATH", help="text file or folder of text files (default: the Python standard library's .py files)")
+    g.add_argument("--cache-dir", default=None, help="token cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
+    g.add_argument("--out-dir", default=None, help="checkpoint and report folder (default runs/<model>-<recipe>)")
+    g.add_argument("--eval-every", type=_positive_int, default=None, help="validate every N steps (default steps/10)")
+    g.add_argument("--eval-windows", type=_positive_int, default=64, help="validation sequences (default 64)")
+    g.add_argument("--ckpt-every", type=_nonneg_int, default=0, help="checkpoint every N steps (default 0: at the end only)")
+    g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
+                   help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
+    g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
+                   help="on a non-finite amax or loss: skip the step, roll back to the last checkpoint, or stop (default skip)")
+    g.add_argument("--compare", choices=("bf16",), default=None, help="also run the BF16 baseline on the same data and seed")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
+    g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
+    g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")
+    g.add_argument("--attn-pv", choices=("bf16", "fp8"), default="bf16")
+    g = p.add_argument_group("model variants")
+    g.add_argument("--mlp", choices=("swiglu", "gelu"), default=None)
+    g.add_argument("--pos", choices=("rope", "learned"), default=None)
+    g.add_argument("--norm", choices=("RMSNorm", "LayerNorm"), default=None)
+    g.add_argument("--no-tie", dest="tie_weights", action="store_const", const=False, default=None, help="untie embedding and output head")
+    # testing hooks (hidden)
+    p.add_argument("--stop-at-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(), help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Map parsed arguments to a :class:`TrainConfig`."""
+    return TrainConfig(
+        recipe=args.recipe, model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume,
+        on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
+        attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
+        norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
+        stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps),
+    )
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    """Run ``lowbit train`` from parsed arguments: train, then (rank 0) write ``summary.json`` and
+    ``loss.png`` into the out-dir and print the results table. Returns the summary dict."""
+    summary = train(config_from_args(args))
+    if _is_main():
+        out = Path(summary["out_dir"])
+        runs = {summary["recipe"]: summary}
+        if "compare" in summary:
+            runs = {"bf16": summary["compare"]["bf16"], **runs}
+        summary["report"] = {"summary": str(out / "summary.json"), "plot": str(out / "loss.png")}
+        write_json(out / "summary.json", summary)
+        plot_losses(runs, out / "loss.png", title=f"{summary['model']} on {summary['device']}")
+        print(format_table(table_rows(runs)), flush=True)
+        for e in summary["events"]:
+            print(f"[lowbit] non-finite at step {e['step']}: layer {e['layer']} ({e['role']}) -> {e['action']}")
+        print(f"[lowbit] report: {out / 'summary.json'}, {out / 'loss.png'}", flush=True)
+    return summary
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (``python -m lowbit.train.cli``)."""
+    p = add_train_args(argparse.ArgumentParser(prog="lowbit train", description="Train the reference GPT under a lowbit recipe."))
+    args = p.parse_args(argv)
+    try:
+        run_train(args)
+    except ValueError as e:
+        p.exit(2, f"lowbit train: error: {e}\n")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

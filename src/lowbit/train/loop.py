@@ -1,0 +1,518 @@
+"""The training loop behind ``lowbit train``: GPT + recipe + AdamW on FP32 master weights.
+
+One step = ``grad_accum`` micro-batches per rank, each a forward under ``lowbit.autocast(recipe)``
+(and ``torch.autocast`` to BF16 on CUDA) and a backward; then a NaN check (non-finite amax events
+from ``lowbit.nn.nonfinite_events`` and a non-finite loss, agreed across ranks), gradient clipping
+and the AdamW update. The global batch of a step is drawn from the data by ``(seed, step)`` alone,
+so a resumed run follows the uninterrupted trajectory and N ranks reproduce one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models import GPT, attention_backend, config_from_preset, set_attention
+from . import checkpoint as ckpt
+from .data import load_corpus
+
+__all__ = ["TrainConfig", "train", "PRESET_DEFAULTS", "RECIPES"]
+
+RECIPES = ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
+
+# Per-preset defaults for what the user leaves unset: (seq_len, batch_size, lr)
+PRESET_DEFAULTS = {
+    "tiny": (128, 16, 2e-3),
+    "125m": (1024, 8, 6e-4),
+    "350m": (2048, 4, 3e-4),
+    "1.3b": (2048, 2, 2e-4),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (the CLI fills it from ``lowbit train`` arguments)."""
+
+    recipe: str = "bf16"
+    model: str = "tiny"
+    steps: int = 200
+    batch_size: int | None = None
+    """Sequences per micro-batch per rank (default: per preset)."""
+    seq_len: int | None = None
+    grad_accum: int = 1
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup: int | None = None
+    """Linear warm-up steps (default: min(100, steps // 10))."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    data: str | None = None
+    cache_dir: str | None = None
+    out_dir: str | None = None
+    eval_every: int | None = None
+    eval_windows: int = 64
+    ckpt_every: int = 0
+    """Checkpoint every N steps (0: only at the end); always atomic."""
+    save_final: bool = True
+    resume: str | None = None
+    """None, ``"auto"`` (``out_dir/checkpoint.pt``) or a checkpoint path."""
+    on_nonfinite: str = "skip"
+    compare: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA, fp32 on CPU."""
+    fsdp: bool = False
+    attention: str = "auto"
+    attn_qk: str = "bf16"
+    attn_pv: str = "bf16"
+    mlp: str | None = None
+    pos: str | None = None
+    norm: str | None = None
+    tie_weights: bool | None = None
+    progress: bool = True
+    verbose: bool = True
+    stop_at_step: int | None = None
+    """Testing: end the run (as if killed) after this step, before ``steps``."""
+    fault_steps: tuple = field(default_factory=tuple)
+    """Testing: put +inf into the first block's input at these steps (a transient fault)."""
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(RECIPES)}")
+        if self.model not in PRESET_DEFAULTS:
+            raise ValueError(f"model: unknown preset {self.model!r}; expected one of {', '.join(PRESET_DEFAULTS)}")
+        for name in ("steps", "grad_accum", "eval_windows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        for name in ("batch_size", "seq_len", "eval_every", "warmup"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < (0 if name == "warmup" else 1)):
+                raise ValueError(f"{name}: must be an integer >= {0 if name == 'warmup' else 1}, got {v!r}")
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every: must be >= 0 (0 = only at the end), got {self.ckpt_every!r}")
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr: must be a positive finite number, got {self.lr!r}")
+        if self.on_nonfinite not in ("skip", "rollback", "raise"):
+            raise ValueError(f"on_nonfinite: expected 'skip', 'rollback' or 'raise', got {self.on_nonfinite!r}")
+        if self.compare not in (None, "bf16"):
+            raise ValueError(f"compare: only 'bf16' is supported, got {self.compare!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' asked for, but torch sees no CUDA GPU")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype: expected 'auto', 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.stop_at_step is not None and self.stop_at_step < 1:
+            raise ValueError(f"stop_at_step: must be >= 1, got {self.stop_at_step!r}")
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with the per-preset defaults filled in."""
+        self.validate()
+        seq, bs, lr = PRESET_DEFAULTS[self.model]
+        c = TrainConfig(**asdict(self))
+        c.fault_steps = tuple(self.fault_steps)
+        c.seq_len = c.seq_len or seq
+        c.batch_size = c.batch_size or bs
+        c.lr = c.lr or lr
+        c.warmup = min(100, c.steps // 10) if c.warmup is None else c.warmup
+        c.eval_every = c.eval_every or max(1, c.steps // 10)
+        c.out_dir = c.out_dir or os.path.join("runs", f"{c.model}-{c.recipe}")
+        return c
+
+
+# ------------------------------------------------------------------------------------------------
+# distributed setup
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    group: object = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def setup_distributed(device_arg: str) -> Dist:
+    """Initialize torch.distributed from torchrun's environment (nccl on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world <= 1:
+        return Dist(device=device)
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device, group=dist.group.WORLD)
+
+
+def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.active:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def _any(flag: bool, d: Dist) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
+    return bool(_all_sum(t, d).item() > 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# memory
+# ------------------------------------------------------------------------------------------------
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "process peak RSS"
+    except OSError:
+        pass
+    return None, "unavailable"
+
+
+# ------------------------------------------------------------------------------------------------
+def lr_at(step: int, c: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr · min_lr_ratio`` at the last step."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    span = max(1, c.steps - c.warmup)
+    t = min(1.0, (step - c.warmup) / span)
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def quantized_weight_bytes(model, recipe) -> tuple[int, int]:
+    """(bytes of the lowbit modules' weights quantized per ``recipe`` (rowwise copy: data + scales),
+    bytes of the same weights in BF16). Without a recipe both are the BF16 size."""
+    import lowbit.nn as lnn
+    from lowbit import quantize
+
+    kinds = tuple(getattr(lnn, n) for n in ("Linear", "LayerNormLinear", "LayerNormMLP") if hasattr(lnn, n))
+    q = bf = 0
+    for mod in model.modules():
+        if not isinstance(mod, kinds):
+            continue
+        for _, p in mod.named_parameters(recurse=False):
+            if p.dim() != 2:
+                continue
+            w = p.detach()
+            if hasattr(w, "full_tensor"):
+                w = w.full_tensor()
+            bf += w.numel() * 2
+            if recipe is None:
+                q += w.numel() * 2
+            else:
+                q += quantize(w.float(), recipe.role("weight").scheme, rowwise=True, columnwise=False).nbytes
+    return q, bf
+
+
+def _event_fields(e) -> dict:
+    if isinstance(e, dict):
+        return {"layer": str(e.get("layer")), "role": str(e.get("role"))}
+    if isinstance(e, (tuple, list)) and len(e) >= 2:
+        return {"layer": str(e[0]), "role": str(e[1])}
+    return {"layer": str(getattr(e, "layer", e)), "role": str(getattr(e, "role", "?"))}
+
+
+def _say(d: Dist, c: TrainConfig, msg: str, bar=None) -> None:
+    if d.main and c.verbose:
+        if bar is not None:
+            bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+def train(config: TrainConfig) -> dict:
+    """Run one training run (and its ``--compare bf16`` baseline); returns the JSON summary dict."""
+    c = config.resolved()
+    summary = _train_one(c)
+    if c.compare == "bf16" and c.recipe != "bf16" and not summary.get("stopped_early"):
+        base = TrainConfig(**{**asdict(c), "recipe": "bf16", "compare": None, "resume": None,
+                              "out_dir": os.path.join(c.out_dir, "compare-bf16"), "fault_steps": ()})
+        b = _train_one(base.resolved())
+        summary["compare"] = {"bf16": b}
+        if b.get("final_val_loss") and summary.get("final_val_loss") is not None:
+            summary["val_loss_gap_pct"] = 100.0 * (summary["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+    return summary
+
+
+def _build(c: TrainConfig, d: Dist):
+    mcfg = config_from_preset(c.model, max_seq_len=max(c.seq_len, config_from_preset(c.model).max_seq_len),
+                              mlp=c.mlp, pos=c.pos, norm=c.norm, tie_weights=c.tie_weights)
+    torch.manual_seed(c.seed)
+    model = GPT(mcfg).to(d.device)
+    return mcfg, model
+
+
+def _wrap(model, c: TrainConfig, d: Dist):
+    if not d.active:
+        return model
+    if c.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in model.blocks:
+            fully_shard(blk)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+
+
+def _optimizer(model, c: TrainConfig):
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if next(model.parameters()).device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, **kw)
+
+
+# Arguments that change the trajectory: a resumed run must use the same values.
+_MATCH_ON_RESUME = ("recipe", "model", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup",
+                    "weight_decay", "beta1", "beta2", "grad_clip", "seed", "mlp", "pos", "norm", "tie_weights")
+
+
+def _train_one(c: TrainConfig) -> dict:
+    import lowbit.nn as lnn
+    import lowbit.recipes as lrec
+
+    recipe = lrec.from_name(c.recipe)
+    d = setup_distributed(c.device)
+    if c.fsdp and not d.active:
+        _say(d, c, "[lowbit] --fsdp: a single process has nothing to shard; running unsharded")
+    set_attention(c.attention, c.attn_qk, c.attn_pv)
+    corpus = load_corpus(c.data, c.cache_dir, verbose=c.verbose and d.main)
+    corpus.check_seq_len(c.seq_len)
+    mcfg, raw = _build(c, d)
+    if recipe is not None and recipe.divisibility > 1:
+        k = recipe.divisibility
+        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size), ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
+            if v % k:
+                raise ValueError(f"{name}: recipe {c.recipe!r} needs multiples of {k}, got {v}")
+    model = _wrap(raw, c, d)
+    opt = _optimizer(model, c)
+    out = Path(c.out_dir)
+    ck_path = out / "checkpoint.pt"
+    use_bf16 = c.dtype == "bf16" or (c.dtype == "auto" and d.device.type == "cuda")
+    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    group = d.group if d.active else None
+
+    def lowbit_ctx():
+        if recipe is None:
+            return contextlib.nullcontext()
+        return lnn.autocast(enabled=True, recipe=recipe, amax_reduction_group=group,
+                            on_nonfinite="raise" if c.on_nonfinite == "raise" else "skip")
+
+    history = {"train": [], "val": [], "lr": []}
+    events: list[dict] = []
+    start = 0
+    if c.resume:
+        path = ck_path if c.resume == "auto" else Path(c.resume)
+        ck = ckpt.read_checkpoint(path)
+        if ck["model_config"] != mcfg.to_dict():
+            diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items() if ck["model_config"].get(k) != v}
+            raise ValueError(f"resume: checkpoint {str(path)!r} was saved for a different model shape "
+                             f"(field: (checkpoint, this run)) {diff}")
+        saved = ck.get("train", {})
+        diff = {k: (saved.get(k), getattr(c, k)) for k in _MATCH_ON_RESUME if k in saved and saved[k] != getattr(c, k)}
+        if diff:
+            raise ValueError(f"resume: these arguments differ from the checkpointed run (checkpoint, now): {diff}; "
+                             "pass the same values or start a new --out-dir")
+        ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
+        start = int(ck["step"])
+        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v] for k, v in ck.get("history", history).items()}
+        events = list(ck.get("events", []))
+        _say(d, c, f"[lowbit] resumed from {path} at step {start}")
+        del ck
+
+    rows_per_rank = c.batch_size * c.grad_accum
+    global_batch = rows_per_rank * d.world
+    tokens_per_step = global_batch * c.seq_len
+    val_off = corpus.val_offsets(c.eval_windows, c.seq_len)
+
+    def save(step: int):
+        msd, osd = ckpt.gather_state(model, opt)
+        if d.main:
+            ckpt.save_checkpoint(ck_path, {
+                "step": step, "model_config": mcfg.to_dict(), "recipe": c.recipe,
+                "model": msd, "optimizer": osd,
+                "train": {k: getattr(c, k) for k in _MATCH_ON_RESUME},
+                "history": history, "events": events, "world_size": d.world,
+            })
+        if d.active:
+            torch.distributed.barrier()
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        mine = val_off[d.rank::d.world]
+        n_batches = -(-len(val_off) // (d.world * c.batch_size))  # same count on every rank (FSDP needs it)
+        tot = torch.zeros(2, dtype=torch.float64, device=d.device)
+        for i in range(n_batches):
+            off = mine[i * c.batch_size:(i + 1) * c.batch_size]
+            weight = 1.0
+            if len(off) == 0:  # padding batch: run it (collectives must match) but do not count it
+                off, weight = val_off[:1], 0.0
+            x, y = corpus.windows("val", off, c.seq_len, d.device)
+            with amp(), lowbit_ctx():
+                _, loss = model(x, y)
+            tot[0] += weight * loss.double() * y.numel()
+            tot[1] += weight * y.numel()
+        _all_sum(tot, d)
+        if recipe is not None:
+            lnn.nonfinite_events()  # evaluation faults are not training events
+        return float(tot[0] / tot[1])
+
+    bar = None
+    if d.main and c.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=c.steps, initial=start, unit="step", dynamic_ncols=True,
+                   desc=f"{c.model}/{c.recipe}", leave=True, mininterval=0.5)
+    _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
+               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} attention={attention_backend()} "
+               f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
+
+    fault_hook = None
+
+    def _fault(module, args):
+        return (args[0] + float("inf"),) + tuple(args[1:])
+
+    _reset_peak(d.device)
+    timed_tokens, timed_s = 0, 0.0
+    last_train_loss = float("nan")
+    stopped_early = False
+    step = start
+    for step in range(start, c.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, c)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        torch.manual_seed(c.seed * 1_000_003 + step * 1009 + d.rank)  # stochastic rounding etc.: keyed by step
+        if step in c.fault_steps:
+            fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
+        for m in range(c.grad_accum):
+            r0 = d.rank * rows_per_rank + m * c.batch_size
+            x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
+            sync = contextlib.nullcontext()
+            if d.active and not c.fsdp and m < c.grad_accum - 1:
+                sync = model.no_sync()
+            elif d.active and c.fsdp:
+                model.set_requires_gradient_sync(m == c.grad_accum - 1)
+            with sync:
+                with amp(), lowbit_ctx():
+                    _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
+                (loss / c.grad_accum).backward()
+            loss_sum += loss.detach().double()
+        if fault_hook is not None:
+            fault_hook.remove()
+            fault_hook = None
+        found = lnn.nonfinite_events() if recipe is not None else []
+        loss_sum = _all_sum(loss_sum, d)
+        step_loss = float(loss_sum) / (c.grad_accum * d.world)
+        bad = _any(bool(found) or not math.isfinite(step_loss), d)
+        if bad:
+            opt.zero_grad(set_to_none=True)
+            where = [_event_fields(e) for e in found] or [{"layer": "loss", "role": "loss"}]
+            action = c.on_nonfinite
+            if action == "raise":
+                raise FloatingPointError(f"step {step}: non-finite values in {where}")
+            if action == "rollback":
+                if ck_path.exists():
+                    ck = ckpt.read_checkpoint(ck_path)
+                    ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
+                    action = f"rollback to step {ck['step']}"
+                    del ck
+                else:
+                    action = "skip (no checkpoint to roll back to)"
+            for w in where:
+                events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss) else str(step_loss)})
+            _say(d, c, f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
+        else:
+            if c.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            last_train_loss = step_loss
+            history["train"].append([step + 1, step_loss])
+            history["lr"].append([step + 1, lr])
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+        dt = time.perf_counter() - t0
+        if step > start:  # the first step of a process includes warm-up / compilation
+            timed_tokens += tokens_per_step
+            timed_s += dt
+        done = step + 1
+        if bar is not None:
+            tps = timed_tokens / timed_s if timed_s else tokens_per_step / dt
+            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            bar.update(1)
+        if done % c.eval_every == 0 or done == c.steps:
+            vl = evaluate()
+            history["val"].append([done, vl])
+            _say(d, c, f"[lowbit] step {done}: train loss {step_loss:.4f}  val loss {vl:.4f}", bar)
+        if (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final):
+            save(done)
+        if c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps:
+            stopped_early = True
+            break
+    if bar is not None:
+        bar.close()
+    peak, peak_kind = _peak(d.device)
+    qbytes, bfbytes = quantized_weight_bytes(raw, recipe)
+    summary = {
+        "recipe": c.recipe, "model": c.model, "model_config": mcfg.to_dict(),
+        "params": sum(p.numel() for p in raw.parameters()), "non_embedding_params": raw.num_params(),
+        "steps": step + 1 if c.steps > start else start, "target_steps": c.steps, "stopped_early": stopped_early,
+        "tokens_per_step": tokens_per_step, "seq_len": c.seq_len, "global_batch": global_batch,
+        "final_train_loss": last_train_loss,
+        "final_val_loss": history["val"][-1][1] if history["val"] else None,
+        "tokens_per_s": (timed_tokens / timed_s) if timed_s else None,
+        "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
+        "weight_bytes_quantized": qbytes, "weight_bytes_bf16": bfbytes,
+        "history": history, "events": events,
+        "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
+        "world_size": d.world, "fsdp": bool(c.fsdp and d.active), "attention": attention_backend(),
+        "compute_dtype": "bf16" if use_bf16 else "fp32",
+        "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
+        "data": corpus.meta,
+    }
+    return summary
