@@ -2,7 +2,7 @@
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
-from .api import attention, attention_qk_int8, quantize_qk, quantize_v_fp8, select_backend
+from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, select_backend
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -18,6 +18,7 @@ __all__ = [
     "quantize_qk",
     "quantize_v_fp8",
     "select_backend",
+    "backend_for",
     "QKQuantized",
     "attention_reference",
     "attention_quantized_reference",

@@ -140,6 +140,13 @@ def select_backend(device: torch.device, qk: str, pv: str, *, varlen: bool, wind
     return "triton"
 
 
+def backend_for(device=None, qk: str = "bf16", pv: str = "bf16", *, varlen: bool = False, window=None,
+                return_lse: bool = False) -> str:
+    """Which backend ``attention`` picks by default (for ``lowbit info``)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return select_backend(dev, qk, pv, varlen=varlen, window=window, return_lse=return_lse)
+
+
 def _check_triton(d, device):
     if d not in _TRITON_HEAD_DIMS:
         raise NotImplementedError(f"the Triton attention kernel supports head_dim in {_TRITON_HEAD_DIMS}, got {d} "
@@ -250,11 +257,18 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         va, vs = _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
     else:
         va, vs = v, None
-    res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=km, q_scale_rows=rows,
+    # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
+    # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
+    res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
                                        k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal, window=window,
                                        return_lse=True if return_lse else False, out_dtype=out_dtype, config=config,
                                        **kw)
-    return (res[0], res[1]) if return_lse else (res, None)
+    if not return_lse:
+        return res, None
+    out, lse = res
+    if km is not None:
+        lse = lse + _ref.lse_smoothing_shift(q, km, softmax_scale, layout=lay, cu_seqlens_q=cu_q)
+    return out, lse
 
 
 class _AttentionFn(torch.autograd.Function):

@@ -50,6 +50,7 @@ __all__ = [
     "to_e4m3",
     "k_mean",
     "visible_mask",
+    "lse_smoothing_shift",
 ]
 
 
@@ -318,6 +319,24 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     return codes.contiguous(), scale
 
 
+def lse_smoothing_shift(q: Tensor, k_mean: Tensor, softmax_scale: float, *, layout: str = "bhsd",
+                        cu_seqlens_q: Optional[Tensor] = None) -> Tensor:
+    """``q · mean(k) · softmax_scale`` (natural-log units) from the *unquantized* q: what K smoothing
+    removed from every score of a row, so ``LSE_true = LSE_smoothed + shift``.
+
+    Returns (B, Hq, Sq) dense or (Hq, Tq) varlen, fp32.  (The kernel can only use the dequantized q;
+    with the original q at hand this is the more accurate correction.)"""
+    if cu_seqlens_q is not None:
+        hq, hkv = q.shape[1], k_mean.shape[1]
+        lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens, output_size=q.shape[0])
+        km = k_mean[:, :, 0, :].repeat_interleave(hq // hkv, dim=1)[seg]  # (T, Hq, D)
+        return ((q.float() * km).sum(-1) * softmax_scale).transpose(0, 1)
+    qh = _bhsd(q, layout).float()
+    km = k_mean.repeat_interleave(qh.shape[1] // k_mean.shape[1], dim=1)
+    return (qh * km).sum(-1) * softmax_scale
+
+
 # ----------------------------------------------------------------------------- quantized attention
 def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor],
                                      k_scale: Optional[Tensor], *, v_scale: Optional[Tensor] = None,
@@ -336,7 +355,8 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
     * ``block_n``: None = exact softmax (row max over all keys); an int = the kernel's online
       softmax over key tiles of that width (P is quantized relative to the running max), so a
       kernel run with the same BLOCK_N matches to FP32-rounding level.
-    * LSE (natural log) is corrected for K smoothing: + (q·q_scale)·k_mean · ln 2.
+    * LSE (natural log) is corrected for K smoothing with the dequantized q, as the kernel does when
+      given k_mean: + (q·q_scale)·k_mean · ln 2.
     Returns the output in FP32 (input layout) and optionally LSE.
     """
     if cu_seqlens_q is not None:
@@ -433,7 +453,14 @@ def attention_quantized_reference(q: Tensor, k: Tensor, v: Tensor, *, qk: str = 
         va, vs = quantize_v_fp8_reference(v, layout=layout, cu_seqlens_k=cu_seqlens_k)
     else:
         va, vs = v, None
-    return attention_prequantized_reference(qa, ka, va, qs, ks, v_scale=vs, k_mean=km, q_scale_rows=rows,
-                                            k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal,
-                                            window=window, layout=layout, return_lse=return_lse, block_n=block_n,
-                                            **varlen)
+    res = attention_prequantized_reference(qa, ka, va, qs, ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
+                                           k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal,
+                                           window=window, layout=layout, return_lse=return_lse, block_n=block_n,
+                                           **varlen)
+    if not return_lse:
+        return res
+    out, lse = res
+    if km is not None:  # exact smoothing correction from the unquantized q (as ``attention`` does)
+        lse = lse + lse_smoothing_shift(q, km, _default_scale(q.shape[-1], softmax_scale), layout=layout,
+                                        cu_seqlens_q=cu_seqlens_q)
+    return out, lse

@@ -1,0 +1,129 @@
+"""Entry points on the CPU: dispatch to the references, validation errors, autograd."""
+import math
+
+import pytest
+import torch
+
+import lowbit.attention as A
+from lowbit.attention import attention, attention_qk_int8, attention_reference, quantize_qk
+
+
+def rand(*shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def qkv(B=2, Hq=4, Hkv=2, Sq=33, Sk=41, D=32, dtype=torch.bfloat16, layout="bhsd"):
+    q, k, v = rand(B, Hq, Sq, D, seed=1, dtype=dtype), rand(B, Hkv, Sk, D, seed=2, dtype=dtype), rand(B, Hkv, Sk, D, seed=3, dtype=dtype)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_cpu_attention_runs_reference(qk, pv, layout):
+    q, k, v = qkv(layout=layout)
+    out, lse = attention(q, k, v, causal=True, qk=qk, pv=pv, layout=layout, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (2, 4, 33)
+    if qk == "bf16":
+        exp, el = attention_reference(q, k, v, causal=True, layout=layout, return_lse=True)
+    else:
+        exp, el = A.attention_quantized_reference(q, k, v, qk=qk, pv=pv, causal=True, layout=layout, return_lse=True)
+    torch.testing.assert_close(out, exp.to(out.dtype))
+    torch.testing.assert_close(lse, el)
+    assert A.select_backend(q.device, qk, pv, varlen=False, window=None, return_lse=False) == "reference"
+
+
+def test_attention_qk_int8_matches_attention():
+    q, k, v = qkv()
+    qq = quantize_qk(q, k, granularity="per_warp")
+    o1 = attention_qk_int8(qq.q, qq.k, v, qq.q_scale, qq.k_scale, granularity="per_warp", causal=True)
+    o2 = attention(q, k, v, qk="int8", granularity="per_warp", causal=True)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+
+
+def test_sdpa_backend_bottom_right_causal_and_gqa():
+    q, k, v = qkv(Sq=9, Sk=21)
+    o = attention(q, k, v, causal=True, backend="sdpa")
+    r = attention_reference(q, k, v, causal=True)
+    assert ((o.float() - r).norm() / r.norm()) < 1e-2
+
+
+def test_varlen_attention_cpu():
+    cq = torch.tensor([0, 5, 17, 18], dtype=torch.int32)
+    ck = torch.tensor([0, 9, 20, 30], dtype=torch.int32)
+    q, k, v = rand(18, 4, 32, seed=4), rand(30, 2, 32, seed=5), rand(30, 2, 32, seed=6)
+    out, lse = attention(q, k, v, qk="int8", pv="fp8", causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 18)
+    ref = attention_reference(q, k, v, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert ((out.float() - ref).norm() / ref.norm()) < 6e-2
+
+
+def test_backward_uses_fp32_reference_math():
+    q, k, v = (t.float().requires_grad_() for t in qkv(dtype=torch.float32))
+    out = attention(q, k, v, qk="int8", pv="fp8", causal=True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    attention_reference(q2, k2, v2, causal=True).backward(g)
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def _raises(exc, match, fn, *a, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*a, **kw)
+
+
+def test_attention_validation_errors():
+    q, k, v = qkv()
+    _raises(ValueError, "multiple of key/value heads", attention, q, rand(2, 3, 41, 32), rand(2, 3, 41, 32))
+    _raises(ValueError, "layout must be", attention, q, k, v, layout="sbhd")
+    _raises(ValueError, "qk must be one of", attention, q, k, v, qk="int4")
+    _raises(ValueError, "pv must be one of", attention, q, k, v, pv="int8")
+    _raises(TypeError, "share one dtype", attention, q, k.half(), v)
+    _raises(TypeError, "float16, bfloat16", attention, q.int(), k.int(), v.int())
+    _raises(ValueError, "head_dim must match", attention, q, rand(2, 2, 41, 16), v)
+    _raises(NotImplementedError, "dropout", attention, q, k, v, dropout_p=0.1)
+    _raises(ValueError, "granularity", attention, q, k, v, granularity="per_thread")
+    _raises(ValueError, "block_q % warp_q", attention, q, k, v, granularity="per_warp", block_q=128, warp_q=48)
+    _raises(ValueError, "window must be", attention, q, k, v, window=(3,))
+    _raises(NotImplementedError, "backend='sdpa' supports only", attention, q, k, v, qk="int8", backend="sdpa")
+    _raises(ValueError, "backend must be one of", attention, q, k, v, backend="cuda")
+    _raises(ValueError, "4-D", attention, q[0], k[0], v[0])
+    cu = torch.tensor([0, 33], dtype=torch.int64)
+    _raises(TypeError, "int32", attention, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+            cu_seqlens_q=cu, cu_seqlens_k=cu)
+    cu = torch.tensor([0, 30], dtype=torch.int32)
+    _raises(ValueError, "must equal the packed lengths", attention, q[0].transpose(0, 1), k[0].transpose(0, 1),
+            v[0].transpose(0, 1), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    _raises(ValueError, "packed", attention, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+            cu_seqlens_q=torch.tensor([0, 33], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 41], dtype=torch.int32),
+            layout="bhsd")
+
+
+def test_attention_qk_int8_validation_errors():
+    q, k, v = qkv(Sq=200, Sk=100, D=64)
+    qq = quantize_qk(q, k, granularity="per_warp")
+    good = (qq.q, qq.k, v, qq.q_scale, qq.k_scale)
+    attention_qk_int8(*good, granularity="per_warp")  # accepted
+    _raises(TypeError, "must be torch.int8", attention_qk_int8, q, qq.k, v, qq.q_scale, qq.k_scale)
+    _raises(TypeError, "float16 or bfloat16", attention_qk_int8, qq.q, qq.k, v.float(), qq.q_scale, qq.k_scale)
+    # per_warp scales passed as per_block: expected (2, 4, 2), got (2, 4, 8)
+    _raises(ValueError, r"q_scale shape mismatch: expected \(2, 4, 2\) for granularity='per_block'.*got \(2, 4, 8\)",
+            attention_qk_int8, *good)
+    _raises(ValueError, r"k_scale shape mismatch: expected \(2, 2, 4\) for block_k=32, got \(2, 2, 2\)",
+            attention_qk_int8, *good, granularity="per_warp", block_k=32)
+    _raises(TypeError, "q_scale must be float32", attention_qk_int8, qq.q, qq.k, v, qq.q_scale.half(), qq.k_scale,
+            granularity="per_warp")
+    _raises(ValueError, "multiple of key/value heads", attention_qk_int8, qq.q[:, :3], qq.k, v, qq.q_scale[:, :3],
+            qq.k_scale, granularity="per_warp")
+    q2, k2, v2 = qkv(Sq=20, Sk=20, D=24)
+    qq2 = quantize_qk(q2, k2)
+    _raises(ValueError, "multiple of 16", attention_qk_int8, qq2.q, qq2.k, v2, qq2.q_scale, qq2.k_scale)
+    _raises(ValueError, "k_mean must be float32 of shape", attention_qk_int8, *good, granularity="per_warp",
+            k_mean=torch.zeros(2, 2, 64))
+
+
+def test_lowbit_info_hook():
+    assert A.backend_for(device="cpu", qk="int8", pv="fp8") == "reference"
