@@ -1,0 +1,242 @@
+"""Linear / LayerNormLinear / LayerNormMLP: bit-identical to torch outside autocast; inside, outputs and
+gradients (input, weights, biases, norm parameters) against the high-precision torch module per recipe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit
+from helpers import RECIPES, grads_of, make_module, sqnr
+from lowbit import recipes
+
+MODULES = [
+    ("Linear", {}),
+    ("LayerNormLinear", {}),
+    ("LayerNormLinear", {"normalization": "RMSNorm"}),
+    ("LayerNormMLP", {}),
+    ("LayerNormMLP", {"activation": "swiglu", "normalization": "RMSNorm"}),
+]
+K, N, F = 160, 96, 192  # 160: a full and a ragged 1x128 block; all multiples of 32 (MXFP8) and 16 (NVFP4)
+
+# SQNR floors (dB) as (output floor, gradient floor); the gradient floor applies to dx and every parameter
+# gradient. Measured over seeds 0..11 with these shapes (x (2, 48, 160), loss = sum(y · G), G ~ N(0, 1)):
+# minimum over seeds (y; worst gradient):
+#   Linear     delayed/current 28.5; 24.4   block 28.2; 28.1   mxfp8 27.7; 27.3   nvfp4 16.5; 14.9
+#   LNLinear   delayed/current 28.5; 23.0   block 28.2; 26.5   mxfp8 27.6; 26.1   nvfp4 16.5; 14.0
+#   LNMLP      delayed/current 24.2; 19.2   block 23.9; 22.2   mxfp8 23.1; 21.8   nvfp4 12.2;  9.8
+# Floors = those minima - 2 dB (margin for seeds outside the measured set), rounded down to 0.5 dB.
+FLOORS = {
+    "Linear": {"fp8-delayed": (26.5, 22.0), "fp8-current": (26.5, 22.0), "fp8-block": (26.0, 26.0), "mxfp8": (25.5, 25.0), "nvfp4": (14.5, 12.5)},
+    "LayerNormLinear": {"fp8-delayed": (26.5, 21.0), "fp8-current": (26.5, 21.0), "fp8-block": (26.0, 24.5), "mxfp8": (25.5, 24.0), "nvfp4": (14.5, 12.0)},
+    "LayerNormMLP": {"fp8-delayed": (22.0, 17.0), "fp8-current": (22.0, 17.0), "fp8-block": (21.5, 20.0), "mxfp8": (21.0, 19.5), "nvfp4": (10.0, 7.5)},
+}
+EXACT_DB = 120.0  # gradients that do not pass through a quantized GEMM (Linear's bias) must match torch exactly
+
+
+def _ids(p):
+    kind, kw = p
+    return kind + ("-" + "-".join(kw.values()) if kw else "")
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=_ids)
+@pytest.mark.parametrize("shape", [(5, 7), (3,), ()], ids=["3d", "2d", "1d"])
+def test_bit_identical_outside_autocast(mod, shape):
+    kind, kw = mod
+    torch.manual_seed(1)
+    m, ref = make_module(kind, 48, 40, 56, **kw)
+    x = torch.randn(*shape, 48)
+    G = torch.randn(*shape, ref(x).shape[-1])
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = m(xa), ref(xb)
+    assert torch.equal(ya, yb)
+    (ya * G).sum().backward()
+    (yb * G).sum().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    for a, b in zip(grads_of(m), grads_of(ref)):
+        assert torch.equal(a, b)
+    with lowbit.autocast(enabled=False):  # an explicitly disabled autocast is the same
+        assert torch.equal(m(x), ref(x))
+
+
+def test_linear_is_drop_in():
+    torch.manual_seed(0)
+    a = lowbit.nn.Linear(12, 8, bias=False, dtype=torch.float64)
+    torch.manual_seed(0)
+    b = torch.nn.Linear(12, 8, bias=False, dtype=torch.float64)
+    assert torch.equal(a.weight, b.weight) and a.bias is None  # same init from the same RNG state
+    assert isinstance(a, torch.nn.Linear)
+    assert set(a.state_dict()) - {"_extra_state"} == set(b.state_dict())
+    a.load_state_dict(b.state_dict())  # a torch checkpoint (no scaling state) loads
+    b.load_state_dict({k: v for k, v in a.state_dict().items() if k != "_extra_state"})
+    assert [n for n, _ in a.named_parameters()] == ["weight"]
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("mod", MODULES, ids=_ids)
+def test_gradients_against_high_precision(mod, rname):
+    kind, kw = mod
+    torch.manual_seed(2024)
+    m, ref = make_module(kind, K, N, F, **kw)
+    x = torch.randn(2, 48, K)
+    out_f = N if kind != "LayerNormMLP" else K
+    G = torch.randn(2, 48, out_f)
+    xr = x.clone().requires_grad_()
+    (ref(xr) * G).sum().backward()
+    recipe = RECIPES[rname]()
+    xq = x.clone().requires_grad_()
+    for _ in range(2 if rname == "fp8-delayed" else 1):  # delayed: the second step scales from the history
+        m.zero_grad()
+        xq.grad = None
+        with lowbit.autocast(recipe=recipe):
+            y = m(xq)
+        (y * G).sum().backward()
+    fy, fg = FLOORS[kind][rname]
+    s = sqnr(y, ref(x))
+    assert s > fy, f"output SQNR {s:.1f} dB <= floor {fy}"
+    s = sqnr(xq.grad, xr.grad)
+    assert s > fg, f"input-gradient SQNR {s:.1f} dB <= floor {fg}"
+    for (name, p), g in zip(m.named_parameters(), grads_of(ref)):
+        floor = EXACT_DB if (kind != "LayerNormMLP" and name == "bias") else fg
+        s = sqnr(p.grad, g)
+        assert s > floor, f"{name} gradient SQNR {s:.1f} dB <= floor {floor}"
+    assert y.shape == (2, 48, out_f) and y.dtype == x.dtype
+
+
+def test_saves_quantized_activations_only():
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(64, 32)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+            y = m(x)
+    assert not any(t is not None and t.numel() >= x.numel() and t.is_floating_point() and t.element_size() > 1 for t in saved)
+    ctx = y.grad_fn
+    assert ctx.qx.rowwise is None and ctx.qx.columnwise.data.dtype == torch.float8_e4m3fn  # only the wgrad copy
+    assert ctx.qx.columnwise.data.shape == (64, 64)
+    assert ctx.qw.columnwise is not None
+    y.sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_dtypes(dtype):
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(64, 32, dtype=dtype)
+    x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
+    with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        y = m(x)
+    y.float().sum().backward()
+    assert y.dtype == dtype and x.grad.dtype == dtype and m.weight.grad.dtype == dtype and m.bias.grad.dtype == dtype
+    ref = torch.nn.functional.linear(x.float(), m.weight.float(), m.bias.float())
+    assert sqnr(y.float(), ref) > 22  # measured 26.5 dB; bf16 output rounding costs a little
+
+
+def test_no_grad_forward_and_frozen_weight():
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    with torch.no_grad(), lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+        y = m(x)
+    assert y.grad_fn is None
+    m.weight.requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+        y = m(xg)
+    y.sum().backward()
+    assert m.weight.grad is None and xg.grad is not None and m.bias.grad is not None
+    assert y.grad_fn.qx is None  # no wgrad: x is not kept at all
+
+
+def test_weight_cache_across_microbatches():
+    torch.manual_seed(0)
+    m = lowbit.nn.LayerNormMLP(64, 96)
+    xs = [torch.randn(2, 16, 64) for _ in range(3)]
+    r = recipes.Float8CurrentScaling()
+    ref_grads = None
+    outs = []
+    for first in (None, "cache"):
+        m.zero_grad()
+        ys = []
+        for i, x in enumerate(xs):
+            with lowbit.autocast(recipe=r):
+                y = m(x, is_first_microbatch=None if first is None else i == 0)
+            y.square().sum().backward()
+            ys.append(y)
+            if first == "cache" and i > 0:
+                assert y.grad_fn.qw is ys[0].grad_fn.qw  # fc2's cached weight copies reused
+        outs.append(ys)
+        g = grads_of(m)
+        if ref_grads is None:
+            ref_grads = g
+        else:  # caching changes nothing numerically (current scaling of an unchanged weight)
+            assert all(torch.equal(a, b) for a, b in zip(g, ref_grads))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_weight_cache_misuse():
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(32, 32)
+    m.lowbit_name = "blocks.0.proj"
+    x = torch.randn(16, 32)
+    r = recipes.Float8CurrentScaling()
+    with lowbit.autocast(recipe=r):
+        with pytest.raises(ValueError, match=r"is_first_microbatch: False needs .*'blocks.0.proj'"):
+            m(x, is_first_microbatch=False)
+        with pytest.raises(TypeError, match="is_first_microbatch: expected None, True or False, got 1"):
+            m(x, is_first_microbatch=1)
+        m(x, is_first_microbatch=True)
+        m(x, is_first_microbatch=False)
+    with torch.no_grad():
+        m.weight.add_(1.0)  # "optimizer step"
+    with lowbit.autocast(recipe=r):
+        with pytest.raises(ValueError, match="was modified since it was cached"):
+            m(x, is_first_microbatch=False)
+    with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        m(x, is_first_microbatch=True)
+    with lowbit.autocast(recipe=r):
+        with pytest.raises(ValueError, match="active recipe is"):
+            m(x, is_first_microbatch=False)
+
+
+def test_bad_inputs():
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(48, 32)
+    m.lowbit_name = "mlp.up"
+    with lowbit.autocast(recipe=recipes.NVFP4BlockScaling()):
+        with pytest.raises(ValueError, match=r"divisible by 16.*'mlp.up'.*tokens .* = 20"):
+            m(torch.randn(20, 48))
+    with lowbit.autocast(recipe=recipes.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match=r"divisible by 32.*in_features = 48"):
+            m(torch.randn(32, 48))
+        with pytest.raises(ValueError, match=r"input: last dim must be in_features = 48"):
+            m(torch.randn(32, 47))
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16 inputs, got torch.float64"):
+            m(torch.randn(4, 48, dtype=torch.float64))
+    with pytest.raises(ValueError, match="in_features: expected a positive int, got 0"):
+        lowbit.nn.Linear(0, 4)
+    with pytest.raises(ValueError, match="normalization: expected one of"):
+        lowbit.nn.LayerNormLinear(8, 8, normalization="BatchNorm")
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        lowbit.nn.LayerNormMLP(8, 8, activation="relu")
+    with pytest.raises(ValueError, match="eps: expected a finite float > 0"):
+        lowbit.nn.LayerNormMLP(8, 8, eps=0)
+
+
+def test_return_layernorm_output():
+    torch.manual_seed(0)
+    m = lowbit.nn.LayerNormLinear(32, 16, return_layernorm_output=True)
+    x = torch.randn(3, 32)
+    y, ln = m(x)
+    assert torch.equal(ln, torch.nn.functional.layer_norm(x, (32,), m.layer_norm_weight, m.layer_norm_bias, 1e-5))
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+        yq, lnq = m(torch.randn(16, 32))
+    assert yq.shape == (16, 16) and lnq.shape == (16, 32)
