@@ -1,0 +1,702 @@
+"""Attention backward: reference, Triton flash-attention backward with FP8 gradient stores, autograd.
+
+Conventions (shared with ``lowbit.attention.reference``):
+
+* Layouts: ``"bhsd"`` = (B, H, S, D), ``"bshd"`` = (B, S, H, D); varlen = packed (T, H, D) with
+  ``cu_seqlens_q/k`` int32 (B + 1,).  Gradients come back in the layout of their input, contiguous.
+* GQA/MQA: ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``; dK/dV of a kv head
+  are the sum over the query heads of its group.
+* Causal / sliding window are bottom-right aligned; ``window=(left, right)``, -1 = unbounded.
+* LSE: FP32 natural log, (B, Hq, Sq) dense or (Hq, Tq) varlen, ``-inf`` for rows that see no key
+  (such rows get zero gradients).
+* Dropout (Philox, regenerated, never stored): element (b, h, i, j) of the attention matrix has the
+  counter ``offset + ((b·Hq + h)·Sq + i)·Sk + j`` (varlen: Sq/Sk = max_seqlen_q/k, i/j within the
+  sequence) and is **kept** iff ``(philox_randint(seed, counter) >> 8) · 2^-24 >= dropout_p``;
+  kept probabilities are multiplied by ``1 / (1 - dropout_p)``.  ``dropout_keep_mask`` is the
+  torch generator of the same mask (``philox_randint`` equals ``tl.randint``).
+* FP8 gradients (``grad_format="e4m3"|"e5m2"``) are :class:`lowbit.QuantizedTensor` s with a
+  rowwise copy: data ``(rows, D)`` (rows = product of the gradient's leading dims in its layout),
+  quantized from the kernel's FP32 accumulator in the epilogue:
+    - ``scales=None`` -> ``Float8Rowwise``: one scale per row along head_dim,
+      ``scale = fmax / amax_row`` (amax 0 -> 1), ``scale_inv`` (rows, 1) stored;
+    - ``scales=(scale_dq, scale_dk, scale_dv)`` (FP32 (1,) each, delayed scaling) ->
+      ``Float8Tensorwise``: ``q = sat_rne(g · scale)``, ``scale_inv = 1 / scale`` (1,).
+  Either way ``qt.amax`` is the gradient's amax (for the next step's delayed scale), and
+  ``qt.dequantize()`` gives ``data · scale_inv``.  The codes equal
+  ``lowbit.quantize(g_fp32, scheme, scale=...)`` applied to the same FP32 gradient.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..formats import philox_randint
+from ..quant.schemes import Float8Rowwise, Float8Tensorwise
+from ..quant.tensor import QuantizedCopy, QuantizedTensor
+from . import reference as _ref
+
+__all__ = [
+    "backward",
+    "attention_forward",
+    "attention_forward_reference",
+    "attention_backward_reference",
+    "dropout_keep_mask",
+    "backward_write_bytes",
+    "AttentionFunction",
+    "attention_with_grad",
+    "GRAD_FORMATS",
+]
+
+GRAD_FORMATS = (None, "e4m3", "e5m2")
+_FMT = {"e4m3": (1, 448.0, torch.float8_e4m3fn), "e5m2": (2, 57344.0, torch.float8_e5m2)}
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+BIG = 1 << 30
+
+
+# ============================================================================ dropout mask (torch)
+def dropout_keep_mask(seed: int, offset: int, shape, p: float, *, device=None, batch_start: int = 0,
+                      index_seqlens: Optional[Tuple[int, int]] = None) -> Tensor:
+    """Bool keep-mask (B, H, Sq, Sk) of the Philox dropout rule in the module docstring.
+
+    ``index_seqlens=(Sq_idx, Sk_idx)`` sets the counter geometry when it differs from the mask's
+    own (Sq, Sk) (varlen: the max sequence lengths); ``batch_start`` shifts the batch index.
+    """
+    b, h, sq, sk = (int(x) for x in shape)
+    isq, isk = index_seqlens if index_seqlens is not None else (sq, sk)
+    bi = torch.arange(batch_start, batch_start + b, device=device, dtype=torch.int64).view(b, 1, 1, 1)
+    hi = torch.arange(h, device=device, dtype=torch.int64).view(1, h, 1, 1)
+    ii = torch.arange(sq, device=device, dtype=torch.int64).view(1, 1, sq, 1)
+    jj = torch.arange(sk, device=device, dtype=torch.int64).view(1, 1, 1, sk)
+    idx = int(offset) + ((bi * h + hi) * isq + ii) * isk + jj
+    r = philox_randint(int(seed), idx)
+    u = (r >> 8).to(torch.float32) * (2.0 ** -24)
+    return u >= torch.tensor(float(p), dtype=torch.float32, device=device)
+
+
+# ============================================================================ references
+def _dense_forward_ref(q, k, v, *, causal, scale, window, dropout_p, seed, offset, dtype, batch_start=0,
+                       index_seqlens=None, hq_total=None):
+    """(B, H, S, D) tensors -> (out, lse, p, keep).  Differentiable."""
+    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+    hq, hkv = qh.shape[1], kh.shape[1]
+    if hq != hkv:
+        kh = kh.repeat_interleave(hq // hkv, dim=1)
+        vh = vh.repeat_interleave(hq // hkv, dim=1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    mask = _ref.visible_mask(sq, sk, causal, window, device=s.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).detach()
+    p = torch.exp(s - safe[..., None])
+    # normalise explicitly (gradient flows through the sum, not through the detached shift)
+    denom = p.sum(-1, keepdim=True)
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+    keep = None
+    pd = p
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
+                                 index_seqlens=index_seqlens)
+        pd = p * keep.to(dtype) * (1.0 / (1.0 - dropout_p))
+    out = torch.matmul(pd, vh)
+    return out, lse, p, keep
+
+
+def attention_forward_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                                softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0,
+                                seed: Optional[int] = None, offset: int = 0, layout: str = "bhsd",
+                                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                                max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                                dtype: torch.dtype = torch.float32):
+    """Reference forward with Philox dropout, computed in ``dtype`` (FP32 or FP64), differentiable.
+
+    Shapes/layouts as ``attention_reference``.  Returns (out in ``dtype`` and the input layout,
+    LSE (B, Hq, Sq) / (Hq, Tq) in ``dtype``, natural log, of the un-dropped softmax).
+    """
+    _check_dropout(dropout_p, seed)
+    scale = _ref._default_scale(q.shape[-1], softmax_scale)
+    if cu_seqlens_q is not None:
+        segs_q, segs_k = _ref._split_varlen(cu_seqlens_q), _ref._split_varlen(cu_seqlens_k)
+        mq = max_seqlen_q or max(e - s for s, e in segs_q)
+        mk = max_seqlen_k or max(e - s for s, e in segs_k)
+        outs, lses = [], []
+        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
+            o, l, _, _ = _dense_forward_ref(q[a0:a1].transpose(0, 1)[None], k[c0:c1].transpose(0, 1)[None],
+                                            v[c0:c1].transpose(0, 1)[None], causal=causal, scale=scale,
+                                            window=window, dropout_p=dropout_p, seed=seed, offset=offset,
+                                            dtype=dtype, batch_start=b, index_seqlens=(mq, mk))
+            outs.append(o[0].transpose(0, 1))
+            lses.append(l[0])
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+    _ref._check_layout(layout)
+    qh, kh, vh = (_ref._bhsd(t, layout) for t in (q, k, v))
+    out, lse, _, _ = _dense_forward_ref(qh, kh, vh, causal=causal, scale=scale, window=window, dropout_p=dropout_p,
+                                        seed=seed, offset=offset, dtype=dtype)
+    return (out if layout == "bhsd" else out.transpose(1, 2)), lse
+
+
+def _dense_backward_ref(do, q, k, v, lse, *, causal, scale, window, dropout_p, seed, offset, dtype,
+                        batch_start=0, index_seqlens=None):
+    """Explicit FlashAttention backward formulas on (B, H, S, D) tensors, in ``dtype``."""
+    qh, kh, vh, doh = (t.to(dtype) for t in (q, k, v, do))
+    hq, hkv = qh.shape[1], kh.shape[1]
+    g = hq // hkv
+    kr = kh.repeat_interleave(g, dim=1) if g > 1 else kh
+    vr = vh.repeat_interleave(g, dim=1) if g > 1 else vh
+    s = torch.matmul(qh, kr.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    mask = _ref.visible_mask(sq, sk, causal, window, device=s.device)
+    if lse is None:
+        lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), dim=-1)
+    lse = lse.to(dtype)
+    safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+    p = torch.exp(s - safe[..., None]).masked_fill(~mask, 0.0)  # P = exp(S - LSE)
+    dp = torch.matmul(doh, vr.transpose(-1, -2))
+    pd = p
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
+                                 index_seqlens=index_seqlens).to(dtype)
+        c = 1.0 / (1.0 - dropout_p)
+        pd = p * keep * c
+        dp = dp * keep * c
+    dv = torch.matmul(pd.transpose(-1, -2), doh)
+    delta = (p * dp).sum(-1, keepdim=True)  # = rowsum(dO · O)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
+    if g > 1:
+        b, _, skk, d = dk.shape
+        dk = dk.view(b, hkv, g, skk, d).sum(2)
+        dv = dv.view(b, hkv, g, skk, d).sum(2)
+    return dq, dk, dv
+
+
+def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *, lse: Optional[Tensor] = None,
+                                 causal: bool = False, softmax_scale: Optional[float] = None, window=None,
+                                 dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+                                 layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None,
+                                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                                 max_seqlen_k: Optional[int] = None, dtype: torch.dtype = torch.float32):
+    """(dq, dk, dv) of ``attention_forward_reference`` by the explicit backward formulas, in ``dtype``.
+
+    ``P = exp(S·scale - LSE)`` (masked, ``keep``-scaled for dropout), ``dV = Pdᵀ dO``,
+    ``dP = (dO Vᵀ) ∘ keep / (1-p)``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = scale·dS K``,
+    ``dK = scale·dSᵀ Q`` (dK/dV summed over each GQA group).  With ``lse`` given (the forward's
+    LSE) P is built from it, as the kernels do; otherwise from the exact softmax.
+    Inputs in any float dtype; outputs in the input layout.
+    """
+    _check_dropout(dropout_p, seed)
+    scale = _ref._default_scale(q.shape[-1], softmax_scale)
+    kw = dict(causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed, offset=offset, dtype=dtype)
+    if cu_seqlens_q is not None:
+        segs_q, segs_k = _ref._split_varlen(cu_seqlens_q), _ref._split_varlen(cu_seqlens_k)
+        mq = max_seqlen_q or max(e - s for s, e in segs_q)
+        mk = max_seqlen_k or max(e - s for s, e in segs_k)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
+            t = lambda x, s0, s1: x[s0:s1].transpose(0, 1)[None]  # noqa: E731
+            l_b = None if lse is None else lse[:, a0:a1][None]
+            gq, gk, gv = _dense_backward_ref(t(do, a0, a1), t(q, a0, a1), t(k, c0, c1), t(v, c0, c1), l_b,
+                                             batch_start=b, index_seqlens=(mq, mk), **kw)
+            dq[a0:a1] = gq[0].transpose(0, 1)
+            dk[c0:c1] = gk[0].transpose(0, 1)
+            dv[c0:c1] = gv[0].transpose(0, 1)
+        return dq, dk, dv
+    _ref._check_layout(layout)
+    bh = lambda x: _ref._bhsd(x, layout)  # noqa: E731
+    gq, gk, gv = _dense_backward_ref(bh(do), bh(q), bh(k), bh(v), lse, **kw)
+    if layout == "bshd":
+        gq, gk, gv = (x.transpose(1, 2).contiguous() for x in (gq, gk, gv))
+    return gq, gk, gv
+
+
+# ============================================================================ validation
+def _check_dropout(dropout_p, seed):
+    if not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2 ** 63):
+            raise ValueError(f"seed must be an int in [0, 2**63) when dropout_p > 0, got {seed!r}")
+
+
+def _tensor(name, x):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _dims(x: Tensor, layout: str, varlen: bool):
+    if varlen:
+        if x.dim() != 3:
+            raise ValueError(f"varlen inputs must be 3-D (total, heads, head_dim), got shape {tuple(x.shape)}")
+        return None, x.shape[1], x.shape[0], x.shape[2]
+    if x.dim() != 4:
+        raise ValueError(f"inputs must be 4-D ({layout}), got shape {tuple(x.shape)}")
+    if layout == "bhsd":
+        return tuple(x.shape)
+    b, s, h, d = x.shape
+    return b, h, s, d
+
+
+def _views(x: Tensor, layout: str, varlen: bool):
+    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0), x.stride(2)
+    if layout == "bhsd":
+        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
+
+
+def _row_views(x: Tensor, layout: str, varlen: bool):
+    """(stride_b, stride_h, stride_s) of a per-row buffer shaped like a gradient without its last dim."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0)
+    if layout == "bhsd":
+        return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride(0), x.stride(2), x.stride(1)
+
+
+def _window(causal, window):
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2
+                and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+            raise ValueError(f"window must be None or a pair of ints (left, right), -1 = unbounded; got {window!r}")
+        if any(w < -1 for w in window):
+            raise ValueError(f"window sizes must be >= -1, got {window!r}")
+    return _ref._window(causal, window)
+
+
+def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, scales, grad_dtype):
+    for n, t in (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+        _tensor(n, t)
+    varlen = cu_q is not None or cu_k is not None
+    if varlen:
+        if cu_q is None or cu_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+        if layout not in (None, "thd", "bhsd"):
+            raise ValueError(f"with cu_seqlens the inputs are packed (total, heads, head_dim): layout must be "
+                             f"'thd' or None, got {layout!r}")
+        for n, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            _tensor(n, cu)
+            if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+                raise TypeError(f"{n} must be a 1-D int32 tensor of length batch+1, got dtype {cu.dtype}, "
+                                f"shape {tuple(cu.shape)}")
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} "
+                             f"and {cu_k.numel()}")
+        lay = "thd"
+    else:
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        lay = layout
+    B, Hq, Sq, D = _dims(q, lay, varlen)
+    Bk, Hkv, Sk, Dk = _dims(k, lay, varlen)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    for n, t in (("do", do), ("o", o)):
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{n} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if Dk != D:
+        raise ValueError(f"head_dim must match: q {D}, k {Dk}")
+    if not varlen and Bk != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {Bk}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads must be a multiple of key/value heads (GQA/MQA): Hq={Hq}, Hkv={Hkv}")
+    if varlen:
+        exp_lse = (Hq, q.shape[0])
+    else:
+        exp_lse = (B, Hq, Sq)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != exp_lse:
+        raise ValueError(f"lse must be float32 of shape {exp_lse} (natural log, from the forward), got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
+    dts = {t.dtype for t in (do, q, k, v, o)}
+    if len(dts) != 1:
+        raise TypeError(f"do, q, k, v, o must share one dtype, got {[str(t.dtype) for t in (do, q, k, v, o)]}")
+    for n, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
+        if t.device != q.device:
+            raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+    if grad_format is None and scales is not None:
+        raise ValueError("scales are only meaningful with grad_format='e4m3' or 'e5m2'")
+    if grad_format is not None and grad_dtype is not None:
+        raise ValueError("grad_dtype applies to unquantized gradients only (grad_format=None)")
+    if grad_dtype is not None and grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype}")
+    sc = None
+    if scales is not None:
+        if isinstance(scales, dict):
+            missing = {"dq", "dk", "dv"} - set(scales)
+            if missing:
+                raise ValueError(f"scales dict needs keys 'dq', 'dk', 'dv'; missing {sorted(missing)}")
+            sc = (scales["dq"], scales["dk"], scales["dv"])
+        elif isinstance(scales, (tuple, list)) and len(scales) == 3:
+            sc = tuple(scales)
+        else:
+            raise TypeError(f"scales must be None (per-row scales), a 3-tuple (scale_dq, scale_dk, scale_dv) or a "
+                            f"dict with keys dq/dk/dv; got {type(scales).__name__}")
+        for n, s in zip(("scale_dq", "scale_dk", "scale_dv"), sc):
+            _tensor(n, s)
+            if s.dtype != torch.float32 or s.numel() != 1:
+                raise ValueError(f"{n} must be a float32 tensor of shape (1,), got {s.dtype} {tuple(s.shape)}")
+            if s.device != q.device:
+                raise ValueError(f"{n} is on {s.device} but q is on {q.device}")
+    if varlen:
+        lq = cu_q[1:] - cu_q[:-1]
+        lk = cu_k[1:] - cu_k[:-1]
+        if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or bool((lq < 0).any()) or bool((lk < 0).any()):
+            raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
+        if int(cu_q[-1]) != q.shape[0] or int(cu_k[-1]) != k.shape[0]:
+            raise ValueError(f"cu_seqlens_q[-1]={int(cu_q[-1])} / cu_seqlens_k[-1]={int(cu_k[-1])} must equal the "
+                             f"packed lengths {q.shape[0]} / {k.shape[0]}")
+        mq = int(mq) if mq is not None else int(lq.max())
+        mk = int(mk) if mk is not None else int(lk.max())
+        if mq < int(lq.max()) or mk < int(lk.max()):
+            raise ValueError(f"max_seqlen_q/k ({mq}, {mk}) are smaller than the longest sequences "
+                             f"({int(lq.max())}, {int(lk.max())})")
+    return lay, varlen, (B, Hq, Sq, Hkv, Sk, D), mq, mk, sc
+
+
+def _interpreted() -> bool:
+    """Whether this module's kernels run under the Triton interpreter (decided when they were imported)."""
+    mod = sys.modules.get(__package__ + ".backward_kernels")
+    if mod is not None:
+        return bool(mod.INTERPRETED)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_ok(q: Tensor) -> bool:
+    return q.is_cuda or _interpreted()
+
+
+# ============================================================================ the low-level backward
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool = False,
+             softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0, seed: Optional[int] = None,
+             offset: int = 0, grad_format: Optional[str] = None, scales=None, grad_dtype: Optional[torch.dtype] = None,
+             layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+             backend: Optional[str] = None, config=None):
+    """Flash-attention backward: (dq, dk, dv) from dO, Q, K, V, O and the forward's LSE.
+
+    Args:
+        do, q, o: (B, Hq, Sq, D) for ``layout="bhsd"``, (B, Sq, Hq, D) for ``"bshd"``, or packed
+            (Tq, Hq, D) with ``cu_seqlens_q/k``; any strides.  k, v: same with Hkv heads.  All
+            bfloat16/float16 (one dtype) for the Triton backend; the reference backend takes any float.
+        lse: float32 natural-log LSE of the forward, (B, Hq, Sq) or (Hq, Tq) varlen.
+        causal, window, softmax_scale (default 1/sqrt(D)): as in the forward.
+        dropout_p, seed, offset: the forward's Philox dropout (see module docstring).
+        grad_format: None -> plain tensors in q's dtype (or ``grad_dtype``: torch.float32 returns the
+            kernels' FP32 accumulators); "e4m3"/"e5m2" -> ``QuantizedTensor`` s quantized in the kernel
+            epilogue (per-row scales along head_dim, or per-tensor given ``scales``).
+        scales: None, or (scale_dq, scale_dk, scale_dv) / {"dq":, "dk":, "dv":}, FP32 (1,) each:
+            ``scale`` multiplies the gradient on the way in (dequantized = data / scale).
+        backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; default there) or "reference"
+            (explicit FP32 formulas + ``lowbit.quantize``; default elsewhere).
+        config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force tiles;
+            default autotuned (LOWBIT_ATTN_AUTOTUNE=0: heuristic).
+
+    Returns:
+        (dq, dk, dv) in the layout of q/k/v (contiguous), tensors or QuantizedTensors.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    _check_dropout(dropout_p, seed)
+    lay, varlen, dims, mq, mk, sc = _validate(do, q, k, v, o, lse, layout=layout, cu_q=cu_seqlens_q,
+                                              cu_k=cu_seqlens_k, mq=max_seqlen_q, mk=max_seqlen_k,
+                                              grad_format=grad_format, scales=scales, grad_dtype=grad_dtype)
+    left, right = _window(causal, window)
+    if backend is None:
+        backend = "triton" if _triton_ok(q) else "reference"
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be 'triton', 'reference' or None, got {backend!r}")
+    if backend == "reference":
+        g = attention_backward_reference(do, q, k, v, lse=lse, causal=causal, softmax_scale=softmax_scale,
+                                         window=window, dropout_p=dropout_p, seed=seed, offset=offset,
+                                         layout="bhsd" if varlen else lay, cu_seqlens_q=cu_seqlens_q,
+                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
+        if grad_format is None:
+            return tuple(x.to(grad_dtype or q.dtype) for x in g)
+        from ..quant import quantize
+        if sc is None:
+            return tuple(quantize(x, Float8Rowwise(grad_format), backend="reference") for x in g)
+        return tuple(quantize(x, Float8Tensorwise(grad_format), scale=s, backend="reference")
+                     for x, s in zip(g, sc))
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the Triton backward needs bfloat16/float16 inputs, got {q.dtype}")
+    if dims[-1] not in _HEAD_DIMS:
+        raise NotImplementedError(f"the Triton backward supports head_dim in {_HEAD_DIMS}, got {dims[-1]} "
+                                  f"(use backend='reference')")
+    if not _triton_ok(q):
+        raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return _backward_triton(do, q, k, v, o, lse, lay=lay, varlen=varlen, dims=dims, mq=mq, mk=mk,
+                            scale=float(softmax_scale), left=left, right=right, dropout_p=float(dropout_p),
+                            seed=seed, offset=int(offset), grad_format=grad_format, sc=sc, grad_dtype=grad_dtype,
+                            cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, config=config)
+
+
+def _autotune_enabled(BK) -> bool:
+    return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not BK.INTERPRETED
+
+
+def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, left, right, dropout_p, seed,
+                     offset, grad_format, sc, grad_dtype, cu_q, cu_k, config):
+    from . import backward_kernels as BK
+    import triton
+
+    B, Hq, Sq, Hkv, Sk, D = dims
+    if varlen:
+        B = cu_q.numel() - 1
+        Sq, Sk = mq, mk
+    group = Hq // Hkv
+    dev = q.device
+    LOG2E = 1.4426950408889634
+    # ---- preprocess: delta = rowsum(dO·O), lse2 = lse·log2e (+inf for empty rows)
+    if varlen:
+        delta = torch.empty(Hq, q.shape[0], device=dev, dtype=torch.float32)
+        ds = (0, delta.stride(0), delta.stride(1))
+        ls = (0, lse.stride(0), lse.stride(1))
+    else:
+        delta = torch.empty(B, Hq, Sq, device=dev, dtype=torch.float32)
+        ds = delta.stride()
+        ls = lse.stride()
+    lse2 = torch.empty_like(delta)
+    cu_dummy = delta
+    cuq = cu_q if varlen else cu_dummy
+    cuk = cu_k if varlen else cu_dummy
+    if B * Hq > 0 and Sq > 0:
+        BK._bwd_preprocess[(triton.cdiv(Sq, 64), B * Hq)](
+            o, do, lse, delta, lse2, cuq, *_views(o, lay, varlen), *_views(do, lay, varlen), *ls, *ds,
+            Hq, Sq, HEAD_DIM=D, BLOCK_M=64, VARLEN=varlen, num_warps=4)
+
+    # ---- outputs
+    if grad_format is None:
+        qmode, fmt_id, fmax = 0, 0, 0.0
+        gdt = grad_dtype or q.dtype
+    else:
+        fmt_id, fmax, gdt = _FMT[grad_format]
+        qmode = 1 if sc is not None else 2
+    dq = torch.empty(q.shape, device=dev, dtype=gdt)
+    dk = torch.empty(k.shape, device=dev, dtype=gdt)
+    dv = torch.empty(k.shape, device=dev, dtype=gdt)
+    if qmode == 2:
+        rsq = torch.empty(q.shape[:-1], device=dev, dtype=torch.float32)
+        rsk = torch.empty(k.shape[:-1], device=dev, dtype=torch.float32)
+        rsv = torch.empty(k.shape[:-1], device=dev, dtype=torch.float32)
+        rq, rk = _row_views(rsq, lay, varlen), _row_views(rsk, lay, varlen)
+    else:
+        rsq = rsk = rsv = delta
+        rq = rk = (0, 0, 0)
+    amax = torch.zeros(3, device=dev, dtype=torch.float32)
+    if qmode == 1:
+        scq, sck, scv = (s.reshape(1).contiguous() for s in sc)
+    else:
+        scq = sck = scv = amax
+    win_l = BIG if left < 0 else left
+    win_r = BIG if right < 0 else right
+    dropout = dropout_p > 0.0
+    drop_sq, drop_sk = Sq, Sk
+    seed_v = int(seed) if dropout else 0
+    common = [scale, scale * LOG2E, win_l, win_r, seed_v, offset, dropout_p,
+              (1.0 / (1.0 - dropout_p)) if dropout else 1.0, drop_sq, drop_sk, triton.next_power_of_2(max(Sq, Sk, 1))]
+    meta = dict(QMODE=qmode, FMT=fmt_id, FMAX=fmax, DROPOUT=dropout, VARLEN=varlen, HEAD_DIM=D,
+                INTERPRET=BK.INTERPRETED)
+    strides_in = [*_views(q, lay, varlen), *_views(k, lay, varlen), *_views(v, lay, varlen),
+                  *_views(do, lay, varlen)]
+    args_kv = [q, k, v, do, dk, dv, lse2, delta, cuq, cuk, sck, scv, rsk, rsv, amax[1:2], amax[2:3],
+               *strides_in, *_views(dk, lay, varlen), *rk, *ds, Hkv, group, Sq, Sk, *common]
+    args_q = [q, k, v, do, dq, lse2, delta, cuq, cuk, scq, rsq, amax[0:1],
+              *strides_in, *_views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
+    if Sk > 0 and B * Hkv > 0:
+        if config is None and _autotune_enabled(BK):
+            BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta)
+        else:
+            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk)))[0]
+            BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
+                                                         num_stages=st)
+    if Sq > 0 and B * Hq > 0:
+        if config is None and _autotune_enabled(BK):
+            BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta)
+        else:
+            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk)))[1]
+            BK._bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
+                                                      num_stages=st)
+    if qmode == 0:
+        return dq, dk, dv
+    scheme = Float8Rowwise(grad_format) if qmode == 2 else Float8Tensorwise(grad_format)
+    out = []
+    for i, (g, x, rs, s) in enumerate(((dq, q, rsq, scq), (dk, k, rsk, sck), (dv, k, rsv, scv))):
+        rows = g.numel() // D if D else 0
+        scale_inv = rs.reshape(rows, 1) if qmode == 2 else (1.0 / s).reshape(1)
+        qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme,
+                             rowwise=QuantizedCopy(data=g.view(rows, D), scale_inv=scale_inv, amax=amax[i:i + 1]))
+        qt.meta["layout"] = lay
+        out.append(qt)
+    return tuple(out)
+
+
+# ============================================================================ bytes accounting
+def backward_write_bytes(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int, head_dim: int, *,
+                         grad_format: Optional[str] = None, per_row_scales: bool = True, elem_bytes: int = 2) -> dict:
+    """Bytes each backward kernel writes to global memory (what the launchers allocate and fill).
+
+    ``preprocess``: delta + lse2 (FP32 per query row); ``dkdv``: dK + dV (+ per-row scales + amax);
+    ``dq``: dQ (+ scales + amax).  ``gradients`` = dq + dk + dv data only; ``gradient_scales``:
+    their scale/amax bytes.  16-bit gradients: ``elem_bytes`` (2) per element; FP8: 1.
+    """
+    nq = batch * heads_q * seqlen_q
+    nk = batch * heads_kv * seqlen_k
+    e = elem_bytes if grad_format is None else 1
+    grad = (nq + 2 * nk) * head_dim * e
+    if grad_format is None:
+        sc_q = sc_k = 0
+    elif per_row_scales:
+        sc_q, sc_k = nq * 4 + 4, 2 * (nk * 4 + 4)
+    else:
+        sc_q, sc_k = 4, 2 * 4
+    return {"preprocess": 2 * nq * 4, "dkdv": 2 * nk * head_dim * e + sc_k, "dq": nq * head_dim * e + sc_q,
+            "gradients": grad, "gradient_scales": sc_q + sc_k}
+
+
+# ============================================================================ forward with LSE + autograd
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                      window=None, dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+                      layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None,
+                      cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                      max_seqlen_k: Optional[int] = None, backend: Optional[str] = None, config=None):
+    """16-bit forward returning (out in q's dtype/layout, LSE FP32) for the backward.
+
+    backend: "triton" — without dropout the forward engineer's kernel
+    (``lowbit.attention._triton.attention_fwd_triton``), with dropout this module's
+    ``_fwd_dropout`` kernel (same Philox counters as the backward); "reference" —
+    ``attention_forward_reference`` in FP32.  Default: triton on CUDA / interpreter.
+    """
+    _check_dropout(dropout_p, seed)
+    varlen = cu_seqlens_q is not None
+    lay = "thd" if varlen else layout
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend is None:
+        backend = "triton" if _triton_ok(q) else "reference"
+    if varlen:
+        lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(lq.max())
+        mk = int(max_seqlen_k) if max_seqlen_k is not None else int(lk.max())
+    else:
+        mq = mk = None
+    if backend == "reference":
+        o, lse = attention_forward_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                             dropout_p=dropout_p, seed=seed, offset=offset, layout=layout,
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                             max_seqlen_q=mq, max_seqlen_k=mk)
+        return o.to(q.dtype), lse.float()
+    if dropout_p == 0.0 and config is None:
+        try:
+            from ._triton import attention_fwd_triton
+        except Exception:  # pragma: no cover - forward kernels unavailable
+            attention_fwd_triton = None
+        if attention_fwd_triton is not None:
+            return attention_fwd_triton(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
+                                        layout="bhsd" if varlen else layout, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk,
+                                        return_lse=True, out_dtype=q.dtype)
+    from . import backward_kernels as BK
+    import triton
+
+    B, Hq, Sq, D = _dims(q, lay, varlen)
+    _, Hkv, Sk, _ = _dims(k, lay, varlen)
+    if varlen:
+        B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
+    left, right = _window(causal, window)
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if varlen:
+        lse = torch.empty(Hq, q.shape[0], device=q.device, dtype=torch.float32)
+        sl = (0, lse.stride(0), lse.stride(1))
+    else:
+        lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32)
+        sl = lse.stride()
+    dropout = dropout_p > 0.0
+    bm, bn, w, st = config or ((16, 16, 4, 1) if BK.INTERPRETED else (128, 64, 8, 2) if D <= 128 else (64, 32, 4, 2))
+    cu = lse
+    BK._fwd_dropout[(triton.cdiv(max(Sq, 1), bm), B * Hq)](
+        q, k, v, o, lse, cu_seqlens_q if varlen else cu, cu_seqlens_k if varlen else cu,
+        *_views(q, lay, varlen), *_views(k, lay, varlen), *_views(v, lay, varlen), *_views(o, lay, varlen), *sl,
+        Hq, Hq // Hkv, Sq, Sk, softmax_scale * 1.4426950408889634,
+        BIG if left < 0 else left, BIG if right < 0 else right,
+        int(seed) if dropout else 0, int(offset), float(dropout_p), (1.0 / (1.0 - dropout_p)) if dropout else 1.0,
+        Sq, Sk, DROPOUT=dropout, VARLEN=varlen, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=BK.INTERPRETED,
+        num_warps=w, num_stages=st)
+    return o, lse
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Differentiable 16-bit attention: ``attention_forward`` + this module's ``backward``.
+
+    ``AttentionFunction.apply(q, k, v, opts)`` with ``opts`` a dict of the keyword arguments of
+    :func:`attention_with_grad` (use that wrapper).  With ``grad_format`` set, autograd receives the
+    dequantized FP8 gradients (in q's dtype) and, if ``opts["grad_sink"]`` is a dict, the
+    ``QuantizedTensor`` s themselves are stored there under "dq", "dk", "dv" so a QKV projection's
+    dgrad/wgrad GEMMs can consume them without re-quantizing.  Forwards that quantize Q/K/V
+    (INT8/FP8) should save their high-precision inputs and call this backward: it runs in BF16.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts):
+        o = dict(opts)
+        if o.get("dropout_p", 0.0) > 0.0 and o.get("seed") is None:
+            o["seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())
+        fwd_kw = {n: o.get(n) for n in ("causal", "softmax_scale", "window", "dropout_p", "seed", "offset", "layout",
+                                        "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "backend")}
+        fwd_kw = {n: val for n, val in fwd_kw.items() if val is not None}
+        out, lse = attention_forward(q, k, v, **fwd_kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = o
+        ctx.fwd_kw = fwd_kw
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse=None):
+        q, k, v, out, lse = ctx.saved_tensors
+        o = ctx.opts
+        kw = dict(ctx.fwd_kw)
+        if kw.get("layout") is None or kw.get("cu_seqlens_q") is not None:
+            kw["layout"] = "thd" if kw.get("cu_seqlens_q") is not None else "bhsd"
+        grads = backward(g_out.contiguous(), q, k, v, out, lse, grad_format=o.get("grad_format"),
+                         scales=o.get("scales"), config=o.get("config"), **kw)
+        sink = o.get("grad_sink")
+        if o.get("grad_format") is not None:
+            if isinstance(sink, dict):
+                sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
+            grads = tuple(g.dequantize() for g in grads)
+        return grads[0], grads[1], grads[2], None
+
+
+def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0,
+                        seed: Optional[int] = None, offset: int = 0, layout: str = "bhsd",
+                        cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                        max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                        grad_format: Optional[str] = None, scales=None, grad_sink: Optional[dict] = None,
+                        backend: Optional[str] = None, return_lse: bool = False):
+    """Differentiable attention through :class:`AttentionFunction` (forward + fused backward).
+
+    q (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D); k, v with Hkv heads; bf16/fp16 for the
+    Triton path.  dropout_p > 0 without a seed draws one from torch's default generator.
+    Returns out (q's dtype/layout) and with ``return_lse`` the FP32 LSE.
+    """
+    _check_dropout(dropout_p, seed if seed is not None else 0)
+    if cu_seqlens_q is not None:
+        layout = "thd"
+    opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, dropout_p=float(dropout_p), seed=seed,
+                offset=offset, layout=layout if cu_seqlens_q is None else None, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                grad_format=grad_format, scales=scales, grad_sink=grad_sink, backend=backend)
+    out, lse = AttentionFunction.apply(q, k, v, opts)
+    return (out, lse) if return_lse else out
