@@ -1,0 +1,124 @@
+"""cuBLAS GEMM backend through torch: ``torch._scaled_mm`` (tensorwise) and
+``torch.nn.functional.scaled_mm`` (rowwise, blockwise 1x128·128x128 / 1x128·1x128 / 128x128·1x128).
+
+Registered as ``"cublas"``, ahead of the Triton backends (it is the fastest where it applies).
+What it takes (``supports``): CUDA, E4M3/E5M2 pairs (blockwise and rowwise: E4M3 only), M, N, K
+multiples of 16 (blockwise: K multiple of 128 and 128-element blocks, and M / N multiples of 4 so
+the stored 1x128 scales — (n_blocks, pad4(rows)) — are exactly the outer-dim-major (rows, n_blocks)
+view cuBLAS checks for). Epilogues: cuBLAS produces the FP32 (tensorwise) or BF16 product and
+:func:`lowbit.gemm.reference.apply_epilogue` applies bias / GELU / accumulate in torch.
+
+A pairing this torch/cuBLAS build rejects at run time is remembered: the call is answered by the
+Triton backend (same numbers up to FP32 accumulation order) and ``supports`` declines it afterwards.
+Nothing here touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from . import register_backend
+from .reference import apply_epilogue
+
+__all__ = ["supports", "scaled_mm_cublas", "REJECTED"]
+
+REJECTED: set = set()
+_F = torch.nn.functional
+_HAS_F_SCALED_MM = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType")
+
+
+def _kind(sch) -> str:
+    if isinstance(sch, Float8Tensorwise):
+        return "tensor"
+    if isinstance(sch, Float8Rowwise):
+        return "row"
+    if isinstance(sch, Float8Blockwise):
+        return f"block{sch.block_dim}d"
+    return "other"
+
+
+def _sig(a, b, opts, K):
+    # K % 512: whether the 128x128 scale grid's padded row stride (pad4(K/128)) equals K/128
+    return (_kind(a.scheme), _kind(b.scheme), a.scheme.fmt, b.scheme.fmt, opts.get("out_dtype"), K % 512 == 0)
+
+
+def _dims(a, b, a_copy, b_copy):
+    M, K = (a.rows, a.cols) if a_copy == "rowwise" else (a.cols, a.rows)
+    N = b.rows if b_copy == "rowwise" else b.cols
+    return M, N, K
+
+
+def supports(a, b, a_copy, b_copy, opts) -> bool:
+    if a.device.type != "cuda" or b.device.type != "cuda":
+        return False
+    ka, kb = _kind(a.scheme), _kind(b.scheme)
+    M, N, K = _dims(a, b, a_copy, b_copy)
+    if "other" in (ka, kb) or _sig(a, b, opts, K) in REJECTED:
+        return False
+    if M % 16 or N % 16 or K % 16:
+        return False
+    if ka == kb == "tensor":
+        return not (a.scheme.fmt == "e5m2" and b.scheme.fmt == "e5m2")
+    if not _HAS_F_SCALED_MM or a.scheme.fmt != "e4m3" or b.scheme.fmt != "e4m3":
+        return False
+    if ka == kb == "row":
+        return True
+    if ka.startswith("block") and kb.startswith("block"):
+        if a.scheme.block_size != 128 or b.scheme.block_size != 128 or K % 128:
+            return False
+        return (ka, kb) in (("block1d", "block2d"), ("block1d", "block1d"), ("block2d", "block1d"))
+    return False
+
+
+def _recipe(sch):
+    S = _F.ScalingType
+    if isinstance(sch, Float8Tensorwise):
+        return S.TensorWise
+    if isinstance(sch, Float8Rowwise):
+        return S.RowWise
+    return S.BlockWise1x128 if sch.block_dim == 1 else S.BlockWise128x128
+
+
+def _scales(t, which, rows, K):
+    """Scale tensor in the layout cuBLAS expects for the (rows, K) operand (views of the stored layout)."""
+    c = getattr(t, which)
+    sch = t.scheme
+    if isinstance(sch, Float8Tensorwise):
+        return c.scale_inv.reshape(())
+    if isinstance(sch, Float8Rowwise):
+        return c.scale_inv.reshape(rows, 1)
+    return t.logical_scales(which)  # 1x128: (rows, K/128) strides (1, rows); 128x128: (rows/128, K/128)
+
+
+def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """``A · Bᵀ`` through cuBLAS (see :func:`lowbit.gemm.scaled_mm`); returns ``(y, pre_gelu or None)``."""
+    A = getattr(a, a_copy).data
+    B = getattr(b, b_copy).data
+    M, K = A.shape
+    N = B.shape[0]
+    tensorwise = isinstance(a.scheme, Float8Tensorwise) and isinstance(b.scheme, Float8Tensorwise)
+    plain = bias is None and not gelu and not accumulate and out is None
+    try:
+        if tensorwise:
+            mm_dtype = out_dtype if plain else torch.float32
+            acc = torch._scaled_mm(A, B.t(), scale_a=_scales(a, a_copy, M, K), scale_b=_scales(b, b_copy, N, K),
+                                   out_dtype=mm_dtype)
+        else:
+            mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
+            sa = _scales(a, a_copy, M, K)
+            sb = _scales(b, b_copy, N, K)
+            acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb.t(), _recipe(b.scheme), output_dtype=mm_dtype)
+    except RuntimeError:
+        REJECTED.add(_sig(a, b, dict(out_dtype=out_dtype), K))
+        from .triton_backend import scaled_mm_triton
+
+        return scaled_mm_triton(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
+                                accumulate=accumulate, out=out)
+    if plain:
+        return acc, None
+    return apply_epilogue(acc.float(), out_dtype=out_dtype, bias=bias.float() if bias is not None else None, gelu=gelu,
+                          accumulate=accumulate, out=out)
+
+
+register_backend("cublas", supports, scaled_mm_cublas)

@@ -1,0 +1,1 @@
+"""Triton GEMM kernels for :mod:`lowbit.gemm` (imported only where Triton is installed)."""

@@ -1,0 +1,166 @@
+"""Triton scaled-GEMM kernels (DESIGN §5): ``C = A · Bᵀ`` with A (M, K) and B (N, K) both K-contiguous.
+
+* :func:`fp8_gemm_kernel`: FP8 (E4M3/E5M2 in any pairing the caller allows) tensor-core GEMM with
+  per-operand scale modes — 0 tensorwise ``s[0]``, 1 per row ``s[row]``, 2 1xBS blocks
+  ``s[kb * ld + row]`` (outer-dim-major storage), 3 BSxBS tiles ``s[(row // BS) * ld + kb]`` —
+  and FP32 promotion once per BS-wide K block: each block's partial product is reduced on the tensor
+  cores from a zero accumulator, multiplied by its two scales and added into the FP32 accumulator.
+  Persistent grid (one program per SM looping over output tiles, grouped along M for L2 reuse).
+* :func:`emu_gemm_kernel`: NVFP4 / MXFP8 operands, emulated on Hopper: the elements are unpacked and
+  multiplied by their block scale in registers (exact in BF16: an E2M1 × E4M3 product has at most 6
+  significant bits, an FP8 element × 2^X at most 4), then BF16 tensor-core math with FP32 accumulation;
+  the NVFP4 global scales are divided out at the end.
+
+Epilogue (both): + bias (N,), GELU (erf form, pre-GELU stored when asked), accumulate into C
+(``C = C + round(y)``, as :func:`lowbit.gemm.reference.apply_epilogue`), output in C's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_ids(tile, num_pm, num_pn, GROUP_M: tl.constexpr):
+    group = GROUP_M * num_pn
+    gid = tile // group
+    first_m = gid * GROUP_M
+    gsize = tl.minimum(num_pm - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % gsize
+    pid_n = (tile % group) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N,
+              HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr):
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y = acc
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    cp = c_ptr + offs_m[:, None] * N + offs_n[None, :]
+    if GELU:
+        tl.store(pre_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(pre_ptr.dtype.element_ty), mask=mask)
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    if ACCUM:
+        y = tl.load(cp, mask=mask, other=0.0).to(tl.float32) + y.to(c_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(cp, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_scale(s_ptr, offs, mask, kb, ld, MODE: tl.constexpr, BS: tl.constexpr):
+    """Scale per row (vector) of K block kb for block modes 2 (1xBS) and 3 (BSxBS)."""
+    if MODE == 2:
+        return tl.load(s_ptr + kb * ld + offs, mask=mask, other=0.0)
+    else:
+        return tl.load(s_ptr + (offs // BS) * ld + kb, mask=mask, other=0.0)
+
+
+@triton.jit
+def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                    SA: tl.constexpr, SB: tl.constexpr, BS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    NUM_PROGS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pm = tl.cdiv(M, BM)
+    num_pn = tl.cdiv(N, BN)
+    nkb = tl.cdiv(K, BS)
+    for tile in range(pid, num_pm * num_pn, NUM_PROGS):
+        pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, nkb):
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in tl.static_range(BS // BK):
+                offs_k = kb * BS + kk * BK + tl.arange(0, BK).to(tl.int64)
+                kmask = offs_k < K
+                a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                part = tl.dot(a, tl.trans(b), part)
+            if SA >= 2:
+                part = part * _row_scale(sa_ptr, offs_m, mmask, kb, lda_s, SA, BS)[:, None]
+            if SB >= 2:
+                part = part * _row_scale(sb_ptr, offs_n, nmask, kb, ldb_s, SB, BS)[None, :]
+            acc += part
+        if SA == 0:
+            acc = acc * tl.load(sa_ptr)
+        if SA == 1:
+            acc = acc * tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
+        if SB == 0:
+            acc = acc * tl.load(sb_ptr)
+        if SB == 1:
+            acc = acc * tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+        _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
+
+
+@triton.jit
+def _e2m1_value(c):
+    """float32 values of E2M1 codes (int32 0..15)."""
+    mag = c & 7
+    e = mag >> 1
+    half = (mag & 1).to(tl.float32) * 0.5
+    v = tl.where(e == 0, half, (1.0 + half) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s,
+              NV: tl.constexpr, TWO_D: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """(BR, BK) bf16 tile of exact element·block-scale values of rows offs_r, K columns k0..k0+BK."""
+    if NV:
+        offs_h = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(p_ptr + offs_r[:, None] * (K // 2) + offs_h[None, :],
+                    mask=rmask[:, None] & (offs_h[None, :] < K // 2), other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(p & 0xF, p >> 4), (BR, BK))
+        v = _e2m1_value(codes)
+        offs_b = k0 // 16 + tl.arange(0, BK // 16)
+        bmask = rmask[:, None] & (offs_b[None, :] < K // 16)
+        if TWO_D:
+            d = tl.load(s_ptr + (offs_r // 16)[:, None] * ld_s + offs_b[None, :], mask=bmask, other=0.0)
+        else:
+            d = tl.load(s_ptr + offs_r[:, None] * ld_s + offs_b[None, :], mask=bmask, other=0.0)
+        d = d.to(tl.float32)
+        v = tl.reshape(tl.reshape(v, (BR, BK // 16, 16)) * d[:, :, None], (BR, BK))
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        v = tl.load(p_ptr + offs_r[:, None] * K + offs_k[None, :], mask=rmask[:, None] & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        offs_b = k0 // 32 + tl.arange(0, BK // 32)
+        code = tl.load(s_ptr + offs_r[:, None] * ld_s + offs_b[None, :],
+                       mask=rmask[:, None] & (offs_b[None, :] < K // 32), other=127).to(tl.int32)
+        sc = tl.where(code == 255, float("nan"), (code << 23).to(tl.float32, bitcast=True))
+        v = tl.reshape(tl.reshape(v, (BR, BK // 32, 32)) * sc[:, :, None], (BR, BK))
+    if F32:  # Triton's interpreter: BF16 dots are not emulated faithfully there
+        return v
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                    NV: tl.constexpr, A2D: tl.constexpr, B2D: tl.constexpr, F32: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    NUM_PROGS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pm = tl.cdiv(M, BM)
+    num_pn = tl.cdiv(N, BN)
+    for tile in range(pid, num_pm * num_pn, NUM_PROGS):
+        pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = _emu_tile(a_ptr, sa_ptr, offs_m, mmask, k0, K, lda_s, NV, A2D, BM, BK, F32)
+            b = _emu_tile(b_ptr, sb_ptr, offs_n, nmask, k0, K, ldb_s, NV, B2D, BN, BK, F32)
+            acc = tl.dot(a, tl.trans(b), acc)
+        if NV:
+            acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
+        _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)

@@ -1,0 +1,189 @@
+"""Triton GEMM backend for :func:`lowbit.gemm.scaled_mm`: registers ``"triton"`` (FP8, all scale pairings)
+and ``"triton_emulated"`` (NVFP4 and MXFP8 operands, unpacked to BF16 in registers).
+
+``"triton"`` covers every FP8 pairing :func:`lowbit.gemm._validate` accepts — tensorwise, rowwise and
+blockwise 1D×2D, 2D×1D, 1D×1D, with E4M3/E5M2 mixes, ragged M/N/K and the full epilogue — with FP32
+promotion once per ``block_size``-wide K block (128-wide for tensorwise/rowwise operands).
+Nothing here touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from ..quant.triton_backend import INTERPRET, _bucket, tuned_launch
+from . import register_backend
+from .kernels import gemm as G
+
+__all__ = ["supports_fp8", "supports_emulated", "scaled_mm_triton", "scaled_mm_emulated"]
+
+_FP8 = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
+_NUM_SMS: dict = {}
+
+
+def _num_sms(dev) -> int:
+    if INTERPRET or dev.type != "cuda":
+        return 4
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _NUM_SMS:
+        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _NUM_SMS[i]
+
+
+def _on_device(a, b) -> bool:
+    return a.device.type == "cuda" and b.device.type == "cuda"
+
+
+def _copy(t, which):
+    c = getattr(t, which)
+    if not c.data.is_contiguous():
+        raise ValueError(f"{which}: the triton GEMM needs the {which} data contiguous along K, got strides {tuple(c.data.stride())}")
+    return c
+
+
+def _block_size(sa, sb) -> int:
+    bs = [s.block_size for s in (sa, sb) if isinstance(s, Float8Blockwise)]
+    return bs[0] if bs else 128
+
+
+def supports_fp8(a, b, a_copy, b_copy, opts) -> bool:
+    """FP8 schemes on CUDA; blockwise block sizes 32..128."""
+    if not _on_device(a, b) or not isinstance(a.scheme, _FP8) or not isinstance(b.scheme, _FP8):
+        return False
+    if a.scheme.fmt == "e5m2" and b.scheme.fmt == "e5m2":
+        return False
+    bs = _block_size(a.scheme, b.scheme)
+    return 32 <= bs <= 1024
+
+
+def supports_emulated(a, b, a_copy, b_copy, opts) -> bool:
+    """NVFP4×NVFP4 and MXFP8×MXFP8 on CUDA."""
+    if not _on_device(a, b):
+        return False
+    return type(a.scheme) is type(b.scheme) and isinstance(a.scheme, (NVFP4, MXFP8))
+
+
+def _scale_mode(sch, c, rows):
+    """(mode, ld, tensor) for the fp8 kernel: 0 tensorwise, 1 per row, 2 1xBS (outer-dim-major), 3 BSxBS."""
+    s = c.scale_inv
+    if isinstance(sch, Float8Tensorwise):
+        return 0, 0, s
+    if isinstance(sch, Float8Rowwise):
+        return 1, 0, s
+    if sch.block_dim == 1:
+        return 2, s.shape[1], s
+    return 3, s.shape[1], s
+
+
+def _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out):
+    pre = torch.empty(M, N, dtype=out_dtype, device=dev) if gelu else None
+    if accumulate:
+        c = out
+        if not c.is_contiguous():
+            raise ValueError(f"out: accumulate needs a contiguous out, got strides {tuple(c.stride())}")
+    else:
+        c = torch.empty(M, N, dtype=out_dtype, device=dev)
+    return c, pre
+
+
+def _finish(c, pre, out, accumulate):
+    if out is not None and not accumulate:
+        out.copy_(c)
+        return out, pre
+    return c, pre
+
+
+def _candidates(M, N, emulated: bool):
+    out = []
+    for bm, bn, bk, w, st in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4), (64, 128, 128, 4, 4),
+                              (64, 64, 128, 4, 3)):
+        if emulated:
+            bk = 64
+        if bm > max(_bucket(M), 64) or bn > max(_bucket(N), 64):
+            continue
+        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st))
+    if INTERPRET:
+        out = [dict(BM=32, BN=32, BK=32 if not emulated else 32, num_warps=4, num_stages=1)]
+    return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
+
+
+def _check_bias_out(bias, out, dev):
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError(f"bias: must be contiguous, got strides {tuple(bias.stride())}")
+
+
+def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """FP8 scaled GEMM ``A · Bᵀ`` (see :func:`lowbit.gemm.scaled_mm`); returns ``(y, pre_gelu or None)``."""
+    ca, cb = _copy(a, a_copy), _copy(b, b_copy)
+    A, B = ca.data, cb.data
+    M, K = A.shape
+    N = B.shape[0]
+    dev = A.device
+    _check_bias_out(bias, out, dev)
+    bs = _block_size(a.scheme, b.scheme)
+    sa_mode, lda, sa = _scale_mode(a.scheme, ca, M)
+    sb_mode, ldb, sb = _scale_mode(b.scheme, cb, N)
+    c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
+    nsm = _num_sms(dev)
+
+    def launch(cfg):
+        bk = min(cfg["BK"], bs)
+        tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
+        progs = max(1, min(nsm, tiles))
+        G.fp8_gemm_kernel[(progs,)](A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
+                                    SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
+                                    BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=8, NUM_PROGS=progs,
+                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, False),
+         launch, accumulate)
+    return _finish(c, pre, out, accumulate)
+
+
+def _run(key, cands, launch, accumulate):
+    # Accumulating launches are not idempotent: never time them; reuse a tuned config or take the first.
+    from ..quant.triton_backend import _TUNED
+
+    if accumulate:
+        launch(_TUNED.get(("gemm",) + key, cands[0]))
+    else:
+        tuned_launch("gemm", key, cands, launch)
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """NVFP4 / MXFP8 GEMM emulated with BF16 tensor cores (exact dequantization in registers)."""
+    ca, cb = _copy(a, a_copy), _copy(b, b_copy)
+    nv = isinstance(a.scheme, NVFP4)
+    A, B = ca.data, cb.data
+    M = A.shape[0]
+    N = B.shape[0]
+    K = A.shape[1] * (2 if nv else 1)
+    dev = A.device
+    _check_bias_out(bias, out, dev)
+    sa, sb = ca.scale_inv, cb.scale_inv
+    a2d = nv and a.scheme.two_d
+    b2d = nv and b.scheme.two_d
+    c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
+    gsa = ca.global_scale if nv else sa
+    gsb = cb.global_scale if nv else sb
+    nsm = _num_sms(dev)
+
+    def launch(cfg):
+        tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
+        progs = max(1, min(nsm, tiles))
+        G.emu_gemm_kernel[(progs,)](A, B, sa, sb, gsa, gsb, c, pre if gelu else c, bias if bias is not None else c, M, N, K,
+                                    sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, HAS_BIAS=bias is not None,
+                                    GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
+                                    NUM_PROGS=progs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    _run(("emu", nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, True), launch, accumulate)
+    return _finish(c, pre, out, accumulate)
+
+
+register_backend("triton", supports_fp8, scaled_mm_triton)
+register_backend("triton_emulated", supports_emulated, scaled_mm_emulated)

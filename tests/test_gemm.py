@@ -1,0 +1,253 @@
+"""Scaled GEMM backends against the float64-exact reference (DESIGN §5).
+
+Tolerance (FP32 accumulation order). With S = |A|·|B|ᵀ (float64, exact dequantized operands), a
+backend that forms FP8 products exactly, reduces each K block on the tensor cores and promotes the
+block into FP32 once per block differs from the exact result by
+
+    |y - y_ref| <= (2**-13 + (n_kblocks + 2) * 2**-24) * S   (+ one output ulp: 2**-7 |y_ref| for bf16,
+                                                              2**-10 for fp16)
+
+— 2**-13: Hopper's FP8 MMA keeps at least 14 significant bits while summing one block (DeepSeek-V3
+§3.3.2 measures ~14); the FP32 promotions add one rounding (2**-24 relative) per block, plus the
+two scale multiplies. An indexing or scale error moves y by O(|y|) ~ S/sqrt(K), 30-60x above this
+bound for the shapes tested. Exactness: on small-integer inputs quantized with power-of-two
+(blockwise, pow2=True) scales, the FP8 elements are small integers times powers of two and every
+partial sum (<= 16·K·2^k < 2**14·2^k) is exactly representable, so every backend must agree with the
+reference bit for bit (FP32 output).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
+from lowbit.gemm.reference import dequantize_exact
+from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
+from lowbit.quant.reference import quantize_reference
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # one output ulp (rounding can land on either neighbour)
+
+
+def _operands(M, N, K, sa, sb, a_copy, b_copy, device, seed=0, ints=False):
+    g = torch.Generator().manual_seed(seed)
+    if ints:  # small integers times a power of two per row: every partial sum exact
+        x = torch.randint(-4, 5, (M, K), generator=g).float() * 2.0 ** torch.randint(-3, 4, (M, 1), generator=g).float()
+        w = torch.randint(-4, 5, (N, K), generator=g).float() * 2.0 ** torch.randint(-3, 4, (N, 1), generator=g).float()
+    else:
+        x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))
+        w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, 1, generator=g))
+    xa = x if a_copy == "rowwise" else x.t().contiguous()  # the tensor whose a_copy is (M, K)
+    wb = w if b_copy == "rowwise" else w.t().contiguous()
+    a = quantize(xa.to(device), sa, rowwise=a_copy == "rowwise", columnwise=a_copy == "columnwise")
+    b = quantize(wb.to(device), sb, rowwise=b_copy == "rowwise", columnwise=b_copy == "columnwise")
+    return a, b
+
+
+def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, **epi):
+    kw = dict(a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype)
+    out0 = epi.get("out")
+    ref_out = out0.clone() if out0 is not None else None
+    y = scaled_mm(a, b, backend=backend, return_pre_gelu=True, **kw, **epi)
+    y, pre = y
+    epi_ref = dict(epi)
+    if ref_out is not None:
+        epi_ref["out"] = ref_out
+    ref, ref_pre = scaled_mm_reference(a, b, **kw, **epi_ref)
+    A, B = dequantize_exact(a, a_copy), dequantize_exact(b, b_copy)
+    S = A.abs() @ B.abs().t()
+    nkb = -(-A.shape[1] // 128) + 8
+    tol = (0.0 if exact else 2.0**-13 + (nkb + 2) * 2.0**-24) * S
+    y64, r64 = y.double().cpu(), ref.double().cpu()
+    rt = OUT_RTOL[y.dtype]
+    if epi.get("accumulate"):
+        tol = tol + 2.0**-22 * r64.abs()
+        rt = 2 * rt
+    if epi.get("gelu"):
+        tol = 1.13 * tol + 2.0**-20 * r64.abs() + 1e-30
+    err = (y64 - r64).abs()
+    bound = tol.cpu() + rt * r64.abs()
+    worst = (err / (S.cpu() + 1e-300)).max().item()
+    assert bool((err <= bound).all()), f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, max err/S = {worst:.3g}"
+    if epi.get("gelu"):
+        p64, rp64 = pre.double().cpu(), ref_pre.double().cpu()
+        perr = (p64 - rp64).abs()
+        assert bool((perr <= tol.cpu() / 1.13 + OUT_RTOL[pre.dtype] * rp64.abs() + 1e-30).all()), "pre-GELU output off"
+    return worst
+
+
+def _pow2(*schemes) -> bool:
+    return all(isinstance(s, Float8Blockwise) and s.pow2 for s in schemes)
+
+
+BLOCK_PAIRS = [
+    (Float8Blockwise(), Float8Blockwise(block_dim=2)),  # 1D x 2D (fprop: x · w)
+    (Float8Blockwise(), Float8Blockwise()),  # 1D x 1D (wgrad)
+    (Float8Blockwise(block_dim=2), Float8Blockwise()),  # 2D x 1D
+    (Float8Blockwise(fmt="e5m2"), Float8Blockwise(block_dim=2)),  # E5M2 x E4M3 (dgrad: dy · w)
+    (Float8Blockwise(), Float8Blockwise(fmt="e5m2", block_dim=2)),  # E4M3 x E5M2
+    (Float8Tensorwise(), Float8Tensorwise()),
+    (Float8Tensorwise(), Float8Tensorwise("e5m2")),
+    (Float8Rowwise(), Float8Rowwise()),
+    (Float8Tensorwise(), Float8Blockwise()),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("sa,sb", BLOCK_PAIRS, ids=lambda s: repr(s))
+def test_triton_fp8_gemm_vs_reference(sa, sb, cuda):
+    worst = 0.0
+    for (M, N, K) in [(129, 257, 1000), (1, 17, 129), (300, 64, 4096)]:
+        for a_copy, b_copy in [("rowwise", "rowwise"), ("columnwise", "columnwise"), ("rowwise", "columnwise")]:
+            a, b = _operands(M, N, K, sa, sb, a_copy, b_copy, cuda, seed=M + N)
+            worst = max(worst, _check(a, b, a_copy, b_copy, "triton"))
+            if _pow2(sa, sb):
+                a, b = _operands(M, N, K, sa, sb, a_copy, b_copy, cuda, seed=M + N, ints=True)
+                _check(a, b, a_copy, b_copy, "triton", exact=True)
+    print(f"triton {sa} x {sb}: max err/S = {worst:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sa,sb", BLOCK_PAIRS, ids=lambda s: repr(s))
+def test_cublas_gemm_vs_reference(sa, sb, cuda):
+    from lowbit.gemm import cublas
+
+    M, N, K = 256, 384, 1024
+    a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=5)
+    if not cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=torch.bfloat16)):
+        pytest.skip(f"cuBLAS does not take {sa} x {sb} on this torch")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        if cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=out_dtype)):
+            w = _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=out_dtype)
+            print(f"cublas {sa} x {sb} {out_dtype}: max err/S = {w:.3g}")
+    a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=6, ints=True)
+    if _pow2(sa, sb) and cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=torch.float32)):
+        _check(a, b, "rowwise", "rowwise", "cublas", exact=True)
+    print("cublas rejected pairings:", cublas.REJECTED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_epilogues(backend, cuda):
+    sa, sb = (Float8Blockwise(), Float8Blockwise(block_dim=2)) if backend == "triton" else (Float8Tensorwise(), Float8Tensorwise())
+    M, N, K = (129, 200, 384) if backend == "triton" else (128, 208, 384)
+    a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=9)
+    bias = torch.randn(N, device=cuda)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=out_dtype, bias=bias.to(out_dtype))
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=out_dtype, bias=bias, gelu=True)
+        out = torch.randn(M, N, device=cuda).to(out_dtype)
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=out_dtype, accumulate=True, out=out)
+        out2 = torch.empty(M, N, device=cuda, dtype=out_dtype)
+        y = scaled_mm(a, b, out_dtype=out_dtype, out=out2, backend=backend)
+        assert y.data_ptr() == out2.data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sa,sb", [(NVFP4(), NVFP4(two_d=True)), (NVFP4(stochastic_rounding=True), NVFP4()),
+                                   (MXFP8(), MXFP8()), (MXFP8("e5m2"), MXFP8())], ids=repr)
+def test_emulated_gemm_vs_reference(sa, sb, cuda):
+    worst = 0.0
+    for (M, N, K) in [(48, 80, 1024), (160, 96, 4096), (1008, 64, 96)]:
+        for a_copy, b_copy in [("rowwise", "rowwise"), ("columnwise", "columnwise")]:
+            if (a_copy == "columnwise") and (sa.__class__ is NVFP4 and sa.rht):
+                continue
+            a, b = _operands(M, N, K, sa, sb, a_copy, b_copy, cuda, seed=M)
+            assert backend_for(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=torch.float32) == "triton_emulated"
+            worst = max(worst, _check(a, b, a_copy, b_copy, "triton_emulated"))
+    a, b = _operands(48, 80, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=1)
+    _check(a, b, "rowwise", "rowwise", "triton_emulated", out_dtype=torch.bfloat16, bias=torch.randn(80, device=cuda), gelu=True)
+    print(f"emulated {sa} x {sb}: max err/S = {worst:.3g}")
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_bad_input(cuda):
+    a, b = _operands(128, 128, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda)
+    assert backend_for(a, b) in ("cublas", "triton")
+    assert backend_for(a, b, out_dtype=torch.float16, gelu=True) in ("cublas", "triton")
+    e5 = quantize(torch.randn(128, 256, device=cuda), Float8Blockwise(fmt="e5m2"))
+    with pytest.raises(NotImplementedError, match="E5M2 x E5M2"):
+        scaled_mm(e5, e5)
+    bad_k = quantize(torch.randn(128, 384, device=cuda), Float8Blockwise())
+    with pytest.raises(ValueError, match="contraction dims"):
+        scaled_mm(a, bad_k)
+    cpu_b = quantize(torch.randn(128, 256), Float8Blockwise(block_dim=2))
+    with pytest.raises(ValueError, match="same device"):
+        scaled_mm(a, cpu_b)
+    nv = quantize(torch.randn(128, 256, device=cuda), NVFP4())
+    with pytest.raises(NotImplementedError, match="MXFP8 and NVFP4 pair only"):
+        scaled_mm(a, nv)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+def test_cpu_dispatch_uses_reference_and_backends_registered():
+    a, b = _operands(32, 16, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", "cpu")
+    assert backend_for(a, b) == "reference"
+    if HAVE_TRITON:
+        assert list(BACKENDS)[:3] == ["cublas", "triton", "triton_emulated"]
+        with pytest.raises(NotImplementedError, match="does not support"):
+            scaled_mm(a, b, backend="triton")
+        with pytest.raises(NotImplementedError, match="does not support"):
+            scaled_mm(a, b, backend="cublas")
+
+
+def _interp_main() -> int:
+    from lowbit.gemm.triton_backend import scaled_mm_emulated, scaled_mm_triton
+
+    fails = 0
+    cases = [
+        (scaled_mm_triton, Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32), 33, 40, 100, "rowwise", "rowwise", {}),
+        (scaled_mm_triton, Float8Blockwise(block_dim=2, block_size=32), Float8Blockwise(block_size=32, fmt="e5m2"), 17, 9, 70, "columnwise", "rowwise", {}),
+        (scaled_mm_triton, Float8Tensorwise(), Float8Rowwise(), 17, 9, 70, "rowwise", "columnwise", {}),
+        (scaled_mm_triton, Float8Tensorwise(), Float8Tensorwise("e5m2"), 17, 9, 64, "rowwise", "rowwise",
+         {"bias": torch.randn(9), "gelu": True, "out_dtype": torch.bfloat16}),
+        (scaled_mm_emulated, NVFP4(), NVFP4(two_d=True), 16, 32, 64, "rowwise", "rowwise", {}),
+        (scaled_mm_emulated, NVFP4(), NVFP4(), 32, 16, 64, "columnwise", "columnwise", {}),
+        (scaled_mm_emulated, MXFP8(), MXFP8("e5m2"), 32, 32, 64, "rowwise", "rowwise", {}),
+    ]
+    for fn, sa, sb, M, N, K, ac, bc, epi in cases:
+        for ints in (False, True):
+            exact = ints and fn is scaled_mm_triton and _pow2(sa, sb)
+            a, b = _operands(M, N, K, sa, sb, ac, bc, "cpu", seed=M, ints=exact)
+            kw = {"out_dtype": torch.float32, **epi}
+            y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
+            ref, _ = scaled_mm_reference(a, b, a_copy=ac, b_copy=bc, **kw)
+            A, B = dequantize_exact(a, ac), dequantize_exact(b, bc)
+            S = A.abs() @ B.abs().t()
+            err = (y.double() - ref.double()).abs()
+            bound = (0 if exact else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs() + 2.0**-20 * ref.double().abs() * bool(epi)
+            if not bool((err <= bound).all()):
+                fails += 1
+                print("FAIL", fn.__name__, sa, sb, M, N, K, ac, bc, ints, (err / (S + 1e-300)).max().item())
+    print(f"gemm interp failures: {fails}")
+    return 1 if fails else 0
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_gemm_kernels_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "gemm interp failures: 0" in p.stdout
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    sys.exit(_interp_main())

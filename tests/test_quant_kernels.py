@@ -1,0 +1,254 @@
+"""Triton quantization kernels against the reference quantizers (the spec): bit-identical data, scales
+(in storage layout), amax and NVFP4 global scale.
+
+* GPU (``@pytest.mark.gpu``): every scheme on odd shapes (rows/cols from 1, 17, 129, 1000, 4096 where
+  the scheme allows), float32 and bfloat16 inputs, rowwise / columnwise / both; NaN and Inf inputs;
+  the software-rounding path as well as the hardware-cast path. The reference runs on CPU copies.
+* CPU: dispatch rules and error messages; kernel indexing and math on tiny shapes in Triton's
+  interpreter (a subprocess with TRITON_INTERPRET=1, finite inputs: the interpreter's float->fp8
+  conversion is wrong for NaN, and the kernels use exact software rounding there).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, backend_for, quantize
+from lowbit.quant.reference import quantize_reference
+
+HAVE_TRITON = True
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+
+def _same(a, b) -> bool:
+    """Exact equality of two tensors (bit patterns for floats; NaN equals NaN)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        af, bf = a.float(), b.float()
+        both_nan = af.isnan() & bf.isnan()
+        return bool(((af == bf) & (af.signbit() == bf.signbit()) | both_nan).all())
+    return torch.equal(a, b)
+
+
+def compare(x, scheme, rowwise, columnwise, **kw):
+    """Quantize x (on its device) with the triton backend and x.cpu() with the reference; list mismatches."""
+    ref = quantize_reference(x.cpu(), scheme, rowwise=rowwise, columnwise=columnwise, **kw)
+    from lowbit.quant.triton_backend import quantize_triton
+
+    got = quantize_triton(x, scheme, rowwise=rowwise, columnwise=columnwise, **kw)
+    bad = []
+    for which in ("rowwise", "columnwise"):
+        r, g = getattr(ref, which), getattr(got, which)
+        if (r is None) != (g is None):
+            bad.append(f"{which}: present in one only")
+            continue
+        if r is None:
+            continue
+        for f in ("data", "scale_inv", "amax", "global_scale"):
+            if not _same(getattr(r, f), getattr(g, f)):
+                A, B = getattr(r, f), getattr(g, f)
+                n = "?" if A is None or B is None or A.shape != B.shape else int((A.cpu().float() != B.cpu().float()).sum())
+                bad.append(f"{which}.{f}: {n} mismatches (ref {None if A is None else tuple(A.shape)}, got {None if B is None else tuple(B.shape)})")
+        if not g.data.is_contiguous():
+            bad.append(f"{which}.data not contiguous")
+    return bad
+
+
+FP8_SCHEMES = [
+    Float8Tensorwise(),
+    Float8Tensorwise("e5m2"),
+    Float8Rowwise(),
+    Float8Rowwise("e5m2", pow2=True),
+    Float8Blockwise(),
+    Float8Blockwise(fmt="e5m2", pow2=False),
+    Float8Blockwise(block_dim=2),
+    Float8Blockwise(block_dim=2, pow2=False, eps=1e-3),
+    Float8Blockwise(block_size=32),
+]
+COPIES = [(True, False), (False, True), (True, True)]
+
+
+def _randn(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 2)  # wide dynamic range
+    return x.to(dtype).to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bit-identity
+# ------------------------------------------------------------------------------------------------
+GPU_SHAPES = [(1, 129), (17, 1000), (129, 17), (1000, 4096), (4096, 129), (2, 17, 257)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", FP8_SCHEMES, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kernels_bit_identical(scheme, dtype, cuda):
+    for i, shape in enumerate(GPU_SHAPES):
+        x = _randn(shape, dtype, cuda, seed=i)
+        for rw, cw in COPIES:
+            bad = compare(x, scheme, rw, cw)
+            assert not bad, f"{scheme} {shape} {dtype} rowwise={rw} columnwise={cw}: {bad}"
+
+
+@pytest.mark.gpu
+def test_delayed_scaling_bit_identical(cuda):
+    for i, shape in enumerate(GPU_SHAPES[:4]):
+        x = _randn(shape, torch.bfloat16, cuda, seed=10 + i)
+        for fmt in ("e4m3", "e5m2"):
+            for s in (0.37, 3.0, 1e4):  # 1e4 saturates many elements
+                bad = compare(x, Float8Tensorwise(fmt), True, True, scale=torch.tensor([s], device=cuda))
+                assert not bad, f"delayed {fmt} scale={s} {shape}: {bad}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_kernel_bit_identical(fmt, cuda):
+    for i, shape in enumerate([(32, 4096), (1024, 96), (4096, 1024), (2, 48, 160)]):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _randn(shape, dtype, cuda, seed=20 + i)
+            for rw, cw in COPIES:
+                bad = compare(x, MXFP8(fmt), rw, cw)
+                assert not bad, f"MXFP8 {fmt} {shape} {dtype} rowwise={rw} columnwise={cw}: {bad}"
+    x = _randn((1, 4096), torch.float32, cuda, seed=3)  # rowwise only: 1 row
+    assert not compare(x, MXFP8(fmt), True, False)
+
+
+NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", NVFP4_SCHEMES, ids=repr)
+def test_nvfp4_kernel_bit_identical(scheme, cuda):
+    shapes = [(16, 4096), (1008, 96), (4096, 1008), (2, 48, 160)] + ([] if scheme.two_d else [(1, 4096), (17, 1008)])
+    for i, shape in enumerate(shapes):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _randn(shape, dtype, cuda, seed=30 + i)
+            M = x.numel() // x.shape[-1]
+            for rw, cw in COPIES:
+                if (cw or scheme.two_d) and M % 16:
+                    continue
+                bad = compare(x, scheme, rw, cw, seed=(2**40 + 12345 * i) if scheme.stochastic_rounding else None)
+                assert not bad, f"{scheme} {shape} {dtype} rowwise={rw} columnwise={cw}: {bad}"
+
+
+@pytest.mark.gpu
+def test_nonfinite_inputs_bit_identical(cuda):
+    x = _randn((256, 512), torch.float32, cuda, seed=7)
+    x[3, 5] = float("nan")
+    x[130, 7] = float("inf")
+    x[200, 300] = -float("inf")
+    x[9, 9] = -0.0
+    for scheme in [Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4()]:
+        bad = compare(x, scheme, True, True)
+        assert not bad, f"{scheme} with NaN/Inf: {bad}"
+        q = quantize(x, scheme, rowwise=True, columnwise=True)
+        assert q.has_nonfinite_amax
+
+
+@pytest.mark.gpu
+def test_software_rounding_path_bit_identical(cuda, monkeypatch):
+    import lowbit.quant.triton_backend as tb
+
+    monkeypatch.setattr(tb, "SW_ROUND", True)
+    for i, shape in enumerate([(129, 1000), (1000, 129)]):
+        x = _randn(shape, torch.bfloat16, cuda, seed=40 + i)
+        for scheme in [Float8Blockwise(), Float8Blockwise(fmt="e5m2"), MXFP8(), NVFP4()]:
+            if isinstance(scheme, (MXFP8, NVFP4)):
+                x = x[:96, :96].contiguous()
+            bad = compare(x, scheme, True, True)
+            assert not bad, f"SW rounding {scheme} {shape}: {bad}"
+
+
+@pytest.mark.gpu
+def test_dispatch_on_gpu_picks_triton_and_reports(cuda):
+    x = torch.randn(256, 256, device=cuda)
+    assert backend_for(x, Float8Blockwise(), True, True) == "triton"
+    assert backend_for(x, NVFP4(rht=True), True, True) == "reference"  # RHT columnwise: not implemented in Triton
+    assert backend_for(x.t(), Float8Blockwise(), True, False) == "reference"  # non-contiguous
+    from lowbit.quant.triton_backend import quantize_triton
+
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_triton(x.t(), Float8Blockwise())
+    with pytest.raises(NotImplementedError, match="triton"):
+        quantize(x, NVFP4(rht=True), rowwise=True, columnwise=True, backend="triton")
+    with pytest.raises(ValueError, match="scale"):
+        quantize(x, Float8Tensorwise(), scale=torch.tensor([1.0]), backend="triton")  # CPU scale for a GPU x
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: dispatch and the interpreter
+# ------------------------------------------------------------------------------------------------
+def test_cpu_tensors_use_the_reference():
+    x = torch.randn(32, 64)
+    for scheme in FP8_SCHEMES + [MXFP8(), NVFP4()]:
+        assert backend_for(x, scheme, True, True) == "reference"
+    if HAVE_TRITON:
+        with pytest.raises(NotImplementedError, match="does not support"):
+            quantize(x, Float8Blockwise(), backend="triton")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_triton_backend_rejects_bad_input_clearly():
+    from lowbit.quant.triton_backend import quantize_triton
+
+    with pytest.raises(ValueError, match="x: the triton backend runs on CUDA"):
+        quantize_triton(torch.randn(4, 32), Float8Blockwise())
+    with pytest.raises(TypeError, match="x: "):
+        quantize_triton(torch.randn(4, 32).to(torch.float8_e4m3fn), Float8Blockwise())
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_triton(torch.randn(4, 48), MXFP8())
+
+
+def _interp_cases():
+    # (shape, scheme, rowwise, columnwise, kwargs): tiny shapes that still cover ragged tiles and every branch
+    cases = []
+    for sch in [Float8Tensorwise(), Float8Rowwise(pow2=True), Float8Blockwise(block_size=32),
+                Float8Blockwise(block_size=16, fmt="e5m2", pow2=False), Float8Blockwise(block_dim=2, block_size=16)]:
+        for rw, cw in COPIES:
+            cases.append(((19, 40), sch, rw, cw, {}))
+    cases.append(((19, 40), Float8Tensorwise("e5m2"), True, True, {"scale": torch.tensor([3.5])}))
+    for rw, cw in COPIES:
+        cases.append(((64, 96), MXFP8(), rw, cw, {}))
+        cases.append(((32, 48), NVFP4(), rw, cw, {}))
+        cases.append(((32, 48), NVFP4(two_d=True, stochastic_rounding=True), rw, cw, {"seed": 2**40 + 3}))
+        cases.append(((48, 32), NVFP4(stochastic_rounding=True), rw, cw, {"seed": 5}))
+    return cases
+
+
+def _interp_main() -> int:  # runs in the subprocess
+    failures = 0
+    for i, (shape, sch, rw, cw, kw) in enumerate(_interp_cases()):
+        x = _randn(shape, torch.float32, "cpu", seed=i)
+        bad = compare(x, sch, rw, cw, **kw)
+        if bad:
+            failures += 1
+            print("FAIL", sch, shape, rw, cw, bad)
+    print(f"interp cases: {len(_interp_cases())}, failures: {failures}")
+    return 1 if failures else 0
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_kernels_in_interpreter_match_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "failures: 0" in p.stdout
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    sys.exit(_interp_main())
