@@ -1,0 +1,81 @@
+"""NaN sentry: non-finite amax raises naming layer and role, or is recorded with on_nonfinite='skip'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit
+from lowbit import recipes
+from lowbit.nn import NonFiniteAmaxError, nonfinite_events
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    lowbit.convert(m)  # names the converted layers "0", "2"; the last Linear (head) stays torch
+    return m
+
+
+@pytest.mark.parametrize("recipe", [recipes.Float8CurrentScaling(), recipes.NVFP4BlockScaling(), recipes.DelayedScaling()],
+                         ids=["current", "nvfp4", "delayed"])
+def test_raise_names_layer_and_role(recipe):
+    m = _model()
+    x = torch.randn(16, 32)
+    x[3, 5] = float("nan")
+    with pytest.raises(NonFiniteAmaxError, match=r"of input in layer '0' \(forward") as e:
+        with lowbit.autocast(recipe=recipe):
+            m(x)
+    assert (e.value.layer, e.value.role, e.value.phase) == ("0", "input", "forward")
+    with torch.no_grad():
+        m[2].weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteAmaxError, match="of weight in layer '2'"):
+        with lowbit.autocast(recipe=recipe):
+            m(torch.randn(16, 32))
+
+
+def test_backward_gradient_sentry_and_unnamed_layer():
+    lin = lowbit.nn.Linear(32, 16)
+    x = torch.randn(16, 32, requires_grad=True)
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+        y = lin(x)
+    with pytest.raises(NonFiniteAmaxError, match=r"of grad_output in layer '<unnamed Linear weight \(16, 32\).*name_modules.*\(backward"):
+        (y * float("inf")).sum().backward()
+
+
+def test_skip_records_events_and_clears():
+    m = _model()
+    nonfinite_events()
+    x = torch.randn(16, 32, requires_grad=True)
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
+        y = m(x)
+    assert nonfinite_events() == []
+    step = lowbit.nn.state.step()
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
+        y = m(torch.where(torch.arange(32) == 7, float("nan"), x))
+    loss = y.sum()
+    loss.backward()  # outside autocast: the backward uses its forward's policy (skip), no raise
+    ev = nonfinite_events()
+    got = {(e.layer, e.role, e.phase) for e in ev}
+    assert ("0", "input", "forward") in got and ("2", "input", "forward") in got
+    assert ("2", "grad_output", "backward") not in got  # dy of layer 2 comes through the finite head: finite
+    assert ("0", "grad_output", "backward") in got  # dy of layer 0 passes GELU'(NaN): NaN
+    assert all(e.step == step + 1 or e.step == step for e in ev)
+    assert all(e.amax != e.amax or e.amax == float("inf") for e in ev)  # nan or inf
+    assert nonfinite_events() == []  # cleared
+
+
+def test_nonfinite_amax_does_not_poison_delayed_history():
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32)
+    with lowbit.autocast(recipe=r):
+        m(x)
+    scale = m._gemms[""].delayed.histories["input"].scale.clone()
+    with lowbit.autocast(recipe=r, on_nonfinite="skip"):
+        m(torch.full((8, 32), float("nan")))
+    assert len(nonfinite_events()) == 1
+    h = m._gemms[""].delayed.histories["input"]
+    assert torch.isfinite(h.history).all() and torch.equal(h.scale, scale)
+    with lowbit.autocast(recipe=r):
+        m(x)  # and the next step quantizes with a finite scale again
