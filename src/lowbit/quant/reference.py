@@ -304,7 +304,7 @@ def quantize_reference(
     if rowwise:
         qt.rowwise = one(x2, "rowwise")
     if columnwise:
-        qt.columnwise = one(x2.t(), "columnwise")
+        qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (DESIGN §4)
     return qt
 
 
