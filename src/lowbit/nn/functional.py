@@ -222,7 +222,6 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 dw = scaled_mm(qdy, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
-        ctx.qx = ctx.qw = None
         return dx, dw, db, None
 
 
