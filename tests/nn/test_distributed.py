@@ -1,0 +1,77 @@
+"""Amax reduction across 2 processes (torch.distributed, gloo): both ranks end with the same histories
+and scales, equal to the single-process amax over the union of their data."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lowbit
+from lowbit import recipes
+
+WORLD = 2
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(16, 32, generator=g) * (1 + 3 * rank)  # rank 1 has the larger input amax
+    G = torch.randn(16, 24, generator=g) * (5 - 4 * rank)  # rank 0 has the larger gradient amax
+    return x, G
+
+
+def _worker(rank, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)  # same weights on both ranks (as DDP ensures)
+        m = lowbit.nn.Linear(32, 24)
+        with torch.no_grad():
+            m.weight.mul_(1 + rank)  # ... except here, so the weight amax differs too
+        x, G = _data(rank)
+        r = recipes.DelayedScaling(amax_history_len=8)
+        with lowbit.autocast(recipe=r):  # group None: the world group
+            y = m(x)
+        y.backward(G)
+        with lowbit.autocast(recipe=r):  # the gradient amax is reduced at the next outermost exit
+            pass
+        sd = m.get_extra_state()
+        # a recipe that opts out of the reduction keeps local amaxes
+        m2 = lowbit.nn.Linear(32, 24)
+        with lowbit.autocast(recipe=recipes.DelayedScaling(amax_history_len=8, reduce_amax=False)):
+            m2(x)
+        sd["local.input.history"] = m2.get_extra_state()["input.history"]
+        # the helper itself, NaN on one rank -> inf on all
+        t = [torch.tensor([float("nan") if rank == 0 else 1.0]), torch.tensor([2.0 + rank])]
+        lowbit.distributed.reduce_amax(t)
+        sd["nan"], sd["max"] = t[0], t[1]
+        torch.save(sd, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_amax_reduction_two_ranks(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    sds = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for k in sds[0]:
+        if not k.startswith("local"):
+            assert torch.equal(sds[0][k], sds[1][k]), f"{k} differs between ranks"
+    xs, Gs = zip(*(_data(r) for r in range(WORLD)))
+    torch.manual_seed(0)
+    w = torch.nn.Linear(32, 24).weight.detach()
+    amax = {
+        "input": torch.cat(xs).abs().max(),
+        "weight": torch.maximum(w.abs().max(), (2 * w).abs().max()),
+        "grad_output": torch.cat(Gs).abs().max(),
+    }
+    fmax = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
+    for role, a in amax.items():
+        sd = sds[0]
+        assert sd[f"{role}.history"][0] == a, role
+        assert torch.equal(sd[f"{role}.scale"], torch.tensor([fmax[role]]) / a.reshape(1)), role
+    for r in range(WORLD):  # no reduction: each rank's own amax
+        assert sds[r]["local.input.history"][0] == xs[r].abs().max()
+    assert sds[0]["nan"].item() == float("inf") and sds[0]["max"].item() == 3.0
