@@ -596,7 +596,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
                                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                              max_seqlen_q=mq, max_seqlen_k=mk)
         return o.to(q.dtype), lse.float()
-    if dropout_p == 0.0 and config is None:
+    if dropout_p == 0.0 and config is None and q.is_cuda:
         try:
             from ._triton import attention_fwd_triton
         except Exception:  # pragma: no cover - forward kernels unavailable
