@@ -314,25 +314,35 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
 
 # ============================================================================ configs / autotune
 def fwd_configs():
-    """Small config generator; ``prune_fwd_configs`` filters it by shape."""
+    """Small config generator (BLOCK_M, BLOCK_N, warps, stages); ``prune_fwd_configs`` filters it by shape."""
     out = []
-    for bm, bn, warps, stages in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                                  (128, 128, 8, 3), (64, 128, 4, 2)]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    for bm in (64, 128):
+        for bn in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
     return out
 
 
 def prune_fwd_configs(configs, named_args, **kwargs):
+    """Keep at most a handful of configs known to be sensible on Hopper for this shape:
+    one warpgroup per 64 query rows (BLOCK_M // 16 warps), no tiles longer than the sequence,
+    D <= 64: 3 stages and allow 128-wide key tiles; D = 128: 128x128 tiles only with 2 stages
+    (shared memory); D = 256: 64x64 tiles."""
     bucket = named_args["SEQ_BUCKET"]
     d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     keep = []
     for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if bm > max(64, bucket) or bn > max(64, bucket):  # short sequences: no oversized tiles
+        bm, bn, w, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+        if w != bm // 16:
             continue
-        if d >= 256 and (bm > 64 or bn > 64):  # register / smem budget
+        if bm > max(64, bucket) or bn > max(64, bucket):
             continue
-        if d <= 64 and bn == 128 and c.num_stages == 2:
+        if d >= 256 and (bm, bn, st) != (64, 64, 2):
+            continue
+        if d <= 64 and st != 3:
+            continue
+        if d == 128 and ((bn == 128 and st != 2) or (bn == 64 and st != 3)):
             continue
         keep.append(c)
     return keep or configs[:1]

@@ -474,30 +474,37 @@ def _fwd_dropout(Q, K, V, O, LSE, CUQ, CUK,
 
 # ============================================================================ configs / autotune
 def dkdv_configs():
-    """(BLOCK_M, BLOCK_N) over query rows / key rows; ``prune_bwd_configs`` filters by shape."""
+    """(BLOCK_M, BLOCK_N) over query rows / key rows; ``prune_bwd_configs`` keeps two per head dim."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]]
+            for bm, bn, w, s in [(64, 128, 8, 2), (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
 
 
 def dq_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]]
+            for bm, bn, w, s in [(128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
 
 
 def prune_bwd_configs(configs, named_args, **kwargs):
+    """Shape rules: no tile longer than the (bucketed) sequence; D >= 128 keeps the tiles whose four
+    D-wide operands fit the register file (no 128x128); D <= 64 can afford 128x128 tiles."""
     bucket = named_args["SEQ_BUCKET"]
     d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     keep = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if bm > max(64, bucket) or bn > max(64, bucket):
+        if max(bm, bn) > max(64, bucket):
             continue
-        if d >= 128 and bm * bn >= 128 * 128:  # four D-wide tiles in registers: spills
+        if bucket <= 64:
+            keep.append(c)
             continue
-        if d <= 64 and bm * bn == 128 * 128 and c.num_warps < 8:
+        if bm == 64 and bn == 64:  # short-sequence fallback only
+            continue
+        if d >= 128 and bm * bn >= 128 * 128:
+            continue
+        if d <= 64 and bm * bn < 128 * 64:
             continue
         keep.append(c)
-    return keep or configs[:1]
+    return keep or [configs[-1]]
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "GROUP", "HEAD_DIM", "QMODE", "FMT", "DROPOUT", "VARLEN"]
