@@ -65,7 +65,7 @@ def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, 
     if ref_out is not None:
         epi_ref["out"] = ref_out
     ref, ref_pre = scaled_mm_reference(a, b, **kw, **epi_ref)
-    A, B = dequantize_exact(a, a_copy), dequantize_exact(b, b_copy)
+    A, B = dequantize_exact(a, a_copy).cpu(), dequantize_exact(b, b_copy).cpu()
     S = A.abs() @ B.abs().t()
     nkb = -(-A.shape[1] // 128) + 8
     tol = (0.0 if exact else 2.0**-13 + (nkb + 2) * 2.0**-24) * S
@@ -77,13 +77,13 @@ def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, 
     if epi.get("gelu"):
         tol = 1.13 * tol + 2.0**-20 * r64.abs() + 1e-30
     err = (y64 - r64).abs()
-    bound = tol.cpu() + rt * r64.abs()
-    worst = (err / (S.cpu() + 1e-300)).max().item()
+    bound = tol + rt * r64.abs()
+    worst = (err / (S + 1e-300)).max().item()
     assert bool((err <= bound).all()), f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, max err/S = {worst:.3g}"
     if epi.get("gelu"):
         p64, rp64 = pre.double().cpu(), ref_pre.double().cpu()
         perr = (p64 - rp64).abs()
-        assert bool((perr <= tol.cpu() / 1.13 + OUT_RTOL[pre.dtype] * rp64.abs() + 1e-30).all()), "pre-GELU output off"
+        assert bool((perr <= tol / 1.13 + OUT_RTOL[pre.dtype] * rp64.abs() + 1e-30).all()), "pre-GELU output off"
     return worst
 
 

@@ -44,7 +44,8 @@ def _same(a, b) -> bool:
 
 def compare(x, scheme, rowwise, columnwise, **kw):
     """Quantize x (on its device) with the triton backend and x.cpu() with the reference; list mismatches."""
-    ref = quantize_reference(x.cpu(), scheme, rowwise=rowwise, columnwise=columnwise, **kw)
+    kw_cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    ref = quantize_reference(x.cpu(), scheme, rowwise=rowwise, columnwise=columnwise, **kw_cpu)
     from lowbit.quant.triton_backend import quantize_triton
 
     got = quantize_triton(x, scheme, rowwise=rowwise, columnwise=columnwise, **kw)

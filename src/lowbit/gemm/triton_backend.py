@@ -130,7 +130,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     def launch(cfg):
         bk = min(cfg["BK"], bs)
         tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
-        progs = max(1, min(nsm, tiles))
+        progs = tiles
         G.fp8_gemm_kernel[(progs,)](A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
                                     SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
                                     BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=8, NUM_PROGS=progs,
@@ -175,7 +175,7 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
 
     def launch(cfg):
         tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
-        progs = max(1, min(nsm, tiles))
+        progs = tiles
         G.emu_gemm_kernel[(progs,)](A, B, sa, sb, gsa, gsb, c, pre if gelu else c, bias if bias is not None else c, M, N, K,
                                     sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, HAS_BIAS=bias is not None,
                                     GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,

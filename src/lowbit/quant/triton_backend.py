@@ -65,16 +65,17 @@ def tuned_launch(name: str, key: tuple, candidates: list[dict], launch) -> dict:
     k = (name,) + tuple(key)
     cfg = _TUNED.get(k)
     if cfg is None:
-        best = None
+        best, err = None, None
         for c in candidates:
             try:
                 t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
-            except Exception:  # a config that does not compile (e.g. out of registers) is skipped
+            except Exception as e:  # a config that does not compile (e.g. out of shared memory) is skipped
+                err = e
                 continue
             if best is None or t < best[0]:
                 best = (t, c)
         if best is None:
-            raise RuntimeError(f"{name}: no candidate config ran for key {key}")
+            raise RuntimeError(f"{name}: no candidate config ran for key {key}") from err
         cfg = _TUNED[k] = best[1]
     launch(cfg)
     return cfg

@@ -5,7 +5,8 @@
   ``s[kb * ld + row]`` (outer-dim-major storage), 3 BSxBS tiles ``s[(row // BS) * ld + kb]`` —
   and FP32 promotion once per BS-wide K block: each block's partial product is reduced on the tensor
   cores from a zero accumulator, multiplied by its two scales and added into the FP32 accumulator.
-  Persistent grid (one program per SM looping over output tiles, grouped along M for L2 reuse).
+  One program per output tile, tiles ordered in groups along M for L2 reuse (a persistent loop over
+  tiles stopped Triton from software-pipelining the K loop, which costs far more than it saves).
 * :func:`emu_gemm_kernel`: NVFP4 / MXFP8 operands, emulated on Hopper: the elements are unpacked and
   multiplied by their block scale in registers (exact in BF16: an E2M1 × E4M3 product has at most 6
   significant bits, an FP8 element × 2^X at most 4), then BF16 tensor-core math with FP32 accumulation;
@@ -67,35 +68,33 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
     nkb = tl.cdiv(K, BS)
-    for tile in range(pid, num_pm * num_pn, NUM_PROGS):
-        pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
-        offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
-        mmask = offs_m < M
-        nmask = offs_n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, nkb):
-            part = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in tl.static_range(BS // BK):
-                offs_k = kb * BS + kk * BK + tl.arange(0, BK).to(tl.int64)
-                kmask = offs_k < K
-                a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                part = tl.dot(a, tl.trans(b), part)
-            if SA >= 2:
-                part = part * _row_scale(sa_ptr, offs_m, mmask, kb, lda_s, SA, BS)[:, None]
-            if SB >= 2:
-                part = part * _row_scale(sb_ptr, offs_n, nmask, kb, ldb_s, SB, BS)[None, :]
-            acc += part
-        if SA == 0:
-            acc = acc * tl.load(sa_ptr)
-        if SA == 1:
-            acc = acc * tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
-        if SB == 0:
-            acc = acc * tl.load(sb_ptr)
-        if SB == 1:
-            acc = acc * tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)[None, :]
-        _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
+    tile = pid  # one output tile per program (grouped along M for L2 reuse)
+    pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, nkb):
+        offs_k = kb * BS + tl.arange(0, BS).to(tl.int64)
+        kmask = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        part = tl.dot(a, tl.trans(b))  # one scaling block of K, reduced on the tensor cores from zero
+        if SA >= 2:
+            part = part * _row_scale(sa_ptr, offs_m, mmask, kb, lda_s, SA, BS)[:, None]
+        if SB >= 2:
+            part = part * _row_scale(sb_ptr, offs_n, nmask, kb, ldb_s, SB, BS)[None, :]
+        acc += part
+    if SA == 0:
+        acc = acc * tl.load(sa_ptr)
+    if SA == 1:
+        acc = acc * tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
+    if SB == 0:
+        acc = acc * tl.load(sb_ptr)
+    if SB == 1:
+        acc = acc * tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+    _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
 
 
 @triton.jit
@@ -150,17 +149,17 @@ def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_p
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
-    for tile in range(pid, num_pm * num_pn, NUM_PROGS):
-        pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
-        offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
-        mmask = offs_m < M
-        nmask = offs_n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = _emu_tile(a_ptr, sa_ptr, offs_m, mmask, k0, K, lda_s, NV, A2D, BM, BK, F32)
-            b = _emu_tile(b_ptr, sb_ptr, offs_n, nmask, k0, K, ldb_s, NV, B2D, BN, BK, F32)
-            acc = tl.dot(a, tl.trans(b), acc)
-        if NV:
-            acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
-        _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
+    tile = pid  # one output tile per program (grouped along M for L2 reuse)
+    pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = _emu_tile(a_ptr, sa_ptr, offs_m, mmask, k0, K, lda_s, NV, A2D, BM, BK, F32)
+        b = _emu_tile(b_ptr, sb_ptr, offs_n, nmask, k0, K, ldb_s, NV, B2D, BN, BK, F32)
+        acc = tl.dot(a, tl.trans(b), acc)
+    if NV:
+        acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
+    _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP32_MAX = 3.4028234663852886e38
-MAGIC_RNE = 12582912.0  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+MAGIC_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
 
 
 @triton.jit

@@ -1,0 +1,120 @@
+"""``lowbit bench gemm``: scaled GEMM throughput against its peers, all measured in the same run.
+
+For each (M, K, N): BF16 ``torch.mm``; cuBLAS FP8 tensorwise (``torch._scaled_mm``); cuBLAS FP8
+blockwise 1x128·128x128 (``F.scaled_mm``, where this torch offers it); torchao's Triton blockwise
+kernel (only if torchao is importable); lowbit's Triton blockwise GEMM (1x128 · 128x128, BF16 out);
+lowbit's NVFP4 and MXFP8 emulated GEMMs. Median time by ``triton.testing.do_bench``; TFLOP/s =
+2·M·N·K / t; ratios against BF16 and cuBLAS blockwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+
+import torch
+
+SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+def _bench(fn, rep=100) -> float | None:
+    import triton
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=rep)
+    except Exception as e:  # report the peer as unavailable rather than abort the run
+        print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        return None
+
+
+def run(shapes, rep=100):
+    from lowbit.gemm import scaled_mm
+    from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, quantize
+
+    F = torch.nn.functional
+    dev = torch.device("cuda")
+    rows = []
+    for M, K, N in shapes:
+        print(f"[gemm] M={M} K={K} N={N}", flush=True)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        flops = 2.0 * M * N * K
+        res = {}
+        res["bf16 torch.mm"] = _bench(lambda: torch.mm(x, w.t()), rep)
+        xa = x.to(torch.float8_e4m3fn)
+        wa = w.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep)
+        qa = quantize(x, Float8Blockwise())
+        qb = quantize(w, Float8Blockwise(block_dim=2))
+        if hasattr(F, "scaled_mm"):
+            sa = qa.logical_scales()
+            sb = qb.logical_scales()
+            S = F.ScalingType
+            res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa, S.BlockWise1x128,
+                                                                     sb.t(), S.BlockWise128x128, output_dtype=torch.bfloat16), rep)
+        try:
+            from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
+
+            res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), qa.logical_scales(),
+                                                                     qb.logical_scales().t()), rep)
+        except Exception:
+            pass
+        res["lowbit triton blockwise"] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
+        na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
+        res["lowbit nvfp4 emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+        ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
+        res["lowbit mxfp8 emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+        bf = res.get("bf16 torch.mm")
+        cb = res.get("cuBLAS fp8 blockwise")
+        for name, t in res.items():
+            if t is None:
+                continue
+            tf = flops / t * 1e-9
+            rows.append((f"{M}x{K}x{N}", name, t, tf, bf / t if bf else None, cb / t if cb else None))
+            print(f"    {name:28s} {t * 1e3:9.1f} us {tf:8.1f} TFLOP/s  x{(bf / t) if bf else float('nan'):.2f} vs bf16"
+                  f"  x{(cb / t) if cb else float('nan'):.2f} vs cuBLAS blockwise", flush=True)
+        del x, w, xa, wa, qa, qb, na, nb, ma, mb
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows) -> str:
+    dev = torch.cuda.get_device_name()
+    out = [f"Device: {dev}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {_commit()}", "",
+           "| M x K x N | kernel | time (us) | TFLOP/s | vs BF16 torch.mm | vs cuBLAS FP8 blockwise |", "|---|---|---:|---:|---:|---:|"]
+    for shape, name, t, tf, rb, rc in rows:
+        out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {tf:.0f} | {'' if rb is None else f'{rb:.2f}'} | {'' if rc is None else f'{rc:.2f}'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="lowbit bench gemm", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help="comma-separated MxKxN list (default: the issue's five shapes)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    p.add_argument("--markdown", default=None, help="write the result table (markdown) to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lowbit bench gemm: needs a CUDA GPU")
+        return 1
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    md = markdown(run(shapes, args.rep))
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

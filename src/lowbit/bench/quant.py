@@ -1,0 +1,94 @@
+"""``lowbit bench quant``: quantization throughput (GB/s of bytes read + written) against a
+device-to-device copy of the same input, measured in the same run.
+
+Per input (M, K) in BF16: copy (``y.copy_(x)``: 2 × bytes); lowbit Triton 1x128 rowwise, 1x128
+rowwise+columnwise (fused cast + transpose), 128x128 (both copies), per-tensor current scaling
+(amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable.
+Bytes moved count the input read once per pass plus every output written (data + scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+
+from .gemm import _bench, _commit
+
+SHAPES = [(8192, 8192), (16384, 4096), (16384, 14336), (4096, 4096)]
+
+
+def run(shapes, rep=100):
+    from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Tensorwise, quantize
+
+    dev = torch.device("cuda")
+    rows = []
+    for M, K in shapes:
+        print(f"[quant] M={M} K={K} bf16 ({M * K * 2 / 2**20:.0f} MiB)", flush=True)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        inb = x.numel() * 2
+        cases = [
+            ("copy (device to device)", lambda: y.copy_(x), None),
+            ("1x128 rowwise", lambda: quantize(x, Float8Blockwise(), True, False, backend="triton"), None),
+            ("1x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(), True, True, backend="triton"), None),
+            ("128x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
+            ("tensorwise current row+col", lambda: quantize(x, Float8Tensorwise(), True, True, backend="triton"), 2),
+            ("MXFP8 rowwise+columnwise", lambda: quantize(x, MXFP8(), True, True, backend="triton"), None),
+            ("NVFP4 1x16 rowwise", lambda: quantize(x, NVFP4(), True, False, backend="triton"), 2),
+        ]
+        try:
+            from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs  # type: ignore
+
+            cases.append(("torchao 1x128 rowwise", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), None))
+        except Exception:
+            pass
+        copy_bw = None
+        for name, fn, passes in cases:
+            t = _bench(fn, rep)
+            if t is None:
+                continue
+            if name.startswith("copy"):
+                moved = 2 * inb
+            else:
+                q = fn()
+                moved = inb * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size() for v in q))
+            bw = moved / t * 1e-6
+            if copy_bw is None:
+                copy_bw = bw
+            rows.append((f"{M}x{K}", name, t, moved / 2**20, bw, bw / copy_bw))
+            print(f"    {name:30s} {t * 1e3:8.1f} us {bw:8.0f} GB/s  {bw / copy_bw:.2f} of copy", flush=True)
+        del x, y
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows) -> str:
+    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {_commit()}", "",
+           "| input (bf16) | kernel | time (us) | MiB moved | GB/s | fraction of copy |", "|---|---|---:|---:|---:|---:|"]
+    for shape, name, t, mib, bw, r in rows:
+        out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {mib:.0f} | {bw:.0f} | {r:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="lowbit bench quant", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help="comma-separated MxK list (default: the issue's activation shapes)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    p.add_argument("--markdown", default=None, help="write the result table (markdown) to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lowbit bench quant: needs a CUDA GPU")
+        return 1
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    md = markdown(run(shapes, args.rep))
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
