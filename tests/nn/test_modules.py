@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowbit
-from helpers import RECIPES, grads_of, make_module, sqnr
+from nn_helpers import RECIPES, grads_of, make_module, sqnr
 from lowbit import recipes
 
 MODULES = [

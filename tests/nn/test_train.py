@@ -3,13 +3,14 @@ high-precision run (same init, same data); checkpoints round-trip exactly."""
 
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
 import torch
 
 import lowbit
-from helpers import RECIPES
+from nn_helpers import RECIPES
 
 STEPS = 25
 
@@ -52,9 +53,14 @@ def train(seed: int, recipe, steps: int = STEPS, model=None, opt=None, batches=N
     return losses, model, opt
 
 
+@functools.lru_cache(maxsize=None)
+def high_precision_losses(seed: int):
+    return train(seed, None)[0]
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_trains_close_to_high_precision(name):
-    hp, _, _ = train(0, None)
+    hp = high_precision_losses(0)
     lq, _, _ = train(0, RECIPES[name]())
     assert lq[-1] < 0.5 * lq[0], f"{name}: loss did not go down enough: {lq[0]:.4f} -> {lq[-1]:.4f}"
     ratio = lq[-1] / hp[-1]
