@@ -1,0 +1,84 @@
+"""GPU checks of the lowbit.nn modules (skipped without CUDA): the fast backends behind quantize /
+scaled_mm give the numbers of the CPU references, and training state works on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit
+from lowbit import recipes
+from nn_helpers import RECIPES, sqnr
+
+pytestmark = pytest.mark.gpu
+
+
+def _step(m, x, G, recipe):
+    x = x.clone().requires_grad_()
+    m.zero_grad()
+    with lowbit.autocast(recipe=recipe):
+        y = m(x)
+    (y.float() * G).sum().backward()
+    return y.detach(), x.grad.detach(), m.weight.grad.detach()
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_cuda_matches_cpu_reference(rname, cuda):
+    """Deterministic recipes: GPU and CPU quantize identically, so outputs and gradients differ only by
+    the FP32 accumulation order of the GEMM (DESIGN §5) -> > 60 dB agreement (FP32 outputs)."""
+    torch.manual_seed(0)
+    recipe = RECIPES[rname]()
+    if rname == "nvfp4":  # stochastic rounding draws its seeds from the device RNG: compare the RN variant
+        recipe = recipes.NVFP4BlockScaling(disable_stochastic_rounding=True)
+    m = lowbit.nn.Linear(256, 384)
+    x = torch.randn(4, 64, 256)
+    G = torch.randn(4, 64, 384)
+    ref = _step(m, x, G, recipe)
+    mc = lowbit.nn.Linear(256, 384, device=cuda)
+    mc.load_state_dict(m.state_dict())
+    got = _step(mc, x.to(cuda), G.to(cuda), recipe)
+    for name, a, b in zip(("y", "dx", "dw"), got, ref):
+        s = sqnr(a.cpu(), b)
+        assert s > 60, f"{rname} {name}: GPU vs CPU reference SQNR {s:.1f} dB"
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_cuda_bf16_against_high_precision(rname, cuda):
+    torch.manual_seed(1)
+    m = lowbit.nn.Linear(512, 768, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(8, 128, 512, device=cuda, dtype=torch.bfloat16)
+    G = torch.randn(8, 128, 768, device=cuda)
+    y, dx, dw = _step(m, x, G, RECIPES[rname]())
+    w = m.weight.detach().float()
+    yr = x.float() @ w.t() + m.bias.detach().float()
+    floor = {"nvfp4": 12.0}.get(rname, 21.0)  # CPU floors (fp32 I/O) minus ~1-3 dB for BF16 rounding of I/O
+    assert sqnr(y.float(), yr) > floor
+    assert sqnr(dx.float(), G @ w) > floor - 3
+    assert sqnr(dw.float(), G.reshape(-1, 768).t() @ x.float().reshape(-1, 512)) > floor - 3
+
+
+def test_cuda_delayed_state_and_sentry(cuda, tmp_path):
+    m = lowbit.nn.Linear(128, 128, device=cuda)
+    r = recipes.DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        _step(m, torch.randn(64, 128, device=cuda), torch.randn(64, 128, device=cuda), r)
+    sd = m.state_dict()
+    assert sd["_extra_state"]["input.history"].device.type == "cuda"
+    torch.save(sd, tmp_path / "m.pt")
+    m2 = lowbit.nn.Linear(128, 128, device=cuda)
+    m2.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    x = torch.randn(64, 128, device=cuda)
+    with lowbit.autocast(recipe=r):
+        assert torch.equal(m(x), m2(x))
+    x[0, 0] = float("nan")
+    with pytest.raises(lowbit.nn.NonFiniteAmaxError, match="of input"):
+        with lowbit.autocast(recipe=r):
+            m(x)
+
+
+def test_bench_runs_on_cuda(cuda, capsys):
+    from lowbit.bench import linear
+
+    assert linear.main(["--shapes", "256x256x512", "--rep", "5", "--warmup", "2", "--no-torchao"]) == 0
+    out = capsys.readouterr().out
+    assert "| lowbit fp8-block |" in out
