@@ -200,6 +200,9 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+        import lowbit.nn as lnn
+
+        lnn.name_modules(self)  # qualified names for the NaN sentry's events ("blocks.0.qkv", ...)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

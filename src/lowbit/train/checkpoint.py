@@ -48,7 +48,7 @@ def _unwrap(model):
 
 def check_shapes(sd: dict, model) -> None:
     """Raise a ValueError listing missing, unexpected and mis-shaped entries of ``sd`` for ``model``."""
-    own = {k: tuple(v.shape) for k, v in _unwrap(model).state_dict().items()}
+    own = {k: tuple(v.shape) for k, v in _unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
     # FSDP2 parameters are DTensors: their .shape is the full (global) shape, which is what we compare.
     theirs = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(own) - set(theirs))

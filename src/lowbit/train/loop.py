@@ -306,7 +306,8 @@ def _optimizer(model, c: TrainConfig):
 
 
 # Arguments that change the trajectory: a resumed run must use the same values.
-_MATCH_ON_RESUME = ("recipe", "model", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup",
+# (The global batch must match, not its split into ranks x micro-batches: any world size may resume.)
+_MATCH_ON_RESUME = ("recipe", "model", "steps", "global_batch", "seq_len", "lr", "min_lr_ratio", "warmup",
                     "weight_decay", "beta1", "beta2", "grad_clip", "seed", "mlp", "pos", "norm", "tie_weights")
 
 
@@ -341,6 +342,13 @@ def _train_one(c: TrainConfig) -> dict:
         return lnn.autocast(enabled=True, recipe=recipe, amax_reduction_group=group,
                             on_nonfinite="raise" if c.on_nonfinite == "raise" else "skip")
 
+    rows_per_rank = c.batch_size * c.grad_accum
+    global_batch = rows_per_rank * d.world
+    tokens_per_step = global_batch * c.seq_len
+
+    def train_state() -> dict:
+        return {k: global_batch if k == "global_batch" else getattr(c, k) for k in _MATCH_ON_RESUME}
+
     history = {"train": [], "val": [], "lr": []}
     events: list[dict] = []
     start = 0
@@ -352,7 +360,8 @@ def _train_one(c: TrainConfig) -> dict:
             raise ValueError(f"resume: checkpoint {str(path)!r} was saved for a different model shape "
                              f"(field: (checkpoint, this run)) {diff}")
         saved = ck.get("train", {})
-        diff = {k: (saved.get(k), getattr(c, k)) for k in _MATCH_ON_RESUME if k in saved and saved[k] != getattr(c, k)}
+        now = train_state()
+        diff = {k: (saved.get(k), now[k]) for k in _MATCH_ON_RESUME if k in saved and saved[k] != now[k]}
         if diff:
             raise ValueError(f"resume: these arguments differ from the checkpointed run (checkpoint, now): {diff}; "
                              "pass the same values or start a new --out-dir")
@@ -363,9 +372,6 @@ def _train_one(c: TrainConfig) -> dict:
         _say(d, c, f"[lowbit] resumed from {path} at step {start}")
         del ck
 
-    rows_per_rank = c.batch_size * c.grad_accum
-    global_batch = rows_per_rank * d.world
-    tokens_per_step = global_batch * c.seq_len
     val_off = corpus.val_offsets(c.eval_windows, c.seq_len)
 
     def save(step: int):
@@ -374,7 +380,7 @@ def _train_one(c: TrainConfig) -> dict:
             ckpt.save_checkpoint(ck_path, {
                 "step": step, "model_config": mcfg.to_dict(), "recipe": c.recipe,
                 "model": msd, "optimizer": osd,
-                "train": {k: getattr(c, k) for k in _MATCH_ON_RESUME},
+                "train": train_state(),
                 "history": history, "events": events, "world_size": d.world,
             })
         if d.active:
@@ -437,10 +443,13 @@ def _train_one(c: TrainConfig) -> dict:
                 sync = model.no_sync()
             elif d.active and c.fsdp:
                 model.set_requires_gradient_sync(m == c.grad_accum - 1)
-            with sync:
-                with amp(), lowbit_ctx():
-                    _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
-                (loss / c.grad_accum).backward()
+            try:
+                with sync:
+                    with amp(), lowbit_ctx():
+                        _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
+                    (loss / c.grad_accum).backward()
+            except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
+                raise FloatingPointError(f"step {step}: {e}") from e
             loss_sum += loss.detach().double()
         if fault_hook is not None:
             fault_hook.remove()

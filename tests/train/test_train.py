@@ -1,0 +1,144 @@
+"""lowbit train / lowbit demo on the CPU: loss goes down, reports, resume, faults, bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from lowbit.train import checkpoint as ckpt
+from lowbit.train.cli import run_train
+from lowbit.train.loop import TrainConfig, train
+
+QUIET = ("--no-progress",)
+
+
+def _losses(summary):
+    return [l for _, l in summary["history"]["train"]]
+
+
+def test_train_tiny_20_steps_loss_goes_down(tmp_path, cache_dir, targs):
+    """`lowbit train --model tiny --steps 20` on the default (standard-library) corpus."""
+    s = run_train(targs("--model", "tiny", "--steps", 20, "--out-dir", tmp_path, "--cache-dir", cache_dir,
+                        "--eval-windows", 16, *QUIET))
+    ls = _losses(s)
+    assert len(ls) == 20 and all(math.isfinite(v) for v in ls)
+    assert sum(ls[-3:]) / 3 < sum(ls[:3]) / 3 - 0.8, ls  # starts near ln(256) = 5.5; bytes are easy early on
+    assert s["final_val_loss"] < ls[0]
+    assert s["data"]["source"].startswith("python-stdlib")
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "loss.png").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 20
+    # the checkpoint is plain tensors + python values
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ck["step"] == 20 and ck["model_config"]["d_model"] == 128
+
+
+def test_train_fp8_block_loss_goes_down(tmp_path, small_text, cache_dir):
+    s = train(TrainConfig(recipe="fp8-block", steps=12, batch_size=8, seq_len=64, data=small_text, cache_dir=cache_dir,
+                          out_dir=str(tmp_path), eval_windows=8, progress=False, verbose=False))
+    ls = _losses(s)
+    assert sum(ls[-3:]) / 3 < sum(ls[:3]) / 3 - 0.5, ls
+    assert s["weight_bytes_quantized"] < 0.6 * s["weight_bytes_bf16"]  # FP8 + 128x128 scales vs BF16
+    assert not s["events"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "nvfp4"])
+def test_kill_and_resume_equals_uninterrupted(tmp_path, small_text, cache_dir, recipe, monkeypatch):
+    """Stop after step 5 (checkpoint at 4), resume: the trajectory is identical, bit for bit.
+
+    fp8-delayed carries amax histories in its state; nvfp4 uses stochastic rounding (keyed by step).
+    """
+    base = dict(recipe=recipe, steps=8, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir,
+                eval_every=4, eval_windows=4, progress=False, verbose=False)
+    full = train(TrainConfig(out_dir=str(tmp_path / "full"), **base))
+
+    run = str(tmp_path / "killed")
+    part = train(TrainConfig(out_dir=run, ckpt_every=4, stop_at_step=5, **base))
+    assert part["stopped_early"] and part["steps"] == 5
+    ck_file = tmp_path / "killed" / "checkpoint.pt"
+    assert torch.load(ck_file, weights_only=True)["step"] == 4
+
+    # a crash in the middle of writing the next checkpoint leaves the previous one intact
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"partial garbage")
+        raise KeyboardInterrupt("killed mid-checkpoint")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(ck_file, {"step": 99})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(ck_file, weights_only=True)["step"] == 4
+    assert [p.name for p in ck_file.parent.iterdir() if p.name.startswith(".")] == []
+
+    resumed = train(TrainConfig(out_dir=run, ckpt_every=4, resume="auto", **base))
+    assert resumed["history"]["train"] == full["history"]["train"]
+    assert resumed["history"]["val"] == full["history"]["val"]
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_nonfinite_skip_and_rollback_report_layer_and_step(tmp_path, small_text, cache_dir):
+    base = dict(recipe="fp8-block", steps=6, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir,
+                eval_every=6, eval_windows=4, progress=False, verbose=False, fault_steps=(3,))
+    s = train(TrainConfig(out_dir=str(tmp_path / "skip"), on_nonfinite="skip", **base))
+    assert s["events"], "the injected inf was not reported"
+    assert {e["step"] for e in s["events"]} == {3}
+    assert all(e["action"] == "skip" for e in s["events"])
+    assert any(e["layer"].startswith("blocks.0.") for e in s["events"]), s["events"]
+    assert [st for st, _ in s["history"]["train"]] == [1, 2, 3, 5, 6]  # step index 3 (the 4th step) skipped
+    assert math.isfinite(s["final_val_loss"])
+
+    r = train(TrainConfig(out_dir=str(tmp_path / "rb"), on_nonfinite="rollback", ckpt_every=2, **base))
+    assert {e["action"] for e in r["events"]} == {"rollback to step 2"}
+    assert math.isfinite(r["final_val_loss"])
+
+    with pytest.raises(FloatingPointError, match="step 3"):
+        train(TrainConfig(out_dir=str(tmp_path / "raise"), on_nonfinite="raise", **base))
+
+
+def test_compare_bf16(tmp_path, small_text, cache_dir, targs):
+    s = run_train(targs("--recipe", "fp8-current", "--compare", "bf16", "--steps", 4, "--batch-size", 4, "--seq-len", 64,
+                        "--data", small_text, "--cache-dir", cache_dir, "--out-dir", tmp_path, "--eval-windows", 4, *QUIET))
+    b = s["compare"]["bf16"]
+    assert b["recipe"] == "bf16" and len(b["history"]["train"]) == 4
+    assert abs(s["val_loss_gap_pct"]) < 5
+    assert (tmp_path / "compare-bf16").is_dir()
+
+
+def _png_ok(path):
+    import matplotlib.image as mpimg
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert float(img[..., :3].std()) > 0.01  # not a blank canvas
+
+
+def test_demo_writes_report(tmp_path, cache_dir, capsys):
+    from lowbit.train.demo import run_demo
+
+    out = tmp_path / "report"
+    s = run_demo(["--steps", 4, "--batch-size", 4, "--seq-len", 128, "--eval-windows", 4, "--out", str(out),
+                  "--cache-dir", cache_dir, "--no-progress"] if False else
+                 ["--steps", "4", "--batch-size", "4", "--seq-len", "128", "--eval-windows", "4", "--out", str(out),
+                  "--cache-dir", cache_dir, "--no-progress", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    for f in ("summary.json", "loss_curves.png", "table.md"):
+        assert (out / f).is_file(), f
+    _png_ok(out / "loss_curves.png")
+    summ = json.loads((out / "summary.json").read_text())
+    assert [r["recipe"] for r in summ["table"]] == ["bf16", "fp8-block", "nvfp4"]
+    for name in ("bf16", "fp8-block", "nvfp4"):
+        assert name in printed
+    assert "gap vs bf16" in printed and "tokens/s" in printed
+    rows = {r["recipe"]: r for r in summ["table"]}
+    assert rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"] < rows["bf16"]["weight_bytes_quantized"]
+    assert s["recipes"] == ["bf16", "fp8-block", "nvfp4"]
+
+
+def test_train_png_valid(tmp_path, small_text, cache_dir, targs):
+    run_train(targs("--steps", 3, "--batch-size", 2, "--seq-len", 32, "--data", small_text, "--cache-dir", cache_dir,
+                    "--out-dir", tmp_path, "--eval-windows", 2, *QUIET))
+    _png_ok(tmp_path / "loss.png")
