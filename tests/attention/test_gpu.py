@@ -65,6 +65,7 @@ MODES = [("bf16", "bf16", "per_block"), ("int8", "bf16", "per_block"), ("int8", 
          ("int8", "fp8", "per_block"), ("fp8", "fp8", "per_block")]
 # kernel output (q's dtype) vs the tiled quantized reference on bit-identical quantized operands: the
 # output rounding (bf16 ~1.5e-3 NRMSE, fp16 ~2e-4) plus exp2.approx / summation-order P flips.
+# First H200 run (int8 paths, before the fp8-QK promotion fix): max 2.05e-3 (bf16), 6.3e-4 (fp16).
 TIGHT_OUT = {torch.bfloat16: 3e-3, torch.float16: 1e-3}
 
 

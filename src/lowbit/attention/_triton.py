@@ -188,6 +188,8 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
             s = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32)
         elif QK_MODE == 0 and INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 is exact there
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        elif QK_MODE == 2:  # FP8 MMA accumulates in reduced precision: promote to FP32 every 32 products
+            s = tl.dot(q, kt, max_num_imprecise_acc=32)
         else:
             s = tl.dot(q, kt)
         if QK_MODE == 0:
@@ -457,7 +459,7 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
     _v_amax_kernel[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
     amax = part.amax(dim=1).view(B, H, D)
-    v_scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    v_scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))  # as the reference
     _v_quant_kernel[(nch, B * H)](v, v8, v_scale, cu, *_views(v, layout, varlen), *_views(v8, layout, varlen), H, S,
                                   CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=4)
     return v8, v_scale

@@ -211,7 +211,9 @@ def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
     pad = ng * rows - s
     xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
     amax = xp.reshape(b, h, ng, rows * d).abs().amax(dim=-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / qmax)
+    # tensor / tensor: on CUDA, torch divides by a Python scalar via its reciprocal (not correctly
+    # rounded); the Triton prepass uses div.rn, so both must be true IEEE divisions.
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
     y = x / scale.repeat_interleave(rows, dim=2)[:, :, :s, None]
     if dtype == "int8":
         codes = round_half_away(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -312,7 +314,7 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     _check_layout(layout)
     vh = _bhsd(v, layout).float()
     amax = vh.abs().amax(dim=2)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))  # see _quant_rows
     codes = to_e4m3(vh / scale[:, :, None, :])
     if layout == "bshd":
         codes = codes.transpose(1, 2)
