@@ -1,7 +1,15 @@
 import os
+import sys
 
 import pytest
 import torch
+
+# Tests run in importlib mode (test files share basenames across folders); put each test folder on
+# sys.path so a test can import its folder's helper modules (helper module names must be unique).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _d in [_HERE] + [os.path.join(_HERE, n) for n in sorted(os.listdir(_HERE))]:
+    if os.path.isdir(_d) and not os.path.basename(_d).startswith((".", "__")) and _d not in sys.path:
+        sys.path.insert(0, _d)
 
 
 def pytest_collection_modifyitems(config, items):
