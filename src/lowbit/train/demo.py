@@ -21,7 +21,7 @@ __all__ = ["run_demo", "build_parser", "DEFAULT_RECIPES"]
 
 DEFAULT_RECIPES = ("bf16", "fp8-block", "nvfp4")
 # device -> (model, steps, batch_size, seq_len, eval_windows)
-_AUTO = {"cpu": ("tiny", 80, 8, 128, 32), "cuda": ("125m", 300, 8, 1024, 64)}
+_AUTO = {"cpu": ("tiny", 100, 8, 128, 32), "cuda": ("125m", 300, 8, 1024, 64)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="report", help="report folder (default report/)")
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help=f"comma-separated, from {', '.join(RECIPES)} (default %(default)s)")
     p.add_argument("--model", default=None, help=f"preset ({', '.join(PRESET_DEFAULTS)}); default tiny on CPU, 125m on a GPU")
-    p.add_argument("--steps", type=int, default=None, help="steps per recipe (default 80 on CPU, 300 on a GPU)")
+    p.add_argument("--steps", type=int, default=None, help="steps per recipe (default 100 on CPU, 300 on a GPU)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--eval-windows", type=int, default=None)
