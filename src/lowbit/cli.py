@@ -165,6 +165,9 @@ def cmd_bench(argv=None) -> int:
         print(f"usage: lowbit bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
     mod = BENCHES[argv[0]]
+    if argv[0] == "attention" and "--backward" in argv:
+        mod = "lowbit.bench.attention_bwd"
+        argv = [a for a in argv if a != "--backward"]
     if not _has(mod):
         print(f"lowbit bench {argv[0]}: not available in this build", file=sys.stderr)
         return 2
