@@ -120,9 +120,7 @@ def test_demo_writes_report(tmp_path, cache_dir, capsys):
     from lowbit.train.demo import run_demo
 
     out = tmp_path / "report"
-    s = run_demo(["--steps", 4, "--batch-size", 4, "--seq-len", 128, "--eval-windows", 4, "--out", str(out),
-                  "--cache-dir", cache_dir, "--no-progress"] if False else
-                 ["--steps", "4", "--batch-size", "4", "--seq-len", "128", "--eval-windows", "4", "--out", str(out),
+    s = run_demo(["--steps", "4", "--batch-size", "4", "--seq-len", "128", "--eval-windows", "4", "--out", str(out),
                   "--cache-dir", cache_dir, "--no-progress", "--device", "cpu"])
     printed = capsys.readouterr().out
     for f in ("summary.json", "loss_curves.png", "table.md"):
@@ -136,6 +134,13 @@ def test_demo_writes_report(tmp_path, cache_dir, capsys):
     rows = {r["recipe"]: r for r in summ["table"]}
     assert rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"] < rows["bf16"]["weight_bytes_quantized"]
     assert s["recipes"] == ["bf16", "fp8-block", "nvfp4"]
+
+
+def test_demo_bad_recipe_list(capsys):
+    from lowbit.train.demo import main
+
+    assert main(["--recipes", "bf16,fp9"]) == 2
+    assert "recipes: unknown recipe(s) ['fp9']" in capsys.readouterr().err
 
 
 def test_train_png_valid(tmp_path, small_text, cache_dir, targs):

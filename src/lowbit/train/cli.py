@@ -121,7 +121,8 @@ def run_train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (``python -m lowbit.train.cli``)."""
+    """Command entry (``python -m lowbit.train.cli``; ``lowbit train`` may delegate here): parses ``argv``,
+    runs, prints bad input as one error line (exit status 2) and tears down the process group."""
     p = add_train_args(argparse.ArgumentParser(prog="lowbit train", description="Train the reference GPT under a lowbit recipe."))
     args = p.parse_args(argv)
     try:

@@ -17,7 +17,7 @@ import torch
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import format_table, plot_losses, table_rows, write_json
 
-__all__ = ["run_demo", "build_parser", "DEFAULT_RECIPES"]
+__all__ = ["run_demo", "main", "build_parser", "DEFAULT_RECIPES"]
 
 DEFAULT_RECIPES = ("bf16", "fp8-block", "nvfp4")
 # device -> (model, steps, batch_size, seq_len, eval_windows)
@@ -81,5 +81,17 @@ def run_demo(argv=None) -> dict:
     return summary
 
 
+def main(argv=None) -> int:
+    """Command entry: like :func:`run_demo`, but bad input prints one error line and returns 2."""
+    try:
+        run_demo(argv)
+    except ValueError as e:
+        import sys
+
+        print(f"lowbit demo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    run_demo()
+    raise SystemExit(main())
