@@ -71,6 +71,8 @@ def test_checkpoint_of_other_model_shape(tmp_path, small_text):
     train(cfg)
     ck = tmp_path / "run" / "checkpoint.pt"
     assert torch.load(ck, weights_only=True)["step"] == 1
+    with pytest.raises(ValueError, match=r"out_dir: .* already holds a checkpoint .*--resume.*--overwrite"):
+        train(cfg)  # no silent replacement of an earlier run's checkpoint
     with pytest.raises(ValueError, match=r"resume: checkpoint .* different model shape .*mlp"):
         train(_cfg(tmp_path, data=small_text, steps=2, resume="auto", mlp="gelu"))
     with pytest.raises(ValueError, match=r"resume: these arguments differ .*seed"):

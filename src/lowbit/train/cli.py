@@ -60,6 +60,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-every", type=_nonneg_int, default=0, help="checkpoint every N steps (default 0: at the end only)")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
                    help="on a non-finite amax or loss: skip the step, roll back to the last checkpoint, or stop (default skip)")
     g.add_argument("--compare", choices=("bf16",), default=None, help="also run the BF16 baseline on the same data and seed")
@@ -89,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         recipe=args.recipe, model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume, overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,

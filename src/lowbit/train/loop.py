@@ -63,6 +63,8 @@ class TrainConfig:
     ckpt_every: int = 0
     """Checkpoint every N steps (0: only at the end); always atomic."""
     save_final: bool = True
+    overwrite: bool = False
+    """Start afresh even if ``out_dir`` holds a checkpoint (which the first save then replaces)."""
     resume: str | None = None
     """None, ``"auto"`` (``out_dir/checkpoint.pt``) or a checkpoint path."""
     on_nonfinite: str = "skip"
@@ -263,7 +265,7 @@ def train(config: TrainConfig) -> dict:
     c = config.resolved()
     summary = _train_one(c)
     if c.compare == "bf16" and c.recipe != "bf16" and not summary.get("stopped_early"):
-        base = TrainConfig(**{**asdict(c), "recipe": "bf16", "compare": None, "resume": None,
+        base = TrainConfig(**{**asdict(c), "recipe": "bf16", "compare": None, "resume": None, "overwrite": True,
                               "out_dir": os.path.join(c.out_dir, "compare-bf16"), "fault_steps": ()})
         b = _train_one(base.resolved())
         summary["compare"] = {"bf16": b}
@@ -352,6 +354,10 @@ def _train_one(c: TrainConfig) -> dict:
     history = {"train": [], "val": [], "lr": []}
     events: list[dict] = []
     start = 0
+    own_ckpt = [bool(c.resume)]  # rollback only to a checkpoint of this run (not one --overwrite replaces)
+    if not c.resume and not c.overwrite and (c.ckpt_every or c.save_final) and ck_path.exists():
+        raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume to continue "
+                         "that run, --overwrite to replace it, or another --out-dir")
     if c.resume:
         path = ck_path if c.resume == "auto" else Path(c.resume)
         ck = ckpt.read_checkpoint(path)
@@ -383,6 +389,7 @@ def _train_one(c: TrainConfig) -> dict:
                 "train": train_state(),
                 "history": history, "events": events, "world_size": d.world,
             })
+        own_ckpt[0] = True
         if d.active:
             torch.distributed.barrier()
 
@@ -465,7 +472,7 @@ def _train_one(c: TrainConfig) -> dict:
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
             if action == "rollback":
-                if ck_path.exists():
+                if own_ckpt[0] and ck_path.exists():
                     ck = ckpt.read_checkpoint(ck_path)
                     ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
                     action = f"rollback to step {ck['step']}"
