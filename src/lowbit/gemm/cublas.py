@@ -1,5 +1,5 @@
 """cuBLAS GEMM backend through torch: ``torch._scaled_mm`` (tensorwise) and
-``torch.nn.functional.scaled_mm`` (rowwise, blockwise 1x128·128x128 / 1x128·1x128 / 128x128·1x128).
+``torch.nn.functional.scaled_mm`` (rowwise, blockwise 1x128·128x128 / 1x128·1x128).
 
 Registered as ``"cublas"``, ahead of the Triton backends (it is the fastest where it applies).
 What it takes (``supports``): CUDA, E4M3/E5M2 pairs (blockwise and rowwise: E4M3 only), M, N, K
@@ -67,7 +67,8 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
     if ka.startswith("block") and kb.startswith("block"):
         if a.scheme.block_size != 128 or b.scheme.block_size != 128 or K % 128:
             return False
-        return (ka, kb) in (("block1d", "block2d"), ("block1d", "block1d"), ("block2d", "block1d"))
+        # 2D x 1D: F.scaled_mm on torch 2.11 wants another scale layout for A; the Triton GEMM takes it
+        return (ka, kb) in (("block1d", "block2d"), ("block1d", "block1d"))
     return False
 
 
@@ -108,8 +109,10 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
             mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
             sa = _scales(a, a_copy, M, K)
             sb = _scales(b, b_copy, N, K)
-            acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb.t(), _recipe(b.scheme), output_dtype=mm_dtype)
-    except RuntimeError:
+            if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
+                sb = sb.t()  # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
+            acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
+    except (RuntimeError, ValueError):
         REJECTED.add(_sig(a, b, dict(out_dtype=out_dtype), K))
         from .triton_backend import scaled_mm_triton
 
