@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.models import GPT, PRESETS, GPTConfig, config_from_preset, set_attention
+from lowbit.models import GPT, GPTConfig, config_from_preset, set_attention
 from lowbit.models import gpt as gpt_mod
 
 
