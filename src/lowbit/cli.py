@@ -140,9 +140,7 @@ def cmd_quant_demo(argv=None) -> int:
 # ------------------------------------------------------------------------------------------------
 def cmd_demo(argv=None) -> int:
     if _has("lowbit.train.demo"):
-        demo = importlib.import_module("lowbit.train.demo")
-        demo.run_demo(argv)
-        return 0
+        return int(importlib.import_module("lowbit.train.demo").main(argv) or 0)
     print("(the training demo is not installed in this build; showing the quantization demo)")
     return cmd_quant_demo(argv)
 
@@ -151,12 +149,8 @@ def cmd_train(argv=None) -> int:
     if not _has("lowbit.train.cli"):
         print("lowbit train: the training job is not available in this build", file=sys.stderr)
         return 2
-    tcli = importlib.import_module("lowbit.train.cli")
-    p = argparse.ArgumentParser(prog="lowbit train", description="Train a GPT under a low-precision recipe.")
-    tcli.add_train_args(p)
-    args = p.parse_args(argv)
-    tcli.run_train(args)
-    return 0
+    # lowbit.train.cli.main parses, prints one clear line for bad input (exit 2) and tears down the process group
+    return int(importlib.import_module("lowbit.train.cli").main(argv) or 0)
 
 
 def cmd_bench(argv=None) -> int:
