@@ -50,6 +50,13 @@ LOG2E = 1.4426950408889634
 # ------------------------------------------------------------------------------------------------
 # scale math
 # ------------------------------------------------------------------------------------------------
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    """A float32 0-dim tensor on ``like``'s device. Divide by this, never by a Python float: on CUDA,
+    ``tensor / python_float`` is computed as a multiply by the rounded reciprocal, which is not the
+    correctly rounded quotient a kernel's ``a / b`` gives."""
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
 def amax_of(x: torch.Tensor) -> torch.Tensor:
     """float32 (1,) max |x|; NaN if any element is NaN (torch.amax propagates NaN)."""
     if x.numel() == 0:
@@ -188,7 +195,8 @@ def _copy_nvfp4(x2, sch: NVFP4, *, rht: bool, seed: int, index_base: int):
     S = _nvfp4_global_scale(amax)
     bamax = _block_amax_2d(xf, 16) if sch.two_d else _block_amax_1d(xf, 16)
     # d = e4m3(clamp(amax_block · (S / 6), 448)): S/6 first, then the product (the kernels use this order).
-    d = cast_to_format(torch.clamp(bamax * (S / 6.0), max=448.0), E4M3)
+    # (tensor / tensor: CUDA turns `tensor / python_float` into a multiply by the rounded reciprocal)
+    d = cast_to_format(torch.clamp(bamax * (S / _f32(6.0, S)), max=448.0), E4M3)
     df = d.to(torch.float32)
     enc = 1.0 / (df / S)
     enc = torch.where(torch.isinf(enc), torch.full_like(enc, FP32_MAX), enc)
@@ -357,7 +365,7 @@ def _group_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     n = cdiv(S, group)
     xp = torch.nn.functional.pad(x, (0, 0, 0, n * group - S))
     amax = xp.abs().reshape(B, H, n, group * D).amax(dim=-1)
-    scale = amax / 127.0  # fp32 true division (kernels: amax / 127.0)
+    scale = amax / _f32(127.0, amax)  # correctly rounded fp32 division on every device (kernels: amax / 127.0)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     se = scale.repeat_interleave(group, dim=2)[:, :, :S, None]
     return quantize_int8_symmetric(x, se), scale
@@ -440,7 +448,7 @@ def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tens
         raise TypeError(f"v: expected a float16/bfloat16/float32 tensor, got {getattr(v, 'dtype', type(v))}")
     vb = _to_bhsd(v, layout, "v").float()
     amax = vb.abs().amax(dim=2)
-    scale = amax / 448.0
+    scale = amax / _f32(448.0, amax)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     data = cast_to_format(vb / scale[:, :, None, :], E4M3)
     return _from_bhsd(data, layout), scale.contiguous()
