@@ -33,9 +33,9 @@ def test_cuda_matches_cpu_reference(rname, cuda):
     m = lowbit.nn.Linear(256, 384)
     x = torch.randn(4, 64, 256)
     G = torch.randn(4, 64, 384)
-    ref = _step(m, x, G, recipe)
     mc = lowbit.nn.Linear(256, 384, device=cuda)
-    mc.load_state_dict(m.state_dict())
+    mc.load_state_dict(m.state_dict())  # before any step: both start from the same (empty) scaling state
+    ref = _step(m, x, G, recipe)
     got = _step(mc, x.to(cuda), G.to(cuda), recipe)
     for name, a, b in zip(("y", "dx", "dw"), got, ref):
         s = sqnr(a.cpu(), b)

@@ -79,3 +79,20 @@ def test_nonfinite_amax_does_not_poison_delayed_history():
     assert torch.isfinite(h.history).all() and torch.equal(h.scale, scale)
     with lowbit.autocast(recipe=r):
         m(x)  # and the next step quantizes with a finite scale again
+
+
+def test_check_is_deferred_to_the_exit_and_skips_the_commit():
+    """No device sync per quantized tensor: the forward's amaxes are checked once, at the outermost exit."""
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32)
+    x[0, 0] = float("inf")
+    reached = False
+    with pytest.raises(NonFiniteAmaxError, match="of input"):
+        with lowbit.autocast(recipe=r):
+            with lowbit.autocast(recipe=r):
+                m(x)
+            reached = True  # the inner exit does not check
+    assert reached
+    assert m._gemms[""].delayed.histories["input"].steps == 0  # the failed step updated no history
+    assert lowbit.nn.state.depth() == 0 and not lowbit.nn.is_enabled()

@@ -108,7 +108,8 @@ class GemmLayer:
             st = self.delayed_state(recipe, t.device)
             scale = st.scale(role, t.device)
         q = quantize(t, rq.scheme, rowwise=rowwise, columnwise=columnwise, scale=scale)
-        # every copy's amax (the RHT copy's is measured after the transform); NaN/Inf in any -> the sentry fires
+        # every copy's amax (the RHT copy's is measured after the transform); NaN/Inf in any -> the sentry
+        # fires (checked at the outermost autocast exit / the end of the backward, one sync for all)
         amax = torch.cat([c.amax.reshape(1) for c in q._copies()])
         _ac.sentry(amax, layer=self.name, role=role, phase=phase, policy=policy)
         if st is not None:

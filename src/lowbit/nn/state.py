@@ -191,22 +191,58 @@ def nonfinite_events() -> list[NonFiniteEvent]:
 
     A training loop calls it after the backward: a non-empty list means "skip this optimizer step".
     """
+    try:
+        check_nonfinite()
+    except NonFiniteAmaxError as e:  # raise-policy events still pending: report them as events here
+        with _lock:
+            _events.append(e.event)
     with _lock:
         out = list(_events)
         _events.clear()
     return out
 
 
-def sentry(amax: torch.Tensor, *, layer: str, role: str, phase: str, policy: str) -> bool:
-    """Check an amax measured by quantization; True if finite. Syncs with the device."""
-    if bool(torch.isfinite(amax).all()):
-        return True
-    ev = NonFiniteEvent(layer=layer, role=role, phase=phase, step=_step, amax=float(amax.float().abs().max()))
-    if policy == "raise":
-        raise NonFiniteAmaxError(ev)
+# Deferred checks: quantization only records (layer, role, phase, step, policy, amax tensor) — no device
+# sync per tensor. The forward's records are checked once at the outermost autocast exit, the
+# backward's once at the end of the backward pass (an autograd-engine callback): one sync each.
+_unchecked: list[tuple] = []
+
+
+def sentry(amax: torch.Tensor, *, layer: str, role: str, phase: str, policy: str) -> None:
+    """Record an amax measured by quantization for the NaN sentry (checked later, see :func:`check_nonfinite`)."""
     with _lock:
-        _events.append(ev)
-    return False
+        _unchecked.append((layer, role, phase, _step, policy, amax.detach().float().reshape(-1)))
+    if phase == "backward":
+        # Checked when this backward pass ends (every GEMM's records at once; later callbacks find nothing left).
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(check_nonfinite)
+        except RuntimeError:  # not inside a backward pass (a direct call): check now
+            check_nonfinite()
+
+
+def check_nonfinite() -> None:
+    """Check every recorded amax (one device sync): a non-finite one raises :class:`NonFiniteAmaxError`
+    (policy ``"raise"``) or becomes a :class:`NonFiniteEvent` (policy ``"skip"``)."""
+    with _lock:
+        recs = list(_unchecked)
+        _unchecked.clear()
+    if not recs:
+        return
+    flat = torch.cat([r[5].to(recs[0][5].device) for r in recs])
+    if bool(torch.isfinite(flat).all()):
+        return
+    first_error = None
+    for layer, role, phase, step_, policy, a in recs:
+        if bool(torch.isfinite(a).all()):
+            continue
+        ev = NonFiniteEvent(layer=layer, role=role, phase=phase, step=step_, amax=float(a.abs().max()))
+        if policy == "raise":
+            first_error = first_error or ev
+        else:
+            with _lock:
+                _events.append(ev)
+    if first_error is not None:
+        raise NonFiniteAmaxError(first_error)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -266,8 +302,10 @@ class DelayedScalingState:
         for role, a in amaxes.items():
             h = self.histories[role]
             a = a.to(h.history.device)
-            h.record(torch.where(torch.isfinite(a), a, torch.zeros_like(a)))
-            h.update_scale()
+            a = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).reshape(1)
+            h.history = torch.cat([a, h.history[:-1]])
+            h.steps += 1
+            _update_scale(h)
             self.pending[role] = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -291,6 +329,14 @@ class DelayedScalingState:
             if self.pending[role] is not None:
                 with _lock:
                     _pending.setdefault(id(self), self)
+
+
+def _update_scale(h: AmaxHistory) -> None:
+    """``AmaxHistory.update_scale`` without a host-to-device copy (no sync): same float32 operations."""
+    a = h.history.max().reshape(1) if h.algo == "max" else h.history[:1]
+    new = a.new_full((1,), h.fmt.max) / a / (2.0**h.margin)
+    ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new)
+    h.scale = torch.where(ok, new, h.scale)
 
 
 def _commit_pending(group) -> None:
@@ -335,6 +381,9 @@ class autocast(contextlib.ContextDecorator):
         on_nonfinite: ``"raise"`` a :class:`NonFiniteAmaxError` when a quantized tensor has a NaN/Inf
             amax, or ``"skip"``: record it (see :func:`nonfinite_events`) so the loop can skip the step.
             None: the enclosing one's, else ``"raise"``. The backward uses the policy of its forward.
+            The amaxes are checked without a device sync per tensor: the forward's all at once at the
+            outermost exit (which raises from the ``with`` statement and skips the delayed-scaling
+            update), the backward's at the end of the backward pass (raising from ``backward()``).
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
@@ -383,6 +432,14 @@ class autocast(contextlib.ContextDecorator):
         if _depth == 0:
             _state = AutocastState()
             if exc_type is None:
+                try:
+                    check_nonfinite()  # may raise NonFiniteAmaxError (policy "raise"): the step is not committed
+                except NonFiniteAmaxError:
+                    _step += 1
+                    raise
                 _commit_pending(group)
                 _step += 1
+            else:
+                with _lock:  # the failed step's records are dropped with it
+                    _unchecked.clear()
         return False
