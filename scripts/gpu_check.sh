@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# The whole GPU suite plus the key benchmarks, in one call on the device machine.
-# Usage (device tool): bash scripts/gpu_check.sh   -> logs under ${OUT:-/tmp/lowbit-gpu}
+# The whole GPU suite plus the key benchmarks, in one command on a CUDA machine (the device tool).
+#   bash scripts/gpu_check.sh                 # everything: all @pytest.mark.gpu tests + all benches
+#   LOWBIT_GPU_TESTS="tests/nn tests/train" LOWBIT_BENCHES="linear" bash scripts/gpu_check.sh   # a subset
+# Logs go to ${OUT:-/tmp/lowbit-gpu}. Peer wheels (torchao, sageattention) in .whl/ are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lowbit-gpu}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -m lowbit info | tee "$OUT/info.txt"
 rc=0
-python3 -m pytest -q -m gpu -x tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-for b in ${LOWBIT_BENCHES:-quant gemm linear attention}; do
-  python3 -m lowbit bench $b 2>&1 | tee "$OUT/bench_$b.log" || rc=1
+# Tests run each kernel's first launch config: autotuning every test shape would spend minutes compiling.
+LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 timeout "${LOWBIT_TEST_TIMEOUT:-1800}" \
+  python3 -m pytest -q -p no:cacheprovider -m gpu ${LOWBIT_GPU_TESTS:-tests} ${LOWBIT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+for b in ${LOWBIT_BENCHES-quant gemm linear attention attention_bwd}; do
+  case $b in
+    attention_bwd) python3 -m lowbit bench attention --backward 2>&1 | tee "$OUT/bench_$b.log" || rc=1 ;;
+    *) python3 -m lowbit bench $b 2>&1 | tee "$OUT/bench_$b.log" || rc=1 ;;
+  esac
 done
 exit $rc
