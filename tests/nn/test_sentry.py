@@ -96,3 +96,12 @@ def test_check_is_deferred_to_the_exit_and_skips_the_commit():
     assert reached
     assert m._gemms[""].delayed.histories["input"].steps == 0  # the failed step updated no history
     assert lowbit.nn.state.depth() == 0 and not lowbit.nn.is_enabled()
+
+
+def test_ignore_turns_the_sentry_off():
+    m = lowbit.nn.Linear(32, 16)
+    x = torch.full((8, 32), float("nan"), requires_grad=True)
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="ignore"):
+        y = m(x)
+    y.sum().backward()
+    assert nonfinite_events() == [] and torch.isnan(y).all()

@@ -40,7 +40,7 @@ __all__ = [
     "DelayedScalingState",
 ]
 
-_ON_NONFINITE = ("raise", "skip")
+_ON_NONFINITE = ("raise", "skip", "ignore")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class AutocastState:
         enabled: quantize (True) or compute in high precision like torch (False).
         recipe: the active :class:`lowbit.recipes.Recipe` (None when disabled).
         amax_reduction_group: process group for the delayed-scaling amax reduction (None: world).
-        on_nonfinite: ``"raise"`` (NonFiniteAmaxError) or ``"skip"`` (record a :class:`NonFiniteEvent`).
+        on_nonfinite: ``"raise"`` (NonFiniteAmaxError), ``"skip"`` (record a :class:`NonFiniteEvent`) or ``"ignore"``.
         support: ``"native"``, ``"emulated"`` or ``"reference"`` (see :func:`check_recipe_support`).
     """
 
@@ -210,6 +210,8 @@ _unchecked: list[tuple] = []
 
 def sentry(amax: torch.Tensor, *, layer: str, role: str, phase: str, policy: str) -> None:
     """Record an amax measured by quantization for the NaN sentry (checked later, see :func:`check_nonfinite`)."""
+    if policy == "ignore":
+        return
     with _lock:
         _unchecked.append((layer, role, phase, _step, policy, amax.detach().float().reshape(-1)))
     if phase == "backward":
@@ -384,6 +386,8 @@ class autocast(contextlib.ContextDecorator):
             The amaxes are checked without a device sync per tensor: the forward's all at once at the
             outermost exit (which raises from the ``with`` statement and skips the delayed-scaling
             update), the backward's at the end of the backward pass (raising from ``backward()``).
+            ``"ignore"`` turns the sentry off (no checks, no syncs; non-finite amaxes still never enter
+            a delayed-scaling history).
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
