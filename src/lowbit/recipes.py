@@ -89,6 +89,9 @@ def _check_bool(name: str, value) -> None:
         raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
+_ROLE_CACHE: dict = {}
+
+
 class Recipe:
     """Base class of all recipes (not instantiated directly)."""
 
@@ -99,11 +102,18 @@ class Recipe:
         """The :class:`RoleQuant` of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
         if role not in ROLES:
             raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
-        return self._roles()[role]
+        return self._cached_roles()[role]
 
     def roles(self) -> dict[str, RoleQuant]:
         """All three roles: ``{"input": ..., "weight": ..., "grad_output": ...}``."""
-        return dict(self._roles())
+        return dict(self._cached_roles())
+
+    def _cached_roles(self) -> dict[str, RoleQuant]:
+        # recipes are frozen (and hashable): build the role table once per distinct recipe
+        r = _ROLE_CACHE.get(self)
+        if r is None:
+            r = _ROLE_CACHE[self] = self._roles()
+        return r
 
     def _roles(self) -> dict[str, RoleQuant]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -116,7 +126,7 @@ class Recipe:
     @property
     def delayed(self) -> bool:
         """Whether any role uses delayed (history-based) scaling."""
-        return any(r.delayed for r in self._roles().values())
+        return any(r.delayed for r in self._cached_roles().values())
 
     @property
     def kind(self) -> str:

@@ -15,6 +15,7 @@ and the scales recomputed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from dataclasses import dataclass, field, replace
@@ -101,6 +102,16 @@ def step() -> int:
 # ------------------------------------------------------------------------------------------------
 # device support
 # ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
 _NATIVE_FROM = {"per_tensor": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 
 
@@ -119,11 +130,11 @@ def check_recipe_support(recipe: Recipe, device=None, *, allow_emulation: bool =
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if _cuda_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type != "cuda" and capability is None:
         return "reference"
-    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
+    cap = tuple(capability) if capability is not None else _capability(device.index if device.index is not None else torch.cuda.current_device())
     need = _NATIVE_FROM[recipe.kind]
     if cap >= need:
         return "native"
@@ -304,7 +315,7 @@ class DelayedScalingState:
         for role, a in amaxes.items():
             h = self.histories[role]
             a = a.to(h.history.device)
-            a = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).reshape(1)
+            a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).reshape(1)
             h.history = torch.cat([a, h.history[:-1]])
             h.steps += 1
             _update_scale(h)
