@@ -272,9 +272,13 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
 
 
 class _AttentionFn(torch.autograd.Function):
-    """Forward = the requested (possibly quantized) kernel; backward = autograd through the FP32
-    reference (straight-through for the quantizers).  Materializes the (Sq, Sk) scores: a stopgap
-    until the fused backward lands."""
+    """Forward = the requested (possibly quantized) kernel.  Backward, straight-through for the
+    quantizers (the gradient of 16-bit attention at the high-precision inputs):
+
+    * CUDA, float16/bfloat16: the fused Triton flash backward (``lowbit.attention.backward``) after
+      recomputing the 16-bit forward's O and LSE (one extra forward, O(S) memory — the forward may
+      have been quantized or run by SDPA, which returns no LSE);
+    * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores)."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
@@ -290,6 +294,8 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx, g_out, g_lse=None):
         q, k, v = ctx.saved_tensors
         o = ctx.opts
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            return (*_fused_backward(q, k, v, g_out, o), None)
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
@@ -300,6 +306,18 @@ class _AttentionFn(torch.autograd.Function):
         it = iter(grads)
         out = [next(it).to(t.dtype) if t.requires_grad else None for t in (qd, kd, vd)]
         return out[0], out[1], out[2], None
+
+
+def _fused_backward(q, k, v, g_out, o):
+    """(dq, dk, dv) by the Triton flash backward; None for inputs that need no gradient."""
+    from . import backward as _bwd
+
+    varlen = o["cu_q"] is not None
+    common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
+                  cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"])
+    out, lse = _bwd.attention_forward(q, k, v, layout=None if varlen else o["layout"], **common)
+    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout="thd" if varlen else o["layout"], **common)
+    return [g if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
 
 
 # ----------------------------------------------------------------------------- public entry points
@@ -319,12 +337,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
     Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
-    (Hq, Tq).  Differentiable: the backward runs the FP32 reference math (straight-through).
+    (Hq, Tq).  Differentiable for every variant; for INT8/FP8 forwards the backward is
+    straight-through: it computes the BF16/FP16 attention gradient from the saved high-precision
+    q, k, v (fused Triton backward on CUDA, FP32 reference math elsewhere).  ``dropout_p > 0``
+    (16-bit only) draws a Philox seed from torch's default generator and regenerates the same mask
+    in the backward (see ``lowbit.attention.backward``).
     """
     for n, t in (("q", q), ("k", k), ("v", v)):
         _tensor(n, t)
     if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p must be 0.0 (dropout is not implemented), got {dropout_p}")
+        if qk not in ("bf16", "fp16") or pv not in ("bf16", "fp16") or return_lse:
+            raise NotImplementedError(
+                f"dropout_p={dropout_p}: dropout runs with 16-bit attention only (qk/pv 'bf16'/'fp16', no return_lse); "
+                f"got qk={qk!r}, pv={pv!r}, return_lse={return_lse}")
+        from .backward import attention_with_grad  # Philox dropout forward + fused backward
+
+        return attention_with_grad(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   dropout_p=dropout_p, layout=layout or "bhsd", cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   backend=backend if backend in ("triton", "reference") else None)
     if qk not in _QK:
         raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
     if pv not in _PV:
