@@ -127,7 +127,8 @@ def test_mxfp8_kernel_bit_identical(fmt, cuda):
     assert not compare(x, MXFP8(fmt), True, False)
 
 
-NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True)]
+NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True),
+                 NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True)]
 
 
 @pytest.mark.gpu
@@ -177,14 +178,12 @@ def test_software_rounding_path_bit_identical(cuda, monkeypatch):
 def test_dispatch_on_gpu_picks_triton_and_reports(cuda):
     x = torch.randn(256, 256, device=cuda)
     assert backend_for(x, Float8Blockwise(), True, True) == "triton"
-    assert backend_for(x, NVFP4(rht=True), True, True) == "reference"  # RHT columnwise: not implemented in Triton
+    assert backend_for(x, NVFP4(rht=True), True, True) == "triton"  # RHT columnwise: butterfly + kernel
     assert backend_for(x.t(), Float8Blockwise(), True, False) == "reference"  # non-contiguous
     from lowbit.quant.triton_backend import quantize_triton
 
     with pytest.raises(ValueError, match="contiguous"):
         quantize_triton(x.t(), Float8Blockwise())
-    with pytest.raises(NotImplementedError, match="triton"):
-        quantize(x, NVFP4(rht=True), rowwise=True, columnwise=True, backend="triton")
     with pytest.raises(ValueError, match="scale"):
         quantize(x, Float8Tensorwise(), scale=torch.tensor([1.0]), backend="triton")  # CPU scale for a GPU x
 
@@ -226,6 +225,7 @@ def _interp_cases():
         cases.append(((32, 48), NVFP4(), rw, cw, {}))
         cases.append(((32, 48), NVFP4(two_d=True, stochastic_rounding=True), rw, cw, {"seed": 2**40 + 3}))
         cases.append(((48, 32), NVFP4(stochastic_rounding=True), rw, cw, {"seed": 5}))
+        cases.append(((48, 32), NVFP4(rht=True, stochastic_rounding=True), rw, cw, {"seed": 9}))
     return cases
 
 

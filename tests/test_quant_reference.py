@@ -7,7 +7,7 @@ import torch
 
 from lowbit import MXFP8, NVFP4, AmaxHistory, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
 from lowbit.formats import E4M3, e2m1_decode, unpack_e2m1
-from lowbit.quant.reference import hadamard_16, quantize_qk_int8, quantize_v_fp8, rht_matrix
+from lowbit.quant.reference import hadamard_16, quantize_qk_int8, quantize_v_fp8, rht_blocks, rht_matrix
 
 ALL_SCHEMES = [
     Float8Tensorwise(),
@@ -103,7 +103,10 @@ def test_nvfp4_rht_columnwise_amax_after_transform_and_roundtrip():
     x = outliers(64, 48, seed=3)
     q = quantize(x, NVFP4(rht=True), rowwise=True, columnwise=True)
     R = rht_matrix(NVFP4().rht_signs)
-    xt = (x.t().reshape(48, 4, 16) @ R).reshape(48, 64)
+    xt = rht_blocks(x.t().contiguous(), NVFP4().rht_signs)
+    # the butterfly equals the matrix form to FP32 rounding, along either dim
+    assert torch.allclose(xt, (x.t().reshape(48, 4, 16) @ R).reshape(48, 64), rtol=1e-6, atol=1e-6 * x.abs().max().item())
+    assert torch.equal(rht_blocks(x, NVFP4().rht_signs, dim=0).t(), xt)
     assert q.columnwise.rht and q.columnwise.amax.item() == xt.abs().max().item()
     # RHT spreads outliers: the columnwise (RHT) copy is at least as accurate as plain 1x16 on outlier data
     plain = quantize(x, NVFP4(), columnwise=True, rowwise=False)

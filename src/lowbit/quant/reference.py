@@ -37,6 +37,7 @@ __all__ = [
     "compute_scale",
     "amax_of",
     "rht_matrix",
+    "rht_blocks",
     "hadamard_16",
     "QKInt8",
     "quantize_qk_int8",
@@ -120,6 +121,32 @@ def hadamard_16(device=None) -> torch.Tensor:
     return h.to(device=device, dtype=torch.float32)
 
 
+def rht_signs_vector(signs: int, device=None) -> torch.Tensor:
+    """float32 (16,) ±1 sign diagonal of the RHT (bit i of ``signs`` set -> -1)."""
+    return torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32, device=device)
+
+
+def rht_blocks(x: torch.Tensor, signs: int, dim: int = -1) -> torch.Tensor:
+    """Random Hadamard Transform of ``x`` (float32) in blocks of 16 along ``dim``: v -> (v ⊙ s) · H / 4.
+
+    Computed as a fixed-order butterfly (4 stages of a+b / a-b, then ×1/4, exact), so every device —
+    and any kernel that does the same stages — gets the same bits; a matmul with :func:`rht_matrix`
+    agrees to FP32 rounding but leaves the summation order to the library.
+    """
+    n = x.shape[dim]
+    if n % 16:
+        raise ValueError(f"x: the RHT needs dim {dim} divisible by 16, got {n}")
+    y = x.to(torch.float32).movedim(dim, -1)
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, n // 16, 16) * rht_signs_vector(signs, device=x.device)
+    for h in (1, 2, 4, 8):  # Sylvester order: pairs (j, j + h) inside each group of 2h
+        y = y.reshape(*lead, n // 16, 16 // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+    y = y.reshape(*lead, n) * 0.25
+    return y.movedim(-1, dim)
+
+
 def rht_matrix(signs: int, device=None) -> torch.Tensor:
     """R = diag(s) · H / 4 (16x16, float32, orthogonal: R·Rᵀ = I); a 16-vector v (row) transforms as v · R.
 
@@ -189,8 +216,7 @@ def _copy_nvfp4(x2, sch: NVFP4, *, rht: bool, seed: int, index_base: int):
     r, k = x2.shape
     xf = x2.float()
     if rht:
-        R = rht_matrix(sch.rht_signs, device=x2.device)
-        xf = (xf.reshape(r, k // 16, 16) @ R).reshape(r, k)
+        xf = rht_blocks(xf, sch.rht_signs)
     amax = amax_of(xf)
     S = _nvfp4_global_scale(amax)
     bamax = _block_amax_2d(xf, 16) if sch.two_d else _block_amax_1d(xf, 16)

@@ -9,9 +9,9 @@ Covers, on CUDA tensors (float32 / bfloat16 / float16, contiguous):
   (columnwise = transposed data + transposed scale grid, same launch). Scales are written directly in
   the storage layout of :func:`lowbit.quant.tensor.scale_storage`.
 * ``MXFP8``: both copies in one launch.
-* ``NVFP4``: 1x16 and 16x16, stochastic rounding; amax pass + one quantize launch. The Random
-  Hadamard Transform on the columnwise copy is not implemented here (``supports`` declines it, the
-  reference runs).
+* ``NVFP4``: 1x16 and 16x16, stochastic rounding; amax pass + one quantize launch. With the Random
+  Hadamard Transform, the columnwise copy is quantized from the reference's butterfly RHT (torch
+  elementwise ops on the GPU) by a second launch; not yet fused into the kernel.
 
 Every output is bit-identical to :func:`lowbit.quant.reference.quantize_reference` (tests/test_quant_kernels.py).
 Nothing here touches CUDA at import time.
@@ -27,7 +27,7 @@ import triton
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
-from .reference import _validate
+from .reference import _validate, rht_blocks
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
 
@@ -120,8 +120,6 @@ def _implemented(x, scheme, rowwise: bool, columnwise: bool) -> bool:
     if isinstance(scheme, MXFP8):
         return (not rowwise or Kd % 32 == 0) and (not columnwise or M % 32 == 0)
     if isinstance(scheme, NVFP4):
-        if scheme.rht and columnwise:
-            return False
         return Kd % 16 == 0 and (not (columnwise or scheme.two_d) or M % 16 == 0)
     return False
 
@@ -174,6 +172,16 @@ def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise
         _blockwise(qt, x2, scheme, rowwise, columnwise)
     elif isinstance(scheme, MXFP8):
         _mxfp8(qt, x2, scheme, rowwise, columnwise)
+    elif scheme.rht and columnwise:
+        # The RHT'd columnwise copy: the reference's fixed-order butterfly along M (elementwise torch ops,
+        # the same bits on every device), then the 1x16 kernel's columnwise path on the transformed
+        # tensor — its own amax / global scale, SR counters n.. as in the reference.
+        if rowwise:
+            _nvfp4(qt, x2, scheme, True, False, seed or 0)
+        tmp = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
+        _nvfp4(tmp, rht_blocks(x2, scheme.rht_signs, dim=0).contiguous(), scheme, False, True, seed or 0)
+        tmp.columnwise.rht = True
+        qt.columnwise = tmp.columnwise
     else:
         _nvfp4(qt, x2, scheme, rowwise, columnwise, seed or 0)
     del dev
