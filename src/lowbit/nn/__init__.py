@@ -2,6 +2,7 @@
 
 * :func:`autocast` — the recipe context (nested, exception safe; amax reduction and delayed-scaling
   update at the outermost exit).
+* :class:`MultiheadAttention` — (norm →) QKV projection → :func:`lowbit.attention` → output projection.
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP` — fprop, dgrad and wgrad quantized
   per the recipe inside autocast; bit-identical to their torch counterparts outside.
 * :func:`convert` — swap a model's ``nn.Linear`` layers in place.
@@ -25,6 +26,7 @@ from .functional import quantized_linear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .attention import MultiheadAttention
 
 __all__ = [
     "autocast",
@@ -36,6 +38,7 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "MultiheadAttention",
     "LowbitModule",
     "name_modules",
     "convert",

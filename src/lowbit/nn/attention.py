@@ -1,0 +1,95 @@
+"""MultiheadAttention: (norm →) fused QKV projection → lowbit.attention → output projection.
+
+The two projections are lowbit modules (quantized per the active recipe inside ``autocast``, high
+precision outside); the attention core is :func:`lowbit.attention.attention` with its own
+quantization settings (``qk``, ``pv``), which are independent of the recipe: INT8/FP8 attention is
+an inference/training choice of its own, as in SageAttention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
+
+__all__ = ["MultiheadAttention"]
+
+_QK = ("bf16", "fp16", "int8", "fp8")
+_PV = ("bf16", "fp16", "fp8")
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Self-attention block with grouped-query heads.
+
+    Args:
+        hidden_size: model width H (input and output features).
+        num_attention_heads: query heads; ``hidden_size`` must be divisible by it (head_dim = H / heads).
+        num_gqa_groups: key/value heads (GQA/MQA); default = ``num_attention_heads``; must divide it.
+        bias: biases on both projections.
+        normalization: ``None`` (plain ``Linear`` QKV), ``"LayerNorm"`` or ``"RMSNorm"`` (pre-norm fused
+            into a ``LayerNormLinear`` QKV projection).
+        causal: causal mask (bottom-right aligned when query and key lengths differ).
+        attention_dropout: dropout on the attention probabilities in training (16-bit attention only).
+        qk, pv: attention math: ``qk`` in "bf16"/"fp16"/"int8"/"fp8", ``pv`` in "bf16"/"fp16"/"fp8"
+            (see :func:`lowbit.attention.attention`).
+        granularity: INT8 Q scale granularity, "per_block" or "per_warp".
+        eps: norm epsilon.
+
+    ``forward(x, is_first_microbatch=None)``: x (B, S, H) → (B, S, H), same dtype. The QKV projection's
+    output is laid out as [q heads | k heads | v heads], each head_dim wide.
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, num_gqa_groups: int | None = None, *,
+                 bias: bool = True, normalization: str | None = None, causal: bool = True,
+                 attention_dropout: float = 0.0, qk: str = "bf16", pv: str = "bf16", granularity: str = "per_block",
+                 eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: must be a positive int, got {v!r}")
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"num_attention_heads: must divide hidden_size ({hidden_size}), got {num_attention_heads}")
+        kv = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if not isinstance(kv, int) or kv <= 0 or num_attention_heads % kv:
+            raise ValueError(f"num_gqa_groups: must be a positive divisor of num_attention_heads ({num_attention_heads}), got {num_gqa_groups!r}")
+        if normalization not in (None, "LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization: expected None, 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+        if qk not in _QK:
+            raise ValueError(f"qk: expected one of {_QK}, got {qk!r}")
+        if pv not in _PV:
+            raise ValueError(f"pv: expected one of {_PV}, got {pv!r}")
+        if not (0.0 <= attention_dropout < 1.0):
+            raise ValueError(f"attention_dropout: must be in [0, 1), got {attention_dropout!r}")
+        if attention_dropout > 0 and (qk not in ("bf16", "fp16") or pv not in ("bf16", "fp16")):
+            raise NotImplementedError(f"attention_dropout: dropout runs with 16-bit attention only, got qk={qk!r}, pv={pv!r}")
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_attention_heads, kv
+        self.head_dim = hidden_size // num_attention_heads
+        self.causal, self.attention_dropout = bool(causal), float(attention_dropout)
+        self.qk, self.pv, self.granularity = qk, pv, granularity
+        qkv_out = (num_attention_heads + 2 * kv) * self.head_dim
+        fk = dict(device=device, dtype=dtype)
+        if normalization is None:
+            self.qkv = Linear(hidden_size, qkv_out, bias=bias, **fk)
+        else:
+            self.qkv = LayerNormLinear(hidden_size, qkv_out, bias=bias, normalization=normalization, eps=eps, **fk)
+        self.proj = Linear(hidden_size, hidden_size, bias=bias, **fk)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected (batch, seq, {self.hidden_size}), got shape {tuple(x.shape)}")
+        from ..attention import attention  # lower layer; imported late to keep `import lowbit.nn` light
+
+        B, S, _ = x.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        # (B, S, H·D) -> (B, S, H, D): the "bshd" layout, read by the attention kernels through strides
+        q, k, v = (t.reshape(B, S, -1, d) for t in (q, k, v))
+        o = attention(q, k, v, causal=self.causal, layout="bshd", qk=self.qk, pv=self.pv, granularity=self.granularity,
+                      dropout_p=self.attention_dropout if self.training else 0.0)
+        return self.proj(o.reshape(B, S, hq * d), is_first_microbatch=is_first_microbatch)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"causal={self.causal}, qk={self.qk!r}, pv={self.pv!r}")

@@ -1,0 +1,81 @@
+"""lowbit.nn.MultiheadAttention: equals the torch composition outside autocast; quantized inside."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowbit
+from lowbit.nn import MultiheadAttention
+from lowbit.recipes import Float8BlockScaling
+
+
+def _torch_mha(m: MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """The same math with plain torch ops and the module's own parameters."""
+    B, S, H = x.shape
+    hq, hkv, d = m.num_heads, m.num_kv_heads, m.head_dim
+    h = x
+    if hasattr(m.qkv, "layer_norm_weight"):
+        h = F.layer_norm(x, (H,), m.qkv.layer_norm_weight, m.qkv.layer_norm_bias, m.qkv.eps)
+    qkv = F.linear(h, m.qkv.weight, m.qkv.bias)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.reshape(B, S, hq, d).transpose(1, 2)
+    k = k.reshape(B, S, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    v = v.reshape(B, S, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=m.causal)
+    return F.linear(o.transpose(1, 2).reshape(B, S, H), m.proj.weight, m.proj.bias)
+
+
+@pytest.mark.parametrize("norm", [None, "LayerNorm"])
+@pytest.mark.parametrize("kv", [4, 2, 1])
+def test_matches_torch_outside_autocast(norm, kv):
+    torch.manual_seed(0)
+    m = MultiheadAttention(64, 4, kv, normalization=norm)
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    y = m(x)
+    x2 = x.detach().clone().requires_grad_()
+    ref = _torch_mha(m, x2)
+    assert torch.allclose(y, ref, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gr,) = torch.autograd.grad(ref, x2, g)
+    assert torch.allclose(gx, gr, atol=2e-5, rtol=1e-4)
+
+
+def test_fp8_block_inside_autocast_close_to_high_precision():
+    torch.manual_seed(1)
+    m = MultiheadAttention(128, 4, 2, normalization="RMSNorm")
+    x = torch.randn(2, 32, 128)
+    ref = m(x)
+    with lowbit.autocast(recipe=Float8BlockScaling()):
+        y = m(x)
+    y.square().mean().backward()
+    sqnr = 10 * math.log10(ref.pow(2).sum().item() / (y - ref).pow(2).sum().item())
+    # two FP8 projections (E4M3 ~31 dB each on their own): measured 2026-11-22 24.8-26.3 dB over 4 seeds; floor 22 dB
+    assert sqnr > 22, sqnr
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_int8_attention_core():
+    torch.manual_seed(2)
+    m = MultiheadAttention(128, 2, qk="int8", pv="fp8", causal=False)
+    x = torch.randn(1, 40, 128)
+    ref = MultiheadAttention(128, 2, causal=False)
+    ref.load_state_dict(m.state_dict())
+    y, r = m(x), ref(x)
+    nrmse = ((y - r).norm() / r.norm()).item()
+    assert 0 < nrmse < 0.04, nrmse  # INT8 Q·Kᵀ + FP8 P·V (CPU reference): measured 2.5-2.6e-2 over 4 seeds
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        MultiheadAttention(64, 5)
+    with pytest.raises(ValueError, match="num_gqa_groups"):
+        MultiheadAttention(64, 4, 3)
+    with pytest.raises(ValueError, match="qk"):
+        MultiheadAttention(64, 4, qk="int4")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        MultiheadAttention(64, 4, qk="int8", attention_dropout=0.1)
+    with pytest.raises(ValueError, match="x: expected"):
+        MultiheadAttention(64, 4)(torch.randn(2, 64))
