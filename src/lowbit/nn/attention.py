@@ -35,6 +35,11 @@ class MultiheadAttention(torch.nn.Module):
             (see :func:`lowbit.attention.attention`).
         granularity: INT8 Q scale granularity, "per_block" or "per_warp".
         eps: norm epsilon.
+        fp8_grad_handoff: under a recipe with delayed per-tensor gradient scaling (``DelayedScaling``)
+            and 16-bit attention, the attention backward writes dQ, dK, dV straight to FP8 with the QKV
+            projection's grad_output scale, and the projection's dgrad and wgrad GEMMs consume those
+            bytes as they are (no dequantize / re-quantize; the amax is recorded into the projection's
+            history). Other recipes quantize the gradient in the projection as usual.
 
     ``forward(x, is_first_microbatch=None)``: x (B, S, H) → (B, S, H), same dtype. The QKV projection's
     output is laid out as [q heads | k heads | v heads], each head_dim wide.
@@ -43,7 +48,7 @@ class MultiheadAttention(torch.nn.Module):
     def __init__(self, hidden_size: int, num_attention_heads: int, num_gqa_groups: int | None = None, *,
                  bias: bool = True, normalization: str | None = None, causal: bool = True,
                  attention_dropout: float = 0.0, qk: str = "bf16", pv: str = "bf16", granularity: str = "per_block",
-                 eps: float = 1e-5, device=None, dtype=None):
+                 eps: float = 1e-5, fp8_grad_handoff: bool = True, device=None, dtype=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_attention_heads", num_attention_heads)):
             if not isinstance(v, int) or v <= 0:
@@ -67,6 +72,7 @@ class MultiheadAttention(torch.nn.Module):
         self.head_dim = hidden_size // num_attention_heads
         self.causal, self.attention_dropout = bool(causal), float(attention_dropout)
         self.qk, self.pv, self.granularity = qk, pv, granularity
+        self.fp8_grad_handoff = bool(fp8_grad_handoff)
         qkv_out = (num_attention_heads + 2 * kv) * self.head_dim
         fk = dict(device=device, dtype=dtype)
         if normalization is None:
@@ -86,10 +92,60 @@ class MultiheadAttention(torch.nn.Module):
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         # (B, S, H·D) -> (B, S, H, D): the "bshd" layout, read by the attention kernels through strides
         q, k, v = (t.reshape(B, S, -1, d) for t in (q, k, v))
-        o = attention(q, k, v, causal=self.causal, layout="bshd", qk=self.qk, pv=self.pv, granularity=self.granularity,
-                      dropout_p=self.attention_dropout if self.training else 0.0)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        handoff = self._handoff_scale(x) if torch.is_grad_enabled() else None
+        if handoff is not None:
+            from ..attention.backward import attention_with_grad
+
+            layer, fmt, scale = handoff
+            o = attention_with_grad(q, k, v, causal=self.causal, layout="bshd", dropout_p=dropout_p, grad_format=fmt,
+                                    scales=(scale, scale, scale), grad_sink=_HandOff(layer, B * S))
+        else:
+            o = attention(q, k, v, causal=self.causal, layout="bshd", qk=self.qk, pv=self.pv,
+                          granularity=self.granularity, dropout_p=dropout_p)
         return self.proj(o.reshape(B, S, hq * d), is_first_microbatch=is_first_microbatch)
+
+    def _handoff_scale(self, x):
+        """(qkv GemmLayer, grad format, delayed grad_output scale) when the FP8 hand-off applies, else None."""
+        from . import state as _ac
+        from ..quant.schemes import Float8Tensorwise
+
+        if not self.fp8_grad_handoff or self.qk not in ("bf16", "fp16") or self.pv not in ("bf16", "fp16"):
+            return None
+        st = _ac.get_state()
+        if not st.enabled or st.recipe is None:
+            return None
+        rq = st.recipe.role("grad_output")
+        if not (rq.delayed and isinstance(rq.scheme, Float8Tensorwise)):
+            return None
+        layer = self.qkv._gemms[""]
+        scale = layer.delayed_state(st.recipe, x.device).scale("grad_output", x.device)
+        if scale is None:  # delayed-scaling warm-up: current scaling, no scale known ahead
+            return None
+        return layer, rq.scheme.fmt, scale.detach().clone()
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"causal={self.causal}, qk={self.qk!r}, pv={self.pv!r}")
+
+
+class _HandOff(dict):
+    """grad_sink for the attention backward: joins FP8 dQ | dK | dV (one per-tensor scale) into the QKV
+    projection's grad_output (tokens, (Hq + 2·Hkv)·D) and offers it to that projection's backward."""
+
+    def __init__(self, layer, tokens: int):
+        super().__init__()
+        self.layer, self.tokens = layer, tokens
+
+    def update(self, *a, **kw):
+        super().update(*a, **kw)
+        from ..quant.tensor import QuantizedCopy, QuantizedTensor
+
+        dq, dk, dv = self["dq"], self["dk"], self["dv"]
+        T = self.tokens
+        # each gradient is (B, S, H, D) in the bshd layout: its rowwise data (B·S·H, D) is (T, H·D) row-major
+        data = torch.cat([g.rowwise.data.reshape(T, -1) for g in (dq, dk, dv)], dim=1)
+        amax = torch.stack([g.rowwise.amax.reshape(()) for g in (dq, dk, dv)]).amax().reshape(1)
+        qt = QuantizedTensor(shape=torch.Size((T, data.shape[1])), dtype=dq.dtype, scheme=dq.scheme,
+                             rowwise=QuantizedCopy(data=data, scale_inv=dq.rowwise.scale_inv, amax=amax))
+        self.layer.offer_grad_output(qt)

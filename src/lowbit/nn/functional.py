@@ -21,7 +21,7 @@ import torch
 from ..gemm import scaled_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Tensorwise
-from ..quant.tensor import QuantizedTensor
+from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
 
@@ -52,6 +52,36 @@ class GemmLayer:
         self.delayed: _ac.DelayedScalingState | None = None
         self._loaded: dict | None = None  # delayed state loaded before a DelayedScaling forward built it
         self.wcache = None
+        self._offered_dy: QuantizedTensor | None = None  # FP8 grad_output handed over by the next op (see offer_grad_output)
+        self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
+
+    # -- FP8 grad_output hand-off -----------------------------------------------------------------
+    def offer_grad_output(self, q: QuantizedTensor) -> None:
+        """Hand this GEMM's next backward an already-quantized grad_output (e.g. FP8 dQ/dK/dV written by the
+        attention backward with this layer's delayed grad_output scale), so it is not quantized again.
+
+        ``q``: Float8Tensorwise, rowwise copy (tokens, out_features); it must equal what autograd delivers as
+        dy (dequantized) — it is used only if its scheme is the recipe's delayed grad_output scheme and its
+        shape matches; otherwise the backward quantizes dy as usual.
+        """
+        self._offered_dy = q
+
+    def take_grad_output(self, dy2: torch.Tensor, recipe: Recipe, *, need_dgrad: bool, need_wgrad: bool,
+                         phase: str, policy: str) -> QuantizedTensor | None:
+        q, self._offered_dy = self._offered_dy, None
+        if q is None:
+            return None
+        rq = recipe.role("grad_output")
+        if not (rq.delayed and isinstance(rq.scheme, Float8Tensorwise) and q.scheme == rq.scheme
+                and q.rowwise is not None and (q.rows, q.cols) == tuple(dy2.shape)):
+            return None
+        if need_wgrad and q.columnwise is None:  # one scale per tensor: the columnwise copy is the transpose
+            r = q.rowwise
+            q.columnwise = QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv.clone(), amax=r.amax.clone())
+        _ac.sentry(q.amax.reshape(1), layer=self.name, role="grad_output", phase=phase, policy=policy)
+        self.delayed_state(recipe, dy2.device).observe("grad_output", q.amax)
+        self.handoffs += 1
+        return q
 
     # -- naming ---------------------------------------------------------------------------------
     @property
@@ -215,8 +245,11 @@ class _QuantizedLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
         if need_dgrad or need_wgrad:
-            qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
-                                 phase="backward", policy=cfg.policy)
+            qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                                                                phase="backward", policy=cfg.policy)
+            if qdy is None:
+                qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
+                                     phase="backward", policy=cfg.policy)
             if need_dgrad:
                 dx = scaled_mm(qdy, ctx.qw, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
             if need_wgrad:
