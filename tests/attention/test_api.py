@@ -171,3 +171,12 @@ def test_attention_autograd_uses_fused_backward_cuda(qk, pv, causal):
     for a, r in zip(ins, ref_in):
         nrmse = ((a.grad.float() - r.grad).norm() / r.grad.norm()).item()
         assert nrmse < 1.5e-2, nrmse  # BF16 backward measured ~4e-3 (tests/attention_bwd); quantized fwd does not enter
+
+
+def test_lowbit_attention_is_callable_after_submodule_imports():
+    import lowbit
+    import lowbit.attention.backward  # noqa: F401  (binds the package to lowbit.attention)
+
+    q, k, v = (torch.randn(1, 2, 9, 32) for _ in range(3))
+    assert torch.allclose(lowbit.attention(q, k, v), attention(q, k, v))
+    assert lowbit.attention.attention is attention

@@ -26,3 +26,18 @@ __all__ = [
     "quantize_qk_reference",
     "quantize_v_fp8_reference",
 ]
+
+
+# `lowbit.attention` is both this package and the function users call (`lowbit.attention(q, k, v)`).
+# Importing any submodule binds the package to the parent's attribute, so make the package itself
+# callable: calling it calls :func:`attention`.
+import sys as _sys
+import types as _types
+
+
+class _CallablePackage(_types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return attention(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallablePackage
