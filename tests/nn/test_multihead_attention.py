@@ -112,3 +112,25 @@ def test_fp8_grad_handoff_under_delayed_scaling():
         # so it is as accurate as the re-quantizing path (measured 2026-11-22 over 3 seeds: within 0.5 dB of it,
         # 22.6-30.6 dB per parameter); floors: 1.5 dB below the other path, 19 dB absolute
         assert s_on > s_off - 1.5 and s_on > 19, (n, s_on, s_off)
+
+
+def test_rotary_pos_emb_matches_gpt_rope():
+    from lowbit.models.gpt import apply_rope, rope_tables
+
+    torch.manual_seed(6)
+    m = MultiheadAttention(64, 4, 2)
+    x = torch.randn(2, 21, 64)
+    cos, sin = rope_tables(21, 16, 10000.0)
+    y = m(x, rotary_pos_emb=(cos, sin))
+    # manual: rotate q, k in (B, H, S, D) with the GPT's RoPE, then attention + projection
+    qkv = F.linear(x, m.qkv.weight, m.qkv.bias)
+    q, k, v = qkv.split([64, 32, 32], dim=-1)
+    q = apply_rope(q.reshape(2, 21, 4, 16).transpose(1, 2), cos, sin)
+    k = apply_rope(k.reshape(2, 21, 2, 16).transpose(1, 2), cos, sin).repeat_interleave(2, dim=1)
+    v = v.reshape(2, 21, 2, 16).transpose(1, 2).repeat_interleave(2, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 21, 64)
+    ref = F.linear(o, m.proj.weight, m.proj.bias)
+    assert torch.allclose(y, ref, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(y, m(x), atol=1e-3)  # the rotation matters
+    with pytest.raises(ValueError, match="rotary_pos_emb"):
+        m(x, rotary_pos_emb=(cos[:5], sin[:5]))

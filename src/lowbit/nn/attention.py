@@ -41,8 +41,10 @@ class MultiheadAttention(torch.nn.Module):
             bytes as they are (no dequantize / re-quantize; the amax is recorded into the projection's
             history). Other recipes quantize the gradient in the projection as usual.
 
-    ``forward(x, is_first_microbatch=None)``: x (B, S, H) → (B, S, H), same dtype. The QKV projection's
-    output is laid out as [q heads | k heads | v heads], each head_dim wide.
+    ``forward(x, is_first_microbatch=None, rotary_pos_emb=None)``: x (B, S, H) → (B, S, H), same dtype.
+    The QKV projection's output is laid out as [q heads | k heads | v heads], each head_dim wide.
+    ``rotary_pos_emb``: optional ``(cos, sin)``, each (S, head_dim) (or broadcastable to (B, S, 1,
+    head_dim)), applied to q and k in the rotate-half convention: x·cos + rotate_half(x)·sin.
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, num_gqa_groups: int | None = None, *,
@@ -81,7 +83,7 @@ class MultiheadAttention(torch.nn.Module):
             self.qkv = LayerNormLinear(hidden_size, qkv_out, bias=bias, normalization=normalization, eps=eps, **fk)
         self.proj = Linear(hidden_size, hidden_size, bias=bias, **fk)
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None, rotary_pos_emb=None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected (batch, seq, {self.hidden_size}), got shape {tuple(x.shape)}")
         from ..attention import attention  # lower layer; imported late to keep `import lowbit.nn` light
@@ -92,6 +94,8 @@ class MultiheadAttention(torch.nn.Module):
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         # (B, S, H·D) -> (B, S, H, D): the "bshd" layout, read by the attention kernels through strides
         q, k, v = (t.reshape(B, S, -1, d) for t in (q, k, v))
+        if rotary_pos_emb is not None:
+            q, k = (_rotate(t, rotary_pos_emb, S, d) for t in (q, k))
         dropout_p = self.attention_dropout if self.training else 0.0
         handoff = self._handoff_scale(x) if torch.is_grad_enabled() else None
         if handoff is not None:
@@ -127,6 +131,21 @@ class MultiheadAttention(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"causal={self.causal}, qk={self.qk!r}, pv={self.pv!r}")
+
+
+def _rotate(t: torch.Tensor, rope, S: int, d: int) -> torch.Tensor:
+    """Rotate-half RoPE on (B, S, H, D): t·cos + rotate_half(t)·sin with cos/sin (S, D) broadcast over B and H."""
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+        raise ValueError(f"rotary_pos_emb: expected a (cos, sin) pair, got {type(rope).__name__}")
+    cos, sin = rope
+    if cos.shape != sin.shape or cos.shape[-1] != d or (cos.dim() == 2 and cos.shape[0] != S):
+        raise ValueError(f"rotary_pos_emb: cos and sin must be ({S}, {d}) (or broadcastable to (B, {S}, 1, {d})), "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    h = d // 2
+    rot = torch.cat([-t[..., h:], t[..., :h]], dim=-1)
+    return t * cos.to(t.dtype) + rot * sin.to(t.dtype)
 
 
 class _HandOff(dict):
