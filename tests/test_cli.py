@@ -12,6 +12,7 @@ def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "quantize backends" in out and "scaled_mm backends" in out
+    assert "recipes" in out and "fp8-block" in out and "attention:" in out
 
 
 def test_quant_demo(capsys):

@@ -77,6 +77,18 @@ def cmd_info(argv=None) -> int:
         b = quant.quantize(x.normal_(), sb, True, True, backend="reference")
         name = f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x {type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}"
         print(f"  {name:<50} -> {gemm.backend_for(a, b)}")
+    print("\nrecipes (lowbit train --recipe NAME):")
+    import warnings
+
+    from lowbit import recipes
+    from lowbit.nn import check_recipe_support
+
+    for name in ("fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4"):
+        r = recipes.from_name(name)
+        with warnings.catch_warnings():  # the one-time emulation notice is for training runs, not this table
+            warnings.simplefilter("ignore")
+            how = check_recipe_support(r, dev)
+        print(f"  {name:<12} {type(r).__name__:<22} -> {how}")
     print("\nattention:")
     if _has("lowbit.attention") and hasattr(importlib.import_module("lowbit.attention"), "backend_for"):
         att = importlib.import_module("lowbit.attention")
