@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import e8m0_decode
-from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise
+from ..quant.schemes import NVFP4
 from ..quant.tensor import QuantizedTensor
 
 __all__ = ["dequantize_exact", "scaled_mm_reference", "apply_epilogue"]
@@ -20,25 +19,10 @@ __all__ = ["dequantize_exact", "scaled_mm_reference", "apply_epilogue"]
 
 def dequantize_exact(t: QuantizedTensor, which: str) -> torch.Tensor:
     """float64 (rows, cols) exact values of one copy (no rounding: every product fits in float64)."""
-    q = t.elements(which).to(torch.float64)
-    c = getattr(t, which)
-    r, k = q.shape
-    sch = t.scheme
-    s = t.logical_scales(which)
-    if isinstance(sch, NVFP4):
-        d = s.to(torch.float32).to(torch.float64).repeat_interleave(16, dim=1)[:, :k]
-        if sch.two_d:
-            d = d.repeat_interleave(16, dim=0)[:r]
-        return q * d / c.global_scale.to(torch.float64)
-    if isinstance(sch, MXFP8):
-        return q * e8m0_decode(s).to(torch.float64).repeat_interleave(32, dim=1)[:, :k]
-    if isinstance(sch, Float8Blockwise):
-        bs = sch.block_size
-        e = s.to(torch.float64).repeat_interleave(bs, dim=1)[:, :k]
-        if sch.block_dim == 2:
-            e = e.repeat_interleave(bs, dim=0)[:r]
-        return q * e
-    return q * s.to(torch.float64).expand(r, k)
+    q = t.elements(which).to(torch.float64) * t.expanded_block_scales(which, torch.float64)
+    if isinstance(t.scheme, NVFP4):
+        return q / getattr(t, which).global_scale.to(torch.float64)
+    return q
 
 
 def apply_epilogue(acc: torch.Tensor, *, out_dtype, bias=None, gelu=False, accumulate=False, out=None):

@@ -30,7 +30,7 @@ from ..formats import (
     quantize_int8_symmetric,
 )
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
-from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to, scale_storage
+from .tensor import QuantizedCopy, QuantizedTensor, cdiv, expand_blocks, pad_to, scale_storage
 
 __all__ = [
     "quantize_reference",
@@ -106,10 +106,6 @@ def _block_amax_2d(x2: torch.Tensor, bs: int) -> torch.Tensor:
     return xp.reshape(rp // bs, bs, kp // bs, bs).amax(dim=(1, 3))
 
 
-def _expand(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
-    return s.repeat_interleave(bs_r, dim=0)[:r].repeat_interleave(bs_k, dim=1)[:, :k]
-
-
 # ------------------------------------------------------------------------------------------------
 # Random Hadamard Transform
 # ------------------------------------------------------------------------------------------------
@@ -181,11 +177,11 @@ def _copy_blockwise(x2, sch: Float8Blockwise):
     if sch.block_dim == 1:
         bamax = _block_amax_1d(x2, bs)
         s = compute_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
-        se = _expand(s, r, k, 1, bs)
+        se = expand_blocks(s, r, k, 1, bs)
     else:
         bamax = _block_amax_2d(x2, bs)
         s = compute_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
-        se = _expand(s, r, k, bs, bs)
+        se = expand_blocks(s, r, k, bs, bs)
     data = cast_to_format(x2.float() * se, fmt)
     return QuantizedCopy(data=data, scale_inv=scale_storage(sch, 1.0 / s), amax=amax_of(x2))
 
@@ -226,7 +222,7 @@ def _copy_nvfp4(x2, sch: NVFP4, *, rht: bool, seed: int, index_base: int):
     df = d.to(torch.float32)
     enc = 1.0 / (df / S)
     enc = torch.where(torch.isinf(enc), torch.full_like(enc, FP32_MAX), enc)
-    enc_e = _expand(enc, r, k, 16 if sch.two_d else 1, 16)
+    enc_e = expand_blocks(enc, r, k, 16 if sch.two_d else 1, 16)
     v = torch.clamp(xf * enc_e, -6.0, 6.0)
     rounding = {}
     if sch.stochastic_rounding:

@@ -6,10 +6,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import E2M1, e2m1_decode, e8m0_decode, unpack_e2m1
+from ..formats import e2m1_decode, e8m0_decode, unpack_e2m1
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 
-__all__ = ["QuantizedCopy", "QuantizedTensor", "pad_to", "scale_storage", "scale_logical"]
+__all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical"]
+
+
+def expand_blocks(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
+    """Repeat a (ceil(r/bs_r), ceil(k/bs_k)) block grid to (r, k) elements (ragged edge blocks cut)."""
+    return s.repeat_interleave(bs_r, dim=0)[:r].repeat_interleave(bs_k, dim=1)[:, :k]
 
 
 def pad_to(n: int, m: int) -> int:
@@ -164,30 +169,30 @@ class QuantizedTensor:
         r, k = (self.rows, self.cols) if which == "rowwise" else (self.cols, self.rows)
         return scale_logical(self.scheme, c.scale_inv, r, k)
 
-    def expanded_scale_inv(self, which: str = "rowwise") -> torch.Tensor:
-        """float32 (rows, cols) dequantization multiplier per element of the 2D copy (for references)."""
-        c = self._copy(which)
+    def expanded_block_scales(self, which: str = "rowwise", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(rows, cols) per-element block scale of the 2D copy, in ``dtype`` (exact: every stored scale is
+        representable in float32): ``scale_inv`` for FP8 schemes, the decoded E8M0 power of two for MXFP8,
+        the E4M3 block scale ``d`` for NVFP4 (not yet divided by the global scale)."""
         r, k = (self.rows, self.cols) if which == "rowwise" else (self.cols, self.rows)
         s = self.logical_scales(which)
         sch = self.scheme
-        if isinstance(sch, Float8Tensorwise):
-            return s.expand(r, k).float()
-        if isinstance(sch, Float8Rowwise):
-            return s.expand(r, k).float()
+        if isinstance(sch, (Float8Tensorwise, Float8Rowwise)):
+            return s.to(dtype).expand(r, k)
         if isinstance(sch, Float8Blockwise):
             bs = sch.block_size
-            s = s.repeat_interleave(bs, dim=1)[:, :k]
-            if sch.block_dim == 2:
-                s = s.repeat_interleave(bs, dim=0)[:r]
-            return s.float()
+            return expand_blocks(s.to(dtype), r, k, bs if sch.block_dim == 2 else 1, bs)
         if isinstance(sch, MXFP8):
-            return e8m0_decode(s).repeat_interleave(sch.block_size, dim=1)[:, :k]
+            return expand_blocks(e8m0_decode(s).to(dtype), r, k, 1, sch.block_size)
         if isinstance(sch, NVFP4):
-            d = s.float().repeat_interleave(16, dim=1)[:, :k]
-            if sch.two_d:
-                d = d.repeat_interleave(16, dim=0)[:r]
-            return d / c.global_scale
+            return expand_blocks(s.float().to(dtype), r, k, 16 if sch.two_d else 1, 16)
         raise TypeError(f"unknown scheme {sch!r}")
+
+    def expanded_scale_inv(self, which: str = "rowwise") -> torch.Tensor:
+        """float32 (rows, cols) dequantization multiplier per element of the 2D copy (for references)."""
+        s = self.expanded_block_scales(which)
+        if isinstance(self.scheme, NVFP4):
+            return s / self._copy(which).global_scale
+        return s
 
     # -- dequantize -----------------------------------------------------------------------------
     def elements(self, which: str = "rowwise") -> torch.Tensor:
@@ -208,10 +213,8 @@ class QuantizedTensor:
         q = self.elements(which)
         if isinstance(self.scheme, NVFP4):
             r, k = q.shape
-            d = self.logical_scales(which).float().repeat_interleave(16, dim=1)[:, :k]
-            if self.scheme.two_d:
-                d = d.repeat_interleave(16, dim=0)[:r]
-            x = (q * d) / c.global_scale  # q·d is exact (E2M1 × E4M3); one rounding in the division
+            # q·d is exact (E2M1 × E4M3); one rounding in the division
+            x = (q * self.expanded_block_scales(which)) / c.global_scale
             if c.rht and undo_rht:
                 from .reference import rht_matrix  # local: reference imports this module
 
