@@ -25,15 +25,20 @@ __all__ = [
 DEFAULT_RHT_SIGNS = 0b1011_0011_1000_1101
 
 
-def _fp8(fmt) -> FloatFormat:
-    f = get_format(fmt)
-    if f not in (E4M3, E5M2):
-        raise ValueError(f"fmt: an FP8 scheme takes 'e4m3' or 'e5m2', got {fmt!r}")
-    return f
+class _FP8Scheme:
+    """Shared by the FP8 schemes: ``fmt`` must name E4M3 or E5M2; ``format`` is its FloatFormat."""
+
+    def __post_init__(self):
+        if get_format(self.fmt) not in (E4M3, E5M2):
+            raise ValueError(f"fmt: an FP8 scheme takes 'e4m3' or 'e5m2', got {self.fmt!r}")
+
+    @property
+    def format(self) -> FloatFormat:
+        return get_format(self.fmt)
 
 
 @dataclass(frozen=True)
-class Float8Tensorwise:
+class Float8Tensorwise(_FP8Scheme):
     """One FP32 scale for the whole tensor.
 
     Current scaling by default (scale = fmax / amax of this tensor); pass ``scale=`` to
@@ -43,16 +48,9 @@ class Float8Tensorwise:
     fmt: str = "e4m3"
     """FP8 element format: ``"e4m3"`` (forward tensors) or ``"e5m2"`` (gradients)."""
 
-    def __post_init__(self):
-        _fp8(self.fmt)
-
-    @property
-    def format(self) -> FloatFormat:
-        return get_format(self.fmt)
-
 
 @dataclass(frozen=True)
-class Float8Rowwise:
+class Float8Rowwise(_FP8Scheme):
     """One FP32 scale per row of each copy (per output channel for weights; cuBLAS "rowwise" scaling)."""
 
     fmt: str = "e4m3"
@@ -60,16 +58,9 @@ class Float8Rowwise:
     pow2: bool = False
     """Round each scale down to a power of two."""
 
-    def __post_init__(self):
-        _fp8(self.fmt)
-
-    @property
-    def format(self) -> FloatFormat:
-        return get_format(self.fmt)
-
 
 @dataclass(frozen=True)
-class Float8Blockwise:
+class Float8Blockwise(_FP8Scheme):
     """DeepSeek-V3 style blockwise FP8: 1x128 row segments (``block_dim=1``) or 128x128 tiles (``block_dim=2``)."""
 
     fmt: str = "e4m3"
@@ -84,7 +75,7 @@ class Float8Blockwise:
     """Lower bound on a block's amax before the scale is computed (0: an all-zero block gets scale 1)."""
 
     def __post_init__(self):
-        _fp8(self.fmt)
+        super().__post_init__()
         if self.block_dim not in (1, 2):
             raise ValueError(f"block_dim: must be 1 (1x{self.block_size}) or 2 ({self.block_size}x{self.block_size}), got {self.block_dim!r}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -92,13 +83,9 @@ class Float8Blockwise:
         if not (self.eps >= 0.0):
             raise ValueError(f"eps: must be >= 0, got {self.eps!r}")
 
-    @property
-    def format(self) -> FloatFormat:
-        return get_format(self.fmt)
-
 
 @dataclass(frozen=True)
-class MXFP8:
+class MXFP8(_FP8Scheme):
     """OCP MX v1.0 FP8: 1x32 blocks along the last dim of each copy, E8M0 (power-of-two) scales."""
 
     fmt: str = "e4m3"
@@ -107,13 +94,9 @@ class MXFP8:
     """Elements per scale (32 in the OCP spec)."""
 
     def __post_init__(self):
-        _fp8(self.fmt)
+        super().__post_init__()
         if self.block_size != 32:
             raise ValueError(f"block_size: MXFP8 uses 32-element blocks, got {self.block_size!r}")
-
-    @property
-    def format(self) -> FloatFormat:
-        return get_format(self.fmt)
 
 
 @dataclass(frozen=True)
