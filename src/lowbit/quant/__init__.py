@@ -88,21 +88,17 @@ def quantize(
         :class:`QuantizedTensor` with the requested copies, their scales and amax. A non-finite amax
         is flagged by ``has_nonfinite_amax``.
     """
-    if backend is not None:
-        table = dict(_all_backends())
-        if backend not in table:
-            raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
-        supports, fn = table[backend]
-        if not supports(x, scheme, rowwise, columnwise):
-            raise NotImplementedError(
-                f"backend: {backend!r} does not support scheme {scheme!r} on {getattr(x, 'device', '?')} "
-                f"(rowwise={rowwise}, columnwise={columnwise}); use backend='reference' or None"
-            )
-        return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
-    for name, (supports, fn) in _all_backends():
-        if supports(x, scheme, rowwise, columnwise):
-            return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
-    raise AssertionError("unreachable: the reference supports everything")
+    table = dict(_all_backends())
+    if backend is None:
+        backend = backend_for(x, scheme, rowwise, columnwise)
+    elif backend not in table:
+        raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
+    elif not table[backend][0](x, scheme, rowwise, columnwise):
+        raise NotImplementedError(
+            f"backend: {backend!r} does not support scheme {scheme!r} on {getattr(x, 'device', '?')} "
+            f"(rowwise={rowwise}, columnwise={columnwise}); use backend='reference' or None"
+        )
+    return table[backend][1](x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
 
 
 def _load_fast_backends() -> None:

@@ -28,9 +28,10 @@ from ..formats import (
     e8m0_encode,
     pack_e2m1,
     quantize_int8_symmetric,
+    unpack_e2m1,
 )
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
-from .tensor import QuantizedCopy, QuantizedTensor, cdiv, expand_blocks, pad_to, scale_storage
+from .tensor import QuantizedCopy, QuantizedTensor, cdiv, expand_blocks, pad_to, scale_logical, scale_storage
 
 __all__ = [
     "quantize_reference",
@@ -306,17 +307,12 @@ def quantize_reference(
         qt.rowwise = row if rowwise else None
         if columnwise:
             if isinstance(scheme, NVFP4):
-                from ..formats import unpack_e2m1
-
                 cdata = pack_e2m1(unpack_e2m1(row.data).t().contiguous())
                 cscale = row.scale_inv.t().contiguous()
             else:
                 cdata = row.data.t().contiguous()
-                r, k = x2.shape
-                cb = cdiv(r, scheme.block_size)
-                logical = row.scale_inv[:, : cdiv(k, scheme.block_size)]
+                logical = scale_logical(scheme, row.scale_inv, *x2.shape)
                 cscale = scale_storage(scheme, logical.t().contiguous())
-                assert cscale.shape[0] == cdiv(k, scheme.block_size) and cscale.shape[1] >= cb
             qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(), global_scale=row.global_scale)
         return qt
 
