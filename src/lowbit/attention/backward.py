@@ -39,6 +39,7 @@ from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
+from .api import _shape4, _tensor
 
 __all__ = [
     "backward",
@@ -226,24 +227,6 @@ def _check_dropout(dropout_p, seed):
             raise ValueError(f"seed must be an int in [0, 2**63) when dropout_p > 0, got {seed!r}")
 
 
-def _tensor(name, x):
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _dims(x: Tensor, layout: str, varlen: bool):
-    if varlen:
-        if x.dim() != 3:
-            raise ValueError(f"varlen inputs must be 3-D (total, heads, head_dim), got shape {tuple(x.shape)}")
-        return None, x.shape[1], x.shape[0], x.shape[2]
-    if x.dim() != 4:
-        raise ValueError(f"inputs must be 4-D ({layout}), got shape {tuple(x.shape)}")
-    if layout == "bhsd":
-        return tuple(x.shape)
-    b, s, h, d = x.shape
-    return b, h, s, d
-
-
 def _views(x: Tensor, layout: str, varlen: bool):
     """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
     if varlen:
@@ -295,8 +278,8 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
         lay = layout
-    B, Hq, Sq, D = _dims(q, lay, varlen)
-    Bk, Hkv, Sk, Dk = _dims(k, lay, varlen)
+    B, Hq, Sq, D = _shape4("q", q, "thd" if varlen else lay)
+    Bk, Hkv, Sk, Dk = _shape4("k", k, "thd" if varlen else lay)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     for n, t in (("do", do), ("o", o)):
@@ -609,8 +592,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     from . import backward_kernels as BK
     import triton
 
-    B, Hq, Sq, D = _dims(q, lay, varlen)
-    _, Hkv, Sk, _ = _dims(k, lay, varlen)
+    B, Hq, Sq, D = _shape4("q", q, "thd" if varlen else lay)
+    _, Hkv, Sk, _ = _shape4("k", k, "thd" if varlen else lay)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
     left, right = _window(causal, window)
