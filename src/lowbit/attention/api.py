@@ -275,15 +275,18 @@ class _AttentionFn(torch.autograd.Function):
     """Forward = the requested (possibly quantized) kernel.  Backward, straight-through for the
     quantizers (the gradient of 16-bit attention at the high-precision inputs):
 
-    * CUDA, float16/bfloat16: the fused Triton flash backward (``lowbit.attention.backward``) after
-      recomputing the 16-bit forward's O and LSE (one extra forward, O(S) memory — the forward may
-      have been quantized or run by SDPA, which returns no LSE);
+    * CUDA, float16/bfloat16: the fused Triton flash backward (``lowbit.attention.backward``), with
+      the O and LSE of a 16-bit Triton forward, or — after a quantized or SDPA forward (SDPA returns no
+      LSE) — of a recomputed 16-bit forward (one extra forward, O(S) memory);
     * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores)."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        out, lse = _forward(q, k, v, **opts)
-        ctx.save_for_backward(q, k, v)
+        # A 16-bit Triton forward already computes what the fused backward needs: keep its O and LSE
+        # (the LSE costs one FP32 per query row) instead of recomputing the forward in the backward.
+        keep = opts["backend"] == "triton" and opts["qk"] not in ("int8", "fp8") and opts["pv"] != "fp8"
+        out, lse = _forward(q, k, v, **dict(opts, return_lse=opts["return_lse"] or keep))
+        ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None)
         ctx.opts = opts
         if opts["return_lse"]:
             ctx.mark_non_differentiable(lse)
@@ -292,10 +295,10 @@ class _AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_out, g_lse=None):
-        q, k, v = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         o = ctx.opts
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            return (*_fused_backward(q, k, v, g_out, o), None)
+            return (*_fused_backward(q, k, v, g_out, o, out=out, lse=lse), None)
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
@@ -308,14 +311,16 @@ class _AttentionFn(torch.autograd.Function):
         return out[0], out[1], out[2], None
 
 
-def _fused_backward(q, k, v, g_out, o):
-    """(dq, dk, dv) by the Triton flash backward; None for inputs that need no gradient."""
+def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None):
+    """(dq, dk, dv) by the Triton flash backward; None for inputs that need no gradient. ``out``/``lse``:
+    the 16-bit forward's, when the forward kept them; otherwise that forward is recomputed here."""
     from . import backward as _bwd
 
     varlen = o["cu_q"] is not None
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
                   cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"])
-    out, lse = _bwd.attention_forward(q, k, v, layout=None if varlen else o["layout"], **common)
+    if out is None or lse is None:
+        out, lse = _bwd.attention_forward(q, k, v, layout=None if varlen else o["layout"], **common)
     grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout="thd" if varlen else o["layout"], **common)
     return [g if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
 
