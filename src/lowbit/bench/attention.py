@@ -14,9 +14,10 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 
 import torch
+
+from . import git_commit
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")]
@@ -24,14 +25,6 @@ MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")]
 
 def _nrmse(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def bench_case(B, H, S, D, causal, modes, rep_ms=200):
@@ -117,7 +110,7 @@ def main(argv=None) -> int:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     os.makedirs(args.out, exist_ok=True)
     dev_name = torch.cuda.get_device_name()
-    head = (f"# attention forward benchmark\n\n{dev_name}, {datetime.date.today()}, commit {_commit()}, "
+    head = (f"# attention forward benchmark\n\n{dev_name}, {datetime.date.today()}, commit {git_commit()}, "
             f"torch {torch.__version__}\n\n")
     lines = [head]
     with open(os.path.join(args.out, "results.jsonl"), "w") as jf:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import List, Optional
+
+from . import median_ms
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
 
@@ -89,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                 try:
                     fn, g = _sdpa_bwd_fn(q, k, v, do, causal, be)
-                    res[name] = triton.testing.do_bench(fn, rep=args.rep)
+                    res[name] = median_ms(fn, rep=args.rep)
                     grads[name] = g
                     del fn
                 except Exception as e:  # backend not available for this shape / build
@@ -101,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, kw in variants:
                 fn = (lambda kw=kw: BW.backward(do, q, k, v, o, lse, causal=causal, **kw))
                 g = fn()
-                res[name] = triton.testing.do_bench(fn, rep=args.rep)
+                res[name] = median_ms(fn, rep=args.rep)
                 grads[name] = tuple(x.dequantize() if hasattr(x, "dequantize") else x for x in g)
             for name, ms in res.items():
                 r = dict(B=b, H=h, S=s, D=d, causal=causal, variant=name, ms=ms, tflops=fl / ms / 1e9,

@@ -11,27 +11,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 
 import torch
+
+from . import git_commit, median_ms
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or "?"
-    except Exception:
-        return "?"
-
-
 def _bench(fn, rep=100) -> float | None:
-    import triton
-
     try:
         fn()
         torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=rep)
+        return median_ms(fn, rep=rep)
     except Exception as e:  # report the peer as unavailable rather than abort the run
         print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]})")
         return None
@@ -91,7 +83,7 @@ def run(shapes, rep=100):
 
 def markdown(rows) -> str:
     dev = torch.cuda.get_device_name()
-    out = [f"Device: {dev}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {_commit()}", "",
+    out = [f"Device: {dev}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
            "| M x K x N | kernel | time (us) | TFLOP/s | vs BF16 torch.mm | vs cuBLAS FP8 blockwise |", "|---|---|---:|---:|---:|---:|"]
     for shape, name, t, tf, rb, rc in rows:
         out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {tf:.0f} | {'' if rb is None else f'{rb:.2f}'} | {'' if rc is None else f'{rc:.2f}'} |")

@@ -14,7 +14,8 @@ import datetime
 
 import torch
 
-from .gemm import _bench, _commit
+from . import git_commit
+from .gemm import _bench
 
 SHAPES = [(8192, 8192), (16384, 4096), (16384, 14336), (4096, 4096)]
 
@@ -65,7 +66,7 @@ def run(shapes, rep=100):
 
 
 def markdown(rows) -> str:
-    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {_commit()}", "",
+    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
            "| input (bf16) | kernel | time (us) | MiB moved | GB/s | fraction of copy |", "|---|---|---:|---:|---:|---:|"]
     for shape, name, t, mib, bw, r in rows:
         out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {mib:.0f} | {bw:.0f} | {r:.2f} |")
