@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import platform
 import sys
-import time
 
 import torch
 
@@ -137,7 +136,6 @@ def cmd_quant_demo(argv=None) -> int:
     keep = torch.ones(a.rows, dtype=torch.bool, device=dev)
     keep[:: max(1, a.rows // 2)] = False
     for name, s in schemes.items():
-        t0 = time.perf_counter()
         qg = quantize(gauss, s)
         qh = quantize(heavy, s)
         sg = sqnr(gauss, qg.dequantize())

@@ -19,17 +19,6 @@ from .kernels import gemm as G
 __all__ = ["supports_fp8", "supports_emulated", "scaled_mm_triton", "scaled_mm_emulated"]
 
 _FP8 = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
-_NUM_SMS: dict = {}
-
-
-def _num_sms(dev) -> int:
-    if INTERPRET or dev.type != "cuda":
-        return 4
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _NUM_SMS:
-        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _NUM_SMS[i]
-
 
 def _on_device(a, b) -> bool:
     return a.device.type == "cuda" and b.device.type == "cuda"
@@ -125,7 +114,6 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     sa_mode, lda, sa = _scale_mode(a.scheme, ca, M)
     sb_mode, ldb, sb = _scale_mode(b.scheme, cb, N)
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
-    nsm = _num_sms(dev)
 
     def launch(cfg):
         bk = min(cfg["BK"], bs)
@@ -171,7 +159,6 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
-    nsm = _num_sms(dev)
 
     def launch(cfg):
         tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
