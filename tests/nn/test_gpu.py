@@ -71,9 +71,33 @@ def test_cuda_delayed_state_and_sentry(cuda, tmp_path):
     with lowbit.autocast(recipe=r):
         assert torch.equal(m(x), m2(x))
     x[0, 0] = float("nan")
-    with pytest.raises(lowbit.nn.NonFiniteAmaxError, match="of input"):
+    # on CUDA the exit queues the check without waiting: the fault is raised there if the GPU has already
+    # finished the step, else at a later check point; nonfinite_events() waits for every pending check
+    from lowbit.nn import state
+
+    raised = None
+    try:
         with lowbit.autocast(recipe=r):
             m(x)
+    except lowbit.nn.NonFiniteAmaxError as e:
+        raised = e
+    ev = lowbit.nn.nonfinite_events()
+    got = [(raised.role, raised.phase)] if raised is not None else [(e.role, e.phase) for e in ev]
+    assert got == [("input", "forward")] and state.pending_checks() == 0
+    # LOWBIT_SENTRY_SYNC=1 semantics: each check waits, so the exit of the faulty step raises
+    old = state.SYNC_CHECKS
+    state.SYNC_CHECKS = True
+    try:
+        with pytest.raises(lowbit.nn.NonFiniteAmaxError, match="of input"):
+            with lowbit.autocast(recipe=r):
+                m(x)
+    finally:
+        state.SYNC_CHECKS = old
+    # many steps in flight: the pinned slots are reused, nothing is lost
+    for _ in range(3 * state._ring.n):
+        with lowbit.autocast(recipe=r):
+            m(torch.randn(64, 128, device=cuda))
+    assert lowbit.nn.nonfinite_events() == [] and state.pending_checks() == 0
 
 
 def test_bench_runs_on_cuda(cuda, capsys):

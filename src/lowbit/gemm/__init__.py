@@ -23,9 +23,13 @@ _FP8_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_CHOICE: dict = {}  # call signature -> backend fn (see scaled_mm)
+
+
 def register_backend(name: str, supports: Callable, fn: Callable) -> None:
     """Register a GEMM backend; earlier registrations are preferred when several support a call."""
     BACKENDS[name] = (supports, fn)
+    _CHOICE.clear()
 
 
 def _all():
@@ -122,6 +126,19 @@ def scaled_mm(
     """
     _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
+    if backend is None:
+        # Hot path: the choice depends only on these properties (the cuBLAS backend may later decline a
+        # signature cuBLAS rejected; it then answers that call itself and the key is dropped below).
+        key = (a.device.type, b.device.type, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
+               bias is None, gelu, accumulate, out is None)
+        fn = _CHOICE.get(key)
+        if fn is None:
+            fn = dict(_all())[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
+            if len(_CHOICE) > 4096:
+                _CHOICE.clear()
+            _CHOICE[key] = fn
+        y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
+        return (y, pre) if return_pre_gelu else y
     table = dict(_all())
     if backend is not None:
         if backend not in table:

@@ -19,6 +19,7 @@ from .state import (
     get_state,
     is_enabled,
     nonfinite_events,
+    check_nonfinite,
 )
 from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
@@ -47,4 +48,5 @@ __all__ = [
     "NonFiniteAmaxError",
     "NonFiniteEvent",
     "nonfinite_events",
+    "check_nonfinite",
 ]

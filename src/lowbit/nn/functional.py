@@ -78,7 +78,7 @@ class GemmLayer:
         if need_wgrad and q.columnwise is None:  # one scale per tensor: the columnwise copy is the transpose
             r = q.rowwise
             q.columnwise = QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv.clone(), amax=r.amax.clone())
-        _ac.sentry(q.amax.reshape(1), layer=self.name, role="grad_output", phase=phase, policy=policy)
+        _ac.sentry(q.amax.reshape(1), layer=self, role="grad_output", phase=phase, policy=policy)
         self.delayed_state(recipe, dy2.device).observe("grad_output", q.amax)
         self.handoffs += 1
         return q
@@ -140,8 +140,7 @@ class GemmLayer:
         q = quantize(t, rq.scheme, rowwise=rowwise, columnwise=columnwise, scale=scale)
         # every copy's amax (the RHT copy's is measured after the transform); NaN/Inf in any -> the sentry
         # fires (checked at the outermost autocast exit / the end of the backward, one sync for all)
-        amax = torch.cat([c.amax.reshape(1) for c in q._copies()])
-        _ac.sentry(amax, layer=self.name, role=role, phase=phase, policy=policy)
+        _ac.sentry([c.amax for c in q._copies()], layer=self, role=role, phase=phase, policy=policy)
         if st is not None:
             st.observe(role, q.amax)
         return q

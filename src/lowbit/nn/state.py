@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field, replace
@@ -38,6 +40,7 @@ __all__ = [
     "NonFiniteAmaxError",
     "NonFiniteEvent",
     "nonfinite_events",
+    "check_nonfinite",
     "DelayedScalingState",
 ]
 
@@ -213,49 +216,153 @@ def nonfinite_events() -> list[NonFiniteEvent]:
     return out
 
 
-# Deferred checks: quantization only records (layer, role, phase, step, policy, amax tensor) — no device
-# sync per tensor. The forward's records are checked once at the outermost autocast exit, the
-# backward's once at the end of the backward pass (an autograd-engine callback): one sync each.
+# Deferred checks: quantization only records (layer, role, phase, step, policy, amax tensors) — no device
+# work and no sync per tensor. The forward's records are checked once at the outermost autocast exit, the
+# backward's once at the end of the backward pass (an autograd-engine callback). On CUDA that check is
+# itself asynchronous: one isfinite over all recorded amaxes, copied to pinned host memory with an event;
+# the result is read at a later check point once the GPU has passed the event (or at once by
+# nonfinite_events() / check_nonfinite(wait=True), which wait for it). LOWBIT_SENTRY_SYNC=1 makes every
+# check wait (the error then surfaces at the exit of the step that produced it, at one sync per check).
 _unchecked: list[tuple] = []
+_inflight: list[tuple] = []  # (records, host bool flags, cuda event or None), oldest first
+SYNC_CHECKS = os.environ.get("LOWBIT_SENTRY_SYNC", "0") == "1"
 
 
-def sentry(amax: torch.Tensor, *, layer: str, role: str, phase: str, policy: str) -> None:
-    """Record an amax measured by quantization for the NaN sentry (checked later, see :func:`check_nonfinite`)."""
+def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
+    """Record amaxes measured by quantization for the NaN sentry (checked later, see :func:`check_nonfinite`).
+
+    ``amax``: a float32 tensor, or a list/tuple of them (e.g. one per quantized copy); not read here.
+    ``layer``: the layer's name, or an object with a ``.name`` (read only if a fault is found).
+    """
     if policy == "ignore":
         return
+    amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
     with _lock:
-        _unchecked.append((layer, role, phase, _step, policy, amax.detach().float().reshape(-1)))
+        _unchecked.append((layer, role, phase, _step, policy, amaxes))
     if phase == "backward":
         # Checked when this backward pass ends (every GEMM's records at once; later callbacks find nothing left).
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(check_nonfinite)
+            torch.autograd.Variable._execution_engine.queue_callback(_check_at_boundary)
         except RuntimeError:  # not inside a backward pass (a direct call): check now
             check_nonfinite()
 
 
-def check_nonfinite() -> None:
-    """Check every recorded amax (one device sync): a non-finite one raises :class:`NonFiniteAmaxError`
-    (policy ``"raise"``) or becomes a :class:`NonFiniteEvent` (policy ``"skip"``)."""
+def _check_at_boundary() -> None:
+    check_nonfinite(wait=SYNC_CHECKS)
+
+
+class _PinnedRing:
+    """Reusable pinned host slots for the sentry's asynchronous device-to-host copies.
+
+    Allocating pinned memory (cudaHostAlloc) synchronizes the device, so slots are allocated once and
+    reused after the check that used them was read (see :func:`_drain`).
+    """
+
+    def __init__(self, n: int = 64):
+        self.n = n
+        self.buf: torch.Tensor | None = None
+        self.free: list[int] = []
+
+    def take(self) -> tuple[torch.Tensor, int] | None:
+        if self.buf is None:
+            self.buf = torch.empty(self.n, dtype=torch.float32, pin_memory=True)
+            self.free = list(range(self.n))
+        if not self.free:
+            return None
+        i = self.free.pop()
+        return self.buf[i:i + 1], i
+
+    def give(self, i: int) -> None:
+        self.free.append(i)
+
+
+_ring = _PinnedRing()
+
+
+def _launch_check(recs: list) -> None:
+    """Queue one finiteness check over every amax of ``recs``: the max of all of them (NaN propagates
+    through max, amaxes are >= 0, so the max is finite iff all are), copied asynchronously on CUDA."""
+    parts = [a for r in recs for a in r[5]]
+    try:  # the usual case: float32 (1,) amaxes on one device -> one cat, one max
+        mx = torch.cat(parts).max().reshape(1)
+    except RuntimeError:  # mixed devices / shapes / dtypes
+        dev = parts[0].device
+        mx = torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts]).max().reshape(1)
+    if mx.is_cuda:
+        slot = _ring.take()
+        if slot is None:  # every slot in flight: read the oldest checks first (this waits)
+            _drain(True, raise_errors=False)
+            slot = _ring.take()
+        host, i = slot
+        host.copy_(mx, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        _inflight.append((recs, host, ev, i))
+    else:
+        _inflight.append((recs, mx, None, None))
+
+
+_deferred_error: list = []  # a "raise" event read while draining for a free slot, raised at the next check
+
+
+def _drain(wait: bool, raise_errors: bool = True) -> None:
+    """Read the finished checks (all of them when ``wait``), oldest first; raise the first "raise" event."""
+    first_error = _deferred_error.pop(0) if (raise_errors and _deferred_error) else None
+    while True:
+        with _lock:
+            if not _inflight:
+                break
+            recs, mx, ev, slot = _inflight[0]
+            if ev is not None and not wait and not ev.query():
+                break
+            _inflight.pop(0)
+        if ev is not None:
+            ev.synchronize()  # no-op when query() said done
+        finite = math.isfinite(float(mx[0]))
+        if slot is not None:
+            _ring.give(slot)
+        if finite:
+            continue
+        for layer, role, phase, step_, policy, amaxes in recs:
+            # the error path reads the recorded values (a sync, only when something is non-finite)
+            vals = torch.cat([a.detach().float().reshape(-1).cpu() for a in amaxes])
+            vals = vals[~torch.isfinite(vals)]
+            if not vals.numel():
+                continue
+            ev_ = NonFiniteEvent(layer=layer if isinstance(layer, str) else layer.name, role=role, phase=phase,
+                                 step=step_, amax=float(vals.abs().max()))
+            if policy == "raise":
+                first_error = first_error or ev_
+            else:
+                with _lock:
+                    _events.append(ev_)
+    if first_error is not None:
+        if raise_errors:
+            raise NonFiniteAmaxError(first_error)
+        _deferred_error.append(first_error)
+
+
+def check_nonfinite(wait: bool = True) -> None:
+    """Check every recorded amax: a non-finite one raises :class:`NonFiniteAmaxError` (policy ``"raise"``)
+    or becomes a :class:`NonFiniteEvent` (policy ``"skip"``).
+
+    Args:
+        wait: wait for the GPU to finish the checked work (one sync). False queues the check and reports
+            only the checks the GPU has already finished; the rest are reported by a later call.
+            CPU tensors are always checked at once.
+    """
     with _lock:
         recs = list(_unchecked)
         _unchecked.clear()
-    if not recs:
-        return
-    flat = torch.cat([r[5].to(recs[0][5].device) for r in recs])
-    if bool(torch.isfinite(flat).all()):
-        return
-    first_error = None
-    for layer, role, phase, step_, policy, a in recs:
-        if bool(torch.isfinite(a).all()):
-            continue
-        ev = NonFiniteEvent(layer=layer, role=role, phase=phase, step=step_, amax=float(a.abs().max()))
-        if policy == "raise":
-            first_error = first_error or ev
-        else:
-            with _lock:
-                _events.append(ev)
-    if first_error is not None:
-        raise NonFiniteAmaxError(first_error)
+    if recs:
+        _launch_check(recs)
+    _drain(wait)
+
+
+def pending_checks() -> int:
+    """Number of queued sentry checks the GPU has not been waited for (see :func:`check_nonfinite`)."""
+    with _lock:
+        return len(_inflight) + (1 if _unchecked else 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,6 +504,10 @@ class autocast(contextlib.ContextDecorator):
             The amaxes are checked without a device sync per tensor: the forward's all at once at the
             outermost exit (which raises from the ``with`` statement and skips the delayed-scaling
             update), the backward's at the end of the backward pass (raising from ``backward()``).
+            On CUDA these checks do not wait for the GPU either: a fault is reported at the first such
+            check point after the GPU has finished the faulty step (the event names its step), and
+            :func:`nonfinite_events` waits for every pending check. ``LOWBIT_SENTRY_SYNC=1`` makes each
+            check wait, so the error surfaces at the exit of the step itself (one sync per check).
             ``"ignore"`` turns the sentry off (no checks, no syncs; non-finite amaxes still never enter
             a delayed-scaling history).
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
@@ -448,7 +559,9 @@ class autocast(contextlib.ContextDecorator):
             _state = AutocastState()
             if exc_type is None:
                 try:
-                    check_nonfinite()  # may raise NonFiniteAmaxError (policy "raise"): the step is not committed
+                    # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
+                    # queues the check and reports earlier checks the GPU has finished (no sync).
+                    check_nonfinite(wait=SYNC_CHECKS)
                 except NonFiniteAmaxError:
                     _step += 1
                     raise

@@ -39,9 +39,13 @@ __all__ = [
 BACKENDS: dict[str, tuple[Callable, Callable]] = {}
 
 
+_CHOICE: dict = {}  # (device type, dtype, shape, contiguous, scheme, rowwise, columnwise) -> backend fn
+
+
 def register_backend(name: str, supports: Callable, fn: Callable) -> None:
     """Register a fast quantization backend (e.g. Triton kernels). Earlier registrations win."""
     BACKENDS[name] = (supports, fn)
+    _CHOICE.clear()
 
 
 def _all_backends():
@@ -88,6 +92,17 @@ def quantize(
         :class:`QuantizedTensor` with the requested copies, their scales and amax. A non-finite amax
         is flagged by ``has_nonfinite_amax``.
     """
+    if backend is None and isinstance(x, torch.Tensor):
+        # Hot path (every quantized GEMM operand, every step): the backend choice depends only on these
+        # properties, so it is looked up once per distinct key.
+        key = (x.device.type, x.dtype, tuple(x.shape), x.is_contiguous(), scheme, rowwise, columnwise)
+        fn = _CHOICE.get(key)
+        if fn is None:
+            fn = dict(_all_backends())[backend_for(x, scheme, rowwise, columnwise)][1]
+            if len(_CHOICE) > 4096:
+                _CHOICE.clear()
+            _CHOICE[key] = fn
+        return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
     table = dict(_all_backends())
     if backend is None:
         backend = backend_for(x, scheme, rowwise, columnwise)

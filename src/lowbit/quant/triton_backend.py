@@ -216,7 +216,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
     if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si.clone(), amax=amax.clone())
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si, amax=amax)  # one scale, one amax: shared
 
 
 def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
@@ -240,42 +240,74 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
+_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise) -> _BlockwisePlan once tuned
+
+
+class _BlockwisePlan:
+    """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
+    matters: this runs for every quantized GEMM operand of every step)."""
+
+    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg")
+
+    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise):
+        bs = sch.block_size
+        mb, kb = cdiv(M, bs), cdiv(Kd, bs)
+        if sch.block_dim == 2:
+            self.rshape, self.cshape = (mb, pad_to(kb, 4)), (kb, pad_to(mb, 4))
+        else:
+            self.rshape, self.cshape = (kb, pad_to(M, 4)), (mb, pad_to(Kd, 4))
+        self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
+        self.nc = self.cshape[0] * self.cshape[1] if columnwise else 0
+        self.kw = dict(**_fmt_args(sch.format), POW2=sch.pow2, EPS=float(sch.eps), TWO_D=sch.block_dim == 2,
+                       ROW=rowwise, COL=columnwise, SW=SW_ROUND, BS=bs)
+        self.cfg = None
+        self.grid = None
+
+
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     M, Kd = x2.shape
     fmt, dev, bs = sch.format, x2.device, sch.block_size
-    two_d = sch.block_dim == 2
-    amax_i = _amax_buffer(dev)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise)
+    plan = _BLOCKWISE_PLANS.get(key)
+    if plan is None:
+        plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise)
     rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
-    mb, kb = cdiv(M, bs), cdiv(Kd, bs)
-    if two_d:
-        rs = torch.zeros(mb, pad_to(kb, 4), dtype=torch.float32, device=dev) if rowwise else None
-        cs = torch.zeros(kb, pad_to(mb, 4), dtype=torch.float32, device=dev) if columnwise else None
-    else:
-        rs = torch.zeros(kb, pad_to(M, 4), dtype=torch.float32, device=dev) if rowwise else None
-        cs = torch.zeros(mb, pad_to(Kd, 4), dtype=torch.float32, device=dev) if columnwise else None
-    square = two_d or columnwise
-    bms = [bs] if square else [b for b in (8, 16, 32, 64, 128) if b <= bs]
-    cands = _configs(bms, [bs], [4, 8], M, Kd, min_m=bs, min_k=bs)
-    if square:
-        cands = [c for c in cands if c["BM"] == bs] or [dict(BM=bs, BK=bs, num_warps=8)]
-    ld_r = rs.shape[1] if rowwise else 0
-    ld_c = cs.shape[1] if columnwise else 0
+    # One zero-filled buffer (one launch) holds both scale grids (pads must read 0) and the amax
+    # accumulator at the end; every grid starts 16-byte aligned (sizes are multiples of 4 floats).
+    nr, nc = plan.nr, plan.nc
+    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)
+    rs = buf[:nr].view(plan.rshape) if rowwise else None
+    cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
+    amax_i = buf[nr + nc:].view(torch.int32)
+    ld_r = plan.rshape[1] if rowwise else 0
+    ld_c = plan.cshape[1] if columnwise else 0
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
+    if plan.cfg is not None:
+        c = plan.cfg
+        K.blockwise_kernel[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.kw, BM=c["BM"],
+                                      num_warps=c["num_warps"])
+    else:
+        two_d = sch.block_dim == 2
+        square = two_d or columnwise
+        bms = [bs] if square else [b for b in (8, 16, 32, 64, 128) if b <= bs]
+        cands = _configs(bms, [bs], [4, 8], M, Kd, min_m=bs, min_k=bs)
+        if square:
+            cands = [c for c in cands if c["BM"] == bs] or [dict(BM=bs, BK=bs, num_warps=8)]
 
-    def launch(c):
-        grid = (cdiv(M, c["BM"]), kb)
-        K.blockwise_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **_fmt_args(fmt), POW2=sch.pow2,
-                                 EPS=float(sch.eps), TWO_D=two_d, ROW=rowwise, COL=columnwise, SW=SW_ROUND,
-                                 BM=c["BM"], BS=bs, num_warps=c["num_warps"])
+        def launch(c):
+            K.blockwise_kernel[(cdiv(M, c["BM"]), cdiv(Kd, bs))](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.kw,
+                                                                 BM=c["BM"], num_warps=c["num_warps"])
 
-    tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+        plan.cfg, plan.grid = c, (cdiv(M, c["BM"]), cdiv(Kd, bs))
+        _BLOCKWISE_PLANS[key] = plan
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
-    if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone())
+    if columnwise:  # both copies come from the same read: the same amax tensor (never written in place later)
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
