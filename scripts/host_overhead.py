@@ -91,5 +91,49 @@ for rn in ("bf16", "fp8-block", "fp8-current", "fp8-delayed"):
                 m(x)
     rows[f"Linear {rn} fwd (no grad)"] = f
     rows[f"Linear {rn} fwd+bwd"] = fb
+# pieces of the backward and of the sentry check
+class _PyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+xa = x.clone().requires_grad_()
+rows["python autograd.Function fwd+bwd (1 op each)"] = lambda: _PyFn.apply(xa).backward(x)
+rows["cuda Event() + record"] = lambda: torch.cuda.Event().record()
+_evq = torch.cuda.Event()
+_evq.record()
+rows["event.query()"] = lambda: _evq.query()
+_pin = torch.empty(4, pin_memory=True)
+_one = torch.zeros(1, device=dev)
+rows["pinned copy_ non_blocking"] = lambda: _pin[:1].copy_(_one, non_blocking=True)
+_am = [torch.zeros(1, device=dev) for _ in range(6)]
+rows["cat(6 x (1,)) + max"] = lambda: torch.cat(_am).max()
+for rn in ("fp8-block",):
+    r = recipes.from_name(rn)
+    m = lowbit.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+
+    def fg(m=m, r=r, xg=xg):
+        with lowbit.autocast(recipe=r):
+            m(xg)
+
+    def fbi(m=m, r=r, xg=xg):
+        with lowbit.autocast(recipe=r, on_nonfinite="ignore"):
+            y = m(xg)
+        y.backward(dy)
+
+    def fb_noacc(m=m, r=r, xg=xg):
+        with lowbit.autocast(recipe=r, on_nonfinite="ignore"):
+            y = m(xg)
+        torch.autograd.grad(y, [xg, m.weight], dy)
+
+    rows[f"Linear {rn} fwd (with grad, no bwd)"] = fg
+    rows[f"Linear {rn} fwd+bwd sentry off"] = fbi
+    rows[f"Linear {rn} autograd.grad sentry off"] = fb_noacc
 for k, fn in rows.items():
     print(f"{k:45s} {host_us(fn):8.1f} us/call", flush=True)

@@ -355,8 +355,33 @@ def check_nonfinite(wait: bool = True) -> None:
         recs = list(_unchecked)
         _unchecked.clear()
     if recs:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Inside CUDA-graph capture nothing may be read back: keep the records; every replay rewrites
+            # the same amax tensors, which check_captured() checks after each replay.
+            with _lock:
+                _captured.extend(recs)
+            return
         _launch_check(recs)
     _drain(wait)
+
+
+_captured: list[tuple] = []
+
+
+def check_captured(wait: bool = True) -> None:
+    """After a CUDA-graph replay: check the amaxes recorded while the graph was captured (their tensors
+    hold the replay's values), like :func:`check_nonfinite`."""
+    with _lock:
+        recs = list(_captured)
+    if recs:
+        _launch_check(recs)
+    _drain(wait)
+
+
+def clear_captured() -> None:
+    """Forget the records of a captured graph (when the graph is dropped)."""
+    with _lock:
+        _captured.clear()
 
 
 def pending_checks() -> int:

@@ -70,6 +70,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
+    g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes bf16/fp8-current/"
+                        "fp8-block/mxfp8; removes the per-kernel host cost of the eager path)")
     g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
     g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")
     g.add_argument("--attn-pv", choices=("bf16", "fp8"), default="bf16")
@@ -91,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
         eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume, overwrite=args.overwrite,
-        on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
+        on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp, cuda_graph=args.cuda_graph,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps),

@@ -73,6 +73,11 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
+    cuda_graph: str = "auto"
+    """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
+    ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8 — not
+    fp8-delayed, whose amax histories live in host objects, nor nvfp4, whose stochastic rounding draws
+    a fresh host seed per tensor), ``"on"`` (error if it cannot be used), ``"off"``."""
     attention: str = "auto"
     attn_qk: str = "bf16"
     attn_pv: str = "bf16"
@@ -114,6 +119,8 @@ class TrainConfig:
             raise ValueError("device: 'cuda' asked for, but torch sees no CUDA GPU")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype: expected 'auto', 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.cuda_graph not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graph: expected 'auto', 'on' or 'off', got {self.cuda_graph!r}")
         if self.stop_at_step is not None and self.stop_at_step < 1:
             raise ValueError(f"stop_at_step: must be >= 1, got {self.stop_at_step!r}")
 
@@ -307,6 +314,72 @@ def _optimizer(model, c: TrainConfig):
     return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, **kw)
 
 
+GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8")
+
+
+def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
+    """(use CUDA graphs, why not) for this run."""
+    if c.cuda_graph == "off":
+        return False, "--cuda-graph off"
+    why = None
+    if d.device.type != "cuda":
+        why = "not on CUDA"
+    elif d.active:
+        why = "more than one process (DDP/FSDP collectives stay eager)"
+    elif c.recipe not in GRAPH_RECIPES:
+        why = f"recipe {c.recipe!r} keeps per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})"
+    elif c.fault_steps:
+        why = "fault injection (testing) is on"
+    if why is not None and c.cuda_graph == "on":
+        raise ValueError(f"cuda_graph: 'on' but CUDA graphs cannot be used here: {why}")
+    return why is None, why or ""
+
+
+class _GraphedStep:
+    """The micro-batch loop of one step (forwards + backwards into ``.grad``) captured as one CUDA graph.
+
+    Inputs are copied into static buffers before each replay; gradients live in the graph's memory and
+    are rewritten by every replay (so they are never set to None between steps); the optimizer step,
+    clipping, the NaN checks and the loss read stay eager.
+    """
+
+    def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device):
+        self.run_micro = run_micro
+        self.params = params
+        self.xs = torch.zeros(n_micro, batch, seq_len, dtype=torch.int64, device=device)
+        self.ys = torch.zeros_like(self.xs)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.graph = None
+        self.device = device
+
+    def load(self, m: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.xs[m].copy_(x, non_blocking=True)
+        self.ys[m].copy_(y, non_blocking=True)
+
+    def capture(self, warmup: int = 2) -> None:
+        import lowbit.nn as lnn
+
+        # Warm-up on a side stream (autotuning, plan caches, cuBLAS workspaces) as torch.cuda.graph asks.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.run_micro(self.xs, self.ys, self.loss_sum)
+                for p in self.params:
+                    p.grad = None
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        lnn.nonfinite_events()  # warm-up passes on this step's batch: the replay reports its own faults
+        lnn.state.clear_captured()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.run_micro(self.xs, self.ys, self.loss_sum)
+        self.graph = g
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.loss_sum
+
+
 # Arguments that change the trajectory: a resumed run must use the same values.
 # (The global batch must match, not its split into ranks x micro-batches: any world size may resume.)
 _MATCH_ON_RESUME = ("recipe", "model", "steps", "global_batch", "seq_len", "lr", "min_lr_ratio", "warmup",
@@ -335,7 +408,9 @@ def _train_one(c: TrainConfig) -> dict:
     out = Path(c.out_dir)
     ck_path = out / "checkpoint.pt"
     use_bf16 = c.dtype == "bf16" or (c.dtype == "auto" and d.device.type == "cuda")
-    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    use_graph, no_graph_why = _graph_decision(c, d)
+    # torch.autocast's cast cache must be off under graph capture (its cached casts would be freed memory)
+    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16, cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
     group = d.group if d.active else None
 
     def lowbit_ctx():
@@ -423,6 +498,21 @@ def _train_one(c: TrainConfig) -> dict:
                f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
+    def run_micro(xs, ys, loss_sum):
+        """The graph's body: every micro-batch's forward and backward from the static inputs."""
+        loss_sum.zero_()
+        for m in range(c.grad_accum):
+            with amp(), lowbit_ctx():
+                _, loss = model(xs[m], ys[m], is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
+            (loss / c.grad_accum).backward()
+            loss_sum += loss.detach().double()
+
+    graphed = None
+    if use_graph:
+        graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
+                               [p for p in model.parameters() if p.requires_grad], d.device)
+    _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
+
     fault_hook = None
 
     def _fault(module, args):
@@ -442,7 +532,19 @@ def _train_one(c: TrainConfig) -> dict:
         if step in c.fault_steps:
             fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-        for m in range(c.grad_accum):
+        for m in range(c.grad_accum if graphed is not None else 0):
+            r0 = m * c.batch_size
+            graphed.load(m, *corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device))
+        if graphed is not None:
+            try:
+                if graphed.graph is None:
+                    graphed.capture()
+                loss_sum = graphed.replay().clone()
+                if recipe is not None:
+                    lnn.state.check_captured(wait=False)
+            except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
+                raise FloatingPointError(f"step {step}: {e}") from e
+        for m in range(c.grad_accum if graphed is None else 0):
             r0 = d.rank * rows_per_rank + m * c.batch_size
             x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
             sync = contextlib.nullcontext()
@@ -461,12 +563,16 @@ def _train_one(c: TrainConfig) -> dict:
         if fault_hook is not None:
             fault_hook.remove()
             fault_hook = None
-        found = lnn.nonfinite_events() if recipe is not None else []
+        try:
+            found = lnn.nonfinite_events() if recipe is not None else []
+        except lnn.NonFiniteAmaxError as e:
+            raise FloatingPointError(f"step {step}: {e}") from e
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
         bad = _any(bool(found) or not math.isfinite(step_loss), d)
         if bad:
-            opt.zero_grad(set_to_none=True)
+            if graphed is None:  # (a graph's gradients are rewritten by its next replay)
+                opt.zero_grad(set_to_none=True)
             where = [_event_fields(e) for e in found] or [{"layer": "loss", "role": "loss"}]
             action = c.on_nonfinite
             if action == "raise":
@@ -476,6 +582,9 @@ def _train_one(c: TrainConfig) -> dict:
                     ck = ckpt.read_checkpoint(ck_path)
                     ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
                     action = f"rollback to step {ck['step']}"
+                    if graphed is not None:  # loading may re-create .grad tensors: capture afresh next step
+                        graphed.graph = None
+                        lnn.state.clear_captured()
                     del ck
                 else:
                     action = "skip (no checkpoint to roll back to)"
@@ -486,7 +595,8 @@ def _train_one(c: TrainConfig) -> dict:
             if c.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            if graphed is None:
+                opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
             history["train"].append([step + 1, step_loss])
             history["lr"].append([step + 1, lr])
@@ -527,7 +637,7 @@ def _train_one(c: TrainConfig) -> dict:
         "history": history, "events": events,
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": bool(c.fsdp and d.active), "attention": attention_backend(),
-        "compute_dtype": "bf16" if use_bf16 else "fp32",
+        "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
         "data": corpus.meta,
     }

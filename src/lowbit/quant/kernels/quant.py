@@ -190,50 +190,153 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
 # blockwise 1xBS / BSxBS (DeepSeek-V3): fused rowwise + columnwise from one read of each tile
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _tile_offsets(r, c, ld, WIDE: tl.constexpr):
+    """Element offsets r * ld + c inside a tile. Tile bases are int64 pointers; in-tile offsets fit int32
+    unless a tile spans >= 2**31 elements of the array (WIDE, chosen on the host from the shape)."""
+    if WIDE:
+        return r.to(tl.int64)[:, None] * ld + c.to(tl.int64)[None, :]
+    else:
+        return r[:, None] * ld.to(tl.int32) + c[None, :]
+
+
+@triton.jit
+def _tile_load(ptr, r, c, ld, nr, nc, EVEN: tl.constexpr, WIDE: tl.constexpr):
+    """FP32 tile (r, c) of the row-major array at ptr (leading dimension ld); 0 at r >= nr or c >= nc."""
+    ptrs = ptr + _tile_offsets(r, c, ld, WIDE)
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=(r[:, None] < nr) & (c[None, :] < nc), other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _tile_store(ptr, r, c, ld, nr, nc, v, EVEN: tl.constexpr, WIDE: tl.constexpr):
+    ptrs = ptr + _tile_offsets(r, c, ld, WIDE)
+    if EVEN:
+        tl.store(ptrs, v)
+    else:
+        tl.store(ptrs, v, mask=(r[:, None] < nr) & (c[None, :] < nc))
+
+
+@triton.jit
+def _vec_store(ptr, offs, n, v, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr + offs, v)
+    else:
+        tl.store(ptr + offs, v, mask=offs < n)
+
+
+@triton.jit
 def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                      EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-                     SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
+                     SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                     SPLIT: tl.constexpr = False, RB: tl.constexpr = 32, CB: tl.constexpr = 32,
+                     EVEN: tl.constexpr = False, WIDE: tl.constexpr = True):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
     2D: rs[mb, kb] (ld pad4(cdiv(K, BS))), columnwise grid transposed cs[kb, mb] (ld pad4(cdiv(M, BS))).
     Stored values are scale_inv = 1 / scale.
+
+    SPLIT: the tile is walked in slabs instead of being held whole in registers (a 128x128 FP32 tile
+    costs ~170 registers a thread at 8 warps: one CTA per SM, nothing in flight while it computes).
+    The rowwise copy goes over RB x BS row slabs (a row's scale needs only its own BS values), the
+    columnwise copy over BM x CB column slabs (a column's scale needs only its BM values); the second
+    walk re-reads the tile, which the first walk has just brought into L1/L2, so DRAM still sees one
+    read. 2D tiles need the whole tile's amax first: one walk for it, then the cast walks.
+    EVEN: M % BM == 0 and K % BS == 0, no bounds masks. WIDE: in-tile offsets in int64 (see _tile_offsets).
     """
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BS + tl.arange(0, BS)
-    mmask = offs_m < M
-    kmask = offs_k < K
-    mask = mmask[:, None] & kmask[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    ab = _abs_bits(x)
-    row_max = tl.max(ab, axis=1)
-    tl.atomic_max(amax_ptr, tl.max(row_max, axis=0))
-    if TWO_D:
-        s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
-        si = _recip(s)
-        q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
-        if ROW:
-            tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
-            tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
-        if COL:
-            tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
-            tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(q).to(cq_ptr.dtype.element_ty),
-                     mask=kmask[:, None] & mmask[None, :])
+    m0 = pid_m * BM
+    k0 = pid_k * BS
+    nm = tl.minimum(M - m0, BM).to(tl.int32)  # rows / cols of this tile inside x
+    nk = tl.minimum(K - k0, BS).to(tl.int32)
+    xb = x_ptr + (m0 * K + k0)
+    rqb = rq_ptr + (m0 * K + k0)
+    cqb = cq_ptr + (k0 * M + m0)
+    if not SPLIT:
+        rm = tl.arange(0, BM)
+        ck = tl.arange(0, BS)
+        x = _tile_load(xb, rm, ck, K, nm, nk, EVEN, WIDE)
+        ab = _abs_bits(x)
+        row_max = tl.max(ab, axis=1)
+        tl.atomic_max(amax_ptr, tl.max(row_max, axis=0))
+        if TWO_D:
+            s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
+            si = _recip(s)
+            q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+            if ROW:
+                tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
+                _tile_store(rqb, rm, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+            if COL:
+                tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
+                # cast before the transpose: the layout change through shared memory moves 1 byte an element, not 4
+                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(q.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+        else:
+            if ROW:
+                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+                _vec_store(rs_ptr + pid_k * rs_ld + m0, rm, nm, _recip(sr), EVEN)
+                q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
+                _tile_store(rqb, rm, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+            if COL:
+                sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
+                _vec_store(cs_ptr + pid_m * cs_ld + k0, ck, nk, _recip(sc), EVEN)
+                qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
+                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(qc.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
     else:
-        if ROW:
-            sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-            tl.store(rs_ptr + pid_k * rs_ld + offs_m, _recip(sr), mask=mmask)
-            q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
-            tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
-        if COL:
-            sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
-            tl.store(cs_ptr + pid_m * cs_ld + offs_k, _recip(sc), mask=kmask)
-            qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
-            tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
-                     mask=kmask[:, None] & mmask[None, :])
+        ck = tl.arange(0, BS)  # row slabs span the tile's BS columns
+        rm = tl.arange(0, BM)  # column slabs span its BM rows
+        tmax = tl.zeros((RB,), dtype=tl.int32)
+        if TWO_D:
+            for r0 in tl.range(0, BM, RB):
+                x = _tile_load(xb, r0 + tl.arange(0, RB), ck, K, nm, nk, EVEN, WIDE)
+                tmax = tl.maximum(tmax, tl.max(_abs_bits(x), axis=1))
+            a = tl.max(tmax, axis=0)
+            tl.atomic_max(amax_ptr, a)
+            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
+            si = _recip(s)
+            if ROW:
+                tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
+                for r0 in tl.range(0, BM, RB):
+                    r = r0 + tl.arange(0, RB)
+                    x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+                    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+                    _tile_store(rqb, r, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+            if COL:
+                tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
+                for c0 in tl.range(0, BS, CB):
+                    c = c0 + tl.arange(0, CB)
+                    x = _tile_load(xb, rm, c, K, nm, nk, EVEN, WIDE)
+                    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(q.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+        else:
+            if ROW:
+                for r0 in tl.range(0, BM, RB):
+                    r = r0 + tl.arange(0, RB)
+                    x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+                    row_max = tl.max(_abs_bits(x), axis=1)
+                    tmax = tl.maximum(tmax, row_max)
+                    sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+                    _vec_store(rs_ptr + pid_k * rs_ld + m0, r, nm, _recip(sr), EVEN)
+                    q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
+                    _tile_store(rqb, r, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+                tl.atomic_max(amax_ptr, tl.max(tmax, axis=0))
+            if COL:
+                cmax = tl.zeros((CB,), dtype=tl.int32)
+                for c0 in tl.range(0, BS, CB):
+                    c = c0 + tl.arange(0, CB)
+                    x = _tile_load(xb, rm, c, K, nm, nk, EVEN, WIDE)
+                    col_max = tl.max(_abs_bits(x), axis=0)
+                    cmax = tl.maximum(cmax, col_max)
+                    sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
+                    _vec_store(cs_ptr + pid_m * cs_ld + k0, c, nk, _recip(sc), EVEN)
+                    qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
+                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(qc.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+                if not ROW:
+                    tl.atomic_max(amax_ptr, tl.max(cmax, axis=0))
 
 
 # ------------------------------------------------------------------------------------------------
