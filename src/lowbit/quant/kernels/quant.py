@@ -91,6 +91,17 @@ def _fp8_prep(v, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW
 
 
 @triton.jit
+def _fp8_cast(v, dtype: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr,
+              SATCVT: tl.constexpr):
+    """v cast to FP8 ``dtype`` as ``_fp8_prep(v).to(dtype)``. SATCVT (host: sm_89+, where Triton emits
+    ``cvt.rn.satfinite``, which already sends ±Inf and |v| > fmax to ±fmax and keeps NaN): no clamp first."""
+    if SATCVT and not SW:
+        return v.to(dtype)
+    else:
+        return _fp8_prep(v, FMAX, EMIN, MBITS, SW).to(dtype)
+
+
+@triton.jit
 def _uniform(seed, idx):
     """formats.philox_uniform: (philox(seed, idx)[0] >> 8) * 2**-24."""
     r = tl.randint(seed, idx)
@@ -232,8 +243,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                      EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                      SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                     SPLIT: tl.constexpr = False, RB: tl.constexpr = 32, CB: tl.constexpr = 32,
-                     EVEN: tl.constexpr = False, WIDE: tl.constexpr = True):
+                     MODE: tl.constexpr = 0, RB: tl.constexpr = 32, CB: tl.constexpr = 32,
+                     EVEN: tl.constexpr = False, WIDE: tl.constexpr = True, SATCVT: tl.constexpr = False):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
@@ -248,6 +259,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     read. 2D tiles need the whole tile's amax first: one walk for it, then the cast walks.
     EVEN: M % BM == 0 and K % BS == 0, no bounds masks. WIDE: in-tile offsets in int64 (see _tile_offsets).
     """
+    DT: tl.constexpr = rq_ptr.dtype.element_ty  # rq and cq share the FP8 format
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
     m0 = pid_m * BM
@@ -257,7 +269,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     xb = x_ptr + (m0 * K + k0)
     rqb = rq_ptr + (m0 * K + k0)
     cqb = cq_ptr + (k0 * M + m0)
-    if not SPLIT:
+    if MODE == 0:
         rm = tl.arange(0, BM)
         ck = tl.arange(0, BS)
         x = _tile_load(xb, rm, ck, K, nm, nk, EVEN, WIDE)
@@ -267,25 +279,74 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         if TWO_D:
             s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
             si = _recip(s)
-            q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+            q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
-                _tile_store(rqb, rm, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+                _tile_store(rqb, rm, ck, K, nm, nk, q, EVEN, WIDE)
             if COL:
                 tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
                 # cast before the transpose: the layout change through shared memory moves 1 byte an element, not 4
-                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(q.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
             if ROW:
                 sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
                 _vec_store(rs_ptr + pid_k * rs_ld + m0, rm, nm, _recip(sr), EVEN)
-                q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
-                _tile_store(rqb, rm, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+                q = _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(rqb, rm, ck, K, nm, nk, q, EVEN, WIDE)
             if COL:
                 sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
                 _vec_store(cs_ptr + pid_m * cs_ld + k0, ck, nk, _recip(sc), EVEN)
-                qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
-                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(qc.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(qc), EVEN, WIDE)
+    elif MODE == 2:
+        ck = tl.arange(0, BS)
+        if COL or TWO_D:
+            acc = tl.zeros((RB, BS), dtype=tl.int32)  # elementwise running max of |x| bits over the row slabs
+        else:
+            tmax = tl.zeros((RB,), dtype=tl.int32)
+        for r0 in tl.range(0, BM, RB):
+            r = r0 + tl.arange(0, RB)
+            x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+            ab = _abs_bits(x)
+            if COL or TWO_D:
+                acc = tl.maximum(acc, ab)
+            if ROW and not TWO_D:
+                row_max = tl.max(ab, axis=1)
+                if not COL:
+                    tmax = tl.maximum(tmax, row_max)
+                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+                _vec_store(rs_ptr + pid_k * rs_ld + m0, r, nm, _recip(sr), EVEN)
+                q = _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
+        if COL or TWO_D:
+            col_max = tl.max(acc, axis=0)
+            a = tl.max(col_max, axis=0)
+        else:
+            a = tl.max(tmax, axis=0)
+        tl.atomic_max(amax_ptr, a)
+        if TWO_D:
+            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
+            si = _recip(s)
+            if ROW:
+                tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
+            if COL:
+                tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
+            for r0 in tl.range(0, BM, RB):
+                r = r0 + tl.arange(0, RB)
+                x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+                q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                if ROW:
+                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
+                if COL:
+                    _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
+        elif COL:
+            sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
+            _vec_store(cs_ptr + pid_m * cs_ld + k0, ck, nk, _recip(sc), EVEN)
+            for r0 in tl.range(0, BM, RB):
+                r = r0 + tl.arange(0, RB)
+                x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(cqb, ck, r, M, nk, nm, tl.trans(qc), EVEN, WIDE)
     else:
         ck = tl.arange(0, BS)  # row slabs span the tile's BS columns
         rm = tl.arange(0, BM)  # column slabs span its BM rows
@@ -303,15 +364,15 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 for r0 in tl.range(0, BM, RB):
                     r = r0 + tl.arange(0, RB)
                     x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-                    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
-                    _tile_store(rqb, r, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+                    q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
             if COL:
                 tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
                 for c0 in tl.range(0, BS, CB):
                     c = c0 + tl.arange(0, CB)
                     x = _tile_load(xb, rm, c, K, nm, nk, EVEN, WIDE)
-                    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
-                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(q.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+                    q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
             if ROW:
                 for r0 in tl.range(0, BM, RB):
@@ -321,8 +382,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                     tmax = tl.maximum(tmax, row_max)
                     sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
                     _vec_store(rs_ptr + pid_k * rs_ld + m0, r, nm, _recip(sr), EVEN)
-                    q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
-                    _tile_store(rqb, r, ck, K, nm, nk, q.to(rq_ptr.dtype.element_ty), EVEN, WIDE)
+                    q = _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
                 tl.atomic_max(amax_ptr, tl.max(tmax, axis=0))
             if COL:
                 cmax = tl.zeros((CB,), dtype=tl.int32)
@@ -333,8 +394,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                     cmax = tl.maximum(cmax, col_max)
                     sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
                     _vec_store(cs_ptr + pid_m * cs_ld + k0, c, nk, _recip(sc), EVEN)
-                    qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
-                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(qc.to(cq_ptr.dtype.element_ty)), EVEN, WIDE)
+                    qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(qc), EVEN, WIDE)
                 if not ROW:
                     tl.atomic_max(amax_ptr, tl.max(cmax, axis=0))
 
