@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.rope import rope_qkv
+
 __all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
 
 
@@ -153,10 +155,12 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (…, seq, head_dim) by position: x·cos + rotate_half(x)·sin."""
+    """Rotate (…, seq, head_dim) by position: x·cos + rotate_half(x)·sin, in FP32 with one rounding
+    (the math of :func:`lowbit.ops.rope_qkv`, which the model uses on packed QKV)."""
     h = x.shape[-1] // 2
-    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+    xf = x.float()
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+    return (xf * cos.float() + rot * sin.float()).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -173,10 +177,11 @@ class Block(nn.Module):
 
     def forward(self, x, rope=None, is_first_microbatch=None):
         B, T, C = x.shape
-        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
-        q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch).view(B, T, 3, self.n_head, C // self.n_head)
+        if rope is not None:  # one fused kernel on CUDA (lowbit.ops.rope_qkv), the FP32 reference elsewhere
+            q, k, v = rope_qkv(qkv, *rope)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
         x = x + self.proj(y, is_first_microbatch=is_first_microbatch)
         return x + self.mlp(x, is_first_microbatch=is_first_microbatch)
