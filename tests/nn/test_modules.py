@@ -240,3 +240,23 @@ def test_return_layernorm_output():
     with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
         yq, lnq = m(torch.randn(16, 32))
     assert yq.shape == (16, 16) and lnq.shape == (16, 32)
+
+
+def test_layernorm_mlp_fused_swiglu_flag():
+    """fused_swiglu=None: torch's silu(a)*b outside autocast (bit for bit); True: lowbit.ops.swiglu (FP32 math, one
+    rounding) outside autocast too; bad values rejected."""
+    import torch.nn.functional as F
+
+    from lowbit.ops import swiglu_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    m = lowbit.nn.LayerNormMLP(32, 48, activation="swiglu", normalization="RMSNorm", dtype=torch.bfloat16)
+    ln = F.rms_norm(x, (32,), m.layer_norm_weight, m.eps)
+    h = F.linear(ln, m.fc1_weight, m.fc1_bias)
+    a, b = h.chunk(2, dim=-1)
+    assert torch.equal(m(x), F.linear(F.silu(a) * b, m.fc2_weight, m.fc2_bias))
+    m.fused_swiglu = True
+    assert torch.equal(m(x), F.linear(swiglu_reference(h), m.fc2_weight, m.fc2_bias))
+    with pytest.raises(TypeError, match="fused_swiglu"):
+        lowbit.nn.LayerNormMLP(32, 48, activation="swiglu", fused_swiglu="yes")

@@ -173,7 +173,9 @@ class Block(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm, eps=cfg.norm_eps)
         self.proj = lnn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp)
+        # the same fused SwiGLU kernel under every recipe (BF16 included), so recipe comparisons compare GEMMs
+        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp,
+                                    fused_swiglu=True)
 
     def forward(self, x, rope=None, is_first_microbatch=None):
         B, T, C = x.shape

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
@@ -36,18 +37,25 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         activation: ``"gelu"`` (erf form, as ``torch.nn.GELU()``; fused into fc1's GEMM epilogue in
             autocast) or ``"swiglu"`` (fc1 outputs 2·ffn features [a, b]; act = silu(a) · b).
         eps: the norm's epsilon.
+        fused_swiglu: SwiGLU as one fused kernel (:func:`lowbit.ops.swiglu`: FP32 math, one rounding) or as
+            torch's ``F.silu(a) * b``. None (default): fused inside autocast, torch outside (so the module
+            stays bit-identical to torch outside autocast); True / False: always / never fused (a model
+            compared across recipes should use the same kernels in every mode, e.g. lowbit.models.GPT).
         device, dtype: parameter placement.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
     (ffn or 2·ffn, hidden), ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias``.
 
-    Outside autocast it equals Norm -> ``F.linear`` -> ``F.gelu`` (or silu(a)·b) -> ``F.linear`` bit
-    for bit. Input (..., hidden) -> output (..., hidden).
+    Outside autocast (and with ``fused_swiglu`` not True) it equals Norm -> ``F.linear`` -> ``F.gelu``
+    (or silu(a)·b) -> ``F.linear`` bit for bit. Input (..., hidden) -> output (..., hidden).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
-                 activation: str = "gelu", eps: float = 1e-5, device=None, dtype=None):
+                 activation: str = "gelu", eps: float = 1e-5, fused_swiglu: bool | None = None, device=None, dtype=None):
         super().__init__()
+        if fused_swiglu not in (None, True, False):
+            raise TypeError(f"fused_swiglu: expected None, True or False, got {fused_swiglu!r}")
+        self.fused_swiglu = fused_swiglu
         _check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_norm_args(normalization, eps)
         if activation not in _ACTS:
@@ -81,16 +89,22 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             if self.activation == "gelu":
                 h = F.gelu(h)
             else:
-                a, b = h.chunk(2, dim=-1)
-                h = F.silu(a) * b
+                if self.fused_swiglu:
+                    h = swiglu(h)
+                else:
+                    a, b = h.chunk(2, dim=-1)
+                    h = F.silu(a) * b
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         if self.activation == "gelu":
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
         else:
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
-            a, b = h.chunk(2, dim=-1)
-            h = F.silu(a) * b
+            if self.fused_swiglu is False:
+                a, b = h.chunk(2, dim=-1)
+                h = F.silu(a) * b
+            else:
+                h = swiglu(h)  # fused on CUDA (FP32 math, one rounding)
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
 
     def extra_repr(self) -> str:
