@@ -253,3 +253,17 @@ def test_gemm_kernels_in_interpreter():
 
 if __name__ == "__main__" and "--interp" in sys.argv:
     sys.exit(_interp_main())
+
+
+@pytest.mark.gpu
+def test_cublas_takes_padded_128x128_scale_grids(cuda):
+    """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks, stored padded to 24): the dense copy of
+    the grid keeps the call on cuBLAS (it used to be rejected and answered by the slower Triton GEMM)."""
+    from lowbit.gemm import backend_for, cublas
+
+    for K in (2816, 1152, 4096):
+        a, b = _operands(256, 384, K, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda, seed=K)
+        assert backend_for(a, b, out_dtype=torch.bfloat16) == "cublas"
+        before = set(cublas.REJECTED)
+        _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=torch.bfloat16)
+        assert cublas.REJECTED == before, (K, cublas.REJECTED)

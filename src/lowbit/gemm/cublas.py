@@ -90,7 +90,12 @@ def _scales(t, which, rows, K):
         return c.scale_inv.reshape(())
     if isinstance(sch, Float8Rowwise):
         return c.scale_inv.reshape(rows, 1)
-    return t.logical_scales(which)  # 1x128: (rows, K/128) strides (1, rows); 128x128: (rows/128, K/128)
+    s = t.logical_scales(which)  # 1x128: (rows, K/128) strides (1, rows); 128x128: (rows/128, K/128)
+    if sch.block_dim == 2 and s.stride(0) != s.shape[1]:
+        # the stored grid pads its rows to a multiple of 4 blocks; cuBLAS takes only a dense grid
+        # (it rejected the padded view, e.g. K = 2816 -> 22 blocks stored with stride 24): copy the few floats
+        s = s.contiguous()
+    return s
 
 
 def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
