@@ -134,3 +134,34 @@ def test_rotary_pos_emb_matches_gpt_rope():
     assert not torch.allclose(y, m(x), atol=1e-3)  # the rotation matters
     with pytest.raises(ValueError, match="rotary_pos_emb"):
         m(x, rotary_pos_emb=(cos[:5], sin[:5]))
+
+
+@pytest.mark.gpu
+def test_fp8_grad_handoff_on_cuda(cuda):
+    """The hand-off on the GPU: the fused Triton attention backward writes FP8 dQ/dK/dV (E5M2, the QKV layer's delayed
+    grad_output scale) and the projection's dgrad/wgrad consume them; gradients as accurate as re-quantizing."""
+    from lowbit.recipes import DelayedScaling
+
+    torch.manual_seed(4)
+    recipe = DelayedScaling(amax_history_len=4)
+    kw = dict(normalization="LayerNorm", device=cuda, dtype=torch.bfloat16)
+    m = MultiheadAttention(256, 4, 2, **kw)
+    m_off = MultiheadAttention(256, 4, 2, fp8_grad_handoff=False, **kw)
+    m_off.load_state_dict(m.state_dict())
+    hp = MultiheadAttention(256, 4, 2, **dict(kw, dtype=torch.float32))
+    hp.load_state_dict({k: v.float() for k, v in m.state_dict().items() if not k.endswith("_extra_state")}, strict=False)
+    x = torch.randn(2, 256, 256, device=cuda)
+    hp(x).square().mean().backward()
+    for step in range(3):
+        for mod in (m, m_off):
+            mod.zero_grad()
+            with lowbit.autocast(recipe=recipe):
+                y = mod(x.bfloat16())
+            y.float().square().mean().backward()
+    assert m.qkv._gemms[""].handoffs == 3 and m_off.qkv._gemms[""].handoffs == 0
+    for (n, p), p_off, p_hp in zip(m.named_parameters(), m_off.parameters(), hp.parameters()):
+        assert torch.isfinite(p.grad).all(), n
+        s_on = 10 * math.log10(p_hp.grad.pow(2).sum().item() / (p.grad.float() - p_hp.grad).pow(2).sum().item())
+        s_off = 10 * math.log10(p_hp.grad.pow(2).sum().item() / (p_off.grad.float() - p_hp.grad).pow(2).sum().item())
+        print(f"{n}: hand-off {s_on:.1f} dB, re-quantized {s_off:.1f} dB")
+        assert s_on > s_off - 1.5 and s_on > 15, (n, s_on, s_off)
