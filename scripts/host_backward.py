@@ -32,6 +32,12 @@ def wrap(obj, name, label):
 
 
 wrap(F_, "scaled_mm", "scaled_mm")
+wrap(F_, "quantize", "quantize (lowbit.quant)")
+import lowbit.quant.triton_backend as TB  # noqa: E402
+wrap(TB, "_blockwise", "triton_backend._blockwise")
+import lowbit.gemm.cublas as CB  # noqa: E402
+wrap(CB.torch.nn.functional, "scaled_mm", "F.scaled_mm (torch)")
+wrap(F_._ac, "sentry", "sentry")
 wrap(F_.GemmLayer, "quantize", "GemmLayer.quantize")
 wrap(F_.GemmLayer, "quantized_weight", "GemmLayer.quantized_weight")
 wrap(F_._QuantizedLinearFn, "backward", "Fn.backward (total)")

@@ -175,6 +175,23 @@ def test_software_rounding_path_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_repeated_calls_fast_launch_path_bit_identical(cuda):
+    """The second and later calls of a shape take the cached-plan / direct-launch path (lowbit._launch): fresh data
+    each time, an input at a 16-byte-misaligned offset (another specialization), delayed scales — all bit-identical."""
+    base = _randn((2, 129 * 384 + 8), torch.bfloat16, cuda, seed=60)
+    for scheme, kw in [(Float8Tensorwise(), {}), (Float8Tensorwise(), {"scale": torch.tensor([3.0], device=cuda)}),
+                       (Float8Blockwise(), {}), (Float8Blockwise(block_dim=2), {})]:
+        for i in range(3):
+            x = _randn((129, 384), torch.bfloat16, cuda, seed=61 + i)
+            bad = compare(x, scheme, True, True, **kw)
+            assert not bad, f"{scheme} call {i}: {bad}"
+        for off in (1, 8):  # 2 and 16 bytes past an aligned start: unaligned, then aligned again
+            x = base[0, off:off + 129 * 384].view(129, 384)
+            bad = compare(x, scheme, True, True, **kw)
+            assert not bad, f"{scheme} offset {off}: {bad}"
+
+
+@pytest.mark.gpu
 def test_dispatch_on_gpu_picks_triton_and_reports(cuda):
     x = torch.randn(256, 256, device=cuda)
     assert backend_for(x, Float8Blockwise(), True, True) == "triton"

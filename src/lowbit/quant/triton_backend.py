@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 
+from .._launch import CachedLaunch
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
@@ -188,30 +189,48 @@ def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise
     return qt
 
 
+_TENSORWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, delayed) -> [cfg, grid, amax grid/block]
+_AMAX_LAUNCH = CachedLaunch(K.amax_kernel)
+_TENSORWISE_LAUNCH = CachedLaunch(K.tensorwise_kernel)
+
+
 def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     M, Kd = x2.shape
     fmt, dev = sch.format, x2.device
     amax_i = _amax_buffer(dev)
     delayed = scale is not None
-    if delayed:
-        s = scale.to(torch.float32).reshape(1)
-    else:
-        s = amax_i  # unused by the kernel
-        _launch_amax(x2, amax_i)
+    s = scale.to(torch.float32).reshape(1) if delayed else amax_i  # (unused by the kernel when not delayed)
     rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     si = torch.empty(1, dtype=torch.float32, device=dev)
-    cands = _configs([32, 64, 128], [64, 128], [4, 8], M, Kd)
+    pkey = (M, Kd, x2.dtype, sch, rowwise, columnwise, delayed)
+    plan = _TENSORWISE_PLANS.get(pkey)
+    fa = _fmt_args(fmt)
+    n = M * Kd
+    ablock = 4096 if n >= 4096 else max(16, _bucket(n))
+    # Triton specializes pointers on 16-byte alignment: the only argument whose alignment can vary here is
+    # the caller's x (and a given scale); the buffers above are fresh allocations.
+    lkey = (pkey, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
+    if not delayed:
+        _AMAX_LAUNCH((cdiv(n, ablock),), lkey, x2, amax_i, n, ablock, num_warps=8 if ablock >= 4096 else 4)
+    a1, a2 = (rq if rowwise else cq), (cq if columnwise else rq)
+    if plan is not None:
+        c = plan
+        _TENSORWISE_LAUNCH((cdiv(M, c["BM"]), cdiv(Kd, c["BK"])), lkey, x2, a1, a2, s, amax_i, si, M, Kd, fa["FMAX"],
+                           fa["EMIN"], fa["MBITS"], delayed, rowwise, columnwise, SW_ROUND, c["BM"], c["BK"],
+                           num_warps=c["num_warps"])
+    else:
+        cands = _configs([32, 64, 128], [64, 128], [4, 8], M, Kd)
 
-    def launch(c):
-        if delayed:
-            amax_i.zero_()
-        grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-        K.tensorwise_kernel[grid](x2, rq if rowwise else cq, cq if columnwise else rq, s, amax_i, si, M, Kd, **_fmt_args(fmt),
-                                  DELAYED=delayed, ROW=rowwise, COL=columnwise, SW=SW_ROUND,
-                                  BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
+        def launch(c):
+            if delayed:
+                amax_i.zero_()
+            grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
+            K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise, COL=columnwise,
+                                      SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-    tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)),
+                                               cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
