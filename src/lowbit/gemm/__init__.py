@@ -124,21 +124,24 @@ def scaled_mm(
     Returns:
         y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
     """
-    _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
-    if backend is None:
-        # Hot path: the choice depends only on these properties (the cuBLAS backend may later decline a
-        # signature cuBLAS rejected; it then answers that call itself and the key is dropped below).
-        key = (a.device.type, b.device.type, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
-               bias is None, gelu, accumulate, out is None)
+    if backend is None and isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        # Hot path: validity and the backend choice depend only on these properties, so a key seen before
+        # skips both (the cuBLAS backend clears the memo when cuBLAS rejects a signature at run time).
+        key = (a.device, b.device, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
+               None if bias is None else (bias.shape, bias.device), gelu, accumulate,
+               None if out is None else (out.shape, out.device),
+               getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None)
         fn = _CHOICE.get(key)
         if fn is None:
+            _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             fn = dict(_all())[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
             if len(_CHOICE) > 4096:
                 _CHOICE.clear()
             _CHOICE[key] = fn
         y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
         return (y, pre) if return_pre_gelu else y
+    _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
     table = dict(_all())
     if backend is not None:
         if backend not in table:

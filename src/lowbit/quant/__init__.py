@@ -97,12 +97,14 @@ def quantize(
         # properties, so it is looked up once per distinct key.
         key = (x.device.type, x.dtype, tuple(x.shape), x.is_contiguous(), scheme, rowwise, columnwise)
         fn = _CHOICE.get(key)
-        if fn is None:
-            fn = dict(_all_backends())[backend_for(x, scheme, rowwise, columnwise)][1]
-            if len(_CHOICE) > 4096:
-                _CHOICE.clear()
-            _CHOICE[key] = fn
-        return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+        if fn is not None:  # this key ran before: its input checks passed then (a backend's `.checked` skips them)
+            return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+        fn = dict(_all_backends())[backend_for(x, scheme, rowwise, columnwise)][1]
+        out = fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+        if len(_CHOICE) > 4096:
+            _CHOICE.clear()
+        _CHOICE[key] = getattr(fn, "checked", fn)
+        return out
     table = dict(_all_backends())
     if backend is None:
         backend = backend_for(x, scheme, rowwise, columnwise)
