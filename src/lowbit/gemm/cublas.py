@@ -22,9 +22,10 @@ from . import register_backend
 from .. import gemm as _gemm
 from .reference import apply_epilogue
 
-__all__ = ["supports", "scaled_mm_cublas", "REJECTED"]
+__all__ = ["supports", "scaled_mm_cublas", "REJECTED", "REJECTED_WHY"]
 
 REJECTED: set = set()
+REJECTED_WHY: dict = {}  # signature -> the error cuBLAS / torch gave (for diagnostics: scripts, lowbit info)
 _F = torch.nn.functional
 _HAS_F_SCALED_MM = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType")
 
@@ -118,8 +119,9 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
                 sb = sb.t()  # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
             acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError) as e:
         REJECTED.add(_sig(a, b, dict(out_dtype=out_dtype), K))
+        REJECTED_WHY[_sig(a, b, dict(out_dtype=out_dtype), K)] = f"{type(e).__name__}: {str(e)[:400]}"
         _gemm._CHOICE.clear()  # the dispatcher's memo re-asks supports(), which now declines this signature
         from .triton_backend import scaled_mm_triton
 
