@@ -76,3 +76,8 @@ for rn in names:
             f.write(f"{t / 1e3:9.3f} ms  {group(k):20s} {k[:150]}\n")
     del model, opt
     torch.cuda.empty_cache()
+
+from lowbit.gemm import cublas as _cb  # noqa: E402
+
+for sig, why in _cb.REJECTED_WHY.items():
+    print("cuBLAS rejected", sig, "->", why)
