@@ -140,13 +140,24 @@ def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
 
 
 def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
-                    scale: torch.Tensor | None = None, seed: int | None = None) -> QuantizedTensor:
+                    scale: torch.Tensor | None = None, seed: int | None = None, _checked: bool = False) -> QuantizedTensor:
     """Quantize a CUDA tensor with the Triton kernels; same contract and results as :func:`quantize_reference`.
 
     Args:
         x: (..., K) float32/bfloat16/float16 CUDA tensor, contiguous; viewed as (M, K).
         scheme, rowwise, columnwise, scale, seed: see :func:`lowbit.quantize`.
+        _checked: internal (``lowbit.quantize``'s memoized dispatch): x's device, dtype, shape, contiguity and
+            the scheme were validated for this exact key before; only a given ``scale`` is still checked.
     """
+    if _checked:
+        if scale is not None:
+            _validate(x, scheme, rowwise, columnwise, scale)
+    else:
+        _check_triton_input(x, scheme, rowwise, columnwise, scale)
+    return _quantize_triton(x, scheme, rowwise, columnwise, scale, seed)
+
+
+def _check_triton_input(x, scheme, rowwise, columnwise, scale):
     _validate(x, scheme, rowwise, columnwise, scale)
     if not x.is_cuda and not INTERPRET:
         raise ValueError(f"x: the triton backend runs on CUDA tensors, got device {x.device}; use backend='reference'")
@@ -158,6 +169,9 @@ def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise
     if not _implemented(x, scheme, rowwise, columnwise):
         raise NotImplementedError(f"scheme: the triton backend does not implement {scheme!r} with rowwise={rowwise}, "
                                   f"columnwise={columnwise} for shape {tuple(x.shape)}; use backend='reference'")
+
+
+def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     x2 = x.detach().reshape(-1, x.shape[-1])
     M, Kd = x2.shape
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
@@ -262,13 +276,57 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
 _BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise) -> _BlockwisePlan once tuned
 
 
+def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
+                       dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Candidate launches of ``blockwise_kernel`` (the first is the default when not autotuning), pruned by shape.
+
+    A tile is BM x bs; BM = bs with the columnwise copy or 2D scales. 128-wide tiles are walked in
+    SLAB-row slabs at 4 warps (see the kernel; measured on the H200: 64-row slabs for the columnwise copy
+    and 2D, column scales one a thread (SCR), both walks unrolled when walk 1 has no rowwise copy to make;
+    32-row slabs for rowwise only). Smaller blocks, and rowwise-only inputs of few rows, are held whole.
+    2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walks'
+    2D output from FP32 input did not match the previous kernel bit for bit (BF16 / FP16 input did, and
+    so does FP32 in the interpreter); the cause is not found yet.
+    """
+    square = two_d or columnwise
+    out = []
+
+    def add(bm, slab, warps, **kw):
+        if bm <= max(_bucket(M), bs if square else 1):
+            out.append(dict(BM=bm, SLAB=slab, num_warps=warps, **kw))
+
+    if square and bs >= 128 and not (two_d and dtype == torch.float32):
+        if two_d:
+            add(bs, 64, 4)
+            add(bs, 64, 4, UNROLL=2)
+            add(bs, 32, 4, UNROLL=4)
+        else:
+            scr = dict(SCR=True)
+            first, second = (dict(UNROLL=1), dict(UNROLL=2)) if rowwise else (dict(UNROLL=2), dict(UNROLL=1))
+            add(bs, 64, 4, **scr, **first)
+            add(bs, 64, 4, **scr, **second)
+            add(bs, 32, 4, **scr)
+    elif square:
+        for w in (4, 8) if bs >= 64 else (4,):
+            add(bs, 0, w)
+    else:
+        if bs >= 64:
+            add(128, 32, 4)
+            add(128, 32, 4, UNROLL=4)
+        for bm in (64, 32, 16, 8):
+            add(bm, 0, 4)
+    if not out:  # fewer rows than any tile: the smallest
+        out.append(dict(BM=bs if square else 8, SLAB=0, num_warps=4))
+    return out
+
+
 class _BlockwisePlan:
     """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
     matters: this runs for every quantized GEMM operand of every step)."""
 
-    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg")
+    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs")
 
-    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise):
+    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
         mb, kb = cdiv(M, bs), cdiv(Kd, bs)
         if sch.block_dim == 2:
@@ -277,10 +335,24 @@ class _BlockwisePlan:
             self.rshape, self.cshape = (kb, pad_to(M, 4)), (mb, pad_to(Kd, 4))
         self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
         self.nc = self.cshape[0] * self.cshape[1] if columnwise else 0
+        # SATCVT: from sm_89 Triton casts to FP8 with cvt.rn.satfinite (the only form PTX has), which clamps
+        # by itself; older GPUs get Triton's software conversion, so the clamp stays there.
+        satcvt = not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
         self.kw = dict(**_fmt_args(sch.format), POW2=sch.pow2, EPS=float(sch.eps), TWO_D=sch.block_dim == 2,
-                       ROW=rowwise, COL=columnwise, SW=SW_ROUND, BS=bs)
+                       ROW=rowwise, COL=columnwise, SW=SW_ROUND, BS=bs, SATCVT=satcvt)
+        self.M, self.K, self.bs = M, Kd, bs
         self.cfg = None
         self.grid = None
+
+    def launch_args(self, c: dict):
+        """(grid, keyword arguments) of blockwise_kernel for candidate ``c``."""
+        M, Kd, bs, bm = self.M, self.K, self.bs, c["BM"]
+        kw = dict(self.kw, **c)
+        kw["EVEN"] = M % bm == 0 and Kd % bs == 0
+        kw["WIDE"] = bm * Kd + bs >= 2**31 or bs * M + bm >= 2**31  # in-tile offsets past int32
+        gm, gk = cdiv(M, bm), cdiv(Kd, bs)
+        kw["KMAJOR"] = gm <= 65535  # a grid's y extent is at most 65535
+        return ((gk, gm) if kw["KMAJOR"] else (gm, gk)), kw
 
 
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
@@ -289,7 +361,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
-        plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise)
+        plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
     rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     # One zero-filled buffer (one launch) holds both scale grids (pads must read 0) and the amax
@@ -304,23 +376,17 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
     if plan.cfg is not None:
-        c = plan.cfg
-        K.blockwise_kernel[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.kw, BM=c["BM"],
-                                      num_warps=c["num_warps"])
+        K.blockwise_kernel[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.cfg)
     else:
         two_d = sch.block_dim == 2
-        square = two_d or columnwise
-        bms = [bs] if square else [b for b in (8, 16, 32, 64, 128) if b <= bs]
-        cands = _configs(bms, [bs], [4, 8], M, Kd, min_m=bs, min_k=bs)
-        if square:
-            cands = [c for c in cands if c["BM"] == bs] or [dict(BM=bs, BK=bs, num_warps=8)]
+        cands = _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
-            K.blockwise_kernel[(cdiv(M, c["BM"]), cdiv(Kd, bs))](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.kw,
-                                                                 BM=c["BM"], num_warps=c["num_warps"])
+            grid, kw = plan.launch_args(c)
+            K.blockwise_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **kw)
 
         c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
-        plan.cfg, plan.grid = c, (cdiv(M, c["BM"]), cdiv(Kd, bs))
+        plan.grid, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
     amax = amax_i.view(torch.float32)
     if rowwise:
@@ -391,4 +457,5 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone(), global_scale=gs.clone(), rht=False)
 
 
+quantize_triton.checked = lambda x, scheme, **kw: quantize_triton(x, scheme, _checked=True, **kw)  # see lowbit.quantize
 register_backend("triton", supports, quantize_triton)

@@ -207,7 +207,7 @@ def _tile_offsets(r, c, ld, WIDE: tl.constexpr):
     if WIDE:
         return r.to(tl.int64)[:, None] * ld + c.to(tl.int64)[None, :]
     else:
-        return r[:, None] * ld.to(tl.int32) + c[None, :]
+        return r[:, None] * ld + c[None, :]
 
 
 @triton.jit
@@ -243,25 +243,39 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                      EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                      SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                     MODE: tl.constexpr = 0, RB: tl.constexpr = 32, CB: tl.constexpr = 32,
-                     EVEN: tl.constexpr = False, WIDE: tl.constexpr = True, SATCVT: tl.constexpr = False):
+                     SLAB: tl.constexpr = 0, EVEN: tl.constexpr = False, WIDE: tl.constexpr = True,
+                     SATCVT: tl.constexpr = False, SCR: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+                     KMAJOR: tl.constexpr = False, abs_mask=0x7FFFFFFF):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
     2D: rs[mb, kb] (ld pad4(cdiv(K, BS))), columnwise grid transposed cs[kb, mb] (ld pad4(cdiv(M, BS))).
     Stored values are scale_inv = 1 / scale.
 
-    SPLIT: the tile is walked in slabs instead of being held whole in registers (a 128x128 FP32 tile
-    costs ~170 registers a thread at 8 warps: one CTA per SM, nothing in flight while it computes).
-    The rowwise copy goes over RB x BS row slabs (a row's scale needs only its own BS values), the
-    columnwise copy over BM x CB column slabs (a column's scale needs only its BM values); the second
-    walk re-reads the tile, which the first walk has just brought into L1/L2, so DRAM still sees one
-    read. 2D tiles need the whole tile's amax first: one walk for it, then the cast walks.
+    One program a tile: grid (cdiv(M, BM), cdiv(K, BS)), or with KMAJOR (cdiv(K, BS), cdiv(M, BM)), so that
+    consecutive programs read neighbouring column tiles of the same rows, which DRAM serves better than
+    tiles BM rows apart (rowwise only: ~5% on the H200).
+
+    SLAB = 0: the whole tile is loaded once and held in registers (FP32: ~170 registers a thread for
+    128x128 at 8 warps, so one CTA an SM and nothing in flight while it computes): small blocks, short
+    rowwise-only inputs, and 2D from FP32 (see _blockwise_configs). The transposed copy is cast in its
+    own (transposed) layout, as the original single-pass kernel did.
+    SLAB > 0: the tile is walked in SLAB x BS row slabs, twice. Walk 1 makes the rowwise copy (a row's
+    scale needs only its BS values) and keeps an elementwise running max for the column / tile amax;
+    walk 2 re-reads the slabs (just brought into L1/L2 by walk 1: DRAM still sees one read) and makes the
+    columnwise copy (2D: both copies). Few registers a CTA, so several CTAs an SM keep loads in flight.
+    UNROLL: the walks' unroll factor (their loads in flight together).
+    SCR: the column scales are computed one column a thread: the column maxima are parked in the cs row
+    (global, this tile's own) and read back, since in the slab layout every thread holds 16 columns and
+    would do the two divisions for each.
     EVEN: M % BM == 0 and K % BS == 0, no bounds masks. WIDE: in-tile offsets in int64 (see _tile_offsets).
+    SATCVT: see _fp8_cast. abs_mask: 0x7FFFFFFF, passed at run time so that the compiler cannot see
+    "bits & 0x7FFFFFFF" as fabs: fused with the bf16->fp32 conversion, ptxas may then compute |x| with a
+    half-precision FMA, which replaces a NaN's payload (the amax bits would change).
     """
     DT: tl.constexpr = rq_ptr.dtype.element_ty  # rq and cq share the FP8 format
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_k = tl.program_id(1).to(tl.int64)
+    pid_m = tl.program_id(1 if KMAJOR else 0).to(tl.int64)
+    pid_k = tl.program_id(0 if KMAJOR else 1).to(tl.int64)
     m0 = pid_m * BM
     k0 = pid_k * BS
     nm = tl.minimum(M - m0, BM).to(tl.int32)  # rows / cols of this tile inside x
@@ -269,24 +283,23 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     xb = x_ptr + (m0 * K + k0)
     rqb = rq_ptr + (m0 * K + k0)
     cqb = cq_ptr + (k0 * M + m0)
-    if MODE == 0:
+    ck = tl.arange(0, BS)
+    if SLAB == 0:
         rm = tl.arange(0, BM)
-        ck = tl.arange(0, BS)
         x = _tile_load(xb, rm, ck, K, nm, nk, EVEN, WIDE)
-        ab = _abs_bits(x)
+        ab = x.to(tl.int32, bitcast=True) & abs_mask
         row_max = tl.max(ab, axis=1)
         tl.atomic_max(amax_ptr, tl.max(row_max, axis=0))
         if TWO_D:
             s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
             si = _recip(s)
-            q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+            xs = x * s
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
-                _tile_store(rqb, rm, ck, K, nm, nk, q, EVEN, WIDE)
+                _tile_store(rqb, rm, ck, K, nm, nk, _fp8_cast(xs, DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
             if COL:
                 tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
-                # cast before the transpose: the layout change through shared memory moves 1 byte an element, not 4
-                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(q), EVEN, WIDE)
+                _tile_store(cqb, ck, rm, M, nk, nm, _fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
         else:
             if ROW:
                 sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
@@ -296,18 +309,18 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
             if COL:
                 sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
                 _vec_store(cs_ptr + pid_m * cs_ld + k0, ck, nk, _recip(sc), EVEN)
-                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                _tile_store(cqb, ck, rm, M, nk, nm, tl.trans(qc), EVEN, WIDE)
-    elif MODE == 2:
-        ck = tl.arange(0, BS)
+                qc = _fp8_cast(tl.trans(x * sc[None, :]), DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(cqb, ck, rm, M, nk, nm, qc, EVEN, WIDE)
+    else:
+        # walk 1: rowwise copy (1D); running maxima: elementwise when the column or 2D tile amax is needed
         if COL or TWO_D:
-            acc = tl.zeros((RB, BS), dtype=tl.int32)  # elementwise running max of |x| bits over the row slabs
+            acc = tl.zeros((SLAB, BS), dtype=tl.int32)
         else:
-            tmax = tl.zeros((RB,), dtype=tl.int32)
-        for r0 in tl.range(0, BM, RB):
-            r = r0 + tl.arange(0, RB)
+            tmax = tl.zeros((SLAB,), dtype=tl.int32)
+        for r0 in tl.range(0, BM, SLAB, loop_unroll_factor=UNROLL):
+            r = r0 + tl.arange(0, SLAB)
             x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-            ab = _abs_bits(x)
+            ab = x.to(tl.int32, bitcast=True) & abs_mask
             if COL or TWO_D:
                 acc = tl.maximum(acc, ab)
             if ROW and not TWO_D:
@@ -324,80 +337,46 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         else:
             a = tl.max(tmax, axis=0)
         tl.atomic_max(amax_ptr, a)
+        # the scales of walk 2: the tile's (2D) or one a column (1D)
         if TWO_D:
-            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(s)
+            mult = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
+            si = _recip(mult)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
             if COL:
                 tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
-            for r0 in tl.range(0, BM, RB):
-                r = r0 + tl.arange(0, RB)
-                x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-                q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                if ROW:
-                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
-                if COL:
-                    _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
         elif COL:
-            sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-            _vec_store(cs_ptr + pid_m * cs_ld + k0, ck, nk, _recip(sc), EVEN)
-            for r0 in tl.range(0, BM, RB):
-                r = r0 + tl.arange(0, RB)
+            csb = cs_ptr + pid_m * cs_ld + k0
+            if SCR:
+                _vec_store(csb, ck, nk, _bits_to_f32(col_max), EVEN)
+                tl.debug_barrier()
+                c1 = tl.arange(0, BS)
+                if EVEN:
+                    cm1 = tl.load(csb + c1)
+                else:
+                    cm1 = tl.load(csb + c1, mask=c1 < nk, other=0.0)
+                sc = _compute_scale(cm1, FMAX, POW2, EPS)
+                tl.debug_barrier()  # every maximum read before any is overwritten
+                _vec_store(csb, c1, nk, _recip(sc), EVEN)
+            else:
+                sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
+                _vec_store(csb, ck, nk, _recip(sc), EVEN)
+            mult = sc[None, :]
+        # walk 2: columnwise copy (2D: and the rowwise one, same scale)
+        if COL or TWO_D:
+            for r0 in tl.range(0, BM, SLAB, loop_unroll_factor=UNROLL):
+                r = r0 + tl.arange(0, SLAB)
                 x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                _tile_store(cqb, ck, r, M, nk, nm, tl.trans(qc), EVEN, WIDE)
-    else:
-        ck = tl.arange(0, BS)  # row slabs span the tile's BS columns
-        rm = tl.arange(0, BM)  # column slabs span its BM rows
-        tmax = tl.zeros((RB,), dtype=tl.int32)
-        if TWO_D:
-            for r0 in tl.range(0, BM, RB):
-                x = _tile_load(xb, r0 + tl.arange(0, RB), ck, K, nm, nk, EVEN, WIDE)
-                tmax = tl.maximum(tmax, tl.max(_abs_bits(x), axis=1))
-            a = tl.max(tmax, axis=0)
-            tl.atomic_max(amax_ptr, a)
-            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(s)
-            if ROW:
-                tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
-                for r0 in tl.range(0, BM, RB):
-                    r = r0 + tl.arange(0, RB)
-                    x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-                    q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
-            if COL:
-                tl.store(cs_ptr + pid_k * cs_ld + pid_m, si)
-                for c0 in tl.range(0, BS, CB):
-                    c = c0 + tl.arange(0, CB)
-                    x = _tile_load(xb, rm, c, K, nm, nk, EVEN, WIDE)
-                    q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(q), EVEN, WIDE)
-        else:
-            if ROW:
-                for r0 in tl.range(0, BM, RB):
-                    r = r0 + tl.arange(0, RB)
-                    x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
-                    row_max = tl.max(_abs_bits(x), axis=1)
-                    tmax = tl.maximum(tmax, row_max)
-                    sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-                    _vec_store(rs_ptr + pid_k * rs_ld + m0, r, nm, _recip(sr), EVEN)
-                    q = _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                    _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
-                tl.atomic_max(amax_ptr, tl.max(tmax, axis=0))
-            if COL:
-                cmax = tl.zeros((CB,), dtype=tl.int32)
-                for c0 in tl.range(0, BS, CB):
-                    c = c0 + tl.arange(0, CB)
-                    x = _tile_load(xb, rm, c, K, nm, nk, EVEN, WIDE)
-                    col_max = tl.max(_abs_bits(x), axis=0)
-                    cmax = tl.maximum(cmax, col_max)
-                    sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-                    _vec_store(cs_ptr + pid_m * cs_ld + k0, c, nk, _recip(sc), EVEN)
-                    qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                    _tile_store(cqb, c, rm, M, nk, nm, tl.trans(qc), EVEN, WIDE)
-                if not ROW:
-                    tl.atomic_max(amax_ptr, tl.max(cmax, axis=0))
+                if TWO_D:
+                    xs = x * mult
+                    if ROW:
+                        _tile_store(rqb, r, ck, K, nm, nk, _fp8_cast(xs, DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+                    if COL:
+                        _tile_store(cqb, ck, r, M, nk, nm, _fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT),
+                                    EVEN, WIDE)
+                else:
+                    q = _fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
 
 
 # ------------------------------------------------------------------------------------------------
