@@ -295,7 +295,16 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
         if bm <= max(_bucket(M), bs if square else 1):
             out.append(dict(BM=bm, SLAB=slab, num_warps=warps, **kw))
 
-    if square and bs >= 128 and not (two_d and dtype == torch.float32):
+    # The slab walk is used only where it was shown bit-identical on the H200 (BF16 / FP16, 1D); 2D and FP32
+    # inputs keep the original whole-tile kernel (a 2D slab walk from FP32 differed there; the weights of an
+    # FP32-master model are exactly that case).
+    if dtype == torch.float32 or two_d:
+        out = []
+        for w in (8, 4) if bs >= 64 else (4,):
+            if bs <= max(_bucket(M), bs):
+                out.append(dict(BM=bs, SLAB=0, num_warps=w) if square else dict(BM=min(bs, 64), SLAB=0, num_warps=4))
+        return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
+    if square and bs >= 128:
         if two_d:
             add(bs, 64, 4)
             add(bs, 64, 4, UNROLL=2)
