@@ -256,14 +256,17 @@ if __name__ == "__main__" and "--interp" in sys.argv:
 
 
 @pytest.mark.gpu
-def test_cublas_takes_padded_128x128_scale_grids(cuda):
-    """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks, stored padded to 24): the dense copy of
-    the grid keeps the call on cuBLAS (it used to be rejected and answered by the slower Triton GEMM)."""
+def test_padded_128x128_scale_grids_go_to_triton(cuda):
+    """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks, stored padded to 24): cuBLAS on torch
+    2.11 rejects the grid (measured, as the padded view and as a dense copy), so supports() declines it and the
+    Triton GEMM answers — without a failed cuBLAS call (rejection measured for K = 2816; the rule covers every K/128
+    not divisible by 4); K/128 divisible by 4 stays on cuBLAS. Both exact to the
+    reference's tolerance."""
     from lowbit.gemm import backend_for, cublas
 
-    for K in (2816, 1152, 4096):
+    for K, want in ((2816, "triton"), (1152, "triton"), (4096, "cublas")):
         a, b = _operands(256, 384, K, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda, seed=K)
-        assert backend_for(a, b, out_dtype=torch.bfloat16) == "cublas"
+        assert backend_for(a, b, out_dtype=torch.bfloat16) == want, K
         before = set(cublas.REJECTED)
-        _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=torch.bfloat16)
-        assert cublas.REJECTED == before, (K, cublas.REJECTED)
+        _check(a, b, "rowwise", "rowwise", None, out_dtype=torch.bfloat16)
+        assert cublas.REJECTED == before, (K, cublas.REJECTED_WHY)
