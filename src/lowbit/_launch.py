@@ -32,6 +32,11 @@ except Exception:  # noqa: BLE001
     _ENABLED = False
 
 
+def _disable() -> None:
+    global _ENABLED
+    _ENABLED = False
+
+
 class CachedLaunch:
     """``launch(grid, key, *args, **options)`` = ``fn[grid](*args, **options)``, with the compiled kernel reused for
     calls with the same ``key`` (see the module docstring for what the key must capture).
@@ -53,8 +58,11 @@ class CachedLaunch:
             stream = _driver.active.get_current_stream(dev)
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
-            ck.run(grid[0], g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
-            return ck
+            try:
+                ck.run(grid[0], g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
+                return ck
+            except TypeError:  # another Triton's launcher signature: stop shortcutting, launch normally
+                _disable()
         ck = self.fn[grid](*args, **options)
         if _ENABLED and ck is not None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
             self.compiled[key] = ck

@@ -1,0 +1,79 @@
+"""lowbit._launch.CachedLaunch: the first call of a key goes through the JIT function, later calls reuse the compiled
+kernel's launcher with the same arguments (all of them, constexprs included, as JITFunction.run passes them);
+a launch hook or a kernel without the internals falls back to the normal path. Fakes stand in for Triton's objects."""
+import types
+
+import pytest
+
+pytest.importorskip("triton")
+from lowbit import _launch  # noqa: E402
+
+
+class _Compiled:
+    def __init__(self):
+        self.function, self.packed_metadata = "fn-handle", "meta"
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _JIT:
+    def __init__(self):
+        self.calls = []
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        def go(*args, **opts):
+            self.calls.append((grid, args, opts))
+            return self.compiled
+        return go
+
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    drv = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234))
+    knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    monkeypatch.setattr(_launch, "_driver", drv, raising=False)
+    monkeypatch.setattr(_launch, "_knobs", knobs, raising=False)
+    monkeypatch.setattr(_launch, "_ENABLED", True)
+    return knobs
+
+
+def test_first_call_compiles_then_direct_launch(fake_env):
+    jit = _JIT()
+    cl = _launch.CachedLaunch(jit)
+    args = ("x", "y", 7, 128, True)
+    cl((3, 2), "k", *args, num_warps=4)
+    assert len(jit.calls) == 1 and jit.calls[0] == ((3, 2), args, {"num_warps": 4})
+    cl((5,), "k", *args, num_warps=4)
+    assert len(jit.calls) == 1
+    assert jit.compiled.runs == [(5, 1, 1, 1234, "fn-handle", "meta", None, None, None) + args]
+    cl((5,), "other-key", *args, num_warps=4)  # a new specialization key compiles (JIT path) again
+    assert len(jit.calls) == 2
+
+
+def test_hooks_or_disabled_use_the_jit_path(fake_env, monkeypatch):
+    jit = _JIT()
+    cl = _launch.CachedLaunch(jit)
+    cl((1,), "k", 1)
+    fake_env.runtime.launch_enter_hook = object()  # e.g. a profiler
+    cl((1,), "k", 1)
+    assert len(jit.calls) == 2 and jit.compiled.runs == []
+    fake_env.runtime.launch_enter_hook = None
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    cl((1,), "k", 1)
+    assert len(jit.calls) == 3 and jit.compiled.runs == []
+
+
+def test_launcher_signature_mismatch_disables_the_shortcut(fake_env, monkeypatch):
+    jit = _JIT()
+    cl = _launch.CachedLaunch(jit)
+    cl((1,), "k", 1)
+
+    def bad_run(*a):
+        raise TypeError("launcher takes other arguments")
+
+    jit.compiled.run = bad_run
+    cl((1,), "k", 1)  # falls back to the JIT path and turns the shortcut off
+    assert len(jit.calls) == 2 and _launch._ENABLED is False
