@@ -21,3 +21,30 @@ def median_ms(fn, *, warmup: int = 25, rep: int = 100, **kw) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median", **kw))
+
+
+def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help: str, run, markdown) -> int:
+    """The command line shared by the table benchmarks (gemm, quant): ``--shapes AxB[xC],...``, ``--rep``,
+    ``--markdown FILE``; ``run(shapes, rep)`` -> rows, ``markdown(rows)`` -> the table printed (and written)."""
+    import argparse
+
+    import torch
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--shapes", default=None, help=shapes_help)
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    p.add_argument("--markdown", default=None, help="write the result table (markdown) to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU")
+        return 1
+    try:
+        shapes = default_shapes if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        p.error(f"--shapes: expected a comma-separated list of x-separated integers, got {args.shapes!r}")
+    md = markdown(run(shapes, args.rep))
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    return 0

@@ -9,12 +9,11 @@ Bytes moved count the input read once per pass plus every output written (data +
 
 from __future__ import annotations
 
-import argparse
 import datetime
 
 import torch
 
-from . import git_commit
+from . import git_commit, table_main
 from .gemm import _bench
 
 SHAPES = [(8192, 8192), (16384, 4096), (16384, 14336), (4096, 4096)]
@@ -74,21 +73,8 @@ def markdown(rows) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lowbit bench quant", description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=None, help="comma-separated MxK list (default: the issue's activation shapes)")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
-    p.add_argument("--markdown", default=None, help="write the result table (markdown) to this file")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("lowbit bench quant: needs a CUDA GPU")
-        return 1
-    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    md = markdown(run(shapes, args.rep))
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
-    return 0
+    return table_main(argv, prog="lowbit bench quant", description=__doc__.splitlines()[0], default_shapes=SHAPES,
+                      shapes_help="comma-separated MxK list (default: the issue's activation shapes)", run=run, markdown=markdown)
 
 
 if __name__ == "__main__":
