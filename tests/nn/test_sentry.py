@@ -105,3 +105,43 @@ def test_ignore_turns_the_sentry_off():
         y = m(x)
     y.sum().backward()
     assert nonfinite_events() == [] and torch.isnan(y).all()
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: query() says whether the GPU has passed it."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = True
+        self.done = True
+
+
+def test_async_check_reports_once_the_gpu_has_passed_it():
+    """The CUDA path's bookkeeping, with a fake event: a queued check is read only when its event is done (no wait),
+    or when asked to wait (nonfinite_events); oldest first; the error names the faulty step's layer and role."""
+    from lowbit.nn import state
+
+    nonfinite_events()
+    ev = _FakeEvent()
+    rec = ("blocks.3.qkv", "grad_output", "backward", 41, "raise", (torch.tensor([float("nan")]),))
+    with state._lock:
+        state._inflight.append(([rec], torch.tensor([float("nan")]), ev, None))
+    state.check_nonfinite(wait=False)  # the GPU has not passed the event: nothing read, nothing raised
+    assert state.pending_checks() == 1 and not ev.waited
+    ev.done = True
+    with pytest.raises(NonFiniteAmaxError, match=r"of grad_output in layer 'blocks.3.qkv' \(backward, step 41\)"):
+        state.check_nonfinite(wait=False)
+    assert state.pending_checks() == 0
+    # "skip" records become events; nonfinite_events() waits for the event
+    ev2 = _FakeEvent()
+    rec2 = ("fc", "input", "forward", 7, "skip", (torch.tensor([float("inf")]),))
+    with state._lock:
+        state._inflight.append(([rec2], torch.tensor([float("inf")]), ev2, None))
+    got = nonfinite_events()
+    assert ev2.waited and [(e.layer, e.role, e.step, e.amax) for e in got] == [("fc", "input", 7, float("inf"))]
