@@ -81,19 +81,22 @@ def cmd_info(argv=None) -> int:
 
     from lowbit import recipes
     from lowbit.nn import check_recipe_support
+    from lowbit.train.loop import GRAPH_RECIPES
 
     for name in ("fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4"):
         r = recipes.from_name(name)
         with warnings.catch_warnings():  # the one-time emulation notice is for training runs, not this table
             warnings.simplefilter("ignore")
             how = check_recipe_support(r, dev)
-        print(f"  {name:<12} {type(r).__name__:<22} -> {how}")
+        graph = "CUDA graph" if name in GRAPH_RECIPES else "eager (not graph-safe yet)"
+        print(f"  {name:<12} {type(r).__name__:<22} -> {how:<10} lowbit train on one GPU: {graph}")
     print("\nattention:")
     if _has("lowbit.attention") and hasattr(importlib.import_module("lowbit.attention"), "backend_for"):
         att = importlib.import_module("lowbit.attention")
         for qk, pv in (("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")):
             try:
-                print(f"  qk={qk} pv={pv} -> {att.backend_for(device=dev, qk=qk, pv=pv)}")
+                be = att.backend_for(device=dev, qk=qk, pv=pv)
+                print(f"  qk={qk} pv={pv} -> {be}{' (cuDNN first, then flash)' if be == 'sdpa' else ''}")
             except Exception as e:  # report, do not crash info
                 print(f"  qk={qk} pv={pv} -> unavailable ({e})")
     else:
