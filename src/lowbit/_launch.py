@@ -7,9 +7,10 @@ FP8 Linear pays for every quantized operand of every step. :class:`CachedLaunch`
 ``JITFunction.run`` itself does (``kernel.run(grid, stream, function, packed_metadata, launch_metadata, hooks,
 *all_args)``).
 
-Correctness rests on the caller's key: it must capture everything Triton specializes on for this kernel's
-arguments — dtypes, the integer values (Triton specializes ints on ``== 1`` and ``% 16``), and whether each
-pointer is 16-byte aligned — which the quantize plans do by keying on the shape and the input's alignment
+Correctness rests on the caller's key: it must capture the device (a compiled kernel's function handle belongs
+to one device's context) and everything Triton specializes on for this kernel's arguments — dtypes, the integer
+values (Triton specializes ints on ``== 1`` and ``% 16``), and whether each pointer is 16-byte aligned — which
+the quantize plans do by keying on the device, the shape and the input's alignment
 (their other buffers are fresh allocations, always aligned). Anything unexpected (another Triton version
 without these internals, a launch hook installed by a profiler, the interpreter) falls back to the normal
 launch. ``LOWBIT_FAST_LAUNCH=0`` turns the shortcut off.

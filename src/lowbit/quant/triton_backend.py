@@ -224,7 +224,8 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     ablock = 4096 if n >= 4096 else max(16, _bucket(n))
     # Triton specializes pointers on 16-byte alignment: the only argument whose alignment can vary here is
     # the caller's x (and a given scale); the buffers above are fresh allocations.
-    lkey = (pkey, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
+    # (and the device: a compiled kernel's function handle belongs to one device's context)
+    lkey = (pkey, dev.index, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
     if not delayed:
         _AMAX_LAUNCH((cdiv(n, ablock),), lkey, x2, amax_i, n, ablock, num_warps=8 if ablock >= 4096 else 4)
     a1, a2 = (rq if rowwise else cq), (cq if columnwise else rq)
