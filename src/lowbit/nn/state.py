@@ -219,12 +219,12 @@ def nonfinite_events() -> list[NonFiniteEvent]:
 # Deferred checks: quantization only records (layer, role, phase, step, policy, amax tensors) — no device
 # work and no sync per tensor. The forward's records are checked once at the outermost autocast exit, the
 # backward's once at the end of the backward pass (an autograd-engine callback). On CUDA that check is
-# itself asynchronous: one isfinite over all recorded amaxes, copied to pinned host memory with an event;
+# itself asynchronous: one cat + max over all recorded amaxes, copied to a pinned host slot with an event;
 # the result is read at a later check point once the GPU has passed the event (or at once by
 # nonfinite_events() / check_nonfinite(wait=True), which wait for it). LOWBIT_SENTRY_SYNC=1 makes every
 # check wait (the error then surfaces at the exit of the step that produced it, at one sync per check).
 _unchecked: list[tuple] = []
-_inflight: list[tuple] = []  # (records, host bool flags, cuda event or None), oldest first
+_inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None), oldest first
 SYNC_CHECKS = os.environ.get("LOWBIT_SENTRY_SYNC", "0") == "1"
 
 
