@@ -622,6 +622,9 @@ def _train_one(c: TrainConfig) -> dict:
             break
     if bar is not None:
         bar.close()
+    if graphed is not None:  # drop the graph and the sentry's references into its memory pool
+        graphed.graph = None
+        lnn.state.clear_captured()
     peak, peak_kind = _peak(d.device)
     qbytes, bfbytes = quantized_weight_bytes(raw, recipe)
     summary = {
