@@ -133,10 +133,16 @@ def _amax_buffer(dev) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=dev)
 
 
+_AMAX_LAUNCH = CachedLaunch(K.amax_kernel)
+
+
 def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
+    """amax_i (int32 bits, zeroed) = max |x2| over the contiguous x2. amax_i is a fresh allocation (aligned), so
+    the specialization key is the size, dtype, device and x2's 16-byte alignment (see lowbit._launch)."""
     n = x2.numel()
     block = 4096 if n >= 4096 else max(16, _bucket(n))
-    K.amax_kernel[(cdiv(n, block),)](x2, amax_i, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    key = (n, x2.dtype, x2.device.index, x2.data_ptr() % 16 == 0)
+    _AMAX_LAUNCH((cdiv(n, block),), key, x2, amax_i, n, block, num_warps=8 if block >= 4096 else 4)
 
 
 def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
@@ -203,8 +209,7 @@ def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     return qt
 
 
-_TENSORWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, delayed) -> [cfg, grid, amax grid/block]
-_AMAX_LAUNCH = CachedLaunch(K.amax_kernel)
+_TENSORWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, delayed) -> tuned launch config
 _TENSORWISE_LAUNCH = CachedLaunch(K.tensorwise_kernel)
 
 
@@ -220,14 +225,12 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     pkey = (M, Kd, x2.dtype, sch, rowwise, columnwise, delayed)
     plan = _TENSORWISE_PLANS.get(pkey)
     fa = _fmt_args(fmt)
-    n = M * Kd
-    ablock = 4096 if n >= 4096 else max(16, _bucket(n))
     # Triton specializes pointers on 16-byte alignment: the only argument whose alignment can vary here is
     # the caller's x (and a given scale); the buffers above are fresh allocations.
     # (and the device: a compiled kernel's function handle belongs to one device's context)
     lkey = (pkey, dev.index, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
     if not delayed:
-        _AMAX_LAUNCH((cdiv(n, ablock),), lkey, x2, amax_i, n, ablock, num_warps=8 if ablock >= 4096 else 4)
+        _launch_amax(x2, amax_i)
     a1, a2 = (rq if rowwise else cq), (cq if columnwise else rq)
     if plan is not None:
         c = plan
@@ -427,7 +430,7 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
     if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone())
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)  # one read, one amax: shared
 
 
 def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
