@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.rope import rope_qkv
+from ..ops.rope import apply_rope, rope_qkv  # noqa: F401 - apply_rope re-exported for (…, seq, D) tensors
 
 __all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
 
@@ -152,15 +152,6 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (…, seq, head_dim) by position: x·cos + rotate_half(x)·sin, in FP32 with one rounding
-    (the math of :func:`lowbit.ops.rope_qkv`, which the model uses on packed QKV)."""
-    h = x.shape[-1] // 2
-    xf = x.float()
-    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
-    return (xf * cos.float() + rot * sin.float()).to(x.dtype)
 
 
 class Block(nn.Module):

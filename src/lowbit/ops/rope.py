@@ -16,7 +16,7 @@ import os
 
 import torch
 
-__all__ = ["rope_qkv", "rope_qkv_reference"]
+__all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope"]
 
 try:
     import triton
@@ -27,20 +27,23 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` (..., D) with ``cos``/``sin`` broadcastable to it: x·cos + rotate_half(x)·sin in
+    FP32, one rounding to ``x.dtype`` (the math every RoPE path here follows)."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+    return (xf * cos.float() + rot * sin.float()).to(x.dtype)
+
+
 def rope_qkv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The spec. ``qkv``: (B, T, 3, H, D); ``cos``/``sin``: (T, D) float32 (rotate-half tables, e.g.
     :func:`lowbit.models.gpt.rope_tables`). Returns q, k, v, each (B, H, T, D) in ``qkv.dtype``."""
     _check(qkv, cos, sin)
-    h, T = qkv.shape[-1] // 2, qkv.shape[1]
-    c, s = cos.float()[None, :T, None, :], sin.float()[None, :T, None, :]
-
-    def rot(x):
-        xf = x.float()
-        turned = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
-        return (xf * c + turned * s).to(x.dtype)
-
+    T = qkv.shape[1]
+    c, s = cos[None, :T, None, :], sin[None, :T, None, :]
     q, k, v = qkv.unbind(2)
-    return rot(q).transpose(1, 2), rot(k).transpose(1, 2), v.transpose(1, 2)
+    return apply_rope(q, c, s).transpose(1, 2), apply_rope(k, c, s).transpose(1, 2), v.transpose(1, 2)
 
 
 def _check(qkv, cos, sin):
