@@ -1,6 +1,5 @@
 """Where does the host time of a lowbit Linear backward go? (GPU diagnostic.) Wraps the pieces of
 lowbit.nn.functional with perf_counter timers and compares with the measured step."""
-import os
 import threading
 import time
 from collections import defaultdict
@@ -9,6 +8,7 @@ import torch
 
 import lowbit
 from lowbit import recipes
+from lowbit.bench import host_us
 from lowbit.nn import functional as F_
 
 dev = torch.device("cuda")
@@ -99,16 +99,8 @@ def bwd_body():
     scaled_mm(q, qx, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.bfloat16)
 
 
-def timed(n=300):
-    for _ in range(20):
-        bwd_body()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        bwd_body()
-    out = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return out
+def timed():
+    return host_us(bwd_body)
 
 
 print(f"backward body on main thread: {timed():.1f} us")

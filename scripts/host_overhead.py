@@ -1,30 +1,18 @@
 """Host (CPU) cost per call of each piece of an eager lowbit Linear step, on tiny CUDA shapes where the
 GPU never limits (GPU diagnostic; prints microseconds per call)."""
 import os
-import time
 
 import torch
 
 import lowbit
 from lowbit import recipes
+from lowbit.bench import host_us
 from lowbit.gemm import scaled_mm
 from lowbit.quant import quantize
 from lowbit.quant.schemes import Float8Blockwise
 
 dev = torch.device("cuda")
 M = K = N = int(os.environ.get("HOST_N", "256"))
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
 
 
 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

@@ -23,6 +23,24 @@ def median_ms(fn, *, warmup: int = 25, rep: int = 100, **kw) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median", **kw))
 
 
+def host_us(fn, n: int = 300, warmup: int = 20) -> float:
+    """Host (enqueue) time of ``fn`` in microseconds per call: ``n`` calls back to back with no sync inside (on
+    shapes small enough that the GPU never limits, this is what Python + launches cost), CUDA synced around."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
 def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help: str, run, markdown) -> int:
     """The command line shared by the table benchmarks (gemm, quant): ``--shapes AxB[xC],...``, ``--rep``,
     ``--markdown FILE``; ``run(shapes, rep)`` -> rows, ``markdown(rows)`` -> the table printed (and written)."""
