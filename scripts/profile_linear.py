@@ -9,7 +9,6 @@ import cProfile
 import io
 import os
 import pstats
-import sys
 import time
 import warnings
 
