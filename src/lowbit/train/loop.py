@@ -498,14 +498,18 @@ def _train_one(c: TrainConfig) -> dict:
                f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
+    def micro_step(x, y, m: int) -> torch.Tensor:
+        """Forward and backward of micro-batch ``m`` (gradients accumulate); returns its loss (float64, detached)."""
+        with amp(), lowbit_ctx():
+            _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
+        (loss / c.grad_accum).backward()
+        return loss.detach().double()
+
     def run_micro(xs, ys, loss_sum):
         """The graph's body: every micro-batch's forward and backward from the static inputs."""
         loss_sum.zero_()
         for m in range(c.grad_accum):
-            with amp(), lowbit_ctx():
-                _, loss = model(xs[m], ys[m], is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
-            (loss / c.grad_accum).backward()
-            loss_sum += loss.detach().double()
+            loss_sum += micro_step(xs[m], ys[m], m)
 
     graphed = None
     if use_graph:
@@ -531,42 +535,35 @@ def _train_one(c: TrainConfig) -> dict:
         torch.manual_seed(c.seed * 1_000_003 + step * 1009 + d.rank)  # stochastic rounding etc.: keyed by step
         if step in c.fault_steps:
             fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-        for m in range(c.grad_accum if graphed is not None else 0):
-            r0 = m * c.batch_size
-            graphed.load(m, *corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device))
-        if graphed is not None:
-            try:
+        try:
+            if graphed is not None:  # (one process: this rank's rows are the global batch's)
+                for m in range(c.grad_accum):
+                    r0 = m * c.batch_size
+                    graphed.load(m, *corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch,
+                                                        c.seq_len, d.device))
                 if graphed.graph is None:
                     graphed.capture()
                 loss_sum = graphed.replay().clone()
                 if recipe is not None:
                     lnn.state.check_captured(wait=False)
-            except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
-                raise FloatingPointError(f"step {step}: {e}") from e
-        for m in range(c.grad_accum if graphed is None else 0):
-            r0 = d.rank * rows_per_rank + m * c.batch_size
-            x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
-            sync = contextlib.nullcontext()
-            if d.active and not c.fsdp and m < c.grad_accum - 1:
-                sync = model.no_sync()
-            elif d.active and c.fsdp:
-                model.set_requires_gradient_sync(m == c.grad_accum - 1)
-            try:
-                with sync:
-                    with amp(), lowbit_ctx():
-                        _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
-                    (loss / c.grad_accum).backward()
-            except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
-                raise FloatingPointError(f"step {step}: {e}") from e
-            loss_sum += loss.detach().double()
+            else:
+                loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
+                for m in range(c.grad_accum):
+                    r0 = d.rank * rows_per_rank + m * c.batch_size
+                    x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
+                    sync = contextlib.nullcontext()
+                    if d.active and not c.fsdp and m < c.grad_accum - 1:
+                        sync = model.no_sync()
+                    elif d.active and c.fsdp:
+                        model.set_requires_gradient_sync(m == c.grad_accum - 1)
+                    with sync:
+                        loss_sum += micro_step(x, y, m)
+        except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
+            raise FloatingPointError(f"step {step}: {e}") from e
         if fault_hook is not None:
             fault_hook.remove()
             fault_hook = None
-        try:
-            found = lnn.nonfinite_events() if recipe is not None else []
-        except lnn.NonFiniteAmaxError as e:
-            raise FloatingPointError(f"step {step}: {e}") from e
+        found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
         bad = _any(bool(found) or not math.isfinite(step_loss), d)
