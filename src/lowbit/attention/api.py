@@ -92,14 +92,16 @@ def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and "
                          f"{cu_k.numel()}")
-    lq = (cu_q[1:] - cu_q[:-1])
-    lk = (cu_k[1:] - cu_k[:-1])
-    if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or bool((lq < 0).any()) or bool((lk < 0).any()):
+    # the values: each tensor read once (one device sync each on CUDA)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    lk = [b - a for a, b in zip(ck, ck[1:])]
+    if cq[0] != 0 or ck[0] != 0 or min(lq) < 0 or min(lk) < 0:
         raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
-    if int(cu_q[-1]) != q.shape[0] or int(cu_k[-1]) != k.shape[0]:
-        raise ValueError(f"cu_seqlens_q[-1]={int(cu_q[-1])} / cu_seqlens_k[-1]={int(cu_k[-1])} must equal the "
+    if cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1]={cq[-1]} / cu_seqlens_k[-1]={ck[-1]} must equal the "
                          f"packed lengths q.shape[0]={q.shape[0]} / k.shape[0]={k.shape[0]}")
-    mq, mk = int(lq.max()), int(lk.max())
+    mq, mk = max(lq), max(lk)
     if max_q is not None and int(max_q) < mq:
         raise ValueError(f"max_seqlen_q={max_q} is smaller than the longest query sequence {mq}")
     if max_k is not None and int(max_k) < mk:

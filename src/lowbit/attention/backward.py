@@ -39,7 +39,7 @@ from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
-from .api import _shape4, _tensor
+from .api import _check_varlen, _shape4, _tensor
 
 __all__ = [
     "backward",
@@ -265,15 +265,7 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
         if layout not in (None, "thd", "bhsd"):
             raise ValueError(f"with cu_seqlens the inputs are packed (total, heads, head_dim): layout must be "
                              f"'thd' or None, got {layout!r}")
-        for n, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-            _tensor(n, cu)
-            if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-                raise TypeError(f"{n} must be a 1-D int32 tensor of length batch+1, got dtype {cu.dtype}, "
-                                f"shape {tuple(cu.shape)}")
-        if cu_q.numel() != cu_k.numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} "
-                             f"and {cu_k.numel()}")
-        lay = "thd"
+        lay = "thd"  # (cu_seqlens themselves: _check_varlen below)
     else:
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -331,18 +323,7 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
             if s.device != q.device:
                 raise ValueError(f"{n} is on {s.device} but q is on {q.device}")
     if varlen:
-        lq = cu_q[1:] - cu_q[:-1]
-        lk = cu_k[1:] - cu_k[:-1]
-        if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or bool((lq < 0).any()) or bool((lk < 0).any()):
-            raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
-        if int(cu_q[-1]) != q.shape[0] or int(cu_k[-1]) != k.shape[0]:
-            raise ValueError(f"cu_seqlens_q[-1]={int(cu_q[-1])} / cu_seqlens_k[-1]={int(cu_k[-1])} must equal the "
-                             f"packed lengths {q.shape[0]} / {k.shape[0]}")
-        mq = int(mq) if mq is not None else int(lq.max())
-        mk = int(mk) if mk is not None else int(lk.max())
-        if mq < int(lq.max()) or mk < int(lk.max()):
-            raise ValueError(f"max_seqlen_q/k ({mq}, {mk}) are smaller than the longest sequences "
-                             f"({int(lq.max())}, {int(lk.max())})")
+        mq, mk = _check_varlen(cu_q, cu_k, q, k, mq, mk)
     return lay, varlen, (B, Hq, Sq, Hkv, Sk, D), mq, mk, sc
 
 
