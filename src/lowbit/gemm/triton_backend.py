@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from ..quant.triton_backend import INTERPRET, _bucket, tuned_launch
+from ..quant.tensor import cdiv
+from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
 from . import register_backend
 from .kernels import gemm as G
 
@@ -37,7 +38,7 @@ def _block_size(sa, sb) -> int:
 
 
 def supports_fp8(a, b, a_copy, b_copy, opts) -> bool:
-    """FP8 schemes on CUDA; blockwise block sizes 32..128."""
+    """FP8 schemes on CUDA; blockwise block sizes 32..1024."""
     if not _on_device(a, b) or not isinstance(a.scheme, _FP8) or not isinstance(b.scheme, _FP8):
         return False
     if a.scheme.fmt == "e5m2" and b.scheme.fmt == "e5m2":
@@ -53,16 +54,14 @@ def supports_emulated(a, b, a_copy, b_copy, opts) -> bool:
     return type(a.scheme) is type(b.scheme) and isinstance(a.scheme, (NVFP4, MXFP8))
 
 
-def _scale_mode(sch, c, rows):
+def _scale_mode(sch, c):
     """(mode, ld, tensor) for the fp8 kernel: 0 tensorwise, 1 per row, 2 1xBS (outer-dim-major), 3 BSxBS."""
     s = c.scale_inv
     if isinstance(sch, Float8Tensorwise):
         return 0, 0, s
     if isinstance(sch, Float8Rowwise):
         return 1, 0, s
-    if sch.block_dim == 1:
-        return 2, s.shape[1], s
-    return 3, s.shape[1], s
+    return (2 if sch.block_dim == 1 else 3), s.shape[1], s
 
 
 def _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out):
@@ -93,11 +92,11 @@ def _candidates(M, N, emulated: bool):
             continue
         out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st))
     if INTERPRET:
-        out = [dict(BM=32, BN=32, BK=32 if not emulated else 32, num_warps=4, num_stages=1)]
+        out = [dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)]
     return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
 
 
-def _check_bias_out(bias, out, dev):
+def _check_bias(bias):
     if bias is not None and not bias.is_contiguous():
         raise ValueError(f"bias: must be contiguous, got strides {tuple(bias.stride())}")
 
@@ -109,20 +108,17 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     M, K = A.shape
     N = B.shape[0]
     dev = A.device
-    _check_bias_out(bias, out, dev)
+    _check_bias(bias)
     bs = _block_size(a.scheme, b.scheme)
-    sa_mode, lda, sa = _scale_mode(a.scheme, ca, M)
-    sb_mode, ldb, sb = _scale_mode(b.scheme, cb, N)
+    sa_mode, lda, sa = _scale_mode(a.scheme, ca)
+    sb_mode, ldb, sb = _scale_mode(b.scheme, cb)
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
 
-    def launch(cfg):
-        bk = min(cfg["BK"], bs)
-        tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
-        progs = tiles
-        G.fp8_gemm_kernel[(progs,)](A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
-                                    SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
-                                    BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=8, NUM_PROGS=progs,
-                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
+        G.fp8_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
+            A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
+            SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
+            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, False),
          launch, accumulate)
@@ -131,16 +127,10 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
 def _run(key, cands, launch, accumulate):
     # Accumulating launches are not idempotent: never time them; reuse a tuned config or take the first.
-    from ..quant.triton_backend import _TUNED
-
     if accumulate:
         launch(_TUNED.get(("gemm",) + key, cands[0]))
     else:
         tuned_launch("gemm", key, cands, launch)
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
@@ -152,7 +142,7 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     N = B.shape[0]
     K = A.shape[1] * (2 if nv else 1)
     dev = A.device
-    _check_bias_out(bias, out, dev)
+    _check_bias(bias)
     sa, sb = ca.scale_inv, cb.scale_inv
     a2d = nv and a.scheme.two_d
     b2d = nv and b.scheme.two_d
@@ -161,12 +151,11 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     gsb = cb.global_scale if nv else sb
 
     def launch(cfg):
-        tiles = triton_cdiv(M, cfg["BM"]) * triton_cdiv(N, cfg["BN"])
-        progs = tiles
-        G.emu_gemm_kernel[(progs,)](A, B, sa, sb, gsa, gsb, c, pre if gelu else c, bias if bias is not None else c, M, N, K,
-                                    sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, HAS_BIAS=bias is not None,
-                                    GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
-                                    NUM_PROGS=progs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        G.emu_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
+            A, B, sa, sb, gsa, gsb, c, pre if gelu else c, bias if bias is not None else c, M, N, K,
+            sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, HAS_BIAS=bias is not None,
+            GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     _run(("emu", nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, True), launch, accumulate)
     return _finish(c, pre, out, accumulate)

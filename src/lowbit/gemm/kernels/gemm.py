@@ -62,8 +62,7 @@ def _row_scale(s_ptr, offs, mask, kb, ld, MODE: tl.constexpr, BS: tl.constexpr):
 def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     SA: tl.constexpr, SB: tl.constexpr, BS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    NUM_PROGS: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
@@ -144,8 +143,7 @@ def _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s,
 def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     NV: tl.constexpr, A2D: tl.constexpr, B2D: tl.constexpr, F32: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    NUM_PROGS: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
