@@ -40,9 +40,9 @@ def _kind(sch) -> str:
     return "other"
 
 
-def _sig(a, b, opts, K):
+def _sig(a, b, out_dtype, K):
     # K % 512: whether the 128x128 scale grid's padded row stride (pad4(K/128)) equals K/128
-    return (_kind(a.scheme), _kind(b.scheme), a.scheme.fmt, b.scheme.fmt, opts.get("out_dtype"), K % 512 == 0)
+    return (_kind(a.scheme), _kind(b.scheme), a.scheme.fmt, b.scheme.fmt, out_dtype, K % 512 == 0)
 
 
 def _dims(a, b, a_copy, b_copy):
@@ -56,7 +56,7 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
         return False
     ka, kb = _kind(a.scheme), _kind(b.scheme)
     M, N, K = _dims(a, b, a_copy, b_copy)
-    if "other" in (ka, kb) or _sig(a, b, opts, K) in REJECTED:
+    if "other" in (ka, kb) or _sig(a, b, opts.get("out_dtype"), K) in REJECTED:
         return False
     if M % 16 or N % 16 or K % 16:
         return False
@@ -88,7 +88,7 @@ def _recipe(sch):
     return S.BlockWise1x128 if sch.block_dim == 1 else S.BlockWise128x128
 
 
-def _scales(t, which, rows, K):
+def _scales(t, which, rows):
     """Scale tensor in the layout cuBLAS expects for the (rows, K) operand (views of the stored layout)."""
     c = getattr(t, which)
     sch = t.scheme
@@ -110,18 +110,19 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     try:
         if tensorwise:
             mm_dtype = out_dtype if plain else torch.float32
-            acc = torch._scaled_mm(A, B.t(), scale_a=_scales(a, a_copy, M, K), scale_b=_scales(b, b_copy, N, K),
+            acc = torch._scaled_mm(A, B.t(), scale_a=_scales(a, a_copy, M), scale_b=_scales(b, b_copy, N),
                                    out_dtype=mm_dtype)
         else:
             mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
-            sa = _scales(a, a_copy, M, K)
-            sb = _scales(b, b_copy, N, K)
+            sa = _scales(a, a_copy, M)
+            sb = _scales(b, b_copy, N)
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
                 sb = sb.t()  # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
             acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
     except (RuntimeError, ValueError) as e:
-        REJECTED.add(_sig(a, b, dict(out_dtype=out_dtype), K))
-        REJECTED_WHY[_sig(a, b, dict(out_dtype=out_dtype), K)] = f"{type(e).__name__}: {str(e)[:400]}"
+        sig = _sig(a, b, out_dtype, K)
+        REJECTED.add(sig)
+        REJECTED_WHY[sig] = f"{type(e).__name__}: {str(e)[:400]}"
         _gemm._CHOICE.clear()  # the dispatcher's memo re-asks supports(), which now declines this signature
         from .triton_backend import scaled_mm_triton
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import reference  # noqa: F401 - lowbit.quant.reference, the spec
 from .reference import quantize_qk_int8, quantize_reference, quantize_v_fp8
 from .scaling import AmaxHistory
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme

@@ -15,6 +15,8 @@ Conventions shared by all schemes:
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 
@@ -118,9 +120,19 @@ def hadamard_16(device=None) -> torch.Tensor:
     return h.to(device=device, dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=64)
 def rht_signs_vector(signs: int, device=None) -> torch.Tensor:
-    """float32 (16,) ±1 sign diagonal of the RHT (bit i of ``signs`` set -> -1)."""
+    """float32 (16,) ±1 sign diagonal of the RHT (bit i of ``signs`` set -> -1). Cached per (signs, device) — it is
+    needed for every RHT'd operand of every step, and building it is a host-to-device copy; read it only."""
     return torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32, device=device)
+
+
+def resolve_seed(scheme, seed: int | None) -> int | None:
+    """The stochastic-rounding seed a quantization uses: ``seed``, or for an NVFP4 scheme with stochastic rounding
+    and no seed one drawn from torch's (CPU) default generator, so torch.manual_seed makes the run reproducible."""
+    if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return seed
 
 
 def rht_blocks(x: torch.Tensor, signs: int, dim: int = -1) -> torch.Tensor:
@@ -149,8 +161,7 @@ def rht_matrix(signs: int, device=None) -> torch.Tensor:
 
     ``signs``: 16-bit mask, bit i set -> s_i = -1.
     """
-    s = torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32)
-    return (s[:, None] * hadamard_16() / 4.0).to(device)
+    return (rht_signs_vector(signs)[:, None] * hadamard_16() / 4.0).to(device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,10 +301,7 @@ def quantize_reference(
     _validate(x, scheme, rowwise, columnwise, scale)
     x2 = _as_2d(x.detach())
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
-    if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
-        # Drawn from torch's default generator, so torch.manual_seed makes the run reproducible.
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    qt.meta["seed"] = seed
+    seed = qt.meta["seed"] = resolve_seed(scheme, seed)
 
     if isinstance(scheme, Float8Tensorwise):
         row = _copy_tensorwise(x2, scheme.format, scale)

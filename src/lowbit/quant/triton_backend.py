@@ -28,7 +28,7 @@ from .._launch import CachedLaunch
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
-from .reference import _validate, rht_blocks
+from .reference import _validate, resolve_seed, rht_blocks
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
 
@@ -179,12 +179,8 @@ def _check_triton_input(x, scheme, rowwise, columnwise, scale):
 
 def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     x2 = x.detach().reshape(-1, x.shape[-1])
-    M, Kd = x2.shape
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
-    if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    qt.meta["seed"] = seed
-    dev = x.device
+    seed = qt.meta["seed"] = resolve_seed(scheme, seed)
     if isinstance(scheme, Float8Tensorwise):
         _tensorwise(qt, x2, scheme, rowwise, columnwise, scale)
     elif isinstance(scheme, Float8Rowwise):
@@ -199,13 +195,10 @@ def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
         # tensor — its own amax / global scale, SR counters n.. as in the reference.
         if rowwise:
             _nvfp4(qt, x2, scheme, True, False, seed or 0)
-        tmp = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
-        _nvfp4(tmp, rht_blocks(x2, scheme.rht_signs, dim=0).contiguous(), scheme, False, True, seed or 0)
-        tmp.columnwise.rht = True
-        qt.columnwise = tmp.columnwise
+        _nvfp4(qt, rht_blocks(x2, scheme.rht_signs, dim=0).contiguous(), scheme, False, True, seed or 0)
+        qt.columnwise.rht = True
     else:
         _nvfp4(qt, x2, scheme, rowwise, columnwise, seed or 0)
-    del dev
     return qt
 
 
@@ -228,7 +221,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     # Triton specializes pointers on 16-byte alignment: the only argument whose alignment can vary here is
     # the caller's x (and a given scale); the buffers above are fresh allocations.
     # (and the device: a compiled kernel's function handle belongs to one device's context)
-    lkey = (pkey, dev.index, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
+    lkey = (pkey, SW_ROUND, dev.index, x2.data_ptr() % 16 == 0, s.data_ptr() % 16 == 0)
     if not delayed:
         _launch_amax(x2, amax_i)
     a1, a2 = (rq if rowwise else cq), (cq if columnwise else rq)
@@ -277,7 +270,7 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise) -> _BlockwisePlan once tuned
+_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND) -> _BlockwisePlan once tuned
 
 
 def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
@@ -371,7 +364,7 @@ class _BlockwisePlan:
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     M, Kd = x2.shape
     fmt, dev, bs = sch.format, x2.device, sch.block_size
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND)  # (the plan's kernel arguments include SW)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -467,7 +460,7 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax, global_scale=gs, rht=False)
     if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax.clone(), global_scale=gs.clone(), rht=False)
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax, global_scale=gs, rht=False)  # one read: shared
 
 
 quantize_triton.checked = lambda x, scheme, **kw: quantize_triton(x, scheme, _checked=True, **kw)  # see lowbit.quantize
