@@ -20,7 +20,7 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -224,6 +224,7 @@ def nonfinite_events() -> list[NonFiniteEvent]:
 # nonfinite_events() / check_nonfinite(wait=True), which wait for it). LOWBIT_SENTRY_SYNC=1 makes every
 # check wait (the error then surfaces at the exit of the step that produced it, at one sync per check).
 _unchecked: list[tuple] = []
+_boundary_queued = False  # a check is queued for the end of the running backward pass
 _inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None), oldest first
 SYNC_CHECKS = os.environ.get("LOWBIT_SENTRY_SYNC", "0") == "1"
 
@@ -239,10 +240,13 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
     with _lock:
         _unchecked.append((layer, role, phase, _step, policy, amaxes))
-    if phase == "backward":
-        # Checked when this backward pass ends (every GEMM's records at once; later callbacks find nothing left).
+    global _boundary_queued
+    if phase == "backward" and not _boundary_queued:
+        # Checked when this backward pass ends (every GEMM's records at once): one callback per backward
+        # (any check clears the flag, so a backward that failed before its callback ran cannot leave it set).
         try:
             torch.autograd.Variable._execution_engine.queue_callback(_check_at_boundary)
+            _boundary_queued = True
         except RuntimeError:  # not inside a backward pass (a direct call): check now
             check_nonfinite()
 
@@ -351,11 +355,13 @@ def check_nonfinite(wait: bool = True) -> None:
             only the checks the GPU has already finished; the rest are reported by a later call.
             CPU tensors are always checked at once.
     """
+    global _boundary_queued
+    _boundary_queued = False
     with _lock:
         recs = list(_unchecked)
         _unchecked.clear()
     if recs:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _cuda_available() and torch.cuda.is_current_stream_capturing():
             # Inside CUDA-graph capture nothing may be read back: keep the records; every replay rewrites
             # the same amax tensors, which check_captured() checks after each replay.
             with _lock:
@@ -446,11 +452,8 @@ class DelayedScalingState:
         (it does not enter the history; the scale stays where it was)."""
         for role, a in amaxes.items():
             h = self.histories[role]
-            a = a.to(h.history.device)
-            a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).reshape(1)
-            h.history = torch.cat([a, h.history[:-1]])
-            h.steps += 1
-            _update_scale(h)
+            h.record(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0))
+            h.update_scale()
             self.pending[role] = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -476,14 +479,6 @@ class DelayedScalingState:
                     _pending.setdefault(id(self), self)
 
 
-def _update_scale(h: AmaxHistory) -> None:
-    """``AmaxHistory.update_scale`` without a host-to-device copy (no sync): same float32 operations."""
-    a = h.history.max().reshape(1) if h.algo == "max" else h.history[:1]
-    new = a.new_full((1,), h.fmt.max) / a / (2.0**h.margin)
-    ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new)
-    h.scale = torch.where(ok, new, h.scale)
-
-
 def _commit_pending(group) -> None:
     """Outermost exit: reduce the pending amaxes across ``group`` (one collective) and update the histories."""
     with _lock:
@@ -492,7 +487,7 @@ def _commit_pending(group) -> None:
     entries = [(st, role) for st in states for role, p in st.pending.items() if p is not None]
     if not entries:
         return
-    amaxes = [st.pending[role].clone() for st, role in entries]
+    amaxes = [st.pending[role] for st, role in entries]  # (observe() made them fresh tensors; commit drops them)
     reduce = [st.recipe.reduce_amax for st, _ in entries]
     if any(reduce):
         # States whose recipe opted out are left out of the collective (every rank runs the same layers).

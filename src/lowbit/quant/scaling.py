@@ -42,7 +42,7 @@ class AmaxHistory:
     def update_scale(self) -> torch.Tensor:
         """Recompute ``scale`` from the history; returns it."""
         a = self.history.max().reshape(1) if self.algo == "max" else self.history[:1]
-        new = torch.tensor(self.fmt.max, dtype=torch.float32, device=a.device) / a / (2.0**self.margin)
+        new = a.new_full((1,), self.fmt.max) / a / (2.0**self.margin)  # (no host-to-device copy: no sync)
         ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new)
         self.scale = torch.where(ok, new, self.scale)
         return self.scale
