@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..recipes import NVFP4BlockScaling, Recipe
-from .base import LowbitModule, name_modules
+from .base import name_modules
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
@@ -230,7 +230,3 @@ def _fuse(norm, lin: torch.nn.Linear) -> LayerNormLinear:
     m.train(lin.training)
     m._init_gemms("")
     return m
-
-
-def is_lowbit(m) -> bool:
-    return isinstance(m, LowbitModule)

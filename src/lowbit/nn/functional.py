@@ -40,7 +40,7 @@ class GemmLayer:
 
     Attributes:
         suffix: name of this GEMM inside its module (``""``, ``"fc1"``, ``"fc2"``).
-        delayed: :class:`~lowbit.nn.autocast.DelayedScalingState` once a DelayedScaling forward ran
+        delayed: :class:`~lowbit.nn.state.DelayedScalingState` once a DelayedScaling forward ran
             (or a checkpoint with one was loaded).
         wcache: ``(recipe, weight version, weight data_ptr, QuantizedTensor)`` of the last weight
             quantized with ``is_first_microbatch=True``.
@@ -77,7 +77,7 @@ class GemmLayer:
             return None
         if need_wgrad and q.columnwise is None:  # one scale per tensor: the columnwise copy is the transpose
             r = q.rowwise
-            q.columnwise = QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv.clone(), amax=r.amax.clone())
+            q.columnwise = QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv, amax=r.amax)
         _ac.sentry(q.amax.reshape(1), layer=self, role="grad_output", phase=phase, policy=policy)
         self.delayed_state(recipe, dy2.device).observe("grad_output", q.amax)
         self.handoffs += 1
@@ -223,7 +223,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         qw = layer.quantized_weight(weight, recipe, cfg.is_first_microbatch, columnwise=need_dgrad, policy=cfg.policy)
         b = None if bias is None else bias.detach()
         y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
-        # Keep only what the backward reads: x's columnwise (wgrad) copy, the weight's columnwise (dgrad) copy.
+        # Keep only what the backward reads: x's columnwise (wgrad) copy and the weight's QuantizedTensor (its
+        # columnwise copy for dgrad; the whole object, which may be the cross-microbatch cache entry).
         ctx.qx = QuantizedTensor(qx.shape, qx.dtype, qx.scheme, rowwise=None, columnwise=qx.columnwise, meta=qx.meta) if need_wgrad else None
         ctx.qw = qw if need_dgrad else None
         ctx.cfg = cfg
@@ -290,7 +291,3 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype)
     return _QuantizedLinearFn.apply(x, weight, bias, cfg)
-
-
-def uses_tensorwise(recipe: Recipe) -> bool:
-    return isinstance(recipe.role("input").scheme, Float8Tensorwise)

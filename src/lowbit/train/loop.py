@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..models import GPT, attention_backend, config_from_preset, set_attention
 from . import checkpoint as ckpt
 from .data import load_corpus
@@ -183,11 +184,6 @@ def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
-def _any(flag: bool, d: Dist) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
-    return bool(_all_sum(t, d).item() > 0)
-
-
 # ------------------------------------------------------------------------------------------------
 # memory
 # ------------------------------------------------------------------------------------------------
@@ -248,14 +244,6 @@ def quantized_weight_bytes(model, recipe) -> tuple[int, int]:
             else:
                 q += quantize(w.float(), recipe.role("weight").scheme, rowwise=True, columnwise=False).nbytes
     return q, bf
-
-
-def _event_fields(e) -> dict:
-    if isinstance(e, dict):
-        return {"layer": str(e.get("layer")), "role": str(e.get("role"))}
-    if isinstance(e, (tuple, list)) and len(e) >= 2:
-        return {"layer": str(e[0]), "role": str(e[1])}
-    return {"layer": str(getattr(e, "layer", e)), "role": str(getattr(e, "role", "?"))}
 
 
 def _say(d: Dist, c: TrainConfig, msg: str, bar=None) -> None:
@@ -566,11 +554,11 @@ def _train_one(c: TrainConfig) -> dict:
         found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
-        bad = _any(bool(found) or not math.isfinite(step_loss), d)
+        bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss), d.group, d.device)
         if bad:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
-            where = [_event_fields(e) for e in found] or [{"layer": "loss", "role": "loss"}]
+            where = [{"layer": e.layer, "role": e.role} for e in found] or [{"layer": "loss", "role": "loss"}]
             action = c.on_nonfinite
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
