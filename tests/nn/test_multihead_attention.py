@@ -115,7 +115,8 @@ def test_fp8_grad_handoff_under_delayed_scaling():
 
 
 def test_rotary_pos_emb_matches_gpt_rope():
-    from lowbit.models.gpt import apply_rope, rope_tables
+    from lowbit.models.gpt import rope_tables
+    from lowbit.ops.rope import apply_rope
 
     torch.manual_seed(6)
     m = MultiheadAttention(64, 4, 2)

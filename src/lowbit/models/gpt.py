@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.rope import apply_rope, rope_qkv  # noqa: F401 - apply_rope re-exported for (…, seq, D) tensors
+from ..ops.rope import rope_qkv
 
 __all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
 

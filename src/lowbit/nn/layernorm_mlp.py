@@ -86,26 +86,22 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         st = _ac.get_state()
         if not st.enabled:
             h = F.linear(ln, self.fc1_weight, self.fc1_bias)
-            if self.activation == "gelu":
-                h = F.gelu(h)
-            else:
-                if self.fused_swiglu:
-                    h = swiglu(h)
-                else:
-                    a, b = h.chunk(2, dim=-1)
-                    h = F.silu(a) * b
+            h = F.gelu(h) if self.activation == "gelu" else self._swiglu(h, fused_default=False)
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         if self.activation == "gelu":
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
         else:
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
-            if self.fused_swiglu is False:
-                a, b = h.chunk(2, dim=-1)
-                h = F.silu(a) * b
-            else:
-                h = swiglu(h)  # fused on CUDA (FP32 math, one rounding)
+            h = self._swiglu(h, fused_default=True)
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
+
+    def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:
+        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the default)."""
+        if self.fused_swiglu if self.fused_swiglu is not None else fused_default:
+            return swiglu(h)
+        a, b = h.chunk(2, dim=-1)
+        return F.silu(a) * b
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, normalization={self.normalization}, "

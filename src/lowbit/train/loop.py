@@ -367,6 +367,13 @@ class _GraphedStep:
         self.graph.replay()
         return self.loss_sum
 
+    def drop(self) -> None:
+        """Forget the graph (the next step captures afresh) and the sentry's references into its memory pool."""
+        import lowbit.nn as lnn
+
+        self.graph = None
+        lnn.state.clear_captured()
+
 
 # Arguments that change the trajectory: a resumed run must use the same values.
 # (The global batch must match, not its split into ranks x micro-batches: any world size may resume.)
@@ -568,8 +575,7 @@ def _train_one(c: TrainConfig) -> dict:
                     ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
                     action = f"rollback to step {ck['step']}"
                     if graphed is not None:  # loading may re-create .grad tensors: capture afresh next step
-                        graphed.graph = None
-                        lnn.state.clear_captured()
+                        graphed.drop()
                     del ck
                 else:
                     action = "skip (no checkpoint to roll back to)"
@@ -607,9 +613,8 @@ def _train_one(c: TrainConfig) -> dict:
             break
     if bar is not None:
         bar.close()
-    if graphed is not None:  # drop the graph and the sentry's references into its memory pool
-        graphed.graph = None
-        lnn.state.clear_captured()
+    if graphed is not None:
+        graphed.drop()
     peak, peak_kind = _peak(d.device)
     qbytes, bfbytes = quantized_weight_bytes(raw, recipe)
     summary = {
