@@ -13,10 +13,10 @@ import time
 import warnings
 
 import torch
-from triton.testing import do_bench
 
 import lowbit
 from lowbit import recipes
+from lowbit.bench import median_ms
 
 OUT = os.environ.get("OUT", "/tmp/lowbit-prof")
 os.makedirs(OUT, exist_ok=True)
@@ -50,7 +50,7 @@ def main():
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
-            med = do_bench(fn, warmup=10, rep=100, grad_to_none=grads, return_mode="median")
+            med = median_ms(fn, warmup=10, rep=100, grad_to_none=grads)
             # host enqueue time: steps back to back, sync only at the end
             n = 50
             torch.cuda.synchronize()

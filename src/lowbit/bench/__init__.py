@@ -23,6 +23,12 @@ def median_ms(fn, *, warmup: int = 25, rep: int = 100, **kw) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median", **kw))
 
 
+def nrmse(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float32 (the accuracy column of the benchmarks)."""
+    a, b = out.float(), ref.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def host_us(fn, n: int = 300, warmup: int = 20) -> float:
     """Host (enqueue) time of ``fn`` in microseconds per call: ``n`` calls back to back with no sync inside (on
     shapes small enough that the GPU never limits, this is what Python + launches cost), CUDA synced around."""

@@ -17,18 +17,14 @@ import os
 
 import torch
 
-from . import git_commit
+from . import git_commit, median_ms
+from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")]
 
 
-def _nrmse(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def bench_case(B, H, S, D, causal, modes, rep_ms=200):
-    import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -47,7 +43,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
     def run(name, fn, kind, acc_out=None):
         try:
             out = fn()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+            ms = median_ms(fn, rep=rep_ms)
             err = _nrmse((acc_out() if acc_out else out)[:1, hs], ref)
             rows.append(dict(name=name, kind=kind, ms=ms, tflops=flops / ms * 1e-9, nrmse=err))
         except Exception as e:  # a missing backend must not kill the table
@@ -85,8 +81,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
                 T.quantize_qk_triton(q, k, dtype=qk)
                 if pv == "fp8":
                     T.quantize_v_fp8_triton(v)
-            import triton as _t
-            ms = _t.testing.do_bench(prepass, warmup=10, rep=100, return_mode="median")
+            ms = median_ms(prepass, warmup=10, rep=100)
             rows.append(dict(name=tag + "_prepass", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
     del ref
     torch.cuda.empty_cache()

@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from . import median_ms
+from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
 
@@ -40,11 +41,6 @@ def _sdpa_bwd_fn(q, k, v, do, causal, backend):
     def run():
         return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
     return run, grads
-
-
-def _nrmse(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

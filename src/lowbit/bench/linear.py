@@ -50,10 +50,11 @@ def _timer(device: torch.device, warmup: int, rep: int):
     """fn, grads -> median milliseconds."""
     if device.type == "cuda":
         try:
-            from triton.testing import do_bench
+            import triton.testing  # noqa: F401 - median_ms needs it
+            from . import median_ms
 
             def t(fn, grads=()):
-                return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=list(grads) or None, return_mode="median"))
+                return median_ms(fn, warmup=warmup, rep=rep, grad_to_none=list(grads) or None)
 
             return t
         except ImportError:
