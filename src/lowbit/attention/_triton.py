@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -36,6 +35,7 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
+from .api import _views
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, k_mean as _k_mean, n_q_groups
 
 BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
@@ -372,15 +372,6 @@ def _autotune_enabled() -> bool:
 
 
 # ============================================================================ launchers
-def _views(x: torch.Tensor, layout: str, varlen: bool):
-    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0), x.stride(2)
-    if layout == "bhsd":
-        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
-    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
-
-
 def _dims(x, layout, varlen):
     if varlen:
         return None, x.shape[1], x.shape[0], x.shape[2]

@@ -77,6 +77,15 @@ def _check_qkv(q, k, v, layout, *, v_heads_from_k=True):
     return bq, hq, sq, hk, sk, d
 
 
+def _views(x: torch.Tensor, layout: str, varlen: bool):
+    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0), x.stride(2)
+    if layout == "bhsd":
+        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
+
+
 def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
     if (cu_q is None) != (cu_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
@@ -117,10 +126,6 @@ def _check_window(window):
     if any(w < -1 for w in window):
         raise ValueError(f"window sizes must be >= -1, got {window!r}")
     return tuple(window)
-
-
-def _check_blocks(granularity, block_q, block_k, warp_q):
-    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
 
 
 def _half(name, x):
@@ -178,7 +183,7 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     _half("k", k)
     if dtype not in ("int8", "fp8"):
         raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
-    _check_blocks(granularity, block_q, block_k, warp_q)
+    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
     mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     kw = dict(dtype=dtype, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
               warp_q=warp_q, softmax_scale=softmax_scale, layout="bhsd" if lay == "thd" else lay,
@@ -250,7 +255,7 @@ def _sdpa_call(q, k, v, *, causal, scale, layout):
 
 
 def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smooth_k, window, cu_q, cu_k, mq, mk,
-             return_lse, backend, block_q, block_k, warp_q, config=None):
+             return_lse, backend, block_q, block_k, warp_q):
     lay = "bhsd" if layout == "thd" else layout
     quant_qk = qk in ("int8", "fp8")
     out_dtype = q.dtype
@@ -261,7 +266,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
                                       f"window={window!r}, return_lse={return_lse}")
         return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
     if backend == "reference":
-        if not quant_qk and pv not in ("fp8",):
+        if not quant_qk and pv != "fp8":
             res = _ref.attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                            layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
         else:
@@ -289,8 +294,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
                                        k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal, window=window,
-                                       return_lse=True if return_lse else False, out_dtype=out_dtype, config=config,
-                                       **kw)
+                                       return_lse=return_lse, out_dtype=out_dtype, **kw)
     if not return_lse:
         return res, None
     out, lse = res
@@ -344,12 +348,11 @@ def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None):
     the 16-bit forward's, when the forward kept them; otherwise that forward is recomputed here."""
     from . import backward as _bwd
 
-    varlen = o["cu_q"] is not None
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
                   cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"])
     if out is None or lse is None:
-        out, lse = _bwd.attention_forward(q, k, v, layout=None if varlen else o["layout"], **common)
-    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout="thd" if varlen else o["layout"], **common)
+        out, lse = _bwd.attention_forward(q, k, v, layout=o["layout"], **common)
+    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], **common)  # ("thd" when varlen)
     return [g if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
 
 
@@ -400,7 +403,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q/k/v must be float16, bfloat16 (or float32 for the reference), got {q.dtype}")
-    _check_blocks(granularity, block_q, block_k, warp_q)
+    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
     window = _check_window(window)
     mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     be = select_backend(q.device, qk, pv, varlen=varlen, window=window, return_lse=return_lse, backend=backend)
@@ -447,7 +450,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     B, Hq, Sq, Hkv, Sk, D = _check_qkv(q_int8, k_int8, v, lay)
     if D % 16:
         raise ValueError(f"head_dim must be a multiple of 16 for INT8 MMA, got {D}")
-    _check_blocks(granularity, block_q, block_k, warp_q)
+    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
     window = _check_window(window)
     mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
     if varlen:

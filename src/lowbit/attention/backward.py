@@ -39,7 +39,8 @@ from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
-from .api import _check_varlen, _shape4, _tensor
+from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
+from .api import _check_varlen, _shape4, _tensor, _views
 
 __all__ = [
     "backward",
@@ -55,7 +56,6 @@ __all__ = [
 
 GRAD_FORMATS = (None, "e4m3", "e5m2")
 _FMT = {"e4m3": (1, 448.0, torch.float8_e4m3fn), "e5m2": (2, 57344.0, torch.float8_e5m2)}
-_HEAD_DIMS = (16, 32, 64, 128, 256)
 BIG = 1 << 30
 
 
@@ -227,15 +227,6 @@ def _check_dropout(dropout_p, seed):
             raise ValueError(f"seed must be an int in [0, 2**63) when dropout_p > 0, got {seed!r}")
 
 
-def _views(x: Tensor, layout: str, varlen: bool):
-    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0), x.stride(2)
-    if layout == "bhsd":
-        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
-    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
-
-
 def _row_views(x: Tensor, layout: str, varlen: bool):
     """(stride_b, stride_h, stride_s) of a per-row buffer shaped like a gradient without its last dim."""
     if varlen:
@@ -270,8 +261,8 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
         lay = layout
-    B, Hq, Sq, D = _shape4("q", q, "thd" if varlen else lay)
-    Bk, Hkv, Sk, Dk = _shape4("k", k, "thd" if varlen else lay)
+    B, Hq, Sq, D = _shape4("q", q, lay)
+    Bk, Hkv, Sk, Dk = _shape4("k", k, lay)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     for n, t in (("do", do), ("o", o)):
@@ -419,7 +410,7 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
         Sq, Sk = mq, mk
     group = Hq // Hkv
     dev = q.device
-    LOG2E = 1.4426950408889634
+    LOG2E = _ref.LOG2E
     # ---- preprocess: delta = rowsum(dO·O), lse2 = lse·log2e (+inf for empty rows)
     if varlen:
         delta = torch.empty(Hq, q.shape[0], device=dev, dtype=torch.float32)
@@ -573,8 +564,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     from . import backward_kernels as BK
     import triton
 
-    B, Hq, Sq, D = _shape4("q", q, "thd" if varlen else lay)
-    _, Hkv, Sk, _ = _shape4("k", k, "thd" if varlen else lay)
+    B, Hq, Sq, D = _shape4("q", q, lay)
+    _, Hkv, Sk, _ = _shape4("k", k, lay)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
     left, right = _window(causal, window)
@@ -591,7 +582,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     BK._fwd_dropout[(triton.cdiv(max(Sq, 1), bm), B * Hq)](
         q, k, v, o, lse, cu_seqlens_q if varlen else cu, cu_seqlens_k if varlen else cu,
         *_views(q, lay, varlen), *_views(k, lay, varlen), *_views(v, lay, varlen), *_views(o, lay, varlen), *sl,
-        Hq, Hq // Hkv, Sq, Sk, softmax_scale * 1.4426950408889634,
+        Hq, Hq // Hkv, Sq, Sk, softmax_scale * _ref.LOG2E,
         BIG if left < 0 else left, BIG if right < 0 else right,
         int(seed) if dropout else 0, int(offset), float(dropout_p), (1.0 / (1.0 - dropout_p)) if dropout else 1.0,
         Sq, Sk, DROPOUT=dropout, VARLEN=varlen, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=BK.INTERPRETED,
@@ -656,10 +647,8 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     Returns out (q's dtype/layout) and with ``return_lse`` the FP32 LSE.
     """
     _check_dropout(dropout_p, seed if seed is not None else 0)
-    if cu_seqlens_q is not None:
-        layout = "thd"
     opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, dropout_p=float(dropout_p), seed=seed,
-                offset=offset, layout=layout if cu_seqlens_q is None else None, cu_seqlens_q=cu_seqlens_q,
+                offset=offset, layout="thd" if cu_seqlens_q is not None else layout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                 grad_format=grad_format, scales=scales, grad_sink=grad_sink, backend=backend)
     out, lse = AttentionFunction.apply(q, k, v, opts)
