@@ -41,7 +41,6 @@ wrap(F_._ac, "sentry", "sentry")
 wrap(F_.GemmLayer, "quantize", "GemmLayer.quantize")
 wrap(F_.GemmLayer, "quantized_weight", "GemmLayer.quantized_weight")
 wrap(F_._QuantizedLinearFn, "backward", "Fn.backward (total)")
-_fwd = F_._QuantizedLinearFn.forward
 wrap(F_._QuantizedLinearFn, "forward", "Fn.forward (total)")
 F_._QuantizedLinearFn.forward = staticmethod(F_._QuantizedLinearFn.forward)
 F_._QuantizedLinearFn.backward = staticmethod(F_._QuantizedLinearFn.backward)

@@ -26,7 +26,7 @@ qg = quantize(dy, s1, rowwise=True, columnwise=True)
 rows = {
     "torch.empty": lambda: torch.empty(M, K, device=dev),
     "torch.zeros(1)": lambda: torch.zeros(1, device=dev),
-    "x.add_(1) (1 aten launch)": lambda: x.add_(0),
+    "x.add_(0) (1 aten launch)": lambda: x.add_(0),
     "quantize 1x128 both": lambda: quantize(x, s1, rowwise=True, columnwise=True),
     "quantize 1x128 rowwise": lambda: quantize(x, s1, rowwise=True, columnwise=False),
     "quantize 128x128 both": lambda: quantize(w, s2, rowwise=True, columnwise=True),

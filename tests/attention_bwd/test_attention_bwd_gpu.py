@@ -12,11 +12,9 @@ import torch
 from lowbit.attention import backward as BW
 from lowbit.quant import Float8Rowwise, Float8Tensorwise, QuantizedTensor, quantize
 
-from bwd_common import fp8_bits, make_inputs, make_varlen, nrmse
+from bwd_common import BF16_TOL, FP8_TOL, fp8_bits, make_inputs, make_varlen, nrmse
 
 pytestmark = pytest.mark.gpu
-BF16_TOL = 1e-2
-FP8_TOL = {"e4m3": 3.5e-2, "e5m2": 7e-2}
 DEV = "cuda"
 
 
