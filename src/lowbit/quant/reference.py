@@ -16,8 +16,6 @@ Conventions shared by all schemes:
 from __future__ import annotations
 
 import functools
-
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +27,10 @@ from ..formats import (
     cast_to_format,
     e8m0_encode,
     pack_e2m1,
-    quantize_int8_symmetric,
     unpack_e2m1,
 )
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
-from .tensor import QuantizedCopy, QuantizedTensor, cdiv, expand_blocks, pad_to, scale_logical, scale_storage
+from .tensor import QuantizedCopy, QuantizedTensor, expand_blocks, pad_to, scale_logical, scale_storage
 
 __all__ = [
     "quantize_reference",
@@ -381,22 +378,6 @@ def _to_bhsd(t: torch.Tensor, layout: str, name: str) -> torch.Tensor:
     raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
 
 
-def _from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
-    return t if layout == "bhsd" else t.transpose(1, 2).contiguous()
-
-
-def _group_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize (B, H, S, D) float32 to int8 with one scale per ``group`` consecutive rows of S."""
-    B, H, S, D = x.shape
-    n = cdiv(S, group)
-    xp = torch.nn.functional.pad(x, (0, 0, 0, n * group - S))
-    amax = xp.abs().reshape(B, H, n, group * D).amax(dim=-1)
-    scale = amax / _f32(127.0, amax)  # correctly rounded fp32 division on every device (kernels: amax / 127.0)
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    se = scale.repeat_interleave(group, dim=2)[:, :, :S, None]
-    return quantize_int8_symmetric(x, se), scale
-
-
 def quantize_qk_int8(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -435,33 +416,13 @@ def quantize_qk_int8(
         raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
     if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):
         raise ValueError(f"warp_q: must divide block_q ({block_q}), got {warp_q}")
-    sm = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    qs = qb.float() * torch.tensor(sm * LOG2E, dtype=torch.float32)
-    kf = kb.float()
-    k_mean = None
-    if smooth_k:
-        k_mean = kf.mean(dim=2, keepdim=True)
-        kf = kf - k_mean
-    if granularity == "per_block":
-        q8, q_scale = _group_int8(qs, block_q)
-    else:
-        q8, q_scale = _group_int8(qs, warp_q)
-        # pad to whole query blocks, as SageAttention's scale shape (ceil(Sq/BLKQ) · BLKQ/WARPQ) has
-        want = cdiv(Sq, block_q) * (block_q // warp_q)
-        q_scale = torch.nn.functional.pad(q_scale, (0, want - q_scale.shape[-1]), value=1.0)
-    k8, k_scale = _group_int8(kf, block_k)
-    return QKInt8(
-        q=_from_bhsd(q8, layout),
-        k=_from_bhsd(k8, layout),
-        q_scale=q_scale.contiguous(),
-        k_scale=k_scale.contiguous(),
-        k_mean=k_mean,
-        softmax_scale=sm,
-        granularity=granularity,
-        block_q=block_q,
-        block_k=block_k,
-        warp_q=warp_q,
-    )
+    # the math is the attention package's (one implementation; the kernels are tested against it)
+    from ..attention.reference import quantize_qk_reference
+
+    r = quantize_qk_reference(q, k, dtype="int8", granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                              block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, layout=layout)
+    return QKInt8(q=r.q, k=r.k, q_scale=r.q_scale, k_scale=r.k_scale, k_mean=r.k_mean, softmax_scale=r.softmax_scale,
+                  granularity=granularity, block_q=block_q, block_k=block_k, warp_q=warp_q)
 
 
 def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,9 +433,7 @@ def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tens
     """
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         raise TypeError(f"v: expected a float16/bfloat16/float32 tensor, got {getattr(v, 'dtype', type(v))}")
-    vb = _to_bhsd(v, layout, "v").float()
-    amax = vb.abs().amax(dim=2)
-    scale = amax / _f32(448.0, amax)
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    data = cast_to_format(vb / scale[:, :, None, :], E4M3)
-    return _from_bhsd(data, layout), scale.contiguous()
+    _to_bhsd(v, layout, "v")  # (shape / layout checks)
+    from ..attention.reference import quantize_v_fp8_reference
+
+    return quantize_v_fp8_reference(v, layout=layout)
