@@ -60,7 +60,8 @@ def test_skip_records_events_and_clears():
     assert ("0", "input", "forward") in got and ("2", "input", "forward") in got
     assert ("2", "grad_output", "backward") not in got  # dy of layer 2 comes through the finite head: finite
     assert ("0", "grad_output", "backward") in got  # dy of layer 0 passes GELU'(NaN): NaN
-    assert all(e.step == step + 1 or e.step == step for e in ev)
+    # forward events carry the step of their autocast (it exits after them); the backward's come after that exit
+    assert all(e.step == (step if e.phase == "forward" else step + 1) for e in ev)
     assert all(e.amax != e.amax or e.amax == float("inf") for e in ev)  # nan or inf
     assert nonfinite_events() == []  # cleared
 

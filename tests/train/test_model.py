@@ -39,8 +39,11 @@ def test_variants_forward_backward(pos, mlp, norm, tie):
     loss.backward()
     assert all(p.grad is not None for p in m.parameters())
     with lowbit.autocast(recipe=lowbit.recipes.from_name("fp8-block")):
-        _, qloss = m(x, x)
-    assert abs(qloss.item() - loss.item()) < 0.05 * loss.item()
+        qlogits, _ = m(x, x)
+    # the quantized forward tracks the high-precision one (the loss at init is too flat to tell): logits SQNR
+    # measured 28.8-29.1 dB on these two variants -> floor 25 dB
+    err = (qlogits.detach().double() - logits.detach().double()).pow(2).sum()
+    assert 10 * torch.log10(logits.detach().double().pow(2).sum() / err) > 25
 
 
 def test_bad_config():
