@@ -22,13 +22,6 @@ BENCHES = {
 }
 
 
-def _has(mod: str) -> bool:
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _version(mod: str) -> str:
     try:
         return importlib.import_module(mod).__version__
@@ -91,16 +84,13 @@ def cmd_info(argv=None) -> int:
         graph = "CUDA graph" if name in GRAPH_RECIPES else "eager (not graph-safe yet)"
         print(f"  {name:<12} {type(r).__name__:<22} -> {how:<10} lowbit train on one GPU: {graph}")
     print("\nattention:")
-    if _has("lowbit.attention") and hasattr(importlib.import_module("lowbit.attention"), "backend_for"):
-        att = importlib.import_module("lowbit.attention")
-        for qk, pv in (("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")):
-            try:
-                be = att.backend_for(device=dev, qk=qk, pv=pv)
-                print(f"  qk={qk} pv={pv} -> {be}{' (cuDNN first, then flash)' if be == 'sdpa' else ''}")
-            except Exception as e:  # report, do not crash info
-                print(f"  qk={qk} pv={pv} -> unavailable ({e})")
-    else:
-        print("  reference (CPU) / kernels on CUDA" if _has("lowbit.attention") else "  not installed")
+    att = importlib.import_module("lowbit.attention")
+    for qk, pv in (("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")):
+        try:
+            be = att.backend_for(device=dev, qk=qk, pv=pv)
+            print(f"  qk={qk} pv={pv} -> {be}{' (cuDNN first, then flash)' if be == 'sdpa' else ''}")
+        except Exception as e:  # report, do not crash info
+            print(f"  qk={qk} pv={pv} -> unavailable ({e})")
     return 0
 
 
@@ -152,16 +142,10 @@ def cmd_quant_demo(argv=None) -> int:
 # delegation
 # ------------------------------------------------------------------------------------------------
 def cmd_demo(argv=None) -> int:
-    if _has("lowbit.train.demo"):
-        return int(importlib.import_module("lowbit.train.demo").main(argv) or 0)
-    print("(the training demo is not installed in this build; showing the quantization demo)")
-    return cmd_quant_demo(argv)
+    return int(importlib.import_module("lowbit.train.demo").main(argv) or 0)
 
 
 def cmd_train(argv=None) -> int:
-    if not _has("lowbit.train.cli"):
-        print("lowbit train: the training job is not available in this build", file=sys.stderr)
-        return 2
     # lowbit.train.cli.main parses, prints one clear line for bad input (exit 2) and tears down the process group
     return int(importlib.import_module("lowbit.train.cli").main(argv) or 0)
 
@@ -175,9 +159,6 @@ def cmd_bench(argv=None) -> int:
     if argv[0] == "attention" and "--backward" in argv:
         mod = "lowbit.bench.attention_bwd"
         argv = [a for a in argv if a != "--backward"]
-    if not _has(mod):
-        print(f"lowbit bench {argv[0]}: not available in this build", file=sys.stderr)
-        return 2
     r = importlib.import_module(mod).main(argv[1:])
     return int(r or 0)
 

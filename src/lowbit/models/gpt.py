@@ -17,8 +17,6 @@ the same model is the BF16 baseline.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -114,18 +112,14 @@ def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> 
         raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use 'auto' or 'lowbit'")
     if backend not in ("auto", "lowbit", "sdpa"):
         raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
-    if backend == "lowbit" and _lowbit_attention() is None:
-        raise ValueError("backend: 'lowbit' asked for, but lowbit.attention has no attention() yet; use 'sdpa' or 'auto'")
     _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)
 
 
-@functools.lru_cache(maxsize=None)
 def _lowbit_attention():
-    """lowbit.attention.attention if that module defines it (it is being written), else None."""
-    try:
-        return getattr(importlib.import_module("lowbit.attention"), "attention", None)
-    except ImportError:
-        return None
+    """lowbit.attention.attention (imported on first use: the model module stays light to import)."""
+    from ..attention import attention
+
+    return attention
 
 
 def attention_backend() -> str:
@@ -133,7 +127,7 @@ def attention_backend() -> str:
     b = _ATTENTION_OPTS["backend"]
     if b == "auto":  # 16-bit attention is the same math either way; SDPA has the fused backward
         quantized = _ATTENTION_OPTS["qk"] != "bf16" or _ATTENTION_OPTS["pv"] != "bf16"
-        return "lowbit" if quantized and _lowbit_attention() is not None else "sdpa"
+        return "lowbit" if quantized else "sdpa"
     return b
 
 
