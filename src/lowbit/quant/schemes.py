@@ -29,8 +29,11 @@ class _FP8Scheme:
     """Shared by the FP8 schemes: ``fmt`` must name E4M3 or E5M2; ``format`` is its FloatFormat."""
 
     def __post_init__(self):
-        if get_format(self.fmt) not in (E4M3, E5M2):
+        fmt = get_format(self.fmt)
+        if fmt not in (E4M3, E5M2):
             raise ValueError(f"fmt: an FP8 scheme takes 'e4m3' or 'e5m2', got {self.fmt!r}")
+        # one spelling, so every `scheme.fmt == "e5m2"` check (and equality / hashing of schemes) sees the same value
+        object.__setattr__(self, "fmt", fmt.name)
 
     @property
     def format(self) -> FloatFormat:
