@@ -120,7 +120,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
             SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
             BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, False),
+    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), lambda: _candidates(M, N, False),
          launch, accumulate)
     return _finish(c, pre, out, accumulate)
 
@@ -128,7 +128,8 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 def _run(key, cands, launch, accumulate):
     # Accumulating launches are not idempotent: never time them; reuse a tuned config or take the first.
     if accumulate:
-        launch(_TUNED.get(("gemm",) + key, cands[0]))
+        cfg = _TUNED.get(("gemm",) + key)
+        launch(cfg if cfg is not None else cands()[0])
     else:
         tuned_launch("gemm", key, cands, launch)
 
@@ -157,7 +158,8 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), _candidates(M, N, True), launch, accumulate)
+    _run(("emu", nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), lambda: _candidates(M, N, True), launch,
+         accumulate)
     return _finish(c, pre, out, accumulate)
 
 

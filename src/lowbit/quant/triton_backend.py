@@ -52,19 +52,26 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def tuned_launch(name: str, key: tuple, candidates: list[dict], launch) -> dict:
+def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
     """Run ``launch(cfg)`` with the fastest of ``candidates`` for this (name, key); returns the config used.
 
-    ``launch`` must be idempotent (the kernels here are: they overwrite outputs and atomic-max an amax).
-    In the interpreter, with one candidate, or with LOWBIT_AUTOTUNE=0, the first candidate is used.
+    ``candidates``: a list of configs, or a function returning it (built only when a tuned config is not
+    known yet: this runs on every call). ``launch`` must be idempotent (the kernels here are: they overwrite
+    outputs and atomic-max an amax). In the interpreter, with one candidate, or with LOWBIT_AUTOTUNE=0, the
+    first candidate is used.
     """
+    k = (name,) + tuple(key)
+    cfg = _TUNED.get(k) if AUTOTUNE and not INTERPRET else None
+    if cfg is not None:
+        launch(cfg)
+        return cfg
+    if callable(candidates):
+        candidates = candidates()
     if not candidates:
         raise RuntimeError(f"{name}: no launch configuration fits key {key}")
     if INTERPRET or not AUTOTUNE or len(candidates) == 1:
         launch(candidates[0])
         return candidates[0]
-    k = (name,) + tuple(key)
-    cfg = _TUNED.get(k)
     if cfg is None:
         best, err = None, None
         for c in candidates:
@@ -259,8 +266,9 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         q = torch.empty(R, C, dtype=fmt.torch_dtype, device=dev)
         si = torch.empty(R, 1, dtype=torch.float32, device=dev)
         amax_i = _amax_buffer(dev)
-        cands = _configs([1, 4, 16, 64] if which == "rowwise" else [32, 64], [256, 512, 1024] if which == "rowwise" else [32, 64],
-                         [4, 8], R, C)
+        cands = lambda R=R, C=C, which=which: _configs(  # noqa: E731 - built on a tuning miss only
+            [1, 4, 16, 64] if which == "rowwise" else [32, 64], [256, 512, 1024] if which == "rowwise" else [32, 64],
+            [4, 8], R, C)
 
         def launch(c, R=R, C=C, sr=sr, sc=sc, q=q, si=si, amax_i=amax_i):
             K.rowscale_kernel[(cdiv(R, c["BM"]),)](x2, q, si, amax_i, R, C, sr, sc, **_fmt_args(fmt), POW2=sch.pow2,
@@ -409,7 +417,7 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
     rs = torch.empty(M, Kd // 32, dtype=torch.uint8, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     cs = torch.empty(Kd, M // 32, dtype=torch.uint8, device=dev) if columnwise else None
-    cands = _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)
+    cands = lambda: _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)  # noqa: E731
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
 
@@ -441,7 +449,8 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
         rs = torch.empty(M, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
         cs = torch.empty(Kd, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
     min_m = 16 if (columnwise or sch.two_d) else 1
-    cands = _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd, min_m=min_m, min_k=16)
+    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd,  # noqa: E731
+                             min_m=min_m, min_k=16)
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
