@@ -18,9 +18,9 @@ import torch
 from lowbit.attention import backward as BW
 from lowbit.attention.reference import attention_reference
 from lowbit.formats import philox_randint
-from lowbit.quant import Float8Rowwise, Float8Tensorwise, QuantizedTensor, quantize
+from lowbit.quant import Float8Rowwise, QuantizedTensor, quantize
 
-from bwd_common import BF16_TOL, FP8_TOL, fp8_bits, make_inputs, make_varlen, nrmse, triton_interpreted
+from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse, triton_interpreted
 
 
 # ----------------------------------------------------------------------------- reference
@@ -143,32 +143,7 @@ def test_fp8_epilogue_bitexact_and_floors(kdev, fmt):
     """FP8 rowwise and given-scale gradients == lowbit.quantize of the kernel's own FP32 gradients
     (interpreter with the emulated cast; the hardware cast is checked on the GPU), and their error floors."""
     q, k, v, do = make_inputs(1, 4, 2, 33, 40, 32, device=kdev, seed=20)
-    kw = dict(causal=True)
-    o, lse = BW.attention_forward(q, k, v, **kw)
-    cfg = ((16, 32, 4, 1), (32, 16, 4, 1))
-    g32 = BW.backward(do, q, k, v, o, lse, grad_dtype=torch.float32, config=cfg, **kw)
-    g16 = BW.backward(do, q, k, v, o, lse, config=cfg, **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
-    g8 = BW.backward(do, q, k, v, o, lse, grad_format=fmt, config=cfg, **kw)
-    fmax = 448.0 if fmt == "e4m3" else 57344.0
-    scales = tuple((fmax / x.abs().amax()).reshape(1).float() / 2 for x in g32)
-    g8t = BW.backward(do, q, k, v, o, lse, grad_format=fmt, scales=scales, config=cfg, **kw)
-    for a, at, x32, x16, ref, s in zip(g8, g8t, g32, g16, gr, scales):
-        assert isinstance(a, QuantizedTensor) and isinstance(a.scheme, Float8Rowwise)
-        r = quantize(x32, Float8Rowwise(fmt), backend="reference")
-        assert torch.equal(fp8_bits(a), fp8_bits(r))
-        assert torch.equal(a.rowwise.scale_inv, r.rowwise.scale_inv)
-        assert torch.equal(a.amax, r.amax)
-        rt = quantize(x32, Float8Tensorwise(fmt), scale=s, backend="reference")
-        assert isinstance(at.scheme, Float8Tensorwise)
-        assert torch.equal(fp8_bits(at), fp8_bits(rt)) and torch.equal(at.amax, rt.amax)
-        torch.testing.assert_close(at.rowwise.scale_inv, rt.rowwise.scale_inv, rtol=0, atol=0)
-        deq = a.dequantize()
-        assert deq.shape == ref.shape
-        e_ref, e_16 = nrmse(deq.cpu(), ref.cpu()), nrmse(deq.cpu(), x16.cpu())
-        assert e_ref < FP8_TOL[fmt] and e_16 < FP8_TOL[fmt], (e_ref, e_16)
-        assert e_ref > 2 * nrmse(x16.cpu(), ref.cpu())  # the format's loss dominates (floor can fail)
-        assert nrmse(at.dequantize().cpu(), ref.cpu()) < FP8_TOL[fmt]
+    check_fp8_epilogue(q, k, v, do, dict(causal=True), ((16, 32, 4, 1), (32, 16, 4, 1)), fmt, tensorwise_tol=FP8_TOL[fmt])
 
 
 def test_fp8_e4m3_tighter_than_e5m2_reference_backend():

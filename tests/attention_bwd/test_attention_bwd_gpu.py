@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lowbit.attention import backward as BW
-from lowbit.quant import Float8Rowwise, Float8Tensorwise, QuantizedTensor, quantize
+from lowbit.quant import QuantizedTensor
 
-from bwd_common import BF16_TOL, FP8_TOL, fp8_bits, make_inputs, make_varlen, nrmse
+from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, make_inputs, make_varlen, nrmse
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -93,31 +93,8 @@ def test_varlen_ragged(causal):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_bitexact_and_floors(fmt):
     q, k, v, do = make_inputs(2, 4, 2, 333, 400, 128, device=DEV, seed=11)
-    kw = dict(causal=True, dropout_p=0.1, seed=77)
-    o, lse = BW.attention_forward(q, k, v, **kw)
-    cfg = ((64, 128, 8, 2), (128, 64, 8, 2))
-    g32 = BW.backward(do, q, k, v, o, lse, grad_dtype=torch.float32, config=cfg, **kw)
-    g16 = BW.backward(do, q, k, v, o, lse, config=cfg, **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
-    g8 = BW.backward(do, q, k, v, o, lse, grad_format=fmt, config=cfg, **kw)
-    fmax = 448.0 if fmt == "e4m3" else 57344.0
-    scales = tuple((fmax / x.abs().amax()).reshape(1).float() / 2 for x in g32)
-    g8t = BW.backward(do, q, k, v, o, lse, grad_format=fmt, scales=scales, config=cfg, **kw)
-    for name, a, at, x32, x16, ref, s in zip("qkv", g8, g8t, g32, g16, gr, scales):
-        r = quantize(x32, Float8Rowwise(fmt), backend="reference")
-        mism = int((fp8_bits(a) != fp8_bits(r)).sum())
-        assert mism == 0, f"d{name}: {mism} FP8 codes differ from lowbit.quantize (rowwise)"
-        assert torch.equal(a.rowwise.scale_inv, r.rowwise.scale_inv) and torch.equal(a.amax, r.amax)
-        rt = quantize(x32, Float8Tensorwise(fmt), scale=s, backend="reference")
-        mism = int((fp8_bits(at) != fp8_bits(rt)).sum())
-        assert mism == 0, f"d{name}: {mism} FP8 codes differ from lowbit.quantize (tensorwise)"
-        assert torch.equal(at.amax, rt.amax) and torch.equal(at.rowwise.scale_inv, rt.rowwise.scale_inv)
-        e_ref, e_16 = nrmse(a.dequantize(), ref), nrmse(a.dequantize(), x16)
-        e_t = nrmse(at.dequantize(), ref)
-        print(f"fp8 {fmt} d{name}: rowwise vs fp32 {e_ref:.3e} vs bf16 {e_16:.3e}; tensorwise vs fp32 {e_t:.3e}; "
-              f"bf16 vs fp32 {nrmse(x16, ref):.3e}")
-        assert e_ref < FP8_TOL[fmt] and e_16 < FP8_TOL[fmt] and e_t < 2 * FP8_TOL[fmt]
-        assert e_ref > 2 * nrmse(x16, ref)
+    check_fp8_epilogue(q, k, v, do, dict(causal=True, dropout_p=0.1, seed=77), ((64, 128, 8, 2), (128, 64, 8, 2)), fmt,
+                       tensorwise_tol=2 * FP8_TOL[fmt])
 
 
 def test_fp8_gradient_bytes_half():
