@@ -67,6 +67,10 @@ MODES = [("bf16", "bf16", "per_block"), ("int8", "bf16", "per_block"), ("int8", 
 # output rounding (bf16 ~1.5e-3 NRMSE, fp16 ~2e-4) plus exp2.approx / summation-order P flips.
 # First H200 run (int8 paths, before the fp8-QK promotion fix): max 2.05e-3 (bf16), 6.3e-4 (fp16).
 TIGHT_OUT = {torch.bfloat16: 3e-3, torch.float16: 1e-3}
+# FP8 Q·Kᵀ: the tensor cores' FP8 products are not summed in IEEE FP32 inside one MMA (DeepSeek-V3 §3.3),
+# so S differs slightly from the reference's FP32 sums and more P codes flip. H200, 2026-11-22: max 3.1e-3
+# (bf16 output), 2.3e-3 (fp16) over the cases below; the FP32-reference floors still apply in full.
+TIGHT_OUT_FP8_QK = {torch.bfloat16: 4.5e-3, torch.float16: 3.5e-3}
 
 
 @pytest.mark.parametrize("qk,pv,granularity", MODES)
@@ -94,7 +98,7 @@ def test_kernel_vs_references(qk, pv, granularity, D, dtype, S, causal):
     m = metrics(out, ref)
     _log(dict(test="kernel", qk=qk, pv=pv, granularity=granularity, D=D, S=S, causal=causal, dtype=str(dtype),
               tight_nrmse=tight["nrmse"], lse_err=lse_err, lse_vs_fp32=(lse - rlse).abs().max().item(), **m))
-    assert tight["nrmse"] < TIGHT_OUT[dtype], tight
+    assert tight["nrmse"] < (TIGHT_OUT_FP8_QK if qk == "fp8" else TIGHT_OUT)[dtype], tight
     assert lse_err < 1e-3
     assert m["nrmse"] < FLOOR[(qk, pv)] and m["cos"] > COS[(qk, pv)], m
     assert m["rel_l1"] < FLOOR[(qk, pv)], m

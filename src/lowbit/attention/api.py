@@ -134,13 +134,13 @@ def _half(name, x):
 
 
 def select_backend(device: torch.device, qk: str, pv: str, *, varlen: bool, window, return_lse: bool,
-                   backend: Optional[str] = None) -> str:
-    """The backend ``attention`` will use (see module docstring)."""
+                   backend: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> str:
+    """The backend ``attention`` will use (see module docstring); FP32 inputs run the FP32 reference anywhere."""
     if backend is not None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
         return backend
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype == torch.float32:
         return "reference"
     if qk in ("bf16", "fp16") and pv in ("bf16", "fp16") and not varlen and window is None and not return_lse:
         return "sdpa"
@@ -367,7 +367,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
 
     q: (B, Hq, Sq, D) ("bhsd", default) or (B, Sq, Hq, D) ("bshd"); packed (Tq, Hq, D) with
     ``cu_seqlens_q/k`` (int32, (B+1,)).  k, v: same with Hkv heads, Hq % Hkv == 0.  float16/bfloat16
-    (float32 is accepted by the reference backend only).  softmax_scale defaults to 1/sqrt(D).
+    (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
     pv: "bf16"/"fp16" or "fp8" (E4M3 P and per-channel-scaled V).  smooth_k subtracts mean(K)
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
@@ -406,7 +406,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     _ref._validate_blocks(granularity, block_q, block_k, warp_q)
     window = _check_window(window)
     mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    be = select_backend(q.device, qk, pv, varlen=varlen, window=window, return_lse=return_lse, backend=backend)
+    be = select_backend(q.device, qk, pv, varlen=varlen, window=window, return_lse=return_lse, backend=backend,
+                        dtype=q.dtype)
     if be != "reference" and q.dtype == torch.float32:
         raise TypeError(f"backend {be!r} needs float16/bfloat16 inputs, got float32")
     if softmax_scale is None:
