@@ -160,20 +160,27 @@ def test_epilogues(backend, cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton_emulated", "triton_dequant"])
 @pytest.mark.parametrize("sa,sb", [(NVFP4(), NVFP4(two_d=True)), (NVFP4(stochastic_rounding=True), NVFP4()),
                                    (MXFP8(), MXFP8()), (MXFP8("e5m2"), MXFP8())], ids=repr)
-def test_emulated_gemm_vs_reference(sa, sb, cuda):
+def test_emulated_gemm_vs_reference(sa, sb, backend, cuda):
     worst = 0.0
-    for (M, N, K) in [(48, 80, 1024), (160, 96, 4096), (1008, 64, 96)]:
+    for (M, N, K) in [(48, 80, 1024), (160, 96, 4096), (1008, 64, 96), (272, 304, 1056)]:
         for a_copy, b_copy in [("rowwise", "rowwise"), ("columnwise", "columnwise")]:
             if (a_copy == "columnwise") and (sa.__class__ is NVFP4 and sa.rht):
                 continue
             a, b = _operands(M, N, K, sa, sb, a_copy, b_copy, cuda, seed=M)
-            assert backend_for(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=torch.float32) == "triton_emulated"
-            worst = max(worst, _check(a, b, a_copy, b_copy, "triton_emulated"))
-    a, b = _operands(48, 80, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=1)
-    _check(a, b, "rowwise", "rowwise", "triton_emulated", out_dtype=torch.bfloat16, bias=torch.randn(80, device=cuda), gelu=True)
-    print(f"emulated {sa} x {sb}: max err/S = {worst:.3g}")
+            # the dispatcher: dequantize-then-BF16-GEMM once M and N are large enough, else the fused kernel
+            want = "triton_dequant" if min(M, N) >= 256 else "triton_emulated"
+            assert backend_for(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=torch.float32) == want
+            worst = max(worst, _check(a, b, a_copy, b_copy, backend))
+    for M, N in ((48, 80), (272, 304)):
+        a, b = _operands(M, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=1)[0], \
+            _operands(N, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=2)[0]
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda), gelu=True)
+        out = torch.randn(M, N, device=cuda)
+        _check(a, b, "rowwise", "rowwise", backend, accumulate=True, out=out)
+    print(f"{backend} {sa} x {sb}: max err/S = {worst:.3g}")
 
 
 @pytest.mark.gpu
@@ -202,7 +209,7 @@ def test_cpu_dispatch_uses_reference_and_backends_registered():
     a, b = _operands(32, 16, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", "cpu")
     assert backend_for(a, b) == "reference"
     if HAVE_TRITON:
-        assert list(BACKENDS)[:3] == ["cublas", "triton", "triton_emulated"]
+        assert list(BACKENDS)[:4] == ["cublas", "triton", "triton_dequant", "triton_emulated"]
         with pytest.raises(NotImplementedError, match="does not support"):
             scaled_mm(a, b, backend="triton")
         with pytest.raises(NotImplementedError, match="does not support"):
@@ -210,7 +217,7 @@ def test_cpu_dispatch_uses_reference_and_backends_registered():
 
 
 def _interp_main() -> int:
-    from lowbit.gemm.triton_backend import scaled_mm_emulated, scaled_mm_triton
+    from lowbit.gemm.triton_backend import scaled_mm_dequant, scaled_mm_emulated, scaled_mm_triton
 
     fails = 0
     cases = [
@@ -222,6 +229,10 @@ def _interp_main() -> int:
         (scaled_mm_emulated, NVFP4(), NVFP4(two_d=True), 16, 32, 64, "rowwise", "rowwise", {}),
         (scaled_mm_emulated, NVFP4(), NVFP4(), 32, 16, 64, "columnwise", "columnwise", {}),
         (scaled_mm_emulated, MXFP8(), MXFP8("e5m2"), 32, 32, 64, "rowwise", "rowwise", {}),
+        (scaled_mm_dequant, NVFP4(), NVFP4(two_d=True), 17, 32, 80, "rowwise", "rowwise",
+         {"bias": torch.randn(32), "out_dtype": torch.bfloat16}),
+        (scaled_mm_dequant, NVFP4(), NVFP4(), 32, 16, 64, "columnwise", "columnwise", {}),
+        (scaled_mm_dequant, MXFP8(), MXFP8("e5m2"), 33, 40, 96, "rowwise", "rowwise", {}),
     ]
     for fn, sa, sb, M, N, K, ac, bc, epi in cases:
         for ints in (False, True):

@@ -3,13 +3,14 @@
 For each (M, K, N): BF16 ``torch.mm``; cuBLAS FP8 tensorwise (``torch._scaled_mm``); cuBLAS FP8
 blockwise 1x128·128x128 (``F.scaled_mm``, where this torch offers it); torchao's Triton blockwise
 kernel (only if torchao is importable); lowbit's Triton blockwise GEMM (1x128 · 128x128, BF16 out);
-lowbit's NVFP4 and MXFP8 emulated GEMMs. Median time by ``triton.testing.do_bench``; TFLOP/s =
+lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused per-tile unpack). Median time by ``triton.testing.do_bench``; TFLOP/s =
 2·M·N·K / t; ratios against BF16 and cuBLAS blockwise.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 
 import torch
 
@@ -59,13 +60,15 @@ def run(shapes, rep=100):
 
             res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), qa.logical_scales(),
                                                                      qb.logical_scales().t()), rep)
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
+            print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
         res["lowbit triton blockwise"] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
         na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
-        res["lowbit nvfp4 emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+        res["lowbit nvfp4 dequant+bf16"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+        res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
         ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
-        res["lowbit mxfp8 emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+        res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+        res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
         bf = res.get("bf16 torch.mm")
         cb = res.get("cuBLAS fp8 blockwise")
         for name, t in res.items():

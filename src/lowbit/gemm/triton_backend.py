@@ -1,5 +1,6 @@
-"""Triton GEMM backend for :func:`lowbit.gemm.scaled_mm`: registers ``"triton"`` (FP8, all scale pairings)
-and ``"triton_emulated"`` (NVFP4 and MXFP8 operands, unpacked to BF16 in registers).
+"""Triton GEMM backend for :func:`lowbit.gemm.scaled_mm`: registers ``"triton"`` (FP8, all scale pairings),
+``"triton_dequant"`` (NVFP4 and MXFP8 operands dequantized once to exact BF16, then a BF16 GEMM; M, N >= 256)
+and ``"triton_emulated"`` (NVFP4 and MXFP8 operands unpacked to BF16 in registers, tile by tile).
 
 ``"triton"`` covers every FP8 pairing :func:`lowbit.gemm._validate` accepts — tensorwise, rowwise and
 blockwise 1D×2D, 2D×1D, 1D×1D, with E4M3/E5M2 mixes, ragged M/N/K and the full epilogue — with FP32
@@ -17,7 +18,8 @@ from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
 from . import register_backend
 from .kernels import gemm as G
 
-__all__ = ["supports_fp8", "supports_emulated", "scaled_mm_triton", "scaled_mm_emulated"]
+__all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",
+           "scaled_mm_dequant", "dequantize_bf16"]
 
 _FP8 = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
 
@@ -134,8 +136,33 @@ def _run(key, cands, launch, accumulate):
         tuned_launch("gemm", key, cands, launch)
 
 
-def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
-    """NVFP4 / MXFP8 GEMM emulated with BF16 tensor cores (exact dequantization in registers)."""
+def _emu_candidates(M, N, pre: bool):
+    if not pre:
+        return _candidates(M, N, True)
+    # A plain BF16 GEMM in the K loop: the usual Hopper tiles (128x256x64 with 8 warps first).
+    out = [dict(BM=bm, BN=bn, BK=64, num_warps=w, num_stages=st)
+           for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4))
+           if bm <= max(_bucket(M), 64) and bn <= max(_bucket(N), 64)]
+    if INTERPRET:
+        out = [dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)]
+    return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
+
+
+def dequantize_bf16(c, nv: bool, two_d: bool, rows: int, K: int) -> torch.Tensor:
+    """(rows, K) BF16 exact values (element × block scale; NVFP4 global scale not applied) of one copy ``c``.
+
+    Exact: an E2M1 × E4M3 product has at most 6 significant bits and an FP8 element × 2^X at most 4,
+    both inside BF16's 8 — except MXFP8 products below 2^-126 (X near -127), which BF16 holds as
+    subnormals with fewer bits. Under Triton's interpreter the values are returned in float32.
+    """
+    out = torch.empty(rows, K, dtype=torch.float32 if INTERPRET else torch.bfloat16, device=c.data.device)
+    br, bk = (16, 32) if INTERPRET else (32, 128)  # bk: a multiple of both block lengths (16, 32)
+    G.dequant_bf16_kernel[(cdiv(rows, br), cdiv(K, bk))](c.data, c.scale_inv, out, rows, K, c.scale_inv.stride(0),
+                                                         NV=nv, TWO_D=two_d, F32=INTERPRET, BR=br, BK=bk, num_warps=4)
+    return out
+
+
+def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out, pre: bool):
     ca, cb = _copy(a, a_copy), _copy(b, b_copy)
     nv = isinstance(a.scheme, NVFP4)
     A, B = ca.data, cb.data
@@ -147,21 +174,51 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     sa, sb = ca.scale_inv, cb.scale_inv
     a2d = nv and a.scheme.two_d
     b2d = nv and b.scheme.two_d
-    c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
+    if pre:
+        A, B = dequantize_bf16(ca, nv, a2d, M, K), dequantize_bf16(cb, nv, b2d, N, K)
+    c, pre_out = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
 
     def launch(cfg):
         G.emu_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
-            A, B, sa, sb, gsa, gsb, c, pre if gelu else c, bias if bias is not None else c, M, N, K,
-            sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, HAS_BIAS=bias is not None,
+            A, B, sa, sb, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K,
+            sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, PRE=pre, HAS_BIAS=bias is not None,
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), lambda: _candidates(M, N, True), launch,
-         accumulate)
-    return _finish(c, pre, out, accumulate)
+    _run(("emu", pre, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)),
+         lambda: _emu_candidates(M, N, pre), launch, accumulate)
+    return _finish(c, pre_out, out, accumulate)
+
+
+def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """NVFP4 / MXFP8 GEMM emulated with BF16 tensor cores, operands unpacked in registers tile by tile
+    (no extra memory; the choice for small M or N, where each element is unpacked only a few times)."""
+    return _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out, pre=False)
+
+
+def scaled_mm_dequant(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """NVFP4 / MXFP8 GEMM: both operands dequantized once to exact BF16 (:func:`dequantize_bf16`, two
+    memory-bound passes and (M + N)·K·2 bytes of scratch), then a BF16 tensor-core GEMM with FP32
+    accumulation and the global scales, bias, GELU and accumulation in its epilogue. The same values
+    and the same FP32 accumulation as :func:`scaled_mm_emulated`, without unpacking every element
+    once per output tile — which made that kernel ALU-bound at ~100 TFLOP/s on large shapes."""
+    return _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out, pre=True)
+
+
+DEQUANT_MIN_MN = 256  # below this M or N an element is unpacked only a few times: the fused kernel wins
+
+
+def supports_dequant(a, b, a_copy, b_copy, opts) -> bool:
+    """NVFP4×NVFP4 and MXFP8×MXFP8 on CUDA with M and N >= DEQUANT_MIN_MN."""
+    if not supports_emulated(a, b, a_copy, b_copy, opts):
+        return False
+    M = a.rows if a_copy == "rowwise" else a.cols
+    N = b.rows if b_copy == "rowwise" else b.cols
+    return min(M, N) >= DEQUANT_MIN_MN
 
 
 register_backend("triton", supports_fp8, scaled_mm_triton)
+register_backend("triton_dequant", supports_dequant, scaled_mm_dequant)
 register_backend("triton_emulated", supports_emulated, scaled_mm_emulated)

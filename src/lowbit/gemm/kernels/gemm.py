@@ -10,7 +10,11 @@
 * :func:`emu_gemm_kernel`: NVFP4 / MXFP8 operands, emulated on Hopper: the elements are unpacked and
   multiplied by their block scale in registers (exact in BF16: an E2M1 × E4M3 product has at most 6
   significant bits, an FP8 element × 2^X at most 4), then BF16 tensor-core math with FP32 accumulation;
-  the NVFP4 global scales are divided out at the end.
+  the NVFP4 global scales are divided out at the end. With ``PRE`` the operands are BF16 matrices
+  already dequantized by :func:`dequant_bf16_kernel` (same exact values; a plain, well-pipelined BF16
+  GEMM in the K loop, the unpack work done once per element instead of once per output tile).
+* :func:`dequant_bf16_kernel`: one NVFP4 / MXFP8 copy -> its exact BF16 values (element × block
+  scale, NVFP4 global scale not applied), the operand of the ``PRE`` GEMM.
 
 Epilogue (both): + bias (N,), GELU (erf form, pre-GELU stored when asked), accumulate into C
 (``C = C + round(y)``, as :func:`lowbit.gemm.reference.apply_epilogue`), output in C's dtype.
@@ -140,8 +144,20 @@ def _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s,
 
 
 @triton.jit
+def dequant_bf16_kernel(p_ptr, s_ptr, out_ptr, R, K, ld_s,
+                        NV: tl.constexpr, TWO_D: tl.constexpr, F32: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """out (R, K) bf16 (float32 under the interpreter) = elements × block scales of one copy (R rows, K along K)."""
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+    k0 = tl.program_id(1).to(tl.int64) * BK
+    rmask = offs_r < R
+    v = _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s, NV, TWO_D, BR, BK, F32)
+    offs_k = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + offs_r[:, None] * K + offs_k[None, :], v, mask=rmask[:, None] & (offs_k[None, :] < K))
+
+
+@triton.jit
 def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                    NV: tl.constexpr, A2D: tl.constexpr, B2D: tl.constexpr, F32: tl.constexpr,
+                    NV: tl.constexpr, A2D: tl.constexpr, B2D: tl.constexpr, F32: tl.constexpr, PRE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -155,8 +171,14 @@ def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_p
     nmask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = _emu_tile(a_ptr, sa_ptr, offs_m, mmask, k0, K, lda_s, NV, A2D, BM, BK, F32)
-        b = _emu_tile(b_ptr, sb_ptr, offs_n, nmask, k0, K, ldb_s, NV, B2D, BN, BK, F32)
+        if PRE:  # dense dequantized operands (R, K)
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k[None, :] < K
+            a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask, other=0.0)
+            b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask, other=0.0)
+        else:
+            a = _emu_tile(a_ptr, sa_ptr, offs_m, mmask, k0, K, lda_s, NV, A2D, BM, BK, F32)
+            b = _emu_tile(b_ptr, sb_ptr, offs_n, nmask, k0, K, ldb_s, NV, B2D, BN, BK, F32)
         acc = tl.dot(a, tl.trans(b), acc)
     if NV:
         acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
