@@ -178,6 +178,9 @@ def test_emulated_gemm_vs_reference(sa, sb, backend, cuda):
         a, b = _operands(M, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=1)[0], \
             _operands(N, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=2)[0]
         _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda), gelu=True)
+        # BF16 out, BF16 or no bias: MXFP8 dequant goes to cuBLAS's BF16 GEMM
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda).bfloat16())
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16)
         out = torch.randn(M, N, device=cuda)
         _check(a, b, "rowwise", "rowwise", backend, accumulate=True, out=out)
     print(f"{backend} {sa} x {sb}: max err/S = {worst:.3g}")

@@ -176,6 +176,9 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     b2d = nv and b.scheme.two_d
     if pre:
         A, B = dequantize_bf16(ca, nv, a2d, M, K), dequantize_bf16(cb, nv, b2d, N, K)
+        if (not nv and not gelu and not accumulate and out_dtype == torch.bfloat16 and not INTERPRET
+                and (bias is None or bias.dtype == torch.bfloat16)):
+            return _finish(_bf16_mm_cublas(A, B, bias), None, out, False)
     c, pre_out = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
@@ -192,6 +195,20 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     return _finish(c, pre_out, out, accumulate)
 
 
+def _bf16_mm_cublas(A, B, bias):
+    """``A · Bᵀ (+ bias)`` by cuBLAS, BF16 out, FP32 accumulation: MXFP8 has no global scale, so the exact BF16
+    operands need nothing in the epilogue but the (BF16) bias, which cuBLASLt adds in FP32 before the one rounding."""
+    be = torch.backends.cuda.matmul
+    reduced = be.allow_bf16_reduced_precision_reduction
+    be.allow_bf16_reduced_precision_reduction = False  # FP32 sums throughout (no BF16 split-K partials)
+    try:
+        if bias is None:
+            return torch.mm(A, B.t())
+        return torch.addmm(bias, A, B.t())
+    finally:
+        be.allow_bf16_reduced_precision_reduction = reduced
+
+
 def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
     """NVFP4 / MXFP8 GEMM emulated with BF16 tensor cores, operands unpacked in registers tile by tile
     (no extra memory; the choice for small M or N, where each element is unpacked only a few times)."""
@@ -201,7 +218,8 @@ def scaled_mm_emulated(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
 def scaled_mm_dequant(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
     """NVFP4 / MXFP8 GEMM: both operands dequantized once to exact BF16 (:func:`dequantize_bf16`, two
     memory-bound passes and (M + N)·K·2 bytes of scratch), then a BF16 tensor-core GEMM with FP32
-    accumulation and the global scales, bias, GELU and accumulation in its epilogue. The same values
+    accumulation and the global scales, bias, GELU and accumulation in its epilogue (MXFP8 with BF16 output
+    and no GELU / accumulation: cuBLAS's BF16 GEMM, bias in its epilogue). The same values
     and the same FP32 accumulation as :func:`scaled_mm_emulated`, without unpacking every element
     once per output tile — which made that kernel ALU-bound at ~100 TFLOP/s on large shapes."""
     return _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out, pre=True)
