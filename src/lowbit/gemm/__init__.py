@@ -16,7 +16,8 @@ from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
 
-# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=))
+# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=));
+# opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may then yield.
 BACKENDS: dict[str, tuple[Callable, Callable]] = {}
 
 _FP8_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
@@ -146,7 +147,7 @@ def scaled_mm(
     if backend is not None:
         if backend not in table:
             raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
-        if not table[backend][0](a, b, a_copy, b_copy, opts):
+        if not table[backend][0](a, b, a_copy, b_copy, dict(opts, forced=True)):
             raise NotImplementedError(f"backend: {backend!r} does not support this call ({a.scheme} x {b.scheme}, {a.device}); use None to pick one")
         fn = table[backend][1]
     else:

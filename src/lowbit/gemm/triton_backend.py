@@ -229,9 +229,11 @@ DEQUANT_MIN_MN = 256  # below this M or N an element is unpacked only a few time
 
 
 def supports_dequant(a, b, a_copy, b_copy, opts) -> bool:
-    """NVFP4×NVFP4 and MXFP8×MXFP8 on CUDA with M and N >= DEQUANT_MIN_MN."""
+    """NVFP4×NVFP4 and MXFP8×MXFP8 on CUDA; picked by default when M and N >= DEQUANT_MIN_MN."""
     if not supports_emulated(a, b, a_copy, b_copy, opts):
         return False
+    if opts.get("forced"):
+        return True
     M = a.rows if a_copy == "rowwise" else a.cols
     N = b.rows if b_copy == "rowwise" else b.cols
     return min(M, N) >= DEQUANT_MIN_MN
