@@ -49,6 +49,11 @@ def compare(x, scheme, rowwise, columnwise, **kw):
     from lowbit.quant.triton_backend import quantize_triton
 
     got = quantize_triton(x, scheme, rowwise=rowwise, columnwise=columnwise, **kw)
+    return mismatches(ref, got)
+
+
+def mismatches(ref, got):
+    """Mismatches of two QuantizedTensors: every copy's data, scale_inv, amax and global_scale, bit for bit."""
     bad = []
     for which in ("rowwise", "columnwise"):
         r, g = getattr(ref, which), getattr(got, which)
@@ -146,6 +151,42 @@ def test_nvfp4_kernel_bit_identical(scheme, cuda):
                 assert not bad, f"{scheme} {shape} {dtype} rowwise={rw} columnwise={cw}: {bad}"
 
 
+RHT_SCHEMES = [NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True, rht_signs=0x5A5A)]
+
+
+@pytest.mark.gpu
+def test_nvfp4_rht_fused_bit_identical(cuda):
+    """The RHT'd columnwise copy transformed in registers (amax_rht_kernel + nvfp4_kernel RHT=True): odd shapes
+    (M and K multiples of 16, not of the tiles), bf16 and fp32 input, columnwise only and with the rowwise copy."""
+    cases = [((16, 16), RHT_SCHEMES), ((48, 1008), RHT_SCHEMES), ((2, 48, 160), RHT_SCHEMES),
+             ((1008, 4096), RHT_SCHEMES), ((4096, 4096), RHT_SCHEMES[:1])]  # (the CPU reference's SR is slow)
+    for i, (shape, schemes) in enumerate(cases):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _randn(shape, dtype, cuda, seed=70 + i)
+            for scheme in schemes:
+                for rw in (False, True):
+                    bad = compare(x, scheme, rw, True, seed=2**40 + 7 * i)
+                    assert not bad, f"{scheme} {shape} {dtype} rowwise={rw}: {bad}"
+    x = _randn((4096, 4096), torch.bfloat16, cuda, seed=79)
+    assert not compare(x, RHT_SCHEMES[1], True, True, seed=3)
+
+
+@pytest.mark.gpu
+def test_nvfp4_rht_every_tile_shape_bit_identical(cuda, monkeypatch):
+    """Each tile shape of the fused RHT path (the autotuner may pick any), ragged in M and K."""
+    import lowbit.quant.triton_backend as tb
+
+    x = _randn((1008, 4080), torch.bfloat16, cuda, seed=81)
+    scheme = RHT_SCHEMES[1]
+    ref = quantize_reference(x.cpu(), scheme, rowwise=False, columnwise=True, seed=11)
+    for bm, bk, w in [(16, 128, 4), (32, 64, 4), (64, 16, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8)]:
+        monkeypatch.setattr(tb, "_TUNED", {})
+        monkeypatch.setattr(tb, "_configs", lambda *a, bm=bm, bk=bk, w=w, **k: [dict(BM=bm, BK=bk, num_warps=w)])
+        got = tb.quantize_triton(x, scheme, rowwise=False, columnwise=True, seed=11)
+        bad = mismatches(ref, got)
+        assert not bad, f"BM={bm} BK={bk} warps={w}: {bad}"
+
+
 @pytest.mark.gpu
 def test_nonfinite_inputs_bit_identical(cuda):
     x = _randn((256, 512), torch.float32, cuda, seed=7)
@@ -195,7 +236,7 @@ def test_repeated_calls_fast_launch_path_bit_identical(cuda):
 def test_dispatch_on_gpu_picks_triton_and_reports(cuda):
     x = torch.randn(256, 256, device=cuda)
     assert backend_for(x, Float8Blockwise(), True, True) == "triton"
-    assert backend_for(x, NVFP4(rht=True), True, True) == "triton"  # RHT columnwise: butterfly + kernel
+    assert backend_for(x, NVFP4(rht=True), True, True) == "triton"  # RHT columnwise: in the kernel
     assert backend_for(x.t(), Float8Blockwise(), True, False) == "reference"  # non-contiguous
     from lowbit.quant.triton_backend import quantize_triton
 
@@ -246,27 +287,59 @@ def _interp_cases():
     return cases
 
 
-def _interp_main() -> int:  # runs in the subprocess
+def _interp_rht_cases():
+    # NVFP4 with the RHT'd columnwise copy (amax_rht_kernel + nvfp4_kernel RHT=True); kwargs "_tile" forces
+    # one tile shape (BM, BK) on both kernels: ragged in M (80 rows in 32- or 64-row tiles) and in K (48 in 32).
+    cases = []
+    for shape in [(32, 32), (48, 64), (80, 48)]:
+        for sch, kw in [(NVFP4(rht=True), {}), (NVFP4(rht=True, stochastic_rounding=True), {"seed": 2**63 + 5})]:
+            for rw in (False, True):
+                cases.append((shape, sch, rw, True, kw))
+    for tile in [(32, 32), (64, 16), (16, 32)]:
+        cases.append(((80, 48), NVFP4(rht=True, stochastic_rounding=True, rht_signs=0xFFFF), True, True,
+                      {"seed": 1, "_tile": tile}))
+    cases.append(((80, 48), NVFP4(rht=True, rht_signs=1), False, True, {"_tile": (64, 32)}))
+    return cases
+
+
+def _interp_main(cases) -> int:  # runs in the subprocess
+    import lowbit.quant.triton_backend as tb
+
+    configs = tb._configs
     failures = 0
-    for i, (shape, sch, rw, cw, kw) in enumerate(_interp_cases()):
+    for i, (shape, sch, rw, cw, kw) in enumerate(cases):
+        kw = dict(kw)
+        tile = kw.pop("_tile", None)
+        tb._configs = configs if tile is None else (lambda *a, **k: [dict(BM=tile[0], BK=tile[1], num_warps=4)])
         x = _randn(shape, torch.float32, "cpu", seed=i)
         bad = compare(x, sch, rw, cw, **kw)
         if bad:
             failures += 1
-            print("FAIL", sch, shape, rw, cw, bad)
-    print(f"interp cases: {len(_interp_cases())}, failures: {failures}")
+            print("FAIL", sch, shape, rw, cw, kw, tile, bad)
+    print(f"interp cases: {len(cases)}, failures: {failures}")
     return 1 if failures else 0
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-def test_kernels_in_interpreter_match_reference():
+def _run_interp(flag: str):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, __file__, flag], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "failures: 0" in p.stdout
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_kernels_in_interpreter_match_reference():
+    _run_interp("--interp")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_nvfp4_rht_fused_in_interpreter_match_reference():
+    _run_interp("--interp-rht")
+
+
 if __name__ == "__main__" and "--interp" in sys.argv:
-    sys.exit(_interp_main())
+    sys.exit(_interp_main(_interp_cases()))
+if __name__ == "__main__" and "--interp-rht" in sys.argv:
+    sys.exit(_interp_main(_interp_rht_cases()))

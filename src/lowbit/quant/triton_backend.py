@@ -10,8 +10,9 @@ Covers, on CUDA tensors (float32 / bfloat16 / float16, contiguous):
   the storage layout of :func:`lowbit.quant.tensor.scale_storage`.
 * ``MXFP8``: both copies in one launch.
 * ``NVFP4``: 1x16 and 16x16, stochastic rounding; amax pass + one quantize launch. With the Random
-  Hadamard Transform, the columnwise copy is quantized from the reference's butterfly RHT (torch
-  elementwise ops on the GPU) by a second launch; not yet fused into the kernel.
+  Hadamard Transform, the columnwise copy is transformed in registers (the reference's butterfly, same
+  bits): one amax pass gives max |RHT(x)| (and max |x| for a rowwise copy) without writing RHT(x) out,
+  then one quantize launch per copy (their global scales differ).
 
 Every output is bit-identical to :func:`lowbit.quant.reference.quantize_reference` (tests/test_quant_kernels.py).
 Nothing here touches CUDA at import time.
@@ -28,7 +29,7 @@ from .._launch import CachedLaunch
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
-from .reference import _validate, resolve_seed, rht_blocks
+from .reference import _validate, resolve_seed
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
 
@@ -197,13 +198,7 @@ def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     elif isinstance(scheme, MXFP8):
         _mxfp8(qt, x2, scheme, rowwise, columnwise)
     elif scheme.rht and columnwise:
-        # The RHT'd columnwise copy: the reference's fixed-order butterfly along M (elementwise torch ops,
-        # the same bits on every device), then the 1x16 kernel's columnwise path on the transformed
-        # tensor — its own amax / global scale, SR counters n.. as in the reference.
-        if rowwise:
-            _nvfp4(qt, x2, scheme, True, False, seed or 0)
-        _nvfp4(qt, rht_blocks(x2, scheme.rht_signs, dim=0).contiguous(), scheme, False, True, seed or 0)
-        qt.columnwise.rht = True
+        _nvfp4_rht(qt, x2, scheme, rowwise, seed or 0)
     else:
         _nvfp4(qt, x2, scheme, rowwise, columnwise, seed or 0)
     return qt
@@ -434,11 +429,15 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)  # one read, one amax: shared
 
 
-def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
+def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int, *, amax_i: torch.Tensor | None = None,
+           rht: bool = False):
+    """One nvfp4_kernel launch for the asked copies. ``amax_i``: the amax (int32 bits) already computed, else an
+    amax pass of x2 runs here. ``rht``: the columnwise copy (only) of RHT(x2); ``amax_i`` is then max |RHT(x2)|."""
     M, Kd = x2.shape
     dev = x2.device
-    amax_i = _amax_buffer(dev)
-    _launch_amax(x2, amax_i)
+    if amax_i is None:
+        amax_i = _amax_buffer(dev)
+        _launch_amax(x2, amax_i)
     gs = torch.empty(1, dtype=torch.float32, device=dev)
     rq = torch.empty(M, Kd // 2, dtype=torch.uint8, device=dev) if rowwise else None
     cq = torch.empty(Kd, M // 2, dtype=torch.uint8, device=dev) if columnwise else None
@@ -456,20 +455,41 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int):
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     if seed >= 2**63:
         seed -= 2**64  # passed to the kernel as int64; the same 64 bits as the reference's key
+    signs = int(sch.rht_signs) if rht else 0
 
     def launch(c):
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-        K.nvfp4_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, TWO_D=sch.two_d, ROW=rowwise,
+        K.nvfp4_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, signs, TWO_D=sch.two_d, ROW=rowwise,
                              COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
-                             num_warps=c["num_warps"])
+                             RHT=rht, num_warps=c["num_warps"])
 
-    tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)),
-                 cands, launch)
+    tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, rht, x2.dtype, _bucket(M),
+                           _bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax, global_scale=gs, rht=False)
     if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax, global_scale=gs, rht=False)  # one read: shared
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax, global_scale=gs, rht=rht)  # one read: shared
+
+
+def _nvfp4_rht(qt, x2, sch: NVFP4, rowwise, seed: int):
+    """NVFP4 with the RHT: the columnwise copy quantizes RHT(x2) (along M, in registers; never written out) with
+    its own amax max |RHT(x2)| and global scale; a rowwise copy quantizes x2 itself with max |x2|, as the
+    reference does. One pass reads x2 once for both amaxes; then one quantize launch per copy."""
+    M, Kd = x2.shape  # (M % 16 == K % 16 == 0 and 1x16 blocks: checked by quantize_triton)
+    buf = torch.zeros(2, dtype=torch.int32, device=x2.device)  # one fill: [max |RHT(x)|, max |x|]
+    amax_c, amax_r = buf[0:1], buf[1:2]
+    cands = lambda: _configs([32, 64, 128], [64, 128], [4, 8], M, Kd, min_m=16, min_k=16)  # noqa: E731
+
+    def launch(c):
+        grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
+        K.amax_rht_kernel[grid](x2, amax_c, amax_r, M, Kd, int(sch.rht_signs), PLAIN=rowwise, BM=c["BM"], BK=c["BK"],
+                                num_warps=c["num_warps"])
+
+    tuned_launch("amax_rht", (rowwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    if rowwise:
+        _nvfp4(qt, x2, sch, True, False, seed, amax_i=amax_r)
+    _nvfp4(qt, x2, sch, False, True, seed, amax_i=amax_c, rht=True)
 
 
 quantize_triton.checked = lambda x, scheme, **kw: quantize_triton(x, scheme, _checked=True, **kw)  # see lowbit.quantize

@@ -138,6 +138,95 @@ def amax_kernel(x_ptr, amax_ptr, N, BLOCK: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------
+# Random Hadamard Transform along M (NVFP4 columnwise copy), in registers
+# ------------------------------------------------------------------------------------------------
+# reference.rht_blocks is the spec: v * s (s = ±1), then stages h = 1, 2, 4, 8 of (a + b, a - b) on pairs
+# (j, j + h) inside groups of 2h, then * 0.25, all FP32. A float result depends only on its operands, so
+# doing those same adds on the same operands (in any schedule) gives the reference's bits. Each of the 16
+# rows of a group is loaded as its own (G, BK) vector: the butterfly is then straight-line adds between
+# registers of one thread (no layout shuffles), and a final join stacks the rows in-thread as (G, BK, 16).
+@triton.jit
+def _rht_row(x_ptr, rows, offs_k, K, mask, signs, J: tl.constexpr):
+    """Row J of every 16-row group (rows: the groups' first rows, int64), FP32, times its sign s_J (exact)."""
+    s = 1.0 - 2.0 * ((signs >> J) & 1).to(tl.float32)
+    v = tl.load(x_ptr + (rows[:, None] + J) * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    return v, v * s
+
+
+@triton.jit
+def _fwht4(a, b, c, d):
+    """Two butterfly stages on the vectors at positions j, j + h, j + 2h, j + 3h: stage h pairs (a, b) and
+    (c, d), stage 2h pairs the results (a, c) and (b, d). Returns the new values of the same positions."""
+    a, b = a + b, a - b
+    c, d = c + d, c - d
+    return a + c, b + d, a - c, b - d
+
+
+@triton.jit
+def _join4(a, b, c, d):
+    """(..., 2, 2) whose row-major flattening is a, b, c, d: tl.join adds its selector as the *last* axis."""
+    return tl.join(tl.join(a, c), tl.join(b, d))
+
+
+@triton.jit
+def _rht_tile(x_ptr, rows, offs_k, K, mask, signs, G: tl.constexpr, BK: tl.constexpr):
+    """x[rows + j, offs_k] for j < 16 as (G, BK, 16) FP32, raw and RHT'd along j (reference.rht_blocks' bits)."""
+    x0, y0 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 0)
+    x1, y1 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 1)
+    x2, y2 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 2)
+    x3, y3 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 3)
+    x4, y4 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 4)
+    x5, y5 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 5)
+    x6, y6 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 6)
+    x7, y7 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 7)
+    x8, y8 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 8)
+    x9, y9 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 9)
+    x10, y10 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 10)
+    x11, y11 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 11)
+    x12, y12 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 12)
+    x13, y13 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 13)
+    x14, y14 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 14)
+    x15, y15 = _rht_row(x_ptr, rows, offs_k, K, mask, signs, 15)
+    # stages h = 1, 2 inside each group of 4 rows
+    y0, y1, y2, y3 = _fwht4(y0, y1, y2, y3)
+    y4, y5, y6, y7 = _fwht4(y4, y5, y6, y7)
+    y8, y9, y10, y11 = _fwht4(y8, y9, y10, y11)
+    y12, y13, y14, y15 = _fwht4(y12, y13, y14, y15)
+    # stages h = 4, 8 across the groups of 4
+    y0, y4, y8, y12 = _fwht4(y0, y4, y8, y12)
+    y1, y5, y9, y13 = _fwht4(y1, y5, y9, y13)
+    y2, y6, y10, y14 = _fwht4(y2, y6, y10, y14)
+    y3, y7, y11, y15 = _fwht4(y3, y7, y11, y15)
+    # (.., t, i) = row 4t + i: inner joins stack rows i, i+4, i+8, i+12, the outer one the four i
+    y = _join4(_join4(y0, y4, y8, y12), _join4(y1, y5, y9, y13), _join4(y2, y6, y10, y14), _join4(y3, y7, y11, y15))
+    x = _join4(_join4(x0, x4, x8, x12), _join4(x1, x5, x9, x13), _join4(x2, x6, x10, x14), _join4(x3, x7, x11, x15))
+    return tl.reshape(x, (G, BK, 16)), tl.reshape(y, (G, BK, 16)) * 0.25
+
+
+@triton.jit
+def _rht_rows_mask(M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """(rows, offs_k, mask) of an RHT tile: the first rows of its BM // 16 groups (int64), its columns, and
+    the (group, column) mask (M % 16 == 0: a group lies wholly inside x or wholly outside)."""
+    rows = pid_m * BM + tl.arange(0, BM // 16).to(tl.int64) * 16
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    return rows, offs_k, (rows[:, None] < M) & (offs_k[None, :] < K)
+
+
+@triton.jit
+def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """amax_rht_ptr (int32 bits, pre-zeroed) = max |RHT(x)| for x (M, K) contiguous, M % 16 == 0, the RHT
+    along M in 16-row groups of each column; RHT(x) is never written out. PLAIN: amax_ptr = max |x| as well,
+    from the same read (the rowwise copy's amax)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    rows, offs_k, mask = _rht_rows_mask(M, K, pid_m, pid_k, BM, BK)
+    x, y = _rht_tile(x_ptr, rows, offs_k, K, mask, signs, BM // 16, BK)
+    tl.atomic_max(amax_rht_ptr, tl.max(tl.max(tl.max(_abs_bits(y), axis=2), axis=1), axis=0))
+    if PLAIN:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(_abs_bits(x), axis=2), axis=1), axis=0))
+
+
+# ------------------------------------------------------------------------------------------------
 # per-tensor (current or delayed): one scale, rowwise and/or transposed copy from one read
 # ------------------------------------------------------------------------------------------------
 @triton.jit
@@ -387,6 +476,18 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                     _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
 
 
+@triton.jit
+def _load_tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
+    """Tile (pid_m, pid_k) of x (M, K) contiguous: (offs_m, offs_k, mmask, kmask, mask, x as FP32, 0 outside x)."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mmask = offs_m < M
+    kmask = offs_k < K
+    mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    return offs_m, offs_k, mmask, kmask, mask, x
+
+
 # ------------------------------------------------------------------------------------------------
 # MXFP8: 1x32 blocks, E8M0 scales; rowwise (along K) and columnwise (along M) from one read
 # ------------------------------------------------------------------------------------------------
@@ -411,12 +512,7 @@ def mxfp8_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K,
     """x (M, K) contiguous; rowwise q (M, K) + scales (M, K/32) uint8; columnwise q (K, M) + scales (K, M/32)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    mmask = offs_m < M
-    kmask = offs_k < K
-    mask = mmask[:, None] & kmask[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    offs_m, offs_k, mmask, kmask, mask, x = _load_tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
     ab = _abs_bits(x)
     tl.atomic_max(amax_ptr, tl.max(tl.max(ab, axis=1), axis=0))
     if ROW:
@@ -467,24 +563,19 @@ def _nvfp4_round(v, seed, idx, SR: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, seed,
+def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, seed, signs,
                  TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr, SW: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr):
+                 BM: tl.constexpr, BK: tl.constexpr, RHT: tl.constexpr = False):
     """x (M, K) contiguous (M % 16 == 0 when COL or TWO_D, K % 16 == 0); amax_ptr holds the tensor amax bits.
 
     rowwise: rq (M, K/2) packed, rs (M, K/16) e4m3 (TWO_D: (M/16, K/16)); columnwise: cq (K, M/2),
     cs (K, M/16) (TWO_D: the transposed grid (K/16, M/16)). Philox counters: rowwise m*K + k,
     columnwise (1x16) M*K + k*M + m. gs = S = 2688 / amax (0 -> 1, overflow -> FP32 max).
+    RHT (columnwise 1x16 only: never with ROW or TWO_D): the columnwise copy of RHT(x) (reference.rht_blocks
+    along M with sign mask ``signs``), transformed in registers; amax_ptr must then hold max |RHT(x)|.
     """
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    mmask = offs_m < M
-    kmask = offs_k < K
-    mask = mmask[:, None] & kmask[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    ab = _abs_bits(x)
     amax = _bits_to_f32(tl.load(amax_ptr))
     S = tl.math.div_rn(tl.full((1,), 2688.0, tl.float32), tl.full((1,), 1.0, tl.float32) * amax)
     S = tl.where(amax == 0, 1.0, S)
@@ -492,49 +583,70 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
     if (pid_m == 0) & (pid_k == 0):
         tl.store(gs_ptr + tl.arange(0, 1), S)
     S2 = tl.reshape(S, (1, 1))
-    idx = offs_m[:, None] * K + offs_k[None, :]
     K16 = K // 16
     M16 = M // 16
-    if TWO_D:
-        bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
-        d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
-        enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16, 16)), (BM, BK))
-        codes = _nvfp4_round(x * enc_e, seed, idx, SR)
-        dq = d.to(tl.float8e4nv)
-        offs_mb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-        offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-        smask = (offs_mb[:, None] < M16) & (offs_kb[None, :] < K16)
-        if ROW:
-            offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-            tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
-                     mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
-            tl.store(rs_ptr + offs_mb[:, None] * K16 + offs_kb[None, :], dq, mask=smask)
-        if COL:
-            offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
-            tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codes), BK, BM),
-                     mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
-            tl.store(cs_ptr + offs_kb[:, None] * M16 + offs_mb[None, :], tl.trans(dq), mask=tl.trans(smask))
+    if RHT:
+        # The tile as (G, BK, 16): 16-row groups (one 1x16 block of the copy each) with the block's elements
+        # in-thread, so the block amax, encode and pairing of nibbles need no data exchange between threads.
+        G: tl.constexpr = BM // 16
+        rows, offs_k, gmask = _rht_rows_mask(M, K, pid_m, pid_k, BM, BK)
+        _, y = _rht_tile(x_ptr, rows, offs_k, K, gmask, signs, G, BK)
+        bmc = _bits_to_f32(tl.max(_abs_bits(y), axis=2))
+        dc, encc = _nvfp4_encode(y, bmc, S2, seed, 0, SR, SW)
+        # M*K + k*M + m, formed as (K + k) * M + m so that nothing is computed in int32
+        idxc = (K + offs_k[None, :, None]) * M + rows[:, None, None] + tl.arange(0, 16)[None, None, :]
+        codes = _nvfp4_round(y * encc[:, :, None], seed, idxc, SR)
+        lo, hi = tl.split(tl.reshape(codes, (G, BK, 8, 2)))
+        packed = tl.permute(lo | (hi << 4), (1, 0, 2))  # (BK, G, 8): byte i of group g is cq[k, rows[g] / 2 + i]
+        cmask = tl.trans(gmask)
+        tl.store(cq_ptr + offs_k[:, None, None] * (M // 2) + (rows // 2)[None, :, None] + tl.arange(0, 8)[None, None, :],
+                 packed, mask=cmask[:, :, None])
+        tl.store(cs_ptr + offs_k[:, None] * M16 + (rows // 16)[None, :], tl.trans(dc.to(tl.float8e4nv)), mask=cmask)
     else:
-        if ROW:
-            bm = _bits_to_f32(tl.max(tl.reshape(ab, (BM, BK // 16, 16)), axis=2))
-            d, enc = _nvfp4_encode(x, bm, S2, seed, idx, SR, SW)
-            enc_e = tl.reshape(tl.broadcast_to(enc[:, :, None], (BM, BK // 16, 16)), (BM, BK))
+        offs_m, offs_k, mmask, kmask, mask, x = _load_tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
+        ab = _abs_bits(x)
+        idx = offs_m[:, None] * K + offs_k[None, :]
+        if TWO_D:
+            bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
+            d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
+            enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16, 16)),
+                               (BM, BK))
             codes = _nvfp4_round(x * enc_e, seed, idx, SR)
-            offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-            tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
-                     mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
-            offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-            tl.store(rs_ptr + offs_m[:, None] * K16 + offs_kb[None, :], d.to(tl.float8e4nv),
-                     mask=mmask[:, None] & (offs_kb[None, :] < K16))
-        if COL:
-            bmc = _bits_to_f32(tl.max(tl.reshape(ab, (BM // 16, 16, BK)), axis=1))
-            dc, encc = _nvfp4_encode(x, bmc, S2, seed, idx, SR, SW)
-            encc_e = tl.reshape(tl.broadcast_to(encc[:, None, :], (BM // 16, 16, BK)), (BM, BK))
-            idxc = M * K + offs_k[None, :] * M + offs_m[:, None]
-            codesc = _nvfp4_round(x * encc_e, seed, idxc, SR)
-            offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
-            tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codesc), BK, BM),
-                     mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
+            dq = d.to(tl.float8e4nv)
             offs_mb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-            tl.store(cs_ptr + offs_k[:, None] * M16 + offs_mb[None, :], tl.trans(dc.to(tl.float8e4nv)),
-                     mask=kmask[:, None] & (offs_mb[None, :] < M16))
+            offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+            smask = (offs_mb[:, None] < M16) & (offs_kb[None, :] < K16)
+            if ROW:
+                offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+                tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
+                         mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
+                tl.store(rs_ptr + offs_mb[:, None] * K16 + offs_kb[None, :], dq, mask=smask)
+            if COL:
+                offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+                tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codes), BK, BM),
+                         mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
+                tl.store(cs_ptr + offs_kb[:, None] * M16 + offs_mb[None, :], tl.trans(dq), mask=tl.trans(smask))
+        else:
+            if ROW:
+                bm = _bits_to_f32(tl.max(tl.reshape(ab, (BM, BK // 16, 16)), axis=2))
+                d, enc = _nvfp4_encode(x, bm, S2, seed, idx, SR, SW)
+                enc_e = tl.reshape(tl.broadcast_to(enc[:, :, None], (BM, BK // 16, 16)), (BM, BK))
+                codes = _nvfp4_round(x * enc_e, seed, idx, SR)
+                offs_kh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+                tl.store(rq_ptr + offs_m[:, None] * (K // 2) + offs_kh[None, :], _pack_pairs(codes, BM, BK),
+                         mask=mmask[:, None] & (offs_kh[None, :] < K // 2))
+                offs_kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+                tl.store(rs_ptr + offs_m[:, None] * K16 + offs_kb[None, :], d.to(tl.float8e4nv),
+                         mask=mmask[:, None] & (offs_kb[None, :] < K16))
+            if COL:
+                bmc = _bits_to_f32(tl.max(tl.reshape(ab, (BM // 16, 16, BK)), axis=1))
+                dc, encc = _nvfp4_encode(x, bmc, S2, seed, idx, SR, SW)
+                encc_e = tl.reshape(tl.broadcast_to(encc[:, None, :], (BM // 16, 16, BK)), (BM, BK))
+                idxc = (K + offs_k[None, :]) * M + offs_m[:, None]  # M*K + k*M + m without an int32 M*K
+                codesc = _nvfp4_round(x * encc_e, seed, idxc, SR)
+                offs_mh = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+                tl.store(cq_ptr + offs_k[:, None] * (M // 2) + offs_mh[None, :], _pack_pairs(tl.trans(codesc), BK, BM),
+                         mask=kmask[:, None] & (offs_mh[None, :] < M // 2))
+                offs_mb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+                tl.store(cs_ptr + offs_k[:, None] * M16 + offs_mb[None, :], tl.trans(dc.to(tl.float8e4nv)),
+                         mask=kmask[:, None] & (offs_mb[None, :] < M16))
