@@ -199,7 +199,8 @@ def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = 
         dense[seg, pos] = k.float()  # unique indices: deterministic
         s = dense.sum(dim=1)  # (B, H, D)
         return (s / lens.clamp(min=1).to(torch.float32)[:, None, None]).unsqueeze(2)
-    return _bhsd(k, layout).float().mean(dim=2, keepdim=True)
+    # dtype= sums in FP32 while reading K in its own dtype (no FP32 copy of K, which cost as much as the quantization)
+    return _bhsd(k, layout).mean(dim=2, keepdim=True, dtype=torch.float32)
 
 
 def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
