@@ -136,16 +136,24 @@ def _run(key, cands, launch, accumulate):
         tuned_launch("gemm", key, cands, launch)
 
 
+DEQUANT_GEMM: str | None = None
+"""Which core GEMM the dequantized path may use: None (autotuned: the faster of Triton's BF16 GEMM and cuBLAS's
+with FP32 output + :func:`~lowbit.gemm.kernels.gemm.scale_epilogue_kernel`), "triton" or "cublas" (for tests)."""
+
+
 def _emu_candidates(M, N, pre: bool):
     if not pre:
         return _candidates(M, N, True)
+    cublas = [] if INTERPRET or DEQUANT_GEMM == "triton" else [dict(CUBLAS=True)]
+    if DEQUANT_GEMM == "cublas" and cublas:
+        return cublas
     # A plain BF16 GEMM in the K loop: the usual Hopper tiles (128x256x64 with 8 warps first).
     out = [dict(BM=bm, BN=bn, BK=64, num_warps=w, num_stages=st)
            for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4))
            if bm <= max(_bucket(M), 64) and bn <= max(_bucket(N), 64)]
     if INTERPRET:
         out = [dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)]
-    return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
+    return (out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]) + cublas
 
 
 def dequantize_bf16(c, nv: bool, two_d: bool, rows: int, K: int) -> torch.Tensor:
@@ -176,35 +184,43 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     b2d = nv and b.scheme.two_d
     if pre:
         A, B = dequantize_bf16(ca, nv, a2d, M, K), dequantize_bf16(cb, nv, b2d, N, K)
+        # MXFP8 has no global scale: with BF16 output and a BF16 (or no) bias cuBLAS's own epilogue is the whole job
         if (not nv and not gelu and not accumulate and out_dtype == torch.bfloat16 and not INTERPRET
-                and (bias is None or bias.dtype == torch.bfloat16)):
-            return _finish(_bf16_mm_cublas(A, B, bias), None, out, False)
+                and DEQUANT_GEMM != "triton" and (bias is None or bias.dtype == torch.bfloat16)):
+            return _finish(_mm_cublas(A, B, bias), None, out, False)
     c, pre_out = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
 
     def launch(cfg):
+        if cfg.get("CUBLAS"):
+            acc = _mm_cublas(A, B, fp32_out=True)
+            G.scale_epilogue_kernel[(cdiv(M, 64), cdiv(N, 128))](
+                acc, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, NV=nv,
+                HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate, BM=64, BN=128, num_warps=8)
+            return
         G.emu_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K,
             sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, PRE=pre, HAS_BIAS=bias is not None,
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", pre, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)),
+    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)),
          lambda: _emu_candidates(M, N, pre), launch, accumulate)
     return _finish(c, pre_out, out, accumulate)
 
 
-def _bf16_mm_cublas(A, B, bias):
-    """``A · Bᵀ (+ bias)`` by cuBLAS, BF16 out, FP32 accumulation: MXFP8 has no global scale, so the exact BF16
-    operands need nothing in the epilogue but the (BF16) bias, which cuBLASLt adds in FP32 before the one rounding."""
+def _mm_cublas(A, B, bias=None, fp32_out=False):
+    """``A · Bᵀ (+ bias)`` of BF16 operands by cuBLAS with FP32 sums throughout (reduced-precision BF16 split-K
+    reductions switched off for the call); BF16 output (the bias, BF16, added by cuBLASLt in FP32 before the one
+    rounding) or, with ``fp32_out``, the FP32 product for :func:`~lowbit.gemm.kernels.gemm.scale_epilogue_kernel`."""
     be = torch.backends.cuda.matmul
     reduced = be.allow_bf16_reduced_precision_reduction
-    be.allow_bf16_reduced_precision_reduction = False  # FP32 sums throughout (no BF16 split-K partials)
+    be.allow_bf16_reduced_precision_reduction = False
     try:
-        if bias is None:
-            return torch.mm(A, B.t())
-        return torch.addmm(bias, A, B.t())
+        if fp32_out:
+            return torch.mm(A, B.t(), out_dtype=torch.float32)
+        return torch.mm(A, B.t()) if bias is None else torch.addmm(bias, A, B.t())
     finally:
         be.allow_bf16_reduced_precision_reduction = reduced
 

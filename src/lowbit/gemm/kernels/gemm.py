@@ -13,6 +13,8 @@
   the NVFP4 global scales are divided out at the end. With ``PRE`` the operands are BF16 matrices
   already dequantized by :func:`dequant_bf16_kernel` (same exact values; a plain, well-pipelined BF16
   GEMM in the K loop, the unpack work done once per element instead of once per output tile).
+* :func:`scale_epilogue_kernel`: the same epilogue on an FP32 product computed elsewhere (cuBLAS's BF16 GEMM
+  with FP32 output): divides out the NVFP4 global scales (device values, which cuBLAS's host-side alpha cannot take).
 * :func:`dequant_bf16_kernel`: one NVFP4 / MXFP8 copy -> its exact BF16 values (element × block
   scale, NVFP4 global scale not applied), the operand of the ``PRE`` GEMM.
 
@@ -141,6 +143,19 @@ def _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s,
         return v
     else:
         return v.to(tl.bfloat16)
+
+
+@triton.jit
+def scale_epilogue_kernel(acc_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, NV: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr):
+    offs_m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    acc = tl.load(acc_ptr + offs_m[:, None] * N + offs_n[None, :], mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+                  other=0.0)
+    if NV:  # the same two divisions as emu_gemm_kernel
+        acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
+    _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
 
 
 @triton.jit
