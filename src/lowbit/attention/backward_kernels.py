@@ -178,12 +178,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, l
             lse2 = tl.load(l_base + offs_m * sds)
             delta = tl.load(d_base + offs_m * sds)
         sT = _dot(k, tl.trans(q), INTERPRET)  # (BLOCK_N, BLOCK_M)
+        dpT = _dot(v, tl.trans(do), INTERPRET)  # dO·Vᵀ, transposed
         pT = tl.math.exp2(sT * sm_scale_log2 - lse2[None, :])
         if MASK:
             rel = offs_n[:, None] - (offs_m[None, :] + diag)
             ok = (offs_m[None, :] < Sq) & (offs_n[:, None] < Sk) & (rel <= win_right) & (rel >= -win_left)
             pT = tl.where(ok, pT, 0.0)
-        dpT = _dot(v, tl.trans(do), INTERPRET)  # dO·Vᵀ, transposed
         if DROPOUT:
             idx = drop_base + offs_m.to(tl.int64)[None, :] * DROP_SK + offs_n[:, None]
             keep = _keep(seed, idx, p_drop)
@@ -303,12 +303,12 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, lo, hi,
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         s = _dot(q, tl.trans(k), INTERPRET)
+        dp = _dot(do, tl.trans(v), INTERPRET)
         p = tl.math.exp2(s * sm_scale_log2 - lse2[:, None])
         if MASK:
             rel = offs_n[None, :] - (offs_m[:, None] + diag)
             ok = (offs_n[None, :] < Sk) & (rel <= win_right) & (rel >= -win_left)
             p = tl.where(ok, p, 0.0)
-        dp = _dot(do, tl.trans(v), INTERPRET)
         if DROPOUT:
             idx = drop_base + offs_m.to(tl.int64)[:, None] * DROP_SK + offs_n[None, :]
             dp = tl.where(_keep(seed, idx, p_drop), dp * drop_scale, 0.0)
@@ -329,7 +329,7 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CUQ, CUK, SCQ, RSQ, AMQ,
             QMODE: tl.constexpr, FMT: tl.constexpr, FMAX: tl.constexpr, DROPOUT: tl.constexpr,
             VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             INTERPRET: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks (most keys when causal) first
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -473,55 +473,55 @@ def _fwd_dropout(Q, K, V, O, LSE, CUQ, CUK,
 
 
 # ============================================================================ configs / autotune
-def dkdv_configs():
-    """(BLOCK_M, BLOCK_N) over query rows / key rows; ``prune_bwd_configs`` keeps two per head dim."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(64, 128, 8, 2), (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class, best first.  Measured on an H200
+# (Triton 3.6; BENCHMARKS.md "Attention backward"): at D=128 the dQ kernel gains ~6% from a third stage
+# (K/V tiles prefetched two ahead; q/dO stay resident), and 32x128 dK/dV tiles with 8 warps and 3 stages fit
+# in 241 registers without spills (64x128: 255 + spills).  At D<=64 the 64x64 4-warp tiles win both kernels
+# (1.57 -> ~1.0 ms at B8 H16 S2048).  D=256 keeps the earlier untuned choice.  Short sequences: 64x64.
+_CANDIDATES = {
+    "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 2)], 128: [(32, 128, 8, 3), (64, 128, 8, 2)],
+             256: [(64, 128, 8, 2), (32, 128, 4, 3)], "short": [(64, 64, 4, 3)]},
+    "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)], 128: [(128, 64, 8, 3), (64, 64, 4, 2)],
+           256: [(128, 64, 8, 2), (128, 32, 4, 3)], "short": [(64, 64, 4, 3)]},
+}
 
 
-def dq_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
+def _head_dim_class(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def prune_bwd_configs(configs, named_args, **kwargs):
-    """Shape rules: no tile longer than the (bucketed) sequence; D >= 128 keeps the tiles whose four
-    D-wide operands fit the register file (no 128x128); D <= 64 can afford 128x128 tiles."""
-    bucket = named_args["SEQ_BUCKET"]
-    d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    keep = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if max(bm, bn) > max(64, bucket):
-            continue
-        if bucket <= 64:
-            keep.append(c)
-            continue
-        if bm == 64 and bn == 64:  # short-sequence fallback only
-            continue
-        if d >= 128 and bm * bn >= 128 * 128:
-            continue
-        if d <= 64 and bm * bn < 128 * 64:
-            continue
-        keep.append(c)
-    return keep or [configs[-1]]
+def _candidates(kernel: str, head_dim: int, max_seqlen: int):
+    return _CANDIDATES[kernel]["short" if max_seqlen <= 64 else _head_dim_class(head_dim)]
+
+
+def _all_configs(kernel: str):
+    seen = []
+    for lst in _CANDIDATES[kernel].values():
+        seen += [c for c in lst if c not in seen]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in seen]
+
+
+def _pruner(kernel: str):
+    def prune(configs, named_args, **kwargs):
+        """Keep the candidates of this (head dim, bucketed sequence length); see ``_CANDIDATES``."""
+        d = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+        want = _candidates(kernel, d, named_args["SEQ_BUCKET"])
+        key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
+        return [c for c in configs if key(c) in want] or configs[-1:]
+    return prune
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "GROUP", "HEAD_DIM", "QMODE", "FMT", "DROPOUT", "VARLEN"]
-_bwd_dkdv_tuned = triton.autotune(configs=dkdv_configs(), key=_TUNE_KEY,
-                                  prune_configs_by={"early_config_prune": prune_bwd_configs})(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(configs=dq_configs(), key=_TUNE_KEY,
-                                prune_configs_by={"early_config_prune": prune_bwd_configs})(_bwd_dq)
+_bwd_dkdv_tuned = triton.autotune(configs=_all_configs("dkdv"), key=_TUNE_KEY,
+                                  prune_configs_by={"early_config_prune": _pruner("dkdv")})(_bwd_dkdv)
+_bwd_dq_tuned = triton.autotune(configs=_all_configs("dq"), key=_TUNE_KEY,
+                                prune_configs_by={"early_config_prune": _pruner("dq")})(_bwd_dq)
 
 INTERPRETED = isinstance(_bwd_dq, _Interp) if _Interp else False
 
 
 def heuristic_configs(head_dim: int, max_seqlen: int):
-    """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) when autotuning is off."""
+    """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) when autotuning is off: the best measured."""
     if INTERPRETED:
         return (16, 32, 4, 1), (32, 16, 4, 1)
-    if max_seqlen <= 64:
-        return (64, 64, 4, 3), (64, 64, 4, 3)
-    if head_dim <= 64:
-        return (64, 128, 8, 2), (128, 64, 8, 2)
-    return (64, 128, 8, 2), (128, 64, 8, 2)
+    return _candidates("dkdv", head_dim, max_seqlen)[0], _candidates("dq", head_dim, max_seqlen)[0]
