@@ -44,7 +44,8 @@ def _same(a, b) -> bool:
 
 def compare(x, scheme, rowwise, columnwise, **kw):
     """Quantize x (on its device) with the triton backend and x.cpu() with the reference; list mismatches."""
-    kw_cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    # a tensor seed (the key held on the device, as quantize draws it on CUDA) is the reference's int key
+    kw_cpu = {k: ((int(v) if k == "seed" else v.cpu()) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     ref = quantize_reference(x.cpu(), scheme, rowwise=rowwise, columnwise=columnwise, **kw_cpu)
     from lowbit.quant.triton_backend import quantize_triton
 
@@ -190,6 +191,42 @@ def test_nvfp4_rht_every_tile_shape_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_nvfp4_device_seed_bit_identical_and_graph_safe(cuda):
+    """seed=None with stochastic rounding on CUDA: the key is drawn on the device (no host round-trip) and the kernel
+    reads it there — the same bits as the reference given that key; fresh keys per call, and per CUDA-graph replay."""
+    from lowbit.quant.triton_backend import quantize_triton
+
+    x = _randn((256, 512), torch.bfloat16, cuda, seed=90)
+    for scheme in (NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True), RHT_SCHEMES[1]):
+        torch.manual_seed(5)
+        got = quantize_triton(x, scheme, rowwise=True, columnwise=True)
+        key = got.meta["seed"]
+        assert isinstance(key, torch.Tensor) and key.is_cuda and key.dtype == torch.int64
+        ref = quantize_reference(x.cpu(), scheme, rowwise=True, columnwise=True, seed=int(key.item()))
+        assert not mismatches(ref, got), (scheme, mismatches(ref, got))
+        torch.manual_seed(5)  # reproducible under torch.manual_seed
+        assert torch.equal(quantize_triton(x, scheme, rowwise=True, columnwise=True).rowwise.data, got.rowwise.data)
+    scheme = RHT_SCHEMES[1]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (tuning) off the capture, as torch.cuda.graph asks
+        quantize_triton(x, scheme, rowwise=True, columnwise=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        qt = quantize_triton(x, scheme, rowwise=True, columnwise=True)
+    outs = []
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        key = int(qt.meta["seed"].item())
+        ref = quantize_reference(x.cpu(), scheme, rowwise=True, columnwise=True, seed=key)
+        assert not mismatches(ref, qt), mismatches(ref, qt)
+        outs.append((key, qt.columnwise.data.clone()))
+    assert outs[0][0] != outs[1][0] and not torch.equal(outs[0][1], outs[1][1])  # a fresh key at every replay
+
+
+@pytest.mark.gpu
 def test_nonfinite_inputs_bit_identical(cuda):
     x = _randn((256, 512), torch.float32, cuda, seed=7)
     x[3, 5] = float("nan")
@@ -286,6 +323,8 @@ def _interp_cases():
         cases.append(((32, 48), NVFP4(two_d=True, stochastic_rounding=True), rw, cw, {"seed": 2**40 + 3}))
         cases.append(((48, 32), NVFP4(stochastic_rounding=True), rw, cw, {"seed": 5}))
         cases.append(((48, 32), NVFP4(rht=True, stochastic_rounding=True), rw, cw, {"seed": 9}))
+        # the key read by the kernel from memory (SEED_PTR), as for seeds drawn on the device
+        cases.append(((48, 32), NVFP4(rht=True, stochastic_rounding=True), rw, cw, {"seed": torch.tensor([2**40 + 9])}))
     return cases
 
 

@@ -9,14 +9,13 @@ def _d(device="cuda", world=1):
     return Dist(device=torch.device(device), world=world, rank=0)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-block", "mxfp8", "nvfp4"])
 def test_auto_uses_graphs_for_stateless_recipes_on_one_gpu(recipe):
     assert _graph_decision(TrainConfig(recipe=recipe), _d()) == (True, "")
 
 
 @pytest.mark.parametrize("cfg,dist,why", [
     (dict(recipe="fp8-delayed"), _d(), "keeps per-step host state"),
-    (dict(recipe="nvfp4"), _d(), "keeps per-step host state"),
     (dict(recipe="bf16"), _d(world=2), "more than one process"),
     (dict(recipe="bf16"), _d("cpu"), "not on CUDA"),
     (dict(recipe="bf16", fault_steps=(3,)), _d(), "fault injection"),

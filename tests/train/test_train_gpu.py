@@ -18,7 +18,7 @@ def test_gpu_tiny_trains(tmp_path, small_text, cache_dir, recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-block", "nvfp4"])
 def test_cuda_graph_matches_eager(tmp_path, small_text, cache_dir, recipe):
     """The captured step replays the eager step: same loss trajectory (kernel configs autotuned separately in
     the two runs may change FP32 accumulation order, so not bit for bit), with grad accumulation."""
@@ -41,6 +41,6 @@ def test_cuda_graph_refused_where_unsafe(tmp_path, small_text, cache_dir):
     with pytest.raises(ValueError, match="cuda_graph: 'on' but.*fp8-delayed"):
         train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
                           out_dir=str(tmp_path), device="cuda", cuda_graph="on", progress=False, verbose=False))
-    s = train(TrainConfig(recipe="nvfp4", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
+    s = train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
                           out_dir=str(tmp_path / "n"), eval_windows=8, device="cuda", progress=False, verbose=False))
     assert s["cuda_graph"] is False

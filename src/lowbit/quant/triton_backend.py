@@ -188,7 +188,14 @@ def _check_triton_input(x, scheme, rowwise, columnwise, scale):
 def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     x2 = x.detach().reshape(-1, x.shape[-1])
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
-    seed = qt.meta["seed"] = resolve_seed(scheme, seed)
+    if seed is None and isinstance(scheme, NVFP4) and scheme.stochastic_rounding and x.device.type == "cuda":
+        # Drawn on the device by torch's CUDA generator (reproducible under torch.manual_seed): no host work,
+        # and CUDA-graph safe — a captured draw yields a fresh seed at every replay, so replayed steps do not
+        # repeat their rounding noise (a host int would be frozen into the graph).
+        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
+    else:
+        seed = resolve_seed(scheme, seed)
+    qt.meta["seed"] = seed
     if isinstance(scheme, Float8Tensorwise):
         _tensorwise(qt, x2, scheme, rowwise, columnwise, scale)
     elif isinstance(scheme, Float8Rowwise):
@@ -198,9 +205,9 @@ def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     elif isinstance(scheme, MXFP8):
         _mxfp8(qt, x2, scheme, rowwise, columnwise)
     elif scheme.rht and columnwise:
-        _nvfp4_rht(qt, x2, scheme, rowwise, seed or 0)
+        _nvfp4_rht(qt, x2, scheme, rowwise, 0 if seed is None else seed)
     else:
-        _nvfp4(qt, x2, scheme, rowwise, columnwise, seed or 0)
+        _nvfp4(qt, x2, scheme, rowwise, columnwise, 0 if seed is None else seed)
     return qt
 
 
@@ -429,10 +436,11 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)  # one read, one amax: shared
 
 
-def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int, *, amax_i: torch.Tensor | None = None,
+def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tensor | None = None,
            rht: bool = False):
     """One nvfp4_kernel launch for the asked copies. ``amax_i``: the amax (int32 bits) already computed, else an
-    amax pass of x2 runs here. ``rht``: the columnwise copy (only) of RHT(x2); ``amax_i`` is then max |RHT(x2)|."""
+    amax pass of x2 runs here. ``rht``: the columnwise copy (only) of RHT(x2); ``amax_i`` is then max |RHT(x2)|.
+    ``seed``: the stochastic-rounding key, an int or a (1,) int64 device tensor holding it."""
     M, Kd = x2.shape
     dev = x2.device
     if amax_i is None:
@@ -452,16 +460,18 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int, *, amax_i: torch.
                              min_m=min_m, min_k=16)
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    if seed >= 2**63:
-        seed -= 2**64  # passed to the kernel as int64; the same 64 bits as the reference's key
+    seed_ptr = isinstance(seed, torch.Tensor)  # (1,) int64 on the device
+    if not seed_ptr:
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        if seed >= 2**63:
+            seed -= 2**64  # passed to the kernel as int64; the same 64 bits as the reference's key
     signs = int(sch.rht_signs) if rht else 0
 
     def launch(c):
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
         K.nvfp4_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, signs, TWO_D=sch.two_d, ROW=rowwise,
                              COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
-                             RHT=rht, num_warps=c["num_warps"])
+                             RHT=rht, SEED_PTR=seed_ptr, num_warps=c["num_warps"])
 
     tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, rht, x2.dtype, _bucket(M),
                            _bucket(Kd)), cands, launch)
@@ -472,7 +482,7 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed: int, *, amax_i: torch.
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax, global_scale=gs, rht=rht)  # one read: shared
 
 
-def _nvfp4_rht(qt, x2, sch: NVFP4, rowwise, seed: int):
+def _nvfp4_rht(qt, x2, sch: NVFP4, rowwise, seed):
     """NVFP4 with the RHT: the columnwise copy quantizes RHT(x2) (along M, in registers; never written out) with
     its own amax max |RHT(x2)| and global scale; a rowwise copy quantizes x2 itself with max |x2|, as the
     reference does. One pass reads x2 once for both amaxes; then one quantize launch per copy."""

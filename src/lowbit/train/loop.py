@@ -76,9 +76,9 @@ class TrainConfig:
     fsdp: bool = False
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
-    ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8 — not
-    fp8-delayed, whose amax histories live in host objects, nor nvfp4, whose stochastic rounding draws
-    a fresh host seed per tensor), ``"on"`` (error if it cannot be used), ``"off"``."""
+    ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8, nvfp4 —
+    whose stochastic-rounding keys are drawn on the device, fresh at every replay — but not fp8-delayed,
+    whose amax histories live in host objects), ``"on"`` (error if it cannot be used), ``"off"``."""
     attention: str = "auto"
     attn_qk: str = "bf16"
     attn_pv: str = "bf16"
@@ -302,7 +302,7 @@ def _optimizer(model, c: TrainConfig):
     return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, **kw)
 
 
-GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8")
+GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
 
 
 def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
@@ -527,7 +527,8 @@ def _train_one(c: TrainConfig) -> dict:
         lr = lr_at(step, c)
         for g in opt.param_groups:
             g["lr"] = lr
-        torch.manual_seed(c.seed * 1_000_003 + step * 1009 + d.rank)  # stochastic rounding etc.: keyed by step
+        step_key = c.seed * 1_000_003 + step * 1009 + d.rank
+        torch.manual_seed(step_key)  # stochastic rounding etc.: keyed by step
         if step in c.fault_steps:
             fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
         try:
@@ -538,6 +539,9 @@ def _train_one(c: TrainConfig) -> dict:
                                                         c.seq_len, d.device))
                 if graphed.graph is None:
                     graphed.capture()
+                    # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
+                    # generator's seed and offset when it starts) draws what an eager step would
+                    torch.manual_seed(step_key)
                 loss_sum = graphed.replay().clone()
                 if recipe is not None:
                     lnn.state.check_captured(wait=False)

@@ -565,7 +565,7 @@ def _nvfp4_round(v, seed, idx, SR: tl.constexpr):
 @triton.jit
 def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, seed, signs,
                  TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr, SW: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr, RHT: tl.constexpr = False):
+                 BM: tl.constexpr, BK: tl.constexpr, RHT: tl.constexpr = False, SEED_PTR: tl.constexpr = False):
     """x (M, K) contiguous (M % 16 == 0 when COL or TWO_D, K % 16 == 0); amax_ptr holds the tensor amax bits.
 
     rowwise: rq (M, K/2) packed, rs (M, K/16) e4m3 (TWO_D: (M/16, K/16)); columnwise: cq (K, M/2),
@@ -573,7 +573,10 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
     columnwise (1x16) M*K + k*M + m. gs = S = 2688 / amax (0 -> 1, overflow -> FP32 max).
     RHT (columnwise 1x16 only: never with ROW or TWO_D): the columnwise copy of RHT(x) (reference.rht_blocks
     along M with sign mask ``signs``), transformed in registers; amax_ptr must then hold max |RHT(x)|.
+    SEED_PTR: ``seed`` points at an int64 on the device (drawn there: CUDA-graph safe) instead of being a value.
     """
+    if SEED_PTR:
+        seed = tl.load(seed)
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
     amax = _bits_to_f32(tl.load(amax_ptr))
