@@ -471,14 +471,14 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
         if config is None and _autotune_enabled(BK):
             BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta)
         else:
-            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk)))[0]
+            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[0]
             BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
                                                          num_stages=st)
     if Sq > 0 and B * Hq > 0:
         if config is None and _autotune_enabled(BK):
             BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta)
         else:
-            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk)))[1]
+            bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[1]
             BK._bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
                                                       num_stages=st)
     if qmode == 0:
