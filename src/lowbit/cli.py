@@ -53,7 +53,8 @@ def cmd_info(argv=None) -> int:
         print(f"  {s!r:<90} -> {quant.backend_for(x, s, True, True)}")
     from lowbit import gemm
 
-    print("\nscaled_mm backends:")
+    print("\nscaled_mm backends (probe: 256x256 operands; the choice can depend on shape, e.g. NVFP4/MXFP8 take\n"
+          "  triton_emulated below M or N = 256, and a pairing cuBLAS rejects at run time falls back to triton):")
     pairs = [
         (Float8Tensorwise(), Float8Tensorwise()),
         (Float8Rowwise(), Float8Rowwise()),
