@@ -77,3 +77,37 @@ def test_launcher_signature_mismatch_disables_the_shortcut(fake_env, monkeypatch
     jit.compiled.run = bad_run
     cl((1,), "k", 1)  # falls back to the JIT path and turns the shortcut off
     assert len(jit.calls) == 2 and _launch._ENABLED is False
+
+
+def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, capsys):
+    """The autotuner (CPU: do_bench faked): the fastest candidate wins, is reused for the key without timing again,
+    a failing candidate is skipped, and the first tuning of the process prints one notice."""
+    import lowbit.quant.triton_backend as tb
+
+    monkeypatch.setattr(tb, "AUTOTUNE", True)
+    monkeypatch.setattr(tb, "INTERPRET", False)
+    monkeypatch.setattr(tb, "_TUNED", {})
+    monkeypatch.setattr(tb, "_TUNING_NOTICE", [False])
+    cost = {"a": 3.0, "b": 1.0, "c": 2.0}
+    ran, timed = [], []
+
+    def fake_bench(fn, **kw):
+        fn()
+        timed.append(ran[-1])
+        return cost[ran[-1]]
+
+    def launch(cfg):
+        if cfg["n"] == "bad":
+            raise RuntimeError("out of shared memory")
+        ran.append(cfg["n"])
+
+    monkeypatch.setattr(tb.triton.testing, "do_bench", fake_bench)
+    cands = [{"n": "a"}, {"n": "bad"}, {"n": "b"}, {"n": "c"}]
+    assert tb.tuned_launch("k", (1,), cands, launch) == {"n": "b"}
+    assert timed == ["a", "b", "c"] and ran[-1] == "b"
+    built = []
+    assert tb.tuned_launch("k", (1,), lambda: built.append(1) or cands, launch) == {"n": "b"}
+    assert timed == ["a", "b", "c"] and ran[-1] == "b" and not built  # reused: no timing, no candidate list built
+    tb.tuned_launch("k", (2,), cands, launch)  # a new key is tuned, silently this time
+    err = capsys.readouterr().err
+    assert err.count("[lowbit] autotuning") == 1 and "LOWBIT_AUTOTUNE=0" in err

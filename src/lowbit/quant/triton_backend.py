@@ -21,6 +21,7 @@ Nothing here touches CUDA at import time.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
@@ -47,6 +48,15 @@ _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------------------------
 _TUNED: dict = {}
 AUTOTUNE = os.environ.get("LOWBIT_AUTOTUNE", "1") == "1"
+_TUNING_NOTICE = [False]  # said once per process: first steps of a model compile and time many kernel variants
+
+
+def _tuning_notice(name: str, key: tuple) -> None:
+    if not _TUNING_NOTICE[0]:
+        _TUNING_NOTICE[0] = True
+        print(f"[lowbit] autotuning Triton launch configs for new shapes (first {name} key {key}); the first steps "
+              f"of a model compile and time each kernel's candidates, later calls reuse the choice "
+              f"(LOWBIT_AUTOTUNE=0 skips tuning)", file=sys.stderr, flush=True)
 
 
 def _bucket(n: int) -> int:
@@ -74,6 +84,7 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
         launch(candidates[0])
         return candidates[0]
     if cfg is None:
+        _tuning_notice(name, key)
         best, err = None, None
         for c in candidates:
             try:
