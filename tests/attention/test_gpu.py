@@ -104,6 +104,29 @@ def test_kernel_vs_references(qk, pv, granularity, D, dtype, S, causal):
     assert m["rel_l1"] < FLOOR[(qk, pv)], m
 
 
+@pytest.mark.parametrize("qk,pv,granularity", MODES)
+@pytest.mark.parametrize("D,S,layout", [(64, 1000, "bhsd"), (128, 4096, "bshd"), (128, 17, "bhsd")])
+def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, monkeypatch):
+    """LOWBIT_ATTN_TMA=1 (K/V tiles by TMA descriptors; compiled for sm_90 it removes the pointer path's register
+    spills) gives the pointer path's output bit for bit, causal and not, ragged S."""
+    tri = pytest.importorskip("lowbit.attention._triton")
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")  # one launch config for both paths
+    shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
+    q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
+    for causal in (False, True):
+        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton", return_lse=True)
+        monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+        o0, l0 = A.attention(q, k, v, **kw)
+        used = []
+        real = tri._tma_enabled
+        monkeypatch.setattr(tri, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
+        monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+        o1, l1 = A.attention(q, k, v, **kw)
+        monkeypatch.setattr(tri, "_tma_enabled", real)
+        assert used == [True], used
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), (causal, (o0.float() - o1.float()).abs().max().item())
+
+
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_kernel(qk, pv, causal):

@@ -101,6 +101,39 @@ def test_forward_matches_tiled_reference(tri, qk, pv, Sq, Sk, causal, window, la
     assert nrmse(o, ref) < {"bf16": 3e-3, "int8": 3e-2, "fp8": 8e-2}[qk if pv == "bf16" else "fp8"]
 
 
+@pytest.mark.parametrize("qk,pv,Sq,Sk,causal,window,layout", CASES)
+def test_forward_tma_descriptors_same_as_pointers(tri, qk, pv, Sq, Sk, causal, window, layout, monkeypatch):
+    """LOWBIT_ATTN_TMA=1: K/V tiles through tensor descriptors (TMA on the GPU) give the pointer path's output
+    bit for bit (the same math; ragged Sk tiles rely on the descriptor's zero fill past Sk)."""
+    q, k, v = rand(1, 4, Sq, 32, seed=7), rand(1, 2, Sk, 32, seed=8, offset=0.5), rand(1, 2, Sk, 32, seed=9)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    ops = _prepare(tri, q, k, v, qk, pv, layout)
+    kw = dict(causal=causal, window=window, layout=layout, return_lse=True, out_dtype=torch.float32, config=CFG)
+    o0, l0 = tri.attention_fwd_triton(**ops, **kw)
+    used = []
+    real = tri._tma_enabled
+    monkeypatch.setattr(tri, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+    o1, l1 = tri.attention_fwd_triton(**ops, **kw)
+    assert used == [True]
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+
+
+def test_tma_refused_where_its_rules_do_not_hold(tri, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+    k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)
+    views = lambda t: (t.stride(0), t.stride(1), t.stride(2), t.stride(3))  # noqa: E731
+    assert tri._tma_enabled(k, k, views(k), views(k), False, False)
+    assert not tri._tma_enabled(k, k, views(k), views(k), True, True)  # varlen FP8 V: sequences start anywhere
+    odd = torch.zeros(1, 2, 40, 36, dtype=torch.int8)  # a 36-byte row stride is not a multiple of 16
+    assert not tri._tma_enabled(odd, k, views(odd), views(k), False, False)
+    kt = k.transpose(2, 3)  # head_dim not unit-stride
+    assert not tri._tma_enabled(kt, k, views(kt), views(k), False, False)
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+    assert not tri._tma_enabled(k, k, views(k), views(k), False, False)
+
+
 def test_forward_varlen_gqa(tri):
     cq = torch.tensor([0, 20, 21, 60], dtype=torch.int32)
     ck = torch.tensor([0, 7, 40, 52], dtype=torch.int32)

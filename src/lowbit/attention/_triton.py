@@ -173,14 +173,31 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
                Sk, diag, win_left, win_right, sm_scale_log2,
                sks, skd, svs, svd,
                QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, K_SCALE_ROWS: tl.constexpr, MASK: tl.constexpr,
-               BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+               BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
+               HEAD_DIM: tl.constexpr = 128):
     offs_nl = tl.arange(0, BLOCK_N)
-    # 64-bit tile base once, then 32-bit increments (BLOCK_N * stride always fits)
-    kt_ptrs = k_base + lo.to(tl.int64) * sks + offs_nl[None, :] * sks + offs_d[:, None] * skd
-    v_ptrs = v_base + lo.to(tl.int64) * svs + offs_nl[:, None] * svs + offs_d[None, :] * svd
+    if TMA:
+        # Tensor descriptors (TMA): a tile address is (descriptor, coordinates), not a (rows, cols) tensor of
+        # 64-bit pointers kept live across the software pipeline. Compiled for sm_90 (Triton 3.6), the pointer
+        # version of this loop spills (hundreds of STL/LDL at 128x64 tiles, 8 warps); a descriptor version
+        # does not. Rows past Sk read as zero. The launcher checks TMA's rules (unit last stride, 16-byte
+        # aligned base and strides) and otherwise uses pointers.
+        kd = tl.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        if PV_FP8:  # FP8 V is stored sequence-contiguous (K-major for the MMA): tiles (HEAD_DIM, BLOCK_N)
+            vd = tl.make_tensor_descriptor(v_base, shape=[HEAD_DIM, Sk], strides=[svd, 1],
+                                           block_shape=[HEAD_DIM, BLOCK_N])
+        else:
+            vd = tl.make_tensor_descriptor(v_base, shape=[Sk, HEAD_DIM], strides=[svs, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        # 64-bit tile base once, then 32-bit increments (BLOCK_N * stride always fits)
+        kt_ptrs = k_base + lo.to(tl.int64) * sks + offs_nl[None, :] * sks + offs_d[:, None] * skd
+        v_ptrs = v_base + lo.to(tl.int64) * svs + offs_nl[:, None] * svs + offs_d[None, :] * svd
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nl
-        if MASK:
+        if TMA:
+            kt = tl.trans(kd.load([start_n, 0]))
+        elif MASK:
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Sk, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
@@ -214,7 +231,12 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASK:
+        if TMA:
+            if PV_FP8:
+                v = tl.trans(vd.load([0, start_n]))
+            else:
+                v = vd.load([start_n, 0])
+        elif MASK:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < Sk, other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -225,8 +247,9 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        kt_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
+        if not TMA:
+            kt_ptrs += BLOCK_N * sks
+            v_ptrs += BLOCK_N * svs
     return acc, l_i, m_i
 
 
@@ -238,7 +261,7 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
               QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, Q_SCALE_ROWS: tl.constexpr,
               K_SCALE_ROWS: tl.constexpr, HAS_KMEAN: tl.constexpr, RETURN_LSE: tl.constexpr,
               VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if REVERSE_M:  # causal: heaviest query blocks first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -291,13 +314,16 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                lo, tl.minimum(full_lo, hi), Sk, diag, win_left, win_right, sm_scale_log2,
-                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET)
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
+                               TMA, HEAD_DIM)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                full_lo, full_hi, Sk, diag, win_left, win_right, sm_scale_log2,
-                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, False, BLOCK_N, INTERPRET)
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, False, BLOCK_N, INTERPRET,
+                               TMA, HEAD_DIM)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                full_hi, hi, Sk, diag, win_left, win_right, sm_scale_log2,
-                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET)
+                               sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
+                               TMA, HEAD_DIM)
 
     # ---- epilogue
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -351,7 +377,7 @@ def prune_fwd_configs(configs, named_args, **kwargs):
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "QK_MODE", "PV_FP8",
-             "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN"]
+             "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN", "TMA"]
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_fwd_configs})(_attn_fwd)
 
@@ -369,6 +395,30 @@ def heuristic_config(max_seqlen_q: int, head_dim: int):
 
 def _autotune_enabled() -> bool:
     return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not INTERPRETED
+
+
+_ALLOCATOR_SET = [False]
+
+
+def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool) -> bool:
+    """K/V tiles through TMA tensor descriptors (LOWBIT_ATTN_TMA=1; off by default until measured on the GPU)
+    where TMA's rules hold: a unit-stride inner dim (head_dim for K and 16-bit V; the sequence for FP8 V, which
+    is stored sequence-contiguous), a 16-byte aligned data pointer and 16-byte multiples for the other strides.
+    Not for varlen FP8 V: a packed sequence starts at any byte of its sequence-contiguous row, and a descriptor's
+    base (or inner start coordinate) must be 16-byte aligned. kv / vv: (stride_b, stride_h, stride_s, stride_d)
+    as the kernel gets them."""
+    if os.environ.get("LOWBIT_ATTN_TMA", "0") != "1" or (varlen and pv_fp8):
+        return False
+    for t, st, inner in ((k, kv, 3), (v, vv, 2 if pv_fp8 else 3)):
+        if st[inner] != 1 or t.data_ptr() % 16:
+            return False
+        if any((x * t.element_size()) % 16 for i, x in enumerate(st) if i != inner):
+            return False
+    if not INTERPRETED and not _ALLOCATOR_SET[0]:
+        # in-kernel descriptors live in a small global scratch buffer that Triton asks the host for
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET[0] = True
+    return True
 
 
 # ============================================================================ launchers
@@ -506,7 +556,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
             *sl, Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, left, right, triton.next_power_of_2(max(Sq, 1))]
     meta = dict(QK_MODE=qk_mode, PV_FP8=pv_fp8, Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows,
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
-                REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED)
+                REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED, TMA=_tma_enabled(k, v, _views(k, layout, varlen), _views(v, layout, varlen), pv_fp8, varlen))
     if config is None and _autotune_enabled():
         grid = lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)  # noqa: E731
         _attn_fwd_tuned[grid](*args, **meta)

@@ -73,9 +73,19 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
             qq = T.quantize_qk_triton(q, k, dtype=qk)
             qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
         va, vs = T.quantize_v_fp8_triton(v) if pv == "fp8" else (v, None)
-        run(tag + "_kernel", lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(
-            qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16),
-            "kernel")
+        kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
+            qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
+        run(tag + "_kernel", kern, "kernel")
+        # the same kernel with K/V tiles through TMA descriptors (LOWBIT_ATTN_TMA=1, opt-in until measured)
+        saved = os.environ.get("LOWBIT_ATTN_TMA")
+        os.environ["LOWBIT_ATTN_TMA"] = "1"
+        try:
+            run(tag + "_kernel_tma", kern, "kernel")
+        finally:
+            if saved is None:
+                os.environ.pop("LOWBIT_ATTN_TMA", None)
+            else:
+                os.environ["LOWBIT_ATTN_TMA"] = saved
         if qk != "bf16":
             def prepass(qk=qk, pv=pv):
                 T.quantize_qk_triton(q, k, dtype=qk)

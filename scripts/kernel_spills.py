@@ -1,0 +1,90 @@
+"""Register spills of lowbit's hot Triton kernels compiled for sm_90 — on any machine, no GPU needed.
+
+Compiles each kernel with Triton's own toolchain for an H100/H200 target and counts the spill stores/loads
+(STL/LDL) and the tensor-core instructions (HGMMA: 16-bit, QGMMA: FP8, IGMMA/IMMA: INT8) in the SASS that
+Triton's bundled nvdisasm prints. A static fact, not a timing: a kernel that spills in its inner loop is slow,
+one that does not may still be slow for other reasons.
+
+    python scripts/kernel_spills.py            # attention forward (pointer vs TMA loads), FP8 blockwise GEMM
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return {name: len(re.findall(pat, sass)) for name, pat in
+            (("STL", r"\bSTL"), ("LDL", r"\bLDL"), ("HGMMA", r"HGMMA"), ("QGMMA", r"QGMMA"), ("IMMA", r"IGMMA|IMMA"))}
+
+
+def _signature(fn, pointers: dict, floats=(), ones=()):
+    sig, const = {}, {}
+    for p, prm in inspect.signature(fn.fn).parameters.items():
+        if p in pointers:
+            sig[p] = pointers[p]
+        elif p in floats:
+            sig[p] = "fp32"
+        elif "constexpr" in str(prm.annotation):
+            sig[p] = "constexpr"
+        else:
+            sig[p] = "i32"
+    for p in ones:  # unit strides, as Triton specializes them at launch
+        sig[p], const[p] = "constexpr", 1
+    return sig, const
+
+
+def attention_forward():
+    from lowbit.attention import _triton as T
+
+    print("attention forward (_attn_fwd), D=128, dense bhsd")
+    for qk, pv, name in ((0, False, "bf16 QK / bf16 PV"), (1, False, "int8 QK / bf16 PV"), (1, True, "int8 QK / fp8 PV"),
+                         (2, True, "fp8 QK / fp8 PV")):
+        qdt = {0: "*bf16", 1: "*i8", 2: "*fp8e4nv"}[qk]
+        ptrs = dict(Q=qdt, K=qdt, V="*fp8e4nv" if pv else "*bf16", O="*bf16", LSE="*fp32", QS="*fp32", KS="*fp32",
+                    VS="*fp32", KM="*fp32", CUQ="*i32", CUK="*i32")
+        for bm, bn, w, st in ((128, 64, 8, 3), (128, 128, 8, 2)):
+            for tma in (False, True):
+                sig, const = _signature(T._attn_fwd, ptrs, floats=("sm_scale_log2",),
+                                        ones=("sqd", "skd", "sod", "svs" if pv else "svd"))
+                const.update(QK_MODE=qk, PV_FP8=pv, Q_SCALE_ROWS=128, K_SCALE_ROWS=64, HAS_KMEAN=False,
+                             RETURN_LSE=False, VARLEN=False, REVERSE_M=False, HEAD_DIM=128, BLOCK_M=bm, BLOCK_N=bn,
+                             INTERPRET=False, TMA=tma)
+                c = sass_counts(T._attn_fwd, sig, const, w, st)
+                print(f"  {name:18s} {bm}x{bn} {w} warps {st} stages  {'TMA    ' if tma else 'pointer'}  {c}")
+
+
+def fp8_gemm():
+    from lowbit.gemm.kernels import gemm as G
+
+    print("FP8 GEMM (fp8_gemm_kernel), 1x128 x 128x128 scales, BF16 out")
+    ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16",
+                bias_ptr="*bf16")
+    for bm, bn, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)):
+        sig, const = _signature(G.fp8_gemm_kernel, ptrs)
+        const.update(SA=2, SB=3, BS=128, HAS_BIAS=False, GELU=False, ACCUM=False, BM=bm, BN=bn, GROUP_M=8)
+        print(f"  {bm}x{bn} {w} warps {st} stages  {sass_counts(G.fp8_gemm_kernel, sig, const, w, st)}")
+
+
+if __name__ == "__main__":
+    print(f"triton {triton.__version__}, target sm_90")
+    attention_forward()
+    fp8_gemm()
