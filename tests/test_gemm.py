@@ -191,6 +191,27 @@ def test_emulated_gemm_vs_reference(sa, sb, backend, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch):
+    """LOWBIT_GEMM_TMA=1 (operand tiles by TMA descriptors; compiled for sm_90 it removes the pointer version's
+    register spills): the same launch config gives the pointer path's output bit for bit, ragged M/N/K tiles."""
+    import lowbit.gemm.triton_backend as tb
+    import lowbit.quant.triton_backend as qtb
+
+    monkeypatch.setattr(qtb, "AUTOTUNE", False)  # one launch config for both paths
+    pairs = [(Float8Blockwise(), Float8Blockwise(block_dim=2)), (Float8Blockwise(block_dim=2), Float8Blockwise()),
+             (Float8Blockwise(), Float8Blockwise(fmt="e5m2")), (Float8Tensorwise(), Float8Rowwise())]
+    for (M, N, K) in [(129, 200, 384), (1000, 4096, 4096), (4096, 1000, 1040)]:
+        for sa, sb in pairs:
+            a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N)
+            monkeypatch.setenv("LOWBIT_GEMM_TMA", "0")
+            y0 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
+            monkeypatch.setenv("LOWBIT_GEMM_TMA", "1")
+            assert tb._tma_ok(a.rowwise.data, b.rowwise.data, K)
+            y1 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
+            assert torch.equal(y0, y1), (sa, sb, M, N, K)
+
+
+@pytest.mark.gpu
 def test_gpu_dispatch_and_bad_input(cuda):
     a, b = _operands(128, 128, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda)
     assert backend_for(a, b) in ("cublas", "triton")
@@ -226,13 +247,17 @@ def test_cpu_dispatch_uses_reference_and_backends_registered():
 def _interp_main() -> int:
     from lowbit.gemm.triton_backend import scaled_mm_dequant, scaled_mm_emulated, scaled_mm_triton
 
-    fails = 0
+    fails = tma_cases = 0
     cases = [
         (scaled_mm_triton, Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32), 33, 40, 100, "rowwise", "rowwise", {}),
         (scaled_mm_triton, Float8Blockwise(block_dim=2, block_size=32), Float8Blockwise(block_size=32, fmt="e5m2"), 17, 9, 70, "columnwise", "rowwise", {}),
         (scaled_mm_triton, Float8Tensorwise(), Float8Rowwise(), 17, 9, 70, "rowwise", "columnwise", {}),
         (scaled_mm_triton, Float8Tensorwise(), Float8Tensorwise("e5m2"), 17, 9, 64, "rowwise", "rowwise",
          {"bias": torch.randn(9), "gelu": True, "out_dtype": torch.bfloat16}),
+        (scaled_mm_triton, Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32), 33, 40, 96,
+         "rowwise", "rowwise", {}),
+        (scaled_mm_triton, Float8Blockwise(block_dim=2, block_size=32), Float8Blockwise(block_size=32), 40, 33, 160,
+         "columnwise", "rowwise", {"bias": torch.randn(33), "out_dtype": torch.bfloat16}),
         (scaled_mm_emulated, NVFP4(), NVFP4(two_d=True), 16, 32, 64, "rowwise", "rowwise", {}),
         (scaled_mm_emulated, NVFP4(), NVFP4(), 32, 16, 64, "columnwise", "columnwise", {}),
         (scaled_mm_emulated, MXFP8(), MXFP8("e5m2"), 32, 32, 64, "rowwise", "rowwise", {}),
@@ -248,6 +273,17 @@ def _interp_main() -> int:
             kw = {"out_dtype": torch.float32, **epi}
             y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
             ref, _ = scaled_mm_reference(a, b, a_copy=ac, b_copy=bc, **kw)
+            if fn is scaled_mm_triton and K % 16 == 0:  # LOWBIT_GEMM_TMA=1: TMA tiles, the same bits
+                import lowbit.gemm.triton_backend as tb
+
+                os.environ["LOWBIT_GEMM_TMA"] = "1"
+                tma_used = tb._tma_ok(getattr(a, ac).data, getattr(b, bc).data, K)
+                y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
+                os.environ["LOWBIT_GEMM_TMA"] = "0"
+                if not (tma_used and torch.equal(y, y2)):
+                    fails += 1
+                    print("FAIL tma", sa, sb, M, N, K, ac, bc, tma_used)
+                tma_cases += 1
             A, B = dequantize_exact(a, ac), dequantize_exact(b, bc)
             S = A.abs() @ B.abs().t()
             err = (y.double() - ref.double()).abs()
@@ -255,7 +291,7 @@ def _interp_main() -> int:
             if not bool((err <= bound).all()):
                 fails += 1
                 print("FAIL", fn.__name__, sa, sb, M, N, K, ac, bc, ints, (err / (S + 1e-300)).max().item())
-    print(f"gemm interp failures: {fails}")
+    print(f"gemm interp failures: {fails} (TMA cases: {tma_cases})")
     return 1 if fails else 0
 
 
@@ -266,7 +302,7 @@ def test_gemm_kernels_in_interpreter():
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "gemm interp failures: 0" in p.stdout
+    assert "gemm interp failures: 0 (TMA cases: 6)" in p.stdout, p.stdout[-2000:]
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CachedLaunch"]
+__all__ = ["CachedLaunch", "ensure_tma_allocator"]
 
 _ENABLED = os.environ.get("LOWBIT_FAST_LAUNCH", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -68,3 +68,18 @@ class CachedLaunch:
         if _ENABLED and ck is not None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
             self.compiled[key] = ck
         return ck
+
+
+_TMA_ALLOCATOR_SET = [False]
+
+
+def ensure_tma_allocator() -> None:
+    """Kernels that build TMA tensor descriptors in-kernel (``tl.make_tensor_descriptor``) need a little global
+    scratch memory per launch, which Triton asks a host allocator for; install one backed by torch (once)."""
+    if _TMA_ALLOCATOR_SET[0] or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return
+    import torch
+    import triton
+
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    _TMA_ALLOCATOR_SET[0] = True

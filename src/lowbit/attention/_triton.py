@@ -35,6 +35,7 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
+from .._launch import ensure_tma_allocator
 from .api import _views
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, k_mean as _k_mean, n_q_groups
 
@@ -397,9 +398,6 @@ def _autotune_enabled() -> bool:
     return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not INTERPRETED
 
 
-_ALLOCATOR_SET = [False]
-
-
 def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool) -> bool:
     """K/V tiles through TMA tensor descriptors (LOWBIT_ATTN_TMA=1; off by default until measured on the GPU)
     where TMA's rules hold: a unit-stride inner dim (head_dim for K and 16-bit V; the sequence for FP8 V, which
@@ -414,10 +412,7 @@ def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool) -> bool:
             return False
         if any((x * t.element_size()) % 16 for i, x in enumerate(st) if i != inner):
             return False
-    if not INTERPRETED and not _ALLOCATOR_SET[0]:
-        # in-kernel descriptors live in a small global scratch buffer that Triton asks the host for
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET[0] = True
+    ensure_tma_allocator()
     return True
 
 

@@ -10,8 +10,11 @@ Nothing here touches CUDA at import time.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .._launch import ensure_tma_allocator
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
 from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
@@ -98,6 +101,15 @@ def _candidates(M, N, emulated: bool):
     return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
 
 
+def _tma_ok(A, B, K) -> bool:
+    """Operand tiles by TMA descriptors (LOWBIT_GEMM_TMA=1; opt-in until measured on the GPU): K-contiguous FP8
+    operands with 16-byte aligned data and rows (K % 16 == 0)."""
+    if os.environ.get("LOWBIT_GEMM_TMA", "0") != "1" or K % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
+        return False
+    ensure_tma_allocator()
+    return True
+
+
 def _check_bias(bias):
     if bias is not None and not bias.is_contiguous():
         raise ValueError(f"bias: must be contiguous, got strides {tuple(bias.stride())}")
@@ -116,14 +128,16 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     sb_mode, ldb, sb = _scale_mode(b.scheme, cb)
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
 
+    tma = _tma_ok(A, B, K)
+
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         G.fp8_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
             SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
-            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)), lambda: _candidates(M, N, False),
-         launch, accumulate)
+    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma),
+         lambda: _candidates(M, N, False), launch, accumulate)
     return _finish(c, pre, out, accumulate)
 
 

@@ -68,7 +68,7 @@ def _row_scale(s_ptr, offs, mask, kb, ld, MODE: tl.constexpr, BS: tl.constexpr):
 def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     SA: tl.constexpr, SB: tl.constexpr, BS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False):
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
@@ -80,11 +80,22 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N
     mmask = offs_m < M
     nmask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if TMA:
+        # Tiles by TMA descriptor (zero fill past M, N, K) instead of (rows, BS) tensors of 64-bit pointers,
+        # which the software pipeline keeps live: compiled for sm_90 (Triton 3.6) the pointer version spills
+        # ~300 STL/LDL at 128x128 / 8 warps, this one none. The launcher checks TMA's rules (K % 16 == 0,
+        # 16-byte aligned data).
+        ad = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS])
+        bd = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS])
     for kb in range(0, nkb):
-        offs_k = kb * BS + tl.arange(0, BS).to(tl.int64)
-        kmask = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if TMA:
+            a = ad.load([pid_m * BM, kb * BS])
+            b = bd.load([pid_n * BN, kb * BS])
+        else:
+            offs_k = kb * BS + tl.arange(0, BS).to(tl.int64)
+            kmask = offs_k < K
+            a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         part = tl.dot(a, tl.trans(b))  # one scaling block of K, reduced on the tensor cores from zero
         if SA >= 2:
             part = part * _row_scale(sa_ptr, offs_m, mmask, kb, lda_s, SA, BS)[:, None]
