@@ -5,7 +5,7 @@ Compiles each kernel with Triton's own toolchain for an H100/H200 target and cou
 Triton's bundled nvdisasm prints. A static fact, not a timing: a kernel that spills in its inner loop is slow,
 one that does not may still be slow for other reasons.
 
-    python scripts/kernel_spills.py            # attention forward (pointer vs TMA loads), FP8 blockwise GEMM
+    python scripts/kernel_spills.py     # attention forward and FP8 blockwise GEMM, pointer vs TMA tile loads
 """
 from __future__ import annotations
 
@@ -79,9 +79,11 @@ def fp8_gemm():
     ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16",
                 bias_ptr="*bf16")
     for bm, bn, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)):
-        sig, const = _signature(G.fp8_gemm_kernel, ptrs)
-        const.update(SA=2, SB=3, BS=128, HAS_BIAS=False, GELU=False, ACCUM=False, BM=bm, BN=bn, GROUP_M=8)
-        print(f"  {bm}x{bn} {w} warps {st} stages  {sass_counts(G.fp8_gemm_kernel, sig, const, w, st)}")
+        for tma in (False, True):
+            sig, const = _signature(G.fp8_gemm_kernel, ptrs)
+            const.update(SA=2, SB=3, BS=128, HAS_BIAS=False, GELU=False, ACCUM=False, BM=bm, BN=bn, GROUP_M=8, TMA=tma)
+            c = sass_counts(G.fp8_gemm_kernel, sig, const, w, st)
+            print(f"  {bm}x{bn} {w} warps {st} stages  {'TMA    ' if tma else 'pointer'}  {c}")
 
 
 if __name__ == "__main__":
