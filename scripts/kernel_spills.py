@@ -5,7 +5,7 @@ Compiles each kernel with Triton's own toolchain for an H100/H200 target and cou
 Triton's bundled nvdisasm prints. A static fact, not a timing: a kernel that spills in its inner loop is slow,
 one that does not may still be slow for other reasons.
 
-    python scripts/kernel_spills.py     # attention forward and FP8 blockwise GEMM, pointer vs TMA tile loads
+    python scripts/kernel_spills.py     # attention forward and FP8 GEMM (pointer vs TMA tiles), 1x128 quantize
 """
 from __future__ import annotations
 
@@ -86,7 +86,21 @@ def fp8_gemm():
             print(f"  {bm}x{bn} {w} warps {st} stages  {'TMA    ' if tma else 'pointer'}  {c}")
 
 
+def quantize_1x128():
+    from lowbit.quant.kernels import quant as Q
+
+    print("1x128 quantize (blockwise_kernel), BF16 in, rowwise + columnwise, E4M3, pow2 scales: the autotuner's candidates")
+    ptrs = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32")
+    for cfg in (dict(SLAB=64, SCR=True, UNROLL=1), dict(SLAB=64, SCR=True, UNROLL=2), dict(SLAB=32, SCR=True)):
+        sig, const = _signature(Q.blockwise_kernel, ptrs)
+        sig["abs_mask"] = "i32"
+        const.update(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, TWO_D=False, ROW=True, COL=True, SW=False,
+                     BS=128, BM=128, SATCVT=True, EVEN=True, WIDE=False, KMAJOR=True, **cfg)
+        print(f"  BM=128 4 warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, 4, 3)}")
+
+
 if __name__ == "__main__":
     print(f"triton {triton.__version__}, target sm_90")
     attention_forward()
     fp8_gemm()
+    quantize_1x128()
