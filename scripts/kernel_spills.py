@@ -99,8 +99,26 @@ def quantize_1x128():
         print(f"  BM=128 4 warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, 4, 3)}")
 
 
+def attention_backward_dkdv():
+    from lowbit.attention import backward_kernels as BK
+
+    print("attention backward dK/dV (_bwd_dkdv), D=128, 32x128 tiles, 8 warps, 3 stages (the D=128 default)")
+    for qmode, name in ((0, "BF16 grads"), (2, "FP8 grads, per-row scales")):
+        g = "*bf16" if qmode == 0 else "*fp8e4nv"
+        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", DK=g, DV=g, LSE2="*fp32", DELTA="*fp32", CUQ="*i32",
+                    CUK="*i32", SCK="*fp32", SCV="*fp32", RSK="*fp32", RSV="*fp32", AMK="*fp32", AMV="*fp32")
+        for tma in (False, True):
+            sig, const = _signature(BK._bwd_dkdv, ptrs, floats=("sm_scale", "sm_scale_log2", "p_drop", "drop_scale"),
+                                    ones=("sqd", "skd", "svd", "sdod", "sgd"))
+            const.update(QMODE=qmode, FMT=1, FMAX=448.0, DROPOUT=False, VARLEN=False, HEAD_DIM=128, INTERPRET=False,
+                         BLOCK_M=32, BLOCK_N=128, TMA=tma)
+            c = sass_counts(BK._bwd_dkdv, sig, const, 8, 3)
+            print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
+
+
 if __name__ == "__main__":
     print(f"triton {triton.__version__}, target sm_90")
     attention_forward()
+    attention_backward_dkdv()
     fp8_gemm()
     quantize_1x128()

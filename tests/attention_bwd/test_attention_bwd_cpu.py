@@ -138,6 +138,42 @@ def test_kernel_varlen_ragged(kdev):
     assert max(errs) < BF16_TOL, errs
 
 
+@pytest.mark.parametrize("case", ["gqa_causal", "bshd_window_dropout", "varlen", "fp8_rows"])
+def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
+    """LOWBIT_ATTN_TMA=1: the dK/dV kernel reads its Q / dO tiles through TMA descriptors (zero fill past Sq) and
+    gives the pointer path's gradients bit for bit (one launch config for both)."""
+    import lowbit.attention._triton as T
+
+    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")
+    kw, lay = {}, "bhsd"
+    if case == "varlen":
+        q, k, v, do, cq, ck = make_varlen([17, 1, 40], [23, 5, 40], 2, 1, 16, device=kdev, seed=31)
+        kw, lay = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck), "thd"
+    elif case == "bshd_window_dropout":
+        q, k, v, do = make_inputs(2, 3, 1, 45, 45, 16, device=kdev, layout="bshd", seed=32)
+        kw, lay = dict(window=(9, 4), dropout_p=0.2, seed=5), "bshd"
+    else:
+        q, k, v, do = make_inputs(1, 4, 2, 37, 29, 32, device=kdev, seed=33)
+        kw = dict(causal=True)
+    fkw = {n: kw[n] for n in ("causal", "window", "dropout_p", "seed", "cu_seqlens_q", "cu_seqlens_k") if n in kw}
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+    o, lse = BW.attention_forward(q, k, v, layout=lay, **fkw)
+    if case == "fp8_rows":
+        kw["grad_format"] = "e4m3"
+    g0 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
+    used = []
+    real = T._tma_enabled
+    monkeypatch.setattr(T, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+    g1 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
+    assert used == [True]
+    for a, b in zip(g0, g1):
+        if isinstance(a, QuantizedTensor):
+            assert torch.equal(fp8_bits(a), fp8_bits(b)) and torch.equal(a.rowwise.scale_inv, b.rowwise.scale_inv)
+        else:
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_epilogue_bitexact_and_floors(kdev, fmt):
     """FP8 rowwise and given-scale gradients == lowbit.quantize of the kernel's own FP32 gradients

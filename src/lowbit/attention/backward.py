@@ -402,6 +402,7 @@ def _autotune_enabled(BK) -> bool:
 def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, left, right, dropout_p, seed,
                      offset, grad_format, sc, grad_dtype, cu_q, cu_k, config):
     from . import backward_kernels as BK
+    from ._triton import _tma_enabled
     import triton
 
     B, Hq, Sq, Hkv, Sk, D = dims
@@ -468,12 +469,14 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
     args_q = [q, k, v, do, dq, lse2, delta, cuq, cuk, scq, rsq, amax[0:1],
               *strides_in, *_views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
     if Sk > 0 and B * Hkv > 0:
+        # Q / dO tiles by TMA descriptors where allowed (LOWBIT_ATTN_TMA=1, opt-in: see the forward kernel)
+        tma = _tma_enabled(q, do, _views(q, lay, varlen), _views(do, lay, varlen), False, varlen)
         if config is None and _autotune_enabled(BK):
-            BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta)
+            BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta, TMA=tma)
         else:
             bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[0]
-            BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
-                                                         num_stages=st)
+            BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
+                                                         num_warps=w, num_stages=st)
     if Sq > 0 and B * Hq > 0:
         if config is None and _autotune_enabled(BK):
             BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta)

@@ -160,21 +160,32 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, CUQ,
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, lo, hi,
                 Sq, Sk, diag, win_left, win_right, sm_scale_log2, sqs, sqd, sdos, sdod, sds,
                 seed, drop_base, p_drop, drop_scale, DROP_SK,
-                MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+                MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+                TMA: tl.constexpr = False, HEAD_DIM: tl.constexpr = 128):
     offs_ml = tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + lo.to(tl.int64) * sqs + offs_ml[:, None] * sqs + offs_d[None, :] * sqd
-    do_ptrs = do_base + lo.to(tl.int64) * sdos + offs_ml[:, None] * sdos + offs_d[None, :] * sdod
+    if TMA:  # Q / dO tiles by TMA descriptor (zero fill past Sq): no live pointer tensors (see the forward)
+        qd = tl.make_tensor_descriptor(q_base, shape=[Sq, HEAD_DIM], strides=[sqs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        dod = tl.make_tensor_descriptor(do_base, shape=[Sq, HEAD_DIM], strides=[sdos, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM])
+    else:
+        q_ptrs = q_base + lo.to(tl.int64) * sqs + offs_ml[:, None] * sqs + offs_d[None, :] * sqd
+        do_ptrs = do_base + lo.to(tl.int64) * sdos + offs_ml[:, None] * sdos + offs_d[None, :] * sdod
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_ml
+        if TMA:
+            q = qd.load([start_m, 0])
+            do = dod.load([start_m, 0])
         if MASK:
             row_ok = offs_m < Sq
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            if not TMA:
+                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(l_base + offs_m * sds, mask=row_ok, other=float("inf"))
             delta = tl.load(d_base + offs_m * sds, mask=row_ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
+            if not TMA:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
             lse2 = tl.load(l_base + offs_m * sds)
             delta = tl.load(d_base + offs_m * sds)
         sT = _dot(k, tl.trans(q), INTERPRET)  # (BLOCK_N, BLOCK_M)
@@ -194,8 +205,9 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, l
         dv += _dot(_to16(pdT, do.dtype, INTERPRET), do, INTERPRET)
         dsT = pT * (dpT - delta[None, :])
         dk += _dot(_to16(dsT, q.dtype, INTERPRET), q, INTERPRET)
-        q_ptrs += BLOCK_M * sqs
-        do_ptrs += BLOCK_M * sdos
+        if not TMA:
+            q_ptrs += BLOCK_M * sqs
+            do_ptrs += BLOCK_M * sdos
     return dk, dv
 
 
@@ -208,7 +220,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CUQ, CUK, SCK, SCV, RSK, RSV, AM
               seed, drop_offset, p_drop, drop_scale, DROP_SQ, DROP_SK, SEQ_BUCKET,
               QMODE: tl.constexpr, FMT: tl.constexpr, FMAX: tl.constexpr, DROPOUT: tl.constexpr,
               VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr, TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hkv
@@ -268,13 +280,16 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CUQ, CUK, SCK, SCV, RSK, RSV, AM
         drop_base = drop_offset + ((b64 * Hkv * GROUP + h) * DROP_SQ) * DROP_SK
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, lo, mid,
                              Sq, Sk, diag, win_left, win_right, sm_scale_log2, sqs, sqd, sdos, sdod, sds,
-                             seed, drop_base, p_drop, drop_scale, DROP_SK, True, DROPOUT, BLOCK_M, INTERPRET)
+                             seed, drop_base, p_drop, drop_scale, DROP_SK, True, DROPOUT, BLOCK_M, INTERPRET,
+                             TMA, HEAD_DIM)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, full_lo, full_hi,
                              Sq, Sk, diag, win_left, win_right, sm_scale_log2, sqs, sqd, sdos, sdod, sds,
-                             seed, drop_base, p_drop, drop_scale, DROP_SK, False, DROPOUT, BLOCK_M, INTERPRET)
+                             seed, drop_base, p_drop, drop_scale, DROP_SK, False, DROPOUT, BLOCK_M, INTERPRET,
+                             TMA, HEAD_DIM)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_d, full_hi, hi,
                              Sq, Sk, diag, win_left, win_right, sm_scale_log2, sqs, sqd, sdos, sdod, sds,
-                             seed, drop_base, p_drop, drop_scale, DROP_SK, True, DROPOUT, BLOCK_M, INTERPRET)
+                             seed, drop_base, p_drop, drop_scale, DROP_SK, True, DROPOUT, BLOCK_M, INTERPRET,
+                             TMA, HEAD_DIM)
     dk = dk * sm_scale
 
     # ---- epilogue: dK, dV (same shape / layout / strides)
@@ -512,7 +527,7 @@ def _pruner(kernel: str):
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "GROUP", "HEAD_DIM", "QMODE", "FMT", "DROPOUT", "VARLEN"]
-_bwd_dkdv_tuned = triton.autotune(configs=_all_configs("dkdv"), key=_TUNE_KEY,
+_bwd_dkdv_tuned = triton.autotune(configs=_all_configs("dkdv"), key=_TUNE_KEY + ["TMA"],
                                   prune_configs_by={"early_config_prune": _pruner("dkdv")})(_bwd_dkdv)
 _bwd_dq_tuned = triton.autotune(configs=_all_configs("dq"), key=_TUNE_KEY,
                                 prune_configs_by={"early_config_prune": _pruner("dq")})(_bwd_dq)
