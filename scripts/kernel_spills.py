@@ -86,6 +86,21 @@ def fp8_gemm():
             print(f"  {bm}x{bn} {w} warps {st} stages  {'TMA    ' if tma else 'pointer'}  {c}")
 
 
+def dequant_bf16_gemm():
+    from lowbit.gemm.kernels import gemm as G
+
+    print("BF16 GEMM behind the dequantized NVFP4 / MXFP8 path (emu_gemm_kernel PRE), BK=64")
+    ptrs = dict(a_ptr="*bf16", b_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32", gsa_ptr="*fp32", gsb_ptr="*fp32",
+                c_ptr="*bf16", pre_ptr="*bf16", bias_ptr="*bf16")
+    for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 8, 4)):
+        for tma in (False, True):
+            sig, const = _signature(G.emu_gemm_kernel, ptrs)
+            const.update(NV=True, A2D=False, B2D=True, F32=False, PRE=True, HAS_BIAS=False, GELU=False, ACCUM=False,
+                         BM=bm, BN=bn, BK=64, GROUP_M=8, TMA=tma)
+            c = sass_counts(G.emu_gemm_kernel, sig, const, w, st)
+            print(f"  {bm}x{bn} {w} warps {st} stages  {'TMA    ' if tma else 'pointer'}  {c}")
+
+
 def quantize_1x128():
     from lowbit.quant.kernels import quant as Q
 
@@ -121,4 +136,5 @@ if __name__ == "__main__":
     attention_forward()
     attention_backward_dkdv()
     fp8_gemm()
+    dequant_bf16_gemm()
     quantize_1x128()

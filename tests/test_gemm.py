@@ -193,7 +193,8 @@ def test_emulated_gemm_vs_reference(sa, sb, backend, cuda, monkeypatch):
 @pytest.mark.gpu
 def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch):
     """LOWBIT_GEMM_TMA=1 (operand tiles by TMA descriptors; compiled for sm_90 it removes the pointer version's
-    register spills): the same launch config gives the pointer path's output bit for bit, ragged M/N/K tiles."""
+    register spills): the same launch config gives the pointer path's output bit for bit, ragged M/N/K tiles —
+    the FP8 GEMM and the BF16 GEMM behind the dequantized NVFP4 / MXFP8 path."""
     import lowbit.gemm.triton_backend as tb
     import lowbit.quant.triton_backend as qtb
 
@@ -208,6 +209,15 @@ def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch):
             monkeypatch.setenv("LOWBIT_GEMM_TMA", "1")
             assert tb._tma_ok(a.rowwise.data, b.rowwise.data, K)
             y1 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
+            assert torch.equal(y0, y1), (sa, sb, M, N, K)
+    monkeypatch.setattr(tb, "DEQUANT_GEMM", "triton")  # the dequantized NVFP4 / MXFP8 path's BF16 GEMM
+    for sa, sb in [(NVFP4(), NVFP4(two_d=True)), (MXFP8(), MXFP8())]:
+        for (M, N, K) in [(272, 304, 1056), (2048, 1024, 4096)]:
+            a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=K)
+            monkeypatch.setenv("LOWBIT_GEMM_TMA", "0")
+            y0 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
+            monkeypatch.setenv("LOWBIT_GEMM_TMA", "1")
+            y1 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
             assert torch.equal(y0, y1), (sa, sb, M, N, K)
 
 
@@ -273,16 +283,18 @@ def _interp_main() -> int:
             kw = {"out_dtype": torch.float32, **epi}
             y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
             ref, _ = scaled_mm_reference(a, b, a_copy=ac, b_copy=bc, **kw)
-            if fn is scaled_mm_triton and K % 16 == 0:  # LOWBIT_GEMM_TMA=1: TMA tiles, the same bits
+            if fn in (scaled_mm_triton, scaled_mm_dequant) and K % 16 == 0:  # LOWBIT_GEMM_TMA=1: TMA tiles, same bits
                 import lowbit.gemm.triton_backend as tb
 
+                real, seen = tb._tma_ok, []
+                tb._tma_ok = lambda *args: seen.append(real(*args)) or seen[-1]
                 os.environ["LOWBIT_GEMM_TMA"] = "1"
-                tma_used = tb._tma_ok(getattr(a, ac).data, getattr(b, bc).data, K)
                 y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
                 os.environ["LOWBIT_GEMM_TMA"] = "0"
-                if not (tma_used and torch.equal(y, y2)):
+                tb._tma_ok = real
+                if not (seen == [True] and torch.equal(y, y2)):
                     fails += 1
-                    print("FAIL tma", sa, sb, M, N, K, ac, bc, tma_used)
+                    print("FAIL tma", fn.__name__, sa, sb, M, N, K, ac, bc, seen)
                 tma_cases += 1
             A, B = dequantize_exact(a, ac), dequantize_exact(b, bc)
             S = A.abs() @ B.abs().t()
@@ -302,7 +314,7 @@ def test_gemm_kernels_in_interpreter():
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "gemm interp failures: 0 (TMA cases: 6)" in p.stdout, p.stdout[-2000:]
+    assert "gemm interp failures: 0 (TMA cases: 12)" in p.stdout, p.stdout[-2000:]
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """Set an environment variable for a block (a kernel switch read at launch), then restore it."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def git_commit() -> str:

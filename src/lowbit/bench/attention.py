@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import git_commit, median_ms
+from . import env, git_commit, median_ms
 from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
@@ -76,16 +76,8 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
         run(tag + "_kernel", kern, "kernel")
-        # the same kernel with K/V tiles through TMA descriptors (LOWBIT_ATTN_TMA=1, opt-in until measured)
-        saved = os.environ.get("LOWBIT_ATTN_TMA")
-        os.environ["LOWBIT_ATTN_TMA"] = "1"
-        try:
+        with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (opt-in until measured)
             run(tag + "_kernel_tma", kern, "kernel")
-        finally:
-            if saved is None:
-                os.environ.pop("LOWBIT_ATTN_TMA", None)
-            else:
-                os.environ["LOWBIT_ATTN_TMA"] = saved
         if qk != "bf16":
             def prepass(qk=qk, pv=pv):
                 T.quantize_qk_triton(q, k, dtype=qk)

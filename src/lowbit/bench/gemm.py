@@ -10,12 +10,11 @@ lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 
 import torch
 
-from . import git_commit, median_ms, table_main
+from . import env, git_commit, median_ms, table_main
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
 
@@ -63,18 +62,15 @@ def run(shapes, rep=100):
                                                                      qb.logical_scales().t()), rep)
         except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
             print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
-        saved = os.environ.get("LOWBIT_GEMM_TMA")
-        try:  # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, opt-in until measured)
-            for name, tma in (("lowbit triton blockwise", "0"), ("lowbit triton blockwise (TMA)", "1")):
-                os.environ["LOWBIT_GEMM_TMA"] = tma
+        # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, opt-in until measured)
+        for name, tma in (("lowbit triton blockwise", "0"), ("lowbit triton blockwise (TMA)", "1")):
+            with env("LOWBIT_GEMM_TMA", tma):
                 res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
-        finally:
-            if saved is None:
-                os.environ.pop("LOWBIT_GEMM_TMA", None)
-            else:
-                os.environ["LOWBIT_GEMM_TMA"] = saved
         na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
-        res["lowbit nvfp4 dequant+bf16"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+        # the dequantized path autotunes its core GEMM: the faster of cuBLAS and Triton's (pointer / TMA tiles)
+        for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
+            with env("LOWBIT_GEMM_TMA", tma):
+                res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
         res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
         ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
         res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)

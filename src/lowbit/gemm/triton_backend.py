@@ -101,10 +101,10 @@ def _candidates(M, N, emulated: bool):
     return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
 
 
-def _tma_ok(A, B, K) -> bool:
-    """Operand tiles by TMA descriptors (LOWBIT_GEMM_TMA=1; opt-in until measured on the GPU): K-contiguous FP8
-    operands with 16-byte aligned data and rows (K % 16 == 0)."""
-    if os.environ.get("LOWBIT_GEMM_TMA", "0") != "1" or K % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
+def _tma_ok(A, B, row_bytes) -> bool:
+    """Operand tiles by TMA descriptors (LOWBIT_GEMM_TMA=1; opt-in until measured on the GPU): K-contiguous
+    operands with 16-byte aligned data and rows (``row_bytes`` % 16 == 0)."""
+    if os.environ.get("LOWBIT_GEMM_TMA", "0") != "1" or row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
         return False
     ensure_tma_allocator()
     return True
@@ -205,6 +205,7 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     c, pre_out = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
+    tma = pre and _tma_ok(A, B, K * A.element_size())  # (the dequantized rows: fresh, 16-byte aligned buffers)
 
     def launch(cfg):
         if cfg.get("CUBLAS"):
@@ -216,10 +217,10 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
         G.emu_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K,
             sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, PRE=pre, HAS_BIAS=bias is not None,
-            GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
+            GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K)),
+    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma),
          lambda: _emu_candidates(M, N, pre), launch, accumulate)
     return _finish(c, pre_out, out, accumulate)
 

@@ -185,7 +185,8 @@ def dequant_bf16_kernel(p_ptr, s_ptr, out_ptr, R, K, ld_s,
 def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     NV: tl.constexpr, A2D: tl.constexpr, B2D: tl.constexpr, F32: tl.constexpr, PRE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    TMA: tl.constexpr = False):
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
@@ -196,8 +197,14 @@ def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_p
     mmask = offs_m < M
     nmask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if TMA:  # (PRE only) dense operand tiles by TMA descriptor, as in fp8_gemm_kernel
+        ad = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+        bd = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     for k0 in range(0, K, BK):
-        if PRE:  # dense dequantized operands (R, K)
+        if TMA:
+            a = ad.load([pid_m * BM, k0])
+            b = bd.load([pid_n * BN, k0])
+        elif PRE:  # dense dequantized operands (R, K)
             offs_k = k0 + tl.arange(0, BK)
             kmask = offs_k[None, :] < K
             a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask, other=0.0)
