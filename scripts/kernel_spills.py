@@ -129,6 +129,18 @@ def attention_backward_dkdv():
                          BLOCK_M=32, BLOCK_N=128, TMA=tma)
             c = sass_counts(BK._bwd_dkdv, sig, const, 8, 3)
             print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
+    print("attention backward dQ (_bwd_dq), D=128, 128x64 tiles, 8 warps, 3 stages (the D=128 default)")
+    for qmode, name in ((0, "BF16 grads"), (2, "FP8 grads, per-row scales")):
+        g = "*bf16" if qmode == 0 else "*fp8e4nv"
+        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", DQ=g, LSE2="*fp32", DELTA="*fp32", CUQ="*i32",
+                    CUK="*i32", SCQ="*fp32", RSQ="*fp32", AMQ="*fp32")
+        for tma in (False, True):
+            sig, const = _signature(BK._bwd_dq, ptrs, floats=("sm_scale", "sm_scale_log2", "p_drop", "drop_scale"),
+                                    ones=("sqd", "skd", "svd", "sdod", "sgd"))
+            const.update(QMODE=qmode, FMT=1, FMAX=448.0, DROPOUT=False, VARLEN=False, HEAD_DIM=128, INTERPRET=False,
+                         BLOCK_M=128, BLOCK_N=64, TMA=tma)
+            c = sass_counts(BK._bwd_dq, sig, const, 8, 3)
+            print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
 
 
 if __name__ == "__main__":

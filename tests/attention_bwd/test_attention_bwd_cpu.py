@@ -140,8 +140,9 @@ def test_kernel_varlen_ragged(kdev):
 
 @pytest.mark.parametrize("case", ["gqa_causal", "bshd_window_dropout", "varlen", "fp8_rows"])
 def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
-    """LOWBIT_ATTN_TMA=1: the dK/dV kernel reads its Q / dO tiles through TMA descriptors (zero fill past Sq) and
-    gives the pointer path's gradients bit for bit (one launch config for both)."""
+    """LOWBIT_ATTN_TMA=1: the dK/dV kernel reads its Q / dO tiles and the dQ kernel its K / V tiles through TMA
+    descriptors (zero fill past the sequence) and they give the pointer path's gradients bit for bit (one launch
+    config for both)."""
     import lowbit.attention._triton as T
 
     monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")
@@ -166,7 +167,7 @@ def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
     monkeypatch.setattr(T, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
     monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
     g1 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
-    assert used == [True]
+    assert used == [True, True]  # dK/dV (Q / dO tiles) and dQ (K / V tiles)
     for a, b in zip(g0, g1):
         if isinstance(a, QuantizedTensor):
             assert torch.equal(fp8_bits(a), fp8_bits(b)) and torch.equal(a.rowwise.scale_inv, b.rowwise.scale_inv)

@@ -478,11 +478,12 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
             BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
                                                          num_warps=w, num_stages=st)
     if Sq > 0 and B * Hq > 0:
+        tma = _tma_enabled(k, v, _views(k, lay, varlen), _views(v, lay, varlen), False, varlen)  # K / V tiles
         if config is None and _autotune_enabled(BK):
-            BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta)
+            BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta, TMA=tma)
         else:
             bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[1]
-            BK._bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
+            BK._bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
                                                       num_stages=st)
     if qmode == 0:
         return dq, dk, dv

@@ -305,13 +305,21 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CUQ, CUK, SCK, SCV, RSK, RSV, AM
 def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, lo, hi,
               Sq, Sk, diag, win_left, win_right, sm_scale_log2, sks, skd, svs, svd,
               seed, drop_base, p_drop, drop_scale, DROP_SK,
-              MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+              MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+              TMA: tl.constexpr = False, HEAD_DIM: tl.constexpr = 128):
     offs_nl = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + lo.to(tl.int64) * sks + offs_nl[:, None] * sks + offs_d[None, :] * skd
-    v_ptrs = v_base + lo.to(tl.int64) * svs + offs_nl[:, None] * svs + offs_d[None, :] * svd
+    if TMA:  # K / V tiles by TMA descriptor (zero fill past Sk): no live pointer tensors (see the forward)
+        kd = tl.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        vd = tl.make_tensor_descriptor(v_base, shape=[Sk, HEAD_DIM], strides=[svs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        k_ptrs = k_base + lo.to(tl.int64) * sks + offs_nl[:, None] * sks + offs_d[None, :] * skd
+        v_ptrs = v_base + lo.to(tl.int64) * svs + offs_nl[:, None] * svs + offs_d[None, :] * svd
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nl
-        if MASK:
+        if TMA:
+            k = kd.load([start_n, 0])
+            v = vd.load([start_n, 0])
+        elif MASK:
             k = tl.load(k_ptrs, mask=(offs_n < Sk)[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n < Sk)[:, None], other=0.0)
         else:
@@ -329,8 +337,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, lo, hi,
             dp = tl.where(_keep(seed, idx, p_drop), dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(_to16(ds, k.dtype, INTERPRET), k, INTERPRET)
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
+        if not TMA:
+            k_ptrs += BLOCK_N * sks
+            v_ptrs += BLOCK_N * svs
     return dq
 
 
@@ -343,7 +352,7 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CUQ, CUK, SCQ, RSQ, AMQ,
             seed, drop_offset, p_drop, drop_scale, DROP_SQ, DROP_SK, SEQ_BUCKET,
             QMODE: tl.constexpr, FMT: tl.constexpr, FMAX: tl.constexpr, DROPOUT: tl.constexpr,
             VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            INTERPRET: tl.constexpr):
+            INTERPRET: tl.constexpr, TMA: tl.constexpr = False):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks (most keys when causal) first
     bh = tl.program_id(1)
     b = bh // H
@@ -398,13 +407,13 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CUQ, CUK, SCQ, RSQ, AMQ,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, lo, mid, Sq, Sk, diag, win_left,
                    win_right, sm_scale_log2, sks, skd, svs, svd, seed, drop_base, p_drop, drop_scale, DROP_SK,
-                   True, DROPOUT, BLOCK_N, INTERPRET)
+                   True, DROPOUT, BLOCK_N, INTERPRET, TMA, HEAD_DIM)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, full_lo, full_hi, Sq, Sk, diag,
                    win_left, win_right, sm_scale_log2, sks, skd, svs, svd, seed, drop_base, p_drop, drop_scale,
-                   DROP_SK, False, DROPOUT, BLOCK_N, INTERPRET)
+                   DROP_SK, False, DROPOUT, BLOCK_N, INTERPRET, TMA, HEAD_DIM)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_d, full_hi, hi, Sq, Sk, diag, win_left,
                    win_right, sm_scale_log2, sks, skd, svs, svd, seed, drop_base, p_drop, drop_scale, DROP_SK,
-                   True, DROPOUT, BLOCK_N, INTERPRET)
+                   True, DROPOUT, BLOCK_N, INTERPRET, TMA, HEAD_DIM)
     dq = dq * sm_scale
     _store_grad(dq, DQ + om[:, None] * sgs + offs_d[None, :] * sgd + g_off, row_ok[:, None], row_ok,
                 RSQ + om * srs + r_off, SCQ, AMQ, QMODE, FMT, FMAX, INTERPRET)
@@ -529,7 +538,7 @@ def _pruner(kernel: str):
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "GROUP", "HEAD_DIM", "QMODE", "FMT", "DROPOUT", "VARLEN"]
 _bwd_dkdv_tuned = triton.autotune(configs=_all_configs("dkdv"), key=_TUNE_KEY + ["TMA"],
                                   prune_configs_by={"early_config_prune": _pruner("dkdv")})(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(configs=_all_configs("dq"), key=_TUNE_KEY,
+_bwd_dq_tuned = triton.autotune(configs=_all_configs("dq"), key=_TUNE_KEY + ["TMA"],
                                 prune_configs_by={"early_config_prune": _pruner("dq")})(_bwd_dq)
 
 INTERPRETED = isinstance(_bwd_dq, _Interp) if _Interp else False
