@@ -114,39 +114,31 @@ def quantize_1x128():
         print(f"  BM=128 4 warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, 4, 3)}")
 
 
-def attention_backward_dkdv():
+def attention_backward():
     from lowbit.attention import backward_kernels as BK
 
-    print("attention backward dK/dV (_bwd_dkdv), D=128, 32x128 tiles, 8 warps, 3 stages (the D=128 default)")
-    for qmode, name in ((0, "BF16 grads"), (2, "FP8 grads, per-row scales")):
-        g = "*bf16" if qmode == 0 else "*fp8e4nv"
-        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", DK=g, DV=g, LSE2="*fp32", DELTA="*fp32", CUQ="*i32",
-                    CUK="*i32", SCK="*fp32", SCV="*fp32", RSK="*fp32", RSV="*fp32", AMK="*fp32", AMV="*fp32")
-        for tma in (False, True):
-            sig, const = _signature(BK._bwd_dkdv, ptrs, floats=("sm_scale", "sm_scale_log2", "p_drop", "drop_scale"),
-                                    ones=("sqd", "skd", "svd", "sdod", "sgd"))
-            const.update(QMODE=qmode, FMT=1, FMAX=448.0, DROPOUT=False, VARLEN=False, HEAD_DIM=128, INTERPRET=False,
-                         BLOCK_M=32, BLOCK_N=128, TMA=tma)
-            c = sass_counts(BK._bwd_dkdv, sig, const, 8, 3)
-            print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
-    print("attention backward dQ (_bwd_dq), D=128, 128x64 tiles, 8 warps, 3 stages (the D=128 default)")
-    for qmode, name in ((0, "BF16 grads"), (2, "FP8 grads, per-row scales")):
-        g = "*bf16" if qmode == 0 else "*fp8e4nv"
-        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", DQ=g, LSE2="*fp32", DELTA="*fp32", CUQ="*i32",
-                    CUK="*i32", SCQ="*fp32", RSQ="*fp32", AMQ="*fp32")
-        for tma in (False, True):
-            sig, const = _signature(BK._bwd_dq, ptrs, floats=("sm_scale", "sm_scale_log2", "p_drop", "drop_scale"),
-                                    ones=("sqd", "skd", "svd", "sdod", "sgd"))
-            const.update(QMODE=qmode, FMT=1, FMAX=448.0, DROPOUT=False, VARLEN=False, HEAD_DIM=128, INTERPRET=False,
-                         BLOCK_M=128, BLOCK_N=64, TMA=tma)
-            c = sass_counts(BK._bwd_dq, sig, const, 8, 3)
-            print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
+    kernels = (  # (kernel, what it loads in its loop, BLOCK_M x BLOCK_N of its D=128 default, its gradient pointers)
+        (BK._bwd_dkdv, "dK/dV (Q/dO tiles)", (32, 128), ("DK", "DV", "SCK", "SCV", "RSK", "RSV", "AMK", "AMV")),
+        (BK._bwd_dq, "dQ (K/V tiles)", (128, 64), ("DQ", "SCQ", "RSQ", "AMQ")),
+    )
+    for fn, what, (bm, bn), grads in kernels:
+        print(f"attention backward {what}, D=128, {bm}x{bn} tiles, 8 warps, 3 stages (the D=128 default)")
+        for qmode, name in ((0, "BF16 grads"), (2, "FP8 grads, per-row scales")):
+            ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE2="*fp32", DELTA="*fp32", CUQ="*i32", CUK="*i32")
+            ptrs.update({g: ("*fp32" if g[0] in "SRA" else "*bf16" if qmode == 0 else "*fp8e4nv") for g in grads})
+            for tma in (False, True):
+                sig, const = _signature(fn, ptrs, floats=("sm_scale", "sm_scale_log2", "p_drop", "drop_scale"),
+                                        ones=("sqd", "skd", "svd", "sdod", "sgd"))
+                const.update(QMODE=qmode, FMT=1, FMAX=448.0, DROPOUT=False, VARLEN=False, HEAD_DIM=128,
+                             INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, TMA=tma)
+                c = sass_counts(fn, sig, const, 8, 3)
+                print(f"  {name:26s} {'TMA    ' if tma else 'pointer'}  {c}")
 
 
 if __name__ == "__main__":
     print(f"triton {triton.__version__}, target sm_90")
     attention_forward()
-    attention_backward_dkdv()
+    attention_backward()
     fp8_gemm()
     dequant_bf16_gemm()
     quantize_1x128()
