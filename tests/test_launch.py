@@ -111,3 +111,30 @@ def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, capsys):
     tb.tuned_launch("k", (2,), cands, launch)  # a new key is tuned, silently this time
     err = capsys.readouterr().err
     assert err.count("[lowbit] autotuning") == 1 and "LOWBIT_AUTOTUNE=0" in err
+
+
+def test_tma_allocator_installed_per_thread(monkeypatch):
+    """Triton's allocator lives in a ContextVar (per thread); the autograd engine runs backward kernels on its own
+    threads, so ensure_tma_allocator must install it in whichever thread launches — and keep a user's own."""
+    import threading
+
+    from triton.runtime._allocation import _allocator
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = _allocator.get()
+    seen = {}
+
+    def worker(name, preset=None):
+        if preset is not None:
+            _allocator.set(preset)
+        _launch.ensure_tma_allocator()
+        seen[name] = _allocator.get()
+
+    mine = lambda size, alignment, stream: None  # noqa: E731
+    for name, preset in (("a", None), ("b", None), ("user", mine)):
+        t = threading.Thread(target=worker, args=(name, preset))
+        t.start()
+        t.join()
+    assert seen["a"] is _launch._torch_scratch and seen["b"] is _launch._torch_scratch
+    assert seen["user"] is mine
+    assert _allocator.get() is before  # the other threads' settings did not leak into this one

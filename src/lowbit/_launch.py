@@ -70,16 +70,28 @@ class CachedLaunch:
         return ck
 
 
-_TMA_ALLOCATOR_SET = [False]
+def _torch_scratch(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_tma_allocator() -> None:
     """Kernels that build TMA tensor descriptors in-kernel (``tl.make_tensor_descriptor``) need a little global
-    scratch memory per launch, which Triton asks a host allocator for; install one backed by torch (once)."""
-    if _TMA_ALLOCATOR_SET[0] or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    scratch memory per launch, which Triton asks a host allocator for; install one backed by torch.
+
+    Triton keeps the allocator in a ContextVar, i.e. per thread: the autograd engine runs backward kernels on
+    its own threads, so this checks (and, where none is set, installs) the allocator of the calling thread on
+    every use rather than once per process. An allocator the user set is kept."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return
-    import torch
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except Exception:  # noqa: BLE001 - another Triton layout: install ours (cheap, idempotent)
+        pass
     import triton
 
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    _TMA_ALLOCATOR_SET[0] = True
+    triton.set_allocator(_torch_scratch)
