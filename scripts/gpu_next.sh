@@ -21,7 +21,7 @@ case "${1:-tests}" in
   kernels)
     stage 200 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
     stage 200 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn"
-    stage 150 env LOWBIT_ATTN_TMA=1 python3 -m lowbit bench attention --backward --shapes 4,32,4096,128 --rep 30 ;;
+    stage 180 python3 -m lowbit bench attention --backward --shapes "4,32,4096,128" --rep 30 ;;   # with *_tma rows
   train)
     stage 240 python3 -m lowbit bench linear --shapes 16384x4096x4096,16384x4096x14336 --recipes fp8-current,fp8-block
     stage 200 python3 -m lowbit train --model 350m --recipe nvfp4 --steps 40 --batch-size 8 --seq-len 2048 \

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import List, Optional
 
-from . import median_ms
+from . import env, median_ms
 from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
@@ -95,10 +95,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             variants = [("lowbit_bf16", {}), ("lowbit_fp8_e4m3_rowscale", {"grad_format": "e4m3"}),
                         ("lowbit_fp8_e4m3_tensorscale", {"grad_format": "e4m3", "scales": tuple(
                             torch.full((1,), fmax["e4m3"] / 4.0, device="cuda") for _ in range(3))})]
+            # each lowbit variant also with its tiles loaded by TMA descriptors (LOWBIT_ATTN_TMA, opt-in until measured)
+            variants += [(name + "_tma", dict(kw, _tma=True)) for name, kw in variants]
             for name, kw in variants:
-                fn = (lambda kw=kw: BW.backward(do, q, k, v, o, lse, causal=causal, **kw))
-                g = fn()
-                res[name] = median_ms(fn, rep=args.rep)
+                kw = dict(kw)
+                with env("LOWBIT_ATTN_TMA", "1" if kw.pop("_tma", False) else "0"):
+                    fn = (lambda kw=kw: BW.backward(do, q, k, v, o, lse, causal=causal, **kw))
+                    g = fn()
+                    res[name] = median_ms(fn, rep=args.rep)
                 grads[name] = tuple(x.dequantize() if hasattr(x, "dequantize") else x for x in g)
             for name, ms in res.items():
                 r = dict(B=b, H=h, S=s, D=d, causal=causal, variant=name, ms=ms, tflops=fl / ms / 1e9,
