@@ -404,7 +404,7 @@ def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool) -> bool:
     is stored sequence-contiguous), a 16-byte aligned data pointer and 16-byte multiples for the other strides.
     Not for varlen FP8 V: a packed sequence starts at any byte of its sequence-contiguous row, and a descriptor's
     base (or inner start coordinate) must be 16-byte aligned. kv / vv: (stride_b, stride_h, stride_s, stride_d)
-    as the kernel gets them."""
+    as the kernel gets them. The backward asks the same for its tile pairs: (Q, dO) for dK/dV, (K, V) for dQ."""
     if os.environ.get("LOWBIT_ATTN_TMA", "0") != "1" or (varlen and pv_fp8):
         return False
     for t, st, inner in ((k, kv, 3), (v, vv, 2 if pv_fp8 else 3)):
