@@ -38,6 +38,13 @@ def _all():
     yield "reference", (lambda *a: True, scaled_mm_reference)
 
 
+def _dims(a, b, a_copy, b_copy) -> tuple[int, int, int]:
+    """(M, N, K) of ``A · Bᵀ`` for these copies (no validation: see :func:`_validate`)."""
+    M, K = (a.rows, a.cols) if a_copy == "rowwise" else (a.cols, a.rows)
+    N = b.rows if b_copy == "rowwise" else b.cols
+    return M, N, K
+
+
 def _operand(t, name, copy):
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"{name}: expected a QuantizedTensor (see lowbit.quantize), got {type(t).__name__}")

@@ -45,17 +45,11 @@ def _sig(a, b, out_dtype, K):
     return (_kind(a.scheme), _kind(b.scheme), a.scheme.fmt, b.scheme.fmt, out_dtype, K % 512 == 0)
 
 
-def _dims(a, b, a_copy, b_copy):
-    M, K = (a.rows, a.cols) if a_copy == "rowwise" else (a.cols, a.rows)
-    N = b.rows if b_copy == "rowwise" else b.cols
-    return M, N, K
-
-
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     if a.device.type != "cuda" or b.device.type != "cuda":
         return False
     ka, kb = _kind(a.scheme), _kind(b.scheme)
-    M, N, K = _dims(a, b, a_copy, b_copy)
+    M, N, K = _gemm._dims(a, b, a_copy, b_copy)
     if "other" in (ka, kb) or _sig(a, b, opts.get("out_dtype"), K) in REJECTED:
         return False
     if M % 16 or N % 16 or K % 16:

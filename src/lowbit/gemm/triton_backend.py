@@ -18,7 +18,7 @@ from .._launch import ensure_tma_allocator
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
 from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
-from . import register_backend
+from . import _dims, register_backend
 from .kernels import gemm as G
 
 __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",
@@ -265,8 +265,7 @@ def supports_dequant(a, b, a_copy, b_copy, opts) -> bool:
         return False
     if opts.get("forced"):
         return True
-    M = a.rows if a_copy == "rowwise" else a.cols
-    N = b.rows if b_copy == "rowwise" else b.cols
+    M, N, _ = _dims(a, b, a_copy, b_copy)
     return min(M, N) >= DEQUANT_MIN_MN
 
 
