@@ -124,10 +124,15 @@ def rht_signs_vector(signs: int, device=None) -> torch.Tensor:
     return torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32, device=device)
 
 
-def resolve_seed(scheme, seed: int | None) -> int | None:
+def resolve_seed(scheme, seed, device=None):
     """The stochastic-rounding seed a quantization uses: ``seed``, or for an NVFP4 scheme with stochastic rounding
-    and no seed one drawn from torch's (CPU) default generator, so torch.manual_seed makes the run reproducible."""
+    and no seed one drawn so that torch.manual_seed makes the run reproducible — from torch's CPU generator as an
+    int, or, for a CUDA ``device`` (the Triton kernels), by the CUDA generator as a (1,) int64 device tensor the
+    kernel reads: no host round-trip, and CUDA-graph safe (a captured draw yields a fresh key at every replay,
+    where a host int would be frozen into the graph)."""
     if isinstance(scheme, NVFP4) and scheme.stochastic_rounding and seed is None:
+        if device is not None and torch.device(device).type == "cuda":
+            return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
         return int(torch.randint(0, 2**62, (1,)).item())
     return seed
 

@@ -199,14 +199,7 @@ def _check_triton_input(x, scheme, rowwise, columnwise, scale):
 def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
     x2 = x.detach().reshape(-1, x.shape[-1])
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
-    if seed is None and isinstance(scheme, NVFP4) and scheme.stochastic_rounding and x.device.type == "cuda":
-        # Drawn on the device by torch's CUDA generator (reproducible under torch.manual_seed): no host work,
-        # and CUDA-graph safe — a captured draw yields a fresh seed at every replay, so replayed steps do not
-        # repeat their rounding noise (a host int would be frozen into the graph).
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
-    else:
-        seed = resolve_seed(scheme, seed)
-    qt.meta["seed"] = seed
+    seed = qt.meta["seed"] = resolve_seed(scheme, seed, x.device)  # (on CUDA: a device tensor, see there)
     if isinstance(scheme, Float8Tensorwise):
         _tensorwise(qt, x2, scheme, rowwise, columnwise, scale)
     elif isinstance(scheme, Float8Rowwise):
@@ -215,10 +208,12 @@ def _quantize_triton(x, scheme, rowwise, columnwise, scale, seed):
         _blockwise(qt, x2, scheme, rowwise, columnwise)
     elif isinstance(scheme, MXFP8):
         _mxfp8(qt, x2, scheme, rowwise, columnwise)
-    elif scheme.rht and columnwise:
-        _nvfp4_rht(qt, x2, scheme, rowwise, 0 if seed is None else seed)
     else:
-        _nvfp4(qt, x2, scheme, rowwise, columnwise, 0 if seed is None else seed)
+        key = 0 if seed is None else seed  # (None: no stochastic rounding, the kernel ignores the key)
+        if scheme.rht and columnwise:
+            _nvfp4_rht(qt, x2, scheme, rowwise, key)
+        else:
+            _nvfp4(qt, x2, scheme, rowwise, columnwise, key)
     return qt
 
 
