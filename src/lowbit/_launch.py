@@ -76,6 +76,9 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+_ALLOC_STATE: list = []  # [(ContextVar holding Triton's allocator, its null-allocator class) or None], resolved once
+
+
 def ensure_tma_allocator() -> None:
     """Kernels that build TMA tensor descriptors in-kernel (``tl.make_tensor_descriptor``) need a little global
     scratch memory per launch, which Triton asks a host allocator for; install one backed by torch.
@@ -85,13 +88,16 @@ def ensure_tma_allocator() -> None:
     every use rather than once per process. An allocator the user set is kept."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
+    if not _ALLOC_STATE:
+        try:
+            from triton.runtime._allocation import NullAllocator, _allocator
 
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except Exception:  # noqa: BLE001 - another Triton layout: install ours (cheap, idempotent)
-        pass
+            _ALLOC_STATE.append((_allocator, NullAllocator))
+        except Exception:  # noqa: BLE001 - another Triton layout: always install ours (cheap, idempotent)
+            _ALLOC_STATE.append(None)
+    state = _ALLOC_STATE[0]
+    if state is not None and not isinstance(state[0].get(), state[1]):
+        return
     import triton
 
     triton.set_allocator(_torch_scratch)

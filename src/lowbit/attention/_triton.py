@@ -540,10 +540,10 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     ks = k_scale if k_scale is not None else dummy
     vs = v_scale if v_scale is not None else dummy
     km = k_mean if (k_mean is not None and qk_mode != 0) else None
+    kv, vv = _views(k, layout, varlen), _views(v, layout, varlen)
     args = [q, k, v, o, lse, qs, ks, vs, km if km is not None else dummy,
             cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-            *_views(q, layout, varlen), *_views(k, layout, varlen), *_views(v, layout, varlen),
-            *_views(o, layout, varlen),
+            *_views(q, layout, varlen), *kv, *vv, *_views(o, layout, varlen),
             qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
             ks.stride(0) if k_scale is not None else 0, ks.stride(1) if k_scale is not None else 0,
             vs.stride(0) if v_scale is not None else 0, vs.stride(1) if v_scale is not None else 0,
@@ -551,7 +551,8 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
             *sl, Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, left, right, triton.next_power_of_2(max(Sq, 1))]
     meta = dict(QK_MODE=qk_mode, PV_FP8=pv_fp8, Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows,
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
-                REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED, TMA=_tma_enabled(k, v, _views(k, layout, varlen), _views(v, layout, varlen), pv_fp8, varlen))
+                REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED,
+                TMA=_tma_enabled(k, v, kv, vv, pv_fp8, varlen))
     if config is None and _autotune_enabled():
         grid = lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)  # noqa: E731
         _attn_fwd_tuned[grid](*args, **meta)

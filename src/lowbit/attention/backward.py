@@ -462,15 +462,15 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
               (1.0 / (1.0 - dropout_p)) if dropout else 1.0, drop_sq, drop_sk, triton.next_power_of_2(max(Sq, Sk, 1))]
     meta = dict(QMODE=qmode, FMT=fmt_id, FMAX=fmax, DROPOUT=dropout, VARLEN=varlen, HEAD_DIM=D,
                 INTERPRET=BK.INTERPRETED)
-    strides_in = [*_views(q, lay, varlen), *_views(k, lay, varlen), *_views(v, lay, varlen),
-                  *_views(do, lay, varlen)]
+    vq, vk, vv, vdo = (_views(t, lay, varlen) for t in (q, k, v, do))
+    strides_in = [*vq, *vk, *vv, *vdo]
     args_kv = [q, k, v, do, dk, dv, lse2, delta, cuq, cuk, sck, scv, rsk, rsv, amax[1:2], amax[2:3],
                *strides_in, *_views(dk, lay, varlen), *rk, *ds, Hkv, group, Sq, Sk, *common]
     args_q = [q, k, v, do, dq, lse2, delta, cuq, cuk, scq, rsq, amax[0:1],
               *strides_in, *_views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
     if Sk > 0 and B * Hkv > 0:
         # Q / dO tiles by TMA descriptors where allowed (LOWBIT_ATTN_TMA=1, opt-in: see the forward kernel)
-        tma = _tma_enabled(q, do, _views(q, lay, varlen), _views(do, lay, varlen), False, varlen)
+        tma = _tma_enabled(q, do, vq, vdo, False, varlen)
         if config is None and _autotune_enabled(BK):
             BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta, TMA=tma)
         else:
@@ -478,7 +478,7 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
             BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
                                                          num_warps=w, num_stages=st)
     if Sq > 0 and B * Hq > 0:
-        tma = _tma_enabled(k, v, _views(k, lay, varlen), _views(v, lay, varlen), False, varlen)  # K / V tiles
+        tma = _tma_enabled(k, v, vk, vv, False, varlen)  # K / V tiles
         if config is None and _autotune_enabled(BK):
             BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta, TMA=tma)
         else:
