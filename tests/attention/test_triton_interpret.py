@@ -110,6 +110,7 @@ def test_forward_tma_descriptors_same_as_pointers(tri, qk, pv, Sq, Sk, causal, w
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     ops = _prepare(tri, q, k, v, qk, pv, layout)
     kw = dict(causal=causal, window=window, layout=layout, return_lse=True, out_dtype=torch.float32, config=CFG)
+    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
     o0, l0 = tri.attention_fwd_triton(**ops, **kw)
     used = []
     real = tri._tma_enabled
@@ -132,6 +133,12 @@ def test_tma_refused_where_its_rules_do_not_hold(tri, monkeypatch):
     assert not tri._tma_enabled(kt, k, views(kt), views(k), False, False)
     monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
     assert not tri._tma_enabled(k, k, views(k), views(k), False, False)
+    monkeypatch.delenv("LOWBIT_ATTN_TMA")  # defaults: forward on, backward opt-in (LOWBIT_ATTN_BWD_TMA)
+    monkeypatch.delenv("LOWBIT_ATTN_BWD_TMA", raising=False)
+    assert tri._tma_enabled(k, k, views(k), views(k), False, False)
+    assert not tri._tma_enabled(k, k, views(k), views(k), False, False, backward=True)
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "1")
+    assert tri._tma_enabled(k, k, views(k), views(k), False, False, backward=True)
 
 
 def test_forward_varlen_gqa(tri):

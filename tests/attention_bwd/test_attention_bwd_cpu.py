@@ -140,7 +140,7 @@ def test_kernel_varlen_ragged(kdev):
 
 @pytest.mark.parametrize("case", ["gqa_causal", "bshd_window_dropout", "varlen", "fp8_rows"])
 def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
-    """LOWBIT_ATTN_TMA=1: the dK/dV kernel reads its Q / dO tiles and the dQ kernel its K / V tiles through TMA
+    """LOWBIT_ATTN_BWD_TMA=1: the dK/dV kernel reads its Q / dO tiles and the dQ kernel its K / V tiles through TMA
     descriptors (zero fill past the sequence) and they give the pointer path's gradients bit for bit (one launch
     config for both)."""
     import lowbit.attention._triton as T
@@ -157,15 +157,15 @@ def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
         q, k, v, do = make_inputs(1, 4, 2, 37, 29, 32, device=kdev, seed=33)
         kw = dict(causal=True)
     fkw = {n: kw[n] for n in ("causal", "window", "dropout_p", "seed", "cu_seqlens_q", "cu_seqlens_k") if n in kw}
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "0")
     o, lse = BW.attention_forward(q, k, v, layout=lay, **fkw)
     if case == "fp8_rows":
         kw["grad_format"] = "e4m3"
     g0 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
     used = []
     real = T._tma_enabled
-    monkeypatch.setattr(T, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+    monkeypatch.setattr(T, "_tma_enabled", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "1")
     g1 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
     assert used == [True, True]  # dK/dV (Q / dO tiles) and dQ (K / V tiles)
     for a, b in zip(g0, g1):

@@ -469,8 +469,8 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
     args_q = [q, k, v, do, dq, lse2, delta, cuq, cuk, scq, rsq, amax[0:1],
               *strides_in, *_views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
     if Sk > 0 and B * Hkv > 0:
-        # Q / dO tiles by TMA descriptors where allowed (LOWBIT_ATTN_TMA=1, opt-in: see the forward kernel)
-        tma = _tma_enabled(q, do, vq, vdo, False, varlen)
+        # Q / dO tiles by TMA descriptors where allowed (LOWBIT_ATTN_BWD_TMA=1, opt-in: see _tma_enabled)
+        tma = _tma_enabled(q, do, vq, vdo, False, varlen, backward=True)
         if config is None and _autotune_enabled(BK):
             BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta, TMA=tma)
         else:
@@ -478,7 +478,7 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
             BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
                                                          num_warps=w, num_stages=st)
     if Sq > 0 and B * Hq > 0:
-        tma = _tma_enabled(k, v, vk, vv, False, varlen)  # K / V tiles
+        tma = _tma_enabled(k, v, vk, vv, False, varlen, backward=True)  # K / V tiles
         if config is None and _autotune_enabled(BK):
             BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta, TMA=tma)
         else:

@@ -75,8 +75,9 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
         va, vs = T.quantize_v_fp8_triton(v) if pv == "fp8" else (v, None)
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
-        run(tag + "_kernel", kern, "kernel")
-        with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (opt-in until measured)
+        with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
+            run(tag + "_kernel", kern, "kernel")
+        with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")
         if qk != "bf16":
             def prepass(qk=qk, pv=pv):

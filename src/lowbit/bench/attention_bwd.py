@@ -95,11 +95,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             variants = [("lowbit_bf16", {}), ("lowbit_fp8_e4m3_rowscale", {"grad_format": "e4m3"}),
                         ("lowbit_fp8_e4m3_tensorscale", {"grad_format": "e4m3", "scales": tuple(
                             torch.full((1,), fmax["e4m3"] / 4.0, device="cuda") for _ in range(3))})]
-            # each lowbit variant also with its tiles loaded by TMA descriptors (LOWBIT_ATTN_TMA, opt-in until measured)
+            # each lowbit variant also with its tiles loaded by TMA descriptors (LOWBIT_ATTN_BWD_TMA, opt-in)
             variants += [(name + "_tma", dict(kw, _tma=True)) for name, kw in variants]
             for name, kw in variants:
                 kw = dict(kw)
-                with env("LOWBIT_ATTN_TMA", "1" if kw.pop("_tma", False) else "0"):
+                with env("LOWBIT_ATTN_BWD_TMA", "1" if kw.pop("_tma", False) else "0"):
                     fn = (lambda kw=kw: BW.backward(do, q, k, v, o, lse, causal=causal, **kw))
                     g = fn()
                     res[name] = median_ms(fn, rep=args.rep)

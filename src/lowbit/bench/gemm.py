@@ -62,7 +62,7 @@ def run(shapes, rep=100):
                                                                      qb.logical_scales().t()), rep)
         except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
             print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
-        # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, opt-in until measured)
+        # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
         for name, tma in (("lowbit triton blockwise", "0"), ("lowbit triton blockwise (TMA)", "1")):
             with env("LOWBIT_GEMM_TMA", tma):
                 res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)

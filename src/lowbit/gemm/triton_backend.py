@@ -102,9 +102,10 @@ def _candidates(M, N, emulated: bool):
 
 
 def _tma_ok(A, B, row_bytes) -> bool:
-    """Operand tiles by TMA descriptors (LOWBIT_GEMM_TMA=1; opt-in until measured on the GPU): K-contiguous
+    """Operand tiles by TMA descriptors (``LOWBIT_GEMM_TMA``, default on: on an H200 on 2026-11-23 the FP8 GEMM was
+    1.10-1.19x faster with them, the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous
     operands with 16-byte aligned data and rows (``row_bytes`` % 16 == 0)."""
-    if os.environ.get("LOWBIT_GEMM_TMA", "0") != "1" or row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
+    if os.environ.get("LOWBIT_GEMM_TMA", "1") != "1" or row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
         return False
     ensure_tma_allocator()
     return True
