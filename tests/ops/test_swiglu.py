@@ -55,3 +55,70 @@ def test_kernel_interpreter_subprocess():
 @pytest.mark.gpu
 def test_kernel_gpu(cuda):
     _check_kernel(cuda, SHAPES + [(8192, 5632)], DTYPES + [torch.bfloat16])
+
+
+# ---- SwiGLU fused with 1x128 FP8 quantization -----------------------------------------------------------------
+def _fused_quant_cases(device, cases):
+    """swiglu_quantize_1x128 (forward: h; backward: d[a | b]) equals the reference quantizer applied to the unfused
+    kernel's 16-bit output, bit for bit: data, scales (storage layout), amax."""
+    from lowbit import quantize
+    from lowbit.ops.swiglu import swiglu_quantize_1x128
+    from lowbit.quant.schemes import Float8Blockwise
+
+    for (lead, F, dtype, fmt, rowwise, columnwise) in cases:
+        g = torch.Generator().manual_seed(F + sum(lead))
+        u = (3 * torch.randn(*lead, 2 * F, generator=g)).to(device, dtype)
+        u.view(-1)[5] = 0.0  # exact zeros and a row of large values (saturation-free by construction: scales)
+        u.view(-1, 2 * F)[-1, :7] = 300.0
+        sch = Float8Blockwise(fmt=fmt)
+        ur = u.clone().requires_grad_()
+        h = swiglu(ur)
+        go = torch.randn(h.shape, generator=g).to(device, dtype)
+        h.backward(go)
+        for what, fused, plain in (("fwd", swiglu_quantize_1x128(u, sch, rowwise=rowwise, columnwise=columnwise), h.detach()),
+                                   ("bwd", swiglu_quantize_1x128(u, sch, grad=go, rowwise=rowwise, columnwise=columnwise),
+                                    ur.grad)):
+            ref = quantize(plain, sch, rowwise=rowwise, columnwise=columnwise, backend="reference")
+            assert fused.shape == ref.shape and fused.dtype == ref.dtype, (what, fused.shape, ref.shape)
+            for name in ("rowwise", "columnwise"):
+                a, b = getattr(fused, name), getattr(ref, name)
+                assert (a is None) == (b is None), (what, name)
+                if a is None:
+                    continue
+                assert torch.equal(a.data.view(torch.uint8).cpu(), b.data.view(torch.uint8).cpu()), (what, name, lead, F)
+                assert torch.equal(a.scale_inv.cpu(), b.scale_inv.cpu()), (what, name, lead, F)
+                assert torch.equal(a.amax.cpu(), b.amax.cpu()), (what, name, a.amax, b.amax)
+
+
+FUSED_CASES = [((1,), 128, torch.bfloat16, "e4m3", True, True), ((17,), 256, torch.bfloat16, "e4m3", True, True),
+               ((2, 70), 128, torch.float16, "e5m2", True, True), ((129,), 128, torch.bfloat16, "e4m3", False, True),
+               ((40,), 128, torch.bfloat16, "e4m3", True, False)]
+
+
+def test_fused_quant_interpreter_subprocess():
+    pytest.importorskip("triton")
+    code = ("import sys; sys.path.insert(0, %r); import test_swiglu as t; "
+            "t._fused_quant_cases('cpu', t.FUSED_CASES); print('ok')" % os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_fused_quant_rejects_what_it_cannot_take():
+    from lowbit.ops.swiglu import swiglu_fused_quant_supported, swiglu_quantize_1x128
+    from lowbit.quant.schemes import Float8Blockwise, Float8Tensorwise
+
+    u = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not swiglu_fused_quant_supported(u, Float8Tensorwise())
+    assert not swiglu_fused_quant_supported(torch.zeros(4, 384, dtype=torch.bfloat16), Float8Blockwise())  # F = 192
+    assert not swiglu_fused_quant_supported(u.float(), Float8Blockwise())
+    assert not swiglu_fused_quant_supported(u, Float8Blockwise(block_dim=2))
+    if not u.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(NotImplementedError, match="1x128 Float8Blockwise"):
+            swiglu_quantize_1x128(u, Float8Blockwise())
+
+
+@pytest.mark.gpu
+def test_fused_quant_gpu(cuda):
+    _fused_quant_cases(cuda, FUSED_CASES + [((8192,), 5632, torch.bfloat16, "e4m3", True, True),
+                                            ((3, 1000), 1408, torch.bfloat16, "e4m3", True, True)])

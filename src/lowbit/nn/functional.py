@@ -14,18 +14,19 @@ NaN sentry reports) lives in a :class:`GemmLayer` owned by the module.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..gemm import scaled_mm
 from ..quant import quantize
-from ..quant.schemes import Float8Tensorwise
+from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
 
-__all__ = ["GemmLayer", "quantized_linear", "check_microbatch_arg"]
+__all__ = ["GemmLayer", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable", "check_microbatch_arg"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -291,3 +292,111 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype)
     return _QuantizedLinearFn.apply(x, weight, bias, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into the quantizers around it
+# ------------------------------------------------------------------------------------------------
+def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (its bias gradient would need the
+    16-bit d[a | b] the fusion avoids writing), input and grad_output roles quantized 1x128 Float8Blockwise with
+    current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns
+    the fusion off (the modules then run SwiGLU and the quantizers as separate kernels, same bits)."""
+    from ..ops.swiglu import INTERPRET as _SW_INTERP
+
+    if b1 is not None or os.environ.get("LOWBIT_FUSED_SWIGLU_QUANT", "1") == "0":
+        return False
+    if out_dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda or _SW_INTERP) or w1.shape[0] % 256:
+        return False
+    for role in ("input", "grad_output"):
+        rq = recipe.role(role)
+        s = rq.scheme
+        if rq.delayed or not (isinstance(s, Float8Blockwise) and s.block_dim == 1 and s.block_size == 128):
+            return False
+    return True
+
+
+class _SwiGLUMLPFn(torch.autograd.Function):
+    """``fc2(silu(a)·b)`` with ``[a | b] = fc1(x)``: the five quantized GEMMs of :class:`_QuantizedLinearFn` (twice,
+    less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) and into fc1's grad_output quantizer
+    (backward) by :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`. Saves x's and h's columnwise copies, the
+    weights' QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b2, cfg1: _Cfg, cfg2: _Cfg):
+        from ..ops.swiglu import swiglu_quantize_1x128
+
+        g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        need_dx, need_dw1, need_dw2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_du = need_dx or need_dw1
+        qx = g1.quantize(x2, "input", recipe, rowwise=True, columnwise=need_dw1, phase="forward", policy=cfg1.policy)
+        qw1 = g1.quantized_weight(w1, recipe, cfg1.is_first_microbatch, columnwise=need_dx, policy=cfg1.policy)
+        u = scaled_mm(qx, qw1, out_dtype=cfg1.out_dtype)
+        qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
+        _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=cfg2.policy)
+        qw2 = g2.quantized_weight(w2, recipe, cfg2.is_first_microbatch, columnwise=need_du, policy=cfg2.policy)
+        y = scaled_mm(qh, qw2, out_dtype=cfg2.out_dtype, bias=None if b2 is None else b2.detach())
+        ctx.qx = QuantizedTensor(qx.shape, qx.dtype, qx.scheme, rowwise=None, columnwise=qx.columnwise, meta=qx.meta) if need_dw1 else None
+        ctx.qh = QuantizedTensor(qh.shape, qh.dtype, qh.scheme, rowwise=None, columnwise=qh.columnwise, meta=qh.meta) if need_dw2 else None
+        ctx.qw1 = qw1 if need_dx else None
+        ctx.qw2 = qw2 if need_du else None
+        ctx.cfg1, ctx.cfg2 = cfg1, cfg2
+        ctx.x_shape, ctx.x_dtype, ctx.w1_dtype, ctx.w2_dtype = x.shape, x.dtype, w1.dtype, w2.dtype
+        ctx.b2_dtype = None if b2 is None else b2.dtype
+        ctx.save_for_backward(u if need_du else None)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..ops.swiglu import swiglu_quantize_1x128
+
+        cfg1, cfg2 = ctx.cfg1, ctx.cfg2
+        g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
+        (u,) = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_dw1, need_dw2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_du = need_dx or need_dw1
+        dx = dw1 = dw2 = db2 = None
+        if need_du or need_dw2:
+            qdy = g2.quantize(dy2, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
+                              policy=cfg2.policy)
+            if need_dw2:
+                dw2 = scaled_mm(qdy, ctx.qh, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w2_dtype)
+            if need_du:
+                dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
+                qdu = swiglu_quantize_1x128(u, recipe.role("grad_output").scheme, grad=dh, rowwise=need_dx,
+                                            columnwise=need_dw1)
+                _ac.sentry([c.amax for c in qdu._copies()], layer=g1, role="grad_output", phase="backward",
+                           policy=cfg1.policy)
+                if need_dx:
+                    dx = scaled_mm(qdu, ctx.qw1, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
+                    dx = dx.reshape(ctx.x_shape)
+                if need_dw1:
+                    dw1 = scaled_mm(qdu, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w1_dtype)
+        if ctx.needs_input_grad[3]:
+            db2 = dy2.float().sum(0).to(ctx.b2_dtype)
+        return dx, dw1, dw2, db2, None, None
+
+
+def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
+                         layer1: GemmLayer, layer2: GemmLayer, is_first_microbatch=None, *,
+                         state: _ac.AutocastState | None = None) -> torch.Tensor:
+    """``fc2(silu(a)·b)`` with ``[a | b] = x · w1ᵀ`` (no fc1 bias), all GEMMs quantized per the active 1x128
+    blockwise recipe and SwiGLU fused into the quantizers (see :func:`swiglu_mlp_fusable`, which the caller
+    checks first). Same results, bit for bit, as ``quantized_linear(swiglu(quantized_linear(x, w1)), w2, b2)``.
+
+    Args:
+        x: (..., K) input; w1: (2F, K) fc1 weight; w2: (N, F) fc2 weight; b2: (N,) or None.
+        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch: as :func:`quantized_linear`.
+    """
+    st = state or _ac.get_state()
+    recipe = st.recipe
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type):
+        out_dtype = torch.get_autocast_dtype(x.device.type)
+    _check_dims(layer1, recipe, x, w1)
+    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
+    cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
+    return _SwiGLUMLPFn.apply(x, w1, w2, b2, cfg1, cfg2)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, quantized_linear
+from .functional import check_microbatch_arg, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
 from .layernorm_linear import _check_features, apply_norm, check_norm_args
 
 __all__ = ["LayerNormMLP"]
@@ -41,6 +41,9 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             torch's ``F.silu(a) * b``. None (default): fused inside autocast, torch outside (so the module
             stays bit-identical to torch outside autocast); True / False: always / never fused (a model
             compared across recipes should use the same kernels in every mode, e.g. lowbit.models.GPT).
+            Under a 1x128 blockwise recipe (``Float8BlockScaling``) with no fc1 bias, the fused SwiGLU also
+            runs inside fc2's input quantizer and fc1's grad_output quantizer (same bits, two 16-bit
+            tensors never written; ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns that off).
         device, dtype: parameter placement.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
@@ -92,9 +95,18 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         if self.activation == "gelu":
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
         else:
+            if self.fused_swiglu is not False and self._fusable(ln, st):
+                # SwiGLU inside the quantizers (1x128 blockwise recipes): same bits, h and d[a | b] never written
+                return quantized_swiglu_mlp(ln, self.fc1_weight, self.fc2_weight, self.fc2_bias, g1, g2,
+                                            is_first_microbatch, state=st)
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
             h = self._swiglu(h, fused_default=True)
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
+
+    def _fusable(self, ln: torch.Tensor, st) -> bool:
+        out_dtype = torch.get_autocast_dtype(ln.device.type) if torch.is_autocast_enabled(ln.device.type) else ln.dtype
+        return ln.numel() > 0 and ln.shape[-1] == self.hidden_size and swiglu_mlp_fusable(
+            ln, self.fc1_weight, self.fc1_bias, st.recipe, out_dtype)
 
     def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:
         """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the default)."""

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["swiglu", "swiglu_reference", "swiglu_quantize_1x128", "swiglu_fused_quant_supported"]
 
 try:
     import triton
@@ -102,3 +102,150 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     if triton is None or not (h.is_cuda or INTERPRET) or h.numel() == 0:
         return swiglu_reference(h)
     return _SwiGLU.apply(h)
+
+
+# ================================================================================================
+# SwiGLU fused with 1x128 FP8 quantization (the fc2 input forward, the fc1 grad_output backward)
+# ================================================================================================
+# In an FP8-blockwise MLP the SwiGLU output h is read only by the quantizer (fc2's fprop wants its rowwise copy,
+# fc2's wgrad its columnwise one), and d[a | b] only by fc1's grad_output quantizer. Fusing them saves writing
+# and re-reading h (M x F, 16-bit) forward and d[a | b] (M x 2F) backward. The values quantized are exactly those
+# the unfused kernels produce (the same FP32 expressions, rounded to the 16-bit dtype first), so the result
+# is bit-identical to ``quantize(swiglu(u))`` and to ``quantize(<swiglu backward>)``.
+
+
+def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
+    """Whether :func:`swiglu_quantize_1x128` can take ``u`` (..., 2F) under ``scheme``: a 1x128 Float8Blockwise
+    scheme, a contiguous 16-bit CUDA tensor (or Triton's interpreter), F a multiple of 128 (so a 128-wide column
+    tile of d[a | b] lies in one half)."""
+    from ..quant.schemes import Float8Blockwise
+
+    return (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
+            and scheme.block_size == 128 and (u.is_cuda or INTERPRET) and u.dtype in (torch.bfloat16, torch.float16)
+            and u.dim() >= 1 and u.shape[-1] % 256 == 0 and u.is_contiguous() and u.numel() > 0)
+
+
+if triton is not None:
+    from ..quant.kernels.quant import _bits_to_f32, _compute_scale, _fp8_cast, _recip
+
+    @triton.jit
+    def _swiglu_vals(u_ptr, g_ptr, rows, cols, M, F, half, DT: tl.constexpr, BACKWARD: tl.constexpr):
+        """FP32 values (rounded to DT first, as the unfused kernel stores them) of the (rows, cols) tile of
+        h = silu(a)·b (forward; cols < F) or of d[a | b] (backward; ``half`` 0: da, 1: db, cols in [0, F))."""
+        m = (rows[:, None] < M) & (cols[None, :] < F)
+        off = rows[:, None] * (2 * F) + cols[None, :]
+        a = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(u_ptr + off + F, mask=m, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-a))
+        s = a * sig
+        if BACKWARD:
+            g = tl.load(g_ptr + rows[:, None] * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            da = g * b * (sig * (1.0 + a * (1.0 - sig)))
+            db = g * s
+            v = tl.where(half == 1, db, da)
+        else:
+            v = s * b
+        return v.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _swiglu_quant_kernel(u_ptr, g_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, F, rs_ld, cs_ld,
+                             FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
+                             EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr, DT: tl.constexpr,
+                             BACKWARD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SLAB: tl.constexpr,
+                             abs_mask=0x7FFFFFFF):
+        """One 128 x 128 tile of the (M, N) output (N = F forward, 2F backward), walked in SLAB-row slabs twice
+        (as quant.kernels.quant.blockwise_kernel's slab walk): walk 1 makes the rowwise copy (1x128 scales along
+        N) and keeps the column maxima; walk 2 recomputes the slabs (their inputs are in L2 now) and writes the
+        columnwise copy (transposed, 1x128 scales along M). Scales stored as scale_inv in the GEMM's layout:
+        rs[nb, m] (ld rs_ld), cs[mb, n] (ld cs_ld). ``abs_mask`` is a run-time 0x7FFFFFFF (see blockwise_kernel:
+        a constant would let ptxas turn bits & mask into a half-precision |x| that rewrites NaN payloads)."""
+        BS: tl.constexpr = 128
+        FDT: tl.constexpr = rq_ptr.dtype.element_ty
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1).to(tl.int64)
+        N = 2 * F if BACKWARD else F
+        n0 = pid_n * BS
+        half = (n0 >= F).to(tl.int32) if BACKWARD else 0
+        c = n0 - half * F + tl.arange(0, BS)  # column inside [a] / [b] / h
+        cn = n0 + tl.arange(0, BS)  # output column
+        m0 = pid_m * BS
+        acc = tl.zeros((SLAB, BS), dtype=tl.int32)
+        for r0 in range(0, BS, SLAB):
+            rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
+            x = _swiglu_vals(u_ptr, g_ptr, rows, c, M, F, half, DT, BACKWARD)
+            ab = x.to(tl.int32, bitcast=True) & abs_mask
+            acc = tl.maximum(acc, ab)
+            if ROW:
+                sr = _compute_scale(_bits_to_f32(tl.max(ab, axis=1)), FMAX, POW2, EPS)
+                rmask = rows < M
+                tl.store(rs_ptr + pid_n * rs_ld + rows, _recip(sr), mask=rmask)
+                q = _fp8_cast(x * sr[:, None], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
+                tl.store(rq_ptr + rows[:, None] * N + cn[None, :], q, mask=rmask[:, None])
+        col_max = tl.max(acc, axis=0)
+        tl.atomic_max(amax_ptr, tl.max(col_max, axis=0))
+        if COL:
+            sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
+            tl.store(cs_ptr + pid_m * cs_ld + cn, _recip(sc))
+            for r0 in range(0, BS, SLAB):
+                rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
+                x = _swiglu_vals(u_ptr, g_ptr, rows, c, M, F, half, DT, BACKWARD)
+                q = _fp8_cast(x * sc[None, :], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
+                tl.store(cq_ptr + cn.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q), mask=(rows < M)[None, :])
+
+
+def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, grad: torch.Tensor | None = None, rowwise: bool = True,
+                          columnwise: bool = True):
+    """Quantize SwiGLU's output (``grad`` None) or its input gradient (``grad`` given) with a 1x128 FP8 scheme,
+    without writing the 16-bit tensor in between.
+
+    Args:
+        u: (..., 2F) = [a | b], the fc1 output, bfloat16 / float16, contiguous; F % 128 == 0.
+        scheme: ``Float8Blockwise(block_dim=1, block_size=128)`` (any FP8 format, pow2, eps).
+        grad: None, or (..., F) in u's dtype: the gradient of h = silu(a)·b, then the result quantizes d[a | b].
+        rowwise, columnwise: which copies (as :func:`lowbit.quantize`).
+
+    Returns:
+        A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., F) (forward) or (..., 2F) (backward),
+        dtype u.dtype, bit-identical to ``quantize(swiglu(u), scheme)`` / ``quantize(<d[a|b] of swiglu>, scheme)``.
+    """
+    from ..quant.tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
+    from ..quant.triton_backend import SW_ROUND, _fmt_args
+
+    if not swiglu_fused_quant_supported(u, scheme):
+        raise NotImplementedError(
+            f"swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 CUDA u with "
+            f"its last dim a multiple of 256; got scheme {scheme!r}, u {u.dtype} {tuple(u.shape)} on {u.device}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one copy must be asked for")
+    F = u.shape[-1] // 2
+    M = u.numel() // (2 * F)
+    backward = grad is not None
+    if backward and (grad.shape != (*u.shape[:-1], F) or grad.dtype != u.dtype or grad.device != u.device):
+        raise ValueError(f"grad: expected shape {(*u.shape[:-1], F)}, dtype {u.dtype} on {u.device} (the gradient of "
+                         f"silu(a)·b), got {tuple(grad.shape)} {grad.dtype} on {grad.device}")
+    N = 2 * F if backward else F
+    fmt, dev = scheme.format, u.device
+    mb, nb = cdiv(M, 128), N // 128
+    rshape, cshape = (nb, pad_to(M, 4)), (mb, pad_to(N, 4))
+    nr = rshape[0] * rshape[1] if rowwise else 0
+    nc = cshape[0] * cshape[1] if columnwise else 0
+    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)  # scale pads must read 0 (as quantize's)
+    rs = buf[:nr].view(rshape) if rowwise else None
+    cs = buf[nr:nr + nc].view(cshape) if columnwise else None
+    amax_i = buf[nr + nc:].view(torch.int32)
+    rq = torch.empty(M, N, dtype=fmt.torch_dtype, device=dev) if rowwise else None
+    cq = torch.empty(N, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
+    satcvt = not INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+    g = grad.contiguous() if backward else u
+    _swiglu_quant_kernel[(nb, mb)](
+        u, g, rq if rowwise else cq, rs if rowwise else cs, cq if columnwise else rq, cs if columnwise else rs, amax_i,
+        M, F, rshape[1] if rowwise else 0, cshape[1] if columnwise else 0, **_fmt_args(fmt), POW2=scheme.pow2,
+        EPS=float(scheme.eps), SW=SW_ROUND, SATCVT=satcvt, DT=tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16,
+        BACKWARD=backward, ROW=rowwise, COL=columnwise, SLAB=16 if INTERPRET else 32, num_warps=4)
+    qt = QuantizedTensor(shape=(*u.shape[:-1], N), dtype=u.dtype, scheme=scheme)
+    amax = amax_i.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
+    return qt
