@@ -181,3 +181,34 @@ def test_lowbit_attention_is_callable_after_submodule_imports():
     q, k, v = (torch.randn(1, 2, 9, 32) for _ in range(3))
     assert torch.allclose(lowbit.attention(q, k, v), attention(q, k, v))
     assert lowbit.attention.attention is attention
+
+
+def test_pv_resolution_and_fp16_path_cpu():
+    """pv="auto" is FP16 P·V for quantized Q·Kᵀ (BF16 V carried in FP16) and the inputs' dtype otherwise; "bf16"
+    keeps BF16; FP16 inputs never convert. The CPU path runs the quantized reference with the same V conversion."""
+    from lowbit.attention.api import resolve_pv
+
+    bf, hf = torch.bfloat16, torch.float16
+    assert resolve_pv("auto", "int8", bf) == "fp16" and resolve_pv("auto", "fp8", bf) == "fp16"
+    assert resolve_pv("auto", "bf16", bf) == "native" and resolve_pv("bf16", "int8", bf) == "native"
+    assert resolve_pv("fp16", "bf16", bf) == "fp16" and resolve_pv("fp16", "int8", hf) == "native"
+    assert resolve_pv("auto", "int8", hf) == "native" and resolve_pv("fp8", "int8", bf) == "fp8"
+    with pytest.raises(ValueError, match=r"pv must be one of \('auto', 'bf16', 'fp16', 'fp8'\), got 'e5m2'"):
+        resolve_pv("e5m2", "int8", bf)
+    q, k, v = qkv()
+    o_auto = attention(q, k, v, qk="int8", causal=True)
+    o16 = attention(q, k, v, qk="int8", pv="fp16", causal=True)
+    ref16 = A.attention_quantized_reference(q, k, v, qk="int8", pv="fp16", causal=True)
+    torch.testing.assert_close(o_auto, o16, rtol=0, atol=0)
+    torch.testing.assert_close(o16, ref16.to(bf), rtol=0, atol=0)
+    obf = attention(q, k, v, qk="int8", pv="bf16", causal=True)
+    assert not torch.equal(obf, o16)
+    # 16-bit Q·Kᵀ with pv="fp16" on BF16 inputs runs the quantized reference (V converted), not the FP32 one
+    o = attention(q, k, v, pv="fp16")
+    torch.testing.assert_close(o, A.attention_quantized_reference(q, k, v, qk="bf16", pv="fp16").to(bf), rtol=0, atol=0)
+    # pre-quantized entry point: same default
+    qq = quantize_qk(q, k)
+    o2 = attention_qk_int8(qq.q, qq.k, v, qq.q_scale, qq.k_scale, causal=True)
+    torch.testing.assert_close(o2, o_auto, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="quantize_v_fp16: v must be bfloat16"):
+        A.api.quantize_v_fp16(v.half())

@@ -15,8 +15,10 @@ pytestmark = pytest.mark.gpu
 
 # vs the FP32 reference on N(0,1) data: CPU-measured floors of the same math (see
 # test_quantized_reference.FLOORS) x ~1.5, plus bf16/fp16 output rounding (~1.1e-3 NRMSE for bf16).
-FLOOR = {("bf16", "bf16"): 4e-3, ("int8", "bf16"): 2e-2, ("int8", "fp8"): 6e-2, ("fp8", "fp8"): 8e-2}
-COS = {("bf16", "bf16"): 0.99999, ("int8", "bf16"): 0.9997, ("int8", "fp8"): 0.997, ("fp8", "fp8"): 0.995}
+FLOOR = {("bf16", "bf16"): 4e-3, ("int8", "bf16"): 2e-2, ("int8", "fp16"): 2e-2, ("int8", "fp8"): 6e-2,
+         ("fp8", "fp8"): 8e-2}
+COS = {("bf16", "bf16"): 0.99999, ("int8", "bf16"): 0.9997, ("int8", "fp16"): 0.9997, ("int8", "fp8"): 0.997,
+       ("fp8", "fp8"): 0.995}
 # kernel (fp32 output) vs the tiled quantized reference run on the same quantized operands: only
 # exp2.approx / summation order and the rare P rounding flip they cause (interpreter: 6e-8 .. 2e-4).
 TIGHT = 2e-3
@@ -56,13 +58,18 @@ def _prep(tri, q, k, v, qk, pv, granularity, layout="bhsd", **vl):
                                            max_seqlen_k=vl.get("max_seqlen_k"))
         r8, rs = R.quantize_v_fp8_reference(v, layout=layout, cu_seqlens_k=vl.get("cu_seqlens_k"))
         assert torch.equal(va.float(), r8.float()) and torch.equal(vs, rs), "v fp8 differs"
+    elif pv == "fp16" and v.dtype == torch.bfloat16:
+        va, vs = tri.quantize_v_fp16_triton(v, layout=layout, cu_seqlens_k=vl.get("cu_seqlens_k"),
+                                            max_seqlen_k=vl.get("max_seqlen_k"))
+        r16, rs = R.quantize_v_fp16_reference(v, layout=layout, cu_seqlens_k=vl.get("cu_seqlens_k"))
+        assert torch.equal(va, r16) and torch.equal(vs, rs), "v fp16 differs"
     else:
         va, vs = v, None
     return qa, ka, va, qs, ks, vs, km, rows
 
 
 MODES = [("bf16", "bf16", "per_block"), ("int8", "bf16", "per_block"), ("int8", "bf16", "per_warp"),
-         ("int8", "fp8", "per_block"), ("fp8", "fp8", "per_block")]
+         ("int8", "fp16", "per_block"), ("int8", "fp8", "per_block"), ("fp8", "fp8", "per_block")]
 # kernel output (q's dtype) vs the tiled quantized reference on bit-identical quantized operands: the
 # output rounding (bf16 ~1.5e-3 NRMSE, fp16 ~2e-4) plus exp2.approx / summation-order P flips.
 # First H200 run (int8 paths, before the fp8-QK promotion fix): max 2.05e-3 (bf16), 6.3e-4 (fp16).
@@ -127,7 +134,7 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
         assert torch.equal(o0, o1) and torch.equal(l0, l1), (causal, (o0.float() - o1.float()).abs().max().item())
 
 
-@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8")])
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp16"), ("int8", "fp8")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_kernel(qk, pv, causal):
     tri = pytest.importorskip("lowbit.attention._triton")
@@ -209,3 +216,30 @@ def test_smooth_k_gpu():
     e0 = metrics(A.attention(q, k, v, qk="int8", smooth_k=False), ref)["nrmse"]
     _log(dict(test="smooth_k", smooth=e1, no_smooth=e0))
     assert e1 * 2.5 < e0
+
+
+def test_fp16_pv_beats_bf16_pv_gpu():
+    """pv="fp16" (the default for INT8 Q·Kᵀ): more accurate than BF16 P·V on the same quantized Q/K."""
+    q, k, v = (rand(2, 8, 4096, 128, dtype=torch.bfloat16, seed=s) for s in (21, 22, 23))
+    ref = R.attention_reference(q, k, v)
+    e16 = metrics(A.attention(q, k, v, qk="int8", pv="fp16"), ref)["nrmse"]
+    ebf = metrics(A.attention(q, k, v, qk="int8", pv="bf16"), ref)["nrmse"]
+    eauto = metrics(A.attention(q, k, v, qk="int8"), ref)["nrmse"]
+    _log(dict(test="fp16_pv", fp16=e16, bf16=ebf))
+    assert eauto == e16 and e16 < ebf * 0.995, (e16, ebf)
+
+
+def test_int8_prepass_rounding_edges_gpu():
+    """The compiled INT8 rounding (no FRND/F2I: rz adds and integer sign) on values at and next to the .5 ties."""
+    tri = pytest.importorskip("lowbit.attention._triton")
+    base = torch.arange(-254, 255, device="cuda", dtype=torch.float32) / 2  # every tie in [-127, 127]
+    eps = torch.tensor([0.0, 2 ** -20, -2 ** -20], device="cuda")
+    x = (base[:, None] + eps[None, :] * base.abs().clamp(min=1)[:, None]).flatten()
+    x = torch.cat([x, torch.tensor([0.5 - 2 ** -25, -(0.5 - 2 ** -25), 127.0], device="cuda")])
+    n = -(-x.numel() // 64) * 64
+    k = torch.zeros(n, device="cuda").index_copy(0, torch.arange(x.numel(), device="cuda"), x)
+    k = k.view(1, 1, n // 64, 64).to(torch.bfloat16).float()  # representable inputs; bf16 kernels take 16-bit
+    kb = k.to(torch.bfloat16)
+    t = tri.quantize_qk_triton(kb, kb, smooth_k=False, block_k=n // 64)
+    r = R.quantize_qk_reference(kb, kb, smooth_k=False, block_k=n // 64)
+    assert torch.equal(t.k, r.k) and torch.equal(t.q, r.q) and torch.equal(t.k_scale, r.k_scale)

@@ -172,3 +172,40 @@ def test_prequantized_reference_index_mapping_explicit():
                 p = torch.exp2(s - s.max())
                 exp[b, h, i] = (p.bfloat16().float() @ v[b, hk].float()) / p.sum()
     torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_v_fp16_scales_exact_and_in_range():
+    """BF16 V carried in FP16 (pv="fp16"): per-channel power-of-two scales, exact conversion in FP16's normal range,
+    no overflow even at BF16's extremes, and the scales undo the conversion exactly."""
+    from lowbit.attention.reference import quantize_v_fp16_reference, v_fp16_scales
+
+    v = rand(2, 3, 50, 16, seed=4)
+    v[0, 0, :, 0] = 3.0e38  # BF16's top binade
+    v[0, 1, :, 1] *= 2.0 ** -120  # far below FP16's range before scaling
+    v[1, 2, :, 2] = 0.0
+    v[1, 0, 7, 3] = 65280.0  # the largest scaled value a BF16 mantissa allows: 1.9921875 · 2^15
+    for layout in ("bhsd", "bshd"):
+        x = v if layout == "bhsd" else v.transpose(1, 2).contiguous()
+        v16, sc = quantize_v_fp16_reference(x, layout=layout)
+        assert v16.dtype == torch.float16 and v16.shape == x.shape and sc.shape == (2, 3, 16)
+        assert torch.isfinite(v16).all()
+        v16h = v16 if layout == "bhsd" else v16.transpose(1, 2)
+        back = v16h.float() * sc[:, :, None, :]
+        assert torch.equal(back, v.float()), "BF16 -> FP16 under a power-of-two scale must be exact here"
+    m, e = torch.frexp(sc)
+    assert torch.all(m == 0.5)  # powers of two
+    amax = v.float().abs().amax(2)
+    scaled = amax / sc
+    assert torch.all(scaled <= 65280)
+    full = (amax > 0) & (sc > 2.0 ** -126)  # e = 126 is the cap (channel 1 of head (0, 1) hits it)
+    assert torch.all(scaled[full] >= 2 ** 15) and sc[0, 1, 1] == 2.0 ** -126
+    assert sc[1, 2, 2] == 1 and v_fp16_scales(torch.zeros(1))[0].item() == 1.0
+
+
+def test_fp16_pv_more_accurate_than_bf16_pv():
+    """P in [0, 1] keeps 3 more mantissa bits in FP16: INT8 QK with FP16 P·V is closer to FP32 than with BF16."""
+    q, k, v = rand(2, 4, 512, 64, seed=5), rand(2, 4, 512, 64, seed=6), rand(2, 4, 512, 64, seed=7)
+    ref = attention_reference(q, k, v)
+    e16 = nrmse(attention_quantized_reference(q, k, v, qk="int8", pv="fp16"), ref)
+    ebf = nrmse(attention_quantized_reference(q, k, v, qk="int8", pv="bf16"), ref)
+    assert e16 < ebf * 0.995, (e16, ebf)

@@ -41,6 +41,10 @@ def test_prepass_bit_exact(tri, dtype, granularity, layout):
     v8, vs = tri.quantize_v_fp8_triton(v, layout=layout)
     r8, rs = R.quantize_v_fp8_reference(v, layout=layout)
     assert torch.equal(v8.float(), r8.float()) and torch.equal(vs, rs)
+    v16, vs = tri.quantize_v_fp16_triton(v, layout=layout)
+    r16, rs = R.quantize_v_fp16_reference(v, layout=layout)
+    assert v16.dtype == torch.float16 and v16.stride() == v.stride()
+    assert torch.equal(v16, r16) and torch.equal(vs, rs)
 
 
 def test_prepass_varlen_bit_exact(tri):
@@ -55,6 +59,9 @@ def test_prepass_varlen_bit_exact(tri):
     v8, vs = tri.quantize_v_fp8_triton(v, cu_seqlens_k=ck, max_seqlen_k=33)
     r8, rs = R.quantize_v_fp8_reference(v, cu_seqlens_k=ck)
     assert torch.equal(v8.float(), r8.float()) and torch.equal(vs, rs)
+    v16, vs = tri.quantize_v_fp16_triton(v * 1000, cu_seqlens_k=ck, max_seqlen_k=33)
+    r16, rs = R.quantize_v_fp16_reference(v * 1000, cu_seqlens_k=ck)
+    assert torch.equal(v16, r16) and torch.equal(vs, rs)
 
 
 def _prepare(tri, q, k, v, qk, pv, layout="bhsd", **vl):
@@ -66,6 +73,8 @@ def _prepare(tri, q, k, v, qk, pv, layout="bhsd", **vl):
         qa, ka, qs, ks, km, rows = a.q, a.k, a.q_scale, a.k_scale, a.k_mean, a.q_scale_rows
     if pv == "fp8":
         va, vs = tri.quantize_v_fp8_triton(v, layout=layout, cu_seqlens_k=vl.get("cu_seqlens_k"))
+    elif pv == "fp16":
+        va, vs = tri.quantize_v_fp16_triton(v, layout=layout, cu_seqlens_k=vl.get("cu_seqlens_k"))
     else:
         va, vs = v, None
     return dict(q=qa, k=ka, v=va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=km, q_scale_rows=rows, k_scale_rows=16)
@@ -76,6 +85,8 @@ CASES = [  # (qk, pv, Sq, Sk, causal, window, layout)
     ("int8", "bf16", 21, 50, False, None, "bshd"),
     ("int8", "bf16", 40, 29, True, None, "bhsd"),      # Sq > Sk: leading rows see nothing
     ("int8", "fp8", 33, 47, False, (9, 3), "bhsd"),
+    ("int8", "fp16", 40, 29, True, None, "bshd"),     # BF16 V carried in FP16 under power-of-two scales
+    ("bf16", "fp16", 37, 37, False, None, "bhsd"),
     ("fp8", "fp8", 1, 17, True, None, "bshd"),
     ("fp8", "bf16", 26, 26, False, (-1, 4), "bhsd"),
 ]
@@ -98,7 +109,7 @@ def test_forward_matches_tiled_reference(tri, qk, pv, Sq, Sk, causal, window, la
     fin = torch.isfinite(rl)
     assert (lse[fin] - rl[fin]).abs().max() < 1e-5
     ref = R.attention_reference(q, k, v, causal=causal, window=window, layout=layout)
-    assert nrmse(o, ref) < {"bf16": 3e-3, "int8": 3e-2, "fp8": 8e-2}[qk if pv == "bf16" else "fp8"]
+    assert nrmse(o, ref) < {"bf16": 3e-3, "int8": 3e-2, "fp8": 8e-2}[qk if pv != "fp8" else "fp8"]
 
 
 @pytest.mark.parametrize("qk,pv,Sq,Sk,causal,window,layout", CASES)

@@ -7,10 +7,18 @@ streaming key/value tiles) with ``tl.constexpr`` switches:
   2 = FP8 E4M3 Q·Kᵀ.  For 1 and 2 every score tile is converted to FP32 and multiplied by
   ``q_scale[row] * k_scale[col]`` *before* the running max/sum update, so per-block / per-warp scales
   are exact per tile whatever the tile shape (scales are gathered per row / per column).
-* ``PV_FP8``: P·V in FP8 E4M3: P (in [0, 1]) is multiplied by 448 and rounded to E4M3, V carries one
-  scale per channel applied once in the epilogue (it commutes with the sum over keys); each tile's
-  product is promoted into the FP32 accumulator (``max_num_imprecise_acc = BLOCK_N``), avoiding the
-  reduced-precision accumulation of Hopper FP8 MMA across the whole sequence.
+* ``PV_FP8``: P·V in FP8 E4M3: P is computed directly as p·448 = exp2(s - (m - log2 448)) and rounded to E4M3
+  (the row sum l carries the same factor, so out = acc / l needs no 1/448), V carries one scale per channel
+  applied once in the epilogue (it commutes with the sum over keys); each tile's product is promoted into the
+  FP32 accumulator (``max_num_imprecise_acc = BLOCK_N``), avoiding the reduced-precision accumulation of Hopper
+  FP8 MMA across the whole sequence.
+* ``V_SCALED``: V comes with per-channel scales applied in the epilogue: FP8 V, or BF16 V carried in FP16 under
+  exact power-of-two scales (``quantize_v_fp16_triton``), so that P (in [0, 1]) is rounded to FP16 — 3 more
+  mantissa bits than BF16 — for the P·V MMA.
+* The score scale is one FMA per element: p = exp2(s·c - m) with c = q_scale[row]·k_scale[tile] (or
+  softmax_scale·log2 e), and the row max taken as c·max(s); the kernel is instruction-issue bound (compiled for
+  sm_90 its inner loop is ~400-600 instructions per thread per 128x64 tile against ~250 cycles of MMA), so every
+  per-element instruction counts.
 * causal / sliding window are runtime ints (bottom-right aligned); tiles are split into
   "masked" ranges and a mask-free middle range, so only boundary tiles pay for masking.
 * GQA via ``GROUP`` (query head h reads kv head h // GROUP); layouts via strides; varlen via
@@ -76,6 +84,22 @@ def _round_half_away(x):
     return tl.where(x < 0, -r, r)
 
 
+@triton.jit
+def _to_int8(y, INTERPRET: tl.constexpr):
+    """INT8 code of y: round half away from zero, clamp to ±127 (``reference.round_half_away``), bit-identical.
+
+    Compiled: no XU-pipe instruction (FRND / F2I run at 16 per clock per SM): n = floor(|y| + 0.5) as
+    rz(rz(|y| + 0.5) + 2^23) - 2^23 read from the bits, then the sign applied in integers. |y| + 0.5 is exact for
+    |y| >= 0.5, and rounding toward zero keeps the one inexact case below it, |y| = 0.5 - 2^-25, under 1."""
+    if INTERPRET:
+        return tl.minimum(tl.maximum(_round_half_away(y), -127.0), 127.0).to(tl.int8)
+    t = tl.inline_asm_elementwise("{ .reg .f32 u; add.rz.f32 u, $1, 0f3F000000; add.rz.f32 $0, u, 0f4B000000; }",
+                                  "=r,r", [tl.abs(y)], dtype=tl.int32, is_pure=True, pack=1)
+    n = tl.minimum(t - 0x4B000000, 127)
+    sgn = y.to(tl.int32, bitcast=True) >> 31
+    return ((n ^ sgn) - sgn).to(tl.int8)
+
+
 # ============================================================================ prepass kernels
 @triton.jit
 def _quant_rows_kernel(X, Y, S, MEAN, CU,
@@ -86,7 +110,7 @@ def _quant_rows_kernel(X, Y, S, MEAN, CU,
                        INTERPRET: tl.constexpr):
     """One program = one scale group of ROWS rows × D channels of one (batch, head).
 
-    y = code((x·mult - mean) / scale), scale = amax/QMAX (0 -> 1), written to S[b, h, g]."""
+    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1) written to S[b, h, g]."""
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -108,16 +132,18 @@ def _quant_rows_kernel(X, Y, S, MEAN, CU,
     if HAS_MEAN:
         mu = tl.load(MEAN + b.to(tl.int64) * smb + h * smh + d, mask=d < D, other=0.0)
         x = x - mu[None, :]
-    x = tl.where(m, x, 0.0)
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    if HAS_MEAN:  # masked rows/columns read 0 but the mean moved them
+        x = tl.where(m, x, 0.0)
+    amax = tl.max(tl.abs(x))  # one flat reduction (per-row then per-column reductions cost ~10 shuffles per element)
     scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
+    inv = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full([], QMAX, tl.float32), amax))  # the quantizer's multiplier (one division per group)
     if g < n_groups:
         tl.store(S + b.to(tl.int64) * ssb + h * ssh + g, scale)
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    y = x * inv
     if TO_FP8:
         code = _to_e4m3(y, INTERPRET)
     else:
-        code = tl.minimum(tl.maximum(_round_half_away(y), -127.0), 127.0).to(tl.int8)
+        code = _to_int8(y, INTERPRET)
     tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
 
 
@@ -143,9 +169,38 @@ def _v_amax_kernel(V, P, CU, svb, svh, svs, svd, H, seqlen, n_chunks,
 
 
 @triton.jit
-def _v_quant_kernel(V, Y, S, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seqlen,
+def _v_scale_kernel(P, S, R, n_chunks, D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
+                    FP16: tl.constexpr):
+    """Per (batch·head): amax per channel from the partials P[bh, :, :], then the dequantization scale S and the
+    quantizer's multiplier R. FP8: S = amax/448, R = 448/amax. FP16 (BF16 V into FP16's range): the power of two
+    R = 2^e, e = 15 - floor(log2 amax) clamped to <= 126 (amax·R < 2^16 and a BF16 mantissa ends at 1.9921875, so
+    amax·R <= 65280 < 65504), S = 2^-e; both exact. amax 0 -> S = R = 1."""
+    bh = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    c = tl.arange(0, CH)
+    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, n_chunks, CH):
+        x = tl.load(P + (bh.to(tl.int64) * n_chunks + c0 + c[:, None]) * D + d[None, :],
+                    mask=(c0 + c[:, None] < n_chunks) & (d[None, :] < D), other=0.0)
+        amax = tl.maximum(amax, tl.max(x, 0))
+    if FP16:
+        e = 15 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+        e = tl.where(amax == 0.0, 0, tl.minimum(e, 126))
+        r = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        sc = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        sc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
+        r = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0 + tl.zeros_like(amax), amax))
+    tl.store(S + bh.to(tl.int64) * D + d, sc, mask=d < D)
+    tl.store(R + bh.to(tl.int64) * D + d, r, mask=d < D)
+
+
+@triton.jit
+def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seqlen,
                     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = code(v · R[bh, channel]): E4M3 (saturating RNE) or, FP16, v·2^e rounded to nearest even (exact unless
+    it lands among FP16's subnormals)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -163,9 +218,13 @@ def _v_quant_kernel(V, Y, S, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seq
     m = (rows[:, None] < seqlen) & (d[None, :] < D)
     roff = rows.to(tl.int64)
     x = tl.load(vb + roff[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
-    sc = tl.load(S + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
-    y = tl.math.div_rn(x, tl.zeros_like(x) + sc[None, :])
-    tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, _to_e4m3(y, INTERPRET), mask=m)
+    r = tl.load(R + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
+    y = x * r[None, :]
+    if FP16:
+        code = y.to(tl.float16)
+    else:
+        code = _to_e4m3(y, INTERPRET)
+    tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
 
 
 # ============================================================================ forward kernel
@@ -175,7 +234,7 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
                sks, skd, svs, svd,
                QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, K_SCALE_ROWS: tl.constexpr, MASK: tl.constexpr,
                BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
-               HEAD_DIM: tl.constexpr = 128):
+               HEAD_DIM: tl.constexpr = 128, KS_TILE: tl.constexpr = False):
     offs_nl = tl.arange(0, BLOCK_N)
     if TMA:
         # Tensor descriptors (TMA): a tile address is (descriptor, coordinates), not a (rows, cols) tensor of
@@ -210,25 +269,34 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
             s = tl.dot(q, kt, max_num_imprecise_acc=32)
         else:
             s = tl.dot(q, kt)
+        # Scores in log2 units are s·c with c = q_scale[row]·k_scale[tile] (INT8/FP8; 16-bit: c = softmax_scale·log2 e).
+        # The multiply is not done per element: c > 0, so the row max is c·max(s) (rounding is monotone: the same
+        # number as max(s·c)) and p = exp2(s·c - m) is one FMA per element. Where a key tile spans several K scale
+        # blocks, the column scale still multiplies s first: s·k_scale[col], then c = q_scale[row].
         if QK_MODE == 0:
-            s = s * sm_scale_log2
+            c = q_sc
+        elif KS_TILE:
+            c = q_sc * tl.load(ks_base + start_n // K_SCALE_ROWS)
         else:
-            # exact per-tile dequantization: row scale (block or warp) x column scale (K block)
             if MASK:
                 ks = tl.load(ks_base + offs_n // K_SCALE_ROWS, mask=offs_n < Sk, other=1.0)
             else:
                 ks = tl.load(ks_base + offs_n // K_SCALE_ROWS)
-            s = s * (q_sc[:, None] * ks[None, :])
+            s = s * ks[None, :]
+            c = q_sc
         if MASK:
             rel = offs_n[None, :] - (offs_m[:, None] + diag)  # j - (i + Sk - Sq)
             ok = (offs_n[None, :] < Sk) & (rel <= win_right) & (rel >= -win_left)
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         if MASK:  # a row may still see nothing: keep exp2 away from (-inf) - (-inf)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
+        if PV_FP8:  # p·448 directly (P is scaled into E4M3's range): exp2(s·c - (m - log2 448)); l sums p·448 too
+            p = tl.math.exp2(s * c[:, None] - (m_use - 8.807354922057604)[:, None])
+        else:
+            p = tl.math.exp2(s * c[:, None] - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -241,8 +309,9 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
             v = tl.load(v_ptrs, mask=offs_n[:, None] < Sk, other=0.0)
         else:
             v = tl.load(v_ptrs)
-        if PV_FP8:
-            acc = tl.dot(_to_e4m3(p * 448.0, INTERPRET), v, acc, max_num_imprecise_acc=BLOCK_N)
+        if PV_FP8:  # p <= 448 (up to exp2's rounding, which the saturating cast absorbs): no clamp needed
+            p8 = _to_e4m3(p, True) if INTERPRET else p.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            acc = tl.dot(p8, v, acc, max_num_imprecise_acc=BLOCK_N)
         elif INTERPRET:
             acc = tl.dot(_p_to_16(p, v.dtype).to(tl.float32), v.to(tl.float32), acc)
         else:
@@ -262,7 +331,8 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
               QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, Q_SCALE_ROWS: tl.constexpr,
               K_SCALE_ROWS: tl.constexpr, HAS_KMEAN: tl.constexpr, RETURN_LSE: tl.constexpr,
               VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
+              V_SCALED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if REVERSE_M:  # causal: heaviest query blocks first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -297,8 +367,9 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
     if QK_MODE != 0:
         q_sc = tl.load(QS + b64 * sqsb + h * sqsh + offs_m // Q_SCALE_ROWS, mask=row_ok, other=1.0)
     else:
-        q_sc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        q_sc = tl.zeros([BLOCK_M], dtype=tl.float32) + sm_scale_log2
     ks_base = KS + b64 * sksb + hk * sksh
+    KS_TILE: tl.constexpr = QK_MODE != 0 and K_SCALE_ROWS % BLOCK_N == 0  # one k_scale per key tile
 
     # ---- key range seen by this query block, split into masked / mask-free tiles
     diag = Sk - Sq
@@ -316,25 +387,27 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                lo, tl.minimum(full_lo, hi), Sk, diag, win_left, win_right, sm_scale_log2,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
-                               TMA, HEAD_DIM)
+                               TMA, HEAD_DIM, KS_TILE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                full_lo, full_hi, Sk, diag, win_left, win_right, sm_scale_log2,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, False, BLOCK_N, INTERPRET,
-                               TMA, HEAD_DIM)
+                               TMA, HEAD_DIM, KS_TILE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
                                full_hi, hi, Sk, diag, win_left, win_right, sm_scale_log2,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
-                               TMA, HEAD_DIM)
+                               TMA, HEAD_DIM, KS_TILE)
 
     # ---- epilogue
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if PV_FP8:
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # FP8 P·V: acc and l both carry the factor 448
+    if V_SCALED:  # FP8 V, or BF16 V carried in FP16: one dequantization scale per channel
         vs = tl.load(VS + b64 * svsb + hk * svsh + offs_d)
-        out = out * (vs * (1.0 / 448.0))[None, :]
+        out = out * vs[None, :]
     tl.store(o_base + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
     if RETURN_LSE:
         lse2 = m_i + tl.log2(l_i)
+        if PV_FP8:
+            lse2 -= 8.807354922057604  # l summed p·448
         if HAS_KMEAN:  # undo K smoothing: true scores are higher by (q·q_scale)·mean(k)
             km = tl.load(KM + b64 * skmb + hk * skmh + offs_d)
             lse2 += tl.sum(q.to(tl.float32) * km[None, :], 1) * q_sc
@@ -378,7 +451,7 @@ def prune_fwd_configs(configs, named_args, **kwargs):
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "QK_MODE", "PV_FP8",
-             "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN", "TMA"]
+             "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN", "TMA", "V_SCALED"]
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_fwd_configs})(_attn_fwd)
 
@@ -475,35 +548,59 @@ def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=
     return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
 
 
+def _v_partial_amax(v, layout, varlen, cu_seqlens_k, max_seqlen_k, chunk=64):
+    B, H, S, D = _dims(v, layout, varlen)
+    if varlen:
+        B = cu_seqlens_k.numel() - 1
+        S = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    nch = max(1, -(-S // chunk))
+    bd = triton.next_power_of_2(D)
+    part = torch.empty(B * H, nch, D, device=v.device, dtype=torch.float32)
+    cu = cu_seqlens_k if varlen else part
+    _v_amax_kernel[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
+                                 CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
+    return part, (B, H, S, D, nch, bd, cu)
+
+
+def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16):
+    varlen = cu_seqlens_k is not None
+    chunk = 64
+    part, (B, H, S, D, nch, bd, cu) = _v_partial_amax(v, layout, varlen, cu_seqlens_k, max_seqlen_k, chunk)
+    v_scale = torch.empty(B, H, D, device=v.device, dtype=torch.float32)
+    inv = torch.empty_like(v_scale)
+    _v_scale_kernel[(B * H,)](part, v_scale, inv, nch, D=D, BLOCK_D=bd, CH=8, FP16=fp16, num_warps=4)
+    _v_quant_kernel[(nch, B * H)](v, out, inv, cu, *_views(v, layout, varlen), *_views(out, layout, varlen), H, S,
+                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, FP16=fp16, INTERPRET=INTERPRETED,
+                                  num_warps=4)
+    return out, v_scale
+
+
 def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None):
-    """V -> (E4M3 codes, fp32 scale (B, Hkv, D)).
+    """V -> (E4M3 codes, fp32 scale (B, Hkv, D)) = ``quantize_v_fp8_reference`` bit for bit.
 
     The codes have v's logical shape but are stored sequence-contiguous (a view of a
     (B, H, D, S_pad) / (H, D, T_pad) buffer), so the P·V tile is K-major, as Hopper FP8 MMA needs.
+    Three launches: per-chunk channel amax, the scales (amax/448 and the multiplier 448/amax), the codes.
     """
     varlen = cu_seqlens_k is not None
     B, H, S, D = _dims(v, layout, varlen)
     if varlen:
-        B = cu_seqlens_k.numel() - 1
         T = v.shape[0]
-        S = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
         buf = torch.empty(H, D, -(-T // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
         v8 = buf[:, :, :T].permute(2, 0, 1)
     else:
         buf = torch.empty(B, H, D, -(-S // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
         v8 = buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
-    chunk = 64
-    nch = max(1, -(-S // chunk))
-    bd = triton.next_power_of_2(D)
-    part = torch.zeros(B * H, nch, D, device=v.device, dtype=torch.float32)
-    cu = cu_seqlens_k if varlen else part
-    _v_amax_kernel[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
-                                 CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
-    amax = part.amax(dim=1).view(B, H, D)
-    v_scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))  # as the reference
-    _v_quant_kernel[(nch, B * H)](v, v8, v_scale, cu, *_views(v, layout, varlen), *_views(v8, layout, varlen), H, S,
-                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=4)
-    return v8, v_scale
+    return _quantize_v(v, v8, layout, cu_seqlens_k, max_seqlen_k, fp16=False)
+
+
+def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None):
+    """BF16 V -> (FP16 V with v's layout, fp32 power-of-two scale (B, Hkv, D)) = ``quantize_v_fp16_reference``.
+
+    Per (batch, head, channel) V is multiplied by 2^e (e = 15 - floor(log2 amax), so amax lands in [2^15, 65280])
+    and rounded to FP16: exact wherever the result is a normal FP16 number (BF16 has 8 significant bits, FP16 11),
+    and the kernel's output is multiplied back by the exact 2^-e."""
+    return _quantize_v(v, torch.empty_like(v, dtype=torch.float16), layout, cu_seqlens_k, max_seqlen_k, fp16=True)
 
 
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
@@ -512,7 +609,8 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                          max_seqlen_k=None, return_lse=False, out_dtype=None, config=None):
     """Launch the forward kernel on already-prepared operands (no validation here: see api.py).
 
-    q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit or float8_e4m3fn (+ v_scale).
+    q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
+    + v_scale (BF16 V carried in FP16 by ``quantize_v_fp16_triton``; the output is multiplied by v_scale).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
     autotuned unless LOWBIT_ATTN_AUTOTUNE=0.
     """
@@ -554,7 +652,8 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
             vs.stride(0) if v_scale is not None else 0, vs.stride(1) if v_scale is not None else 0,
             km.stride(0) if km is not None else 0, km.stride(1) if km is not None else 0,
             *sl, Hq, Hq // Hkv, Sq, Sk, scale * LOG2E, left, right, triton.next_power_of_2(max(Sq, 1))]
-    meta = dict(QK_MODE=qk_mode, PV_FP8=pv_fp8, Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows,
+    meta = dict(QK_MODE=qk_mode, PV_FP8=pv_fp8, V_SCALED=v_scale is not None, Q_SCALE_ROWS=q_scale_rows,
+                K_SCALE_ROWS=k_scale_rows,
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
                 REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED,
                 TMA=_tma_enabled(k, v, kv, vv, pv_fp8, varlen))

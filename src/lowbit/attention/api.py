@@ -1,4 +1,4 @@
-"""Public entry points: ``attention``, ``attention_qk_int8``, ``quantize_qk``, ``quantize_v_fp8``.
+"""Public entry points: ``attention``, ``attention_qk_int8``, ``quantize_qk``, ``quantize_v_fp8``, ``quantize_v_fp16``.
 
 Backends (``backend=``):
 * ``"reference"`` — pure torch (any device; the default on CPU): the quantized reference for
@@ -21,7 +21,7 @@ from . import reference as _ref
 from .reference import QKQuantized, n_q_groups
 
 _QK = ("bf16", "fp16", "int8", "fp8")
-_PV = ("bf16", "fp16", "fp8")
+_PV = ("auto", "bf16", "fp16", "fp8")
 _BACKENDS = ("reference", "triton", "sdpa")
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -128,6 +128,24 @@ def _check_window(window):
     return tuple(window)
 
 
+def resolve_pv(pv: str, qk: str, dtype: Optional[torch.dtype]) -> str:
+    """The P·V arithmetic ``pv`` asks for, given ``qk`` and the inputs' dtype: "native" (P rounded to V's own
+    dtype, V untouched), "fp16" (BF16 V carried in FP16 under power-of-two scales, P rounded to FP16) or "fp8".
+
+    * "fp16": FP16 P·V. BF16 V is converted (``quantize_v_fp16``: exact up to FP16 subnormals); FP16 V as is.
+    * "bf16": P·V in BF16 for BF16 inputs; FP16 inputs keep FP16 (converting V to BF16 would only drop bits).
+    * "auto" (default): "fp16" when Q·Kᵀ is quantized ("int8"/"fp8") — P in [0, 1] keeps 3 more mantissa bits in
+      FP16 than in BF16, which SageAttention also uses — else the inputs' own dtype (plain attention dispatches
+      to SDPA as before)."""
+    if pv not in _PV:
+        raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
+    if pv == "fp8":
+        return "fp8"
+    if pv == "auto":
+        pv = "fp16" if qk in ("int8", "fp8") else "bf16"
+    return "fp16" if pv == "fp16" and dtype == torch.bfloat16 else "native"
+
+
 def _half(name, x):
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{name} must be float16 or bfloat16 for this path, got {x.dtype}")
@@ -142,7 +160,8 @@ def select_backend(device: torch.device, qk: str, pv: str, *, varlen: bool, wind
         return backend
     if device.type != "cuda" or dtype == torch.float32:
         return "reference"
-    if qk in ("bf16", "fp16") and pv in ("bf16", "fp16") and not varlen and window is None and not return_lse:
+    native = pv == "native" or (pv in _PV and resolve_pv(pv, qk, dtype) == "native")
+    if qk in ("bf16", "fp16") and native and not varlen and window is None and not return_lse:
         return "sdpa"
     return "triton"
 
@@ -193,6 +212,26 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
         from . import _triton
         return _triton.quantize_qk_triton(q, k, **kw)
     return _ref.quantize_qk_reference(q, k, **kw)
+
+
+def quantize_v_fp16(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
+                    max_seqlen_k: Optional[int] = None, backend: Optional[str] = None):
+    """BF16 V -> (float16 V with v's shape and layout, fp32 power-of-two scales (B, Hkv, D)) for FP16 P·V.
+
+    Per (batch, head, channel) v is multiplied by 2^e with e = 15 - floor(log2 amax) (amax lands in
+    [2^15, 65280], below FP16's 65504) and rounded to FP16: exact unless the product is an FP16 subnormal.
+    Dequantize with v16 · scale (scale = 2^-e, exact)."""
+    _tensor("v", v)
+    if v.dtype != torch.bfloat16:
+        raise TypeError(f"quantize_v_fp16: v must be bfloat16 (FP16 V needs no conversion), got {v.dtype}")
+    varlen = cu_seqlens_k is not None
+    lay = _layout_of(layout, varlen)
+    be = backend or ("triton" if v.is_cuda else "reference")
+    if be == "triton":
+        from . import _triton
+        return _triton.quantize_v_fp16_triton(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k,
+                                              max_seqlen_k=max_seqlen_k)
+    return _ref.quantize_v_fp16_reference(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k)
 
 
 def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
@@ -260,13 +299,13 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     quant_qk = qk in ("int8", "fp8")
     out_dtype = q.dtype
     if backend == "sdpa":
-        if quant_qk or pv == "fp8" or cu_q is not None or window is not None or return_lse:
+        if quant_qk or pv != "native" or cu_q is not None or window is not None or return_lse:
             raise NotImplementedError("backend='sdpa' supports only qk/pv 16-bit, dense inputs, no window and no "
                                       f"return_lse; got qk={qk!r}, pv={pv!r}, varlen={cu_q is not None}, "
                                       f"window={window!r}, return_lse={return_lse}")
         return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
     if backend == "reference":
-        if not quant_qk and pv != "fp8":
+        if not quant_qk and pv == "native":
             res = _ref.attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                            layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
         else:
@@ -288,6 +327,8 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
     if pv == "fp8":
         va, vs = _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
+    elif pv == "fp16":
+        va, vs = _triton.quantize_v_fp16_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
     else:
         va, vs = v, None
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
@@ -316,7 +357,7 @@ class _AttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, opts):
         # A 16-bit Triton forward already computes what the fused backward needs: keep its O and LSE
         # (the LSE costs one FP32 per query row) instead of recomputing the forward in the backward.
-        keep = opts["backend"] == "triton" and opts["qk"] not in ("int8", "fp8") and opts["pv"] != "fp8"
+        keep = opts["backend"] == "triton" and opts["qk"] not in ("int8", "fp8") and opts["pv"] == "native"
         out, lse = _forward(q, k, v, **dict(opts, return_lse=opts["return_lse"] or keep))
         ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None)
         ctx.opts = opts
@@ -358,7 +399,7 @@ def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None):
 
 # ----------------------------------------------------------------------------- public entry points
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
-              layout: Optional[str] = None, qk: str = "bf16", pv: str = "bf16", granularity: str = "per_block",
+              layout: Optional[str] = None, qk: str = "bf16", pv: str = "auto", granularity: str = "per_block",
               smooth_k: bool = True, window=None, cu_seqlens_q: Optional[Tensor] = None,
               cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None,
@@ -369,7 +410,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``cu_seqlens_q/k`` (int32, (B+1,)).  k, v: same with Hkv heads, Hq % Hkv == 0.  float16/bfloat16
     (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
-    pv: "bf16"/"fp16" or "fp8" (E4M3 P and per-channel-scaled V).  smooth_k subtracts mean(K)
+    pv: the P·V MMA: "auto" (default: "fp16" when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
+    carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
+    inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts mean(K)
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
     Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
@@ -382,7 +425,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     for n, t in (("q", q), ("k", k), ("v", v)):
         _tensor(n, t)
     if dropout_p != 0.0:
-        if qk not in ("bf16", "fp16") or pv not in ("bf16", "fp16") or return_lse:
+        if qk not in ("bf16", "fp16") or pv not in ("auto", "bf16", "fp16") or return_lse:
             raise NotImplementedError(
                 f"dropout_p={dropout_p}: dropout runs with 16-bit attention only (qk/pv 'bf16'/'fp16', no return_lse); "
                 f"got qk={qk!r}, pv={pv!r}, return_lse={return_lse}")
@@ -394,8 +437,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
                                    backend=backend if backend in ("triton", "reference") else None)
     if qk not in _QK:
         raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
-    if pv not in _PV:
-        raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
+    pv = resolve_pv(pv, qk, q.dtype)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     lay = _layout_of(layout, varlen)
     _check_qkv(q, k, v, lay)
@@ -426,7 +468,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
 def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor, k_scale: Tensor, *,
                       k_mean: Optional[Tensor] = None, causal: bool = False, layout: Optional[str] = None,
                       granularity: str = "per_block", block_q: int = 128, block_k: int = 64, warp_q: int = 32,
-                      pv: str = "bf16", window=None, cu_seqlens_q: Optional[Tensor] = None,
+                      pv: str = "auto", window=None, cu_seqlens_q: Optional[Tensor] = None,
                       cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                       max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None):
     """Attention on pre-quantized INT8 Q/K (SageAttention conventions, DESIGN §3).
@@ -434,7 +476,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
     k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
-    per channel inside).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
+    per channel inside; pv="auto"/"fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16: ``resolve_pv``).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
     (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
     are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
     to correct the returned LSE.  Output in v's dtype.
@@ -444,8 +486,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
         raise TypeError(f"q_int8 and k_int8 must be torch.int8, got q {q_int8.dtype}, k {k_int8.dtype}")
     _half("v", v)
-    if pv not in _PV:
-        raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
+    pv = resolve_pv(pv, "int8", v.dtype)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     lay = _layout_of(layout, varlen)
     B, Hq, Sq, Hkv, Sk, D = _check_qkv(q_int8, k_int8, v, lay)
@@ -479,6 +520,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     lay2 = "bhsd" if lay == "thd" else lay
     if be == "reference":
         va, vs = (_ref.quantize_v_fp8_reference(v, layout=lay2, cu_seqlens_k=cu_seqlens_k) if pv == "fp8"
+                  else _ref.quantize_v_fp16_reference(v, layout=lay2, cu_seqlens_k=cu_seqlens_k) if pv == "fp16"
                   else (v, None))
         out, lse = _ref.attention_prequantized_reference(
             q_int8, k_int8, va, q_scale, k_scale, v_scale=vs, k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k,
@@ -489,8 +531,8 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         from . import _triton
         _check_triton(D, q_int8.device)
         kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
-        va, vs = (_triton.quantize_v_fp8_triton(v, layout=lay2, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=mk)
-                  if pv == "fp8" else (v, None))
+        qv = {"fp8": _triton.quantize_v_fp8_triton, "fp16": _triton.quantize_v_fp16_triton}.get(pv)
+        va, vs = qv(v, layout=lay2, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=mk) if qv else (v, None)
         res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
                                            k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
                                            window=window, return_lse=return_lse, out_dtype=v.dtype, **kw)

@@ -45,6 +45,8 @@ __all__ = [
     "attention_prequantized_reference",
     "quantize_qk_reference",
     "quantize_v_fp8_reference",
+    "quantize_v_fp16_reference",
+    "v_fp16_scales",
     "QKQuantized",
     "round_half_away",
     "to_e4m3",
@@ -215,7 +217,10 @@ def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
     # tensor / tensor: on CUDA, torch divides by a Python scalar via its reciprocal (not correctly
     # rounded); the Triton prepass uses div.rn, so both must be true IEEE divisions.
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
-    y = x / scale.repeat_interleave(rows, dim=2)[:, :, :s, None]
+    # the quantizer multiplies by qmax / amax (DESIGN §3: the scale multiplies x on the way in); one division
+    # per group instead of one per element (the Triton prepass was bound by its per-element divisions)
+    inv = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, qmax) / amax)
+    y = x * inv.repeat_interleave(rows, dim=2)[:, :, :s, None]
     if dtype == "int8":
         codes = round_half_away(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     else:
@@ -301,7 +306,7 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     """V -> (float8_e4m3fn codes same shape/layout, fp32 scale (B, Hkv, D)).
 
     scale = amax over the sequence per (batch, head, channel) / 448 (amax == 0 -> 1);
-    code = sat_rne(v / scale).  Dequant: code * scale.  Varlen: per sequence.
+    code = sat_rne(v · (448 / amax)).  Dequant: code * scale.  Varlen: per sequence.
     """
     if cu_seqlens_k is not None:
         segs = _split_varlen(cu_seqlens_k)
@@ -316,10 +321,45 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     vh = _bhsd(v, layout).float()
     amax = vh.abs().amax(dim=2)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))  # see _quant_rows
-    codes = to_e4m3(vh / scale[:, :, None, :])
+    inv = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, E4M3_MAX) / amax)
+    codes = to_e4m3(vh * inv[:, :, None, :])
     if layout == "bshd":
         codes = codes.transpose(1, 2)
     return codes.contiguous(), scale
+
+
+def v_fp16_scales(amax: Tensor) -> Tuple[Tensor, Tensor]:
+    """(scale, multiplier) = (2^-e, 2^e) per channel for carrying BF16 V in FP16: e = 15 - floor(log2 amax),
+    at most 126 (amax == 0 -> e = 0).  amax·2^e lies in [2^15, 2^16) and a BF16 mantissa is at most 1.9921875, so
+    amax·2^e <= 65280 < 65504: no overflow; every value whose scaled magnitude is >= 2^-14 converts exactly."""
+    ebits = (amax.contiguous().view(torch.int32) >> 23) & 0xFF
+    e = torch.clamp(15 - (ebits - 127), max=126)
+    e = torch.where(amax == 0, torch.zeros_like(e), e)
+    mult = ((e + 127) << 23).view(torch.float32)
+    scale = ((127 - e) << 23).view(torch.float32)
+    return scale, mult
+
+
+def quantize_v_fp16_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = None):
+    """BF16 V -> (float16 V same shape/layout, fp32 power-of-two scale (B, Hkv, D)) for FP16 P·V.
+
+    v16 = fp16_rne(v · 2^e) per (batch, head, channel) with ``v_fp16_scales``; v ≈ v16 · scale exactly unless
+    v·2^e falls below FP16's normal range (then round to nearest even).  Varlen: per sequence."""
+    if cu_seqlens_k is not None:
+        out = torch.empty_like(v, dtype=torch.float16)
+        scales = []
+        for s0, s1 in _split_varlen(cu_seqlens_k):
+            o, sc = quantize_v_fp16_reference(v[s0:s1].unsqueeze(0), layout="bshd")
+            out[s0:s1] = o[0]
+            scales.append(sc[0])
+        return out, torch.stack(scales, 0)
+    _check_layout(layout)
+    vh = _bhsd(v, layout).float()
+    scale, mult = v_fp16_scales(vh.abs().amax(dim=2))
+    v16 = (vh * mult[:, :, None, :]).to(torch.float16)
+    if layout == "bshd":
+        v16 = v16.transpose(1, 2)
+    return v16.contiguous(), scale
 
 
 def lse_smoothing_shift(q: Tensor, k_mean: Tensor, softmax_scale: float, *, layout: str = "bhsd",
@@ -354,7 +394,10 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
       in log2 units; ``softmax_scale`` is ignored) — or 16-bit q, k with q_scale = k_scale = None
       (scores = q·k · softmax_scale · log2 e in FP32).
     * v 16-bit (P rounded to v's dtype before P·V), or float8_e4m3fn with ``v_scale`` (B, Hkv, D):
-      P·448 rounded to E4M3, output = (P8·V8) / l · v_scale / 448.
+      P·448 rounded to E4M3, output = (P8·V8) / l · v_scale / 448; or float16 with ``v_scale`` (BF16 V carried
+      in FP16, ``quantize_v_fp16_reference``): P rounded to FP16, output = (P16·V16) / l · v_scale.
+    * scores: s·c with c = q_scale[row]·k_scale[col] (or the 16-bit c), p = exp2(s·c - m), m = max(s·c): the
+      kernel takes the max as c·max(s) (the same number) and fuses s·c - m into one FMA (differs in the last bit).
     * ``block_n``: None = exact softmax (row max over all keys); an int = the kernel's online
       softmax over key tiles of that width (P is quantized relative to the running max), so a
       kernel run with the same BLOCK_N matches to FP32-rounding level.
@@ -420,8 +463,8 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
             acc = acc * alpha[..., None] + torch.matmul(p_round(p), vf[..., n0:n0 + block_n, :])
             m = m_new
     out = acc / torch.where(l_sum == 0, torch.ones_like(l_sum), l_sum)[..., None]
-    if pv_fp8:
-        vsc = (v_scale / E4M3_MAX).repeat_interleave(g, dim=1)  # (B, Hq, D)
+    if v_scale is not None:  # FP8 V, or BF16 V carried in FP16
+        vsc = (v_scale / E4M3_MAX if pv_fp8 else v_scale).repeat_interleave(g, dim=1)  # (B, Hq, D)
         out = out * vsc[:, :, None, :]
     lse2 = m + torch.log2(l_sum)
     if k_mean is not None and quant_qk:
@@ -441,7 +484,8 @@ def attention_quantized_reference(q: Tensor, k: Tensor, v: Tensor, *, qk: str = 
                                   return_lse: bool = False, block_n: Optional[int] = None):
     """Quantize (prepass reference) then run ``attention_prequantized_reference``.
 
-    qk: "int8" | "fp8" | "bf16" (16-bit: the inputs' own dtype); pv: "bf16" (16-bit) | "fp8".
+    qk: "int8" | "fp8" | "bf16" (16-bit: the inputs' own dtype); pv: "bf16" (V in its own dtype: P rounded to
+    it) | "fp16" (BF16 V carried in FP16 under power-of-two scales; FP16 V as is) | "fp8".
     q, k, v: 16-bit float tensors (fp32 also accepted here).  Output FP32.
     """
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -454,6 +498,8 @@ def attention_quantized_reference(q: Tensor, k: Tensor, v: Tensor, *, qk: str = 
         qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
     if pv == "fp8":
         va, vs = quantize_v_fp8_reference(v, layout=layout, cu_seqlens_k=cu_seqlens_k)
+    elif pv == "fp16" and v.dtype == torch.bfloat16:
+        va, vs = quantize_v_fp16_reference(v, layout=layout, cu_seqlens_k=cu_seqlens_k)
     else:
         va, vs = v, None
     res = attention_prequantized_reference(qa, ka, va, qs, ks, v_scale=vs, k_mean=None, q_scale_rows=rows,

@@ -3,8 +3,9 @@
 For each (B, H, S, D) and causal flag: median time (triton.testing.do_bench) and TFLOP/s
 (4·B·H·S²·D, halved when causal) of
   * peers: SDPA flash, SDPA cuDNN (BF16), sageattention ``sageattn`` if importable;
-  * lowbit Triton kernel for qk/pv in bf16/bf16, int8/bf16, int8/fp8, fp8/fp8, kernel-only
-    (operands quantized beforehand) and end-to-end (prepass included);
+  * lowbit Triton kernel for qk/pv in bf16/bf16, int8/bf16, int8/fp16 (BF16 V carried in FP16: the default for
+    int8), int8/fp8, fp8/fp8, kernel-only (operands quantized beforehand) and end-to-end (prepass included), and
+    the prepass alone (Q/K, V);
 and NRMSE vs an FP32 reference computed on batch 0, heads 0..3 (the kernels treat heads independently).
 Writes a markdown table and JSON lines to --out.
 """
@@ -21,10 +22,10 @@ from . import env, git_commit, median_ms
 from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
-MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")]
+MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp16"), ("int8", "fp8"), ("fp8", "fp8")]
 
 
-def bench_case(B, H, S, D, causal, modes, rep_ms=200):
+def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -62,8 +63,11 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
         rows.append(dict(name="sageattention", kind="peer", ms=float("nan"), tflops=float("nan"),
                          nrmse=float("nan"), error="not installed"))
 
+    from lowbit.attention.api import resolve_pv
+
     for qk, pv in modes:
         tag = f"lowbit_{qk}_{pv}"
+        pvr = resolve_pv(pv, qk, q.dtype)  # "auto" -> "fp16" for quantized Q·Kᵀ; "fp16" converts BF16 V
         run(tag + "_e2e", lambda qk=qk, pv=pv: attention(q, k, v, causal=causal, qk=qk, pv=pv, backend="triton"),
             "end-to-end")
         # kernel-only: quantize once outside the timed region
@@ -72,20 +76,21 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200):
         else:
             qq = T.quantize_qk_triton(q, k, dtype=qk)
             qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
-        va, vs = T.quantize_v_fp8_triton(v) if pv == "fp8" else (v, None)
+        qv = {"fp8": T.quantize_v_fp8_triton, "fp16": T.quantize_v_fp16_triton}.get(pvr)
+        va, vs = qv(v) if qv else (v, None)
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
-        with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
-            run(tag + "_kernel", kern, "kernel")
+        if pointer_tiles:
+            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
+                run(tag + "_kernel", kern, "kernel")
         with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")
         if qk != "bf16":
-            def prepass(qk=qk, pv=pv):
-                T.quantize_qk_triton(q, k, dtype=qk)
-                if pv == "fp8":
-                    T.quantize_v_fp8_triton(v)
-            ms = median_ms(prepass, warmup=10, rep=100)
-            rows.append(dict(name=tag + "_prepass", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
+            ms = median_ms(lambda qk=qk: T.quantize_qk_triton(q, k, dtype=qk), warmup=10, rep=100)
+            rows.append(dict(name=tag + "_prepass_qk", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
+        if qv:
+            ms = median_ms(lambda qv=qv: qv(v), warmup=10, rep=100)
+            rows.append(dict(name=tag + "_prepass_v", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
     del ref
     torch.cuda.empty_cache()
     return rows
@@ -98,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--modes", default=",".join(f"{a}/{b}" for a, b in MODES), help="qk/pv pairs, comma-separated")
     ap.add_argument("--rep-ms", type=int, default=200)
+    ap.add_argument("--pointer-tiles", action="store_true", help="also time the kernel with pointer tiles (TMA off)")
     ap.add_argument("--out", default="bench_attention", help="directory for results.md / results.jsonl")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.jsonl"), "w") as jf:
         for (B, H, S, D) in shapes:
             for causal in causals:
-                rows = bench_case(B, H, S, D, causal, modes, args.rep_ms)
+                rows = bench_case(B, H, S, D, causal, modes, args.rep_ms, args.pointer_tiles)
                 cud = next((r["ms"] for r in rows if r["name"] == "sdpa_cudnn"), float("nan"))
                 fla = next((r["ms"] for r in rows if r["name"] == "sdpa_flash"), float("nan"))
                 sage = next((r["ms"] for r in rows if r["name"] == "sageattention"), float("nan"))
