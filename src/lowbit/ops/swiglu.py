@@ -152,7 +152,7 @@ if triton is not None:
                              FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                              EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr, DT: tl.constexpr,
                              BACKWARD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SLAB: tl.constexpr,
-                             abs_mask=0x7FFFFFFF):
+                             UNROLL: tl.constexpr = 1, abs_mask=0x7FFFFFFF):
         """One 128 x 128 tile of the (M, N) output (N = F forward, 2F backward), walked in SLAB-row slabs twice
         (as quant.kernels.quant.blockwise_kernel's slab walk): walk 1 makes the rowwise copy (1x128 scales along
         N) and keeps the column maxima; walk 2 recomputes the slabs (their inputs are in L2 now) and writes the
@@ -170,7 +170,7 @@ if triton is not None:
         cn = n0 + tl.arange(0, BS)  # output column
         m0 = pid_m * BS
         acc = tl.zeros((SLAB, BS), dtype=tl.int32)
-        for r0 in range(0, BS, SLAB):
+        for r0 in tl.range(0, BS, SLAB, loop_unroll_factor=UNROLL):
             rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
             x = _swiglu_vals(u_ptr, g_ptr, rows, c, M, F, half, DT, BACKWARD)
             ab = x.to(tl.int32, bitcast=True) & abs_mask
@@ -186,11 +186,17 @@ if triton is not None:
         if COL:
             sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
             tl.store(cs_ptr + pid_m * cs_ld + cn, _recip(sc))
-            for r0 in range(0, BS, SLAB):
+            for r0 in tl.range(0, BS, SLAB, loop_unroll_factor=UNROLL):
                 rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
                 x = _swiglu_vals(u_ptr, g_ptr, rows, c, M, F, half, DT, BACKWARD)
                 q = _fp8_cast(x * sc[None, :], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
                 tl.store(cq_ptr + cn.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q), mask=(rows < M)[None, :])
+
+
+# slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
+_SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
+                         [dict(SLAB=32, num_warps=4), dict(SLAB=32, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=8),
+                          dict(SLAB=16, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=4)])
 
 
 def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, grad: torch.Tensor | None = None, rowwise: bool = True,
@@ -209,7 +215,7 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, grad: torch.Tensor | None 
         dtype u.dtype, bit-identical to ``quantize(swiglu(u), scheme)`` / ``quantize(<d[a|b] of swiglu>, scheme)``.
     """
     from ..quant.tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
-    from ..quant.triton_backend import SW_ROUND, _fmt_args
+    from ..quant.triton_backend import SW_ROUND, _bucket, _fmt_args, tuned_launch
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
@@ -237,11 +243,12 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, grad: torch.Tensor | None 
     cq = torch.empty(N, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     satcvt = not INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
     g = grad.contiguous() if backward else u
-    _swiglu_quant_kernel[(nb, mb)](
-        u, g, rq if rowwise else cq, rs if rowwise else cs, cq if columnwise else rq, cs if columnwise else rs, amax_i,
-        M, F, rshape[1] if rowwise else 0, cshape[1] if columnwise else 0, **_fmt_args(fmt), POW2=scheme.pow2,
-        EPS=float(scheme.eps), SW=SW_ROUND, SATCVT=satcvt, DT=tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16,
-        BACKWARD=backward, ROW=rowwise, COL=columnwise, SLAB=16 if INTERPRET else 32, num_warps=4)
+    kw = dict(**_fmt_args(fmt), POW2=scheme.pow2, EPS=float(scheme.eps), SW=SW_ROUND, SATCVT=satcvt,
+              DT=tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16, BACKWARD=backward, ROW=rowwise, COL=columnwise)
+    args = (u, g, rq if rowwise else cq, rs if rowwise else cs, cq if columnwise else rq, cs if columnwise else rs, amax_i,
+            M, F, rshape[1] if rowwise else 0, cshape[1] if columnwise else 0)
+    tuned_launch("swiglu_quant", (backward, rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _SWIGLU_QUANT_CONFIGS,
+                 lambda c: _swiglu_quant_kernel[(nb, mb)](*args, **kw, **c))
     qt = QuantizedTensor(shape=(*u.shape[:-1], N), dtype=u.dtype, scheme=scheme)
     amax = amax_i.view(torch.float32)
     if rowwise:
