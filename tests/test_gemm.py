@@ -222,6 +222,34 @@ def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch):
+    """The Gluon kernel (wgmma of K block j+1 overlapping block j's promotion; 1x128 x 128x128 on sm_90) alone
+    (LOWBIT_GEMM_GLUON=force): the reference's tolerance, exact on small-integer inputs, ragged M/N/K (K blocks
+    padded to a multiple of 4 with TMA zero fill and zero scales), every epilogue, BF16 output."""
+    import lowbit.gemm.triton_backend as tb
+
+    if not (tb.G.GLUON and torch.cuda.get_device_capability(cuda) == (9, 0)):
+        pytest.skip("needs Gluon and an sm_90 GPU")
+    monkeypatch.setenv("LOWBIT_GEMM_GLUON", "force")
+    sa, sb = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
+    for (M, N, K) in [(129, 257, 1000), (1, 17, 129), (300, 64, 4096), (1000, 384, 640)]:
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N)
+        assert tb._gluon_ok(2, 3, 128, a.rowwise.data.device)
+        _check(a, b, "rowwise", "rowwise", "triton")
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=torch.bfloat16)
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N, ints=True)
+        _check(a, b, "rowwise", "rowwise", "triton", exact=True)
+    M, N, K = 129, 200, 384
+    a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=9)
+    bias = torch.randn(N, device=cuda)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, bias=bias.to(out_dtype))
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, bias=bias, gelu=True)
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, accumulate=True,
+               out=torch.randn(M, N, device=cuda).to(out_dtype))
+
+
+@pytest.mark.gpu
 def test_gpu_dispatch_and_bad_input(cuda):
     a, b = _operands(128, 128, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda)
     assert backend_for(a, b) in ("cublas", "triton")

@@ -111,6 +111,15 @@ def _tma_ok(A, B, row_bytes) -> bool:
     return True
 
 
+def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
+    """The Gluon kernel (:func:`~lowbit.gemm.kernels.gemm.fp8_gemm_gluon`: wgmma of K block j+1 overlapping block j's
+    promotion) as an autotune candidate (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` its configs only, for
+    tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block)."""
+    if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force") or INTERPRET or not G.GLUON:
+        return False
+    return bs == 128 and sb_mode == 3 and sa_mode == 2 and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
 def _check_bias(bias):
     if bias is not None and not bias.is_contiguous():
         raise ValueError(f"bias: must be contiguous, got strides {tuple(bias.stride())}")
@@ -130,15 +139,26 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
 
     tma = _tma_ok(A, B, K)
+    gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev)
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
-        G.fp8_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
+        kern = G.fp8_gemm_gluon if cfg.get("GLUON") else G.fp8_gemm_kernel
+        extra = dict(STAGES=cfg["STAGES"]) if cfg.get("GLUON") else dict(TMA=tma, num_stages=cfg["num_stages"])
+        kern[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
             SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
-            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
 
-    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma),
-         lambda: _candidates(M, N, False), launch, accumulate)
+    def cands():
+        out = _candidates(M, N, False)
+        if gluon:  # H200 2026-11-23: 128x128 / 8 warps / 4 stages 850-920 TFLOP/s on large shapes, the tl kernel <= 830
+            g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st) for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
+                 if bm <= max(_bucket(M), 64)]
+            out = g if os.environ.get("LOWBIT_GEMM_GLUON") == "force" else out + g
+        return out
+
+    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma, gluon),
+         cands, launch, accumulate)
     return _finish(c, pre, out, accumulate)
 
 

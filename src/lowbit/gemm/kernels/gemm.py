@@ -65,6 +65,33 @@ def _row_scale(s_ptr, offs, mask, kb, ld, MODE: tl.constexpr, BS: tl.constexpr):
 
 
 @triton.jit
+def _tile_scale(s_ptr, offs, mask, first, kb, ld, MODE: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr):
+    """K block kb's scale for the tile's rows offs (first = offs[0]): a vector (1xBS, or BSxBS tiles straddling
+    blocks), one scalar for BSxBS when the BR-row tile lies inside one block (BS % BR == 0), 1 for the modes
+    applied after the loop (tensorwise, per row)."""
+    if MODE == 3 and BS % BR == 0:
+        return tl.load(s_ptr + (first // BS) * ld + kb)
+    elif MODE >= 2:
+        return _row_scale(s_ptr, offs, mask, kb, ld, MODE, BS)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _fold(acc, part, fa, fb, A_VEC: tl.constexpr, B_VEC: tl.constexpr):
+    """acc + part · fa · fb with fa / fb vectors along M / N or scalars: one FMA per element unless both are
+    vectors (the scalar folded into the other's vector first)."""
+    if A_VEC and B_VEC:
+        return acc + part * fa[:, None] * fb[None, :]
+    elif A_VEC:
+        return acc + part * (fa * fb)[:, None]
+    elif B_VEC:
+        return acc + part * (fb * fa)[None, :]
+    else:
+        return acc + part * (fa * fb)
+
+
+@triton.jit
 def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     SA: tl.constexpr, SB: tl.constexpr, BS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
@@ -97,11 +124,9 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N
             a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(b_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         part = tl.dot(a, tl.trans(b))  # one scaling block of K, reduced on the tensor cores from zero
-        if SA >= 2:
-            part = part * _row_scale(sa_ptr, offs_m, mmask, kb, lda_s, SA, BS)[:, None]
-        if SB >= 2:
-            part = part * _row_scale(sb_ptr, offs_n, nmask, kb, ldb_s, SB, BS)[None, :]
-        acc += part
+        fa = _tile_scale(sa_ptr, offs_m, mmask, pid_m * BM, kb, lda_s, SA, BS, BM)
+        fb = _tile_scale(sb_ptr, offs_n, nmask, pid_n * BN, kb, ldb_s, SB, BS, BN)
+        acc = _fold(acc, part, fa, fb, SA == 2 or (SA == 3 and BS % BM != 0), SB == 2 or (SB == 3 and BS % BN != 0))
     if SA == 0:
         acc = acc * tl.load(sa_ptr)
     if SA == 1:
@@ -216,3 +241,163 @@ def emu_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_p
     if NV:
         acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
     _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gluon (Triton's explicit-layout dialect) FP8 blockwise GEMM for Hopper: the same numbers as fp8_gemm_kernel
+# (per-block wgmma from zero, scaled and added into FP32 once per BS-wide K block) with the wgmma of block j+1
+# overlapping block j's promotion — which tl.dot cannot express (Triton waits for a zero-initialised dot
+# right after issuing it). 1xBS x BSxBS scales (one scalar per B tile and block) or BSxBS x BSxBS; TMA tiles.
+# ------------------------------------------------------------------------------------------------
+try:  # Triton >= 3.5 with Gluon's Hopper ops
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    # (renamed async_load and barrier after Triton 3.6)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    GLUON = True
+except Exception:  # pragma: no cover - older Triton
+    GLUON = False
+
+if GLUON:
+    @gluon.jit
+    def _g_load(ad, bd, a_s, b_s, bars, off_m, off_n, j, pred, BS: gl.constexpr, STAGES: gl.constexpr):
+        """TMA loads of K block j into stage j % STAGES (zero fill past M, N, K)."""
+        s = j % STAGES
+        mbarrier.expect(bars.index(s), ad.block_type.nbytes + bd.block_type.nbytes, pred=pred)
+        _tma_load(ad, [off_m, j * BS], bars.index(s), a_s.index(s), pred=pred)
+        _tma_load(bd, [off_n, j * BS], bars.index(s), b_s.index(s), pred=pred)
+
+
+    @gluon.jit
+    def _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, j, nkbu, BS: gl.constexpr, STAGES: gl.constexpr):
+        """Block j's wgmma is done in this warpgroup; once both are (barrier), load block j + STAGES into its stage."""
+        _cta_barrier()
+        _g_load(ad, bd, a_s, b_s, bars, off_m, off_n, j + STAGES, j + STAGES < nkbu, BS, STAGES)
+
+
+    @gluon.jit
+    def _g_mma(a_s, b_s, bars, j, regs, STAGES: gl.constexpr):
+        """Wait for K block j's tiles, issue its wgmma from zero (async: returns the in-flight token)."""
+        s = j % STAGES
+        mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+        return warpgroup_mma(a_s.index(s), b_s.index(s).permute((1, 0)), regs, use_acc=False, is_async=True)
+
+
+    @gluon.jit
+    def _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s,
+                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr):
+        """Scales of K block kb: a vector along the tile for 1xBS (mode 2), one scalar for BSxBS (mode 3: the tile lies
+        inside one block)."""
+        if SA == 2:
+            r = gl.load(sa_ptr + kb * lda_s + offs_m, mask=mmask & (kb < nkb), other=0.0)
+        else:
+            r = gl.load(sa_ptr + (off_m // BS) * lda_s + kb, mask=kb < nkb, other=0.0)
+        if SB == 2:
+            c = gl.load(sb_ptr + kb * ldb_s + offs_n, mask=nmask & (kb < nkb), other=0.0)
+        else:
+            c = gl.load(sb_ptr + (off_n // BS) * ldb_s + kb, mask=kb < nkb, other=0.0)
+        return r, c
+
+
+    @gluon.jit
+    def _g_fold(acc, part, r, c, SA: gl.constexpr, SB: gl.constexpr):
+        """acc + part * (scale factor), one FMA per element; SA / SB: which factor is a vector (2) or scalar (3).
+        The FMA is a non-pure inline asm so that the compiler keeps it between the wgmma wait that produces part and
+        the next wgmma issue (sunk below them, all partials would be live at once and ptxas serializes the wgmmas)."""
+        if SA == 2:
+            f = gl.broadcast((r * c)[:, None], part)[0]
+        elif SB == 2:
+            f = gl.broadcast((c * r)[None, :], part)[0]
+        else:
+            f = gl.full(part.shape, r * c, gl.float32, part.type.layout)
+        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, f, acc], dtype=gl.float32,
+                                         is_pure=False, pack=1)
+
+
+    @gluon.jit
+    def fp8_gemm_gluon(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                       SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        pid = gl.program_id(0)
+        num_pm = gl.cdiv(M, BM)
+        num_pn = gl.cdiv(N, BN)
+        group = GROUP_M * num_pn
+        first_m = (pid // group) * GROUP_M
+        gsize = gl.minimum(num_pm - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % gsize
+        pid_n = (pid % group) // gsize
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        nkb = gl.cdiv(K, BS)
+
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
+        ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
+        bd = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS], layout=b_layout)
+        a_s = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BM, BS], a_layout)
+        b_s = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BN, BS], b_layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        # K blocks rounded up to a multiple of 4 (padding blocks past K read TMA's zero fill and zero scales)
+        nkbu = (nkb + 3) // 4 * 4
+        for i in gl.static_range(STAGES):
+            _g_load(ad, bd, a_s, b_s, bars, off_m, off_n, i, i < nkbu, BS, STAGES)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        mmask = offs_m < M
+        nmask = offs_n < N
+        zero = gl.zeros((BM, BN), gl.float32, mma)
+        acc = zero
+
+        # Four K blocks per iteration: block j+1 is issued to the tensor cores before block j is waited for, scaled
+        # and added into acc (the wait leaves one wgmma group in flight). Nothing is in flight across the loop's back
+        # edge: ptxas serializes every wgmma of the kernel when an in-flight accumulator is copied, as a loop-carried
+        # one would be.
+        for kb in range(0, nkbu, 4):
+            t0 = _g_mma(a_s, b_s, bars, kb, zero, STAGES)
+            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA, SB, BS)
+            t1 = _g_mma(a_s, b_s, bars, kb + 1, zero, STAGES)
+            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s, SA, SB, BS)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
+            _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb, nkbu, BS, STAGES)
+            acc = _g_fold(acc, p0, r0, c0, SA, SB)
+            t0 = _g_mma(a_s, b_s, bars, kb + 2, zero, STAGES)
+            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s, SA, SB, BS)
+            p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
+            _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb + 1, nkbu, BS, STAGES)
+            acc = _g_fold(acc, p1, r1, c1, SA, SB)
+            t1 = _g_mma(a_s, b_s, bars, kb + 3, zero, STAGES)
+            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s, SA, SB, BS)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
+            _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb + 2, nkbu, BS, STAGES)
+            acc = _g_fold(acc, p0, r0, c0, SA, SB)
+            p1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1,))
+            _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb + 3, nkbu, BS, STAGES)
+            acc = _g_fold(acc, p1, r1, c1, SA, SB)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # epilogue in a store-friendly layout: 8 consecutive columns per thread
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        y = gl.convert_layout(acc, out_l)
+        em = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+        en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+        cm = em.to(gl.int64)[:, None] * N + en[None, :]
+        emask = en < N
+        mask = (em < M)[:, None] & emask[None, :]
+        if HAS_BIAS:
+            y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
+        if GELU:
+            gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
+            y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+        if ACCUM:
+            y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
+        gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
