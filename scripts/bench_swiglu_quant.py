@@ -6,7 +6,7 @@ import torch
 from triton.testing import do_bench
 
 from lowbit import quantize
-from lowbit.ops.swiglu import _SwiGLU, swiglu, swiglu_quantize_1x128
+from lowbit.ops.swiglu import swiglu, swiglu_quantize_1x128
 from lowbit.quant.schemes import Float8Blockwise
 
 sch = Float8Blockwise()
@@ -16,24 +16,13 @@ print("| M | F | pass | unfused ms | fused ms | speedup | fused GB/s |")
 print("|---|---|---|---:|---:|---:|---:|")
 for M, F in shapes:
     u = torch.randn(M, 2 * F, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(M, F, device="cuda", dtype=torch.bfloat16)
     for p in range(2):  # warm the tuner / compile
         quantize(swiglu(u), sch, rowwise=True, columnwise=True)
         swiglu_quantize_1x128(u, sch)
-        swiglu_quantize_1x128(u, sch, grad=g)
 
-    def bwd_plain():
-        dh = torch.empty_like(u)
-        from lowbit.ops.swiglu import _grid, _swiglu_kernel
-        grid, block, warps = _grid(M, F)
-        _swiglu_kernel[grid](u, g, dh, F, BLOCK=block, BACKWARD=True, num_warps=warps)
-        return quantize(dh, sch, rowwise=True, columnwise=True)
-
-    bwd_plain()
     for name, plain, fused, nbytes in (
             ("fwd", lambda: quantize(swiglu(u), sch, rowwise=True, columnwise=True), lambda: swiglu_quantize_1x128(u, sch),
-             M * 2 * F * 2 + 2 * M * F),
-            ("bwd", bwd_plain, lambda: swiglu_quantize_1x128(u, sch, grad=g), M * 2 * F * 2 + M * F * 2 + 2 * M * 2 * F)):
+             M * 2 * F * 2 + 2 * M * F),):
         tp = do_bench(plain, warmup=25, rep=100, return_mode="median")
         tf = do_bench(fused, warmup=25, rep=100, return_mode="median")
         print(f"| {M} | {F} | {name} | {tp:.3f} | {tf:.3f} | {tp / tf:.2f} | {nbytes / tf / 1e6:.0f} |")

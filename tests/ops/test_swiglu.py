@@ -59,8 +59,8 @@ def test_kernel_gpu(cuda):
 
 # ---- SwiGLU fused with 1x128 FP8 quantization -----------------------------------------------------------------
 def _fused_quant_cases(device, cases):
-    """swiglu_quantize_1x128 (forward: h; backward: d[a | b]) equals the reference quantizer applied to the unfused
-    kernel's 16-bit output, bit for bit: data, scales (storage layout), amax."""
+    """swiglu_quantize_1x128 equals the reference quantizer applied to the unfused kernel's 16-bit output h, bit for
+    bit: data, scales (storage layout), amax."""
     from lowbit import quantize
     from lowbit.ops.swiglu import swiglu_quantize_1x128
     from lowbit.quant.schemes import Float8Blockwise
@@ -71,13 +71,8 @@ def _fused_quant_cases(device, cases):
         u.view(-1)[5] = 0.0  # exact zeros and a row of large values (saturation-free by construction: scales)
         u.view(-1, 2 * F)[-1, :7] = 300.0
         sch = Float8Blockwise(fmt=fmt)
-        ur = u.clone().requires_grad_()
-        h = swiglu(ur)
-        go = torch.randn(h.shape, generator=g).to(device, dtype)
-        h.backward(go)
-        for what, fused, plain in (("fwd", swiglu_quantize_1x128(u, sch, rowwise=rowwise, columnwise=columnwise), h.detach()),
-                                   ("bwd", swiglu_quantize_1x128(u, sch, grad=go, rowwise=rowwise, columnwise=columnwise),
-                                    ur.grad)):
+        h = swiglu(u)
+        for what, fused, plain in (("fwd", swiglu_quantize_1x128(u, sch, rowwise=rowwise, columnwise=columnwise), h.detach()),):
             ref = quantize(plain, sch, rowwise=rowwise, columnwise=columnwise, backend="reference")
             assert fused.shape == ref.shape and fused.dtype == ref.dtype, (what, fused.shape, ref.shape)
             for name in ("rowwise", "columnwise"):
@@ -121,4 +116,5 @@ def test_fused_quant_rejects_what_it_cannot_take():
 @pytest.mark.gpu
 def test_fused_quant_gpu(cuda):
     _fused_quant_cases(cuda, FUSED_CASES + [((8192,), 5632, torch.bfloat16, "e4m3", True, True),
-                                            ((3, 1000), 1408, torch.bfloat16, "e4m3", True, True)])
+                                            ((3, 1000), 1408, torch.bfloat16, "e4m3", True, True),
+                                            ((130,), 256, torch.bfloat16, "e4m3", True, True)])

@@ -298,8 +298,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into the quantizers around it
 # ------------------------------------------------------------------------------------------------
 def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype) -> bool:
-    """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (its bias gradient would need the
-    16-bit d[a | b] the fusion avoids writing), input and grad_output roles quantized 1x128 Float8Blockwise with
+    """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
+    computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns
     the fusion off (the modules then run SwiGLU and the quantizers as separate kernels, same bits)."""
     from ..ops.swiglu import INTERPRET as _SW_INTERP
@@ -317,10 +317,11 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, ou
 
 
 class _SwiGLUMLPFn(torch.autograd.Function):
-    """``fc2(silu(a)·b)`` with ``[a | b] = fc1(x)``: the five quantized GEMMs of :class:`_QuantizedLinearFn` (twice,
-    less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) and into fc1's grad_output quantizer
-    (backward) by :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`. Saves x's and h's columnwise copies, the
-    weights' QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
+    """``fc2(silu(a)·b)`` with ``[a | b] = fc1(x)``: the six quantized GEMMs of :class:`_QuantizedLinearFn` (twice,
+    less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) by
+    :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`; the backward runs SwiGLU's fused backward kernel and fc1's
+    grad_output quantizer as the unfused path does. Saves x's and h's columnwise copies, the weights'
+    QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, b2, cfg1: _Cfg, cfg2: _Cfg):
@@ -350,7 +351,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from ..ops.swiglu import swiglu_quantize_1x128
+        from ..ops.swiglu import swiglu_backward
 
         cfg1, cfg2 = ctx.cfg1, ctx.cfg2
         g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
@@ -366,10 +367,10 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                 dw2 = scaled_mm(qdy, ctx.qh, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w2_dtype)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
-                qdu = swiglu_quantize_1x128(u, recipe.role("grad_output").scheme, grad=dh, rowwise=need_dx,
-                                            columnwise=need_dw1)
-                _ac.sentry([c.amax for c in qdu._copies()], layer=g1, role="grad_output", phase="backward",
-                           policy=cfg1.policy)
+                du = swiglu_backward(u, dh)
+                qdu = g1.quantize(du, "grad_output", recipe, rowwise=need_dx, columnwise=need_dw1, phase="backward",
+                                  policy=cfg1.policy)
+                del du
                 if need_dx:
                     dx = scaled_mm(qdu, ctx.qw1, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
                     dx = dx.reshape(ctx.x_shape)
@@ -384,7 +385,7 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
                          layer1: GemmLayer, layer2: GemmLayer, is_first_microbatch=None, *,
                          state: _ac.AutocastState | None = None) -> torch.Tensor:
     """``fc2(silu(a)·b)`` with ``[a | b] = x · w1ᵀ`` (no fc1 bias), all GEMMs quantized per the active 1x128
-    blockwise recipe and SwiGLU fused into the quantizers (see :func:`swiglu_mlp_fusable`, which the caller
+    blockwise recipe and SwiGLU fused into fc2's input quantizer (see :func:`swiglu_mlp_fusable`, which the caller
     checks first). Same results, bit for bit, as ``quantized_linear(swiglu(quantized_linear(x, w1)), w2, b2)``.
 
     Args:

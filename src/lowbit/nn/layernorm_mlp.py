@@ -42,8 +42,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             stays bit-identical to torch outside autocast); True / False: always / never fused (a model
             compared across recipes should use the same kernels in every mode, e.g. lowbit.models.GPT).
             Under a 1x128 blockwise recipe (``Float8BlockScaling``) with no fc1 bias, the fused SwiGLU also
-            runs inside fc2's input quantizer and fc1's grad_output quantizer (same bits, two 16-bit
-            tensors never written; ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns that off).
+            runs inside fc2's input quantizer (same bits; h is never written in 16 bits;
+            ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns that off).
         device, dtype: parameter placement.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
@@ -96,7 +96,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
         else:
             if self.fused_swiglu is not False and self._fusable(ln, st):
-                # SwiGLU inside the quantizers (1x128 blockwise recipes): same bits, h and d[a | b] never written
+                # SwiGLU inside fc2's input quantizer (1x128 blockwise recipes): same bits, h never written
                 return quantized_swiglu_mlp(ln, self.fc1_weight, self.fc2_weight, self.fc2_bias, g1, g2,
                                             is_first_microbatch, state=st)
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
