@@ -73,6 +73,18 @@ def check_fp8_epilogue(q, k, v, do, kw, cfg, fmt, *, tensorwise_tol):
     fmax = BW._FMT[fmt][1]
     scales = tuple((fmax / x.abs().amax()).reshape(1).float() / 2 for x in g32)
     g8t = BW.backward(do, q, k, v, o, lse, grad_format=fmt, scales=scales, config=cfg, **kw)
+    # given scales 16x the ones above (8 fmax / amax): every gradient's largest values overflow the format and must
+    # come out as +-fmax, as lowbit.quantize saturates (the kernel has no clamp of its own: the GPU's FP8 convert
+    # saturates, the interpreter's emulation clamps)
+    sat = tuple(s * 16 for s in scales)
+    g8s = BW.backward(do, q, k, v, o, lse, grad_format=fmt, scales=sat, config=cfg, **kw)
+    for name, a, x32, s in zip("qkv", g8s, g32, sat):
+        r = quantize(x32, Float8Tensorwise(fmt), scale=s, backend="reference")
+        mism = int((fp8_bits(a) != fp8_bits(r)).sum())
+        assert mism == 0, f"d{name}: {mism} FP8 codes differ from lowbit.quantize (saturating given scale)"
+        assert torch.equal(a.amax, r.amax)
+        n_sat = int((a.rowwise.data.float().abs() == fmax).sum())
+        assert n_sat > 0, f"d{name}: no value saturated"
     for name, a, at, x32, x16, ref, s in zip("qkv", g8, g8t, g32, g16, gr, scales):
         assert isinstance(a, QuantizedTensor) and isinstance(a.scheme, Float8Rowwise)
         r = quantize(x32, Float8Rowwise(fmt), backend="reference")
