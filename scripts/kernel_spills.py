@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
-def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, attrs: dict | None = None) -> dict:
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -112,6 +112,20 @@ def quantize_1x128():
         const.update(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, TWO_D=False, ROW=True, COL=True, SW=False,
                      BS=128, BM=128, SATCVT=True, EVEN=True, WIDE=False, KMAJOR=True, **cfg)
         print(f"  BM=128 4 warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, 4, 3)}")
+    print("blockwise_persistent_kernel (1 CTA an SM, whole 128x128 tiles in registers): its uses in triton_backend._PERSISTENT")
+    for xdt, two_d, row, col, bm, w, pf in (("*bf16", True, True, True, 128, 16, 1), ("*fp32", False, True, True, 128, 8, 1),
+                                            ("*fp32", False, True, False, 64, 4, 1)):
+        ptrs = dict(x_ptr=xdt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32")
+        sig, const = _signature(Q.blockwise_persistent_kernel, ptrs)
+        sig["abs_mask"] = "i32"
+        const.update(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, TWO_D=two_d, ROW=row, COL=col, SW=False,
+                     BS=128, BM=bm, SATCVT=True, EVEN=True, WIDE=False, PREFETCH=pf)
+        # Triton specializes 16-divisible integers and 16-byte aligned pointers at launch (vector width, layouts):
+        # what a whole-tile launch (M, K multiples of 128) compiles, unlike the unspecialized signature above
+        names = list(inspect.signature(Q.blockwise_persistent_kernel.fn).parameters)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs or n in ("M", "K", "rs_ld", "cs_ld")}
+        c = sass_counts(Q.blockwise_persistent_kernel, sig, const, w, 1, attrs)
+        print(f"  {xdt[1:]} {'128x128' if two_d else '1x128'} row={row} col={col} BM={bm} {w} warps prefetch {pf}  {c}")
 
 
 def attention_backward():

@@ -96,7 +96,10 @@ def _randn(shape, dtype, device, seed):
 # ------------------------------------------------------------------------------------------------
 # GPU: bit-identity
 # ------------------------------------------------------------------------------------------------
-GPU_SHAPES = [(1, 129), (17, 1000), (129, 17), (1000, 4096), (4096, 129), (2, 17, 257)]
+GPU_SHAPES = [(1, 129), (17, 1000), (129, 17), (1000, 4096), (4096, 129), (2, 17, 257),
+              # whole 128x128 tiles, where blockwise_persistent_kernel takes the uses in triton_backend._PERSISTENT:
+              # a few tiles, and more tiles than the persistent grid has programs (144 > 132 SMs)
+              (256, 384), (2048, 1152)]
 
 
 @pytest.mark.gpu
@@ -258,17 +261,46 @@ def test_software_rounding_path_bit_identical(cuda, monkeypatch):
 def test_repeated_calls_fast_launch_path_bit_identical(cuda):
     """The second and later calls of a shape take the cached-plan / direct-launch path (lowbit._launch): fresh data
     each time, an input at a 16-byte-misaligned offset (another specialization), delayed scales — all bit-identical."""
-    base = _randn((2, 129 * 384 + 8), torch.bfloat16, cuda, seed=60)
-    for scheme, kw in [(Float8Tensorwise(), {}), (Float8Tensorwise(), {"scale": torch.tensor([3.0], device=cuda)}),
-                       (Float8Blockwise(), {}), (Float8Blockwise(block_dim=2), {})]:
-        for i in range(3):
-            x = _randn((129, 384), torch.bfloat16, cuda, seed=61 + i)
-            bad = compare(x, scheme, True, True, **kw)
-            assert not bad, f"{scheme} call {i}: {bad}"
-        for off in (1, 8):  # 2 and 16 bytes past an aligned start: unaligned, then aligned again
-            x = base[0, off:off + 129 * 384].view(129, 384)
-            bad = compare(x, scheme, True, True, **kw)
-            assert not bad, f"{scheme} offset {off}: {bad}"
+    # (128, 384): 128x128 from BF16 takes blockwise_persistent_kernel where x is 16-byte aligned, blockwise_kernel
+    # where it is not
+    for M in (129, 128):
+        base = _randn((2, M * 384 + 8), torch.bfloat16, cuda, seed=60)
+        for scheme, kw in [(Float8Tensorwise(), {}), (Float8Tensorwise(), {"scale": torch.tensor([3.0], device=cuda)}),
+                           (Float8Blockwise(), {}), (Float8Blockwise(block_dim=2), {})]:
+            for i in range(3):
+                x = _randn((M, 384), torch.bfloat16, cuda, seed=61 + i)
+                bad = compare(x, scheme, True, True, **kw)
+                assert not bad, f"{scheme} call {i}: {bad}"
+            for off in (1, 8, 1):  # 2 and 16 bytes past an aligned start: unaligned, aligned, unaligned again
+                x = base[0, off:off + M * 384].view(M, 384)
+                bad = compare(x, scheme, True, True, **kw)
+                assert not bad, f"{scheme} offset {off}: {bad}"
+
+
+@pytest.mark.gpu
+def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
+    """Each launch config the autotuner may pick for blockwise_persistent_kernel (not only the default), forced one
+    at a time, in each use it has (triton_backend._PERSISTENT): a few tiles, several tiles per program, E4M3 pow2
+    and E5M2 non-pow2 scales; and the inputs it must leave to blockwise_kernel (ragged, misaligned) still exact."""
+    import lowbit.quant.triton_backend as tb
+
+    for (two_d, rw, cw, dtype), cfgs in tb._PERSISTENT.items():
+        schemes = [Float8Blockwise(block_dim=2 if two_d else 1), Float8Blockwise(block_dim=2 if two_d else 1, fmt="e5m2", pow2=False)]
+        for j, cfg in enumerate(cfgs):
+            monkeypatch.setitem(tb._PERSISTENT, (two_d, rw, cw, dtype), [cfg])
+            tb._BLOCKWISE_PLANS.clear()
+            tb._TUNED.clear()
+            for i, shape in enumerate([(256, 384), (2048, 1152)]):
+                x = _randn(shape, dtype, cuda, seed=80 + i)
+                assert tb._blockwise_persistent_configs(x, 128, two_d, rw, cw) == [dict(cfg, KIND="pers")]
+                for sch in schemes[:2 if j == 0 else 1]:  # (E5M2 / non-pow2: the scale math, the same for every config)
+                    bad = compare(x, sch, rw, cw)
+                    assert not bad, f"{sch} {shape} {dtype} rowwise={rw} columnwise={cw} {cfg}: {bad}"
+        base = _randn((256 * 384 + 8,), dtype, cuda, seed=90)
+        assert not tb._blockwise_persistent_configs(base[1:1 + 256 * 384].view(256, 384), 128, two_d, rw, cw)
+        assert not tb._blockwise_persistent_configs(_randn((256, 400), dtype, cuda, seed=91), 128, two_d, rw, cw)
+    tb._BLOCKWISE_PLANS.clear()
+    tb._TUNED.clear()
 
 
 @pytest.mark.gpu
@@ -380,7 +412,55 @@ def test_nvfp4_rht_fused_in_interpreter_match_reference():
     _run_interp("--interp-rht")
 
 
+def _interp_persistent_main() -> int:  # runs in the subprocess
+    """blockwise_persistent_kernel launched directly (the backend keeps it off in the interpreter): 2x3 ragged
+    tiles and 2x1 whole ones walked by 2 persistent programs, every copy combination, 1D and 2D, prefetch 1 and 2
+    (the kernel supports ragged tiles; the backend uses it on whole tiles only, see _PERSISTENT)."""
+    import lowbit.quant.triton_backend as tb
+    from lowbit.quant.kernels import quant as QK
+    from lowbit.quant.tensor import QuantizedCopy, QuantizedTensor
+
+    failures = n = 0
+    for shape in [(144, 272), (256, 128)]:
+        for sch in [Float8Blockwise(), Float8Blockwise(block_dim=2), Float8Blockwise(fmt="e5m2", pow2=False)]:
+            for rw, cw in COPIES:
+                for dtype in (torch.float32, torch.bfloat16):
+                    for prefetch in (1, 2):
+                        x = _randn(shape, dtype, "cpu", seed=n)
+                        M, Kd = shape
+                        plan = tb._BlockwisePlan(M, Kd, sch, rw, cw, x.device)
+                        rq = torch.empty(M, Kd, dtype=sch.format.torch_dtype) if rw else None
+                        cq = torch.empty(Kd, M, dtype=sch.format.torch_dtype) if cw else None
+                        buf = torch.zeros(plan.nr + plan.nc + 1, dtype=torch.float32)
+                        rs = buf[:plan.nr].view(plan.rshape) if rw else None
+                        cs = buf[plan.nr:plan.nr + plan.nc].view(plan.cshape) if cw else None
+                        amax_i = buf[plan.nr + plan.nc:].view(torch.int32)
+                        bm = 64 if sch.block_dim == 1 and not cw else 128
+                        args = (x, rq if rw else cq, rs if rw else cs, cq if cw else rq, cs if cw else rs, amax_i, M, Kd,
+                                plan.rshape[1] if rw else 0, plan.cshape[1] if cw else 0, 2)
+                        QK.blockwise_persistent_kernel[(2,)](*args, **dict(plan.kw, BM=bm, PREFETCH=prefetch,
+                                                                           EVEN=M % bm == 0 and Kd % 128 == 0))
+                        got = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=sch)
+                        amax = amax_i.view(torch.float32)
+                        got.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax) if rw else None
+                        got.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax) if cw else None
+                        bad = mismatches(quantize_reference(x, sch, rowwise=rw, columnwise=cw), got)
+                        n += 1
+                        if bad:
+                            failures += 1
+                            print("FAIL", prefetch, sch, shape, rw, cw, dtype, bad)
+    print(f"interp cases: {n}, failures: {failures}")
+    return 1 if failures else 0
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_blockwise_persistent_kernels_in_interpreter_match_reference():
+    _run_interp("--interp-persistent")
+
+
 if __name__ == "__main__" and "--interp" in sys.argv:
     sys.exit(_interp_main(_interp_cases()))
 if __name__ == "__main__" and "--interp-rht" in sys.argv:
     sys.exit(_interp_main(_interp_rht_cases()))
+if __name__ == "__main__" and "--interp-persistent" in sys.argv:
+    sys.exit(_interp_persistent_main())

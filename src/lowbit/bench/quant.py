@@ -4,6 +4,8 @@ device-to-device copy of the same input, measured in the same run.
 Per input (M, K) in BF16: copy (``y.copy_(x)``: 2 × bytes); lowbit Triton 1x128 rowwise, 1x128
 rowwise+columnwise (fused cast + transpose), 128x128 (both copies), per-tensor current scaling
 (amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable.
+The same input in FP32 (as LayerNorm outputs and FP32 master weights reach the quantizer in training): copy,
+1x128 rowwise+columnwise, 128x128 both copies; their fraction is of the FP32 copy.
 Bytes moved count the input read once per pass plus every output written (data + scales).
 """
 
@@ -28,6 +30,8 @@ def run(shapes, rep=100):
         print(f"[quant] M={M} K={K} bf16 ({M * K * 2 / 2**20:.0f} MiB)", flush=True)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         y = torch.empty_like(x)
+        x32 = x.float()
+        y32 = torch.empty_like(x32)
         inb = x.numel() * 2
         cases = [
             ("copy (device to device)", lambda: y.copy_(x), None),
@@ -44,29 +48,35 @@ def run(shapes, rep=100):
             cases.append(("torchao 1x128 rowwise", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), None))
         except Exception:
             pass
+        cases += [
+            ("copy fp32", lambda: y32.copy_(x32), None),
+            ("fp32 1x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(), True, True, backend="triton"), None),
+            ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
+        ]
         copy_bw = None
         for name, fn, passes in cases:
             t = _bench(fn, rep)
             if t is None:
                 continue
+            n_in = 2 * inb if name.startswith("fp32") or name == "copy fp32" else inb  # (FP32 input: twice the bytes)
             if name.startswith("copy"):
-                moved = 2 * inb
+                moved = 2 * n_in
             else:
                 q = fn()
-                moved = inb * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size() for v in q))
+                moved = n_in * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size() for v in q))
             bw = moved / t * 1e-6
-            if copy_bw is None:
+            if name.startswith("copy"):  # fractions are of the copy of the same input dtype
                 copy_bw = bw
             rows.append((f"{M}x{K}", name, t, moved / 2**20, bw, bw / copy_bw))
             print(f"    {name:30s} {t * 1e3:8.1f} us {bw:8.0f} GB/s  {bw / copy_bw:.2f} of copy", flush=True)
-        del x, y
+        del x, y, x32, y32
         torch.cuda.empty_cache()
     return rows
 
 
 def markdown(rows) -> str:
     out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
-           "| input (bf16) | kernel | time (us) | MiB moved | GB/s | fraction of copy |", "|---|---|---:|---:|---:|---:|"]
+           "| input | kernel | time (us) | MiB moved | GB/s | fraction of copy |", "|---|---|---:|---:|---:|---:|"]
     for shape, name, t, mib, bw, r in rows:
         out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {mib:.0f} | {bw:.0f} | {r:.2f} |")
     return "\n".join(out) + "\n"

@@ -286,7 +286,33 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND) -> _BlockwisePlan once tuned
+_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?) -> _BlockwisePlan once tuned
+
+
+# (two_d, rowwise, columnwise, dtype) -> candidates of blockwise_persistent_kernel (first = default without
+# autotuning) where it is used. Measured on the H200 (8192x8192, BENCHMARKS.md, issue 3, session 4): each one
+# bit-identical to blockwise_kernel there and faster than it; CTAS: programs an SM, PREFETCH: tiles loaded ahead.
+# Not listed, so on blockwise_kernel: BF16 1x128 (its slab walk is faster: 0.67 of copy against 0.47), FP32
+# 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6, see the kernel; the
+# whole-tile kernel reaches 0.85 of an FP32 copy there), and the cases not measured (one copy of 2D, columnwise only).
+_PERSISTENT = {
+    (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of copy (was 0.52)
+                                         dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),
+                                         dict(BM=128, CTAS=1, PREFETCH=2, num_warps=16)],
+    (False, True, True, torch.float32): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),  # 0.54 of an FP32 copy (was 0.39)
+                                         dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16)],
+    (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],  # 0.92 (was 0.88)
+}
+
+
+def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> list[dict]:
+    """Candidates of blockwise_persistent_kernel for this input, or [] where it is not used: outside the uses in
+    _PERSISTENT, and outside the compiled variant measured there (whole tiles only: M and K multiples of 128;
+    x 16-byte aligned, since Triton specializes the loads' vector width, hence the layouts, on it)."""
+    M, Kd = x2.shape
+    if INTERPRET or bs != 128 or not x2.is_cuda or M % 128 or Kd % 128 or x2.data_ptr() % 16:
+        return []
+    return [dict(c, KIND="pers") for c in _PERSISTENT.get((two_d, rowwise, columnwise, x2.dtype), ())]
 
 
 def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
@@ -297,9 +323,11 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     SLAB-row slabs at 4 warps (see the kernel; measured on the H200: 64-row slabs for the columnwise copy
     and 2D, column scales one a thread (SCR), both walks unrolled when walk 1 has no rowwise copy to make;
     32-row slabs for rowwise only). Smaller blocks, and rowwise-only inputs of few rows, are held whole.
-    2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walks'
-    2D output from FP32 input did not match the previous kernel bit for bit (BF16 / FP16 input did, and
-    so does FP32 in the interpreter); the cause is not found yet.
+    2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walk's
+    2D columnwise data from FP32 input is wrong (pairs of elements along K permuted) — a Triton 3.6 miscompile
+    of the transpose of an FP8 tile cast from FP32 without a clamp first (SATCVT); with the clamp it matched
+    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way, but was
+    not re-measured for speed, so FP32 stays on whole tiles here (see _PERSISTENT for the faster FP32 paths).
     """
     square = two_d or columnwise
     out = []
@@ -346,7 +374,7 @@ class _BlockwisePlan:
     """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
     matters: this runs for every quantized GEMM operand of every step)."""
 
-    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs")
+    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra")
 
     def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
@@ -365,22 +393,31 @@ class _BlockwisePlan:
         self.M, self.K, self.bs = M, Kd, bs
         self.cfg = None
         self.grid = None
+        self.fn, self.extra = K.blockwise_kernel, ()
+        self.nsm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     def launch_args(self, c: dict):
-        """(grid, keyword arguments) of blockwise_kernel for candidate ``c``."""
+        """(kernel, grid, extra positional arguments, keyword arguments) for candidate ``c``."""
         M, Kd, bs, bm = self.M, self.K, self.bs, c["BM"]
-        kw = dict(self.kw, **c)
+        kind = c.get("KIND")
+        kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})
         kw["EVEN"] = M % bm == 0 and Kd % bs == 0
         kw["WIDE"] = bm * Kd + bs >= 2**31 or bs * M + bm >= 2**31  # in-tile offsets past int32
+        if kind == "pers":
+            n_prog = min(cdiv(M, bm) * cdiv(Kd, bs), self.nsm * c["CTAS"])
+            return K.blockwise_persistent_kernel, (n_prog,), (n_prog,), kw
         gm, gk = cdiv(M, bm), cdiv(Kd, bs)
         kw["KMAJOR"] = gm <= 65535  # a grid's y extent is at most 65535
-        return ((gk, gm) if kw["KMAJOR"] else (gm, gk)), kw
+        return K.blockwise_kernel, ((gk, gm) if kw["KMAJOR"] else (gm, gk)), (), kw
 
 
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     M, Kd = x2.shape
     fmt, dev, bs = sch.format, x2.device, sch.block_size
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND)  # (the plan's kernel arguments include SW)
+    # (the plan's kernel arguments include SW; the persistent kernel's candidates depend on x's alignment,
+    # which can change from call to call)
+    pers = _blockwise_persistent_configs(x2, bs, sch.block_dim == 2, rowwise, columnwise)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, bool(pers))
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -398,17 +435,19 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
     if plan.cfg is not None:
-        K.blockwise_kernel[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **plan.cfg)
+        plan.fn[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *plan.extra, **plan.cfg)
     else:
         two_d = sch.block_dim == 2
-        cands = _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
+        # (where the persistent kernel may run, the autotuner times both kernels' candidates)
+        cands = pers + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
-            grid, kw = plan.launch_args(c)
-            K.blockwise_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, **kw)
+            fn, grid, extra, kw = plan.launch_args(c)
+            fn[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *extra, **kw)
 
-        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
-        plan.grid, plan.cfg = plan.launch_args(c)
+        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, bool(pers), _bucket(M), _bucket(Kd)), cands,
+                         launch)
+        plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
     amax = amax_i.view(torch.float32)
     if rowwise:

@@ -477,6 +477,102 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
 
 
 @triton.jit
+def _tile_raw(ptr, t, nkt, M, K, BM: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr):
+    """Tile t (row-panel order) of the (M, K) row-major array at ptr, in its own dtype; 0 past M, K."""
+    pm = t // nkt
+    m0 = pm * BM
+    k0 = (t - pm * nkt) * BS
+    r = tl.arange(0, BM)
+    c = tl.arange(0, BS)
+    ptrs = ptr + (m0.to(tl.int64) * K + k0) + _tile_offsets(r, c, K, WIDE)
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(r[:, None] < M - m0) & (c[None, :] < K - k0), other=0.0)
+
+
+@triton.jit
+def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
+                                FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
+                                EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                                SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, SATCVT: tl.constexpr = False,
+                                EVEN: tl.constexpr = False, WIDE: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
+                                abs_mask=0x7FFFFFFF):
+    """blockwise_kernel's outputs (same arguments and scale layouts) from a persistent grid of ``n_prog`` programs.
+
+    Program p walks tiles t = p, p + n_prog, ... in row-panel order (neighbouring programs read neighbouring
+    BS-column tiles of the same BM rows). The next PREFETCH tiles are loaded into registers, in the input's own
+    dtype, before the current one is computed (the loads of a tile are only waited for when it is used, so
+    they stay in flight during the current tile's work); the prefetch index stops at the last tile (a re-read,
+    no masks needed). Per tile, all in registers: row maxima, column (or tile) maxima, both casts; the
+    columnwise copy is the FP8 tile transposed by the compiler's layout conversion and stored as 16-byte runs
+    of cq rows. The amax is kept per program and meets the others in one atomic_max at the end.
+    EVEN / WIDE: as in blockwise_kernel.
+
+    Used only where it was measured bit-identical and faster on the H200 (see triton_backend._PERSISTENT):
+    Triton 3.6 miscompiles one pattern here. With FP32 input, the transpose of an FP8 tile cast straight from
+    FP32 (SATCVT, no clamp first) permutes pairs of elements along K (2D: columnwise data wrong, rowwise right;
+    the same bug made blockwise_kernel's 2D slab walk differ for FP32, and it goes away with the clamp).
+    TMA descriptor tiles were measured too (1x128 row+col 0.22-0.29 of copy, 128x128 0.47-0.52): the
+    transpose then reads the NVMMA-swizzled tile column-wise from shared memory (or writes it byte-wise),
+    which serializes on bank conflicts.
+    """
+    DT: tl.constexpr = rq_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nkt = tl.cdiv(K, BS)
+    n_tiles = tl.cdiv(M, BM) * nkt
+    last = n_tiles - 1
+    rr = tl.arange(0, BM)
+    cc = tl.arange(0, BS)
+    amax = tl.zeros((), dtype=tl.int32)
+    xa = _tile_raw(x_ptr, tl.minimum(pid, last), nkt, M, K, BM, BS, EVEN, WIDE)
+    if PREFETCH >= 2:
+        xn = _tile_raw(x_ptr, tl.minimum(pid + n_prog, last), nkt, M, K, BM, BS, EVEN, WIDE)
+    for t in range(pid, n_tiles, n_prog):
+        xc = xa
+        if PREFETCH >= 2:
+            xa = xn
+            xn = _tile_raw(x_ptr, tl.minimum(t + 2 * n_prog, last), nkt, M, K, BM, BS, EVEN, WIDE)
+        else:
+            xa = _tile_raw(x_ptr, tl.minimum(t + n_prog, last), nkt, M, K, BM, BS, EVEN, WIDE)
+        pm = t // nkt
+        pk = t - pm * nkt
+        m0 = pm * BM
+        k0 = pk * BS
+        nm = M - m0
+        nk = K - k0
+        rqb = rq_ptr + (m0.to(tl.int64) * K + k0)
+        cqb = cq_ptr + (k0.to(tl.int64) * M + m0)
+        x = xc.to(tl.float32)
+        ab = x.to(tl.int32, bitcast=True) & abs_mask
+        if TWO_D:
+            a = tl.max(tl.max(ab, axis=1), axis=0)
+            amax = tl.maximum(amax, a)
+            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
+            si = _recip(s)
+            q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+            if ROW:
+                tl.store(rs_ptr + pm.to(tl.int64) * rs_ld + pk, si)
+                _tile_store(rqb, rr, cc, K, nm, nk, q, EVEN, WIDE)
+            if COL:
+                tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
+                _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
+        else:
+            row_max = tl.max(ab, axis=1)
+            amax = tl.maximum(amax, tl.max(row_max, axis=0))
+            if ROW:
+                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+                _vec_store(rs_ptr + pk.to(tl.int64) * rs_ld + m0, rr, nm, _recip(sr), EVEN)
+                _tile_store(rqb, rr, cc, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+            if COL:
+                sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
+                _vec_store(cs_ptr + pm.to(tl.int64) * cs_ld + k0, cc, nk, _recip(sc), EVEN)
+                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(qc), EVEN, WIDE)
+    tl.atomic_max(amax_ptr, amax)
+
+
+@triton.jit
 def _load_tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
     """Tile (pid_m, pid_k) of x (M, K) contiguous: (offs_m, offs_k, mmask, kmask, mask, x as FP32, 0 outside x)."""
     offs_m = pid_m * BM + tl.arange(0, BM)
