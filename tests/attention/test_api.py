@@ -184,12 +184,15 @@ def test_lowbit_attention_is_callable_after_submodule_imports():
 
 
 def test_pv_resolution_and_fp16_path_cpu():
-    """pv="auto" is FP16 P·V for quantized Q·Kᵀ (BF16 V carried in FP16) and the inputs' dtype otherwise; "bf16"
-    keeps BF16; FP16 inputs never convert. The CPU path runs the quantized reference with the same V conversion."""
+    """pv="auto" is AUTO_PV_QUANTIZED for quantized Q·Kᵀ and the inputs' dtype otherwise; "fp16" carries BF16 V in
+    FP16; "bf16" keeps BF16; FP16 inputs never convert. The CPU path runs the quantized reference with the same V
+    conversion."""
+    from lowbit.attention import api
     from lowbit.attention.api import resolve_pv
 
     bf, hf = torch.bfloat16, torch.float16
-    assert resolve_pv("auto", "int8", bf) == "fp16" and resolve_pv("auto", "fp8", bf) == "fp16"
+    auto = "fp16" if api.AUTO_PV_QUANTIZED == "fp16" else "native"
+    assert resolve_pv("auto", "int8", bf) == auto and resolve_pv("auto", "fp8", bf) == auto
     assert resolve_pv("auto", "bf16", bf) == "native" and resolve_pv("bf16", "int8", bf) == "native"
     assert resolve_pv("fp16", "bf16", bf) == "fp16" and resolve_pv("fp16", "int8", hf) == "native"
     assert resolve_pv("auto", "int8", hf) == "native" and resolve_pv("fp8", "int8", bf) == "fp8"
@@ -199,16 +202,19 @@ def test_pv_resolution_and_fp16_path_cpu():
     o_auto = attention(q, k, v, qk="int8", causal=True)
     o16 = attention(q, k, v, qk="int8", pv="fp16", causal=True)
     ref16 = A.attention_quantized_reference(q, k, v, qk="int8", pv="fp16", causal=True)
-    torch.testing.assert_close(o_auto, o16, rtol=0, atol=0)
+    torch.testing.assert_close(o_auto, attention(q, k, v, qk="int8", pv=api.AUTO_PV_QUANTIZED, causal=True),
+                               rtol=0, atol=0)
     torch.testing.assert_close(o16, ref16.to(bf), rtol=0, atol=0)
     obf = attention(q, k, v, qk="int8", pv="bf16", causal=True)
     assert not torch.equal(obf, o16)
     # 16-bit Q·Kᵀ with pv="fp16" on BF16 inputs runs the quantized reference (V converted), not the FP32 one
     o = attention(q, k, v, pv="fp16")
     torch.testing.assert_close(o, A.attention_quantized_reference(q, k, v, qk="bf16", pv="fp16").to(bf), rtol=0, atol=0)
-    # pre-quantized entry point: same default
+    # pre-quantized entry point: same default, same FP16 path
     qq = quantize_qk(q, k)
     o2 = attention_qk_int8(qq.q, qq.k, v, qq.q_scale, qq.k_scale, causal=True)
     torch.testing.assert_close(o2, o_auto, rtol=0, atol=0)
+    o3 = attention_qk_int8(qq.q, qq.k, v, qq.q_scale, qq.k_scale, causal=True, pv="fp16")
+    torch.testing.assert_close(o3, o16, rtol=0, atol=0)
     with pytest.raises(TypeError, match="quantize_v_fp16: v must be bfloat16"):
         A.api.quantize_v_fp16(v.half())

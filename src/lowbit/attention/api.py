@@ -22,6 +22,10 @@ from .reference import QKQuantized, n_q_groups
 
 _QK = ("bf16", "fp16", "int8", "fp8")
 _PV = ("auto", "bf16", "fp16", "fp8")
+# What pv="auto" means for quantized Q·Kᵀ ("int8"/"fp8") on BF16 inputs. "fp16" is the more accurate choice (P keeps
+# 11 significant bits); it becomes the default once an H200 run shows it end to end at least as fast as "bf16" (the
+# V conversion adds one pass over V). Not measured yet (2026-11-23: device time spent), so "bf16" for now.
+AUTO_PV_QUANTIZED = "bf16"
 _BACKENDS = ("reference", "triton", "sdpa")
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -134,15 +138,15 @@ def resolve_pv(pv: str, qk: str, dtype: Optional[torch.dtype]) -> str:
 
     * "fp16": FP16 P·V. BF16 V is converted (``quantize_v_fp16``: exact up to FP16 subnormals); FP16 V as is.
     * "bf16": P·V in BF16 for BF16 inputs; FP16 inputs keep FP16 (converting V to BF16 would only drop bits).
-    * "auto" (default): "fp16" when Q·Kᵀ is quantized ("int8"/"fp8") — P in [0, 1] keeps 3 more mantissa bits in
-      FP16 than in BF16, which SageAttention also uses — else the inputs' own dtype (plain attention dispatches
-      to SDPA as before)."""
+    * "auto" (default): ``AUTO_PV_QUANTIZED`` when Q·Kᵀ is quantized ("int8"/"fp8") — meant to be "fp16" (P in
+      [0, 1] keeps 3 more mantissa bits in FP16 than in BF16, SageAttention's choice) once measured as fast; "bf16"
+      until then — else the inputs' own dtype (plain attention dispatches to SDPA as before)."""
     if pv not in _PV:
         raise ValueError(f"pv must be one of {_PV}, got {pv!r}")
     if pv == "fp8":
         return "fp8"
     if pv == "auto":
-        pv = "fp16" if qk in ("int8", "fp8") else "bf16"
+        pv = AUTO_PV_QUANTIZED if qk in ("int8", "fp8") else "bf16"
     return "fp16" if pv == "fp16" and dtype == torch.bfloat16 else "native"
 
 
@@ -410,7 +414,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``cu_seqlens_q/k`` (int32, (B+1,)).  k, v: same with Hkv heads, Hq % Hkv == 0.  float16/bfloat16
     (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
-    pv: the P·V MMA: "auto" (default: "fp16" when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
+    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
     carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
     inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts mean(K)
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
@@ -476,7 +480,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
     k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
-    per channel inside; pv="auto"/"fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16: ``resolve_pv``).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
+    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
     (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
     are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
     to correct the returned LSE.  Output in v's dtype.
