@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The measurements left open at the end of session 3, in the order to spend device time on them. Each stage has its
-# own time limit so one slow stage cannot eat the rest of a device call (600 s). Run on the device tool with
-# carry=[".whl"] (torchao, sageattention, pytest-xdist):
-#   bash scripts/gpu_next.sh tests        # ~3 min: the whole GPU suite, 8 workers (TMA bit-identity tests included)
-#   bash scripts/gpu_next.sh kernels      # ~6 min: bench gemm (TMA rows), bench attention fwd (TMA rows), bwd (TMA)
-#   bash scripts/gpu_next.sh train        # ~8 min: linear bench with torchao, 350m nvfp4 with CUDA graphs, 1.3b
-#   bash scripts/gpu_next.sh fsdp         # on nvidia-h200-x2: FSDP2 vs one GPU (scripts/fsdp_check.sh)
+# What the end of session 4 (2026-11-23) left for the GPU, in the order to spend device time on it. Each stage has
+# its own time limit so one slow stage cannot eat the rest of a device call (600 s). Run on the device tool with
+# carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (earlier numbers are from H200s):
+#   bash scripts/gpu_next.sh verify     # ~4 min: the GPU suite (committed code never run there: forced-Gluon GEMM,
+#                                       #   persistent blockwise quantizer, attention fwd FP16 P·V / prepass / kernel
+#                                       #   changes of 6be20d4, fused SwiGLU quantization in LayerNormMLP)
+#   bash scripts/gpu_next.sh kernels    # ~7 min: bench gemm (Gluon row), quant, attention fwd incl. int8/fp16, bwd
+#   bash scripts/gpu_next.sh train      # ~8 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
+# Then: flip LOWBIT_GEMM_GLUON to 1 if verify passed, AUTO_PV_QUANTIZED to "fp16" if int8/fp16 is as fast as
+# int8/bf16 end to end, and record everything in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -15,20 +18,20 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 stage() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -60; }
-case "${1:-tests}" in
-  tests)
-    stage 420 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE ;;
+case "${1:-verify}" in
+  verify)
+    stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
+    stage 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemm.py -k gluon -rfE ;;
   kernels)
-    stage 200 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
-    stage 200 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn"
-    stage 180 python3 -m lowbit bench attention --backward --shapes "4,32,4096,128" --rep 30 ;;   # with *_tma rows
+    stage 180 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
+    stage 90 python3 -m lowbit bench quant
+    stage 200 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal no \
+      --modes bf16/bf16,int8/bf16,int8/fp16,int8/fp8 --out "$OUT/attn"
+    stage 120 python3 scripts/bench_swiglu_quant.py ;;
   train)
-    stage 240 python3 -m lowbit bench linear --shapes 16384x4096x4096,16384x4096x14336 --recipes fp8-current,fp8-block
-    stage 200 python3 -m lowbit train --model 350m --recipe nvfp4 --steps 40 --batch-size 8 --seq-len 2048 \
-      --eval-every 40 --eval-windows 8 --no-progress --out-dir "$OUT/nv350"
-    stage 150 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
-  fsdp)
-    stage 500 bash scripts/fsdp_check.sh fp8-block 30 ;;
-  *) echo "usage: $0 tests|kernels|train|fsdp" >&2; exit 2 ;;
+    stage 240 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 150 python3 scripts/profile_model.py 1.3b 4 2048 bf16,fp8-block
+    stage 150 python3 scripts/profile_model.py 350m 8 2048 bf16,fp8-block ;;
+  *) echo "usage: $0 verify|kernels|train" >&2; exit 2 ;;
 esac
