@@ -2,7 +2,7 @@
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
-from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, select_backend
+from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, quantize_v_fp16, select_backend
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -17,6 +17,7 @@ __all__ = [
     "attention_qk_int8",
     "quantize_qk",
     "quantize_v_fp8",
+    "quantize_v_fp16",
     "select_backend",
     "backend_for",
     "QKQuantized",

@@ -16,7 +16,7 @@ from .linear import Linear
 __all__ = ["MultiheadAttention"]
 
 _QK = ("bf16", "fp16", "int8", "fp8")
-_PV = ("bf16", "fp16", "fp8")
+_PV = ("auto", "bf16", "fp16", "fp8")
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -31,7 +31,7 @@ class MultiheadAttention(torch.nn.Module):
             into a ``LayerNormLinear`` QKV projection).
         causal: causal mask (bottom-right aligned when query and key lengths differ).
         attention_dropout: dropout on the attention probabilities in training (16-bit attention only).
-        qk, pv: attention math: ``qk`` in "bf16"/"fp16"/"int8"/"fp8", ``pv`` in "bf16"/"fp16"/"fp8"
+        qk, pv: attention math: ``qk`` in "bf16"/"fp16"/"int8"/"fp8", ``pv`` in "auto"/"bf16"/"fp16"/"fp8"
             (see :func:`lowbit.attention.attention`).
         granularity: INT8 Q scale granularity, "per_block" or "per_warp".
         eps: norm epsilon.
