@@ -6,6 +6,7 @@ Triton's bundled nvdisasm prints. A static fact, not a timing: a kernel that spi
 one that does not may still be slow for other reasons.
 
     python scripts/kernel_spills.py     # attention forward and FP8 GEMM (pointer vs TMA tiles), 1x128 quantize
+    python scripts/kernel_spills.py --no-specialize   # the same without divisibility specialization (older tables)
 """
 from __future__ import annotations
 
@@ -25,7 +26,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
+# A real launch on large, aligned shapes specializes pointers and integer arguments that are multiples of 16
+# ("tt.divisibility" 16), which changes vectorization and register use: without it the counts below overstated the
+# attention backward's spills (compared against the device's own register counts on 2026-11-23). By default every
+# pointer and every size / stride argument (names below) is marked so; --no-specialize compiles them generic.
+SPECIALIZE = "--no-specialize" not in sys.argv
+_SIZE_NAMES = re.compile(r"^(s[a-z]+|M|N|K|Sq|Sk|lda_s|ldb_s|rs_ld|cs_ld|ld_s|stride_\w+)$")
+
+
+def _divisibility_attrs(fn, signature: dict) -> dict:
+    names = list(inspect.signature(fn.fn).parameters)
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+            if str(signature.get(n, "")).startswith("*") or (signature.get(n) == "i32" and _SIZE_NAMES.match(n))}
+
+
 def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, attrs: dict | None = None) -> dict:
+    if attrs is None and SPECIALIZE:
+        attrs = _divisibility_attrs(fn, signature)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
