@@ -8,7 +8,9 @@
 #   bash scripts/gpu_next.sh kernels    # ~7 min: bench gemm (Gluon row), quant, attention fwd incl. int8/fp16, bwd
 #   bash scripts/gpu_next.sh train      # ~8 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
 # Then: flip LOWBIT_GEMM_GLUON to 1 if verify passed, AUTO_PV_QUANTIZED to "fp16" if int8/fp16 is as fast as
-# int8/bf16 end to end, and record everything in BENCHMARKS.md.
+# int8/bf16 end to end, and record everything in BENCHMARKS.md. Leads not built: the quantize kernels' amax
+# atomics use Triton's default acq_rel ordering (a relaxed integer max cut the attention backward's FP8 epilogue
+# cost most of the way); the fused SwiGLU quantizer moves only 1.3-1.7 TB/s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
