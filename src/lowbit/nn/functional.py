@@ -260,6 +260,11 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized GEMM on input ``x`` outputs: torch.autocast's dtype where it is on, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
                      is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None) -> torch.Tensor:
     """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
@@ -282,9 +287,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
-    out_dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.get_autocast_dtype(x.device.type)
+    out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
@@ -295,9 +298,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 # ------------------------------------------------------------------------------------------------
-# fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into the quantizers around it
+# fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into fc2's input quantizer
 # ------------------------------------------------------------------------------------------------
-def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype) -> bool:
+def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns
@@ -306,6 +309,7 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, ou
 
     if b1 is not None or os.environ.get("LOWBIT_FUSED_SWIGLU_QUANT", "1") == "0":
         return False
+    out_dtype = _out_dtype(x) if out_dtype is None else out_dtype
     if out_dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda or _SW_INTERP) or w1.shape[0] % 256:
         return False
     for role in ("input", "grad_output"):
@@ -394,9 +398,7 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     """
     st = state or _ac.get_state()
     recipe = st.recipe
-    out_dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.get_autocast_dtype(x.device.type)
+    out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)

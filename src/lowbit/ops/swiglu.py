@@ -41,6 +41,13 @@ def _check(h):
 if triton is not None:
 
     @triton.jit
+    def _silu(a):
+        """(sigmoid(a), silu(a)) in FP32 — one place for the expressions, so the fused quantizer below quantizes
+        exactly the values the SwiGLU kernel stores."""
+        sig = 1.0 / (1.0 + tl.exp(-a))
+        return sig, a * sig
+
+    @triton.jit
     def _swiglu_kernel(h_ptr, g_ptr, o_ptr, F, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
         """Row r of h (2F wide, contiguous); forward: o[r, :F] = silu(a)·b; backward: o[r, :2F] = d[a | b] from g[r, :F]."""
         row = tl.program_id(0).to(tl.int64)
@@ -48,8 +55,7 @@ if triton is not None:
         m = col < F
         a = tl.load(h_ptr + row * 2 * F + col, mask=m, other=0.0).to(tl.float32)
         b = tl.load(h_ptr + row * 2 * F + F + col, mask=m, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-a))
-        s = a * sig
+        sig, s = _silu(a)
         if BACKWARD:
             g = tl.load(g_ptr + row * F + col, mask=m, other=0.0).to(tl.float32)
             da = g * b * (sig * (1.0 + a * (1.0 - sig)))
@@ -143,8 +149,7 @@ if triton is not None:
         off = rows[:, None] * (2 * F) + cols[None, :]
         a = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
         b = tl.load(u_ptr + off + F, mask=m, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-a))
-        s = a * sig
+        _, s = _silu(a)
         return (s * b).to(DT).to(tl.float32)
 
     @triton.jit
@@ -189,6 +194,8 @@ if triton is not None:
                 tl.store(cq_ptr + cn.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q), mask=(rows < M)[None, :])
 
 
+_PLANS: dict = {}  # (M, F, dtype, scheme, rowwise, columnwise) -> the quantizer's _BlockwisePlan for h
+
 # slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
 _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
                          [dict(SLAB=32, num_warps=4), dict(SLAB=32, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=8),
@@ -207,8 +214,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., F), dtype u.dtype, bit-identical to
         ``quantize(swiglu(u), scheme, rowwise=..., columnwise=...)``.
     """
-    from ..quant.tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
-    from ..quant.triton_backend import SW_ROUND, _bucket, _fmt_args, tuned_launch
+    from ..quant.tensor import QuantizedTensor
+    from ..quant.triton_backend import _BlockwisePlan, _blockwise_buffers, _bucket, _set_copies, tuned_launch
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
@@ -218,28 +225,18 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         raise ValueError("rowwise, columnwise: at least one copy must be asked for")
     F = u.shape[-1] // 2
     M = u.numel() // (2 * F)
-    fmt, dev = scheme.format, u.device
-    mb, nb = cdiv(M, 128), F // 128
-    rshape, cshape = (nb, pad_to(M, 4)), (mb, pad_to(F, 4))
-    nr = rshape[0] * rshape[1] if rowwise else 0
-    nc = cshape[0] * cshape[1] if columnwise else 0
-    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)  # scale pads must read 0 (as quantize's)
-    rs = buf[:nr].view(rshape) if rowwise else None
-    cs = buf[nr:nr + nc].view(cshape) if columnwise else None
-    amax_i = buf[nr + nc:].view(torch.int32)
-    rq = torch.empty(M, F, dtype=fmt.torch_dtype, device=dev) if rowwise else None
-    cq = torch.empty(F, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
-    satcvt = not INTERPRET and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
-    kw = dict(**_fmt_args(fmt), POW2=scheme.pow2, EPS=float(scheme.eps), SW=SW_ROUND, SATCVT=satcvt,
-              DT=tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16, ROW=rowwise, COL=columnwise)
+    key = (M, F, u.dtype, scheme, rowwise, columnwise)
+    plan = _PLANS.get(key)
+    if plan is None:  # the blockwise quantizer's plan: the same output layouts and kernel constants for h (M, F)
+        plan = _PLANS[key] = _BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
+        plan.kw = {k: v for k, v in plan.kw.items() if k not in ("TWO_D", "BS")}  # (1x128 here)
+        plan.kw["DT"] = tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16
+    rq, rs, cq, cs, amax_i = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
     args = (u, rq if rowwise else cq, rs if rowwise else cs, cq if columnwise else rq, cs if columnwise else rs, amax_i,
-            M, F, rshape[1] if rowwise else 0, cshape[1] if columnwise else 0)
+            M, F, plan.rshape[1] if rowwise else 0, plan.cshape[1] if columnwise else 0)
+    grid = (F // 128, triton.cdiv(M, 128))
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _SWIGLU_QUANT_CONFIGS,
-                 lambda c: _swiglu_quant_kernel[(nb, mb)](*args, **kw, **c))
+                 lambda c: _swiglu_quant_kernel[grid](*args, **plan.kw, **c))
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
-    amax = amax_i.view(torch.float32)
-    if rowwise:
-        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
-    if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
+    _set_copies(qt, rq, rs, cq, cs, amax_i)
     return qt

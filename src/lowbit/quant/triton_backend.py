@@ -305,14 +305,44 @@ _PERSISTENT = {
 }
 
 
-def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> list[dict]:
-    """Candidates of blockwise_persistent_kernel for this input, or [] where it is not used: outside the uses in
-    _PERSISTENT, and outside the compiled variant measured there (whole tiles only: M and K multiples of 128;
-    x 16-byte aligned, since Triton specializes the loads' vector width, hence the layouts, on it)."""
+def _persistent_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
+    """Whether blockwise_persistent_kernel may run on this input: one of the uses in _PERSISTENT, and the compiled
+    variant measured there (whole tiles only: M and K multiples of 128; x 16-byte aligned, since Triton
+    specializes the loads' vector width, hence the layouts, on it). Checked on every call (x's alignment can
+    change from call to call); the candidate list is built only on a tuning miss."""
     M, Kd = x2.shape
-    if INTERPRET or bs != 128 or not x2.is_cuda or M % 128 or Kd % 128 or x2.data_ptr() % 16:
+    return (not INTERPRET and bs == 128 and x2.is_cuda and M % 128 == 0 and Kd % 128 == 0 and x2.data_ptr() % 16 == 0
+            and (two_d, rowwise, columnwise, x2.dtype) in _PERSISTENT)
+
+
+def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> list[dict]:
+    """Candidates of blockwise_persistent_kernel for this input (tagged KIND="pers"), or [] where it is not used."""
+    if not _persistent_ok(x2, bs, two_d, rowwise, columnwise):
         return []
-    return [dict(c, KIND="pers") for c in _PERSISTENT.get((two_d, rowwise, columnwise, x2.dtype), ())]
+    return [dict(c, KIND="pers") for c in _PERSISTENT[(two_d, rowwise, columnwise, x2.dtype)]]
+
+
+def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
+    """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
+    for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
+    both scale grids (pads must read 0) and the amax at the end; every grid starts 16-byte aligned (sizes are
+    multiples of 4 floats)."""
+    rq = torch.empty(plan.M, plan.K, dtype=fmt.torch_dtype, device=dev) if rowwise else None
+    cq = torch.empty(plan.K, plan.M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
+    nr, nc = plan.nr, plan.nc
+    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)
+    rs = buf[:nr].view(plan.rshape) if rowwise else None
+    cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
+    return rq, rs, cq, cs, buf[nr + nc:].view(torch.int32)
+
+
+def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
+    """Attach the copies _blockwise_buffers made (and a kernel filled) to ``qt``; both share the amax tensor."""
+    amax = amax_i.view(torch.float32)
+    if rq is not None:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
+    if cq is not None:  # both copies come from the same read: the same amax tensor (never written in place later)
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
 
 
 def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
@@ -414,22 +444,14 @@ class _BlockwisePlan:
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     M, Kd = x2.shape
     fmt, dev, bs = sch.format, x2.device, sch.block_size
-    # (the plan's kernel arguments include SW; the persistent kernel's candidates depend on x's alignment,
-    # which can change from call to call)
-    pers = _blockwise_persistent_configs(x2, bs, sch.block_dim == 2, rowwise, columnwise)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, bool(pers))
+    two_d = sch.block_dim == 2
+    # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
+    pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
-    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
-    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
-    # One zero-filled buffer (one launch) holds both scale grids (pads must read 0) and the amax
-    # accumulator at the end; every grid starts 16-byte aligned (sizes are multiples of 4 floats).
-    nr, nc = plan.nr, plan.nc
-    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)
-    rs = buf[:nr].view(plan.rshape) if rowwise else None
-    cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
-    amax_i = buf[nr + nc:].view(torch.int32)
+    rq, rs, cq, cs, amax_i = _blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
     ld_r = plan.rshape[1] if rowwise else 0
     ld_c = plan.cshape[1] if columnwise else 0
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
@@ -437,23 +459,19 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     if plan.cfg is not None:
         plan.fn[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *plan.extra, **plan.cfg)
     else:
-        two_d = sch.block_dim == 2
         # (where the persistent kernel may run, the autotuner times both kernels' candidates)
-        cands = pers + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
+        cands = _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
+            + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *extra, **kw)
 
-        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, bool(pers), _bucket(M), _bucket(Kd)), cands,
+        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, pers, _bucket(M), _bucket(Kd)), cands,
                          launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
-    amax = amax_i.view(torch.float32)
-    if rowwise:
-        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
-    if columnwise:  # both copies come from the same read: the same amax tensor (never written in place later)
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
+    _set_copies(qt, rq, rs, cq, cs, amax_i)
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
