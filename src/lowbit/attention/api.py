@@ -218,6 +218,25 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     return _ref.quantize_qk_reference(q, k, **kw)
 
 
+def _kernel_layout(layout, cu_seqlens_k) -> str:
+    """The layout the V quantizers take: the user's, with packed varlen ("thd") passed as "bhsd"."""
+    lay = _layout_of(layout, cu_seqlens_k is not None)
+    return "bhsd" if lay == "thd" else lay
+
+
+def _quantize_v(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_k, backend):
+    """(V for the P·V MMA, per-channel scales) for a resolved ``pv`` (``kind``): "fp8" or "fp16" convert V (Triton
+    prepass or reference), "native" keeps it. ``lay``: "bhsd" / "bshd" ("bhsd" for packed varlen)."""
+    if kind == "native":
+        return v, None
+    if (backend or ("triton" if v.is_cuda else "reference")) == "triton":
+        from . import _triton
+        fn = _triton.quantize_v_fp8_triton if kind == "fp8" else _triton.quantize_v_fp16_triton
+        return fn(v, layout=lay, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+    fn = _ref.quantize_v_fp8_reference if kind == "fp8" else _ref.quantize_v_fp16_reference
+    return fn(v, layout=lay, cu_seqlens_k=cu_seqlens_k)
+
+
 def quantize_v_fp16(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_k: Optional[int] = None, backend: Optional[str] = None):
     """BF16 V -> (float16 V with v's shape and layout, fp32 power-of-two scales (B, Hkv, D)) for FP16 P·V.
@@ -228,14 +247,7 @@ def quantize_v_fp16(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Op
     _tensor("v", v)
     if v.dtype != torch.bfloat16:
         raise TypeError(f"quantize_v_fp16: v must be bfloat16 (FP16 V needs no conversion), got {v.dtype}")
-    varlen = cu_seqlens_k is not None
-    lay = _layout_of(layout, varlen)
-    be = backend or ("triton" if v.is_cuda else "reference")
-    if be == "triton":
-        from . import _triton
-        return _triton.quantize_v_fp16_triton(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k,
-                                              max_seqlen_k=max_seqlen_k)
-    return _ref.quantize_v_fp16_reference(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k)
+    return _quantize_v("fp16", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
 
 
 def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
@@ -245,14 +257,7 @@ def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Opt
     The Triton path stores the codes sequence-contiguous (a transposed view) for the FP8 P·V MMA."""
     _tensor("v", v)
     _half("v", v)
-    varlen = cu_seqlens_k is not None
-    lay = _layout_of(layout, varlen)
-    be = backend or ("triton" if v.is_cuda else "reference")
-    if be == "triton":
-        from . import _triton
-        return _triton.quantize_v_fp8_triton(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k,
-                                             max_seqlen_k=max_seqlen_k)
-    return _ref.quantize_v_fp8_reference(v, layout="bhsd" if lay == "thd" else lay, cu_seqlens_k=cu_seqlens_k)
+    return _quantize_v("fp8", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
 
 
 # ----------------------------------------------------------------------------- forward implementations
@@ -329,12 +334,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
     else:
         qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
-    if pv == "fp8":
-        va, vs = _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
-    elif pv == "fp16":
-        va, vs = _triton.quantize_v_fp16_triton(v, layout=lay, cu_seqlens_k=cu_k, max_seqlen_k=mk)
-    else:
-        va, vs = v, None
+    va, vs = _quantize_v(pv, v, lay, cu_k, mk, "triton")
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
@@ -523,9 +523,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
     lay2 = "bhsd" if lay == "thd" else lay
     if be == "reference":
-        va, vs = (_ref.quantize_v_fp8_reference(v, layout=lay2, cu_seqlens_k=cu_seqlens_k) if pv == "fp8"
-                  else _ref.quantize_v_fp16_reference(v, layout=lay2, cu_seqlens_k=cu_seqlens_k) if pv == "fp16"
-                  else (v, None))
+        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, None, "reference")
         out, lse = _ref.attention_prequantized_reference(
             q_int8, k_int8, va, q_scale, k_scale, v_scale=vs, k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k,
             causal=causal, window=window, layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -535,8 +533,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         from . import _triton
         _check_triton(D, q_int8.device)
         kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
-        qv = {"fp8": _triton.quantize_v_fp8_triton, "fp16": _triton.quantize_v_fp16_triton}.get(pv)
-        va, vs = qv(v, layout=lay2, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=mk) if qv else (v, None)
+        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, mk, "triton")
         res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
                                            k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
                                            window=window, return_lse=return_lse, out_dtype=v.dtype, **kw)

@@ -302,6 +302,18 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
                        block_q, block_k, warp_q)
 
 
+def _v_per_sequence(fn, v: Tensor, cu_seqlens_k: Tensor, dtype: torch.dtype):
+    """Varlen V (packed (Tk, Hkv, D)) through the dense per-channel quantizer ``fn``, one sequence at a time:
+    (converted V packed like v, scales (B, Hkv, D))."""
+    out = torch.empty_like(v, dtype=dtype)
+    scales = []
+    for s0, s1 in _split_varlen(cu_seqlens_k):
+        o, sc = fn(v[s0:s1].unsqueeze(0), layout="bshd")
+        out[s0:s1] = o[0]
+        scales.append(sc[0])
+    return out, torch.stack(scales, 0)
+
+
 def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = None):
     """V -> (float8_e4m3fn codes same shape/layout, fp32 scale (B, Hkv, D)).
 
@@ -309,14 +321,7 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     code = sat_rne(v · (448 / amax)).  Dequant: code * scale.  Varlen: per sequence.
     """
     if cu_seqlens_k is not None:
-        segs = _split_varlen(cu_seqlens_k)
-        out = torch.empty_like(v, dtype=torch.float8_e4m3fn)
-        scales = []
-        for b, (s0, s1) in enumerate(segs):
-            o, sc = quantize_v_fp8_reference(v[s0:s1].unsqueeze(0), layout="bshd")
-            out[s0:s1] = o[0]
-            scales.append(sc[0])
-        return out, torch.stack(scales, 0)
+        return _v_per_sequence(quantize_v_fp8_reference, v, cu_seqlens_k, torch.float8_e4m3fn)
     _check_layout(layout)
     vh = _bhsd(v, layout).float()
     amax = vh.abs().amax(dim=2)
@@ -346,13 +351,7 @@ def quantize_v_fp16_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: 
     v16 = fp16_rne(v · 2^e) per (batch, head, channel) with ``v_fp16_scales``; v ≈ v16 · scale exactly unless
     v·2^e falls below FP16's normal range (then round to nearest even).  Varlen: per sequence."""
     if cu_seqlens_k is not None:
-        out = torch.empty_like(v, dtype=torch.float16)
-        scales = []
-        for s0, s1 in _split_varlen(cu_seqlens_k):
-            o, sc = quantize_v_fp16_reference(v[s0:s1].unsqueeze(0), layout="bshd")
-            out[s0:s1] = o[0]
-            scales.append(sc[0])
-        return out, torch.stack(scales, 0)
+        return _v_per_sequence(quantize_v_fp16_reference, v, cu_seqlens_k, torch.float16)
     _check_layout(layout)
     vh = _bhsd(v, layout).float()
     scale, mult = v_fp16_scales(vh.abs().amax(dim=2))
