@@ -230,7 +230,7 @@ def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seq
 # ============================================================================ forward kernel
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, lo, hi,
-               Sk, diag, win_left, win_right, sm_scale_log2,
+               Sk, diag, win_left, win_right,
                sks, skd, svs, svd,
                QK_MODE: tl.constexpr, PV_FP8: tl.constexpr, K_SCALE_ROWS: tl.constexpr, MASK: tl.constexpr,
                BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
@@ -385,15 +385,15 @@ def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
-                               lo, tl.minimum(full_lo, hi), Sk, diag, win_left, win_right, sm_scale_log2,
+                               lo, tl.minimum(full_lo, hi), Sk, diag, win_left, win_right,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
                                TMA, HEAD_DIM, KS_TILE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
-                               full_lo, full_hi, Sk, diag, win_left, win_right, sm_scale_log2,
+                               full_lo, full_hi, Sk, diag, win_left, win_right,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, False, BLOCK_N, INTERPRET,
                                TMA, HEAD_DIM, KS_TILE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d,
-                               full_hi, hi, Sk, diag, win_left, win_right, sm_scale_log2,
+                               full_hi, hi, Sk, diag, win_left, win_right,
                                sks, skd, svs, svd, QK_MODE, PV_FP8, K_SCALE_ROWS, True, BLOCK_N, INTERPRET,
                                TMA, HEAD_DIM, KS_TILE)
 
@@ -548,24 +548,21 @@ def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=
     return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
 
 
-def _v_partial_amax(v, layout, varlen, cu_seqlens_k, max_seqlen_k, chunk=64):
+def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16):
+    """V -> out (E4M3 codes, or FP16 with ``fp16``) and the per-channel dequantization scales (B, H, D): per-chunk
+    channel amax, then the scales and the quantizer's multipliers, then the codes (three launches)."""
+    varlen = cu_seqlens_k is not None
     B, H, S, D = _dims(v, layout, varlen)
     if varlen:
         B = cu_seqlens_k.numel() - 1
         S = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    chunk = 64
     nch = max(1, -(-S // chunk))
     bd = triton.next_power_of_2(D)
     part = torch.empty(B * H, nch, D, device=v.device, dtype=torch.float32)
     cu = cu_seqlens_k if varlen else part
     _v_amax_kernel[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
-    return part, (B, H, S, D, nch, bd, cu)
-
-
-def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16):
-    varlen = cu_seqlens_k is not None
-    chunk = 64
-    part, (B, H, S, D, nch, bd, cu) = _v_partial_amax(v, layout, varlen, cu_seqlens_k, max_seqlen_k, chunk)
     v_scale = torch.empty(B, H, D, device=v.device, dtype=torch.float32)
     inv = torch.empty_like(v_scale)
     _v_scale_kernel[(B * H,)](part, v_scale, inv, nch, D=D, BLOCK_D=bd, CH=8, FP16=fp16, num_warps=4)
