@@ -3,8 +3,8 @@
 For each (B, H, S, D) and causal flag: median time (triton.testing.do_bench) and TFLOP/s
 (4·B·H·S²·D, halved when causal) of
   * peers: SDPA flash, SDPA cuDNN (BF16), sageattention ``sageattn`` if importable;
-  * lowbit Triton kernel for qk/pv in bf16/bf16, int8/bf16, int8/fp16 (BF16 V carried in FP16: the default for
-    int8), int8/fp8, fp8/fp8, kernel-only (operands quantized beforehand) and end-to-end (prepass included), and
+  * lowbit Triton kernel for qk/pv in bf16/bf16, int8/bf16, int8/fp16 (BF16 V carried in FP16, P·V in FP16),
+    int8/fp8, fp8/fp8, kernel-only (operands quantized beforehand) and end-to-end (prepass included), and
     the prepass alone (Q/K, V);
 and NRMSE vs an FP32 reference computed on batch 0, heads 0..3 (the kernels treat heads independently).
 Writes a markdown table and JSON lines to --out.
@@ -63,11 +63,11 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         rows.append(dict(name="sageattention", kind="peer", ms=float("nan"), tflops=float("nan"),
                          nrmse=float("nan"), error="not installed"))
 
-    from lowbit.attention.api import resolve_pv
+    from lowbit.attention.api import _quantize_v, resolve_pv
 
     for qk, pv in modes:
         tag = f"lowbit_{qk}_{pv}"
-        pvr = resolve_pv(pv, qk, q.dtype)  # "auto" -> "fp16" for quantized Q·Kᵀ; "fp16" converts BF16 V
+        pvr = resolve_pv(pv, qk, q.dtype)  # "fp8" / "fp16" convert V ("auto": api.AUTO_PV_QUANTIZED for int8/fp8)
         run(tag + "_e2e", lambda qk=qk, pv=pv: attention(q, k, v, causal=causal, qk=qk, pv=pv, backend="triton"),
             "end-to-end")
         # kernel-only: quantize once outside the timed region
@@ -76,8 +76,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         else:
             qq = T.quantize_qk_triton(q, k, dtype=qk)
             qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
-        qv = {"fp8": T.quantize_v_fp8_triton, "fp16": T.quantize_v_fp16_triton}.get(pvr)
-        va, vs = qv(v) if qv else (v, None)
+        va, vs = _quantize_v(pvr, v, "bhsd", None, None, "triton")
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
         if pointer_tiles:
@@ -88,8 +87,8 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         if qk != "bf16":
             ms = median_ms(lambda qk=qk: T.quantize_qk_triton(q, k, dtype=qk), warmup=10, rep=100)
             rows.append(dict(name=tag + "_prepass_qk", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
-        if qv:
-            ms = median_ms(lambda qv=qv: qv(v), warmup=10, rep=100)
+        if pvr != "native":
+            ms = median_ms(lambda pvr=pvr: _quantize_v(pvr, v, "bhsd", None, None, "triton"), warmup=10, rep=100)
             rows.append(dict(name=tag + "_prepass_v", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
     del ref
     torch.cuda.empty_cache()
