@@ -47,6 +47,15 @@ def test_prepass_bit_exact(tri, dtype, granularity, layout):
     assert torch.equal(v16, r16) and torch.equal(vs, rs)
 
 
+def test_prepass_non_power_of_two_blocks(tri):
+    """block_k / block_q / warp_q need not be powers of two (the kernel pads its row range and masks)."""
+    q, k = rand(1, 2, 50, 32, seed=7), rand(1, 2, 41, 32, seed=8, offset=2.0)
+    for kw in (dict(block_k=12, block_q=24), dict(granularity="per_warp", block_q=24, warp_q=12, block_k=20)):
+        a, r = tri.quantize_qk_triton(q, k, **kw), R.quantize_qk_reference(q, k, **kw)
+        assert torch.equal(a.q, r.q) and torch.equal(a.k, r.k), kw
+        assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale), kw
+
+
 def test_prepass_varlen_bit_exact(tri):
     cq = torch.tensor([0, 20, 21, 60], dtype=torch.int32)
     ck = torch.tensor([0, 7, 40, 52], dtype=torch.int32)

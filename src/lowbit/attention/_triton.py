@@ -105,12 +105,13 @@ def _to_int8(y, INTERPRET: tl.constexpr):
 def _quant_rows_kernel(X, Y, S, MEAN, CU,
                        sxb, sxh, sxs, sxd, syb, syh, sys_, syd, ssb, ssh, smb, smh,
                        H, seqlen, n_groups, mult,
-                       ROWS: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, QMAX: tl.constexpr,
-                       TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, VARLEN: tl.constexpr,
+                       ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                       QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, VARLEN: tl.constexpr,
                        INTERPRET: tl.constexpr):
     """One program = one scale group of ROWS rows × D channels of one (batch, head).
 
-    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1) written to S[b, h, g]."""
+    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1) written to S[b, h, g].
+    ROWS_P2 = next power of two >= ROWS (tl.arange needs one; a user's block_k need not be)."""
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -123,9 +124,10 @@ def _quant_rows_kernel(X, Y, S, MEAN, CU,
     else:
         xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
         yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
-    rows = g * ROWS + tl.arange(0, ROWS)
+    r = tl.arange(0, ROWS_P2)
+    rows = g * ROWS + r
     d = tl.arange(0, BLOCK_D)
-    m = (rows[:, None] < seqlen) & (d[None, :] < D)
+    m = (rows[:, None] < seqlen) & (r[:, None] < ROWS) & (d[None, :] < D)
     roff = rows.to(tl.int64)
     x = tl.load(xb + roff[:, None] * sxs + d[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
     x = x * mult
@@ -538,13 +540,13 @@ def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=
     _quant_rows_kernel[(-(-Sq // qrows), B * Hq)](
         q, qc, q_scale, q_scale, cu_q, *_views(q, layout, varlen), *_views(qc, layout, varlen),
         q_scale.stride(0), q_scale.stride(1), 0, 0, Hq, Sq, nq, mult,
-        ROWS=qrows, HAS_MEAN=False, num_warps=warps(qrows), **common)
+        ROWS=qrows, ROWS_P2=triton.next_power_of_2(qrows), HAS_MEAN=False, num_warps=warps(qrows), **common)
     kmv = km if km is not None else k_scale
     _quant_rows_kernel[(nk, B * Hkv)](
         k, kc, k_scale, kmv, cu_k, *_views(k, layout, varlen), *_views(kc, layout, varlen),
         k_scale.stride(0), k_scale.stride(1), kmv.stride(0) if km is not None else 0,
         kmv.stride(1) if km is not None else 0, Hkv, Sk, nk, 1.0,
-        ROWS=block_k, HAS_MEAN=km is not None, num_warps=warps(block_k), **common)
+        ROWS=block_k, ROWS_P2=triton.next_power_of_2(block_k), HAS_MEAN=km is not None, num_warps=warps(block_k), **common)
     return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
 
 
