@@ -25,11 +25,12 @@ case "${1:-verify}" in
     stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
     stage 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemm.py -k gluon -rfE ;;
   kernels)
-    stage 180 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
-    stage 90 python3 -m lowbit bench quant
-    stage 200 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal no \
+    stage 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_gpu.py -k rounding_edges -rfE
+    stage 170 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
+    stage 60 python3 -m lowbit bench quant
+    stage 150 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal no \
       --modes bf16/bf16,int8/bf16,int8/fp16,int8/fp8 --out "$OUT/attn"
-    stage 120 python3 scripts/bench_swiglu_quant.py ;;
+    stage 120 python3 -m lowbit bench attention --backward --shapes "4,32,4096,128;8,16,2048,64" --json "$OUT/bwd.json" ;;
   train)
     stage 240 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"

@@ -95,7 +95,7 @@ def cmd_info(argv=None) -> int:
     print("\nkernel switches (docs/GUIDE.md section 6):")
     for name, default in (("LOWBIT_AUTOTUNE", "1"), ("LOWBIT_ATTN_AUTOTUNE", "1"), ("LOWBIT_ATTN_TMA", "1"),
                           ("LOWBIT_ATTN_BWD_TMA", "0"), ("LOWBIT_GEMM_TMA", "1"),
-                          ("LOWBIT_GEMM_GLUON", "0"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
+                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
         value = os.environ.get(name)
         print(f"  {name}={value if value is not None else default}{'' if value is not None else ' (default)'}")
     return 0

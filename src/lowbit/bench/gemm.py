@@ -63,9 +63,9 @@ def run(shapes, rep=100):
         except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
             print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
         # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
-        # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, opt-in until its exact GPU test has run)
-        for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA)", "1", "0"),
-                              ("lowbit triton blockwise (TMA + Gluon, opt-in)", "1", "1")):
+        # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
+        for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
+                              ("lowbit triton blockwise (TMA + Gluon)", "1", "1")):
             with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
                 res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
         na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
