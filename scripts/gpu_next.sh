@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# What the end of session 4 (2026-11-23) left for the GPU, in the order to spend device time on it. Each stage has
-# its own time limit so one slow stage cannot eat the rest of a device call (600 s). Run on the device tool with
+# What sessions 4-5 (2026-11-23) left for the GPU, in the order to spend device time on it. Each stage has its own
+# time limit so one slow stage cannot eat the rest of a device call (600 s). Run on the device tool with
 # carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (earlier numbers are from H200s):
-#   bash scripts/gpu_next.sh verify     # ~4 min: the GPU suite (committed code never run there: forced-Gluon GEMM,
-#                                       #   persistent blockwise quantizer, attention fwd FP16 P·V / prepass / kernel
-#                                       #   changes of 6be20d4, fused SwiGLU quantization in LayerNormMLP)
-#   bash scripts/gpu_next.sh kernels    # ~7 min: bench gemm (Gluon row), quant, attention fwd incl. int8/fp16, bwd
-#   bash scripts/gpu_next.sh train      # ~8 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
-# Then: flip LOWBIT_GEMM_GLUON to 1 if verify passed, AUTO_PV_QUANTIZED to "fp16" if int8/fp16 is as fast as
-# int8/bf16 end to end, and record everything in BENCHMARKS.md. Leads not built: the quantize kernels' amax
-# atomics use Triton's default acq_rel ordering (a relaxed integer max cut the attention backward's FP8 epilogue
-# cost most of the way); the fused SwiGLU quantizer moves only 1.3-1.7 TB/s.
+#   bash scripts/gpu_next.sh verify     # ~4 min: the GPU suite. Session 5 ran it at ef98f8d (289 passed, 1 failed:
+#                                       #   the prepass with block_k=24, fixed since) and then got no machine; new
+#                                       #   GPU tests written in session 5 (more attention modes, FP16 quantize
+#                                       #   inputs, exact tensorwise/rowwise GEMMs) have never run.
+#   bash scripts/gpu_next.sh kernels    # ~9 min: bench gemm (Gluon now on by default), quant, attention fwd incl.
+#                                       #   int8/fp16 (never timed: 6be20d4's kernel changes), attention bwd
+#   bash scripts/gpu_next.sh train      # ~9 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
+# Then: AUTO_PV_QUANTIZED = "fp16" if int8/fp16 is as fast as int8/bf16 end to end, and record everything in
+# BENCHMARKS.md. Leads not built: the quantize kernels' amax atomics use Triton's default acq_rel ordering (a relaxed
+# integer max cut the attention backward's FP8 epilogue cost most of the way); the fused SwiGLU quantizer moves only
+# 1.3-1.7 TB/s; RMSNorm fused with the 1x128 quantizer of LayerNormLinear's input.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
