@@ -1,5 +1,8 @@
 """Bad input gives clear ValueErrors that name the argument, not tracebacks from deep inside."""
 
+import re
+import zipfile
+
 import pytest
 import torch
 
@@ -20,12 +23,89 @@ def _cfg(tmp_path, **kw):
     (dict(model="7b"), r"model: unknown preset '7b'.*tiny"),
     (dict(steps=0), r"steps: must be an integer >= 1, got 0"),
     (dict(on_nonfinite="ignore"), r"on_nonfinite: expected"),
-    (dict(lr=-1.0), r"lr: must be a positive"),
+    (dict(lr=-1.0), r"lr: must be a finite number > 0, got -1.0"),
+    (dict(lr=float("nan")), r"lr: must be a finite number > 0, got nan"),
     (dict(compare="fp32"), r"compare: only 'bf16'"),
+    (dict(weight_decay=-0.1), r"weight_decay: must be a finite number >= 0 .*got -0.1"),
+    (dict(grad_clip=float("nan")), r"grad_clip: must be a finite number >= 0 \(0 = no clipping\), got nan"),
+    (dict(grad_clip=float("inf")), r"grad_clip: .*got inf"),
+    (dict(grad_clip=-1.0), r"grad_clip: .*got -1.0"),
+    (dict(beta2=1.0), r"beta2: must be a finite number in \[0, 1\), got 1.0"),
+    (dict(min_lr_ratio=2.0), r"min_lr_ratio: must be a finite number in \[0, 1\]"),
+    (dict(seed=-1), r"seed: must be an integer in \[0, 2\*\*32\), got -1"),
+    (dict(ckpt_every=-1), r"ckpt_every: must be an integer >= 0 \(0 = only at the end\), got -1"),
+    (dict(batch_size=0), r"batch_size: must be an integer >= 1, got 0"),
 ])
 def test_bad_arguments(tmp_path, kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         train(_cfg(tmp_path, **kw))
+
+
+def test_zero_grad_clip_and_weight_decay_mean_off(tmp_path):
+    TrainConfig(grad_clip=0.0, weight_decay=0.0).validate()  # documented: 0 turns clipping / decay off
+
+
+def test_unusable_out_dir_and_cache_dir_fail_before_training(tmp_path, capsys):
+    """--out-dir / --cache-dir that cannot be a writable folder: one line naming the argument, exit 2, no training."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    common = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
+    f, sub = str(afile), str(afile / "sub")
+    cases = [
+        (["--out-dir", f, "--cache-dir", str(tmp_path / "c")], f"out_dir: must be a directory, but '{f}' exists"),
+        (["--out-dir", sub], f"out_dir: cannot create the directory '{sub}': '{f}' is a file, not a directory"),
+        (["--out-dir", str(tmp_path / "o"), "--cache-dir", f], f"cache_dir: must be a directory, but '{f}'"),
+    ]
+    for extra, line in cases:
+        with pytest.raises(SystemExit) as e:
+            train_main(common + extra)
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("lowbit train: error: " + line) and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "[lowbit] step" not in out and "cached" not in out, out
+
+
+def test_os_error_at_top_level_is_one_line(monkeypatch, capsys):
+    import lowbit.train.cli as cli
+    import lowbit.train.demo as demo
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device", "runs/x/checkpoint.pt")
+
+    monkeypatch.setattr(cli, "run_train", full_disk)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--no-progress"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "lowbit train: error: 'runs/x/checkpoint.pt': No space left on device\n"
+    monkeypatch.setattr(demo, "run_demo", full_disk)
+    assert demo.main([]) == 2
+    assert capsys.readouterr().err == "lowbit demo: error: 'runs/x/checkpoint.pt': No space left on device\n"
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["--batch-size", "-2"], "argument --batch-size: expected an integer >= 1, got -2"),
+    (["--seq-len", "x"], "argument --seq-len: expected an integer, got 'x'"),
+])
+def test_demo_rejects_non_positive_sizes(argv, pattern, capsys):
+    from lowbit.train.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and pattern in capsys.readouterr().err
+
+
+def test_demo_bad_model_and_out_before_banner(tmp_path, capsys):
+    from lowbit.train.demo import main
+
+    assert main(["--model", "7b", "--out", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert "model: unknown preset '7b'; expected one of tiny" in err and "[lowbit demo]" not in out
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["--out", str(afile), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert f"out: must be a directory, but '{afile}'" in err and "[lowbit demo]" not in out
 
 
 def test_missing_empty_and_unreadable_data(tmp_path, monkeypatch):
@@ -85,8 +165,15 @@ def test_checkpoint_of_other_model_shape(tmp_path, small_text):
         load_checkpoint(ck, GPT(config_from_preset("tiny", ffn_hidden=256)))
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="resume: cannot read checkpoint"):
+    with pytest.raises(ValueError, match=rf"resume: '{re.escape(str(bad))}' is not a torch.save checkpoint"):
         train(_cfg(tmp_path, data=small_text, resume=str(bad)))
+    other_zip = tmp_path / "other.zip"
+    with zipfile.ZipFile(other_zip, "w") as z:
+        z.writestr("a.txt", "hello")
+    with pytest.raises(ValueError, match=rf"resume: cannot read checkpoint '{re.escape(str(other_zip))}'"):
+        train(_cfg(tmp_path, data=small_text, resume=str(other_zip)))
+    with pytest.raises(ValueError, match=r"resume: .* is a folder; pass the checkpoint file"):
+        train(_cfg(tmp_path, data=small_text, resume=str(tmp_path / "run")))
     with pytest.raises(ValueError, match="resume: no checkpoint at"):
         train(_cfg(tmp_path, data=small_text, resume=str(tmp_path / "missing.pt")))
 

@@ -147,3 +147,82 @@ def test_train_png_valid(tmp_path, small_text, cache_dir, targs):
     run_train(targs("--steps", 3, "--batch-size", 2, "--seq-len", 32, "--data", small_text, "--cache-dir", cache_dir,
                     "--out-dir", tmp_path, "--eval-windows", 2, *QUIET))
     _png_ok(tmp_path / "loss.png")
+
+
+def test_sigkill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, small_text, cache_dir):
+    """A real `python -m lowbit train` process SIGKILLed while writing its step-6 checkpoint (the testing hook
+    LOWBIT_TEST_CKPT_STALL_STEP holds it between the complete temporary file and the rename): the step-3
+    checkpoint is intact, `--resume` continues from it, and the loss trajectory equals an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "lowbit", "train", "--model", "tiny", "--recipe", "fp8-delayed", "--steps", "8",
+                "--batch-size", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir, "--out-dir",
+                str(tmp_path / out), "--eval-every", "4", "--eval-windows", "4", "--ckpt-every", "3", *QUIET, *extra]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("full", "killed", "resumed")}
+    full = subprocess.Popen(cmd("full"), env=env, stdout=logs["full"], stderr=subprocess.STDOUT, cwd=tmp_path)
+    killed = subprocess.Popen(cmd("killed"), env={**env, "LOWBIT_TEST_CKPT_STALL_STEP": "6"}, stdout=logs["killed"],
+                              stderr=subprocess.STDOUT, cwd=tmp_path)
+    run = tmp_path / "killed"
+    ck_file = run / "checkpoint.pt"
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck_file.exists() and list(run.glob(".checkpoint.pt.tmp*"))):
+            assert killed.poll() is None, (tmp_path / "killed.log").read_text()
+            assert time.monotonic() < deadline, "no stalled step-6 checkpoint write within 120 s"
+            time.sleep(0.05)
+        killed.send_signal(signal.SIGKILL)
+        assert killed.wait(30) == -signal.SIGKILL
+        assert full.wait(120) == 0, (tmp_path / "full.log").read_text()
+    finally:
+        for p in (full, killed):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert torch.load(ck_file, weights_only=True)["step"] == 3  # the previous checkpoint, intact
+    assert not (run / "summary.json").exists()
+
+    resumed = subprocess.run(cmd("killed", "--resume"), env=env, stdout=logs["resumed"], stderr=subprocess.STDOUT,
+                             cwd=tmp_path, timeout=120)
+    for f in logs.values():
+        f.close()
+    log = (tmp_path / "resumed.log").read_text()
+    assert resumed.returncode == 0, log
+    assert "resumed from" in log and "at step 3" in log, log
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []  # the killed write's temp file is gone
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((run / "summary.json").read_text())
+    assert len(a["history"]["train"]) == 8
+    assert b["history"]["train"] == a["history"]["train"]
+    assert b["history"]["val"] == a["history"]["val"]
+    assert torch.load(ck_file, weights_only=True)["step"] == 8
+
+
+def test_train_on_a_folder_of_text_files(tmp_path, cache_dir, targs):
+    """`--data FOLDER`: every text file below it (sorted, hidden ones left out, binary ones skipped and counted)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    data = tmp_path / "texts"
+    (data / "sub").mkdir(parents=True)
+    texts = {"a.py": "argparse.py", "b.txt": "enum.py", "sub/c.py": "dataclasses.py"}
+    for name, src in texts.items():
+        (data / name).write_bytes((root / src).read_bytes())
+    (data / "blob.bin").write_bytes(b"\0\1\2\3" * 1000)
+    (data / ".hidden.txt").write_text("never read\n" * 1000)
+    s = run_train(targs("--steps", 4, "--batch-size", 4, "--seq-len", 64, "--data", data, "--cache-dir", cache_dir,
+                        "--out-dir", tmp_path / "run", "--eval-windows", 4, *QUIET))
+    meta = s["data"]
+    assert meta["source"] == str(data) and meta["files"] == 3 and meta["skipped_binary"] == 1
+    expect = sum(len(b) + (not b.endswith(b"\n")) for b in ((data / n).read_bytes() for n in texts))
+    assert meta["bytes"] == expect == meta["train_bytes"] + meta["val_bytes"]
+    ls = _losses(s)
+    assert len(ls) == 4 and all(math.isfinite(v) for v in ls) and ls[-1] < ls[0], ls
+    assert math.isfinite(s["final_val_loss"])

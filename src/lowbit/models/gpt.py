@@ -136,6 +136,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if attention_backend() == "lowbit":
         fn = _lowbit_attention()
         return fn(q, k, v, causal=True, layout="bhsd", qk=_ATTENTION_OPTS["qk"], pv=_ATTENTION_OPTS["pv"])
+    # torch's own backend order (not lowbit.attention's explicit cuDNN-first one): on H100/H200 with cuDNN >= 9.9
+    # torch puts cuDNN first itself; see the models/gpt.py row of docs/ARCHITECTURE.md
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

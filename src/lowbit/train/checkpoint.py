@@ -9,12 +9,19 @@ A checkpoint is one ``torch.save`` file holding only tensors and plain Python va
 Model and optimizer state are gathered with ``torch.distributed.checkpoint.state_dict`` as full state
 dicts keyed by parameter name, so a checkpoint written by any world size (DDP or FSDP2) loads at any
 other. Writes go to a temporary file in the same folder, are fsynced and renamed over the old file:
-a run killed while writing leaves the previous checkpoint intact.
+a run killed while writing leaves the previous checkpoint intact (and a stale temporary file, which the
+next successful write of that checkpoint removes).
+
+Testing hook: with ``LOWBIT_TEST_CKPT_STALL_STEP=N`` in the environment, the write of the step-``N``
+checkpoint stops after its temporary file is complete and before the rename, and waits to be killed
+(tests/train kill a real ``lowbit train`` process there).
 """
 
 from __future__ import annotations
 
 import os
+import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -76,10 +83,15 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> Path:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        if os.environ.get("LOWBIT_TEST_CKPT_STALL_STEP") == str(payload.get("step")):
+            while True:  # testing: be killed between the complete temporary file and the rename
+                time.sleep(1)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+    for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a process killed while writing
+        stale.unlink(missing_ok=True)
     try:  # make the rename durable too
         fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -94,8 +106,19 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> Path:
 def read_checkpoint(path: str | os.PathLike) -> dict:
     """Load a checkpoint file with ``weights_only=True`` and check that it is one of ours."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"resume: {str(path)!r} is a folder; pass the checkpoint file (e.g. {str(path / 'checkpoint.pt')!r}) "
+                         "or --resume alone for the out-dir's")
     if not path.is_file():
         raise ValueError(f"resume: no checkpoint at {str(path)!r}")
+    try:
+        with open(path, "rb") as f:
+            is_zip = zipfile.is_zipfile(f)
+    except OSError as e:
+        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
+    if not is_zip:  # torch.save writes a zip archive; torch.load's own error would be about mmap
+        raise ValueError(f"resume: {str(path)!r} is not a torch.save checkpoint (not a zip archive); "
+                         "pass a checkpoint.pt written by lowbit train")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any unpickling/IO failure is a bad file for the user

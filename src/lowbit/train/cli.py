@@ -13,7 +13,7 @@ from pathlib import Path
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import format_table, plot_losses, table_rows, write_json
 
-__all__ = ["add_train_args", "run_train", "config_from_args", "main"]
+__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line"]
 
 
 def _positive_int(s: str) -> int:
@@ -36,6 +36,13 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError that reached the command's top level: what failed, on which path, and why."""
+    what = e.strerror or str(e) or type(e).__name__
+    paths = " -> ".join(repr(str(f)) for f in (e.filename, e.filename2) if f is not None)
+    return f"{paths}: {what}" if paths else what
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``lowbit train`` options to ``parser`` (returns it)."""
     p = parser
@@ -48,9 +55,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step (default 1)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per preset)")
     g.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default min(100, steps/10))")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices, >= 0 (0: off; default 0.1)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this, >= 0 (0: off; default 1.0)")
+    g.add_argument("--seed", type=int, default=1337, help="0 <= seed < 2**32 (default 1337)")
     g = p.add_argument_group("data and output")
     g.add_argument("--data", default=None, metavar="PATH", help="text file or folder of text files (default: the Python standard library's .py files)")
     g.add_argument("--cache-dir", default=None, help="token cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
@@ -126,13 +133,16 @@ def run_train(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     """Command entry (``python -m lowbit.train.cli``; ``lowbit train`` may delegate here): parses ``argv``,
-    runs, prints bad input as one error line (exit status 2) and tears down the process group."""
+    runs, prints bad input and file-system errors (an unwritable or full out-dir, say) as one error line
+    (exit status 2) and tears down the process group."""
     p = add_train_args(argparse.ArgumentParser(prog="lowbit train", description="Train the reference GPT under a lowbit recipe."))
     args = p.parse_args(argv)
     try:
         run_train(args)
     except ValueError as e:
         p.exit(2, f"lowbit train: error: {e}\n")
+    except OSError as e:
+        p.exit(2, f"lowbit train: error: {os_error_line(e)}\n")
     finally:
         import torch.distributed as dist
 

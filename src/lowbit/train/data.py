@@ -21,13 +21,14 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["Corpus", "load_corpus", "default_cache_dir", "stdlib_files", "CHUNK", "VAL_EVERY"]
+__all__ = ["Corpus", "load_corpus", "default_cache_dir", "stdlib_files", "check_writable_dir", "CHUNK", "VAL_EVERY"]
 
 CHUNK = 64 * 1024
 VAL_EVERY = 20
@@ -40,6 +41,28 @@ def default_cache_dir() -> Path:
         return Path(os.environ["LOWBIT_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lowbit"
+
+
+def check_writable_dir(path: str | os.PathLike, name: str) -> Path:
+    """Make ``path`` a directory this process can write to (creating it and its parents), or raise a
+    ValueError naming the argument ``name``: called before a run does work that would end in a write there."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: must be a directory, but {str(path)!r} exists and is not one")
+    blocker = next((a for a in path.parents if a.exists()), None)
+    if not path.exists() and blocker is not None and not blocker.is_dir():
+        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {str(blocker)!r} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lowbit-write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{name}: the directory {str(path)!r} is not writable: {e.strerror or e}") from None
+    return path
 
 
 def stdlib_files() -> list[Path]:
@@ -191,19 +214,23 @@ def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathL
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = cache / "data" / (("stdlib-" if data is None else "text-") + fp)
     meta_path = folder / "meta.json"
-    if not meta_path.exists():
+    if not meta_path.exists():  # build it: the cache folder must be writable (a complete cache may be read-only)
+        check_writable_dir(cache, "cache_dir")
         raw, used, skipped = _read_all(files)
         if not raw:
             raise ValueError(f"data: {source} holds no text ({len(files)} files, {skipped} skipped as binary, the rest empty)")
         stream = np.frombuffer(raw, dtype=np.uint8)
         train, val = split_stream(stream)
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "train.bin", train.tobytes())
-        _atomic_write(folder / "val.bin", val.tobytes())
         meta = {"format_version": FORMAT_VERSION, "source": source, "files": used, "skipped_binary": skipped,
                 "bytes": int(len(stream)), "train_bytes": int(len(train)), "val_bytes": int(len(val)),
                 "chunk": CHUNK, "val_every": VAL_EVERY, "fingerprint": fp}
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())  # written last: marks the cache complete
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _atomic_write(folder / "train.bin", train.tobytes())
+            _atomic_write(folder / "val.bin", val.tobytes())
+            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())  # written last: marks the cache complete
+        except OSError as e:
+            raise ValueError(f"cache_dir: cannot write the token cache {str(folder)!r}: {e.strerror or e}") from None
         if verbose:
             print(f"[lowbit] cached {source}: {len(stream):,} bytes from {used} files ({skipped} binary skipped) "
                   f"-> {folder}", flush=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import _positive_int, os_error_line
+from .data import check_writable_dir
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import format_table, plot_losses, table_rows, write_json
 
@@ -29,10 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="report", help="report folder (default report/)")
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help=f"comma-separated, from {', '.join(RECIPES)} (default %(default)s)")
     p.add_argument("--model", default=None, help=f"preset ({', '.join(PRESET_DEFAULTS)}); default tiny on CPU, 125m on a GPU")
-    p.add_argument("--steps", type=int, default=None, help="steps per recipe (default 100 on CPU, 300 on a GPU)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--eval-windows", type=int, default=None)
+    p.add_argument("--steps", type=_positive_int, default=None, help="steps per recipe (default 100 on CPU, 300 on a GPU)")
+    p.add_argument("--batch-size", type=_positive_int, default=None)
+    p.add_argument("--seq-len", type=_positive_int, default=None)
+    p.add_argument("--eval-windows", type=_positive_int, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--data", default=None, metavar="PATH", help="text file or folder (default: the Python standard library)")
     p.add_argument("--cache-dir", default=None)
@@ -51,16 +53,19 @@ def run_demo(argv=None) -> dict:
         raise ValueError(f"recipes: unknown recipe(s) {bad or a.recipes!r}; expected a comma-separated list from {', '.join(RECIPES)}")
     if "bf16" in recipes:  # the baseline first, so the gaps can be read as the runs finish
         recipes = ["bf16"] + [r for r in recipes if r != "bf16"]
+    if a.model is not None and a.model not in PRESET_DEFAULTS:
+        raise ValueError(f"model: unknown preset {a.model!r}; expected one of {', '.join(PRESET_DEFAULTS)}")
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     model, steps, bs, seq, ew = _AUTO[dev]
     model = a.model or model
     if a.model and a.model != _AUTO[dev][0]:  # another preset: its own sequence length and batch
-        seq, bs = PRESET_DEFAULTS.get(model, (seq, bs, None))[:2]
+        seq, bs = PRESET_DEFAULTS[model][:2]
     cfg = dict(model=model, steps=a.steps or steps, batch_size=a.batch_size or bs, seq_len=a.seq_len or seq,
                eval_windows=a.eval_windows or ew, device=dev, data=a.data, cache_dir=a.cache_dir, seed=a.seed,
                progress=not a.no_progress)
     cfg["eval_every"] = max(1, cfg["steps"] // 8)
-    out = Path(a.out)
+    TrainConfig(**cfg).validate()  # every argument checked before the banner and the first run
+    out = check_writable_dir(a.out, "out")  # the report is written after all the runs: check the folder first
     print(f"[lowbit demo] {model} on {dev}: {', '.join(recipes)}; {cfg['steps']} steps of "
           f"{cfg['batch_size']} x {cfg['seq_len']} tokens each -> {out}/", flush=True)
     t0 = time.perf_counter()
@@ -82,13 +87,16 @@ def run_demo(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    """Command entry: like :func:`run_demo`, but bad input prints one error line and returns 2."""
+    """Command entry: like :func:`run_demo`, but bad input and file-system errors print one error line and return 2."""
+    import sys
+
     try:
         run_demo(argv)
     except ValueError as e:
-        import sys
-
         print(f"lowbit demo: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"lowbit demo: error: {os_error_line(e)}", file=sys.stderr)
         return 2
     return 0
 

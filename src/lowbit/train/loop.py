@@ -21,7 +21,7 @@ import torch
 from .. import distributed
 from ..models import GPT, attention_backend, config_from_preset, set_attention
 from . import checkpoint as ckpt
-from .data import load_corpus
+from .data import check_writable_dir, load_corpus
 
 __all__ = ["TrainConfig", "train", "PRESET_DEFAULTS", "RECIPES"]
 
@@ -52,10 +52,13 @@ class TrainConfig:
     warmup: int | None = None
     """Linear warm-up steps (default: min(100, steps // 10))."""
     weight_decay: float = 0.1
+    """AdamW decoupled weight decay of the matrices (finite, >= 0; 0: none)."""
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (finite, >= 0; 0: no clipping)."""
     seed: int = 1337
+    """Seeds the initialization, the batches and the stochastic rounding (an integer in [0, 2**32))."""
     data: str | None = None
     cache_dir: str | None = None
     out_dir: str | None = None
@@ -98,18 +101,38 @@ class TrainConfig:
             raise ValueError(f"recipe: unknown recipe {self.recipe!r}; expected one of {', '.join(RECIPES)}")
         if self.model not in PRESET_DEFAULTS:
             raise ValueError(f"model: unknown preset {self.model!r}; expected one of {', '.join(PRESET_DEFAULTS)}")
+
+        def integer(name: str, lo: int, optional: bool = False, note: str = "") -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}: must be an integer >= {lo}{note}, got {v!r}")
+
+        def number(name: str, ok, rule: str, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{name}: must be a finite number {rule}, got {v!r}")
+
         for name in ("steps", "grad_accum", "eval_windows"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        for name in ("batch_size", "seq_len", "eval_every", "warmup"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < (0 if name == "warmup" else 1)):
-                raise ValueError(f"{name}: must be an integer >= {0 if name == 'warmup' else 1}, got {v!r}")
-        if self.ckpt_every < 0:
-            raise ValueError(f"ckpt_every: must be >= 0 (0 = only at the end), got {self.ckpt_every!r}")
-        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: must be a positive finite number, got {self.lr!r}")
+            integer(name, 1)
+        for name in ("batch_size", "seq_len", "eval_every"):
+            integer(name, 1, optional=True)
+        integer("warmup", 0, optional=True)
+        integer("ckpt_every", 0, note=" (0 = only at the end)")
+        integer("stop_at_step", 1, optional=True)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed: must be an integer in [0, 2**32), got {self.seed!r}")
+        number("lr", lambda v: v > 0, "> 0", optional=True)
+        number("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
+        number("weight_decay", lambda v: v >= 0, ">= 0 (0 = no weight decay)")
+        number("grad_clip", lambda v: v >= 0, ">= 0 (0 = no clipping)")
+        number("beta1", lambda v: 0 <= v < 1, "in [0, 1)")
+        number("beta2", lambda v: 0 <= v < 1, "in [0, 1)")
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in self.fault_steps):
+            raise ValueError(f"fault_steps: must be integers, got {self.fault_steps!r}")
         if self.on_nonfinite not in ("skip", "rollback", "raise"):
             raise ValueError(f"on_nonfinite: expected 'skip', 'rollback' or 'raise', got {self.on_nonfinite!r}")
         if self.compare not in (None, "bf16"):
@@ -122,8 +145,6 @@ class TrainConfig:
             raise ValueError(f"dtype: expected 'auto', 'bf16' or 'fp32', got {self.dtype!r}")
         if self.cuda_graph not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graph: expected 'auto', 'on' or 'off', got {self.cuda_graph!r}")
-        if self.stop_at_step is not None and self.stop_at_step < 1:
-            raise ValueError(f"stop_at_step: must be >= 1, got {self.stop_at_step!r}")
 
     def resolved(self) -> "TrainConfig":
         """A copy with the per-preset defaults filled in."""
@@ -390,6 +411,8 @@ def _train_one(c: TrainConfig) -> dict:
     if c.fsdp and not d.active:
         _say(d, c, "[lowbit] --fsdp: a single process has nothing to shard; running unsharded")
     set_attention(c.attention, c.attn_qk, c.attn_pv)
+    if c.ckpt_every or c.save_final:  # fail now, not after the run, when the checkpoint cannot be written
+        check_writable_dir(c.out_dir, "out_dir")
     corpus = load_corpus(c.data, c.cache_dir, verbose=c.verbose and d.main)
     corpus.check_seq_len(c.seq_len)
     mcfg, raw = _build(c, d)
