@@ -2,11 +2,12 @@
 (in storage layout), amax and NVFP4 global scale.
 
 * GPU (``@pytest.mark.gpu``): every scheme on odd shapes (rows/cols from 1, 17, 129, 1000, 4096 where
-  the scheme allows), float32 and bfloat16 inputs, rowwise / columnwise / both; NaN and Inf inputs;
-  the software-rounding path as well as the hardware-cast path. The reference runs on CPU copies.
+  the scheme allows), float32, bfloat16 and float16 inputs (float16 on fewer shapes), rowwise / columnwise /
+  both; NaN and Inf inputs; the software-rounding path as well as the hardware-cast path. The reference runs on
+  CPU copies.
 * CPU: dispatch rules and error messages; kernel indexing and math on tiny shapes in Triton's
-  interpreter (a subprocess with TRITON_INTERPRET=1, finite inputs: the interpreter's float->fp8
-  conversion is wrong for NaN, and the kernels use exact software rounding there).
+  interpreter (a subprocess with TRITON_INTERPRET=1, float32 and float16 inputs, finite: the interpreter's
+  float->fp8 conversion is wrong for NaN, and the kernels use exact software rounding there).
 """
 
 from __future__ import annotations
@@ -102,11 +103,15 @@ GPU_SHAPES = [(1, 129), (17, 1000), (129, 17), (1000, 4096), (4096, 129), (2, 17
               (256, 384), (2048, 1152)]
 
 
+# float16 (cheap: a few odd shapes and one of whole 128x128 tiles; no persistent-kernel use takes float16)
+GPU_SHAPES_F16 = [(1, 129), (17, 1000), (129, 17), (2, 17, 257), (256, 384)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", FP8_SCHEMES, ids=repr)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_kernels_bit_identical(scheme, dtype, cuda):
-    for i, shape in enumerate(GPU_SHAPES):
+    for i, shape in enumerate(GPU_SHAPES_F16 if dtype == torch.float16 else GPU_SHAPES):
         x = _randn(shape, dtype, cuda, seed=i)
         for rw, cw in COPIES:
             bad = compare(x, scheme, rw, cw)
@@ -127,7 +132,7 @@ def test_delayed_scaling_bit_identical(cuda):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_mxfp8_kernel_bit_identical(fmt, cuda):
     for i, shape in enumerate([(32, 4096), (1024, 96), (4096, 1024), (2, 48, 160)]):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16) + ((torch.float16,) if i != 2 else ()):
             x = _randn(shape, dtype, cuda, seed=20 + i)
             for rw, cw in COPIES:
                 bad = compare(x, MXFP8(fmt), rw, cw)
@@ -145,7 +150,7 @@ NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NV
 def test_nvfp4_kernel_bit_identical(scheme, cuda):
     shapes = [(16, 4096), (1008, 96), (1024, 1008), (2, 48, 160)] + ([] if scheme.two_d else [(1, 4096), (17, 1008)])
     for i, shape in enumerate(shapes):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16) + ((torch.float16,) if i != 2 else ()):
             x = _randn(shape, dtype, cuda, seed=30 + i)
             M = x.numel() // x.shape[-1]
             for rw, cw in COPIES:
@@ -161,9 +166,9 @@ RHT_SCHEMES = [NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True, rht_si
 @pytest.mark.gpu
 def test_nvfp4_rht_fused_bit_identical(cuda):
     """The RHT'd columnwise copy transformed in registers (amax_rht_kernel + nvfp4_kernel RHT=True): odd shapes
-    (M and K multiples of 16, not of the tiles), bf16 and fp32 input, columnwise only and with the rowwise copy."""
+    (M and K multiples of 16, not of the tiles), bf16 and fp32 input (fp16 on the smaller shapes), columnwise only and with the rowwise copy."""
     for i, shape in enumerate([(16, 16), (48, 1008), (2, 48, 160), (1008, 4096)]):
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float32) + ((torch.float16,) if i != 3 else ()):
             x = _randn(shape, dtype, cuda, seed=70 + i)
             for scheme in RHT_SCHEMES:
                 for rw in (False, True):
@@ -357,6 +362,17 @@ def _interp_cases():
         cases.append(((48, 32), NVFP4(rht=True, stochastic_rounding=True), rw, cw, {"seed": 9}))
         # the key read by the kernel from memory (SEED_PTR), as for seeds drawn on the device
         cases.append(((48, 32), NVFP4(rht=True, stochastic_rounding=True), rw, cw, {"seed": torch.tensor([2**40 + 9])}))
+    # float16 input (every scheme takes it; the kernels load it as they load bfloat16): both copies at once
+    f16 = {"_dtype": torch.float16}
+    for sch, shape, kw in [(Float8Tensorwise(), (19, 40), {}), (Float8Rowwise(pow2=True), (19, 40), {}),
+                           (Float8Blockwise(block_size=32), (19, 40), {}),
+                           (Float8Blockwise(block_dim=2, block_size=16, fmt="e5m2"), (19, 40), {}),
+                           (Float8Tensorwise("e5m2"), (19, 40), {"scale": torch.tensor([3.5])}),
+                           (MXFP8(), (64, 96), {}), (NVFP4(two_d=True), (32, 48), {}),
+                           (NVFP4(stochastic_rounding=True), (48, 32), {"seed": 5}),
+                           (NVFP4(rht=True, stochastic_rounding=True), (48, 32), {"seed": 9})]:
+        cases.append((shape, sch, True, True, {**kw, **f16}))
+    cases.append(((19, 40), Float8Blockwise(block_size=32), True, False, f16))
     return cases
 
 
@@ -383,12 +399,13 @@ def _interp_main(cases) -> int:  # runs in the subprocess
     for i, (shape, sch, rw, cw, kw) in enumerate(cases):
         kw = dict(kw)
         tile = kw.pop("_tile", None)
+        dtype = kw.pop("_dtype", torch.float32)
         tb._configs = configs if tile is None else (lambda *a, **k: [dict(BM=tile[0], BK=tile[1], num_warps=4)])
-        x = _randn(shape, torch.float32, "cpu", seed=i)
+        x = _randn(shape, dtype, "cpu", seed=i)
         bad = compare(x, sch, rw, cw, **kw)
         if bad:
             failures += 1
-            print("FAIL", sch, shape, rw, cw, kw, tile, bad)
+            print("FAIL", sch, shape, rw, cw, dtype, kw, tile, bad)
     print(f"interp cases: {len(cases)}, failures: {failures}")
     return 1 if failures else 0
 

@@ -7,7 +7,7 @@ import torch
 
 from lowbit import MXFP8, NVFP4, AmaxHistory, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
 from lowbit.formats import E4M3, e2m1_decode, unpack_e2m1
-from lowbit.quant.reference import hadamard_16, quantize_qk_int8, quantize_v_fp8, rht_blocks, rht_matrix
+from lowbit.quant.reference import hadamard_16, quantize_qk_int8, quantize_reference, quantize_v_fp8, rht_blocks, rht_matrix
 
 ALL_SCHEMES = [
     Float8Tensorwise(),
@@ -364,3 +364,45 @@ def test_bf16_input_gives_bf16_dequant_and_exactness_on_grid():
     x[:, 128] = 448
     q = quantize(x, Float8Blockwise(), rowwise=True, columnwise=False)
     assert torch.equal(q.dequantize(), x)
+
+
+def test_given_scale_must_be_finite_positive_float32():
+    x = torch.ones(4, 16)
+    for bad in (0.0, -2.0, float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"scale: a delayed scale must be finite and > 0.*got {bad}"):
+            quantize(x, Float8Tensorwise(), scale=torch.tensor([bad]))
+        with pytest.raises(ValueError, match="scale: a delayed scale must be finite and > 0"):
+            quantize_reference(x, Float8Tensorwise("e5m2"), scale=torch.tensor([bad]))
+    for dt in (torch.float64, torch.bfloat16, torch.float16):
+        with pytest.raises(TypeError, match=rf"scale: expected a float32 tensor with one element.*got {dt}"):
+            quantize(x, Float8Tensorwise(), scale=torch.tensor([2.0], dtype=dt))
+    q = quantize(x, Float8Tensorwise(), scale=torch.tensor([[2.0**-3]]))  # any one-element float32 shape
+    assert q.rowwise.scale_inv.item() == 8.0
+
+
+def test_amax_history_scales_are_always_finite_and_positive():
+    # what lowbit's delayed-scaling paths pass as `scale=`: never 0, negative or non-finite
+    h = AmaxHistory(length=3)
+    assert h.update_scale().item() == 1.0  # an all-zero history (the start) keeps the initial scale 1
+    h.record(torch.zeros(1))
+    assert h.update_scale().item() == 1.0
+    h.record(torch.tensor([float("inf")]))
+    assert h.update_scale().item() == 1.0
+    big = AmaxHistory(length=2, margin=200)  # fmax / 3e38 / 2**200 underflows to 0 in float32: keep the old scale
+    big.record(torch.tensor([3.0e38]))
+    assert big.update_scale().item() == 1.0
+    big.record(torch.tensor([2.0]))
+    assert big.update_scale().item() == 1.0  # (still the 3e38 entry: max over the history)
+    ok = AmaxHistory(length=1, margin=1)
+    ok.record(torch.tensor([7.0]))
+    s = ok.update_scale()
+    assert s.item() == 448.0 / 7.0 / 2.0
+    quantize(torch.ones(2, 16), Float8Tensorwise(), scale=s)  # accepted
+    sd = ok.state_dict()
+    for bad in (0.0, float("nan"), -1.0):
+        sd2 = dict(sd, scale=torch.tensor([bad]))
+        with pytest.raises(ValueError, match="scale: the stored delayed scale must be finite and > 0"):
+            AmaxHistory(length=1).load_state_dict(sd2)
+    h2 = AmaxHistory(length=1)
+    h2.load_state_dict(sd)
+    assert h2.scale.item() == s.item() and h2.scale.shape == (1,) and h2.scale.dtype == torch.float32

@@ -10,6 +10,9 @@ view cuBLAS checks for; a 128x128 operand needs K/128 divisible by 4). Epilogues
 
 A pairing this torch/cuBLAS build rejects at run time is remembered: the call is answered by the
 Triton backend (same numbers up to FP32 accumulation order) and ``supports`` declines it afterwards.
+Only capability errors are remembered: non-contiguous data is refused up front (ValueError naming the
+operand), data not 16-byte aligned goes to the Triton GEMM for that call only, and out-of-memory or
+CUDA errors propagate unchanged.
 Nothing here touches CUDA at import time.
 """
 
@@ -93,10 +96,38 @@ def _scales(t, which, rows):
     return t.logical_scales(which)  # 1x128: (rows, K/128) strides (1, rows); 128x128: (rows/128, K/128)
 
 
+_NOT_CAPABILITY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "illegal memory access", "device-side assert")
+
+
+def _not_capability(e: BaseException) -> bool:
+    """Errors that say nothing about what this cuBLAS build supports: out of memory, a CUDA runtime error (a
+    faulted context: torch.AcceleratorError). They propagate, and the signature is not added to REJECTED.
+    (Not every "CUDA error: ..." message: torch words cuBLAS's own refusals "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED".)"""
+    if isinstance(e, torch.OutOfMemoryError) or isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return True
+    msg = str(e)
+    return any(m in msg for m in _NOT_CAPABILITY)
+
+
+def _triton(a, b, **kw):
+    from .triton_backend import scaled_mm_triton
+
+    return scaled_mm_triton(a, b, **kw)
+
+
 def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
     """``A · Bᵀ`` through cuBLAS (see :func:`lowbit.gemm.scaled_mm`); returns ``(y, pre_gelu or None)``."""
     A = getattr(a, a_copy).data
     B = getattr(b, b_copy).data
+    kw = dict(a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
+    # Layout rules checked here, so that cuBLAS's refusal of a layout is never taken for a capability limit
+    # (REJECTED is process-wide: one odd tensor must not move every later call of its signature off cuBLAS)
+    for name, which, T in (("a", a_copy, A), ("b", b_copy, B)):
+        if not T.is_contiguous():
+            raise ValueError(f"{name}: the cuBLAS GEMM needs {name}'s {which} data contiguous along K (row-major "
+                             f"{tuple(T.shape)}), got strides {tuple(T.stride())}; call .contiguous() on it")
+    if A.data_ptr() % 16 or B.data_ptr() % 16:  # cuBLAS wants 16-byte aligned operands; the Triton GEMM does not
+        return _triton(a, b, **kw)
     M, K = A.shape
     N = B.shape[0]
     tensorwise = isinstance(a.scheme, Float8Tensorwise) and isinstance(b.scheme, Float8Tensorwise)
@@ -114,14 +145,13 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
                 sb = sb.t()  # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
             acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
     except (RuntimeError, ValueError) as e:
+        if _not_capability(e):
+            raise
         sig = _sig(a, b, out_dtype, K)
         REJECTED.add(sig)
         REJECTED_WHY[sig] = f"{type(e).__name__}: {str(e)[:400]}"
         _gemm._CHOICE.clear()  # the dispatcher's memo re-asks supports(), which now declines this signature
-        from .triton_backend import scaled_mm_triton
-
-        return scaled_mm_triton(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
-                                accumulate=accumulate, out=out)
+        return _triton(a, b, **kw)
     if plain:
         return acc, None
     return apply_epilogue(acc.float(), out_dtype=out_dtype, bias=bias.float() if bias is not None else None, gelu=gelu,

@@ -30,10 +30,12 @@ def _on_device(a, b) -> bool:
     return a.device.type == "cuda" and b.device.type == "cuda"
 
 
-def _copy(t, which):
+def _copy(t, which, name):
+    """``t``'s ``which`` copy; ``name`` ("a" / "b") is the operand an error blames."""
     c = getattr(t, which)
     if not c.data.is_contiguous():
-        raise ValueError(f"{which}: the triton GEMM needs the {which} data contiguous along K, got strides {tuple(c.data.stride())}")
+        raise ValueError(f"{name}: the triton GEMM needs {name}'s {which} data contiguous along K (row-major "
+                         f"{tuple(c.data.shape)}), got strides {tuple(c.data.stride())}; call .contiguous() on it")
     return c
 
 
@@ -129,7 +131,7 @@ def _check_bias(bias):
 
 def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
     """FP8 scaled GEMM ``A · Bᵀ`` (see :func:`lowbit.gemm.scaled_mm`); returns ``(y, pre_gelu or None)``."""
-    ca, cb = _copy(a, a_copy), _copy(b, b_copy)
+    ca, cb = _copy(a, a_copy, "a"), _copy(b, b_copy, "b")
     A, B = ca.data, cb.data
     M, K = A.shape
     N = B.shape[0]
@@ -210,7 +212,7 @@ def dequantize_bf16(c, nv: bool, two_d: bool, rows: int, K: int) -> torch.Tensor
 
 
 def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out, pre: bool):
-    ca, cb = _copy(a, a_copy), _copy(b, b_copy)
+    ca, cb = _copy(a, a_copy, "a"), _copy(b, b_copy, "b")
     nv = isinstance(a.scheme, NVFP4)
     A, B = ca.data, cb.data
     M = A.shape[0]

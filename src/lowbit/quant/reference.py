@@ -269,8 +269,17 @@ def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, 
             raise ValueError(f"scale: a given (delayed) scale only applies to Float8Tensorwise, got scheme {scheme!r}")
         if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
             raise ValueError(f"scale: expected a float32 tensor with one element, got {scale!r}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"scale: expected a float32 tensor with one element (the delayed scale), got {scale.dtype}")
         if scale.device != x.device:
             raise ValueError(f"scale: must be on the same device as x ({x.device}), got {scale.device}")
+        if scale.device.type == "cpu":
+            # The value is checked where reading it is free. On a GPU that would synchronize the device (and break
+            # CUDA-graph capture), so it is not read there: lowbit's own delayed scales come from
+            # AmaxHistory.update_scale, which only ever holds finite scales > 0 (the first one is 1).
+            v = float(scale.reshape(()))
+            if not (v > 0.0 and v != float("inf")):
+                raise ValueError(f"scale: a delayed scale must be finite and > 0 (x is multiplied by it), got {v}")
     M = x.numel() // x.shape[-1]
     K = x.shape[-1]
     if isinstance(scheme, MXFP8):

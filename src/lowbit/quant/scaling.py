@@ -43,7 +43,8 @@ class AmaxHistory:
         """Recompute ``scale`` from the history; returns it."""
         a = self.history.max().reshape(1) if self.algo == "max" else self.history[:1]
         new = a.new_full((1,), self.fmt.max) / a / (2.0**self.margin)  # (no host-to-device copy: no sync)
-        ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new)
+        # (new > 0: a huge amax divided by 2**margin can underflow to 0, which would zero the tensor)
+        ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new) & (new > 0)
         self.scale = torch.where(ok, new, self.scale)
         return self.scale
 
@@ -54,8 +55,14 @@ class AmaxHistory:
         h = sd["history"]
         if h.shape != self.history.shape:
             raise ValueError(f"history: expected shape {tuple(self.history.shape)}, got {tuple(h.shape)}")
+        s = sd["scale"]
+        if not isinstance(s, torch.Tensor) or s.numel() != 1:
+            raise ValueError(f"scale: expected a tensor with one element, got {getattr(s, 'shape', s)!r}")
+        v = float(s.detach().reshape(()).float())  # (once, at load: this reads the value)
+        if not (v > 0.0 and v != float("inf")):
+            raise ValueError(f"scale: the stored delayed scale must be finite and > 0, got {v}")
         self.history = h.to(self.history.device, torch.float32).clone()
-        self.scale = sd["scale"].to(self.scale.device, torch.float32).clone()
+        self.scale = s.detach().to(self.scale.device, torch.float32).reshape(1).clone()
         self.steps = int(sd["steps"])
 
     def __repr__(self):

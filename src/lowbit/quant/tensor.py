@@ -9,7 +9,8 @@ import torch
 from ..formats import e2m1_decode, e8m0_decode, unpack_e2m1
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 
-__all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical"]
+__all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical",
+           "copy_layout", "check_copy"]
 
 
 def expand_blocks(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
@@ -61,6 +62,78 @@ def scale_logical(scheme: Scheme, storage: torch.Tensor, rows: int, cols: int) -
             return storage[:, :rows].t()
         return storage[:, : cdiv(cols, bs)]
     return storage
+
+
+_FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def copy_layout(scheme: Scheme, rows: int, cols: int):
+    """What a copy of logical 2D shape (rows, cols) stores under ``scheme``:
+    ``(data dtype, data shape, scale dtype, scale shape, the scale layout's rule in words)``, or a ``str``
+    saying why no copy of that shape exists (NVFP4: cols divisible by 16, 16x16 tiles: rows too; MXFP8:
+    cols divisible by 32 — what the quantizers require)."""
+    if isinstance(scheme, NVFP4):
+        if cols % 16 or (scheme.two_d and rows % 16):
+            return (f"NVFP4 {'16x16 tiles need rows and cols' if scheme.two_d else 'needs cols'} divisible by 16")
+        if scheme.two_d:
+            return torch.uint8, (rows, cols // 2), torch.float8_e4m3fn, (rows // 16, cols // 16), "NVFP4 16x16: (rows/16, cols/16)"
+        return torch.uint8, (rows, cols // 2), torch.float8_e4m3fn, (rows, cols // 16), "NVFP4 1x16: (rows, cols/16)"
+    dt = _FP8_DTYPE[scheme.fmt]
+    if isinstance(scheme, Float8Tensorwise):
+        return dt, (rows, cols), torch.float32, (1,), "tensorwise: (1,)"
+    if isinstance(scheme, Float8Rowwise):
+        return dt, (rows, cols), torch.float32, (rows, 1), "rowwise: (rows, 1)"
+    if isinstance(scheme, Float8Blockwise):
+        bs = scheme.block_size
+        if scheme.block_dim == 1:
+            return dt, (rows, cols), torch.float32, (cdiv(cols, bs), pad_to(rows, 4)), f"1x{bs}: (ceil(cols/{bs}), pad4(rows))"
+        return (dt, (rows, cols), torch.float32, (cdiv(rows, bs), pad_to(cdiv(cols, bs), 4)),
+                f"{bs}x{bs}: (ceil(rows/{bs}), pad4(ceil(cols/{bs})))")
+    if isinstance(scheme, MXFP8):
+        if cols % 32:
+            return "MXFP8 needs cols divisible by 32"
+        return dt, (rows, cols), torch.uint8, (rows, cols // 32), "MXFP8: (rows, cols/32) E8M0 bytes"
+    raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+
+
+def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
+    """Raise ValueError unless ``qt``'s ``which`` copy is structurally what its scheme and logical shape require:
+    data dtype and shape, scale dtype, shape (storage layout, see :func:`scale_storage`), contiguity and device,
+    and (NVFP4) a float32 (1,) global scale. Metadata only: no data is read, no device is synchronized.
+    ``name`` is the argument the message blames (``a``/``b`` for :func:`lowbit.scaled_mm`)."""
+    c = getattr(qt, which)
+    r, k = (qt.rows, qt.cols) if which == "rowwise" else (qt.cols, qt.rows)
+    lay = copy_layout(qt.scheme, r, k)
+    if isinstance(lay, str):
+        _bad(qt, which, name, r, k, f"{lay}; got cols {k} and rows {r} (logical shape {tuple(qt.shape)})")
+    dt, dshape, st, sshape, rule = lay
+    d, s = c.data, c.scale_inv
+    if not isinstance(d, torch.Tensor) or not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name}: the {which} copy's data and scale_inv must be tensors, got {type(d).__name__} and "
+                        f"{type(s).__name__}")
+    # (the common case passes the conditions below; the messages are formatted only on failure)
+    if d.dtype != dt:
+        _bad(qt, which, name, r, k, f"data must be {dt}, got {d.dtype}")
+    if d.shape != dshape:
+        _bad(qt, which, name, r, k, f"data must have shape {dshape}{' (two E2M1 codes a byte)' if dt == torch.uint8 else ''}, "
+                                    f"got {tuple(d.shape)}")
+    if s.dtype != st:
+        _bad(qt, which, name, r, k, f"scale_inv must be {st}, got {s.dtype}")
+    if s.shape != sshape:
+        _bad(qt, which, name, r, k, f"scale_inv must have the storage shape {sshape} ({rule}), got {tuple(s.shape)}")
+    if not s.is_contiguous():
+        _bad(qt, which, name, r, k, f"scale_inv must be contiguous (the storage layout), got strides {tuple(s.stride())}")
+    if s.device != d.device:
+        _bad(qt, which, name, r, k, f"scale_inv must be on the data's device {d.device}, got {s.device}")
+    if dt == torch.uint8:
+        g = c.global_scale
+        if g is None or g.dtype != torch.float32 or g.shape != (1,) or g.device != d.device:
+            _bad(qt, which, name, r, k, f"global_scale must be a float32 (1,) tensor on {d.device}, got "
+                                        f"{None if g is None else (g.dtype, tuple(g.shape), str(g.device))}")
+
+
+def _bad(qt, which, name, r, k, why):
+    raise ValueError(f"{name}: the {which} copy ({r}, {k}) under {qt.scheme}: {why}")
 
 
 @dataclass
@@ -146,6 +219,19 @@ class QuantizedTensor:
         if c is None:
             raise ValueError(f"which: this QuantizedTensor has no {which} copy (quantize with {which}=True)")
         return c
+
+    def validate(self, name: str = "x") -> None:
+        """Raise ValueError (naming ``name`` and the copy) unless every present copy has the data dtype and shape,
+        and the scale dtype, shape, contiguity and device, that the scheme and the logical shape require, all on one
+        device (see :func:`check_copy`). Metadata only: cheap, no device synchronization."""
+        copies = [w for w in ("rowwise", "columnwise") if getattr(self, w) is not None]
+        if not copies:
+            raise ValueError(f"{name}: has neither a rowwise nor a columnwise copy")
+        for w in copies:
+            check_copy(self, w, name)
+        if len(copies) == 2 and self.rowwise.data.device != self.columnwise.data.device:
+            raise ValueError(f"{name}: the rowwise copy is on {self.rowwise.data.device} but the columnwise copy "
+                             f"on {self.columnwise.data.device}")
 
     # -- amax / NaN sentry ----------------------------------------------------------------------
     @property
