@@ -218,3 +218,171 @@ def test_pv_resolution_and_fp16_path_cpu():
     torch.testing.assert_close(o3, o16, rtol=0, atol=0)
     with pytest.raises(TypeError, match="quantize_v_fp16: v must be bfloat16"):
         A.api.quantize_v_fp16(v.half())
+
+
+def test_dropout_path_validates_like_the_plain_path():
+    """dropout_p > 0 runs the same q/k/v, dtype, window, varlen and backend checks as dropout_p = 0 (it used to skip
+    them: a batch-2 k broadcast against a batch-1 q, mixed dtypes ran, backend='sdpa' was silently ignored)."""
+    q, k, v = qkv(B=1, Sq=9, Sk=9)
+    d = dict(dropout_p=0.1)
+    k2, v2 = k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)
+    _raises(ValueError, r"batch sizes differ: q 1, k 2, v 2", attention, q, k2, v2, **d)
+    _raises(TypeError, "share one dtype", attention, q, k.half(), v, **d)
+    _raises(TypeError, "float16, bfloat16", attention, q.int(), k.int(), v.int(), **d)
+    _raises(ValueError, "head_dim must match: q 32, k 16", attention, q, k[..., :16], v, **d)
+    _raises(ValueError, "multiple of key/value heads.*Hq=4, Hkv=3", attention, q, rand(1, 3, 9, 32), rand(1, 3, 9, 32), **d)
+    _raises(ValueError, r"window must be None or a pair of ints.*\(1,\)", attention, q, k, v, window=(1,), **d)
+    _raises(ValueError, "window must be", attention, q, k, v, window=(True, 1), **d)
+    _raises(ValueError, "backend='sdpa' cannot run dropout_p=0.1", attention, q, k, v, backend="sdpa", **d)
+    _raises(ValueError, "backend must be one of", attention, q, k, v, backend="cuda", **d)
+    _raises(ValueError, "layout must be", attention, q, k, v, layout="sbhd", **d)
+    # pv="fp16" on BF16 inputs is a converted-V P·V the dropout forward does not run: refused, not downgraded
+    _raises(NotImplementedError, "dropout runs with 16-bit attention only", attention, q, k, v, pv="fp16", **d)
+    _raises(NotImplementedError, "return_lse", attention, q, k, v, return_lse=True, **d)
+    _raises(TypeError, "dropout_p must be a real number", attention, q, k, v, dropout_p="0.1")
+    _raises(ValueError, r"dropout_p must be a real number in \[0, 1\), got nan", attention, q, k, v,
+            dropout_p=float("nan"))
+    tq, tk = q[0].transpose(0, 1), k[0].transpose(0, 1)
+    _raises(TypeError, "int32", attention, tq, tk, tk, cu_seqlens_q=torch.tensor([0, 9]),
+            cu_seqlens_k=torch.tensor([0, 9]), **d)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    _raises(ValueError, "must equal the packed lengths", attention, tq, tk, tk, cu_seqlens_q=cu, cu_seqlens_k=cu, **d)
+    if not torch.cuda.is_available():  # backend='triton' on a CPU without the interpreter
+        from lowbit.attention.backward import _triton_ok
+
+        if not _triton_ok(q):
+            _raises(NotImplementedError, "needs a CUDA device", attention, q, k, v, backend="triton", **d)
+
+
+@pytest.mark.parametrize("bad,exc", [(0.0, ValueError), (-0.125, ValueError), (float("nan"), ValueError),
+                                     (float("inf"), ValueError), ("0.1", TypeError), (True, TypeError),
+                                     (torch.tensor(0.1), TypeError)])
+def test_softmax_scale_must_be_positive_finite(bad, exc):
+    from lowbit.attention import backward as BW
+
+    q, k, v = qkv(B=1, Sq=9, Sk=9)
+    m = "softmax_scale must be a positive finite real number or None"
+    _raises(exc, m, attention, q, k, v, softmax_scale=bad)
+    _raises(exc, m, attention, q, k, v, softmax_scale=bad, qk="int8")
+    _raises(exc, m, attention, q, k, v, softmax_scale=bad, dropout_p=0.1)
+    _raises(exc, m, quantize_qk, q, k, softmax_scale=bad)
+    _raises(exc, m, BW.attention_forward, q, k, v, softmax_scale=bad, backend="reference")
+    o, lse = BW.attention_forward(q, k, v, backend="reference")
+    _raises(exc, m, BW.backward, o, q, k, v, o, lse, softmax_scale=bad, backend="reference")
+
+
+def test_softmax_scale_accepts_real_numbers():
+    q, k, v = qkv(B=1, Sq=9, Sk=9, dtype=torch.float32)
+    ref = attention_reference(q, k, v, softmax_scale=0.5)
+    torch.testing.assert_close(attention(q, k, v, softmax_scale=0.5), ref, rtol=0, atol=0)
+    torch.testing.assert_close(attention(q, k, v, softmax_scale=1), attention_reference(q, k, v, softmax_scale=1.0),
+                               rtol=0, atol=0)
+
+
+def _fp8_grads_direct(q, k, v, do, *, grad_format, scales=None, causal=True):
+    """The FP8 gradients lowbit.attention.backward computes (reference backend) from the FP32-reference forward."""
+    from lowbit.attention import backward as BW
+
+    o, lse = BW.attention_forward(q, k, v, causal=causal, backend="reference")
+    return BW.backward(do, q, k, v, o, lse, causal=causal, grad_format=grad_format, scales=scales, backend="reference")
+
+
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "fp16")])
+@pytest.mark.parametrize("grad_format,given", [("e4m3", False), ("e5m2", True)])
+def test_attention_grad_format_cpu(qk, pv, grad_format, given):
+    """lowbit.attention(..., grad_format=, scales=, grad_sink=): out unchanged; autograd gets the FP8 gradients
+    dequantized; grad_sink the QuantizedTensors, the same codes lowbit.attention.backward gives. For the INT8 and
+    converted-V forwards too (their backward is the 16-bit one from the saved inputs)."""
+    from lowbit.quant import Float8Rowwise, Float8Tensorwise, QuantizedTensor
+
+    q, k, v = qkv(B=1, Sq=17, Sk=17, D=16)
+    do = rand(*q.shape, seed=9)
+    scales = (torch.tensor([64.0]), torch.tensor([32.0]), torch.tensor([16.0])) if given else None
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink = {}
+    kw = dict(causal=True, qk=qk, pv=pv, backend="reference")
+    out = attention(*ins, grad_format=grad_format, scales=scales, grad_sink=sink, **kw)
+    torch.testing.assert_close(out, attention(q, k, v, **kw), rtol=0, atol=0)
+    out.backward(do)
+    assert set(sink) == {"dq", "dk", "dv"}
+    exp = _fp8_grads_direct(q, k, v, do, grad_format=grad_format, scales=scales)
+    for t, name, e in zip(ins, ("dq", "dk", "dv"), exp):
+        qt = sink[name]
+        assert isinstance(qt, QuantizedTensor) and isinstance(qt.scheme, Float8Tensorwise if given else Float8Rowwise)
+        assert qt.scheme.fmt == grad_format and qt.shape == t.shape
+        assert torch.equal(qt.rowwise.data.view(torch.uint8), e.rowwise.data.view(torch.uint8))
+        assert torch.equal(qt.rowwise.amax, e.rowwise.amax)
+        assert t.grad.dtype == t.dtype and torch.equal(t.grad, qt.dequantize().to(t.dtype))
+    # the gradients are the attention gradient (FP8 error only)
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref_in, causal=True).backward(do.float())
+    for t, r in zip(ins, ref_in):
+        assert ((t.grad.float() - r.grad).norm() / r.grad.norm()) < 0.1
+    # without a gradient to compute the options only get checked
+    with torch.no_grad():
+        o2 = attention(*ins, grad_format=grad_format, scales=scales, grad_sink={}, **kw)
+    torch.testing.assert_close(o2, out.detach(), rtol=0, atol=0)
+
+
+def test_attention_grad_format_with_dropout_and_varlen_cpu():
+    from lowbit.attention import backward as BW
+
+    cq = torch.tensor([0, 5, 17], dtype=torch.int32)
+    ck = torch.tensor([0, 9, 20], dtype=torch.int32)
+    q, k, v = rand(17, 4, 32, seed=4), rand(20, 2, 32, seed=5), rand(20, 2, 32, seed=6)
+    do = rand(17, 4, 32, seed=7)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink = {}
+    torch.manual_seed(3)
+    attention(*ins, cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.2, grad_format="e4m3", grad_sink=sink,
+              backend="reference").backward(do)
+    torch.manual_seed(3)  # the same seed draw -> the same mask
+    seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    vl = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.2, seed=seed)
+    o, lse = BW.attention_forward(q, k, v, backend="reference", **vl)
+    exp = A.backward(do, q, k, v, o, lse, grad_format="e4m3", backend="reference", **vl)
+    for t, name, e in zip(ins, ("dq", "dk", "dv"), exp):
+        assert torch.equal(sink[name].rowwise.data.view(torch.uint8), e.rowwise.data.view(torch.uint8))
+        assert torch.equal(t.grad, sink[name].dequantize().to(t.dtype))
+
+
+def test_attention_grad_format_validation():
+    q, k, v = qkv(B=1, Sq=9, Sk=9)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    one = torch.ones(1)
+    _raises(ValueError, r"grad_format must be one of \(None, 'e4m3', 'e5m2'\), got 'e3m4'", attention, *ins,
+            grad_format="e3m4")
+    _raises(ValueError, "scales are only meaningful", attention, *ins, scales=(one, one, one))
+    _raises(ValueError, "scale_dk must be positive and finite.*got 0.0", attention, *ins, grad_format="e4m3",
+            scales=(one, torch.zeros(1), one))
+    _raises(ValueError, "scale_dv must be a float32 tensor of shape", attention, *ins, grad_format="e4m3",
+            scales=(one, one, torch.ones(2)))
+    _raises(TypeError, "grad_sink must be None or a dict", attention, *ins, grad_format="e4m3", grad_sink=[])
+    _raises(ValueError, "grad_sink receives FP8 gradients", attention, *ins, grad_sink={})
+    _raises(ValueError, "backend='sdpa' cannot run grad_format='e4m3'", attention, *ins, grad_format="e4m3",
+            backend="sdpa")
+
+
+def test_lowbit_attention_backward_is_callable():
+    """DESIGN §7's low-level call: lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=, scales=)
+    returns QuantizedTensors (dequantize() ≈ the gradient); the module stays importable as a module."""
+    import lowbit
+    import lowbit.attention.backward as mod
+    from lowbit.attention.backward import attention_backward_reference
+
+    assert lowbit.attention.backward is mod and A.backward is mod and callable(mod)
+    q, k, v = qkv(B=1, Sq=13, Sk=15, D=16, dtype=torch.float32)
+    do = rand(*q.shape, seed=8, dtype=torch.float32)
+    o, lse = mod.attention_forward(q, k, v, causal=True, backend="reference")
+    ref = attention_backward_reference(do, q, k, v, causal=True)
+    sc = tuple((448.0 / r.abs().amax()).reshape(1) for r in ref)  # delayed-scaling style, from a known amax
+    g8 = lowbit.attention.backward(do, q, k, v, o, lse, causal=True, grad_format="e4m3", scales=sc,
+                                   backend="reference")
+    g = mod.backward(do, q, k, v, o, lse, causal=True, grad_format="e4m3", scales=sc, backend="reference")
+    for a, b, r, s in zip(g8, g, ref, sc):
+        assert torch.equal(a.rowwise.data.view(torch.uint8), b.rowwise.data.view(torch.uint8))
+        assert torch.equal(a.rowwise.scale_inv, 1.0 / s)
+        assert ((a.dequantize() - r).norm() / r.norm()) < 3.5e-2  # measured 2.5e-2 .. 2.8e-2
+    g16 = A.backward(do, q, k, v, o, lse, causal=True, backend="reference")
+    for a, r in zip(g16, ref):
+        torch.testing.assert_close(a, r)

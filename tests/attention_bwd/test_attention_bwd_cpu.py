@@ -276,6 +276,63 @@ def test_validation_errors():
         BW.backward(do, q, k, v, q, lse, backend="triton")
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_scale_value_validation(bad):
+    """Given per-tensor scales must be positive and finite (a zero scale made scale_inv = inf and the dequantized
+    gradients inf/NaN). Checked for CPU tensors; CUDA values are the caller's contract (no device sync)."""
+    q, k, v, do = make_inputs(1, 2, 1, 8, 8, 16, dtype=torch.float32)
+    o, lse = BW.attention_forward(q, k, v, backend="reference")
+    one = torch.ones(1)
+    for i, name in enumerate(("scale_dq", "scale_dk", "scale_dv")):
+        sc = [one, one, one]
+        sc[i] = torch.tensor([bad])
+        with pytest.raises(ValueError, match=f"{name} must be positive and finite .*got {bad!r}"):
+            BW.backward(do, q, k, v, o, lse, grad_format="e4m3", scales=tuple(sc), backend="reference")
+        with pytest.raises(ValueError, match=f"{name} must be positive and finite"):
+            BW.attention_with_grad(q, k, v, grad_format="e5m2", scales=dict(zip(("dq", "dk", "dv"), sc)),
+                                   backend="reference")
+    g = BW.backward(do, q, k, v, o, lse, grad_format="e4m3", scales=(one, one * 2, one * 0.5), backend="reference")
+    assert all(torch.isfinite(x.dequantize()).all() for x in g)
+
+
+def test_attention_forward_validation():
+    """attention_forward checks shapes, dtypes and head_dim itself (a batch-2 k used to broadcast against a batch-1
+    q into a wrong answer; a head_dim or GQA mismatch was a bare RuntimeError)."""
+    q, k, v, _ = make_inputs(1, 4, 2, 8, 9, 16, dtype=torch.float32)
+    fwd = lambda *a, **kw: BW.attention_forward(*a, **dict(dict(backend="reference"), **kw))  # noqa: E731
+    k2, v2 = k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)
+    with pytest.raises(ValueError, match="batch sizes differ: q 1, k 2, v 2"):
+        fwd(q, k2, v2)
+    with pytest.raises(ValueError, match="head_dim must match: q 16, k 8"):
+        fwd(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="multiple of key/value heads.*Hq=4, Hkv=3"):
+        fwd(q, k.repeat(1, 2, 1, 1)[:, :3], v.repeat(1, 2, 1, 1)[:, :3])
+    with pytest.raises(ValueError, match="k and v must have the same heads and length"):
+        fwd(q, k, v[:, :, :5])
+    with pytest.raises(TypeError, match="share one dtype"):
+        fwd(q, k.double(), v)
+    with pytest.raises(TypeError, match="float16/bfloat16"):
+        fwd(q.int(), k.int(), v.int())
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fwd(q.tolist(), k, v)
+    with pytest.raises(ValueError, match="window"):
+        fwd(q, k, v, window=(1,))
+    with pytest.raises(ValueError, match="layout"):
+        fwd(q, k, v, layout="sbhd")
+    with pytest.raises(ValueError, match="backend must be"):
+        fwd(q, k, v, backend="sdpa")
+    with pytest.raises(TypeError, match="the Triton forward needs bfloat16/float16"):
+        fwd(q, k, v, backend="triton")
+    qb, kb, vb = (t.bfloat16() for t in (q[..., :8], k[..., :8], v[..., :8]))
+    with pytest.raises(NotImplementedError, match="head_dim in"):
+        fwd(qb, kb, vb, backend="triton")
+    tq, tk = q[0].transpose(0, 1), k[0].transpose(0, 1)
+    with pytest.raises(TypeError, match="int32"):
+        fwd(tq, tk, tk, cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match="given together"):
+        fwd(tq, tk, tk, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
+
+
 # ----------------------------------------------------------------------------- interpreter subprocess
 @pytest.mark.skipif(torch.cuda.is_available() or triton_interpreted(),
                     reason="kernels run in this process already (GPU or interpreted Triton)")

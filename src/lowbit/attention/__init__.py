@@ -1,8 +1,9 @@
-"""Attention: FP32 reference, INT8/FP8 quantization prepass, Triton forward kernels (DESIGN §3, §7).
+"""Attention: FP32 reference, INT8/FP8 quantization prepass, Triton forward and backward kernels (DESIGN §3, §7).
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
 from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, quantize_v_fp16, select_backend
+from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (see backward._CallableModule)
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -14,6 +15,7 @@ from .reference import (
 
 __all__ = [
     "attention",
+    "backward",
     "attention_qk_int8",
     "quantize_qk",
     "quantize_v_fp8",

@@ -12,6 +12,7 @@ Hopper (lowbit asks SDPA for cuDNN first, then flash), otherwise ``"triton"``.  
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -90,11 +91,12 @@ def _views(x: torch.Tensor, layout: str, varlen: bool):
     return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
 
 
-def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
+def _check_cu_meta(cu_q, cu_k, q, k):
+    """cu_seqlens_q/k given together, 1-D int32 of one length (>= 2), on the tensors' device: no values read."""
     if (cu_q is None) != (cu_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     if cu_q is None:
-        return None, None
+        return
     for n, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
         _tensor(n, cu)
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
@@ -105,6 +107,12 @@ def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and "
                          f"{cu_k.numel()}")
+
+
+def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
+    _check_cu_meta(cu_q, cu_k, q, k)
+    if cu_q is None:
+        return None, None
     # the values: each tensor read once (one device sync each on CUDA)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
@@ -125,11 +133,33 @@ def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
 def _check_window(window):
     if window is None:
         return None
-    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
         raise ValueError(f"window must be None or a pair of ints (left, right), -1 = unbounded; got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window sizes must be >= -1, got {window!r}")
     return tuple(window)
+
+
+def _check_softmax_scale(softmax_scale) -> Optional[float]:
+    """None, or ``softmax_scale`` as a float once it is checked to be a positive finite real number."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a positive finite real number or None, got "
+                        f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    s = float(softmax_scale)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"softmax_scale must be a positive finite real number or None, got {softmax_scale!r}")
+    return s
+
+
+def _check_dropout_p(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
 
 
 def resolve_pv(pv: str, qk: str, dtype: Optional[torch.dtype]) -> str:
@@ -204,6 +234,7 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     lay = _layout_of(layout, varlen)
     _half("q", q)
     _half("k", k)
+    softmax_scale = _check_softmax_scale(softmax_scale)
     if dtype not in ("int8", "fp8"):
         raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
     _ref._validate_blocks(granularity, block_q, block_k, warp_q)
@@ -355,14 +386,18 @@ class _AttentionFn(torch.autograd.Function):
     * CUDA, float16/bfloat16: the fused Triton flash backward (``lowbit.attention.backward``), with
       the O and LSE of a 16-bit Triton forward, or — after a quantized or SDPA forward (SDPA returns no
       LSE) — of a recomputed 16-bit forward (one extra forward, O(S) memory);
-    * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores)."""
+    * with ``grad_format`` elsewhere: ``lowbit.attention.backward``'s reference backend (FP32 formulas, then the
+      FP8 quantizer) on a recomputed FP32-reference forward;
+    * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores).
+    ``opts["grad"]``: (grad_format, scales, grad_sink) — FP8 gradients, handed to autograd dequantized."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
         # A 16-bit Triton forward already computes what the fused backward needs: keep its O and LSE
         # (the LSE costs one FP32 per query row) instead of recomputing the forward in the backward.
         keep = opts["backend"] == "triton" and opts["qk"] not in ("int8", "fp8") and opts["pv"] == "native"
-        out, lse = _forward(q, k, v, **dict(opts, return_lse=opts["return_lse"] or keep))
+        fwd = {n: x for n, x in opts.items() if n != "grad"}
+        out, lse = _forward(q, k, v, **dict(fwd, return_lse=opts["return_lse"] or keep))
         ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None)
         ctx.opts = opts
         if opts["return_lse"]:
@@ -374,8 +409,10 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx, g_out, g_lse=None):
         q, k, v, out, lse = ctx.saved_tensors
         o = ctx.opts
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            return (*_fused_backward(q, k, v, g_out, o, out=out, lse=lse), None)
+        fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        if fused or o.get("grad") is not None:
+            return (*_fused_backward(q, k, v, g_out, o, out=out, lse=lse, backend=None if fused else "reference"),
+                    None)
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
@@ -388,17 +425,25 @@ class _AttentionFn(torch.autograd.Function):
         return out[0], out[1], out[2], None
 
 
-def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None):
-    """(dq, dk, dv) by the Triton flash backward; None for inputs that need no gradient. ``out``/``lse``:
-    the 16-bit forward's, when the forward kept them; otherwise that forward is recomputed here."""
+def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None, backend=None):
+    """(dq, dk, dv) by ``lowbit.attention.backward`` (the Triton flash backward; ``backend="reference"``: its FP32
+    formulas); None for inputs that need no gradient. ``out``/``lse``: the 16-bit forward's, when the forward kept
+    them; otherwise that forward is recomputed here. With ``o["grad"] = (grad_format, scales, grad_sink)`` the
+    gradients are FP8 QuantizedTensors: put into ``grad_sink`` (a dict) and returned dequantized."""
     from . import backward as _bwd
 
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
-                  cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"])
+                  cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"], backend=backend)
     if out is None or lse is None:
         out, lse = _bwd.attention_forward(q, k, v, layout=o["layout"], **common)
-    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], **common)  # ("thd" when varlen)
-    return [g if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
+    grad_format, scales, sink = o.get("grad") or (None, None, None)
+    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], grad_format=grad_format,
+                          scales=scales, **common)  # ("thd" when varlen)
+    if grad_format is not None:
+        if sink is not None:
+            sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
+        grads = [g.dequantize() for g in grads]
+    return [g.to(t.dtype) if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
 
 
 # ----------------------------------------------------------------------------- public entry points
@@ -407,38 +452,42 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
               smooth_k: bool = True, window=None, cu_seqlens_q: Optional[Tensor] = None,
               cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None,
-              dropout_p: float = 0.0, block_q: int = 128, block_k: int = 64, warp_q: int = 32):
+              dropout_p: float = 0.0, grad_format: Optional[str] = None, scales=None,
+              grad_sink: Optional[dict] = None, block_q: int = 128, block_k: int = 64, warp_q: int = 32):
     """Scaled dot-product attention with optional INT8/FP8 Q·Kᵀ and FP8 P·V.
 
     q: (B, Hq, Sq, D) ("bhsd", default) or (B, Sq, Hq, D) ("bshd"); packed (Tq, Hq, D) with
     ``cu_seqlens_q/k`` (int32, (B+1,)).  k, v: same with Hkv heads, Hq % Hkv == 0.  float16/bfloat16
-    (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale defaults to 1/sqrt(D).
+    (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale (a positive finite
+    number) defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
     pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
     carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
     inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts mean(K)
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
+    backend: None (see ``select_backend``), "reference", "triton" or "sdpa" (16-bit, dense, no window/LSE; not
+    with ``dropout_p > 0`` or ``grad_format``, which need lowbit's own forward).
     Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
     (Hq, Tq).  Differentiable for every variant; for INT8/FP8 forwards the backward is
     straight-through: it computes the BF16/FP16 attention gradient from the saved high-precision
     q, k, v (fused Triton backward on CUDA, FP32 reference math elsewhere).  ``dropout_p > 0``
-    (16-bit only) draws a Philox seed from torch's default generator and regenerates the same mask
-    in the backward (see ``lowbit.attention.backward``).
+    (16-bit only, no ``return_lse``) draws a Philox seed from torch's default generator and regenerates the same
+    mask in the backward (see ``lowbit.attention.backward``).
+
+    FP8 gradients (DESIGN §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
+    epilogue — ``scales=None``: one scale per row along head_dim computed there; ``scales=(scale_dq, scale_dk,
+    scale_dv)`` (or a dict with keys dq/dk/dv), FP32 (1,) tensors, positive and finite: given per-tensor scales
+    (delayed scaling; values are checked for CPU tensors, a CUDA tensor's values are the caller's contract since
+    reading them would sync).  The return value does not change: autograd receives the gradients dequantized to
+    the inputs' dtype (``q.grad`` = dQ's data · scale_inv); pass ``grad_sink={}`` to receive the
+    ``lowbit.QuantizedTensor`` s themselves under "dq", "dk", "dv" (each with ``.amax`` for the next step's
+    delayed scale).  16-bit forwards run ``lowbit.attention.backward.attention_with_grad``; quantized forwards
+    the same backward from the saved inputs.  Without a gradient to compute (no input requires grad, or
+    ``torch.no_grad``) the options are checked and have no effect.
     """
     for n, t in (("q", q), ("k", k), ("v", v)):
         _tensor(n, t)
-    if dropout_p != 0.0:
-        if qk not in ("bf16", "fp16") or pv not in ("auto", "bf16", "fp16") or return_lse:
-            raise NotImplementedError(
-                f"dropout_p={dropout_p}: dropout runs with 16-bit attention only (qk/pv 'bf16'/'fp16', no return_lse); "
-                f"got qk={qk!r}, pv={pv!r}, return_lse={return_lse}")
-        from .backward import attention_with_grad  # Philox dropout forward + fused backward
-
-        return attention_with_grad(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                   dropout_p=dropout_p, layout=layout or "bhsd", cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   backend=backend if backend in ("triton", "reference") else None)
     if qk not in _QK:
         raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
     pv = resolve_pv(pv, qk, q.dtype)
@@ -451,7 +500,39 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
         raise TypeError(f"q/k/v must be float16, bfloat16 (or float32 for the reference), got {q.dtype}")
     _ref._validate_blocks(granularity, block_q, block_k, warp_q)
     window = _check_window(window)
+    softmax_scale = _check_softmax_scale(softmax_scale)
+    dropout_p = _check_dropout_p(dropout_p)
+    from .backward import _check_grad_args, _check_grad_sink
+
+    _check_grad_args(grad_format, scales, None, q.device)
+    _check_grad_sink(grad_sink, grad_format)
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
     mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    sixteen = qk in ("bf16", "fp16") and pv == "native"
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if dropout_p > 0.0 or (grad_format is not None and needs_grad and sixteen):
+        # lowbit's own 16-bit forward (Philox dropout; keeps O and LSE) + the fused backward
+        what = f"dropout_p={dropout_p}" if dropout_p > 0.0 else f"grad_format={grad_format!r}"
+        if not sixteen or (dropout_p > 0.0 and return_lse):
+            raise NotImplementedError(
+                f"{what}: dropout runs with 16-bit attention only (qk 'bf16'/'fp16' and pv resolving to the inputs' "
+                f"own dtype, no return_lse); got qk={qk!r}, pv resolved to {pv!r}, return_lse={return_lse}")
+        if backend == "sdpa":
+            raise ValueError(f"backend='sdpa' cannot run {what}: SDPA has neither lowbit's Philox dropout nor the LSE "
+                             f"the fused backward needs; use backend='triton', 'reference' or None")
+        from .backward import _triton_ok, attention_with_grad
+
+        be = backend or ("triton" if _triton_ok(q) and q.dtype != torch.float32 else "reference")
+        if be == "triton":
+            if q.dtype == torch.float32:
+                raise TypeError("backend 'triton' needs float16/bfloat16 inputs, got float32")
+            _check_triton(q.shape[-1], q.device)
+        return attention_with_grad(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   dropout_p=dropout_p, layout="bhsd" if lay == "thd" else lay,
+                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq,
+                                   max_seqlen_k=mk, grad_format=grad_format, scales=scales, grad_sink=grad_sink,
+                                   backend=be, return_lse=return_lse)
     be = select_backend(q.device, qk, pv, varlen=varlen, window=window, return_lse=return_lse, backend=backend,
                         dtype=q.dtype)
     if be != "reference" and q.dtype == torch.float32:
@@ -462,7 +543,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
                 granularity=granularity, smooth_k=bool(smooth_k), window=window, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
                 mq=mq, mk=mk, return_lse=bool(return_lse), backend=be, block_q=block_q, block_k=block_k,
                 warp_q=warp_q)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad:
+        if grad_format is not None:
+            opts["grad"] = (grad_format, scales, grad_sink)
         out, lse = _AttentionFn.apply(q, k, v, opts)
     else:
         out, lse = _forward(q, k, v, **opts)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import types
 from typing import Optional, Tuple
 
 import torch
@@ -40,7 +41,7 @@ from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
 from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
-from .api import _check_varlen, _shape4, _tensor, _views
+from .api import _check_cu_meta, _check_qkv, _check_softmax_scale, _check_varlen, _shape4, _tensor, _views
 
 __all__ = [
     "backward",
@@ -246,6 +247,75 @@ def _window(causal, window):
     return _ref._window(causal, window)
 
 
+def _check_grad_args(grad_format, scales, grad_dtype, device):
+    """``grad_format`` / ``scales`` / ``grad_dtype`` checked; returns the scales as (scale_dq, scale_dk, scale_dv) or
+    None. Scale values must be positive and finite (a zero scale gives scale_inv = inf): checked for CPU tensors;
+    for CUDA tensors that would be a device sync per call, so there the values are the caller's contract."""
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+    if grad_format is None and scales is not None:
+        raise ValueError("scales are only meaningful with grad_format='e4m3' or 'e5m2'")
+    if grad_format is not None and grad_dtype is not None:
+        raise ValueError("grad_dtype applies to unquantized gradients only (grad_format=None)")
+    if grad_dtype is not None and grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype}")
+    sc = None
+    if scales is not None:
+        if isinstance(scales, dict):
+            missing = {"dq", "dk", "dv"} - set(scales)
+            if missing:
+                raise ValueError(f"scales dict needs keys 'dq', 'dk', 'dv'; missing {sorted(missing)}")
+            sc = (scales["dq"], scales["dk"], scales["dv"])
+        elif isinstance(scales, (tuple, list)) and len(scales) == 3:
+            sc = tuple(scales)
+        else:
+            raise TypeError(f"scales must be None (per-row scales), a 3-tuple (scale_dq, scale_dk, scale_dv) or a "
+                            f"dict with keys dq/dk/dv; got {type(scales).__name__}")
+        for n, s in zip(("scale_dq", "scale_dk", "scale_dv"), sc):
+            _tensor(n, s)
+            if s.dtype != torch.float32 or s.numel() != 1:
+                raise ValueError(f"{n} must be a float32 tensor of shape (1,), got {s.dtype} {tuple(s.shape)}")
+            if s.device != device:
+                raise ValueError(f"{n} is on {s.device} but q is on {device}")
+            if s.device.type == "cpu" and not bool(torch.isfinite(s).all() & (s > 0).all()):
+                raise ValueError(f"{n} must be positive and finite (dequantized = data / scale), got {s.item()!r}")
+    return sc
+
+
+def _check_grad_sink(grad_sink, grad_format):
+    if grad_sink is None:
+        return
+    if not isinstance(grad_sink, dict):
+        raise TypeError(f"grad_sink must be None or a dict (it receives the FP8 gradients under 'dq', 'dk', 'dv'), "
+                        f"got {type(grad_sink).__name__}")
+    if grad_format is None:
+        raise ValueError("grad_sink receives FP8 gradients: it needs grad_format='e4m3' or 'e5m2' (got None)")
+
+
+def _validate_forward(q, k, v, *, layout, cu_q, cu_k):
+    """attention_forward's inputs: layout, shapes (batch, heads, lengths, head_dim, GQA), one float dtype, one
+    device, cu_seqlens metadata (no values read). Returns the layout ("thd" for varlen)."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(n, t)
+    varlen = cu_q is not None or cu_k is not None
+    if varlen:
+        if layout not in (None, "thd", "bhsd"):
+            raise ValueError(f"with cu_seqlens the inputs are packed (total, heads, head_dim): layout must be "
+                             f"'thd' or None, got {layout!r}")
+        lay = "thd"
+    else:
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        lay = layout
+    _check_qkv(q, k, v, lay)
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"q/k/v must be float16/bfloat16 (or float32/float64 for the reference), got {q.dtype}")
+    _check_cu_meta(cu_q, cu_k, q, k)
+    return lay
+
+
 def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, scales, grad_dtype):
     for n, t in (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
         _tensor(n, t)
@@ -287,32 +357,7 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
     for n, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
-    if grad_format not in GRAD_FORMATS:
-        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
-    if grad_format is None and scales is not None:
-        raise ValueError("scales are only meaningful with grad_format='e4m3' or 'e5m2'")
-    if grad_format is not None and grad_dtype is not None:
-        raise ValueError("grad_dtype applies to unquantized gradients only (grad_format=None)")
-    if grad_dtype is not None and grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype}")
-    sc = None
-    if scales is not None:
-        if isinstance(scales, dict):
-            missing = {"dq", "dk", "dv"} - set(scales)
-            if missing:
-                raise ValueError(f"scales dict needs keys 'dq', 'dk', 'dv'; missing {sorted(missing)}")
-            sc = (scales["dq"], scales["dk"], scales["dv"])
-        elif isinstance(scales, (tuple, list)) and len(scales) == 3:
-            sc = tuple(scales)
-        else:
-            raise TypeError(f"scales must be None (per-row scales), a 3-tuple (scale_dq, scale_dk, scale_dv) or a "
-                            f"dict with keys dq/dk/dv; got {type(scales).__name__}")
-        for n, s in zip(("scale_dq", "scale_dk", "scale_dv"), sc):
-            _tensor(n, s)
-            if s.dtype != torch.float32 or s.numel() != 1:
-                raise ValueError(f"{n} must be a float32 tensor of shape (1,), got {s.dtype} {tuple(s.shape)}")
-            if s.device != q.device:
-                raise ValueError(f"{n} is on {s.device} but q is on {q.device}")
+    sc = _check_grad_args(grad_format, scales, grad_dtype, q.device)
     if varlen:
         mq, mk = _check_varlen(cu_q, cu_k, q, k, mq, mk)
     return lay, varlen, (B, Hq, Sq, Hkv, Sk, D), mq, mk, sc
@@ -339,6 +384,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              backend: Optional[str] = None, config=None):
     """Flash-attention backward: (dq, dk, dv) from dO, Q, K, V, O and the forward's LSE.
 
+    Also reachable as ``lowbit.attention.backward(do, q, k, v, o, lse, ...)`` (the module is callable).
+
     Args:
         do, q, o: (B, Hq, Sq, D) for ``layout="bhsd"``, (B, Sq, Hq, D) for ``"bshd"``, or packed
             (Tq, Hq, D) with ``cu_seqlens_q/k``; any strides.  k, v: same with Hkv heads.  All
@@ -350,7 +397,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             kernels' FP32 accumulators); "e4m3"/"e5m2" -> ``QuantizedTensor`` s quantized in the kernel
             epilogue (per-row scales along head_dim, or per-tensor given ``scales``).
         scales: None, or (scale_dq, scale_dk, scale_dv) / {"dq":, "dk":, "dv":}, FP32 (1,) each:
-            ``scale`` multiplies the gradient on the way in (dequantized = data / scale).
+            ``scale`` multiplies the gradient on the way in (dequantized = data / scale); positive and finite
+            (checked for CPU tensors; for CUDA tensors reading the values would sync, so they are the caller's
+            contract).
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; default there) or "reference"
             (explicit FP32 formulas + ``lowbit.quantize``; default elsewhere).
         config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force tiles;
@@ -359,12 +408,13 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     Returns:
         (dq, dk, dv) in the layout of q/k/v (contiguous), tensors or QuantizedTensors.
     """
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = _check_softmax_scale(softmax_scale)
     _check_dropout(dropout_p, seed)
     lay, varlen, dims, mq, mk, sc = _validate(do, q, k, v, o, lse, layout=layout, cu_q=cu_seqlens_q,
                                               cu_k=cu_seqlens_k, mq=max_seqlen_q, mk=max_seqlen_k,
                                               grad_format=grad_format, scales=scales, grad_dtype=grad_dtype)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dims[-1])
     left, right = _window(causal, window)
     if backend is None:
         backend = "triton" if _triton_ok(q) else "reference"
@@ -536,12 +586,24 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     ``attention_forward_reference`` in FP32.  Default: triton on CUDA / interpreter.
     """
     _check_dropout(dropout_p, seed)
-    varlen = cu_seqlens_q is not None
-    lay = "thd" if varlen else layout
+    lay = _validate_forward(q, k, v, layout=layout, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    varlen = lay == "thd"
+    left, right = _window(causal, window)
+    softmax_scale = _check_softmax_scale(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if backend is None:
         backend = "triton" if _triton_ok(q) else "reference"
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be 'triton', 'reference' or None, got {backend!r}")
+    if backend == "triton":
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"the Triton forward needs bfloat16/float16 inputs, got {q.dtype}")
+        if q.shape[-1] not in _HEAD_DIMS:
+            raise NotImplementedError(f"the Triton forward supports head_dim in {_HEAD_DIMS}, got {q.shape[-1]} "
+                                      f"(use backend='reference')")
+        if not _triton_ok(q):
+            raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     if varlen:
         lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -572,7 +634,6 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     _, Hkv, Sk, _ = _shape4("k", k, lay)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
-    left, right = _window(causal, window)
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if varlen:
         lse = torch.empty(Hq, q.shape[0], device=q.device, dtype=torch.float32)
@@ -651,9 +712,26 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     Returns out (q's dtype/layout) and with ``return_lse`` the FP32 LSE.
     """
     _check_dropout(dropout_p, seed if seed is not None else 0)
+    _tensor("q", q)
+    _check_grad_args(grad_format, scales, None, q.device)
+    _check_grad_sink(grad_sink, grad_format)
     opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, dropout_p=float(dropout_p), seed=seed,
                 offset=offset, layout="thd" if cu_seqlens_q is not None else layout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                 grad_format=grad_format, scales=scales, grad_sink=grad_sink, backend=backend)
     out, lse = AttentionFunction.apply(q, k, v, opts)
     return (out, lse) if return_lse else out
+
+
+# ============================================================================ `lowbit.attention.backward(...)`
+class _CallableModule(types.ModuleType):
+    """``lowbit.attention.backward`` is this module and, called, its function :func:`backward` (DESIGN §7's
+    ``lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=..., scales=...)``), the way
+    ``lowbit.attention`` is both a package and :func:`lowbit.attention.attention`. ``import
+    lowbit.attention.backward`` and ``from lowbit.attention import backward`` keep giving the module."""
+
+    def __call__(self, *args, **kwargs):
+        return backward(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -98,15 +98,12 @@ class MultiheadAttention(torch.nn.Module):
             q, k = (_rotate(t, rotary_pos_emb, S, d) for t in (q, k))
         dropout_p = self.attention_dropout if self.training else 0.0
         handoff = self._handoff_scale(x) if torch.is_grad_enabled() else None
-        if handoff is not None:
-            from ..attention.backward import attention_with_grad
-
+        grad = {}
+        if handoff is not None:  # the backward writes FP8 dQ/dK/dV with the projection's scale, handed to its GEMMs
             layer, fmt, scale = handoff
-            o = attention_with_grad(q, k, v, causal=self.causal, layout="bshd", dropout_p=dropout_p, grad_format=fmt,
-                                    scales=(scale, scale, scale), grad_sink=_HandOff(layer, B * S))
-        else:
-            o = attention(q, k, v, causal=self.causal, layout="bshd", qk=self.qk, pv=self.pv,
-                          granularity=self.granularity, dropout_p=dropout_p)
+            grad = dict(grad_format=fmt, scales=(scale, scale, scale), grad_sink=_HandOff(layer, B * S))
+        o = attention(q, k, v, causal=self.causal, layout="bshd", qk=self.qk, pv=self.pv, granularity=self.granularity,
+                      dropout_p=dropout_p, **grad)
         return self.proj(o.reshape(B, S, hq * d), is_first_microbatch=is_first_microbatch)
 
     def _handoff_scale(self, x):
