@@ -60,6 +60,10 @@ def test_bad_arguments():
         lowbit.autocast(on_nonfinite="warn")
     with pytest.raises(TypeError, match="enabled: expected a bool"):
         lowbit.autocast(enabled="yes")
+    with pytest.raises(TypeError, match="allow_emulation: expected a bool, got 'no'"):
+        lowbit.autocast(allow_emulation="no")
+    with pytest.raises(TypeError, match=r"amax_reduction_group: expected a torch.distributed.ProcessGroup .*or None, got list: \[0, 1\]"):
+        lowbit.autocast(amax_reduction_group=[0, 1])  # ranks, not a group: would only fail at the exit's collective
 
 
 def test_device_support(monkeypatch):
@@ -143,16 +147,68 @@ def test_delayed_scale_is_used_and_warmup():
 
 
 def test_exception_skips_the_update():
+    """A step that raises is dropped with its amaxes: they neither update the history at its exit nor leak into
+    the next step's entry (the docstring's "only when leaving without an exception")."""
     m = lowbit.nn.Linear(32, 16)
     r = recipes.DelayedScaling(amax_history_len=4)
     with pytest.raises(RuntimeError):
         with lowbit.autocast(recipe=r):
-            m(torch.randn(4, 32))
+            m(100 * torch.randn(4, 32))
             raise RuntimeError("step failed")
-    assert m._gemms[""].delayed.histories["input"].steps == 0
+    st = m._gemms[""].delayed
+    assert st.histories["input"].steps == 0 and not st.has_pending()
     with lowbit.autocast(recipe=r):
         pass
-    assert m._gemms[""].delayed.histories["input"].steps == 1
+    assert st.histories["input"].steps == 0  # an empty step after the failure commits nothing
+    x = torch.randn(4, 32)
+    with lowbit.autocast(recipe=r):
+        m(x)
+    h = st.histories["input"]
+    assert h.steps == 1 and h.history[0] == x.abs().max()  # not the failed step's 100x amax
+    assert torch.equal(h.scale, torch.tensor([448.0]) / x.abs().max())
+
+
+def test_failed_step_keeps_the_previous_backward_amaxes():
+    """The gradient amaxes of the backward before a failed step belong to the step before it: they stay pending
+    and are committed at the next clean exit; the failed step's own backward (run inside it) is dropped."""
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    x = torch.randn(8, 32)
+    with lowbit.autocast(recipe=r):
+        y = m(x)
+    y.backward(torch.full_like(y, 3.0))  # outside autocast: pending until the next outermost exit
+    st = m._gemms[""].delayed
+    with pytest.raises(RuntimeError):
+        with lowbit.autocast(recipe=r):
+            y2 = m(x)
+            y2.backward(torch.full_like(y2, 50.0))  # a backward inside the failing step
+            raise RuntimeError("step failed")
+    assert st.pending["grad_output"].item() == 3.0 and st.pending["input"] is None
+    with lowbit.autocast(recipe=r):
+        pass
+    g = st.histories["grad_output"]
+    assert g.steps == 1 and g.history[0] == 3.0 and st.histories["input"].steps == 1
+
+
+def test_checkpoint_pending_survives_a_failed_first_step():
+    """A loaded checkpoint's pending gradient amax (its state is built by the first forward, inside the step) is
+    carried like the previous backward's: a failure of that first step does not drop it."""
+    torch.manual_seed(0)
+    r = recipes.DelayedScaling(amax_history_len=4)
+    m = lowbit.nn.Linear(32, 16)
+    with lowbit.autocast(recipe=r):
+        y = m(torch.randn(8, 32))
+    y.backward(torch.full_like(y, 3.0))
+    sd = m.state_dict()
+    m2 = lowbit.nn.Linear(32, 16)
+    m2.load_state_dict(sd)
+    with pytest.raises(RuntimeError):
+        with lowbit.autocast(recipe=r):
+            m2(torch.randn(8, 32))
+            raise RuntimeError("step failed")
+    st = m2._gemms[""].delayed
+    assert st.pending["grad_output"].item() == 3.0 and st.pending["input"] is None
 
 
 def test_changing_delayed_history_settings_is_an_error():

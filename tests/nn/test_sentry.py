@@ -99,6 +99,50 @@ def test_check_is_deferred_to_the_exit_and_skips_the_commit():
     assert lowbit.nn.state.depth() == 0 and not lowbit.nn.is_enabled()
 
 
+def test_raised_nonfinite_step_does_not_mask_the_next_step():
+    """After the sentry raised at the exit, the NaN amax is dropped with the step: the next good step records its own
+    amax (not 0 from max(NaN, amax)) and, with "most_recent", moves the scale."""
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    x = torch.randn(8, 32)
+    with lowbit.autocast(recipe=r):
+        m(x)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteAmaxError):
+        with lowbit.autocast(recipe=r):
+            m(bad)
+    st = m._gemms[""].delayed
+    assert not st.has_pending()
+    with lowbit.autocast(recipe=r):
+        m(4 * x)
+    h = st.histories["input"]
+    assert h.steps == 2 and h.history[0] == (4 * x).abs().max()
+    assert torch.equal(h.scale, torch.tensor([448.0]) / (4 * x).abs().max())
+
+
+def test_raised_backward_drops_its_gradient_amaxes():
+    """A backward outside autocast that raises NonFiniteAmaxError drops the gradient amaxes waiting for the next
+    exit: that exit records no grad_output entry, and the next good backward's amax is committed as measured."""
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    x = torch.randn(8, 32)
+    with lowbit.autocast(recipe=r):
+        y = m(x)
+    with pytest.raises(NonFiniteAmaxError, match="of grad_output"):
+        y.backward(torch.full_like(y, float("inf")))
+    st = m._gemms[""].delayed
+    assert st.pending["grad_output"] is None
+    with lowbit.autocast(recipe=r):
+        y = m(x)
+    g = st.histories["grad_output"]
+    assert g.steps == 0  # the failed backward pushed no entry
+    y.backward(torch.full_like(y, 3.0))
+    with lowbit.autocast(recipe=r):
+        pass
+    assert g.steps == 1 and g.history[0] == 3.0 and torch.equal(g.scale, torch.tensor([57344.0]) / 3.0)
+
+
 def test_ignore_turns_the_sentry_off():
     m = lowbit.nn.Linear(32, 16)
     x = torch.full((8, 32), float("nan"), requires_grad=True)

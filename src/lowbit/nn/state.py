@@ -7,9 +7,22 @@ the backward of a module never reads it (each forward stores what its backward n
 
 Delayed scaling: modules *observe* the amax of every tensor they quantize into their
 :class:`DelayedScalingState` (a pending max). At the **outermost** autocast exit the pending amaxes
-of every state that observed something — this step's forward and the previous backward — are
-all-reduced (MAX) across the amax reduction group in one collective, pushed to the histories once,
-and the scales recomputed.
+of every state that observed something — this step's forward (and any backward run inside the
+context) and the previous backward (which usually runs after that step's exit, so its gradient
+amaxes wait for this one) — are all-reduced (MAX) across the amax reduction group in one
+collective, pushed to the histories once, and the scales recomputed.
+
+The amaxes of work that failed never reach a history (a NaN would otherwise stay pending and mask the
+next good step's amax, and an aborted step would count as a step):
+
+* the outermost autocast exiting with an exception — any exception, including the NaN sentry's
+  :class:`NonFiniteAmaxError` raised at that exit — drops the amaxes observed inside it; the previous
+  backward's gradient amaxes stay pending for the next exit;
+* a backward outside autocast whose sentry check raises :class:`NonFiniteAmaxError` drops the gradient
+  amaxes waiting for the next exit (every backward since the last outermost exit).
+
+A non-finite amax that raises nothing (``on_nonfinite="skip"`` / ``"ignore"``) is committed as 0: that
+role's history records 0 for the step and its scale stays where it was.
 """
 
 from __future__ import annotations
@@ -74,6 +87,9 @@ _depth = 0
 _step = 0  # number of outermost autocast exits so far (the "step" in NaN-sentry events)
 _lock = threading.Lock()
 _pending: dict[int, "DelayedScalingState"] = {}  # states with pending amaxes, in first-observation order
+# What was pending when the outermost autocast was entered (the previous backward's gradient amaxes), as
+# {id: (state, {role: amax or None})}: a step that fails is rolled back to it. None outside autocast.
+_carried: dict[int, tuple] | None = None
 _notices: set[str] = set()
 
 
@@ -252,7 +268,15 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
 
 
 def _check_at_boundary() -> None:
-    check_nonfinite(wait=SYNC_CHECKS)
+    try:
+        check_nonfinite(wait=SYNC_CHECKS)
+    except NonFiniteAmaxError:
+        if _depth == 0:
+            # A failed backward's gradient amaxes (NaN/Inf among them) must not wait for the next exit: a NaN
+            # pending max would mask the next step's finite amaxes. Inside autocast the exception leaves the
+            # context, whose exit drops the step's amaxes instead.
+            _drop_pending({})
+        raise
 
 
 class _PinnedRing:
@@ -474,9 +498,33 @@ class DelayedScalingState:
                 raise ValueError(f"state: missing delayed-scaling entry {e.args[0]!r}") from None
             p = sd.get(f"{role}.pending")
             self.pending[role] = None if p is None or float(p.reshape(-1)[0]) < 0 else p.float().reshape(1).clone()
-            if self.pending[role] is not None:
-                with _lock:
-                    _pending.setdefault(id(self), self)
+        if self.has_pending():
+            with _lock:
+                _pending.setdefault(id(self), self)
+                if _carried is not None:
+                    # Loaded inside a step (a checkpoint's state is built lazily by the first forward after
+                    # the load): the checkpoint's pending amaxes belong to the steps before, so they survive
+                    # this step failing like any other carried amax.
+                    _carried[id(self)] = (self, dict(self.pending))
+
+
+def _snapshot_pending() -> dict[int, tuple]:
+    """What is pending now, to roll back to with :func:`_drop_pending` (observe() never modifies a pending
+    tensor in place, so keeping the references is enough)."""
+    with _lock:
+        return {k: (st, dict(st.pending)) for k, st in _pending.items()}
+
+
+def _drop_pending(keep: dict[int, tuple]) -> None:
+    """Forget every pending amax observed since ``keep`` (a :func:`_snapshot_pending`; ``{}``: all of them)."""
+    with _lock:
+        states = list(_pending.values())
+        _pending.clear()
+        for st in states:
+            st.pending = dict.fromkeys(st.pending)
+        for k, (st, saved) in keep.items():  # in the snapshot's order: the collective's order on every rank
+            st.pending = dict(saved)
+            _pending[k] = st
 
 
 def _commit_pending(group) -> None:
@@ -534,7 +582,12 @@ class autocast(contextlib.ContextDecorator):
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
     At the outermost exit (and only when leaving without an exception) the pending delayed-scaling
-    amaxes are reduced and the histories updated, once.
+    amaxes are reduced and the histories updated, once: this step's forward amaxes and the gradient
+    amaxes of the backward(s) run since the previous outermost exit (a backward run after the exit
+    is committed at the next one). When the outermost exit sees an exception, or the NaN sentry
+    raises there, the amaxes observed inside the context are dropped (the earlier backward's stay
+    pending); a backward outside autocast that raises :class:`NonFiniteAmaxError` drops the gradient
+    amaxes waiting for the next exit. See the module docstring.
     """
 
     def __init__(self, enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None,
@@ -546,12 +599,15 @@ class autocast(contextlib.ContextDecorator):
             raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}{hint}")
         if on_nonfinite is not None and on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite: expected one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+        if not isinstance(allow_emulation, bool):
+            raise TypeError(f"allow_emulation: expected a bool, got {allow_emulation!r}")
+        _check_group(amax_reduction_group)
         self.enabled, self.recipe, self.group = enabled, recipe, amax_reduction_group
         self.on_nonfinite, self.allow_emulation = on_nonfinite, allow_emulation
         self._saved: list[AutocastState] = []
 
     def __enter__(self):
-        global _state, _depth
+        global _state, _depth, _carried
         outer = _state
         recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled else None))
         support = outer.support
@@ -567,22 +623,26 @@ class autocast(contextlib.ContextDecorator):
         )
         self._saved.append(outer)
         _state = new
+        if _depth == 0:
+            _carried = _snapshot_pending()
         _depth += 1
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        global _state, _depth, _step
+        global _state, _depth, _step, _carried
         group = _state.amax_reduction_group
         _state = self._saved.pop()
         _depth -= 1
         if _depth == 0:
             _state = AutocastState()
+            carried, _carried = _carried or {}, None
             if exc_type is None:
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
                     # queues the check and reports earlier checks the GPU has finished (no sync).
                     check_nonfinite(wait=SYNC_CHECKS)
                 except NonFiniteAmaxError:
+                    _drop_pending(carried)  # else the NaN stays pending and masks the next step's amax
                     _step += 1
                     raise
                 _commit_pending(group)
@@ -590,4 +650,19 @@ class autocast(contextlib.ContextDecorator):
             else:
                 with _lock:  # the failed step's records are dropped with it
                     _unchecked.clear()
+                _drop_pending(carried)  # and its amaxes: the update happens only on a clean exit
         return False
+
+
+def _check_group(group) -> None:
+    """``amax_reduction_group`` must be a ``torch.distributed`` process group or None: anything else would
+    only fail inside the collective at the outermost exit, after the whole step ran."""
+    if group is None:
+        return
+    dist = torch.distributed
+    pg = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if pg is None or not isinstance(group, pg):
+        raise TypeError(
+            f"amax_reduction_group: expected a torch.distributed.ProcessGroup (e.g. from dist.new_group) or None, "
+            f"got {type(group).__name__}: {group!r}"
+        )
