@@ -104,6 +104,21 @@ def test_convert_errors():
         lowbit.convert(TinyGPT(n=4), keep_high_precision_blocks=5)
     with pytest.raises(TypeError, match="skip: expected name patterns"):
         lowbit.convert(TinyGPT(n=2), skip=(1,))
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))  # no repeated-block container
+    # an invalid value is reported as such, before the model is looked at (not as "no repeated-block container")
+    for bad, msg in (("last", r"expected 'auto', None, an int >= 0 .*got 'last'"), (True, "got True"),
+                     (2.5, "got 2.5"), ([1.5], r"block indices must be ints, got 1.5 in \[1.5\]"),
+                     (-1, "N >= 0, got -1")):
+        for model in (plain, TinyGPT(n=4)):
+            with pytest.raises(ValueError, match="keep_high_precision_blocks: .*" + msg):
+                lowbit.convert(model, keep_high_precision_blocks=bad)
+    assert type(plain[0]) is torch.nn.Linear  # nothing was converted by the failed calls
+    with pytest.raises(ValueError, match="keep_high_precision_blocks: model has no repeated-block container .*got 1"):
+        lowbit.convert(plain, keep_high_precision_blocks=1)  # valid, but nothing to pick from
+    assert lowbit.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), keep_high_precision_blocks=[]).blocks is None
+    for arg in ("keep_output_head", "fuse_norms"):
+        with pytest.raises(TypeError, match=f"{arg}: expected a bool, got 'no'"):
+            lowbit.convert(plain, **{arg: "no"})
 
 
 def test_converted_model_checkpoint_loads_weights_only(tmp_path):

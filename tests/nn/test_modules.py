@@ -70,6 +70,13 @@ def test_linear_is_drop_in():
     a.load_state_dict(b.state_dict())  # a torch checkpoint (no scaling state) loads
     b.load_state_dict({k: v for k, v in a.state_dict().items() if k != "_extra_state"})
     assert [n for n, _ in a.named_parameters()] == ["weight"]
+    # the documented ways into a plain nn.Linear (Linear's docstring, GUIDE §4): strict=False, or drop the key
+    with pytest.raises(RuntimeError, match='Unexpected key.*"_extra_state"'):
+        b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        a.weight.mul_(2)
+    assert b.load_state_dict(a.state_dict(), strict=False).unexpected_keys == ["_extra_state"]
+    assert torch.equal(b.weight, a.weight)
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))
@@ -123,6 +130,78 @@ def test_saves_quantized_activations_only():
     assert ctx.qw.columnwise is not None
     y.sum().backward()
     assert x.grad is not None and m.weight.grad is not None
+
+
+def _quantized_gemm_nodes(y):
+    """The quantized-GEMM autograd nodes of y's graph (the lowbit Functions keep their quantized copies as ``qx``)."""
+    out, todo, seen = [], [y.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if hasattr(n, "qx"):
+            out.append(n)
+        todo.extend(f for f, _ in n.next_functions)
+    return out
+
+
+def _copies_of(saved, tensors):
+    """The saved tensors that hold one of ``tensors`` (the same memory, or equal values; as (tokens, features)
+    matrices, since the GEMMs see the flattened view)."""
+    flat = lambda t: t.reshape(-1, t.shape[-1]) if t.dim() else t  # noqa: E731
+    return [t for t in saved for g in tensors if t.numel() == g.numel() and t.shape[-1:] == g.shape[-1:]
+            and (t.data_ptr() == g.data_ptr() or torch.equal(flat(t), flat(g)))]
+
+
+@pytest.mark.parametrize("kind, kw", [
+    ("LayerNormLinear", {}),
+    ("LayerNormLinear", {"normalization": "RMSNorm"}),
+    ("LayerNormMLP", {}),
+    ("LayerNormMLP", {"activation": "swiglu", "normalization": "RMSNorm", "bias": False}),
+], ids=["ln-linear", "rms-linear", "ln-mlp-gelu", "rms-mlp-swiglu"])
+def test_norm_modules_save_quantized_gemm_inputs_only(kind, kw, monkeypatch):
+    """LayerNormLinear / LayerNormMLP under a recipe: no GEMM input (the norm output; fc2's input, the activation
+    output) is saved in high precision for the backward, only its quantized wgrad copy; what is saved in high
+    precision is what the norm and activation backwards read (the norm input x, mean/rstd, RMSNorm's x·rstd on
+    torch's composite CPU kernel, the fc1 output)."""
+    from lowbit.nn import layernorm_linear, layernorm_mlp
+
+    torch.manual_seed(0)
+    m = getattr(lowbit.nn, kind)(64, 96, **kw)
+    with torch.no_grad():
+        m.layer_norm_weight.uniform_(0.5, 1.5)  # (with weight 1 the norm output would equal RMSNorm's saved x·rstd)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    # record every tensor the module hands to a quantized GEMM as its input
+    ns = layernorm_linear if kind == "LayerNormLinear" else layernorm_mlp
+    gemm_inputs, orig = [], ns.quantized_linear
+    monkeypatch.setattr(ns, "quantized_linear", lambda a, *r, **k: (gemm_inputs.append(a), orig(a, *r, **k))[1])
+    saved = []
+
+    def pack(t):
+        if t is not None:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
+            y = m(x)
+    assert len(gemm_inputs) == (1 if kind == "LayerNormLinear" else 2)
+    assert _copies_of(saved, gemm_inputs) == []
+    nodes = _quantized_gemm_nodes(y)
+    assert len(nodes) == len(gemm_inputs)
+    for n in nodes:  # per GEMM: x's columnwise (wgrad) FP8 copy only, and the weight's copies for dgrad
+        assert n.qx.rowwise is None and n.qx.columnwise.data.dtype == torch.float8_e4m3fn
+        assert n.qx.columnwise.data.shape == (n.qx.shape[-1], 64) and n.qw.columnwise is not None
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)  # the norm's input (its backward reads it)
+    y.sum().backward()
+    assert x.grad is not None and m.layer_norm_weight.grad is not None
+    if kind == "LayerNormLinear":  # the check itself: outside autocast F.linear saves the norm output, and it is found
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(x)
+        ln = layernorm_linear.apply_norm(x, m.normalization, (64,), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+        assert len(_copies_of(saved, [ln])) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -229,6 +308,18 @@ def test_bad_inputs():
         lowbit.nn.LayerNormMLP(8, 8, activation="relu")
     with pytest.raises(ValueError, match="eps: expected a finite float > 0"):
         lowbit.nn.LayerNormMLP(8, 8, eps=0)
+    with pytest.raises(TypeError, match="return_layernorm_output: expected a bool, got 'no'"):
+        lowbit.nn.LayerNormLinear(8, 8, return_layernorm_output="no")  # bool("no") is True
+    # a wrong last dim: a lowbit ValueError naming both sizes (not F.layer_norm's RuntimeError), in and out of autocast
+    ln_lin, ln_mlp = lowbit.nn.LayerNormLinear(32, 16), lowbit.nn.LayerNormMLP(32, 48, normalization="RMSNorm")
+    for enabled in (False, True):
+        with lowbit.autocast(enabled=enabled, recipe=recipes.Float8CurrentScaling()):
+            with pytest.raises(ValueError, match=r"input: last dim must be in_features = 32, got 31 \(input shape \(2, 4, 31\)\)"):
+                ln_lin(torch.randn(2, 4, 31))
+            with pytest.raises(ValueError, match=r"input: last dim must be hidden_size = 32, got 64 \(input shape \(4, 64\)\)"):
+                ln_mlp(torch.randn(4, 64))
+            with pytest.raises(ValueError, match=r"input: last dim must be in_features = 32, got a 0-dim tensor"):
+                ln_lin(torch.tensor(1.0))
 
 
 def test_return_layernorm_output():

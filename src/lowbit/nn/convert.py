@@ -61,27 +61,45 @@ def _find_blocks(model: torch.nn.Module):
     return best
 
 
+_KEEP_FORMS = "'auto', None, an int >= 0 (the last N blocks) or a sequence of int block indices"
+
+
+def _check_keep(keep) -> None:
+    """Validate the form of ``keep_high_precision_blocks`` before looking at the model, so a bad value is reported
+    as such (and not as "no repeated-block container" on a model without blocks)."""
+    if keep is None or (isinstance(keep, str) and keep == "auto"):
+        return
+    if isinstance(keep, bool) or isinstance(keep, str):  # (a str is a sequence, a bool an int: neither is meant)
+        raise ValueError(f"keep_high_precision_blocks: expected {_KEEP_FORMS}, got {keep!r}")
+    if isinstance(keep, int):
+        if keep < 0:
+            raise ValueError(f"keep_high_precision_blocks: an int keeps the last N blocks, N >= 0, got {keep}")
+        return
+    try:
+        idx = list(keep)
+    except TypeError:
+        raise ValueError(f"keep_high_precision_blocks: expected {_KEEP_FORMS}, got {keep!r}") from None
+    for i in idx:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ValueError(f"keep_high_precision_blocks: block indices must be ints, got {i!r} in {keep!r}")
+
+
 def _resolve_blocks(keep, n: int, recipe) -> list[int]:
-    if isinstance(keep, str):
-        if keep != "auto":
-            raise ValueError(f"keep_high_precision_blocks: expected 'auto', an int or a sequence of block indices, got {keep!r}")
+    """Block indices to keep in high precision among ``n`` blocks (``keep`` already passed :func:`_check_keep`)."""
+    if isinstance(keep, str):  # "auto"
         if isinstance(recipe, NVFP4BlockScaling) and n:
             k = math.ceil(NVFP4_HIGH_PRECISION_TAIL * n)
             return list(range(n - k, n))
         return []
     if keep is None:
         return []
-    if isinstance(keep, int) and not isinstance(keep, bool):
-        if keep < 0 or keep > n:
+    if isinstance(keep, int):
+        if keep > n:
             raise ValueError(f"keep_high_precision_blocks: an int keeps the last N blocks, 0 <= N <= {n}, got {keep}")
         return list(range(n - keep, n))
-    try:
-        idx = list(keep)
-    except TypeError:
-        raise ValueError(f"keep_high_precision_blocks: expected 'auto', an int or a sequence of block indices, got {keep!r}") from None
     out = []
-    for i in idx:
-        if not isinstance(i, int) or isinstance(i, bool) or not -n <= i < n:
+    for i in keep:
+        if not -n <= i < n:
             raise ValueError(f"keep_high_precision_blocks: block index {i!r} out of range for {n} blocks")
         out.append(i % n)
     return sorted(set(out))
@@ -131,6 +149,12 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     for p in skip:
         if not isinstance(p, str):
             raise TypeError(f"skip: expected name patterns (str), got {p!r}")
+    for name, v in (("keep_output_head", keep_output_head), ("fuse_norms", fuse_norms)):
+        if not isinstance(v, bool):  # a truthy non-bool (e.g. "no") would silently mean True
+            raise TypeError(f"{name}: expected a bool, got {v!r}")
+    _check_keep(keep_high_precision_blocks)
+    if not isinstance(keep_high_precision_blocks, (str, int, type(None))):
+        keep_high_precision_blocks = list(keep_high_precision_blocks)  # (an iterator is read once)
     patterns = tuple(skip) + tuple(f"{p}.*" for p in skip if not any(c in p for c in "*?["))
     summary = ConvertSummary()
 
@@ -141,8 +165,11 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
         summary.blocks = (bname, len(bmod))
         summary.high_precision_blocks = _resolve_blocks(keep_high_precision_blocks, len(bmod), recipe)
         hp_prefixes = [f"{bname}.{i}" if bname else str(i) for i in summary.high_precision_blocks]
-    elif keep_high_precision_blocks not in ("auto", None, 0, ()):
-        raise ValueError(f"keep_high_precision_blocks: model has no repeated-block container (ModuleList/Sequential of blocks), got {keep_high_precision_blocks!r}")
+    elif keep_high_precision_blocks not in ("auto", None, 0, []):
+        raise ValueError(
+            "keep_high_precision_blocks: model has no repeated-block container (ModuleList/Sequential of >= 2 blocks "
+            f"of one type) to pick blocks from, got {keep_high_precision_blocks!r}"
+        )
 
     linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     head = None

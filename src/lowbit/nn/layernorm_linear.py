@@ -11,7 +11,7 @@ from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "apply_norm"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -28,6 +28,16 @@ def apply_norm(x, normalization, shape, weight, bias, eps):
     if normalization == "LayerNorm":
         return F.layer_norm(x, shape, weight, bias, eps)
     return F.rms_norm(x, shape, weight, eps)
+
+
+def check_norm_input(input, size: int, name: str) -> None:
+    """The norm's input must end in ``size`` features. Checked here (shapes only, no device sync) so the error
+    names the module's argument instead of F.layer_norm's "normalized_shape" RuntimeError."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if input.dim() < 1 or input.shape[-1] != size:
+        got = input.shape[-1] if input.dim() else "a 0-dim tensor"
+        raise ValueError(f"input: last dim must be {name} = {size}, got {got} (input shape {tuple(input.shape)})")
 
 
 def _check_features(**kw):
@@ -58,9 +68,11 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         super().__init__()
         _check_features(in_features=in_features, out_features=out_features)
         check_norm_args(normalization, eps)
+        if not isinstance(return_layernorm_output, bool):  # bool("no") would silently be True
+            raise TypeError(f"return_layernorm_output: expected a bool, got {return_layernorm_output!r}")
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, float(eps)
-        self.return_layernorm_output = bool(return_layernorm_output)
+        self.return_layernorm_output = return_layernorm_output
         fk = dict(device=device, dtype=dtype)
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(in_features, **fk))
         self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, **fk)) if normalization == "LayerNorm" else None
@@ -78,6 +90,7 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None):
         check_microbatch_arg(is_first_microbatch)
+        check_norm_input(input, self.in_features, "in_features")
         ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         st = _ac.get_state()
         if not st.enabled:

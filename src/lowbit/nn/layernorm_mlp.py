@@ -11,7 +11,7 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import _check_features, apply_norm, check_norm_args
+from .layernorm_linear import _check_features, apply_norm, check_norm_args, check_norm_input
 
 __all__ = ["LayerNormMLP"]
 
@@ -85,6 +85,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         check_microbatch_arg(is_first_microbatch)
+        check_norm_input(input, self.hidden_size, "hidden_size")
         ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         st = _ac.get_state()
         if not st.enabled:
@@ -104,8 +105,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
 
     def _fusable(self, ln: torch.Tensor, st) -> bool:
-        # (an empty or mis-shaped input takes the unfused path, whose quantized_linear says what is wrong)
-        return ln.numel() > 0 and ln.shape[-1] == self.hidden_size and swiglu_mlp_fusable(
+        # (an empty input takes the unfused path, whose quantized_linear says what is wrong)
+        return ln.numel() > 0 and swiglu_mlp_fusable(
             ln, self.fc1_weight, self.fc1_bias, st.recipe)
 
     def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:

@@ -26,6 +26,13 @@ class Linear(LowbitModule, torch.nn.Linear):
     Outside autocast (or with ``enabled=False``) ``forward`` is ``F.linear`` — bit-identical to
     ``torch.nn.Linear``. Inside, x, W and dy are quantized per the recipe's input / weight /
     grad_output roles; only quantized copies are saved for the backward.
+
+    ``state_dict()`` has ``weight`` and ``bias`` as ``torch.nn.Linear`` plus one more key,
+    ``_extra_state``: the scaling state (delayed-scaling amax histories, scales, pending amaxes) as a
+    dict of plain tensors, empty until a ``DelayedScaling`` step ran. A ``torch.nn.Linear`` state_dict
+    loads into this module as is (the missing key is fine); to load this module's state_dict into a
+    plain ``torch.nn.Linear``, pass ``strict=False`` or drop the key first:
+    ``{k: v for k, v in sd.items() if not k.endswith("_extra_state")}``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
