@@ -43,6 +43,17 @@ def _worker(rank, tmp):
         with lowbit.autocast(recipe=recipes.DelayedScaling(amax_history_len=8, reduce_amax=False)):
             m2(x)
         sd["local.input.history"] = m2.get_extra_state()["input.history"]
+        # an explicit amax_reduction_group is the one used: a group over both ranks reduces like the world;
+        # each rank's own one-rank group (every rank creates every group, in the same order) keeps local amaxes
+        both = dist.new_group(ranks=[0, 1])
+        own = [dist.new_group(ranks=[r]) for r in range(WORLD)][rank]
+        for name, group in (("group", both), ("own", own)):
+            m3 = lowbit.nn.Linear(32, 24)
+            with lowbit.autocast(recipe=r, amax_reduction_group=group):
+                with lowbit.autocast(recipe=r):  # an inner context without a group keeps the outer one
+                    m3(x)
+            sd[f"{name}.input.history"] = m3.get_extra_state()["input.history"]
+        sd["local.own.input.history"] = sd.pop("own.input.history")
         # the helper itself, NaN on one rank -> inf on all
         t = [torch.tensor([float("nan") if rank == 0 else 1.0]), torch.tensor([2.0 + rank])]
         lowbit.distributed.reduce_amax(t)
@@ -72,6 +83,8 @@ def test_amax_reduction_two_ranks(tmp_path):
         sd = sds[0]
         assert sd[f"{role}.history"][0] == a, role
         assert torch.equal(sd[f"{role}.scale"], torch.tensor([fmax[role]]) / a.reshape(1)), role
-    for r in range(WORLD):  # no reduction: each rank's own amax
+    assert sds[0]["group.input.history"][0] == amax["input"]  # the explicit two-rank group reduced
+    for r in range(WORLD):  # no reduction (opted out, or a one-rank group): each rank's own amax
         assert sds[r]["local.input.history"][0] == xs[r].abs().max()
+        assert sds[r]["local.own.input.history"][0] == xs[r].abs().max()
     assert sds[0]["nan"].item() == float("inf") and sds[0]["max"].item() == 3.0
