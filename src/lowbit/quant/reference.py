@@ -404,7 +404,10 @@ def quantize_qk_int8(
     softmax_scale: float | None = None,
     layout: str = "bhsd",
 ) -> QKInt8:
-    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3).
+    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3) — the reference.
+
+    This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
+    (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.
 
     Args:
         q: (B, Hq, Sq, D) for ``layout="bhsd"`` or (B, Sq, Hq, D) for ``"bshd"``; float16/bfloat16/float32.
@@ -440,7 +443,8 @@ def quantize_qk_int8(
 
 
 def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(batch, head, channel) FP8 E4M3 quantization of V.
+    """Per-(batch, head, channel) FP8 E4M3 quantization of V — the reference (PyTorch on any device); the Triton
+    kernels on CUDA, bit-identical to this, are behind :func:`lowbit.attention.quantize_v_fp8`.
 
     Returns ``(v_fp8, v_scale)``: v_fp8 float8_e4m3fn in v's shape and layout; v_scale float32
     (B, Hkv, D) = amax over the sequence / 448 (amax = 0 -> 1). v ≈ v_fp8 · v_scale.
