@@ -10,9 +10,9 @@
 #                                       #   int8/fp16 (never timed: 6be20d4's kernel changes), attention bwd
 #   bash scripts/gpu_next.sh train      # ~9 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
 # Then: AUTO_PV_QUANTIZED = "fp16" if int8/fp16 is as fast as int8/bf16 end to end, and record everything in
-# BENCHMARKS.md. Leads not built: the quantize kernels' amax atomics use Triton's default acq_rel ordering (a relaxed
-# integer max cut the attention backward's FP8 epilogue cost most of the way); the fused SwiGLU quantizer moves only
-# 1.3-1.7 TB/s; RMSNorm fused with the 1x128 quantizer of LayerNormLinear's input.
+# BENCHMARKS.md. Untimed since session 5: the quantize / fused-SwiGLU kernels' amax atomics are now relaxed (compare
+# `bench quant` with session 4's table). Leads not built: the fused SwiGLU quantizer moves only 1.3-1.7 TB/s;
+# RMSNorm fused with the 1x128 quantizer of LayerNormLinear's input; Block on lowbit.nn.MultiheadAttention.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
