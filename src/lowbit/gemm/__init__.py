@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from ..quant.tensor import QuantizedTensor, check_copy
+from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
@@ -45,15 +45,6 @@ def _dims(a, b, a_copy, b_copy) -> tuple[int, int, int]:
     return M, N, K
 
 
-def _structure(t, copy, name):
-    """The used copy's data and scales are what the scheme requires (dtypes, shapes, layout: a kernel reads them
-    blindly), and both copies share one device (backends are chosen by ``t.device``). Metadata only."""
-    check_copy(t, copy, name)
-    r, c = t.rowwise, t.columnwise
-    if r is not None and c is not None and r.data.device != c.data.device:
-        raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on {c.data.device}")
-
-
 def _operand(t, name, copy):
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"{name}: expected a QuantizedTensor (see lowbit.quantize), got {type(t).__name__}")
@@ -61,7 +52,7 @@ def _operand(t, name, copy):
         raise ValueError(f"{name}_copy: expected 'rowwise' or 'columnwise', got {copy!r}")
     if getattr(t, copy) is None:
         raise ValueError(f"{name}: has no {copy} copy; quantize it with {copy}=True")
-    _structure(t, copy, name)
+    t.validate(name, copy)  # (the used copy's data and scales: a kernel reads them blindly; metadata only)
     return (t.rows, t.cols) if copy == "rowwise" else (t.cols, t.rows)
 
 
@@ -154,8 +145,8 @@ def scaled_mm(
         fn = _CHOICE.get(key)
         if fn is not None:
             # the key does not cover the tensors themselves: their structure is checked on every call (metadata only)
-            _structure(a, a_copy, "a")
-            _structure(b, b_copy, "b")
+            a.validate("a", a_copy)
+            b.validate("b", b_copy)
         else:
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             fn = dict(_all())[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]

@@ -10,7 +10,7 @@ from ..formats import e2m1_decode, e8m0_decode, unpack_e2m1
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 
 __all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical",
-           "copy_layout", "check_copy"]
+           "scale_storage_shape", "copy_layout", "check_copy"]
 
 
 def expand_blocks(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
@@ -67,33 +67,47 @@ def scale_logical(scheme: Scheme, storage: torch.Tensor, rows: int, cols: int) -
 _FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def scale_storage_shape(scheme: Scheme, rows: int, cols: int) -> tuple[int, ...]:
+    """Shape of the stored scale grid (the layouts above) of a copy whose 2D data is (rows, cols) logical elements."""
+    if isinstance(scheme, Float8Tensorwise):
+        return (1,)
+    if isinstance(scheme, Float8Rowwise):
+        return (rows, 1)
+    if isinstance(scheme, Float8Blockwise):
+        bs = scheme.block_size
+        if scheme.block_dim == 1:
+            return (cdiv(cols, bs), pad_to(rows, 4))
+        return (cdiv(rows, bs), pad_to(cdiv(cols, bs), 4))
+    if isinstance(scheme, MXFP8):
+        return (rows, cols // 32)
+    if isinstance(scheme, NVFP4):
+        return (rows // 16, cols // 16) if scheme.two_d else (rows, cols // 16)
+    raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+
+
 def copy_layout(scheme: Scheme, rows: int, cols: int):
     """What a copy of logical 2D shape (rows, cols) stores under ``scheme``:
     ``(data dtype, data shape, scale dtype, scale shape, the scale layout's rule in words)``, or a ``str``
     saying why no copy of that shape exists (NVFP4: cols divisible by 16, 16x16 tiles: rows too; MXFP8:
     cols divisible by 32 — what the quantizers require)."""
+    sshape = scale_storage_shape(scheme, rows, cols)
     if isinstance(scheme, NVFP4):
         if cols % 16 or (scheme.two_d and rows % 16):
             return (f"NVFP4 {'16x16 tiles need rows and cols' if scheme.two_d else 'needs cols'} divisible by 16")
-        if scheme.two_d:
-            return torch.uint8, (rows, cols // 2), torch.float8_e4m3fn, (rows // 16, cols // 16), "NVFP4 16x16: (rows/16, cols/16)"
-        return torch.uint8, (rows, cols // 2), torch.float8_e4m3fn, (rows, cols // 16), "NVFP4 1x16: (rows, cols/16)"
+        rule = "NVFP4 16x16: (rows/16, cols/16)" if scheme.two_d else "NVFP4 1x16: (rows, cols/16)"
+        return torch.uint8, (rows, cols // 2), torch.float8_e4m3fn, sshape, rule
     dt = _FP8_DTYPE[scheme.fmt]
-    if isinstance(scheme, Float8Tensorwise):
-        return dt, (rows, cols), torch.float32, (1,), "tensorwise: (1,)"
-    if isinstance(scheme, Float8Rowwise):
-        return dt, (rows, cols), torch.float32, (rows, 1), "rowwise: (rows, 1)"
-    if isinstance(scheme, Float8Blockwise):
-        bs = scheme.block_size
-        if scheme.block_dim == 1:
-            return dt, (rows, cols), torch.float32, (cdiv(cols, bs), pad_to(rows, 4)), f"1x{bs}: (ceil(cols/{bs}), pad4(rows))"
-        return (dt, (rows, cols), torch.float32, (cdiv(rows, bs), pad_to(cdiv(cols, bs), 4)),
-                f"{bs}x{bs}: (ceil(rows/{bs}), pad4(ceil(cols/{bs})))")
     if isinstance(scheme, MXFP8):
         if cols % 32:
             return "MXFP8 needs cols divisible by 32"
-        return dt, (rows, cols), torch.uint8, (rows, cols // 32), "MXFP8: (rows, cols/32) E8M0 bytes"
-    raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+        return dt, (rows, cols), torch.uint8, sshape, "MXFP8: (rows, cols/32) E8M0 bytes"
+    if isinstance(scheme, Float8Blockwise):
+        bs = scheme.block_size
+        rule = (f"1x{bs}: (ceil(cols/{bs}), pad4(rows))" if scheme.block_dim == 1
+                else f"{bs}x{bs}: (ceil(rows/{bs}), pad4(ceil(cols/{bs})))")
+    else:
+        rule = "tensorwise: (1,)" if isinstance(scheme, Float8Tensorwise) else "rowwise: (rows, 1)"
+    return dt, (rows, cols), torch.float32, sshape, rule
 
 
 def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
@@ -220,18 +234,21 @@ class QuantizedTensor:
             raise ValueError(f"which: this QuantizedTensor has no {which} copy (quantize with {which}=True)")
         return c
 
-    def validate(self, name: str = "x") -> None:
-        """Raise ValueError (naming ``name`` and the copy) unless every present copy has the data dtype and shape,
-        and the scale dtype, shape, contiguity and device, that the scheme and the logical shape require, all on one
-        device (see :func:`check_copy`). Metadata only: cheap, no device synchronization."""
-        copies = [w for w in ("rowwise", "columnwise") if getattr(self, w) is not None]
+    def validate(self, name: str = "x", which: str | None = None) -> None:
+        """Raise ValueError (naming ``name`` and the copy) unless the ``which`` copy (None: every present copy) has
+        the data dtype and shape, and the scale dtype, shape, contiguity and device, that the scheme and the logical
+        shape require (see :func:`check_copy`), and the copies share one device. Metadata only: cheap, no device
+        synchronization."""
+        copies = [which] if which is not None else [w for w in ("rowwise", "columnwise") if getattr(self, w) is not None]
         if not copies:
             raise ValueError(f"{name}: has neither a rowwise nor a columnwise copy")
         for w in copies:
+            if getattr(self, w) is None:
+                raise ValueError(f"{name}: has no {w} copy; quantize it with {w}=True")
             check_copy(self, w, name)
-        if len(copies) == 2 and self.rowwise.data.device != self.columnwise.data.device:
-            raise ValueError(f"{name}: the rowwise copy is on {self.rowwise.data.device} but the columnwise copy "
-                             f"on {self.columnwise.data.device}")
+        r, c = self.rowwise, self.columnwise
+        if r is not None and c is not None and r.data.device != c.data.device:
+            raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on {c.data.device}")
 
     # -- amax / NaN sentry ----------------------------------------------------------------------
     @property

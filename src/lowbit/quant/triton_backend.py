@@ -32,7 +32,7 @@ from . import register_backend
 from .kernels import quant as K
 from .reference import _validate, resolve_seed
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from .tensor import QuantizedCopy, QuantizedTensor, cdiv, pad_to
+from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
 __all__ = ["supports", "quantize_triton", "INTERPRET"]
 
@@ -408,11 +408,7 @@ class _BlockwisePlan:
 
     def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
-        mb, kb = cdiv(M, bs), cdiv(Kd, bs)
-        if sch.block_dim == 2:
-            self.rshape, self.cshape = (mb, pad_to(kb, 4)), (kb, pad_to(mb, 4))
-        else:
-            self.rshape, self.cshape = (kb, pad_to(M, 4)), (mb, pad_to(Kd, 4))
+        self.rshape, self.cshape = scale_storage_shape(sch, M, Kd), scale_storage_shape(sch, Kd, M)
         self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
         self.nc = self.cshape[0] * self.cshape[1] if columnwise else 0
         # SATCVT: from sm_89 Triton casts to FP8 with cvt.rn.satfinite (the only form PTX has), which clamps
