@@ -523,11 +523,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
                              f"the fused backward needs; use backend='triton', 'reference' or None")
         from .backward import _triton_ok, attention_with_grad
 
+        # (attention_forward checks what backend="triton" needs: dtype, head_dim, device)
         be = backend or ("triton" if _triton_ok(q) and q.dtype != torch.float32 else "reference")
-        if be == "triton":
-            if q.dtype == torch.float32:
-                raise TypeError("backend 'triton' needs float16/bfloat16 inputs, got float32")
-            _check_triton(q.shape[-1], q.device)
         return attention_with_grad(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    dropout_p=dropout_p, layout="bhsd" if lay == "thd" else lay,
                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq,

@@ -41,7 +41,8 @@ from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
 from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
-from .api import _check_cu_meta, _check_qkv, _check_softmax_scale, _check_varlen, _shape4, _tensor, _views
+from .api import (_check_cu_meta, _check_qkv, _check_softmax_scale, _check_triton, _check_varlen, _shape4, _tensor,
+                  _views)
 
 __all__ = [
     "backward",
@@ -599,11 +600,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     if backend == "triton":
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"the Triton forward needs bfloat16/float16 inputs, got {q.dtype}")
-        if q.shape[-1] not in _HEAD_DIMS:
-            raise NotImplementedError(f"the Triton forward supports head_dim in {_HEAD_DIMS}, got {q.shape[-1]} "
-                                      f"(use backend='reference')")
-        if not _triton_ok(q):
-            raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        _check_triton(q.shape[-1], q.device)
     if varlen:
         lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
