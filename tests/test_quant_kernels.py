@@ -435,7 +435,7 @@ def _interp_persistent_main() -> int:  # runs in the subprocess
     (the kernel supports ragged tiles; the backend uses it on whole tiles only, see _PERSISTENT)."""
     import lowbit.quant.triton_backend as tb
     from lowbit.quant.kernels import quant as QK
-    from lowbit.quant.tensor import QuantizedCopy, QuantizedTensor
+    from lowbit.quant.tensor import QuantizedTensor
 
     failures = n = 0
     for shape in [(144, 272), (256, 128)]:
@@ -446,21 +446,13 @@ def _interp_persistent_main() -> int:  # runs in the subprocess
                         x = _randn(shape, dtype, "cpu", seed=n)
                         M, Kd = shape
                         plan = tb._BlockwisePlan(M, Kd, sch, rw, cw, x.device)
-                        rq = torch.empty(M, Kd, dtype=sch.format.torch_dtype) if rw else None
-                        cq = torch.empty(Kd, M, dtype=sch.format.torch_dtype) if cw else None
-                        buf = torch.zeros(plan.nr + plan.nc + 1, dtype=torch.float32)
-                        rs = buf[:plan.nr].view(plan.rshape) if rw else None
-                        cs = buf[plan.nr:plan.nr + plan.nc].view(plan.cshape) if cw else None
-                        amax_i = buf[plan.nr + plan.nc:].view(torch.int32)
+                        bufs = tb._blockwise_buffers(plan, sch.format, x.device, rw, cw)
                         bm = 64 if sch.block_dim == 1 and not cw else 128
-                        args = (x, rq if rw else cq, rs if rw else cs, cq if cw else rq, cs if cw else rs, amax_i, M, Kd,
-                                plan.rshape[1] if rw else 0, plan.cshape[1] if cw else 0, 2)
-                        QK.blockwise_persistent_kernel[(2,)](*args, **dict(plan.kw, BM=bm, PREFETCH=prefetch,
-                                                                           EVEN=M % bm == 0 and Kd % 128 == 0))
+                        QK.blockwise_persistent_kernel[(2,)](x, *tb._blockwise_args(plan, *bufs), 2,
+                                                             **dict(plan.kw, BM=bm, PREFETCH=prefetch,
+                                                                    EVEN=M % bm == 0 and Kd % 128 == 0))
                         got = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=sch)
-                        amax = amax_i.view(torch.float32)
-                        got.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax) if rw else None
-                        got.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax) if cw else None
+                        tb._set_copies(got, *bufs)
                         bad = mismatches(quantize_reference(x, sch, rowwise=rw, columnwise=cw), got)
                         n += 1
                         if bad:

@@ -215,7 +215,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         ``quantize(swiglu(u), scheme, rowwise=..., columnwise=...)``.
     """
     from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import _BlockwisePlan, _blockwise_buffers, _bucket, _set_copies, tuned_launch
+    from ..quant.triton_backend import (_BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _set_copies,
+                                        tuned_launch)
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
@@ -231,12 +232,11 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         plan = _PLANS[key] = _BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
         plan.kw = {k: v for k, v in plan.kw.items() if k not in ("TWO_D", "BS")}  # (1x128 here)
         plan.kw["DT"] = tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16
-    rq, rs, cq, cs, amax_i = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
-    args = (u, rq if rowwise else cq, rs if rowwise else cs, cq if columnwise else rq, cs if columnwise else rs, amax_i,
-            M, F, plan.rshape[1] if rowwise else 0, plan.cshape[1] if columnwise else 0)
+    bufs = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
+    args = (u, *_blockwise_args(plan, *bufs))
     grid = (F // 128, triton.cdiv(M, 128))
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _SWIGLU_QUANT_CONFIGS,
                  lambda c: _swiglu_quant_kernel[grid](*args, **plan.kw, **c))
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
-    _set_copies(qt, rq, rs, cq, cs, amax_i)
+    _set_copies(qt, *bufs)
     return qt

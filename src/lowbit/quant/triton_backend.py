@@ -336,6 +336,14 @@ def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: b
     return rq, rs, cq, cs, buf[nr + nc:].view(torch.int32)
 
 
+def _blockwise_args(plan: "_BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
+    """The blockwise kernels' arguments after the input, for _blockwise_buffers' outputs: (rq, rs, cq, cs, amax_i,
+    M, K, rs_ld, cs_ld); a copy not asked for is passed as the other one (its ROW / COL switch is off: not written)."""
+    rw, cw = rq is not None, cq is not None
+    return (rq if rw else cq, rs if rw else cs, cq if cw else rq, cs if cw else rs, amax_i, plan.M, plan.K,
+            plan.rshape[1] if rw else 0, plan.cshape[1] if cw else 0)
+
+
 def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
     """Attach the copies _blockwise_buffers made (and a kernel filled) to ``qt``; both share the amax tensor."""
     amax = amax_i.view(torch.float32)
@@ -447,13 +455,10 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
-    rq, rs, cq, cs, amax_i = _blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
-    ld_r = plan.rshape[1] if rowwise else 0
-    ld_c = plan.cshape[1] if columnwise else 0
-    rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
-    cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
+    bufs = _blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
+    args = _blockwise_args(plan, *bufs)
     if plan.cfg is not None:
-        plan.fn[plan.grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *plan.extra, **plan.cfg)
+        plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (where the persistent kernel may run, the autotuner times both kernels' candidates)
         cands = _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
@@ -461,13 +466,13 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
 
         def launch(c):
             fn, grid, extra, kw = plan.launch_args(c)
-            fn[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *extra, **kw)
+            fn[grid](x2, *args, *extra, **kw)
 
         c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, pers, _bucket(M), _bucket(Kd)), cands,
                          launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
-    _set_copies(qt, rq, rs, cq, cs, amax_i)
+    _set_copies(qt, *bufs)
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
