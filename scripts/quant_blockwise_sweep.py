@@ -21,40 +21,27 @@ from triton.testing import do_bench  # noqa: E402
 
 import lowbit.quant.triton_backend as tb  # noqa: E402
 from lowbit.quant import Float8Blockwise  # noqa: E402
-from lowbit.quant.tensor import QuantizedCopy, QuantizedTensor  # noqa: E402
+from lowbit.quant.tensor import QuantizedTensor  # noqa: E402
 
 
 def _bench(fn):
     return do_bench(fn, warmup=10, rep=60, return_mode="median")  # ms
 
 
-def prepared(x2, sch, rw, cw, cfg):
-    """(launch, QuantizedTensor) with cfg forced; outputs allocated once (kernel time only)."""
+def prepared(x2, sch, rw, cw, cfg, plan=None):
+    """(launch, QuantizedTensor) with cfg forced (on ``plan`` if given); outputs allocated once (kernel time only)."""
     M, Kd = x2.shape
-    plan = tb._BlockwisePlan(M, Kd, sch, rw, cw, x2.device)
-    fmt, dev = sch.format, x2.device
-    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rw else None
-    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if cw else None
-    buf = torch.zeros(plan.nr + plan.nc + 1, dtype=torch.float32, device=dev)
-    rs = buf[:plan.nr].view(plan.rshape) if rw else None
-    cs = buf[plan.nr:plan.nr + plan.nc].view(plan.cshape) if cw else None
-    amax_i = buf[plan.nr + plan.nc:].view(torch.int32)
-    ld_r = plan.rshape[1] if rw else 0
-    ld_c = plan.cshape[1] if cw else 0
-    rq_, rs_ = (rq, rs) if rw else (cq, cs)
-    cq_, cs_ = (cq, cs) if cw else (rq, rs)
+    plan = plan if plan is not None else tb._BlockwisePlan(M, Kd, sch, rw, cw, x2.device)
+    bufs = tb._blockwise_buffers(plan, sch.format, x2.device, rw, cw)
+    args = tb._blockwise_args(plan, *bufs)
     fn, grid, extra, kw = plan.launch_args(cfg)
 
     def launch():
-        fn[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, ld_r, ld_c, *extra, **kw)
+        fn[grid](x2, *args, *extra, **kw)
 
     launch()
     qt = QuantizedTensor(shape=x2.shape, dtype=x2.dtype, scheme=sch)
-    amax = amax_i.view(torch.float32)
-    if rw:
-        qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
-    if cw:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
+    tb._set_copies(qt, *bufs)
     return launch, qt
 
 
@@ -84,7 +71,7 @@ def mism(ref, got):
     return bad
 
 
-def sweep(shapes, rows_out):
+def sweep(shapes):
     CASES = [("1x128 row+col", Float8Blockwise(), True, True), ("1x128 row", Float8Blockwise(), True, False),
              ("128x128 row+col", Float8Blockwise(block_dim=2), True, True)]
     try:
@@ -99,7 +86,6 @@ def sweep(shapes, rows_out):
             tc = _bench(lambda: y.copy_(x))
             copy_bw = 2 * x.numel() * x.element_size() / tc * 1e-6
             print(f"\n== {M}x{Kd} {dt} copy {tc * 1e3:.1f} us {copy_bw:.0f} GB/s", flush=True)
-            rows_out.append((f"{M}x{Kd}", str(dt).split(".")[1], "copy", "", tc * 1e3, copy_bw, 1.0))
             if tao is not None and dt == torch.bfloat16:
                 peers = [("torchao 1x128 row (lhs)", lambda: tao.triton_fp8_blockwise_act_quant_lhs(x, 128),
                           x.numel() * 3 + M * (Kd // 128) * 4),
@@ -115,7 +101,6 @@ def sweep(shapes, rows_out):
                         continue
                     bw = nb / t * 1e-6
                     print(f"  {name:40s} {t * 1e3:8.1f} us {bw:6.0f} GB/s {bw / copy_bw:.2f}", flush=True)
-                    rows_out.append((f"{M}x{Kd}", "bfloat16", name, "", t * 1e3, bw, bw / copy_bw))
             for cname, sch, rw, cw in CASES:
                 two_d = sch.block_dim == 2
                 old = tb._blockwise_configs(M, Kd, 128, two_d, rw, cw, dt)[0]
@@ -140,7 +125,6 @@ def sweep(shapes, rows_out):
                     c2 = {k: v for k, v in cfg.items() if k != "KIND"}
                     print(f"  {cname:16s} {tag} {str(c2):70s} {t * 1e3:8.1f} us {bw:6.0f} GB/s {bw / copy_bw:.2f}"
                           f"{'  MISMATCH ' + str(bad) if bad else ''}", flush=True)
-                    rows_out.append((f"{M}x{Kd}", str(dt).split(".")[1], cname, f"{tag} {c2}", t * 1e3, bw, bw / copy_bw))
                     del launch, qt
             del x, y
             torch.cuda.empty_cache()
@@ -204,29 +188,7 @@ def prepared_ptr(x, sch, cfg, satcvt):
     M, Kd = x.shape
     plan = tb._BlockwisePlan(M, Kd, sch, True, True, x.device)
     plan.kw["SATCVT"] = satcvt
-    return prepared_with_plan(x, sch, plan, cfg)
-
-
-def prepared_with_plan(x2, sch, plan, cfg):
-    M, Kd = x2.shape
-    fmt, dev = sch.format, x2.device
-    rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev)
-    cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev)
-    buf = torch.zeros(plan.nr + plan.nc + 1, dtype=torch.float32, device=dev)
-    rs = buf[:plan.nr].view(plan.rshape)
-    cs = buf[plan.nr:plan.nr + plan.nc].view(plan.cshape)
-    amax_i = buf[plan.nr + plan.nc:].view(torch.int32)
-    fn, grid, extra, kw = plan.launch_args(cfg)
-
-    def launch():
-        fn[grid](x2, rq, rs, cq, cs, amax_i, M, Kd, plan.rshape[1], plan.cshape[1], *extra, **kw)
-
-    launch()
-    qt = QuantizedTensor(shape=x2.shape, dtype=x2.dtype, scheme=sch)
-    amax = amax_i.view(torch.float32)
-    qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
-    qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
-    return launch, qt
+    return prepared(x, sch, True, True, cfg, plan)
 
 
 def main():
@@ -239,9 +201,8 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if a.diag:
         diag()
-    rows = []
     if shapes:
-        sweep(shapes, rows)
+        sweep(shapes)
     if a.e2e:
         e2e(shapes)
 
