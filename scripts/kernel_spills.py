@@ -40,9 +40,8 @@ def _divisibility_attrs(fn, signature: dict) -> dict:
             if str(signature.get(n, "")).startswith("*") or (signature.get(n) == "i32" and _SIZE_NAMES.match(n))}
 
 
-def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, attrs: dict | None = None) -> dict:
-    if attrs is None and SPECIALIZE:
-        attrs = _divisibility_attrs(fn, signature)
+def sass_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    attrs = _divisibility_attrs(fn, signature) if SPECIALIZE else None
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -137,11 +136,7 @@ def quantize_1x128():
         sig["abs_mask"] = "i32"
         const.update(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, TWO_D=two_d, ROW=row, COL=col, SW=False,
                      BS=128, BM=bm, SATCVT=True, EVEN=True, WIDE=False, PREFETCH=pf)
-        # Triton specializes 16-divisible integers and 16-byte aligned pointers at launch (vector width, layouts):
-        # what a whole-tile launch (M, K multiples of 128) compiles, unlike the unspecialized signature above
-        names = list(inspect.signature(Q.blockwise_persistent_kernel.fn).parameters)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs or n in ("M", "K", "rs_ld", "cs_ld")}
-        c = sass_counts(Q.blockwise_persistent_kernel, sig, const, w, 1, attrs)
+        c = sass_counts(Q.blockwise_persistent_kernel, sig, const, w, 1)
         print(f"  {xdt[1:]} {'128x128' if two_d else '1x128'} row={row} col={col} BM={bm} {w} warps prefetch {pf}  {c}")
 
 
