@@ -1,6 +1,7 @@
 """LayerNormMLP(swiglu) under a 1x128 blockwise recipe runs SwiGLU inside the quantizers (quantized_swiglu_mlp):
 output and every gradient equal the unfused path (separate SwiGLU kernel + quantizers) bit for bit. On the CPU this
 runs under Triton's interpreter in a child process (the fused kernel is Triton); on CUDA compiled."""
+import importlib
 import os
 import subprocess
 import sys
@@ -65,13 +66,17 @@ def test_fused_equals_unfused_interpreter_subprocess():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def test_not_fused_on_cpu_without_triton_or_for_other_recipes():
+def test_not_fused_on_cpu_without_triton_or_for_other_recipes(monkeypatch):
+    S = importlib.import_module("lowbit.ops.swiglu")  # (lowbit.ops.swiglu as an attribute is the function)
     from lowbit.nn.functional import swiglu_mlp_fusable
 
     w1 = torch.zeros(256, 64)
     x = torch.zeros(4, 64)
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not swiglu_mlp_fusable(x, w1, None, recipes.Float8BlockScaling(), torch.bfloat16)  # CPU: reference path
+    # past the device check (as under the interpreter), so that the other recipes are refused for their schemes
+    monkeypatch.setattr(S, "INTERPRET", True)
+    assert swiglu_mlp_fusable(x, w1, None, recipes.Float8BlockScaling(), torch.bfloat16)
     for r in (recipes.Float8CurrentScaling(), recipes.DelayedScaling(), recipes.MXFP8BlockScaling()):
         assert not swiglu_mlp_fusable(x, w1, None, r, torch.bfloat16)
 

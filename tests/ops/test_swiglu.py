@@ -1,5 +1,6 @@
 """Fused SwiGLU: kernel (interpreter subprocess on CPU, compiled on the GPU) against the FP32 reference, forward
 and backward (the backward against autograd through the FP32 reference)."""
+import importlib
 import os
 import subprocess
 import sys
@@ -98,15 +99,22 @@ def test_fused_quant_interpreter_subprocess():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
-def test_fused_quant_rejects_what_it_cannot_take():
+def test_fused_quant_rejects_what_it_cannot_take(monkeypatch):
+    S = importlib.import_module("lowbit.ops.swiglu")  # (lowbit.ops.swiglu as an attribute is the function)
     from lowbit.ops.swiglu import swiglu_fused_quant_supported, swiglu_quantize_1x128
     from lowbit.quant.schemes import Float8Blockwise, Float8Tensorwise
 
     u = torch.zeros(4, 256, dtype=torch.bfloat16)
+    # a CPU u is refused for its device alone: pass that check (as the interpreter does), so that each refusal
+    # below has its own reason
+    monkeypatch.setattr(S, "INTERPRET", True)
+    if S.triton is not None:
+        assert swiglu_fused_quant_supported(u, Float8Blockwise())
     assert not swiglu_fused_quant_supported(u, Float8Tensorwise())
     assert not swiglu_fused_quant_supported(torch.zeros(4, 384, dtype=torch.bfloat16), Float8Blockwise())  # F = 192
     assert not swiglu_fused_quant_supported(u.float(), Float8Blockwise())
     assert not swiglu_fused_quant_supported(u, Float8Blockwise(block_dim=2))
+    monkeypatch.undo()
     if not u.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(NotImplementedError, match="1x128 Float8Blockwise"):
             swiglu_quantize_1x128(u, Float8Blockwise())
