@@ -202,6 +202,11 @@ def _gelu_grad(pre: torch.Tensor) -> torch.Tensor:
     return cdf + z * pdf
 
 
+def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` with its columnwise copy only: what a wgrad GEMM reads, kept for the backward (the rowwise one is freed)."""
+    return QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=None, columnwise=q.columnwise, meta=q.meta)
+
+
 @dataclass
 class _Cfg:
     layer: GemmLayer
@@ -226,7 +231,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
         # Keep only what the backward reads: x's columnwise (wgrad) copy and the weight's QuantizedTensor (its
         # columnwise copy for dgrad; the whole object, which may be the cross-microbatch cache entry).
-        ctx.qx = QuantizedTensor(qx.shape, qx.dtype, qx.scheme, rowwise=None, columnwise=qx.columnwise, meta=qx.meta) if need_wgrad else None
+        ctx.qx = _columnwise_only(qx) if need_wgrad else None
         ctx.qw = qw if need_dgrad else None
         ctx.cfg = cfg
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -343,8 +348,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=cfg2.policy)
         qw2 = g2.quantized_weight(w2, recipe, cfg2.is_first_microbatch, columnwise=need_du, policy=cfg2.policy)
         y = scaled_mm(qh, qw2, out_dtype=cfg2.out_dtype, bias=None if b2 is None else b2.detach())
-        ctx.qx = QuantizedTensor(qx.shape, qx.dtype, qx.scheme, rowwise=None, columnwise=qx.columnwise, meta=qx.meta) if need_dw1 else None
-        ctx.qh = QuantizedTensor(qh.shape, qh.dtype, qh.scheme, rowwise=None, columnwise=qh.columnwise, meta=qh.meta) if need_dw2 else None
+        ctx.qx = _columnwise_only(qx) if need_dw1 else None
+        ctx.qh = _columnwise_only(qh) if need_dw2 else None
         ctx.qw1 = qw1 if need_dx else None
         ctx.qw2 = qw2 if need_du else None
         ctx.cfg1, ctx.cfg2 = cfg1, cfg2
