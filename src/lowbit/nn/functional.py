@@ -21,7 +21,7 @@ import torch
 
 from ..gemm import scaled_mm
 from ..quant import quantize
-from ..quant.schemes import Float8Blockwise, Float8Tensorwise
+from ..quant.schemes import Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
@@ -310,17 +310,14 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, ou
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns
     the fusion off (the modules then run SwiGLU and the quantizers as separate kernels, same bits)."""
-    from ..ops.swiglu import INTERPRET as _SW_INTERP
+    from ..ops.swiglu import _fused_quant_runs
 
     if b1 is not None or os.environ.get("LOWBIT_FUSED_SWIGLU_QUANT", "1") == "0":
         return False
-    out_dtype = _out_dtype(x) if out_dtype is None else out_dtype
-    if out_dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda or _SW_INTERP) or w1.shape[0] % 256:
-        return False
+    out_dtype = _out_dtype(x) if out_dtype is None else out_dtype  # u's dtype: fc1's output
     for role in ("input", "grad_output"):
         rq = recipe.role(role)
-        s = rq.scheme
-        if rq.delayed or not (isinstance(s, Float8Blockwise) and s.block_dim == 1 and s.block_size == 128):
+        if rq.delayed or not _fused_quant_runs(x.device, out_dtype, w1.shape[0], rq.scheme):
             return False
     return True
 

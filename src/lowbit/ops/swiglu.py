@@ -128,14 +128,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 # amax from it that was not explained in the session, so it was taken out; see BENCHMARKS.md.)
 
 
-def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
-    """Whether :func:`swiglu_quantize_1x128` can take ``u`` (..., 2F) under ``scheme``: a 1x128 Float8Blockwise
-    scheme, a contiguous 16-bit CUDA tensor (or Triton's interpreter), F a multiple of 128."""
+def _fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
+    """The kernel's own conditions on a u of ``width`` = 2F columns: Triton, CUDA (or its interpreter), a 16-bit
+    dtype, F a multiple of 128, a 1x128 Float8Blockwise scheme."""
     from ..quant.schemes import Float8Blockwise
 
     return (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
-            and scheme.block_size == 128 and (u.is_cuda or INTERPRET) and u.dtype in (torch.bfloat16, torch.float16)
-            and u.dim() >= 1 and u.shape[-1] % 256 == 0 and u.is_contiguous() and u.numel() > 0)
+            and scheme.block_size == 128 and (device.type == "cuda" or INTERPRET)
+            and dtype in (torch.bfloat16, torch.float16) and width % 256 == 0)
+
+
+def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
+    """Whether :func:`swiglu_quantize_1x128` can take ``u`` (..., 2F) under ``scheme``: a 1x128 Float8Blockwise
+    scheme, a contiguous 16-bit CUDA tensor (or Triton's interpreter), F a multiple of 128."""
+    return (u.dim() >= 1 and u.is_contiguous() and u.numel() > 0
+            and _fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme))
 
 
 if triton is not None:
