@@ -38,5 +38,11 @@ case "${1:-verify}" in
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
     stage 150 python3 scripts/profile_model.py 1.3b 4 2048 bf16,fp8-block
     stage 150 python3 scripts/profile_model.py 350m 8 2048 bf16,fp8-block ;;
-  *) echo "usage: $0 verify|kernels|train" >&2; exit 2 ;;
+  close)  # session 6: the new tests (every backward tile candidate, the two-round tuner) and the tables the issues ask for
+    stage 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/attention_bwd tests/test_quant_kernels.py -rfE
+    stage 60 python3 -m lowbit bench quant
+    stage 300 python3 -m lowbit bench attention --backward --rounds 2 --rep 50 --json "$OUT/bwd.json"
+    stage 150 python3 -m lowbit bench attention --shapes "8,16,2048,64;4,32,4096,128" --causal yes \
+      --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_causal" ;;
+  *) echo "usage: $0 verify|kernels|train|close" >&2; exit 2 ;;
 esac

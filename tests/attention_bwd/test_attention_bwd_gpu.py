@@ -46,6 +46,25 @@ def test_bf16_vs_reference(b, hq, hkv, sq, sk, d, causal, window, layout):
     assert max(errs) < BF16_TOL, errs
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (False, (100, 37))])
+def test_every_autotune_candidate_vs_reference(d, causal, window):
+    """Each (dK/dV, dQ) tile candidate the autotuner may pick (``_CANDIDATES``, the pairs at the same index and
+    every dK/dV candidate with the first dQ one) on ragged GQA lengths, against the FP32 reference."""
+    from itertools import zip_longest
+
+    from lowbit.attention import backward_kernels as BK
+    dk, dq = BK._candidates("dkdv", d, 4096), BK._candidates("dq", d, 4096)
+    pairs = {(a or dk[0], b or dq[0]) for a, b in zip_longest(dk, dq)} | {(a, dq[0]) for a in dk}
+    q, k, v, do = make_inputs(2, 4, 2, 333, 397, d, device=DEV, seed=d + 1)
+    o, lse = BW.attention_forward(q, k, v, causal=causal, window=window)
+    gr = BW.attention_backward_reference(do, q, k, v, causal=causal, window=window)
+    for cfg in sorted(pairs):
+        g = BW.backward(do, q, k, v, o, lse, causal=causal, window=window, config=cfg)
+        errs = [nrmse(a, r) for a, r in zip(g, gr)]
+        assert max(errs) < BF16_TOL, (cfg, errs)
+
+
 def test_large_case_vs_sdpa_flash():
     """(8, 4, 1024, 128): our BF16 error is within 1.5x of SDPA flash's own error (both vs FP32)."""
     q, k, v, do = make_inputs(8, 4, 4, 1024, 1024, 128, device=DEV, seed=5)

@@ -85,18 +85,25 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
         return candidates[0]
     if cfg is None:
         _tuning_notice(name, key)
-        best, err = None, None
-        for c in candidates:
-            try:
-                t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory) is skipped
-                err = e
-                continue
-            if best is None or t < best[0]:
-                best = (t, c)
-        if best is None:
+        # Two rounds over the candidates, each candidate's best time kept: the first tuning of a process often
+        # starts on an idle GPU whose clocks are still ramping, so the first candidates timed look slow and a
+        # single round picked a 2x slower config (H200, session 6: 1x128 rowwise 0.49 of copy on the first key
+        # tuned against 0.89 on the next). A candidate that fails (e.g. out of shared memory) is dropped.
+        times, err = {}, None
+        for _ in range(2):
+            for i, c in enumerate(candidates):
+                if times.get(i, 0.0) is None:
+                    continue
+                try:
+                    t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
+                except Exception as e:
+                    times[i], err = None, e
+                    continue
+                times[i] = t if i not in times else min(times[i], t)
+        ok = [(t, i) for i, t in times.items() if t is not None]
+        if not ok:
             raise RuntimeError(f"{name}: no candidate config ran for key {key}") from err
-        cfg = _TUNED[k] = best[1]
+        cfg = _TUNED[k] = candidates[min(ok)[1]]
     launch(cfg)
     return cfg
 
