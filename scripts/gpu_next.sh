@@ -42,7 +42,9 @@ case "${1:-verify}" in
     stage 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/attention_bwd tests/test_quant_kernels.py -rfE
     stage 60 python3 -m lowbit bench quant
     stage 300 python3 -m lowbit bench attention --backward --rounds 2 --rep 50 --json "$OUT/bwd.json"
-    stage 150 python3 -m lowbit bench attention --shapes "8,16,2048,64;4,32,4096,128" --causal yes \
+    stage 90 python3 -m lowbit bench attention --shapes "8,16,2048,64" --causal both \
+      --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_d64"
+    stage 120 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal yes \
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_causal" ;;
   *) echo "usage: $0 verify|kernels|train|close" >&2; exit 2 ;;
 esac
