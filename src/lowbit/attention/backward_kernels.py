@@ -564,9 +564,9 @@ _CANDIDATES = {
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)], 128: [(128, 64, 8, 3), (64, 64, 4, 2)],
            256: [(128, 64, 8, 2), (128, 32, 4, 3)], "short": [(64, 64, 4, 3)]},
 }
-# (Session 6 tried three more candidates per kernel for D=64 and D=128 — (32,128,8,2), (64,64,4,3), (32,64,4,3) for
-# dK/dV, (128,64,8,2), (64,64,4,3), (128,32,4,3) for dQ and the like — with the autotuner choosing: no measurable
-# change beyond the run-to-run spread on the six shapes (H200, 1.28-1.36x SDPA flash), so the list stays short: every
+# (Session 6 let the autotuner choose among three more candidates per kernel at D=64 and D=128, e.g. (32,128,8,2),
+# (64,64,4,3), (32,64,4,3) for dK/dV and (128,64,8,2), (64,64,4,3), (128,32,4,3) for dQ: no gain beyond the
+# run-to-run spread on the six shapes (H200, 1.28-1.36x SDPA flash), so the list stays short; every
 # candidate costs a compile on a model's first step.)
 
 
