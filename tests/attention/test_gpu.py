@@ -261,17 +261,36 @@ def test_fp16_pv_beats_bf16_pv_gpu():
     assert eauto == (e16 if AUTO_PV_QUANTIZED == "fp16" else ebf) and e16 < ebf * 0.995, (e16, ebf)
 
 
-def test_int8_prepass_rounding_edges_gpu():
-    """The compiled INT8 rounding (no FRND/F2I: rz adds and integer sign) on values at and next to the .5 ties."""
-    tri = pytest.importorskip("lowbit.attention._triton")
-    base = torch.arange(-254, 255, device="cuda", dtype=torch.float32) / 2  # every tie in [-127, 127]
-    eps = torch.tensor([0.0, 2 ** -20, -2 ** -20], device="cuda")
-    x = (base[:, None] + eps[None, :] * base.abs().clamp(min=1)[:, None]).flatten()
-    x = torch.cat([x, torch.tensor([0.5 - 2 ** -25, -(0.5 - 2 ** -25), 127.0], device="cuda")])
+def _rounding_edge_keys(dt, device):
+    """K values (1, 1, n/64, 64) of dtype ``dt`` whose INT8 scale is exactly 1 (amax 127; K gets no softmax
+    multiplier): every integer and every tie n + 1/2 in [-126.5, 126.5], the dtype's next values below and above
+    each of them (bits -1 / +1: one ulp smaller / larger magnitude), and ±127; zero-padded to whole rows."""
+    grid = (torch.arange(-253, 254, dtype=torch.float32) / 2).to(dt)
+    nz = grid[grid != 0]
+    bits = nz.view(torch.int16)
+    x = torch.cat([grid, (bits - 1).view(dt), (bits + 1).view(dt), torch.tensor([127.0, -127.0]).to(dt)])
     n = -(-x.numel() // 64) * 64
-    k = torch.zeros(n, device="cuda").index_copy(0, torch.arange(x.numel(), device="cuda"), x)
-    k = k.view(1, 1, n // 64, 64).to(torch.bfloat16).float()  # representable inputs; bf16 kernels take 16-bit
-    kb = k.to(torch.bfloat16)
-    t = tri.quantize_qk_triton(kb, kb, smooth_k=False, block_k=n // 64)
-    r = R.quantize_qk_reference(kb, kb, smooth_k=False, block_k=n // 64)
-    assert torch.equal(t.k, r.k) and torch.equal(t.q, r.q) and torch.equal(t.k_scale, r.k_scale)
+    k = torch.zeros(n, dtype=dt)
+    k[:x.numel()] = x
+    return k.view(1, 1, n // 64, 64).to(device), x
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_int8_prepass_rounding_edges_gpu(dt):
+    """The compiled INT8 rounding (no FRND/F2I: rz adds and integer sign) on the ties n + 1/2 and on the input
+    dtype's neighbours of every tie and integer (FP16: 1/16 apart near 127; BF16: 1/2 near 127, finer below),
+    against the reference, bit for bit. Sanity: the scale is exactly 1, and 0.5 rounds up while the value just
+    under it rounds to 0, so the boundary itself is exercised."""
+    tri = pytest.importorskip("lowbit.attention._triton")
+    k, x = _rounding_edge_keys(dt, "cuda")
+    rows = k.shape[2]
+    t = tri.quantize_qk_triton(k, k, smooth_k=False, block_k=rows, block_q=128)
+    r = R.quantize_qk_reference(k, k, smooth_k=False, block_k=rows, block_q=128)
+    assert torch.equal(r.k_scale, torch.ones_like(r.k_scale))
+    flat = r.k.flatten()[:x.numel()].cpu()
+    half = torch.tensor(0.5, dtype=dt)
+    below = (half.view(torch.int16) - 1).view(dt)
+    assert flat[(x == half).nonzero()[0]].item() == 1 and flat[(x == below).nonzero()[0]].item() == 0
+    mism = (t.k != r.k).sum().item()
+    assert mism == 0 and torch.equal(t.k_scale, r.k_scale), f"{mism} INT8 codes differ from the reference"
+    assert torch.equal(t.q, r.q) and torch.equal(t.q_scale, r.q_scale)
