@@ -22,11 +22,18 @@ def env(name: str, value: str):
 
 
 def git_commit() -> str:
-    """Short hash of the checkout the benchmark runs from ("unknown" outside a git checkout)."""
+    """Short hash of the checkout the benchmark runs from ("unknown" outside a git checkout), with "+dirty" when
+    tracked files differ from it — as on a copy of a working tree whose ``.git`` is older than its files, where the
+    hash alone would name a commit the measured code is not."""
     try:
+        here = os.path.dirname(__file__)
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(__file__)).stdout.strip()
-        return out or "unknown"
+                             cwd=here).stdout.strip()
+        if not out:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=30, cwd=here).stdout.strip()
+        return out + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
 
