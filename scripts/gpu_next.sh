@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# What sessions 4-5 (2026-11-23) left for the GPU, in the order to spend device time on it. Each stage has its own
-# time limit so one slow stage cannot eat the rest of a device call (600 s). Run on the device tool with
-# carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (earlier numbers are from H200s):
-#   bash scripts/gpu_next.sh verify     # ~4 min: the GPU suite. Session 5 ran it at ef98f8d (289 passed, 1 failed:
-#                                       #   the prepass with block_k=24, fixed since) and then got no machine; new
-#                                       #   GPU tests written in session 5 (more attention modes, FP16 quantize
-#                                       #   inputs, exact tensorwise/rowwise GEMMs) have never run.
-#   bash scripts/gpu_next.sh kernels    # ~9 min: bench gemm (Gluon now on by default), quant, attention fwd incl.
-#                                       #   int8/fp16 (never timed: 6be20d4's kernel changes), attention bwd
-#   bash scripts/gpu_next.sh train      # ~9 min: 1.3b and 350m fp8-block vs BF16 (fused SwiGLU quantization), profile
-# Then: AUTO_PV_QUANTIZED = "fp16" if int8/fp16 is as fast as int8/bf16 end to end, and record everything in
-# BENCHMARKS.md. Untimed since session 5: the quantize / fused-SwiGLU kernels' amax atomics are now relaxed (compare
-# `bench quant` with session 4's table). Leads not built: the fused SwiGLU quantizer moves only 1.3-1.7 TB/s;
-# RMSNorm fused with the 1x128 quantizer of LayerNormLinear's input; Block on lowbit.nn.MultiheadAttention.
+# The GPU stages, each with its own time limit so one slow stage cannot eat the rest of a device call (600 s). Run
+# on the device tool with carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (the numbers in
+# BENCHMARKS.md are from H200s). Session 6 (2026-11-23) ran all of them; everything passed and is recorded there.
+#   bash scripts/gpu_next.sh verify     # ~4 min: the whole GPU suite (322 passed at a44778b) + the forced-Gluon GEMM
+#   bash scripts/gpu_next.sh kernels    # ~5 min: bench gemm, quant, attention fwd (D=128 non-causal), attention bwd
+#   bash scripts/gpu_next.sh close      # ~8 min: backward/quantize GPU tests, bench quant, attention bwd on all six
+#                                       #   issue cases (2 rounds), attention fwd D=64 and causal D=128
+#   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
+# Leads for the open targets (BENCHMARKS.md, session 6): RMSNorm fused with the 1x128 quantizer of LayerNormLinear's
+# / LayerNormMLP's input (its FP32 output is quantized separately today, ~2.5-3 ms of a 1.3b step); the 1x128
+# row+col quantizer at 0.68 of copy (target 0.85); the fused SwiGLU quantizer at 1.3-1.7 TB/s; Block on
+# lowbit.nn.MultiheadAttention.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
