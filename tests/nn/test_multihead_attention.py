@@ -77,6 +77,8 @@ def test_bad_input():
         MultiheadAttention(64, 4, qk="int4")
     with pytest.raises(NotImplementedError, match="dropout"):
         MultiheadAttention(64, 4, qk="int8", attention_dropout=0.1)
+    with pytest.raises(NotImplementedError, match="dropout"):  # "auto" P·V after an INT8 Q·Kᵀ is not 16-bit
+        MultiheadAttention(64, 4, qk="int8", pv="auto", attention_dropout=0.1)
     with pytest.raises(ValueError, match="x: expected"):
         MultiheadAttention(64, 4)(torch.randn(2, 64))
 
@@ -166,3 +168,19 @@ def test_fp8_grad_handoff_on_cuda(cuda):
         s_off = 10 * math.log10(p_hp.grad.pow(2).sum().item() / (p_off.grad.float() - p_hp.grad).pow(2).sum().item())
         print(f"{n}: hand-off {s_on:.1f} dB, re-quantized {s_off:.1f} dB")
         assert s_on > s_off - 1.5 and s_on > 15, (n, s_on, s_off)
+
+
+def test_pv_auto_is_16_bit_after_16_bit_qk():
+    """pv="auto" with a BF16 Q·Kᵀ resolves to BF16 P·V, so dropout is allowed (it used to be refused) and the
+    module's output equals pv="bf16" with the same dropout seed."""
+    torch.manual_seed(5)
+    m = MultiheadAttention(64, 4, pv="auto", attention_dropout=0.25).train()
+    ref = MultiheadAttention(64, 4, pv="bf16", attention_dropout=0.25).train()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 24, 64)
+    torch.manual_seed(6)
+    y = m(x)
+    torch.manual_seed(6)
+    r = ref(x)
+    assert torch.equal(y, r)
+    assert not torch.equal(y, m.eval()(x))  # dropout really ran in training mode

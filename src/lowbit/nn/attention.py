@@ -68,7 +68,7 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"pv: expected one of {_PV}, got {pv!r}")
         if not (0.0 <= attention_dropout < 1.0):
             raise ValueError(f"attention_dropout: must be in [0, 1), got {attention_dropout!r}")
-        if attention_dropout > 0 and (qk not in ("bf16", "fp16") or pv not in ("bf16", "fp16")):
+        if attention_dropout > 0 and not _sixteen_bit(qk, pv):
             raise NotImplementedError(f"attention_dropout: dropout runs with 16-bit attention only, got qk={qk!r}, pv={pv!r}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_attention_heads, kv
         self.head_dim = hidden_size // num_attention_heads
@@ -111,7 +111,7 @@ class MultiheadAttention(torch.nn.Module):
         from . import state as _ac
         from ..quant.schemes import Float8Tensorwise
 
-        if not self.fp8_grad_handoff or self.qk not in ("bf16", "fp16") or self.pv not in ("bf16", "fp16"):
+        if not self.fp8_grad_handoff or not _sixteen_bit(self.qk, self.pv):
             return None
         st = _ac.get_state()
         if not st.enabled or st.recipe is None:
@@ -129,6 +129,12 @@ class MultiheadAttention(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"causal={self.causal}, qk={self.qk!r}, pv={self.pv!r}")
+
+
+def _sixteen_bit(qk: str, pv: str) -> bool:
+    """Whether the attention math is 16-bit throughout (what dropout and the FP8 gradient hand-off need): a 16-bit
+    Q·Kᵀ, and a 16-bit P·V — which pv="auto" is whenever Q·Kᵀ is (``lowbit.attention.api.resolve_pv``)."""
+    return qk in ("bf16", "fp16") and pv in ("auto", "bf16", "fp16")
 
 
 def _rotate(t: torch.Tensor, rope, S: int, d: int) -> torch.Tensor:
