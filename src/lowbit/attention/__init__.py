@@ -3,7 +3,7 @@
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
 from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, quantize_v_fp16, select_backend
-from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (see backward._CallableModule)
+from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (lowbit._callable)
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -32,15 +32,6 @@ __all__ = [
 
 
 # `lowbit.attention` is both this package and the function users call (`lowbit.attention(q, k, v)`).
-# Importing any submodule binds the package to the parent's attribute, so make the package itself
-# callable: calling it calls :func:`attention`.
-import sys as _sys
-import types as _types
+from .._callable import make_callable as _make_callable
 
-
-class _CallablePackage(_types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return attention(*args, **kwargs)
-
-
-_sys.modules[__name__].__class__ = _CallablePackage
+_make_callable(__name__, "attention")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import types
 from typing import Optional, Tuple
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
+from .._callable import make_callable
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
 from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
@@ -721,14 +721,7 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
 
 
 # ============================================================================ `lowbit.attention.backward(...)`
-class _CallableModule(types.ModuleType):
-    """``lowbit.attention.backward`` is this module and, called, its function :func:`backward` (DESIGN §7's
-    ``lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=..., scales=...)``), the way
-    ``lowbit.attention`` is both a package and :func:`lowbit.attention.attention`. ``import
-    lowbit.attention.backward`` and ``from lowbit.attention import backward`` keep giving the module."""
-
-    def __call__(self, *args, **kwargs):
-        return backward(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+# This module, called, is its function backward (DESIGN §7's ``lowbit.attention.backward(do, q, k, v, o, lse, ...,
+# grad_format=..., scales=...)``), the way ``lowbit.attention`` is both a package and lowbit.attention.attention;
+# ``import lowbit.attention.backward`` and ``from lowbit.attention import backward`` keep giving the module.
+make_callable(__name__, "backward")
