@@ -45,6 +45,14 @@ def _dims(a, b, a_copy, b_copy) -> tuple[int, int, int]:
     return M, N, K
 
 
+def check_k_contiguous(name: str, which: str, data: torch.Tensor, backend: str) -> None:
+    """A GEMM kernel reads operand ``name``'s ``which`` copy as row-major (rows, K): refuse other strides, naming
+    the operand (the backends' shared rule; the reference backend takes any strides)."""
+    if not data.is_contiguous():
+        raise ValueError(f"{name}: the {backend} GEMM needs {name}'s {which} data contiguous along K (row-major "
+                         f"{tuple(data.shape)}), got strides {tuple(data.stride())}; call .contiguous() on it")
+
+
 def _operand(t, name, copy):
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"{name}: expected a QuantizedTensor (see lowbit.quantize), got {type(t).__name__}")

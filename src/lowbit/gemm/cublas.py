@@ -122,10 +122,8 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     kw = dict(a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
     # Layout rules checked here, so that cuBLAS's refusal of a layout is never taken for a capability limit
     # (REJECTED is process-wide: one odd tensor must not move every later call of its signature off cuBLAS)
-    for name, which, T in (("a", a_copy, A), ("b", b_copy, B)):
-        if not T.is_contiguous():
-            raise ValueError(f"{name}: the cuBLAS GEMM needs {name}'s {which} data contiguous along K (row-major "
-                             f"{tuple(T.shape)}), got strides {tuple(T.stride())}; call .contiguous() on it")
+    _gemm.check_k_contiguous("a", a_copy, A, "cuBLAS")
+    _gemm.check_k_contiguous("b", b_copy, B, "cuBLAS")
     if A.data_ptr() % 16 or B.data_ptr() % 16:  # cuBLAS wants 16-byte aligned operands; the Triton GEMM does not
         return _triton(a, b, **kw)
     M, K = A.shape

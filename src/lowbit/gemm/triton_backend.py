@@ -18,7 +18,7 @@ from .._launch import ensure_tma_allocator
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
 from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
-from . import _dims, register_backend
+from . import _dims, check_k_contiguous, register_backend
 from .kernels import gemm as G
 
 __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",
@@ -33,9 +33,7 @@ def _on_device(a, b) -> bool:
 def _copy(t, which, name):
     """``t``'s ``which`` copy; ``name`` ("a" / "b") is the operand an error blames."""
     c = getattr(t, which)
-    if not c.data.is_contiguous():
-        raise ValueError(f"{name}: the triton GEMM needs {name}'s {which} data contiguous along K (row-major "
-                         f"{tuple(c.data.shape)}), got strides {tuple(c.data.stride())}; call .contiguous() on it")
+    check_k_contiguous(name, which, c.data, "triton")
     return c
 
 
