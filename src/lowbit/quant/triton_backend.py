@@ -89,18 +89,19 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
         # starts on an idle GPU whose clocks are still ramping, so the first candidates timed look slow and a
         # single round picked a 2x slower config (H200, session 6: 1x128 rowwise 0.49 of copy on the first key
         # tuned against 0.89 on the next). A candidate that fails (e.g. out of shared memory) is dropped.
-        times, err = {}, None
+        best, failed, err = {}, set(), None
         for _ in range(2):
             for i, c in enumerate(candidates):
-                if times.get(i, 0.0) is None:
+                if i in failed:
                     continue
                 try:
                     t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
                 except Exception as e:
-                    times[i], err = None, e
+                    failed.add(i)
+                    err = e
                     continue
-                times[i] = t if i not in times else min(times[i], t)
-        ok = [(t, i) for i, t in times.items() if t is not None]
+                best[i] = min(t, best.get(i, t))
+        ok = [(t, i) for i, t in best.items() if i not in failed]
         if not ok:
             raise RuntimeError(f"{name}: no candidate config ran for key {key}") from err
         cfg = _TUNED[k] = candidates[min(ok)[1]]
