@@ -309,6 +309,30 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
+    """Each blockwise_kernel launch config the autotuner may pick (triton_backend._blockwise_configs), forced one at
+    a time (the persistent kernel kept out), for BF16 and FP32 input, 1D and 2D, every copy combination: ragged and
+    whole tiles."""
+    import lowbit.quant.triton_backend as tb
+
+    monkeypatch.setattr(tb, "_persistent_ok", lambda *a, **k: False)
+    orig = tb._blockwise_configs
+    for dtype in (torch.bfloat16, torch.float32):
+        for i, shape in enumerate([(1000, 4096), (256, 384), (129, 257)]):
+            x = _randn(shape, dtype, cuda, seed=120 + i)
+            for sch in (Float8Blockwise(), Float8Blockwise(block_dim=2)):
+                for rw, cw in COPIES:
+                    for cfg in orig(*shape, 128, sch.block_dim == 2, rw, cw, dtype):
+                        monkeypatch.setattr(tb, "_blockwise_configs", lambda *a, cfg=cfg, **k: [cfg])
+                        tb._BLOCKWISE_PLANS.clear()
+                        tb._TUNED.clear()
+                        bad = compare(x, sch, rw, cw)
+                        assert not bad, f"{sch} {shape} {dtype} rowwise={rw} columnwise={cw} {cfg}: {bad}"
+    tb._BLOCKWISE_PLANS.clear()
+    tb._TUNED.clear()
+
+
+@pytest.mark.gpu
 def test_dispatch_on_gpu_picks_triton_and_reports(cuda):
     x = torch.randn(256, 256, device=cuda)
     assert backend_for(x, Float8Blockwise(), True, True) == "triton"
@@ -442,14 +466,18 @@ def _interp_persistent_main() -> int:  # runs in the subprocess
         for sch in [Float8Blockwise(), Float8Blockwise(block_dim=2), Float8Blockwise(fmt="e5m2", pow2=False)]:
             for rw, cw in COPIES:
                 for dtype in (torch.float32, torch.bfloat16):
-                    for prefetch in (1, 2):
+                    # (prefetch, BITS16): the 16-bit maxima on 1D BF16 input
+                    variants = [(1, False), (2, False)]
+                    if sch.block_dim == 1 and dtype == torch.bfloat16:
+                        variants += [(1, True), (2, True)]
+                    for prefetch, bits16 in variants:
                         x = _randn(shape, dtype, "cpu", seed=n)
                         M, Kd = shape
                         plan = tb._BlockwisePlan(M, Kd, sch, rw, cw, x.device)
                         bufs = tb._blockwise_buffers(plan, sch.format, x.device, rw, cw)
                         bm = 64 if sch.block_dim == 1 and not cw else 128
                         QK.blockwise_persistent_kernel[(2,)](x, *tb._blockwise_args(plan, *bufs), 2,
-                                                             **dict(plan.kw, BM=bm, PREFETCH=prefetch,
+                                                             **dict(plan.kw, BM=bm, PREFETCH=prefetch, BITS16=bits16,
                                                                     EVEN=M % bm == 0 and Kd % 128 == 0))
                         got = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=sch)
                         tb._set_copies(got, *bufs)
@@ -457,7 +485,7 @@ def _interp_persistent_main() -> int:  # runs in the subprocess
                         n += 1
                         if bad:
                             failures += 1
-                            print("FAIL", prefetch, sch, shape, rw, cw, dtype, bad)
+                            print("FAIL", prefetch, bits16, sch, shape, rw, cw, dtype, bad)
     print(f"interp cases: {n}, failures: {failures}")
     return 1 if failures else 0
 

@@ -63,12 +63,18 @@ def test_kernel_gpu(cuda):
 
 
 # ---- SwiGLU fused with 1x128 FP8 quantization -----------------------------------------------------------------
-def _fused_quant_cases(device, cases):
+def _fused_quant_cases(device, cases, force=None):
     """swiglu_quantize_1x128 equals the reference quantizer applied to the unfused kernel's 16-bit output h, bit for
-    bit: data, scales (storage layout), amax."""
+    bit: data, scales (storage layout), amax. ``force``: launch only this candidate config (no tuning)."""
     from lowbit import quantize
     from lowbit.ops.swiglu import swiglu_quantize_1x128
+    from lowbit.quant import triton_backend as tb
     from lowbit.quant.schemes import Float8Blockwise
+
+    if force is not None:
+        S = importlib.import_module("lowbit.ops.swiglu")
+        S._swiglu_quant_candidates = lambda u: [force]
+        tb._TUNED.clear()
 
     for (lead, F, dtype, fmt, rowwise, columnwise) in cases:
         g = torch.Generator().manual_seed(F + sum(lead))
@@ -99,6 +105,19 @@ def test_fused_quant_interpreter_subprocess():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_fused_quant_whole_tile_kernel_interpreter_subprocess():
+    """The whole-tile persistent kernel (a GPU autotune candidate): one program walks every tile (the CPU's
+    'SM count' is 1), ragged last row panel included; 16-bit maxima on and off."""
+    pytest.importorskip("triton")
+    cfg = dict(KIND="tile", CTAS=1, num_warps=4, BITS16=True)
+    cases = [c for c in FUSED_CASES if c[2] == torch.bfloat16] + [((300,), 256, torch.bfloat16, "e4m3", True, True)]
+    r = _interpreted(f"_fused_quant_cases('cpu', {cases!r}, force={cfg!r})".replace("torch.", "t.torch."), 900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    cfg16 = dict(KIND="tile", CTAS=1, num_warps=4)
+    r = _interpreted(f"_fused_quant_cases('cpu', t.FUSED_CASES[2:3], force={cfg16!r})", 900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_fused_quant_rejects_what_it_cannot_take(monkeypatch):
     S = importlib.import_module("lowbit.ops.swiglu")  # (lowbit.ops.swiglu as an attribute is the function)
     from lowbit.ops.swiglu import swiglu_fused_quant_supported, swiglu_quantize_1x128
@@ -120,8 +139,25 @@ def test_fused_quant_rejects_what_it_cannot_take(monkeypatch):
             swiglu_quantize_1x128(u, Float8Blockwise())
 
 
+GPU_FUSED_CASES = FUSED_CASES + [((8192,), 5632, torch.bfloat16, "e4m3", True, True),
+                                 ((3, 1000), 1408, torch.bfloat16, "e4m3", True, True),
+                                 ((130,), 256, torch.bfloat16, "e4m3", True, True)]
+
+
 @pytest.mark.gpu
 def test_fused_quant_gpu(cuda):
-    _fused_quant_cases(cuda, FUSED_CASES + [((8192,), 5632, torch.bfloat16, "e4m3", True, True),
-                                            ((3, 1000), 1408, torch.bfloat16, "e4m3", True, True),
-                                            ((130,), 256, torch.bfloat16, "e4m3", True, True)])
+    _fused_quant_cases(cuda, GPU_FUSED_CASES)
+
+
+@pytest.mark.gpu
+def test_fused_quant_every_candidate_gpu(cuda, monkeypatch):
+    """Each launch config the autotuner may pick, forced alone, bit-identical to the reference."""
+    S = importlib.import_module("lowbit.ops.swiglu")
+    from lowbit.quant import triton_backend as tb
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for cfg in S._swiglu_quant_candidates(torch.empty(1, 256, dtype=dtype, device=cuda)):
+            monkeypatch.setattr(tb, "_TUNED", {})
+            monkeypatch.setattr(S, "_swiglu_quant_candidates", lambda u, cfg=cfg: [cfg])
+            _fused_quant_cases(cuda, [c for c in GPU_FUSED_CASES if c[2] == dtype])
+            monkeypatch.undo()

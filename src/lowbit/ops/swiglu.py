@@ -146,7 +146,7 @@ def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
 
 
 if triton is not None:
-    from ..quant.kernels.quant import _bits_to_f32, _compute_scale, _fp8_cast, _recip
+    from ..quant.kernels.quant import _bits_to_f32, _compute_scale, _fp8_cast, _recip, _rowcol_tile_1d
 
     @triton.jit
     def _swiglu_vals(u_ptr, rows, cols, M, F, DT: tl.constexpr):
@@ -201,12 +201,77 @@ if triton is not None:
                 tl.store(cq_ptr + cn.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q), mask=(rows < M)[None, :])
 
 
+    @triton.jit
+    def _swiglu_raw(u_ptr, t, nkt, M, F, EVEN: tl.constexpr):
+        """The a and b halves (16-bit, as stored) of tile t (row-panel order) of h's (M, F) 128 x 128 tile grid."""
+        pm = t // nkt
+        m0 = pm * 128
+        f0 = (t - pm * nkt) * 128
+        r = tl.arange(0, 128)
+        c = tl.arange(0, 128)
+        ptrs = u_ptr + (m0.to(tl.int64) * (2 * F) + f0) + (r[:, None] * (2 * F) + c[None, :])
+        if EVEN:
+            return tl.load(ptrs), tl.load(ptrs + F)
+        else:
+            m = (r[:, None] < M - m0) & (c[None, :] < 128)
+            return tl.load(ptrs, mask=m, other=0.0), tl.load(ptrs + F, mask=m, other=0.0)
+
+    @triton.jit
+    def _swiglu_quant_tile_kernel(u_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, F, rs_ld, cs_ld, n_prog,
+                                  FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
+                                  EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr, DT: tl.constexpr,
+                                  ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr = False,
+                                  BITS16: tl.constexpr = False, abs_mask=0x7FFFFFFF):
+        """_swiglu_quant_kernel's outputs from a persistent grid of ``n_prog`` programs that each hold a whole
+        128 x 128 tile of h in registers (computed once: no second walk re-reading u), as the blockwise quantizer's
+        blockwise_persistent_kernel does: program p takes tiles p, p + n_prog, ... in row-panel order, with the next
+        tile's a and b loaded before the current one is computed. EVEN: M % 128 == 0 (no masks).
+        BITS16: see quant.kernels.quant._rowcol_tile_1d."""
+        FDT: tl.constexpr = rq_ptr.dtype.element_ty
+        pid = tl.program_id(0)
+        nkt = F // 128
+        n_tiles = tl.cdiv(M, 128) * nkt
+        last = n_tiles - 1
+        an, bn = _swiglu_raw(u_ptr, tl.minimum(pid, last), nkt, M, F, EVEN)
+        amax = tl.zeros((), dtype=tl.int32)
+        for t in range(pid, n_tiles, n_prog):
+            ac, bc = an, bn
+            an, bn = _swiglu_raw(u_ptr, tl.minimum(t + n_prog, last), nkt, M, F, EVEN)
+            pm = t // nkt
+            pk = t - pm * nkt
+            m0 = pm * 128
+            f0 = pk * 128
+            _, sg = _silu(ac.to(tl.float32))
+            h = (sg * bc.to(tl.float32)).to(DT)
+            a = _rowcol_tile_1d(h, rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
+                                cq_ptr + (f0.to(tl.int64) * M + m0), cs_ptr + pm.to(tl.int64) * cs_ld + f0,
+                                M, F, M - m0, F - f0, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, FDT, ROW, COL, EVEN,
+                                False, BITS16, abs_mask)
+            amax = tl.maximum(amax, a)
+        tl.atomic_max(amax_ptr, amax, sem="relaxed")
+
+
 _PLANS: dict = {}  # (M, F, dtype, scheme, rowwise, columnwise) -> the quantizer's _BlockwisePlan for h
 
 # slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
 _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
                          [dict(SLAB=32, num_warps=4), dict(SLAB=32, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=8),
                           dict(SLAB=16, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=4)])
+
+
+# whole-tile candidates (_swiglu_quant_tile_kernel), tried on the GPU only. H200, session 7 (scripts/rowcol_sweep.py,
+# M x F 8192 x 5632 and 16384 x 2816): 8 warps with BITS16 151 us against 165 us for the best slab walk; 16 warps
+# 201-218 us, two programs an SM 154 us (not kept).
+_SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dict(KIND="tile", CTAS=1, num_warps=8)]
+
+
+def _swiglu_quant_candidates(u: torch.Tensor) -> list[dict]:
+    """The launch candidates for ``u`` (the first is the default without autotuning): the slab walk's, then on the
+    GPU the whole-tile kernel's (BITS16 only where u is BF16)."""
+    if INTERPRET or not u.is_cuda:
+        return list(_SWIGLU_QUANT_CONFIGS)
+    return list(_SWIGLU_QUANT_CONFIGS) + [c for c in _SWIGLU_TILE_CONFIGS
+                                         if u.dtype == torch.bfloat16 or not c.get("BITS16")]
 
 
 def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = True):
@@ -242,8 +307,17 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
     bufs = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
     args = (u, *_blockwise_args(plan, *bufs))
     grid = (F // 128, triton.cdiv(M, 128))
-    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _SWIGLU_QUANT_CONFIGS,
-                 lambda c: _swiglu_quant_kernel[grid](*args, **plan.kw, **c))
+    n_tiles = triton.cdiv(M, 128) * (F // 128)
+
+    def launch(c):
+        kw = {k: v for k, v in c.items() if k not in ("KIND", "CTAS")}
+        if c.get("KIND") == "tile":
+            n_prog = min(n_tiles, plan.nsm * c["CTAS"])
+            _swiglu_quant_tile_kernel[(n_prog,)](*args, n_prog, **plan.kw, EVEN=M % 128 == 0, **kw)
+        else:
+            _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
+
+    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _swiglu_quant_candidates(u), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt

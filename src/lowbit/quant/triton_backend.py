@@ -372,8 +372,8 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walk's
     2D columnwise data from FP32 input is wrong (pairs of elements along K permuted) — a Triton 3.6 miscompile
     of the transpose of an FP8 tile cast from FP32 without a clamp first (SATCVT); with the clamp it matched
-    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way, but was
-    not re-measured for speed, so FP32 stays on whole tiles here (see _PERSISTENT for the faster FP32 paths).
+    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way; FP32
+    keeps whole tiles first (the default without autotuning), with the slab walk as a candidate for 1D row+col.
     """
     square = two_d or columnwise
     out = []
@@ -390,6 +390,11 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
         for w in (8, 4) if bs >= 64 else (4,):
             if bs <= max(_bucket(M), bs):
                 out.append(dict(BM=bs, SLAB=0, num_warps=w) if square else dict(BM=min(bs, 64), SLAB=0, num_warps=4))
+        if dtype == torch.float32 and not two_d and columnwise and bs >= 128:
+            # 1D row+col from FP32 (the RMSNorm / LayerNorm outputs of LayerNormLinear): the slab walk, measured
+            # bit-identical and the fastest on the H200 (session 7: 0.57-0.70 of an FP32 copy against 0.54-0.57
+            # for blockwise_persistent_kernel and 0.40-0.43 for whole tiles; scripts/rowcol_sweep.py)
+            out += [dict(BM=bs, SLAB=64, num_warps=4, SCR=True), dict(BM=bs, SLAB=32, num_warps=4, SCR=True)]
         return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
     if square and bs >= 128:
         if two_d:

@@ -499,7 +499,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                                 EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                                 SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, SATCVT: tl.constexpr = False,
                                 EVEN: tl.constexpr = False, WIDE: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
-                                abs_mask=0x7FFFFFFF):
+                                BITS16: tl.constexpr = False, abs_mask=0x7FFFFFFF):
     """blockwise_kernel's outputs (same arguments and scale layouts) from a persistent grid of ``n_prog`` programs.
 
     Program p walks tiles t = p, p + n_prog, ... in row-panel order (neighbouring programs read neighbouring
@@ -509,7 +509,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
     no masks needed). Per tile, all in registers: row maxima, column (or tile) maxima, both casts; the
     columnwise copy is the FP8 tile transposed by the compiler's layout conversion and stored as 16-byte runs
     of cq rows. The amax is kept per program and meets the others in one atomic_max at the end.
-    EVEN / WIDE: as in blockwise_kernel.
+    EVEN / WIDE: as in blockwise_kernel. BITS16 (1D): see _rowcol_tile_1d.
 
     Used only where it was measured bit-identical and faster on the H200 (see triton_backend._PERSISTENT):
     Triton 3.6 miscompiles one pattern here. With FP32 input, the transpose of an FP8 tile cast straight from
@@ -545,9 +545,9 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
         nk = K - k0
         rqb = rq_ptr + (m0.to(tl.int64) * K + k0)
         cqb = cq_ptr + (k0.to(tl.int64) * M + m0)
-        x = xc.to(tl.float32)
-        ab = x.to(tl.int32, bitcast=True) & abs_mask
         if TWO_D:
+            x = xc.to(tl.float32)
+            ab = x.to(tl.int32, bitcast=True) & abs_mask
             a = tl.max(tl.max(ab, axis=1), axis=0)
             amax = tl.maximum(amax, a)
             s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
@@ -560,18 +560,48 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            row_max = tl.max(ab, axis=1)
-            amax = tl.maximum(amax, tl.max(row_max, axis=0))
-            if ROW:
-                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-                _vec_store(rs_ptr + pk.to(tl.int64) * rs_ld + m0, rr, nm, _recip(sr), EVEN)
-                _tile_store(rqb, rr, cc, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
-            if COL:
-                sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
-                _vec_store(cs_ptr + pm.to(tl.int64) * cs_ld + k0, cc, nk, _recip(sc), EVEN)
-                qc = _fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(qc), EVEN, WIDE)
+            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
+                                M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
+                                BITS16, abs_mask)
+            amax = tl.maximum(amax, a)
     tl.atomic_max(amax_ptr, amax, sem="relaxed")
+
+
+@triton.jit
+def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, EMIN: tl.constexpr,
+                    MBITS: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr,
+                    DT: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                    BITS16: tl.constexpr, abs_mask):
+    """1x128 scales both ways for one whole (BM, BS) tile ``raw`` (the input's own dtype, in registers): stores the
+    rowwise copy at rqb (ld K) with its scale_inv at rsb[r], the columnwise copy transposed at cqb (ld M) with its
+    scale_inv at csb[c]; nm / nk rows / cols of the tile lie inside the array. Returns the tile's |x| maximum bits.
+
+    BITS16 (BF16 input only): the maxima are taken over the 16-bit patterns (|x| bits = (bf16 bits & 0x7FFF) << 16,
+    the same integers as the FP32 patterns, since BF16 -> FP32 only appends zero bits), so the FP32 tile need not
+    be live during the reductions."""
+    BM: tl.constexpr = raw.shape[0]
+    BS: tl.constexpr = raw.shape[1]
+    rr = tl.arange(0, BM)
+    cc = tl.arange(0, BS)
+    if BITS16:
+        ab = raw.to(tl.int16, bitcast=True).to(tl.int32) & (abs_mask >> 16)
+        row_max = tl.max(ab, axis=1) << 16
+        col_max = tl.max(ab, axis=0) << 16
+    else:
+        ab = raw.to(tl.float32).to(tl.int32, bitcast=True) & abs_mask
+        row_max = tl.max(ab, axis=1)
+        col_max = tl.max(ab, axis=0)
+    x = raw.to(tl.float32)
+    if ROW:
+        sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+        _vec_store(rsb, rr, nm, _recip(sr), EVEN)
+        _tile_store(rqb, rr, cc, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+    if COL:
+        sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
+        _vec_store(csb, cc, nk, _recip(sc), EVEN)
+        _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(_fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)),
+                    EVEN, WIDE)
+    return tl.max(row_max, axis=0)
 
 
 @triton.jit
