@@ -44,5 +44,11 @@ case "${1:-verify}" in
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_d64"
     stage 120 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal yes \
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_causal" ;;
-  *) echo "usage: $0 verify|kernels|train|close" >&2; exit 2 ;;
+  s7tests)  # session 7: fused RMSNorm + 1x128 quantize, SwiGLU whole-tile quantizer, FP32 slab candidates
+    stage 420 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/ops tests/test_quant_kernels.py tests/nn -rfE ;;
+  s7train)
+    stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 150 python3 scripts/profile_model.py 1.3b 4 2048 fp8-block ;;
+  *) echo "usage: $0 verify|kernels|train|close|s7tests|s7train" >&2; exit 2 ;;
 esac

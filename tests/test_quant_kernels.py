@@ -318,7 +318,7 @@ def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
     monkeypatch.setattr(tb, "_persistent_ok", lambda *a, **k: False)
     orig = tb._blockwise_configs
     for dtype in (torch.bfloat16, torch.float32):
-        for i, shape in enumerate([(1000, 4096), (256, 384), (129, 257)]):
+        for i, shape in enumerate([(256, 384), (129, 257)]):  # whole tiles (EVEN), ragged
             x = _randn(shape, dtype, cuda, seed=120 + i)
             for sch in (Float8Blockwise(), Float8Blockwise(block_dim=2)):
                 for rw, cw in COPIES:

@@ -146,6 +146,16 @@ class GemmLayer:
             st.observe(role, q.amax)
         return q
 
+    def quantize_rmsnorm(self, x2: torch.Tensor, w: torch.Tensor, eps: float, recipe: Recipe, *, columnwise: bool,
+                         policy: str) -> tuple[QuantizedTensor, torch.Tensor]:
+        """The "input" role's copies of RMSNorm(x2) by the fused norm + 1x128 quantize kernel
+        (:func:`lowbit.ops.norm_quant.rmsnorm_quantize_1x128`; the caller checked ``norm_quant_fusable``), and rstd."""
+        from ..ops.norm_quant import rmsnorm_quantize_1x128
+
+        q, rstd = rmsnorm_quantize_1x128(x2, w, eps, recipe.role("input").scheme, rowwise=True, columnwise=columnwise)
+        _ac.sentry([c.amax for c in q._copies()], layer=self, role="input", phase="forward", policy=policy)
+        return q, rstd
+
     def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool, policy: str) -> QuantizedTensor:
         """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False)."""
         if is_first_microbatch is False:
@@ -215,17 +225,46 @@ class _Cfg:
     gelu: bool
     policy: str
     out_dtype: torch.dtype
+    norm_eps: float | None = None  # set: the input is the pre-norm x, RMSNorm fused into its quantizer
+
+
+def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
+    """(the input's QuantizedTensor, saved tensors of the norm's backward): x2 quantized as is, or (cfg.norm_eps set)
+    RMSNorm(x2) by the fused kernel, with (x2, rstd, norm weight) for :func:`_norm_backward`."""
+    layer, recipe = cfg.layer, cfg.recipe
+    if cfg.norm_eps is None:
+        q = layer.quantize(x2, "input", recipe, rowwise=True, columnwise=columnwise, phase="forward", policy=cfg.policy)
+        return q, (None, None, None)
+    q, rstd = layer.quantize_rmsnorm(x2, norm_weight, cfg.norm_eps, recipe, columnwise=columnwise, policy=cfg.policy)
+    return q, (x2, rstd, norm_weight)
+
+
+def _norm_backward(dln: torch.Tensor, saved, need_dx: bool, need_dnw: bool):
+    """(dx, d norm weight) from the gradient of the fused RMSNorm's output (either None where not needed)."""
+    from ..ops.norm_quant import rms_norm_backward
+
+    x2, rstd, nw = saved
+    dx, dnw = rms_norm_backward(dln, x2, rstd, nw, need_dnw)
+    return (dx if need_dx else None), dnw
+
+
+def _check_norm_args(norm_weight, norm_eps) -> None:
+    if (norm_weight is None) != (norm_eps is None):
+        raise ValueError(f"norm_weight, norm_eps: give both (RMSNorm fused into the input quantizer) or neither; got "
+                         f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps {norm_eps!r}")
+    if norm_eps is not None and (not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0):
+        raise ValueError(f"norm_eps: expected a float > 0, got {norm_eps!r}")
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg: _Cfg):
+    def forward(ctx, x, weight, bias, norm_weight, cfg: _Cfg):
         layer, recipe = cfg.layer, cfg.recipe
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
-        need_dgrad = ctx.needs_input_grad[0]
+        need_dgrad = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]  # (the norm weight's gradient needs it too)
         need_wgrad = ctx.needs_input_grad[1]
-        qx = layer.quantize(x2, "input", recipe, rowwise=True, columnwise=need_wgrad, phase="forward", policy=cfg.policy)
+        qx, norm_saved = _quantize_input(cfg, x2, norm_weight, need_wgrad)
         qw = layer.quantized_weight(weight, recipe, cfg.is_first_microbatch, columnwise=need_dgrad, policy=cfg.policy)
         b = None if bias is None else bias.detach()
         y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
@@ -236,20 +275,20 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(pre if cfg.gelu else None)
+        ctx.save_for_backward(pre if cfg.gelu else None, *norm_saved)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         cfg = ctx.cfg
         layer, recipe = cfg.layer, cfg.recipe
-        (pre,) = ctx.saved_tensors
+        pre, *norm_saved = ctx.saved_tensors
         N = dy.shape[-1]
         dy2 = dy.reshape(-1, N)
         if cfg.gelu:
             dy2 = (dy2.float() * _gelu_grad(pre)).to(dy.dtype)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = db = None
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0] or ctx.needs_input_grad[3], ctx.needs_input_grad[1]
+        dx = dw = db = dnw = None
         if need_dgrad or need_wgrad:
             qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
                                                                 phase="backward", policy=cfg.policy)
@@ -257,12 +296,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
                                      phase="backward", policy=cfg.policy)
             if need_dgrad:
-                dx = scaled_mm(qdy, ctx.qw, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+                dx = scaled_mm(qdy, ctx.qw, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
+                if cfg.norm_eps is not None:
+                    dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[3])
+                dx = None if dx is None else dx.reshape(ctx.x_shape)
             if need_wgrad:
                 dw = scaled_mm(qdy, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, dnw, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -271,7 +313,8 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
-                     is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None) -> torch.Tensor:
+                     is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None,
+                     norm_weight: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
     """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
 
     Args:
@@ -280,6 +323,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias: (N,) or None.
         layer: the module's :class:`GemmLayer` (name, delayed scaling, weight cache).
         is_first_microbatch: None: quantize the weight now; True: quantize and cache it; False: use the cache.
+        norm_weight, norm_eps: given, the GEMM's input is ``RMSNorm(x)`` (weight (K,), epsilon), computed inside the
+            input quantizer (:func:`lowbit.ops.norm_quant.rmsnorm_quantize_1x128`; the caller checked
+            :func:`~lowbit.ops.norm_quant.norm_quant_fusable`); the gradient reaches x and norm_weight.
 
     Returns:
         (..., N) in x's dtype (or the torch.autocast dtype).
@@ -298,8 +344,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.dtype not in _OUT_DTYPES:
         raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
-    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype)
-    return _QuantizedLinearFn.apply(x, weight, bias, cfg)
+    _check_norm_args(norm_weight, norm_eps)
+    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps)
+    return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,15 +377,16 @@ class _SwiGLUMLPFn(torch.autograd.Function):
     QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b2, cfg1: _Cfg, cfg2: _Cfg):
+    def forward(ctx, x, w1, w2, b2, norm_weight, cfg1: _Cfg, cfg2: _Cfg):
         from ..ops.swiglu import swiglu_quantize_1x128
 
         g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
-        need_dx, need_dw1, need_dw2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[4]  # (the norm weight's gradient needs dx too)
+        need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_du = need_dx or need_dw1
-        qx = g1.quantize(x2, "input", recipe, rowwise=True, columnwise=need_dw1, phase="forward", policy=cfg1.policy)
+        qx, norm_saved = _quantize_input(cfg1, x2, norm_weight, need_dw1)
         qw1 = g1.quantized_weight(w1, recipe, cfg1.is_first_microbatch, columnwise=need_dx, policy=cfg1.policy)
         u = scaled_mm(qx, qw1, out_dtype=cfg1.out_dtype)
         qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
@@ -352,7 +400,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         ctx.cfg1, ctx.cfg2 = cfg1, cfg2
         ctx.x_shape, ctx.x_dtype, ctx.w1_dtype, ctx.w2_dtype = x.shape, x.dtype, w1.dtype, w2.dtype
         ctx.b2_dtype = None if b2 is None else b2.dtype
-        ctx.save_for_backward(u if need_du else None)
+        ctx.save_for_backward(u if need_du else None, *norm_saved)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -361,11 +409,12 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 
         cfg1, cfg2 = ctx.cfg1, ctx.cfg2
         g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
-        (u,) = ctx.saved_tensors
+        u, *norm_saved = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        need_dx, need_dw1, need_dw2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[4]
+        need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_du = need_dx or need_dw1
-        dx = dw1 = dw2 = db2 = None
+        dx = dw1 = dw2 = db2 = dnw = None
         if need_du or need_dw2:
             qdy = g2.quantize(dy2, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
                               policy=cfg2.policy)
@@ -379,29 +428,34 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                 del du
                 if need_dx:
                     dx = scaled_mm(qdu, ctx.qw1, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
-                    dx = dx.reshape(ctx.x_shape)
+                    if cfg1.norm_eps is not None:
+                        dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[4])
+                    dx = None if dx is None else dx.reshape(ctx.x_shape)
                 if need_dw1:
                     dw1 = scaled_mm(qdu, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w1_dtype)
         if ctx.needs_input_grad[3]:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
-        return dx, dw1, dw2, db2, None, None
+        return dx, dw1, dw2, db2, dnw, None, None
 
 
 def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
                          layer1: GemmLayer, layer2: GemmLayer, is_first_microbatch=None, *,
-                         state: _ac.AutocastState | None = None) -> torch.Tensor:
+                         state: _ac.AutocastState | None = None, norm_weight: torch.Tensor | None = None,
+                         norm_eps: float | None = None) -> torch.Tensor:
     """``fc2(silu(a)·b)`` with ``[a | b] = x · w1ᵀ`` (no fc1 bias), all GEMMs quantized per the active 1x128
     blockwise recipe and SwiGLU fused into fc2's input quantizer (see :func:`swiglu_mlp_fusable`, which the caller
     checks first). Same results, bit for bit, as ``quantized_linear(swiglu(quantized_linear(x, w1)), w2, b2)``.
 
     Args:
         x: (..., K) input; w1: (2F, K) fc1 weight; w2: (N, F) fc2 weight; b2: (N,) or None.
-        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch: as :func:`quantized_linear`.
+        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch, norm_weight, norm_eps: as
+            :func:`quantized_linear` (the RMSNorm fused into fc1's input quantizer).
     """
     st = state or _ac.get_state()
     recipe = st.recipe
     out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
-    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
+    _check_norm_args(norm_weight, norm_eps)
+    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
-    return _SwiGLUMLPFn.apply(x, w1, w2, b2, cfg1, cfg2)
+    return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)

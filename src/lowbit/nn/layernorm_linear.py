@@ -11,7 +11,7 @@ from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "fused_norm_args"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -28,6 +28,18 @@ def apply_norm(x, normalization, shape, weight, bias, eps):
     if normalization == "LayerNorm":
         return F.layer_norm(x, shape, weight, bias, eps)
     return F.rms_norm(x, shape, weight, eps)
+
+
+def fused_norm_args(normalization: str, input: torch.Tensor, weight: torch.Tensor, eps: float, st) -> dict | None:
+    """``dict(norm_weight=, norm_eps=)`` when the module's norm can run inside its first GEMM's input quantizer
+    (:mod:`lowbit.ops.norm_quant`: RMSNorm, the recipe's input role 1x128 blockwise with current scaling, an FP32
+    CUDA input; ``LOWBIT_FUSED_NORM_QUANT=0`` turns it off), else None (the norm runs on its own)."""
+    from ..ops.norm_quant import norm_quant_fusable
+
+    rq = st.recipe.role("input")
+    if normalization == "RMSNorm" and not rq.delayed and norm_quant_fusable(input, weight, rq.scheme):
+        return dict(norm_weight=weight, norm_eps=eps)
+    return None
 
 
 def check_norm_input(input, size: int, name: str) -> None:
@@ -91,8 +103,12 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None):
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.in_features, "in_features")
-        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         st = _ac.get_state()
+        fused = None if not st.enabled or self.return_layernorm_output else fused_norm_args(
+            self.normalization, input, self.layer_norm_weight, self.eps, st)
+        if fused is not None:  # the norm inside the input quantizer: its output is never written in high precision
+            return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, **fused)
+        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         if not st.enabled:
             y = F.linear(ln, self.weight, self.bias)
         else:

@@ -11,7 +11,7 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import _check_features, apply_norm, check_norm_args, check_norm_input
+from .layernorm_linear import _check_features, apply_norm, check_norm_args, check_norm_input, fused_norm_args
 
 __all__ = ["LayerNormMLP"]
 
@@ -86,21 +86,28 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.hidden_size, "hidden_size")
-        ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         st = _ac.get_state()
         if not st.enabled:
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
             h = F.linear(ln, self.fc1_weight, self.fc1_bias)
             h = F.gelu(h) if self.activation == "gelu" else self._swiglu(h, fused_default=False)
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
+        # the norm inside fc1's input quantizer where it can be (its output never written), else on its own
+        fused = fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, st)
+        if fused is not None:
+            ln, nkw = input, fused
+        else:
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            nkw = {}
         if self.activation == "gelu":
-            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st)
+            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st, **nkw)
         else:
             if self.fused_swiglu is not False and self._fusable(ln, st):
                 # SwiGLU inside fc2's input quantizer (1x128 blockwise recipes): same bits, h never written
                 return quantized_swiglu_mlp(ln, self.fc1_weight, self.fc2_weight, self.fc2_bias, g1, g2,
-                                            is_first_microbatch, state=st)
-            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st)
+                                            is_first_microbatch, state=st, **nkw)
+            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st, **nkw)
             h = self._swiglu(h, fused_default=True)
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
 

@@ -322,6 +322,16 @@ def _tile_store(ptr, r, c, ld, nr, nc, v, EVEN: tl.constexpr, WIDE: tl.constexpr
 
 
 @triton.jit
+def _norm_rows(x, rstd_b, r, nm, nw, EVEN: tl.constexpr):
+    """(x * rstd[r]) * w: the RMSNorm output of an FP32 slab (rows r of a tile whose rstd starts at rstd_b)."""
+    if EVEN:
+        rs = tl.load(rstd_b + r)
+    else:
+        rs = tl.load(rstd_b + r, mask=r < nm, other=0.0)
+    return (x * rs[:, None]) * nw[None, :]
+
+
+@triton.jit
 def _vec_store(ptr, offs, n, v, EVEN: tl.constexpr):
     if EVEN:
         tl.store(ptr + offs, v)
@@ -336,7 +346,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                      SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                      SLAB: tl.constexpr = 0, EVEN: tl.constexpr = False, WIDE: tl.constexpr = True,
                      SATCVT: tl.constexpr = False, SCR: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                     KMAJOR: tl.constexpr = False, abs_mask=0x7FFFFFFF):
+                     KMAJOR: tl.constexpr = False, NORM: tl.constexpr = False, abs_mask=0x7FFFFFFF,
+                     rstd_ptr=None, nw_ptr=None):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
@@ -363,7 +374,10 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     SATCVT: see _fp8_cast. abs_mask: 0x7FFFFFFF, passed at run time so that the compiler cannot see
     "bits & 0x7FFFFFFF" as fabs: fused with the bf16->fp32 conversion, ptxas may then compute |x| with a
     half-precision FMA, which replaces a NaN's payload (the amax bits would change).
+    NORM (slab walk only): quantize the RMSNorm output y = (x * rstd[m]) * w[k] (FP32, the same two products in
+    both walks) instead of x: rstd_ptr (M,) FP32, nw_ptr (K,) FP32 norm weight (lowbit.ops.norm_quant).
     """
+    tl.static_assert(not NORM or SLAB > 0, "NORM needs the slab walk")
     DT: tl.constexpr = rq_ptr.dtype.element_ty  # rq and cq share the FP8 format
     pid_m = tl.program_id(1 if KMAJOR else 0).to(tl.int64)
     pid_k = tl.program_id(0 if KMAJOR else 1).to(tl.int64)
@@ -411,6 +425,11 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
                          mask=kmask[:, None] & mmask[None, :])
     else:
+        if NORM:
+            if EVEN:
+                nw = tl.load(nw_ptr + k0 + ck)
+            else:
+                nw = tl.load(nw_ptr + k0 + ck, mask=ck < nk, other=0.0)
         # walk 1: rowwise copy (1D); running maxima: elementwise when the column or 2D tile amax is needed
         if COL or TWO_D:
             acc = tl.zeros((SLAB, BS), dtype=tl.int32)
@@ -419,6 +438,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         for r0 in tl.range(0, BM, SLAB, loop_unroll_factor=UNROLL):
             r = r0 + tl.arange(0, SLAB)
             x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+            if NORM:
+                x = _norm_rows(x, rstd_ptr + m0, r, nm, nw, EVEN)
             ab = x.to(tl.int32, bitcast=True) & abs_mask
             if COL or TWO_D:
                 acc = tl.maximum(acc, ab)
@@ -466,6 +487,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
             for r0 in tl.range(0, BM, SLAB, loop_unroll_factor=UNROLL):
                 r = r0 + tl.arange(0, SLAB)
                 x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
+                if NORM:
+                    x = _norm_rows(x, rstd_ptr + m0, r, nm, nw, EVEN)
                 if TWO_D:
                     xs = x * mult
                     if ROW:

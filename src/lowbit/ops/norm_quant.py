@@ -1,0 +1,180 @@
+"""RMSNorm fused with 1x128 FP8 quantization of its output (the input of LayerNormLinear's / LayerNormMLP's GEMM).
+
+Under a 1x128 blockwise recipe the norm's output y is read only by the quantizer (the GEMM wants its rowwise copy,
+wgrad its columnwise one), so writing y in FP32 and reading it back costs 8 bytes an element for nothing. Here:
+
+1. ``_rms_rstd_kernel``: one read of x, rstd = 1 / sqrt(mean(x²) + eps) per row (FP32 accumulation, IEEE sqrt
+   and division);
+2. the blockwise quantizer's slab walk (``quant.kernels.quant.blockwise_kernel`` with ``NORM``) quantizes
+   y = (x · rstd) · w, computed from x on the fly with the same two FP32 products in both of its walks.
+
+Numerics (the spec, :func:`rmsnorm_quantize_reference`): given the kernel's rstd, the copies, scales and amax are
+bit-identical to ``quantize_reference((x.float() * rstd[:, None]) * w.float())``. rstd itself agrees with the FP64
+value to FP32 rounding of a sum (its order is the kernel's); torch's own RMSNorm rounds the same math its own way,
+so the fused and unfused LayerNormLinear agree to within that (and the FP8 rounding it can tip), not bit for bit.
+The backward is torch's ``_fused_rms_norm_backward`` on the saved (x, rstd), as for ``F.rms_norm``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["rmsnorm_quantize_1x128", "rmsnorm_quantize_reference", "rmsnorm_rstd_reference", "norm_quant_fusable",
+           "rms_norm_backward"]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _enabled() -> bool:
+    return os.environ.get("LOWBIT_FUSED_NORM_QUANT", "1") != "0"
+
+
+def rmsnorm_rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x²) + eps) of each row of x (..., K), in FP64, returned as FP32 (M,)."""
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    return (1.0 / torch.sqrt((x2 * x2).mean(dim=1) + eps)).float()
+
+
+def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *, rowwise: bool = True,
+                               columnwise: bool = True):
+    """The spec of the fused kernel given its rstd (M,): quantize ``(x · rstd) · w`` (FP32 products) with ``scheme``."""
+    from ..quant.reference import quantize_reference
+
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    y = (x2 * rstd.float().reshape(-1, 1)) * weight.float()
+    return quantize_reference(y.reshape(x.shape), scheme, rowwise=rowwise, columnwise=columnwise)
+
+
+def _runs(device: torch.device, scheme) -> bool:
+    from ..quant.schemes import Float8Blockwise
+
+    return (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
+            and scheme.block_size == 128 and (device.type == "cuda" or INTERPRET))
+
+
+def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
+    """Whether :func:`rmsnorm_quantize_1x128` takes this input: the fusion on (``LOWBIT_FUSED_NORM_QUANT``, default
+    1), Triton on CUDA (or its interpreter), a 1x128 Float8Blockwise scheme, x float32 contiguous and non-empty,
+    the norm weight float32 of x's last dim (the GPT's FP32 residual stream; other dtypes keep the unfused path,
+    whose norm output dtype they would have to reproduce)."""
+    return (_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.numel() > 0 and x.dtype == torch.float32
+            and x.is_contiguous() and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+            and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme))
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_weight_grad: bool):
+    """(dx, dw) of y = (x · rstd) · w for x (M, K), rstd (M,): on CUDA torch's own fused RMSNorm backward (the kernel
+    F.rms_norm's autograd runs there), elsewhere (no CPU kernel of it) the same math in FP32 torch ops:
+    dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked for."""
+    K = x.shape[-1]
+    dy = dy.reshape(-1, K).to(x.dtype)
+    if x.is_cuda and hasattr(torch.ops.aten, "_fused_rms_norm_backward"):
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [K], rstd.reshape(-1, 1), weight, [True, need_weight_grad])
+        return dx, (dw if need_weight_grad else None)
+    r = rstd.reshape(-1, 1).float()
+    xh = x.float() * r
+    g = dy.float() * weight.float()
+    dx = (r * (g - xh * (g * xh).mean(dim=1, keepdim=True))).to(x.dtype)
+    dw = (dy.float() * xh).sum(0).to(weight.dtype) if need_weight_grad else None
+    return dx, dw
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_rstd_kernel(x_ptr, rstd_ptr, M, K, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """rstd[m] = 1 / sqrt(sum_k x[m, k]² / K + eps) for ROWS rows a program (x (M, K) row-major FP32); the
+        elementwise partial sums run over BLOCK-wide chunks, then one tree sum a row."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < M
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+            acc += x * x
+        ms = tl.math.div_rn(tl.sum(acc, axis=1), K.to(tl.float32))
+        rstd = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+
+
+def _rstd_configs(M: int, K: int) -> list[dict]:
+    """Candidates of _rms_rstd_kernel (the first is the default): rows a program x chunk width, pruned by K."""
+    if INTERPRET:
+        return [dict(ROWS=4, BLOCK=min(128, triton.next_power_of_2(K)), num_warps=4)]
+    kp = max(16, triton.next_power_of_2(K))  # chunks no wider than the row (rounded up to a power of two)
+    out = []
+    for rows, block, warps in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (1, 2048, 8), (16, 256, 8)):
+        c = dict(ROWS=rows, BLOCK=min(block, kp), num_warps=warps)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _quant_configs(rowwise: bool, columnwise: bool) -> list[dict]:
+    """Slab-walk candidates of blockwise_kernel for the NORM prologue (the whole-tile path has none)."""
+    if columnwise:
+        return [dict(BM=128, SLAB=64, num_warps=4, SCR=True), dict(BM=128, SLAB=32, num_warps=4, SCR=True)]
+    return [dict(BM=128, SLAB=32, num_warps=4), dict(BM=128, SLAB=32, num_warps=4, UNROLL=4)]
+
+
+_PLANS: dict = {}
+
+
+def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme, *, rowwise: bool = True,
+                           columnwise: bool = True):
+    """RMSNorm of x then 1x128 FP8 quantization of the result, without writing the norm output.
+
+    Args:
+        x: (..., K) float32, contiguous, on CUDA (or under Triton's interpreter): the norm input.
+        weight: (K,) float32 norm weight.
+        eps: the norm's epsilon (> 0).
+        scheme: ``Float8Blockwise(block_dim=1, block_size=128)`` (any FP8 format, pow2, eps).
+        rowwise, columnwise: which copies (as :func:`lowbit.quantize`).
+
+    Returns:
+        ``(q, rstd)``: q a :class:`~lowbit.quant.tensor.QuantizedTensor` of x's shape and dtype holding the
+        quantized norm output (see the module docstring for its exact value), rstd (M,) float32 with
+        M = prod(x.shape[:-1]) — what the backward (:func:`rms_norm_backward`) needs besides x and the weight.
+    """
+    from ..quant.tensor import QuantizedTensor
+    from ..quant.triton_backend import _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _set_copies, tuned_launch
+
+    if not norm_quant_fusable(x, weight, scheme):
+        raise NotImplementedError(
+            f"rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x on CUDA and a "
+            f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x {getattr(x, 'dtype', None)} "
+            f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight {getattr(weight, 'dtype', None)} "
+            f"{tuple(getattr(weight, 'shape', ()))}" + ("" if _enabled() else " (LOWBIT_FUSED_NORM_QUANT=0)"))
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: expected a float > 0, got {eps!r}")
+    if not (rowwise or columnwise):
+        raise ValueError("rowwise, columnwise: at least one copy must be asked for")
+    Kd = x.shape[-1]
+    M = x.numel() // Kd
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: _rstd_configs(M, Kd),
+                 lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
+    key = (M, Kd, scheme, rowwise, columnwise)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device)
+    bufs = _blockwise_buffers(plan, scheme.format, x.device, rowwise, columnwise)
+    args = _blockwise_args(plan, *bufs)
+    w = weight.detach()
+
+    def launch(c):
+        fn, grid, extra, kw = plan.launch_args(c)  # blockwise_kernel: the slab configs of _quant_configs
+        fn[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)
+
+    tuned_launch("rms_quant", (rowwise, columnwise, _bucket(M), _bucket(Kd)), _quant_configs(rowwise, columnwise), launch)
+    qt = QuantizedTensor(shape=tuple(x.shape), dtype=x.dtype, scheme=scheme)
+    _set_copies(qt, *bufs)
+    return qt, rstd
