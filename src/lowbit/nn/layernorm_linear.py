@@ -61,6 +61,9 @@ def _check_features(**kw):
 class LayerNormLinear(LowbitModule, torch.nn.Module):
     """``y = Linear(Norm(x))``: the norm in high precision, the Linear's three GEMMs quantized in autocast.
 
+    Under a 1x128 blockwise recipe with RMSNorm on an FP32 input (CUDA), the norm runs inside the input quantizer
+    (:mod:`lowbit.ops.norm_quant`) and its FP32 output is never written; ``LOWBIT_FUSED_NORM_QUANT=0`` turns that off.
+
     Args:
         in_features, out_features, bias: as ``torch.nn.Linear``.
         normalization: ``"LayerNorm"`` (weight and bias) or ``"RMSNorm"`` (weight only).
