@@ -226,3 +226,42 @@ def test_rms_norm_backward_matches_autograd():
     torch.testing.assert_close(dx, xa.grad, rtol=1e-5, atol=1e-6)  # (rstd rounded to FP32: ~1e-7 relative, dx ~ 1)
     torch.testing.assert_close(dw, wa.grad, rtol=1e-5, atol=1e-6)
     assert NQ.rms_norm_backward(dy, x, rstd, w, False)[1] is None
+
+
+def test_quantized_linear_norm_args_fall_back_and_validate():
+    """quantized_linear(..., norm_weight, norm_eps) where the fused kernel cannot run (here: a CPU tensor) applies
+    F.rms_norm first: the same output and gradients, bit for bit, as passing the norm output; bad pairs raise."""
+    from lowbit.nn import state as _ac
+    from lowbit.nn.functional import quantized_linear
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter would take the fused path")
+    torch.manual_seed(5)
+    m = lowbit.nn.LayerNormLinear(256, 128, normalization="RMSNorm")
+    with torch.no_grad():
+        m.layer_norm_weight.normal_(1.0, 0.2)
+    x = torch.randn(4, 7, 256)
+    dy = torch.randn(4, 7, 128)
+    outs = []
+    for fused_args in (True, False):
+        xx = x.clone().requires_grad_()
+        nw = m.layer_norm_weight.detach().clone().requires_grad_()
+        with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+            st = _ac.get_state()
+            if fused_args:
+                y = quantized_linear(xx, m.weight, m.bias, m._gemms[""], state=st, norm_weight=nw, norm_eps=1e-5)
+            else:
+                ln = torch.nn.functional.rms_norm(xx, (256,), nw, 1e-5)
+                y = quantized_linear(ln, m.weight, m.bias, m._gemms[""], state=st)
+        y.backward(dy)
+        outs.append((y.detach(), xx.grad, nw.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        st = _ac.get_state()
+        with pytest.raises(ValueError, match="give both"):
+            quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=m.layer_norm_weight)
+        with pytest.raises(ValueError, match="norm_eps"):
+            quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=m.layer_norm_weight, norm_eps=-1.0)
+        with pytest.raises(ValueError, match=r"norm_weight: expected a tensor of shape \(256,\)"):
+            quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=torch.ones(128), norm_eps=1e-5)

@@ -248,12 +248,26 @@ def _norm_backward(dln: torch.Tensor, saved, need_dx: bool, need_dnw: bool):
     return (dx if need_dx else None), dnw
 
 
-def _check_norm_args(norm_weight, norm_eps) -> None:
+def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe):
+    """``(x, norm_weight, norm_eps)`` for the Functions: unchanged where the RMSNorm can run inside the input
+    quantizer (:func:`lowbit.ops.norm_quant.norm_quant_fusable` and a current-scaling input role), else
+    ``(F.rms_norm(x), None, None)``: the norm applied first, as the modules' unfused path does. Validates the pair."""
     if (norm_weight is None) != (norm_eps is None):
         raise ValueError(f"norm_weight, norm_eps: give both (RMSNorm fused into the input quantizer) or neither; got "
                          f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps {norm_eps!r}")
-    if norm_eps is not None and (not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0):
+    if norm_weight is None:
+        return x, None, None
+    if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
         raise ValueError(f"norm_eps: expected a float > 0, got {norm_eps!r}")
+    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[-1],):
+        raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got "
+                         f"{tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__}")
+    from ..ops.norm_quant import norm_quant_fusable
+
+    rq = recipe.role("input")
+    if not rq.delayed and norm_quant_fusable(x, norm_weight, rq.scheme):
+        return x, norm_weight, float(norm_eps)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps), None, None
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -323,9 +337,10 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias: (N,) or None.
         layer: the module's :class:`GemmLayer` (name, delayed scaling, weight cache).
         is_first_microbatch: None: quantize the weight now; True: quantize and cache it; False: use the cache.
-        norm_weight, norm_eps: given, the GEMM's input is ``RMSNorm(x)`` (weight (K,), epsilon), computed inside the
-            input quantizer (:func:`lowbit.ops.norm_quant.rmsnorm_quantize_1x128`; the caller checked
-            :func:`~lowbit.ops.norm_quant.norm_quant_fusable`); the gradient reaches x and norm_weight.
+        norm_weight, norm_eps: given, the GEMM's input is ``RMSNorm(x)`` (weight (K,), epsilon): computed inside the
+            input quantizer where it can be (:func:`lowbit.ops.norm_quant.norm_quant_fusable`, current-scaling input
+            role: :func:`~lowbit.ops.norm_quant.rmsnorm_quantize_1x128`), else by ``F.rms_norm`` first; the gradient
+            reaches x and norm_weight either way.
 
     Returns:
         (..., N) in x's dtype (or the torch.autocast dtype).
@@ -338,13 +353,13 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
+    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
     out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
         raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
-    _check_norm_args(norm_weight, norm_eps)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
@@ -453,9 +468,9 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     """
     st = state or _ac.get_state()
     recipe = st.recipe
+    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
     out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
-    _check_norm_args(norm_weight, norm_eps)
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
