@@ -147,12 +147,14 @@ class GemmLayer:
         return q
 
     def quantize_rmsnorm(self, x2: torch.Tensor, w: torch.Tensor, eps: float, recipe: Recipe, *, columnwise: bool,
-                         policy: str) -> tuple[QuantizedTensor, torch.Tensor]:
+                         policy: str, rstd: torch.Tensor | None = None) -> tuple[QuantizedTensor, torch.Tensor]:
         """The "input" role's copies of RMSNorm(x2) by the fused norm + 1x128 quantize kernel
-        (:func:`lowbit.ops.norm_quant.rmsnorm_quantize_1x128`; the caller checked ``norm_quant_fusable``), and rstd."""
+        (:func:`lowbit.ops.norm_quant.rmsnorm_quantize_1x128`; the caller checked ``norm_quant_fusable``), and rstd
+        (``rstd`` given: x2's row statistics computed already)."""
         from ..ops.norm_quant import rmsnorm_quantize_1x128
 
-        q, rstd = rmsnorm_quantize_1x128(x2, w, eps, recipe.role("input").scheme, rowwise=True, columnwise=columnwise)
+        q, rstd = rmsnorm_quantize_1x128(x2, w, eps, recipe.role("input").scheme, rowwise=True, columnwise=columnwise,
+                                         rstd=rstd)
         _ac.sentry([c.amax for c in q._copies()], layer=self, role="input", phase="forward", policy=policy)
         return q, rstd
 
@@ -226,6 +228,7 @@ class _Cfg:
     policy: str
     out_dtype: torch.dtype
     norm_eps: float | None = None  # set: the input is the pre-norm x, RMSNorm fused into its quantizer
+    norm_rstd: torch.Tensor | None = None  # the norm's row statistics computed already (or None: computed here)
 
 
 def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
@@ -235,7 +238,8 @@ def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
     if cfg.norm_eps is None:
         q = layer.quantize(x2, "input", recipe, rowwise=True, columnwise=columnwise, phase="forward", policy=cfg.policy)
         return q, (None, None, None)
-    q, rstd = layer.quantize_rmsnorm(x2, norm_weight, cfg.norm_eps, recipe, columnwise=columnwise, policy=cfg.policy)
+    q, rstd = layer.quantize_rmsnorm(x2, norm_weight, cfg.norm_eps, recipe, columnwise=columnwise, policy=cfg.policy,
+                                     rstd=cfg.norm_rstd)
     return q, (x2, rstd, norm_weight)
 
 
@@ -328,7 +332,8 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
                      is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None,
-                     norm_weight: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
+                     norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
+                     norm_rstd: torch.Tensor | None = None) -> torch.Tensor:
     """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
 
     Args:
@@ -340,7 +345,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         norm_weight, norm_eps: given, the GEMM's input is ``RMSNorm(x)`` (weight (K,), epsilon): computed inside the
             input quantizer where it can be (:func:`lowbit.ops.norm_quant.norm_quant_fusable`, current-scaling input
             role: :func:`~lowbit.ops.norm_quant.rmsnorm_quantize_1x128`), else by ``F.rms_norm`` first; the gradient
-            reaches x and norm_weight either way.
+            reaches x and norm_weight either way. norm_rstd: (M,) float32 row statistics of x for this norm computed
+            already (:func:`lowbit.ops.residual.residual_add`), used where the norm is fused, else ignored.
 
     Returns:
         (..., N) in x's dtype (or the torch.autocast dtype).
@@ -354,13 +360,14 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
     x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
+    norm_rstd = norm_rstd if norm_eps is not None else None
     out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
         raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
-    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps)
+    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
 
@@ -456,14 +463,14 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
                          layer1: GemmLayer, layer2: GemmLayer, is_first_microbatch=None, *,
                          state: _ac.AutocastState | None = None, norm_weight: torch.Tensor | None = None,
-                         norm_eps: float | None = None) -> torch.Tensor:
+                         norm_eps: float | None = None, norm_rstd: torch.Tensor | None = None) -> torch.Tensor:
     """``fc2(silu(a)·b)`` with ``[a | b] = x · w1ᵀ`` (no fc1 bias), all GEMMs quantized per the active 1x128
     blockwise recipe and SwiGLU fused into fc2's input quantizer (see :func:`swiglu_mlp_fusable`, which the caller
     checks first). Same results, bit for bit, as ``quantized_linear(swiglu(quantized_linear(x, w1)), w2, b2)``.
 
     Args:
         x: (..., K) input; w1: (2F, K) fc1 weight; w2: (N, F) fc2 weight; b2: (N,) or None.
-        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch, norm_weight, norm_eps: as
+        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch, norm_weight, norm_eps, norm_rstd: as
             :func:`quantized_linear` (the RMSNorm fused into fc1's input quantizer).
     """
     st = state or _ac.get_state()
@@ -471,6 +478,7 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
     out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
-    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps)
+    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps,
+                norm_rstd if norm_eps is not None else None)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)

@@ -11,7 +11,7 @@ from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "fused_norm_args"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "fused_norm_args", "check_input_rstd"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -30,16 +30,32 @@ def apply_norm(x, normalization, shape, weight, bias, eps):
     return F.rms_norm(x, shape, weight, eps)
 
 
-def fused_norm_args(normalization: str, input: torch.Tensor, weight: torch.Tensor, eps: float, st) -> dict | None:
-    """``dict(norm_weight=, norm_eps=)`` when the module's norm can run inside its first GEMM's input quantizer
-    (:mod:`lowbit.ops.norm_quant`: RMSNorm, the recipe's input role 1x128 blockwise with current scaling, an FP32
-    CUDA input; ``LOWBIT_FUSED_NORM_QUANT=0`` turns it off), else None (the norm runs on its own)."""
+def fused_norm_args(normalization: str, input: torch.Tensor, weight: torch.Tensor, eps: float, st,
+                    input_rstd: torch.Tensor | None = None) -> dict | None:
+    """``dict(norm_weight=, norm_eps=, norm_rstd=)`` when the module's norm can run inside its first GEMM's input
+    quantizer (:mod:`lowbit.ops.norm_quant`: RMSNorm, the recipe's input role 1x128 blockwise with current scaling, an
+    FP32 CUDA input; ``LOWBIT_FUSED_NORM_QUANT=0`` turns it off), else None (the norm runs on its own)."""
     from ..ops.norm_quant import norm_quant_fusable
 
+    if not st.enabled or normalization != "RMSNorm":
+        return None
     rq = st.recipe.role("input")
-    if normalization == "RMSNorm" and not rq.delayed and norm_quant_fusable(input, weight, rq.scheme):
-        return dict(norm_weight=weight, norm_eps=eps)
+    if not rq.delayed and norm_quant_fusable(input, weight, rq.scheme):
+        return dict(norm_weight=weight, norm_eps=eps, norm_rstd=input_rstd)
     return None
+
+
+def check_input_rstd(input_rstd, input: torch.Tensor) -> None:
+    """``input_rstd`` (a module's precomputed RMSNorm statistics of its input): None, or float32 (M,) on the input's
+    device with M = the input's rows."""
+    if input_rstd is None:
+        return
+    M = input.numel() // input.shape[-1] if input.dim() else 1
+    if not (isinstance(input_rstd, torch.Tensor) and input_rstd.dtype == torch.float32 and tuple(input_rstd.shape) == (M,)
+            and input_rstd.device == input.device):
+        raise ValueError(f"input_rstd: expected None or a float32 tensor of shape ({M},) on {input.device} (one per input "
+                         f"row), got {getattr(input_rstd, 'dtype', type(input_rstd).__name__)} "
+                         f"{tuple(getattr(input_rstd, 'shape', ()))} on {getattr(input_rstd, 'device', None)}")
 
 
 def check_norm_input(input, size: int, name: str) -> None:
@@ -103,12 +119,22 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
             torch.nn.init.zeros_(self.layer_norm_bias)
         torch.nn.Linear.reset_parameters(self)  # uses self.weight / self.bias only
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None):
+    def fuses_norm(self, input: torch.Tensor) -> bool:
+        """Whether a forward on ``input`` now would run the norm inside the input quantizer (and so use an
+        ``input_rstd``): the active recipe, the norm and the input's dtype / device decide."""
+        return not self.return_layernorm_output and fused_norm_args(
+            self.normalization, input, self.layer_norm_weight, self.eps, _ac.get_state()) is not None
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None):
+        """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
+        computed already (:func:`lowbit.ops.residual.residual_add` with ``rms_eps=self.eps``), used only where the norm
+        runs inside the input quantizer (:meth:`fuses_norm`)."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.in_features, "in_features")
+        check_input_rstd(input_rstd, input)
         st = _ac.get_state()
-        fused = None if not st.enabled or self.return_layernorm_output else fused_norm_args(
-            self.normalization, input, self.layer_norm_weight, self.eps, st)
+        fused = None if self.return_layernorm_output else fused_norm_args(
+            self.normalization, input, self.layer_norm_weight, self.eps, st, input_rstd)
         if fused is not None:  # the norm inside the input quantizer: its output is never written in high precision
             return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, **fused)
         ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)

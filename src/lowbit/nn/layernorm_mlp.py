@@ -11,7 +11,7 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import _check_features, apply_norm, check_norm_args, check_norm_input, fused_norm_args
+from .layernorm_linear import _check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input, fused_norm_args
 
 __all__ = ["LayerNormMLP"]
 
@@ -83,9 +83,17 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         _linear_init(self.fc1_weight, self.fc1_bias)
         _linear_init(self.fc2_weight, self.fc2_bias)
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def fuses_norm(self, input: torch.Tensor) -> bool:
+        """Whether a forward on ``input`` now would run the norm inside fc1's input quantizer (and so use an
+        ``input_rstd``)."""
+        return fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, _ac.get_state()) is not None
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
+                input_rstd: torch.Tensor | None = None) -> torch.Tensor:
+        """``input`` (..., hidden_size); ``input_rstd``: as :meth:`LayerNormLinear.forward`."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.hidden_size, "hidden_size")
+        check_input_rstd(input_rstd, input)
         st = _ac.get_state()
         if not st.enabled:
             ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
@@ -94,7 +102,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         # the norm inside fc1's input quantizer where it can be (its output never written), else on its own
-        fused = fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, st)
+        fused = fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, st, input_rstd)
         if fused is not None:
             ln, nkw = input, fused
         else:

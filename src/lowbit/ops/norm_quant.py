@@ -129,7 +129,7 @@ _PLANS: dict = {}
 
 
 def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme, *, rowwise: bool = True,
-                           columnwise: bool = True):
+                           columnwise: bool = True, rstd: torch.Tensor | None = None):
     """RMSNorm of x then 1x128 FP8 quantization of the result, without writing the norm output.
 
     Args:
@@ -138,6 +138,8 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
         eps: the norm's epsilon (> 0).
         scheme: ``Float8Blockwise(block_dim=1, block_size=128)`` (any FP8 format, pow2, eps).
         rowwise, columnwise: which copies (as :func:`lowbit.quantize`).
+        rstd: (M,) float32 on x's device, x's row statistics for this eps computed already (e.g. by
+            :func:`lowbit.ops.residual.residual_add` with ``rms_eps``): the rstd kernel is skipped and this is used.
 
     Returns:
         ``(q, rstd)``: q a :class:`~lowbit.quant.tensor.QuantizedTensor` of x's shape and dtype holding the
@@ -159,9 +161,15 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
         raise ValueError("rowwise, columnwise: at least one copy must be asked for")
     Kd = x.shape[-1]
     M = x.numel() // Kd
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: _rstd_configs(M, Kd),
-                 lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
+    if rstd is None:
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+        tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: _rstd_configs(M, Kd),
+                     lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
+    elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
+              and rstd.device == x.device and rstd.is_contiguous()):
+        raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per row of x), got "
+                         f"{getattr(rstd, 'dtype', type(rstd).__name__)} {tuple(getattr(rstd, 'shape', ()))} on "
+                         f"{getattr(rstd, 'device', None)}")
     key = (M, Kd, scheme, rowwise, columnwise)
     plan = _PLANS.get(key)
     if plan is None:
