@@ -3,11 +3,11 @@ given the kernel's rstd; rstd against FP64), every launch candidate, bad input; 
 the fusion against the same modules without it. On the CPU under Triton's interpreter in a child process."""
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interp_helper import run_interpreted
 
 import lowbit
 from lowbit import recipes
@@ -70,10 +70,7 @@ def check_every_candidate(device):
 
 
 def _interpreted(call: str, timeout: int = 900):
-    code = "import sys; sys.path.insert(0, %r); import test_norm_quant as t; t.%s" % (os.path.dirname(__file__), call)
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, call, timeout)
 
 
 def test_kernel_interpreter_subprocess():

@@ -3,11 +3,10 @@ every launch candidate, autograd, bad input; the GPT's blocks handing the statis
 CPU under Triton's interpreter in a child process."""
 import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interp_helper import run_interpreted
 
 import lowbit
 from lowbit import recipes
@@ -90,10 +89,7 @@ def check_gpt(device):
 
 
 def _interpreted(call: str, timeout: int = 900):
-    code = "import sys; sys.path.insert(0, %r); import test_residual as t; t.%s" % (os.path.dirname(__file__), call)
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, call, timeout)
 
 
 def test_kernel_interpreter_subprocess():

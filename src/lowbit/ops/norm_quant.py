@@ -105,17 +105,23 @@ if triton is not None:
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
 
-def _rstd_configs(M: int, K: int) -> list[dict]:
-    """Candidates of _rms_rstd_kernel (the first is the default): rows a program x chunk width, pruned by K."""
+def row_reduce_configs(K: int) -> list[dict]:
+    """Candidates of a row-reduction kernel over rows of K (rows a program x chunk width, the first the default),
+    chunks no wider than the row (rounded up to a power of two); shared with lowbit.ops.residual."""
+    kp = max(16, triton.next_power_of_2(K))
     if INTERPRET:
-        return [dict(ROWS=4, BLOCK=min(128, triton.next_power_of_2(K)), num_warps=4)]
-    kp = max(16, triton.next_power_of_2(K))  # chunks no wider than the row (rounded up to a power of two)
+        return [dict(ROWS=4, BLOCK=min(128, kp), num_warps=4)]
     out = []
-    for rows, block, warps in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (1, 2048, 8), (16, 256, 8)):
+    for rows, block, warps in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (1, 2048, 8), (16, 256, 8), (4, 1024, 8)):
         c = dict(ROWS=rows, BLOCK=min(block, kp), num_warps=warps)
         if c not in out:
             out.append(c)
     return out
+
+
+def _rstd_configs(M: int, K: int) -> list[dict]:
+    """Candidates of _rms_rstd_kernel (the first is the default)."""
+    return row_reduce_configs(K)
 
 
 def _quant_configs(rowwise: bool, columnwise: bool) -> list[dict]:

@@ -75,16 +75,10 @@ if triton is not None:
 
 
 def _configs(K: int) -> list[dict]:
-    """Candidates (the first is the default): rows a program x chunk width (no wider than the row needs)."""
-    kp = max(16, triton.next_power_of_2(K))
-    if INTERPRET:
-        return [dict(ROWS=4, BLOCK=min(128, kp), num_warps=4)]
-    out = []
-    for rows, block, warps in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (1, 2048, 8), (4, 1024, 8)):
-        c = dict(ROWS=rows, BLOCK=min(block, kp), num_warps=warps)
-        if c not in out:
-            out.append(c)
-    return out
+    """Candidates (the first is the default): those of the rstd kernel, the same row walk."""
+    from .norm_quant import row_reduce_configs
+
+    return row_reduce_configs(K)
 
 
 def _launch(x, y, out, rstd, eps, stats: bool):
