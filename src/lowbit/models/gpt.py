@@ -6,6 +6,9 @@ Shape (per block, pre-norm)::
     x = x + mlp(x)                              proj: lowbit.nn.Linear
                                                 mlp:  lowbit.nn.LayerNormMLP (norm, fc1, act, fc2)
 
+The adds are :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA); under a recipe whose input quantizer
+takes the norm (1x128 blockwise), each add also returns the next norm's row statistics (``input_rstd``).
+
 Token embedding, the final norm and the output head stay in high precision (as DESIGN §6 asks of
 ``lowbit.convert``); the head shares the embedding matrix when ``tie_weights``. The vocabulary is
 bytes (256), so the presets have fewer parameters than their names (which give the transformer
