@@ -1,6 +1,6 @@
 """1x128 rowwise+columnwise quantize launch sweep (issues 3, 7): blockwise_kernel's candidates (slab walk; FP32 also
-whole tiles and blockwise_persistent_kernel), with --whole the whole-tile persistent kernel's variants (16-bit maxima
-BITS16, warps, prefetch), and the fused SwiGLU quantizer's slab and whole-tile candidates, each checked bit for bit
+whole tiles and blockwise_persistent_kernel), with --whole the whole-tile persistent kernel's variants (warps,
+prefetch), and the fused SwiGLU quantizer's slab and whole-tile candidates, each checked bit for bit
 against the first (default) config and timed against a device-to-device copy of the same input in the same run.
 
     PYTHONPATH=src python scripts/rowcol_sweep.py [--shapes 8192x8192,...] [--swiglu 8192x5632,...] [--whole]
@@ -31,12 +31,8 @@ def _bench(fn):
 
 
 def pers_variants(dtype):
-    out = []
-    for w in (16, 8):
-        for pf in (1, 2):
-            for b16 in ((False, True) if dtype == torch.bfloat16 else (False,)):
-                out.append(dict(KIND="pers", BM=128, CTAS=1, PREFETCH=pf, num_warps=w, BITS16=b16))
-    return out
+    """blockwise_persistent_kernel on 1x128 row+col: warps x prefetch (session 7 also tried 16-bit maxima, BITS16)."""
+    return [dict(KIND="pers", BM=128, CTAS=1, PREFETCH=pf, num_warps=w) for w in (16, 8) for pf in (1, 2)]
 
 
 WHOLE = "--whole" in sys.argv  # also the whole-tile persistent variants (session 7: all slower, 0.28-0.57)

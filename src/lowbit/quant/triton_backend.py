@@ -396,17 +396,12 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
             # for blockwise_persistent_kernel and 0.40-0.43 for whole tiles; scripts/rowcol_sweep.py)
             out += [dict(BM=bs, SLAB=64, num_warps=4, SCR=True), dict(BM=bs, SLAB=32, num_warps=4, SCR=True)]
         return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
-    if square and bs >= 128:
-        if two_d:
-            add(bs, 64, 4)
-            add(bs, 64, 4, UNROLL=2)
-            add(bs, 32, 4, UNROLL=4)
-        else:
-            scr = dict(SCR=True)
-            first, second = (dict(UNROLL=1), dict(UNROLL=2)) if rowwise else (dict(UNROLL=2), dict(UNROLL=1))
-            add(bs, 64, 4, **scr, **first)
-            add(bs, 64, 4, **scr, **second)
-            add(bs, 32, 4, **scr)
+    if square and bs >= 128:  # (1D columnwise here: 2D returned above)
+        scr = dict(SCR=True)
+        first, second = (dict(UNROLL=1), dict(UNROLL=2)) if rowwise else (dict(UNROLL=2), dict(UNROLL=1))
+        add(bs, 64, 4, **scr, **first)
+        add(bs, 64, 4, **scr, **second)
+        add(bs, 32, 4, **scr)
     elif square:
         for w in (4, 8) if bs >= 64 else (4,):
             add(bs, 0, w)

@@ -522,7 +522,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                                 EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                                 SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, SATCVT: tl.constexpr = False,
                                 EVEN: tl.constexpr = False, WIDE: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
-                                BITS16: tl.constexpr = False, abs_mask=0x7FFFFFFF):
+                                abs_mask=0x7FFFFFFF):
     """blockwise_kernel's outputs (same arguments and scale layouts) from a persistent grid of ``n_prog`` programs.
 
     Program p walks tiles t = p, p + n_prog, ... in row-panel order (neighbouring programs read neighbouring
@@ -532,7 +532,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
     no masks needed). Per tile, all in registers: row maxima, column (or tile) maxima, both casts; the
     columnwise copy is the FP8 tile transposed by the compiler's layout conversion and stored as 16-byte runs
     of cq rows. The amax is kept per program and meets the others in one atomic_max at the end.
-    EVEN / WIDE: as in blockwise_kernel. BITS16 (1D): see _rowcol_tile_1d.
+    EVEN / WIDE: as in blockwise_kernel.
 
     Used only where it was measured bit-identical and faster on the H200 (see triton_backend._PERSISTENT):
     Triton 3.6 miscompiles one pattern here. With FP32 input, the transpose of an FP8 tile cast straight from
@@ -585,7 +585,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
         else:
             a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
-                                BITS16, abs_mask)
+                                False, abs_mask)
             amax = tl.maximum(amax, a)
     tl.atomic_max(amax_ptr, amax, sem="relaxed")
 
@@ -601,7 +601,8 @@ def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, E
 
     BITS16 (BF16 input only): the maxima are taken over the 16-bit patterns (|x| bits = (bf16 bits & 0x7FFF) << 16,
     the same integers as the FP32 patterns, since BF16 -> FP32 only appends zero bits), so the FP32 tile need not
-    be live during the reductions."""
+    be live during the reductions (an autotune candidate of lowbit.ops.swiglu's whole-tile kernel; for
+    blockwise_persistent_kernel's 1x128 BF16 it was no faster, session 7, so that kernel does not offer it)."""
     BM: tl.constexpr = raw.shape[0]
     BS: tl.constexpr = raw.shape[1]
     rr = tl.arange(0, BM)
