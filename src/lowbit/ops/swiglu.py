@@ -149,15 +149,21 @@ if triton is not None:
     from ..quant.kernels.quant import _bits_to_f32, _compute_scale, _fp8_cast, _recip, _rowcol_tile_1d
 
     @triton.jit
+    def _swiglu_h(a, b, DT: tl.constexpr):
+        """h = silu(a)·b from the 16-bit a and b, in DT, exactly as the unfused kernel stores it (FP32 math, one
+        rounding): what both fused quantizers quantize."""
+        _, s = _silu(a.to(tl.float32))
+        return (s * b.to(tl.float32)).to(DT)
+
+    @triton.jit
     def _swiglu_vals(u_ptr, rows, cols, M, F, DT: tl.constexpr):
         """FP32 values (rounded to DT first, as the unfused kernel stores them) of the (rows, cols) tile of
         h = silu(a)·b."""
         m = (rows[:, None] < M) & (cols[None, :] < F)
         off = rows[:, None] * (2 * F) + cols[None, :]
-        a = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(u_ptr + off + F, mask=m, other=0.0).to(tl.float32)
-        _, s = _silu(a)
-        return (s * b).to(DT).to(tl.float32)
+        a = tl.load(u_ptr + off, mask=m, other=0.0)
+        b = tl.load(u_ptr + off + F, mask=m, other=0.0)
+        return _swiglu_h(a, b, DT).to(tl.float32)
 
     @triton.jit
     def _swiglu_quant_kernel(u_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, F, rs_ld, cs_ld,
@@ -213,7 +219,7 @@ if triton is not None:
         if EVEN:
             return tl.load(ptrs), tl.load(ptrs + F)
         else:
-            m = (r[:, None] < M - m0) & (c[None, :] < 128)
+            m = (r < M - m0)[:, None]  # (columns: F is a multiple of 128)
             return tl.load(ptrs, mask=m, other=0.0), tl.load(ptrs + F, mask=m, other=0.0)
 
     @triton.jit
@@ -241,9 +247,7 @@ if triton is not None:
             pk = t - pm * nkt
             m0 = pm * 128
             f0 = pk * 128
-            _, sg = _silu(ac.to(tl.float32))
-            h = (sg * bc.to(tl.float32)).to(DT)
-            a = _rowcol_tile_1d(h, rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
+            a = _rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
                                 cq_ptr + (f0.to(tl.int64) * M + m0), cs_ptr + pm.to(tl.int64) * cs_ld + f0,
                                 M, F, M - m0, F - f0, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, FDT, ROW, COL, EVEN,
                                 False, BITS16, abs_mask)
