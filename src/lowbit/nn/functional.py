@@ -252,6 +252,15 @@ def _norm_backward(dln: torch.Tensor, saved, need_dx: bool, need_dnw: bool):
     return (dx if need_dx else None), dnw
 
 
+def norm_fuses(x: torch.Tensor, norm_weight: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether RMSNorm(x) with ``norm_weight`` runs inside the input quantizer under ``recipe``: a current-scaling
+    input role and :func:`lowbit.ops.norm_quant.norm_quant_fusable` (the one place this is decided)."""
+    from ..ops.norm_quant import norm_quant_fusable
+
+    rq = recipe.role("input")
+    return not rq.delayed and norm_quant_fusable(x, norm_weight, rq.scheme)
+
+
 def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe):
     """``(x, norm_weight, norm_eps)`` for the Functions: unchanged where the RMSNorm can run inside the input
     quantizer (:func:`lowbit.ops.norm_quant.norm_quant_fusable` and a current-scaling input role), else
@@ -266,10 +275,7 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe):
     if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got "
                          f"{tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__}")
-    from ..ops.norm_quant import norm_quant_fusable
-
-    rq = recipe.role("input")
-    if not rq.delayed and norm_quant_fusable(x, norm_weight, rq.scheme):
+    if norm_fuses(x, norm_weight, recipe):
         return x, norm_weight, float(norm_eps)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps), None, None
 

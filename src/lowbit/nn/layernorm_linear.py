@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, quantized_linear
+from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "fused_norm_args", "check_input_rstd"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -28,21 +28,6 @@ def apply_norm(x, normalization, shape, weight, bias, eps):
     if normalization == "LayerNorm":
         return F.layer_norm(x, shape, weight, bias, eps)
     return F.rms_norm(x, shape, weight, eps)
-
-
-def fused_norm_args(normalization: str, input: torch.Tensor, weight: torch.Tensor, eps: float, st,
-                    input_rstd: torch.Tensor | None = None) -> dict | None:
-    """``dict(norm_weight=, norm_eps=, norm_rstd=)`` when the module's norm can run inside its first GEMM's input
-    quantizer (:mod:`lowbit.ops.norm_quant`: RMSNorm, the recipe's input role 1x128 blockwise with current scaling, an
-    FP32 CUDA input; ``LOWBIT_FUSED_NORM_QUANT=0`` turns it off), else None (the norm runs on its own)."""
-    from ..ops.norm_quant import norm_quant_fusable
-
-    if not st.enabled or normalization != "RMSNorm":
-        return None
-    rq = st.recipe.role("input")
-    if not rq.delayed and norm_quant_fusable(input, weight, rq.scheme):
-        return dict(norm_weight=weight, norm_eps=eps, norm_rstd=input_rstd)
-    return None
 
 
 def check_input_rstd(input_rstd, input: torch.Tensor) -> None:
@@ -122,8 +107,9 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
     def fuses_norm(self, input: torch.Tensor) -> bool:
         """Whether a forward on ``input`` now would run the norm inside the input quantizer (and so use an
         ``input_rstd``): the active recipe, the norm and the input's dtype / device decide."""
-        return not self.return_layernorm_output and fused_norm_args(
-            self.normalization, input, self.layer_norm_weight, self.eps, _ac.get_state()) is not None
+        st = _ac.get_state()
+        return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
+                and norm_fuses(input, self.layer_norm_weight, st.recipe))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None):
         """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
@@ -133,10 +119,9 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         check_norm_input(input, self.in_features, "in_features")
         check_input_rstd(input_rstd, input)
         st = _ac.get_state()
-        fused = None if self.return_layernorm_output else fused_norm_args(
-            self.normalization, input, self.layer_norm_weight, self.eps, st, input_rstd)
-        if fused is not None:  # the norm inside the input quantizer: its output is never written in high precision
-            return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, **fused)
+        if self.fuses_norm(input):  # the norm inside the input quantizer: its output is never written
+            return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
+                                    norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd)
         ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
         if not st.enabled:
             y = F.linear(ln, self.weight, self.bias)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import _check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input, fused_norm_args
+from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
+from .layernorm_linear import _check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input
 
 __all__ = ["LayerNormMLP"]
 
@@ -86,7 +86,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
     def fuses_norm(self, input: torch.Tensor) -> bool:
         """Whether a forward on ``input`` now would run the norm inside fc1's input quantizer (and so use an
         ``input_rstd``)."""
-        return fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, _ac.get_state()) is not None
+        st = _ac.get_state()
+        return st.enabled and self.normalization == "RMSNorm" and norm_fuses(input, self.layer_norm_weight, st.recipe)
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
                 input_rstd: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,9 +103,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         # the norm inside fc1's input quantizer where it can be (its output never written), else on its own
-        fused = fused_norm_args(self.normalization, input, self.layer_norm_weight, self.eps, st, input_rstd)
-        if fused is not None:
-            ln, nkw = input, fused
+        if self.fuses_norm(input):
+            ln, nkw = input, dict(norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd)
         else:
             ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
             nkw = {}
