@@ -52,30 +52,26 @@ def check_every_candidate(device):
     """Each quantize and rstd launch config the autotuner may pick, forced alone."""
     from lowbit.quant import triton_backend as tb
 
-    qc, rc = NQ._quant_configs, NQ._rstd_configs
+    qc, rc = NQ._quant_configs, NQ.row_reduce_configs
     try:
         for rw, cw in COPIES:
             for cfg in qc(rw, cw):
                 NQ._quant_configs = lambda r, c, cfg=cfg: [cfg]
                 tb._TUNED.clear()
                 check_kernel(device, [(200, 384), (256, 256)], (Float8Blockwise(),))
-        for cfg in rc(4096, 2048):
-            NQ._rstd_configs = lambda m, k, cfg=cfg: [cfg]
+        for cfg in rc(2048):
+            NQ.row_reduce_configs = lambda k, cfg=cfg: [cfg]
             tb._TUNED.clear()
             check_kernel(device, [(200, 384), (64, 2048), (3, 1000)], (Float8Blockwise(),))
     finally:
-        NQ._quant_configs, NQ._rstd_configs = qc, rc
+        NQ._quant_configs, NQ.row_reduce_configs = qc, rc
         tb._TUNED.clear()
     print("ok")
 
 
-def _interpreted(call: str, timeout: int = 900):
-    run_interpreted(__file__, call, timeout)
-
-
 def test_kernel_interpreter_subprocess():
     pytest.importorskip("triton")
-    _interpreted("check_kernel('cpu')")
+    run_interpreted(__file__, "check_kernel('cpu')")
 
 
 @pytest.mark.gpu
@@ -93,7 +89,7 @@ def test_rstd_configs_fit_every_width(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setattr(NQ, "INTERPRET", False)
     for K in (1, 16, 100, 128, 384, 2048, 5000):
-        cands = NQ._rstd_configs(4096, K)
+        cands = NQ.row_reduce_configs(K)
         assert cands and len(cands) == len({tuple(sorted(c.items())) for c in cands}), K
         assert all(c["BLOCK"] <= max(16, 1 << (K - 1).bit_length()) for c in cands), K
 
@@ -201,7 +197,7 @@ def check_modules(device):
 
 def test_modules_interpreter_subprocess():
     pytest.importorskip("triton")
-    _interpreted("check_modules('cpu')", 1200)
+    run_interpreted(__file__, "check_modules('cpu')", 1200)
 
 
 @pytest.mark.gpu

@@ -42,14 +42,14 @@ def check_kernel(device, shapes=SHAPES):
 def check_every_candidate(device):
     from lowbit.quant import triton_backend as tb
 
-    orig = R._configs
+    orig = R.row_reduce_configs
     try:
         for cfg in orig(2048):
-            R._configs = lambda K, cfg=cfg: [cfg]
+            R.row_reduce_configs = lambda K, cfg=cfg: [cfg]
             tb._TUNED.clear()
             check_kernel(device, [(130, 200), (64, 2048), (3, 1000)])
     finally:
-        R._configs = orig
+        R.row_reduce_configs = orig
         tb._TUNED.clear()
     print("ok")
 
@@ -88,18 +88,14 @@ def check_gpt(device):
     print("ok")
 
 
-def _interpreted(call: str, timeout: int = 900):
-    run_interpreted(__file__, call, timeout)
-
-
 def test_kernel_interpreter_subprocess():
     pytest.importorskip("triton")
-    _interpreted("check_kernel('cpu')")
+    run_interpreted(__file__, "check_kernel('cpu')")
 
 
 def test_gpt_interpreter_subprocess():
     pytest.importorskip("triton")
-    _interpreted("check_gpt('cpu')", 1200)
+    run_interpreted(__file__, "check_gpt('cpu')", 1200)
 
 
 @pytest.mark.gpu

@@ -90,6 +90,13 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wei
 if triton is not None:
 
     @triton.jit
+    def rstd_of_sumsq(acc, K, eps):
+        """rstd of each row from its (ROWS, BLOCK) elementwise partial sums of squares: one tree sum a row, then
+        1 / sqrt(sum / K + eps) with IEEE division and sqrt (shared with lowbit.ops.residual's kernel)."""
+        ms = tl.math.div_rn(tl.sum(acc, axis=1), K.to(tl.float32))
+        return tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+    @triton.jit
     def _rms_rstd_kernel(x_ptr, rstd_ptr, M, K, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """rstd[m] = 1 / sqrt(sum_k x[m, k]² / K + eps) for ROWS rows a program (x (M, K) row-major FP32); the
         elementwise partial sums run over BLOCK-wide chunks, then one tree sum a row."""
@@ -100,9 +107,7 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
             acc += x * x
-        ms = tl.math.div_rn(tl.sum(acc, axis=1), K.to(tl.float32))
-        rstd = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd_of_sumsq(acc, K, eps), mask=rmask)
 
 
 def row_reduce_configs(K: int) -> list[dict]:
@@ -117,11 +122,6 @@ def row_reduce_configs(K: int) -> list[dict]:
         if c not in out:
             out.append(c)
     return out
-
-
-def _rstd_configs(M: int, K: int) -> list[dict]:
-    """Candidates of _rms_rstd_kernel (the first is the default)."""
-    return row_reduce_configs(K)
 
 
 def _quant_configs(rowwise: bool, columnwise: bool) -> list[dict]:
@@ -169,7 +169,7 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     M = x.numel() // Kd
     if rstd is None:
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: _rstd_configs(M, Kd),
+        tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: row_reduce_configs(Kd),
                      lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
     elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
               and rstd.device == x.device and rstd.is_contiguous()):

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .norm_quant import row_reduce_configs
+
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported"]
 
 try:
@@ -52,12 +54,13 @@ def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from .norm_quant import rstd_of_sumsq
 
     @triton.jit
     def _residual_add_kernel(x_ptr, y_ptr, o_ptr, rstd_ptr, M, K, eps, STATS: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK: tl.constexpr):
         """ROWS rows a program, BLOCK columns at a time: o = x + y (FP32); STATS: rstd of o's rows (elementwise
-        partial sums of squares over the chunks, then one tree sum a row, IEEE sqrt and division)."""
+        partial sums of squares over the chunks, then norm_quant.rstd_of_sumsq, as the rstd kernel)."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < M
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -70,15 +73,7 @@ if triton is not None:
             if STATS:
                 acc += o * o
         if STATS:
-            ms = tl.math.div_rn(tl.sum(acc, axis=1), K.to(tl.float32))
-            tl.store(rstd_ptr + rows, tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps)), mask=rmask)
-
-
-def _configs(K: int) -> list[dict]:
-    """Candidates (the first is the default): those of the rstd kernel, the same row walk."""
-    from .norm_quant import row_reduce_configs
-
-    return row_reduce_configs(K)
+            tl.store(rstd_ptr + rows, rstd_of_sumsq(acc, K, eps), mask=rmask)
 
 
 def _launch(x, y, out, rstd, eps, stats: bool):
@@ -86,7 +81,8 @@ def _launch(x, y, out, rstd, eps, stats: bool):
 
     K = x.shape[-1]
     M = x.numel() // K
-    tuned_launch("residual_add", (stats, y.dtype, _bucket(M), _bucket(K)), lambda: _configs(K),
+    # (candidates: the rstd kernel's, the same row walk)
+    tuned_launch("residual_add", (stats, y.dtype, _bucket(M), _bucket(K)), lambda: row_reduce_configs(K),
                  lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps), STATS=stats,
                                                                              **c))
 
