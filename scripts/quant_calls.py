@@ -6,17 +6,16 @@ the per-step total, GB/s (bytes read + FP8 data written) and the fraction of a s
 
 Usage: PYTHONPATH=src python scripts/quant_calls.py 1.3b 4 2048 fp8-block
 """
+import importlib
 import sys
 from collections import OrderedDict
 
 import torch
 import triton
 
-import lowbit
-from lowbit import recipes
-from lowbit.models import GPT, config_from_preset
+from lowbit.models import config_from_preset
 from lowbit.nn import functional as fn
-import importlib
+from profile_model import training_step  # (scripts/ is sys.path[0] when this runs as a script)
 
 preset, bs, seq, rn = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dev = torch.device("cuda")
@@ -51,24 +50,7 @@ def rec_sw(u, scheme, rowwise=True, columnwise=False, **kw):
 fn.quantize = rec_q
 sw.swiglu_quantize_1x128 = rec_sw
 
-torch.manual_seed(0)
-cfg = config_from_preset(preset, max_seq_len=max(seq, config_from_preset(preset).max_seq_len))
-model = GPT(cfg).to(dev)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-r = recipes.from_name(rn)
-idx = torch.randint(0, 256, (bs, seq + 1), device=dev)
-x, y = idx[:, :-1], idx[:, 1:]
-
-
-def step():
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        with lowbit.autocast(recipe=r, on_nonfinite="skip"):
-            _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
+step = training_step(preset, bs, seq, rn, dev)
 for _ in range(2):
     step()
 recording[0] = True
@@ -102,6 +84,7 @@ for key, (n, t, (scheme, kw)) in calls.items():
 print(f"total, each call timed alone: {total:.2f} ms a step")
 
 # the RMSNorm the quantized input comes from (FP32 in, FP32 out under autocast)
+cfg = config_from_preset(preset)
 d = cfg.d_model
 xx = torch.randn(bs * seq, d, device=dev)
 w = torch.ones(d, device=dev)

@@ -30,7 +30,7 @@ def _bench(fn):
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def pers_variants(dtype):
+def pers_variants():
     """blockwise_persistent_kernel on 1x128 row+col: warps x prefetch (session 7 also tried 16-bit maxima, BITS16)."""
     return [dict(KIND="pers", BM=128, CTAS=1, PREFETCH=pf, num_warps=w) for w in (16, 8) for pf in (1, 2)]
 
@@ -76,7 +76,7 @@ def quant(shapes):
             cands = tb._blockwise_configs(M, Kd, 128, False, True, True, dt)
             if dt == torch.float32:
                 cands = cands[:1] + [dict(c, KIND="pers") for c in tb._PERSISTENT.get((False, True, True, dt), [])] + cands[1:]
-            cands = cands + (pers_variants(dt) if WHOLE else [])
+            cands = cands + (pers_variants() if WHOLE else [])
 
             def prepare(cfg):
                 launch, qt = prepared(x, sch, True, True, cfg)
