@@ -78,7 +78,7 @@ def quant(shapes):
                 cands = cands[:1] + [dict(c, KIND="pers") for c in tb._PERSISTENT.get((False, True, True, dt), [])] + cands[1:]
             cands = cands + (pers_variants() if WHOLE else [])
 
-            def prepare(cfg):
+            def prepare(cfg, x=x):
                 launch, qt = prepared(x, sch, True, True, cfg)
                 return launch, qt, moved(x, qt)
 
@@ -96,7 +96,7 @@ def swiglu(shapes):
         copy_bw = _copy_bw(u)
         print(f"\n== swiglu_quantize_1x128 {M}x{F} (u {M}x{2 * F} bf16) copy of u {copy_bw:.0f} GB/s", flush=True)
 
-        def prepare(cfg):
+        def prepare(cfg, u=u):
             S._swiglu_quant_candidates = lambda u, cfg=cfg: [cfg]
             tb._TUNED.clear()
             fn = lambda: S.swiglu_quantize_1x128(u, sch)  # noqa: E731
