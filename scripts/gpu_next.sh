@@ -49,5 +49,10 @@ case "${1:-verify}" in
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
     stage 150 python3 scripts/profile_model.py 1.3b 4 2048 fp8-block ;;
-  *) echo "usage: $0 verify|kernels|train|close|s7train" >&2; exit 2 ;;
+  s8)  # session 8: session 7's unrun review commits, then the 1.3b pair with the host's step phases
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
+      tests/ops tests/test_quant_kernels.py tests/nn tests/train -rfE
+    stage 300 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
+      --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
+  *) echo "usage: $0 verify|kernels|train|close|s7train|s8" >&2; exit 2 ;;
 esac

@@ -344,6 +344,32 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
     return why is None, why or ""
 
 
+class _Phases:
+    """Host wall time per phase of a training step, averaged over the steps after the first (diagnostic:
+    ``LOWBIT_STEP_PHASES=1``); where the host waits on the GPU the phase is named "wait ..."."""
+
+    def __init__(self, on: bool):
+        self.on, self.n, self.t, self.acc = on, -1, 0.0, {}
+
+    def start(self, t0: float) -> None:
+        if self.on:
+            self.n += 1
+            self.t = t0
+
+    def mark(self, name: str) -> None:
+        if self.on and self.n > 0:
+            now = time.perf_counter()
+            self.acc[name] = self.acc.get(name, 0.0) + now - self.t
+            self.t = now
+        elif self.on:
+            self.t = time.perf_counter()
+
+    def report(self, say) -> None:
+        if self.on and self.n > 0:
+            parts = ", ".join(f"{k} {1e3 * v / self.n:.2f}" for k, v in self.acc.items())
+            say(f"[lowbit] step phases (ms, mean of {self.n} steps): {parts}")
+
+
 class _GraphedStep:
     """The micro-batch loop of one step (forwards + backwards into ``.grad``) captured as one CUDA graph.
 
@@ -545,8 +571,10 @@ def _train_one(c: TrainConfig) -> dict:
     last_train_loss = float("nan")
     stopped_early = False
     step = start
+    phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
     for step in range(start, c.steps):
         t0 = time.perf_counter()
+        phases.start(t0)
         lr = lr_at(step, c)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -565,7 +593,9 @@ def _train_one(c: TrainConfig) -> dict:
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
+                phases.mark("data+launch")
                 loss_sum = graphed.replay().clone()
+                phases.mark("replay launch")
                 if recipe is not None:
                     lnn.state.check_captured(wait=False)
             else:
@@ -586,9 +616,11 @@ def _train_one(c: TrainConfig) -> dict:
             fault_hook.remove()
             fault_hook = None
         found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
+        phases.mark("wait fwd+bwd (nonfinite check)")
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
         bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss), d.group, d.device)
+        phases.mark("loss read")
         if bad:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
@@ -612,7 +644,9 @@ def _train_one(c: TrainConfig) -> dict:
         else:
             if c.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            phases.mark("clip launch")
             opt.step()
+            phases.mark("optimizer launch")
             if graphed is None:
                 opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
@@ -620,6 +654,7 @@ def _train_one(c: TrainConfig) -> dict:
             history["lr"].append([step + 1, lr])
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
+        phases.mark("wait clip+optimizer")
         dt = time.perf_counter() - t0
         if step > start:  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
@@ -640,6 +675,7 @@ def _train_one(c: TrainConfig) -> dict:
             break
     if bar is not None:
         bar.close()
+    phases.report(lambda msg: _say(d, c, msg))
     if graphed is not None:
         graphed.drop()
     peak, peak_kind = _peak(d.device)
