@@ -31,3 +31,23 @@ def test_off_and_bad_value():
     assert _graph_decision(TrainConfig(recipe="bf16", cuda_graph="off"), _d()) == (False, "--cuda-graph off")
     with pytest.raises(ValueError, match="cuda_graph: expected 'auto', 'on' or 'off'"):
         TrainConfig(cuda_graph="yes").validate()
+
+
+def test_checkpoint_stores_a_float_lr_from_a_captured_update():
+    """The update graph gives AdamW a device-tensor lr and capturable=True; checkpoints hold the plain values
+    and the live optimizer keeps its own."""
+    import torch
+
+    from lowbit.train.checkpoint import gather_state
+
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=torch.tensor(0.25), foreach=False)
+    opt.param_groups[0]["capturable"] = True
+    m(torch.randn(2, 4)).sum().backward()
+    opt.param_groups[0]["capturable"] = False  # (the CPU step itself runs uncaptured)
+    opt.step()
+    opt.param_groups[0]["capturable"] = True
+    _, osd = gather_state(m, opt)
+    g = osd["param_groups"][0]
+    assert type(g["lr"]) is float and g["lr"] == 0.25 and g["capturable"] is False
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["capturable"] is True

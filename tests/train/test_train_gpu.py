@@ -44,3 +44,77 @@ def test_cuda_graph_refused_where_unsafe(tmp_path, small_text, cache_dir):
     s = train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
                           out_dir=str(tmp_path / "n"), eval_windows=8, device="cuda", progress=False, verbose=False))
     assert s["cuda_graph"] is False
+
+
+@pytest.mark.gpu
+def test_update_graph_matches_eager_step_and_skips_on_the_device():
+    """_GraphedStep's update graph (clip as the fused AdamW's grad_scale, found_inf from the loss) against the eager
+    clip_grad_norm_ + step: the same parameters to rounding; a NaN loss skips the step on the device (parameters
+    and AdamW's step counts untouched) and the next step goes on as if it had not happened."""
+    import torch
+
+    from lowbit.train.loop import _GraphedStep
+
+    dev = torch.device("cuda")
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8)).to(dev)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+    x = torch.randn(33, 64, device=dev)
+    poison = torch.zeros((), device=dev)
+    clip, lrs = 0.05, [1e-2, 2e-2, 3e-2, 5e-3]
+    m, opt = make()
+    ref, ref_opt = make()
+
+    def run_micro(xs, ys, loss_sum):
+        loss_sum.zero_()
+        loss = (m(x) ** 2).mean() + poison
+        loss.backward()
+        loss_sum += loss.detach().double()
+
+    gs = _GraphedStep(run_micro, 1, 1, 1, list(m.parameters()), dev)
+
+    def ref_step(lr):
+        ref_opt.param_groups[0]["lr"] = lr
+        (ref(x) ** 2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        return norm
+
+    # step 0: the loop's first step (the update runs eagerly and creates AdamW's state)
+    assert not _GraphedStep.update_capturable(opt)
+    gs.capture()
+    gs.replay()
+    opt.param_groups[0]["lr"] = lrs[0]
+    torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+    opt.step()
+    assert float(ref_step(lrs[0])) > clip  # clipping is active
+    assert _GraphedStep.update_capturable(opt)
+    gs.capture_update(opt, clip, lrs[1])
+    gs.replay()
+    ref_step(lrs[1])
+    assert not gs.skipped()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    before = [p.detach().clone() for p in m.parameters()]
+    steps = [opt.state[p]["step"].clone() for p in m.parameters()]
+    poison.fill_(float("nan"))
+    gs.set_lr(lrs[2])
+    gs.replay()
+    assert gs.skipped() and not torch.isfinite(gs.loss_sum)
+    for a, b in zip(m.parameters(), before):
+        assert torch.equal(a, b)
+    for p, s in zip(m.parameters(), steps):
+        assert torch.equal(opt.state[p]["step"], s)
+    poison.zero_()
+    gs.set_lr(lrs[3])
+    gs.replay()
+    ref_step(lrs[3])
+    assert not gs.skipped()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    gs.drop()
+    assert opt.param_groups[0]["lr"] == pytest.approx(lrs[3]) and opt.param_groups[0]["capturable"] is False

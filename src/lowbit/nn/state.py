@@ -408,6 +408,13 @@ def check_captured(wait: bool = True) -> None:
     _drain(wait)
 
 
+def captured_amaxes() -> list:
+    """The amax tensors recorded while a CUDA graph was captured (each replay rewrites them): what a device-side
+    skip decision inside a later graph (``lowbit train``'s captured optimizer step) reads."""
+    with _lock:
+        return [a for rec in _captured for a in rec[5]]
+
+
 def clear_captured() -> None:
     """Forget the records of a captured graph (when the graph is dropped)."""
     with _lock:

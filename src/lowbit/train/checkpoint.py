@@ -34,8 +34,18 @@ VERSION = 1
 
 
 def gather_state(model, optimizer) -> tuple[dict, dict]:
-    """Full CPU state dicts (model, optimizer). Collective under FSDP: every rank must call it."""
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Full CPU state dicts (model, optimizer). Collective under FSDP: every rank must call it.
+
+    A captured optimizer step (``lowbit train``'s update graph) reads its learning rate from a device tensor
+    and marks its groups capturable; the checkpoint stores the plain float and ``capturable=False``, so it loads
+    into any optimizer the same way."""
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for g in osd.get("param_groups", []):
+        if isinstance(g.get("lr"), torch.Tensor):
+            g["lr"] = float(g["lr"])
+        if g.get("capturable"):
+            g["capturable"] = False
+    return msd, osd
 
 
 def apply_state(model, optimizer, model_sd: dict, optim_sd: dict | None) -> None:

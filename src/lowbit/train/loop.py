@@ -371,11 +371,18 @@ class _Phases:
 
 
 class _GraphedStep:
-    """The micro-batch loop of one step (forwards + backwards into ``.grad``) captured as one CUDA graph.
+    """The micro-batch loop of one step (forwards + backwards into ``.grad``) captured as one CUDA graph, and,
+    once the optimizer has state, the update (gradient clipping + the fused AdamW step) as a second graph.
 
     Inputs are copied into static buffers before each replay; gradients live in the graph's memory and
-    are rewritten by every replay (so they are never set to None between steps); the optimizer step,
-    clipping, the NaN checks and the loss read stay eager.
+    are rewritten by every replay (so they are never set to None between steps). The loss read and the
+    NaN checks stay on the host. The update graph replays right behind the first (the GPU never waits for
+    the host between them) and decides on the device whether to skip the step: the fused AdamW kernel's
+    ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite — the same step
+    the host's checks skip in the eager loop. Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
+    kernel's ``grad_scale`` (it divides the gradients by it) instead of a separate pass multiplying every
+    gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
+    loop refills each step.
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device):
@@ -385,6 +392,10 @@ class _GraphedStep:
         self.ys = torch.zeros_like(self.xs)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.graph = None
+        self.update = None  # the update graph
+        self.opt = None
+        self.lr = None  # (), float32: the learning rate the captured update reads
+        self.skip = None  # (), float32: 1.0 where the last replayed update skipped the step
         self.device = device
 
     def load(self, m: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -410,15 +421,67 @@ class _GraphedStep:
             self.run_micro(self.xs, self.ys, self.loss_sum)
         self.graph = g
 
+    @staticmethod
+    def update_capturable(opt) -> bool:
+        """Whether ``opt`` can run inside the update graph: a fused AdamW (``_optimizer`` on CUDA) whose state
+        exists (AdamW creates it in its first step, which therefore runs eagerly)."""
+        if not isinstance(opt, torch.optim.AdamW) or not all(g.get("fused") for g in opt.param_groups):
+            return False
+        return all("exp_avg" in opt.state.get(p, {}) for g in opt.param_groups for p in g["params"])
+
+    def capture_update(self, opt, grad_clip: float, lr: float) -> None:
+        """Capture gradient clipping and ``opt.step()`` (see the class docstring); needs :meth:`capture` first and
+        :meth:`update_capturable`. Nothing runs until :meth:`replay`."""
+        import lowbit.nn as lnn
+
+        self.lr = torch.full((), lr, dtype=torch.float32, device=self.device)
+        for g in opt.param_groups:  # (drop() puts floats back; checkpoints store floats, see checkpoint.gather_state)
+            g["lr"] = self.lr
+            g["capturable"] = True
+        amaxes = lnn.state.captured_amaxes()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            bad = ~torch.isfinite(self.loss_sum)
+            if amaxes:
+                bad = bad | ~torch.isfinite(torch.cat([a.detach().float().reshape(-1) for a in amaxes])).all()
+            scale = None
+            if grad_clip > 0:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
+                bad = bad | ~torch.isfinite(norm)
+                scale = 1.0 / torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
+            self.skip = bad.float()
+            opt.grad_scale, opt.found_inf = scale, self.skip
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+        self.update, self.opt = graph, opt
+
+    def set_lr(self, lr: float) -> None:
+        self.lr.fill_(lr)
+
     def replay(self) -> torch.Tensor:
         self.graph.replay()
+        if self.update is not None:
+            self.update.replay()
         return self.loss_sum
 
+    def skipped(self) -> bool:
+        """Whether the last replay's update graph skipped the optimizer step (reads the device flag)."""
+        return self.update is not None and bool(self.skip)
+
     def drop(self) -> None:
-        """Forget the graph (the next step captures afresh) and the sentry's references into its memory pool."""
+        """Forget the graphs (the next step captures afresh) and the sentry's references into their memory pools."""
         import lowbit.nn as lnn
 
         self.graph = None
+        if self.update is not None:
+            lr = float(self.lr)
+            for g in self.opt.param_groups:
+                if g["lr"] is self.lr:
+                    g["lr"] = lr
+                g["capturable"] = False
+        self.update, self.opt, self.lr, self.skip = None, None, None, None
         lnn.state.clear_captured()
 
 
@@ -576,8 +639,11 @@ def _train_one(c: TrainConfig) -> dict:
         t0 = time.perf_counter()
         phases.start(t0)
         lr = lr_at(step, c)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        if graphed is not None and graphed.update is not None:
+            graphed.set_lr(lr)
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr
         step_key = c.seed * 1_000_003 + step * 1009 + d.rank
         torch.manual_seed(step_key)  # stochastic rounding etc.: keyed by step
         if step in c.fault_steps:
@@ -593,6 +659,8 @@ def _train_one(c: TrainConfig) -> dict:
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
+                elif graphed.update is None and graphed.update_capturable(opt):
+                    graphed.capture_update(opt, c.grad_clip, lr)
                 phases.mark("data+launch")
                 loss_sum = graphed.replay().clone()
                 phases.mark("replay launch")
@@ -619,12 +687,15 @@ def _train_one(c: TrainConfig) -> dict:
         phases.mark("wait fwd+bwd (nonfinite check)")
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
-        bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss), d.group, d.device)
+        updated = graphed is not None and graphed.update is not None  # the step ran (or was skipped) on the device
+        grads_bad = updated and not found and math.isfinite(step_loss) and graphed.skipped()
+        bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
         phases.mark("loss read")
         if bad:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
-            where = [{"layer": e.layer, "role": e.role} for e in found] or [{"layer": "loss", "role": "loss"}]
+            where = ([{"layer": e.layer, "role": e.role} for e in found]
+                     or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss", "role": "loss"}])
             action = c.on_nonfinite
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
@@ -642,11 +713,12 @@ def _train_one(c: TrainConfig) -> dict:
                 events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss) else str(step_loss)})
             _say(d, c, f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
         else:
-            if c.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-            phases.mark("clip launch")
-            opt.step()
-            phases.mark("optimizer launch")
+            if not updated:
+                if c.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+                phases.mark("clip launch")
+                opt.step()
+                phases.mark("optimizer launch")
             if graphed is None:
                 opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
