@@ -54,5 +54,12 @@ case "${1:-verify}" in
       tests/ops tests/test_quant_kernels.py tests/nn tests/train -rfE
     stage 300 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
       --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
-  *) echo "usage: $0 verify|kernels|train|close|s7train|s8" >&2; exit 2 ;;
+  s8b)  # session 8: the fused norm backward (NormGradLink) and the captured optimizer step, then the 1.3b pair
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
+      tests/ops/test_residual.py tests/ops/test_norm_quant.py tests/train tests/nn -rfE
+    stage 330 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
+      --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
+  s8prof)  # the step profiles of both recipes
+    stage 280 python3 scripts/profile_model.py 1.3b 4 2048 bf16,fp8-block ;;
+  *) echo "usage: $0 verify|kernels|train|close|s7train|s8|s8b|s8prof" >&2; exit 2 ;;
 esac

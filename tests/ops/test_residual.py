@@ -1,6 +1,7 @@
 """The fused residual add (lowbit.ops.residual): kernel against its reference (the sum bit for bit, rstd against FP64),
-every launch candidate, autograd, bad input; the GPT's blocks handing the statistics to the next fused norm. On the
-CPU under Triton's interpreter in a child process."""
+every launch candidate, autograd, bad input; the GPT's blocks handing the statistics to the next fused norm; the
+fused backward of residual add + the next RMSNorm (NormGradLink) against its FP64 reference and against autograd of
+the unfused composition. On the CPU under Triton's interpreter in a child process."""
 import importlib
 import os
 
@@ -88,6 +89,198 @@ def check_gpt(device):
     print("ok")
 
 
+EPS32 = torch.finfo(torch.float32).eps
+BWD_SHAPES = [(1, 64), (17, 200), (130, 1000), (3, 5, 2048)]
+
+
+def check_norm_backward(device, shapes=BWD_SHAPES):
+    """norm_residual_backward against its FP64 reference: dx within 64 FP32 ulps of each term's size (the terms are
+    single roundings and per-row sums of K products), dy bit for bit dx rounded to y's dtype, dw within (M + 64)
+    ulps of sum|dn·x̂| (a sequential FP32 sum over at most M rows)."""
+    for i, shape in enumerate(shapes):
+        K = shape[-1]
+        for dn_dt, y_dt, has_g in ((torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, True),
+                                   (torch.float16, torch.float32, False), (torch.float32, torch.float16, True)):
+            g_ = torch.Generator().manual_seed(100 + i)
+            out = (torch.randn(*shape, generator=g_) * 2 + 0.5).to(device)
+            w = (torch.rand(K, generator=g_) + 0.5).to(device)
+            dn = torch.randn(*shape, generator=g_).to(device, dn_dt)
+            g = torch.randn(*shape, generator=g_).to(device) if has_g else None
+            rstd = NQ.rmsnorm_rstd_reference(out.cpu(), 1e-5).to(device)
+            dx, dy, dw = R.norm_residual_backward(g, dn, out, rstd, w, y_dt)
+            rdx, rdy, rdw = R.norm_residual_backward_reference(g, dn, out, rstd, w, y_dt)
+            assert dx.dtype == torch.float32 and dy.dtype == y_dt and dx.shape == out.shape and dy.shape == out.shape
+            if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter's float -> 16-bit cast truncates)
+                assert bool(((dy.float() - dx).abs() <= dx.abs() * torch.finfo(y_dt).eps).all()), (shape, dn_dt, y_dt)
+            else:
+                assert torch.equal(dy, dx.to(y_dt)), (shape, dn_dt, y_dt)
+            r = rstd.double().reshape(-1, 1).cpu()
+            xh = out.double().reshape(-1, K).cpu() * r
+            gw = dn.double().reshape(-1, K).cpu() * w.double().cpu()
+            size = r * (gw.abs() + xh.abs() * (gw * xh).abs().mean(dim=1, keepdim=True))
+            if g is not None:
+                size = size + g.double().reshape(-1, K).cpu().abs()
+            err = (dx.double().cpu() - rdx.double()).reshape(-1, K).abs()
+            assert bool((err <= 64 * EPS32 * size).all()), (shape, dn_dt, float((err / size).max() / EPS32))
+            M = out.numel() // K
+            dsize = (dn.double().reshape(-1, K).cpu() * xh).abs().sum(0)
+            derr = (dw.double().cpu() - rdw.double()).abs()
+            assert dw.shape == (K,) and bool((derr <= (M + 64) * EPS32 * dsize).all()), (shape, float((derr / dsize).max()))
+            assert R.norm_residual_backward(g, dn, out, rstd, w, y_dt, need_dw=False)[2] is None
+    print("ok")
+
+
+def check_linked_autograd(device, recipe=None):
+    """Autograd through residual_add(..., norm_weight=) + the linked norm (rms_norm_linked, or LayerNormLinear /
+    LayerNormMLP under ``recipe``) against the same graph without the link: the forward bit for bit, the gradients of
+    x, y and the norm weight to FP32 rounding of the reductions (the link must have been used)."""
+    torch.manual_seed(0)
+    B, T, C = 2, 65, 256
+    x0 = torch.randn(B, T, C, device=device) * 2
+    y0 = torch.randn(B, T, C, device=device).bfloat16()
+    lin = lowbit.nn.LayerNormLinear(C, 128, normalization="RMSNorm", eps=1e-5).to(device)
+    mlp = lowbit.nn.LayerNormMLP(C, 256, normalization="RMSNorm", activation="swiglu", eps=1e-5).to(device)
+    with torch.no_grad():
+        lin.layer_norm_weight.uniform_(0.5, 1.5)
+        mlp.layer_norm_weight.copy_(lin.layer_norm_weight)
+    used = []
+    take = R.NormGradLink.take
+
+    def spy(self):
+        p = take(self)
+        used.append(p is not None)
+        return p
+
+    R.NormGradLink.take = spy
+    try:
+        res = []
+        for linked in (True, False):
+            for mod in (lin, mlp):
+                x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+                mod.zero_grad()
+                ctx = lowbit.autocast(recipe=recipe) if recipe is not None else torch.autocast(device.type if isinstance(device, torch.device) else device, dtype=torch.bfloat16, enabled=False)
+                with ctx:
+                    if linked:
+                        out, rstd, link = R.residual_add(x, y, rms_eps=mod.eps, norm_weight=mod.layer_norm_weight)
+                        assert link is not None
+                        o = mod(out, input_rstd=rstd if mod.fuses_norm(out) else None, input_norm_link=link)
+                    else:
+                        out = R.residual_add(x, y)
+                        o = mod(out)
+                    loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=device)).sum() + (out * 0.01).sum()
+                loss.backward()
+                res.append((o.detach(), x.grad, y.grad, mod.layer_norm_weight.grad.clone()))
+    finally:
+        R.NormGradLink.take = take
+    assert used[:2] == [True, True] and not any(used[2:]), used
+    for a, b in zip(res[:2], res[2:]):
+        assert torch.equal(a[0], b[0])
+        for u, v in (a[1], b[1]), (a[3], b[3]):  # x's and the norm weight's gradients, FP32
+            rel = float((u.double() - v.double()).norm() / v.double().norm())
+            assert rel < 2e-5, rel
+        # y's: the same FP32 value to rounding, then rounded to BF16: at most one BF16 step apart (two where the
+        # interpreter truncates instead of rounding)
+        assert a[2].dtype == torch.bfloat16
+        steps = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+        assert bool(((a[2].float() - b[2].float()).abs() <= steps * b[2].float().abs() * 2 ** -7 + 1e-30).all())
+    print("ok")
+
+
+def check_norm_backward_candidates(device):
+    from lowbit.quant import triton_backend as tb
+
+    orig = R._bwd_configs
+    try:
+        for cfg in orig(2048, 8192, 132):
+            R._bwd_configs = lambda K, M, n, cfg=cfg: [dict(cfg, BLOCK_K=max(16, R.triton.next_power_of_2(K)))]
+            tb._TUNED.clear()
+            check_norm_backward(device, [(130, 1000), (1000, 2048)])
+    finally:
+        R._bwd_configs = orig
+        tb._TUNED.clear()
+    print("ok")
+
+
+def test_norm_backward_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_norm_backward('cpu')")
+
+
+def test_linked_autograd_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_linked_autograd('cpu')")
+
+
+@pytest.mark.gpu
+def test_norm_backward_gpu(cuda):
+    check_norm_backward(cuda, BWD_SHAPES + [(8192, 2048), (4, 1000, 4096)])
+    check_norm_backward_candidates(cuda)
+
+
+@pytest.mark.gpu
+def test_linked_autograd_gpu(cuda):
+    check_linked_autograd(cuda)
+    check_linked_autograd(cuda, recipes.Float8BlockScaling())
+
+
+@pytest.mark.gpu
+def test_norm_backward_against_torch_gpu(cuda):
+    """The kernel against what autograd ran before: torch's fused RMSNorm backward + the add + the cast."""
+    torch.manual_seed(1)
+    M, K = 8192, 2048
+    out, dn, g = torch.randn(M, K, device=cuda), torch.randn(M, K, device=cuda), torch.randn(M, K, device=cuda)
+    w = torch.rand(K, device=cuda) + 0.5
+    _, rstd = torch.ops.aten._fused_rms_norm(out, [K], w, 1e-5)
+    tdx, tdw = torch.ops.aten._fused_rms_norm_backward(dn, out, [K], rstd, w, [True, True])
+    dx, dy, dw = R.norm_residual_backward(g, dn, out, rstd.reshape(-1), w, torch.bfloat16)
+    torch.testing.assert_close(dx, tdx + g, rtol=1e-5, atol=1e-5)
+    assert float((dw - tdw).norm() / tdw.norm()) < 1e-5
+
+
+def check_gpt_linked(device):
+    """A GPT with the norms' backward fused into the residual adds (LOWBIT_FUSED_NORM_BACKWARD=1, the default)
+    against without: the same loss bit for bit (the forward does not change), every gradient to FP32 rounding; under
+    fp8-block (norm inside the quantizer) and with lowbit's autocast off (torch's RMSNorm forward). Every norm after
+    the first hands its gradient over (5 of 6 in 3 blocks)."""
+    from lowbit.models import GPT, config_from_preset
+
+    torch.manual_seed(0)
+    m = GPT(config_from_preset("tiny", n_layer=3)).to(device)
+    idx = torch.randint(0, 256, (2, 65), device=device)
+    take = R.NormGradLink.take
+    for recipe in (recipes.Float8BlockScaling(), None):
+        res = []
+        for on in ("1", "0"):
+            os.environ["LOWBIT_FUSED_NORM_BACKWARD"] = on
+            used = []
+            R.NormGradLink.take = lambda self: (used.append(1), take(self))[1]
+            try:
+                m.zero_grad()
+                with lowbit.autocast(enabled=recipe is not None, recipe=recipe or recipes.Float8BlockScaling()):
+                    _, loss = m(idx[:, :-1], idx[:, 1:])
+                loss.backward()
+            finally:
+                R.NormGradLink.take = take
+                os.environ.pop("LOWBIT_FUSED_NORM_BACKWARD", None)
+            res.append((loss.detach(), [p.grad.clone() for p in m.parameters()], len(used)))
+        assert res[0][2] == 5 and res[1][2] == 0, (res[0][2], res[1][2])
+        assert torch.equal(res[0][0], res[1][0])
+        for a, b in zip(res[0][1], res[1][1]):
+            rel = float((a - b).norm() / b.norm())
+            assert rel < (1e-3 if recipe is not None else 1e-5), rel  # (FP8: a last-bit change can tip a rounding)
+    print("ok")
+
+
+def test_gpt_linked_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_gpt_linked('cpu')", 1200)
+
+
+@pytest.mark.gpu
+def test_gpt_linked_gpu(cuda):
+    check_gpt_linked(cuda)
+
+
 def test_kernel_interpreter_subprocess():
     pytest.importorskip("triton")
     run_interpreted(__file__, "check_kernel('cpu')")
@@ -135,3 +328,25 @@ def test_fallback_and_bad_input(monkeypatch):
     m = lowbit.nn.LayerNormLinear(64, 32, normalization="RMSNorm")
     with pytest.raises(ValueError, match=r"input_rstd: expected None or a float32 tensor of shape \(5,\)"):
         m(x, input_rstd=torch.ones(4))
+    with pytest.raises(ValueError, match="norm_weight: needs rms_eps"):
+        R.residual_add(x, y, norm_weight=m.layer_norm_weight)
+    with pytest.raises(ValueError, match=r"norm_weight: expected a float32 tensor of shape \(64,\)"):
+        R.residual_add(x, y, rms_eps=1e-5, norm_weight=torch.ones(32))
+    with pytest.raises(TypeError, match="input_norm_link: expected None or a lowbit.ops.residual.NormGradLink"):
+        m(x, input_norm_link="link")
+    link = R.NormGradLink(m.layer_norm_weight, m.eps)
+    link.out_key = (x.data_ptr() + 4, tuple(x.shape), x.dtype)
+    with pytest.raises(ValueError, match="input_norm_link: made by residual_add for another tensor"):
+        m(x, input_norm_link=link)
+    link.out_key = (x.data_ptr(), tuple(x.shape), x.dtype)
+    with pytest.raises(ValueError, match="input_norm_link: made for another norm"):
+        lowbit.nn.LayerNormLinear(64, 32, normalization="RMSNorm", eps=1e-6)(x, input_norm_link=link)
+    with pytest.raises(ValueError, match="input_norm_link: links an RMSNorm's backward"):
+        lowbit.nn.LayerNormLinear(64, 32, normalization="LayerNorm")(x, input_norm_link=link)
+    link.put(torch.ones(5, 64), torch.ones(5))
+    with pytest.raises(RuntimeError, match="a second norm-output gradient"):
+        link.put(torch.ones(5, 64), torch.ones(5))
+    with pytest.raises(ValueError, match=r"dn: expected .* of shape \(5, 64\)"):
+        R.norm_residual_backward(None, torch.ones(5, 32), x, torch.ones(5), torch.ones(64), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rstd: expected float32 with 5 elements"):
+        R.norm_residual_backward(None, torch.ones(5, 64), x, torch.ones(4), torch.ones(64), torch.bfloat16)

@@ -154,12 +154,15 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     return ang.cos().float(), ang.sin().float()
 
 
-def _residual(x: torch.Tensor, y: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x + y, the RMSNorm statistics of it for ``norm``'s fused norm, or None where that norm would not use them or
-    the fused add does not run)."""
-    if norm is not None and norm.fuses_norm(x):
-        return residual_add(x, y, rms_eps=norm.eps)
-    return residual_add(x, y), None
+def _residual(x: torch.Tensor, y: torch.Tensor, norm):
+    """(x + y, rstd, link) for ``norm``, the module whose RMSNorm reads the sum next (or None): rstd the sum's RMSNorm
+    statistics where that norm runs inside its quantizer (else None), link the
+    :class:`~lowbit.ops.residual.NormGradLink` that moves the norm's backward into the add's (None where the fused
+    add does not run or ``LOWBIT_FUSED_NORM_BACKWARD=0``)."""
+    if norm is not None and norm.normalization == "RMSNorm":
+        out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
+        return out, (rstd if norm.fuses_norm(x) else None), link
+    return residual_add(x, y), None, None
 
 
 class Block(nn.Module):
@@ -176,20 +179,23 @@ class Block(nn.Module):
         self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp,
                                     fused_swiglu=True)
 
-    def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None):
-        """x (B, T, C) -> (x', rstd'): ``rstd`` optional RMSNorm statistics of x for ``qkv``'s norm; ``next_norm``: the
-        module whose norm reads x' next (the next block's ``qkv``), whose statistics come back as rstd' where that
-        norm runs inside its quantizer (else None). The residual adds are :func:`lowbit.ops.residual.residual_add`
-        (one kernel on CUDA, with the statistics when asked for)."""
+    def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None, link=None):
+        """x (B, T, C) -> (x', rstd', link'): ``rstd`` / ``link`` optional RMSNorm statistics of x and the norm-backward
+        link for ``qkv``'s norm; ``next_norm``: the module whose norm reads x' next (the next block's ``qkv``), for
+        which rstd' and link' are made (see :func:`_residual`). The residual adds are
+        :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA, with the statistics and link when asked for;
+        its backward then runs the following norm's backward too)."""
         B, T, C = x.shape
-        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd).view(B, T, 3, self.n_head, C // self.n_head)
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link)
+        qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head)
         if rope is not None:  # one fused kernel on CUDA (lowbit.ops.rope_qkv), the FP32 reference elsewhere
             q, k, v = rope_qkv(qkv, *rope)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
-        x, rstd = _residual(x, self.proj(y, is_first_microbatch=is_first_microbatch), self.mlp)
-        return _residual(x, self.mlp(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd), next_norm)
+        x, rstd, link = _residual(x, self.proj(y, is_first_microbatch=is_first_microbatch), self.mlp)
+        return _residual(x, self.mlp(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link),
+                         next_norm)
 
 
 class GPT(nn.Module):
@@ -248,10 +254,10 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(T, device=idx.device))
         else:
             rope = (self.rope_cos[:T], self.rope_sin[:T])
-        rstd = None
+        rstd = link = None
         for i, blk in enumerate(self.blocks):
             nxt = self.blocks[i + 1].qkv if i + 1 < len(self.blocks) else None
-            x, rstd = blk(x, rope, is_first_microbatch, rstd, nxt)
+            x, rstd, link = blk(x, rope, is_first_microbatch, rstd, nxt, link)
         logits = self.head(self.norm_f(x))
         loss = None
         if targets is not None:

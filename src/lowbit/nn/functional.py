@@ -229,6 +229,7 @@ class _Cfg:
     out_dtype: torch.dtype
     norm_eps: float | None = None  # set: the input is the pre-norm x, RMSNorm fused into its quantizer
     norm_rstd: torch.Tensor | None = None  # the norm's row statistics computed already (or None: computed here)
+    norm_link: object = None  # a lowbit.ops.residual.NormGradLink: the norm's backward runs in the residual add's
 
 
 def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
@@ -243,11 +244,15 @@ def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
     return q, (x2, rstd, norm_weight)
 
 
-def _norm_backward(dln: torch.Tensor, saved, need_dx: bool, need_dnw: bool):
-    """(dx, d norm weight) from the gradient of the fused RMSNorm's output (either None where not needed)."""
+def _norm_backward(dln: torch.Tensor, saved, need_dx: bool, need_dnw: bool, cfg: _Cfg, x_shape):
+    """(dx, d norm weight) from the gradient of the fused RMSNorm's output (either None where not needed); with a
+    norm link, both None: the gradient goes to the link and the residual add's backward computes them."""
     from ..ops.norm_quant import rms_norm_backward
 
     x2, rstd, nw = saved
+    if cfg.norm_link is not None:
+        cfg.norm_link.put(dln.reshape(x_shape), rstd)
+        return None, None
     dx, dnw = rms_norm_backward(dln, x2, rstd, nw, need_dnw)
     return (dx if need_dx else None), dnw
 
@@ -261,23 +266,31 @@ def norm_fuses(x: torch.Tensor, norm_weight: torch.Tensor, recipe: Recipe) -> bo
     return not rq.delayed and norm_quant_fusable(x, norm_weight, rq.scheme)
 
 
-def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe):
+def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_link=None):
     """``(x, norm_weight, norm_eps)`` for the Functions: unchanged where the RMSNorm can run inside the input
     quantizer (:func:`lowbit.ops.norm_quant.norm_quant_fusable` and a current-scaling input role), else
-    ``(F.rms_norm(x), None, None)``: the norm applied first, as the modules' unfused path does. Validates the pair."""
+    ``(F.rms_norm(x), None, None)``: the norm applied first, as the modules' unfused path does (its backward in the
+    residual add's where ``norm_link`` is given: :func:`lowbit.ops.residual.rms_norm_linked`). Validates the pair
+    and the link."""
     if (norm_weight is None) != (norm_eps is None):
         raise ValueError(f"norm_weight, norm_eps: give both (RMSNorm fused into the input quantizer) or neither; got "
                          f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps {norm_eps!r}")
     if norm_weight is None:
+        if norm_link is not None:
+            raise ValueError("norm_link: given without norm_weight / norm_eps (it links a fused RMSNorm's backward)")
         return x, None, None
     if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
         raise ValueError(f"norm_eps: expected a float > 0, got {norm_eps!r}")
     if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got "
                          f"{tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__}")
+    if norm_link is not None:
+        norm_link.check(x, norm_weight, norm_eps)
     if norm_fuses(x, norm_weight, recipe):
         return x, norm_weight, float(norm_eps)
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps), None, None
+    from ..ops.residual import rms_norm_linked
+
+    return rms_norm_linked(x, norm_weight, norm_eps, norm_link), None, None
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -322,7 +335,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
             if need_dgrad:
                 dx = scaled_mm(qdy, ctx.qw, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
                 if cfg.norm_eps is not None:
-                    dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[3])
+                    dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[3], cfg,
+                                             ctx.x_shape)
                 dx = None if dx is None else dx.reshape(ctx.x_shape)
             if need_wgrad:
                 dw = scaled_mm(qdy, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w_dtype)
@@ -339,7 +353,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
                      is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None,
                      norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
-                     norm_rstd: torch.Tensor | None = None) -> torch.Tensor:
+                     norm_rstd: torch.Tensor | None = None, norm_link=None) -> torch.Tensor:
     """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
 
     Args:
@@ -353,6 +367,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             role: :func:`~lowbit.ops.norm_quant.rmsnorm_quantize_1x128`), else by ``F.rms_norm`` first; the gradient
             reaches x and norm_weight either way. norm_rstd: (M,) float32 row statistics of x for this norm computed
             already (:func:`lowbit.ops.residual.residual_add`), used where the norm is fused, else ignored.
+            norm_link: a :class:`lowbit.ops.residual.NormGradLink` from the residual add that made x (for this
+            norm_weight / norm_eps): the norm's backward then runs inside the add's; its rstd is used as norm_rstd.
 
     Returns:
         (..., N) in x's dtype (or the torch.autocast dtype).
@@ -365,16 +381,24 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
-    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
-    norm_rstd = norm_rstd if norm_eps is not None else None
+    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe, norm_link)
+    norm_rstd, norm_link = _linked_rstd(norm_eps, norm_rstd, norm_link)
     out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
         raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
-    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd)
+    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
+
+
+def _linked_rstd(norm_eps, norm_rstd, norm_link):
+    """(norm_rstd, norm_link) for a Function's config: both None where the norm is not fused (it ran first, with
+    the link if any); a link's rstd replaces the given one (the backward must use the statistics of the forward)."""
+    if norm_eps is None:
+        return None, None
+    return (norm_link.rstd if norm_link is not None else norm_rstd), norm_link
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,7 +481,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                 if need_dx:
                     dx = scaled_mm(qdu, ctx.qw1, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
                     if cfg1.norm_eps is not None:
-                        dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[4])
+                        dx, dnw = _norm_backward(dx, norm_saved, ctx.needs_input_grad[0], ctx.needs_input_grad[4], cfg1,
+                                                 ctx.x_shape)
                     dx = None if dx is None else dx.reshape(ctx.x_shape)
                 if need_dw1:
                     dw1 = scaled_mm(qdu, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w1_dtype)
@@ -469,22 +494,23 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
                          layer1: GemmLayer, layer2: GemmLayer, is_first_microbatch=None, *,
                          state: _ac.AutocastState | None = None, norm_weight: torch.Tensor | None = None,
-                         norm_eps: float | None = None, norm_rstd: torch.Tensor | None = None) -> torch.Tensor:
+                         norm_eps: float | None = None, norm_rstd: torch.Tensor | None = None,
+                         norm_link=None) -> torch.Tensor:
     """``fc2(silu(a)·b)`` with ``[a | b] = x · w1ᵀ`` (no fc1 bias), all GEMMs quantized per the active 1x128
     blockwise recipe and SwiGLU fused into fc2's input quantizer (see :func:`swiglu_mlp_fusable`, which the caller
     checks first). Same results, bit for bit, as ``quantized_linear(swiglu(quantized_linear(x, w1)), w2, b2)``.
 
     Args:
         x: (..., K) input; w1: (2F, K) fc1 weight; w2: (N, F) fc2 weight; b2: (N,) or None.
-        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch, norm_weight, norm_eps, norm_rstd: as
-            :func:`quantized_linear` (the RMSNorm fused into fc1's input quantizer).
+        layer1, layer2: the fc1 / fc2 :class:`GemmLayer`; is_first_microbatch, norm_weight, norm_eps, norm_rstd,
+            norm_link: as :func:`quantized_linear` (the RMSNorm fused into fc1's input quantizer).
     """
     st = state or _ac.get_state()
     recipe = st.recipe
-    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe)
+    x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe, norm_link)
+    norm_rstd, norm_link = _linked_rstd(norm_eps, norm_rstd, norm_link)
     out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
-    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps,
-                norm_rstd if norm_eps is not None else None)
+    cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)

@@ -11,7 +11,7 @@ from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd", "check_norm_link"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -23,11 +23,30 @@ def check_norm_args(normalization, eps) -> None:
         raise ValueError(f"eps: expected a finite float > 0, got {eps!r}")
 
 
-def apply_norm(x, normalization, shape, weight, bias, eps):
-    """Exactly ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``'s forward (high precision, autograd)."""
+def apply_norm(x, normalization, shape, weight, bias, eps, link=None):
+    """Exactly ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``'s forward (high precision, autograd); with ``link`` (a
+    :class:`lowbit.ops.residual.NormGradLink`, RMSNorm) the backward runs in the residual add that made x."""
     if normalization == "LayerNorm":
         return F.layer_norm(x, shape, weight, bias, eps)
+    if link is not None:
+        from ..ops.residual import rms_norm_linked
+
+        return rms_norm_linked(x, weight, eps, link)
     return F.rms_norm(x, shape, weight, eps)
+
+
+def check_norm_link(link, normalization: str, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``input_norm_link``: None, or the :class:`lowbit.ops.residual.NormGradLink` that
+    ``residual_add(..., norm_weight=weight, rms_eps=eps)`` returned with ``input`` (RMSNorm only)."""
+    if link is None:
+        return
+    from ..ops.residual import NormGradLink
+
+    if not isinstance(link, NormGradLink):
+        raise TypeError(f"input_norm_link: expected None or a lowbit.ops.residual.NormGradLink, got {type(link).__name__}")
+    if normalization != "RMSNorm":
+        raise ValueError(f"input_norm_link: links an RMSNorm's backward; this module's normalization is {normalization!r}")
+    link.check(input, weight, eps)
 
 
 def check_input_rstd(input_rstd, input: torch.Tensor) -> None:
@@ -111,18 +130,25 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
                 and norm_fuses(input, self.layer_norm_weight, st.recipe))
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None):
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None,
+                input_norm_link=None):
         """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
         computed already (:func:`lowbit.ops.residual.residual_add` with ``rms_eps=self.eps``), used only where the norm
-        runs inside the input quantizer (:meth:`fuses_norm`)."""
+        runs inside the input quantizer (:meth:`fuses_norm`); ``input_norm_link``: optional
+        :class:`lowbit.ops.residual.NormGradLink` from ``residual_add(..., rms_eps=self.eps,
+        norm_weight=self.layer_norm_weight)`` that made ``input``: the norm's backward then runs fused into the add's
+        (the same gradients to FP32 rounding of the reductions; the forward is unchanged)."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.in_features, "in_features")
         check_input_rstd(input_rstd, input)
+        check_norm_link(input_norm_link, self.normalization, input, self.layer_norm_weight, self.eps)
         st = _ac.get_state()
         if self.fuses_norm(input):  # the norm inside the input quantizer: its output is never written
             return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
-                                    norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd)
-        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+                                    norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
+                                    norm_link=input_norm_link)
+        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                        input_norm_link)
         if not st.enabled:
             y = F.linear(ln, self.weight, self.bias)
         else:

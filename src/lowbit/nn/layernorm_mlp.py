@@ -11,7 +11,8 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import _check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input
+from .layernorm_linear import (_check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input,
+                               check_norm_link)
 
 __all__ = ["LayerNormMLP"]
 
@@ -90,23 +91,27 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         return st.enabled and self.normalization == "RMSNorm" and norm_fuses(input, self.layer_norm_weight, st.recipe)
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
-                input_rstd: torch.Tensor | None = None) -> torch.Tensor:
-        """``input`` (..., hidden_size); ``input_rstd``: as :meth:`LayerNormLinear.forward`."""
+                input_rstd: torch.Tensor | None = None, input_norm_link=None) -> torch.Tensor:
+        """``input`` (..., hidden_size); ``input_rstd``, ``input_norm_link``: as :meth:`LayerNormLinear.forward`."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.hidden_size, "hidden_size")
         check_input_rstd(input_rstd, input)
+        check_norm_link(input_norm_link, self.normalization, input, self.layer_norm_weight, self.eps)
         st = _ac.get_state()
         if not st.enabled:
-            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                            input_norm_link)
             h = F.linear(ln, self.fc1_weight, self.fc1_bias)
             h = F.gelu(h) if self.activation == "gelu" else self._swiglu(h, fused_default=False)
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         # the norm inside fc1's input quantizer where it can be (its output never written), else on its own
         if self.fuses_norm(input):
-            ln, nkw = input, dict(norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd)
+            ln, nkw = input, dict(norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
+                                  norm_link=input_norm_link)
         else:
-            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                            input_norm_link)
             nkw = {}
         if self.activation == "gelu":
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st, **nkw)

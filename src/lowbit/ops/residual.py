@@ -11,6 +11,17 @@ accounts for its dependence on x).
 
 In torch the add of an FP32 and a BF16 tensor runs the non-vectorized mixed-dtype elementwise kernel (about
 2.5 TB/s on an H200, 3.1 ms of a 1.3b GPT step).
+
+The backward can take over the next RMSNorm's backward (``norm_weight=``, a :class:`NormGradLink`): the module
+whose norm reads ``out`` hands the gradient of its norm output ``dn`` to the link instead of computing the norm's
+backward itself, and the add's backward then runs, in one kernel, what autograd would otherwise run as four
+(torch's RMSNorm backward, its weight-gradient reduction, the sum of the two gradients of ``out`` and the cast of
+that sum to y's dtype): with x̂ = out·rstd and gw = dn·w,
+
+    d_out = g + rstd · (gw − x̂ · mean(gw · x̂))      (g: the gradient of out from its other uses)
+    dx = d_out (FP32),  dy = d_out rounded to y's dtype,  d w = Σ_rows dn · x̂
+
+in FP32 (per-row sums in the kernel's order, the weight gradient as per-program partial sums then one sum).
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ import torch
 
 from .norm_quant import row_reduce_configs
 
-__all__ = ["residual_add", "residual_add_reference", "residual_add_supported"]
+__all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
+           "norm_residual_backward", "norm_residual_backward_reference"]
 
 try:
     import triton
@@ -41,6 +53,22 @@ def residual_add_reference(x: torch.Tensor, y: torch.Tensor, rms_eps: float | No
     from .norm_quant import rmsnorm_rstd_reference
 
     return out, rmsnorm_rstd_reference(out, rms_eps)
+
+
+def norm_residual_backward_reference(g: torch.Tensor | None, dn: torch.Tensor, out: torch.Tensor, rstd: torch.Tensor,
+                                     weight: torch.Tensor, y_dtype: torch.dtype):
+    """The spec of the fused backward (module docstring) in FP64: ``(dx float32, dy y_dtype, dw float32)`` for
+    out (M, K) float32, dn (M, K) any float, g (M, K) float32 or None, rstd (M,), weight (K,). dy is dx's FP32 value
+    rounded to y_dtype, as the kernel rounds it."""
+    K = out.shape[-1]
+    xh = out.reshape(-1, K).double() * rstd.reshape(-1, 1).double()
+    dn2 = dn.reshape(-1, K).double()
+    gw = dn2 * weight.double()
+    d = rstd.reshape(-1, 1).double() * (gw - xh * (gw * xh).mean(dim=1, keepdim=True))
+    if g is not None:
+        d = d + g.reshape(-1, K).double()
+    dx = d.float().reshape(out.shape)
+    return dx, dx.to(y_dtype), (dn2 * xh).sum(0).float()
 
 
 def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -75,6 +103,39 @@ if triton is not None:
         if STATS:
             tl.store(rstd_ptr + rows, rstd_of_sumsq(acc, K, eps), mask=rmask)
 
+    @triton.jit
+    def _norm_residual_bwd_kernel(g_ptr, dn_ptr, o_ptr, rstd_ptr, w_ptr, dx_ptr, dy_ptr, dwp_ptr, M, K,
+                                  HAS_G: tl.constexpr, STORE_DY: tl.constexpr, NEED_DW: tl.constexpr,
+                                  ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The fused backward of residual add + RMSNorm (module docstring). Whole rows in registers (BLOCK_K >= K),
+        ROWS rows at a time; program p takes row groups p, p + P, ... (P programs) and writes its weight-gradient
+        partial sums to dwp[p, :] (summed by the launcher)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        dw = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        for grp in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
+            rows = (grp * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (< M + ROWS: int32 is enough before the cast)
+            rmask = rows < M
+            m = rmask[:, None] & cmask[None, :]
+            off = rows[:, None] * K + cols[None, :]
+            r = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+            xh = tl.load(o_ptr + off, mask=m, other=0.0) * r[:, None]
+            dn = tl.load(dn_ptr + off, mask=m, other=0.0).to(tl.float32)
+            gw = dn * w[None, :]
+            c = tl.math.div_rn(tl.sum(gw * xh, axis=1), K.to(tl.float32))
+            d = r[:, None] * (gw - xh * c[:, None])
+            if HAS_G:
+                d += tl.load(g_ptr + off, mask=m, other=0.0)
+            tl.store(dx_ptr + off, d, mask=m)
+            if STORE_DY:
+                tl.store(dy_ptr + off, d.to(dy_ptr.dtype.element_ty), mask=m)
+            if NEED_DW:
+                dw += dn * xh
+        if NEED_DW:
+            tl.store(dwp_ptr + pid.to(tl.int64) * K + cols, tl.sum(dw, axis=0), mask=cmask)
+
 
 def _launch(x, y, out, rstd, eps, stats: bool):
     from ..quant.triton_backend import _bucket, tuned_launch
@@ -87,25 +148,197 @@ def _launch(x, y, out, rstd, eps, stats: bool):
                                                                              **c))
 
 
+def _bwd_configs(K: int, M: int, n_sm: int) -> list[dict]:
+    """Candidates of the fused backward (rows a program step, warps, programs an SM; the first the default), whole
+    rows in registers: at most 32 FP32 values of each row tile a thread."""
+    kp = max(16, triton.next_power_of_2(K))
+    if INTERPRET:
+        return [dict(ROWS=2, BLOCK_K=kp, num_warps=4, PER_SM=1)]
+    out = []
+    for rows, warps, per_sm in ((2, 8, 4), (1, 4, 8), (4, 8, 2), (1, 8, 4), (2, 4, 8), (4, 16, 2)):
+        if rows * kp <= 32 * 32 * warps:
+            out.append(dict(ROWS=rows, BLOCK_K=kp, num_warps=warps, PER_SM=per_sm))
+    return out
+
+
+NORM_BACKWARD_MAX_K = 16384  # whole rows in registers: wider rows take the composition of torch ops
+
+
+def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.Tensor, rstd: torch.Tensor,
+                           weight: torch.Tensor, y_dtype: torch.dtype, need_dw: bool = True):
+    """The fused backward of ``out = x + y`` followed by ``RMSNorm(out)`` (module docstring).
+
+    Args:
+        g: (M, K)-shaped (any leading dims) float32 gradient of ``out`` from its other uses, or None (zero).
+        dn: ``out``'s shape, float32 / bfloat16 / float16: the gradient of the norm output RMSNorm(out).
+        out: (..., K) float32 contiguous: the residual sum, the norm's input.
+        rstd: (M,) float32: the norm's row statistics, the ones its forward used.
+        weight: (K,) float32 norm weight.
+        y_dtype: the dtype of the add's y (its gradient is returned in it).
+        need_dw: compute the norm weight's gradient.
+
+    Returns:
+        ``(dx, dy, dw)``: dx (out's shape, float32) the gradient of x, dy the same rounded to ``y_dtype`` (dx itself
+        where that is float32), dw (K,) float32 or None. One Triton kernel on CUDA (and under the interpreter) for
+        K <= NORM_BACKWARD_MAX_K, else the same math in torch ops.
+    """
+    K = out.shape[-1]
+    M = out.numel() // K
+    for name, t, dts in (("dn", dn, (torch.float32, torch.bfloat16, torch.float16)), ("g", g, (torch.float32,))):
+        if t is None:
+            continue
+        if t.dtype not in dts or tuple(t.shape) != tuple(out.shape) or t.device != out.device:
+            raise ValueError(f"{name}: expected {'/'.join(str(d) for d in dts)} of shape {tuple(out.shape)} on {out.device} "
+                             f"(out's), got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous float32 tensor, got {out.dtype} (contiguous: {out.is_contiguous()})")
+    if not (rstd.dtype == torch.float32 and rstd.numel() == M and rstd.device == out.device):
+        raise ValueError(f"rstd: expected float32 with {M} elements (one per row of out) on {out.device}, got {rstd.dtype} "
+                         f"{tuple(rstd.shape)} on {rstd.device}")
+    if not (weight.dtype == torch.float32 and tuple(weight.shape) == (K,)):
+        raise ValueError(f"weight: expected float32 of shape ({K},), got {weight.dtype} {tuple(weight.shape)}")
+    if triton is None or not (out.is_cuda or INTERPRET) or K > NORM_BACKWARD_MAX_K or M == 0:
+        return _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw)
+    from ..quant.triton_backend import _bucket, tuned_launch
+
+    dn = dn.contiguous()
+    g = None if g is None else g.contiguous()
+    rstd = rstd.reshape(-1).contiguous()
+    dx = torch.empty_like(out)
+    store_dy = y_dtype != torch.float32
+    dy = torch.empty(out.shape, dtype=y_dtype, device=out.device) if store_dy else dx
+    n_sm = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 1
+    part = {}
+
+    def launch(c):
+        grid = max(1, min(triton.cdiv(M, c["ROWS"]), n_sm * c["PER_SM"]))
+        dwp = torch.empty((grid, K), dtype=torch.float32, device=out.device) if need_dw else dx
+        kw = {k: v for k, v in c.items() if k != "PER_SM"}
+        _norm_residual_bwd_kernel[(grid,)](dx if g is None else g, dn, out, rstd, weight.detach(), dx, dy, dwp, M, K,
+                                          HAS_G=g is not None, STORE_DY=store_dy, NEED_DW=need_dw, **kw)
+        part["dwp"] = dwp
+
+    tuned_launch("norm_residual_bwd", (g is not None, dn.dtype, y_dtype, need_dw, _bucket(M), _bucket(K)),
+                 lambda: _bwd_configs(K, M, n_sm), launch)
+    return dx, dy, (part["dwp"].sum(0) if need_dw else None)
+
+
+def _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw):
+    K = out.shape[-1]
+    xh = out.reshape(-1, K) * rstd.reshape(-1, 1)
+    dn2 = dn.reshape(-1, K).float()
+    gw = dn2 * weight
+    d = rstd.reshape(-1, 1) * (gw - xh * (gw * xh).mean(dim=1, keepdim=True))
+    if g is not None:
+        d = d + g.reshape(-1, K)
+    dx = d.reshape(out.shape)
+    return dx, dx.to(y_dtype), ((dn2 * xh).sum(0) if need_dw else None)
+
+
+class NormGradLink:
+    """Hands the gradient of an RMSNorm's output from the module running that norm back to the residual add whose
+    sum the norm reads, so the add's backward runs the norm's backward fused with its own
+    (:func:`norm_residual_backward`). Made by :func:`residual_add` (``norm_weight=``) and passed to that one norm
+    (``LayerNormLinear`` / ``LayerNormMLP``'s ``input_norm_link``); a module that cannot use it (another norm, a path
+    without RMSNorm) leaves it alone and computes its norm's backward itself, which is the same gradient.
+
+    Attributes: ``weight`` / ``eps`` the norm's, ``rstd`` the sum's row statistics for that eps. (The sum itself is
+    known by address and shape only: holding it would make a reference cycle through its autograd node.)
+    """
+
+    __slots__ = ("out_key", "weight", "eps", "rstd", "_pending")
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+        self.out_key = self.rstd = self._pending = None
+
+    def check(self, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """Raise ValueError unless this link belongs to a norm of ``input`` with ``weight`` and ``eps``."""
+        key = (input.data_ptr(), tuple(input.shape), input.dtype) if isinstance(input, torch.Tensor) else None
+        if key != self.out_key:
+            raise ValueError("input_norm_link: made by residual_add for another tensor; pass the link with the sum it "
+                             f"came with (link's sum {self.out_key and self.out_key[1]}, input "
+                             f"{tuple(getattr(input, 'shape', ()))})")
+        if weight is not self.weight or float(eps) != self.eps:
+            raise ValueError(f"input_norm_link: made for another norm (weight or eps differ: link eps {self.eps}, module eps "
+                             f"{eps}); residual_add(..., norm_weight=) must name this module's norm weight and eps")
+
+    def put(self, dn: torch.Tensor, rstd: torch.Tensor) -> None:
+        """Called by the norm's module in its backward: dn the gradient of the norm output, rstd the statistics its
+        forward used."""
+        if self._pending is not None:
+            raise RuntimeError("NormGradLink: a second norm-output gradient before the residual add's backward took the "
+                               "first; one link serves one norm")
+        self._pending = (dn, rstd)
+
+    def take(self):
+        p, self._pending = self._pending, None
+        return p
+
+
 class _ResidualAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, eps):
+    def forward(ctx, x, y, eps, norm_weight, make_link):  # make_link: a NormGradLink to fill, or None
         out = torch.empty_like(x)
         stats = eps is not None
         rstd = torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device) if stats else out
         _launch(x, y, out, rstd, eps if stats else 1.0, stats)
         ctx.y_dtype = y.dtype
+        ctx.link = None
         if not stats:
             return out
         ctx.mark_non_differentiable(rstd)
+        if not make_link:
+            return out, rstd
+        ctx.link = make_link
+        make_link.out_key, make_link.rstd = (out.data_ptr(), tuple(out.shape), out.dtype), rstd
+        ctx.save_for_backward(out, norm_weight)
         return out, rstd
 
     @staticmethod
     def backward(ctx, g, *_):
-        return g, g.to(ctx.y_dtype), None
+        p = ctx.link.take() if ctx.link is not None else None
+        if p is None:  # no linked norm ran its backward: the add's own
+            return g, g.to(ctx.y_dtype), None, None, None
+        out, w = ctx.saved_tensors
+        dn, rstd = p
+        dx, dy, dw = norm_residual_backward(g, dn, out, rstd, w, ctx.y_dtype, need_dw=ctx.needs_input_grad[3])
+        return dx, dy, None, dw, None
 
 
-def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = None):
+class _LinkedRMSNorm(torch.autograd.Function):
+    """RMSNorm whose backward is handed to a :class:`NormGradLink` (the residual add's backward runs it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, link):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.link = link
+        ctx.save_for_backward(rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (rstd,) = ctx.saved_tensors
+        ctx.link.put(dy, rstd.reshape(-1))
+        return None, None, None, None
+
+
+def rms_norm_linked(x: torch.Tensor, weight: torch.Tensor, eps: float, link: NormGradLink | None) -> torch.Tensor:
+    """``F.rms_norm(x, (K,), weight, eps)`` (the same forward bits, torch's kernel), whose backward runs inside the
+    residual add that made ``link`` (checked to belong to x, weight and eps); without a link (or without torch's
+    ``_fused_rms_norm``), plain ``F.rms_norm``."""
+    if link is None or not hasattr(torch.ops.aten, "_fused_rms_norm"):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    link.check(x, weight, eps)
+    return _LinkedRMSNorm.apply(x, weight, float(eps), link)
+
+
+def _fused_norm_backward_on() -> bool:
+    return os.environ.get("LOWBIT_FUSED_NORM_BACKWARD", "1") != "0"
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = None,
+                 norm_weight: torch.Tensor | None = None):
     """``x + y`` for the residual stream (see the module docstring); differentiable.
 
     Args:
@@ -113,14 +346,31 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         y: x's shape, float32 / bfloat16 / float16: the branch output added to it.
         rms_eps: given (> 0), also return rstd (M,) float32 of the sum's rows, M = prod(x.shape[:-1]), for a
             following RMSNorm with this epsilon (``LayerNormLinear`` / ``LayerNormMLP``'s ``input_rstd``).
+        norm_weight: (K,) float32, that following RMSNorm's weight (needs ``rms_eps``): also return a
+            :class:`NormGradLink` for the norm's module (``input_norm_link``), whose backward then runs inside this
+            add's (``LOWBIT_FUSED_NORM_BACKWARD=0`` turns that off: the link is None).
 
     Returns:
-        ``out`` (x's shape, float32), or ``(out, rstd)`` with ``rms_eps``. One Triton kernel where
-        :func:`residual_add_supported`; else torch's ``x + y`` and rstd None (a following fused norm then computes
-        its statistics itself: nothing is gained by computing them here apart from the sum).
+        ``out`` (x's shape, float32); ``(out, rstd)`` with ``rms_eps``; ``(out, rstd, link)`` with ``norm_weight``.
+        One Triton kernel where :func:`residual_add_supported`; else torch's ``x + y``, and rstd and link None (a
+        following fused norm then computes its statistics itself: nothing is gained by computing them here apart
+        from the sum).
     """
     if rms_eps is not None and (not isinstance(rms_eps, (int, float)) or isinstance(rms_eps, bool) or not rms_eps > 0):
         raise ValueError(f"rms_eps: expected None or a float > 0, got {rms_eps!r}")
+    if norm_weight is not None:
+        if rms_eps is None:
+            raise ValueError("norm_weight: needs rms_eps (the norm's epsilon)")
+        if not (isinstance(norm_weight, torch.Tensor) and norm_weight.dtype == torch.float32
+                and tuple(norm_weight.shape) == (x.shape[-1],)):
+            raise ValueError(f"norm_weight: expected a float32 tensor of shape ({x.shape[-1]},), got "
+                             f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} {tuple(getattr(norm_weight, 'shape', ()))}")
     if not residual_add_supported(x, y):
-        return x + y if rms_eps is None else (x + y, None)
-    return _ResidualAdd.apply(x, y, None if rms_eps is None else float(rms_eps))
+        if rms_eps is None:
+            return x + y
+        return (x + y, None) if norm_weight is None else (x + y, None, None)
+    if rms_eps is None:
+        return _ResidualAdd.apply(x, y, None, None, None)
+    link = NormGradLink(norm_weight, float(rms_eps)) if norm_weight is not None and _fused_norm_backward_on() else None
+    out, rstd = _ResidualAdd.apply(x, y, float(rms_eps), norm_weight if link is not None else None, link)
+    return (out, rstd) if norm_weight is None else (out, rstd, link)
