@@ -41,7 +41,7 @@ def training_step(preset: str, bs: int, seq: int, recipe_name: str, dev):
 def group(name: str) -> str:
     n = name.lower()
     for key, g in (("swiglu_quant", "fused swiglu+quantize"), ("_swiglu", "swiglu"), ("rms_rstd", "norm"),
-                   ("residual_add", "elementwise"), ("_rope", "rope"), ("nvjet", "gemm fp8 (cublas)"), ("scaled_mm", "gemm fp8 (cublas)"), ("fp8_gemm", "gemm fp8 (triton)"),
+                   ("residual_add", "elementwise"), ("norm_residual", "norm"), ("_rope", "rope"), ("nvjet", "gemm fp8 (cublas)"), ("scaled_mm", "gemm fp8 (cublas)"), ("fp8_gemm", "gemm fp8 (triton)"),
                    ("gemm", "gemm (cublas bf16)"), ("cutlass", "gemm (cublas bf16)"), ("sm90_xmma", "gemm (cublas bf16)"),
                    ("blockwise_kernel", "quantize"), ("tensorwise", "quantize"), ("amax", "quantize"), ("rowscale", "quantize"),
                    ("mxfp8", "quantize"), ("nvfp4", "quantize"),

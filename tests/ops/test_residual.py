@@ -120,11 +120,11 @@ def check_norm_backward(device, shapes=BWD_SHAPES):
             size = r * (gw.abs() + xh.abs() * (gw * xh).abs().mean(dim=1, keepdim=True))
             if g is not None:
                 size = size + g.double().reshape(-1, K).cpu().abs()
-            err = (dx.double().cpu() - rdx.double()).reshape(-1, K).abs()
+            err = (dx.double().cpu() - rdx.double().cpu()).reshape(-1, K).abs()
             assert bool((err <= 64 * EPS32 * size).all()), (shape, dn_dt, float((err / size).max() / EPS32))
             M = out.numel() // K
             dsize = (dn.double().reshape(-1, K).cpu() * xh).abs().sum(0)
-            derr = (dw.double().cpu() - rdw.double()).abs()
+            derr = (dw.double().cpu() - rdw.double().cpu()).abs()
             assert dw.shape == (K,) and bool((derr <= (M + 64) * EPS32 * dsize).all()), (shape, float((derr / dsize).max()))
             assert R.norm_residual_backward(g, dn, out, rstd, w, y_dt, need_dw=False)[2] is None
     print("ok")

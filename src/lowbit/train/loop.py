@@ -659,8 +659,6 @@ def _train_one(c: TrainConfig) -> dict:
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
-                elif graphed.update is None and graphed.update_capturable(opt):
-                    graphed.capture_update(opt, c.grad_clip, lr)
                 phases.mark("data+launch")
                 loss_sum = graphed.replay().clone()
                 phases.mark("replay launch")
@@ -719,6 +717,10 @@ def _train_one(c: TrainConfig) -> dict:
                 phases.mark("clip launch")
                 opt.step()
                 phases.mark("optimizer launch")
+                if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
+                    # the optimizer has state now: capture the update graph here, in the (untimed) first step
+                    # (capturing synchronizes and collects garbage: tens of ms), replayed from the next step on
+                    graphed.capture_update(opt, c.grad_clip, lr)
             if graphed is None:
                 opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
