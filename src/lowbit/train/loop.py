@@ -350,11 +350,25 @@ class _Phases:
 
     def __init__(self, on: bool):
         self.on, self.n, self.t, self.acc = on, -1, 0.0, {}
+        self.events: list = []  # (name, CUDA event) of this step: GPU time between consecutive ones
 
     def start(self, t0: float) -> None:
         if self.on:
             self.n += 1
             self.t = t0
+
+    def gpu_mark(self, name: str) -> None:
+        """Record a CUDA event; the GPU time from the previous mark to this one is reported as "gpu <name>"."""
+        if self.on and self.n > 0:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append((name, ev))
+
+    def end_step(self) -> None:
+        """After the step's synchronize: add up the GPU intervals of its marks."""
+        for (_, a), (name, b) in zip(self.events, self.events[1:]):
+            self.acc["gpu " + name] = self.acc.get("gpu " + name, 0.0) + a.elapsed_time(b) / 1e3
+        self.events = []
 
     def mark(self, name: str) -> None:
         if self.on and self.n > 0:
@@ -460,10 +474,15 @@ class _GraphedStep:
     def set_lr(self, lr: float) -> None:
         self.lr.fill_(lr)
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, mark=None) -> torch.Tensor:
+        """Replay the step; ``mark(name)`` (diagnostics) is called before, between and after the graphs."""
+        mark = mark or (lambda name: None)
+        mark("start")
         self.graph.replay()
+        mark("forward+backward")
         if self.update is not None:
             self.update.replay()
+            mark("update")
         return self.loss_sum
 
     def skipped(self) -> bool:
@@ -660,7 +679,7 @@ def _train_one(c: TrainConfig) -> dict:
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
                 phases.mark("data+launch")
-                loss_sum = graphed.replay().clone()
+                loss_sum = graphed.replay(phases.gpu_mark).clone()
                 phases.mark("replay launch")
                 if recipe is not None:
                     lnn.state.check_captured(wait=False)
@@ -729,6 +748,7 @@ def _train_one(c: TrainConfig) -> dict:
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
         phases.mark("wait clip+optimizer")
+        phases.end_step()
         dt = time.perf_counter() - t0
         if step > start:  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
