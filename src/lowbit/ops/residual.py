@@ -148,7 +148,7 @@ def _launch(x, y, out, rstd, eps, stats: bool):
                                                                              **c))
 
 
-def _bwd_configs(K: int, M: int, n_sm: int) -> list[dict]:
+def _bwd_configs(K: int) -> list[dict]:
     """Candidates of the fused backward (rows a program step, warps, programs an SM; the first the default), whole
     rows in registers: at most 32 FP32 values of each row tile a thread."""
     kp = max(16, triton.next_power_of_2(K))
@@ -219,20 +219,21 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         part["dwp"] = dwp
 
     tuned_launch("norm_residual_bwd", (g is not None, dn.dtype, y_dtype, need_dw, _bucket(M), _bucket(K)),
-                 lambda: _bwd_configs(K, M, n_sm), launch)
+                 lambda: _bwd_configs(K), launch)
     return dx, dy, (part["dwp"].sum(0) if need_dw else None)
 
 
 def _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw):
+    """The same math without the kernel: norm_quant.rms_norm_backward (torch's RMSNorm backward on CUDA), then the
+    sum and the cast."""
+    from .norm_quant import rms_norm_backward
+
     K = out.shape[-1]
-    xh = out.reshape(-1, K) * rstd.reshape(-1, 1)
-    dn2 = dn.reshape(-1, K).float()
-    gw = dn2 * weight
-    d = rstd.reshape(-1, 1) * (gw - xh * (gw * xh).mean(dim=1, keepdim=True))
+    dx, dw = rms_norm_backward(dn, out.reshape(-1, K), rstd.reshape(-1), weight, need_dw)
     if g is not None:
-        d = d + g.reshape(-1, K)
-    dx = d.reshape(out.shape)
-    return dx, dx.to(y_dtype), ((dn2 * xh).sum(0) if need_dw else None)
+        dx = dx + g.reshape(-1, K)
+    dx = dx.reshape(out.shape)
+    return dx, dx.to(y_dtype), dw
 
 
 class NormGradLink:
