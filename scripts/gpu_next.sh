@@ -62,6 +62,12 @@ case "${1:-verify}" in
   s8t)  # the 1.3b pair alone, with the host phases and the graphs' GPU time
     stage 330 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
       --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
+  s8final)  # the train GPU tests, then the 1.3b and 350m pairs at the session's end
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train tests/ops/test_residual.py -rfE
+    stage 240 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
+      --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 200 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 \
+      --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/m350" ;;
   s8prof)  # the step profiles of both recipes
     stage 100 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_residual.py -rfE
     stage 280 env OUT="$OUT" python3 scripts/profile_model.py 1.3b 4 2048 bf16,fp8-block ;;

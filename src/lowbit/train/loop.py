@@ -654,6 +654,12 @@ def _train_one(c: TrainConfig) -> dict:
     stopped_early = False
     step = start
     phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
+    prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
+
+    def graph_batches(step: int) -> list:
+        return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
+                                   c.seq_len, d.device) for m in range(c.grad_accum)]
+
     for step in range(start, c.steps):
         t0 = time.perf_counter()
         phases.start(t0)
@@ -669,10 +675,9 @@ def _train_one(c: TrainConfig) -> dict:
             fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
         try:
             if graphed is not None:  # (one process: this rank's rows are the global batch's)
-                for m in range(c.grad_accum):
-                    r0 = m * c.batch_size
-                    graphed.load(m, *corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch,
-                                                        c.seq_len, d.device))
+                batches = prefetched.pop(step, None) or graph_batches(step)
+                for m, (x, y) in enumerate(batches):
+                    graphed.load(m, x, y)
                 if graphed.graph is None:
                     graphed.capture()
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
@@ -680,6 +685,8 @@ def _train_one(c: TrainConfig) -> dict:
                     torch.manual_seed(step_key)
                 phases.mark("data+launch")
                 loss_sum = graphed.replay(phases.gpu_mark).clone()
+                if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
+                    prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")
                 if recipe is not None:
                     lnn.state.check_captured(wait=False)
