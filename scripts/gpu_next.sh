@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The GPU stages, each with its own time limit so one slow stage cannot eat the rest of a device call (600 s). Run
 # on the device tool with carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (the numbers in
-# BENCHMARKS.md are from H200s). Session 7 (2026-11-23) ran s7train and verify's suite (328 passed, b45cf41).
-#   bash scripts/gpu_next.sh verify     # ~4 min: the whole GPU suite + the forced-Gluon GEMM
+# BENCHMARKS.md are from H200s). ALWAYS keep LOWBIT_AUTOTUNE=0 for test stages (tuning every test shape takes >7 min).
+# Session 8 (2026-11-23) ran s8, s8b, s8prof, s8t, verify (336 passed at ede54d7) and s8final.
+#   bash scripts/gpu_next.sh verify     # ~4.5 min: the whole GPU suite + the forced-Gluon GEMM
 #   bash scripts/gpu_next.sh kernels    # ~5 min: bench gemm, quant, attention fwd (D=128 non-causal), attention bwd
 #   bash scripts/gpu_next.sh close      # ~8 min: backward/quantize GPU tests, bench quant, attention bwd on all six
 #                                       #   issue cases (2 rounds), attention fwd D=64 and causal D=128
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
-#   bash scripts/gpu_next.sh s7train    # ~3 min: 1.3b fp8-block vs BF16 and the fp8-block profile only
-# Leads for the open targets (BENCHMARKS.md, session 7): the 1x128 row+col quantizer at 0.68-0.72 of copy (target
-# 0.85; whole-tile and persistent-grid variants were slower, see rowcol_sweep.py); the fused SwiGLU quantizer at
-# 0.46 of copy; the rstd pass of the fused norm (1 ms a 1.3b step) could come from the residual add before it;
-# the 128x128 weight quantization could be fused into the optimizer step; Block on lowbit.nn.MultiheadAttention.
+#   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
+#   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Leads for the open targets (BENCHMARKS.md, session 8): 1.3b fp8-block 1.21x BF16 (target 1.3x). FP8-only time
+# left a step: 11.5 ms of 1x128/128x128 quantization (row+col at 0.68-0.72 of copy; whole-tile and persistent-grid
+# variants were slower, rowcol_sweep.py), the SwiGLU quantizer 3.5 ms (0.46 of copy), ~4 ms of gaps between the
+# fp8 graph's ~2,000 kernels (288 scale-grid zero fills, 47 weight-gradient partial sums), the update graph's
+# gradient norm (13.2 ms against AdamW's 9.9), RoPE's backward (1.2 ms) which the QKV grad_output quantizer could
+# apply, the 128x128 weight quantization (~2 ms) which could run inside the optimizer step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
