@@ -392,8 +392,9 @@ class _GraphedStep:
     are rewritten by every replay (so they are never set to None between steps). The loss read and the
     NaN checks stay on the host. The update graph replays right behind the first (the GPU never waits for
     the host between them) and decides on the device whether to skip the step: the fused AdamW kernel's
-    ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite — the same step
-    the host's checks skip in the eager loop. Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
+    ``found_inf`` is set when the loss or a recorded amax is non-finite (the steps the host's checks skip in the
+    eager loop) or the gradient norm is (which the eager loop does not check; the host reports it as the event
+    ``gradients/grad_norm``). Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
     kernel's ``grad_scale`` (it divides the gradients by it) instead of a separate pass multiplying every
     gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
     loop refills each step.
