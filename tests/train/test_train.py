@@ -97,6 +97,24 @@ def test_nonfinite_skip_and_rollback_report_layer_and_step(tmp_path, small_text,
         train(TrainConfig(out_dir=str(tmp_path / "raise"), on_nonfinite="raise", **base))
 
 
+def test_nonfinite_gradient_norm_skips_the_step(tmp_path, small_text, cache_dir, monkeypatch):
+    """A non-finite gradient norm with a finite loss (BF16: no amax sentry) skips the step instead of writing NaN
+    into the weights, reported as gradients/grad_norm (the update graph decides the same on the device)."""
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def clip(params, max_norm, *a, **kw):
+        calls.append(1)
+        total = real(params, max_norm, *a, **kw)
+        return total * float("inf") if len(calls) == 3 else total
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    s = train(TrainConfig(recipe="bf16", steps=5, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir,
+                          eval_every=5, eval_windows=4, progress=False, verbose=False, out_dir=str(tmp_path)))
+    assert [(e["step"], e["layer"], e["role"], e["action"]) for e in s["events"]] == [(2, "gradients", "grad_norm", "skip")]
+    assert [st for st, _ in s["history"]["train"]] == [1, 2, 4, 5]
+    assert math.isfinite(s["final_val_loss"])
+
+
 def test_compare_bf16(tmp_path, small_text, cache_dir, targs):
     s = run_train(targs("--recipe", "fp8-current", "--compare", "bf16", "--steps", 4, "--batch-size", 4, "--seq-len", 64,
                         "--data", small_text, "--cache-dir", cache_dir, "--out-dir", tmp_path, "--eval-windows", 4, *QUIET))

@@ -69,7 +69,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
-                   help="on a non-finite amax or loss: skip the step, roll back to the last checkpoint, or stop (default skip)")
+                   help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, roll back to the last checkpoint, or stop (default skip)")
     g.add_argument("--compare", choices=("bf16",), default=None, help="also run the BF16 baseline on the same data and seed")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("hardware")

@@ -392,9 +392,8 @@ class _GraphedStep:
     are rewritten by every replay (so they are never set to None between steps). The loss read and the
     NaN checks stay on the host. The update graph replays right behind the first (the GPU never waits for
     the host between them) and decides on the device whether to skip the step: the fused AdamW kernel's
-    ``found_inf`` is set when the loss or a recorded amax is non-finite (the steps the host's checks skip in the
-    eager loop) or the gradient norm is (which the eager loop does not check; the host reports it as the event
-    ``gradients/grad_norm``). Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
+    ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite: the steps the eager
+    loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
     kernel's ``grad_scale`` (it divides the gradients by it) instead of a separate pass multiplying every
     gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
     loop refills each step.
@@ -713,7 +712,14 @@ def _train_one(c: TrainConfig) -> dict:
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
         updated = graphed is not None and graphed.update is not None  # the step ran (or was skipped) on the device
-        grads_bad = updated and not found and math.isfinite(step_loss) and graphed.skipped()
+        grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
+        if updated:
+            grads_bad = not found and math.isfinite(step_loss) and graphed.skipped()
+        elif c.grad_clip > 0:  # every rank clips (a collective under FSDP2); a non-finite norm skips the step too
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            grads_bad = not found and math.isfinite(step_loss) and not math.isfinite(float(total))
+            phases.mark("clip")
         bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
         phases.mark("loss read")
         if bad:
@@ -739,9 +745,6 @@ def _train_one(c: TrainConfig) -> dict:
             _say(d, c, f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
         else:
             if not updated:
-                if c.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-                phases.mark("clip launch")
                 opt.step()
                 phases.mark("optimizer launch")
                 if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
