@@ -35,7 +35,7 @@ def pers_variants():
     return [dict(KIND="pers", BM=128, CTAS=1, PREFETCH=pf, num_warps=w) for w in (16, 8) for pf in (1, 2)]
 
 
-WHOLE = "--whole" in sys.argv  # also the whole-tile persistent variants (session 7: all slower, 0.28-0.57)
+WHOLE = False  # --whole: also the whole-tile persistent variants (session 7: all slower, 0.28-0.57)
 
 
 def _copy_bw(x):
@@ -116,6 +116,8 @@ def main():
     ap.add_argument("--shapes", default="8192x8192,8192x2048,8192x11264")
     ap.add_argument("--swiglu", default="8192x5632,16384x2816")
     a = ap.parse_args()
+    global WHOLE
+    WHOLE = a.whole
     parse = lambda s: [tuple(int(v) for v in t.split("x")) for t in s.split(",") if t]  # noqa: E731
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     swiglu(parse(a.swiglu))

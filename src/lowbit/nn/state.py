@@ -307,15 +307,20 @@ class _PinnedRing:
 _ring = _PinnedRing()
 
 
+def _max_of(parts: list) -> torch.Tensor:
+    """(1,) float32: the max of the amax tensors ``parts`` (finite iff all are: NaN propagates through max, amaxes
+    are >= 0)."""
+    try:  # the usual case: float32 (1,) amaxes on one device -> one cat, one max
+        return torch.cat(parts).max().reshape(1)
+    except RuntimeError:  # mixed devices / shapes / dtypes
+        dev = parts[0].device
+        return torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts]).max().reshape(1)
+
+
 def _launch_check(recs: list) -> None:
     """Queue one finiteness check over every amax of ``recs``: the max of all of them (NaN propagates
     through max, amaxes are >= 0, so the max is finite iff all are), copied asynchronously on CUDA."""
-    parts = [a for r in recs for a in r[5]]
-    try:  # the usual case: float32 (1,) amaxes on one device -> one cat, one max
-        mx = torch.cat(parts).max().reshape(1)
-    except RuntimeError:  # mixed devices / shapes / dtypes
-        dev = parts[0].device
-        mx = torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts]).max().reshape(1)
+    mx = _max_of([a for r in recs for a in r[5]])
     if mx.is_cuda:
         slot = _ring.take()
         if slot is None:  # every slot in flight: read the oldest checks first (this waits)
@@ -408,11 +413,13 @@ def check_captured(wait: bool = True) -> None:
     _drain(wait)
 
 
-def captured_amaxes() -> list:
-    """The amax tensors recorded while a CUDA graph was captured (each replay rewrites them): what a device-side
-    skip decision inside a later graph (``lowbit train``'s captured optimizer step) reads."""
+def captured_amax_max() -> torch.Tensor | None:
+    """(1,) float32, the max of the amaxes recorded while a CUDA graph was captured (each replay rewrites them),
+    finite iff all are, as the sentry's own check computes it; None without records. For a device-side skip
+    decision inside a later graph (``lowbit train``'s captured optimizer step)."""
     with _lock:
-        return [a for rec in _captured for a in rec[5]]
+        parts = [a for rec in _captured for a in rec[5]]
+    return _max_of(parts) if parts else None
 
 
 def clear_captured() -> None:

@@ -393,9 +393,9 @@ class _GraphedStep:
     NaN checks stay on the host. The update graph replays right behind the first (the GPU never waits for
     the host between them) and decides on the device whether to skip the step: the fused AdamW kernel's
     ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite: the steps the eager
-    loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes ``1 / min(1, max_norm / (norm + 1e-6))`` as the
-    kernel's ``grad_scale`` (it divides the gradients by it) instead of a separate pass multiplying every
-    gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
+    loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes
+    ``1 / min(1, max_norm / (norm + 1e-6))`` as the kernel's ``grad_scale`` (it divides the gradients by it)
+    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
     loop refills each step.
     """
 
@@ -452,12 +452,12 @@ class _GraphedStep:
         for g in opt.param_groups:  # (drop() puts floats back; checkpoints store floats, see checkpoint.gather_state)
             g["lr"] = self.lr
             g["capturable"] = True
-        amaxes = lnn.state.captured_amaxes()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             bad = ~torch.isfinite(self.loss_sum)
-            if amaxes:
-                bad = bad | ~torch.isfinite(torch.cat([a.detach().float().reshape(-1) for a in amaxes])).all()
+            mx = lnn.state.captured_amax_max()  # (captured here: each replay reduces the replayed amaxes)
+            if mx is not None:
+                bad = bad | ~torch.isfinite(mx[0])
             scale = None
             if grad_clip > 0:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
