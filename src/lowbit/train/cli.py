@@ -139,6 +139,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         run_train(args)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # every rank reaches the teardown together: rank 0 still writes the report while the others finish, and
+            # tearing down gloo under a peer still in it aborted a rank now and then (CI, FSDP, 2026-11-23)
+            dist.barrier()
     except ValueError as e:
         p.exit(2, f"lowbit train: error: {e}\n")
     except OSError as e:
