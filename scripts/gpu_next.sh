@@ -49,6 +49,9 @@ case "${1:-verify}" in
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_d64"
     stage 120 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal yes \
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_causal" ;;
+  s9a)  # session 9: the Gluon TMA-pipelined 1x128 row+col quantizer: its GPU tests and the row+col sweep
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon or blockwise or fp8_kernels" -rfE
+    stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x2048,8192x11264,16384x4096 ;;
   s7train)
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"

@@ -309,6 +309,73 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_blockwise_gluon_every_candidate_bit_identical(cuda, monkeypatch):
+    """The Gluon TMA-pipelined 1x128 row+col quantizer (quant_gluon.rowcol_1x128_gluon), each launch candidate forced
+    alone: one tile, fewer tiles than programs, more tiles than programs (144 > 132 SMs), a tall-narrow and a
+    wide-short panel; BF16 and FP16; E4M3 pow2, E5M2 non-pow2 and eps scales; NaN / Inf / zero tiles. The inputs it must
+    leave to blockwise_kernel (ragged, misaligned, one copy, 2D) are not routed to it."""
+    import lowbit.quant.triton_backend as tb
+
+    if not tb._gluon_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+        pytest.skip("Gluon quantizer not available on this GPU / Triton")
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
+    shapes = [(128, 128), (256, 384), (2048, 1152), (4096, 256), (128, 4096)]
+    for j, cfg in enumerate(tb._GLUON_CONFIGS):
+        monkeypatch.setattr(tb, "_GLUON_CONFIGS", [cfg])
+        for dtype in (torch.bfloat16, torch.float16):
+            for i, shape in enumerate(shapes if j == 0 else shapes[1:3]):
+                x = _randn(shape, dtype, cuda, seed=140 + i)
+                if i == 1:  # special values, and a tile of zeros (scale 1)
+                    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+                    x[128:256, 256:384] = 0
+                for sch in schemes if j == 0 else schemes[:1]:
+                    tb._BLOCKWISE_PLANS.clear()
+                    bad = compare(x, sch, True, True)
+                    plans = list(tb._BLOCKWISE_PLANS.values())
+                    assert plans and plans[-1].fn is tb._GLUON_LAUNCH, f"{cfg} {shape}: not the Gluon kernel"
+                    assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
+    x = _randn((256 * 384 + 8,), torch.bfloat16, cuda, seed=150)
+    assert not tb._gluon_ok(x[1:1 + 256 * 384].view(256, 384), 128, False, True, True)  # misaligned
+    y = _randn((256, 400), torch.bfloat16, cuda, seed=151)
+    assert not tb._gluon_ok(y, 128, False, True, True)  # ragged
+    z = y[:, :384].contiguous()
+    assert not tb._gluon_ok(z, 128, True, True, True) and not tb._gluon_ok(z, 128, False, True, False)
+    assert not tb._gluon_ok(z.float(), 128, False, True, True)
+    tb._BLOCKWISE_PLANS.clear()
+
+
+def test_blockwise_gluon_compiles_for_sm90():
+    """The Gluon quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine (Triton's own
+    toolchain, no GPU): no register spills, its loads are TMA, its FP8 casts the hardware's saturating ones."""
+    pytest.importorskip("triton")
+    from lowbit.quant.kernels import quant_gluon as QG
+
+    if not QG.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
+               M="i32", K="i32", rs_ld="i32", cs_ld="i32", n_prog="i32", FMAX="constexpr", POW2="constexpr",
+               EPS="constexpr", ROW="constexpr", COL="constexpr", STAGES="constexpr", abs_mask="i32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "K")}
+    src = GluonASTSource(fn=QG.rowcol_1x128_gluon, signature=sig, attrs=attrs,
+                         constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, ROW=True, COL=True, STAGES=4))
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    except RuntimeError as e:  # no ptxas usable here
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    ptx = k.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ".local" not in ptx  # nothing spilled to local memory
+    assert k.metadata.shared >= 4 * 128 * 128 * 2  # the four stages of input tiles
+
+
+@pytest.mark.gpu
 def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
     """Each blockwise_kernel launch config the autotuner may pick (triton_backend._blockwise_configs), forced one at
     a time (the persistent kernel kept out), for BF16 and FP32 input, 1D and 2D, every copy combination: ragged and

@@ -26,10 +26,11 @@ import sys
 import torch
 import triton
 
-from .._launch import CachedLaunch
+from .._launch import CachedLaunch, ensure_tma_allocator
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
+from .kernels import quant_gluon as QG
 from .reference import _validate, resolve_seed
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
@@ -330,6 +331,39 @@ def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, colum
     return [dict(c, KIND="pers") for c in _PERSISTENT[(two_d, rowwise, columnwise, x2.dtype)]]
 
 
+# Candidates of the Gluon TMA-pipelined 1x128 row+col kernel (quant_gluon.rowcol_1x128_gluon; first = default
+# without autotuning): STAGES input tiles of 32 KiB in flight an SM, CTAS programs an SM.
+_GLUON_CONFIGS = [dict(KIND="gluon", STAGES=4, CTAS=1, num_warps=8), dict(KIND="gluon", STAGES=6, CTAS=1, num_warps=8),
+                  dict(KIND="gluon", STAGES=3, CTAS=1, num_warps=8), dict(KIND="gluon", STAGES=4, CTAS=1, num_warps=4),
+                  dict(KIND="gluon", STAGES=2, CTAS=2, num_warps=8)]
+GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "1") == "1"
+
+
+def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
+    """Whether quant_gluon.rowcol_1x128_gluon may run: 1x128 with both copies from 16-bit input of whole 128 x 128
+    tiles, 16-byte aligned (a TMA descriptor's base), on a Hopper GPU (TMA, and the hardware FP8 cast: not with
+    LOWBIT_SW_ROUND), Gluon importable; LOWBIT_QUANT_GLUON=0 turns it off."""
+    M, Kd = x2.shape
+    return (GLUON_QUANT and QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d
+            and rowwise and columnwise and x2.dtype in (torch.bfloat16, torch.float16) and M % 128 == 0
+            and Kd % 128 == 0 and x2.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x2.device)[0] == 9)
+
+
+class _GluonLaunch:
+    """``fn[grid](*args, **kw)`` for the Gluon kernel, installing the TMA scratch allocator of the calling thread
+    first (its descriptors are built in-kernel; the autograd engine runs backward kernels on its own threads)."""
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            ensure_tma_allocator()
+            QG.rowcol_1x128_gluon[grid](*args, **kw)
+
+        return run
+
+
+_GLUON_LAUNCH = _GluonLaunch()
+
+
 def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
@@ -448,6 +482,11 @@ class _BlockwisePlan:
         if kind == "pers":
             n_prog = min(cdiv(M, bm) * cdiv(Kd, bs), self.nsm * c["CTAS"])
             return K.blockwise_persistent_kernel, (n_prog,), (n_prog,), kw
+        if kind == "gluon":
+            n_prog = min(cdiv(M, 128) * cdiv(Kd, 128), self.nsm * c["CTAS"])
+            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], ROW=self.kw["ROW"],
+                      COL=self.kw["COL"], STAGES=c["STAGES"], num_warps=c["num_warps"])
+            return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
         gm, gk = cdiv(M, bm), cdiv(Kd, bs)
         kw["KMAJOR"] = gm <= 65535  # a grid's y extent is at most 65535
         return K.blockwise_kernel, ((gk, gm) if kw["KMAJOR"] else (gm, gk)), (), kw
@@ -459,7 +498,8 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     two_d = sch.block_dim == 2
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers)
+    glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -469,14 +509,14 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (where the persistent kernel may run, the autotuner times both kernels' candidates)
-        cands = _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
+        cands = (list(_GLUON_CONFIGS) if glu else []) + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, *args, *extra, **kw)
 
-        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, pers, _bucket(M), _bucket(Kd)), cands,
+        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, _bucket(M), _bucket(Kd)), cands,
                          launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
