@@ -331,18 +331,18 @@ def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, colum
     return [dict(c, KIND="pers") for c in _PERSISTENT[(two_d, rowwise, columnwise, x2.dtype)]]
 
 
-# Candidates of the Gluon TMA-pipelined 1x128 row+col kernel (quant_gluon.rowcol_1x128_gluon; first = default
-# without autotuning): STAGES input tiles of 32 KiB in flight an SM, CTAS programs an SM.
-_GLUON_CONFIGS = [dict(KIND="gluon", STAGES=4, CTAS=1, num_warps=8), dict(KIND="gluon", STAGES=6, CTAS=1, num_warps=8),
-                  dict(KIND="gluon", STAGES=3, CTAS=1, num_warps=8), dict(KIND="gluon", STAGES=4, CTAS=1, num_warps=4),
-                  dict(KIND="gluon", STAGES=2, CTAS=2, num_warps=8)]
-GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "1") == "1"
+# Candidates of the Gluon TMA-pipelined 1x128 row+col kernel (quant_gluon.rowcol_1x128_gluon): STAGES input tiles
+# of 32 KiB in flight a CTA, CTAS programs an SM, SR-row slabs of RPT rows a thread. H200, session 9: 0.70-0.71 of a
+# copy, the same as blockwise_kernel's slab walk (the other variants measured, 0.28-0.57, are in BENCHMARKS.md); so
+# it is opt-in: LOWBIT_QUANT_GLUON=1.
+_GLUON_CONFIGS = [dict(KIND="gluon", SR=32, RPT=4, STAGES=2, CTAS=2, num_warps=4)]
+GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "0") == "1"
 
 
 def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     """Whether quant_gluon.rowcol_1x128_gluon may run: 1x128 with both copies from 16-bit input of whole 128 x 128
     tiles, 16-byte aligned (a TMA descriptor's base), on a Hopper GPU (TMA, and the hardware FP8 cast: not with
-    LOWBIT_SW_ROUND), Gluon importable; LOWBIT_QUANT_GLUON=0 turns it off."""
+    LOWBIT_SW_ROUND), Gluon importable, and asked for (LOWBIT_QUANT_GLUON=1: it is no faster than blockwise_kernel)."""
     M, Kd = x2.shape
     return (GLUON_QUANT and QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d
             and rowwise and columnwise and x2.dtype in (torch.bfloat16, torch.float16) and M % 128 == 0
@@ -474,19 +474,21 @@ class _BlockwisePlan:
 
     def launch_args(self, c: dict):
         """(kernel, grid, extra positional arguments, keyword arguments) for candidate ``c``."""
-        M, Kd, bs, bm = self.M, self.K, self.bs, c["BM"]
+        M, Kd, bs = self.M, self.K, self.bs
         kind = c.get("KIND")
+        if kind == "gluon":
+            n_prog = min(cdiv(M, 128) * cdiv(Kd, 128), self.nsm * c["CTAS"])
+            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], ROW=self.kw["ROW"],
+                      COL=self.kw["COL"], STAGES=c["STAGES"], SR=c["SR"], RPT=c["RPT"],
+                      num_warps=c["num_warps"])
+            return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
+        bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})
         kw["EVEN"] = M % bm == 0 and Kd % bs == 0
         kw["WIDE"] = bm * Kd + bs >= 2**31 or bs * M + bm >= 2**31  # in-tile offsets past int32
         if kind == "pers":
             n_prog = min(cdiv(M, bm) * cdiv(Kd, bs), self.nsm * c["CTAS"])
             return K.blockwise_persistent_kernel, (n_prog,), (n_prog,), kw
-        if kind == "gluon":
-            n_prog = min(cdiv(M, 128) * cdiv(Kd, 128), self.nsm * c["CTAS"])
-            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], ROW=self.kw["ROW"],
-                      COL=self.kw["COL"], STAGES=c["STAGES"], num_warps=c["num_warps"])
-            return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
         gm, gk = cdiv(M, bm), cdiv(Kd, bs)
         kw["KMAJOR"] = gm <= 65535  # a grid's y extent is at most 65535
         return K.blockwise_kernel, ((gk, gm) if kw["KMAJOR"] else (gm, gk)), (), kw

@@ -1,11 +1,14 @@
 """Gluon (Triton's explicit-layout dialect) 1x128 FP8 quantizer for Hopper: rowwise + columnwise copies from one
 read, with the input streamed through shared memory by TMA.
 
-Why a second kernel next to ``quant.blockwise_kernel``: that kernel's slab walk loads with plain global loads, so a
-warp waits for each of its slabs and the memory system sees only what a few CTAs an SM have asked for at once:
-0.68-0.72 of a device copy on the H200 (BENCHMARKS.md, sessions 4-7, every launch variant swept). Here one CTA an
-SM walks its tiles with STAGES tiles of TMA loads in flight (STAGES x 32 KiB of input a SM), computes a tile from
-shared memory while the next ones arrive, and writes both FP8 copies with vectorized stores.
+Why a second kernel next to ``quant.blockwise_kernel``: that kernel's slab walk loads with plain global loads, and
+reaches 0.68-0.72 of a device copy on the H200 (BENCHMARKS.md, sessions 4-7, every launch variant swept); the
+question was whether loads kept in flight by TMA would do better. Here each CTA walks its tiles with STAGES tiles
+of TMA loads in flight, and reads each tile twice from shared memory in SR-row slabs. Measured on the H200
+(session 9, BENCHMARKS.md): 0.70-0.71 of a copy at best, the same as the slab walk; whole tiles in registers
+(255 / 142 registers a thread, one CTA an SM) 0.49, the transposed tile written through 128-byte-swizzled shared
+memory and TMA stores 0.28-0.54. So it is not a default: ``LOWBIT_QUANT_GLUON=1`` adds it to the autotuner's
+candidates; tests force it.
 
 The numbers are blockwise_kernel's (hence the reference's, bit for bit): amax as a max over int32 patterns of |x|,
 ``scale = fmax / amax`` by IEEE division (0 -> 1, overflow -> FP32 max, pow2 rounds down), ``scale_inv = 1 / scale``
@@ -26,8 +29,6 @@ try:  # Triton >= 3.5 with Gluon's Hopper ops
     GLUON = True
 except Exception:  # pragma: no cover - older Triton, or none
     GLUON = False
-
-FP32_MAX = 3.4028234663852886e38
 
 if GLUON:
     @gluon.jit
@@ -55,7 +56,8 @@ if GLUON:
     @gluon.jit
     def rowcol_1x128_gluon(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
                            FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr,
-                           ROW: gl.constexpr, COL: gl.constexpr, STAGES: gl.constexpr, abs_mask=0x7FFFFFFF):
+                           ROW: gl.constexpr, COL: gl.constexpr, STAGES: gl.constexpr, SR: gl.constexpr = 32,
+                           RPT: gl.constexpr = 4, abs_mask=0x7FFFFFFF):
         """x (M, K) 16-bit row-major, M % 128 == K % 128 == 0; persistent: program p takes 128 x 128 tiles p,
         p + n_prog, ... in row-panel order.
 
@@ -63,6 +65,12 @@ if GLUON:
         (K, M) FP8 = the transposed columnwise copy with cs[mb, k] (ld cs_ld); scale_inv stored. amax_ptr: int32
         bits of max |x|, atomically maxed (the caller zeroes it). ``abs_mask``: a run-time 0x7FFFFFFF (see
         blockwise_kernel: a constant lets ptxas compute |x| in half precision, which rewrites NaN payloads).
+
+        A tile, once in shared memory, is read twice in SR-row slabs (few registers a thread, so that several
+        CTAs an SM hide each other's latencies): walk 1 writes the rowwise copy and keeps an elementwise running
+        max, whose column maxima give the column scales; walk 2 writes the columnwise copy.
+        RPT: rows of a slab a thread holds (RPT x 8): with 4, a thread's transposed FP8 values leave the layout
+        conversion as 4-byte words, not single bytes.
         """
         NW: gl.constexpr = gl.num_warps()
         DT: gl.constexpr = rq_ptr.dtype.element_ty
@@ -71,8 +79,8 @@ if GLUON:
         n_tiles = (M // 128) * nkt
         my_n = gl.cdiv(n_tiles - pid, n_prog)
 
-        # No swizzle: a 128-wide 16-bit row is 256 bytes, wider than TMA's largest swizzle; the loads below read
-        # 16 bytes a thread with 8 threads on each 128-byte row segment, which unswizzled rows serve without
+        # No swizzle: a 128-wide 16-bit row is 256 bytes, wider than TMA's largest swizzle; the slab loads below
+        # read 16 bytes a thread with 8 threads on each 128-byte row segment, which unswizzled rows serve without
         # bank conflicts.
         x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         xd = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[128, 128], layout=x_layout)
@@ -83,15 +91,17 @@ if GLUON:
         for i in gl.static_range(STAGES):
             _g_issue(xd, x_s, bars, pid + i * n_prog, nkt, i < my_n, STAGES, i)
 
-        # a thread holds 4 rows x 8 columns: 16-byte rows from shared memory, 8-byte rows of the rowwise copy
-        L: gl.constexpr = gl.BlockedLayout([4, 8], [2, 16], [NW, 1], [1, 0])
-        # the columnwise copy, transposed: 16 consecutive bytes of a cq row a thread, 8 threads a 128-byte row
-        LT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
+        # a slab (SR x 128): RPT rows x 8 consecutive columns a thread (16-byte loads, 8-byte rowwise stores)
+        L: gl.constexpr = gl.BlockedLayout([RPT, 8], [2, 16], [NW, 1], [1, 0])
+        # the transposed slab (128 x SR) of the columnwise copy: 16 consecutive bytes of a cq row a thread
+        LT: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // SR, SR // 16], [NW, 1], [1, 0])
+        r = gl.arange(0, SR, layout=gl.SliceLayout(1, L))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, L))
         rt = gl.arange(0, 128, layout=gl.SliceLayout(1, LT))
-        ct = gl.arange(0, 128, layout=gl.SliceLayout(0, LT))
-        tmax = gl.max(gl.zeros([128], gl.int32, gl.SliceLayout(1, L)), axis=0)
+        ct = gl.arange(0, SR, layout=gl.SliceLayout(0, LT))
+        offs = gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)
+        offs_t = gl.expand_dims(rt, 1) * M + gl.expand_dims(ct, 0)
+        tmax = gl.max(gl.zeros([128], gl.int32, gl.SliceLayout(0, L)), axis=0)
         for i in range(my_n):
             t = pid + i * n_prog
             pm = t // nkt
@@ -100,24 +110,29 @@ if GLUON:
             k0 = pk * 128
             s = i % STAGES
             mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-            x = x_s.index(s).load(L).to(gl.float32)
+            xt = x_s.index(s)
+            acc = gl.zeros([SR, 128], gl.int32, L)
+            for j in gl.static_range(128 // SR):  # walk 1
+                x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
+                ab = x.to(gl.int32, bitcast=True) & abs_mask
+                acc = gl.maximum(acc, ab)
+                if ROW:
+                    sr = _g_scale(gl.max(ab, axis=1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+                    gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + j * SR + r, gl.div_rn(gl.full_like(sr, 1.0), sr))
+                    q = (x * gl.expand_dims(sr, 1)).to(DT)
+                    gl.store(rq_ptr + ((m0 + j * SR).to(gl.int64) * K + k0) + offs, q)
+            cmax = gl.max(acc, axis=0)
+            tmax = gl.maximum(tmax, gl.max(cmax, axis=0))
+            if COL:
+                sc = _g_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+                gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, gl.div_rn(gl.full_like(sc, 1.0), sc))
+                for j in gl.static_range(128 // SR):  # walk 2
+                    x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
+                    q = (x * gl.expand_dims(sc, 0)).to(DT)
+                    qt = gl.convert_layout(gl.permute(q, [1, 0]), LT)
+                    gl.store(cq_ptr + (k0.to(gl.int64) * M + m0 + j * SR) + offs_t, qt)
             _cta_barrier()  # every warp has read stage s: refill it with the tile STAGES ahead
             _g_issue(xd, x_s, bars, t + STAGES * n_prog, nkt, i + STAGES < my_n, STAGES, i)
-
-            ab = x.to(gl.int32, bitcast=True) & abs_mask
-            rmax = gl.max(ab, axis=1)
-            tmax = gl.maximum(tmax, gl.max(rmax, axis=0))
-            if ROW:
-                sr = _g_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-                gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, gl.div_rn(gl.full_like(sr, 1.0), sr))
-                q = (x * gl.expand_dims(sr, 1)).to(DT)
-                gl.store(rq_ptr + (m0.to(gl.int64) * K + k0) + (gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)), q)
-            if COL:
-                sc = _g_scale(gl.max(ab, axis=0).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-                gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, gl.div_rn(gl.full_like(sc, 1.0), sc))
-                qc = (x * gl.expand_dims(sc, 0)).to(DT)
-                qt = gl.convert_layout(gl.permute(qc, [1, 0]), LT)
-                gl.store(cq_ptr + (k0.to(gl.int64) * M + m0) + (gl.expand_dims(rt, 1) * M + gl.expand_dims(ct, 0)), qt)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         gl.atomic_max(amax_ptr, tmax, sem="relaxed")
