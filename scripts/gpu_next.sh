@@ -52,15 +52,10 @@ case "${1:-verify}" in
   s9a)  # session 9: the Gluon TMA-pipelined 1x128 row+col quantizer: its GPU tests and the row+col sweep
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon or blockwise or fp8_kernels" -rfE
     stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x2048,8192x11264,16384x4096 ;;
-  s9q)  # the Gluon kernel's own test first, then the BF16 sweep
-    stage 100 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon" -rfE -x
-    stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x11264 ;;
-  s9n)  # Nsight Compute on the Gluon quantizer, then the sweep
-    stage 100 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon" -rfE -x
-    stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x11264
-    stage 120 bash -c "ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-      --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:rowcol python3 scripts/ncu_quant.py 8192x8192 \
-      '${NCU_CFG:-{\"KIND\": \"gluon\", \"SR\": 16, \"STAGES\": 2, \"CTAS\": 2, \"num_warps\": 8}}' > $OUT/ncu.txt 2>&1"; tail -3 "$OUT/ncu.txt" ;;
+  s9v)  # session 9, last: the quantizer, ops and module GPU tests, the forced-Gluon quantizer, the row/col split
+    stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
+      tests/test_quant_kernels.py tests/ops tests/nn tests/train -rfE
+    stage 120 python3 scripts/rowcol_sweep.py --split --shapes 8192x8192,8192x11264,8192x2048 ;;
   s7train)
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"

@@ -112,9 +112,28 @@ def swiglu(shapes):
         torch.cuda.empty_cache()
 
 
+def split(shapes):
+    """--split: the rowwise-only and the columnwise-only 1x128 copy of a BF16 input (autotuned as in training), each
+    as a fraction of a copy at the bytes it moves: where the row+col kernel's shortfall is (session 9)."""
+    from lowbit.quant import quantize
+
+    sch = Float8Blockwise()
+    for M, Kd in shapes:
+        x = torch.randn(M, Kd, device="cuda", dtype=torch.bfloat16)
+        copy_bw = _copy_bw(x)
+        for rw, cw in ((True, False), (False, True), (True, True)):
+            quantize(x, sch, rowwise=rw, columnwise=cw)  # (tunes once)
+            qt = quantize(x, sch, rowwise=rw, columnwise=cw)
+            t = _bench(lambda: quantize(x, sch, rowwise=rw, columnwise=cw))
+            bw = moved(x, qt) / t * 1e-6
+            print(f"  {M}x{Kd} bf16 rowwise={rw} columnwise={cw}: {t * 1e3:7.1f} us {bw:6.0f} GB/s {bw / copy_bw:.2f} of copy",
+                  flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--whole", action="store_true")
+    ap.add_argument("--split", action="store_true", help="only the rowwise-only / columnwise-only / both comparison")
     ap.add_argument("--shapes", default="8192x8192,8192x2048,8192x11264")
     ap.add_argument("--swiglu", default="8192x5632,16384x2816")
     a = ap.parse_args()
@@ -122,6 +141,9 @@ def main():
     WHOLE = a.whole
     parse = lambda s: [tuple(int(v) for v in t.split("x")) for t in s.split(",") if t]  # noqa: E731
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if a.split:
+        split(parse(a.shapes))
+        return
     swiglu(parse(a.swiglu))
     quant(parse(a.shapes))
 
