@@ -3,6 +3,7 @@
 # on the device tool with carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (the numbers in
 # BENCHMARKS.md are from H200s). ALWAYS keep LOWBIT_AUTOTUNE=0 for test stages (tuning every test shape takes >7 min).
 # Session 8 (2026-11-23) ran s8, s8b, s8prof, s8t, verify (336 passed at ede54d7) and s8final.
+# Session 9 (2026-11-23) ran s9a, s9q, s9n (the Gluon quantizer), s9v (82 passed at 78b6ef6).
 #   bash scripts/gpu_next.sh verify     # ~4.5 min: the whole GPU suite + the forced-Gluon GEMM
 #   bash scripts/gpu_next.sh kernels    # ~5 min: bench gemm, quant, attention fwd (D=128 non-causal), attention bwd
 #   bash scripts/gpu_next.sh close      # ~8 min: backward/quantize GPU tests, bench quant, attention bwd on all six
@@ -10,6 +11,8 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 9 found the 1x128 row+col shortfall in the transposed copy: columnwise alone 0.64-0.68 of copy, rowwise
+# alone 0.87-0.91 (rowcol_sweep.py --split); TMA loads (quant_gluon.py, opt-in) and program order did not help.
 # Leads for the open targets (BENCHMARKS.md, session 8): 1.3b fp8-block 1.21x BF16 (target 1.3x). FP8-only time
 # left a step: 11.5 ms of 1x128/128x128 quantization (row+col at 0.68-0.72 of copy; whole-tile and persistent-grid
 # variants were slower, rowcol_sweep.py), the SwiGLU quantizer 3.5 ms (0.46 of copy), ~4 ms of gaps between the
