@@ -3,7 +3,8 @@
 # on the device tool with carry=[".whl"] (torchao, sageattention, pytest-xdist), kind nvidia-h200 (the numbers in
 # BENCHMARKS.md are from H200s). ALWAYS keep LOWBIT_AUTOTUNE=0 for test stages (tuning every test shape takes >7 min).
 # Session 8 (2026-11-23) ran s8, s8b, s8prof, s8t, verify (336 passed at ede54d7) and s8final.
-# Session 9 (2026-11-23) ran s9a, s9q, s9n (the Gluon quantizer), s9v (82 passed at 78b6ef6).
+# Session 9 (2026-11-23) ran s9a, s9v (82 passed at 78b6ef6) and one-off calls: the Gluon quantizer's variants
+# (rowcol_sweep.py), Nsight Compute on it (scripts/ncu_quant.py), scripts/transpose_roofline.py.
 #   bash scripts/gpu_next.sh verify     # ~4.5 min: the whole GPU suite + the forced-Gluon GEMM
 #   bash scripts/gpu_next.sh kernels    # ~5 min: bench gemm, quant, attention fwd (D=128 non-causal), attention bwd
 #   bash scripts/gpu_next.sh close      # ~8 min: backward/quantize GPU tests, bench quant, attention bwd on all six

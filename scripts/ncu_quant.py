@@ -1,7 +1,7 @@
 """One 1x128 row+col quantize of a BF16 input under a forced launch candidate, for Nsight Compute (diagnostic).
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
-        -k regex:rowcol python scripts/ncu_quant.py 8192x8192 '{"KIND": "gluon", "STAGES": 4, ...}'
+        -k regex:rowcol python scripts/ncu_quant.py 8192x8192 '{"KIND": "gluon", "SR": 32, "RPT": 4, "STAGES": 2, "CTAS": 2, "num_warps": 4}'
 """
 import json
 import os

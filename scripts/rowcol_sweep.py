@@ -77,7 +77,7 @@ def quant(shapes):
             if dt == torch.float32:
                 cands = cands[:1] + [dict(c, KIND="pers") for c in tb._PERSISTENT.get((False, True, True, dt), [])] + cands[1:]
             cands = cands + (pers_variants() if WHOLE else [])
-            if tb._gluon_ok(x, 128, False, True, True):  # the Gluon TMA pipeline (session 9), checked against the first
+            if tb._gluon_ok(x, 128, False, True, True):  # the Gluon quantizer (LOWBIT_QUANT_GLUON=1), checked against the first
                 cands = cands[:1] + list(tb._GLUON_CONFIGS) + cands[1:]
 
             def prepare(cfg, x=x):

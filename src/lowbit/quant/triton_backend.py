@@ -478,9 +478,8 @@ class _BlockwisePlan:
         kind = c.get("KIND")
         if kind == "gluon":
             n_prog = min(cdiv(M, 128) * cdiv(Kd, 128), self.nsm * c["CTAS"])
-            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], ROW=self.kw["ROW"],
-                      COL=self.kw["COL"], STAGES=c["STAGES"], SR=c["SR"], RPT=c["RPT"],
-                      num_warps=c["num_warps"])
+            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"], SR=c["SR"],
+                      RPT=c["RPT"], num_warps=c["num_warps"])
             return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
         bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})

@@ -33,7 +33,8 @@ except Exception:  # pragma: no cover - older Triton, or none
 if GLUON:
     @gluon.jit
     def _g_scale(a, FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr):
-        """quant.kernels.quant._compute_scale: fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down;
+        """quant.kernels.quant._compute_scale in Gluon (a Gluon kernel cannot call that triton.jit helper: its
+        tl.full has no layout; checked with Triton 3.6): fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down;
         NaN stays."""
         if EPS > 0:
             a = gl.where(a != a, a, gl.maximum(a, EPS))
@@ -55,12 +56,13 @@ if GLUON:
 
     @gluon.jit
     def rowcol_1x128_gluon(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
-                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr,
-                           ROW: gl.constexpr, COL: gl.constexpr, STAGES: gl.constexpr, SR: gl.constexpr = 32,
+                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, STAGES: gl.constexpr,
+                           SR: gl.constexpr = 32,
                            RPT: gl.constexpr = 4, abs_mask=0x7FFFFFFF):
         """x (M, K) 16-bit row-major, M % 128 == K % 128 == 0; persistent: program p takes 128 x 128 tiles p,
         p + n_prog, ... in row-panel order.
 
+        Both copies, always (the one use, row+col; blockwise_kernel makes single copies).
         Outputs (quant.kernels.quant.blockwise_kernel's 1D layouts): rq (M, K) FP8 with rs[kb, m] (ld rs_ld), cq
         (K, M) FP8 = the transposed columnwise copy with cs[mb, k] (ld cs_ld); scale_inv stored. amax_ptr: int32
         bits of max |x|, atomically maxed (the caller zeroes it). ``abs_mask``: a run-time 0x7FFFFFFF (see
@@ -116,21 +118,19 @@ if GLUON:
                 x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
                 ab = x.to(gl.int32, bitcast=True) & abs_mask
                 acc = gl.maximum(acc, ab)
-                if ROW:
-                    sr = _g_scale(gl.max(ab, axis=1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-                    gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + j * SR + r, gl.div_rn(gl.full_like(sr, 1.0), sr))
-                    q = (x * gl.expand_dims(sr, 1)).to(DT)
-                    gl.store(rq_ptr + ((m0 + j * SR).to(gl.int64) * K + k0) + offs, q)
+                sr = _g_scale(gl.max(ab, axis=1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+                gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + j * SR + r, gl.div_rn(gl.full_like(sr, 1.0), sr))
+                q = (x * gl.expand_dims(sr, 1)).to(DT)
+                gl.store(rq_ptr + ((m0 + j * SR).to(gl.int64) * K + k0) + offs, q)
             cmax = gl.max(acc, axis=0)
             tmax = gl.maximum(tmax, gl.max(cmax, axis=0))
-            if COL:
-                sc = _g_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-                gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, gl.div_rn(gl.full_like(sc, 1.0), sc))
-                for j in gl.static_range(128 // SR):  # walk 2
-                    x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
-                    q = (x * gl.expand_dims(sc, 0)).to(DT)
-                    qt = gl.convert_layout(gl.permute(q, [1, 0]), LT)
-                    gl.store(cq_ptr + (k0.to(gl.int64) * M + m0 + j * SR) + offs_t, qt)
+            sc = _g_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, gl.div_rn(gl.full_like(sc, 1.0), sc))
+            for j in gl.static_range(128 // SR):  # walk 2
+                x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
+                q = (x * gl.expand_dims(sc, 0)).to(DT)
+                qt = gl.convert_layout(gl.permute(q, [1, 0]), LT)
+                gl.store(cq_ptr + (k0.to(gl.int64) * M + m0 + j * SR) + offs_t, qt)
             _cta_barrier()  # every warp has read stage s: refill it with the tile STAGES ahead
             _g_issue(xd, x_s, bars, t + STAGES * n_prog, nkt, i + STAGES < my_n, STAGES, i)
         for i in gl.static_range(STAGES):
