@@ -64,8 +64,10 @@ def run(shapes, rep=100):
             print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
         # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
         # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
+        # and each Gluon kernel alone: one tile a CTA ("force"), persistent warp-specialized ("ws")
         for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
-                              ("lowbit triton blockwise (TMA + Gluon)", "1", "1")):
+                              ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1", "force"),
+                              ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
             with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
                 res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
         na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))

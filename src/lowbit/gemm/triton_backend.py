@@ -117,9 +117,24 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
     On by default since its forced GPU test (tests/test_gemm.py, ragged M/N/K, against the reference) passed on an
     H200 on 2026-11-23; measured there 1.52-1.63x torchao's Triton blockwise kernel on the large shapes."""
-    if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force") or INTERPRET or not G.GLUON:
+    if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force", "ws") or INTERPRET or not G.GLUON:
         return False
     return bs == 128 and sb_mode == 3 and sa_mode == 2 and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+# Candidates of the persistent warp-specialized Gluon kernel (G.fp8_gemm_gluon_ws): 128x128 tiles, one loader warp,
+# and either one 8-warp math partition over whole tiles or two 4-warp ones over 64-row halves (each its own
+# warpgroup, out of step with the other). 12 warps in all at maxnreg 168 = the 64K register file.
+_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, num_warps=w, NMATH=nm, LOAD_REGS=lr, STAGES=st)
+               for nm, w, lr in ((2, 4, 24), (1, 8, 40)) for st in (4, 5)]
+
+_SMS: dict = {}
+
+
+def _num_sms(dev) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
 
 
 def _check_bias(bias):
@@ -144,9 +159,15 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev)
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
-        kern = G.fp8_gemm_gluon if cfg.get("GLUON") else G.fp8_gemm_kernel
-        extra = dict(STAGES=cfg["STAGES"]) if cfg.get("GLUON") else dict(TMA=tma, num_stages=cfg["num_stages"])
-        kern[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
+        tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
+        if cfg.get("WS"):  # persistent: one CTA per SM; 8 math warps + the loader's warpgroup in 64K registers
+            kern, grid = G.fp8_gemm_gluon_ws, min(tiles, _num_sms(dev))
+            extra = dict(STAGES=cfg["STAGES"], NMATH=cfg["NMATH"], LOAD_REGS=cfg["LOAD_REGS"], MATH_REGS=232, maxnreg=168)
+        elif cfg.get("GLUON"):
+            kern, grid, extra = G.fp8_gemm_gluon, tiles, dict(STAGES=cfg["STAGES"])
+        else:
+            kern, grid, extra = G.fp8_gemm_kernel, tiles, dict(TMA=tma, num_stages=cfg["num_stages"])
+        kern[(grid,)](
             A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
             SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
             BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
@@ -156,7 +177,9 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         if gluon:  # H200 2026-11-23: 128x128 / 8 warps / 4 stages 850-920 TFLOP/s on large shapes, the tl kernel <= 830
             g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st) for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
                  if bm <= max(_bucket(M), 64)]
-            out = g if os.environ.get("LOWBIT_GEMM_GLUON") == "force" else out + g
+            ws = list(_WS_CONFIGS) if G.GLUON_WS else []
+            mode = os.environ.get("LOWBIT_GEMM_GLUON")
+            out = {"force": g, "ws": ws}.get(mode, out + g + ws)
         return out
 
     # (the Gluon mode in the key: a forced-Gluon call must not reuse a config tuned without it, and vice versa)

@@ -258,8 +258,9 @@ try:  # Triton >= 3.5 with Gluon's Hopper ops
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     GLUON = True
+    GLUON_WS = hasattr(gl, "warp_specialize")
 except Exception:  # pragma: no cover - older Triton
-    GLUON = False
+    GLUON = GLUON_WS = False
 
 if GLUON:
     @gluon.jit
@@ -401,3 +402,181 @@ if GLUON:
         if ACCUM:
             y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
         gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+    # --------------------------------------------------------------------------------------------
+    # Warp-specialized, persistent variant of fp8_gemm_gluon (same numbers: each K block's wgmma from zero, scaled
+    # and added into FP32 once per block). One loader warp keeps STAGES K blocks of A and B in flight through TMA
+    # for a whole run of output tiles (it runs ahead into the next tile while the math warps are in the epilogue);
+    # the math warps release each stage through an mbarrier instead of a CTA-wide barrier. Grid: one CTA per SM,
+    # tiles in the grouped order of fp8_gemm_gluon.
+    # --------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _g_tile(t, num_pm, num_pn, GROUP_M: gl.constexpr):
+        group = GROUP_M * num_pn
+        first_m = (t // group) * GROUP_M
+        gsize = gl.minimum(num_pm - first_m, GROUP_M)
+        return first_m + (t % group) % gsize, (t % group) // gsize
+
+
+    @gluon.jit
+    def _ws_loader(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        """Loader partition (one warp): for every K block of every tile of this CTA, wait for its stage to be free,
+        then TMA A's and B's tiles into it (zero fill past M, N, K) and let `ready` count the bytes. (The signature is
+        every partition's: Gluon's worker partitions share one.)"""
+        num_pm = gl.cdiv(M, BM)
+        num_pn = gl.cdiv(N, BN)
+        nkbu = (gl.cdiv(K, BS) + 3) // 4 * 4
+        it = 0
+        for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
+            pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
+            for kb in range(nkbu):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+                mbarrier.expect(ready.index(s), ad.block_type.nbytes + bd.block_type.nbytes)
+                _tma_load(ad, [pid_m * BM, kb * BS], ready.index(s), a_s.index(s))
+                _tma_load(bd, [pid_n * BN, kb * BS], ready.index(s), b_s.index(s))
+                it += 1
+
+
+    @gluon.jit
+    def _ws_mma(a_s, b_s, ready, it, regs, ROW0: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
+        """Wait for the stage of pipeline step `it`, issue the wgmma of its rows ROW0:ROW0+ROWS of A from zero (async)."""
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_s.index(s)
+        if ROWS < a_s.shape[1]:
+            a = a.slice(ROW0, ROWS, dim=0)
+        return warpgroup_mma(a, b_s.index(s).permute((1, 0)), regs, use_acc=False, is_async=True)
+
+
+    @gluon.jit
+    def _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
+                 PART: gl.constexpr):
+        """Math partition PART of NMATH (each the kernel's num_warps, rows PART*BM/NMATH onwards of every tile): the K
+        loop of fp8_gemm_gluon, each stage handed back to the loader as soon as its wgmma has been waited for, then
+        the epilogue. With two math partitions nothing keeps them in step: while one promotes, the other's wgmma
+        has the tensor cores."""
+        NW: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = BM // NMATH
+        num_pm = gl.cdiv(M, BM)
+        num_pn = gl.cdiv(N, BN)
+        nkb = gl.cdiv(K, BS)
+        nkbu = (nkb + 3) // 4 * 4
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        zero = gl.zeros((ROWS, BN), gl.float32, mma)
+        R0: gl.constexpr = PART * ROWS
+        it = 0
+        for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
+            pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
+            off_m = pid_m * BM + R0
+            off_n = pid_n * BN
+            offs_m = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+            offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+            mmask = offs_m < M
+            nmask = offs_n < N
+            acc = zero
+            # as in fp8_gemm_gluon: block j+1 in flight while block j is folded; nothing across the back edge
+            for kb in range(0, nkbu, 4):
+                t0 = _ws_mma(a_s, b_s, ready, it, zero, R0, ROWS, STAGES)
+                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA, SB, BS)
+                t1 = _ws_mma(a_s, b_s, ready, it + 1, zero, R0, ROWS, STAGES)
+                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s, SA, SB, BS)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
+                mbarrier.arrive(empty.index(it % STAGES), count=1)
+                acc = _g_fold(acc, p0, r0, c0, SA, SB)
+                t0 = _ws_mma(a_s, b_s, ready, it + 2, zero, R0, ROWS, STAGES)
+                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s, SA, SB, BS)
+                p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
+                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
+                acc = _g_fold(acc, p1, r1, c1, SA, SB)
+                t1 = _ws_mma(a_s, b_s, ready, it + 3, zero, R0, ROWS, STAGES)
+                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s, SA, SB, BS)
+                p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
+                mbarrier.arrive(empty.index((it + 2) % STAGES), count=1)
+                acc = _g_fold(acc, p0, r0, c0, SA, SB)
+                p1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1,))
+                mbarrier.arrive(empty.index((it + 3) % STAGES), count=1)
+                acc = _g_fold(acc, p1, r1, c1, SA, SB)
+                it += 4
+
+            y = gl.convert_layout(acc, out_l)
+            em = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_l))
+            en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+            cm = em.to(gl.int64)[:, None] * N + en[None, :]
+            emask = en < N
+            mask = (em < M)[:, None] & emask[None, :]
+            if HAS_BIAS:
+                y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
+            if GELU:
+                gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
+                y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+            if ACCUM:
+                y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
+            gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+    @gluon.jit
+    def _ws_math0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        """The first math partition (the default one). (A literal partition index in warp_specialize's argument
+        tuple would arrive as a tensor, not a constexpr: hence one wrapper per partition.)"""
+        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 0)
+
+
+    @gluon.jit
+    def _ws_math1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        """The second math partition (a worker: the loader's signature)."""
+        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 1)
+
+
+    @gluon.jit
+    def fp8_gemm_gluon_ws(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                          SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                          BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
+        """Persistent, warp-specialized fp8_gemm_gluon: one loader warp and NMATH math partitions of num_warps each
+        (1: all BM rows of a tile, 2: BM/2 rows each, one warpgroup apiece). Launch at most one CTA per SM, with
+        ``maxnreg`` such that every warpgroup (the loader's rounded up to one) fits the register file; MATH_REGS is
+        the second math partition's register count (the default partition gets what is left)."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
+        ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
+        bd = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS], layout=b_layout)
+        a_s = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BM, BS], a_layout)
+        b_s = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BN, BS], b_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
+        # (the argument tuples are written out in each call: a tuple bound to a name first turns its constexprs
+        # into tensors)
+        if NMATH == 1:
+            gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                                (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))], [1], [LOAD_REGS])
+        else:
+            gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                                (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                                (_ws_math1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
+                               [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])

@@ -1,0 +1,104 @@
+"""FP8 1x128 · 128x128 blockwise GEMM: every Gluon candidate forced alone, against cuBLAS blockwise and torchao 0.18's
+Triton kernel, in interleaved rounds on the same inputs (issue 3). Each candidate's output is checked against the
+first one's (they compute the same per-block sums; a few FP32 ulps of reduction order apart at most).
+
+    PYTHONPATH=src python scripts/gemm_sweep.py [--shapes 8192x8192x8192,...] [--rounds 2]
+
+Prints TFLOP/s (2·M·N·K / median time of triton.testing.do_bench) per round and the median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import lowbit.gemm.triton_backend as tb  # noqa: E402
+from lowbit import quantize, scaled_mm  # noqa: E402
+from lowbit.quant import Float8Blockwise  # noqa: E402
+
+SHAPES = "8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x4096x4096"
+
+
+def _forced(cfg):
+    """A launch of exactly this Gluon config through scaled_mm's own launch path (the autotuner bypassed)."""
+    def run(qa, qb):
+        tb._TUNED.clear()
+        old = os.environ.get("LOWBIT_AUTOTUNE")
+        saved = list(tb._WS_CONFIGS)
+        try:
+            if cfg.get("WS"):
+                tb._WS_CONFIGS[:] = [cfg]
+                os.environ["LOWBIT_GEMM_GLUON"] = "ws"
+            else:
+                os.environ["LOWBIT_GEMM_GLUON"] = "force"
+            return scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton")
+        finally:
+            tb._WS_CONFIGS[:] = saved
+            os.environ.pop("LOWBIT_GEMM_GLUON", None)
+            if old is not None:
+                os.environ["LOWBIT_AUTOTUNE"] = old
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    os.environ["LOWBIT_AUTOTUNE"] = "0"  # each forced list holds one config: the first is the one
+    dev = torch.device("cuda")
+    try:
+        from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
+    except Exception as e:  # noqa: BLE001
+        print(f"# torchao: {type(e).__name__}: {e}")
+        ao_gemm = None
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    for shape in args.shapes.split(","):
+        M, K, N = (int(v) for v in shape.split("x"))
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        qa, qb = quantize(x, Float8Blockwise()), quantize(w, Float8Blockwise(block_dim=2))
+        sa, sb = qa.logical_scales(), qb.logical_scales()
+        fns = {"cuBLAS blockwise": lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa, F.ScalingType.BlockWise1x128,
+                                                       sb.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)}
+        if ao_gemm is not None:
+            fns["torchao triton blockwise"] = lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), sa, sb.t())
+        cfgs = [dict(GLUON=True, BM=128, BN=128, num_warps=8, STAGES=4)] + list(tb._WS_CONFIGS)
+        ref = None
+        for cfg in cfgs:
+            name = ("ws nmath=%(NMATH)d warps=%(num_warps)d stages=%(STAGES)d" % cfg) if cfg.get("WS") else "one tile a CTA, 8 warps, 4 stages"
+            run = _forced(cfg)
+            y = run(qa, qb)  # compile + check
+            if ref is None:
+                ref = y.float()
+            else:
+                d = (y.float() - ref).abs().max().item()
+                scale = ref.abs().max().item()
+                if d > 1e-2 * scale:
+                    print(f"  MISMATCH {name}: max |diff| {d:.3g} (max |y| {scale:.3g})")
+            fns[name] = (lambda r=run: r(qa, qb))  # (host work of a few us a call: the GPU work is >= 100 us)
+        flops = 2.0 * M * N * K
+        res = {k: [] for k in fns}
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                res[k].append(flops / do_bench(fn, warmup=10, rep=80, return_mode="median") * 1e-9)
+        print(f"[{M}x{K}x{N}] TFLOP/s per round -> median")
+        ao = statistics.median(res["torchao triton blockwise"]) if "torchao triton blockwise" in res else None
+        for k, v in res.items():
+            m = statistics.median(v)
+            extra = f"  x{m / ao:.2f} torchao" if ao else ""
+            print(f"  {k:40s} {' '.join(f'{t:7.1f}' for t in v)} -> {m:7.1f}{extra}", flush=True)
+        del x, w, qa, qb
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
