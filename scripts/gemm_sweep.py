@@ -1,5 +1,6 @@
 """FP8 1x128 · 128x128 blockwise GEMM: every Gluon candidate forced alone, against cuBLAS blockwise and torchao 0.18's
-Triton kernel, in interleaved rounds on the same inputs (issue 3). Each candidate's output is checked against the
+Triton kernel; the dequantized NVFP4 GEMM with cuBLAS (FP32 out + scale epilogue) or each warp-specialized Gluon
+config as its core, against BF16 torch.mm; interleaved rounds on the same inputs (issue 3). Each candidate's output is checked against the
 first one's (they compute the same per-block sums; a few FP32 ulps of reduction order apart at most).
 
     PYTHONPATH=src python scripts/gemm_sweep.py [--shapes 8192x8192x8192,...] [--rounds 2]
@@ -20,8 +21,9 @@ import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import lowbit.gemm.triton_backend as tb  # noqa: E402
+import lowbit.quant.triton_backend as qtb  # noqa: E402
 from lowbit import quantize, scaled_mm  # noqa: E402
-from lowbit.quant import Float8Blockwise  # noqa: E402
+from lowbit.quant import NVFP4, Float8Blockwise  # noqa: E402
 
 SHAPES = "8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x4096x4096"
 
@@ -29,8 +31,6 @@ SHAPES = "8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x
 def _forced(cfg):
     """A launch of exactly this Gluon config through scaled_mm's own launch path (the autotuner bypassed)."""
     def run(qa, qb):
-        tb._TUNED.clear()
-        old = os.environ.get("LOWBIT_AUTOTUNE")
         saved = list(tb._WS_CONFIGS)
         try:
             if cfg.get("WS"):
@@ -42,8 +42,21 @@ def _forced(cfg):
         finally:
             tb._WS_CONFIGS[:] = saved
             os.environ.pop("LOWBIT_GEMM_GLUON", None)
-            if old is not None:
-                os.environ["LOWBIT_AUTOTUNE"] = old
+    return run
+
+
+def _nvfp4(core, cfg=None):
+    """The dequantized NVFP4 path with its core GEMM forced: cuBLAS (FP32 out + scale epilogue) or one Gluon config."""
+    def run(na, nb):
+        saved, dq = list(tb._WS_BF16_CONFIGS), tb.DEQUANT_GEMM
+        try:
+            tb.DEQUANT_GEMM = core
+            if cfg is not None:
+                tb._WS_BF16_CONFIGS[:] = [cfg]
+            return scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant")
+        finally:
+            tb._WS_BF16_CONFIGS[:] = saved
+            tb.DEQUANT_GEMM = dq
     return run
 
 
@@ -52,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    os.environ["LOWBIT_AUTOTUNE"] = "0"  # each forced list holds one config: the first is the one
+    qtb.AUTOTUNE = False  # the first candidate of each forced list is the one launched
     dev = torch.device("cuda")
     try:
         from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
@@ -84,6 +97,16 @@ def main(argv=None) -> int:
                 if d > 1e-2 * scale:
                     print(f"  MISMATCH {name}: max |diff| {d:.3g} (max |y| {scale:.3g})")
             fns[name] = (lambda r=run: r(qa, qb))  # (host work of a few us a call: the GPU work is >= 100 us)
+        fns["bf16 torch.mm"] = lambda: torch.mm(x, w.t())
+        na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
+        y0 = _nvfp4("cublas")(na, nb).float()
+        fns["nvfp4 dequant + cuBLAS + epilogue"] = lambda: _nvfp4("cublas")(na, nb)
+        for cfg in tb._WS_BF16_CONFIGS:
+            run = _nvfp4("gluon", cfg)
+            d = (run(na, nb).float() - y0).abs().max().item()
+            if d > 1e-2 * y0.abs().max().item():
+                print(f"  MISMATCH nvfp4 gluon {cfg}: max |diff| {d:.3g}")
+            fns["nvfp4 dequant + Gluon ws BN=%(BN)d stages=%(STAGES)d" % cfg] = (lambda r=run: r(na, nb))
         flops = 2.0 * M * N * K
         res = {k: [] for k in fns}
         for _ in range(args.rounds):
@@ -91,11 +114,12 @@ def main(argv=None) -> int:
                 res[k].append(flops / do_bench(fn, warmup=10, rep=80, return_mode="median") * 1e-9)
         print(f"[{M}x{K}x{N}] TFLOP/s per round -> median")
         ao = statistics.median(res["torchao triton blockwise"]) if "torchao triton blockwise" in res else None
+        bf = statistics.median(res["bf16 torch.mm"])
         for k, v in res.items():
             m = statistics.median(v)
-            extra = f"  x{m / ao:.2f} torchao" if ao else ""
+            extra = f"  x{m / bf:.2f} bf16" if k.startswith("nvfp4") else (f"  x{m / ao:.2f} torchao" if ao else "")
             print(f"  {k:40s} {' '.join(f'{t:7.1f}' for t in v)} -> {m:7.1f}{extra}", flush=True)
-        del x, w, qa, qb
+        del x, w, qa, qb, na, nb
         torch.cuda.empty_cache()
     return 0
 

@@ -122,7 +122,7 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     return bs == 128 and sb_mode == 3 and sa_mode == 2 and torch.cuda.get_device_capability(dev) == (9, 0)
 
 
-# Candidates of the persistent warp-specialized Gluon kernel (G.fp8_gemm_gluon_ws): 128x128 tiles, one loader warp,
+# Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws): 128x128 tiles, one loader warp,
 # and either one 8-warp math partition over whole tiles or two 4-warp ones over 64-row halves (each its own
 # warpgroup, out of step with the other). 12 warps in all at maxnreg 168 = the 64K register file.
 _WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, num_warps=w, NMATH=nm, LOAD_REGS=lr, STAGES=st)
@@ -161,7 +161,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
         if cfg.get("WS"):  # persistent: one CTA per SM; 8 math warps + the loader's warpgroup in 64K registers
-            kern, grid = G.fp8_gemm_gluon_ws, min(tiles, _num_sms(dev))
+            kern, grid = G.gemm_gluon_ws, min(tiles, _num_sms(dev))
             extra = dict(STAGES=cfg["STAGES"], NMATH=cfg["NMATH"], LOAD_REGS=cfg["LOAD_REGS"], MATH_REGS=232, maxnreg=168)
         elif cfg.get("GLUON"):
             kern, grid, extra = G.fp8_gemm_gluon, tiles, dict(STAGES=cfg["STAGES"])
@@ -199,13 +199,24 @@ def _run(key, cands, launch, accumulate):
 
 
 DEQUANT_GEMM: str | None = None
-"""Which core GEMM the dequantized path may use: None (autotuned: the faster of Triton's BF16 GEMM and cuBLAS's
-with FP32 output + :func:`~lowbit.gemm.kernels.gemm.scale_epilogue_kernel`), "triton" or "cublas" (for tests)."""
+"""Which core GEMM the dequantized path may use: None (autotuned: the fastest of Triton's BF16 GEMM, cuBLAS's
+with FP32 output + :func:`~lowbit.gemm.kernels.gemm.scale_epilogue_kernel`, and on sm_90 the persistent
+warp-specialized Gluon GEMM with the scales in its epilogue), "triton", "cublas" or "gluon" (for tests)."""
 
 
-def _emu_candidates(M, N, pre: bool):
+# The persistent warp-specialized Gluon GEMM on the dequantized BF16 operands (G.gemm_gluon_ws with SA=0): two 4-warp
+# math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES operand stages (BN=256: 48 KB a stage).
+_WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=st) for bn, st in ((256, 4), (128, 6), (128, 4))]
+
+
+def _emu_candidates(M, N, pre: bool, gws: bool = False):
     if not pre:
         return _candidates(M, N, True)
+    ws = list(_WS_BF16_CONFIGS) if gws and DEQUANT_GEMM in (None, "gluon") else []
+    if DEQUANT_GEMM == "gluon":
+        if not ws:
+            raise RuntimeError("DEQUANT_GEMM='gluon' needs Gluon's warp_specialize, an sm_90 GPU and TMA-able operands")
+        return ws
     cublas = [] if INTERPRET or DEQUANT_GEMM == "triton" else [dict(CUBLAS=True)]
     if DEQUANT_GEMM == "cublas" and cublas:
         return cublas
@@ -215,7 +226,7 @@ def _emu_candidates(M, N, pre: bool):
            if bm <= max(_bucket(M), 64) and bn <= max(_bucket(N), 64)]
     if INTERPRET:
         out = [dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)]
-    return (out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]) + cublas
+    return (out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]) + cublas + ws
 
 
 def dequantize_bf16(c, nv: bool, two_d: bool, rows: int, K: int) -> torch.Tensor:
@@ -248,14 +259,25 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
         A, B = dequantize_bf16(ca, nv, a2d, M, K), dequantize_bf16(cb, nv, b2d, N, K)
         # MXFP8 has no global scale: with BF16 output and a BF16 (or no) bias cuBLAS's own epilogue is the whole job
         if (not nv and not gelu and not accumulate and out_dtype == torch.bfloat16 and not INTERPRET
-                and DEQUANT_GEMM != "triton" and (bias is None or bias.dtype == torch.bfloat16)):
+                and DEQUANT_GEMM not in ("triton", "gluon") and (bias is None or bias.dtype == torch.bfloat16)):
             return _finish(_mm_cublas(A, B, bias), None, out, False)
     c, pre_out = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
     gsa = ca.global_scale if nv else sa
     gsb = cb.global_scale if nv else sb
     tma = pre and _tma_ok(A, B, K * A.element_size())  # (the dequantized rows: fresh, 16-byte aligned buffers)
 
+    gws = (pre and tma and not INTERPRET and G.GLUON_WS and os.environ.get("LOWBIT_GEMM_GLUON", "1") != "0"
+           and torch.cuda.get_device_capability(dev) == (9, 0))
+
     def launch(cfg):
+        if cfg.get("GWS"):
+            tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
+            G.gemm_gluon_ws[(min(tiles, _num_sms(dev)),)](
+                A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K, 0, 0,
+                SA=0, SB=1 if nv else 0, BS=64, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
+                BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], NMATH=2, LOAD_REGS=24, MATH_REGS=232,
+                num_warps=4, maxnreg=168)
+            return
         if cfg.get("CUBLAS"):
             acc = _mm_cublas(A, B, fp32_out=True)
             G.scale_epilogue_kernel[(cdiv(M, 64), cdiv(N, 128))](
@@ -268,8 +290,8 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma),
-         lambda: _emu_candidates(M, N, pre), launch, accumulate)
+    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma, gws),
+         lambda: _emu_candidates(M, N, pre, gws), launch, accumulate)
     return _finish(c, pre_out, out, accumulate)
 
 

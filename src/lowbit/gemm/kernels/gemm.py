@@ -420,6 +420,16 @@ if GLUON:
 
 
     @gluon.jit
+    def _ws_ksteps(K, BS: gl.constexpr, SA: gl.constexpr):
+        """K steps a tile: FP8 blocks rounded up to a multiple of 4 (the math loop's unroll; the padding blocks
+        read TMA's zero fill), BF16 (SA == 0) steps as they are."""
+        if SA == 0:
+            return gl.cdiv(K, BS)
+        else:
+            return (gl.cdiv(K, BS) + 3) // 4 * 4
+
+
+    @gluon.jit
     def _ws_loader(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                    SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                    HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
@@ -429,7 +439,7 @@ if GLUON:
         every partition's: Gluon's worker partitions share one.)"""
         num_pm = gl.cdiv(M, BM)
         num_pn = gl.cdiv(N, BN)
-        nkbu = (gl.cdiv(K, BS) + 3) // 4 * 4
+        nkbu = _ws_ksteps(K, BS, SA)
         it = 0
         for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
             pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
@@ -545,15 +555,91 @@ if GLUON:
 
 
     @gluon.jit
-    def fp8_gemm_gluon_ws(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
+                 PART: gl.constexpr):
+        """BF16 math partition (SA == 0: the dequantized NVFP4 / MXFP8 operands): one FP32 accumulator over all of K
+        (wgmma chained, one step in flight), then with SB == 1 the NVFP4 global scales divided out (``acc / gsa /
+        gsb``, sa_ptr / sb_ptr pointing at them, as emu_gemm_kernel) and the epilogue, stored from the wgmma
+        layout."""
+        NW: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = BM // NMATH
+        R0: gl.constexpr = PART * ROWS
+        num_pm = gl.cdiv(M, BM)
+        num_pn = gl.cdiv(N, BN)
+        nk = gl.cdiv(K, BS)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 16])
+        it = 0
+        for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
+            pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
+            off_m = pid_m * BM + R0
+            off_n = pid_n * BN
+            acc = gl.zeros((ROWS, BN), gl.float32, mma)
+            for kb in range(nk):
+                s = (it + kb) % STAGES
+                mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
+                a = a_s.index(s)
+                if ROWS < BM:
+                    a = a.slice(R0, ROWS, dim=0)
+                acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # step kb - 1's wgmma is done: its stage goes back to the loader
+                mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), count=1, pred=kb > 0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((it + nk - 1) % STAGES), count=1)
+            it += nk
+
+            if SB == 1:
+                acc = acc / gl.load(sa_ptr) / gl.load(sb_ptr)
+            em = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+            en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+            cm = em.to(gl.int64)[:, None] * N + en[None, :]
+            emask = en < N
+            mask = (em < M)[:, None] & emask[None, :]
+            y = acc
+            if HAS_BIAS:
+                y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
+            if GELU:
+                gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
+                y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+            if ACCUM:
+                y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
+            gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+    @gluon.jit
+    def _ws_bf16_0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 0)
+
+
+    @gluon.jit
+    def _ws_bf16_1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 1)
+
+
+    @gluon.jit
+    def gemm_gluon_ws(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                           SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                           HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                           BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                           NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
-        """Persistent, warp-specialized fp8_gemm_gluon: one loader warp and NMATH math partitions of num_warps each
-        (1: all BM rows of a tile, 2: BM/2 rows each, one warpgroup apiece). Launch at most one CTA per SM, with
-        ``maxnreg`` such that every warpgroup (the loader's rounded up to one) fits the register file; MATH_REGS is
-        the second math partition's register count (the default partition gets what is left)."""
+        """Persistent, warp-specialized GEMM ``C = A · Bᵀ``: one loader warp and NMATH math partitions of num_warps
+        each (1: all BM rows of a tile, 2: BM/2 rows each, one warpgroup apiece). Launch at most one CTA per SM,
+        with ``maxnreg`` such that every warpgroup (the loader's rounded up to one) fits the register file;
+        MATH_REGS is the second math partition's register count (the default partition gets what is left).
+
+        SA, SB > 0: fp8_gemm_gluon's FP8 blockwise numbers (BS = the 128 scale block = the K step). SA == 0: BF16
+        A and B (BS = the K step, 64), plain FP32 accumulation, SB == 1 dividing the NVFP4 global scales out."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
         ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
@@ -567,7 +653,15 @@ if GLUON:
             mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
         # (the argument tuples are written out in each call: a tuple bound to a name first turns its constexprs
         # into tensors)
-        if NMATH == 1:
+        if SA == 0:
+            gl.warp_specialize([(_ws_bf16_0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                                (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                                (_ws_bf16_1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
+                               [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
+        elif NMATH == 1:
             gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
                                 (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
