@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         cfgs = [dict(GLUON=True, BM=128, BN=128, num_warps=8, STAGES=4)] + list(tb._WS_CONFIGS)
         ref = None
         for cfg in cfgs:
-            name = ("ws nmath=%(NMATH)d warps=%(num_warps)d stages=%(STAGES)d" % cfg) if cfg.get("WS") else "one tile a CTA, 8 warps, 4 stages"
+            name = ("ws stages=%(STAGES)d" % cfg) if cfg.get("WS") else "one tile a CTA, 8 warps, 4 stages"
             run = _forced(cfg)
             y = run(qa, qb)  # compile + check
             if ref is None:

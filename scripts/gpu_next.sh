@@ -54,8 +54,11 @@ case "${1:-verify}" in
     stage 120 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128" --causal yes \
       --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn_causal" ;;
   s10a)  # session 10: the persistent warp-specialized Gluon FP8 GEMM: its tests, every candidate forced, the bench
-    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gemm.py -rfE --tb=line
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_gemm.py -rfE --tb=line
     stage 200 python3 scripts/gemm_sweep.py --shapes 8192x8192x8192,16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x4096x4096 ;;
+  s10b)  # the GEMM tests and the GEMM table (torchao in the same run)
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_gemm.py -rfE --tb=line
+    stage 330 python3 -m lowbit bench gemm ;;
   s9a)  # session 9: the Gluon TMA-pipelined 1x128 row+col quantizer: its GPU tests and the row+col sweep
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon or blockwise or fp8_kernels" -rfE
     stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x2048,8192x11264,16384x4096 ;;

@@ -122,11 +122,10 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     return bs == 128 and sb_mode == 3 and sa_mode == 2 and torch.cuda.get_device_capability(dev) == (9, 0)
 
 
-# Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws): 128x128 tiles, one loader warp,
-# and either one 8-warp math partition over whole tiles or two 4-warp ones over 64-row halves (each its own
-# warpgroup, out of step with the other). 12 warps in all at maxnreg 168 = the 64K register file.
-_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, num_warps=w, NMATH=nm, LOAD_REGS=lr, STAGES=st)
-               for nm, w, lr in ((2, 4, 24), (1, 8, 40)) for st in (4, 5)]
+# Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
+# tiles, one loader warp (24 registers), two 4-warp math partitions over 64-row halves. 12 warps in all at maxnreg
+# 168 = the 64K register file. H200 2026-11-23: 1040-1095 TFLOP/s on the shapes with 4 stages (5: 0-11% less).
+_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, num_warps=4, NMATH=2, LOAD_REGS=24, STAGES=st) for st in (4, 5)]
 
 _SMS: dict = {}
 
@@ -206,7 +205,8 @@ warp-specialized Gluon GEMM with the scales in its epilogue), "triton", "cublas"
 
 # The persistent warp-specialized Gluon GEMM on the dequantized BF16 operands (G.gemm_gluon_ws with SA=0): two 4-warp
 # math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES operand stages (BN=256: 48 KB a stage).
-_WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=st) for bn, st in ((256, 4), (128, 6), (128, 4))]
+# H200 2026-11-23, NVFP4 at 16384x4096x4096: 592 TFLOP/s with 128x256 (cuBLAS + scale epilogue 542), 128x128 546.
+_WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=4) for bn in (256, 128)]
 
 
 def _emu_candidates(M, N, pre: bool, gws: bool = False):
