@@ -178,6 +178,10 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
                  if bm <= max(_bucket(M), 64)]
             ws = list(_WS_CONFIGS) if G.GLUON_WS else []
             mode = os.environ.get("LOWBIT_GEMM_GLUON")
+            if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= _num_sms(dev):
+                # at least a tile per SM: the warp-specialized kernel alone (H200 2026-11-23: 1.04-1.25x every other
+                # candidate on the five shapes; timing them all let noise pick a slower one, 964 vs 1037)
+                return ws
             out = {"force": g, "ws": ws}.get(mode, out + g + ws)
         return out
 
