@@ -112,9 +112,10 @@ def _tma_ok(A, B, row_bytes) -> bool:
 
 
 def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
-    """The Gluon kernel (:func:`~lowbit.gemm.kernels.gemm.fp8_gemm_gluon`: wgmma of K block j+1 overlapping block j's
-    promotion) as an autotune candidate (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` its configs only, for
-    tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
+    """The Gluon kernels (:func:`~lowbit.gemm.kernels.gemm.fp8_gemm_gluon`: wgmma of K block j+1 overlapping block j's
+    promotion; :func:`~lowbit.gemm.kernels.gemm.gemm_gluon_ws`: persistent and warp-specialized) as autotune
+    candidates (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` / ``ws`` the one-tile / warp-specialized configs
+    only, for tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
     On by default since its forced GPU test (tests/test_gemm.py, ragged M/N/K, against the reference) passed on an
     H200 on 2026-11-23; measured there 1.52-1.63x torchao's Triton blockwise kernel on the large shapes."""
     if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force", "ws") or INTERPRET or not G.GLUON:
@@ -159,7 +160,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-        if cfg.get("WS"):  # persistent: one CTA per SM; 8 math warps + the loader's warpgroup in 64K registers
+        if cfg.get("WS"):  # persistent: one CTA per SM; two 4-warp math partitions + the loader's warpgroup
             kern, grid = G.gemm_gluon_ws, min(tiles, _num_sms(dev))
             extra = dict(STAGES=cfg["STAGES"], NMATH=cfg["NMATH"], LOAD_REGS=cfg["LOAD_REGS"], MATH_REGS=232, maxnreg=168)
         elif cfg.get("GLUON"):
