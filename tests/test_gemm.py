@@ -457,15 +457,15 @@ def test_gluon_ws_compiles_for_sm90(variant):
     et = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(a_ptr=et, b_ptr=et, sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16", bias_ptr="*bf16",
                M="i32", N="i32", K="i32", lda_s="i32", ldb_s="i32")
+    launch = dict(tb._WS_LAUNCH)
+    opts = dict(num_warps=launch.pop("num_warps"), maxnreg=launch.pop("maxnreg"))
     const = dict(SA=2 if fp8 else 0, SB=3 if fp8 else 1, BS=128 if fp8 else 64, HAS_BIAS=False, GELU=False,
-                 ACCUM=False, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"],
-                 NMATH=cfg["NMATH"] if fp8 else 2, LOAD_REGS=cfg["LOAD_REGS"] if fp8 else 24, MATH_REGS=232)
+                 ACCUM=False, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], **launch)
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "N", "K")}
     src = GluonASTSource(fn=tb.G.gemm_gluon_ws, signature=sig, attrs=attrs, constexprs=const)
     try:
-        k = triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg["num_warps"] if fp8 else 4, maxnreg=168))
+        k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except RuntimeError as e:  # no ptxas usable here
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas: {e}")
@@ -473,7 +473,7 @@ def test_gluon_ws_compiles_for_sm90(variant):
     ptx = k.asm["ptx"]
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc" in ptx  # loader 24, math more
     assert "cp.async.bulk.tensor.2d" in ptx and "wgmma.mma_async" in ptx
-    assert k.metadata.num_warps == 12  # two 4-warp math partitions (or one of 8) + the loader's warpgroup
+    assert k.metadata.num_warps == 12  # two 4-warp math partitions + the loader's warpgroup
     assert 0 < k.metadata.shared <= 227 * 1024
     nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if os.path.exists(nvdisasm):

@@ -124,9 +124,12 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
 
 
 # Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
-# tiles, one loader warp (24 registers), two 4-warp math partitions over 64-row halves. 12 warps in all at maxnreg
-# 168 = the 64K register file. H200 2026-11-23: 1040-1095 TFLOP/s on the issue's shapes with 4 stages (5: 0-11% less).
-_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, num_warps=4, NMATH=2, LOAD_REGS=24, STAGES=st) for st in (4, 5)]
+# tiles, 4 or 5 stages. H200 2026-11-23: 1040-1095 TFLOP/s on the issue's shapes with 4 stages (5: 0-11% less).
+_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
+
+# What every launch of G.gemm_gluon_ws shares: two 4-warp math partitions (the second with MATH_REGS registers, the
+# default one with what is left), one loader warp with 24; 12 warps in all at maxnreg 168 = the 64K register file.
+_WS_LAUNCH = dict(NMATH=2, LOAD_REGS=24, MATH_REGS=232, num_warps=4, maxnreg=168)
 
 _SMS: dict = {}
 
@@ -135,6 +138,14 @@ def _num_sms(dev) -> int:
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     return _SMS[dev]
+
+
+def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, **consts):
+    """G.gemm_gluon_ws on a persistent grid (one CTA per SM at most) with config cfg (BM, BN, STAGES); ptrs: its
+    seven pointer arguments (A, B, their scales, C, pre-GELU, bias)."""
+    tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
+    G.gemm_gluon_ws[(min(tiles, _num_sms(dev)),)](*ptrs, M, N, K, lda_s, ldb_s, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8,
+                                                   STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
 
 
 def _check_bias(bias):
@@ -159,15 +170,15 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev)
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
-        tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-        if cfg.get("WS"):  # persistent: one CTA per SM; two 4-warp math partitions + the loader's warpgroup
-            kern, grid = G.gemm_gluon_ws, min(tiles, _num_sms(dev))
-            extra = dict(STAGES=cfg["STAGES"], NMATH=cfg["NMATH"], LOAD_REGS=cfg["LOAD_REGS"], MATH_REGS=232, maxnreg=168)
-        elif cfg.get("GLUON"):
-            kern, grid, extra = G.fp8_gemm_gluon, tiles, dict(STAGES=cfg["STAGES"])
+        if cfg.get("WS"):
+            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda, ldb,
+                       SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
+            return
+        if cfg.get("GLUON"):
+            kern, extra = G.fp8_gemm_gluon, dict(STAGES=cfg["STAGES"])
         else:
-            kern, grid, extra = G.fp8_gemm_kernel, tiles, dict(TMA=tma, num_stages=cfg["num_stages"])
-        kern[(grid,)](
+            kern, extra = G.fp8_gemm_kernel, dict(TMA=tma, num_stages=cfg["num_stages"])
+        kern[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
             SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
             BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
@@ -276,12 +287,8 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
 
     def launch(cfg):
         if cfg.get("GWS"):
-            tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-            G.gemm_gluon_ws[(min(tiles, _num_sms(dev)),)](
-                A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K, 0, 0,
-                SA=0, SB=1 if nv else 0, BS=64, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
-                BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], NMATH=2, LOAD_REGS=24, MATH_REGS=232,
-                num_warps=4, maxnreg=168)
+            _launch_ws(dev, cfg, (A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c), M, N, K, 0, 0,
+                       SA=0, SB=1 if nv else 0, BS=64, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
             return
         if cfg.get("CUBLAS"):
             acc = _mm_cublas(A, B, fp32_out=True)

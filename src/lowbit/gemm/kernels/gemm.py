@@ -319,19 +319,41 @@ if GLUON:
 
 
     @gluon.jit
+    def _g_tile(t, num_pm, num_pn, GROUP_M: gl.constexpr):
+        """(pid_m, pid_n) of output tile t, tiles ordered in groups of GROUP_M along M (as _tile_ids)."""
+        group = GROUP_M * num_pn
+        first_m = (t // group) * GROUP_M
+        gsize = gl.minimum(num_pm - first_m, GROUP_M)
+        return first_m + (t % group) % gsize, (t % group) // gsize
+
+
+    @gluon.jit
+    def _g_epilogue(y, off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N,
+                    HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr):
+        """The epilogue of _epilogue on the FP32 tile y (any distributed layout) whose first element is C[off_m,
+        off_n]: + bias, GELU (pre-GELU stored), accumulate into C, store in C's dtype."""
+        em = off_m + gl.arange(0, y.shape[0], layout=gl.SliceLayout(1, y.type.layout))
+        en = off_n + gl.arange(0, y.shape[1], layout=gl.SliceLayout(0, y.type.layout))
+        cm = em.to(gl.int64)[:, None] * N + en[None, :]
+        emask = en < N
+        mask = (em < M)[:, None] & emask[None, :]
+        if HAS_BIAS:
+            y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
+        if GELU:
+            gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
+            y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+        if ACCUM:
+            y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
+        gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+    @gluon.jit
     def fp8_gemm_gluon(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                        SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                        HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
-        pid = gl.program_id(0)
-        num_pm = gl.cdiv(M, BM)
-        num_pn = gl.cdiv(N, BN)
-        group = GROUP_M * num_pn
-        first_m = (pid // group) * GROUP_M
-        gsize = gl.minimum(num_pm - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % gsize
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = _g_tile(gl.program_id(0), gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
         nkb = gl.cdiv(K, BS)
@@ -388,20 +410,7 @@ if GLUON:
 
         # epilogue in a store-friendly layout: 8 consecutive columns per thread
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        y = gl.convert_layout(acc, out_l)
-        em = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-        en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-        cm = em.to(gl.int64)[:, None] * N + en[None, :]
-        emask = en < N
-        mask = (em < M)[:, None] & emask[None, :]
-        if HAS_BIAS:
-            y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
-        if GELU:
-            gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
-            y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
-        if ACCUM:
-            y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
-        gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+        _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU, ACCUM)
 
 
     # --------------------------------------------------------------------------------------------
@@ -411,15 +420,9 @@ if GLUON:
     # the math warps are in the epilogue); two math warpgroups, each over half the rows of a tile, release each
     # stage through an mbarrier (no CTA-wide barrier), so they drift out of step and one's promotion overlaps the
     # other's wgmma. Grid: one CTA per SM, tiles in the grouped order of fp8_gemm_gluon.
+    #
+    # Gluon's worker partitions share one signature, so every partition function below takes the same arguments.
     # --------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _g_tile(t, num_pm, num_pn, GROUP_M: gl.constexpr):
-        group = GROUP_M * num_pn
-        first_m = (t // group) * GROUP_M
-        gsize = gl.minimum(num_pm - first_m, GROUP_M)
-        return first_m + (t % group) % gsize, (t % group) // gsize
-
-
     @gluon.jit
     def _ws_ksteps(K, BS: gl.constexpr, SA: gl.constexpr):
         """K steps a tile: FP8 blocks rounded up to a multiple of 4 (the math loop's unroll; the padding blocks
@@ -435,9 +438,8 @@ if GLUON:
                    SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                    HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        """Loader partition (one warp): for every K block of every tile of this CTA, wait for its stage to be free,
-        then TMA A's and B's tiles into it (zero fill past M, N, K) and let `ready` count the bytes. (The signature is
-        every partition's: Gluon's worker partitions share one.)"""
+        """Loader partition (one warp): for every K step of every tile of this CTA, wait for its stage to be free,
+        then TMA A's and B's tiles into it (zero fill past M, N, K) and let `ready` count the bytes."""
         num_pm = gl.cdiv(M, BM)
         num_pn = gl.cdiv(N, BN)
         nkbu = _ws_ksteps(K, BS, SA)
@@ -454,36 +456,37 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_mma(a_s, b_s, ready, it, regs, ROW0: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):
-        """Wait for the stage of pipeline step `it`, issue the wgmma of its rows ROW0:ROW0+ROWS of A from zero (async)."""
+    def _ws_mma(a_s, b_s, ready, it, regs, ROW0: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                USE_ACC: gl.constexpr):
+        """Wait for the stage of pipeline step `it`, issue the wgmma of its rows ROW0:ROW0+ROWS of A (async), into
+        `regs` (USE_ACC) or from zero."""
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         a = a_s.index(s)
         if ROWS < a_s.shape[1]:
             a = a.slice(ROW0, ROWS, dim=0)
-        return warpgroup_mma(a, b_s.index(s).permute((1, 0)), regs, use_acc=False, is_async=True)
+        return warpgroup_mma(a, b_s.index(s).permute((1, 0)), regs, use_acc=USE_ACC, is_async=True)
 
 
     @gluon.jit
-    def _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
-                 PART: gl.constexpr):
-        """Math partition PART of NMATH (each the kernel's num_warps, rows PART*BM/NMATH onwards of every tile): the K
-        loop of fp8_gemm_gluon, each stage handed back to the loader as soon as its wgmma has been waited for, then
-        the epilogue. With two math partitions nothing keeps them in step: while one promotes, the other's wgmma
-        has the tensor cores."""
+    def _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
+                PART: gl.constexpr):
+        """FP8 math partition PART of NMATH (rows PART*BM/NMATH onwards of every tile): the K loop of
+        fp8_gemm_gluon, each stage handed back to the loader as soon as its wgmma has been waited for, then the
+        epilogue."""
         NW: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BM // NMATH
+        R0: gl.constexpr = PART * ROWS
         num_pm = gl.cdiv(M, BM)
         num_pn = gl.cdiv(N, BN)
         nkb = gl.cdiv(K, BS)
-        nkbu = (nkb + 3) // 4 * 4
+        nkbu = _ws_ksteps(K, BS, SA)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         zero = gl.zeros((ROWS, BN), gl.float32, mma)
-        R0: gl.constexpr = PART * ROWS
         it = 0
         for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
             pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
@@ -496,19 +499,19 @@ if GLUON:
             acc = zero
             # as in fp8_gemm_gluon: block j+1 in flight while block j is folded; nothing across the back edge
             for kb in range(0, nkbu, 4):
-                t0 = _ws_mma(a_s, b_s, ready, it, zero, R0, ROWS, STAGES)
+                t0 = _ws_mma(a_s, b_s, ready, it, zero, R0, ROWS, STAGES, False)
                 r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA, SB, BS)
-                t1 = _ws_mma(a_s, b_s, ready, it + 1, zero, R0, ROWS, STAGES)
+                t1 = _ws_mma(a_s, b_s, ready, it + 1, zero, R0, ROWS, STAGES, False)
                 r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
                 acc = _g_fold(acc, p0, r0, c0, SA, SB)
-                t0 = _ws_mma(a_s, b_s, ready, it + 2, zero, R0, ROWS, STAGES)
+                t0 = _ws_mma(a_s, b_s, ready, it + 2, zero, R0, ROWS, STAGES, False)
                 r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s, SA, SB, BS)
                 p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
                 mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
                 acc = _g_fold(acc, p1, r1, c1, SA, SB)
-                t1 = _ws_mma(a_s, b_s, ready, it + 3, zero, R0, ROWS, STAGES)
+                t1 = _ws_mma(a_s, b_s, ready, it + 3, zero, R0, ROWS, STAGES, False)
                 r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
                 mbarrier.arrive(empty.index((it + 2) % STAGES), count=1)
@@ -517,54 +520,17 @@ if GLUON:
                 mbarrier.arrive(empty.index((it + 3) % STAGES), count=1)
                 acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 it += 4
-
-            y = gl.convert_layout(acc, out_l)
-            em = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_l))
-            en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-            cm = em.to(gl.int64)[:, None] * N + en[None, :]
-            emask = en < N
-            mask = (em < M)[:, None] & emask[None, :]
-            if HAS_BIAS:
-                y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
-            if GELU:
-                gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
-                y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
-            if ACCUM:
-                y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
-            gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+            _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU, ACCUM)
 
 
     @gluon.jit
-    def _ws_math0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        """The first math partition (the default one). (A literal partition index in warp_specialize's argument
-        tuple would arrive as a tensor, not a constexpr: hence one wrapper per partition.)"""
-        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 0)
-
-
-    @gluon.jit
-    def _ws_math1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        """The second math partition (a worker: the loader's signature)."""
-        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 1)
-
-
-    @gluon.jit
-    def _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+    def _ws_bf16(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K,
+                 SB: gl.constexpr, BS: gl.constexpr, HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
                  PART: gl.constexpr):
-        """BF16 math partition (SA == 0: the dequantized NVFP4 / MXFP8 operands): one FP32 accumulator over all of K
-        (wgmma chained, one step in flight), then with SB == 1 the NVFP4 global scales divided out (``acc / gsa /
-        gsb``, sa_ptr / sb_ptr pointing at them, as emu_gemm_kernel) and the epilogue, stored from the wgmma
-        layout."""
+        """BF16 math partition (the dequantized NVFP4 / MXFP8 operands): one FP32 accumulator over all of K (wgmma
+        chained, one step in flight), then with SB == 1 the NVFP4 global scales divided out (``acc / gsa / gsb``,
+        sa_ptr / sb_ptr pointing at them, as emu_gemm_kernel) and the epilogue, stored from the wgmma layout."""
         NW: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BM // NMATH
         R0: gl.constexpr = PART * ROWS
@@ -575,65 +541,62 @@ if GLUON:
         it = 0
         for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
             pid_m, pid_n = _g_tile(t, num_pm, num_pn, GROUP_M)
-            off_m = pid_m * BM + R0
-            off_n = pid_n * BN
             acc = gl.zeros((ROWS, BN), gl.float32, mma)
             for kb in range(nk):
-                s = (it + kb) % STAGES
-                mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
-                a = a_s.index(s)
-                if ROWS < BM:
-                    a = a.slice(R0, ROWS, dim=0)
-                acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, is_async=True)
+                acc = _ws_mma(a_s, b_s, ready, it + kb, acc, R0, ROWS, STAGES, True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # step kb - 1's wgmma is done: its stage goes back to the loader
                 mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), count=1, pred=kb > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((it + nk - 1) % STAGES), count=1)
             it += nk
-
             if SB == 1:
                 acc = acc / gl.load(sa_ptr) / gl.load(sb_ptr)
-            em = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-            en = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-            cm = em.to(gl.int64)[:, None] * N + en[None, :]
-            emask = en < N
-            mask = (em < M)[:, None] & emask[None, :]
-            y = acc
-            if HAS_BIAS:
-                y = y + gl.load(bias_ptr + en, mask=emask, other=0.0).to(gl.float32)[None, :]
-            if GELU:
-                gl.store(pre_ptr + cm, y.to(pre_ptr.dtype.element_ty), mask=mask)
-                y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
-            if ACCUM:
-                y = gl.load(c_ptr + cm, mask=mask, other=0.0).to(gl.float32) + y.to(c_ptr.dtype.element_ty).to(gl.float32)
-            gl.store(c_ptr + cm, y.to(c_ptr.dtype.element_ty), mask=mask)
+            _g_epilogue(acc, pid_m * BM + R0, pid_n * BN, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU, ACCUM)
 
 
     @gluon.jit
-    def _ws_bf16_0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
+                 PART: gl.constexpr):
+        """Math partition PART: FP8 blockwise (SA > 0) or BF16 (SA == 0)."""
+        if SA == 0:
+            _ws_bf16(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K,
+                     SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
+        else:
+            _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                    SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
+
+
+    @gluon.jit
+    def _ws_math0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        """Math partition 0 (the default partition). A literal partition index in warp_specialize's argument tuple
+        would arrive as a tensor, not a constexpr: hence one wrapper per partition."""
+        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                  SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 0)
 
 
     @gluon.jit
-    def _ws_bf16_1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        _ws_bf16(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_math1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+        """Math partition 1 (a worker)."""
+        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                  SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 1)
 
 
     @gluon.jit
     def gemm_gluon_ws(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                          SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                          BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
+                      SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
         """Persistent, warp-specialized GEMM ``C = A · Bᵀ``: one loader warp and NMATH = 2 math partitions of
         num_warps = 4 each, one warpgroup apiece over BM/2 rows of every tile. (One 8-warp partition over whole tiles
         ran at 0.82-0.95 of this on an H200, 2026-11-23: its two warpgroups synchronise at every stage release.)
@@ -654,21 +617,12 @@ if GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
-        # (the argument tuples are written out in each call: a tuple bound to a name first turns its constexprs
+        # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
         # into tensors)
-        if SA == 0:
-            gl.warp_specialize([(_ws_bf16_0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                                (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                                (_ws_bf16_1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                              SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
-                               [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
-        else:
-            gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                                (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                                (_ws_math1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
-                               [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
+        gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                            (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                          SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+                            (_ws_math1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
+                           [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
