@@ -59,6 +59,11 @@ case "${1:-verify}" in
   s10b)  # the GEMM tests and the GEMM table (torchao in the same run)
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_gemm.py -rfE --tb=line
     stage 330 python3 -m lowbit bench gemm ;;
+  s11p)  # session 11: stripped-down probes of the 1x128 row+col quantizer, and Nsight Compute on it and two probes
+    stage 200 python3 scripts/rowcol_probe.py
+    stage 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \
+      -k regex:"blockwise_kernel|probe_kernel" python3 scripts/rowcol_probe.py --once --shapes 8192x8192 ;;
   s9a)  # session 9: the Gluon TMA-pipelined 1x128 row+col quantizer: its GPU tests and the row+col sweep
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py -k "gluon or blockwise or fp8_kernels" -rfE
     stage 200 python3 scripts/rowcol_sweep.py --swiglu "" --shapes 8192x8192,8192x2048,8192x11264,16384x4096 ;;

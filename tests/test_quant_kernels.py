@@ -24,7 +24,7 @@ from lowbit.quant.reference import quantize_reference
 
 HAVE_TRITON = True
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
@@ -450,6 +450,82 @@ def test_triton_backend_rejects_bad_input_clearly():
         quantize_triton(torch.randn(4, 48), MXFP8())
 
 
+# ------------------------------------------------------------------------------------------------
+# The scale rule (_compute_scale / _recip) alone: the division-free power-of-two path against the reference
+# ------------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton.language as tl
+
+    from lowbit.quant.kernels.quant import _compute_scale, _recip
+
+    @triton.jit
+    def _scale_rule_kernel(a_ptr, s_ptr, si_ptr, N, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """The quantizers' own scale helpers applied to a vector of amax values."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.load(a_ptr + offs, mask=offs < N, other=0.0)
+        s = _compute_scale(a, FMAX, POW2, EPS)
+        tl.store(s_ptr + offs, s, mask=offs < N)
+        tl.store(si_ptr + offs, _recip(s, POW2, FMAX), mask=offs < N)
+
+
+def _scale_rule_amaxes(n_random: int) -> torch.Tensor:
+    """amax values where a wrong exponent rule would show: 0, NaN, Inf, subnormals, the smallest normal, FP32 max,
+    and for each FMAX mantissa (1.75: E4M3 448 / E5M2 57344; 1.0; 1.5: 6; 1.984375: 127) the mantissa itself and its
+    neighbours at every exponent, plus random bit patterns over all finite positive floats."""
+    special = [0.0, float("nan"), float("inf"), 1e-45, 2.0**-149, 2.0**-127, 2.0**-126 * (1 - 2.0**-23), 2.0**-126,
+               3.4028234663852886e38, 1.0, 2.0 - 2.0**-23]
+    vals = torch.tensor(special, dtype=torch.float32)
+    ex = torch.arange(-126, 128, dtype=torch.float32)
+    mants = []
+    for m in (1.75, 1.0, 1.5, 1.984375):
+        mb = torch.tensor([m], dtype=torch.float32).view(torch.int32)
+        mants.append((mb + torch.tensor([-1, 0, 1], dtype=torch.int32)).view(torch.float32))
+    mants = torch.cat(mants).clamp(min=1.0, max=2.0 - 2.0**-23)
+    grid = (mants[None, :] * torch.exp2(ex)[:, None]).reshape(-1)
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(1, 0x7F800000, (n_random,), generator=g, dtype=torch.int32)
+    return torch.cat([vals, grid[torch.isfinite(grid)], bits.view(torch.float32)])
+
+
+def _scale_rule_mismatches(device) -> list:
+    from lowbit.quant.reference import compute_scale
+
+    a = _scale_rule_amaxes(4096)
+    bad = []
+    for fmax in (448.0, 57344.0, 6.0, 127.0):  # E4M3, E5M2, E2M1, INT8: every format's FMAX is >= 4
+        for pow2 in (True, False):
+            for eps in (0.0, 1e-12):
+                s = torch.empty_like(a, device=device)
+                si = torch.empty_like(s)
+                _scale_rule_kernel[(triton_cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax, POW2=pow2,
+                                                                  EPS=eps, BLOCK=1024)
+                rs = compute_scale(a, fmax, pow2=pow2, eps=eps)
+                for name, got, ref in (("scale", s, rs), ("scale_inv", si, 1.0 / rs)):
+                    ok = (got.cpu().view(torch.int32) == ref.view(torch.int32)) | (got.cpu().isnan() & ref.isnan())
+                    if not bool(ok.all()):
+                        i = int((~ok).nonzero()[0])
+                        bad.append(f"fmax={fmax} pow2={pow2} eps={eps} {name}: {int((~ok).sum())} differ, e.g. amax "
+                                   f"{a[i].item()!r}: got {got[i].item()!r}, reference {ref[i].item()!r}")
+    return bad
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_scale_rule_in_interpreter_matches_reference():
+    """_compute_scale and _recip (the power-of-two path takes no division: exponent arithmetic on the bits) give the
+    reference's scale and 1/scale bit for bit on every exponent and at the rounding boundary of each FMAX."""
+    _run_interp("--interp-scales")
+
+
+@pytest.mark.gpu
+def test_scale_rule_compiled_matches_reference(cuda):
+    assert not _scale_rule_mismatches(cuda)
+
+
 def _interp_cases():
     # (shape, scheme, rowwise, columnwise, kwargs): tiny shapes that still cover ragged tiles and every branch
     cases = []
@@ -575,5 +651,10 @@ if __name__ == "__main__" and "--interp" in sys.argv:
     sys.exit(_interp_main(_interp_cases()))
 if __name__ == "__main__" and "--interp-rht" in sys.argv:
     sys.exit(_interp_main(_interp_rht_cases()))
+if __name__ == "__main__" and "--interp-scales" in sys.argv:
+    _bad = _scale_rule_mismatches("cpu")
+    print("\n".join(_bad[:20]))
+    print(f"interp cases: scale rules, failures: {len(_bad)}")
+    sys.exit(1 if _bad else 0)
 if __name__ == "__main__" and "--interp-persistent" in sys.argv:
     sys.exit(_interp_persistent_main())

@@ -192,14 +192,14 @@ if triton is not None:
             if ROW:
                 sr = _compute_scale(_bits_to_f32(tl.max(ab, axis=1)), FMAX, POW2, EPS)
                 rmask = rows < M
-                tl.store(rs_ptr + pid_n * rs_ld + rows, _recip(sr), mask=rmask)
+                tl.store(rs_ptr + pid_n * rs_ld + rows, _recip(sr, POW2, FMAX), mask=rmask)
                 q = _fp8_cast(x * sr[:, None], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
                 tl.store(rq_ptr + rows[:, None] * F + cn[None, :], q, mask=rmask[:, None])
         col_max = tl.max(acc, axis=0)
         tl.atomic_max(amax_ptr, tl.max(col_max, axis=0), sem="relaxed")
         if COL:
             sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-            tl.store(cs_ptr + pid_m * cs_ld + cn, _recip(sc))
+            tl.store(cs_ptr + pid_m * cs_ld + cn, _recip(sc, POW2, FMAX))
             for r0 in tl.range(0, BS, SLAB, loop_unroll_factor=UNROLL):
                 rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
                 x = _swiglu_vals(u_ptr, rows, cn, M, F, DT)

@@ -395,6 +395,11 @@ def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
 
 
+_TRY = [dict(BM=128, SLAB=sl, SLAB2=s2, num_warps=w, UNROLL=u, SCR=True, ROW2=r2)
+        for sl, s2, w, u, r2 in ((64, 128, 4, 1, False), (64, 0, 4, 2, True), (64, 0, 4, 1, True), (32, 0, 4, 2, True),
+                                 (32, 64, 4, 2, True), (64, 0, 8, 2, True), (16, 64, 4, 1, False))]
+
+
 def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
                        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Candidate launches of ``blockwise_kernel`` (the first is the default when not autotuning), pruned by shape.
@@ -429,6 +434,7 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
             # bit-identical and the fastest on the H200 (session 7: 0.57-0.70 of an FP32 copy against 0.54-0.57
             # for blockwise_persistent_kernel and 0.40-0.43 for whole tiles; scripts/rowcol_sweep.py)
             out += [dict(BM=bs, SLAB=64, num_warps=4, SCR=True), dict(BM=bs, SLAB=32, num_warps=4, SCR=True)]
+            out += [c for c in _TRY if rowwise or not c["ROW2"]]
         return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
     if square and bs >= 128:  # (1D columnwise here: 2D returned above)
         scr = dict(SCR=True)
@@ -436,6 +442,8 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
         add(bs, 64, 4, **scr, **first)
         add(bs, 64, 4, **scr, **second)
         add(bs, 32, 4, **scr)
+        for c in (c for c in _TRY if rowwise or not c["ROW2"]):
+            add(c["BM"], c["SLAB"], c["num_warps"], **{k: v for k, v in c.items() if k not in ("BM", "SLAB", "num_warps")})
     elif square:
         for w in (4, 8) if bs >= 64 else (4,):
             add(bs, 0, w)

@@ -41,21 +41,54 @@ def _bits_to_f32(b):
 
 @triton.jit
 def _compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
-    """reference.compute_scale: fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down; NaN stays."""
+    """reference.compute_scale: fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down; NaN stays.
+
+    POW2 (FMAX >= 4) takes no division: see _pow2_scale."""
     if EPS > 0:
         a = tl.where(a != a, a, tl.maximum(a, EPS))
-    s = tl.math.div_rn(tl.full(a.shape, FMAX, tl.float32), a)
-    s = tl.where(a == 0, 1.0, s)
-    s = tl.where(s == float("inf"), FP32_MAX, s)
-    if POW2:
-        p = _bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
-        s = tl.where(s == s, p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
+    if POW2 and FMAX >= 4.0:
+        s = _pow2_scale(a, FMAX)
+    else:
+        s = tl.math.div_rn(tl.full(a.shape, FMAX, tl.float32), a)
+        s = tl.where(a == 0, 1.0, s)
+        s = tl.where(s == float("inf"), FP32_MAX, s)
+        if POW2:
+            p = _bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
+            s = tl.where(s == s, p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
     return s
 
 
 @triton.jit
-def _recip(s):
-    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+def _pow2_scale(a, FMAX: tl.constexpr):
+    """The power-of-two scale 2**E of reference.compute_scale(pow2=True): the exponent of RN(FMAX / a), from bits.
+
+    With a = ma * 2**ea and FMAX = mf * 2**ef (ma, mf in [1, 2)), FMAX / a = (mf / ma) * 2**(ef - ea) and
+    mf / ma lies in (mf / 2, 2): its exponent is ef - ea if ma <= mf, else ef - ea - 1 — and round-to-nearest cannot
+    carry it up to the next power of two there, since the float after mf exceeds mf / (1 - 2**-25), the largest ma
+    whose quotient would round up. E >= 128 is the quotient's overflow to inf, FP32 max, 2**127 (subnormal a lands
+    there too: its biased exponent is 0). For FMAX >= 4, E >= ef - 128 >= -126 stays normal. a = 0 -> 1, Inf -> 0,
+    NaN -> NaN, as the reference. A division costs a slow-path call whose register convention raised the 1x128
+    quantizers' registers from ~60 to 160+ (Triton 3.6, sm_90)."""
+    b = a.to(tl.int32, bitcast=True)
+    fb = tl.full(a.shape, FMAX, tl.float32).to(tl.int32, bitcast=True)
+    e = ((fb >> 23) & 0xFF) - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
+    s = _bits_to_f32((tl.minimum(e, 127) + 127) << 23)
+    s = tl.where(a == 0, 1.0, s)
+    s = tl.where(a == float("inf"), 0.0, s)
+    return tl.where(a != a, a, s)
+
+
+@triton.jit
+def _recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
+    """1 / s rounded to nearest. With the POW2 and FMAX that _compute_scale made s with, FMAX >= 4 (so s is 2**E
+    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 -> Inf)."""
+    if POW2 and FMAX >= 4.0:
+        r = _bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
+        r = tl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
+        r = tl.where(s == 0, float("inf"), r)
+        return tl.where(s != s, s, r)
+    else:
+        return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
 
 @triton.jit
@@ -251,7 +284,7 @@ def tensorwise_kernel(x_ptr, rq_ptr, cq_ptr, scale_ptr, amax_ptr, si_ptr, M, K,
         a = _bits_to_f32(tl.load(amax_ptr))
         s = _compute_scale(a, FMAX, False, 0.0)
     if (pid_m == 0) & (pid_k == 0):
-        tl.store(si_ptr, _recip(s))
+        tl.store(si_ptr, _recip(s, False, FMAX))
     q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
     if ROW:
         tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
@@ -279,7 +312,7 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
         amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
     tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
     s = _compute_scale(_bits_to_f32(amax), FMAX, POW2, 0.0)
-    tl.store(si_ptr + offs_r, _recip(s), mask=rmask)
+    tl.store(si_ptr + offs_r, _recip(s, POW2, FMAX), mask=rmask)
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
@@ -340,14 +373,25 @@ def _vec_store(ptr, offs, n, v, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _rows_1d(x, row_max, rsb, rqb, r, ck, K, nm, nk, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+             POW2: tl.constexpr, EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr, DT: tl.constexpr,
+             EVEN: tl.constexpr, WIDE: tl.constexpr):
+    """The rowwise 1xBS copy of slab x (rows r of a tile; row_max its rows' |x| maxima as int32 bits): scale_inv at
+    rsb[r], FP8 data at rqb (leading dimension K)."""
+    sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
+    _vec_store(rsb, r, nm, _recip(sr, POW2, FMAX), EVEN)
+    _tile_store(rqb, r, ck, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+
+
+@triton.jit
 def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                      EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                      SW: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                      SLAB: tl.constexpr = 0, EVEN: tl.constexpr = False, WIDE: tl.constexpr = True,
                      SATCVT: tl.constexpr = False, SCR: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                     KMAJOR: tl.constexpr = False, NORM: tl.constexpr = False, abs_mask=0x7FFFFFFF,
-                     rstd_ptr=None, nw_ptr=None):
+                     KMAJOR: tl.constexpr = False, NORM: tl.constexpr = False, SLAB2: tl.constexpr = 0,
+                     ROW2: tl.constexpr = False,                      abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
@@ -374,10 +418,15 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     SATCVT: see _fp8_cast. abs_mask: 0x7FFFFFFF, passed at run time so that the compiler cannot see
     "bits & 0x7FFFFFFF" as fabs: fused with the bf16->fp32 conversion, ptxas may then compute |x| with a
     half-precision FMA, which replaces a NaN's payload (the amax bits would change).
+    SLAB2: walk 2's slab height (0: SLAB). 128 rows give 128-byte pieces of each row of the transposed copy.
+    ROW2 (1D, both copies): the rowwise copy is made in walk 2 from the slab loaded for the columnwise one, so that
+    walk 1 only loads and takes maxima.
     NORM (slab walk only): quantize the RMSNorm output y = (x * rstd[m]) * w[k] (FP32, the same two products in
     both walks) instead of x: rstd_ptr (M,) FP32, nw_ptr (K,) FP32 norm weight (lowbit.ops.norm_quant).
     """
     tl.static_assert(not NORM or SLAB > 0, "NORM needs the slab walk")
+    S2: tl.constexpr = SLAB2 if SLAB2 > 0 else SLAB
+    tl.static_assert(not ROW2 or (ROW and COL and not TWO_D and SLAB > 0), "ROW2: 1D, both copies, slab walk")
     DT: tl.constexpr = rq_ptr.dtype.element_ty  # rq and cq share the FP8 format
     pid_m = tl.program_id(1 if KMAJOR else 0).to(tl.int64)
     pid_k = tl.program_id(0 if KMAJOR else 1).to(tl.int64)
@@ -403,7 +452,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         tl.atomic_max(amax_ptr, tl.max(row_max, axis=0), sem="relaxed")
         if TWO_D:
             s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
-            si = _recip(s)
+            si = _recip(s, POW2, FMAX)
             q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
@@ -415,12 +464,12 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         else:
             if ROW:
                 sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-                tl.store(rs_ptr + pid_k * rs_ld + offs_m, _recip(sr), mask=mmask)
+                tl.store(rs_ptr + pid_k * rs_ld + offs_m, _recip(sr, POW2, FMAX), mask=mmask)
                 q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
                 tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
             if COL:
                 sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
-                tl.store(cs_ptr + pid_m * cs_ld + offs_k, _recip(sc), mask=kmask)
+                tl.store(cs_ptr + pid_m * cs_ld + offs_k, _recip(sc, POW2, FMAX), mask=kmask)
                 qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
                 tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
                          mask=kmask[:, None] & mmask[None, :])
@@ -443,14 +492,12 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
             ab = x.to(tl.int32, bitcast=True) & abs_mask
             if COL or TWO_D:
                 acc = tl.maximum(acc, ab)
-            if ROW and not TWO_D:
+            if ROW and not TWO_D and not ROW2:
                 row_max = tl.max(ab, axis=1)
                 if not COL:
                     tmax = tl.maximum(tmax, row_max)
-                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-                _vec_store(rs_ptr + pid_k * rs_ld + m0, r, nm, _recip(sr), EVEN)
-                q = _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT)
-                _tile_store(rqb, r, ck, K, nm, nk, q, EVEN, WIDE)
+                _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW,
+                         SATCVT, DT, EVEN, WIDE)
         if COL or TWO_D:
             col_max = tl.max(acc, axis=0)
             a = tl.max(col_max, axis=0)
@@ -460,7 +507,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         # the scales of walk 2: the tile's (2D) or one a column (1D)
         if TWO_D:
             mult = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(mult)
+            si = _recip(mult, POW2, FMAX)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
             if COL:
@@ -477,15 +524,15 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                     cm1 = tl.load(csb + c1, mask=c1 < nk, other=0.0)
                 sc = _compute_scale(cm1, FMAX, POW2, EPS)
                 tl.debug_barrier()  # every maximum read before any is overwritten
-                _vec_store(csb, c1, nk, _recip(sc), EVEN)
+                _vec_store(csb, c1, nk, _recip(sc, POW2, FMAX), EVEN)
             else:
                 sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-                _vec_store(csb, ck, nk, _recip(sc), EVEN)
+                _vec_store(csb, ck, nk, _recip(sc, POW2, FMAX), EVEN)
             mult = sc[None, :]
         # walk 2: columnwise copy (2D: and the rowwise one, same scale)
         if COL or TWO_D:
-            for r0 in tl.range(0, BM, SLAB, loop_unroll_factor=UNROLL):
-                r = r0 + tl.arange(0, SLAB)
+            for r0 in tl.range(0, BM, S2, loop_unroll_factor=UNROLL):
+                r = r0 + tl.arange(0, S2)
                 x = _tile_load(xb, r, ck, K, nm, nk, EVEN, WIDE)
                 if NORM:
                     x = _norm_rows(x, rstd_ptr + m0, r, nm, nw, EVEN)
@@ -497,6 +544,10 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                         _tile_store(cqb, ck, r, M, nk, nm, _fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT),
                                     EVEN, WIDE)
                 else:
+                    if ROW2:
+                        row_max = tl.max(x.to(tl.int32, bitcast=True) & abs_mask, axis=1)
+                        _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2,
+                                 EPS, SW, SATCVT, DT, EVEN, WIDE)
                     q = _fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
                     _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
 
@@ -574,7 +625,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
             a = tl.max(tl.max(ab, axis=1), axis=0)
             amax = tl.maximum(amax, a)
             s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(s)
+            si = _recip(s, POW2, FMAX)
             q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
             if ROW:
                 tl.store(rs_ptr + pm.to(tl.int64) * rs_ld + pk, si)
@@ -618,11 +669,11 @@ def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, E
     x = raw.to(tl.float32)
     if ROW:
         sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-        _vec_store(rsb, rr, nm, _recip(sr), EVEN)
+        _vec_store(rsb, rr, nm, _recip(sr, POW2, FMAX), EVEN)
         _tile_store(rqb, rr, cc, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
     if COL:
         sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-        _vec_store(csb, cc, nk, _recip(sc), EVEN)
+        _vec_store(csb, cc, nk, _recip(sc, POW2, FMAX), EVEN)
         _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(_fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)),
                     EVEN, WIDE)
     return tl.max(row_max, axis=0)
