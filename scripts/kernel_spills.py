@@ -122,12 +122,18 @@ def quantize_1x128():
 
     print("1x128 quantize (blockwise_kernel), BF16 in, rowwise + columnwise, E4M3, pow2 scales: the autotuner's candidates")
     ptrs = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32")
-    for cfg in (dict(SLAB=64, SCR=True, UNROLL=1), dict(SLAB=64, SCR=True, UNROLL=2), dict(SLAB=32, SCR=True)):
+    from lowbit.quant.triton_backend import _blockwise_configs
+
+    for cfg in _blockwise_configs(8192, 8192, 128, False, True, True):
+        cfg = dict(cfg)
+        bm, w = cfg.pop("BM"), cfg.pop("num_warps")
         sig, const = _signature(Q.blockwise_kernel, ptrs)
         sig["abs_mask"] = "i32"
         const.update(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, TWO_D=False, ROW=True, COL=True, SW=False,
-                     BS=128, BM=128, SATCVT=True, EVEN=True, WIDE=False, KMAJOR=True, **cfg)
-        print(f"  BM=128 4 warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, 4, 3)}")
+                     BS=128, BM=bm, SATCVT=True, EVEN=True, WIDE=False, KMAJOR=True, NORM=False, SLAB2=0, ROW2=False,
+                     SCR=False, UNROLL=1)
+        const.update(cfg)
+        print(f"  BM={bm} {w} warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, w, 3)}")
     print("blockwise_persistent_kernel (1 CTA an SM, whole 128x128 tiles in registers): its uses in triton_backend._PERSISTENT")
     for xdt, two_d, row, col, bm, w, pf in (("*bf16", True, True, True, 128, 16, 1), ("*fp32", False, True, True, 128, 8, 1),
                                             ("*fp32", False, True, False, 64, 4, 1)):

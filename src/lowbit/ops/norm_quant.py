@@ -126,6 +126,9 @@ def row_reduce_configs(K: int) -> list[dict]:
 
 def _quant_configs(rowwise: bool, columnwise: bool) -> list[dict]:
     """Slab-walk candidates of blockwise_kernel for the NORM prologue (the whole-tile path has none)."""
+    if columnwise and rowwise:
+        return [dict(BM=128, SLAB=32, SLAB2=64, num_warps=4, UNROLL=2, SCR=True, ROW2=True),
+                dict(BM=128, SLAB=64, num_warps=4, SCR=True)]
     if columnwise:
         return [dict(BM=128, SLAB=64, num_warps=4, SCR=True), dict(BM=128, SLAB=32, num_warps=4, SCR=True)]
     return [dict(BM=128, SLAB=32, num_warps=4), dict(BM=128, SLAB=32, num_warps=4, UNROLL=4)]

@@ -395,9 +395,15 @@ def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
         qt.columnwise = QuantizedCopy(data=cq, scale_inv=cs, amax=amax)
 
 
-_TRY = [dict(BM=128, SLAB=sl, SLAB2=s2, num_warps=w, UNROLL=u, SCR=True, ROW2=r2)
-        for sl, s2, w, u, r2 in ((64, 128, 4, 1, False), (64, 0, 4, 2, True), (64, 0, 4, 1, True), (32, 0, 4, 2, True),
-                                 (32, 64, 4, 2, True), (64, 0, 8, 2, True), (16, 64, 4, 1, False))]
+def _row2_configs(bs: int) -> list[dict]:
+    """blockwise_kernel's launches for both 1D copies with the rowwise copy made in walk 2 (ROW2): walk 1 only loads
+    32-row slabs and keeps their elementwise maximum, walk 2 makes both copies from 64-row slabs. On the H200
+    (session 11, scripts/rowcol_sweep.py, each bit-identical to the reference in the GPU tests) the first took
+    0.75-0.77 of a copy's bandwidth for BF16 and FP32 input at 8192x8192, 8192x11264 and 16384x4096, against 0.72-0.73
+    (BF16) and 0.68-0.70 (FP32) for the best walk that makes the rowwise copy in walk 1; the other two within 1-2%."""
+    return [dict(BM=bs, SLAB=32, SLAB2=64, num_warps=4, UNROLL=2, SCR=True, ROW2=True),
+            dict(BM=bs, SLAB=32, SLAB2=64, num_warps=4, UNROLL=4, SCR=True, ROW2=True),
+            dict(BM=bs, SLAB=64, num_warps=4, SCR=True, ROW2=True)]
 
 
 def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
@@ -405,14 +411,14 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     """Candidate launches of ``blockwise_kernel`` (the first is the default when not autotuning), pruned by shape.
 
     A tile is BM x bs; BM = bs with the columnwise copy or 2D scales. 128-wide tiles are walked in
-    SLAB-row slabs at 4 warps (see the kernel; measured on the H200: 64-row slabs for the columnwise copy
-    and 2D, column scales one a thread (SCR), both walks unrolled when walk 1 has no rowwise copy to make;
-    32-row slabs for rowwise only). Smaller blocks, and rowwise-only inputs of few rows, are held whole.
+    SLAB-row slabs at 4 warps (see the kernel; measured on the H200): both 1D copies with the rowwise one made in
+    walk 2 (_row2_configs, BF16 / FP16 / FP32); the columnwise copy alone in 64-row slabs, column scales one a
+    thread (SCR), both walks unrolled; 32-row slabs for rowwise only. Smaller blocks, and rowwise-only inputs of few
+    rows, are held whole.
     2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walk's
     2D columnwise data from FP32 input is wrong (pairs of elements along K permuted) — a Triton 3.6 miscompile
     of the transpose of an FP8 tile cast from FP32 without a clamp first (SATCVT); with the clamp it matched
-    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way; FP32
-    keeps whole tiles first (the default without autotuning), with the slab walk as a candidate for 1D row+col.
+    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way.
     """
     square = two_d or columnwise
     out = []
@@ -426,24 +432,26 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     # FP32-master model are exactly that case).
     if dtype == torch.float32 or two_d:
         out = []
+        if dtype == torch.float32 and not two_d and rowwise and columnwise and bs >= 128:
+            # 1D row+col from FP32 (the RMSNorm / LayerNorm outputs of LayerNormLinear): the slab walk first
+            # (session 11: 0.75-0.77 of an FP32 copy against 0.62-0.64 for blockwise_persistent_kernel and 0.48-0.62
+            # for whole tiles in the same run; the session-7 walk, 0.68-0.70, kept as a candidate)
+            out += _row2_configs(bs) + [dict(BM=bs, SLAB=64, num_warps=4, SCR=True)]
         for w in (8, 4) if bs >= 64 else (4,):
-            if bs <= max(_bucket(M), bs):
-                out.append(dict(BM=bs, SLAB=0, num_warps=w) if square else dict(BM=min(bs, 64), SLAB=0, num_warps=4))
-        if dtype == torch.float32 and not two_d and columnwise and bs >= 128:
-            # 1D row+col from FP32 (the RMSNorm / LayerNorm outputs of LayerNormLinear): the slab walk, measured
-            # bit-identical and the fastest on the H200 (session 7: 0.57-0.70 of an FP32 copy against 0.54-0.57
-            # for blockwise_persistent_kernel and 0.40-0.43 for whole tiles; scripts/rowcol_sweep.py)
+            c = dict(BM=bs, SLAB=0, num_warps=w) if square else dict(BM=min(bs, 64), SLAB=0, num_warps=4)
+            if c not in out:
+                out.append(c)
+        if dtype == torch.float32 and not two_d and columnwise and not rowwise and bs >= 128:
             out += [dict(BM=bs, SLAB=64, num_warps=4, SCR=True), dict(BM=bs, SLAB=32, num_warps=4, SCR=True)]
-            out += [c for c in _TRY if rowwise or not c["ROW2"]]
         return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
     if square and bs >= 128:  # (1D columnwise here: 2D returned above)
-        scr = dict(SCR=True)
-        first, second = (dict(UNROLL=1), dict(UNROLL=2)) if rowwise else (dict(UNROLL=2), dict(UNROLL=1))
-        add(bs, 64, 4, **scr, **first)
-        add(bs, 64, 4, **scr, **second)
-        add(bs, 32, 4, **scr)
-        for c in (c for c in _TRY if rowwise or not c["ROW2"]):
-            add(c["BM"], c["SLAB"], c["num_warps"], **{k: v for k, v in c.items() if k not in ("BM", "SLAB", "num_warps")})
+        if rowwise:
+            out += [c for c in _row2_configs(bs) if bs <= max(_bucket(M), bs)]
+            add(bs, 64, 4, SCR=True)  # the session-7 walk: the rowwise copy in walk 1
+        else:
+            add(bs, 64, 4, SCR=True, UNROLL=2)
+            add(bs, 64, 4, SCR=True)
+            add(bs, 32, 4, SCR=True)
     elif square:
         for w in (4, 8) if bs >= 64 else (4,):
             add(bs, 0, w)
