@@ -391,7 +391,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                      SLAB: tl.constexpr = 0, EVEN: tl.constexpr = False, WIDE: tl.constexpr = True,
                      SATCVT: tl.constexpr = False, SCR: tl.constexpr = False, UNROLL: tl.constexpr = 1,
                      KMAJOR: tl.constexpr = False, NORM: tl.constexpr = False, SLAB2: tl.constexpr = 0,
-                     ROW2: tl.constexpr = False,                      abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
+                     ROW2: tl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
@@ -419,14 +419,14 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     "bits & 0x7FFFFFFF" as fabs: fused with the bf16->fp32 conversion, ptxas may then compute |x| with a
     half-precision FMA, which replaces a NaN's payload (the amax bits would change).
     SLAB2: walk 2's slab height (0: SLAB). 128 rows give 128-byte pieces of each row of the transposed copy.
-    ROW2 (1D, both copies): the rowwise copy is made in walk 2 from the slab loaded for the columnwise one, so that
-    walk 1 only loads and takes maxima.
+    ROW2 (1D, both copies; ignored otherwise): the rowwise copy is made in walk 2 from the slab loaded for the
+    columnwise one, so that walk 1 only loads and takes maxima.
     NORM (slab walk only): quantize the RMSNorm output y = (x * rstd[m]) * w[k] (FP32, the same two products in
     both walks) instead of x: rstd_ptr (M,) FP32, nw_ptr (K,) FP32 norm weight (lowbit.ops.norm_quant).
     """
     tl.static_assert(not NORM or SLAB > 0, "NORM needs the slab walk")
     S2: tl.constexpr = SLAB2 if SLAB2 > 0 else SLAB
-    tl.static_assert(not ROW2 or (ROW and COL and not TWO_D and SLAB > 0), "ROW2: 1D, both copies, slab walk")
+    R2: tl.constexpr = ROW2 and ROW and COL and not TWO_D  # (a ROW2 config given one copy runs as without it)
     DT: tl.constexpr = rq_ptr.dtype.element_ty  # rq and cq share the FP8 format
     pid_m = tl.program_id(1 if KMAJOR else 0).to(tl.int64)
     pid_k = tl.program_id(0 if KMAJOR else 1).to(tl.int64)
@@ -492,7 +492,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
             ab = x.to(tl.int32, bitcast=True) & abs_mask
             if COL or TWO_D:
                 acc = tl.maximum(acc, ab)
-            if ROW and not TWO_D and not ROW2:
+            if ROW and not TWO_D and not R2:
                 row_max = tl.max(ab, axis=1)
                 if not COL:
                     tmax = tl.maximum(tmax, row_max)
@@ -544,7 +544,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                         _tile_store(cqb, ck, r, M, nk, nm, _fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT),
                                     EVEN, WIDE)
                 else:
-                    if ROW2:
+                    if R2:
                         row_max = tl.max(x.to(tl.int32, bitcast=True) & abs_mask, axis=1)
                         _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2,
                                  EPS, SW, SATCVT, DT, EVEN, WIDE)
