@@ -135,7 +135,7 @@ def quantize_1x128():
         const.update(cfg)
         print(f"  BM={bm} {w} warps {cfg}  {sass_counts(Q.blockwise_kernel, sig, const, w, 3)}")
     print("blockwise_persistent_kernel (1 CTA an SM, whole 128x128 tiles in registers): its uses in triton_backend._PERSISTENT")
-    for xdt, two_d, row, col, bm, w, pf in (("*bf16", True, True, True, 128, 16, 1), ("*fp32", False, True, True, 128, 8, 1),
+    for xdt, two_d, row, col, bm, w, pf in (("*bf16", True, True, True, 128, 16, 1),
                                             ("*fp32", False, True, False, 64, 4, 1)):
         ptrs = dict(x_ptr=xdt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32")
         sig, const = _signature(Q.blockwise_persistent_kernel, ptrs)

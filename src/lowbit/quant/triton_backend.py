@@ -301,15 +301,13 @@ _BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROU
 # (two_d, rowwise, columnwise, dtype) -> candidates of blockwise_persistent_kernel (first = default without
 # autotuning) where it is used. Measured on the H200 (8192x8192, BENCHMARKS.md, issue 3, session 4): each one
 # bit-identical to blockwise_kernel there and faster than it; CTAS: programs an SM, PREFETCH: tiles loaded ahead.
-# Not listed, so on blockwise_kernel: BF16 1x128 (its slab walk is faster: 0.67 of copy against 0.47), FP32
-# 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6, see the kernel; the
+# Not listed, so on blockwise_kernel: 1x128 both copies from BF16 or FP32 (the slab walk is faster: session 11,
+# 0.75-0.77 of copy against 0.62-0.64 for FP32 and 0.47 for BF16), FP32 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6, see the kernel; the
 # whole-tile kernel reaches 0.85 of an FP32 copy there), and the cases not measured (one copy of 2D, columnwise only).
 _PERSISTENT = {
     (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of copy (was 0.52)
                                          dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),
                                          dict(BM=128, CTAS=1, PREFETCH=2, num_warps=16)],
-    (False, True, True, torch.float32): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),  # 0.54 of an FP32 copy (was 0.39)
-                                         dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16)],
     (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],  # 0.92 (was 0.88)
 }
 
