@@ -27,11 +27,11 @@ from lowbit.quant import Float8Blockwise  # noqa: E402
 
 
 @triton.jit
-def probe_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, ROW: tl.constexpr, COL: tl.constexpr,
-                 TWO_PASS: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, SLAB: tl.constexpr, UNROLL: tl.constexpr,
-                 RS: tl.constexpr = False, CS: tl.constexpr = 0):
-    """RS: real row scales (row maxima, division, scale store). CS (SLAB == BM, one pass): real column scales from
-    the whole tile's column maxima; 1: the column cast reuses the loaded tile, 2: it loads the tile again."""
+def probe_kernel(x_ptr, rq_ptr, cq_ptr, M, K, ROW: tl.constexpr, COL: tl.constexpr, TWO_PASS: tl.constexpr,
+                 BM: tl.constexpr, BS: tl.constexpr, SLAB: tl.constexpr, UNROLL: tl.constexpr):
+    """x (M, K) BF16, M and K multiples of BM and BS; rq (M, K) and cq (K, M) FP8 E4M3. One BM x BS tile a program.
+    ROW / COL: which copies; TWO_PASS: a first walk over the tile loads it and keeps an elementwise maximum (as the
+    real kernel must before any column scale is known), and the columnwise copy uses its column maxima."""
     pid_k = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1).to(tl.int64)
     m0 = pid_m * BM
@@ -53,21 +53,8 @@ def probe_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, ROW: tl.constexpr,
         r = r0 + tl.arange(0, SLAB)
         x = tl.load(xb + r[:, None] * K + ck[None, :]).to(tl.float32)
         if ROW:
-            if RS:
-                rmax = tl.max(tl.abs(x), axis=1)
-                sr = tl.math.div_rn(tl.full(rmax.shape, 448.0, tl.float32), tl.maximum(rmax, 1e-30))
-                tl.store(rs_ptr + pid_k * M + m0 + r, tl.math.div_rn(tl.full(sr.shape, 1.0, tl.float32), sr))
-                tl.store(rqb + r[:, None] * K + ck[None, :], tl.clamp(x * sr[:, None], -448.0, 448.0).to(tl.float8e4nv))
-            else:
-                tl.store(rqb + r[:, None] * K + ck[None, :], tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv))
+            tl.store(rqb + r[:, None] * K + ck[None, :], tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv))
         if COL:
-            if CS > 0:
-                cmax = tl.max(tl.abs(x), axis=0)
-                sc = tl.math.div_rn(tl.full(cmax.shape, 448.0, tl.float32), tl.maximum(cmax, 1e-30))
-                tl.store(cs_ptr + pid_m * K + k0 + ck, tl.math.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc))
-                if CS == 2:
-                    x = tl.load(xb + r[:, None] * K + ck[None, :]).to(tl.float32)
-                mult = sc[None, :]
             q = tl.clamp(x * mult, -448.0, 448.0).to(tl.float8e4nv)
             tl.store(cqb + ck[:, None] * M + r[None, :], tl.trans(q))
 
@@ -77,6 +64,8 @@ def _bench(fn):
 
 
 def once(M, K):
+    if M % 128 or K % 128:
+        raise ValueError(f"--shapes: the probes take whole 128x128 tiles (M and K multiples of 128), got {M}x{K}")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     quantize(x, Float8Blockwise(), rowwise=True, columnwise=True)
     rq = torch.empty(M, K, dtype=torch.float8_e4m3fn, device="cuda")
@@ -96,6 +85,8 @@ def main():
         return once(*(int(v) for v in args.shapes.split(",")[0].split("x")))
     for s in args.shapes.split(","):
         M, K = (int(v) for v in s.split("x"))
+        if M % 128 or K % 128:
+            raise ValueError(f"--shapes: the probes take whole 128x128 tiles (M and K multiples of 128), got {M}x{K}")
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
         tc = _bench(lambda: y.copy_(x))

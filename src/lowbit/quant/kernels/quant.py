@@ -529,7 +529,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
                 _vec_store(csb, ck, nk, _recip(sc, POW2, FMAX), EVEN)
             mult = sc[None, :]
-        # walk 2: columnwise copy (2D: and the rowwise one, same scale)
+        # walk 2: columnwise copy (2D: and the rowwise one, same scale; ROW2: and the rowwise one, its own scales)
         if COL or TWO_D:
             for r0 in tl.range(0, BM, S2, loop_unroll_factor=UNROLL):
                 r = r0 + tl.arange(0, S2)
