@@ -319,6 +319,19 @@ if GLUON:
 
 
     @gluon.jit
+    def _g_operands(a_ptr, b_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BS: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """TMA descriptors of A (M, K) and B (N, K), both K-major, in BM x BS / BN x BS boxes, and STAGES shared-memory
+        stages of each in the wgmma's NVMMA layout: (ad, bd, a_s, b_s)."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
+        ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
+        bd = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS], layout=b_layout)
+        a_s = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BM, BS], a_layout)
+        b_s = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BN, BS], b_layout)
+        return ad, bd, a_s, b_s
+
+    @gluon.jit
     def _g_tile(t, num_pm, num_pn, GROUP_M: gl.constexpr):
         """(pid_m, pid_n) of output tile t, tiles ordered in groups of GROUP_M along M (as _tile_ids)."""
         group = GROUP_M * num_pn
@@ -358,12 +371,7 @@ if GLUON:
         off_n = pid_n * BN
         nkb = gl.cdiv(K, BS)
 
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
-        ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
-        bd = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS], layout=b_layout)
-        a_s = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BM, BS], a_layout)
-        b_s = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BN, BS], b_layout)
+        ad, bd, a_s, b_s = _g_operands(a_ptr, b_ptr, M, N, K, BM, BN, BS, STAGES)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -606,12 +614,7 @@ if GLUON:
 
         SA, SB > 0: fp8_gemm_gluon's FP8 blockwise numbers (BS = the 128 scale block = the K step). SA == 0: BF16
         A and B (BS = the K step, 64), plain FP32 accumulation, SB == 1 dividing the NVFP4 global scales out."""
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BS], a_ptr.dtype.element_ty)
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BS], b_ptr.dtype.element_ty)
-        ad = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS], layout=a_layout)
-        bd = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS], layout=b_layout)
-        a_s = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BM, BS], a_layout)
-        b_s = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BN, BS], b_layout)
+        ad, bd, a_s, b_s = _g_operands(a_ptr, b_ptr, M, N, K, BM, BN, BS, STAGES)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
