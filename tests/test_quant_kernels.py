@@ -498,7 +498,7 @@ def _scale_rule_mismatches(device) -> list:
             for eps in (0.0, 1e-12):
                 s = torch.empty_like(a, device=device)
                 si = torch.empty_like(s)
-                _scale_rule_kernel[(triton_cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax, POW2=pow2,
+                _scale_rule_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax, POW2=pow2,
                                                                   EPS=eps, BLOCK=1024)
                 rs = compute_scale(a, fmax, pow2=pow2, eps=eps)
                 for name, got, ref in (("scale", s, rs), ("scale_inv", si, 1.0 / rs)):
@@ -508,10 +508,6 @@ def _scale_rule_mismatches(device) -> list:
                         bad.append(f"fmax={fmax} pow2={pow2} eps={eps} {name}: {int((~ok).sum())} differ, e.g. amax "
                                    f"{a[i].item()!r}: got {got[i].item()!r}, reference {ref[i].item()!r}")
     return bad
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
