@@ -61,6 +61,10 @@ case "${1:-verify}" in
   s10b)  # the GEMM tests and the GEMM table (torchao in the same run)
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_gemm.py -rfE --tb=line
     stage 330 python3 -m lowbit bench gemm ;;
+  s12a)  # session 12: the warp-specialized Gluon INT8·FP8 attention forward: its tests, then the Triton-vs-Gluon bench
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/attention/test_gluon.py -rfE -x --tb=short
+    stage 200 python3 -m lowbit bench attention --modes int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
   s11p)  # session 11: stripped-down probes of the 1x128 row+col quantizer, and Nsight Compute on it and two probes
     stage 200 python3 scripts/rowcol_probe.py
     stage 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \

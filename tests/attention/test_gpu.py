@@ -116,6 +116,16 @@ def test_kernel_vs_references_more_modes(qk, pv, granularity, D, dtype, S, causa
     _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, seed)
 
 
+def _block_n(tri, qk, pv, S, D):
+    """The key-tile width of the kernel a dense call runs: the Gluon INT8·FP8 kernel's 128 where it applies (sm_90,
+    LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (tests run with LOWBIT_ATTN_AUTOTUNE=0)."""
+    from lowbit.attention import _gluon as G
+    if ((qk, pv) == ("int8", "fp8") and G.GLUON_WS and G.mode() != "0" and D in G.STAGES
+            and torch.cuda.get_device_capability() == (9, 0)):
+        return G.BLOCK_N
+    return tri.heuristic_config(S, D)[1]
+
+
 def _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, seed):
     tri = pytest.importorskip("lowbit.attention._triton")
     B = 2
@@ -123,7 +133,7 @@ def _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, see
         rand(B, Hkv, S, D, dtype=dtype, seed=seed + 2)
     if S == 1000:  # prepass bit-exactness on GPU (Triton vs torch on the same device)
         _prep(tri, q, k, v, qk, pv, granularity)
-    bn = tri.heuristic_config(S, D)[1]  # tests run with LOWBIT_ATTN_AUTOTUNE=0
+    bn = _block_n(tri, qk, pv, S, D)
     out, lse = A.attention(q, k, v, causal=causal, qk=qk, pv=pv, granularity=granularity, backend="triton",
                            return_lse=True)
     assert out.dtype == dtype and out.shape == q.shape
@@ -149,6 +159,7 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
     spills) gives the pointer path's output bit for bit, causal and not, ragged S."""
     tri = pytest.importorskip("lowbit.attention._triton")
     monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")  # one launch config for both paths
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "0")  # the Triton kernel's two tile paths (INT8·FP8 would go to Gluon)
     shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
     q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     for causal in (False, True):

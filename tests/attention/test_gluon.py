@@ -1,0 +1,156 @@
+"""The warp-specialized Gluon INT8·FP8 forward kernel (lowbit.attention._gluon) against the quantized reference.
+
+GPU tests (sm_90) run the kernel forced (LOWBIT_ATTN_GLUON=force) on prequantized operands and compare with
+``attention_prequantized_reference(..., block_n=128)``: the reference's online softmax over the kernel's 128-key
+tiles, so only exp2.approx, summation order and the rare P rounding flip they cause separate the two (FP32 output,
+``TIGHT`` as for the Triton kernel). CPU tests cover the dispatch rules.
+"""
+import zlib
+
+import pytest
+import torch
+
+import lowbit.attention as A
+from lowbit.attention import _gluon as G
+from lowbit.attention import reference as R
+
+TIGHT = 2e-3  # as tests/attention/test_gpu.py: FP32 output vs the tiled quantized reference
+LSE_TOL = 1e-3
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+gpu = pytest.mark.gpu
+needs_sm90 = pytest.mark.skipif(not _sm90() or not G.GLUON_WS, reason="needs an sm_90 GPU and Gluon")
+
+
+def _nrmse(o, r):
+    o, r = o.float(), r.float()
+    return ((o - r).norm() / r.norm()).item()
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+
+CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse
+    (2, 4, 4, 4096, 4096, 128, False, "bhsd", "per_block", True),
+    (2, 4, 2, 1000, 1000, 128, True, "bhsd", "per_warp", True),     # GQA, ragged, causal
+    (1, 4, 1, 17, 17, 64, False, "bshd", "per_block", True),       # MQA, one partial tile, bshd
+    (2, 4, 4, 1, 1, 128, True, "bhsd", "per_block", False),
+    (1, 8, 2, 300, 1000, 128, True, "bshd", "per_block", True),    # Sq < Sk: causal bottom-right aligned
+    (1, 4, 4, 1000, 300, 64, True, "bhsd", "per_warp", True),      # Sq > Sk: the first rows see no key
+    (2, 2, 2, 2048, 2176, 64, False, "bhsd", "per_block", False),   # Sk past a whole tile by 128
+]
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,causal,layout,granularity,return_lse", CASES)
+def test_gluon_vs_quantized_reference(B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse, monkeypatch):
+    from lowbit.attention import _triton as T
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    seed = zlib.crc32(repr((B, Hq, Sq, Sk, D, causal, layout)).encode()) % 1000
+    shq = (B, Hq, Sq, D) if layout == "bhsd" else (B, Sq, Hq, D)
+    shk = (B, Hkv, Sk, D) if layout == "bhsd" else (B, Sk, Hkv, D)
+    q = _rand(*shq, dtype=torch.bfloat16, seed=seed)
+    k = (_rand(*shk, dtype=torch.float32, seed=seed + 1) + 3 * torch.randn(D, device="cuda")).bfloat16()
+    v = _rand(*shk, dtype=torch.bfloat16, seed=seed + 2)
+    qq = T.quantize_qk_triton(q, k, dtype="int8", granularity=granularity, layout=layout)
+    v8, vs = T.quantize_v_fp8_triton(v, layout=layout)
+    kw = dict(q_scale_rows=qq.q_scale_rows, k_scale_rows=qq.block_k, causal=causal, layout=layout)
+    res = T.attention_fwd_triton(qq.q, qq.k, v8, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs, k_mean=qq.k_mean,
+                                 return_lse=return_lse, out_dtype=torch.float32, **kw)
+    o, lse = res if return_lse else (res, None)
+    ro, rl = R.attention_prequantized_reference(qq.q, qq.k, v8, qq.q_scale, qq.k_scale, v_scale=vs, k_mean=qq.k_mean,
+                                                return_lse=True, block_n=G.BLOCK_N, **kw)
+    assert o.shape == q.shape and o.dtype == torch.float32
+    assert _nrmse(o, ro) < TIGHT
+    if return_lse:
+        fin = torch.isfinite(rl)
+        assert torch.equal(fin, torch.isfinite(lse))  # rows that see no key: -inf in both
+        assert (lse[fin] - rl[fin]).abs().max().item() < LSE_TOL
+    # BF16 output: the same numbers rounded once
+    ob = T.attention_fwd_triton(qq.q, qq.k, v8, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs,
+                                out_dtype=torch.bfloat16, **kw)
+    assert torch.equal(ob, o.bfloat16())
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("k_scale_rows,q_scale_rows", [(64, 32), (128, 128), (192, 64)])
+def test_gluon_scale_index_mapping(k_scale_rows, q_scale_rows, monkeypatch):
+    """(query row, key) -> (q_scale, k_scale): power-of-two scales spread over 2^-12 .. 2^-1 per Q group and K block,
+    so a wrong index moves the output far past the tolerance (checked with the K scales reversed)."""
+    from lowbit.attention import _triton as T
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 200, 520, 128
+    qi = torch.randint(-127, 128, (B, Hq, Sq, D), generator=g, dtype=torch.int8, device="cuda")
+    ki = torch.randint(-127, 128, (B, Hkv, Sk, D), generator=g, dtype=torch.int8, device="cuda")
+    v8, vs = T.quantize_v_fp8_triton(torch.randn(B, Hkv, Sk, D, generator=g, device="cuda").bfloat16())
+    nq, nk = -(-Sq // q_scale_rows), -(-Sk // k_scale_rows)
+    qs = 2.0 ** torch.randint(-12, -8, (B, Hq, nq), generator=g, device="cuda").float()
+    ks = 2.0 ** torch.randint(-4, -1, (B, Hkv, nk), generator=g, device="cuda").float()
+    kw = dict(q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows)
+    o = T.attention_fwd_triton(qi, ki, v8, q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=torch.float32, **kw)
+    ro = R.attention_prequantized_reference(qi, ki, v8, qs, ks, v_scale=vs, block_n=G.BLOCK_N, **kw)
+    assert _nrmse(o, ro) < TIGHT
+    bad = R.attention_prequantized_reference(qi, ki, v8, qs, ks.flip(-1), v_scale=vs, block_n=G.BLOCK_N, **kw)
+    assert _nrmse(bad, ro) > 0.1
+
+
+@gpu
+@needs_sm90
+def test_gluon_end_to_end_and_force(monkeypatch):
+    """lowbit.attention(qk="int8", pv="fp8") runs the Gluon kernel by default on sm_90 (the same output as forcing
+    it); LOWBIT_ATTN_GLUON=0 runs the Triton kernel (within the FP32-reference floor too); force on a call outside the
+    kernel's scope (a sliding window) raises."""
+    q, k, v = (_rand(2, 4, 1000, 128, dtype=torch.bfloat16, seed=s) for s in (31, 32, 33))
+    ref = R.attention_reference(q, k, v, causal=True)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    of = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
+    od = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "0")
+    ot = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
+    assert torch.equal(of, od)
+    assert _nrmse(of, ref) < 6e-2 and _nrmse(ot, ref) < 6e-2  # FLOOR[("int8", "fp8")] of test_gpu.py
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    with pytest.raises(RuntimeError, match="sliding window"):
+        A.attention(q, k, v, window=(100, 0), qk="int8", pv="fp8", backend="triton")
+
+
+def test_mode_rejects_unknown_value(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "yes")
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON"):
+        G.mode()
+
+
+def test_why_not_names_the_rule():
+    """The dispatch rules on CPU tensors (no kernel runs): each refusal names its rule; a call inside the scope is
+    refused on a CPU for the machine only."""
+    q = torch.zeros(1, 2, 16, 128, dtype=torch.int8)
+    v = torch.zeros(1, 2, 16, 128, dtype=torch.float8_e4m3fn)
+    st = tuple(q.stride())
+    big = 1 << 30
+    base = dict(qk_mode=1, pv_fp8=True, v_scaled=True, varlen=False, left=big, right=big, big=big, k_scale_rows=64,
+                qv=st, kv=st, vv=(st[0], st[1], 1, 16), ov=st, device=q.device)
+
+    def why(q=q, k=q, v=v, **kw):
+        return G.why_not(q, k, v, **dict(base, **kw))
+
+    assert "INT8" in why(qk_mode=2) and "INT8" in why(pv_fp8=False) and "INT8" in why(v_scaled=False)
+    assert why(varlen=True) == "varlen"
+    assert "window" in why(left=100) and "window" in why(right=5)
+    assert why(right=0) in ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")  # causal is in scope
+    q96 = torch.zeros(1, 2, 16, 96, dtype=torch.int8)
+    assert "head dim 96" in why(q=q96)
+    assert "multiple of 64" in why(k_scale_rows=32)
+    assert "k's strides" in why(kv=(st[0], st[1], st[2], 2))
+    assert "v's strides" in why(vv=(st[0], st[1], 1, 8))  # 8-byte channel stride: not TMA-able
+    assert "output" in why(ov=(st[0], st[1], st[2], 2))
+    assert why() in ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")
