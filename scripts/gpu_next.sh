@@ -65,6 +65,10 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
     stage 200 python3 -m lowbit bench attention --modes int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
+  s12b)  # session 12: the Gluon kernel's tests, then its variants against the Triton kernel and cuDNN
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/attention/test_gluon.py -rfE -x --tb=short
+    stage 300 python3 scripts/attn_gluon_sweep.py ;;
   s11p)  # session 11: stripped-down probes of the 1x128 row+col quantizer, and Nsight Compute on it and two probes
     stage 200 python3 scripts/rowcol_probe.py
     stage 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \

@@ -30,9 +30,11 @@ import torch
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _wg_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # inside a partition: its warps only
     GLUON_WS = hasattr(gl, "warp_specialize")
 except Exception:  # pragma: no cover - older Triton
     GLUON_WS = False
@@ -59,12 +61,12 @@ if GLUON_WS:
         return pid_m, full_end // BN, gl.cdiv(hi, BN)
 
     @gluon.jit
-    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                    O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                    slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                    Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                    RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, P_SMEM: gl.constexpr):
         """Loader partition (one warp): the CTA's Q tile once, then every key tile's K and V halves into stage
         j % STAGES once both math warpgroups have handed that stage back (TMA zero-fills rows past Sq / Sk)."""
         pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
@@ -79,36 +81,48 @@ if GLUON_WS:
             _tma_load(vd, [0, j * BN + BN // 2], ready.index(s), v_s.index(2 * s + 1))
 
     @gluon.jit
-    def _fa_tile(acc, l_i, m_i, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, Sk, diag, win_right,
-                 K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
-        """One 128-key tile for this warpgroup's 64 rows: S halves, softmax update, P·V, promotion into acc."""
-        NW: gl.constexpr = gl.num_warps()
+    def _fa_qk(q, k_s, ready, j, STAGES: gl.constexpr, mma_s: gl.constexpr):
+        """Wait for key tile j, issue its two INT8 score halves (async, in layout mma_s): the in-flight tokens."""
         HALF: gl.constexpr = BN // 2
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                        instr_shape=[16, HALF, 32])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                        instr_shape=[16, HEAD_DIM, 32])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4)
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         kt = k_s.index(s)
         zs = gl.zeros((BM // 2, HALF), gl.int32, mma_s)
         t0 = warpgroup_mma(q, kt.slice(0, HALF, dim=0).permute((1, 0)), zs, use_acc=False, is_async=True)
         t1 = warpgroup_mma(q, kt.slice(HALF, HALF, dim=0).permute((1, 0)), zs, use_acc=False, is_async=True)
+        return t0, t1
+
+    @gluon.jit
+    def _fa_pv(p0, p1, p_s, pb, v_s, j, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, mma_o: gl.constexpr,
+               P_SMEM: gl.constexpr):
+        """Issue P·V of key tile j (its two 64-key halves, FP8 wgmmas from zero into layout mma_o, async): the
+        token. P from registers (p0, p1) or, P_SMEM, from shared memory p_s[pb + 2·(j % 2) + half]."""
+        if P_SMEM:
+            p0 = p_s.index(pb + 2 * (j % 2))
+            p1 = p_s.index(pb + 2 * (j % 2) + 1)
+        s = j % STAGES
+        zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
+        o = warpgroup_mma(p0, v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
+        return warpgroup_mma(p1, v_s.index(2 * s + 1).permute((1, 0)), o, is_async=True)
+
+    @gluon.jit
+    def _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
+                    K_SCALE_ROWS: gl.constexpr, MASK: gl.constexpr, mma_s: gl.constexpr, p_l: gl.constexpr,
+                    p_s, pb, P_SMEM: gl.constexpr):
+        """The online-softmax update of key tile j from its INT32 score halves (layout mma_s): (P·448 halves as
+        E4M3 in the P·V operand layout p_l, alpha = the factor on the accumulator, l, m)."""
+        HALF: gl.constexpr = BN // 2
         n0 = j * BN
         # one K scale per 64-key half (K_SCALE_ROWS is a multiple of 64); a half past Sk reads as 1
         c0 = q_sc * gl.load(ks_base + n0 // K_SCALE_ROWS)
         c1 = q_sc * gl.load(ks_base + (n0 + HALF) // K_SCALE_ROWS, mask=n0 + HALF < Sk, other=1.0)
-        s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
         s0 = s0.to(gl.float32)
         s1 = s1.to(gl.float32)
         if MASK:
             cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_s))
             lim = offs_m[:, None] + diag + win_right  # key j is visible from row i when j - (i + diag) <= win_right
-            ok0 = (cols[None, :] < Sk) & (cols[None, :] <= lim)
-            ok1 = (cols[None, :] + HALF < Sk) & (cols[None, :] + HALF <= lim)
-            s0 = gl.where(ok0, s0, float("-inf"))
-            s1 = gl.where(ok1, s1, float("-inf"))
+            s0 = gl.where((cols[None, :] < Sk) & (cols[None, :] <= lim), s0, float("-inf"))
+            s1 = gl.where((cols[None, :] + HALF < Sk) & (cols[None, :] + HALF <= lim), s1, float("-inf"))
         # c > 0: the row max of s·c is c·max(s) (rounding is monotone), and p = exp2(s·c - m) is one FMA
         m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1) * c0, gl.max(s1, 1) * c1))
         if MASK:  # a row may still see nothing: keep exp2 away from (-inf) - (-inf)
@@ -120,32 +134,59 @@ if GLUON_WS:
         p1 = gl.exp2(s1 * c1[:, None] - mb[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
-        p0 = gl.convert_layout(p0.to(gl.float8e4nv, fp_downcast_rounding="rtne"), p_l)
-        p1 = gl.convert_layout(p1.to(gl.float8e4nv, fp_downcast_rounding="rtne"), p_l)
-        zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
-        o = warpgroup_mma(p0, v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
-        o = warpgroup_mma(p1, v_s.index(2 * s + 1).permute((1, 0)), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        mbarrier.arrive(empty.index(s), count=1)
-        a = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-        acc = acc * a[:, None] + o
-        return acc, l_i, m_new
+        p0 = p0.to(gl.float8e4nv, fp_downcast_rounding="rtne")
+        p1 = p1.to(gl.float8e4nv, fp_downcast_rounding="rtne")
+        if P_SMEM:  # into this tile's buffer (the other one may still feed tile j - 1's wgmma)
+            p_s.index(pb + 2 * (j % 2)).store(p0)
+            p_s.index(pb + 2 * (j % 2) + 1).store(p1)
+        else:
+            p0 = gl.convert_layout(p0, p_l)
+            p1 = gl.convert_layout(p1, p_l)
+        return p0, p1, alpha, l_i, m_new
 
     @gluon.jit
-    def _fa_math(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+    def _fa_fold(acc, o, alpha, empty, j, STAGES: gl.constexpr, mma_o: gl.constexpr):
+        """Tile j's P·V is done: its stage goes back to the loader, and acc = acc·alpha + o (the FP32 promotion)."""
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+        a = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
+        return acc * a[:, None] + o
+
+    @gluon.jit
+    def _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty, ks_base, offs_m, j, Sk, diag,
+                 win_right, K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 MASK: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, p_l: gl.constexpr,
+                 P_SMEM: gl.constexpr):
+        """Key tile j's scores and P·V of tile j - 1 (p0, p1, alpha: its softmax) go to the tensor cores together;
+        tile j's softmax runs while the P·V does, then tile j - 1 is folded into acc. Nothing is left in flight at the
+        end (a wgmma in flight across the loop's back edge can make ptxas serialize every wgmma)."""
+        t0, t1 = _fa_qk(q, k_s, ready, j, STAGES, mma_s)
+        o = _fa_pv(p0, p1, p_s, pb, v_s, j - 1, STAGES, HEAD_DIM, mma_o, P_SMEM)
+        s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
+        p0n, p1n, alpha_n, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
+                                                  K_SCALE_ROWS, MASK, mma_s, p_l, p_s, pb, P_SMEM)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        acc = _fa_fold(acc, o, alpha, empty, j - 1, STAGES, mma_o)
+        if P_SMEM:  # tile j's P, written by every thread of the warpgroup, is read by the next wgmma (async proxy)
+            fence_async_shared()
+            _wg_barrier()
+        return acc, l_i, m_i, p0n, p1n, alpha_n
+
+    @gluon.jit
+    def _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, PART: gl.constexpr):
+                 STAGES: gl.constexpr, P_SMEM: gl.constexpr, PART: gl.constexpr):
         """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of the CTA's tile."""
         NW: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BM // 2
         R0: gl.constexpr = PART * ROWS
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                        instr_shape=[16, BN // 2, 32])
+                                                        instr_shape=[16, BN // 2, 32])  # a 64-key INT32 score half
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                        instr_shape=[16, HEAD_DIM, 32])
+                                                        instr_shape=[16, HEAD_DIM, 32])  # the FP32 P·V tile
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4)  # P as wgmma's A
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
         pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
         bh = gl.program_id(1)
@@ -164,12 +205,29 @@ if GLUON_WS:
         acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, mma_o)
         mbarrier.wait(qbar, 0)
         q = q_s.slice(R0, ROWS, dim=0)
-        for j in range(n_full):
-            acc, l_i, m_i = _fa_tile(acc, l_i, m_i, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, Sk, diag,
-                                     win_right, K_SCALE_ROWS, HEAD_DIM, STAGES, False)
-        for j in range(n_full, n_all):
-            acc, l_i, m_i = _fa_tile(acc, l_i, m_i, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, Sk, diag,
-                                     win_right, K_SCALE_ROWS, HEAD_DIM, STAGES, True)
+        pb = 4 * PART
+        if n_all > 0:
+            # tile 0: scores and softmax only (masked: harmless where it is not needed, and it runs once)
+            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s)
+            s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
+            p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, 0, Sk, diag, win_right,
+                                                  K_SCALE_ROWS, True, mma_s, p_l, p_s, pb, P_SMEM)
+            if P_SMEM:
+                fence_async_shared()
+                _wg_barrier()
+            for j in range(1, n_full):
+                acc, l_i, m_i, p0, p1, alpha = _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb,
+                                                        ready, empty,
+                                                        ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
+                                                        HEAD_DIM, STAGES, False, mma_s, mma_o, p_l, P_SMEM)
+            for j in range(gl.maximum(n_full, 1), n_all):
+                acc, l_i, m_i, p0, p1, alpha = _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb,
+                                                        ready, empty,
+                                                        ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
+                                                        HEAD_DIM, STAGES, True, mma_s, mma_o, p_l, P_SMEM)
+            o = _fa_pv(p0, p1, p_s, pb, v_s, n_all - 1, STAGES, HEAD_DIM, mma_o, P_SMEM)  # the last tile's P·V
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            acc = _fa_fold(acc, o, alpha, empty, n_all - 1, STAGES, mma_o)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
         lo = gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))
@@ -193,31 +251,31 @@ if GLUON_WS:
                      mask=row_ok)
 
     @gluon.jit
-    def _fa_math0(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+    def _fa_math0(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                   O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, P_SMEM: gl.constexpr):
         """Math partition 0 (the default partition; a literal partition index in warp_specialize's argument tuple
         would arrive as a tensor, not a constexpr: hence one wrapper per partition)."""
-        _fa_math(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+        _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 0)
+                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, P_SMEM, 0)
 
     @gluon.jit
-    def _fa_math1(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+    def _fa_math1(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                   O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, P_SMEM: gl.constexpr):
         """Math partition 1 (a worker)."""
-        _fa_math(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+        _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 1)
+                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, P_SMEM, 1)
 
     @gluon.jit
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
@@ -226,7 +284,8 @@ if GLUON_WS:
                              H, GROUP, Sq, Sk, win_right,
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             STAGES: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
+                             STAGES: gl.constexpr, P_SMEM: gl.constexpr, LOAD_REGS: gl.constexpr,
+                             MATH_REGS: gl.constexpr):
         """Grid (cdiv(Sq, 128), B·Hq), num_warps 4 (+ one loader warp and a second math warpgroup), one CTA an SM.
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
@@ -253,6 +312,9 @@ if GLUON_WS:
         q_s = gl.allocate_shared_memory(gl.int8, [BM, HEAD_DIM], q_layout)
         k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BN, HEAD_DIM], k_layout)
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HEAD_DIM, BN // 2], v_layout)
+        # P_SMEM: P through shared memory, per math warpgroup two buffers (tiles alternate) of two 64x64 halves
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM // 2, BN // 2], gl.float8e4nv)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [8 if P_SMEM else 1, BM // 2, BN // 2], p_layout)
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -262,21 +324,21 @@ if GLUON_WS:
             mbarrier.init(empty.index(i), count=2)  # both math warpgroups hand the stage back
         # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
         # into tensors)
-        gl.warp_specialize([(_fa_math0, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+        gl.warp_specialize([(_fa_math0, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES)),
-                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+                                         STAGES, P_SMEM)),
+                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                                           O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                           skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                           Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                          STAGES)),
-                            (_fa_math1, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty,
+                                          STAGES, P_SMEM)),
+                            (_fa_math1, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES))],
+                                         STAGES, P_SMEM))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 
@@ -342,4 +404,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         km.stride(0) if k_mean is not None else 0, km.stride(1) if k_mean is not None else 0, *sl,
         Hq, Hq // Hkv, Sq, Sk, right,
         Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
-        RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D, STAGES=STAGES[D], **_LAUNCH)
+        RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
+        STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
+        P_SMEM=os.environ.get("LOWBIT_ATTN_GLUON_PSMEM", "1") == "1",  # P to the P·V wgmma through shared memory
+        **_LAUNCH)
