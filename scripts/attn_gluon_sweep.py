@@ -1,7 +1,7 @@
 """The Gluon INT8·FP8 attention forward (lowbit.attention._gluon) against the Triton kernel and SDPA cuDNN, same run.
 
 Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switches
-LOWBIT_ATTN_GLUON_PSMEM, LOWBIT_ATTN_GLUON_STAGES) is checked against the first one's output (max abs difference).
+LOWBIT_ATTN_GLUON_PSMEM, LOWBIT_ATTN_GLUON_STAGES, LOWBIT_ATTN_GLUON_CVT) is checked against the first one's output (max abs difference).
 
     python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "psmem=1,stages=3;..."]
 """
@@ -20,8 +20,9 @@ import triton  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4,32,4096,128;2,32,8192,128;8,16,2048,64")
-    ap.add_argument("--variants", default="psmem=1,stages=3;psmem=1,stages=4;psmem=0,stages=3")
+    ap.add_argument("--variants", default="cvt=1;cvt=0;cvt=1,stages=4")
     ap.add_argument("--causal", default="no,yes")
+    ap.add_argument("--once", action="store_true", help="one launch of each kernel on the first shape (Nsight Compute)")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -45,6 +46,13 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+            if args.once:
+                os.environ["LOWBIT_ATTN_GLUON"] = "0"
+                kern()
+                os.environ["LOWBIT_ATTN_GLUON"] = "force"
+                kern()
+                torch.cuda.synchronize()
+                return
             res = {}
             res["cudnn"] = triton.testing.do_bench(cudnn, warmup=25, rep=200)
             os.environ["LOWBIT_ATTN_GLUON"] = "0"
@@ -54,7 +62,8 @@ def main():
             for var in args.variants.split(";"):
                 kv = dict(x.split("=") for x in var.split(","))
                 os.environ["LOWBIT_ATTN_GLUON_PSMEM"] = kv.get("psmem", "1")
-                os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", "3")
+                os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", "3" if D == 128 else "4")
+                os.environ["LOWBIT_ATTN_GLUON_CVT"] = kv.get("cvt", "1")
                 try:
                     o = kern()
                     diff = 0.0 if first is None else (o.float() - first.float()).abs().max().item()

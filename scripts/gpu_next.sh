@@ -69,6 +69,13 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
     stage 300 python3 scripts/attn_gluon_sweep.py ;;
+  s12c)  # session 12: the score-conversion variants, then Nsight Compute on the Triton and Gluon kernels (one launch each)
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/attention/test_gluon.py -rfE -x --tb=short
+    stage 200 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64"
+    stage 200 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats --section Occupancy -k regex:"attn_fwd" \
+      python3 scripts/attn_gluon_sweep.py --once --shapes "4,32,4096,128" --causal no ;;
   s11p)  # session 11: stripped-down probes of the 1x128 row+col quantizer, and Nsight Compute on it and two probes
     stage 200 python3 scripts/rowcol_probe.py
     stage 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
