@@ -20,7 +20,7 @@ import triton  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4,32,4096,128;2,32,8192,128;8,16,2048,64")
-    ap.add_argument("--variants", default="cvt=1;cvt=0;cvt=1,stages=4")
+    ap.add_argument("--variants", default="psmem=2;psmem=1;psmem=0;psmem=2,cvt=0")
     ap.add_argument("--causal", default="no,yes")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel on the first shape (Nsight Compute)")
     args = ap.parse_args()
@@ -61,7 +61,7 @@ def main():
             first = None
             for var in args.variants.split(";"):
                 kv = dict(x.split("=") for x in var.split(","))
-                os.environ["LOWBIT_ATTN_GLUON_PSMEM"] = kv.get("psmem", "1")
+                os.environ["LOWBIT_ATTN_GLUON_PSMEM"] = kv.get("psmem", "2")
                 os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", "3" if D == 128 else "4")
                 os.environ["LOWBIT_ATTN_GLUON_CVT"] = kv.get("cvt", "1")
                 try:

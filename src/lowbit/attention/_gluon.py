@@ -103,9 +103,12 @@ if GLUON_WS:
                P_SMEM: gl.constexpr):
         """Issue P·V of key tile j (its two 64-key halves, FP8 wgmmas from zero into layout mma_o, async): the
         token. P from registers (p0, p1) or, P_SMEM, from shared memory p_s[pb + 2·(j % 2) + half]."""
-        if P_SMEM:
+        if P_SMEM == 1:
             p0 = p_s.index(pb + 2 * (j % 2))
             p1 = p_s.index(pb + 2 * (j % 2) + 1)
+        elif P_SMEM == 2:
+            p0 = p_s.index(pb)
+            p1 = p_s.index(pb + 1)
         s = j % STAGES
         zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
         o = warpgroup_mma(p0, v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
@@ -148,10 +151,10 @@ if GLUON_WS:
         l_i = l_i * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
         p0 = p0.to(gl.float8e4nv, fp_downcast_rounding="rtne")
         p1 = p1.to(gl.float8e4nv, fp_downcast_rounding="rtne")
-        if P_SMEM:  # into this tile's buffer (the other one may still feed tile j - 1's wgmma)
+        if P_SMEM == 1:  # into this tile's buffer (the other one may still feed tile j - 1's wgmma)
             p_s.index(pb + 2 * (j % 2)).store(p0)
             p_s.index(pb + 2 * (j % 2) + 1).store(p1)
-        else:
+        elif P_SMEM == 0:
             p0 = gl.convert_layout(p0, p_l)
             p1 = gl.convert_layout(p1, p_l)
         return p0, p1, alpha, l_i, m_new
@@ -178,7 +181,10 @@ if GLUON_WS:
                                                   K_SCALE_ROWS, MASK, mma_s, p_l, p_s, pb, P_SMEM, CVT)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         acc = _fa_fold(acc, o, alpha, empty, j - 1, STAGES, mma_o)
-        if P_SMEM:  # tile j's P, written by every thread of the warpgroup, is read by the next wgmma (async proxy)
+        if P_SMEM == 2:  # tile j - 1's P·V is done with the buffer: tile j's P goes in
+            p_s.index(pb).store(p0n)
+            p_s.index(pb + 1).store(p1n)
+        if P_SMEM != 0:  # tile j's P, written by every thread of the warpgroup, is read by the next wgmma (async proxy)
             fence_async_shared()
             _wg_barrier()
         return acc, l_i, m_i, p0n, p1n, alpha_n
@@ -217,14 +223,17 @@ if GLUON_WS:
         acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, mma_o)
         mbarrier.wait(qbar, 0)
         q = q_s.slice(R0, ROWS, dim=0)
-        pb = 4 * PART
+        pb = 4 * PART if P_SMEM == 1 else 2 * PART
         if n_all > 0:
             # tile 0: scores and softmax only (masked: harmless where it is not needed, and it runs once)
             t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s, CVT)
             s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
             p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, 0, Sk, diag, win_right,
                                                   K_SCALE_ROWS, True, mma_s, p_l, p_s, pb, P_SMEM, CVT)
-            if P_SMEM:
+            if P_SMEM == 2:
+                p_s.index(pb).store(p0)
+                p_s.index(pb + 1).store(p1)
+            if P_SMEM != 0:
                 fence_async_shared()
                 _wg_barrier()
             for j in range(1, n_full):
@@ -326,7 +335,8 @@ if GLUON_WS:
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HEAD_DIM, BN // 2], v_layout)
         # P_SMEM: P through shared memory, per math warpgroup two buffers (tiles alternate) of two 64x64 halves
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM // 2, BN // 2], gl.float8e4nv)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [8 if P_SMEM else 1, BM // 2, BN // 2], p_layout)
+        P_BUFS: gl.constexpr = 8 if P_SMEM == 1 else (4 if P_SMEM == 2 else 1)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [P_BUFS, BM // 2, BN // 2], p_layout)
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -355,6 +365,10 @@ if GLUON_WS:
 
 
 # ------------------------------------------------------------------------------------------------ launcher
+# Head dims the kernel runs by default: at D = 64 it ran at 0.58-0.67 of cuDNN against the Triton kernel's 0.85-0.88
+# (H200, 2026-11-23: half the MMA work a tile for the same softmax work, one CTA an SM); LOWBIT_ATTN_GLUON=force
+# runs it there too (tests).
+DEFAULT_DIMS = (128,)
 STAGES = {64: 4, 128: 3}  # key tiles in flight: 16 + 3 x 32 KB of shared memory at D = 128, 8 + 4 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left) and the loader
 # warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM.
@@ -383,6 +397,8 @@ def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool
     D = q.shape[-1]
     if D not in STAGES:
         return f"head dim {D} (64 or 128)"
+    if D not in DEFAULT_DIMS and mode() != "force":
+        return f"head dim {D}: the Triton kernel is faster there (H200, 2026-11-23)"
     if k_scale_rows % 64:
         return f"K scale blocks of {k_scale_rows} keys (a multiple of 64)"
     for name, t, st, inner in (("q", q, qv, 3), ("k", k, kv, 3), ("v", v, vv, 2)):
@@ -418,6 +434,6 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
         RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
         STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-        P_SMEM=os.environ.get("LOWBIT_ATTN_GLUON_PSMEM", "1") == "1",  # P to the P·V wgmma through shared memory
+        P_SMEM=int(os.environ.get("LOWBIT_ATTN_GLUON_PSMEM", "2")),  # P to the P·V wgmma through shared memory
         CVT=int(os.environ.get("LOWBIT_ATTN_GLUON_CVT", "1")),  # 1: scores offset by MAGIC in the wgmma, 0: I2F
         **_LAUNCH)
