@@ -81,6 +81,11 @@ case "${1:-verify}" in
       tests/attention/test_gluon.py tests/attention/test_gpu.py -rfE --tb=short
     stage 150 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128"
     stage 240 python3 -m lowbit bench attention --modes bf16/bf16,int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
+  s12e)  # session 12, final code: the attention GPU tests (Gluon and Triton kernels), then the attention bench
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention/test_gluon.py tests/attention/test_gpu.py tests/attention_bwd -rfE --tb=short
+    stage 60 python3 -m lowbit info
+    stage 240 python3 -m lowbit bench attention --modes int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
   s11p)  # session 11: stripped-down probes of the 1x128 row+col quantizer, and Nsight Compute on it and two probes
     stage 200 python3 scripts/rowcol_probe.py
     stage 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \

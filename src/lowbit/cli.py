@@ -89,13 +89,20 @@ def cmd_info(argv=None) -> int:
     for qk, pv in (("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")):
         try:
             be = att.backend_for(device=dev, qk=qk, pv=pv)
-            print(f"  qk={qk} pv={pv} -> {be}{' (cuDNN first, then flash)' if be == 'sdpa' else ''}")
+            note = " (cuDNN first, then flash)" if be == "sdpa" else ""
+            if (qk, pv) == ("int8", "fp8") and be == "triton":
+                from lowbit.attention import _gluon
+                if _gluon.GLUON_WS and _gluon.mode() != "0" and getattr(dev, "type", str(dev)) == "cuda" \
+                        and torch.cuda.get_device_capability(dev) == (9, 0):
+                    note = (" (dense, head dim 128, causal or no mask: the warp-specialized Gluon kernel; "
+                            "otherwise the Triton one)")
+            print(f"  qk={qk} pv={pv} -> {be}{note}")
         except Exception as e:  # report, do not crash info
             print(f"  qk={qk} pv={pv} -> unavailable ({e})")
     print("\nkernel switches (docs/GUIDE.md section 6):")
     for name, default in (("LOWBIT_AUTOTUNE", "1"), ("LOWBIT_ATTN_AUTOTUNE", "1"), ("LOWBIT_ATTN_TMA", "1"),
                           ("LOWBIT_ATTN_BWD_TMA", "0"), ("LOWBIT_GEMM_TMA", "1"),
-                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
+                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
         value = os.environ.get(name)
         print(f"  {name}={value if value is not None else default}{'' if value is not None else ' (default)'}")
     return 0

@@ -46,8 +46,6 @@ if GLUON_WS:
     BM = gl.constexpr(BLOCK_M)
     BN = gl.constexpr(BLOCK_N)
     LOG2_448 = gl.constexpr(8.807354922057604)  # P is computed as p·448 (E4M3's range); l carries the same factor
-    MAGIC = gl.constexpr(0x4B400000)  # the bits of 1.5·2^23 = 12582912.0
-    MAGIC_F = gl.constexpr(12582912.0)
 
     @gluon.jit
     def _fa_ranges(Sq, Sk, win_right, BM: gl.constexpr, BN: gl.constexpr, REVERSE_M: gl.constexpr):
@@ -68,7 +66,7 @@ if GLUON_WS:
                    slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                    Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                    RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, P_SMEM: gl.constexpr, CVT: gl.constexpr):
+                   STAGES: gl.constexpr):
         """Loader partition (one warp): the CTA's Q tile once, then every key tile's K and V halves into stage
         j % STAGES once both math warpgroups have handed that stage back (TMA zero-fills rows past Sq / Sk)."""
         pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
@@ -83,56 +81,38 @@ if GLUON_WS:
             _tma_load(vd, [0, j * BN + BN // 2], ready.index(s), v_s.index(2 * s + 1))
 
     @gluon.jit
-    def _fa_qk(q, k_s, ready, j, STAGES: gl.constexpr, mma_s: gl.constexpr, CVT: gl.constexpr):
-        """Wait for key tile j, issue its two INT8 score halves (async, in layout mma_s): the in-flight tokens.
-        CVT 1: the INT32 accumulator starts at MAGIC instead of 0 (see _fa_softmax)."""
+    def _fa_qk(q, k_s, ready, j, STAGES: gl.constexpr, mma_s: gl.constexpr):
+        """Wait for key tile j, issue its two INT8 score halves (async, in layout mma_s): the in-flight tokens."""
         HALF: gl.constexpr = BN // 2
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         kt = k_s.index(s)
-        if CVT == 1:
-            zs = gl.full((BM // 2, HALF), MAGIC, gl.int32, mma_s)
-        else:
-            zs = gl.zeros((BM // 2, HALF), gl.int32, mma_s)
-        t0 = warpgroup_mma(q, kt.slice(0, HALF, dim=0).permute((1, 0)), zs, use_acc=CVT == 1, is_async=True)
-        t1 = warpgroup_mma(q, kt.slice(HALF, HALF, dim=0).permute((1, 0)), zs, use_acc=CVT == 1, is_async=True)
+        zs = gl.zeros((BM // 2, HALF), gl.int32, mma_s)
+        t0 = warpgroup_mma(q, kt.slice(0, HALF, dim=0).permute((1, 0)), zs, use_acc=False, is_async=True)
+        t1 = warpgroup_mma(q, kt.slice(HALF, HALF, dim=0).permute((1, 0)), zs, use_acc=False, is_async=True)
         return t0, t1
 
     @gluon.jit
-    def _fa_pv(p0, p1, p_s, pb, v_s, j, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, mma_o: gl.constexpr,
-               P_SMEM: gl.constexpr):
-        """Issue P·V of key tile j (its two 64-key halves, FP8 wgmmas from zero into layout mma_o, async): the
-        token. P from registers (p0, p1) or, P_SMEM, from shared memory p_s[pb + 2·(j % 2) + half]."""
-        if P_SMEM == 1:
-            p0 = p_s.index(pb + 2 * (j % 2))
-            p1 = p_s.index(pb + 2 * (j % 2) + 1)
-        elif P_SMEM == 2:
-            p0 = p_s.index(pb)
-            p1 = p_s.index(pb + 1)
+    def _fa_pv(p_s, pb, v_s, j, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, mma_o: gl.constexpr):
+        """Issue P·V of key tile j (its two 64-key halves, P from shared memory p_s[pb], p_s[pb + 1]; FP8 wgmmas
+        from zero into layout mma_o, async): the token."""
         s = j % STAGES
         zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
-        o = warpgroup_mma(p0, v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
-        return warpgroup_mma(p1, v_s.index(2 * s + 1).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma(p_s.index(pb), v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
+        return warpgroup_mma(p_s.index(pb + 1), v_s.index(2 * s + 1).permute((1, 0)), o, is_async=True)
 
     @gluon.jit
     def _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
-                    K_SCALE_ROWS: gl.constexpr, MASK: gl.constexpr, mma_s: gl.constexpr, p_l: gl.constexpr,
-                    p_s, pb, P_SMEM: gl.constexpr, CVT: gl.constexpr):
+                    K_SCALE_ROWS: gl.constexpr, MASK: gl.constexpr, mma_s: gl.constexpr):
         """The online-softmax update of key tile j from its INT32 score halves (layout mma_s): (P·448 halves as
-        E4M3 in the P·V operand layout p_l, alpha = the factor on the accumulator, l, m)."""
+        E4M3, alpha = the factor on the accumulator, l, m)."""
         HALF: gl.constexpr = BN // 2
         n0 = j * BN
         # one K scale per 64-key half (K_SCALE_ROWS is a multiple of 64); a half past Sk reads as 1
         c0 = q_sc * gl.load(ks_base + n0 // K_SCALE_ROWS)
         c1 = q_sc * gl.load(ks_base + (n0 + HALF) // K_SCALE_ROWS, mask=n0 + HALF < Sk, other=1.0)
-        if CVT == 1:
-            # the accumulator started at MAGIC = the bits of 1.5·2^23, and |s| <= D·128² <= 2^21 (D <= 128): its bits
-            # are the FP32 number 1.5·2^23 + s exactly, so one exact FADD replaces the INT32 -> FP32 conversion
-            s0 = s0.to(gl.float32, bitcast=True) - MAGIC_F
-            s1 = s1.to(gl.float32, bitcast=True) - MAGIC_F
-        else:
-            s0 = s0.to(gl.float32)
-            s1 = s1.to(gl.float32)
+        s0 = s0.to(gl.float32)
+        s1 = s1.to(gl.float32)
         if MASK:
             cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_s))
             lim = offs_m[:, None] + diag + win_right  # key j is visible from row i when j - (i + diag) <= win_right
@@ -151,12 +131,6 @@ if GLUON_WS:
         l_i = l_i * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
         p0 = p0.to(gl.float8e4nv, fp_downcast_rounding="rtne")
         p1 = p1.to(gl.float8e4nv, fp_downcast_rounding="rtne")
-        if P_SMEM == 1:  # into this tile's buffer (the other one may still feed tile j - 1's wgmma)
-            p_s.index(pb + 2 * (j % 2)).store(p0)
-            p_s.index(pb + 2 * (j % 2) + 1).store(p1)
-        elif P_SMEM == 0:
-            p0 = gl.convert_layout(p0, p_l)
-            p1 = gl.convert_layout(p1, p_l)
         return p0, p1, alpha, l_i, m_new
 
     @gluon.jit
@@ -167,27 +141,32 @@ if GLUON_WS:
         return acc * a[:, None] + o
 
     @gluon.jit
-    def _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty, ks_base, offs_m, j, Sk, diag,
+    def _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty, ks_base, offs_m, j, Sk, diag,
                  win_right, K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 MASK: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, p_l: gl.constexpr,
-                 P_SMEM: gl.constexpr, CVT: gl.constexpr):
-        """Key tile j's scores and P·V of tile j - 1 (p0, p1, alpha: its softmax) go to the tensor cores together;
-        tile j's softmax runs while the P·V does, then tile j - 1 is folded into acc. Nothing is left in flight at the
-        end (a wgmma in flight across the loop's back edge can make ptxas serialize every wgmma)."""
-        t0, t1 = _fa_qk(q, k_s, ready, j, STAGES, mma_s, CVT)
-        o = _fa_pv(p0, p1, p_s, pb, v_s, j - 1, STAGES, HEAD_DIM, mma_o, P_SMEM)
+                 MASK: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+        """Key tile j's scores and tile j - 1's P·V (its P in the warpgroup's shared buffer, alpha from its softmax)
+        go to the tensor cores together; tile j's softmax runs while the P·V does; then tile j - 1 is folded into acc
+        and tile j's P takes the buffer. Nothing is left in flight at the end (a wgmma in flight across the loop's back
+        edge can make ptxas serialize every wgmma; an FP8 P carried in registers across it was unpacked byte by byte
+        and spilled)."""
+        t0, t1 = _fa_qk(q, k_s, ready, j, STAGES, mma_s)
+        o = _fa_pv(p_s, pb, v_s, j - 1, STAGES, HEAD_DIM, mma_o)
         s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
-        p0n, p1n, alpha_n, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
-                                                  K_SCALE_ROWS, MASK, mma_s, p_l, p_s, pb, P_SMEM, CVT)
+        p0, p1, alpha_n, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
+                                                K_SCALE_ROWS, MASK, mma_s)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         acc = _fa_fold(acc, o, alpha, empty, j - 1, STAGES, mma_o)
-        if P_SMEM == 2:  # tile j - 1's P·V is done with the buffer: tile j's P goes in
-            p_s.index(pb).store(p0n)
-            p_s.index(pb + 1).store(p1n)
-        if P_SMEM != 0:  # tile j's P, written by every thread of the warpgroup, is read by the next wgmma (async proxy)
-            fence_async_shared()
-            _wg_barrier()
-        return acc, l_i, m_i, p0n, p1n, alpha_n
+        _fa_put_p(p0, p1, p_s, pb)
+        return acc, l_i, m_i, alpha_n
+
+    @gluon.jit
+    def _fa_put_p(p0, p1, p_s, pb):
+        """Tile j's P halves into the warpgroup's buffer p_s[pb], p_s[pb + 1] (free: the last P·V that read it has
+        been waited for), visible to the next wgmma (async proxy) once every thread of the warpgroup has written."""
+        p_s.index(pb).store(p0)
+        p_s.index(pb + 1).store(p1)
+        fence_async_shared()
+        _wg_barrier()
 
     @gluon.jit
     def _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
@@ -195,7 +174,7 @@ if GLUON_WS:
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, P_SMEM: gl.constexpr, CVT: gl.constexpr, PART: gl.constexpr):
+                 STAGES: gl.constexpr, PART: gl.constexpr):
         """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of the CTA's tile."""
         NW: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BM // 2
@@ -204,7 +183,6 @@ if GLUON_WS:
                                                         instr_shape=[16, BN // 2, 32])  # a 64-key INT32 score half
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                         instr_shape=[16, HEAD_DIM, 32])  # the FP32 P·V tile
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4)  # P as wgmma's A
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
         pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
         bh = gl.program_id(1)
@@ -223,30 +201,23 @@ if GLUON_WS:
         acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, mma_o)
         mbarrier.wait(qbar, 0)
         q = q_s.slice(R0, ROWS, dim=0)
-        pb = 4 * PART if P_SMEM == 1 else 2 * PART
+        pb = 2 * PART  # this warpgroup's P buffer (two 64x64 halves)
         if n_all > 0:
             # tile 0: scores and softmax only (masked: harmless where it is not needed, and it runs once)
-            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s, CVT)
+            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s)
             s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
             p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, 0, Sk, diag, win_right,
-                                                  K_SCALE_ROWS, True, mma_s, p_l, p_s, pb, P_SMEM, CVT)
-            if P_SMEM == 2:
-                p_s.index(pb).store(p0)
-                p_s.index(pb + 1).store(p1)
-            if P_SMEM != 0:
-                fence_async_shared()
-                _wg_barrier()
+                                                  K_SCALE_ROWS, True, mma_s)
+            _fa_put_p(p0, p1, p_s, pb)
             for j in range(1, n_full):
-                acc, l_i, m_i, p0, p1, alpha = _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb,
-                                                        ready, empty,
-                                                        ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
-                                                        HEAD_DIM, STAGES, False, mma_s, mma_o, p_l, P_SMEM, CVT)
+                acc, l_i, m_i, alpha = _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty,
+                                                ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
+                                                HEAD_DIM, STAGES, False, mma_s, mma_o)
             for j in range(gl.maximum(n_full, 1), n_all):
-                acc, l_i, m_i, p0, p1, alpha = _fa_step(acc, l_i, m_i, p0, p1, alpha, q, q_sc, k_s, v_s, p_s, pb,
-                                                        ready, empty,
-                                                        ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
-                                                        HEAD_DIM, STAGES, True, mma_s, mma_o, p_l, P_SMEM, CVT)
-            o = _fa_pv(p0, p1, p_s, pb, v_s, n_all - 1, STAGES, HEAD_DIM, mma_o, P_SMEM)  # the last tile's P·V
+                acc, l_i, m_i, alpha = _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty,
+                                                ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
+                                                HEAD_DIM, STAGES, True, mma_s, mma_o)
+            o = _fa_pv(p_s, pb, v_s, n_all - 1, STAGES, HEAD_DIM, mma_o)  # the last tile's P·V
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             acc = _fa_fold(acc, o, alpha, empty, n_all - 1, STAGES, mma_o)
 
@@ -277,13 +248,13 @@ if GLUON_WS:
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, P_SMEM: gl.constexpr, CVT: gl.constexpr):
+                  STAGES: gl.constexpr):
         """Math partition 0 (the default partition; a literal partition index in warp_specialize's argument tuple
         would arrive as a tensor, not a constexpr: hence one wrapper per partition)."""
         _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, P_SMEM, CVT, 0)
+                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 0)
 
     @gluon.jit
     def _fa_math1(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
@@ -291,12 +262,12 @@ if GLUON_WS:
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, P_SMEM: gl.constexpr, CVT: gl.constexpr):
+                  STAGES: gl.constexpr):
         """Math partition 1 (a worker)."""
         _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, P_SMEM, CVT, 1)
+                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 1)
 
     @gluon.jit
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
@@ -305,7 +276,7 @@ if GLUON_WS:
                              H, GROUP, Sq, Sk, win_right,
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             STAGES: gl.constexpr, P_SMEM: gl.constexpr, CVT: gl.constexpr, LOAD_REGS: gl.constexpr,
+                             STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
                              MATH_REGS: gl.constexpr):
         """Grid (cdiv(Sq, 128), B·Hq), num_warps 4 (+ one loader warp and a second math warpgroup), one CTA an SM.
 
@@ -333,10 +304,9 @@ if GLUON_WS:
         q_s = gl.allocate_shared_memory(gl.int8, [BM, HEAD_DIM], q_layout)
         k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BN, HEAD_DIM], k_layout)
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HEAD_DIM, BN // 2], v_layout)
-        # P_SMEM: P through shared memory, per math warpgroup two buffers (tiles alternate) of two 64x64 halves
+        # P reaches the P·V wgmma through shared memory: per math warpgroup one buffer of two 64x64 halves
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM // 2, BN // 2], gl.float8e4nv)
-        P_BUFS: gl.constexpr = 8 if P_SMEM == 1 else (4 if P_SMEM == 2 else 1)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [P_BUFS, BM // 2, BN // 2], p_layout)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [4, BM // 2, BN // 2], p_layout)
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -350,17 +320,17 @@ if GLUON_WS:
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES, P_SMEM, CVT)),
+                                         STAGES)),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                                           O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                           skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                           Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                          STAGES, P_SMEM, CVT)),
+                                          STAGES)),
                             (_fa_math1, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES, P_SMEM, CVT))],
+                                         STAGES))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 
@@ -434,6 +404,4 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
         RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
         STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-        P_SMEM=int(os.environ.get("LOWBIT_ATTN_GLUON_PSMEM", "2")),  # P to the P·V wgmma through shared memory
-        CVT=int(os.environ.get("LOWBIT_ATTN_GLUON_CVT", "1")),  # 1: scores offset by MAGIC in the wgmma, 0: I2F
         **_LAUNCH)
