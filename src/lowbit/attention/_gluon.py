@@ -8,8 +8,15 @@ softmax never hides the other's MMAs. Here:
 * one **loader warp** keeps ``STAGES`` key tiles in flight through TMA (K: BN x D int8 rows; V: FP8, stored
   sequence-contiguous, as two D x 64 halves so each half is one K-major wgmma B operand) and a stage goes back to it
   through an mbarrier as soon as both math warpgroups are done with it — no CTA-wide barrier anywhere;
-* two **math warpgroups**, 64 query rows each of a 128-row tile, issue their wgmmas back to back (async, one wait a
-  group) and drift out of step, so one's softmax runs while the other's MMAs occupy the tensor cores.
+* two **math warpgroups**, 64 query rows each of a 128-row tile, issue their wgmmas back to back (async) and drift
+  out of step, so one's softmax runs while the other's MMAs occupy the tensor cores; within a warpgroup, tile j's
+  scores and tile j - 1's P·V are issued together and tile j's softmax runs while that P·V does. P reaches the P·V
+  wgmma through a shared-memory buffer of the warpgroup (carried in registers across the loop, Triton unpacked the
+  FP8 operand byte by byte and spilled).
+
+Measured on an H200 (2026-11-23, BENCHMARKS.md session 12): 1.00-1.09x cuDNN BF16 at head dim 128 against the Triton
+kernel's 0.91-0.98x; latency-bound (issue slots 45% busy, a third of the stalls at warpgroup barriers). At head dim
+64 the Triton kernel (two CTAs an SM) is faster, so that stays its default.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
@@ -17,9 +24,9 @@ inside the exp2's FMA; the running row max / sum update; P·448 rounded to E4M3 
 128 keys accumulated by the FP8 wgmma from zero and promoted into the FP32 accumulator once per tile
 (``acc·alpha + tile``); the output divided by the row sum and multiplied by V's per-channel scale.
 
-Scope (``supported`` says which calls come here; everything else runs the Triton kernel): dense ``bhsd`` / ``bshd``
-(no varlen), head dim 64 or 128, no window but causal (bottom-right aligned), GQA / MQA, optional log-sum-exp
-(K smoothing undone as in the Triton kernel). sm_90 only (wgmma, TMA).
+Scope (``why_not`` gives the rule a call breaks; such calls run the Triton kernel): dense ``bhsd`` / ``bshd`` (no
+varlen), head dim 128 (64 with ``LOWBIT_ATTN_GLUON=force``), no window but causal (bottom-right aligned), GQA / MQA,
+optional log-sum-exp (K smoothing undone as in the Triton kernel), TMA-able strides. sm_90 only (wgmma, TMA).
 """
 from __future__ import annotations
 
@@ -49,8 +56,8 @@ if GLUON_WS:
 
     @gluon.jit
     def _fa_ranges(Sq, Sk, win_right, BM: gl.constexpr, BN: gl.constexpr, REVERSE_M: gl.constexpr):
-        """(pid_m, b, h, number of mask-free key tiles, number of key tiles) of this CTA. Key tiles start at 0 (no
-        left window); a tile is mask-free when every key is < Sk and inside every row's causal limit."""
+        """(pid_m, number of mask-free key tiles, number of key tiles) of this CTA. Key tiles start at 0 (no left
+        window); a tile is mask-free when every key is < Sk and inside every row's causal limit."""
         pid_m = gl.program_id(0)
         if REVERSE_M:  # causal: heaviest query blocks first
             pid_m = gl.num_programs(0) - 1 - pid_m
@@ -281,7 +288,7 @@ if GLUON_WS:
         """Grid (cdiv(Sq, 128), B·Hq), num_warps 4 (+ one loader warp and a second math warpgroup), one CTA an SM.
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
-        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16/FP16 out;
+        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or FP32 out;
         QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
         v_scale (B, Hkv, D); KM: K's channel mean (only read for the LSE, HAS_KMEAN); LSE (B, Hq, Sq) FP32 natural
         log. win_right: 0 causal, 1 << 30 none. Every base, descriptor base and non-unit stride 16-byte aligned."""
