@@ -12,6 +12,8 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 12 (2026-11-23) ran s12a-e: the warp-specialized Gluon INT8·FP8 attention forward (attention/_gluon.py),
+# 1.00-1.09x cuDNN kernel-only at D=128 (Triton kernel 0.91-0.99x); latency-bound at warpgroup barriers (ncu, s12c).
 # Session 11 (2026-11-23) ran s11p (rowcol_probe.py + Nsight Compute), rowcol_sweep.py rounds, quant/ops/nn/train GPU tests
 # (83 passed at 1c34059), bench quant and the 1.3b/350m training pairs: ROW2 lifted 1x128 row+col to 0.75-0.77 of copy.
 # Session 9 found the 1x128 row+col shortfall in the transposed copy: columnwise alone 0.64-0.68 of copy, rowwise
