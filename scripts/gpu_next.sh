@@ -12,8 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
-# Session 12 (2026-11-23) ran s12a-e: the warp-specialized Gluon INT8·FP8 attention forward (attention/_gluon.py),
-# 1.00-1.09x cuDNN kernel-only at D=128 (Triton kernel 0.91-0.99x); latency-bound at warpgroup barriers (ncu, s12c).
+# Session 12 (2026-11-23) ran s12a-e (stages b and d went with the kernel variants they timed): the warp-specialized
+# Gluon INT8·FP8 attention forward (attention/_gluon.py), 1.00-1.09x cuDNN kernel-only at D=128 (Triton kernel
+# 0.91-0.99x); latency-bound at warpgroup barriers (ncu, s12c).
 # Session 11 (2026-11-23) ran s11p (rowcol_probe.py + Nsight Compute), rowcol_sweep.py rounds, quant/ops/nn/train GPU tests
 # (83 passed at 1c34059), bench quant and the 1.3b/350m training pairs: ROW2 lifted 1x128 row+col to 0.75-0.77 of copy.
 # Session 9 found the 1x128 row+col shortfall in the transposed copy: columnwise alone 0.64-0.68 of copy, rowwise
@@ -67,22 +68,13 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
     stage 200 python3 -m lowbit bench attention --modes int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
-  s12b)  # session 12: the Gluon kernel's tests, then its variants against the Triton kernel and cuDNN
-    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/attention/test_gluon.py -rfE -x --tb=short
-    stage 300 python3 scripts/attn_gluon_sweep.py ;;
-  s12c)  # session 12: the score-conversion variants, then Nsight Compute on the Triton and Gluon kernels (one launch each)
+  s12c)  # session 12: the Gluon kernel's tests, its stage-count sweep, Nsight Compute on both kernels (one launch each)
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
     stage 200 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64"
     stage 200 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section InstructionStats --section Occupancy -k regex:"attn_fwd" \
       python3 scripts/attn_gluon_sweep.py --once --shapes "4,32,4096,128" --causal no ;;
-  s12d)  # session 12: where P goes (shared memory single / double buffer, registers), then the attention bench
-    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
-      tests/attention/test_gluon.py tests/attention/test_gpu.py -rfE --tb=short
-    stage 150 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128"
-    stage 240 python3 -m lowbit bench attention --modes bf16/bf16,int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
   s12e)  # session 12, final code: the attention GPU tests (Gluon and Triton kernels), then the attention bench
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
       tests/attention/test_gluon.py tests/attention/test_gpu.py tests/attention_bwd -rfE --tb=short

@@ -92,8 +92,7 @@ def cmd_info(argv=None) -> int:
             note = " (cuDNN first, then flash)" if be == "sdpa" else ""
             if (qk, pv) == ("int8", "fp8") and be == "triton":
                 from lowbit.attention import _gluon
-                if _gluon.GLUON_WS and _gluon.mode() != "0" and getattr(dev, "type", str(dev)) == "cuda" \
-                        and torch.cuda.get_device_capability(dev) == (9, 0):
+                if _gluon.runs_by_default(dev, 128):
                     note = (" (dense, head dim 128, causal or no mask: the warp-specialized Gluon kernel; "
                             "otherwise the Triton one)")
             print(f"  qk={qk} pv={pv} -> {be}{note}")

@@ -18,12 +18,9 @@ TIGHT = 2e-3  # as tests/attention/test_gpu.py: FP32 output vs the tiled quantiz
 LSE_TOL = 1e-3
 
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 gpu = pytest.mark.gpu
-needs_sm90 = pytest.mark.skipif(not _sm90() or not G.GLUON_WS, reason="needs an sm_90 GPU and Gluon")
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or G.machine_why_not("cuda") is not None,
+                                reason="needs an sm_90 GPU and Gluon")
 
 
 def _nrmse(o, r):

@@ -120,8 +120,7 @@ def _block_n(tri, qk, pv, S, D):
     """The key-tile width of the kernel a dense call runs: the Gluon INT8·FP8 kernel's 128 where it applies (sm_90,
     LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (tests run with LOWBIT_ATTN_AUTOTUNE=0)."""
     from lowbit.attention import _gluon as G
-    if ((qk, pv) == ("int8", "fp8") and G.GLUON_WS and G.mode() != "0" and D in G.DEFAULT_DIMS
-            and torch.cuda.get_device_capability() == (9, 0)):
+    if (qk, pv) == ("int8", "fp8") and G.runs_by_default("cuda", D):
         return G.BLOCK_N
     return tri.heuristic_config(S, D)[1]
 

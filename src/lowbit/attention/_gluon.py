@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from .._launch import ensure_tma_allocator
+
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -55,7 +57,7 @@ if GLUON_WS:
     LOG2_448 = gl.constexpr(8.807354922057604)  # P is computed as p·448 (E4M3's range); l carries the same factor
 
     @gluon.jit
-    def _fa_ranges(Sq, Sk, win_right, BM: gl.constexpr, BN: gl.constexpr, REVERSE_M: gl.constexpr):
+    def _fa_ranges(Sq, Sk, win_right, REVERSE_M: gl.constexpr):
         """(pid_m, number of mask-free key tiles, number of key tiles) of this CTA. Key tiles start at 0 (no left
         window); a tile is mask-free when every key is < Sk and inside every row's causal limit."""
         pid_m = gl.program_id(0)
@@ -68,15 +70,11 @@ if GLUON_WS:
         return pid_m, full_end // BN, gl.cdiv(hi, BN)
 
     @gluon.jit
-    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
-                   O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr):
+    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
+                   REVERSE_M: gl.constexpr, STAGES: gl.constexpr):
         """Loader partition (one warp): the CTA's Q tile once, then every key tile's K and V halves into stage
         j % STAGES once both math warpgroups have handed that stage back (TMA zero-fills rows past Sq / Sk)."""
-        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
+        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, REVERSE_M)
         mbarrier.expect(qbar, qd.block_type.nbytes)
         _tma_load(qd, [pid_m * BM, 0], qbar, q_s)
         for j in range(n_all):
@@ -176,7 +174,7 @@ if GLUON_WS:
         _wg_barrier()
 
     @gluon.jit
-    def _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+    def _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
@@ -191,7 +189,7 @@ if GLUON_WS:
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                         instr_shape=[16, HEAD_DIM, 32])  # the FP32 P·V tile
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, BM, BN, REVERSE_M)
+        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, REVERSE_M)
         bh = gl.program_id(1)
         b = bh // H
         h = bh % H
@@ -250,7 +248,7 @@ if GLUON_WS:
                      mask=row_ok)
 
     @gluon.jit
-    def _fa_math0(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+    def _fa_math0(q_s, k_s, v_s, p_s, qbar, ready, empty,
                   O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
@@ -258,20 +256,20 @@ if GLUON_WS:
                   STAGES: gl.constexpr):
         """Math partition 0 (the default partition; a literal partition index in warp_specialize's argument tuple
         would arrive as a tensor, not a constexpr: hence one wrapper per partition)."""
-        _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+        _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 0)
 
     @gluon.jit
-    def _fa_math1(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+    def _fa_math1(q_s, k_s, v_s, p_s, qbar, ready, empty,
                   O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                   slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                   Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                   RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr):
         """Math partition 1 (a worker)."""
-        _fa_math(qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+        _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 1)
@@ -321,19 +319,16 @@ if GLUON_WS:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both math warpgroups hand the stage back
-        # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
-        # into tensors)
-        gl.warp_specialize([(_fa_math0, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+        # Each partition gets its own argument tuple, written out in the call (a tuple bound to a name first turns
+        # its constexprs into tensors); the math ones share _fa_math's.
+        gl.warp_specialize([(_fa_math0, (q_s, k_s, v_s, p_s, qbar, ready, empty,
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
                                          STAGES)),
-                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
-                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
-                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                          STAGES)),
-                            (_fa_math1, (qd, kd, vd, q_s, k_s, v_s, p_s, qbar, ready, empty,
+                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
+                                          REVERSE_M, STAGES)),
+                            (_fa_math1, (q_s, k_s, v_s, p_s, qbar, ready, empty,
                                          O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                          skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                          Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
@@ -383,24 +378,33 @@ def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool
             return f"{name}'s strides / alignment (TMA)"
     if ov[3] != 1:
         return "output not channel-contiguous"
+    return machine_why_not(device)
+
+
+def machine_why_not(device) -> str | None:
+    """None when this Triton and ``device`` can run the kernel (Gluon warp specialization, sm_90), else why not."""
     if not GLUON_WS:
         return "this Triton has no Gluon warp_specialize"
+    device = torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return "not an sm_90 GPU"
     return None
+
+
+def runs_by_default(device, head_dim: int) -> bool:
+    """Whether a dense INT8·FP8 call of this head dim (TMA-able, causal or no mask) runs this kernel under the
+    current ``LOWBIT_ATTN_GLUON`` (what ``lowbit info`` reports and the tests expect)."""
+    return mode() != "0" and head_dim in DEFAULT_DIMS and machine_why_not(device) is None
 
 
 def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov, sl, B, Hq, Hkv, Sq, Sk,
            q_scale_rows, k_scale_rows, right, return_lse, reverse_m):
     """Run attn_fwd_int8_fp8_ws on operands ``why_not`` accepted (qv/kv/vv/ov: (stride_b, stride_h, stride_s,
     stride_d) of q, k, v, o; sl: the LSE's (b, h, s) strides)."""
-    from .._launch import ensure_tma_allocator
-    import triton
-
     ensure_tma_allocator()
     D = q.shape[-1]
     km = k_mean if k_mean is not None else v_scale
-    grid = (triton.cdiv(Sq, BLOCK_M), B * Hq)
+    grid = (-(-Sq // BLOCK_M), B * Hq)
     attn_fwd_int8_fp8_ws[grid](
         q, k, v, o, lse, q_scale, k_scale, v_scale, km,
         qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],

@@ -642,10 +642,25 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     ks = k_scale if k_scale is not None else dummy
     vs = v_scale if v_scale is not None else dummy
     km = k_mean if (k_mean is not None and qk_mode != 0) else None
-    kv, vv = _views(k, layout, varlen), _views(v, layout, varlen)
+    qv, kv, vv, ov = (_views(t, layout, varlen) for t in (q, k, v, o))
+    if config is None and qk_mode == 1 and pv_fp8 and not INTERPRETED:
+        from . import _gluon  # INT8 Q·Kᵀ + FP8 P·V: the warp-specialized kernel where it applies
+        gmode = _gluon.mode()
+        if gmode != "0":
+            reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
+                                    varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
+                                    qv=qv, kv=kv, vv=vv, ov=ov, device=q.device)
+            if reason is None:
+                _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=qv, kv=kv, vv=vv, ov=ov, sl=sl,
+                              B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,
+                              q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows, right=right,
+                              return_lse=return_lse, reverse_m=right != BIG)
+                return (o, lse) if return_lse else o
+            if gmode == "force":
+                raise RuntimeError(f"LOWBIT_ATTN_GLUON=force, but the Gluon kernel cannot run this call: {reason}")
     args = [q, k, v, o, lse, qs, ks, vs, km if km is not None else dummy,
             cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-            *_views(q, layout, varlen), *kv, *vv, *_views(o, layout, varlen),
+            *qv, *kv, *vv, *ov,
             qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
             ks.stride(0) if k_scale is not None else 0, ks.stride(1) if k_scale is not None else 0,
             vs.stride(0) if v_scale is not None else 0, vs.stride(1) if v_scale is not None else 0,
@@ -656,22 +671,6 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
                 REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED,
                 TMA=_tma_enabled(k, v, kv, vv, pv_fp8, varlen))
-    if config is None and qk_mode == 1 and pv_fp8 and not INTERPRETED:
-        from . import _gluon  # INT8 Q·Kᵀ + FP8 P·V: the warp-specialized kernel where it applies
-        gmode = _gluon.mode()
-        if gmode != "0":
-            reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
-                                    varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
-                                    qv=_views(q, layout, varlen), kv=kv, vv=vv, ov=_views(o, layout, varlen),
-                                    device=q.device)
-            if reason is None:
-                _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=_views(q, layout, varlen), kv=kv,
-                              vv=vv, ov=_views(o, layout, varlen), sl=sl, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,
-                              q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows, right=right,
-                              return_lse=return_lse, reverse_m=right != BIG)
-                return (o, lse) if return_lse else o
-            if gmode == "force":
-                raise RuntimeError(f"LOWBIT_ATTN_GLUON=force, but the Gluon kernel cannot run this call: {reason}")
     if config is None and _autotune_enabled():
         grid = lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)  # noqa: E731
         _attn_fwd_tuned[grid](*args, **meta)
