@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -317,6 +318,7 @@ def test_blockwise_gluon_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     monkeypatch.setattr(tb, "GLUON_QUANT", True)  # (opt-in: LOWBIT_QUANT_GLUON=1)
+    monkeypatch.setattr(tb, "_regs_ok", lambda *a, **k: False)  # (it would come first)
     if not tb._gluon_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
         pytest.skip("Gluon quantizer not available on this GPU / Triton")
     monkeypatch.setattr(tb, "AUTOTUNE", False)
@@ -389,6 +391,89 @@ def test_blockwise_gluon_compiles_for_sm90():
 
 
 @pytest.mark.gpu
+def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
+    """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
+    one tile, a few, many (4096 x 1152: 288 programs), tall-narrow and wide-short panels; BF16, FP16 and FP32; E4M3
+    pow2, E5M2 non-pow2 and eps scales; NaN / Inf / -0 and a zero tile. The inputs it must leave to the other kernels
+    (ragged, one copy, 2D) are not routed to it."""
+    import lowbit.quant.triton_backend as tb
+
+    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
+    shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
+    for j, cfg in enumerate(tb._REGS_CONFIGS):
+        monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for i, shape in enumerate(shapes):
+                x = _randn(shape, dtype, cuda, seed=160 + i)
+                if i == 1:  # special values, and a tile of zeros (scale 1)
+                    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+                    x[128:256, 256:384] = 0
+                for sch in schemes if i < 2 else schemes[:1]:
+                    tb._BLOCKWISE_PLANS.clear()
+                    bad = compare(x, sch, True, True)
+                    plans = list(tb._BLOCKWISE_PLANS.values())
+                    assert plans and plans[-1].cfg.get("num_warps") == cfg["num_warps"] \
+                        and plans[-1].fn is tb.QG.rowcol_1x128_regs, f"{cfg} {shape}: not the register-tile kernel"
+                    assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
+    y = _randn((256, 400), torch.bfloat16, cuda, seed=171)
+    assert not tb._regs_ok(y, 128, False, True, True)  # ragged
+    z = y[:, :384].contiguous()
+    assert not tb._regs_ok(z, 128, True, True, True) and not tb._regs_ok(z, 128, False, True, False)
+    assert not tb._regs_ok(z, 64, False, True, True)
+    tb._BLOCKWISE_PLANS.clear()
+
+
+def test_blockwise_regs_compiles_for_sm90():
+    """The register-tile quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine: both
+    copies from 16-byte loads, 8-byte stores of each copy (the transposed one too: nothing goes through shared
+    memory but the maxima), hardware FP8 casts; under Triton 3.6 (the GPU machine's), at most 128 registers at 8
+    warps (two CTAs an SM) and no spills."""
+    triton_mod = pytest.importorskip("triton")
+    from lowbit.quant.kernels import quant_gluon as QG
+
+    if not QG.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    for xt in ("bf16", "fp32"):
+        sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
+                   amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
+                   EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+                 if sig[n].startswith("*") or n in ("M", "K", "rs_ld", "cs_ld")}
+        src = GluonASTSource(fn=QG.rowcol_1x128_regs, signature=sig, attrs=attrs,
+                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
+        try:
+            k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        except RuntimeError as e:  # no ptxas usable here
+            if "ptxas" in str(e).lower():
+                pytest.skip(f"no ptxas: {e}")
+            raise
+        ptx = k.asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert ptx.count("st.global.v2.b32") == 16  # 8 rows of rq, 8 rows of cq a thread, 8 bytes each
+        assert ptx.count("ld.global.v4.b32") == (8 if xt == "bf16" else 16)
+        nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        if triton_mod.__version__.startswith("3.6") and os.path.exists(nvdisasm):
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+                res = subprocess.run([os.path.join(os.path.dirname(nvdisasm), "cuobjdump"), "-res-usage", f.name],
+                                     capture_output=True, text=True, check=True).stdout
+            assert "STL" not in sass and "LDL" not in sass
+            regs = int(re.search(r"REG:(\d+)", res).group(1))
+            assert regs <= 128, f"{xt}: {regs} registers"
+
+
+@pytest.mark.gpu
 def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
     """Each blockwise_kernel launch config the autotuner may pick (triton_backend._blockwise_configs), forced one at
     a time (the persistent kernel kept out), for BF16 and FP32 input, 1D and 2D, every copy combination: ragged and
@@ -396,6 +481,7 @@ def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     monkeypatch.setattr(tb, "_persistent_ok", lambda *a, **k: False)
+    monkeypatch.setattr(tb, "_regs_ok", lambda *a, **k: False)
     orig = tb._blockwise_configs
     for dtype in (torch.bfloat16, torch.float32):
         for i, shape in enumerate([(256, 384), (129, 257)]):  # whole tiles (EVEN), ragged

@@ -362,6 +362,30 @@ class _GluonLaunch:
 _GLUON_LAUNCH = _GluonLaunch()
 
 
+# Candidates of the register-tile 1x128 row+col kernel (quant_gluon.rowcol_1x128_regs): one 128 x 128 tile a
+# program held in registers, both copies from the one load, no shared-memory transposition.
+_REGS_CONFIGS = [dict(KIND="regs", num_warps=8), dict(KIND="regs", num_warps=4)]
+_REGS_LAYOUTS: dict = {}
+
+
+def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
+    """Whether quant_gluon.rowcol_1x128_regs may run: 1x128 with both copies from BF16 / FP16 / FP32 input of whole
+    128 x 128 tiles (in-tile offsets within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
+    not with LOWBIT_SW_ROUND), Gluon importable."""
+    M, Kd = x2.shape
+    return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
+            and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
+            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
+
+
+def _regs_layouts(num_warps: int) -> dict:
+    """rowcol_1x128_regs' layout arguments for ``num_warps`` (built once each)."""
+    lay = _REGS_LAYOUTS.get(num_warps)
+    if lay is None:
+        lay = _REGS_LAYOUTS[num_warps] = dict(zip("ABT", QG.rowcol_regs_layouts(num_warps)))
+    return lay
+
+
 def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
@@ -495,6 +519,10 @@ class _BlockwisePlan:
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"], SR=c["SR"],
                       RPT=c["RPT"], num_warps=c["num_warps"])
             return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
+        if kind == "regs":
+            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], num_warps=c["num_warps"],
+                      **_regs_layouts(c["num_warps"]))
+            return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
         bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})
         kw["EVEN"] = M % bm == 0 and Kd % bs == 0
@@ -514,7 +542,8 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu)
+    regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, regs)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -524,15 +553,16 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (where the persistent kernel may run, the autotuner times both kernels' candidates)
-        cands = (list(_GLUON_CONFIGS) if glu else []) + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
+        cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
+            + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, *args, *extra, **kw)
 
-        c = tuned_launch("blockwise", (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, _bucket(M), _bucket(Kd)), cands,
-                         launch)
+        key = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, _bucket(M), _bucket(Kd))
+        c = tuned_launch("blockwise", key, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
     _set_copies(qt, *bufs)

@@ -136,3 +136,101 @@ if GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         gl.atomic_max(amax_ptr, tmax, sem="relaxed")
+
+    @gluon.jit
+    def _g_pow2_scale(a, FMAX: gl.constexpr):
+        """quant.kernels.quant._pow2_scale in Gluon: the power-of-two scale from the exponent bits, no division."""
+        b = a.to(gl.int32, bitcast=True)
+        fb = gl.full_like(a, FMAX).to(gl.int32, bitcast=True)
+        e = ((fb >> 23) & 0xFF) - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(gl.int32)
+        s = ((gl.minimum(e, 127) + 127) << 23).to(gl.float32, bitcast=True)
+        s = gl.where(a == 0, 1.0, s)
+        s = gl.where(a == float("inf"), 0.0, s)
+        return gl.where(a != a, a, s)
+
+    @gluon.jit
+    def _g_scale_fast(a, FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr):
+        """quant.kernels.quant._compute_scale in Gluon (the power-of-two scale from bits where FMAX >= 4)."""
+        if POW2 and FMAX >= 4.0:
+            if EPS > 0:
+                a = gl.where(a != a, a, gl.maximum(a, EPS))
+            return _g_pow2_scale(a, FMAX)
+        else:
+            return _g_scale(a, FMAX, POW2, EPS)
+
+    @gluon.jit
+    def _g_recip(s, POW2: gl.constexpr, FMAX: gl.constexpr):
+        """quant.kernels.quant._recip in Gluon: 1 / s, exact from the bits for _g_scale_fast's power-of-two scales."""
+        if POW2 and FMAX >= 4.0:
+            r = ((254 << 23) - s.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+            r = gl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
+            r = gl.where(s == 0, float("inf"), r)
+            return gl.where(s != s, s, r)
+        else:
+            return gl.div_rn(gl.full_like(s, 1.0), s)
+
+    @gluon.jit
+    def rowcol_1x128_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
+                          FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
+                          B: gl.constexpr, T: gl.constexpr, abs_mask=0x7FFFFFFF):
+        """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
+        order (program p: row panel p // (K / 128), column tile p % (K / 128)).
+
+        Outputs and numbers: rowcol_1x128_gluon's (rq (M, K) with rs[kb, m], cq (K, M) with cs[mb, k], scale_inv
+        stored, amax_ptr the int32 bits of max |x|, atomically maxed).
+
+        One read, nothing through shared memory but the reductions' partials: a thread holds an RPT x 8 block
+        (RPT consecutive rows, 8 consecutive columns) of the tile, so the tile's row maxima and column maxima both
+        come from the one load, and the columnwise copy needs no transposition: with the same block read down its
+        columns (a register reorder, no data moves), the hardware's two-value FP8 cast packs vertical pairs, and
+        each thread stores RPT consecutive bytes of 8 rows of cq directly. A, B, T: rowcol_regs_layouts(num_warps).
+        """
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
+        pid = gl.program_id(0)
+        nkt = K // 128
+        pm = pid // nkt
+        pk = pid - pm * nkt
+        m0 = pm.to(gl.int64) * 128
+        k0 = pk.to(gl.int64) * 128
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
+        x = gl.load(x_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)).to(gl.float32)
+        ab = x.to(gl.int32, bitcast=True) & abs_mask
+        rmax = gl.max(ab, axis=1)
+        cmax = gl.max(ab, axis=0)
+        sr = _g_scale_fast(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, _g_recip(sr, POW2, FMAX))
+        q = (x * gl.expand_dims(sr, 1)).to(DT)
+        gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
+        sc = _g_scale_fast(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _g_recip(sc, POW2, FMAX))
+        xb = gl.convert_layout(x, B)
+        qc = (xb * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(0, B)), 0)).to(DT)
+        qt = gl.convert_layout(gl.permute(qc, [1, 0]), T)
+        ct = gl.arange(0, 128, layout=gl.SliceLayout(1, T))
+        rt = gl.arange(0, 128, layout=gl.SliceLayout(0, T))
+        gl.store(cq_ptr + (k0 * M + m0) + gl.expand_dims(ct, 1) * M + gl.expand_dims(rt, 0), qt)
+        gl.atomic_max(amax_ptr, gl.max(cmax, axis=0), sem="relaxed")
+
+
+def rowcol_regs_layouts(num_warps: int):
+    """The three register layouts of rowcol_1x128_regs for a 128 x 128 tile at ``num_warps`` (4 or 8) warps.
+
+    A thread holds RPT = 64 / num_warps consecutive rows x 8 consecutive columns; a warp's lanes are 8 along the
+    columns x 4 along the rows, the warps 2 along the columns x num_warps / 2 along the rows.
+    A: registers along the columns (vector loads of x, 8-byte stores of rq); B: the same elements in the same lanes
+    and warps with the registers ordered down the columns (a BlockedLayout cannot say this: its one ``order`` also
+    decides how lanes are laid out, so B is linear); T: B transposed, cq's (column, row) coordinates.
+    """
+    if num_warps not in (4, 8):
+        raise ValueError(f"rowcol_regs_layouts: num_warps must be 4 or 8, got {num_warps}")
+    rpt = 64 // num_warps
+    rows_reg = [[1 << i, 0] for i in range(rpt.bit_length() - 1)]
+    cols_reg = [[0, 1], [0, 2], [0, 4]]
+    lanes = [[0, 8], [0, 16], [0, 32], [rpt, 0], [2 * rpt, 0]]
+    warps = [[0, 64]] + [[4 * rpt << i, 0] for i in range((num_warps // 2).bit_length() - 1)]
+    A = gl.DistributedLinearLayout(cols_reg + rows_reg, lanes, warps, [], [128, 128])
+    B = gl.DistributedLinearLayout(rows_reg + cols_reg, lanes, warps, [], [128, 128])
+    sw = lambda bases: [[b[1], b[0]] for b in bases]  # noqa: E731
+    T = gl.DistributedLinearLayout(sw(rows_reg + cols_reg), sw(lanes), sw(warps), [], [128, 128])
+    return A, B, T
