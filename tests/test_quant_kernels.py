@@ -348,11 +348,31 @@ def test_blockwise_gluon_every_candidate_bit_identical(cuda, monkeypatch):
     tb._BLOCKWISE_PLANS.clear()
 
 
+def _sm90_sass(k):
+    """(SASS text, registers a thread) of compiled kernel ``k``'s cubin, from the installed Triton's own nvdisasm and
+    cuobjdump; None where Triton is not 3.6 (the GPU machine's: spill and register checks hold for the Triton the
+    kernels were measured with) or the tools are missing."""
+    import tempfile
+
+    import triton as triton_mod
+
+    nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    cuobjdump = os.path.join(os.path.dirname(nvdisasm), "cuobjdump")
+    if not triton_mod.__version__.startswith("3.6") or not (os.path.exists(nvdisasm) and os.path.exists(cuobjdump)):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sass, int(re.search(r"REG:(\d+)", res).group(1))
+
+
 def test_blockwise_gluon_compiles_for_sm90():
     """The Gluon quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine (Triton's own
     toolchain, no GPU): its loads are TMA, its FP8 casts the hardware's saturating ones; no register spills under
     Triton 3.6."""
-    triton_mod = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     from lowbit.quant.kernels import quant_gluon as QG
 
     if not QG.GLUON:
@@ -378,15 +398,9 @@ def test_blockwise_gluon_compiles_for_sm90():
     # Spills are ptxas's decision, so they show in the SASS (STL/LDL), not in the PTX. Checked with the Triton the
     # kernel was measured with (3.6, the GPU machine's); Triton 3.9 spills at this config's 4 warps (254 registers
     # under 3.6), which matters only if the kernel is re-measured there.
-    nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if triton_mod.__version__.startswith("3.6") and os.path.exists(nvdisasm):
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        assert "STL" not in sass and "LDL" not in sass  # nothing spilled to local memory
+    got = _sm90_sass(k)
+    if got is not None:
+        assert "STL" not in got[0] and "LDL" not in got[0]  # nothing spilled to local memory
     assert k.metadata.shared >= 2 * 128 * 128 * 2  # the two stages of input tiles
 
 
@@ -431,7 +445,7 @@ def test_blockwise_regs_compiles_for_sm90():
     copies from 16-byte loads, 8-byte stores of each copy (the transposed one too: nothing goes through shared
     memory but the maxima), hardware FP8 casts; under Triton 3.6 (the GPU machine's), at most 128 registers at 8
     warps (two CTAs an SM) and no spills."""
-    triton_mod = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     from lowbit.quant.kernels import quant_gluon as QG
 
     if not QG.GLUON:
@@ -458,19 +472,10 @@ def test_blockwise_regs_compiles_for_sm90():
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ptx.count("st.global.v2.b32") == 16  # 8 rows of rq, 8 rows of cq a thread, 8 bytes each
         assert ptx.count("ld.global.v4.b32") == (8 if xt == "bf16" else 16)
-        nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        if triton_mod.__version__.startswith("3.6") and os.path.exists(nvdisasm):
-            import tempfile
-
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-                res = subprocess.run([os.path.join(os.path.dirname(nvdisasm), "cuobjdump"), "-res-usage", f.name],
-                                     capture_output=True, text=True, check=True).stdout
-            assert "STL" not in sass and "LDL" not in sass
-            regs = int(re.search(r"REG:(\d+)", res).group(1))
-            assert regs <= 128, f"{xt}: {regs} registers"
+        got = _sm90_sass(k)
+        if got is not None:
+            assert "STL" not in got[0] and "LDL" not in got[0]
+            assert got[1] <= 128, f"{xt}: {got[1]} registers"
 
 
 @pytest.mark.gpu
