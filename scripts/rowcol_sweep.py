@@ -80,7 +80,8 @@ def quant(shapes):
             if tb._gluon_ok(x, 128, False, True, True):  # the Gluon quantizer (LOWBIT_QUANT_GLUON=1), checked against the first
                 cands = cands[:1] + list(tb._GLUON_CONFIGS) + cands[1:]
             # the register-tile kernels, checked against the slab walk
-            cands = cands[:1] + tb._regs_configs(tb._regs_mode(x, 128, False, True, True)) + cands[1:]
+            if tb._regs_ok(x, 128, False, True, True):
+                cands = cands[:1] + list(tb._REGS_CONFIGS) + cands[1:]
 
             def prepare(cfg, x=x):
                 launch, qt = prepared(x, sch, True, True, cfg)

@@ -406,11 +406,10 @@ def test_blockwise_gluon_compiles_for_sm90():
 
 @pytest.mark.gpu
 def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
-    """The register-tile 1x128 row+col quantizers (quant_gluon.rowcol_1x128_regs and rowcol_1x128_regs_tma), each
-    launch candidate forced alone: one tile, a few, many (4096 x 1152: 288 tiles, more than the persistent grid),
-    tall-narrow and wide-short panels; BF16, FP16 and FP32 (not TMA-fed); E4M3 pow2, E5M2 non-pow2 and eps scales;
-    NaN / Inf / -0 and a zero tile. The inputs they must leave to the other kernels (ragged, one copy, 2D; for the
-    TMA-fed one FP32 and a misaligned base) are not routed to them."""
+    """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
+    one tile, a few, many (4096 x 1152: 288 programs), tall-narrow and wide-short panels; BF16, FP16 and FP32; E4M3
+    pow2, E5M2 non-pow2 and eps scales; NaN / Inf / -0 and a zero tile. The inputs it must leave to the other kernels
+    (ragged, one copy, 2D, other block sizes) are not routed to it."""
     import lowbit.quant.triton_backend as tb
 
     if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
@@ -418,11 +417,9 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     monkeypatch.setattr(tb, "AUTOTUNE", False)
     schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
     shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
-    kernels = {"regs": tb.QG.rowcol_1x128_regs, "regs_tma": tb._REGS_TMA_LAUNCH}
     for cfg in tb._REGS_CONFIGS:
         monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
-        tma = cfg["KIND"] == "regs_tma"
-        for dtype in (torch.bfloat16, torch.float16) + (() if tma else (torch.float32,)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for i, shape in enumerate(shapes):
                 x = _randn(shape, dtype, cuda, seed=160 + i)
                 if i == 1:  # special values, and a tile of zeros (scale 1)
@@ -432,16 +429,10 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
                     tb._BLOCKWISE_PLANS.clear()
                     bad = compare(x, sch, True, True)
                     plans = list(tb._BLOCKWISE_PLANS.values())
-                    assert plans and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "CTAS")) \
-                        and plans[-1].fn is kernels[cfg["KIND"]], f"{cfg} {shape}: not the register-tile kernel"
+                    assert plans and plans[-1].fn is tb.QG.rowcol_1x128_regs \
+                        and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "LC")), \
+                        f"{cfg} {shape}: not the register-tile kernel"
                     assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
-        if tma:  # a misaligned base and FP32 input go to the other kernels, exactly
-            base = _randn((256 * 384 + 8,), torch.bfloat16, cuda, seed=170)
-            for x in (base[1:1 + 256 * 384].view(256, 384), _randn((256, 384), torch.float32, cuda, seed=172)):
-                assert tb._regs_configs(tb._regs_mode(x, 128, False, True, True)) == []
-                tb._BLOCKWISE_PLANS.clear()
-                bad = compare(x, schemes[0], True, True)
-                assert not bad and list(tb._BLOCKWISE_PLANS.values())[-1].fn is not tb._REGS_TMA_LAUNCH, bad
     y = _randn((256, 400), torch.bfloat16, cuda, seed=171)
     assert not tb._regs_ok(y, 128, False, True, True)  # ragged
     z = y[:, :384].contiguous()
@@ -467,13 +458,13 @@ def test_blockwise_regs_compiles_for_sm90():
     for xt in ("bf16", "fp32"):
         sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
                    amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
-                   EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", I16="constexpr",
-                   abs_mask="i32")
+                   EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
+                   abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in ("M", "K", "rs_ld", "cs_ld")}
         src = GluonASTSource(fn=QG.rowcol_1x128_regs, signature=sig, attrs=attrs,
-                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, I16=False,
-                                             **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
+                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, rstd_ptr=None,
+                                             nw_ptr=None, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
         try:
             k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         except RuntimeError as e:  # no ptxas usable here

@@ -49,22 +49,37 @@ def check_kernel(device, shapes=KERNEL_SHAPES, schemes=(Float8Blockwise(), Float
 
 
 def check_every_candidate(device):
-    """Each quantize and rstd launch config the autotuner may pick, forced alone."""
+    """Each quantize and rstd launch config the autotuner may pick, forced alone: the slab walk's, and on a GPU with
+    Gluon the register-tile kernel's (both copies of whole tiles only)."""
     from lowbit.quant import triton_backend as tb
 
-    qc, rc = NQ._quant_configs, NQ.row_reduce_configs
+    qc, rc, regs = NQ._quant_configs, NQ.row_reduce_configs, tb._REGS_CONFIGS
     try:
+        tb._REGS_CONFIGS = []
         for rw, cw in COPIES:
             for cfg in qc(rw, cw):
                 NQ._quant_configs = lambda r, c, cfg=cfg: [cfg]
                 tb._TUNED.clear()
                 check_kernel(device, [(200, 384), (256, 256)], (Float8Blockwise(),))
+        if tb._regs_ok(torch.zeros(128, 128, device=device), 128, False, True, True):
+            NQ._quant_configs = lambda r, c: []
+            for cfg in regs:
+                tb._REGS_CONFIGS = [cfg]
+                tb._TUNED.clear()
+                for shape in ((256, 256), (384, 1024), (3, 128, 256)):
+                    x, w = _inputs(shape, device, seed=7)
+                    q, rstd = NQ.rmsnorm_quantize_1x128(x, w, 1e-5, Float8Blockwise())
+                    ref = NQ.rmsnorm_quantize_reference(x.cpu(), w.cpu(), rstd.cpu(), Float8Blockwise())
+                    bad = mismatches(ref, q)
+                    assert not bad, (shape, cfg, bad)
+        tb._REGS_CONFIGS = regs
+        NQ._quant_configs = qc
         for cfg in rc(2048):
             NQ.row_reduce_configs = lambda k, cfg=cfg: [cfg]
             tb._TUNED.clear()
             check_kernel(device, [(200, 384), (64, 2048), (3, 1000)], (Float8Blockwise(),))
     finally:
-        NQ._quant_configs, NQ.row_reduce_configs = qc, rc
+        NQ._quant_configs, NQ.row_reduce_configs, tb._REGS_CONFIGS = qc, rc, regs
         tb._TUNED.clear()
     print("ok")
 

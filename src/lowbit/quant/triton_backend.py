@@ -363,18 +363,14 @@ class _GluonLaunch:
 
 
 _GLUON_LAUNCH = _GluonLaunch("rowcol_1x128_gluon")
-_REGS_TMA_LAUNCH = _GluonLaunch("rowcol_1x128_regs_tma")
 
 
-# Candidates of the register-tile 1x128 row+col kernels (quant_gluon.rowcol_1x128_regs and its TMA-fed persistent
-# form, "regs_tma": 16-bit input, 16-byte aligned, sm_90+): one 128 x 128 tile at a time held in registers, both
-# copies from the one load, no shared-memory transposition.
-_REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, I16=False, ROWW=False, num_warps=8),
-                 dict(KIND="regs", COMPACT=False, I16=False, ROWW=False, num_warps=8),
-                 dict(KIND="regs", COMPACT=True, I16=True, ROWW=False, num_warps=8),
-                 dict(KIND="regs", COMPACT=True, I16=False, ROWW=True, num_warps=8),
-                 dict(KIND="regs", COMPACT=False, I16=False, ROWW=True, num_warps=8),
-                 dict(KIND="regs_tma", COMPACT=True, I16=False, ROWW=False, STAGES=3, CTAS=1, num_warps=8)]
+# Candidates of the register-tile 1x128 row+col kernel (quant_gluon.rowcol_1x128_regs): one 128 x 128 tile a
+# program held in registers, both copies from the one load, no shared-memory transposition. H200, session 13
+# (BENCHMARKS.md): BF16 0.80-0.81 of a copy, FP32 0.92-0.94, against 0.75-0.77 for the slab walk; the other
+# layouts, warp counts, a TMA-fed persistent form and BF16 maxima from the bits all measured slower.
+_REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
+                 dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 _REGS_LAYOUTS: dict = {}
 
 
@@ -388,25 +384,11 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
             and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
 
 
-def _regs_mode(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> int:
-    """0: no register-tile kernel on x2 (see _regs_ok); 1: rowcol_1x128_regs only; 2: its TMA-fed form too (16-bit
-    input at a 16-byte aligned base, sm_90+). Checked on every call: x's alignment can change between calls."""
-    if not _regs_ok(x2, bs, two_d, rowwise, columnwise):
-        return 0
-    tma = x2.dtype != torch.float32 and x2.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x2.device)[0] >= 9
-    return 2 if tma else 1
-
-
-def _regs_configs(mode: int) -> list[dict]:
-    """_REGS_CONFIGS that may run in _regs_mode ``mode``."""
-    return [c for c in _REGS_CONFIGS if mode == 2 or (mode == 1 and c["KIND"] != "regs_tma")]
-
-
-def _regs_layouts(num_warps: int, row_warps: bool) -> dict:
+def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
     """rowcol_1x128_regs' layout arguments (quant_gluon.rowcol_regs_layouts; built once each)."""
-    lay = _REGS_LAYOUTS.get((num_warps, row_warps))
+    lay = _REGS_LAYOUTS.get((num_warps, lanes_c))
     if lay is None:
-        lay = _REGS_LAYOUTS[num_warps, row_warps] = dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, row_warps)))
+        lay = _REGS_LAYOUTS[num_warps, lanes_c] = dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c)))
     return lay
 
 
@@ -543,16 +525,10 @@ class _BlockwisePlan:
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"], SR=c["SR"],
                       RPT=c["RPT"], num_warps=c["num_warps"])
             return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
-        if kind in ("regs", "regs_tma"):
+        if kind == "regs":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], COMPACT=c["COMPACT"],
-                      I16=c["I16"], num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["ROWW"]))
-            if "maxnreg" in c:
-                kw["maxnreg"] = c["maxnreg"]
-            n_tiles = (M // 128) * (Kd // 128)
-            if kind == "regs":
-                return QG.rowcol_1x128_regs, (n_tiles,), (), kw
-            n_prog = min(n_tiles, self.nsm * c["CTAS"])
-            return _REGS_TMA_LAUNCH, (n_prog,), (n_prog,), dict(kw, STAGES=c["STAGES"])
+                      num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))
+            return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
         bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})
         kw["EVEN"] = M % bm == 0 and Kd % bs == 0
@@ -572,7 +548,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
-    regs = _regs_mode(x2, bs, two_d, rowwise, columnwise)
+    regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, regs)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
@@ -583,7 +559,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (where the persistent kernel may run, the autotuner times both kernels' candidates)
-        cands = _regs_configs(regs) + (list(_GLUON_CONFIGS) if glu else []) \
+        cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 

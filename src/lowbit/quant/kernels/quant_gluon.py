@@ -172,7 +172,7 @@ if GLUON:
     @gluon.jit
     def _rowcol_tile(x, pm, pk, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, abs_mask,
                      FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                     T: gl.constexpr, COMPACT: gl.constexpr, I16: gl.constexpr):
+                     T: gl.constexpr, COMPACT: gl.constexpr, NORM: gl.constexpr, rstd_ptr, nw_ptr):
         """Both 1x128 copies of the 128 x 128 tile (pm, pk) of x, held in registers in layout A as loaded (BF16,
         FP16 or FP32); returns the int32 bits of the tile's max |x|. See rowcol_1x128_regs."""
         DT: gl.constexpr = rq_ptr.dtype.element_ty
@@ -180,14 +180,10 @@ if GLUON:
         k0 = pk.to(gl.int64) * 128
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
-        if I16 and x.dtype == gl.bfloat16:
-            # |x|'s FP32 bits from the BF16 bits by integer shift (the FP32 value is exactly the BF16 one): the
-            # FP32 conversion for the products below is then a separate computation, which the compiler redoes
-            # where it is needed instead of keeping 64 FP32 values live across the reductions (103 registers a
-            # thread instead of 128 at 8 warps).
-            ab = (x.to(gl.int16, bitcast=True).to(gl.int32) << 16) & abs_mask
-        else:
-            ab = x.to(gl.float32).to(gl.int32, bitcast=True) & abs_mask
+        x = x.to(gl.float32)
+        if NORM:  # the RMSNorm output (x * rstd[m]) * w[k], as blockwise_kernel's _norm_rows
+            x = (x * gl.expand_dims(gl.load(rstd_ptr + m0 + r), 1)) * gl.expand_dims(gl.load(nw_ptr + k0 + c), 0)
+        ab = x.to(gl.int32, bitcast=True) & abs_mask
         rmax = gl.max(ab, axis=1)
         cmax = gl.max(ab, axis=0)
         if COMPACT:
@@ -206,9 +202,9 @@ if GLUON:
             gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, _g_recip(sr, POW2, FMAX))
             sc = _g_scale_fast(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
             gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _g_recip(sc, POW2, FMAX))
-        q = (x.to(gl.float32) * gl.expand_dims(sr, 1)).to(DT)
+        q = (x * gl.expand_dims(sr, 1)).to(DT)
         gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
-        xb = gl.convert_layout(x, B).to(gl.float32)
+        xb = gl.convert_layout(x, B)
         qc = (xb * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(0, B)), 0)).to(DT)
         qt = gl.convert_layout(gl.permute(qc, [1, 0]), T)
         ct = gl.arange(0, 128, layout=gl.SliceLayout(1, T))
@@ -219,8 +215,8 @@ if GLUON:
     @gluon.jit
     def rowcol_1x128_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
-                          B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, I16: gl.constexpr = False,
-                          abs_mask=0x7FFFFFFF):
+                          B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
+                          abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -233,7 +229,8 @@ if GLUON:
         columns (a register reorder, no data moves), the hardware's two-value FP8 cast packs vertical pairs, and
         each thread stores RPT consecutive bytes of 8 rows of cq directly. A, B, T: rowcol_regs_layouts(num_warps).
         COMPACT: each scale computed by one thread (see _rowcol_tile), not by every thread holding its row / column.
-        I16: BF16 maxima from the bits by integer shift (see _rowcol_tile).
+        NORM: quantize the RMSNorm output (x * rstd[m]) * w[k] (FP32 x; rstd_ptr (M,), nw_ptr (K,) FP32) instead of x,
+        as blockwise_kernel's NORM (lowbit.ops.norm_quant).
         """
         pid = gl.program_id(0)
         nkt = K // 128
@@ -243,73 +240,34 @@ if GLUON:
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         x = gl.load(x_ptr + (pm.to(gl.int64) * 128 * K + pk * 128) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0))
         tmax = _rowcol_tile(x, pm, pk, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, abs_mask, FMAX, POW2, EPS,
-                            A, B, T, COMPACT, I16)
-        gl.atomic_max(amax_ptr, tmax, sem="relaxed")
-
-    @gluon.jit
-    def rowcol_1x128_regs_tma(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
-                              FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
-                              B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False,
-                              I16: gl.constexpr = False, STAGES: gl.constexpr = 3, abs_mask=0x7FFFFFFF):
-        """rowcol_1x128_regs with the tiles streamed in by TMA: persistent, program p takes tiles p, p + n_prog, ...
-        (K-major order), with STAGES tiles of loads in flight in shared memory; each is read into registers
-        (layout A), its stage handed back to TMA, then computed as in rowcol_1x128_regs. 16-bit x, 16-byte aligned
-        (a TMA descriptor's base). Why: a program of rowcol_1x128_regs has loads in flight only before its
-        computation, and two programs an SM (128 registers a thread at 8 warps) keep too few bytes in flight for
-        16-bit input (0.81 of a copy on the H200 against 0.93 for FP32, with twice the bytes a tile)."""
-        pid = gl.program_id(0)
-        nkt = K // 128
-        n_tiles = (M // 128) * nkt
-        my_n = gl.cdiv(n_tiles - pid, n_prog)
-        # No swizzle: rows of 256 bytes, and layout A's 16-byte loads by 8 threads a 128-byte row piece (4 row
-        # pieces a warp instruction: the minimum 4 shared-memory wavefronts for 512 bytes).
-        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        xd = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[128, 128], layout=x_layout)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 128, 128], x_layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _g_issue(xd, x_s, bars, pid + i * n_prog, nkt, i < my_n, STAGES, i)
-        tmax = gl.max(gl.zeros([128], gl.int32, gl.SliceLayout(0, A)), axis=0)
-        for i in range(my_n):
-            t = pid + i * n_prog
-            pm = t // nkt
-            pk = t - pm * nkt
-            s = i % STAGES
-            mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-            x = x_s.index(s).load(A)
-            _cta_barrier()  # every warp has read stage s: refill it with the tile STAGES ahead
-            _g_issue(xd, x_s, bars, t + STAGES * n_prog, nkt, i + STAGES < my_n, STAGES, i)
-            tmax = gl.maximum(tmax, _rowcol_tile(x, pm, pk, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld,
-                                                 abs_mask, FMAX, POW2, EPS, A, B, T, COMPACT, I16))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+                            A, B, T, COMPACT, NORM, rstd_ptr, nw_ptr)
         gl.atomic_max(amax_ptr, tmax, sem="relaxed")
 
 
-def rowcol_regs_layouts(num_warps: int, row_warps: bool = False):
+def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     """The three register layouts of rowcol_1x128_regs for a 128 x 128 tile at ``num_warps`` (4, 8 or 16) warps.
 
-    A thread holds RPT consecutive rows x 8 consecutive columns. By default a warp's lanes are 8 along the columns x
-    4 along the rows and the warps 2 along the columns x num_warps / 2 along the rows (RPT = 64 / num_warps); with
-    ``row_warps`` the lanes are 16 x 2 and the warps all along the rows (RPT = 64 / num_warps too), so that a row's
-    maximum needs no shared memory.
+    A thread holds RPT = 64 / num_warps consecutive rows x 8 consecutive columns; a warp's lanes are ``lanes_c``
+    along the columns x 32 / lanes_c along the rows, the warps 16 / lanes_c along the columns and the rest along
+    the rows. So a warp instruction stores 8 * lanes_c consecutive bytes of each rq row it touches and
+    RPT * 32 / lanes_c of each cq row; with 8 (the default) both are whole 32-byte sectors or more.
     A: registers along the columns (vector loads of x, 8-byte stores of rq); B: the same elements in the same lanes
     and warps with the registers ordered down the columns (a BlockedLayout cannot say this: its one ``order`` also
     decides how lanes are laid out, so B is linear); T: B transposed, cq's (column, row) coordinates.
     """
     if num_warps not in (4, 8, 16):
         raise ValueError(f"rowcol_regs_layouts: num_warps must be 4, 8 or 16, got {num_warps}")
+    if lanes_c not in (2, 4, 8, 16) or 16 // lanes_c > num_warps:
+        raise ValueError(f"rowcol_regs_layouts: lanes_c must be 2, 4, 8 or 16 with 16 / lanes_c <= num_warps, got "
+                         f"{lanes_c} at {num_warps} warps")
     rpt = 64 // num_warps
-    rows_reg = [[1 << i, 0] for i in range(rpt.bit_length() - 1)]
+    log2 = lambda n: n.bit_length() - 1  # noqa: E731
+    rows_reg = [[1 << i, 0] for i in range(log2(rpt))]
     cols_reg = [[0, 1], [0, 2], [0, 4]]
-    if row_warps:
-        lanes = [[0, 8], [0, 16], [0, 32], [0, 64], [rpt, 0]]
-        warps = [[2 * rpt << i, 0] for i in range(num_warps.bit_length() - 1)]
-    else:
-        lanes = [[0, 8], [0, 16], [0, 32], [rpt, 0], [2 * rpt, 0]]
-        warps = [[0, 64]] + [[4 * rpt << i, 0] for i in range((num_warps // 2).bit_length() - 1)]
+    lanes = [[0, 8 << i] for i in range(log2(lanes_c))] + [[rpt << i, 0] for i in range(log2(32 // lanes_c))]
+    wc = 16 // lanes_c
+    warps = [[0, 8 * lanes_c << i] for i in range(log2(wc))] \
+        + [[rpt * 32 // lanes_c << i, 0] for i in range(log2(num_warps // wc))]
     A = gl.DistributedLinearLayout(cols_reg + rows_reg, lanes, warps, [], [128, 128])
     B = gl.DistributedLinearLayout(rows_reg + cols_reg, lanes, warps, [], [128, 128])
     sw = lambda bases: [[b[1], b[0]] for b in bases]  # noqa: E731
