@@ -102,13 +102,13 @@ def swiglu(shapes):
         print(f"\n== swiglu_quantize_1x128 {M}x{F} (u {M}x{2 * F} bf16) copy of u {copy_bw:.0f} GB/s", flush=True)
 
         def prepare(cfg, u=u):
-            S._swiglu_quant_candidates = lambda u, cfg=cfg: [cfg]
+            S._swiglu_quant_candidates = lambda *a, cfg=cfg: [cfg]
             tb._TUNED.clear()
             fn = lambda: S.swiglu_quantize_1x128(u, sch)  # noqa: E731
             return fn, fn(), u.numel() * 2 + 2 * M * F + 2 * (M * F // 128) * 4
 
         try:
-            _sweep(orig(u), prepare, copy_bw)
+            _sweep(orig(u, True, True), prepare, copy_bw)
         finally:
             S._swiglu_quant_candidates = orig
         del u

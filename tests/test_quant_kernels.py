@@ -459,11 +459,11 @@ def test_blockwise_regs_compiles_for_sm90():
         sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
                    amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
                    EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
-                   abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr")
+                   SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in ("M", "K", "rs_ld", "cs_ld")}
         src = GluonASTSource(fn=QG.rowcol_1x128_regs, signature=sig, attrs=attrs,
-                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, rstd_ptr=None,
+                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
                                              nw_ptr=None, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
         try:
             k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))

@@ -1,6 +1,7 @@
 """Fused SwiGLU: kernel (interpreter subprocess on CPU, compiled on the GPU) against the FP32 reference, forward
 and backward (the backward against autograd through the FP32 reference)."""
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def _fused_quant_cases(device, cases, force=None):
 
     if force is not None:
         S = importlib.import_module("lowbit.ops.swiglu")
-        S._swiglu_quant_candidates = lambda u: [force]
+        S._swiglu_quant_candidates = lambda *a: [force]
         tb._TUNED.clear()
 
     for (lead, F, dtype, fmt, rowwise, columnwise) in cases:
@@ -144,6 +145,11 @@ GPU_FUSED_CASES = FUSED_CASES + [((8192,), 5632, torch.bfloat16, "e4m3", True, T
                                  ((130,), 256, torch.bfloat16, "e4m3", True, True)]
 
 
+# whole 128-row tiles with both copies (the register-tile quantizer's inputs), BF16 and FP16, both formats
+REGS_CASES = [((256,), 384, torch.bfloat16, "e4m3", True, True), ((2, 128), 256, torch.float16, "e5m2", True, True),
+              ((1024,), 1408, torch.float16, "e4m3", True, True)]
+
+
 @pytest.mark.gpu
 def test_fused_quant_gpu(cuda):
     _fused_quant_cases(cuda, GPU_FUSED_CASES)
@@ -156,8 +162,13 @@ def test_fused_quant_every_candidate_gpu(cuda, monkeypatch):
     from lowbit.quant import triton_backend as tb
 
     for dtype in (torch.bfloat16, torch.float16):
-        for cfg in S._swiglu_quant_candidates(torch.empty(1, 256, dtype=dtype, device=cuda)):
+        # (128 rows: the register-tile quantizer's candidates too, which take both copies of whole 128-row tiles)
+        for cfg in S._swiglu_quant_candidates(torch.empty(128, 256, dtype=dtype, device=cuda)):
             monkeypatch.setattr(tb, "_TUNED", {})
-            monkeypatch.setattr(S, "_swiglu_quant_candidates", lambda u, cfg=cfg: [cfg])
-            _fused_quant_cases(cuda, [c for c in GPU_FUSED_CASES if c[2] == dtype])
+            monkeypatch.setattr(S, "_swiglu_quant_candidates", lambda *a, cfg=cfg: [cfg])
+            cases = [c for c in GPU_FUSED_CASES + REGS_CASES if c[2] == dtype]
+            if cfg.get("KIND") == "regs":
+                cases = [c for c in cases if c[4] and c[5] and math.prod(c[0]) % 128 == 0]
+                assert cases
+            _fused_quant_cases(cuda, cases)
             monkeypatch.undo()

@@ -269,13 +269,27 @@ _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
 _SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dict(KIND="tile", CTAS=1, num_warps=8)]
 
 
-def _swiglu_quant_candidates(u: torch.Tensor) -> list[dict]:
-    """The launch candidates for ``u`` (the first is the default without autotuning): the slab walk's, then on the
-    GPU the whole-tile kernel's (BITS16 only where u is BF16)."""
+def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    """Whether the register-tile quantizer (quant_gluon.rowcol_1x128_regs with its SWIGLU prologue) may take u: both
+    copies, whole 128-row tiles, and the quantizer's own conditions on the (M, 2F) input."""
+    from ..quant import triton_backend as tb
+
+    F = u.shape[-1] // 2
+    return (rowwise and columnwise and not INTERPRET and u.is_cuda and (u.numel() // (2 * F)) % 128 == 0
+            and tb._regs_ok(u.view(-1, 2 * F), 128, False, True, True))
+
+
+def _swiglu_quant_candidates(u: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> list[dict]:
+    """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU for both copies of
+    whole tiles the register-tile quantizer's first (H200, session 13: see BENCHMARKS.md), then the slab walk's,
+    then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
-    return list(_SWIGLU_QUANT_CONFIGS) + [c for c in _SWIGLU_TILE_CONFIGS
-                                         if u.dtype == torch.bfloat16 or not c.get("BITS16")]
+    from ..quant import triton_backend as tb
+
+    regs = list(tb._REGS_CONFIGS) if _regs_runs(u, rowwise, columnwise) else []
+    return regs + list(_SWIGLU_QUANT_CONFIGS) + [c for c in _SWIGLU_TILE_CONFIGS
+                                                if u.dtype == torch.bfloat16 or not c.get("BITS16")]
 
 
 def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = True):
@@ -315,13 +329,17 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 
     def launch(c):
         kw = {k: v for k, v in c.items() if k not in ("KIND", "CTAS")}
-        if c.get("KIND") == "tile":
+        if c.get("KIND") == "regs":
+            fn, g, _, kw = plan.launch_args(c)  # quant_gluon.rowcol_1x128_regs on h's (M, F) tile grid
+            fn[g](*args, **kw, SWIGLU=True)
+        elif c.get("KIND") == "tile":
             n_prog = min(n_tiles, plan.nsm * c["CTAS"])
             _swiglu_quant_tile_kernel[(n_prog,)](*args, n_prog, **plan.kw, EVEN=M % 128 == 0, **kw)
         else:
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
-    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F)), _swiglu_quant_candidates(u), launch)
+    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), _regs_runs(u, rowwise, columnwise)),
+                 lambda: _swiglu_quant_candidates(u, rowwise, columnwise), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt

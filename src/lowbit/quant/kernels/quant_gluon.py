@@ -216,7 +216,7 @@ if GLUON:
     def rowcol_1x128_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
-                          abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
+                          SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -231,6 +231,7 @@ if GLUON:
         COMPACT: each scale computed by one thread (see _rowcol_tile), not by every thread holding its row / column.
         NORM: quantize the RMSNorm output (x * rstd[m]) * w[k] (FP32 x; rstd_ptr (M,), nw_ptr (K,) FP32) instead of x,
         as blockwise_kernel's NORM (lowbit.ops.norm_quant).
+        SWIGLU: quantize h = silu(a) * b (M, K) of x = u (M, 2K) = [a | b], 16-bit (lowbit.ops.swiglu).
         """
         pid = gl.program_id(0)
         nkt = K // 128
@@ -238,7 +239,16 @@ if GLUON:
         pk = pid - pm * nkt
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
-        x = gl.load(x_ptr + (pm.to(gl.int64) * 128 * K + pk * 128) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0))
+        LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
+        ptrs = x_ptr + (pm.to(gl.int64) * 128 * K * LD + pk * 128) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)
+        if SWIGLU:
+            # h = silu(a) * b of u = [a | b], FP32 math rounded once to u's dtype: lowbit.ops.swiglu's _silu and
+            # _swiglu_h (the same operations, so the same bits as the SwiGLU kernel stores)
+            a = gl.load(ptrs).to(gl.float32)
+            b = gl.load(ptrs + K)
+            x = ((a * (1.0 / (1.0 + gl.exp(-a)))) * b.to(gl.float32)).to(b.dtype)
+        else:
+            x = gl.load(ptrs)
         tmax = _rowcol_tile(x, pm, pk, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, abs_mask, FMAX, POW2, EPS,
                             A, B, T, COMPACT, NORM, rstd_ptr, nw_ptr)
         gl.atomic_max(amax_ptr, tmax, sem="relaxed")
