@@ -64,6 +64,17 @@ case "${1:-verify}" in
   s10b)  # the GEMM tests and the GEMM table (torchao in the same run)
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_gemm.py -rfE --tb=line
     stage 330 python3 -m lowbit bench gemm ;;
+  s13a)  # session 13: the register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs; fused RMSNorm and
+          # SwiGLU prologues): quantize / ops / nn GPU tests, the candidate sweep, bench quant
+    stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
+      tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short
+    stage 150 python3 scripts/rowcol_sweep.py --shapes 8192x8192,8192x11264,16384x4096 --swiglu 8192x5632,8192x2816
+    stage 90 python3 -m lowbit bench quant ;;
+  s13b)  # session 13: fp8-block vs BF16 training throughput, 1.3b and 350m (20 steps each)
+    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
   s12a)  # session 12: the warp-specialized Gluon INT8·FP8 attention forward: its tests, then the Triton-vs-Gluon bench
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
