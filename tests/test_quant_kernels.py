@@ -433,6 +433,8 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
                         and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "LC")), \
                         f"{cfg} {shape}: not the register-tile kernel"
                     assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
+                    # the plan is cached under its own key (shape first), so the next call finds it, not rebuilds it
+                    assert [k[:3] for k in tb._BLOCKWISE_PLANS] == [(*shape, dtype)]
     y = _randn((256, 400), torch.bfloat16, cuda, seed=171)
     assert not tb._regs_ok(y, 128, False, True, True)  # ragged
     z = y[:, :384].contiguous()

@@ -348,21 +348,18 @@ def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool
 
 
 class _GluonLaunch:
-    """``fn[grid](*args, **kw)`` for a Gluon kernel that builds TMA descriptors in-kernel, installing the TMA scratch
-    allocator of the calling thread first (the autograd engine runs backward kernels on its own threads)."""
-
-    def __init__(self, name: str):
-        self.name = name
+    """``fn[grid](*args, **kw)`` for the Gluon kernel, installing the TMA scratch allocator of the calling thread
+    first (its descriptors are built in-kernel; the autograd engine runs backward kernels on its own threads)."""
 
     def __getitem__(self, grid):
         def run(*args, **kw):
             ensure_tma_allocator()
-            getattr(QG, self.name)[grid](*args, **kw)
+            QG.rowcol_1x128_gluon[grid](*args, **kw)
 
         return run
 
 
-_GLUON_LAUNCH = _GluonLaunch("rowcol_1x128_gluon")
+_GLUON_LAUNCH = _GluonLaunch()
 
 
 # Candidates of the register-tile 1x128 row+col kernel (quant_gluon.rowcol_1x128_regs): one 128 x 128 tile a
@@ -372,6 +369,14 @@ _GLUON_LAUNCH = _GluonLaunch("rowcol_1x128_gluon")
 _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 _REGS_LAYOUTS: dict = {}
+_CAPABILITY: dict = {}  # device -> compute capability (asked on every call of the checks below)
+
+
+def _capability(dev) -> tuple:
+    cap = _CAPABILITY.get(dev)
+    if cap is None:
+        cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)
+    return cap
 
 
 def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
@@ -381,7 +386,7 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     M, Kd = x2.shape
     return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
             and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
-            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
+            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and _capability(x2.device) >= (8, 9))
 
 
 def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
@@ -567,8 +572,8 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, *args, *extra, **kw)
 
-        key = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, _bucket(M), _bucket(Kd))
-        c = tuned_launch("blockwise", key, cands, launch)
+        tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, _bucket(M), _bucket(Kd))
+        c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
     _set_copies(qt, *bufs)
