@@ -43,7 +43,7 @@ def group(name: str) -> str:
     for key, g in (("swiglu_quant", "fused swiglu+quantize"), ("_swiglu", "swiglu"), ("rms_rstd", "norm"),
                    ("residual_add", "elementwise"), ("norm_residual", "norm"), ("_rope", "rope"), ("nvjet", "gemm fp8 (cublas)"), ("scaled_mm", "gemm fp8 (cublas)"), ("fp8_gemm", "gemm fp8 (triton)"),
                    ("gemm", "gemm (cublas bf16)"), ("cutlass", "gemm (cublas bf16)"), ("sm90_xmma", "gemm (cublas bf16)"),
-                   ("blockwise_kernel", "quantize"), ("tensorwise", "quantize"), ("amax", "quantize"), ("rowscale", "quantize"),
+                   ("rowcol_1x128", "quantize"), ("blockwise_kernel", "quantize"), ("tensorwise", "quantize"), ("amax", "quantize"), ("rowscale", "quantize"),
                    ("mxfp8", "quantize"), ("nvfp4", "quantize"),
                    ("attn", "attention"), ("flash", "attention"), ("fmha", "attention"), ("_fwd", "attention"), ("_bwd", "attention"),
                    ("norm", "norm"), ("softmax", "loss/softmax"), ("cross_entropy", "loss/softmax"), ("nll", "loss/softmax"),
