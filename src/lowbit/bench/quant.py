@@ -70,8 +70,8 @@ def run(shapes, rep=100):
             from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs  # type: ignore
 
             cases.append(("torchao 1x128 rowwise", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), None))
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - the peer is optional; say why its row is missing
+            print(f"    (torchao not importable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
         cases += [
             ("copy fp32", lambda: y32.copy_(x32), None),
             ("fp32 1x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(), True, True, backend="triton"), None),
