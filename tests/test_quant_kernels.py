@@ -443,6 +443,50 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     tb._BLOCKWISE_PLANS.clear()
 
 
+@pytest.mark.gpu
+def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch):
+    """The MXFP8 register-tile quantizer (quant_gluon.mxfp8_rowcol_regs), each candidate forced alone, against the
+    reference: BF16 / FP16 / FP32, E4M3 and E5M2, one tile to many, NaN / Inf / -0, a zero block, subnormal and
+    huge blocks (codes clamped); the shapes it must leave to mxfp8_kernel (ragged, one copy) still exact."""
+    import lowbit.quant.triton_backend as tb
+
+    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    launched = []
+    orig = tb.QG.mxfp8_rowcol_regs
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(tb.QG, "mxfp8_rowcol_regs", Spy())
+    for cfg in tb._MX_REGS_CONFIGS:
+        monkeypatch.setattr(tb, "_MX_REGS_CONFIGS", [cfg])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for i, shape in enumerate([(128, 128), (256, 384), (1024, 1152), (128, 1024)]):
+                x = _randn(shape, dtype, cuda, seed=180 + i)
+                if i == 1:
+                    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+                    x[32:64, 256:288] = 0  # a zero block both ways
+                    x[64:96, 0:32] *= 1e-30 if dtype == torch.float32 else 1e-3
+                    x[96:128, 32:64] *= 1e30 if dtype == torch.float32 else 1e3
+                for sch in (MXFP8(), MXFP8(fmt="e5m2")) if i < 2 else (MXFP8(),):
+                    n = len(launched)
+                    tb._TUNED.clear()
+                    bad = compare(x, sch, True, True)
+                    assert len(launched) == n + 1, f"{cfg} {shape}: not the register-tile kernel"
+                    assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
+    n = len(launched)
+    for shape, rw, cw in [((160, 256), True, True), ((256, 384), True, False), ((256, 384), False, True)]:
+        tb._TUNED.clear()
+        bad = compare(_randn(shape, torch.bfloat16, cuda, seed=190), MXFP8(), rw, cw)
+        assert not bad, (shape, rw, cw, bad)
+    assert len(launched) == n
+    tb._TUNED.clear()
+
+
 def test_blockwise_regs_compiles_for_sm90():
     """The register-tile quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine: both
     copies from 16-byte loads, 8-byte stores of each copy (the transposed one too: nothing goes through shared
@@ -481,6 +525,18 @@ def test_blockwise_regs_compiles_for_sm90():
         if got is not None:
             assert "STL" not in got[0] and "LDL" not in got[0]
             assert got[1] <= 128, f"{xt}: {got[1]} registers"
+    # the MXFP8 one at its first candidate's register cap (triton_backend._MX_REGS_CONFIGS)
+    sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*u8", cq_ptr="*fp8e4nv", cs_ptr="*u8", amax_ptr="*i32",
+               M="i32", K="i32", EMAX="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "K")}
+    src = GluonASTSource(fn=QG.mxfp8_rowcol_regs, signature=sig, attrs=attrs,
+                         constexprs=dict(EMAX=8, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
+    k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=128))
+    ptx = k.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global.v2.b32") == 16
+    got = _sm90_sass(k)
+    if got is not None:
+        assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128
 
 
 @pytest.mark.gpu

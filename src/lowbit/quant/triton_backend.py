@@ -379,9 +379,15 @@ def _capability(dev) -> tuple:
     return cap
 
 
+# Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
+# a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
+_MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
+
+
 def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
-    """Whether quant_gluon.rowcol_1x128_regs may run: 1x128 with both copies from BF16 / FP16 / FP32 input of whole
-    128 x 128 tiles (in-tile offsets within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
+    """Whether quant_gluon's register-tile kernels may run (rowcol_1x128_regs for 1x128, bs = 128; mxfp8_rowcol_regs,
+    asked with bs = 128 too): both copies from BF16 / FP16 / FP32 input of whole 128 x 128 tiles (in-tile offsets
+    within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
     not with LOWBIT_SW_ROUND), Gluon importable."""
     M, Kd = x2.shape
     return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
@@ -587,16 +593,23 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
     rs = torch.empty(M, Kd // 32, dtype=torch.uint8, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     cs = torch.empty(Kd, M // 32, dtype=torch.uint8, device=dev) if columnwise else None
-    cands = lambda: _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)  # noqa: E731
+    # both copies of whole 128 x 128 tiles: the register-tile kernel first (quant_gluon.mxfp8_rowcol_regs)
+    regs = _regs_ok(x2, 128, False, rowwise, columnwise)
+    cands = lambda: (list(_MX_REGS_CONFIGS) if regs else []) \
+        + _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)  # noqa: E731
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
 
     def launch(c):
+        if c.get("KIND") == "regs":
+            QG.mxfp8_rowcol_regs[((M // 128) * (Kd // 128),)](x2, rq, rs, cq, cs, amax_i, M, Kd, EMAX=fmt.emax,
+                                                               num_warps=8, maxnreg=c["maxnreg"], **_regs_layouts(8, 8))
+            return
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
         K.mxfp8_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, **_fmt_args(fmt), EMAX=fmt.emax, ROW=rowwise,
                              COL=columnwise, SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-    tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, regs, _bucket(M), _bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)

@@ -283,3 +283,60 @@ def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     sw = lambda bases: [[b[1], b[0]] for b in bases]  # noqa: E731
     T = gl.DistributedLinearLayout(sw(rows_reg + cols_reg), sw(lanes), sw(warps), [], [128, 128])
     return A, B, T
+
+
+if GLUON:
+    @gluon.jit
+    def _mx_codes(bm, EMAX: gl.constexpr):
+        """quant.kernels.quant._mx_exponent in Gluon: (2**-X as FP32, E8M0 code) from a block's max |x| bits."""
+        be = (bm >> 23) & 0xFF
+        fl = gl.where(be == 255, -1, be - 127)  # (frexp: Inf / NaN -> -1; subnormal clamps below either way)
+        X = gl.where(bm == 0, 0, fl - EMAX)
+        X = gl.minimum(gl.maximum(X, -127), 127)
+        code = gl.where(bm > 0x7F800000, 255, X + 127)
+        return ((127 - X) << 23).to(gl.float32, bitcast=True), code.to(gl.uint8)
+
+    @gluon.jit
+    def mxfp8_rowcol_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, EMAX: gl.constexpr,
+                          A: gl.constexpr, B: gl.constexpr, T: gl.constexpr, abs_mask=0x7FFFFFFF):
+        """MXFP8 rowwise + columnwise copies (quant.kernels.quant.mxfp8_kernel's outputs and numbers) of x (M, K)
+        16-bit or FP32 row-major, M % 128 == K % 128 == 0: rq (M, K) with E8M0 codes rs (M, K / 32), cq (K, M) the
+        transposed copy with cs (K, M / 32); amax_ptr the int32 bits of max |x|, atomically maxed.
+
+        rowcol_1x128_regs' register tile (layouts A, B, T of rowcol_regs_layouts(8)): a thread's 8 x 8 block and
+        its 3 neighbours along a row (lanes) make a 1 x 32 block, and along a column a 32 x 1 block, so every block
+        maximum is a warp shuffle away (no shared memory but the tile amax), and the columnwise copy is cast from
+        vertical pairs in the same registers (B) and stored as 8-byte pieces of cq rows (T)."""
+        pid = gl.program_id(0)
+        nkt = K // 128
+        pm = pid // nkt
+        pk = pid - pm * nkt
+        m0 = pm.to(gl.int64) * 128
+        k0 = pk.to(gl.int64) * 128
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
+        x = gl.load(x_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)).to(gl.float32)
+        ab = x.to(gl.int32, bitcast=True) & abs_mask
+        # rowwise: 1 x 32 blocks
+        mult, code = _mx_codes(gl.max(gl.reshape(ab, [128, 4, 32]), axis=2), EMAX)
+        q = gl.reshape(gl.reshape(x, [128, 4, 32]) * gl.expand_dims(mult, 2), [128, 128])
+        gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0),
+                 gl.convert_layout(q, A).to(DT))
+        rb = gl.arange(0, 128, layout=gl.SliceLayout(1, code.type.layout))
+        jb = gl.arange(0, 4, layout=gl.SliceLayout(0, code.type.layout))
+        gl.store(rs_ptr + (m0 + gl.expand_dims(rb, 1)) * (K // 32) + (pk * 4 + gl.expand_dims(jb, 0)), code)
+        # columnwise: 32 x 1 blocks, the values read down the columns (B) for the transposed copy
+        bmc = gl.max(gl.reshape(ab, [4, 32, 128]), axis=1)
+        multc, codec = _mx_codes(bmc, EMAX)
+        xb = gl.reshape(gl.convert_layout(x, B), [4, 32, 128])
+        mb = gl.expand_dims(gl.convert_layout(multc, gl.SliceLayout(1, xb.type.layout)), 1)
+        qc = gl.convert_layout(gl.reshape(xb * mb, [128, 128]), B).to(DT)
+        qt = gl.convert_layout(gl.permute(qc, [1, 0]), T)
+        ct = gl.arange(0, 128, layout=gl.SliceLayout(1, T))
+        rt = gl.arange(0, 128, layout=gl.SliceLayout(0, T))
+        gl.store(cq_ptr + (k0 * M + m0) + gl.expand_dims(ct, 1) * M + gl.expand_dims(rt, 0), qt)
+        ib = gl.arange(0, 4, layout=gl.SliceLayout(1, codec.type.layout))
+        kb = gl.arange(0, 128, layout=gl.SliceLayout(0, codec.type.layout))
+        gl.store(cs_ptr + (k0 + gl.expand_dims(kb, 0)) * (M // 32) + (pm * 4 + gl.expand_dims(ib, 1)), codec)
+        gl.atomic_max(amax_ptr, gl.max(gl.max(bmc, axis=1), axis=0), sem="relaxed")
