@@ -1,19 +1,24 @@
-"""Gluon (Triton's explicit-layout dialect) 1x128 FP8 quantizer for Hopper: rowwise + columnwise copies from one
-read, with the input streamed through shared memory by TMA.
+"""Gluon (Triton's explicit-layout dialect) quantizers that make the rowwise and the columnwise (transposed) copy
+of an input from one read.
 
-Why a second kernel next to ``quant.blockwise_kernel``: that kernel's slab walk loads with plain global loads, and
-reaches 0.68-0.72 of a device copy on the H200 (BENCHMARKS.md, sessions 4-7, every launch variant swept); the
-question was whether loads kept in flight by TMA would do better. Here each CTA walks its tiles with STAGES tiles
-of TMA loads in flight, and reads each tile twice from shared memory in SR-row slabs. Measured on the H200
-(session 9, BENCHMARKS.md): 0.70-0.71 of a copy at best, the same as the slab walk; whole tiles in registers
-(255 / 142 registers a thread, one CTA an SM) 0.49, the transposed tile written through 128-byte-swizzled shared
-memory and TMA stores 0.28-0.54. So it is not a default: ``LOWBIT_QUANT_GLUON=1`` adds it to the autotuner's
-candidates; tests force it.
+``rowcol_1x128_regs`` (the default for both 1x128 copies of whole 128 x 128 tiles, sm_89+) and
+``mxfp8_rowcol_regs`` (the same for MXFP8): one tile a program held in registers, 8 x 8 elements a thread. Row and
+column block maxima both come from the one load, and the transposed copy needs no shared-memory transposition:
+the same registers read down the columns (layout B of :func:`rowcol_regs_layouts`, a linear layout with the lanes
+of A) give the hardware's two-value FP8 cast vertical pairs, stored as 8-byte pieces of the transposed rows.
+H200, session 13 (BENCHMARKS.md): 1x128 0.80-0.81 of a device copy from BF16 and 0.93-0.95 from FP32, against
+0.75-0.77 for ``quant.blockwise_kernel``'s slab walk; MXFP8 0.66-0.67, against 0.45-0.46 for ``mxfp8_kernel``.
+``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``) and SwiGLU (``SWIGLU``) prologues of the fused quantizers.
 
-The numbers are blockwise_kernel's (hence the reference's, bit for bit): amax as a max over int32 patterns of |x|,
-``scale = fmax / amax`` by IEEE division (0 -> 1, overflow -> FP32 max, pow2 rounds down), ``scale_inv = 1 / scale``
-stored, one FP32 product ``x * scale`` and the hardware's saturating RNE cast. Only whole tiles: M and K multiples
-of 128, 16-bit input, 16-byte aligned (the launcher checks; everything else takes blockwise_kernel).
+``rowcol_1x128_gluon`` (session 9, opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA,
+STAGES in flight a CTA, each read twice in SR-row slabs; 0.70-0.71 of a copy, the speed of the slab walk at the
+time, never faster.
+
+The numbers are blockwise_kernel's / mxfp8_kernel's (hence the reference's, bit for bit): amax as a max over int32
+patterns of |x|, ``scale = fmax / amax`` (0 -> 1, overflow -> FP32 max, power-of-two scales from the exponent bits),
+``scale_inv = 1 / scale`` stored, one FP32 product ``x * scale`` and the hardware's saturating RNE cast; MXFP8 E8M0
+codes from the block maximum's exponent. Only whole tiles: M and K multiples of 128 (the launchers check; everything
+else takes the Triton kernels).
 """
 
 from __future__ import annotations
