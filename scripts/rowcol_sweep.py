@@ -1,7 +1,8 @@
 """1x128 rowwise+columnwise quantize launch sweep (issues 3, 7): blockwise_kernel's candidates (slab walk; FP32 also
-whole tiles and blockwise_persistent_kernel), with --whole the whole-tile persistent kernel's variants (warps,
-prefetch), and the fused SwiGLU quantizer's slab and whole-tile candidates, each checked bit for bit
-against the first (default) config and timed against a device-to-device copy of the same input in the same run.
+whole tiles and blockwise_persistent_kernel), the register-tile kernel's (quant_gluon.rowcol_1x128_regs; checked
+against the slab walk), with --whole the whole-tile persistent kernel's variants (warps, prefetch), and the fused
+SwiGLU quantizer's candidates (register tile, slab walk, whole tile), each checked bit for bit against the first
+config and timed against a device-to-device copy of the same input in the same run.
 
     PYTHONPATH=src python scripts/rowcol_sweep.py [--shapes 8192x8192,...] [--swiglu 8192x5632,...] [--whole]
 

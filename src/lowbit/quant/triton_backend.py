@@ -340,7 +340,7 @@ GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "0") == "1"
 def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     """Whether quant_gluon.rowcol_1x128_gluon may run: 1x128 with both copies from 16-bit input of whole 128 x 128
     tiles, 16-byte aligned (a TMA descriptor's base), on a Hopper GPU (TMA, and the hardware FP8 cast: not with
-    LOWBIT_SW_ROUND), Gluon importable, and asked for (LOWBIT_QUANT_GLUON=1: it is no faster than blockwise_kernel)."""
+    LOWBIT_SW_ROUND), Gluon importable, and asked for (LOWBIT_QUANT_GLUON=1: slower than rowcol_1x128_regs)."""
     M, Kd = x2.shape
     return (GLUON_QUANT and QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d
             and rowwise and columnwise and x2.dtype in (torch.bfloat16, torch.float16) and M % 128 == 0
@@ -569,7 +569,8 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     if plan.cfg is not None:
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
-        # (where the persistent kernel may run, the autotuner times both kernels' candidates)
+        # (the register-tile kernel's candidates first where it may run, then the persistent kernel's where it
+        # may, then blockwise_kernel's: the autotuner times them all)
         cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
