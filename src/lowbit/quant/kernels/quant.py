@@ -49,7 +49,7 @@ def _compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr)
     if POW2 and FMAX >= 4.0:
         s = _pow2_scale(a, FMAX)
     else:
-        s = tl.math.div_rn(tl.full(a.shape, FMAX, tl.float32), a)
+        s = tl.math.div_rn(tl.cast(FMAX, tl.float32), a)
         s = tl.where(a == 0, 1.0, s)
         s = tl.where(s == float("inf"), FP32_MAX, s)
         if POW2:
@@ -70,7 +70,7 @@ def _pow2_scale(a, FMAX: tl.constexpr):
     NaN -> NaN, as the reference. A division costs a slow-path call whose register convention raised the 1x128
     quantizers' registers from ~60 to 160+ (Triton 3.6, sm_90)."""
     b = a.to(tl.int32, bitcast=True)
-    fb = tl.full(a.shape, FMAX, tl.float32).to(tl.int32, bitcast=True)
+    fb = tl.cast(FMAX, tl.float32).to(tl.int32, bitcast=True)
     e = ((fb >> 23) & 0xFF) - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
     s = _bits_to_f32((tl.minimum(e, 127) + 127) << 23)
     s = tl.where(a == 0, 1.0, s)
@@ -88,7 +88,7 @@ def _recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
         r = tl.where(s == 0, float("inf"), r)
         return tl.where(s != s, s, r)
     else:
-        return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        return tl.math.div_rn(tl.cast(1.0, tl.float32), s)
 
 
 @triton.jit
