@@ -34,6 +34,7 @@ import os
 
 import torch
 
+from .._device import capability
 from .._launch import ensure_tma_allocator
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
@@ -386,7 +387,7 @@ def machine_why_not(device) -> str | None:
     if not GLUON_WS:
         return "this Triton has no Gluon warp_specialize"
     device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda" or capability(device) != (9, 0):
         return "not an sm_90 GPU"
     return None
 

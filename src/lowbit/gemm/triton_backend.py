@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from .._device import capability, num_sms
 from .._launch import ensure_tma_allocator
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
@@ -120,7 +121,7 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     H200 on 2026-11-23; measured there 1.52-1.63x torchao's Triton blockwise kernel on the large shapes."""
     if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force", "ws") or INTERPRET or not G.GLUON:
         return False
-    return bs == 128 and sb_mode == 3 and sa_mode == 2 and torch.cuda.get_device_capability(dev) == (9, 0)
+    return bs == 128 and sb_mode == 3 and sa_mode == 2 and capability(dev) == (9, 0)
 
 
 # Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
@@ -131,20 +132,11 @@ _WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4
 # default one with what is left), one loader warp with 24; 12 warps in all at maxnreg 168 = the 64K register file.
 _WS_LAUNCH = dict(NMATH=2, LOAD_REGS=24, MATH_REGS=232, num_warps=4, maxnreg=168)
 
-_SMS: dict = {}
-
-
-def _num_sms(dev) -> int:
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SMS[dev]
-
-
 def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, **consts):
     """G.gemm_gluon_ws on a persistent grid (one CTA per SM at most) with config cfg (BM, BN, STAGES); ptrs: its
     seven pointer arguments (A, B, their scales, C, pre-GELU, bias)."""
     tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-    G.gemm_gluon_ws[(min(tiles, _num_sms(dev)),)](*ptrs, M, N, K, lda_s, ldb_s, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8,
+    G.gemm_gluon_ws[(min(tiles, num_sms(dev)),)](*ptrs, M, N, K, lda_s, ldb_s, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8,
                                                    STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
 
 
@@ -190,7 +182,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
                  if bm <= max(_bucket(M), 64)]
             ws = list(_WS_CONFIGS) if G.GLUON_WS else []
             mode = os.environ.get("LOWBIT_GEMM_GLUON")
-            if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= _num_sms(dev):
+            if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= num_sms(dev):
                 # at least a tile per SM: the warp-specialized kernel alone (H200 2026-11-23: 1.04-1.25x every other
                 # candidate on the issue's five shapes; timing them all let noise pick a slower one, 964 vs 1037)
                 return ws
@@ -283,7 +275,7 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     tma = pre and _tma_ok(A, B, K * A.element_size())  # (the dequantized rows: fresh, 16-byte aligned buffers)
 
     gws = (pre and tma and not INTERPRET and G.GLUON_WS and os.environ.get("LOWBIT_GEMM_GLUON", "1") != "0"
-           and torch.cuda.get_device_capability(dev) == (9, 0))
+           and capability(dev) == (9, 0))
 
     def launch(cfg):
         if cfg.get("GWS"):

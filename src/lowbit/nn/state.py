@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import distributed
+from .._device import capability as _device_capability
 from ..quant.scaling import AmaxHistory
 from ..recipes import DelayedScaling, Recipe
 
@@ -126,11 +127,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return tuple(torch.cuda.get_device_capability(index))
-
-
 _NATIVE_FROM = {"per_tensor": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 
 
@@ -153,7 +149,7 @@ def check_recipe_support(recipe: Recipe, device=None, *, allow_emulation: bool =
     device = torch.device(device)
     if device.type != "cuda" and capability is None:
         return "reference"
-    cap = tuple(capability) if capability is not None else _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = tuple(capability) if capability is not None else _device_capability(device)
     need = _NATIVE_FROM[recipe.kind]
     if cap >= need:
         return "native"

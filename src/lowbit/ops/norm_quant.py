@@ -181,23 +181,23 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
                          f"{getattr(rstd, 'dtype', type(rstd).__name__)} {tuple(getattr(rstd, 'shape', ()))} on "
                          f"{getattr(rstd, 'device', None)}")
     key = (M, Kd, scheme, rowwise, columnwise)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device)
+    entry = _PLANS.get(key)
+    if entry is None:  # (the plan, and whether the register-tile kernel may run: both follow from the key)
+        entry = _PLANS[key] = (_BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device),
+                               _regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise, columnwise))
+    plan, regs = entry
     bufs = _blockwise_buffers(plan, scheme.format, x.device, rowwise, columnwise)
     args = _blockwise_args(plan, *bufs)
     w = weight.detach()
 
-    # both copies of whole 128 x 128 tiles: the register-tile kernel first (quant_gluon.rowcol_1x128_regs; session
-    # 13 on the H200: 0.92-0.94 of an FP32 copy against 0.75-0.77 for the slab walk)
-    regs = _regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise, columnwise)
-
+    # both copies of whole 128 x 128 tiles (regs): the register-tile kernel first (quant_gluon.rowcol_1x128_regs;
+    # session 13 on the H200: 0.92-0.94 of an FP32 copy against 0.75-0.77 for the slab walk)
     def launch(c):
         fn, grid, extra, kw = plan.launch_args(c)  # rowcol_1x128_regs, or blockwise_kernel's slab configs
         fn[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)
 
     tuned_launch("rms_quant", (rowwise, columnwise, regs, _bucket(M), _bucket(Kd)),
-                 (list(_REGS_CONFIGS) if regs else []) + _quant_configs(rowwise, columnwise), launch)
+                 lambda: (list(_REGS_CONFIGS) if regs else []) + _quant_configs(rowwise, columnwise), launch)
     qt = QuantizedTensor(shape=tuple(x.shape), dtype=x.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt, rstd

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from .._device import num_sms
 from .norm_quant import row_reduce_configs
 
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
@@ -207,7 +208,7 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
     dx = torch.empty_like(out)
     store_dy = y_dtype != torch.float32
     dy = torch.empty(out.shape, dtype=y_dtype, device=out.device) if store_dy else dx
-    n_sm = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 1
+    n_sm = num_sms(out.device) if out.is_cuda else 1
     part = {}
 
     def launch(c):

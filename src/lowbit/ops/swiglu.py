@@ -255,7 +255,8 @@ if triton is not None:
         tl.atomic_max(amax_ptr, amax, sem="relaxed")
 
 
-_PLANS: dict = {}  # (M, F, dtype, scheme, rowwise, columnwise) -> the quantizer's _BlockwisePlan for h
+# (M, F, dtype, scheme, rowwise, columnwise) -> (the quantizer's _BlockwisePlan for h, whether _regs_runs)
+_PLANS: dict = {}
 
 # slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
 _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
@@ -317,11 +318,13 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
     F = u.shape[-1] // 2
     M = u.numel() // (2 * F)
     key = (M, F, u.dtype, scheme, rowwise, columnwise)
-    plan = _PLANS.get(key)
-    if plan is None:  # the blockwise quantizer's plan: the same output layouts and kernel constants for h (M, F)
-        plan = _PLANS[key] = _BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
+    entry = _PLANS.get(key)
+    if entry is None:  # the blockwise quantizer's plan: the same output layouts and kernel constants for h (M, F)
+        plan = _BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
         plan.kw = {k: v for k, v in plan.kw.items() if k not in ("TWO_D", "BS")}  # (1x128 here)
         plan.kw["DT"] = tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16
+        entry = _PLANS[key] = (plan, _regs_runs(u, rowwise, columnwise))
+    plan, regs = entry
     bufs = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
     args = (u, *_blockwise_args(plan, *bufs))
     grid = (F // 128, triton.cdiv(M, 128))
@@ -338,7 +341,7 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         else:
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
-    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), _regs_runs(u, rowwise, columnwise)),
+    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs),
                  lambda: _swiglu_quant_candidates(u, rowwise, columnwise), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)

@@ -26,6 +26,7 @@ import sys
 import torch
 import triton
 
+from .._device import capability, num_sms
 from .._launch import CachedLaunch, ensure_tma_allocator
 from ..formats import E4M3, FloatFormat
 from . import register_backend
@@ -344,7 +345,7 @@ def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool
     M, Kd = x2.shape
     return (GLUON_QUANT and QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d
             and rowwise and columnwise and x2.dtype in (torch.bfloat16, torch.float16) and M % 128 == 0
-            and Kd % 128 == 0 and x2.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x2.device)[0] == 9)
+            and Kd % 128 == 0 and x2.data_ptr() % 16 == 0 and capability(x2.device)[0] == 9)
 
 
 class _GluonLaunch:
@@ -369,14 +370,6 @@ _GLUON_LAUNCH = _GluonLaunch()
 _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 _REGS_LAYOUTS: dict = {}
-_CAPABILITY: dict = {}  # device -> compute capability (asked on every call of the checks below)
-
-
-def _capability(dev) -> tuple:
-    cap = _CAPABILITY.get(dev)
-    if cap is None:
-        cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)
-    return cap
 
 
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
@@ -392,7 +385,7 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     M, Kd = x2.shape
     return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
             and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
-            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and _capability(x2.device) >= (8, 9))
+            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
 
 
 def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
@@ -518,14 +511,14 @@ class _BlockwisePlan:
         self.nc = self.cshape[0] * self.cshape[1] if columnwise else 0
         # SATCVT: from sm_89 Triton casts to FP8 with cvt.rn.satfinite (the only form PTX has), which clamps
         # by itself; older GPUs get Triton's software conversion, so the clamp stays there.
-        satcvt = not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        satcvt = not INTERPRET and device.type == "cuda" and capability(device) >= (8, 9)
         self.kw = dict(**_fmt_args(sch.format), POW2=sch.pow2, EPS=float(sch.eps), TWO_D=sch.block_dim == 2,
                        ROW=rowwise, COL=columnwise, SW=SW_ROUND, BS=bs, SATCVT=satcvt)
         self.M, self.K, self.bs = M, Kd, bs
         self.cfg = None
         self.grid = None
         self.fn, self.extra = K.blockwise_kernel, ()
-        self.nsm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.nsm = num_sms(device) if device.type == "cuda" else 1
 
     def launch_args(self, c: dict):
         """(kernel, grid, extra positional arguments, keyword arguments) for candidate ``c``."""
@@ -559,8 +552,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
-    regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, regs)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -570,7 +562,9 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (the register-tile kernel's candidates first where it may run, then the persistent kernel's where it
-        # may, then blockwise_kernel's: the autotuner times them all)
+        # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
+        # follows from the plan's key, unlike the alignment-dependent two above)
+        regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
         cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)

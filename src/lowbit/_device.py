@@ -1,0 +1,36 @@
+"""Facts about a CUDA device that kernel dispatch asks on every call (compute capability, SM count), cached per
+device index: ``torch.cuda.get_device_capability`` / ``get_device_properties`` cost microseconds of host time a call,
+which the quantize and GEMM launchers would otherwise pay for every operand of every step."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["capability", "num_sms"]
+
+
+def _index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device) -> tuple:
+    """(major, minor) compute capability of CUDA ``device`` (a torch.device, string or index)."""
+    return _capability(_index(device))
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of CUDA ``device``."""
+    return _num_sms(_index(device))
