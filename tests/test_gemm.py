@@ -34,6 +34,7 @@ from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
 from lowbit.gemm.reference import dequantize_exact
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
 from lowbit.quant.reference import quantize_reference
+from sm90_compile import compile_gluon_sm90, sm90_sass
 
 try:
     import triton  # noqa: F401
@@ -443,14 +444,11 @@ def test_gluon_ws_compiles_for_sm90(variant):
     math partitions, and BF16 (the dequantized NVFP4 path) with 128x256 tiles. Checked: the partitions' register
     split (setmaxnreg), TMA loads and wgmma, the smem of the stages within the H100/H200's 227 KB, no register
     spills in the SASS."""
-    triton_mod = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import lowbit.gemm.triton_backend as tb
 
     if not tb.G.GLUON_WS:
         pytest.skip("this Triton's Gluon has no warp_specialize")
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     fp8 = variant == "fp8"
     cfg = tb._WS_CONFIGS[0] if fp8 else tb._WS_BF16_CONFIGS[0]
@@ -462,25 +460,12 @@ def test_gluon_ws_compiles_for_sm90(variant):
     const = dict(SA=2 if fp8 else 0, SB=3 if fp8 else 1, BS=128 if fp8 else 64, HAS_BIAS=False, GELU=False,
                  ACCUM=False, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], **launch)
     sig.update({k: "constexpr" for k in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "N", "K")}
-    src = GluonASTSource(fn=tb.G.gemm_gluon_ws, signature=sig, attrs=attrs, constexprs=const)
-    try:
-        k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    except RuntimeError as e:  # no ptxas usable here
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    k = compile_gluon_sm90(tb.G.gemm_gluon_ws, sig, const, divisible=("M", "N", "K"), **opts)
     ptx = k.asm["ptx"]
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc" in ptx  # loader 24, math more
     assert "cp.async.bulk.tensor.2d" in ptx and "wgmma.mma_async" in ptx
     assert k.metadata.num_warps == 12  # two 4-warp math partitions + the loader's warpgroup
     assert 0 < k.metadata.shared <= 227 * 1024
-    nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if os.path.exists(nvdisasm):
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        assert "STL" not in sass and "LDL" not in sass  # nothing spilled to local memory
+    got = sm90_sass(k)
+    if got is not None:
+        assert "STL" not in got[0] and "LDL" not in got[0]  # nothing spilled to local memory

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import torch
 
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, backend_for, quantize
 from lowbit.quant.reference import quantize_reference
+from sm90_compile import compile_gluon_sm90, sm90_sass
 
 HAVE_TRITON = True
 try:
@@ -348,57 +348,25 @@ def test_blockwise_gluon_every_candidate_bit_identical(cuda, monkeypatch):
     tb._BLOCKWISE_PLANS.clear()
 
 
-def _sm90_sass(k):
-    """(SASS text, registers a thread) of compiled kernel ``k``'s cubin, from the installed Triton's own nvdisasm and
-    cuobjdump; None where Triton is not 3.6 (the GPU machine's: spill and register checks hold for the Triton the
-    kernels were measured with) or the tools are missing."""
-    import tempfile
-
-    import triton as triton_mod
-
-    nvdisasm = os.path.join(os.path.dirname(triton_mod.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    cuobjdump = os.path.join(os.path.dirname(nvdisasm), "cuobjdump")
-    if not triton_mod.__version__.startswith("3.6") or not (os.path.exists(nvdisasm) and os.path.exists(cuobjdump)):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return sass, int(re.search(r"REG:(\d+)", res).group(1))
-
-
 def test_blockwise_gluon_compiles_for_sm90():
     """The Gluon quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine (Triton's own
     toolchain, no GPU): its loads are TMA, its FP8 casts the hardware's saturating ones; no register spills under
     Triton 3.6."""
-    pytest.importorskip("triton")
     from lowbit.quant.kernels import quant_gluon as QG
 
     if not QG.GLUON:
         pytest.skip("this Triton has no Gluon")
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
                M="i32", K="i32", rs_ld="i32", cs_ld="i32", n_prog="i32", FMAX="constexpr", POW2="constexpr",
                EPS="constexpr", STAGES="constexpr", SR="constexpr", RPT="constexpr", abs_mask="i32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "K")}
-    src = GluonASTSource(fn=QG.rowcol_1x128_gluon, signature=sig, attrs=attrs,
-                         constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, STAGES=2, SR=32, RPT=4))
-    try:
-        k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except RuntimeError as e:  # no ptxas usable here
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    k = compile_gluon_sm90(QG.rowcol_1x128_gluon, sig, dict(FMAX=448.0, POW2=True, EPS=0.0, STAGES=2, SR=32, RPT=4),
+                           divisible=("M", "K"), num_warps=4)
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     # Spills are ptxas's decision, so they show in the SASS (STL/LDL), not in the PTX. Checked with the Triton the
     # kernel was measured with (3.6, the GPU machine's); Triton 3.9 spills at this config's 4 warps (254 registers
     # under 3.6), which matters only if the kernel is re-measured there.
-    got = _sm90_sass(k)
+    got = sm90_sass(k, "3.6")
     if got is not None:
         assert "STL" not in got[0] and "LDL" not in got[0]  # nothing spilled to local memory
     assert k.metadata.shared >= 2 * 128 * 128 * 2  # the two stages of input tiles
@@ -492,49 +460,35 @@ def test_blockwise_regs_compiles_for_sm90():
     copies from 16-byte loads, 8-byte stores of each copy (the transposed one too: nothing goes through shared
     memory but the maxima), hardware FP8 casts; under Triton 3.6 (the GPU machine's), at most 128 registers at 8
     warps (two CTAs an SM) and no spills."""
-    pytest.importorskip("triton")
     from lowbit.quant.kernels import quant_gluon as QG
 
     if not QG.GLUON:
         pytest.skip("this Triton has no Gluon")
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    layouts = dict(zip("ABT", QG.rowcol_regs_layouts(8)))
     for xt in ("bf16", "fp32"):
         sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
                    amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
                    EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
                    SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr")
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-                 if sig[n].startswith("*") or n in ("M", "K", "rs_ld", "cs_ld")}
-        src = GluonASTSource(fn=QG.rowcol_1x128_regs, signature=sig, attrs=attrs,
-                             constexprs=dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
-                                             nw_ptr=None, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
-        try:
-            k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-        except RuntimeError as e:  # no ptxas usable here
-            if "ptxas" in str(e).lower():
-                pytest.skip(f"no ptxas: {e}")
-            raise
+        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
+                     nw_ptr=None, **layouts)
+        k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=8)
         ptx = k.asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ptx.count("st.global.v2.b32") == 16  # 8 rows of rq, 8 rows of cq a thread, 8 bytes each
         assert ptx.count("ld.global.v4.b32") == (8 if xt == "bf16" else 16)
-        got = _sm90_sass(k)
+        got = sm90_sass(k, "3.6")
         if got is not None:
             assert "STL" not in got[0] and "LDL" not in got[0]
             assert got[1] <= 128, f"{xt}: {got[1]} registers"
     # the MXFP8 one at its first candidate's register cap (triton_backend._MX_REGS_CONFIGS)
     sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*u8", cq_ptr="*fp8e4nv", cs_ptr="*u8", amax_ptr="*i32",
                M="i32", K="i32", EMAX="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("M", "K")}
-    src = GluonASTSource(fn=QG.mxfp8_rowcol_regs, signature=sig, attrs=attrs,
-                         constexprs=dict(EMAX=8, **dict(zip("ABT", QG.rowcol_regs_layouts(8)))))
-    k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=128))
+    k = compile_gluon_sm90(QG.mxfp8_rowcol_regs, sig, dict(EMAX=8, **layouts), divisible=("M", "K"), num_warps=8,
+                           maxnreg=128)
     ptx = k.asm["ptx"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global.v2.b32") == 16
-    got = _sm90_sass(k)
+    got = sm90_sass(k, "3.6")
     if got is not None:
         assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128
 
