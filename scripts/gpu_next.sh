@@ -66,8 +66,9 @@ case "${1:-verify}" in
     stage 330 python3 -m lowbit bench gemm ;;
   s13a)  # session 13: the register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs; fused RMSNorm and
           # SwiGLU prologues): quantize / ops / nn GPU tests, the candidate sweep, bench quant
-    stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
-      tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short
+    # (-n 4 and 2 CPU threads a worker: at -n 8 these files once ran past 280 s at load average 88)
+    stage 400 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short
     stage 150 python3 scripts/rowcol_sweep.py --shapes 8192x8192,8192x11264,16384x4096 --swiglu 8192x5632,8192x2816
     stage 90 python3 -m lowbit bench quant ;;
   s13b)  # session 13: fp8-block vs BF16 training throughput, 1.3b and 350m (20 steps each)
