@@ -25,3 +25,31 @@ for M, F in shapes:
     tp = do_bench(plain, warmup=25, rep=100, return_mode="median")
     tf = do_bench(fused, warmup=25, rep=100, return_mode="median")
     print(f"| {M} | {F} | fwd | {tp:.3f} | {tf:.3f} | {tp / tf:.2f} | {nbytes / tf / 1e6:.0f} |")
+
+# SwiGLU's backward fused into fc1's grad_output quantizer: every candidate forced alone against the two kernels
+import lowbit.ops.swiglu as S  # noqa: E402
+from lowbit.ops.swiglu import swiglu_backward, swiglu_backward_quantize_1x128  # noqa: E402
+from lowbit.quant import triton_backend as tb  # noqa: E402
+
+configs = list(S._SWIGLU_BWD_CONFIGS)
+print("\n| M | F | backward: swiglu_backward + quantize ms | " + " | ".join(
+    "fused " + ("two kernels" if c["KIND"] == "two" else f"{c['num_warps']}w" + (f" cap {c['maxnreg']}" if c.get("maxnreg") else ""))
+    + " ms (GB/s)" for c in configs) + " |")
+print("|---|---|---:|" + "---:|" * len(configs))
+for M, F in shapes:
+    u = torch.randn(M, 2 * F, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(M, F, device="cuda", dtype=torch.bfloat16)
+    nbytes = M * 2 * F * 2 + M * F * 2 + 2 * M * 2 * F  # u and g read once, both FP8 copies of du written
+    plain = lambda: quantize(swiglu_backward(u, g), sch, rowwise=True, columnwise=True)  # noqa: E731
+    for _ in range(2):
+        plain()
+    cells = [f"{do_bench(plain, warmup=25, rep=100, return_mode='median'):.3f}"]
+    for c in configs:
+        S._SWIGLU_BWD_CONFIGS = [c]
+        tb._TUNED.clear()
+        f = lambda: swiglu_backward_quantize_1x128(u, g, sch)  # noqa: E731
+        f()
+        t = do_bench(f, warmup=25, rep=100, return_mode="median")
+        cells.append(f"{t:.3f} ({nbytes / t / 1e6:.0f})")
+    S._SWIGLU_BWD_CONFIGS = configs
+    print(f"| {M} | {F} | " + " | ".join(cells) + " |")

@@ -76,6 +76,13 @@ case "${1:-verify}" in
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
     stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
+  s14a)  # session 14: SwiGLU's backward fused into fc1's grad_output quantizer (ops.swiglu.swiglu_backward_quantize_1x128):
+          # its tests, every candidate timed against the two kernels, then the 1.3b training pair
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/ops/test_swiglu.py tests/nn/test_swiglu_mlp_fused.py -rfE --tb=short
+    stage 90 python3 scripts/bench_swiglu_quant.py 8192,5632 16384,2816
+    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
   s12a)  # session 12: the warp-specialized Gluon INT8·FP8 attention forward: its tests, then the Triton-vs-Gluon bench
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short

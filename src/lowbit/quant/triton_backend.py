@@ -532,6 +532,8 @@ class _BlockwisePlan:
         if kind == "regs":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], COMPACT=c["COMPACT"],
                       num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))
+            if c.get("maxnreg"):
+                kw["maxnreg"] = c["maxnreg"]
             return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
         bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})

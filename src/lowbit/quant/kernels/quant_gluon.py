@@ -154,7 +154,8 @@ if GLUON:
     def rowcol_1x128_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
-                          SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
+                          SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None,
+                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -170,6 +171,10 @@ if GLUON:
         NORM: quantize the RMSNorm output (x * rstd[m]) * w[k] (FP32 x; rstd_ptr (M,), nw_ptr (K,) FP32) instead of x,
         as blockwise_kernel's NORM (lowbit.ops.norm_quant).
         SWIGLU: quantize h = silu(a) * b (M, K) of x = u (M, 2K) = [a | b], 16-bit (lowbit.ops.swiglu).
+        SWIGLU_BWD: quantize SwiGLU's input gradient du = d[a | b] (M, K), K = 2F, from x = u (M, K) = [a | b] and
+        g_ptr = dh (M, F), both 16-bit: du as lowbit.ops.swiglu's backward kernel stores it (the same FP32 operations,
+        rounded once to u's dtype). A program's tile lies in the a half (da = g * b * silu'(a), reading a, b, g) or in
+        the b half (db = g * silu(a), reading a, g).
         """
         DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
@@ -177,7 +182,21 @@ if GLUON:
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
         ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)
-        if SWIGLU:
+        if SWIGLU_BWD:
+            # lowbit.ops.swiglu's _swiglu_kernel (BACKWARD): sig = 1 / (1 + exp(-a)), da = g * b * (sig * (1 + a *
+            # (1 - sig))), db = g * (a * sig), each rounded once to u's dtype
+            F = K // 2
+            f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
+            pa = x_ptr + (m0 * K + f0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)
+            a = gl.load(pa).to(gl.float32)
+            g = gl.load(g_ptr + (m0 * F + f0) + gl.expand_dims(r, 1) * F + gl.expand_dims(c, 0)).to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-a))
+            if k0 < F:
+                b = gl.load(pa + F).to(gl.float32)
+                x = (g * b * (sig * (1.0 + a * (1.0 - sig)))).to(x_ptr.dtype.element_ty)
+            else:
+                x = (g * (a * sig)).to(x_ptr.dtype.element_ty)
+        elif SWIGLU:
             # h = silu(a) * b of u = [a | b], FP32 math rounded once to u's dtype: lowbit.ops.swiglu's _silu and
             # _swiglu_h (the same operations, so the same bits as the SwiGLU kernel stores)
             a = gl.load(ptrs).to(gl.float32)
