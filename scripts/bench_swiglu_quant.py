@@ -27,7 +27,9 @@ for M, F in shapes:
     print(f"| {M} | {F} | fwd | {tp:.3f} | {tf:.3f} | {tp / tf:.2f} | {nbytes / tf / 1e6:.0f} |")
 
 # SwiGLU's backward fused into fc1's grad_output quantizer: every candidate forced alone against the two kernels
-import lowbit.ops.swiglu as S  # noqa: E402
+import importlib  # noqa: E402
+
+S = importlib.import_module("lowbit.ops.swiglu")  # (lowbit.ops.swiglu as an attribute is the function)
 from lowbit.ops.swiglu import swiglu_backward, swiglu_backward_quantize_1x128  # noqa: E402
 from lowbit.quant import triton_backend as tb  # noqa: E402
 

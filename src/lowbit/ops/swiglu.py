@@ -356,17 +356,30 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 # quantizer (its SWIGLU_BWD prologue) saves writing du in 16 bits and reading it back: u and dh are read, the FP8
 # copies written. The values quantized are those swiglu_backward stores (the same FP32 operations, one rounding to
 # u's dtype), so the result is bit-identical to quantize(swiglu_backward(u, dh)). Each program computes one 128 x 128
-# tile of du from three 16-bit tiles (a, b, dh), which needs more registers than the plain quantizer's two CTAs an
-# SM allow (Triton 3.6, sm_90: 253 registers at 8 warps uncapped, spills at 128); the candidates are timed against
-# the two kernels it replaces (KIND "two": swiglu_backward, then the register-tile quantizer on du), and the
-# autotuner keeps the fastest. Whole 128 x 128 tiles and both copies only (the MLP's backward with dx and dw1 both
+# tile of du from three 16-bit tiles (a, b, dh), in two halves of 64 rows so that they are not all held at once:
+# with each scale computed by every thread of its row / column (COMPACT off) that fits the plain quantizer's 128
+# registers (two CTAs an SM) without spills (Triton 3.6, sm_90; whole tiles in one piece took 253 registers, and
+# spilled under a cap). The candidates are timed against the two kernels it replaces (KIND "two":
+# swiglu_backward, then the register-tile quantizer on du), and the autotuner keeps the fastest. Whole 128 x 128 tiles and both copies only (the MLP's backward with dx and dw1 both
 # wanted); everything else runs the two kernels.
 _BWD_PLANS: dict = {}
 
-_SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
-                       dict(KIND="regs", COMPACT=True, LC=8, num_warps=16),
-                       dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
+_SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
+                       dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
                        dict(KIND="two")]
+
+
+_HALF_LAYOUTS: dict = {}
+
+
+def _half_layout(num_warps: int, lanes_c: int):
+    """The SWIGLU_BWD prologue's half-tile layout (quant_gluon.rowcol_regs_half_layout; built once each)."""
+    lay = _HALF_LAYOUTS.get((num_warps, lanes_c))
+    if lay is None:
+        from ..quant.kernels import quant_gluon as QG
+
+        lay = _HALF_LAYOUTS[num_warps, lanes_c] = QG.rowcol_regs_half_layout(num_warps, lanes_c)
+    return lay
 
 
 def swiglu_backward_fused_quant_supported(u: torch.Tensor, g: torch.Tensor, scheme) -> bool:
@@ -422,7 +435,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
             fn[grid](swiglu_backward(u, g), *args, **kw)
         else:
             fn, grid, _, kw = plan.launch_args(c)
-            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g)
+            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g, H=_half_layout(c["num_warps"], c["LC"]))
 
     tuned_launch("swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), lambda: list(_SWIGLU_BWD_CONFIGS), launch)
     qt = QuantizedTensor(shape=tuple(u.shape), dtype=u.dtype, scheme=scheme)

@@ -132,6 +132,38 @@ if GLUON:
         gl.atomic_max(amax_ptr, tmax, sem="relaxed")
 
     @gluon.jit
+    def _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H: gl.constexpr, h: gl.constexpr):
+        """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
+        (BACKWARD): sig = 1 / (1 + exp(-a)), da = g * b * (sig * (1 + a * (1 - sig))), db = g * (a * sig), FP32
+        math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b, g) or the b half (db:
+        reads a, g; b's load is masked off). Both values are computed and one selected: a branch on the half
+        (uniform in a program) made ptxas spill under the 128-register cap."""
+        F = K // 2
+        f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
+        i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, H))
+        rows = gl.expand_dims(2 * i + h, 1)
+        pa = x_ptr + (m0 * K + f0) + rows * K + gl.expand_dims(c, 0)
+        a = gl.load(pa).to(gl.float32)
+        g = gl.load(g_ptr + (m0 * F + f0) + rows * F + gl.expand_dims(c, 0)).to(gl.float32)
+        sig = 1.0 / (1.0 + gl.exp(-a))
+        isa = (gl.expand_dims(2 * i, 1) * 0 + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
+        b = gl.load(pa + F, mask=isa, other=0.0).to(gl.float32)
+        x = gl.where(isa, g * b * (sig * (1.0 + a * (1.0 - sig))), g * (a * sig)).to(x_ptr.dtype.element_ty)
+        return x
+
+    @gluon.jit
+    def _swiglu_bwd_tile(x_ptr, g_ptr, m0, k0, K, A: gl.constexpr, H: gl.constexpr):
+        """The du tile (m0, k0) in layout A, computed as two halves of 64 rows (even rows, then odd rows: half the
+        registers of a thread's 8 x 8 block each), so the three 16-bit input tiles are not all held at once (as one
+        piece: 253 registers under Triton 3.6). Joined along a new last dimension, the halves are A's elements in
+        A's threads: the conversion to A only renames registers."""
+        x0 = _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 0)
+        x1 = _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 1)
+        x = gl.reshape(gl.permute(gl.join(x0, x1), [0, 2, 1]), [128, 128])  # row 2i + h
+        return gl.convert_layout(x, A)
+
+    @gluon.jit
     def _tile_origin(K):
         """(pm, pk, m0, k0): this program's 128 x 128 tile in K-major order (program p: row panel p // (K / 128),
         column tile p % (K / 128)) and its first row and column (int64)."""
@@ -155,7 +187,7 @@ if GLUON:
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
                           SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None,
-                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None):
+                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -174,7 +206,8 @@ if GLUON:
         SWIGLU_BWD: quantize SwiGLU's input gradient du = d[a | b] (M, K), K = 2F, from x = u (M, K) = [a | b] and
         g_ptr = dh (M, F), both 16-bit: du as lowbit.ops.swiglu's backward kernel stores it (the same FP32 operations,
         rounded once to u's dtype). A program's tile lies in the a half (da = g * b * silu'(a), reading a, b, g) or in
-        the b half (db = g * silu(a), reading a, g).
+        the b half (db = g * silu(a), reading a, g). H: rowcol_regs_half_layout(num_warps) (the tile is computed in
+        two halves of 64 rows).
         """
         DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
@@ -183,19 +216,7 @@ if GLUON:
         LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
         ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)
         if SWIGLU_BWD:
-            # lowbit.ops.swiglu's _swiglu_kernel (BACKWARD): sig = 1 / (1 + exp(-a)), da = g * b * (sig * (1 + a *
-            # (1 - sig))), db = g * (a * sig), each rounded once to u's dtype
-            F = K // 2
-            f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
-            pa = x_ptr + (m0 * K + f0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)
-            a = gl.load(pa).to(gl.float32)
-            g = gl.load(g_ptr + (m0 * F + f0) + gl.expand_dims(r, 1) * F + gl.expand_dims(c, 0)).to(gl.float32)
-            sig = 1.0 / (1.0 + gl.exp(-a))
-            if k0 < F:
-                b = gl.load(pa + F).to(gl.float32)
-                x = (g * b * (sig * (1.0 + a * (1.0 - sig)))).to(x_ptr.dtype.element_ty)
-            else:
-                x = (g * (a * sig)).to(x_ptr.dtype.element_ty)
+            x = _swiglu_bwd_tile(x_ptr, g_ptr, m0, k0, K, A, H)
         elif SWIGLU:
             # h = silu(a) * b of u = [a | b], FP32 math rounded once to u's dtype: lowbit.ops.swiglu's _silu and
             # _swiglu_h (the same operations, so the same bits as the SwiGLU kernel stores)
@@ -263,6 +284,15 @@ def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     sw = lambda bases: [[b[1], b[0]] for b in bases]  # noqa: E731
     T = gl.DistributedLinearLayout(sw(rows_reg + cols_reg), sw(lanes), sw(warps), [], [128, 128])
     return A, B, T
+
+
+def rowcol_regs_half_layout(num_warps: int, lanes_c: int = 8):
+    """H: the (64, 128) half of rowcol_regs_layouts' A that holds the tile's rows 2i + h (i < 64) for one h: A with
+    its first row register (row 1) taken out and every other row coordinate halved, so that joining the two halves
+    along a new last dimension and reshaping gives back A's elements in A's threads (the SWIGLU_BWD prologue)."""
+    A = rowcol_regs_layouts(num_warps, lanes_c)[0]
+    half = lambda bases: [[b[0] // 2, b[1]] for b in bases if b != [1, 0]]  # noqa: E731
+    return gl.DistributedLinearLayout(half(A.reg_bases), half(A.lane_bases), half(A.warp_bases), [], [64, 128])
 
 
 if GLUON:
