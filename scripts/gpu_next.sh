@@ -83,6 +83,13 @@ case "${1:-verify}" in
     stage 90 python3 scripts/bench_swiglu_quant.py 8192,5632 16384,2816
     stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
+  s14b)  # session 14: the quantize / ops / nn GPU tests over the register-tile kernel with its new prologue
+    stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short ;;
+  s14c)  # session 14: the 1.3b step's kernel time, then the 350m training pair
+    stage 150 python3 scripts/profile_model.py 1.3b 4 2048 fp8-block
+    stage 280 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
   s12a)  # session 12: the warp-specialized Gluon INT8·FP8 attention forward: its tests, then the Triton-vs-Gluon bench
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/attention/test_gluon.py -rfE -x --tb=short
