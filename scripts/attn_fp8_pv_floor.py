@@ -43,7 +43,10 @@ def run(q, k, v, label):
         return (p @ vv) / l + mean
     kq = k - k.mean(-2, keepdim=True)  # K smoothing (exact: softmax is shift-invariant per row)
     qi, ki = int8_rows(q, 128), int8_rows(kq, 64)
-    rows = [("BF16 P·V (P rounded to BF16)", nrmse(((torch.exp((q @ k.transpose(-1, -2)) * scale - ((q @ k.transpose(-1, -2)) * scale).amax(-1, keepdim=True))).bfloat16().float() @ v) / torch.exp((q @ k.transpose(-1, -2)) * scale - ((q @ k.transpose(-1, -2)) * scale).amax(-1, keepdim=True)).sum(-1, keepdim=True), ref)),
+    s16 = (q @ k.transpose(-1, -2)) * scale
+    p16 = torch.exp(s16 - s16.amax(-1, keepdim=True))
+    bf16_pv = (p16.bfloat16().float() @ v) / p16.sum(-1, keepdim=True)
+    rows = [("BF16 P·V (P rounded to BF16)", nrmse(bf16_pv, ref)),
             ("exact Q·K, P in E4M3, V exact", nrmse(attn(q, k, True, False), ref)),
             ("exact Q·K, P exact, V in E4M3", nrmse(attn(q, k, False, True), ref)),
             ("exact Q·K, P and V in E4M3", nrmse(attn(q, k, True, True), ref)),

@@ -35,7 +35,8 @@ from lowbit.quant import triton_backend as tb  # noqa: E402
 
 configs = list(S._SWIGLU_BWD_CONFIGS)
 print("\n| M | F | backward: swiglu_backward + quantize ms | " + " | ".join(
-    "fused " + ("two kernels" if c["KIND"] == "two" else f"{c['num_warps']}w" + (f" cap {c['maxnreg']}" if c.get("maxnreg") else ""))
+    ("two kernels (the tuner's fallback)" if c["KIND"] == "two" else
+     f"fused {c['num_warps']}w" + (f" cap {c['maxnreg']}" if c.get("maxnreg") else "") + (" compact" if c["COMPACT"] else ""))
     + " ms (GB/s)" for c in configs) + " |")
 print("|---|---|---:|" + "---:|" * len(configs))
 for M, F in shapes:

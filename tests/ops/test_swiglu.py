@@ -219,7 +219,7 @@ def test_backward_fused_quant_rejects_what_it_cannot_take():
     sch = Float8Blockwise()
     for uu, gg, s in ((u, g, Float8Tensorwise()), (u, g, Float8Blockwise(block_dim=2)), (u, g.half(), sch),
                       (u, g[:, :64], sch), (u[:100], g[:100], sch), (u.float(), g.float(), sch),
-                      (u[:, :192], g[:, :96], sch), (u.t(), g, sch), (u, "g", sch)):
+                      (u[:, :192].contiguous(), g[:, :96].contiguous(), sch), (u.t(), g, sch), (u, "g", sch)):
         assert not swiglu_backward_fused_quant_supported(uu, gg, s)
     if dev == "cpu":  # (the whole-tile kernel is Gluon: CUDA only, never the interpreter)
         assert not swiglu_backward_fused_quant_supported(u, g, sch)

@@ -433,8 +433,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
     less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) by
     :func:`lowbit.ops.swiglu.swiglu_quantize_1x128`; the backward runs SwiGLU's backward inside fc1's grad_output
     quantizer where it can (:func:`lowbit.ops.swiglu.swiglu_backward_quantize_1x128`: whole 128-row tiles, both
-    copies wanted), else SwiGLU's backward kernel and the quantizer, as the unfused path does. Saves x's and h's columnwise copies, the weights'
-    QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
+    copies wanted), else SwiGLU's backward kernel and the quantizer, as the unfused path does. Saves x's and h's
+    columnwise copies, the weights' QuantizedTensors and the 16-bit fc1 output u (the SwiGLU backward reads it)."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, b2, norm_weight, cfg1: _Cfg, cfg2: _Cfg):
