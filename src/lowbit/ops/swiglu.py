@@ -272,13 +272,12 @@ _SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dic
 
 
 def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
-    """Whether the register-tile quantizer (quant_gluon.rowcol_1x128_regs with its SWIGLU prologue) may take u: both
-    copies, whole 128-row tiles, and the quantizer's own conditions on the (M, 2F) input."""
+    """Whether the register-tile quantizer (quant_gluon.rowcol_1x128_regs with its SWIGLU or SWIGLU_BWD prologue)
+    may take u: both copies, and the quantizer's own conditions (triton_backend._regs_ok: CUDA sm_89+, not the
+    interpreter, whole 128 x 128 tiles) on the (M, 2F) input."""
     from ..quant import triton_backend as tb
 
-    F = u.shape[-1] // 2
-    return (rowwise and columnwise and not INTERPRET and u.is_cuda and (u.numel() // (2 * F)) % 128 == 0
-            and tb._regs_ok(u.view(-1, 2 * F), 128, False, True, True))
+    return rowwise and columnwise and tb._regs_ok(u.view(-1, u.shape[-1]), 128, False, True, True)
 
 
 def _swiglu_quant_candidates(u: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> list[dict]:
@@ -370,32 +369,15 @@ _SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnr
                        dict(KIND="two")]
 
 
-_HALF_LAYOUTS: dict = {}
-
-
-def _half_layout(num_warps: int, lanes_c: int):
-    """The SWIGLU_BWD prologue's half-tile layout (quant_gluon.rowcol_regs_half_layout; built once each)."""
-    lay = _HALF_LAYOUTS.get((num_warps, lanes_c))
-    if lay is None:
-        from ..quant.kernels import quant_gluon as QG
-
-        lay = _HALF_LAYOUTS[num_warps, lanes_c] = QG.rowcol_regs_half_layout(num_warps, lanes_c)
-    return lay
-
-
 def swiglu_backward_fused_quant_supported(u: torch.Tensor, g: torch.Tensor, scheme) -> bool:
     """Whether :func:`swiglu_backward_quantize_1x128` can take ``u`` (..., 2F) and ``g`` (..., F) under ``scheme``:
     a 1x128 Float8Blockwise scheme, contiguous 16-bit CUDA tensors of one dtype on an sm_89+ GPU with Gluon, F a
     multiple of 128 and the rows (the product of the leading dims) a multiple of 128 (whole tiles); both copies."""
-    from ..quant import triton_backend as tb
-
     if not (isinstance(u, torch.Tensor) and isinstance(g, torch.Tensor) and u.dim() >= 1 and u.numel() > 0
             and u.is_contiguous() and g.is_contiguous() and g.dtype == u.dtype and g.device == u.device
             and u.shape[-1] % 2 == 0 and g.shape == (*u.shape[:-1], u.shape[-1] // 2)):
         return False
-    F = u.shape[-1] // 2
-    return (_fused_quant_runs(u.device, u.dtype, 2 * F, scheme) and not INTERPRET and u.is_cuda
-            and tb._regs_ok(u.view(-1, 2 * F), 128, False, True, True))
+    return _fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme) and _regs_runs(u, True, True)
 
 
 def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
@@ -413,7 +395,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     """
     from ..quant.tensor import QuantizedTensor
     from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
-                                        _set_copies, tuned_launch)
+                                        _regs_half_layout, _set_copies, tuned_launch)
 
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
@@ -436,7 +418,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
             fn[grid](swiglu_backward(u, g), *args, **kw)
         else:
             fn, grid, _, kw = plan.launch_args(c)
-            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g, H=_half_layout(c["num_warps"], c["LC"]))
+            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g, H=_regs_half_layout(c["num_warps"], c["LC"]))
 
     tuned_launch("swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), lambda: list(_SWIGLU_BWD_CONFIGS), launch)
     qt = QuantizedTensor(shape=tuple(u.shape), dtype=u.dtype, scheme=scheme)

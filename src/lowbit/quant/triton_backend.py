@@ -396,6 +396,14 @@ def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
     return lay
 
 
+def _regs_half_layout(num_warps: int, lanes_c: int):
+    """The SWIGLU_BWD prologue's half-tile layout H (quant_gluon.rowcol_regs_half_layout; built once each)."""
+    lay = _REGS_LAYOUTS.get(("H", num_warps, lanes_c))
+    if lay is None:
+        lay = _REGS_LAYOUTS["H", num_warps, lanes_c] = QG.rowcol_regs_half_layout(num_warps, lanes_c)
+    return lay
+
+
 def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds

@@ -147,7 +147,7 @@ if GLUON:
         a = gl.load(pa).to(gl.float32)
         g = gl.load(g_ptr + (m0 * F + f0) + rows * F + gl.expand_dims(c, 0)).to(gl.float32)
         sig = 1.0 / (1.0 + gl.exp(-a))
-        isa = (gl.expand_dims(2 * i, 1) * 0 + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
+        isa = (gl.expand_dims(i * 0, 1) + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
         b = gl.load(pa + F, mask=isa, other=0.0).to(gl.float32)
         x = gl.where(isa, g * b * (sig * (1.0 + a * (1.0 - sig))), g * (a * sig)).to(x_ptr.dtype.element_ty)
         return x
@@ -214,7 +214,7 @@ if GLUON:
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
-        ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)
+        ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)  # (not SWIGLU_BWD)
         if SWIGLU_BWD:
             x = _swiglu_bwd_tile(x_ptr, g_ptr, m0, k0, K, A, H)
         elif SWIGLU:
