@@ -76,6 +76,18 @@ case "${1:-verify}" in
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
     stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
+  s15a)  # session 15: the SwiGLU kernels' sigmoid as two MUFU operations (quant._sigmoid): their tests, then the
+          # fused quantizers timed with the old form (LOWBIT_FAST_SIGMOID=0) and the new one in the same call
+    stage 250 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/ops/test_swiglu.py tests/nn/test_swiglu_mlp_fused.py tests/test_quant_kernels.py -rfE --tb=short
+    for r in 1 2; do
+      stage 90 env LOWBIT_FAST_SIGMOID=0 python3 scripts/bench_swiglu_quant.py 8192,5632 16384,2816
+      stage 90 python3 scripts/bench_swiglu_quant.py 8192,5632 16384,2816
+    done ;;
+  s15b)  # session 15: the 1.3b training pair and the step's kernel time
+    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 150 python3 scripts/profile_model.py 1.3b 4 2048 fp8-block ;;
   s14a)  # session 14: SwiGLU's backward fused into fc1's grad_output quantizer (ops.swiglu.swiglu_backward_quantize_1x128):
           # its tests, every candidate timed against the two kernels, then the 1.3b training pair
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

@@ -2,7 +2,8 @@
 writes the product), one backward (writes d[a | b] in the packed layout). In torch this is a chunk, a silu, a
 multiply and their backwards on strided halves (~7% of a BF16 350m GPT step on an H200).
 
-Numerics: FP32 math, one rounding to the output dtype; ``sigmoid(a) = 1 / (1 + exp(-a))``. Agrees with
+Numerics: FP32 math, one rounding to the output dtype; ``sigmoid(a) = 1 / (1 + exp(-a))`` by the hardware's
+approximate exp2 and reciprocal (``lowbit.quant.kernels.quant._sigmoid``). Agrees with
 :func:`swiglu_reference` to within one rounding of the output dtype (the exponential and the products may
 differ in the last FP32 bits), tests/ops/test_swiglu.py.
 """
@@ -40,12 +41,13 @@ def _check(h):
 
 
 if triton is not None:
+    from ..quant.kernels.quant import _sigmoid
 
     @triton.jit
     def _silu(a):
         """(sigmoid(a), silu(a)) in FP32 — one place for the expressions, so the fused quantizer below quantizes
         exactly the values the SwiGLU kernel stores."""
-        sig = 1.0 / (1.0 + tl.exp(-a))
+        sig = _sigmoid(a)
         return sig, a * sig
 
     @triton.jit

@@ -21,11 +21,36 @@ Every kernel reproduces :mod:`lowbit.quant.reference` bit for bit:
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# _sigmoid by PTX inline asm where the kernel is compiled (LOWBIT_FAST_SIGMOID=0: Triton's exp and division, for
+# A/B runs); plain Triton ops where Triton's interpreter runs it (no asm there). Read once, at import.
+_FAST_SIGMOID = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
+                             and os.environ.get("LOWBIT_FAST_SIGMOID", "1") != "0")
 MAGIC_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+
+
+@triton.jit
+def _sigmoid(a):
+    """sigmoid(a) = 1 / (1 + exp(-a)) of FP32 a, as the SwiGLU kernels and their fused quantizers compute it (one
+    place, so that the fused kernels reproduce the unfused ones bit for bit): the hardware's approximate exp2 and
+    reciprocal (MUFU.EX2, MUFU.RCP) on 2^(-a·log2 e), with subnormal inputs and results flushed to zero (``.ftz``).
+    Triton's ``1.0 / (1.0 + tl.exp(-a))`` compiles to the same two MUFU operations plus a negation and the
+    non-ftz fix-ups around each (range tests and rescaling multiplies, ~8 instructions an element on sm_90), which
+    made the fused SwiGLU-backward quantizer issue-bound. The values differ from that form only where
+    1 + exp(-a) > 2^126 (a < -87.3): there the reciprocal flushes to 0 instead of a number below 2^-126. Under
+    Triton's interpreter, or with LOWBIT_FAST_SIGMOID=0: ``1.0 / (1.0 + tl.exp(-a))``."""
+    if _FAST_SIGMOID:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [a * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / (1.0 + tl.exp(-a))
 
 
 @triton.jit

@@ -37,7 +37,7 @@ except Exception:  # pragma: no cover - older Triton, or none
 
 # The scale math is the Triton kernels' own (quant.kernels.quant): those helpers make no layout-less tensors, so
 # the Gluon kernels call them as they are.
-from .quant import _compute_scale, _mx_exponent, _recip  # noqa: E402
+from .quant import _compute_scale, _mx_exponent, _recip, _sigmoid  # noqa: E402
 
 if GLUON:
     @gluon.jit
@@ -134,7 +134,7 @@ if GLUON:
     @gluon.jit
     def _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H: gl.constexpr, h: gl.constexpr):
         """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
-        (BACKWARD): sig = 1 / (1 + exp(-a)), da = g * b * (sig * (1 + a * (1 - sig))), db = g * (a * sig), FP32
+        (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))), db = g * (a * sig), FP32
         math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b, g) or the b half (db:
         reads a, g; b's load is masked off). Both values are computed and one selected: a branch on the half
         (uniform in a program) made ptxas spill under the 128-register cap."""
@@ -146,7 +146,7 @@ if GLUON:
         pa = x_ptr + (m0 * K + f0) + rows * K + gl.expand_dims(c, 0)
         a = gl.load(pa).to(gl.float32)
         g = gl.load(g_ptr + (m0 * F + f0) + rows * F + gl.expand_dims(c, 0)).to(gl.float32)
-        sig = 1.0 / (1.0 + gl.exp(-a))
+        sig = _sigmoid(a)
         isa = (gl.expand_dims(i * 0, 1) + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
         b = gl.load(pa + F, mask=isa, other=0.0).to(gl.float32)
         x = gl.where(isa, g * b * (sig * (1.0 + a * (1.0 - sig))), g * (a * sig)).to(x_ptr.dtype.element_ty)
@@ -222,7 +222,7 @@ if GLUON:
             # _swiglu_h (the same operations, so the same bits as the SwiGLU kernel stores)
             a = gl.load(ptrs).to(gl.float32)
             b = gl.load(ptrs + K)
-            x = ((a * (1.0 / (1.0 + gl.exp(-a)))) * b.to(gl.float32)).to(b.dtype)
+            x = ((a * _sigmoid(a)) * b.to(gl.float32)).to(b.dtype)
         else:
             x = gl.load(ptrs)
         x = x.to(gl.float32)
