@@ -374,18 +374,16 @@ def test_blockwise_gluon_compiles_for_sm90():
 
 @pytest.mark.gpu
 def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
-    """The register-tile row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone, 1x128
-    and 128 x 128 blocks (TWO_D): one tile, a few, many (4096 x 1152: 288 programs), tall-narrow and wide-short
-    panels; BF16, FP16 and FP32; E4M3 pow2, E5M2 non-pow2 and eps scales; NaN / Inf / -0 and a zero tile. The
-    inputs it must leave to the other kernels (ragged, one copy, other block sizes) are not routed to it."""
+    """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
+    one tile, a few, many (4096 x 1152: 288 programs), tall-narrow and wide-short panels; BF16, FP16 and FP32; E4M3
+    pow2, E5M2 non-pow2 and eps scales; NaN / Inf / -0 and a zero tile. The inputs it must leave to the other kernels
+    (ragged, one copy, 2D, other block sizes) are not routed to it."""
     import lowbit.quant.triton_backend as tb
 
     if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
         pytest.skip("register-tile quantizer not available on this GPU / Triton")
     monkeypatch.setattr(tb, "AUTOTUNE", False)
-    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3),
-               # 128 x 128 blocks (TWO_D: one scale a tile, the weights of Float8BlockScaling)
-               Float8Blockwise(block_dim=2), Float8Blockwise(block_dim=2, fmt="e5m2", pow2=False)]
+    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
     shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
     for cfg in tb._REGS_CONFIGS:
         monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
@@ -395,23 +393,20 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
                 if i == 1:  # special values, and a tile of zeros (scale 1)
                     x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
                     x[128:256, 256:384] = 0
-                for sch in schemes if i < 2 else (schemes[0], schemes[3]):
+                for sch in schemes if i < 2 else schemes[:1]:
                     tb._BLOCKWISE_PLANS.clear()
                     bad = compare(x, sch, True, True)
                     plans = list(tb._BLOCKWISE_PLANS.values())
-                    skip = ("KIND", "LC") + (("COMPACT",) if sch.block_dim == 2 else ())  # (2D: one scale a tile)
                     assert plans and plans[-1].fn is tb.QG.rowcol_1x128_regs \
-                        and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in skip) \
-                        and plans[-1].cfg.get("TWO_D", False) == (sch.block_dim == 2), \
-                        f"{cfg} {shape} {sch}: not the register-tile kernel"
+                        and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "LC")), \
+                        f"{cfg} {shape}: not the register-tile kernel"
                     assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
                     # the plan is cached under its own key (shape first), so the next call finds it, not rebuilds it
                     assert [k[:3] for k in tb._BLOCKWISE_PLANS] == [(*shape, dtype)]
     y = _randn((256, 400), torch.bfloat16, cuda, seed=171)
-    assert not tb._regs_ok(y, 128, False, True, True) and not tb._regs_ok(y, 128, True, True, True)  # ragged
+    assert not tb._regs_ok(y, 128, False, True, True)  # ragged
     z = y[:, :384].contiguous()
-    assert tb._regs_ok(z, 128, True, True, True)  # 128 x 128 blocks, both copies
-    assert not tb._regs_ok(z, 128, False, True, False) and not tb._regs_ok(z, 128, True, False, True)  # one copy
+    assert not tb._regs_ok(z, 128, True, True, True) and not tb._regs_ok(z, 128, False, True, False)
     assert not tb._regs_ok(z, 64, False, True, True)
     tb._BLOCKWISE_PLANS.clear()
 
@@ -470,14 +465,14 @@ def test_blockwise_regs_compiles_for_sm90():
     if not QG.GLUON:
         pytest.skip("this Triton has no Gluon")
     layouts = dict(zip("ABT", QG.rowcol_regs_layouts(8)))
-    for xt, two_d in (("bf16", False), ("fp32", False), ("bf16", True), ("fp32", True)):
+    for xt in ("bf16", "fp32"):
         sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
                    amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
                    EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
                    SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr",
-                   SWIGLU_BWD="constexpr", g_ptr="constexpr", H="constexpr", TWO_D="constexpr")
-        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=not two_d, NORM=False, SWIGLU=False, rstd_ptr=None,
-                     nw_ptr=None, SWIGLU_BWD=False, g_ptr=None, H=None, TWO_D=two_d, **layouts)
+                   SWIGLU_BWD="constexpr", g_ptr="constexpr", H="constexpr")
+        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
+                     nw_ptr=None, SWIGLU_BWD=False, g_ptr=None, H=None, **layouts)
         k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=8)
         ptx = k.asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
@@ -486,9 +481,7 @@ def test_blockwise_regs_compiles_for_sm90():
         got = sm90_sass(k, "3.6")
         if got is not None:
             assert "STL" not in got[0] and "LDL" not in got[0]
-            # TWO_D (128 x 128 blocks, one scale a tile): 103 registers, ~650 SASS instructions against ~1,200
-            assert got[1] <= (104 if two_d else 128), f"{xt} two_d={two_d}: {got[1]} registers"
-    const["TWO_D"] = False
+            assert got[1] <= 128, f"{xt}: {got[1]} registers"
     # with SwiGLU's backward as its prologue (ops.swiglu.swiglu_backward_quantize_1x128, its first candidate): a, g
     # and b read with 16-byte loads in two halves, the same stores; within 128 registers without spills (Triton 3.6)
     sig.update(x_ptr="*bf16", g_ptr="*bf16")

@@ -372,30 +372,18 @@ _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="
 _REGS_LAYOUTS: dict = {}
 
 
-def _regs_configs(two_d: bool) -> list[dict]:
-    """_REGS_CONFIGS for 1x128; for 128 x 128 blocks (one scale a tile: COMPACT means nothing) one per layout."""
-    if not two_d:
-        return list(_REGS_CONFIGS)
-    out = []
-    for c in _REGS_CONFIGS:
-        c = dict(c, COMPACT=False)
-        if c not in out:
-            out.append(c)
-    return out
-
-
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
 # a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
 _MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
 
 
 def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
-    """Whether quant_gluon's register-tile kernels may run (rowcol_1x128_regs for 1x128 and 128 x 128, bs = 128;
-    mxfp8_rowcol_regs, asked with bs = 128 and two_d False): both copies from BF16 / FP16 / FP32 input of whole
-    128 x 128 tiles (in-tile offsets within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
+    """Whether quant_gluon's register-tile kernels may run (rowcol_1x128_regs for 1x128, bs = 128; mxfp8_rowcol_regs,
+    asked with bs = 128 too): both copies from BF16 / FP16 / FP32 input of whole 128 x 128 tiles (in-tile offsets
+    within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
     not with LOWBIT_SW_ROUND), Gluon importable."""
     M, Kd = x2.shape
-    return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and rowwise
+    return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
             and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
             and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
 
@@ -552,8 +540,6 @@ class _BlockwisePlan:
         if kind == "regs":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], COMPACT=c["COMPACT"],
                       num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))
-            if self.kw["TWO_D"]:
-                kw["TWO_D"] = True
             if c.get("maxnreg"):
                 kw["maxnreg"] = c["maxnreg"]
             return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
@@ -589,7 +575,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
         # follows from the plan's key, unlike the alignment-dependent two above)
         regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
-        cands = (_regs_configs(two_d) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
+        cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 

@@ -187,8 +187,7 @@ if GLUON:
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
                           SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None,
-                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None,
-                          TWO_D: gl.constexpr = False):
+                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -204,9 +203,6 @@ if GLUON:
         NORM: quantize the RMSNorm output (x * rstd[m]) * w[k] (FP32 x; rstd_ptr (M,), nw_ptr (K,) FP32) instead of x,
         as blockwise_kernel's NORM (lowbit.ops.norm_quant).
         SWIGLU: quantize h = silu(a) * b (M, K) of x = u (M, 2K) = [a | b], 16-bit (lowbit.ops.swiglu).
-        TWO_D: 128 x 128 blocks instead (the weights of Float8BlockScaling): the tile is one block, one scale for both
-        copies from the tile's maximum; rs[pm, pk] (row-major, ld rs_ld) and its transpose cs[pk, pm] (ld cs_ld), as
-        blockwise_kernel's TWO_D. Plain x only (no prologue).
         SWIGLU_BWD: quantize SwiGLU's input gradient du = d[a | b] (M, K), K = 2F, from x = u (M, K) = [a | b] and
         g_ptr = dh (M, F), both 16-bit: du as lowbit.ops.swiglu's backward kernel stores it (the same FP32 operations,
         rounded once to u's dtype). A program's tile lies in the a half (da = g * b * silu'(a), reading a, b, g) or in
@@ -234,16 +230,6 @@ if GLUON:
             x = (x * gl.expand_dims(gl.load(rstd_ptr + m0 + r), 1)) * gl.expand_dims(gl.load(nw_ptr + k0 + c), 0)
         ab = x.to(gl.int32, bitcast=True) & abs_mask
         rmax = gl.max(ab, axis=1)
-        if TWO_D:
-            tmax = gl.max(rmax, axis=0)
-            s = _compute_scale(tmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            si = _recip(s, POW2, FMAX)
-            gl.store(rs_ptr + pm.to(gl.int64) * rs_ld + pk, si)
-            gl.store(cs_ptr + pk.to(gl.int64) * cs_ld + pm, si)
-            gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), (x * s).to(DT))
-            _store_transposed(cq_ptr, (gl.convert_layout(x, B) * s).to(DT), T, m0, k0, M)
-            gl.atomic_max(amax_ptr, tmax, sem="relaxed")
-            return
         cmax = gl.max(ab, axis=0)
         if COMPACT:
             # The maxima leave the reductions replicated (a row's in its 16 threads): the scales are computed once
