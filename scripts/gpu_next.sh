@@ -88,6 +88,11 @@ case "${1:-verify}" in
     stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
     stage 150 python3 scripts/profile_model.py 1.3b 4 2048 fp8-block ;;
+  s15e)  # session 15, final kernel code: the quantize / ops / nn GPU tests, then the 350m training pair
+    stage 330 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short
+    stage 240 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
   s14a)  # session 14: SwiGLU's backward fused into fc1's grad_output quantizer (ops.swiglu.swiglu_backward_quantize_1x128):
           # its tests, every candidate timed against the two kernels, then the 1.3b training pair
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
