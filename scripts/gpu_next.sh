@@ -93,6 +93,15 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/test_quant_kernels.py tests/ops tests/nn -rfE --tb=short
     stage 240 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
+  s15f)  # session 15: the amax arena of the forward+backward graph (quant.triton_backend.AmaxArena): its tests and the
+          # training GPU tests, then 1.3b fp8-block with and without it (GPU time of each graph, LOWBIT_STEP_PHASES=1)
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/test_quant_kernels.py tests/train -k "arena or train" -rfE --tb=short
+    for arena in 0 1 0 1; do
+      stage 120 env LOWBIT_AMAX_ARENA=$arena LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b \
+        --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
+        --out-dir "$OUT/a$arena"
+    done ;;
   s14a)  # session 14: SwiGLU's backward fused into fc1's grad_output quantizer (ops.swiglu.swiglu_backward_quantize_1x128):
           # its tests, every candidate timed against the two kernels, then the 1.3b training pair
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

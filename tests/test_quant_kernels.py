@@ -412,6 +412,88 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_amax_arena_in_a_cuda_graph(cuda):
+    """Blockwise quantize launches captured in a CUDA graph under amax_arena take their amax accumulators from the
+    arena (one fill a replay, captured first) and fill no scale grid without padding. Replayed on fresh inputs, every
+    output equals the reference bit for bit — amax included, on a second replay whose maxima are far below the
+    first's (an accumulator not re-zeroed would keep the first replay's). Padded grids and a full arena fall back to
+    their own zero-filled buffers; outside a capture the arena is not touched."""
+    import lowbit.quant.triton_backend as tb
+
+    cases = [((512, 384), torch.bfloat16, Float8Blockwise()),  # 1x128, whole tiles (the register-tile kernel)
+             ((384, 640), torch.float32, Float8Blockwise(block_dim=2)),  # the weights of Float8BlockScaling
+             ((130, 256), torch.bfloat16, Float8Blockwise()),  # 130 rows: the rowwise grid is padded (pad4 = 132)
+             ((256, 2816), torch.float32, Float8Blockwise(block_dim=2)),  # 22 column blocks, padded to 24
+             ((100, 260), torch.bfloat16, Float8Blockwise(fmt="e5m2", pow2=False))]  # ragged, no padding (100, 260 % 4 == 0)
+    xs = [torch.zeros(shape, dtype=dt, device=cuda) for shape, dt, _ in cases]
+    for x, (shape, dt, sch) in zip(xs, cases):  # warm-up outside the capture: tuning, plans
+        quantize(x.copy_(_randn(shape, dt, cuda, seed=7)), sch, rowwise=True, columnwise=True)
+    arena = tb.AmaxArena(3, cuda)
+    with tb.amax_arena(arena):  # not capturing: no slots taken
+        quantize(xs[0], cases[0][2], rowwise=True, columnwise=True)
+    assert arena.used == 0
+    arena = tb.AmaxArena(1, cuda)  # one slot for three unpadded calls: the other two fall back
+    side = torch.cuda.Stream(cuda)
+    side.wait_stream(torch.cuda.current_stream(cuda))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(g):
+        arena.reset()
+        with tb.amax_arena(arena):
+            outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
+    torch.cuda.current_stream(cuda).wait_stream(side)
+    assert arena.used == 1 and arena.missed == 2
+    assert outs[0].rowwise.amax.data_ptr() == arena.buf.data_ptr()
+    for rep, scale in ((0, 1.0), (1, 1e-3)):
+        for i, (x, (shape, dt, _)) in enumerate(zip(xs, cases)):
+            x.copy_(_randn(shape, dt, cuda, seed=100 + 10 * rep + i) * scale)
+        g.replay()
+        torch.cuda.synchronize(cuda)
+        for x, q, (shape, dt, sch) in zip(xs, outs, cases):
+            ref = quantize_reference(x.cpu(), sch, rowwise=True, columnwise=True)
+            bad = mismatches(ref, q)
+            assert not bad, f"replay {rep}, {shape} {dt} {sch}: {bad}"
+    # with room for every unpadded call
+    arena = tb.AmaxArena(8, cuda)
+    g2 = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(cuda))
+    with torch.cuda.stream(side), torch.cuda.graph(g2):
+        arena.reset()
+        with tb.amax_arena(arena):
+            outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
+    torch.cuda.current_stream(cuda).wait_stream(side)
+    assert arena.used == 3 and arena.missed == 0  # the three unpadded cases; the two padded ones fill their own
+    for rep, scale in ((0, 1.0), (1, 1e-3)):
+        for i, (x, (shape, dt, _)) in enumerate(zip(xs, cases)):
+            x.copy_(_randn(shape, dt, cuda, seed=200 + 10 * rep + i) * scale)
+        g2.replay()
+        torch.cuda.synchronize(cuda)
+        for x, q, (shape, dt, sch) in zip(xs, outs, cases):
+            bad = mismatches(quantize_reference(x.cpu(), sch, rowwise=True, columnwise=True), q)
+            assert not bad, f"replay {rep}, {shape} {dt} {sch}: {bad}"
+
+
+def test_amax_arena_bookkeeping():
+    """AmaxArena hands out consecutive zeroed (1,) int32 slots on its own device only, counts the calls that found it
+    full, and rejects a non-positive size; amax_arena restores the previous arena on exit."""
+    import lowbit.quant.triton_backend as tb
+
+    a = tb.AmaxArena(2, "cpu")
+    s0, s1 = a.take(torch.device("cpu")), a.take(torch.device("cpu"))
+    assert s0.dtype == torch.int32 and s0.shape == (1,) and s1.data_ptr() == s0.data_ptr() + 4 and int(s1) == 0
+    assert a.take(torch.device("cpu")) is None and a.missed == 1
+    assert tb.AmaxArena(1, "cpu").take(torch.device("meta")) is None
+    with pytest.raises(ValueError, match="positive int"):
+        tb.AmaxArena(0, "cpu")
+    b = tb.AmaxArena(1, "cpu")
+    with tb.amax_arena(a):
+        with tb.amax_arena(b):
+            assert tb._ARENA[0] is b
+        assert tb._ARENA[0] is a
+        assert tb._arena_slot(torch.device("cpu")) is None  # CPU tensors: never a slot
+    assert tb._ARENA[0] is None
+
+
+@pytest.mark.gpu
 def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch):
     """The MXFP8 register-tile quantizer (quant_gluon.mxfp8_rowcol_regs), each candidate forced alone, against the
     reference: BF16 / FP16 / FP32, E4M3 and E5M2, one tile to many, NaN / Inf / -0, a zero block, subnormal and

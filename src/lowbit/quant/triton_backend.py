@@ -36,7 +36,7 @@ from .reference import _validate, resolve_seed
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton", "INTERPRET"]
+__all__ = ["supports", "quantize_triton", "INTERPRET", "AmaxArena", "amax_arena"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Software rounding onto the grid before the FP8 cast (exact in the interpreter); on the GPU the
@@ -63,6 +63,70 @@ def _tuning_notice(name: str, key: tuple) -> None:
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------------
+# amax accumulators of the blockwise launches captured into one CUDA graph
+# ------------------------------------------------------------------------------------------------
+class AmaxArena:
+    """Slots for the int32 amax accumulators of the blockwise quantize launches captured into one CUDA graph.
+
+    Each launch atomically maxes its tiles' maxima into a zeroed int32, so outside a graph every launch zero-fills
+    a small buffer first: one fill kernel a call, 288 a 1.3b GPT step, each with its launch gap in the graph.
+    Inside :func:`amax_arena` the launches take consecutive slots of one buffer instead, and the caller captures
+    :meth:`reset` (one fill for all of them) before them. Every slot is then zeroed at the start of each replay,
+    before any launch that writes it, and holds its amax until the next replay: the lifetime of every other
+    tensor in a graph's memory. Where a scale grid has padding (which must read 0), or the slots run out, a launch
+    zero-fills its own buffer as outside a graph.
+    """
+
+    def __init__(self, n: int, device):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: expected a positive int (slots), got {n!r}")
+        self.buf = torch.zeros(n, dtype=torch.int32, device=device)
+        self.used = 0
+        self.missed = 0  # launches that found the arena full (they zero-filled their own buffers)
+
+    def reset(self) -> None:
+        """Zero every slot (capture this before the launches that take slots)."""
+        self.buf.zero_()
+
+    def take(self, device) -> torch.Tensor | None:
+        """A zeroed (1,) int32 slot on ``device``, or None (another device, or full)."""
+        if device != self.buf.device:
+            return None
+        if self.used >= self.buf.numel():
+            self.missed += 1
+            return None
+        self.used += 1
+        return self.buf[self.used - 1:self.used]
+
+
+_ARENA: list = [None]  # the active AmaxArena (process-wide: the autograd engine runs backward launches on its own thread)
+
+
+class amax_arena:
+    """``with amax_arena(arena):`` blockwise quantize launches on the arena's device take their amax accumulators
+    from ``arena`` (see :class:`AmaxArena`) while the current stream is capturing a CUDA graph; outside a capture
+    they zero-fill their own, as always."""
+
+    def __init__(self, arena: AmaxArena):
+        self.arena, self.prev = arena, None
+
+    def __enter__(self):
+        self.prev, _ARENA[0] = _ARENA[0], self.arena
+        return self.arena
+
+    def __exit__(self, *exc):
+        _ARENA[0] = self.prev
+        return False
+
+
+def _arena_slot(dev) -> torch.Tensor | None:
+    a = _ARENA[0]
+    if a is None or dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    return a.take(dev)
 
 
 def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
@@ -408,14 +472,21 @@ def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: b
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
     both scale grids (pads must read 0) and the amax at the end; every grid starts 16-byte aligned (sizes are
-    multiples of 4 floats)."""
+    multiples of 4 floats). Under :func:`amax_arena` in a CUDA-graph capture, grids without padding (every element
+    written by the kernel) are not filled, and the amax is an arena slot (zeroed by the arena's one fill)."""
     rq = torch.empty(plan.M, plan.K, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(plan.K, plan.M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     nr, nc = plan.nr, plan.nc
-    buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)
+    slot = None if plan.padded else _arena_slot(dev)
+    if slot is not None:
+        buf = torch.empty(nr + nc, dtype=torch.float32, device=dev)
+        amax_i = slot
+    else:
+        buf = torch.zeros(nr + nc + 1, dtype=torch.float32, device=dev)
+        amax_i = buf[nr + nc:].view(torch.int32)
     rs = buf[:nr].view(plan.rshape) if rowwise else None
     cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
-    return rq, rs, cq, cs, buf[nr + nc:].view(torch.int32)
+    return rq, rs, cq, cs, amax_i
 
 
 def _blockwise_args(plan: "_BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
@@ -510,13 +581,16 @@ class _BlockwisePlan:
     """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
     matters: this runs for every quantized GEMM operand of every step)."""
 
-    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra")
+    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra", "padded")
 
     def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
         self.rshape, self.cshape = scale_storage_shape(sch, M, Kd), scale_storage_shape(sch, Kd, M)
         self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
         self.nc = self.cshape[0] * self.cshape[1] if columnwise else 0
+        # whether a stored grid has padding columns (pad4 of its logical width), which no kernel writes
+        lr, lc = (cdiv(Kd, bs), cdiv(M, bs)) if sch.block_dim == 2 else (M, Kd)
+        self.padded = (rowwise and self.rshape[1] != lr) or (columnwise and self.cshape[1] != lc)
         # SATCVT: from sm_89 Triton casts to FP8 with cvt.rn.satfinite (the only form PTX has), which clamps
         # by itself; older GPUs get Triton's software conversion, so the clamp stays there.
         satcvt = not INTERPRET and device.type == "cuda" and capability(device) >= (8, 9)
