@@ -432,44 +432,34 @@ def test_amax_arena_in_a_cuda_graph(cuda):
     with tb.amax_arena(arena):  # not capturing: no slots taken
         quantize(xs[0], cases[0][2], rowwise=True, columnwise=True)
     assert arena.used == 0
-    arena = tb.AmaxArena(1, cuda)  # one slot for three unpadded calls: the other two fall back
     side = torch.cuda.Stream(cuda)
-    side.wait_stream(torch.cuda.current_stream(cuda))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(g):
-        arena.reset()
-        with tb.amax_arena(arena):
-            outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
-    torch.cuda.current_stream(cuda).wait_stream(side)
+
+    def capture_and_replay(slots, seed):
+        """Capture every case's quantize under an arena of `slots`, then replay twice (maxima 1000x lower the
+        second time) and check every output against the reference."""
+        arena = tb.AmaxArena(slots, cuda)
+        side.wait_stream(torch.cuda.current_stream(cuda))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(g):
+            arena.reset()
+            with tb.amax_arena(arena):
+                outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
+        torch.cuda.current_stream(cuda).wait_stream(side)
+        for rep, scale in ((0, 1.0), (1, 1e-3)):
+            for i, (x, (shape, dt, _)) in enumerate(zip(xs, cases)):
+                x.copy_(_randn(shape, dt, cuda, seed=seed + 10 * rep + i) * scale)
+            g.replay()
+            torch.cuda.synchronize(cuda)
+            for x, q, (shape, dt, sch) in zip(xs, outs, cases):
+                bad = mismatches(quantize_reference(x.cpu(), sch, rowwise=True, columnwise=True), q)
+                assert not bad, f"{slots} slots, replay {rep}, {shape} {dt} {sch}: {bad}"
+        return arena, outs
+
+    arena, outs = capture_and_replay(1, 100)  # one slot for three unpadded calls: the other two fall back
     assert arena.used == 1 and arena.missed == 2
     assert outs[0].rowwise.amax.data_ptr() == arena.buf.data_ptr()
-    for rep, scale in ((0, 1.0), (1, 1e-3)):
-        for i, (x, (shape, dt, _)) in enumerate(zip(xs, cases)):
-            x.copy_(_randn(shape, dt, cuda, seed=100 + 10 * rep + i) * scale)
-        g.replay()
-        torch.cuda.synchronize(cuda)
-        for x, q, (shape, dt, sch) in zip(xs, outs, cases):
-            ref = quantize_reference(x.cpu(), sch, rowwise=True, columnwise=True)
-            bad = mismatches(ref, q)
-            assert not bad, f"replay {rep}, {shape} {dt} {sch}: {bad}"
-    # with room for every unpadded call
-    arena = tb.AmaxArena(8, cuda)
-    g2 = torch.cuda.CUDAGraph()
-    side.wait_stream(torch.cuda.current_stream(cuda))
-    with torch.cuda.stream(side), torch.cuda.graph(g2):
-        arena.reset()
-        with tb.amax_arena(arena):
-            outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
-    torch.cuda.current_stream(cuda).wait_stream(side)
+    arena, _ = capture_and_replay(8, 200)
     assert arena.used == 3 and arena.missed == 0  # the three unpadded cases; the two padded ones fill their own
-    for rep, scale in ((0, 1.0), (1, 1e-3)):
-        for i, (x, (shape, dt, _)) in enumerate(zip(xs, cases)):
-            x.copy_(_randn(shape, dt, cuda, seed=200 + 10 * rep + i) * scale)
-        g2.replay()
-        torch.cuda.synchronize(cuda)
-        for x, q, (shape, dt, sch) in zip(xs, outs, cases):
-            bad = mismatches(quantize_reference(x.cpu(), sch, rowwise=True, columnwise=True), q)
-            assert not bad, f"replay {rep}, {shape} {dt} {sch}: {bad}"
 
 
 def test_amax_arena_bookkeeping():
