@@ -100,8 +100,15 @@ case "${1:-verify}" in
     for arena in 0 1 0 1; do
       stage 120 env LOWBIT_AMAX_ARENA=$arena LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b \
         --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
-        --out-dir "$OUT/a$arena"
+        --out-dir "$OUT/a$arena" --overwrite
     done ;;
+  s15g)  # session 15, final: the arena test, then the 1.3b and 350m training pairs
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py \
+      -k arena -rfE --tb=short
+    stage 250 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 \
+      --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13"
+    stage 220 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" ;;
   s14a)  # session 14: SwiGLU's backward fused into fc1's grad_output quantizer (ops.swiglu.swiglu_backward_quantize_1x128):
           # its tests, every candidate timed against the two kernels, then the 1.3b training pair
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
