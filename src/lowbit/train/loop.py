@@ -411,8 +411,10 @@ class _GraphedStep:
     loop refills each step.
     """
 
-    def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device):
+    def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
+                 quantized: bool = True):
         self.run_micro = run_micro
+        self.quantized = quantized  # the step quantizes (a recipe is active): its graph gets an amax arena
         self.params = params
         self.xs = torch.zeros(n_micro, batch, seq_len, dtype=torch.int64, device=device)
         self.ys = torch.zeros_like(self.xs)
@@ -444,7 +446,7 @@ class _GraphedStep:
         lnn.nonfinite_events()  # warm-up passes on this step's batch: the replay reports its own faults
         lnn.state.clear_captured()
         g = torch.cuda.CUDAGraph()
-        arena = _amax_arena(self.device)
+        arena = _amax_arena(self.device) if self.quantized else None
         with torch.cuda.graph(g):
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
@@ -662,7 +664,7 @@ def _train_one(c: TrainConfig) -> dict:
     graphed = None
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
-                               [p for p in model.parameters() if p.requires_grad], d.device)
+                               [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None)
     _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
 
     fault_hook = None
@@ -702,7 +704,7 @@ def _train_one(c: TrainConfig) -> dict:
                     graphed.load(m, x, y)
                 if graphed.graph is None:
                     graphed.capture()
-                    if graphed.arena is not None and step == start:
+                    if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
                         _say(d, c, f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
                                    + (f" ({a.missed} launches found the arena full)" if a.missed else ""), bar)
