@@ -134,8 +134,8 @@ if GLUON:
     @gluon.jit
     def _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H: gl.constexpr, h: gl.constexpr):
         """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
-        (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))), db = g * (a * sig), FP32
-        math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b, g) or the b half (db:
+        (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))),
+        db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b, g) or the b half (db:
         reads a, g; b's load is masked off). Both values are computed and one selected: a branch on the half
         (uniform in a program) made ptxas spill under the 128-register cap."""
         F = K // 2
