@@ -249,33 +249,6 @@ if GLUON_WS:
                      mask=row_ok)
 
     @gluon.jit
-    def _fa_math0(q_s, k_s, v_s, p_s, qbar, ready, empty,
-                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
-                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """Math partition 0 (the default partition; a literal partition index in warp_specialize's argument tuple
-        would arrive as a tensor, not a constexpr: hence one wrapper per partition)."""
-        _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
-                 O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                 slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 0)
-
-    @gluon.jit
-    def _fa_math1(q_s, k_s, v_s, p_s, qbar, ready, empty,
-                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
-                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """Math partition 1 (a worker)."""
-        _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
-                 O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                 slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                 Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, 1)
-
-    @gluon.jit
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svd, sob, soh, sos,
                              sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh, slb, slh, sls,
@@ -321,19 +294,20 @@ if GLUON_WS:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both math warpgroups hand the stage back
         # Each partition gets its own argument tuple, written out in the call (a tuple bound to a name first turns
-        # its constexprs into tensors); the math ones share _fa_math's.
-        gl.warp_specialize([(_fa_math0, (q_s, k_s, v_s, p_s, qbar, ready, empty,
-                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
-                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES)),
+        # its constexprs into tensors); the two math warpgroups run _fa_math, their index PART a gl.constexpr (a
+        # plain literal would arrive as a tensor).
+        gl.warp_specialize([(_fa_math, (q_s, k_s, v_s, p_s, qbar, ready, empty,
+                                        O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
+                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
+                                        Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
+                                        STAGES, gl.constexpr(0))),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
                                           REVERSE_M, STAGES)),
-                            (_fa_math1, (q_s, k_s, v_s, p_s, qbar, ready, empty,
-                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
-                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
-                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                         STAGES))],
+                            (_fa_math, (q_s, k_s, v_s, p_s, qbar, ready, empty,
+                                        O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
+                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
+                                        Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
+                                        STAGES, gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 

@@ -429,7 +429,8 @@ if GLUON:
     # stage through an mbarrier (no CTA-wide barrier), so they drift out of step and one's promotion overlaps the
     # other's wgmma. Grid: one CTA per SM, tiles in the grouped order of fp8_gemm_gluon.
     #
-    # Gluon's worker partitions share one signature, so every partition function below takes the same arguments.
+    # Every partition function below takes the same arguments (the math one also its index PART), so the
+    # warp_specialize call passes one list three times.
     # --------------------------------------------------------------------------------------------
     @gluon.jit
     def _ws_ksteps(K, BS: gl.constexpr, SA: gl.constexpr):
@@ -579,27 +580,6 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_math0(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        """Math partition 0 (the default partition). A literal partition index in warp_specialize's argument tuple
-        would arrive as a tensor, not a constexpr: hence one wrapper per partition."""
-        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 0)
-
-
-    @gluon.jit
-    def _ws_math1(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
-        """Math partition 1 (a worker)."""
-        _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, 1)
-
-
-    @gluon.jit
     def gemm_gluon_ws(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                       SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                       HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
@@ -621,11 +601,11 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
         # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
-        # into tensors)
-        gl.warp_specialize([(_ws_math0, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
+        # into tensors; the math partition index is a gl.constexpr, as a plain literal would arrive as a tensor)
+        gl.warp_specialize([(_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(0))),
                             (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                                           SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                            (_ws_math1, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH))],
+                            (_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
