@@ -109,7 +109,7 @@ def swiglu(shapes):
             return fn, fn(), u.numel() * 2 + 2 * M * F + 2 * (M * F // 128) * 4
 
         try:
-            _sweep(orig(u, True, True), prepare, copy_bw)
+            _sweep(orig(u, S._regs_runs(u, True, True)), prepare, copy_bw)
         finally:
             S._swiglu_quant_candidates = orig
         del u

@@ -163,7 +163,8 @@ def test_fused_quant_every_candidate_gpu(cuda, monkeypatch):
 
     for dtype in (torch.bfloat16, torch.float16):
         # (128 rows: the register-tile quantizer's candidates too, which take both copies of whole 128-row tiles)
-        for cfg in S._swiglu_quant_candidates(torch.empty(128, 256, dtype=dtype, device=cuda)):
+        u = torch.empty(128, 256, dtype=dtype, device=cuda)
+        for cfg in S._swiglu_quant_candidates(u, S._regs_runs(u, True, True)):
             monkeypatch.setattr(tb, "_TUNED", {})
             monkeypatch.setattr(S, "_swiglu_quant_candidates", lambda *a, cfg=cfg: [cfg])
             cases = [c for c in GPU_FUSED_CASES + REGS_CASES if c[2] == dtype]
@@ -229,8 +230,8 @@ def test_backward_fused_quant_rejects_what_it_cannot_take():
 
 @pytest.mark.gpu
 def test_backward_fused_quant_every_candidate_gpu(cuda, monkeypatch):
-    """Each launch candidate the autotuner may pick (the fused kernel at 8 and 16 warps and under a register cap, and
-    the two separate kernels), forced alone, bit-identical to the reference."""
+    """Each launch candidate the autotuner may pick (the fused kernel under a 128-register cap, the fused kernel with
+    compact scales uncapped, and the two separate kernels), forced alone, bit-identical to the reference."""
     S = importlib.import_module("lowbit.ops.swiglu")
     from lowbit.quant import triton_backend as tb
 

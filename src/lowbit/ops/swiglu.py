@@ -282,17 +282,16 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     return rowwise and columnwise and tb._regs_ok(u.view(-1, u.shape[-1]), 128, False, True, True)
 
 
-def _swiglu_quant_candidates(u: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> list[dict]:
-    """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU for both copies of
-    whole tiles the register-tile quantizer's first (H200, session 13: see BENCHMARKS.md), then the slab walk's,
-    then the whole-tile kernel's (BITS16 only where u is BF16)."""
+def _swiglu_quant_candidates(u: torch.Tensor, regs: bool) -> list[dict]:
+    """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
+    register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (H200, session 13: see
+    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
     from ..quant import triton_backend as tb
 
-    regs = list(tb._REGS_CONFIGS) if _regs_runs(u, rowwise, columnwise) else []
-    return regs + list(_SWIGLU_QUANT_CONFIGS) + [c for c in _SWIGLU_TILE_CONFIGS
-                                                if u.dtype == torch.bfloat16 or not c.get("BITS16")]
+    return (list(tb._REGS_CONFIGS) if regs else []) + list(_SWIGLU_QUANT_CONFIGS) + [
+        c for c in _SWIGLU_TILE_CONFIGS if u.dtype == torch.bfloat16 or not c.get("BITS16")]
 
 
 def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = True):
@@ -344,7 +343,7 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs),
-                 lambda: _swiglu_quant_candidates(u, rowwise, columnwise), launch)
+                 lambda: _swiglu_quant_candidates(u, regs), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt

@@ -20,6 +20,7 @@ Nothing here touches CUDA at import time.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -433,7 +434,6 @@ _GLUON_LAUNCH = _GluonLaunch()
 # layouts, warp counts, a TMA-fed persistent form and BF16 maxima from the bits all measured slower.
 _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
-_REGS_LAYOUTS: dict = {}
 
 
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
@@ -452,20 +452,16 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
             and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
 
 
+@functools.lru_cache(maxsize=None)
 def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
-    """rowcol_1x128_regs' layout arguments (quant_gluon.rowcol_regs_layouts; built once each)."""
-    lay = _REGS_LAYOUTS.get((num_warps, lanes_c))
-    if lay is None:
-        lay = _REGS_LAYOUTS[num_warps, lanes_c] = dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c)))
-    return lay
+    """rowcol_1x128_regs' layout arguments (quant_gluon.rowcol_regs_layouts; built once each). Read-only."""
+    return dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c)))
 
 
+@functools.lru_cache(maxsize=None)
 def _regs_half_layout(num_warps: int, lanes_c: int):
     """The SWIGLU_BWD prologue's half-tile layout H (quant_gluon.rowcol_regs_half_layout; built once each)."""
-    lay = _REGS_LAYOUTS.get(("H", num_warps, lanes_c))
-    if lay is None:
-        lay = _REGS_LAYOUTS["H", num_warps, lanes_c] = QG.rowcol_regs_half_layout(num_warps, lanes_c)
-    return lay
+    return QG.rowcol_regs_half_layout(num_warps, lanes_c)
 
 
 def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):

@@ -8,7 +8,8 @@ the same registers read down the columns (layout B of :func:`rowcol_regs_layouts
 of A) give the hardware's two-value FP8 cast vertical pairs, stored as 8-byte pieces of the transposed rows.
 H200, session 13 (BENCHMARKS.md): 1x128 0.80-0.81 of a device copy from BF16 and 0.93-0.95 from FP32, against
 0.75-0.77 for ``quant.blockwise_kernel``'s slab walk; MXFP8 0.66-0.67, against 0.45-0.46 for ``mxfp8_kernel``.
-``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``) and SwiGLU (``SWIGLU``) prologues of the fused quantizers.
+``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``), SwiGLU (``SWIGLU``) and SwiGLU-backward (``SWIGLU_BWD``)
+prologues of the fused quantizers.
 
 ``rowcol_1x128_gluon`` (session 9, opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA,
 STAGES in flight a CTA, each read twice in SR-row slabs; 0.70-0.71 of a copy, the speed of the slab walk at the
@@ -135,9 +136,9 @@ if GLUON:
     def _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H: gl.constexpr, h: gl.constexpr):
         """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
         (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))),
-        db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b, g) or the b half (db:
-        reads a, g; b's load is masked off). Both values are computed and one selected: a branch on the half
-        (uniform in a program) made ptxas spill under the 128-register cap."""
+        db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b,
+        g) or the b half (db: reads a, g; b's load is masked off). Both values are computed and one selected: a
+        branch on the half (uniform in a program) made ptxas spill under the 128-register cap."""
         F = K // 2
         f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
         i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
