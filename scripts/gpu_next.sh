@@ -102,6 +102,16 @@ case "${1:-verify}" in
         --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
         --out-dir "$OUT/a$arena" --overwrite
     done ;;
+  s16a)  # session 16: lowbit.optim.AdamW (the update kernel writes the 128x128 FP8 weight copies): its tests, the
+          # train and nn GPU tests over it, the config sweep against torch's step + quantize, the 1.3b pair, and
+          # fp8-block with LOWBIT_FUSED_ADAMW_QUANT=0 (torch's AdamW) for the A/B
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/optim tests/train tests/nn/test_gpu.py -rfE --tb=short -s
+    stage 120 python3 -m lowbit bench optim --configs "8,8;16,8;32,8;8,4;16,4;4,4"
+    stage 130 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
+    stage 130 env LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 \
+      --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
   s15g)  # session 15, final: the arena test, then the 1.3b and 350m training pairs
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py \
       -k arena -rfE --tb=short

@@ -19,6 +19,7 @@ BENCHES = {
     "gemm": "lowbit.bench.gemm",
     "linear": "lowbit.bench.linear",
     "attention": "lowbit.bench.attention",
+    "optim": "lowbit.bench.optim",
 }
 
 
@@ -180,7 +181,7 @@ COMMANDS = {
     "info": (cmd_info, "versions, device, and which backend runs each op"),
     "demo": (cmd_demo, "the embedded default: short training runs under BF16 / FP8 / NVFP4, with a report"),
     "train": (cmd_train, "train a GPT under a recipe (see `lowbit train --help`)"),
-    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention"),
+    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim"),
     "quant-demo": (cmd_quant_demo, "per-format quantization error and memory tables"),
 }
 

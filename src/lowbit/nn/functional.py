@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import scaled_mm
 from ..quant import quantize
@@ -26,7 +27,8 @@ from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
 
-__all__ = ["GemmLayer", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable", "check_microbatch_arg"]
+__all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
+           "check_microbatch_arg", "weight_layer"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -34,6 +36,57 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def check_microbatch_arg(is_first_microbatch) -> None:
     if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
         raise TypeError(f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}")
+
+
+def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
+    """The weight role's scheme where an optimizer may write ``w``'s quantized copies itself (see
+    :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else None."""
+    from ..quant.schemes import Float8Blockwise
+
+    rq = recipe.role("weight")
+    sch = rq.scheme
+    if (rq.delayed or not isinstance(sch, Float8Blockwise) or sch.block_dim != 2 or sch.block_size != 128
+            or w.dtype != torch.float32 or w.dim() != 2 or not (w.is_cuda or _INTERPRET) or not w.is_contiguous()):
+        return None
+    return sch
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run the Triton kernels there, in tests)
+# weight tensor -> (the GemmLayer that quantizes it, the scheme), recorded by the forward where fresh_weight_scheme
+# allows; lowbit.optim.AdamW looks its parameters up here. Keyed by identity, held weakly.
+_WEIGHT_LAYERS = WeakIdKeyDictionary()
+
+
+def weight_layer(w: torch.Tensor):
+    """``(GemmLayer, scheme)`` of a weight a lowbit forward quantized with a scheme an optimizer may write itself
+    (:func:`fresh_weight_scheme`), or None."""
+    return _WEIGHT_LAYERS.get(w)
+
+
+class FreshWeight:
+    """Quantized copies of a weight written by its optimizer in the same kernel as the update
+    (:class:`lowbit.optim.AdamW`), which the forward takes instead of quantizing the weight again.
+
+    Attributes:
+        q: the :class:`QuantizedTensor` (both copies; its buffers are rewritten in place by every update, so a
+            CUDA graph that reads them reads each step's).
+        scheme: the scheme q was made with.
+        version, ptr: ``w._version`` and ``w.data_ptr()`` when q was last written; the forward uses q only while both
+            still match (any in-place change of the weight through torch bumps its version; so does the optimizer,
+            after writing q).
+    """
+
+    __slots__ = ("q", "scheme", "version", "ptr")
+
+    def __init__(self, q: QuantizedTensor, scheme):
+        self.q, self.scheme, self.version, self.ptr = q, scheme, -1, 0
+
+    def mark(self, w: torch.Tensor) -> None:
+        """q now holds the copies of ``w`` as it is."""
+        self.version, self.ptr = w._version, w.data_ptr()
+
+    def valid_for(self, w: torch.Tensor, scheme) -> bool:
+        return self.version == w._version and self.ptr == w.data_ptr() and self.scheme == scheme
 
 
 class GemmLayer:
@@ -45,6 +98,8 @@ class GemmLayer:
             (or a checkpoint with one was loaded).
         wcache: ``(recipe, weight version, weight data_ptr, QuantizedTensor)`` of the last weight
             quantized with ``is_first_microbatch=True``.
+        fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
+        fresh_uses: how many forwards took them.
     """
 
     def __init__(self, owner, suffix: str = ""):
@@ -53,6 +108,8 @@ class GemmLayer:
         self.delayed: _ac.DelayedScalingState | None = None
         self._loaded: dict | None = None  # delayed state loaded before a DelayedScaling forward built it
         self.wcache = None
+        self.fresh: FreshWeight | None = None
+        self.fresh_uses = 0
         self._offered_dy: QuantizedTensor | None = None  # FP8 grad_output handed over by the next op (see offer_grad_output)
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
 
@@ -185,6 +242,18 @@ class GemmLayer:
                 )
             return q
         cache = is_first_microbatch is True
+        sch = fresh_weight_scheme(w, recipe)
+        if sch is not None:
+            e = _WEIGHT_LAYERS.get(w)
+            if e is None or e[0] is not self or e[1] != sch:
+                _WEIGHT_LAYERS[w] = (self, sch)
+            f = self.fresh
+            if f is not None and f.valid_for(w, sch):
+                q = f.q
+                _ac.sentry([c.amax for c in q._copies()], layer=self, role="weight", phase="forward", policy=policy)
+                self.fresh_uses += 1
+                self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+                return q
         q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None

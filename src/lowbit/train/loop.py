@@ -319,8 +319,15 @@ def _optimizer(model, c: TrainConfig):
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kw = {"fused": True} if next(model.parameters()).device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, **kw)
+    if next(model.parameters()).device.type != "cuda":
+        return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
+    if os.environ.get("LOWBIT_FUSED_ADAMW_QUANT", "1") != "0":
+        # torch's fused AdamW, whose step also writes the FP8 copies of the 128x128 blockwise weights (fp8-block)
+        # that the next forward would otherwise quantize; any other recipe: torch's step unchanged
+        from lowbit.optim import AdamW
+
+        return AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
+    return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
 
 GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
@@ -412,8 +419,9 @@ class _GraphedStep:
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
-                 quantized: bool = True):
+                 quantized: bool = True, prime=None):
         self.run_micro = run_micro
+        self.prime = prime  # called between the warm-up and the capture (lowbit.optim.AdamW.refresh_weight_copies)
         self.quantized = quantized  # the step quantizes (a recipe is active): its graph gets an amax arena
         self.params = params
         self.xs = torch.zeros(n_micro, batch, seq_len, dtype=torch.int64, device=device)
@@ -422,6 +430,7 @@ class _GraphedStep:
         self.graph = None
         self.update = None  # the update graph
         self.arena = None  # the AmaxArena the graph's quantize launches took their amax slots from (kept alive with it)
+        self.primed = 0  # weights whose optimizer-written FP8 copies the captured forward reads
         self.opt = None
         self.lr = None  # (), float32: the learning rate the captured update reads
         self.skip = None  # (), float32: 1.0 where the last replayed update skipped the step
@@ -445,6 +454,10 @@ class _GraphedStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         lnn.nonfinite_events()  # warm-up passes on this step's batch: the replay reports its own faults
         lnn.state.clear_captured()
+        if self.prime is not None:
+            # the warm-up forwards recorded which weights the optimizer writes the FP8 copies of: write them now, so
+            # the captured forward reads those buffers (rewritten by every update) instead of quantizing
+            self.primed = self.prime()
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
         with torch.cuda.graph(g):
@@ -664,7 +677,8 @@ def _train_one(c: TrainConfig) -> dict:
     graphed = None
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
-                               [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None)
+                               [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None,
+                               prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
     _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
 
     fault_hook = None
@@ -707,7 +721,9 @@ def _train_one(c: TrainConfig) -> dict:
                     if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
                         _say(d, c, f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
-                                   + (f" ({a.missed} launches found the arena full)" if a.missed else ""), bar)
+                                   + (f" ({a.missed} launches found the arena full)" if a.missed else "")
+                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer" if graphed.primed else ""),
+                             bar)
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
@@ -775,6 +791,9 @@ def _train_one(c: TrainConfig) -> dict:
             if not updated:
                 opt.step()
                 phases.mark("optimizer launch")
+                if step == start and getattr(opt, "fused_tensors", 0):
+                    _say(d, c, f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
+                               "FP8 copies for the next forward in one kernel", bar)
                 if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
                     # the optimizer has state now: capture the update graph here, in the (untimed) first step
                     # (capturing synchronizes and collects garbage: tens of ms), replayed from the next step on

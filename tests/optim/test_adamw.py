@@ -1,0 +1,248 @@
+"""lowbit.optim.AdamW: the fused update + FP8 128x128 copies kernel against the reference (adamw_step_reference and
+quantize_reference), the bookkeeping (skip, grad_scale, tensor lr, refresh, stale copies), and on the GPU the
+agreement with torch.optim.AdamW(fused=True) and the forward taking the copies.
+
+CPU: the kernel runs under Triton's interpreter in a child process (software FP8 rounding there, so bit-exact too).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
+from lowbit.optim import AdamW
+from lowbit.optim.reference import adamw_step_reference
+from lowbit.quant.reference import quantize_reference
+from lowbit.quant.schemes import Float8Blockwise
+
+SCH = Float8Blockwise("e4m3", block_dim=2, pow2=True)
+# (shapes of the weights, several of one shape so that a launch holds more than one tensor); ragged ones too
+SHAPES = [(256, 384), (256, 384), (130, 200), (128, 128)]
+
+
+class _Owner:
+    lowbit_name = "w"
+
+
+def _params(device, shapes, gen, sch=SCH):
+    ps, layers = [], []
+    for i, s in enumerate(shapes):
+        p = torch.nn.Parameter(torch.randn(*s, generator=gen).mul_(0.05 * (i + 1)).to(device))
+        layer = GemmLayer(_Owner())
+        _WEIGHT_LAYERS[p] = (layer, sch)  # what a lowbit forward records
+        ps.append(p)
+        layers.append(layer)
+    return ps, layers
+
+
+def _grads(ps, gen, scale=1.0):
+    for p in ps:
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2 * scale).to(p.device)
+
+
+def _check_copies(p, layer, sch=SCH):
+    f = layer.fresh
+    assert f is not None and f.valid_for(p, sch)
+    ref = quantize_reference(p.detach().clone(), sch, rowwise=True, columnwise=True)
+    for got, exp in ((f.q.rowwise, ref.rowwise), (f.q.columnwise, ref.columnwise)):
+        assert torch.equal(got.data.view(torch.uint8), exp.data.view(torch.uint8))
+        assert torch.equal(got.scale_inv, exp.scale_inv)
+        assert torch.equal(got.amax.reshape(()), exp.amax.reshape(()))
+
+
+def _check_kernel(device: str, seed: int = 0, sch=SCH):
+    """Three steps (plain; weight decay + grad_scale; tensor lr), a skipped step, and a refresh, on SHAPES plus a 1D
+    parameter that takes torch's path: everything bit-exact against adamw_step_reference / quantize_reference."""
+    gen = torch.Generator().manual_seed(seed)
+    ps, layers = _params(device, SHAPES, gen, sch)
+    bias = torch.nn.Parameter(torch.randn(7, generator=gen).to(device))
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = AdamW([{"params": ps}, {"params": [bias], "weight_decay": 0.0}], fused=True, **hp)
+    twin = torch.nn.Parameter(bias.detach().clone())
+    topt = torch.optim.AdamW([twin], fused=True, **dict(hp, weight_decay=0.0))
+    ref = [(p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in ps]
+    for step in (1, 2, 3):
+        _grads(ps + [bias], gen, scale=10.0 ** (step - 2))
+        twin.grad = bias.grad.clone()
+        gs = None
+        if step == 2:  # grad_scale as torch's fused kernels read it (clipping in lowbit's training graph)
+            gs = float(torch.tensor(1.7, dtype=torch.float32))  # (torch reads grad_scale as FP32)
+            opt.grad_scale = torch.tensor(gs, device=device)
+            opt.found_inf = torch.zeros((), device=device)
+        if step == 3:
+            for g in opt.param_groups:
+                g["lr"] = torch.tensor(2e-3, device=device)
+        lr = 2e-3 if step == 3 else hp["lr"]
+        lr = float(torch.tensor(lr, dtype=torch.float32)) if step == 3 else lr  # a tensor lr is FP32
+        new = []
+        for p, (rp, rm, rv) in zip(ps, ref):
+            new.append(adamw_step_reference(rp, p.grad.cpu().to(rp.device), rm, rv, step=step, lr=lr, beta1=0.9,
+                                            beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=gs))
+        ref = new
+        opt.step()
+        if step == 2:
+            del opt.grad_scale, opt.found_inf
+        assert opt.fused_tensors == len(ps)
+        for p, layer, (rp, rm, rv) in zip(ps, layers, ref):
+            st = opt.state[p]
+            assert float(st["step"]) == step
+            assert torch.equal(p.detach(), rp), (step, (p.detach() - rp).abs().max())
+            assert torch.equal(st["exp_avg"], rm) and torch.equal(st["exp_avg_sq"], rv)
+            _check_copies(p, layer, sch)
+        if step != 3:
+            if step == 2:
+                topt.grad_scale, topt.found_inf = torch.tensor(gs, device=device), torch.zeros((), device=device)
+            topt.step()
+            assert torch.equal(bias.detach(), twin.detach())  # the 1D parameter: torch's own step
+    # a skipped step (found_inf = 1): nothing changes, the copies (and their amax) stay valid
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone()) for p, l in zip(ps, layers)]
+    _grads(ps + [bias], gen)
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0, device=device), torch.ones((), device=device)
+    opt.step()
+    del opt.grad_scale, opt.found_inf
+    for p, layer, (bp, bm, ba) in zip(ps, layers, before):
+        assert torch.equal(p.detach(), bp) and torch.equal(opt.state[p]["exp_avg"], bm)
+        assert float(opt.state[p]["step"]) == 3
+        assert torch.equal(layer.fresh.q.rowwise.amax, ba)
+        _check_copies(p, layer, sch)
+    # an in-place change through torch makes the copies stale; refresh_weight_copies writes them again
+    with torch.no_grad():
+        ps[0].mul_(-3.0)
+    assert not layers[0].fresh.valid_for(ps[0], sch)
+    assert opt.refresh_weight_copies() == len(ps)
+    for p, layer in zip(ps, layers):
+        _check_copies(p, layer, sch)
+    # and an update after the refresh writes the same buffers (amax included)
+    _grads(ps + [bias], gen)
+    opt.step()
+    for p, layer in zip(ps, layers):
+        _check_copies(p, layer, sch)
+
+
+def test_kernel_interpreter_subprocess():
+    pytest.importorskip("triton")
+    code = ("import sys; sys.path.insert(0, %r); import test_adamw as t; t._check_kernel('cpu'); "
+            "t._check_kernel('cpu', 1, t.SCH_E5M2); print('ok')" % os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+SCH_E5M2 = Float8Blockwise("e5m2", block_dim=2, pow2=False)
+
+
+def test_reference_matches_torch_cpu_fused_math_shape():
+    """The reference is one AdamW step: against torch's single-tensor CPU AdamW (FP32 throughout, its own operation
+    order): within 2 ulp of p (the final rounding of p - update, twice) + 1e-8 (FP32 error of an update of size lr,
+    1e-2 here; a wrong formula is off by ~lr)."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(64, 48, generator=gen)
+    g = torch.randn(64, 48, generator=gen) * 1e-2
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = g.clone()
+    torch.optim.AdamW([tp], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False).step()
+    rp, rm, rv = adamw_step_reference(p, g, torch.zeros_like(p), torch.zeros_like(p), step=1, lr=1e-2, beta1=0.9,
+                                      beta2=0.95, weight_decay=0.1, eps=1e-8)
+    torch.testing.assert_close(rp, tp.detach(), rtol=2.4e-7, atol=1e-8)
+    with pytest.raises(TypeError, match="float32"):
+        adamw_step_reference(p.double(), g, p, p, step=1, lr=1e-3, beta1=0.9, beta2=0.9, weight_decay=0, eps=1e-8)
+
+
+def test_non_targets_follow_torch():
+    """Parameters no lowbit forward recorded (and quantized_weights=False) are stepped by torch.optim.AdamW."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+    t = torch.nn.Parameter(w.detach().clone())
+    opt, topt = AdamW([w], lr=1e-2), torch.optim.AdamW([t], lr=1e-2)
+    for _ in range(2):
+        w.grad = torch.randn(8, 8, generator=gen)
+        t.grad = w.grad.clone()
+        opt.step()
+        topt.step()
+    assert opt.fused_tensors == 0 and torch.equal(w.detach(), t.detach())
+    with pytest.raises(TypeError, match="quantized_weights"):
+        AdamW([w], quantized_weights="yes")
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_gpu(seed):
+    _check_kernel("cuda", seed)
+    _check_kernel("cuda", seed + 10, SCH_E5M2)
+
+
+@pytest.mark.gpu
+def test_matches_torch_fused_adamw_gpu():
+    """Against torch.optim.AdamW(fused=True, capturable=True) on the same tensors, three steps with a tensor lr and
+    grad_scale: the parameters and both moments equal bit for bit (torch computes in double where the reference
+    does; an FMA contraction nvcc may make in a double expression could move a result across an FP32 rounding
+    boundary at a rate of ~2^-28 an element: the test allows 1 ulp on at most 1e-6 of the elements and prints it)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(2048, 6144), (2048, 2048), (5504, 2048), (300, 260)]
+    ps, layers = _params("cuda", shapes, gen)
+    tw = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    kw = dict(lr=torch.tensor(1e-3, device="cuda"), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
+              capturable=True)
+    opt, topt = AdamW(ps, **kw), torch.optim.AdamW(tw, **dict(kw, lr=torch.tensor(1e-3, device="cuda")))
+    for step in range(3):
+        _grads(ps, gen)
+        for p, t in zip(ps, tw):
+            t.grad = p.grad.clone()
+        for o in (opt, topt):
+            o.grad_scale, o.found_inf = torch.tensor(1.3, device="cuda"), torch.zeros((), device="cuda")
+            o.step()
+            del o.grad_scale, o.found_inf
+        n = bad = 0
+        for p, t in zip(ps, tw):
+            for a, b in ((p.detach(), t.detach()), (opt.state[p]["exp_avg"], topt.state[t]["exp_avg"]),
+                         (opt.state[p]["exp_avg_sq"], topt.state[t]["exp_avg_sq"])):
+                d = (a.view(torch.int32) - b.view(torch.int32)).abs()
+                assert int(d.max()) <= 1
+                bad += int((d != 0).sum())
+                n += a.numel()
+        print(f"step {step + 1}: {bad} of {n} values 1 ulp from torch's fused AdamW")
+        assert bad <= n * 1e-6
+        for p, layer in zip(ps, layers):
+            _check_copies(p, layer)
+
+
+@pytest.mark.gpu
+def test_forward_takes_the_copies_gpu():
+    """A lowbit model under fp8-block: with lowbit.optim.AdamW the forwards after the first step take the optimizer's
+    copies (no weight quantization) and compute what quantizing the weight would (same loss bits as a torch AdamW
+    run, whose forward quantizes; the updates agree to the rounding-boundary rate above, so compare 3 steps)."""
+    import lowbit.nn as lnn
+    from lowbit.recipes import from_name
+
+    recipe = from_name("fp8-block")
+
+    def run(opt_cls):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(lnn.Linear(256, 384), lnn.Linear(384, 256)).cuda()
+        lnn.name_modules(model)
+        opt = opt_cls(model.parameters(), lr=1e-3, fused=True)
+        x = torch.randn(256, 256, device="cuda")
+        losses = []
+        for _ in range(4):
+            with lnn.autocast(recipe=recipe):
+                y = model(x)
+            loss = y.float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        uses = sum(g.fresh_uses for m in model for g in m._gemms.values())
+        return losses, uses, [p.detach().clone() for p in model.parameters()]
+
+    la, ua, pa = run(AdamW)
+    lb, ub, pb = run(torch.optim.AdamW)
+    assert ua == 2 * 3 and ub == 0  # two weights, forwards 2..4
+    assert la == lb, (la, lb)
+    for a, b in zip(pa, pb):
+        assert (a.view(torch.int32) - b.view(torch.int32)).abs().max() <= 1
