@@ -112,6 +112,11 @@ case "${1:-verify}" in
       --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 \
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s16b)  # session 16: where the AdamW kernel and torch's fused AdamW differ (scripts/debug_adamw.py), the optim tests,
+          # the config sweep (CH, CH2, warps)
+    stage 90 python3 scripts/debug_adamw.py
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim -rfE --tb=short -s
+    stage 150 python3 -m lowbit bench optim --configs "16,64,8;8,64,8;16,128,8;8,32,4;16,32,8;8,64,4" ;;
   s15g)  # session 15, final: the arena test, then the 1.3b and 350m training pairs
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py \
       -k arena -rfE --tb=short

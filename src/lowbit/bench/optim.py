@@ -91,11 +91,11 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, int]], rep: in
     opt.step()
     setup(opt)
     moved = n * 30 + 2 * sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes)
-    for ch, w in configs:
-        with env("LOWBIT_ADAMW_CFG", f"{ch},{w}"):
+    for ch, ch2, w in configs:
+        with env("LOWBIT_ADAMW_CFG", f"{ch},{ch2},{w}"):
             t = median_ms(_graph(opt.step).replay, rep=rep)
         gbs = moved / t / 1e6
-        rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, {w} warps)", "ms": t, "GB/s": gbs,
+        rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps)", "ms": t, "GB/s": gbs,
                      "of copy": gbs / copy_gbs, "vs torch": base / t})
     return rows
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench optim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="1.3b", help="GPT preset whose weight shapes are stepped (default 1.3b)")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
-    ap.add_argument("--configs", default="16,8", help="kernel configs 'CH,WARPS;...' (default 16,8)")
+    ap.add_argument("--configs", default="16,64,8", help="kernel configs 'CH,CH2,WARPS;...' (default 16,64,8)")
     ap.add_argument("--rep", type=int, default=20)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -29,14 +29,15 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _config() -> tuple[int, int]:
-    """(rows a chunk, warps). In-place kernels cannot be autotuned by timing repeated launches, so this is fixed
-    (chosen on an H200 by ``lowbit bench optim``); LOWBIT_ADAMW_CFG="CH,WARPS" overrides it for sweeps."""
+def _config() -> tuple[int, int, int]:
+    """(rows a chunk of the update, rows a chunk of the cast, warps). In-place kernels cannot be autotuned by timing
+    repeated launches, so this is fixed (chosen on an H200 by ``lowbit bench optim``); LOWBIT_ADAMW_CFG="CH,CH2,WARPS"
+    overrides it for sweeps."""
     v = os.environ.get("LOWBIT_ADAMW_CFG")
     if v:
-        ch, w = (int(t) for t in v.split(","))
-        return ch, w
-    return 16, 8
+        ch, ch2, w = (int(t) for t in v.split(","))
+        return ch, ch2, w
+    return 16, 64, 8
 
 
 def _aligned(*ts) -> bool:
@@ -185,7 +186,7 @@ class AdamW(torch.optim.AdamW):
         lr_ptr = lr if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" else None
         lr_val = 0.0 if lr_ptr is not None else float(lr)
         fmt = sch.format
-        ch, warps = _config()
+        ch, ch2, warps = _config()
         dummy = b.amax  # an unused pointer argument
         K.adamw_fp8_128x128_kernel[(-(-M // 128) * -(-Kd // 128), len(items))](
             b.table, M, Kd, f0.q.rowwise.scale_inv.shape[1], f0.q.columnwise.scale_inv.shape[1],
@@ -193,7 +194,7 @@ class AdamW(torch.optim.AdamW):
             _bits(g["weight_decay"]), _bits(g["eps"]), gs if gs is not None else dummy, fi if fi is not None else dummy,
             FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, POW2=sch.pow2, EPS=float(sch.eps), SW=_sw(),
             E5M2=fmt.name.lower() == "e5m2", ADAM=adam, LR_PTR=lr_ptr is not None, HAS_GS=gs is not None,
-            HAS_FI=fi is not None, WD=g["weight_decay"] != 0, CH=ch, EVEN=M % 128 == 0 and Kd % 128 == 0,
+            HAS_FI=fi is not None, WD=g["weight_decay"] != 0, CH=ch, CH2=ch2, EVEN=M % 128 == 0 and Kd % 128 == 0,
             num_warps=warps, enable_fp_fusion=False)
 
     def _run(self, targets: list[list], adam: bool) -> None:

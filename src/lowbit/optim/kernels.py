@@ -92,7 +92,7 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
                              FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                              EPS: tl.constexpr, SW: tl.constexpr, E5M2: tl.constexpr,
                              ADAM: tl.constexpr, LR_PTR: tl.constexpr, HAS_GS: tl.constexpr, HAS_FI: tl.constexpr,
-                             WD: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr):
+                             WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr):
     """One 128 x 128 tile of one tensor a program: grid (tiles of an (M, K) weight, tensors). Every tensor of a
     launch has the same shape; ``tab_ptr`` (tensors, T_COLS) int64 holds, per tensor, the addresses of:
 
@@ -106,7 +106,10 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
     Hyperparameters arrive as float64 bit patterns (``*_bits``); the learning rate from ``lr_ptr`` (FP32, as
     torch's tensor lr) when ``LR_PTR``. ``gs_ptr`` (HAS_GS): FP32 grad_scale, the gradient is divided by it;
     ``fi_ptr`` (HAS_FI): FP32 found_inf, the whole step is skipped (nothing written) where it is 1.
-    ``ADAM=False``: no update, only the FP8 copies of p as it is (used to prime the copies). ``CH``: rows a chunk.
+    ``ADAM=False``: no update, only the FP8 copies of p as it is (used to prime the copies). ``CH``: rows a chunk of
+    the update (registers: the moments and the double-precision temporaries); ``CH2``: rows a chunk of the cast,
+    which is also the length of each row piece of the transposed copy it stores (64: two whole 32-byte sectors;
+    16 wrote half sectors).
     ``EVEN``: M and K are multiples of 128 (no masks). The chunks of p are re-read for the cast (stored with
     evict_last just before, so from L2) since the tile's scale needs its whole amax first.
     """
@@ -117,14 +120,14 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
         go = True
     if go:
         _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bits, wd_bits, eps_bits, gs_ptr,
-                        FMAX, EMIN, MBITS, POW2, EPS, SW, DT, ADAM, LR_PTR, HAS_GS, WD, CH, EVEN)
+                        FMAX, EMIN, MBITS, POW2, EPS, SW, DT, ADAM, LR_PTR, HAS_GS, WD, CH, CH2, EVEN)
 
 
 @triton.jit
 def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bits, wd_bits, eps_bits, gs_ptr,
                     FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                     EPS: tl.constexpr, SW: tl.constexpr, DT: tl.constexpr, ADAM: tl.constexpr, LR_PTR: tl.constexpr,
-                    HAS_GS: tl.constexpr, WD: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr):
+                    HAS_GS: tl.constexpr, WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr):
     tid = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     nkt = tl.cdiv(K, 128)
@@ -182,10 +185,11 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
     si = _recip(s, POW2, FMAX)
     tl.store(rs_ptr + tm * rs_ld + tk, si)
     tl.store(cs_ptr + tk * cs_ld + tm, si)
-    for r0 in range(0, 128, CH):
-        offs = (m0 + r0 + rr)[:, None] * K + (k0 + cc)[None, :]
-        mask = ((m0 + r0 + rr) < M)[:, None] & kmask[None, :]
-        toffs = (k0 + cc)[:, None] * M + (m0 + r0 + rr)[None, :]
+    r2 = tl.arange(0, CH2)
+    for r0 in range(0, 128, CH2):
+        offs = (m0 + r0 + r2)[:, None] * K + (k0 + cc)[None, :]
+        mask = ((m0 + r0 + r2) < M)[:, None] & kmask[None, :]
+        toffs = (k0 + cc)[:, None] * M + (m0 + r0 + r2)[None, :]
         if EVEN:
             p = tl.load(p_ptr + offs, eviction_policy="evict_first")
         else:

@@ -51,9 +51,10 @@ def adamw_step_reference(p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor
     m = (beta1 * exp_avg.to(f64) + (1.0 - beta1) * gd).to(f32)
     v = (beta2 * exp_avg_sq.to(f64) + (1.0 - beta2) * gd * gd).to(f32)
     bc1, bc2s = bias_corrections(beta1, beta2, step)
-    step_size = torch.tensor(lr / bc1, dtype=f64).to(f32)
+    # (the scalars as tensors on p's device: torch's CUDA division by a CPU scalar multiplies by its reciprocal)
+    step_size = torch.tensor(lr / bc1, dtype=f64, device=p.device).to(f32)
     # sqrt(v) correctly rounded, as CUDA's sqrtf: through float64 (exact for FP32 inputs). torch's own FP32 sqrt on
     # x86 CPUs with AVX-512 is not (about 1 in 5 results are 1 ulp off)
-    denom = ((torch.sqrt(v.to(f64)).to(f32) / torch.tensor(bc2s, dtype=f32)).to(f64) + eps).to(f32)
+    denom = ((torch.sqrt(v.to(f64)).to(f32) / torch.tensor(bc2s, dtype=f32, device=p.device)).to(f64) + eps).to(f32)
     p = p - (step_size * m) / denom
     return p, m, v

@@ -1,0 +1,69 @@
+"""Where lowbit.optim.AdamW's kernel and torch.optim.AdamW(fused=True) differ (GPU): per step and tensor, how many
+values differ, by how much (in ulps of the value and of the step's operand scale), for the kernel as built
+(no FMA contraction) and with Triton's FMA contraction on; and the kernel against adamw_step_reference."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer  # noqa: E402
+from lowbit.optim import AdamW  # noqa: E402
+from lowbit.optim import adamw as A  # noqa: E402
+from lowbit.optim.reference import adamw_step_reference  # noqa: E402
+from lowbit.quant.schemes import Float8Blockwise  # noqa: E402
+
+
+def ulp(x):
+    return torch.finfo(torch.float32).eps * x.abs().clamp_min(1e-30)
+
+
+def main():
+    dev = "cuda"
+    sch = Float8Blockwise(block_dim=2)
+    for fusion in (False, True):
+        if fusion:  # patch the launch to let Triton contract
+            orig = A.K.adamw_fp8_128x128_kernel
+
+            class _P:
+                def __getitem__(self, grid):
+                    def f(*a, **kw):
+                        kw["enable_fp_fusion"] = True
+                        return orig[grid](*a, **kw)
+                    return f
+            A.K.adamw_fp8_128x128_kernel = _P()
+        gen = torch.Generator(device=dev).manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(2048, 6144, device=dev, generator=gen) * 0.02)
+        _WEIGHT_LAYERS[p] = (GemmLayer(object()), sch)
+        t = torch.nn.Parameter(p.detach().clone())
+        kw = dict(lr=torch.tensor(1e-3, device=dev), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
+                  capturable=True)
+        opt = AdamW([p], **kw)
+        topt = torch.optim.AdamW([t], **dict(kw, lr=torch.tensor(1e-3, device=dev)))
+        rp, rm, rv = p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)
+        for step in range(1, 4):
+            g = torch.randn(p.shape, device=dev, generator=gen) * 1e-3
+            p.grad, t.grad = g.clone(), g.clone()
+            old = p.detach().clone()
+            for o in (opt, topt):
+                o.grad_scale, o.found_inf = torch.tensor(1.3, device=dev), torch.zeros((), device=dev)
+                o.step()
+                del o.grad_scale, o.found_inf
+            gs = float(torch.tensor(1.3, dtype=torch.float32))
+            rp, rm, rv = adamw_step_reference(rp, g, rm, rv, step=step, lr=float(torch.tensor(1e-3)), beta1=0.9,
+                                              beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=gs)
+            for name, a, b, r, scale in (("p", p.detach(), t.detach(), rp, old.abs()),
+                                         ("m", opt.state[p]["exp_avg"], topt.state[t]["exp_avg"], rm, None),
+                                         ("v", opt.state[p]["exp_avg_sq"], topt.state[t]["exp_avg_sq"], rv, None)):
+                d = a != b
+                sc = ulp(scale if scale is not None else b)
+                print(f"fusion={fusion} step {step} {name}: vs torch {int(d.sum())} of {a.numel()} differ, "
+                      f"max |diff| {float((a - b).abs().max()):.3g} = {float(((a - b).abs() / sc).max()):.2f} ulp of the "
+                      f"operand scale; vs reference {int((a != r).sum())} differ", flush=True)
+                if d.any() and name != "p":
+                    i = d.nonzero()[0]
+                    print("   e.g.", a[tuple(i)].item(), b[tuple(i)].item(), "g", g[tuple(i)].item())
+
+
+if __name__ == "__main__":
+    main()
