@@ -21,7 +21,7 @@ def ulp(x):
 def main():
     dev = "cuda"
     sch = Float8Blockwise(block_dim=2)
-    for fusion in (False, True):
+    for fusion, betas in ((False, (0.9, 0.95)), (False, (float(torch.tensor(0.9)), float(torch.tensor(0.95))))):
         if fusion:  # patch the launch to let Triton contract
             orig = A.K.adamw_fp8_128x128_kernel
 
@@ -38,7 +38,7 @@ def main():
         t = torch.nn.Parameter(p.detach().clone())
         kw = dict(lr=torch.tensor(1e-3, device=dev), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
                   capturable=True)
-        opt = AdamW([p], **kw)
+        opt = AdamW([p], **dict(kw, betas=betas))  # (torch's own betas stay 0.9, 0.95)
         topt = torch.optim.AdamW([t], **dict(kw, lr=torch.tensor(1e-3, device=dev)))
         rp, rm, rv = p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)
         for step in range(1, 4):
@@ -50,16 +50,16 @@ def main():
                 o.step()
                 del o.grad_scale, o.found_inf
             gs = float(torch.tensor(1.3, dtype=torch.float32))
-            rp, rm, rv = adamw_step_reference(rp, g, rm, rv, step=step, lr=float(torch.tensor(1e-3)), beta1=0.9,
-                                              beta2=0.95, weight_decay=0.1, eps=1e-8, grad_scale=gs)
+            rp, rm, rv = adamw_step_reference(rp, g, rm, rv, step=step, lr=float(torch.tensor(1e-3)), beta1=betas[0],
+                                              beta2=betas[1], weight_decay=0.1, eps=1e-8, grad_scale=gs)
             for name, a, b, r, scale in (("p", p.detach(), t.detach(), rp, old.abs()),
                                          ("m", opt.state[p]["exp_avg"], topt.state[t]["exp_avg"], rm, None),
                                          ("v", opt.state[p]["exp_avg_sq"], topt.state[t]["exp_avg_sq"], rv, None)):
                 d = a != b
-                sc = ulp(scale if scale is not None else b)
-                print(f"fusion={fusion} step {step} {name}: vs torch {int(d.sum())} of {a.numel()} differ, "
+                sc = ulp(b)
+                print(f"betas={betas} step {step} {name}: vs torch {int(d.sum())} of {a.numel()} differ, "
                       f"max |diff| {float((a - b).abs().max()):.3g} = {float(((a - b).abs() / sc).max()):.2f} ulp of the "
-                      f"operand scale; vs reference {int((a != r).sum())} differ", flush=True)
+                      f"torch value / of max(|old p|, lr) {float(((a - b).abs() / ulp(torch.maximum(scale, torch.full_like(scale, 1e-3)))).max()) if scale is not None else 0:.2f}; vs reference {int((a != r).sum())} differ", flush=True)
                 if d.any() and name != "p":
                     i = d.nonzero()[0]
                     print("   e.g.", a[tuple(i)].item(), b[tuple(i)].item(), "g", g[tuple(i)].item())

@@ -117,6 +117,10 @@ case "${1:-verify}" in
     stage 90 python3 scripts/debug_adamw.py
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim -rfE --tb=short -s
     stage 150 python3 -m lowbit bench optim --configs "16,64,8;8,64,8;16,128,8;8,32,4;16,32,8;8,64,4" ;;
+  s16c)  # session 16: torch's betas in FP32? (debug_adamw.py), then the 1.3b pair with the AdamW kernel at (16, 32, 8)
+    stage 90 python3 scripts/debug_adamw.py
+    stage 250 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
   s15g)  # session 15, final: the arena test, then the 1.3b and 350m training pairs
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py \
       -k arena -rfE --tb=short

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench optim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="1.3b", help="GPT preset whose weight shapes are stepped (default 1.3b)")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
-    ap.add_argument("--configs", default="16,64,8", help="kernel configs 'CH,CH2,WARPS;...' (default 16,64,8)")
+    ap.add_argument("--configs", default="16,32,8", help="kernel configs 'CH,CH2,WARPS;...' (default 16,32,8)")
     ap.add_argument("--rep", type=int, default=20)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

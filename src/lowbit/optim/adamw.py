@@ -37,7 +37,7 @@ def _config() -> tuple[int, int, int]:
     if v:
         ch, ch2, w = (int(t) for t in v.split(","))
         return ch, ch2, w
-    return 16, 64, 8
+    return 16, 32, 8
 
 
 def _aligned(*ts) -> bool:
