@@ -121,6 +121,13 @@ case "${1:-verify}" in
     stage 90 python3 scripts/debug_adamw.py
     stage 250 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;
+  s16d)  # session 16: the optim GPU tests, then 1.3b fp8-block with the AdamW kernel and without it (torch's AdamW),
+          # step phases (graph times) of each
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim -rfE --tb=short
+    stage 130 env LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 \
+      --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
+    stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
+      --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
   s15g)  # session 15, final: the arena test, then the 1.3b and 350m training pairs
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_kernels.py \
       -k arena -rfE --tb=short
