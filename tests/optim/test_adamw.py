@@ -184,7 +184,7 @@ def test_close_to_torch_fused_adamw_gpu():
     hyperparameters: one rounding to FP32 a moment), while torch 2.11's build on the H200 rounds the betas to FP32 and
     rounds the moment products in FP32 (measured 2026-11-24 with scripts/debug_adamw.py: with the betas rounded the
     first exp_avg matches exactly, exp_avg_sq is 1 ulp off in a quarter of the elements). Bounds from that run, about
-    2x the largest difference seen: moments within 8 ulp of torch's value, the parameter within 2^-18 of
+    2x the largest difference seen: moments within 8 ulp of the size of their terms, the parameter within 2^-18 of
     max(|p before the step|, lr) (the update is ~lr; a wrong formula is off by that much)."""
     gen = torch.Generator().manual_seed(7)
     shapes = [(2048, 6144), (2048, 2048), (300, 260)]
@@ -197,18 +197,22 @@ def test_close_to_torch_fused_adamw_gpu():
     for step in range(3):
         _grads(ps, gen)
         old = [t.detach().clone() for t in tw]
+        old_m = [topt.state[t]["exp_avg"].clone() if t in topt.state else torch.zeros_like(t) for t in tw]
         for p, t in zip(ps, tw):
             t.grad = p.grad.clone()
         for o in (opt, topt):
             o.grad_scale, o.found_inf = torch.tensor(1.3, device="cuda"), torch.zeros((), device="cuda")
             o.step()
             del o.grad_scale, o.found_inf
-        for p, t, o in zip(ps, tw, old):
+        for p, t, o, om in zip(ps, tw, old, old_m):
             d = (p.detach() - t.detach()).abs()
             assert bool((d <= 2.0**-18 * torch.clamp(o.abs(), min=1e-3)).all()), float(d.max())
-            for k in ("exp_avg", "exp_avg_sq"):
+            # exp_avg = 0.9 m + 0.1 g/1.3 may cancel: bound by the size of its terms; exp_avg_sq is a sum of positives
+            m_scale = 0.9 * om.abs() + 0.1 * p.grad.abs() / 1.3
+            v = topt.state[t]["exp_avg_sq"]
+            for k, scale in (("exp_avg", m_scale), ("exp_avg_sq", v)):
                 a, b = opt.state[p][k], topt.state[t][k]
-                assert bool(((a - b).abs() <= 8 * eps32 * b.abs()).all()), (k, float((a - b).abs().max()))
+                assert bool(((a - b).abs() <= 8 * eps32 * scale).all()), (k, float((a - b).abs().max()))
         for p, layer in zip(ps, layers):
             _check_copies(p, layer)
 
