@@ -17,7 +17,7 @@ rc=0
 # Tests run each kernel's first launch config: autotuning every test shape would spend minutes compiling.
 LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 timeout "${LOWBIT_TEST_TIMEOUT:-1800}" \
   python3 -m pytest -q -p no:cacheprovider -m gpu ${LOWBIT_GPU_TESTS:-tests} ${LOWBIT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-for b in ${LOWBIT_BENCHES-quant gemm linear attention attention_bwd}; do
+for b in ${LOWBIT_BENCHES-quant gemm linear attention attention_bwd optim}; do
   case $b in
     attention_bwd) python3 -m lowbit bench attention --backward 2>&1 | tee "$OUT/bench_$b.log" || rc=1 ;;
     *) python3 -m lowbit bench $b 2>&1 | tee "$OUT/bench_$b.log" || rc=1 ;;

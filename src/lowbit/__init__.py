@@ -31,6 +31,7 @@ _LAZY = {
     "autocast": ("lowbit.nn", "autocast"),
     "convert": ("lowbit.nn", "convert"),
     "nn": ("lowbit.nn", None),
+    "optim": ("lowbit.optim", None),
     "attention": ("lowbit.attention", None),  # the package is callable: lowbit.attention(q, k, v) == attention(...)
     "attention_qk_int8": ("lowbit.attention", "attention_qk_int8"),
     "models": ("lowbit.models", None),
