@@ -21,6 +21,23 @@ def env(name: str, value: str):
             os.environ[name] = saved
 
 
+def capture(fn):
+    """``fn`` warmed up on a side stream, then captured once in a CUDA graph (as ``torch.cuda.graphs`` asks); returns
+    the graph (replay it to time GPU work without host cost). Raises what the capture raises."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def git_commit() -> str:
     """Short hash of the checkout the benchmark runs from ("unknown" outside a git checkout), with "+dirty" when
     tracked files differ from it — as on a copy of a working tree whose ``.git`` is older than its files, where the

@@ -18,20 +18,7 @@ import datetime
 
 import torch
 
-from . import git_commit, median_ms
-
-
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+from . import capture, git_commit, median_ms
 
 
 def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int]]:
@@ -79,8 +66,8 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, int]], rep: in
     topt = torch.optim.AdamW(ps, lr=1e-4, **kw)
     topt.step()  # (state first: the capturable step needs it)
     setup(topt)
-    t_step = median_ms(_graph(topt.step).replay, rep=rep)
-    t_quant = median_ms(_graph(lambda: [quantize(p.detach(), sch, True, True, backend="triton") for p in ps]).replay,
+    t_step = median_ms(capture(topt.step).replay, rep=rep)
+    t_quant = median_ms(capture(lambda: [quantize(p.detach(), sch, True, True, backend="triton") for p in ps]).replay,
                         rep=rep)
     base = t_step + t_quant
     rows += [{"case": "torch fused AdamW step", "ms": t_step}, {"case": "lowbit.quantize 128x128 row+col (each weight)",
@@ -93,7 +80,7 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, int]], rep: in
     moved = n * 30 + 2 * sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes)
     for ch, ch2, w in configs:
         with env("LOWBIT_ADAMW_CFG", f"{ch},{ch2},{w}"):
-            t = median_ms(_graph(opt.step).replay, rep=rep)
+            t = median_ms(capture(opt.step).replay, rep=rep)
         gbs = moved / t / 1e6
         rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps)", "ms": t, "GB/s": gbs,
                      "of copy": gbs / copy_gbs, "vs torch": base / t})

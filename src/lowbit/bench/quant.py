@@ -20,7 +20,7 @@ import datetime
 
 import torch
 
-from . import git_commit, table_main
+from . import capture, git_commit, table_main
 from .gemm import _bench
 
 
@@ -28,15 +28,7 @@ def _graphed(fn, rep):
     """Median ms of ``fn`` captured once in a CUDA graph and replayed (its outputs live in the graph's pool), or
     None where it cannot be captured."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # (warm up off the capture stream, as torch.cuda.graphs asks)
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
+        g = capture(fn)
     except Exception as e:  # noqa: BLE001 - reported, the eager time stands
         print(f"    (not graphed: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
         return None

@@ -142,7 +142,7 @@ class AdamW(torch.optim.AdamW):
 
     def _bucket(self, bid: tuple, items: list, adam: bool) -> _Bucket:
         """The launch table of ``items`` [(p, FreshWeight)] (one shape and scheme), cached on every address in it."""
-        rows = []
+        rows = []  # one row per tensor, columns in kernels.TABLE_COLUMNS order (the amax slot appended below)
         for p, f in items:
             st = self.state[p] if adam else None
             r, c = f.q.rowwise, f.q.columnwise
@@ -164,7 +164,8 @@ class AdamW(torch.optim.AdamW):
                 f.q.rowwise.amax = f.q.columnwise.amax = amax[i:i + 1].view(torch.float32)
         host = torch.tensor([r + (amax.data_ptr() + 4 * i,) for i, r in enumerate(rows)], dtype=torch.int64)
         if dev.type == "cuda":
-            host = host.pin_memory()  # (a copy from pinned memory may be captured into a CUDA graph)
+            # (a copy from pinned memory may be captured into a CUDA graph; the bucket keeps the source alive)
+            host = host.pin_memory()
             table = host.to(dev, non_blocking=True)
         else:
             table = host
