@@ -102,22 +102,8 @@ case "${1:-verify}" in
         --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
         --out-dir "$OUT/a$arena" --overwrite
     done ;;
-  s16a)  # session 16: lowbit.optim.AdamW (the update kernel writes the 128x128 FP8 weight copies): its tests, the
-          # train and nn GPU tests over it, the config sweep against torch's step + quantize, the 1.3b pair, and
-          # fp8-block with LOWBIT_FUSED_ADAMW_QUANT=0 (torch's AdamW) for the A/B
-    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
-      -m gpu -n 4 tests/optim tests/train tests/nn/test_gpu.py -rfE --tb=short -s
-    stage 120 python3 -m lowbit bench optim --configs "8,8;16,8;32,8;8,4;16,4;4,4"
-    stage 130 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
-    stage 130 env LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 \
-      --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
-  s16b)  # session 16: where the AdamW kernel and torch's fused AdamW differ (scripts/debug_adamw.py), the optim tests,
-          # the config sweep (CH, CH2, warps)
-    stage 90 python3 scripts/debug_adamw.py
-    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim -rfE --tb=short -s
-    stage 150 python3 -m lowbit bench optim --configs "16,64,8;8,64,8;16,128,8;8,32,4;16,32,8;8,64,4" ;;
-  s16c)  # session 16: torch's betas in FP32? (debug_adamw.py), then the 1.3b pair with the AdamW kernel at (16, 32, 8)
+  s16c)  # session 16 (s16a/s16b, the first tests and config sweeps, dropped: their 2-value --configs no longer
+          # parse): torch's betas in FP32? (debug_adamw.py), then the 1.3b pair with the AdamW kernel at (16, 32, 8)
     stage 90 python3 scripts/debug_adamw.py
     stage 250 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" ;;

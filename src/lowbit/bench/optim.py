@@ -18,7 +18,7 @@ import datetime
 
 import torch
 
-from . import capture, git_commit, median_ms
+from . import capture, env, git_commit, median_ms
 
 
 def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int]]:
@@ -30,8 +30,8 @@ def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int
     return [(3 * d, d), (d, d), (2 * f, d), (d, f)] * (layers or c.n_layer)
 
 
-def run(preset: str, layers: int | None, configs: list[tuple[int, int]], rep: int = 20) -> list[dict]:
-    from lowbit.bench import env
+def run(preset: str, layers: int | None, configs: list[tuple[int, int, int]], rep: int = 20) -> list[dict]:
+    """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps) config of lowbit's kernel."""
     from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
     from lowbit.optim import AdamW
     from lowbit.quant import Float8Blockwise, quantize
@@ -55,12 +55,11 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, int]], rep: in
     rows = [{"case": "copy (device to device)", "ms": copy_ms, "GB/s": copy_gbs}]
     gs, fi = torch.tensor(1.25, device=dev), torch.zeros((), device=dev)
 
-    def setup(opt):
+    def setup(opt):  # as lowbit's update graph runs it: device lr, clipping as grad_scale, device-side skip
         for g in opt.param_groups:
             g["lr"] = torch.tensor(1e-4, device=dev)
             g["capturable"] = True
         opt.grad_scale, opt.found_inf = gs, fi
-        return opt
 
     kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     topt = torch.optim.AdamW(ps, lr=1e-4, **kw)

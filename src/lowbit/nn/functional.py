@@ -38,6 +38,9 @@ def check_microbatch_arg(is_first_microbatch) -> None:
         raise TypeError(f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}")
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run the Triton kernels there, in tests)
+
+
 def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     """The weight role's scheme where an optimizer may write ``w``'s quantized copies itself (see
     :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else None."""
@@ -51,7 +54,6 @@ def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     return sch
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run the Triton kernels there, in tests)
 # weight tensor -> (the GemmLayer that quantizes it, the scheme), recorded by the forward where fresh_weight_scheme
 # allows; lowbit.optim.AdamW looks its parameters up here. Keyed by identity, held weakly.
 _WEIGHT_LAYERS = WeakIdKeyDictionary()

@@ -17,6 +17,7 @@ import torch
 
 from ..nn.functional import FreshWeight, weight_layer
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
+from ..quant.triton_backend import SW_ROUND
 from . import kernels as K
 
 __all__ = ["AdamW"]
@@ -160,8 +161,10 @@ class AdamW(torch.optim.AdamW):
         amax = self._amax.get(owners)
         if amax is None:
             amax = self._amax[owners] = torch.zeros(len(items), dtype=torch.int32, device=dev)
-            for i, (p, f) in enumerate(items):  # every copy's amax is this launch's slot
-                f.q.rowwise.amax = f.q.columnwise.amax = amax[i:i + 1].view(torch.float32)
+        # every copy's amax is this launch's slot; bound on every (re)build, so a FreshWeight that took the id of a
+        # collected one (the key is ids) still gets its slot (rebinding to the same slot changes nothing)
+        for i, (p, f) in enumerate(items):
+            f.q.rowwise.amax = f.q.columnwise.amax = amax[i:i + 1].view(torch.float32)
         host = torch.tensor([r + (amax.data_ptr() + 4 * i,) for i, r in enumerate(rows)], dtype=torch.int64)
         if dev.type == "cuda":
             # (a copy from pinned memory may be captured into a CUDA graph; the bucket keeps the source alive)
@@ -193,7 +196,7 @@ class AdamW(torch.optim.AdamW):
             b.table, M, Kd, f0.q.rowwise.scale_inv.shape[1], f0.q.columnwise.scale_inv.shape[1],
             lr_ptr if lr_ptr is not None else dummy, _bits(lr_val), _bits(g["betas"][0]), _bits(g["betas"][1]),
             _bits(g["weight_decay"]), _bits(g["eps"]), gs if gs is not None else dummy, fi if fi is not None else dummy,
-            FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, POW2=sch.pow2, EPS=float(sch.eps), SW=_sw(),
+            FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, POW2=sch.pow2, EPS=float(sch.eps), SW=SW_ROUND,
             E5M2=fmt.name.lower() == "e5m2", ADAM=adam, LR_PTR=lr_ptr is not None, HAS_GS=gs is not None,
             HAS_FI=fi is not None, WD=g["weight_decay"] != 0, CH=ch, CH2=ch2, EVEN=M % 128 == 0 and Kd % 128 == 0,
             num_warps=warps, enable_fp_fusion=False)
@@ -263,8 +266,3 @@ class AdamW(torch.optim.AdamW):
             self._run(targets, adam=False)
         return n
 
-
-def _sw() -> bool:
-    from ..quant.triton_backend import SW_ROUND
-
-    return SW_ROUND

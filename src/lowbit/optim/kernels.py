@@ -51,7 +51,7 @@ def _ptr(row, col: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lr, lrwd, b1, omb1, b2, omb2, eps, gs, step_size, bc2s,
+def _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lrwd, b1, omb1, b2, omb2, eps, gs, step_size, bc2s,
                      HAS_GS: tl.constexpr, WD: tl.constexpr, EVEN: tl.constexpr):
     """One chunk of rows through the AdamW update (torch._fused_adamw_'s arithmetic); stores p, exp_avg,
     exp_avg_sq and returns the new p (FP32)."""
@@ -167,7 +167,7 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
         for r0 in range(0, 128, CH):
             offs = (m0 + r0 + rr)[:, None] * K + (k0 + cc)[None, :]
             mask = ((m0 + r0 + rr) < M)[:, None] & kmask[None, :]
-            p = _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lr, lrwd, b1, 1.0 - b1, b2, 1.0 - b2, eps,
+            p = _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lrwd, b1, 1.0 - b1, b2, 1.0 - b2, eps,
                                  gs, step_size, bc2s, HAS_GS, WD, EVEN)
             acc = tl.maximum(acc, _abs_bits(p))
     else:

@@ -321,13 +321,12 @@ def _optimizer(model, c: TrainConfig):
     groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if next(model.parameters()).device.type != "cuda":
         return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
+    cls = torch.optim.AdamW
     if os.environ.get("LOWBIT_FUSED_ADAMW_QUANT", "1") != "0":
         # torch's fused AdamW, whose step also writes the FP8 copies of the 128x128 blockwise weights (fp8-block)
         # that the next forward would otherwise quantize; any other recipe: torch's step unchanged
-        from lowbit.optim import AdamW
-
-        return AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
-    return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
+        from lowbit.optim import AdamW as cls
+    return cls(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
 
 GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
