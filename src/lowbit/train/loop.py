@@ -691,6 +691,7 @@ def _train_one(c: TrainConfig) -> dict:
     stopped_early = False
     step = start
     phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
+    profile_dir = os.environ.get("LOWBIT_PROFILE_GRAPHS")  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
 
     def graph_batches(step: int) -> list:
@@ -727,7 +728,14 @@ def _train_one(c: TrainConfig) -> dict:
                     # generator's seed and offset when it starts) draws what an eager step would
                     torch.manual_seed(step_key)
                 phases.mark("data+launch")
-                loss_sum = graphed.replay(phases.gpu_mark).clone()
+                if profile_dir and graphed.update is not None and step == start + 3:
+                    # (diagnostic) this step's replay, one graph at a time under the profiler: same work, same order
+                    from .graph_profile import profile_step
+
+                    profile_step(graphed, os.path.join(profile_dir, c.recipe), lambda msg: _say(d, c, msg, bar))
+                    loss_sum = graphed.loss_sum.clone()
+                else:
+                    loss_sum = graphed.replay(phases.gpu_mark).clone()
                 if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
                     prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")

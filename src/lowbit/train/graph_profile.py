@@ -1,0 +1,87 @@
+"""Where a captured training step's GPU time goes (diagnostic, ``LOWBIT_PROFILE_GRAPHS=DIR`` on ``lowbit train``).
+
+A CUDA graph replays its kernels back to back, but not without gaps: each node's launch, ramp-up and drain cost
+time that no kernel's duration counts. :func:`profile_step` replays the step's graphs one at a time, each under
+its own ``torch.profiler`` session, and splits each graph's span (first kernel start to last kernel end) into busy
+time (the union of the kernel intervals) and idle time between kernels; it also groups kernel time by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+
+import torch
+
+
+def _kernels(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?"))
+           for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    return sorted(out)
+
+
+def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
+    """Span, busy time (union of intervals), idle time, gap statistics and the ``top`` kernel names by total time
+    (all in microseconds) of one graph's kernels."""
+    if not kernels:
+        return {"kernels": 0}
+    busy, idle, gaps = 0.0, 0.0, []
+    cur_s, cur_e = kernels[0][0], kernels[0][1]
+    for s, e, _ in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            idle += s - cur_e
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for s, e, n in kernels:
+        by_name[n][0] += e - s
+        by_name[n][1] += 1
+    gaps.sort()
+    return {
+        "kernels": len(kernels), "span_us": kernels[-1][1] - kernels[0][0] if kernels else 0.0,
+        "busy_us": busy, "idle_us": idle, "kernel_sum_us": sum(e - s for s, e, _ in kernels),
+        "gaps": len(gaps), "gap_median_us": gaps[len(gaps) // 2] if gaps else 0.0,
+        "gap_p90_us": gaps[int(0.9 * len(gaps))] if gaps else 0.0,
+        "top": [{"name": n[:160], "us": t, "calls": c}
+                for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def profile_step(graphed, out_dir: str, say) -> None:
+    """Replay ``graphed``'s forward+backward graph and then its update graph (a ``loop._GraphedStep`` whose update is
+    captured), each under its own profiler session, and write ``graph_profile.json`` into ``out_dir``; ``say``
+    prints the one-line summary of each graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res = {}
+    for name, g in (("forward+backward", graphed.graph), ("update", graphed.update)):
+        if g is None:
+            continue
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        s = summarize(_kernels(prof))
+        res[name] = s
+        if s["kernels"]:
+            say(f"[lowbit] graph {name}: {s['kernels']} kernels, span {s['span_us'] / 1e3:.2f} ms, busy "
+                f"{s['busy_us'] / 1e3:.2f} ms, idle {s['idle_us'] / 1e3:.2f} ms in {s['gaps']} gaps (median "
+                f"{s['gap_median_us']:.2f} us, p90 {s['gap_p90_us']:.2f} us)")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "graph_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
