@@ -83,12 +83,6 @@ def quant(shapes):
             # the register-tile kernels, checked against the slab walk
             if tb._regs_ok(x, 128, False, True, True):
                 cands = cands[:1] + list(tb._REGS_CONFIGS) + cands[1:]
-                if dt != torch.float32 and torch.cuda.get_device_capability()[0] == 9:
-                    # the TMA-fed persistent register tile (quant_gluon.rowcol_1x128_regs_tma; LOWBIT_QUANT_REGS_TMA=1)
-                    # (~245 registers: one CTA an SM; capped at 128, two, with ~60 spilled values)
-                    cands = cands[:1] + [dict(KIND="regs_tma", STAGES=st, CTAS=1, num_warps=8) for st in (2, 3, 4)] \
-                        + [dict(KIND="regs_tma", STAGES=st, CTAS=2, num_warps=8, maxnreg=128) for st in (2, 3)] \
-                        + cands[1:]
 
             def prepare(cfg, x=x):
                 launch, qt = prepared(x, sch, True, True, cfg)

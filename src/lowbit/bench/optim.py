@@ -30,7 +30,7 @@ def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int
     return [(3 * d, d), (d, d), (2 * f, d), (d, f)] * (layers or c.n_layer)
 
 
-def run(preset: str, layers: int | None, configs: list[tuple[int, int, int]], rep: int = 20) -> list[dict]:
+def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: int = 20) -> list[dict]:
     """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps) config of lowbit's kernel."""
     from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
     from lowbit.optim import AdamW
@@ -77,11 +77,13 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, int, int]], re
     opt.step()
     setup(opt)
     moved = n * 30 + 2 * sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes)
-    for ch, ch2, w in configs:
-        with env("LOWBIT_ADAMW_CFG", f"{ch},{ch2},{w}"):
+    for cfg in configs:
+        ch, ch2, w = cfg[:3]
+        ns = cfg[3] if len(cfg) > 3 else 1
+        with env("LOWBIT_ADAMW_CFG", f"{ch},{ch2},{w},{ns}"):
             t = median_ms(capture(opt.step).replay, rep=rep)
         gbs = moved / t / 1e6
-        rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps)", "ms": t, "GB/s": gbs,
+        rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps, {ns} stages)", "ms": t, "GB/s": gbs,
                      "of copy": gbs / copy_gbs, "vs torch": base / t})
     return rows
 
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench optim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="1.3b", help="GPT preset whose weight shapes are stepped (default 1.3b)")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
-    ap.add_argument("--configs", default="16,32,8", help="kernel configs 'CH,CH2,WARPS;...' (default 16,32,8)")
+    ap.add_argument("--configs", default="8,32,8,3",
+                    help="kernel configs 'CH,CH2,WARPS[,STAGES];...' (default 8,32,8,3, the kernel's default)")
     ap.add_argument("--rep", type=int, default=20)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -92,7 +92,8 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
                              FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                              EPS: tl.constexpr, SW: tl.constexpr, E5M2: tl.constexpr,
                              ADAM: tl.constexpr, LR_PTR: tl.constexpr, HAS_GS: tl.constexpr, HAS_FI: tl.constexpr,
-                             WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr):
+                             WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr,
+                             NS: tl.constexpr = 1):
     """One 128 x 128 tile of one tensor a program: grid (tiles of an (M, K) weight, tensors). Every tensor of a
     launch has the same shape; ``tab_ptr`` (tensors, T_COLS) int64 holds, per tensor, the addresses of:
 
@@ -110,6 +111,8 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
     the update (registers: the moments and the double-precision temporaries); ``CH2``: rows a chunk of the cast,
     which is also the length of each row piece of the transposed copy it stores (64: two whole 32-byte sectors;
     16 wrote half sectors).
+    ``NS``: software-pipelining stages of the update loop (1: none; more: the next chunks' loads are issued before
+    this chunk's math, through shared memory).
     ``EVEN``: M and K are multiples of 128 (no masks). The chunks of p are re-read for the cast (stored with
     evict_last just before, so from L2) since the tile's scale needs its whole amax first.
     """
@@ -120,14 +123,15 @@ def adamw_fp8_128x128_kernel(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bi
         go = True
     if go:
         _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bits, wd_bits, eps_bits, gs_ptr,
-                        FMAX, EMIN, MBITS, POW2, EPS, SW, DT, ADAM, LR_PTR, HAS_GS, WD, CH, CH2, EVEN)
+                        FMAX, EMIN, MBITS, POW2, EPS, SW, DT, ADAM, LR_PTR, HAS_GS, WD, CH, CH2, EVEN, NS)
 
 
 @triton.jit
 def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bits, wd_bits, eps_bits, gs_ptr,
                     FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                     EPS: tl.constexpr, SW: tl.constexpr, DT: tl.constexpr, ADAM: tl.constexpr, LR_PTR: tl.constexpr,
-                    HAS_GS: tl.constexpr, WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr):
+                    HAS_GS: tl.constexpr, WD: tl.constexpr, CH: tl.constexpr, CH2: tl.constexpr, EVEN: tl.constexpr,
+                    NS: tl.constexpr):
     tid = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     nkt = tl.cdiv(K, 128)
@@ -164,7 +168,7 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
         bc2s = tl.sqrt(1.0 - _pow(b2, step)).to(tl.float32)  # (float64: sqrt.rn.f64, exact)
         step_size = (lr / bc1.to(tl.float64)).to(tl.float32)
         gs = tl.load(gs_ptr).to(tl.float64) if HAS_GS else 1.0
-        for r0 in range(0, 128, CH):
+        for r0 in tl.range(0, 128, CH, num_stages=NS):
             offs = (m0 + r0 + rr)[:, None] * K + (k0 + cc)[None, :]
             mask = ((m0 + r0 + rr) < M)[:, None] & kmask[None, :]
             p = _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lrwd, b1, 1.0 - b1, b2, 1.0 - b2, eps,

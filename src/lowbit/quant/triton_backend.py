@@ -436,35 +436,6 @@ _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 
 
-# Candidates of the TMA-fed persistent register-tile kernel (quant_gluon.rowcol_1x128_regs_tma), 16-bit input only:
-# STAGES tiles of 32 KiB in flight a program, CTAS programs an SM (its loop-invariant addresses take ~245 registers
-# at 8 warps: one CTA an SM unless maxnreg caps it).
-_REGS_TMA_CONFIGS = [dict(KIND="regs_tma", STAGES=st, CTAS=1, num_warps=8) for st in (2, 3, 4)]
-REGS_TMA = os.environ.get("LOWBIT_QUANT_REGS_TMA", "0") == "1"
-
-
-def _regs_tma_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
-    """Whether quant_gluon.rowcol_1x128_regs_tma may run: _regs_ok's cases from 16-bit input whose base is 16-byte
-    aligned (a TMA descriptor's), on Hopper, and asked for (LOWBIT_QUANT_REGS_TMA=1, while it is measured)."""
-    return (REGS_TMA and _regs_ok(x2, bs, two_d, rowwise, columnwise) and x2.dtype in (torch.bfloat16, torch.float16)
-            and x2.data_ptr() % 16 == 0 and capability(x2.device)[0] == 9)
-
-
-class _RegsTmaLaunch:
-    """``fn[grid](*args, **kw)`` for rowcol_1x128_regs_tma with the calling thread's TMA scratch allocator installed
-    (as _GluonLaunch)."""
-
-    def __getitem__(self, grid):
-        def run(*args, **kw):
-            ensure_tma_allocator()
-            QG.rowcol_1x128_regs_tma[grid](*args, **kw)
-
-        return run
-
-
-_REGS_TMA_LAUNCH = _RegsTmaLaunch()
-
-
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
 # a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
 _MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
@@ -636,13 +607,6 @@ class _BlockwisePlan:
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"], SR=c["SR"],
                       RPT=c["RPT"], num_warps=c["num_warps"])
             return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
-        if kind == "regs_tma":
-            n_prog = min((M // 128) * (Kd // 128), self.nsm * c["CTAS"])
-            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"],
-                      num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], 8))
-            if c.get("maxnreg"):
-                kw["maxnreg"] = c["maxnreg"]
-            return _REGS_TMA_LAUNCH, (n_prog,), (n_prog,), kw
         if kind == "regs":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], COMPACT=c["COMPACT"],
                       num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))

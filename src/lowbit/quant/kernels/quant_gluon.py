@@ -184,42 +184,6 @@ if GLUON:
         gl.store(cq_ptr + (k0 * M + m0) + gl.expand_dims(ct, 1) * M + gl.expand_dims(rt, 0), qt)
 
     @gluon.jit
-    def _rowcol_emit(x, pm, pk, m0, k0, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, FMAX: gl.constexpr,
-                     POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, T: gl.constexpr,
-                     COMPACT: gl.constexpr, abs_mask):
-        """Both 1x128 copies of the FP32 tile x (128 x 128 in layout A) at tile (pm, pk) = rows m0.., columns k0..:
-        row and column maxima from the one tile, the scales (scale_inv stored into rs[pk, m0..] and cs[pm, k0..]),
-        rq's rows and cq's transposed rows (see rowcol_1x128_regs). Returns the tile's max |x| as int32 bits."""
-        DT: gl.constexpr = rq_ptr.dtype.element_ty
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
-        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
-        ab = x.to(gl.int32, bitcast=True) & abs_mask
-        rmax = gl.max(ab, axis=1)
-        cmax = gl.max(ab, axis=0)
-        if COMPACT:
-            # The maxima leave the reductions replicated (a row's in its 16 threads): the scales are computed once
-            # each, one a thread, and brought back (through shared memory, as the reductions were).
-            S1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-            i1 = gl.arange(0, 128, layout=S1)
-            sr1 = _compute_scale(gl.convert_layout(rmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, _recip(sr1, POW2, FMAX))
-            sc1 = _compute_scale(gl.convert_layout(cmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, _recip(sc1, POW2, FMAX))
-            sr = gl.convert_layout(sr1, gl.SliceLayout(1, A))
-            sc = gl.convert_layout(sc1, gl.SliceLayout(0, A))
-        else:
-            sr = _compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, _recip(sr, POW2, FMAX))
-            sc = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _recip(sc, POW2, FMAX))
-        q = (x * gl.expand_dims(sr, 1)).to(DT)
-        gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
-        xb = gl.convert_layout(x, B)
-        qc = (xb * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(0, B)), 0)).to(DT)
-        _store_transposed(cq_ptr, qc, T, m0, k0, M)
-        return gl.max(cmax, axis=0)
-
-    @gluon.jit
     def rowcol_1x128_regs(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
@@ -246,6 +210,7 @@ if GLUON:
         the b half (db = g * silu(a), reading a, g). H: rowcol_regs_half_layout(num_warps) (the tile is computed in
         two halves of 64 rows).
         """
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
@@ -264,54 +229,32 @@ if GLUON:
         x = x.to(gl.float32)
         if NORM:  # the RMSNorm output (x * rstd[m]) * w[k], as blockwise_kernel's _norm_rows
             x = (x * gl.expand_dims(gl.load(rstd_ptr + m0 + r), 1)) * gl.expand_dims(gl.load(nw_ptr + k0 + c), 0)
-        tmax = _rowcol_emit(x, pm, pk, m0, k0, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, FMAX, POW2, EPS,
-                            A, B, T, COMPACT, abs_mask)
-        gl.atomic_max(amax_ptr, tmax, sem="relaxed")
+        ab = x.to(gl.int32, bitcast=True) & abs_mask
+        rmax = gl.max(ab, axis=1)
+        cmax = gl.max(ab, axis=0)
+        if COMPACT:
+            # The maxima leave the reductions replicated (a row's in its 16 threads): the scales are computed once
+            # each, one a thread, and brought back (through shared memory, as the reductions were).
+            S1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            i1 = gl.arange(0, 128, layout=S1)
+            sr1 = _compute_scale(gl.convert_layout(rmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, _recip(sr1, POW2, FMAX))
+            sc1 = _compute_scale(gl.convert_layout(cmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, _recip(sc1, POW2, FMAX))
+            sr = gl.convert_layout(sr1, gl.SliceLayout(1, A))
+            sc = gl.convert_layout(sc1, gl.SliceLayout(0, A))
+        else:
+            sr = _compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, _recip(sr, POW2, FMAX))
+            sc = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _recip(sc, POW2, FMAX))
+        q = (x * gl.expand_dims(sr, 1)).to(DT)
+        gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
+        xb = gl.convert_layout(x, B)
+        qc = (xb * gl.expand_dims(gl.convert_layout(sc, gl.SliceLayout(0, B)), 0)).to(DT)
+        _store_transposed(cq_ptr, qc, T, m0, k0, M)
+        gl.atomic_max(amax_ptr, gl.max(cmax, axis=0), sem="relaxed")
 
-
-    @gluon.jit
-    def rowcol_1x128_regs_tma(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
-                              FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
-                              B: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr, COMPACT: gl.constexpr = True,
-                              abs_mask=0x7FFFFFFF):
-        """rowcol_1x128_regs (plain x, no prologue) fed by TMA: x (M, K) 16-bit row-major, M % 128 == K % 128 == 0;
-        persistent, program p takes tiles p, p + n_prog, ... (K-major order). Same outputs and numbers.
-
-        Why: one tile a program is latency-bound from 16-bit input (0.80 of a copy against 0.93 from FP32, which
-        has twice the bytes in flight a program): a program's load, reductions and stores run one after the
-        other, and two programs an SM do not cover each other. Here STAGES tiles are on their way into shared
-        memory while the program works on the current one in registers (read out of shared memory in layout A,
-        then the register-tile kernel's body, _rowcol_emit)."""
-        pid = gl.program_id(0)
-        nkt = K // 128
-        n_tiles = (M // 128) * nkt
-        my_n = gl.cdiv(n_tiles - pid, n_prog)
-        # unswizzled: a 128-wide 16-bit row (256 bytes) is wider than TMA's largest swizzle; layout A reads 16 bytes
-        # a thread, 8 threads a 128-byte row segment (4 wavefronts a warp load, the minimum for 512 bytes)
-        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        xd = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[128, 128], layout=x_layout)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 128, 128], x_layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _g_issue(xd, x_s, bars, pid + i * n_prog, nkt, i < my_n, STAGES, i)
-        tmax = gl.max(gl.zeros([128], gl.int32, gl.SliceLayout(0, A)), axis=0)
-        for i in range(my_n):
-            t = pid + i * n_prog
-            pm = t // nkt
-            pk = t - pm * nkt
-            s = i % STAGES
-            mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-            x = x_s.index(s).load(A).to(gl.float32)
-            _cta_barrier()  # every warp has its part of stage s: refill it with the tile STAGES ahead
-            _g_issue(xd, x_s, bars, t + STAGES * n_prog, nkt, i + STAGES < my_n, STAGES, i)
-            tmax = gl.maximum(tmax, _rowcol_emit(x, pm, pk, pm.to(gl.int64) * 128, pk.to(gl.int64) * 128, rq_ptr,
-                                                 rs_ptr, cq_ptr, cs_ptr, M, K, rs_ld, cs_ld, FMAX, POW2, EPS, A, B, T,
-                                                 COMPACT, abs_mask))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-        gl.atomic_max(amax_ptr, tmax, sem="relaxed")
 
 def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     """The three register layouts of rowcol_1x128_regs for a 128 x 128 tile at ``num_warps`` (4, 8 or 16) warps.
