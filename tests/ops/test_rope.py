@@ -80,3 +80,127 @@ def test_kernel_interpreter_subprocess():
 @pytest.mark.gpu
 def test_kernel_gpu(cuda):
     _check_kernel(cuda, SHAPES + [(4, 2048, 16, 64), (2, 1000, 16, 128)], DTYPES + [torch.bfloat16, torch.bfloat16])
+
+
+# ---- RoPE's backward inside the QKV projection's 1x128 grad_output quantizer ----------------------------------
+
+def _bwd_case(B, T, H, D, dtype, device, seed, tab_extra=5):
+    g = torch.Generator().manual_seed(seed)
+    # wide dynamic range (the quantizer's scales differ block to block), in (B, T, H, D) as the attention writes them
+    gs = [(torch.randn(B, T, H, D, generator=g) * torch.exp(torch.randn(B, T, H, D, generator=g))).to(device, dtype)
+          for _ in range(3)]
+    cos, sin = rope_tables(T + tab_extra, D, 10000.0)
+    return gs, cos.to(device), sin.to(device)
+
+
+@pytest.mark.gpu
+def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch):
+    """rope_backward_quantize_1x128, each candidate forced alone, equals RoPE's backward kernel (through autograd)
+    followed by the reference 1x128 quantizer, bit for bit (data, scales, amax): head dims 64 and 128, BF16 and
+    FP16, sequences shorter than a tile (T = 64: a tile's rows wrap into the next sequence's table rows), tables
+    longer than T, several heads and batches, E4M3 pow2 and E5M2 non-pow2 scales."""
+    import lowbit.ops.rope as R
+    import lowbit.quant.triton_backend as tb
+    from lowbit.quant import Float8Blockwise
+    from lowbit.quant.reference import quantize_reference
+
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    cases = [(2, 128, 16, 128, torch.bfloat16), (1, 384, 2, 64, torch.bfloat16), (4, 64, 2, 128, torch.float16),
+             (3, 256, 6, 64, torch.bfloat16)]
+    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False)]
+    for i, (B, T, H, D, dt) in enumerate(cases):
+        gs, cos, sin = _bwd_case(B, T, H, D, dt, cuda, 300 + i)
+        assert R.rope_backward_fused_quant_supported(*gs, cos, sin, schemes[0])
+        # the unfused gradient: rope_qkv's backward kernel through autograd
+        qkv = torch.zeros(B, T, 3, H, D, dtype=dt, device=cuda, requires_grad=True)
+        q, k, v = rope_qkv(qkv, cos, sin)
+        torch.autograd.backward((q, k, v), [g.transpose(1, 2) for g in gs])
+        dqkv = qkv.grad.reshape(B * T, 3 * H * D)
+        for sch in schemes:
+            ref = quantize_reference(dqkv.cpu(), sch, rowwise=True, columnwise=True)
+            for cfg in R._ROPE_BWD_CONFIGS:
+                monkeypatch.setattr(R, "_ROPE_BWD_CONFIGS", [cfg])
+                got = R.rope_backward_quantize_1x128(*gs, cos, sin, sch)
+                monkeypatch.undo()
+                monkeypatch.setattr(tb, "AUTOTUNE", False)
+                assert got.shape == (B * T, 3 * H * D)
+                for w in ("rowwise", "columnwise"):
+                    a, b = getattr(ref, w), getattr(got, w)
+                    assert torch.equal(a.data.view(torch.uint8), b.data.cpu().view(torch.uint8)), (cfg, w, B, T, H, D)
+                    assert torch.equal(a.scale_inv, b.scale_inv.cpu()), (cfg, w, "scales")
+                    assert torch.equal(a.amax.reshape(()), b.amax.cpu().reshape(())), (cfg, w, "amax")
+
+
+@pytest.mark.gpu
+def test_gpt_fused_rope_backward_matches_unfused(cuda, monkeypatch):
+    """A GPT step under fp8-block: every parameter gradient with RoPE's backward inside qkv's grad_output
+    quantizer equals the unfused path's (LOWBIT_FUSED_ROPE_BWD_QUANT=0) bit for bit, and the fused path ran (the
+    qkv layers took the handed-over gradient)."""
+    import lowbit
+    from lowbit import recipes
+    from lowbit.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=256, ffn_hidden=512, max_seq_len=256)
+    grads = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("LOWBIT_FUSED_ROPE_BWD_QUANT", fused)
+        torch.manual_seed(0)
+        model = GPT(cfg).to(cuda)
+        idx = torch.randint(0, 256, (2, 257), device=cuda, generator=torch.Generator(cuda).manual_seed(1))
+        with torch.autocast("cuda", dtype=torch.bfloat16), lowbit.autocast(recipe=recipes.from_name("fp8-block")):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        taken = sum(b.qkv._gemms[""].handoffs for b in model.blocks)
+        assert taken == (2 if fused == "1" else 0), (fused, taken)
+    for n, g in grads["1"].items():
+        assert torch.equal(g, grads["0"][n]), n
+
+
+def test_backward_fused_not_supported_off_gpu():
+    """Off the GPU (or on shapes the kernel does not take) the sink declines and the call refuses clearly."""
+    from lowbit.ops.rope import rope_backward_fused_quant_supported, rope_backward_quantize_1x128
+    from lowbit.quant import Float8Blockwise
+
+    gs, cos, sin = _bwd_case(1, 128, 2, 64, torch.bfloat16, "cpu", 0)
+    assert not rope_backward_fused_quant_supported(*gs, cos, sin, Float8Blockwise())
+    with pytest.raises(NotImplementedError, match="rope_backward_quantize_1x128"):
+        rope_backward_quantize_1x128(*gs, cos, sin, Float8Blockwise())
+
+
+def test_backward_quantize_compiles_for_sm90():
+    """The fused kernel (quant_gluon.rowcol_1x128_regs with ROPE_BWD, the first candidate) compiles for Hopper with
+    the installed Triton on any machine: 16-byte loads of the three gradients and of the tables (no scalar loads),
+    one FMA an output; under Triton 3.6 at head_dim 128 at most 128 registers and no spills."""
+    import re
+
+    from sm90_compile import compile_gluon_sm90, sm90_sass
+
+    from lowbit.ops.rope import _ROPE_BWD_CONFIGS
+    from lowbit.quant.kernels import quant_gluon as QG
+
+    if not QG.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    c = _ROPE_BWD_CONFIGS[0]
+    layouts = dict(zip("ABT", QG.rowcol_regs_layouts(c["num_warps"], c["LC"])))
+    sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
+               M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr", EPS="constexpr",
+               A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr", SWIGLU="constexpr",
+               abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr", SWIGLU_BWD="constexpr", g_ptr="*bf16",
+               H="constexpr", ROPE_BWD="constexpr", gv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rope_T="i32",
+               tab_row="i32", HD="i32", DH="constexpr")
+    for dh in (128, 64):
+        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=c["COMPACT"], NORM=False, SWIGLU=False, rstd_ptr=None,
+                     nw_ptr=None, SWIGLU_BWD=False, ROPE_BWD=True, DH=dh,
+                     H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]), **layouts)
+        k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld", "HD", "tab_row"),
+                               num_warps=c["num_warps"])
+        ptx = k.asm["ptx"]
+        loads = set(re.findall(r"ld\.global[\.\w]*", ptx))
+        assert loads == {"ld.global.v4.b32"}, loads
+        assert "fma.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert ptx.count("st.global.v2.b32") == 16
+        got = sm90_sass(k, "3.6")
+        if got is not None and dh == 128:
+            assert "STL" not in got[0] and "LDL" not in got[0]
+            assert got[1] <= 128, got[1]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.functional import rope_grad_sink
 from ..ops.residual import residual_add
 from ..ops.rope import rope_qkv
 
@@ -189,7 +190,8 @@ class Block(nn.Module):
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link)
         qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head)
         if rope is not None:  # one fused kernel on CUDA (lowbit.ops.rope_qkv), the FP32 reference elsewhere
-            q, k, v = rope_qkv(qkv, *rope)
+            # (under a 1x128 blockwise recipe its backward runs inside qkv's grad_output quantizer: rope_grad_sink)
+            q, k, v = rope_qkv(qkv, *rope, grad_sink=rope_grad_sink(self.qkv))
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)

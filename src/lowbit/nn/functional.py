@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import scaled_mm
 from ..quant import quantize
-from ..quant.schemes import Float8Tensorwise
+from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
@@ -113,25 +113,46 @@ class GemmLayer:
         self.fresh: FreshWeight | None = None
         self.fresh_uses = 0
         self._offered_dy: QuantizedTensor | None = None  # FP8 grad_output handed over by the next op (see offer_grad_output)
+        self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
 
     # -- FP8 grad_output hand-off -----------------------------------------------------------------
-    def offer_grad_output(self, q: QuantizedTensor) -> None:
+    def offer_grad_output(self, q: QuantizedTensor, stand_in: torch.Tensor | None = None) -> None:
         """Hand this GEMM's next backward an already-quantized grad_output (e.g. FP8 dQ/dK/dV written by the
         attention backward with this layer's delayed grad_output scale), so it is not quantized again.
 
         ``q``: Float8Tensorwise, rowwise copy (tokens, out_features); it must equal what autograd delivers as
         dy (dequantized) — it is used only if its scheme is the recipe's delayed grad_output scheme and its
         shape matches; otherwise the backward quantizes dy as usual.
+
+        With ``stand_in`` (a one-element tensor): ``q`` (a 1x128 Float8Blockwise current-scaling grad_output, both
+        copies) *is* the gradient, and autograd delivers ``stand_in`` expanded in its place (lowbit.ops.rope_qkv's
+        grad_sink, :func:`rope_grad_sink`). The backward takes ``q`` exactly when its dy is that stand-in, and raises
+        if it cannot use it (the stand-in holds no values).
         """
         self._offered_dy = q
+        self._stand_in = stand_in
 
     def take_grad_output(self, dy2: torch.Tensor, recipe: Recipe, *, need_dgrad: bool, need_wgrad: bool,
                          phase: str, policy: str) -> QuantizedTensor | None:
         q, self._offered_dy = self._offered_dy, None
+        ph, self._stand_in = self._stand_in, None
         if q is None:
             return None
         rq = recipe.role("grad_output")
+        if ph is not None:  # q is the gradient itself, for the dy that is its stand-in (and for no other)
+            if not (dy2.data_ptr() == ph.data_ptr() and all(st == 0 for st in dy2.stride())):
+                return None
+            sch = rq.scheme
+            if not (not rq.delayed and isinstance(sch, Float8Blockwise) and sch.block_dim == 1 and q.scheme == sch
+                    and (q.rows, q.cols) == tuple(dy2.shape) and (q.rowwise is not None or not need_dgrad)
+                    and (q.columnwise is not None or not need_wgrad)):
+                raise RuntimeError(f"{self.name}: a quantized grad_output handed over in place of the gradient does "
+                                   f"not fit this backward (scheme {q.scheme!r} against the recipe's {sch!r}, shape "
+                                   f"{(q.rows, q.cols)} against {tuple(dy2.shape)})")
+            _ac.sentry([c.amax for c in q._copies()], layer=self, role="grad_output", phase=phase, policy=policy)
+            self.handoffs += 1
+            return q
         if not (rq.delayed and isinstance(rq.scheme, Float8Tensorwise) and q.scheme == rq.scheme
                 and q.rowwise is not None and (q.rows, q.cols) == tuple(dy2.shape)):
             return None
@@ -601,3 +622,47 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
+
+
+def _fused_rope_bwd() -> bool:
+    """RoPE's backward fused into the QKV projection's grad_output quantizer where it can run
+    (:func:`rope_grad_sink`); ``LOWBIT_FUSED_ROPE_BWD_QUANT=0`` turns it off."""
+    return os.environ.get("LOWBIT_FUSED_ROPE_BWD_QUANT", "1") != "0"
+
+
+def rope_grad_sink(module):
+    """A ``grad_sink`` for :func:`lowbit.ops.rope.rope_qkv` applied to the output of ``module`` (a lowbit
+    ``Linear`` / ``LayerNormLinear`` without bias, called in this forward under a lowbit recipe with 1x128
+    Float8Blockwise current-scaling gradients), or None where that does not apply.
+
+    In the backward, the sink runs RoPE's backward inside the module's grad_output quantizer
+    (:func:`lowbit.ops.rope.rope_backward_quantize_1x128`: the 16-bit dqkv is never written), hands the quantized
+    gradient to the module's GEMM layer and returns the stand-in autograd delivers in its place
+    (:meth:`GemmLayer.offer_grad_output`); where the kernel cannot take the gradients (shapes, dtypes, device) it
+    returns None and the backward runs unfused. Call it in the forward, where the recipe is known."""
+    if not _fused_rope_bwd() or not torch.is_grad_enabled():
+        return None
+    st = _ac.get_state()
+    if not st.enabled or st.recipe is None:
+        return None
+    rq = st.recipe.role("grad_output")
+    sch = rq.scheme
+    if rq.delayed or not (isinstance(sch, Float8Blockwise) and sch.block_dim == 1 and sch.block_size == 128):
+        return None
+    gemms = getattr(module, "_gemms", None)
+    if getattr(module, "bias", None) is not None or not gemms or list(gemms) != [""] \
+            or getattr(module, "return_layernorm_output", False):
+        return None
+    layer = gemms[""]
+
+    def sink(gq, gk, gv, cos, sin):
+        from ..ops.rope import rope_backward_fused_quant_supported, rope_backward_quantize_1x128
+
+        if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, sch):
+            return None
+        qt = rope_backward_quantize_1x128(gq, gk, gv, cos, sin, sch)
+        stand_in = torch.empty(1, dtype=gq.dtype, device=gq.device)
+        layer.offer_grad_output(qt, stand_in=stand_in)
+        return stand_in
+
+    return sink

@@ -6,8 +6,10 @@ of the 350m GPT on an H200 (broadcast multiplies, a cat and copies on non-contig
 
 Numerics (both paths): FP32 math, one rounding to the input dtype:
 ``out[:h] = x[:h]·cos[:h] − x[h:]·sin[:h]``, ``out[h:] = x[h:]·cos[h:] + x[:h]·sin[h:]`` (h = D/2).
-The kernel may contract a·b ± c·d into FMAs, so it agrees with :func:`rope_qkv_reference` to within one
-rounding of the output dtype (tests/ops/test_rope.py), not bit for bit.
+The kernel computes each output as one FMA over the other rounded product (fma(x2, ∓sin, x1·cos)), so it agrees
+with :func:`rope_qkv_reference` to within one rounding of the output dtype (tests/ops/test_rope.py), not bit for
+bit. Its backward can run inside the QKV projection's 1x128 grad_output quantizer instead
+(:func:`rope_backward_quantize_1x128`, same bits): ``rope_qkv(..., grad_sink=...)``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 
 import torch
 
-__all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope"]
+__all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope", "rope_backward_quantize_1x128",
+           "rope_backward_fused_quant_supported"]
 
 try:
     import triton
@@ -87,12 +90,14 @@ if triton is not None:
             dp = d0 if p == 0 else d1
             x1 = tl.load(sp + src, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(sp + src + HALF, mask=mask, other=0.0).to(tl.float32)
+            # one explicit FMA an output (x·cos rounded, then the other product added in it): the fused
+            # quantizer (quant_gluon._rope_bwd_half) computes the backward the same way, bit for bit
             if SIGN > 0:  # out = R x
-                o1 = x1 * c1 - x2 * sn1
-                o2 = x2 * c2 + x1 * sn2
+                o1 = tl.fma(x2, -sn1, x1 * c1)
+                o2 = tl.fma(x1, sn2, x2 * c2)
             else:  # dx = R^T g (sn* already negated)
-                o1 = x1 * c1 - x2 * sn2
-                o2 = x2 * c2 + x1 * sn1
+                o1 = tl.fma(x2, -sn2, x1 * c1)
+                o2 = tl.fma(x1, sn1, x2 * c2)
             tl.store(dp + dst, o1.to(dp.dtype.element_ty), mask=mask)
             tl.store(dp + dst + HALF, o2.to(dp.dtype.element_ty), mask=mask)
         v1 = tl.load(s2 + src, mask=mask, other=0.0)
@@ -112,34 +117,45 @@ def _launch(srcs, dsts, cos, sin, rows, T, H, D, src_row, dst_row, sign):
 
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin):
+    def forward(ctx, qkv, cos, sin, grad_sink):
         B, T, _, H, D = qkv.shape
         qkv = qkv.contiguous()
         outs = [torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
         _launch([qkv[:, :, i] for i in range(3)], outs, cos, sin, B * T, T, H, D, 3 * H * D, H * D, 1)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (B, T, H, D)
+        ctx.grad_sink = grad_sink
         return tuple(o.transpose(1, 2) for o in outs)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
         B, T, H, D = ctx.shape
+        if ctx.grad_sink is not None and all(g is not None for g in (gq, gk, gv)):
+            gs = [g.transpose(1, 2) for g in (gq, gk, gv)]  # (B, T, H, D): contiguous as the attention writes them
+            placeholder = ctx.grad_sink(*gs, cos, sin)
+            if placeholder is not None:  # dqkv went to the QKV projection quantized: autograd gets a stand-in
+                return placeholder.expand(B, T, 3, H, D), None, None, None
         like = next(g for g in (gq, gk, gv) if g is not None)
         gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None else g.transpose(1, 2).contiguous()
               for g in (gq, gk, gv)]
         dqkv = torch.empty(B, T, 3, H, D, dtype=like.dtype, device=like.device)
         _launch(gs, [dqkv[:, :, i] for i in range(3)], cos, sin, B * T, T, H, D, H * D, 3 * H * D, -1)
-        return dqkv, None, None
+        return dqkv, None, None, None
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=None):
     """Rotate-half RoPE on Q and K of a packed QKV tensor; differentiable.
 
     Args:
         qkv: (B, T, 3, H, D) float32 / bfloat16 / float16 — the QKV projection's output viewed as
             (tokens, [q|k|v], heads, head_dim).
         cos, sin: (>= T, D) float32 tables (row t used for position t).
+        grad_sink: optional ``f(gq, gk, gv, cos, sin)`` called by the backward (CUDA path) with the gradients of
+            q, k, v as (B, T, H, D) views: it may deliver qkv's gradient itself (e.g. quantized, to the projection
+            that made qkv: :func:`lowbit.nn.functional.rope_grad_sink`) and return a one-element tensor, which
+            autograd then gets expanded to qkv's shape in place of the gradient (the receiving layer must not read
+            it); None: the backward computes dqkv as usual.
 
     Returns:
         q, k, v: (B, H, T, D) views of (B, T, H, D)-contiguous tensors in ``qkv.dtype``; q and k rotated.
@@ -151,4 +167,94 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return rope_qkv_reference(qkv, cos, sin)
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    return _RopeQKV.apply(qkv, cos, sin)
+    return _RopeQKV.apply(qkv, cos, sin, grad_sink)
+
+
+# RoPE's backward inside the QKV projection's grad_output quantizer (the register-tile kernel's ROPE_BWD prologue,
+# quant_gluon._rope_bwd_half): dqkv (B·T, 3·H·D) is never written in 16 bits. Candidates: the fused kernel (each
+# scale by every thread of its row / column; what ptxas picks: 128 registers at head_dim 128, ~165 at 64 (Triton
+# 3.6), or capped at 128 (a few spills)), timed against the two
+# kernels it replaces (KIND "two": this module's backward kernel, then the plain register-tile quantizer); the
+# autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
+_BWD_PLANS: dict = {}
+
+_ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
+                     dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
+                     dict(KIND="two")]
+
+
+def rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme) -> bool:
+    """Whether :func:`rope_backward_quantize_1x128` can take these: a 1x128 Float8Blockwise scheme; gq, gk, gv
+    (B, T, H, D) contiguous 16-bit tensors of one dtype and shape on a CUDA sm_89+ GPU with Gluon; D 64 or 128,
+    H·D and B·T multiples of 128; cos, sin (>= T, D) float32 with unit column stride on the same device."""
+    from ..quant import triton_backend as tb
+    from ..quant.schemes import Float8Blockwise
+
+    if triton is None or INTERPRET or not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
+                                           and scheme.block_size == 128):
+        return False
+    ts = (gq, gk, gv)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda and t.is_contiguous() for t in ts):
+        return False
+    if not (gk.shape == gq.shape == gv.shape and gk.dtype == gq.dtype == gv.dtype
+            and gq.dtype in (torch.bfloat16, torch.float16) and gk.device == gq.device == gv.device):
+        return False
+    B, T, H, D = gq.shape
+    for t in (cos, sin):
+        if not (t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] >= T and t.shape[1] == D
+                and t.stride(1) == 1 and t.device == gq.device):
+            return False
+    if D not in (64, 128) or (H * D) % 128 or (B * T) % 128:
+        return False
+    return tb._regs_ok(gq.view(B * T, H * D), 128, False, True, True)
+
+
+def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
+    """Both 1x128 FP8 copies of the gradient of a packed QKV tensor through :func:`rope_qkv`, from the gradients of
+    its outputs, without writing that gradient in 16 bits.
+
+    Args:
+        gq, gk, gv: (B, T, H, D) the gradients of rope_qkv's q, k, v (as (B, T, H, D) tensors: its outputs are
+            (B, H, T, D) views of these), contiguous, bfloat16 / float16.
+        cos, sin: the (>= T, D) float32 tables the forward used.
+        scheme: ``Float8Blockwise(block_dim=1, block_size=128)``.
+
+    Returns:
+        A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (B·T, 3·H·D) (the QKV projection's output rows),
+        dtype gq.dtype, with both copies, bit-identical to ``quantize(dqkv.view(B·T, 3·H·D), scheme, rowwise=True,
+        columnwise=True)`` where dqkv is what rope_qkv's backward returns.
+    """
+    from ..quant.tensor import QuantizedTensor
+    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
+                                        _regs_half_layout, _set_copies, tuned_launch)
+
+    if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme):
+        raise NotImplementedError(
+            "rope_backward_quantize_1x128: needs a 1x128 Float8Blockwise scheme, contiguous (B, T, H, D) 16-bit CUDA "
+            "gq/gk/gv of one dtype and shape with D in (64, 128) and H*D, B*T multiples of 128, and float32 (>= T, D) "
+            f"cos/sin on their device; got scheme {scheme!r}, gq {getattr(gq, 'dtype', None)} "
+            f"{tuple(getattr(gq, 'shape', ()))}, cos {getattr(cos, 'dtype', None)} {tuple(getattr(cos, 'shape', ()))}")
+    B, T, H, D = gq.shape
+    M, W = B * T, 3 * H * D
+    key = (M, W, gq.dtype, scheme)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        plan = _BWD_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, gq.device)
+    bufs = _blockwise_buffers(plan, scheme.format, gq.device, True, True)
+    args = _blockwise_args(plan, *bufs)
+
+    def launch(c):
+        if c["KIND"] == "two":
+            dqkv = torch.empty(B, T, 3, H, D, dtype=gq.dtype, device=gq.device)
+            _launch([gq, gk, gv], [dqkv[:, :, i] for i in range(3)], cos, sin, M, T, H, D, H * D, W, -1)
+            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
+            fn[grid](dqkv.view(M, W), *args, **kw)
+        else:
+            fn, grid, _, kw = plan.launch_args(c)
+            fn[grid](gq, *args, **kw, ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T,
+                     tab_row=cos.stride(0), HD=H * D, DH=D, H=_regs_half_layout(c["num_warps"], c["LC"]))
+
+    tuned_launch("rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), lambda: list(_ROPE_BWD_CONFIGS), launch)
+    qt = QuantizedTensor(shape=(M, W), dtype=gq.dtype, scheme=scheme)
+    _set_copies(qt, *bufs)
+    return qt

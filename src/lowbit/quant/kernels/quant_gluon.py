@@ -165,6 +165,57 @@ if GLUON:
         return gl.convert_layout(x, A)
 
     @gluon.jit
+    def _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH: gl.constexpr,
+                       H: gl.constexpr, h: gl.constexpr):
+        """Rows 2i + h (i < 64) of the dqkv tile (m0, k0) in layout H (FP32 of the 16-bit values): RoPE's backward
+        as lowbit.ops.rope's kernel computes it (SIGN = -1), from the gradients of the rotated q and k and of v.
+        dqkv (M, 3 * HD) is [dq | dk | dv] by columns, HD = heads x DH; each g* is (M, HD) row-major (bshd). A tile
+        lies in one part (HD % 128 == 0) and covers whole heads (DH in 64, 128), so a column's rotation partner
+        (d +- DH/2) is in the tile: out[d] = fma(g[pd], +-sin[t, pd], g[d] * cos[t, d]) (+ for d < DH/2), t = row % T,
+        rounded once to g's dtype; dv is g itself."""
+        HALF: gl.constexpr = DH // 2
+        part = k0 // HD
+        kk = k0 - part * HD
+        i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, H))
+        base = m0 * HD + kk  # (int64; the in-tile offsets below are int32, as the other prologues')
+        rows = gl.expand_dims(2 * i + h, 1) * HD
+        offs = base + rows + gl.expand_dims(c, 0)
+        if part == 2:
+            x = gl.load(gv_ptr + offs)
+        else:
+            # partner columns as c + (+-HALF), the sign constant over each aligned group of HALF columns (not
+            # c ^ HALF: the compiler would not see 8 contiguous columns a thread, and load them one at a time)
+            hi = (c // HALF) % 2  # 1 in the second half of a head
+            dc = c % DH
+            pc = c + HALF - hi * DH
+            pofs = base + rows + gl.expand_dims(pc, 0)
+            if part == 0:  # (loads in the branches, not a selected pointer, whose alignment the compiler loses)
+                g = gl.load(gq_ptr + offs)
+                gp = gl.load(gq_ptr + pofs)
+            else:
+                g = gl.load(gk_ptr + offs)
+                gp = gl.load(gk_ptr + pofs)
+            g = g.to(gl.float32)
+            gp = gp.to(gl.float32)
+            # (the table row in int32: M may pass 2^31 elements, T and the rows of a tile do not)
+            t = gl.expand_dims(((m0 % T).to(gl.int32) + 2 * i + h) % T, 1) * tab_row
+            cs = gl.load(cos_ptr + (t + gl.expand_dims(dc, 0)))
+            sn = gl.load(sin_ptr + (t + gl.expand_dims(dc + HALF - hi * DH, 0)))
+            sn = gl.where(gl.expand_dims(hi == 0, 0), sn, -sn)
+            x = gl.fma(gp, sn, g * cs).to(gq_ptr.dtype.element_ty)
+        return x
+
+    @gluon.jit
+    def _rope_bwd_tile(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH: gl.constexpr,
+                       A: gl.constexpr, H: gl.constexpr):
+        """The dqkv tile (m0, k0) in layout A, as two halves of 64 rows (as _swiglu_bwd_tile: fewer registers)."""
+        x0 = _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 0)
+        x1 = _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 1)
+        x = gl.reshape(gl.permute(gl.join(x0, x1), [0, 2, 1]), [128, 128])  # row 2i + h
+        return gl.convert_layout(x, A)
+
+    @gluon.jit
     def _tile_origin(K):
         """(pm, pk, m0, k0): this program's 128 x 128 tile in K-major order (program p: row panel p // (K / 128),
         column tile p % (K / 128)) and its first row and column (int64)."""
@@ -188,7 +239,9 @@ if GLUON:
                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
                           B: gl.constexpr, T: gl.constexpr, COMPACT: gl.constexpr = False, NORM: gl.constexpr = False,
                           SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None,
-                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None):
+                          SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None,
+                          ROPE_BWD: gl.constexpr = False, gv_ptr=None, cos_ptr=None, sin_ptr=None, rope_T=1, tab_row=0,
+                          HD=0, DH: gl.constexpr = None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -209,14 +262,20 @@ if GLUON:
         rounded once to u's dtype). A program's tile lies in the a half (da = g * b * silu'(a), reading a, b, g) or in
         the b half (db = g * silu(a), reading a, g). H: rowcol_regs_half_layout(num_warps) (the tile is computed in
         two halves of 64 rows).
+        ROPE_BWD: quantize the gradient of a packed QKV projection output, dqkv (M, K) = [dq | dk | dv], K = 3 HD, from
+        the gradients of RoPE's outputs: x_ptr = dq_rot, g_ptr = dk_rot, gv_ptr = dv, each (M, HD) row-major 16-bit,
+        cos_ptr / sin_ptr (>= rope_T, DH) FP32 with row stride tab_row, t = row % rope_T: dqkv as lowbit.ops.rope's backward
+        kernel stores it (_rope_bwd_half). HD % 128 == 0, DH in (64, 128); H as for SWIGLU_BWD.
         """
         DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
-        ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)  # (not SWIGLU_BWD)
-        if SWIGLU_BWD:
+        ptrs = x_ptr + (m0 * K * LD + k0) + gl.expand_dims(r, 1) * (K * LD) + gl.expand_dims(c, 0)  # (not *_BWD)
+        if ROPE_BWD:
+            x = _rope_bwd_tile(x_ptr, g_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, rope_T, tab_row, HD, DH, A, H)
+        elif SWIGLU_BWD:
             x = _swiglu_bwd_tile(x_ptr, g_ptr, m0, k0, K, A, H)
         elif SWIGLU:
             # h = silu(a) * b of u = [a | b], FP32 math rounded once to u's dtype: lowbit.ops.swiglu's _silu and
