@@ -114,6 +114,19 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s17)  # session 17: the fused RoPE-backward quantizer and the pipelined AdamW (tests, kernel timings), then the
+         # 1.3b A/B (fused RoPE on / off, alternating; checkpoints removed: 9 GB each on a 64 GB disk) and the pairs
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/ops/test_rope.py tests/optim tests/train/test_train_gpu.py tests/ops/test_swiglu.py \
+      tests/nn/test_gpu.py -rfE --tb=short
+    stage 60 python3 scripts/bench_rope_quant.py
+    stage 60 python3 -m lowbit bench optim --configs "16,32,8,1;8,32,8,3"
+    for v in 1 0; do
+      stage 140 env LOWBIT_FUSED_ROPE_BWD_QUANT=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b \
+        --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
+        --out-dir "$OUT/ab" --overwrite
+      rm -rf "$OUT/ab"
+    done ;;
   s16e)  # session 16, final: optim / train / nn GPU tests, bench optim, the 1.3b and 350m training pairs
     stage 160 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/optim tests/train tests/nn/test_gpu.py -rfE --tb=short
