@@ -542,9 +542,12 @@ def test_blockwise_regs_compiles_for_sm90():
                    amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
                    EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
                    SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr",
-                   SWIGLU_BWD="constexpr", g_ptr="constexpr", H="constexpr")
+                   SWIGLU_BWD="constexpr", g_ptr="constexpr", H="constexpr", ROPE_BWD="constexpr",
+                   gv_ptr="constexpr", cos_ptr="constexpr", sin_ptr="constexpr", rope_T="constexpr",
+                   tab_row="constexpr", HD="constexpr", DH="constexpr")
         const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
-                     nw_ptr=None, SWIGLU_BWD=False, g_ptr=None, H=None, **layouts)
+                     nw_ptr=None, SWIGLU_BWD=False, g_ptr=None, H=None, ROPE_BWD=False, gv_ptr=None, cos_ptr=None,
+                     sin_ptr=None, rope_T=1, tab_row=0, HD=0, DH=None, **layouts)
         k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=8)
         ptx = k.asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
