@@ -54,3 +54,24 @@ def sm90_sass(k, triton_version: str | None = None):
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return sass, int(re.search(r"REG:(\d+)", res).group(1))
+
+
+def rowcol_regs_signature(x: str = "bf16", num_warps: int = 8, lanes_c: int = 8, **const):
+    """(sig, constexprs) of quant_gluon.rowcol_1x128_regs for compile_gluon_sm90: every parameter in order, x of
+    type ``x``, E4M3 pow2 outputs, the layouts of ``num_warps`` / ``lanes_c``, no prologue; ``const`` overrides
+    constexpr values. A prologue's pointer and run-time parameters stay constexpr None / placeholders here: a test
+    that compiles one sets their types in ``sig`` and drops them from the constexprs."""
+    from lowbit.quant.kernels import quant_gluon as QG
+
+    sig = dict(x_ptr="*" + x, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
+               M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr", EPS="constexpr",
+               A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
+               SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr", SWIGLU_BWD="constexpr",
+               g_ptr="constexpr", H="constexpr", ROPE_BWD="constexpr", gv_ptr="constexpr", cos_ptr="constexpr",
+               sin_ptr="constexpr", rope_T="constexpr", tab_row="constexpr", HD="constexpr", DH="constexpr")
+    consts = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None, nw_ptr=None,
+                  SWIGLU_BWD=False, g_ptr=None, H=None, ROPE_BWD=False, gv_ptr=None, cos_ptr=None, sin_ptr=None,
+                  rope_T=1, tab_row=0, HD=0, DH=None,
+                  **dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c))))
+    consts.update(const)
+    return sig, consts

@@ -21,7 +21,7 @@ import torch
 
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, backend_for, quantize
 from lowbit.quant.reference import quantize_reference
-from sm90_compile import compile_gluon_sm90, sm90_sass
+from sm90_compile import compile_gluon_sm90, rowcol_regs_signature, sm90_sass
 
 HAVE_TRITON = True
 try:
@@ -536,18 +536,8 @@ def test_blockwise_regs_compiles_for_sm90():
 
     if not QG.GLUON:
         pytest.skip("this Triton has no Gluon")
-    layouts = dict(zip("ABT", QG.rowcol_regs_layouts(8)))
     for xt in ("bf16", "fp32"):
-        sig = dict(x_ptr="*" + xt, rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32",
-                   amax_ptr="*i32", M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr",
-                   EPS="constexpr", A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
-                   SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr",
-                   SWIGLU_BWD="constexpr", g_ptr="constexpr", H="constexpr", ROPE_BWD="constexpr",
-                   gv_ptr="constexpr", cos_ptr="constexpr", sin_ptr="constexpr", rope_T="constexpr",
-                   tab_row="constexpr", HD="constexpr", DH="constexpr")
-        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None,
-                     nw_ptr=None, SWIGLU_BWD=False, g_ptr=None, H=None, ROPE_BWD=False, gv_ptr=None, cos_ptr=None,
-                     sin_ptr=None, rope_T=1, tab_row=0, HD=0, DH=None, **layouts)
+        sig, const = rowcol_regs_signature(xt)
         k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=8)
         ptx = k.asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
@@ -579,6 +569,7 @@ def test_blockwise_regs_compiles_for_sm90():
     # the MXFP8 one at its first candidate's register cap (triton_backend._MX_REGS_CONFIGS)
     sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*u8", cq_ptr="*fp8e4nv", cs_ptr="*u8", amax_ptr="*i32",
                M="i32", K="i32", EMAX="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")
+    layouts = dict(zip("ABT", QG.rowcol_regs_layouts(8)))
     k = compile_gluon_sm90(QG.mxfp8_rowcol_regs, sig, dict(EMAX=8, **layouts), divisible=("M", "K"), num_warps=8,
                            maxnreg=128)
     ptx = k.asm["ptx"]

@@ -105,6 +105,7 @@ def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch):
     from lowbit.quant.reference import quantize_reference
 
     monkeypatch.setattr(tb, "AUTOTUNE", False)
+    configs = list(R._ROPE_BWD_CONFIGS)
     cases = [(2, 128, 16, 128, torch.bfloat16), (1, 384, 2, 64, torch.bfloat16), (4, 64, 2, 128, torch.float16),
              (3, 256, 6, 64, torch.bfloat16)]
     schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False)]
@@ -118,11 +119,9 @@ def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch):
         dqkv = qkv.grad.reshape(B * T, 3 * H * D)
         for sch in schemes:
             ref = quantize_reference(dqkv.cpu(), sch, rowwise=True, columnwise=True)
-            for cfg in R._ROPE_BWD_CONFIGS:
+            for cfg in configs:
                 monkeypatch.setattr(R, "_ROPE_BWD_CONFIGS", [cfg])
                 got = R.rope_backward_quantize_1x128(*gs, cos, sin, sch)
-                monkeypatch.undo()
-                monkeypatch.setattr(tb, "AUTOTUNE", False)
                 assert got.shape == (B * T, 3 * H * D)
                 for w in ("rowwise", "columnwise"):
                     a, b = getattr(ref, w), getattr(got, w)
@@ -174,7 +173,7 @@ def test_backward_quantize_compiles_for_sm90():
     one FMA an output; under Triton 3.6 at head_dim 128 at most 128 registers and no spills."""
     import re
 
-    from sm90_compile import compile_gluon_sm90, sm90_sass
+    from sm90_compile import compile_gluon_sm90, rowcol_regs_signature, sm90_sass
 
     from lowbit.ops.rope import _ROPE_BWD_CONFIGS
     from lowbit.quant.kernels import quant_gluon as QG
@@ -182,17 +181,14 @@ def test_backward_quantize_compiles_for_sm90():
     if not QG.GLUON:
         pytest.skip("this Triton has no Gluon")
     c = _ROPE_BWD_CONFIGS[0]
-    layouts = dict(zip("ABT", QG.rowcol_regs_layouts(c["num_warps"], c["LC"])))
-    sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
-               M="i32", K="i32", rs_ld="i32", cs_ld="i32", FMAX="constexpr", POW2="constexpr", EPS="constexpr",
-               A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr", SWIGLU="constexpr",
-               abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr", SWIGLU_BWD="constexpr", g_ptr="*bf16",
-               H="constexpr", ROPE_BWD="constexpr", gv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rope_T="i32",
-               tab_row="i32", HD="i32", DH="constexpr")
     for dh in (128, 64):
-        const = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=c["COMPACT"], NORM=False, SWIGLU=False, rstd_ptr=None,
-                     nw_ptr=None, SWIGLU_BWD=False, ROPE_BWD=True, DH=dh,
-                     H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]), **layouts)
+        sig, const = rowcol_regs_signature("bf16", c["num_warps"], c["LC"], COMPACT=c["COMPACT"], ROPE_BWD=True,
+                                           DH=dh, H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]))
+        # the prologue's pointers and run-time arguments, typed
+        sig.update(g_ptr="*bf16", gv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rope_T="i32", tab_row="i32",
+                   HD="i32")
+        for n in ("g_ptr", "gv_ptr", "cos_ptr", "sin_ptr", "rope_T", "tab_row", "HD"):
+            del const[n]
         k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld", "HD", "tab_row"),
                                num_warps=c["num_warps"])
         ptx = k.asm["ptx"]

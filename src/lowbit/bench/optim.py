@@ -31,9 +31,10 @@ def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int
 
 
 def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: int = 20) -> list[dict]:
-    """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps) config of lowbit's kernel."""
+    """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps[, stages]) config of lowbit's kernel."""
     from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
     from lowbit.optim import AdamW
+    from lowbit.optim.adamw import _config
     from lowbit.quant import Float8Blockwise, quantize
 
     dev = torch.device("cuda")
@@ -78,9 +79,8 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: in
     setup(opt)
     moved = n * 30 + 2 * sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes)
     for cfg in configs:
-        ch, ch2, w = cfg[:3]
-        ns = cfg[3] if len(cfg) > 3 else 1
-        with env("LOWBIT_ADAMW_CFG", f"{ch},{ch2},{w},{ns}"):
+        with env("LOWBIT_ADAMW_CFG", ",".join(map(str, cfg))):
+            ch, ch2, w, ns = _config()  # (the optimizer's own parsing: a missing stage count defaults there)
             t = median_ms(capture(opt.step).replay, rep=rep)
         gbs = moved / t / 1e6
         rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps, {ns} stages)", "ms": t, "GB/s": gbs,

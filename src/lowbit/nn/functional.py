@@ -650,8 +650,7 @@ def rope_grad_sink(module):
     if rq.delayed or not (isinstance(sch, Float8Blockwise) and sch.block_dim == 1 and sch.block_size == 128):
         return None
     gemms = getattr(module, "_gemms", None)
-    if getattr(module, "bias", None) is not None or not gemms or list(gemms) != [""] \
-            or getattr(module, "return_layernorm_output", False):
+    if getattr(module, "bias", None) is not None or not gemms or list(gemms) != [""]:
         return None
     layer = gemms[""]
 

@@ -139,9 +139,16 @@ class _RopeQKV(torch.autograd.Function):
         like = next(g for g in (gq, gk, gv) if g is not None)
         gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None else g.transpose(1, 2).contiguous()
               for g in (gq, gk, gv)]
-        dqkv = torch.empty(B, T, 3, H, D, dtype=like.dtype, device=like.device)
-        _launch(gs, [dqkv[:, :, i] for i in range(3)], cos, sin, B * T, T, H, D, H * D, 3 * H * D, -1)
-        return dqkv, None, None, None
+        return _backward_dqkv(gs, cos, sin), None, None, None
+
+
+def _backward_dqkv(gs, cos, sin) -> torch.Tensor:
+    """dqkv (B, T, 3, H, D) from the gradients of rope_qkv's q, k, v as (B, T, H, D) contiguous tensors: the
+    kernel with the rotation transposed."""
+    B, T, H, D = gs[0].shape
+    dqkv = torch.empty(B, T, 3, H, D, dtype=gs[0].dtype, device=gs[0].device)
+    _launch(gs, [dqkv[:, :, i] for i in range(3)], cos, sin, B * T, T, H, D, H * D, 3 * H * D, -1)
+    return dqkv
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=None):
@@ -204,8 +211,9 @@ def rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme) -> bool:
         if not (t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] >= T and t.shape[1] == D
                 and t.stride(1) == 1 and t.device == gq.device):
             return False
-    if D not in (64, 128) or (H * D) % 128 or (B * T) % 128:
+    if D not in (64, 128) or (H * D) % 128 or (B * T) % 128 or 128 * 3 * H * D >= 2**31:
         return False
+    # (the quantizer's own conditions on the (B·T, 3·H·D) output; its width checked above, in-tile offsets in int32)
     return tb._regs_ok(gq.view(B * T, H * D), 128, False, True, True)
 
 
@@ -245,10 +253,8 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
 
     def launch(c):
         if c["KIND"] == "two":
-            dqkv = torch.empty(B, T, 3, H, D, dtype=gq.dtype, device=gq.device)
-            _launch([gq, gk, gv], [dqkv[:, :, i] for i in range(3)], cos, sin, M, T, H, D, H * D, W, -1)
             fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
-            fn[grid](dqkv.view(M, W), *args, **kw)
+            fn[grid](_backward_dqkv((gq, gk, gv), cos, sin).view(M, W), *args, **kw)
         else:
             fn, grid, _, kw = plan.launch_args(c)
             fn[grid](gq, *args, **kw, ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T,

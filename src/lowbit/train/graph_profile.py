@@ -53,7 +53,7 @@ def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
         by_name[n][1] += 1
     gaps.sort()
     return {
-        "kernels": len(kernels), "span_us": kernels[-1][1] - kernels[0][0] if kernels else 0.0,
+        "kernels": len(kernels), "span_us": cur_e - kernels[0][0],  # (cur_e: the latest end of any kernel)
         "busy_us": busy, "idle_us": idle, "kernel_sum_us": sum(e - s for s, e, _ in kernels),
         "gaps": len(gaps), "gap_median_us": gaps[len(gaps) // 2] if gaps else 0.0,
         "gap_p90_us": gaps[int(0.9 * len(gaps))] if gaps else 0.0,

@@ -159,8 +159,14 @@ if GLUON:
         registers of a thread's 8 x 8 block each), so the three 16-bit input tiles are not all held at once (as one
         piece: 253 registers under Triton 3.6). Joined along a new last dimension, the halves are A's elements in
         A's threads: the conversion to A only renames registers."""
-        x0 = _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 0)
-        x1 = _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 1)
+        return _join_halves(_swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 0),
+                            _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H, 1), A)
+
+    @gluon.jit
+    def _join_halves(x0, x1, A: gl.constexpr):
+        """The 128 x 128 tile in layout A from its even rows x0 and odd rows x1 (each 64 x 128 in layout H of
+        rowcol_regs_half_layout): joined along a new last dimension they are A's elements in A's threads, so the
+        conversion only renames registers."""
         x = gl.reshape(gl.permute(gl.join(x0, x1), [0, 2, 1]), [128, 128])  # row 2i + h
         return gl.convert_layout(x, A)
 
@@ -210,10 +216,9 @@ if GLUON:
     def _rope_bwd_tile(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH: gl.constexpr,
                        A: gl.constexpr, H: gl.constexpr):
         """The dqkv tile (m0, k0) in layout A, as two halves of 64 rows (as _swiglu_bwd_tile: fewer registers)."""
-        x0 = _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 0)
-        x1 = _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 1)
-        x = gl.reshape(gl.permute(gl.join(x0, x1), [0, 2, 1]), [128, 128])  # row 2i + h
-        return gl.convert_layout(x, A)
+        return _join_halves(_rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 0),
+                            _rope_bwd_half(gq_ptr, gk_ptr, gv_ptr, cos_ptr, sin_ptr, m0, k0, T, tab_row, HD, DH, H, 1),
+                            A)
 
     @gluon.jit
     def _tile_origin(K):
@@ -264,8 +269,8 @@ if GLUON:
         two halves of 64 rows).
         ROPE_BWD: quantize the gradient of a packed QKV projection output, dqkv (M, K) = [dq | dk | dv], K = 3 HD, from
         the gradients of RoPE's outputs: x_ptr = dq_rot, g_ptr = dk_rot, gv_ptr = dv, each (M, HD) row-major 16-bit,
-        cos_ptr / sin_ptr (>= rope_T, DH) FP32 with row stride tab_row, t = row % rope_T: dqkv as lowbit.ops.rope's backward
-        kernel stores it (_rope_bwd_half). HD % 128 == 0, DH in (64, 128); H as for SWIGLU_BWD.
+        cos_ptr / sin_ptr (>= rope_T, DH) FP32 with row stride tab_row, t = row % rope_T: dqkv as lowbit.ops.rope's
+        backward kernel stores it (_rope_bwd_half). HD % 128 == 0, DH in (64, 128); H as for SWIGLU_BWD.
         """
         DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
