@@ -82,6 +82,44 @@ def test_os_error_at_top_level_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "lowbit demo: error: 'runs/x/checkpoint.pt': No space left on device\n"
 
 
+def test_checkpoint_write_failure_is_an_os_error_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """torch.save failing mid-write (its zip writer reports a full disk as "unexpected pos") becomes an OSError naming
+    the checkpoint, torch's reason and the free space against the payload's size (ENOSPC where it is short), which
+    the CLI prints as one line; the previous checkpoint and the folder stay as they were."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    import lowbit.train.checkpoint as ckpt
+    from lowbit.train.cli import os_error_line
+
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_checkpoint(path, {"step": 4, "model": {"w": torch.ones(3)}})
+    real_save = torch.save
+
+    def failing_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9216 vs 9104")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    usage = namedtuple("usage", "total used free")
+    for free, code, room in ((1000, errno.ENOSPC, "0.0 MB free"), (10**12, errno.EIO, "1000.00 GB free")):
+        monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: usage(2 * free, free, free))
+        with pytest.raises(OSError) as e:
+            ckpt.save_checkpoint(path, {"step": 8, "model": {"w": torch.zeros(1000, 1000)}})
+        assert e.value.errno == code and e.value.filename == str(path)
+        line = os_error_line(e.value)
+        assert line.startswith(f"{str(path)!r}: writing the checkpoint failed ([enforce fail at inline_container.cc:672] . "
+                               "unexpected pos 9216 vs 9104); "), line
+        assert line.endswith(f"; {room} on its filesystem against ~4.0 MB needed; the previous checkpoint, if any, is "
+                             "unchanged"), line
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(path, weights_only=True)["step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
 @pytest.mark.parametrize("argv, pattern", [
     (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
     (["--batch-size", "-2"], "argument --batch-size: expected an integer >= 1, got -2"),

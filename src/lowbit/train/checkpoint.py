@@ -19,7 +19,9 @@ checkpoint stops after its temporary file is complete and before the rename, and
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -82,15 +84,47 @@ def check_shapes(sd: dict, model) -> None:
         raise ValueError("checkpoint: it was saved for a different model shape — " + " | ".join(parts))
 
 
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a nested dict / list payload (about a checkpoint's size)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _write_error(path: Path, payload: dict, e: RuntimeError) -> OSError:
+    """The OSError for a torch.save that failed mid-write: the path, torch's reason, and the free space against the
+    checkpoint's size (a full disk is the usual cause; ENOSPC where the space is short)."""
+    need = _tensor_bytes(payload)
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    short = free is not None and free < need
+    size = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"  # noqa: E731
+    room = "" if free is None else f"; {size(free)} free on its filesystem against ~{size(need)} needed"
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return OSError(errno.ENOSPC if short else errno.EIO,
+                   f"writing the checkpoint failed ({reason}){room}; the previous checkpoint, if any, is unchanged",
+                   str(path))
+
+
 def save_checkpoint(path: str | os.PathLike, payload: dict) -> Path:
-    """Write ``payload`` atomically (temp file in the same folder, fsync, rename). Rank 0 only."""
+    """Write ``payload`` atomically (temp file in the same folder, fsync, rename). Rank 0 only. A write that fails
+    (a full disk) raises OSError naming ``path`` and the free space, and leaves the previous file as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, **payload}
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            try:
+                torch.save(payload, f)
+            except RuntimeError as e:  # (torch's zip writer reports a full disk as "unexpected pos ...")
+                raise _write_error(path, payload, e) from e
             f.flush()
             os.fsync(f.fileno())
         if os.environ.get("LOWBIT_TEST_CKPT_STALL_STEP") == str(payload.get("step")):
