@@ -566,6 +566,19 @@ def test_blockwise_regs_compiles_for_sm90():
         # the fix-ups' thresholds (exp2 input below -126, reciprocal of a number above 2^126) are gone: 2,407 SASS
         # instructions a thread, 2,919 with them (Triton 3.6)
         assert "-126" not in got[0] and "8.50705917302346158658e+37" not in got[0]
+    # with the SwiGLU forward as its prologue, the fused quantizer's first candidate (ops.swiglu._SWIGLU_REGS_CONFIGS):
+    # within 128 registers without spills, so two CTAs run on an SM (the plain quantizer's first candidate compiles to
+    # 130 there: one CTA an SM, 1.4x slower on the H200, session 18)
+    from lowbit.ops.swiglu import _SWIGLU_REGS_CONFIGS
+
+    c0 = _SWIGLU_REGS_CONFIGS[0]
+    sig, const = rowcol_regs_signature(lanes_c=c0["LC"], SWIGLU=True, COMPACT=c0["COMPACT"])
+    k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"),
+                           num_warps=c0["num_warps"], **({"maxnreg": c0["maxnreg"]} if "maxnreg" in c0 else {}))
+    assert "ex2.approx.ftz.f32" in k.asm["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"]
+    got = sm90_sass(k, "3.6")
+    if got is not None:
+        assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128, got[1]
     # the MXFP8 one at its first candidate's register cap (triton_backend._MX_REGS_CONFIGS)
     sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*u8", cq_ptr="*fp8e4nv", cs_ptr="*u8", amax_ptr="*i32",
                M="i32", K="i32", EMAX="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")

@@ -273,6 +273,14 @@ _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
 _SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dict(KIND="tile", CTAS=1, num_warps=8)]
 
 
+# register-tile candidates with the SWIGLU prologue (quant_gluon.rowcol_1x128_regs), all within 128 registers (two
+# CTAs an SM). The plain quantizer's first candidate (compact scales, 8 lanes along the columns) compiles to 130 here
+# and runs one CTA an SM: 146 us against 103 us at 8192 x 5632 (H200, session 18, BENCHMARKS.md), so it is capped.
+_SWIGLU_REGS_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
+                        dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
+                        dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
+
+
 def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     """Whether the register-tile quantizer (quant_gluon.rowcol_1x128_regs with its SWIGLU or SWIGLU_BWD prologue)
     may take u: both copies, and the quantizer's own conditions (triton_backend._regs_ok: CUDA sm_89+, not the
@@ -284,13 +292,11 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
 
 def _swiglu_quant_candidates(u: torch.Tensor, regs: bool) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
-    register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (H200, session 13: see
-    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
+    register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (H200, sessions 13 and 18:
+    see BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
-    from ..quant import triton_backend as tb
-
-    return (list(tb._REGS_CONFIGS) if regs else []) + list(_SWIGLU_QUANT_CONFIGS) + [
+    return (list(_SWIGLU_REGS_CONFIGS) if regs else []) + list(_SWIGLU_QUANT_CONFIGS) + [
         c for c in _SWIGLU_TILE_CONFIGS if u.dtype == torch.bfloat16 or not c.get("BITS16")]
 
 
