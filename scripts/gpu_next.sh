@@ -114,6 +114,14 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s18a)  # session 18: the 1.3b training pair (checkpoints removed after: 9 GB each on a 64 GB disk)
+    stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite
+    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
+  s18b)  # session 18: the 350m training pair
+    stage 300 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" --overwrite
+    rm -rf "$OUT"/b350/*.pt "$OUT"/b350/*/*.pt ;;
   s17)  # session 17: the fused RoPE-backward quantizer and the pipelined AdamW (tests, kernel timings), then the
          # 1.3b A/B (fused RoPE on / off, alternating; checkpoints removed: 9 GB each on a 64 GB disk) and the pairs
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

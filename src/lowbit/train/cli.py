@@ -150,9 +150,15 @@ def main(argv=None) -> int:
     except OSError as e:
         p.exit(2, f"lowbit train: error: {os_error_line(e)}\n")
     finally:
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            # Free the run's objects (FSDP2's modules hold the process group through reference cycles) while the
+            # group and its threads are still alive: left to interpreter teardown, a rank aborted now and then with
+            # "terminate called without an active exception" after a successful run (gloo, CPU, under load)
+            gc.collect()
             dist.destroy_process_group()
     return 0
 
