@@ -161,23 +161,9 @@ def _residual(x: torch.Tensor, y: torch.Tensor, norm):
     :class:`~lowbit.ops.residual.NormGradLink` that moves the norm's backward into the add's (None where the fused
     add does not run or ``LOWBIT_FUSED_NORM_BACKWARD=0``)."""
     if norm is not None and norm.normalization == "RMSNorm":
-        if _sharded(norm.layer_norm_weight):
-            # FSDP2: the next block's norm weight is a shard until that block's forward gathers it, and the gathered
-            # tensor is another object: no link across (that norm runs its own backward: the same gradient)
-            out, rstd = residual_add(x, y, rms_eps=norm.eps)
-            return out, (rstd if norm.fuses_norm(x) else None), None
         out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
         return out, (rstd if norm.fuses_norm(x) else None), link
     return residual_add(x, y), None, None
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (a parameter FSDP2 holds sharded outside its module's forward)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 class Block(nn.Module):

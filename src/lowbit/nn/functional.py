@@ -44,8 +44,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run 
 def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     """The weight role's scheme where an optimizer may write ``w``'s quantized copies itself (see
     :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else None."""
-    from ..quant.schemes import Float8Blockwise
-
     rq = recipe.role("weight")
     sch = rq.scheme
     if (rq.delayed or not isinstance(sch, Float8Blockwise) or sch.block_dim != 2 or sch.block_size != 128
@@ -267,7 +265,7 @@ class GemmLayer:
         cache = is_first_microbatch is True
         sch = fresh_weight_scheme(w, recipe)
         if sch is not None:
-            e = _WEIGHT_LAYERS.get(w)
+            e = weight_layer(w)
             if e is None or e[0] is not self or e[1] != sch:
                 _WEIGHT_LAYERS[w] = (self, sch)
             f = self.fresh

@@ -72,6 +72,15 @@ def norm_residual_backward_reference(g: torch.Tensor | None, dn: torch.Tensor, o
     return dx, dx.to(y_dtype), (dn2 * xh).sum(0).float()
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (how FSDP2 holds a parameter outside its module's forward)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether the kernel takes (x, y): the fusion on (``LOWBIT_FUSED_RESIDUAL``, default 1), Triton on CUDA (or its
     interpreter), x float32 and y float32 / bfloat16 / float16 of x's shape, both contiguous, non-empty, same device."""
@@ -350,7 +359,8 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
             following RMSNorm with this epsilon (``LayerNormLinear`` / ``LayerNormMLP``'s ``input_rstd``).
         norm_weight: (K,) float32, that following RMSNorm's weight (needs ``rms_eps``): also return a
             :class:`NormGradLink` for the norm's module (``input_norm_link``), whose backward then runs inside this
-            add's (``LOWBIT_FUSED_NORM_BACKWARD=0`` turns that off: the link is None).
+            add's (``LOWBIT_FUSED_NORM_BACKWARD=0`` turns that off, and a DTensor weight (FSDP2's shard) gets none:
+            the link is None).
 
     Returns:
         ``out`` (x's shape, float32); ``(out, rstd)`` with ``rms_eps``; ``(out, rstd, link)`` with ``norm_weight``.
@@ -373,6 +383,9 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         return (x + y, None) if norm_weight is None else (x + y, None, None)
     if rms_eps is None:
         return _ResidualAdd.apply(x, y, None, None, None)
-    link = NormGradLink(norm_weight, float(rms_eps)) if norm_weight is not None and _fused_norm_backward_on() else None
+    # (no link to a DTensor: FSDP2 holds a module's weight sharded until that module's forward gathers it, and the
+    # gathered tensor is another object, which the link's check would refuse; that norm runs its own backward)
+    link = NormGradLink(norm_weight, float(rms_eps)) if (norm_weight is not None and _fused_norm_backward_on()
+                                                         and not _is_dtensor(norm_weight)) else None
     out, rstd = _ResidualAdd.apply(x, y, float(rms_eps), norm_weight if link is not None else None, link)
     return (out, rstd) if norm_weight is None else (out, rstd, link)

@@ -183,8 +183,6 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
 # 3.6), or capped at 128 (a few spills)), timed against the two
 # kernels it replaces (KIND "two": this module's backward kernel, then the plain register-tile quantizer); the
 # autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
-_BWD_PLANS: dict = {}
-
 _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                      dict(KIND="two")]
@@ -232,9 +230,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
         dtype gq.dtype, with both copies, bit-identical to ``quantize(dqkv.view(B·T, 3·H·D), scheme, rowwise=True,
         columnwise=True)`` where dqkv is what rope_qkv's backward returns.
     """
-    from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
-                                        _regs_half_layout, _set_copies, tuned_launch)
+    from ..quant.triton_backend import _bucket, _regs_half_layout, rowcol_regs_prologue
 
     if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme):
         raise NotImplementedError(
@@ -244,23 +240,9 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
             f"{tuple(getattr(gq, 'shape', ()))}, cos {getattr(cos, 'dtype', None)} {tuple(getattr(cos, 'shape', ()))}")
     B, T, H, D = gq.shape
     M, W = B * T, 3 * H * D
-    key = (M, W, gq.dtype, scheme)
-    plan = _BWD_PLANS.get(key)
-    if plan is None:
-        plan = _BWD_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, gq.device)
-    bufs = _blockwise_buffers(plan, scheme.format, gq.device, True, True)
-    args = _blockwise_args(plan, *bufs)
-
-    def launch(c):
-        if c["KIND"] == "two":
-            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
-            fn[grid](_backward_dqkv((gq, gk, gv), cos, sin).view(M, W), *args, **kw)
-        else:
-            fn, grid, _, kw = plan.launch_args(c)
-            fn[grid](gq, *args, **kw, ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T,
-                     tab_row=cos.stride(0), HD=H * D, DH=D, H=_regs_half_layout(c["num_warps"], c["LC"]))
-
-    tuned_launch("rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), lambda: list(_ROPE_BWD_CONFIGS), launch)
-    qt = QuantizedTensor(shape=(M, W), dtype=gq.dtype, scheme=scheme)
-    _set_copies(qt, *bufs)
-    return qt
+    return rowcol_regs_prologue(
+        "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), M, W, gq.dtype, scheme, gq.device,
+        lambda: list(_ROPE_BWD_CONFIGS), gq,
+        lambda c: dict(ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T, tab_row=cos.stride(0),
+                       HD=H * D, DH=D, H=_regs_half_layout(c["num_warps"], c["LC"])),
+        lambda: _backward_dqkv((gq, gk, gv), cos, sin).view(M, W))

@@ -369,8 +369,6 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 # swiglu_backward, then the register-tile quantizer on du), and the autotuner keeps the fastest (H200, session 14:
 # the fused kernel, 0.212 against 0.233 ms at 8192 x 11264; BENCHMARKS.md). Whole 128 x 128 tiles and both copies
 # only (the MLP's backward with dx and dw1 both wanted); everything else runs the two kernels.
-_BWD_PLANS: dict = {}
-
 _SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                        dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
                        dict(KIND="two")]
@@ -400,9 +398,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
         bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
     """
-    from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
-                                        _regs_half_layout, _set_copies, tuned_launch)
+    from ..quant.triton_backend import _bucket, _regs_half_layout, rowcol_regs_prologue
 
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
@@ -412,22 +408,8 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
             f"{tuple(getattr(g, 'shape', ()))}")
     W = u.shape[-1]
     M = u.numel() // W
-    key = (M, W, u.dtype, scheme)
-    plan = _BWD_PLANS.get(key)
-    if plan is None:  # the blockwise quantizer's plan for du (M, 2F): output layouts and kernel constants
-        plan = _BWD_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, u.device)
-    bufs = _blockwise_buffers(plan, scheme.format, u.device, True, True)
-    args = _blockwise_args(plan, *bufs)
-
-    def launch(c):
-        if c["KIND"] == "two":
-            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])  # (the plain quantizer's default)
-            fn[grid](swiglu_backward(u, g), *args, **kw)
-        else:
-            fn, grid, _, kw = plan.launch_args(c)
-            fn[grid](u, *args, **kw, SWIGLU_BWD=True, g_ptr=g, H=_regs_half_layout(c["num_warps"], c["LC"]))
-
-    tuned_launch("swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), lambda: list(_SWIGLU_BWD_CONFIGS), launch)
-    qt = QuantizedTensor(shape=tuple(u.shape), dtype=u.dtype, scheme=scheme)
-    _set_copies(qt, *bufs)
-    return qt
+    return rowcol_regs_prologue(
+        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, M, W, u.dtype, scheme, u.device,
+        lambda: list(_SWIGLU_BWD_CONFIGS), u,
+        lambda c: dict(SWIGLU_BWD=True, g_ptr=g, H=_regs_half_layout(c["num_warps"], c["LC"])),
+        lambda: swiglu_backward(u, g))

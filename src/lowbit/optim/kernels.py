@@ -27,6 +27,7 @@ _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # The launch table: one row of int64 addresses per tensor, in this column order (the kernel reads them by index).
 TABLE_COLUMNS = ("p", "grad", "exp_avg", "exp_avg_sq", "rq", "rs", "cq", "cs", "step", "amax")
+T_COLS = tl.constexpr(len(TABLE_COLUMNS))
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
     nkt = tl.cdiv(K, 128)
     tm = (pid // nkt).to(tl.int64)
     tk = (pid % nkt).to(tl.int64)
-    row = tab_ptr + tid * 10
+    row = tab_ptr + tid * T_COLS
     p_ptr = _ptr(row, 0, tl.float32)
     rq_ptr = _ptr(row, 4, DT)
     rs_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))

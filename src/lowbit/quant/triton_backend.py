@@ -464,6 +464,38 @@ def _regs_half_layout(num_warps: int, lanes_c: int):
     return QG.rowcol_regs_half_layout(num_warps, lanes_c)
 
 
+_PROLOGUE_PLANS: dict = {}  # (name, M, W, dtype, scheme) -> _BlockwisePlan of a prologue quantizer's output
+
+
+def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, M: int, W: int, dtype: torch.dtype, scheme, device,
+                         candidates, x: torch.Tensor, prologue, unfused) -> QuantizedTensor:
+    """Both 1x128 copies of an (M, W) 16-bit tensor that rowcol_1x128_regs computes in a prologue from other inputs
+    (ops.swiglu's SwiGLU backward, ops.rope's RoPE backward), autotuned (``name``, ``tkey``) over ``candidates`` (a
+    list, or a function returning it, as tuned_launch takes):
+    KIND "regs" runs the kernel on ``x`` with ``prologue(c)``'s keyword arguments (its switch, extra pointers and
+    layouts); KIND "two" runs ``unfused()`` (the (M, W) tensor in 16 bits) and the plain quantizer's default
+    candidate on it. Returns the QuantizedTensor of logical ``shape`` (dtype ``dtype``)."""
+    key = (name, M, W, dtype, scheme)
+    plan = _PROLOGUE_PLANS.get(key)
+    if plan is None:  # the blockwise quantizer's plan for the (M, W) output: layouts and kernel constants
+        plan = _PROLOGUE_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, device)
+    bufs = _blockwise_buffers(plan, scheme.format, device, True, True)
+    args = _blockwise_args(plan, *bufs)
+
+    def launch(c):
+        if c["KIND"] == "two":
+            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
+            fn[grid](unfused(), *args, **kw)
+        else:
+            fn, grid, _, kw = plan.launch_args(c)
+            fn[grid](x, *args, **kw, **prologue(c))
+
+    tuned_launch(name, tkey, candidates, launch)
+    qt = QuantizedTensor(shape=tuple(shape), dtype=dtype, scheme=scheme)
+    _set_copies(qt, *bufs)
+    return qt
+
+
 def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
