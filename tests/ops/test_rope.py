@@ -200,3 +200,121 @@ def test_backward_quantize_compiles_for_sm90():
         if got is not None and dh == 128:
             assert "STL" not in got[0] and "LDL" not in got[0]
             assert got[1] <= 128, got[1]
+
+
+# ---- RoPE in the QKV projection's forward GEMM (lowbit.gemm.scaled_mm_rope_qkv) -------------------------------
+
+def _rope_gemm_case(B, T, H, D, K, dtype, device, seed):
+    from lowbit.quant import Float8Blockwise, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B * T, K, generator=g) * torch.exp(torch.randn(B * T, 1, generator=g))).to(device, dtype)
+    w = (torch.randn(3 * H * D, K, generator=g) * 0.05).to(device, dtype)
+    cos, sin = rope_tables(T + 7, D, 10000.0)
+    return (quantize(x, Float8Blockwise()), quantize(w, Float8Blockwise(block_dim=2)), cos.to(device), sin.to(device))
+
+
+@pytest.mark.gpu
+def test_scaled_mm_rope_qkv_bit_identical(cuda, monkeypatch):
+    """The warp-specialized Gluon GEMM with RoPE in its epilogue, each config forced alone, equals the same GEMM
+    without it followed by rope_qkv's kernel, bit for bit: head dims 64 and 128, BF16 / FP16 output, M not a
+    multiple of 128 (ragged last tile), sequences shorter than a tile (a tile's rows span two sequences), tables
+    longer than T, more tiles than SMs."""
+    import lowbit.gemm.triton_backend as gtb
+    import lowbit.quant.triton_backend as qtb
+    from lowbit.gemm import scaled_mm, scaled_mm_rope_qkv
+
+    monkeypatch.setattr(qtb, "AUTOTUNE", False)
+    monkeypatch.setenv("LOWBIT_GEMM_GLUON", "ws")
+    cases = [(3, 100, 2, 128, 256, torch.bfloat16), (2, 192, 4, 64, 384, torch.float16),
+             (1, 64, 6, 64, 128, torch.bfloat16), (4, 512, 8, 128, 640, torch.bfloat16)]
+    for i, (B, T, H, D, K, dt) in enumerate(cases):
+        qx, qw, cos, sin = _rope_gemm_case(B, T, H, D, K, dt, cuda, 500 + i)
+        assert gtb.rope_epilogue_supported(qx, qw, cos, sin, T, D, dt)
+        for cfg in list(gtb._WS_CONFIGS):
+            monkeypatch.setattr(gtb, "_WS_CONFIGS", [cfg])
+            got = scaled_mm_rope_qkv(qx, qw, cos, sin, seq_len=T, head_dim=D, out_dtype=dt)
+            y = scaled_mm(qx, qw, out_dtype=dt, backend="triton")
+            q, k, v = rope_qkv(y.view(B, T, 3, H, D), cos, sin)
+            assert got.shape == (3, B * T, H * D) and got.dtype == dt
+            for j, t in enumerate((q, k, v)):
+                assert torch.equal(got[j].view(B, T, H, D), t.transpose(1, 2)), (cfg, B, T, H, D, "qkv"[j])
+
+
+@pytest.mark.gpu
+def test_gpt_rope_gemm_epilogue_matches_unfused(cuda, monkeypatch):
+    """A GPT step under fp8-block with RoPE in the QKV GEMM's epilogue equals the unfused path
+    (LOWBIT_FUSED_ROPE_GEMM=0: the GEMM, then rope_qkv's kernel) bit for bit: the loss and every parameter gradient,
+    head dims 64 and 128; and the fused kernel ran once a layer. (Both runs use the Triton backends, the Gluon one
+    for the forward GEMMs, so that only the epilogue differs.)"""
+    import lowbit
+    import lowbit.gemm as lg
+    import lowbit.gemm.triton_backend as gtb
+    import lowbit.quant.triton_backend as qtb
+    from lowbit import recipes
+    from lowbit.models import GPT, GPTConfig
+
+    monkeypatch.setattr(qtb, "AUTOTUNE", False)
+    monkeypatch.setenv("LOWBIT_GEMM_GLUON", "ws")
+    monkeypatch.setitem(lg.BACKENDS, "cublas", (lambda *a: False, lg.BACKENDS["cublas"][1]))
+    lg._CHOICE.clear()
+    calls = []
+    fused_fn = gtb.scaled_mm_rope_qkv
+    monkeypatch.setattr(gtb, "scaled_mm_rope_qkv", lambda *a, **k: calls.append(1) or fused_fn(*a, **k))
+    for n_head in (2, 4):  # head_dim 128, 64
+        cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=n_head, d_model=256, ffn_hidden=512, max_seq_len=256)
+        out = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv("LOWBIT_FUSED_ROPE_GEMM", fused)
+            calls.clear()
+            torch.manual_seed(0)
+            model = GPT(cfg).to(cuda)
+            idx = torch.randint(0, 256, (3, 193), device=cuda, generator=torch.Generator(cuda).manual_seed(1))
+            with torch.autocast("cuda", dtype=torch.bfloat16), lowbit.autocast(recipe=recipes.from_name("fp8-block")):
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            out[fused] = (loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            assert len(calls) == (cfg.n_layer if fused == "1" else 0), (fused, len(calls))
+        assert torch.equal(out["1"][0], out["0"][0]), n_head
+        for n, g in out["1"][1].items():
+            assert torch.equal(g, out["0"][1][n]), (n_head, n)
+
+
+def test_rope_epilogue_path_off_gpu_matches_unfused():
+    """The plumbing of RoPE in the QKV GEMM, on the reference (CPU): quantized_linear(..., rope=...) then
+    rope_qkv(rotated=True) gives the same q, k, v and the same input, weight and norm-weight gradients, bit for
+    bit, as the projection followed by rope_qkv; the public scaled_mm_rope_qkv's fallback equals its spec; a bad
+    rotated view is refused."""
+    import lowbit
+    from lowbit import recipes
+    from lowbit.gemm import scaled_mm, scaled_mm_rope_qkv
+    from lowbit.nn import LayerNormLinear
+    from lowbit.nn.functional import quantized_linear
+
+    B, T, H, D, C = 2, 24, 2, 16, 64
+    cos, sin = rope_tables(T + 3, D, 10000.0)
+    res = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        m = LayerNormLinear(C, 3 * H * D, bias=False, normalization="RMSNorm")
+        x = torch.randn(B, T, C, requires_grad=True)
+        with lowbit.autocast(recipe=recipes.from_name("fp8-block")):
+            if fused:
+                ln = torch.nn.functional.rms_norm(x, (C,), m.layer_norm_weight, m.eps)
+                y = quantized_linear(ln, m.weight, None, m._gemms[""], rope=(cos, sin, D))
+                q, k, v = rope_qkv(y, cos, sin, rotated=True)
+            else:
+                q, k, v = m(x, output_rope=(cos, sin, H))
+        (q.square().sum() + (k * 0.5).sum() + v.pow(3).sum()).backward()
+        res[fused] = [t.detach() for t in (q, k, v, x.grad, m.weight.grad, m.layer_norm_weight.grad)]
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
+    qx, qw, c2, s2 = _rope_gemm_case(1, 32, 2, 64, 128, torch.float32, "cpu", 7)
+    got = scaled_mm_rope_qkv(qx, qw, c2, s2, seq_len=32, head_dim=64, out_dtype=torch.float32)
+    ref = rope_qkv_reference(scaled_mm(qx, qw, out_dtype=torch.float32).view(1, 32, 3, 2, 64), c2, s2)
+    for j in range(3):
+        assert torch.equal(got[j].view(1, 32, 2, 64), ref[j].transpose(1, 2))
+    with pytest.raises(ValueError, match="rotated=True"):
+        rope_qkv(torch.zeros(1, 4, 3, 2, 8), cos[:, :8], sin[:, :8], rotated=True)
+    with pytest.raises(ValueError, match="seq_len"):
+        scaled_mm_rope_qkv(qx, qw, c2, s2, seq_len=5, head_dim=64)

@@ -196,6 +196,73 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     return _finish(c, pre, out, accumulate)
 
 
+def rope_epilogue_supported(a, b, cos, sin, seq_len: int, head_dim: int, out_dtype) -> bool:
+    """Whether :func:`scaled_mm_rope_qkv` runs RoPE in the GEMM's epilogue here: the warp-specialized Gluon GEMM on
+    an sm_90 GPU (``LOWBIT_GEMM_GLUON`` not 0), A's rowwise copy 1x128 and B's 128x128 Float8Blockwise (not both
+    E5M2), both K-contiguous with 16-byte aligned data and rows; N = 3 x heads x head_dim with heads x head_dim a
+    multiple of 128 and head_dim 64 or 128; M a multiple of seq_len; cos / sin contiguous float32 (>= seq_len,
+    head_dim) tables on the device; a 16-bit or float32 output dtype. ``LOWBIT_FUSED_ROPE_GEMM=0`` turns it off."""
+    if os.environ.get("LOWBIT_FUSED_ROPE_GEMM", "1") == "0" or INTERPRET or not G.GLUON_WS:
+        return False
+    if not (supports_fp8(a, b, "rowwise", "rowwise", {}) and a.rowwise is not None and b.rowwise is not None):
+        return False
+    A, B = a.rowwise.data, b.rowwise.data
+    sa_mode, sb_mode = _scale_mode(a.scheme, a.rowwise)[0], _scale_mode(b.scheme, b.rowwise)[0]
+    if A.stride(-1) != 1 or B.stride(-1) != 1 or A.shape[1] != B.shape[1]:
+        return False
+    M, K = A.shape
+    N = B.shape[0]
+    if not (_tma_ok(A, B, K) and _gluon_ok(sa_mode, sb_mode, _block_size(a.scheme, b.scheme), A.device)):
+        return False
+    if head_dim not in (64, 128) or N % 3 or (N // 3) % 128 or seq_len < 1 or M % seq_len or out_dtype not in (
+            torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous()
+               and t.shape[0] >= seq_len and t.shape[1] == head_dim and t.device == A.device for t in (cos, sin))
+
+
+def scaled_mm_rope_qkv(a, b, cos, sin, *, seq_len: int, head_dim: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The QKV projection with RoPE in the GEMM's epilogue: ``y = A · Bᵀ`` (fp8_gemm_gluon's numbers), rounded to
+    ``out_dtype``, then q and k rotated as :func:`lowbit.ops.rope.rope_qkv`'s kernel does, v as it is.
+
+    Args:
+        a: the input's QuantizedTensor, rowwise 1x128 Float8Blockwise, (M, K) with M = B x seq_len tokens in
+            (batch, position) order (row m at position m % seq_len).
+        b: the weight's, rowwise 128x128, (N, K), N = 3 x heads x head_dim, rows [q | k | v] each heads x head_dim.
+        cos, sin: (>= seq_len, head_dim) contiguous float32 rotate-half tables.
+
+    Returns:
+        (3, M, heads x head_dim) in ``out_dtype``: q (rotated), k (rotated) and v as separate row-major tensors, the
+        same bits as the GEMM's (M, N) output through rope_qkv's kernel. Raises NotImplementedError where
+        :func:`rope_epilogue_supported` is False.
+    """
+    if not rope_epilogue_supported(a, b, cos, sin, seq_len, head_dim, out_dtype):
+        raise NotImplementedError(
+            "scaled_mm_rope_qkv: needs the warp-specialized Gluon GEMM (sm_90), 1x128 x 128x128 Float8Blockwise rowwise "
+            "operands, N = 3 x heads x head_dim with heads x head_dim % 128 == 0 and head_dim 64 or 128, M a multiple "
+            f"of seq_len and contiguous float32 (>= seq_len, head_dim) cos / sin; got a {a.scheme}, b {b.scheme}, "
+            f"(M, N) ({a.rows}, {b.rows}), seq_len {seq_len}, head_dim {head_dim}, cos "
+            f"{getattr(cos, 'dtype', None)} {tuple(getattr(cos, 'shape', ()))}")
+    ca, cb = a.rowwise, b.rowwise
+    A, B = ca.data, cb.data
+    M, K = A.shape
+    N = B.shape[0]
+    dev = A.device
+    bs = _block_size(a.scheme, b.scheme)
+    sa_mode, lda, sa = _scale_mode(a.scheme, ca)
+    sb_mode, ldb, sb = _scale_mode(b.scheme, cb)
+    c = torch.empty(3, M, N // 3, dtype=out_dtype, device=dev)
+
+    def launch(cfg):
+        _launch_ws(dev, cfg, (A, B, sa, sb, c, cos, sin), M, N, K, lda, ldb, SA=sa_mode, SB=sb_mode, BS=bs,
+                   HAS_BIAS=False, GELU=False, ACCUM=False, rope_T=seq_len, ROPE=head_dim)
+
+    # (the plain GEMM's tuned choice is not reused: the epilogue changes the kernel's time)
+    _run(("fp8_rope", sa_mode, sb_mode, bs, A.dtype, B.dtype, head_dim, _bucket(M), _bucket(N), _bucket(K)),
+         lambda: list(_WS_CONFIGS), launch, False)
+    return c
+
+
 def _run(key, cands, launch, accumulate):
     # Accumulating launches are not idempotent: never time them; reuse a tuned config or take the first.
     if accumulate:

@@ -1,0 +1,80 @@
+"""Weight-gradient GEMM (1x128 · 1x128, FP32 out) through cuBLAS in both operand orders, and the fprop GEMM
+(1x128 · 128x128) through cuBLAS and the Gluon kernel, on the GPT presets' shapes (issue 7 diagnostic).
+
+dW = dYᵀ·X is computed as scaled_mm(dy, x) (N_out x K_in) or as its transpose scaled_mm(x, dy) (K_in x N_out):
+the same products and the same per-block scale promotion, only cuBLAS's tile walk differs.
+
+    PYTHONPATH=src python scripts/wgrad_order.py [--preset 1.3b,350m] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from lowbit import quantize, scaled_mm  # noqa: E402
+from lowbit.quant import Float8Blockwise  # noqa: E402
+
+# tokens a step, (name, out features, in features)
+PRESETS = {
+    "1.3b": (8192, [("qkv", 6144, 2048), ("proj", 2048, 2048), ("fc1", 11264, 2048), ("fc2", 2048, 5632)]),
+    "350m": (16384, [("qkv", 3072, 1024), ("proj", 1024, 1024), ("fc1", 5632, 1024), ("fc2", 1024, 2816)]),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="1.3b,350m")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    act = Float8Blockwise()
+    for preset in args.preset.split(","):
+        T, layers = PRESETS[preset]
+        tot = {}
+        for name, N, K in layers:
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
+            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+            qx = quantize(x, act, rowwise=True, columnwise=True)
+            qdy = quantize(dy, act, rowwise=True, columnwise=True)
+            qw = quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
+            fns = {
+                "wgrad dY^T X (cuBLAS)": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
+                                                            out_dtype=torch.float32, backend="cublas"),
+                "wgrad X^T dY (cuBLAS)": lambda: scaled_mm(qx, qdy, a_copy="columnwise", b_copy="columnwise",
+                                                            out_dtype=torch.float32, backend="cublas"),
+                "fprop (cuBLAS)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="cublas"),
+                "fprop (Triton/Gluon)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="triton"),
+                "dgrad (cuBLAS)": lambda: scaled_mm(qdy, qw, a_copy="rowwise", b_copy="columnwise",
+                                                     out_dtype=torch.bfloat16, backend="cublas"),
+            }
+            a = fns["wgrad dY^T X (cuBLAS)"]().float()
+            b = fns["wgrad X^T dY (cuBLAS)"]().float().t()
+            d = (a - b).abs().max().item()
+            f1 = fns["fprop (cuBLAS)"]().float()
+            f2 = fns["fprop (Triton/Gluon)"]().float()
+            df = (f1 - f2).abs().max().item() / max(f1.abs().max().item(), 1e-30)
+            flops = 2.0 * T * N * K
+            res = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    res[k].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+            print(f"[{preset} {name}: T={T} N={N} K={K}] wgrad orders max|diff| {d:.3g}; fprop rel diff {df:.2g}")
+            for k, v in res.items():
+                ms = statistics.median(v)
+                tot[k] = tot.get(k, 0.0) + ms
+                print(f"  {k:24s} {ms * 1e3:8.1f} us  {flops / ms * 1e-9:7.0f} TFLOP/s  rounds {[round(t * 1e3, 1) for t in v]}")
+        print(f"[{preset}] per layer, us: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in tot.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
