@@ -2,8 +2,9 @@
 (the GEMM, then rope_qkv's kernel), at the 1.3b and 350m training shapes; triton.testing.do_bench medians.
 
 Rows: cuBLAS blockwise GEMM + RoPE kernel (what training ran before), the Gluon warp-specialized GEMM + RoPE kernel,
-and the Gluon GEMM with RoPE in its epilogue, each config forced alone (its output checked bit for bit against the
-Gluon GEMM + RoPE kernel first).
+the Gluon GEMM with RoPE in its epilogue, each config forced alone (its output checked bit for bit against the
+Gluon GEMM + RoPE kernel first), and each GEMM alone. Each is timed as a CUDA graph of REPS calls (per call:
+as in training's graphs, without the host's launch overhead, which timing single eager calls adds).
 
     PYTHONPATH=src python scripts/bench_rope_gemm.py [--shapes 4,2048,16,128,2048;8,2048,16,64,1024] [--rounds 2]
 """
@@ -20,6 +21,19 @@ from lowbit.gemm import scaled_mm, scaled_mm_rope_qkv
 from lowbit.models.gpt import rope_tables
 from lowbit.ops.rope import rope_qkv
 from lowbit.quant import Float8Blockwise, quantize
+
+
+REPS = 10  # calls captured in one CUDA graph: timed without the host's launch overhead, as training runs them
+
+
+def _graph(fn):
+    fn()  # compile / tune outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(REPS):
+            fn()
+    return g
 
 
 def main():
@@ -66,8 +80,21 @@ def main():
             got = fused(cfg)()
             ok = all(torch.equal(got[j].view(B, T, H, D), ref[j].transpose(1, 2)) for j in range(3))
             fns[f"Gluon GEMM, RoPE in the epilogue, {cfg['STAGES']} stages" + ("" if ok else " (MISMATCH)")] = fused(cfg)
+        fns["cuBLAS GEMM alone"] = lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="cublas")
+
+        def gluon_alone():
+            os.environ["LOWBIT_GEMM_GLUON"] = "ws"
+            try:
+                return scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="triton")
+            finally:
+                os.environ.pop("LOWBIT_GEMM_GLUON", None)
+        fns["Gluon GEMM alone"] = gluon_alone
+        res = {k: [] for k in fns}
         with torch.no_grad():
-            res = {k: [do_bench(f, warmup=10, rep=60, return_mode="median") for _ in range(a.rounds)] for k, f in fns.items()}
+            graphs = {k: _graph(f) for k, f in fns.items()}
+            for _ in range(a.rounds):
+                for k, g in graphs.items():
+                    res[k].append(do_bench(g.replay, warmup=5, rep=60, return_mode="median") / REPS)
         print(f"[B={B} T={T} H={H} D={D} K={K}: M={M} N={N}] us (rounds), TFLOP/s of the GEMM")
         for k, v in res.items():
             ms = statistics.median(v)

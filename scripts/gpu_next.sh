@@ -125,6 +125,14 @@ case "${1:-verify}" in
         --out-dir "$OUT/ab" --overwrite
       rm -rf "$OUT/ab"
     done ;;
+  s19b)  # session 19: the RoPE-epilogue GEMM timed from CUDA graphs, then the 350m step with it on / off
+    stage 90 python3 scripts/bench_rope_gemm.py
+    for v in 1 0; do
+      stage 140 env LOWBIT_FUSED_ROPE_GEMM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 350m \
+        --recipe fp8-block --steps 12 --batch-size 8 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
+        --out-dir "$OUT/ab" --overwrite
+      rm -rf "$OUT/ab"
+    done ;;
   s18a)  # session 18: the 1.3b training pair (checkpoints removed after: 9 GB each on a 64 GB disk)
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite
