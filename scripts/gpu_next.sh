@@ -114,25 +114,6 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
-  s19)  # session 19: RoPE in the QKV GEMM's epilogue (tests: kernel bit for bit, GPT step fused vs unfused), timings
-    stage 240 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
-      -m gpu -n 4 tests/ops/test_rope.py tests/test_gemm.py tests/nn/test_gpu.py tests/train/test_train_gpu.py -rfE --tb=short
-    stage 90 python3 scripts/bench_rope_gemm.py ;;
-  s19ab)  # session 19: the 1.3b step with RoPE in the QKV GEMM's epilogue on / off (checkpoints removed)
-    for v in 1 0; do
-      stage 140 env LOWBIT_FUSED_ROPE_GEMM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b \
-        --recipe fp8-block --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
-        --out-dir "$OUT/ab" --overwrite
-      rm -rf "$OUT/ab"
-    done ;;
-  s19b)  # session 19: the RoPE-epilogue GEMM timed from CUDA graphs, then the 350m step with it on / off
-    stage 90 python3 scripts/bench_rope_gemm.py
-    for v in 1 0; do
-      stage 140 env LOWBIT_FUSED_ROPE_GEMM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 350m \
-        --recipe fp8-block --steps 12 --batch-size 8 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
-        --out-dir "$OUT/ab" --overwrite
-      rm -rf "$OUT/ab"
-    done ;;
   s18a)  # session 18: the 1.3b training pair (checkpoints removed after: 9 GB each on a 64 GB disk)
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite

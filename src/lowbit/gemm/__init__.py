@@ -14,7 +14,7 @@ from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8
 from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
-__all__ = ["scaled_mm", "scaled_mm_rope_qkv", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
+__all__ = ["scaled_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=));
 # opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may then yield.
@@ -175,47 +175,6 @@ def scaled_mm(
         fn = table[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
     y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
     return (y, pre) if return_pre_gelu else y
-
-
-def scaled_mm_rope_qkv(a: QuantizedTensor, b: QuantizedTensor, cos: torch.Tensor, sin: torch.Tensor, *, seq_len: int,
-                       head_dim: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A QKV projection followed by rotate-half RoPE: ``y = A · Bᵀ`` (as :func:`scaled_mm`, rowwise copies), rounded
-    to ``out_dtype``, then q and k rotated as :func:`lowbit.ops.rope.rope_qkv` does.
-
-    Args:
-        a: (M, K) input, M = batch x seq_len tokens in (batch, position) order: row m is at position m % seq_len.
-        b: (N, K) weight, N = 3 x heads x head_dim, rows [q | k | v], each heads x head_dim (head-major).
-        cos, sin: (>= seq_len, head_dim) float32 rotate-half tables (e.g. :func:`lowbit.models.gpt.rope_tables`).
-
-    Returns:
-        (3, M, heads x head_dim) in ``out_dtype``: rotated q, rotated k and v as separate row-major tensors.
-
-    On Hopper with 1x128 x 128x128 blockwise FP8 operands the rotation runs in the warp-specialized Gluon GEMM's
-    epilogue (:func:`lowbit.gemm.triton_backend.rope_epilogue_supported`), so the unrotated output is never
-    written; elsewhere :func:`scaled_mm` and then RoPE (the same bits where the GEMM's are the same)."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name}: expected a QuantizedTensor, got {type(t).__name__}")
-    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"head_dim: expected an even int >= 2, got {head_dim!r}")
-    if not isinstance(seq_len, int) or seq_len < 1 or a.rows % seq_len:
-        raise ValueError(f"seq_len: expected an int >= 1 dividing a's {a.rows} rows, got {seq_len!r}")
-    if b.rows % (3 * head_dim):
-        raise ValueError(f"b: expected 3 x heads x head_dim = a multiple of {3 * head_dim} rows, got {b.rows}")
-    fused = BACKENDS.get("triton")
-    if fused is not None:
-        from . import triton_backend as tb
-
-        if tb.rope_epilogue_supported(a, b, cos, sin, seq_len, head_dim, out_dtype):
-            return tb.scaled_mm_rope_qkv(a, b, cos, sin, seq_len=seq_len, head_dim=head_dim, out_dtype=out_dtype)
-    from ..ops.rope import rope_qkv
-
-    M, N = a.rows, b.rows
-    H = N // (3 * head_dim)
-    y = scaled_mm(a, b, out_dtype=out_dtype).view(M // seq_len, seq_len, 3, H, head_dim)
-    with torch.no_grad():
-        q, k, v = rope_qkv(y, cos, sin)  # each (B, H, T, D)
-    return torch.stack([t.transpose(1, 2).reshape(M, H * head_dim) for t in (q, k, v)])
 
 
 def _load_fast_backends() -> None:

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.functional import rope_grad_sink
 from ..ops.residual import residual_add
+from ..ops.rope import rope_qkv
 
 __all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
 
@@ -185,13 +187,13 @@ class Block(nn.Module):
         :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA, with the statistics and link when asked for;
         its backward then runs the following norm's backward too)."""
         B, T, C = x.shape
-        kw = dict(is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link)
-        if rope is not None:  # lowbit.ops.rope_qkv on the output: one fused kernel on CUDA, the FP32 reference
-            # elsewhere; under a 1x128 blockwise recipe on Hopper inside the GEMM's epilogue, and its backward inside
-            # qkv's grad_output quantizer
-            q, k, v = self.qkv(x, output_rope=(*rope, self.n_head), **kw)
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link)
+        qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head)
+        if rope is not None:  # one fused kernel on CUDA (lowbit.ops.rope_qkv), the FP32 reference elsewhere
+            # (under a 1x128 blockwise recipe its backward runs inside qkv's grad_output quantizer: rope_grad_sink)
+            q, k, v = rope_qkv(qkv, *rope, grad_sink=rope_grad_sink(self.qkv))
         else:
-            q, k, v = self.qkv(x, **kw).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
         x, rstd, link = _residual(x, self.proj(y, is_first_microbatch=is_first_microbatch), self.mlp)
         return _residual(x, self.mlp(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link),

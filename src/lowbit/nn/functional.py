@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..gemm import scaled_mm, scaled_mm_rope_qkv
+from ..gemm import scaled_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
@@ -320,7 +320,6 @@ class _Cfg:
     norm_eps: float | None = None  # set: the input is the pre-norm x, RMSNorm fused into its quantizer
     norm_rstd: torch.Tensor | None = None  # the norm's row statistics computed already (or None: computed here)
     norm_link: object = None  # a lowbit.ops.residual.NormGradLink: the norm's backward runs in the residual add's
-    rope: tuple | None = None  # (cos, sin, seq_len, head_dim): the output is RoPE'd q, k, v (lowbit.gemm.scaled_mm_rope_qkv)
 
 
 def _quantize_input(cfg: _Cfg, x2: torch.Tensor, norm_weight, columnwise: bool):
@@ -395,22 +394,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
         qx, norm_saved = _quantize_input(cfg, x2, norm_weight, need_wgrad)
         qw = layer.quantized_weight(weight, recipe, cfg.is_first_microbatch, columnwise=need_dgrad, policy=cfg.policy)
         b = None if bias is None else bias.detach()
-        if cfg.rope is not None:  # (no bias, no GELU: rope_gemm_fusable)
-            cos, sin, T, D = cfg.rope
-            y, pre = scaled_mm_rope_qkv(qx, qw, cos, sin, seq_len=T, head_dim=D, out_dtype=cfg.out_dtype), None
-        else:
-            y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
+        y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
         # Keep only what the backward reads: x's columnwise (wgrad) copy and the weight's QuantizedTensor (its
         # columnwise copy for dgrad; the whole object, which may be the cross-microbatch cache entry).
         ctx.qx = _columnwise_only(qx) if need_wgrad else None
         ctx.qw = qw if need_dgrad else None
         ctx.cfg = cfg
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.n_out = x.shape, x.dtype, weight.dtype, weight.shape[0]
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(pre if cfg.gelu else None, *norm_saved)
-        if cfg.rope is not None:  # (3, M, H·D) -> a (B, T, 3, H, D) view; its gradient is qkv's before the rotation
-            D = cfg.rope[3]
-            return y.view(3, -1, x.shape[-2], y.shape[-1] // D, D).permute(1, 2, 0, 3, 4)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -418,7 +410,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         cfg = ctx.cfg
         layer, recipe = cfg.layer, cfg.recipe
         pre, *norm_saved = ctx.saved_tensors
-        N = ctx.n_out  # (with cfg.rope, dy is (B, T, 3, H, D): the unrotated output's gradient)
+        N = dy.shape[-1]
         dy2 = dy.reshape(-1, N)
         if cfg.gelu:
             dy2 = (dy2.float() * _gelu_grad(pre)).to(dy.dtype)
@@ -451,7 +443,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: GemmLayer,
                      is_first_microbatch=None, *, gelu: bool = False, state: _ac.AutocastState | None = None,
                      norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
-                     norm_rstd: torch.Tensor | None = None, norm_link=None, rope: tuple | None = None) -> torch.Tensor:
+                     norm_rstd: torch.Tensor | None = None, norm_link=None) -> torch.Tensor:
     """``x · wᵀ + b`` (then GELU, erf form, if ``gelu``) with all three GEMMs quantized per the active recipe.
 
     Args:
@@ -467,11 +459,6 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             already (:func:`lowbit.ops.residual.residual_add`), used where the norm is fused, else ignored.
             norm_link: a :class:`lowbit.ops.residual.NormGradLink` from the residual add that made x (for this
             norm_weight / norm_eps): the norm's backward then runs inside the add's; its rstd is used as norm_rstd.
-        rope: ``(cos, sin, head_dim)``: this is a QKV projection (x (B, T, K), weight (3·H·head_dim, K), no bias or
-            GELU) whose output goes through :func:`lowbit.ops.rope.rope_qkv` with these tables: the fprop is
-            :func:`lowbit.gemm.scaled_mm_rope_qkv` (RoPE in the GEMM's epilogue where it can run) and the result is
-            the rotated (B, T, 3, H, head_dim) view to hand to ``rope_qkv(..., rotated=True)``, whose backward
-            delivers the gradient of the unrotated output. Use :func:`rope_gemm_fusable` to decide.
 
     Returns:
         (..., N) in x's dtype (or the torch.autocast dtype).
@@ -492,14 +479,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.dtype not in _OUT_DTYPES:
         raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
-    if rope is not None:
-        cos, sin, D = rope
-        if bias is not None or gelu or x.dim() != 3 or weight.shape[0] % (3 * D):
-            raise ValueError(f"rope: needs a (B, T, K) input, no bias, no GELU and 3 x heads x {D} output features for "
-                             f"layer {layer.name!r}; got input {tuple(x.shape)}, bias {bias is not None}, gelu {gelu}, "
-                             f"{weight.shape[0]} outputs")
-        rope = (cos, sin, x.shape[1], D)
-    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link, rope)
+    cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
 
@@ -646,38 +626,6 @@ def _fused_rope_bwd() -> bool:
     """RoPE's backward fused into the QKV projection's grad_output quantizer where it can run
     (:func:`rope_grad_sink`); ``LOWBIT_FUSED_ROPE_BWD_QUANT=0`` turns it off."""
     return os.environ.get("LOWBIT_FUSED_ROPE_BWD_QUANT", "1") != "0"
-
-
-def rope_gemm_fusable(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int) -> bool:
-    """Whether ``module`` (a lowbit ``Linear`` / ``LayerNormLinear`` QKV projection, called now on ``x`` (B, T, K))
-    can run RoPE inside its forward GEMM (``quantized_linear(..., rope=...)``): under an enabled recipe whose input
-    role is 1x128 and weight role 128x128 Float8Blockwise (current scaling), no bias, on a CUDA sm_90 GPU with
-    Gluon's warp specialization, 3·n_head·head_dim outputs with n_head·head_dim a multiple of 128 and head_dim 64 or
-    128, float32 tables. Where the quantized operands turn out not to fit the fused kernel (alignment), the GEMM
-    and the rotation run as two kernels inside the same Function: the same result."""
-    from ..gemm.kernels import gemm as G
-    from .._device import capability
-
-    if os.environ.get("LOWBIT_FUSED_ROPE_GEMM", "1") == "0" or not G.GLUON_WS:
-        return False
-    st = _ac.get_state()
-    if not st.enabled or st.recipe is None or getattr(module, "bias", None) is not None:
-        return False
-    gemms = getattr(module, "_gemms", None)
-    if not gemms or list(gemms) != [""] or getattr(module, "return_layernorm_output", False):
-        return False
-    ri, rw = st.recipe.role("input"), st.recipe.role("weight")
-    for rq, bd in ((ri, 1), (rw, 2)):
-        if rq.delayed or not (isinstance(rq.scheme, Float8Blockwise) and rq.scheme.block_dim == bd
-                              and rq.scheme.block_size == 128):
-            return False
-    if not (x.is_cuda and x.dim() == 3 and capability(x.device) == (9, 0)):
-        return False
-    w = module.weight
-    C = w.shape[0] // 3
-    if w.shape[0] % 3 or C % n_head or C % 128 or (C // n_head) not in (64, 128):
-        return False
-    return all(t.dtype == torch.float32 and t.is_cuda for t in (cos, sin))
 
 
 def rope_grad_sink(module):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, norm_fuses, quantized_linear, rope_gemm_fusable, rope_grad_sink
+from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 
 __all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd", "check_norm_link"]
 
@@ -131,62 +131,29 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
                 and norm_fuses(input, self.layer_norm_weight, st.recipe))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None,
-                input_norm_link=None, output_rope: tuple | None = None):
+                input_norm_link=None):
         """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
         computed already (:func:`lowbit.ops.residual.residual_add` with ``rms_eps=self.eps``), used only where the norm
         runs inside the input quantizer (:meth:`fuses_norm`); ``input_norm_link``: optional
         :class:`lowbit.ops.residual.NormGradLink` from ``residual_add(..., rms_eps=self.eps,
         norm_weight=self.layer_norm_weight)`` that made ``input``: the norm's backward then runs fused into the add's
-        (the same gradients to FP32 rounding of the reductions; the forward is unchanged).
-
-        ``output_rope``: ``(cos, sin, n_head)`` makes this a QKV projection followed by RoPE: ``input`` (B, T,
-        in_features), out_features = 3·n_head·head_dim, cos / sin (>= T, head_dim) tables; returns
-        :func:`lowbit.ops.rope.rope_qkv`'s (q, k, v) of the output viewed as (B, T, 3, n_head, head_dim). Under a
-        1x128 / 128x128 blockwise FP8 recipe on Hopper the rotation runs in the forward GEMM's epilogue
-        (:func:`lowbit.nn.functional.rope_gemm_fusable`) and its backward in the grad_output quantizer; the same
-        numbers either way."""
+        (the same gradients to FP32 rounding of the reductions; the forward is unchanged)."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.in_features, "in_features")
         check_input_rstd(input_rstd, input)
         check_norm_link(input_norm_link, self.normalization, input, self.layer_norm_weight, self.eps)
         st = _ac.get_state()
-        rope = None
-        if output_rope is not None:
-            cos, sin, n_head, D = self._check_rope(input, output_rope)
-            if rope_gemm_fusable(self, input, cos, sin, n_head):  # RoPE in the forward GEMM's epilogue
-                rope = (cos.float().contiguous(), sin.float().contiguous(), D)
         if self.fuses_norm(input):  # the norm inside the input quantizer: its output is never written
-            y = quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
-                                 norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
-                                 norm_link=input_norm_link, rope=rope)
+            return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
+                                    norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
+                                    norm_link=input_norm_link)
+        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                        input_norm_link)
+        if not st.enabled:
+            y = F.linear(ln, self.weight, self.bias)
         else:
-            ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias,
-                            self.eps, input_norm_link)
-            if not st.enabled:
-                y = F.linear(ln, self.weight, self.bias)
-            else:
-                y = quantized_linear(ln, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, rope=rope)
-        if output_rope is not None:
-            from ..ops.rope import rope_qkv
-
-            if rope is not None:  # y: the rotated (B, T, 3, H, D) view
-                return rope_qkv(y, cos, sin, grad_sink=rope_grad_sink(self), rotated=True)
-            return rope_qkv(y.view(*input.shape[:2], 3, n_head, D), cos, sin, grad_sink=rope_grad_sink(self))
+            y = quantized_linear(ln, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
         return (y, ln) if self.return_layernorm_output else y
-
-    def _check_rope(self, input, output_rope):
-        """(cos, sin, n_head, head_dim) of a valid ``output_rope``."""
-        if not (isinstance(output_rope, tuple) and len(output_rope) == 3):
-            raise TypeError(f"output_rope: expected (cos, sin, n_head), got {type(output_rope).__name__}")
-        cos, sin, n_head = output_rope
-        if self.return_layernorm_output:
-            raise ValueError("output_rope: not with return_layernorm_output=True")
-        if (not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1 or self.out_features % (3 * n_head)
-                or input.dim() != 3):
-            raise ValueError(f"output_rope: needs a (B, T, {self.in_features}) input and out_features = 3 x n_head x "
-                             f"head_dim; got input {tuple(input.shape)}, n_head {n_head!r}, out_features "
-                             f"{self.out_features}")
-        return cos, sin, n_head, self.out_features // (3 * n_head)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -117,14 +117,11 @@ def _launch(srcs, dsts, cos, sin, rows, T, H, D, src_row, dst_row, sign):
 
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin, grad_sink, rotated):
+    def forward(ctx, qkv, cos, sin, grad_sink):
         B, T, _, H, D = qkv.shape
-        if rotated:  # rotated already (RoPE in the QKV GEMM's epilogue): q, k, v are the parts of qkv's storage
-            outs = [qkv[:, :, i] for i in range(3)]
-        else:
-            qkv = qkv.contiguous()
-            outs = [torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
-            _launch([qkv[:, :, i] for i in range(3)], outs, cos, sin, B * T, T, H, D, 3 * H * D, H * D, 1)
+        qkv = qkv.contiguous()
+        outs = [torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
+        _launch([qkv[:, :, i] for i in range(3)], outs, cos, sin, B * T, T, H, D, 3 * H * D, H * D, 1)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (B, T, H, D)
         ctx.grad_sink = grad_sink
@@ -138,33 +135,11 @@ class _RopeQKV(torch.autograd.Function):
             gs = [g.transpose(1, 2) for g in (gq, gk, gv)]  # (B, T, H, D): contiguous as the attention writes them
             placeholder = ctx.grad_sink(*gs, cos, sin)
             if placeholder is not None:  # dqkv went to the QKV projection quantized: autograd gets a stand-in
-                return placeholder.expand(B, T, 3, H, D), None, None, None, None
+                return placeholder.expand(B, T, 3, H, D), None, None, None
         like = next(g for g in (gq, gk, gv) if g is not None)
         gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None else g.transpose(1, 2).contiguous()
               for g in (gq, gk, gv)]
-        return _backward_dqkv(gs, cos, sin), None, None, None, None
-
-
-class _RotatedReference(torch.autograd.Function):
-    """rope_qkv(rotated=True) off the GPU: q, k, v views of the rotated qkv; the backward is the reference's (RoPE is
-    linear: autograd through :func:`rope_qkv_reference` at any point gives it)."""
-
-    @staticmethod
-    def forward(ctx, qkv, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        ctx.meta = (qkv.shape, qkv.dtype, qkv.device)
-        return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
-
-    @staticmethod
-    def backward(ctx, gq, gk, gv):
-        cos, sin = ctx.saved_tensors
-        shape, dtype, device = ctx.meta
-        with torch.enable_grad():
-            z = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
-            outs = rope_qkv_reference(z, cos, sin)
-            pairs = [(o, g) for o, g in zip(outs, (gq, gk, gv)) if g is not None]
-            (dz,) = torch.autograd.grad([o for o, _ in pairs], [z], [g for _, g in pairs])
-        return dz, None, None
+        return _backward_dqkv(gs, cos, sin), None, None, None
 
 
 def _backward_dqkv(gs, cos, sin) -> torch.Tensor:
@@ -176,7 +151,7 @@ def _backward_dqkv(gs, cos, sin) -> torch.Tensor:
     return dqkv
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=None, rotated: bool = False):
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=None):
     """Rotate-half RoPE on Q and K of a packed QKV tensor; differentiable.
 
     Args:
@@ -188,10 +163,6 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
             that made qkv: :func:`lowbit.nn.functional.rope_grad_sink`) and return a one-element tensor, which
             autograd then gets expanded to qkv's shape in place of the gradient (the receiving layer must not read
             it); None: the backward computes dqkv as usual.
-        rotated: qkv is rotated already, a (B, T, 3, H, D) view of a (3, B, T, H, D)-contiguous tensor (the output
-            of ``quantized_linear(..., rope=...)``: RoPE ran in the GEMM's epilogue); q, k, v are returned as views of
-            it, and the backward is unchanged: it returns the gradient of the *unrotated* qkv, which is what the
-            projection that made qkv takes.
 
     Returns:
         q, k, v: (B, H, T, D) views of (B, T, H, D)-contiguous tensors in ``qkv.dtype``; q and k rotated.
@@ -199,18 +170,11 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
     On CUDA with Triton: one fused kernel each way; elsewhere :func:`rope_qkv_reference`.
     """
     _check(qkv, cos, sin)
-    if rotated:
-        B, T, _, H, D = qkv.shape
-        if qkv.stride() != (T * H * D, H * D, B * T * H * D, D, 1):
-            raise ValueError(f"qkv: rotated=True takes a (B, T, 3, H, D) view of a (3, B, T, H, D)-contiguous tensor, "
-                             f"expected strides {(T * H * D, H * D, B * T * H * D, D, 1)}, got {tuple(qkv.stride())}")
-        if triton is None or not (qkv.is_cuda or INTERPRET):
-            return _RotatedReference.apply(qkv, cos, sin)
-    elif triton is None or not (qkv.is_cuda or INTERPRET):
+    if triton is None or not (qkv.is_cuda or INTERPRET):
         return rope_qkv_reference(qkv, cos, sin)
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    return _RopeQKV.apply(qkv, cos, sin, grad_sink, rotated)
+    return _RopeQKV.apply(qkv, cos, sin, grad_sink)
 
 
 # RoPE's backward inside the QKV projection's grad_output quantizer (the register-tile kernel's ROPE_BWD prologue,

@@ -361,44 +361,6 @@ if GLUON:
 
 
     @gluon.jit
-    def _g_halves(t, DH: gl.constexpr):
-        """(first halves, second halves) of every head in t (R, 128): two (R, 128 / DH, DH / 2) tensors, in registers
-        where each thread holds a column and its partner (_ws_fp8's rope_l)."""
-        return gl.split(gl.permute(gl.reshape(t, [t.shape[0], t.shape[1] // DH, 2, DH // 2]), [0, 1, 3, 2]))
-
-
-    @gluon.jit
-    def _g_rope_epilogue(y, off_m, off_n, c_ptr, cos_ptr, sin_ptr, M, N, rope_T, DH: gl.constexpr):
-        """The QKV projection's epilogue with RoPE (lowbit.ops.rope): y (R, 128) FP32 in _ws_fp8's rope_l is the
-        tile of the GEMM output (M, N = 3 HD) at (off_m, off_n), HD = heads x DH a multiple of 128. It is rounded to
-        C's dtype (the unfused GEMM's output), then q and k tiles are rotated as rope_qkv's kernel does (FP32, one FMA
-        an output, rounded once; row m at position m % rope_T of the (>= rope_T, DH) contiguous FP32 cos / sin
-        tables) and v is stored as it is. C is (3, M, HD): q, k and v as separate (M, HD) row-major tensors."""
-        HD = gl.multiple_of(N // 3, 128)  # (told, so that the stores stay 16-byte vectors)
-        part = off_n // HD
-        col = gl.multiple_of(off_n - part * HD, 128)
-        L: gl.constexpr = y.type.layout
-        em = off_m + gl.arange(0, y.shape[0], layout=gl.SliceLayout(1, L))
-        en = gl.arange(0, y.shape[1], layout=gl.SliceLayout(0, L))
-        dst = c_ptr + (part.to(gl.int64) * M * HD + col) + (em.to(gl.int64) * HD)[:, None] + en[None, :]
-        mask = gl.broadcast((em < M)[:, None], dst)[0]
-        x = y.to(c_ptr.dtype.element_ty)
-        if part < 2:
-            x = x.to(gl.float32)
-            tab = ((em % rope_T) * DH)[:, None] + (en % DH)[None, :]
-            x1, x2 = _g_halves(x, DH)
-            c1, c2 = _g_halves(gl.load(cos_ptr + tab, mask=mask, other=0.0), DH)
-            p1 = x1 * c1
-            p2 = x2 * c2
-            s1, s2 = _g_halves(gl.load(sin_ptr + tab, mask=mask, other=0.0), DH)
-            o1 = gl.fma(x2, -s1, p1)
-            o2 = gl.fma(x1, s2, p2)
-            o = gl.reshape(gl.permute(gl.join(o1, o2), [0, 1, 3, 2]), [y.shape[0], y.shape[1]])
-            x = gl.convert_layout(o, L).to(c_ptr.dtype.element_ty)
-        gl.store(dst, x, mask=mask)
-
-
-    @gluon.jit
     def fp8_gemm_gluon(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                        SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                        HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
@@ -482,8 +444,8 @@ if GLUON:
 
     @gluon.jit
     def _ws_loader(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                   rope_T, SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr, ROPE: gl.constexpr,
+                   SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
         """Loader partition (one warp): for every K step of every tile of this CTA, wait for its stage to be free,
         then TMA A's and B's tiles into it (zero fill past M, N, K) and let `ready` count the bytes."""
@@ -516,9 +478,9 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s, rope_T,
+    def _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr, ROPE: gl.constexpr,
+                HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
                 PART: gl.constexpr):
         """FP8 math partition PART of NMATH (rows PART*BM/NMATH onwards of every tile): the K loop of
@@ -533,10 +495,6 @@ if GLUON:
         nkbu = _ws_ksteps(K, BS, SA)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
         out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        # RoPE's epilogue (ROPE = head_dim): 8 columns a thread and ROPE / 16 lanes along a row, so the lanes span
-        # half a head and the other half wraps into the same thread's registers: each rotation partner is local
-        RL: gl.constexpr = ROPE // 16 if ROPE > 0 else 8
-        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // RL, RL], [NW, 1], [1, 0])
         zero = gl.zeros((ROWS, BN), gl.float32, mma)
         it = 0
         for t in range(gl.program_id(0), num_pm * num_pn, gl.num_programs(0)):
@@ -571,11 +529,7 @@ if GLUON:
                 mbarrier.arrive(empty.index((it + 3) % STAGES), count=1)
                 acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 it += 4
-            if ROPE > 0:  # (pre_ptr, bias_ptr: the cos and sin tables)
-                _g_rope_epilogue(gl.convert_layout(acc, rope_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, rope_T, ROPE)
-            else:
-                _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU,
-                            ACCUM)
+            _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU, ACCUM)
 
 
     @gluon.jit
@@ -612,8 +566,8 @@ if GLUON:
 
     @gluon.jit
     def _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                 rope_T, SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr, ROPE: gl.constexpr,
+                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
                  PART: gl.constexpr):
         """Math partition PART: FP8 blockwise (SA > 0) or BF16 (SA == 0)."""
@@ -621,8 +575,8 @@ if GLUON:
             _ws_bf16(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K,
                      SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
         else:
-            _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s, rope_T,
-                    SA, SB, BS, HAS_BIAS, GELU, ACCUM, ROPE, BM, BN, GROUP_M, STAGES, NMATH, PART)
+            _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+                    SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
 
 
     @gluon.jit
@@ -630,8 +584,7 @@ if GLUON:
                       SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                       HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                       BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr,
-                      rope_T=1, ROPE: gl.constexpr = 0):
+                      NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
         """Persistent, warp-specialized GEMM ``C = A · Bᵀ``: one loader warp and NMATH = 2 math partitions of
         num_warps = 4 each, one warpgroup apiece over BM/2 rows of every tile. (One 8-warp partition over whole tiles
         ran at 0.82-0.95 of this on an H200, 2026-11-23: its two warpgroups synchronise at every stage release.)
@@ -650,11 +603,9 @@ if GLUON:
         # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
         # into tensors; the math partition index is a gl.constexpr, as a plain literal would arrive as a tensor)
         gl.warp_specialize([(_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                        rope_T, SA, SB, BS, HAS_BIAS, GELU, ACCUM, ROPE, BM, BN, GROUP_M, STAGES, NMATH,
-                                        gl.constexpr(0))),
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(0))),
                             (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                          rope_T, SA, SB, BS, HAS_BIAS, GELU, ACCUM, ROPE, BM, BN, GROUP_M, STAGES, NMATH)),
+                                          SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
                             (_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                        rope_T, SA, SB, BS, HAS_BIAS, GELU, ACCUM, ROPE, BM, BN, GROUP_M, STAGES, NMATH,
-                                        gl.constexpr(1)))],
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
