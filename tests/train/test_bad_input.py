@@ -222,3 +222,17 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "recipe: unknown recipe 'fp7'" in err and "Traceback" not in err
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun with more processes a node than CUDA GPUs: a ValueError naming the rank, the GPU count and the two
+    ways out, not torch's "CUDA error: invalid device ordinal" from set_device."""
+    from lowbit.train.loop import setup_distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("set_device reached"))
+    with pytest.raises(ValueError, match=r"local rank 1 .* 1 CUDA GPU.*nproc_per_node.*--device cpu"):
+        setup_distributed("auto")

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from lowbit.train.loop import TrainConfig, train
+from testenv import child_env
 
 TOL = 2e-5
 
@@ -21,8 +22,8 @@ TOL = 2e-5
 def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mode):
     recipe = "fp8-block"
     common = ["--recipe", recipe, "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir,
-              "--eval-every", "4", "--eval-windows", "8", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+              "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]  # (gloo, also on a GPU machine)
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "lowbit.train.cli", *common, "--batch-size", "4", "--out-dir", str(tmp_path / "ddp"),
            *(["--fsdp"] if mode == "fsdp" else [])]

@@ -187,6 +187,11 @@ def setup_distributed(device_arg: str) -> Dist:
     use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
+        n = torch.cuda.device_count()
+        if local_rank >= n:  # (torch's own error here is "CUDA error: invalid device ordinal")
+            raise ValueError(f"--device: this process is local rank {local_rank} (LOCAL_RANK) but the machine has {n} "
+                             f"CUDA GPU(s), one a rank needed: start at most {n} per node (torchrun --nproc_per_node), "
+                             f"or run on the CPU with --device cpu (gloo)")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
