@@ -34,7 +34,7 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
 
     # one process, same global batch of 8: as one micro-batch, and as 2 accumulated micro-batches of 4
     base = dict(recipe=recipe, steps=4, seq_len=64, data=small_text, cache_dir=cache_dir, eval_every=4, eval_windows=8,
-                progress=False, verbose=False)
+                progress=False, verbose=False, device="cpu")
     for kw in (dict(batch_size=8), dict(batch_size=4, grad_accum=2)):
         one = train(TrainConfig(out_dir=str(tmp_path / f"one{kw['batch_size']}"), **base, **kw))
         assert one["global_batch"] == 8

@@ -307,11 +307,15 @@ def _wrap(model, c: TrainConfig, d: Dist):
     if not d.active:
         return model
     if c.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh on the run's device type: FSDP2's default mesh takes CUDA wherever it is present, and a CPU (gloo)
+        # run on a GPU machine then failed in set_device (or ran ranks on one GPU)
+        mesh = init_device_mesh(d.device.type, (d.world,))
         for blk in model.blocks:
-            fully_shard(blk)
-        fully_shard(model)
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
