@@ -1,8 +1,11 @@
 """2-process gloo DDP and FSDP2 (torchrun) reproduce the single-process run on the same global batch.
 
-Tolerance: every logged training loss and the final validation loss within 2e-5 absolute. Both runs
-compute in FP32 on the CPU; they differ only in summation order (the DDP gradient all-reduce averages
-two half-batch means), so the trajectories agree to ~1e-6 over these few steps.
+Tolerance: the first step's loss within 2e-5 absolute (the same weights and data: only the loss's summation order
+differs), every later logged training loss and the final validation loss within 1e-3. Both runs compute in FP32 on
+the CPU and differ only in summation order (the gradient all-reduce averages two half-batch means), but a gradient
+that differs in its last bits can move an element across an FP8 rounding boundary, and that grows step by step: on
+CI's 2-core machine the trajectories agree to ~1e-6, on a 16-core one (torch 2.11, 2026-11-24) up to 1.4e-4 by step
+4 (1e-3 is 7x that). The losses fall by 0.3-0.4 a step here, so an update from another gradient shows well above it.
 """
 
 import json
@@ -15,7 +18,7 @@ import pytest
 from lowbit.train.loop import TrainConfig, train
 from testenv import child_env
 
-TOL = 2e-5
+TOL_FIRST, TOL = 2e-5, 1e-3
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -41,6 +44,7 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
         a = [l for _, l in one["history"]["train"]]
         b = [l for _, l in ddp["history"]["train"]]
         assert len(a) == len(b) == 4
+        assert abs(a[0] - b[0]) < TOL_FIRST, (kw, a, b)
         assert max(abs(x - y) for x, y in zip(a, b)) < TOL, (kw, a, b)
         assert abs(one["final_val_loss"] - ddp["final_val_loss"]) < TOL
 
