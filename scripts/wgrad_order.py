@@ -56,23 +56,33 @@ def main(argv=None) -> int:
                 "dgrad (cuBLAS)": lambda: scaled_mm(qdy, qw, a_copy="rowwise", b_copy="columnwise",
                                                      out_dtype=torch.bfloat16, backend="cublas"),
             }
-            a = fns["wgrad dY^T X (cuBLAS)"]().float()
-            b = fns["wgrad X^T dY (cuBLAS)"]().float().t()
-            d = (a - b).abs().max().item()
-            f1 = fns["fprop (cuBLAS)"]().float()
-            f2 = fns["fprop (Triton/Gluon)"]().float()
-            df = (f1 - f2).abs().max().item() / max(f1.abs().max().item(), 1e-30)
+            outs = {}
+            for k in list(fns):  # (one call each: compiles, and drops a row whose backend declines the shape, e.g.
+                try:             # cuBLAS blockwise with K / 128 not a multiple of 4)
+                    outs[k] = fns[k]().float()
+                except NotImplementedError as e:
+                    print(f"  ({k}: {str(e).splitlines()[0][:100]})")
+                    del fns[k]
+
+            def maxdiff(k1, k2, t=False):
+                if k1 not in outs or k2 not in outs:
+                    return float("nan")
+                b = outs[k2].t() if t else outs[k2]
+                return (outs[k1] - b).abs().max().item() / max(outs[k1].abs().max().item(), 1e-30)
+            d = maxdiff("wgrad dY^T X (cuBLAS)", "wgrad X^T dY (cuBLAS)", t=True)
+            df = maxdiff("fprop (cuBLAS)", "fprop (Triton/Gluon)")
             flops = 2.0 * T * N * K
             res = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for k, fn in fns.items():
                     res[k].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-            print(f"[{preset} {name}: T={T} N={N} K={K}] wgrad orders max|diff| {d:.3g}; fprop rel diff {df:.2g}")
+            print(f"[{preset} {name}: T={T} N={N} K={K}] wgrad orders rel diff {d:.2g}; fprop rel diff {df:.2g}")
             for k, v in res.items():
                 ms = statistics.median(v)
-                tot[k] = tot.get(k, 0.0) + ms
+                tot[k] = (tot.get(k, (0.0, 0))[0] + ms, tot.get(k, (0.0, 0))[1] + 1)
                 print(f"  {k:24s} {ms * 1e3:8.1f} us  {flops / ms * 1e-9:7.0f} TFLOP/s  rounds {[round(t * 1e3, 1) for t in v]}")
-        print(f"[{preset}] per layer, us: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in tot.items()))
+        print(f"[{preset}] per layer, us: " + ", ".join(
+            f"{k} {t * 1e3:.0f}" + ("" if n == len(layers) else f" ({n} of {len(layers)} GEMMs)") for k, (t, n) in tot.items()))
     return 0
 
 

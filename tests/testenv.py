@@ -1,7 +1,10 @@
 """Test-environment helpers: whether Triton's interpreter runs here, and the environment of a child process that
 runs lowbit from another working directory."""
+import functools
 import os
+import subprocess
 import sys
+import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,36 +24,27 @@ assert x[0].item() == 4.0, x
 """
 
 
+@functools.lru_cache(maxsize=None)
 def interpreter_problem() -> str | None:
     """None where Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel with a run-time loop bound here, else
     why not. (Triton 3.6's interpreter takes int() of a 1-element array there, which NumPy >= 2.3 refuses: the
     GPU machine's Triton 3.6 with NumPy 2.4 fails every interpreter test that way, while Triton 3.9 and NumPy 2.2
     are fine.) Probed once, in a child process: the interpreter must be chosen before triton is imported."""
-    import subprocess
-    import tempfile
-
-    global _INTERP_PROBLEM
-    if _INTERP_PROBLEM is not None:
-        return _INTERP_PROBLEM or None
     try:
         import numpy
         import triton
     except ImportError as e:
-        _INTERP_PROBLEM = f"no interpreter: {e}"
-        return _INTERP_PROBLEM
+        return f"no interpreter: {e}"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "interp_probe.py")
         with open(path, "w") as f:
             f.write(_PROBE)
         r = subprocess.run([sys.executable, path], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                            text=True, timeout=300)
-    _INTERP_PROBLEM = "" if r.returncode == 0 else (
-        f"Triton {triton.__version__}'s interpreter cannot run a kernel with a run-time loop bound under NumPy "
-        f"{numpy.__version__} here: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}")
-    return _INTERP_PROBLEM or None
-
-
-_INTERP_PROBLEM: str | None = None
+    if r.returncode == 0:
+        return None
+    return (f"Triton {triton.__version__}'s interpreter cannot run a kernel with a run-time loop bound under NumPy "
+            f"{numpy.__version__} here: {(r.stderr.strip().splitlines() or ['?'])[-1][:200]}")
 
 
 def child_env(**extra) -> dict:

@@ -180,9 +180,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
 # RoPE's backward inside the QKV projection's grad_output quantizer (the register-tile kernel's ROPE_BWD prologue,
 # quant_gluon._rope_bwd_half): dqkv (B·T, 3·H·D) is never written in 16 bits. Candidates: the fused kernel (each
 # scale by every thread of its row / column; what ptxas picks: 128 registers at head_dim 128, ~165 at 64 (Triton
-# 3.6), or capped at 128 (a few spills)), timed against the two
-# kernels it replaces (KIND "two": this module's backward kernel, then the plain register-tile quantizer); the
-# autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
+# 3.6), or capped at 128 (a few spills)), timed against the two kernels it replaces (KIND "two": this module's
+# backward kernel, then the plain register-tile quantizer); the autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
 _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                      dict(KIND="two")]
@@ -241,8 +240,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
     B, T, H, D = gq.shape
     M, W = B * T, 3 * H * D
     return rowcol_regs_prologue(
-        "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), M, W, gq.dtype, scheme, gq.device,
-        lambda: list(_ROPE_BWD_CONFIGS), gq,
+        "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), scheme, lambda: list(_ROPE_BWD_CONFIGS), gq,
         lambda c: dict(ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T, tab_row=cos.stride(0),
                        HD=H * D, DH=D, H=_regs_half_layout(c["num_warps"], c["LC"])),
         lambda: _backward_dqkv((gq, gk, gv), cos, sin).view(M, W))

@@ -409,7 +409,6 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     W = u.shape[-1]
     M = u.numel() // W
     return rowcol_regs_prologue(
-        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, M, W, u.dtype, scheme, u.device,
-        lambda: list(_SWIGLU_BWD_CONFIGS), u,
+        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme, lambda: list(_SWIGLU_BWD_CONFIGS), u,
         lambda c: dict(SWIGLU_BWD=True, g_ptr=g, H=_regs_half_layout(c["num_warps"], c["LC"])),
         lambda: swiglu_backward(u, g))

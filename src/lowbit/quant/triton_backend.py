@@ -21,6 +21,7 @@ Nothing here touches CUDA at import time.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 
@@ -467,19 +468,21 @@ def _regs_half_layout(num_warps: int, lanes_c: int):
 _PROLOGUE_PLANS: dict = {}  # (name, M, W, dtype, scheme) -> _BlockwisePlan of a prologue quantizer's output
 
 
-def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, M: int, W: int, dtype: torch.dtype, scheme, device,
-                         candidates, x: torch.Tensor, prologue, unfused) -> QuantizedTensor:
-    """Both 1x128 copies of an (M, W) 16-bit tensor that rowcol_1x128_regs computes in a prologue from other inputs
-    (ops.swiglu's SwiGLU backward, ops.rope's RoPE backward), autotuned (``name``, ``tkey``) over ``candidates`` (a
-    list, or a function returning it, as tuned_launch takes):
-    KIND "regs" runs the kernel on ``x`` with ``prologue(c)``'s keyword arguments (its switch, extra pointers and
-    layouts); KIND "two" runs ``unfused()`` (the (M, W) tensor in 16 bits) and the plain quantizer's default
-    candidate on it. Returns the QuantizedTensor of logical ``shape`` (dtype ``dtype``)."""
-    key = (name, M, W, dtype, scheme)
+def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidates, x: torch.Tensor, prologue,
+                         unfused) -> QuantizedTensor:
+    """Both 1x128 copies of a 16-bit tensor of logical ``shape`` (viewed as (M, W), W = shape[-1]) that
+    rowcol_1x128_regs computes in a prologue from other inputs (ops.swiglu's SwiGLU backward, ops.rope's RoPE
+    backward), autotuned (``name``, ``tkey``) over ``candidates`` (a list, or a function returning it, as tuned_launch
+    takes): KIND "regs" runs the kernel on ``x`` (the first input; its dtype and device are the output's) with
+    ``prologue(c)``'s keyword arguments (its switch, extra pointers and layouts); KIND "two" runs ``unfused()`` (the
+    (M, W) tensor in 16 bits) and the plain quantizer's default candidate on it. Returns the QuantizedTensor."""
+    W = shape[-1]
+    M = math.prod(shape) // W
+    key = (name, M, W, x.dtype, scheme)
     plan = _PROLOGUE_PLANS.get(key)
     if plan is None:  # the blockwise quantizer's plan for the (M, W) output: layouts and kernel constants
-        plan = _PROLOGUE_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, device)
-    bufs = _blockwise_buffers(plan, scheme.format, device, True, True)
+        plan = _PROLOGUE_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, x.device)
+    bufs = _blockwise_buffers(plan, scheme.format, x.device, True, True)
     args = _blockwise_args(plan, *bufs)
 
     def launch(c):
@@ -491,7 +494,7 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, M: int, W: int, d
             fn[grid](x, *args, **kw, **prologue(c))
 
     tuned_launch(name, tkey, candidates, launch)
-    qt = QuantizedTensor(shape=tuple(shape), dtype=dtype, scheme=scheme)
+    qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt
 
