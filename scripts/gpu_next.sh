@@ -114,6 +114,17 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s20a)  # session 20: the branch-free SwiGLU-backward prologue and wgrad_mm's operand order (GPU tests), then the
+          # 350m step with the order tuned / not (alternating; LOWBIT_STEP_PHASES=1 GPU time of each graph)
+    stage 240 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/ops/test_swiglu.py tests/test_gemm.py tests/nn/test_gpu.py tests/nn/test_swiglu_mlp_fused.py \
+      tests/train/test_train_gpu.py -rfE --tb=short
+    for v in 1 0 1 0; do
+      stage 100 env LOWBIT_WGRAD_ORDER_TUNE=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 350m \
+        --recipe fp8-block --steps 12 --batch-size 8 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
+        --out-dir "$OUT/ab" --overwrite
+      rm -rf "$OUT/ab"
+    done ;;
   s18a)  # session 18: the 1.3b training pair (checkpoints removed after: 9 GB each on a 64 GB disk)
     stage 300 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite

@@ -135,6 +135,51 @@ def test_triton_fp8_gemm_vs_reference(sa, sb, cuda):
     print(f"triton {sa} x {sb}: max err/S = {worst:.3g}")
 
 
+def _wgrad_operands(M, N, K, device, seed):
+    """dy (M tokens, N) and x (M, K) with both 1x128 copies, as a Linear's backward has them."""
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(M, N, generator=g) * torch.exp(torch.randn(1, N, generator=g))
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))
+    q = lambda t: quantize(t.to(device), Float8Blockwise(), rowwise=True, columnwise=True)  # noqa: E731
+    return q(dy), q(x)
+
+
+def test_wgrad_mm_is_dyT_x_cpu():
+    """wgrad_mm off CUDA is scaled_mm(dy, x) on the columnwise copies (the reference there), bit for bit."""
+    from lowbit.gemm import wgrad_mm
+
+    qdy, qx = _wgrad_operands(256, 96, 160, "cpu", 3)
+    ref = scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32)
+    got = wgrad_mm(qdy, qx, out_dtype=torch.float32)
+    assert got.shape == (96, 160) and got.is_contiguous() and torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+def test_wgrad_mm_both_orders_bit_identical(cuda, monkeypatch):
+    """wgrad_mm's two operand orders (dYᵀX, and (XᵀdY)ᵀ copied back) give the same bits on cuBLAS's 1x128 · 1x128
+    kernels, each forced alone and with the tuner's pick, on the 350m GPT's fc2 shape (where the order matters
+    most), a 1.3b one and ragged ones; and they stay within the module's bound of the reference."""
+    import lowbit.gemm as G
+    from lowbit.quant import triton_backend as tb
+
+    for (M, N, K) in [(16384, 1024, 2816), (8192, 2048, 5632), (1152, 384, 640), (384, 136, 264)]:
+        qdy, qx = _wgrad_operands(M, N, K, cuda, M + N)
+        direct = scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32)
+        outs = []
+        for cands in ([G._WGRAD_ORDERS[0]], [G._WGRAD_ORDERS[1]], list(G._WGRAD_ORDERS)):
+            monkeypatch.setattr(G, "_WGRAD_ORDERS", cands)
+            monkeypatch.setattr(tb, "_TUNED", {})
+            monkeypatch.setattr(tb, "AUTOTUNE", True)
+            y = G.wgrad_mm(qdy, qx, out_dtype=torch.float32)
+            assert y.shape == (N, K) and y.is_contiguous() and y.dtype == torch.float32
+            outs.append(y)
+            monkeypatch.undo()
+        for y in outs:
+            assert torch.equal(y, direct), ((M, N, K), (y - direct).abs().max().item())
+        if M <= 1152:
+            _check(qdy, qx, "columnwise", "columnwise", None)
+
+
 # Power-of-two scales for the per-tensor and per-row schemes, so their GEMMs get the exact check too: a tensorwise
 # operand takes the given (delayed) scale 2**3 (small-integer inputs have amax <= 4 * 2**3 = 32, so |x| * 8 <= 256
 # fits E4M3 and E5M2 with every element exact), a rowwise one pow2=True.

@@ -6,6 +6,7 @@ the float64-exact reference runs everywhere else and is the spec.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -14,7 +15,7 @@ from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8
 from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
-__all__ = ["scaled_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
+__all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=));
 # opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may then yield.
@@ -175,6 +176,66 @@ def scaled_mm(
         fn = table[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
     y, pre = fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
     return (y, pre) if return_pre_gelu else y
+
+
+def _order_tunable(dy: QuantizedTensor, x: QuantizedTensor) -> bool:
+    """Whether :func:`wgrad_mm` may time the other operand order: 1x128 blockwise FP8 columnwise copies of both on
+    one CUDA device (the cuBLAS 1x128 · 1x128 kernels, whose choice follows the operand shapes), outside Triton's
+    interpreter."""
+    sa, sb = dy.scheme, x.scheme
+    cd, cx = dy.columnwise, x.columnwise
+    if not (isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise) and sa.block_dim == 1
+            and sb.block_dim == 1 and cd is not None and cx is not None and cd.data.is_cuda
+            and cd.data.device == cx.data.device):
+        return False
+    from ..quant import triton_backend as tb  # (CUDA tensors: Triton is there)
+
+    return tb.AUTOTUNE and not tb.INTERPRET and os.environ.get("LOWBIT_WGRAD_ORDER_TUNE", "1") != "0"
+
+
+def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight gradient ``dW = dYᵀ · X`` from both operands' columnwise copies, contiguous (N, K).
+
+    Args:
+        dy: QuantizedTensor of the output gradient, (M tokens, N) logically; its columnwise copy (N, M) is read.
+        x: QuantizedTensor of the layer input, (M, K) logically; its columnwise copy (K, M) is read.
+        out_dtype: float32 (FP32 master weights), bfloat16 or float16.
+
+    Returns:
+        (N, K) contiguous: ``scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)``.
+
+    For 1x128 blockwise copies on CUDA, with the autotuner on, the first call of each shape also times the other
+    operand order, ``scaled_mm(x, dy, ...)`` (dWᵀ, K x N) followed by a transposing copy, and keeps the faster.
+    cuBLAS picks its kernel by the operand shapes, and the order alone can cost 1.5x: the 350m GPT's fc2 weight
+    gradient (1024 x 2816 over 16,384 tokens) took 170 us as dYᵀX and 116 us as XᵀdY (H200, session 19,
+    BENCHMARKS.md). Both orders form the same block products and per-block promotions; the GPU test
+    checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` (or ``LOWBIT_WGRAD_ORDER_TUNE=0``, for
+    A/B runs) keeps the first order.
+    """
+    def direct():
+        return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)
+
+    if not (isinstance(dy, QuantizedTensor) and isinstance(x, QuantizedTensor) and _order_tunable(dy, x)):
+        return direct()
+    from ..quant.triton_backend import tuned_launch
+
+    res = []
+
+    def launch(c):
+        res.clear()
+        if c["ORDER"] == "dy_x":
+            res.append(direct())
+        else:
+            res.append(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype).t().contiguous())
+
+    key = (tuple(dy.columnwise.data.shape), tuple(x.columnwise.data.shape), dy.scheme, x.scheme, out_dtype,
+           dy.columnwise.data.device)
+    tuned_launch("wgrad_order", key, lambda: list(_WGRAD_ORDERS), launch)
+    return res[0]
+
+
+# wgrad_mm's candidates: dYᵀX as asked (the first: what runs without tuning), or (XᵀdY)ᵀ copied back
+_WGRAD_ORDERS = [dict(ORDER="dy_x"), dict(ORDER="x_dy")]
 
 
 def _load_fast_backends() -> None:

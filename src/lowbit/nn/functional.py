@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..gemm import scaled_mm
+from ..gemm import scaled_mm, wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
@@ -429,7 +429,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                                              ctx.x_shape)
                 dx = None if dx is None else dx.reshape(ctx.x_shape)
             if need_wgrad:
-                dw = scaled_mm(qdy, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w_dtype)
+                dw = wgrad_mm(qdy, ctx.qx, out_dtype=ctx.w_dtype)
         if ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, dnw, None
@@ -569,7 +569,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
             qdy = g2.quantize(dy2, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
                               policy=cfg2.policy)
             if need_dw2:
-                dw2 = scaled_mm(qdy, ctx.qh, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w2_dtype)
+                dw2 = wgrad_mm(qdy, ctx.qh, out_dtype=ctx.w2_dtype)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
                 sch1 = recipe.role("grad_output").scheme
@@ -591,7 +591,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                                                  ctx.x_shape)
                     dx = None if dx is None else dx.reshape(ctx.x_shape)
                 if need_dw1:
-                    dw1 = scaled_mm(qdu, ctx.qx, a_copy="columnwise", b_copy="columnwise", out_dtype=ctx.w1_dtype)
+                    dw1 = wgrad_mm(qdu, ctx.qx, out_dtype=ctx.w1_dtype)
         if ctx.needs_input_grad[3]:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
         return dx, dw1, dw2, db2, dnw, None, None

@@ -137,8 +137,10 @@ if GLUON:
         """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
         (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))),
         db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b,
-        g) or the b half (db: reads a, g; b's load is masked off). Both values are computed and one selected: a
-        branch on the half (uniform in a program) made ptxas spill under the 128-register cap."""
+        g) or the b half (db: reads a, g; b's load is masked off). Both halves run one branch-free expression (below):
+        a branch on the half (uniform in a program) made ptxas spill under the 128-register cap, and computing both
+        values and selecting one cost ~3 instructions an element more (H200, session 20: 0.191 against 0.199-0.213
+        ms at 8192 x 11264, BENCHMARKS.md)."""
         F = K // 2
         f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
         i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
@@ -149,8 +151,18 @@ if GLUON:
         g = gl.load(g_ptr + (m0 * F + f0) + rows * F + gl.expand_dims(c, 0)).to(gl.float32)
         sig = _sigmoid(a)
         isa = (gl.expand_dims(i * 0, 1) + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
-        b = gl.load(pa + F, mask=isa, other=0.0).to(gl.float32)
-        x = gl.where(isa, g * b * (sig * (1.0 + a * (1.0 - sig))), g * (a * sig)).to(x_ptr.dtype.element_ty)
+        b = gl.load(pa + F, mask=isa, other=1.0).to(gl.float32)
+        # One expression for both halves, (g * b') * (sig * fma(a, w, c)): in the a half b' = b, w = 1 - sig (as
+        # fma(sig, -1, 1), one rounding as the subtraction), c = 1, which is da as the kernel computes it (its
+        # 1 + a * (1 - sig) contracts to that fma); in the b half b' = 1 (the masked load's value), w = 1, c = -0,
+        # and fma(a, 1, -0) = a exactly (-0 keeps a = -0's sign), so (g * 1) * (sig * a) = db bit for bit. This
+        # takes ~3 instructions an element fewer than computing both and selecting one.
+        s1 = (k0 < F).to(gl.float32)
+        w = gl.fma(sig, -s1, 1.0)
+        # c from its bits: a literal -0.0 is folded to +0.0 by Triton (and fma(-0, 1, +0) = +0 would flip db's sign)
+        c = gl.where(k0 < F, 0x3F800000, -2147483648).to(gl.float32, bitcast=True)  # 1.0 or -0.0
+        t = gl.fma(a, w, c)
+        x = ((g * b) * (sig * t)).to(x_ptr.dtype.element_ty)
         return x
 
     @gluon.jit
