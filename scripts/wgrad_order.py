@@ -2,7 +2,8 @@
 (1x128 · 128x128) through cuBLAS and the Gluon kernel, on the GPT presets' shapes (issue 7 diagnostic).
 
 dW = dYᵀ·X is computed as scaled_mm(dy, x) (N_out x K_in) or as its transpose scaled_mm(x, dy) (K_in x N_out):
-the same products and the same per-block scale promotion, only cuBLAS's tile walk differs.
+the same products and the same per-block scale promotion, only cuBLAS's tile walk differs. The transpose copied back
+to (N_out, K_in) is what lowbit.gemm.wgrad_mm times against the first order (its pick is printed).
 
     PYTHONPATH=src python scripts/wgrad_order.py [--preset 1.3b,350m] [--rounds 2]
 """
@@ -16,9 +17,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from lowbit import quantize, scaled_mm  # noqa: E402
+from lowbit.bench import capture, median_ms  # noqa: E402
+from lowbit.gemm import wgrad_mm  # noqa: E402
 from lowbit.quant import Float8Blockwise  # noqa: E402
 
 # tokens a step, (name, out features, in features)
@@ -51,6 +53,9 @@ def main(argv=None) -> int:
                                                             out_dtype=torch.float32, backend="cublas"),
                 "wgrad X^T dY (cuBLAS)": lambda: scaled_mm(qx, qdy, a_copy="columnwise", b_copy="columnwise",
                                                             out_dtype=torch.float32, backend="cublas"),
+                "wgrad (X^T dY)^T copied": lambda: scaled_mm(qx, qdy, a_copy="columnwise", b_copy="columnwise",
+                                                              out_dtype=torch.float32, backend="cublas").t().contiguous(),
+                "wgrad_mm (tuned order)": lambda: wgrad_mm(qdy, qx, out_dtype=torch.float32),
                 "fprop (cuBLAS)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="cublas"),
                 "fprop (Triton/Gluon)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="triton"),
                 "dgrad (cuBLAS)": lambda: scaled_mm(qdy, qw, a_copy="rowwise", b_copy="columnwise",
@@ -72,11 +77,18 @@ def main(argv=None) -> int:
             d = maxdiff("wgrad dY^T X (cuBLAS)", "wgrad X^T dY (cuBLAS)", t=True)
             df = maxdiff("fprop (cuBLAS)", "fprop (Triton/Gluon)")
             flops = 2.0 * T * N * K
+            # GPU time from CUDA graphs: eager do_bench of a ~50-200 us GEMM called from Python also times the host
+            # (session 20: 350m proj's weight gradient read 189 us eagerly, 53 us replayed)
+            graphs = {k: capture(fn) for k, fn in fns.items()}
             res = {k: [] for k in fns}
             for _ in range(args.rounds):
-                for k, fn in fns.items():
-                    res[k].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-            print(f"[{preset} {name}: T={T} N={N} K={K}] wgrad orders rel diff {d:.2g}; fprop rel diff {df:.2g}")
+                for k, g in graphs.items():
+                    res[k].append(median_ms(g.replay, warmup=10, rep=60))
+            import lowbit.quant.triton_backend as tb
+            pick = [v["ORDER"] for k, v in tb._TUNED.items() if k[0] == "wgrad_order" and k[1] == (N, T)
+                    and k[2] == (K, T)]
+            print(f"[{preset} {name}: T={T} N={N} K={K}] wgrad orders rel diff {d:.2g}; fprop rel diff {df:.2g}; "
+                  f"wgrad_mm's order: {pick[0] if pick else '(not tuned)'}")
             for k, v in res.items():
                 ms = statistics.median(v)
                 tot[k] = (tot.get(k, (0.0, 0))[0] + ms, tot.get(k, (0.0, 0))[1] + 1)
