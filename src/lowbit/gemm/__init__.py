@@ -178,10 +178,14 @@ def scaled_mm(
     return (y, pre) if return_pre_gelu else y
 
 
+# wgrad_mm's candidates: dYᵀX as asked (the first: what runs without tuning), or (XᵀdY)ᵀ copied back
+_WGRAD_ORDERS = [dict(ORDER="dy_x"), dict(ORDER="x_dy")]
+
+
 def _order_tunable(dy: QuantizedTensor, x: QuantizedTensor) -> bool:
-    """Whether :func:`wgrad_mm` may time the other operand order: 1x128 blockwise FP8 columnwise copies of both on
-    one CUDA device (the cuBLAS 1x128 · 1x128 kernels, whose choice follows the operand shapes), outside Triton's
-    interpreter."""
+    """Whether :func:`wgrad_mm` may time the other operand order: 1D blockwise FP8 (1 x block_size) columnwise
+    copies of both on one CUDA device (cuBLAS's 1x128 · 1x128 kernels, whose choice follows the operand shapes),
+    outside Triton's interpreter, with the autotuner on."""
     sa, sb = dy.scheme, x.scheme
     cd, cx = dy.columnwise, x.columnwise
     if not (isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise) and sa.block_dim == 1
@@ -210,8 +214,8 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
     gradient (1024 x 2816 over 16,384 tokens) takes 168 us as dYᵀX, 117 us as XᵀdY and 138 us with the copy back
     (H200, session 20, GPU time from CUDA graphs, BENCHMARKS.md); on the other GPT shapes the first order wins or
     the copy costs more than the order saves. Both orders form the same block products and per-block promotions;
-    the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` (or ``LOWBIT_WGRAD_ORDER_TUNE=0``, for
-    A/B runs) keeps the first order.
+    the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` (or
+    ``LOWBIT_WGRAD_ORDER_TUNE=0``, for A/B runs) keeps the first order.
     """
     def direct():
         return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)
@@ -233,10 +237,6 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
            dy.columnwise.data.device)
     tuned_launch("wgrad_order", key, lambda: list(_WGRAD_ORDERS), launch)
     return res[0]
-
-
-# wgrad_mm's candidates: dYᵀX as asked (the first: what runs without tuning), or (XᵀdY)ᵀ copied back
-_WGRAD_ORDERS = [dict(ORDER="dy_x"), dict(ORDER="x_dy")]
 
 
 def _load_fast_backends() -> None:

@@ -152,16 +152,16 @@ if GLUON:
         sig = _sigmoid(a)
         isa = (gl.expand_dims(i * 0, 1) + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
         b = gl.load(pa + F, mask=isa, other=1.0).to(gl.float32)
-        # One expression for both halves, (g * b') * (sig * fma(a, w, c)): in the a half b' = b, w = 1 - sig (as
-        # fma(sig, -1, 1), one rounding as the subtraction), c = 1, which is da as the kernel computes it (its
-        # 1 + a * (1 - sig) contracts to that fma); in the b half b' = 1 (the masked load's value), w = 1, c = -0,
+        # One expression for both halves, (g * b') * (sig * fma(a, w, addend)): in the a half b' = b, w = 1 - sig (as
+        # fma(sig, -1, 1), one rounding as the subtraction), addend 1, which is da as the kernel computes it (its
+        # 1 + a * (1 - sig) contracts to that fma); in the b half b' = 1 (the masked load's value), w = 1, addend -0,
         # and fma(a, 1, -0) = a exactly (-0 keeps a = -0's sign), so (g * 1) * (sig * a) = db bit for bit. This
         # takes ~3 instructions an element fewer than computing both and selecting one.
         s1 = (k0 < F).to(gl.float32)
         w = gl.fma(sig, -s1, 1.0)
-        # c from its bits: a literal -0.0 is folded to +0.0 by Triton (and fma(-0, 1, +0) = +0 would flip db's sign)
-        c = gl.where(k0 < F, 0x3F800000, -2147483648).to(gl.float32, bitcast=True)  # 1.0 or -0.0
-        t = gl.fma(a, w, c)
+        # the addend from its bits: Triton folds a -0.0 literal to +0.0 (and fma(-0, 1, +0) = +0 would flip db's sign)
+        addend = gl.where(k0 < F, 0x3F800000, -2147483648).to(gl.float32, bitcast=True)  # 1.0 or -0.0
+        t = gl.fma(a, w, addend)
         x = ((g * b) * (sig * t)).to(x_ptr.dtype.element_ty)
         return x
 
