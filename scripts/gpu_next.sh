@@ -12,7 +12,8 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
-# Session 20 (2026-11-24) ran s20a (69 GPU tests; the 350m step with wgrad_mm's order tuned / not), s18a, s18b,
+# Session 20 (2026-11-24) ran s20a (GPU tests: 68 passed, the SwiGLU -0 case failed until 6ff4bea; the 350m step with
+# wgrad_mm's order tuned / not), s18a, s18b,
 # and the whole GPU suite (366 passed at 044354f).
 # Session 12 (2026-11-23) ran s12a-e (stages b and d went with the kernel variants they timed): the warp-specialized
 # Gluon INT8·FP8 attention forward (attention/_gluon.py), 1.00-1.09x cuDNN kernel-only at D=128 (Triton kernel
