@@ -398,7 +398,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
         bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
     """
-    from ..quant.triton_backend import _bucket, _regs_half_layout, rowcol_regs_prologue
+    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
 
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
@@ -410,5 +410,5 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     M = u.numel() // W
     return rowcol_regs_prologue(
         "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme, lambda: list(_SWIGLU_BWD_CONFIGS), u,
-        lambda c: dict(SWIGLU_BWD=True, g_ptr=g, H=_regs_half_layout(c["num_warps"], c["LC"])),
+        lambda c: dict(SWIGLU_BWD=True, g_ptr=g),
         lambda: swiglu_backward(u, g))

@@ -474,8 +474,9 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
     rowcol_1x128_regs computes in a prologue from other inputs (ops.swiglu's SwiGLU backward, ops.rope's RoPE
     backward), autotuned (``name``, ``tkey``) over ``candidates`` (a list, or a function returning it, as tuned_launch
     takes): KIND "regs" runs the kernel on ``x`` (the first input; its dtype and device are the output's) with
-    ``prologue(c)``'s keyword arguments (its switch, extra pointers and layouts); KIND "two" runs ``unfused()`` (the
-    (M, W) tensor in 16 bits) and the plain quantizer's default candidate on it. Returns the QuantizedTensor."""
+    ``prologue(c)``'s keyword arguments (its switch and extra pointers) and the half-tile layout H of ``c``'s warps
+    and lanes (these prologues compute their tile in two 64-row halves); KIND "two" runs ``unfused()`` (the (M, W)
+    tensor in 16 bits) and the plain quantizer's default candidate on it. Returns the QuantizedTensor."""
     W = shape[-1]
     M = math.prod(shape) // W
     key = (name, M, W, x.dtype, scheme)
@@ -491,7 +492,7 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
             fn[grid](unfused(), *args, **kw)
         else:
             fn, grid, _, kw = plan.launch_args(c)
-            fn[grid](x, *args, **kw, **prologue(c))
+            fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
     tuned_launch(name, tkey, candidates, launch)
     qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
