@@ -117,6 +117,21 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s21a)  # session 21: the training loop one step ahead (GPU tests), then the 1.3b pair with it on and off
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/train/test_train_gpu.py -rfE --tb=short
+    for v in 1 0; do
+      stage 280 env LOWBIT_LOOKAHEAD=$v python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 \
+        --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite
+      rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt
+    done ;;
+  s21b)  # session 21: the 350m pair, and the 1.3b pair at batch 8 (16,384 tokens a step, the update amortized over 2x)
+    stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" --overwrite
+    rm -rf "$OUT"/b350/*.pt "$OUT"/b350/*/*.pt
+    stage 330 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13x8" --overwrite
+    rm -rf "$OUT"/b13x8/*.pt "$OUT"/b13x8/*/*.pt ;;
   s20a)  # session 20: the branch-free SwiGLU-backward prologue and wgrad_mm's operand order (GPU tests), then the
           # 350m step with the order tuned / not (alternating; LOWBIT_STEP_PHASES=1 GPU time of each graph)
     stage 240 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

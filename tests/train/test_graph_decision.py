@@ -18,7 +18,6 @@ def test_auto_uses_graphs_for_stateless_recipes_on_one_gpu(recipe):
     (dict(recipe="fp8-delayed"), _d(), "keeps per-step host state"),
     (dict(recipe="bf16"), _d(world=2), "more than one process"),
     (dict(recipe="bf16"), _d("cpu"), "not on CUDA"),
-    (dict(recipe="bf16", fault_steps=(3,)), _d(), "fault injection"),
 ])
 def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
     use, reason = _graph_decision(TrainConfig(**cfg), dist)

@@ -125,15 +125,16 @@ def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir,
     """fp8-block with lowbit.optim.AdamW writing the FP8 weight copies, through a non-finite step rolled back to a
     checkpoint (loading it bumps the weights' versions: the next forward quantizes them, the next step writes the copies
     again): the loss trajectory follows the same run with torch's AdamW (the forward quantizing every weight) to the
-    AdamW rounding differences, 2e-3 relative, as the graph/eager test. Fault injection runs eagerly (no CUDA graphs);
-    a graph's capture primes the copies at every capture, the first one included (test_cuda_graph_matches_eager)."""
+    AdamW rounding differences, 2e-3 relative, as the graph/eager test. Eager (no CUDA graphs): a graph's capture
+    primes the copies at every capture, the first one included (test_cuda_graph_matches_eager,
+    test_lookahead_changes_only_the_time)."""
     runs = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("LOWBIT_FUSED_ADAMW_QUANT", fused)
         runs[fused] = train(TrainConfig(recipe="fp8-block", steps=12, batch_size=8, seq_len=128, data=small_text,
                                         cache_dir=cache_dir, out_dir=str(tmp_path / fused), eval_windows=8, device="cuda",
-                                        ckpt_every=4, fault_steps=(6,), on_nonfinite="rollback", progress=False,
-                                        verbose=False))
+                                        ckpt_every=4, fault_steps=(6,), on_nonfinite="rollback", cuda_graph="off",
+                                        progress=False, verbose=False))
     for r in runs.values():
         assert not r["cuda_graph"] and [e["action"] for e in r["events"]][:1] == ["rollback to step 4"], r["events"]
     a = [l for _, l in runs["0"]["history"]["train"]]
@@ -141,3 +142,35 @@ def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir,
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert abs(x - y) <= 2e-3 * abs(x), (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-block"])
+def test_lookahead_changes_only_the_time(tmp_path, small_text, cache_dir, monkeypatch, recipe):
+    """Graph-replayed steps finished on the host one step late (the default) against every step waited for
+    (LOWBIT_LOOKAHEAD=0): the same losses, validation included, and a fault (inf into the first block's input
+    inside the captured graph) skipped on the device and reported at its own step either way. Then the same fault
+    under --on-nonfinite rollback with graphs (no lookahead there): rolled back, the graphs captured afresh."""
+    import math
+
+    base = dict(recipe=recipe, steps=10, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir, eval_every=5,
+                eval_windows=8, device="cuda", fault_steps=(3,), progress=False, verbose=False)
+    runs = {}
+    for la in ("1", "0"):
+        monkeypatch.setenv("LOWBIT_LOOKAHEAD", la)
+        runs[la] = train(TrainConfig(out_dir=str(tmp_path / la), on_nonfinite="skip", **base))
+    for r in runs.values():
+        assert r["cuda_graph"]
+        assert {e["step"] for e in r["events"]} == {3} and {e["action"] for e in r["events"]} == {"skip"}, r["events"]
+        if recipe != "bf16":  # (bf16 has no amax sentry: the loss reports it)
+            assert any(e["layer"].startswith("blocks.0.") for e in r["events"]), r["events"]
+        assert [st for st, _ in r["history"]["train"]] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+        assert len(r["history"]["val"]) == 2 and all(math.isfinite(v) for _, v in r["history"]["val"])
+    assert runs["1"]["history"] == runs["0"]["history"]
+
+    monkeypatch.delenv("LOWBIT_LOOKAHEAD")
+    rb = train(TrainConfig(out_dir=str(tmp_path / "rb"), on_nonfinite="rollback", ckpt_every=2, **base))
+    assert rb["cuda_graph"] and {e["action"] for e in rb["events"]} == {"rollback to step 2"}, rb["events"]
+    assert math.isfinite(rb["final_val_loss"])
+    ls = [l for _, l in rb["history"]["train"]]
+    assert sum(ls[-3:]) / 3 < sum(ls[:3]) / 3, ls

@@ -352,8 +352,6 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
         why = "more than one process (DDP/FSDP collectives stay eager)"
     elif c.recipe not in GRAPH_RECIPES:
         why = f"recipe {c.recipe!r} keeps per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})"
-    elif c.fault_steps:
-        why = "fault injection (testing) is on"
     if why is not None and c.cuda_graph == "on":
         raise ValueError(f"cuda_graph: 'on' but CUDA graphs cannot be used here: {why}")
     return why is None, why or ""
@@ -641,6 +639,8 @@ def _train_one(c: TrainConfig) -> dict:
 
     @torch.no_grad()
     def evaluate() -> float:
+        if fault_poison is not None:  # (the last step's fault is not the validation's)
+            fault_poison.zero_()
         mine = val_off[d.rank::d.world]
         n_batches = -(-len(val_off) // (d.world * c.batch_size))  # same count on every rank (FSDP needs it)
         tot = torch.zeros(2, dtype=torch.float64, device=d.device)
@@ -689,10 +689,12 @@ def _train_one(c: TrainConfig) -> dict:
                                prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
     _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
 
-    fault_hook = None
-
-    def _fault(module, args):
-        return (args[0] + float("inf"),) + tuple(args[1:])
+    # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
+    # (adding 0 changes no value), so a captured graph injects the fault too: launch() refills it before each step
+    fault_poison = None
+    if c.fault_steps:
+        fault_poison = torch.zeros((), dtype=torch.float32, device=d.device)
+        raw.blocks[0].register_forward_pre_hook(lambda module, args: (args[0] + fault_poison,) + tuple(args[1:]))
 
     _reset_peak(d.device)
     timed_tokens, timed_s = 0, 0.0
@@ -702,14 +704,28 @@ def _train_one(c: TrainConfig) -> dict:
     phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
     profile_dir = os.environ.get("LOWBIT_PROFILE_GRAPHS")  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
+    # One step ahead: a replayed step whose update runs on the device (the skip decided there) is finished on the
+    # host (loss read, sentry events, reporting) only after the next step has been launched, so the GPU runs the
+    # next forward while the host reads the last one's results instead of idling for the host's turnaround. Only
+    # where that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step),
+    # and never across a validation, a checkpoint or the end of the run. LOWBIT_LOOKAHEAD=0 turns it off; the
+    # step-phase and profile diagnostics (host timing per step) run without it.
+    lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
+                 and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
+    t_mark = time.perf_counter()  # where the next step's wall time starts: the last step's end, after its eval/save
 
     def graph_batches(step: int) -> list:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
                                    c.seq_len, d.device) for m in range(c.grad_accum)]
 
-    for step in range(start, c.steps):
-        t0 = time.perf_counter()
-        phases.start(t0)
+    def boundary(done: int) -> bool:
+        """Whether the host acts on the model after step ``done`` (validation, checkpoint, stop, the end)."""
+        return (done % c.eval_every == 0 or done >= c.steps or bool(c.ckpt_every and done % c.ckpt_every == 0)
+                or (c.stop_at_step is not None and done >= c.stop_at_step))
+
+    def launch(step: int) -> dict:
+        """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go)."""
+        phases.start(time.perf_counter())
         lr = lr_at(step, c)
         if graphed is not None and graphed.update is not None:
             graphed.set_lr(lr)
@@ -718,8 +734,9 @@ def _train_one(c: TrainConfig) -> dict:
                 g["lr"] = lr
         step_key = c.seed * 1_000_003 + step * 1009 + d.rank
         torch.manual_seed(step_key)  # stochastic rounding etc.: keyed by step
-        if step in c.fault_steps:
-            fault_hook = raw.blocks[0].register_forward_pre_hook(_fault)
+        if fault_poison is not None:
+            fault_poison.fill_(float("inf") if step in c.fault_steps else 0.0)
+        skip = None
         try:
             if graphed is not None:  # (one process: this rank's rows are the global batch's)
                 batches = prefetched.pop(step, None) or graph_batches(step)
@@ -745,11 +762,11 @@ def _train_one(c: TrainConfig) -> dict:
                     loss_sum = graphed.loss_sum.clone()
                 else:
                     loss_sum = graphed.replay(phases.gpu_mark).clone()
+                if graphed.update is not None:  # (the next replay rewrites the flag)
+                    skip = graphed.skip.clone()
                 if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
                     prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")
-                if recipe is not None:
-                    lnn.state.check_captured(wait=False)
             else:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
                 for m in range(c.grad_accum):
@@ -764,17 +781,27 @@ def _train_one(c: TrainConfig) -> dict:
                         loss_sum += micro_step(x, y, m)
         except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
             raise FloatingPointError(f"step {step}: {e}") from e
-        if fault_hook is not None:
-            fault_hook.remove()
-            fault_hook = None
+        updated = skip is not None  # the update graph ran (or skipped the step) on the device
+        return {"step": step, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated,
+                "ahead": lookahead and updated and not boundary(step + 1)}
+
+    def queue_check(rec: dict) -> None:
+        """Queue the sentry's check of the amaxes the replay of ``rec`` wrote (before the next replay rewrites them)."""
+        if graphed is not None and recipe is not None:
+            lnn.state.check_captured(wait=False)
+
+    def finish(rec: dict) -> bool:
+        """The host's part of a launched step: wait for it, read its loss and faults, skip / roll back / update
+        (eagerly where the update is not a graph), report, validate, checkpoint. True: stop the run here."""
+        nonlocal timed_tokens, timed_s, last_train_loss, t_mark
+        step, lr, loss_sum, updated = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"]
         found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
         phases.mark("wait fwd+bwd (nonfinite check)")
         loss_sum = _all_sum(loss_sum, d)
         step_loss = float(loss_sum) / (c.grad_accum * d.world)
-        updated = graphed is not None and graphed.update is not None  # the step ran (or was skipped) on the device
         grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
         if updated:
-            grads_bad = not found and math.isfinite(step_loss) and graphed.skipped()
+            grads_bad = not found and math.isfinite(step_loss) and bool(rec["skip"])
         elif c.grad_clip > 0:  # every rank clips (a collective under FSDP2); a non-finite norm skips the step too
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
@@ -819,11 +846,12 @@ def _train_one(c: TrainConfig) -> dict:
             last_train_loss = step_loss
             history["train"].append([step + 1, step_loss])
             history["lr"].append([step + 1, lr])
-        if d.device.type == "cuda":
+        if d.device.type == "cuda" and not rec["ahead"]:  # (ahead: the next step is queued behind this one)
             torch.cuda.synchronize(d.device)
         phases.mark("wait clip+optimizer")
         phases.end_step()
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt, t_mark = now - t_mark, now
         if step > start:  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
             timed_s += dt
@@ -836,11 +864,27 @@ def _train_one(c: TrainConfig) -> dict:
             vl = evaluate()
             history["val"].append([done, vl])
             _say(d, c, f"[lowbit] step {done}: train loss {step_loss:.4f}  val loss {vl:.4f}", bar)
+            t_mark = time.perf_counter()
         if (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final):
             save(done)
-        if c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps:
+            t_mark = time.perf_counter()
+        return c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps
+
+    pending = None  # a launched step finished after the next one is launched (lookahead)
+    for step in range(start, c.steps):
+        rec = launch(step)
+        if pending is not None:  # (never a boundary: nothing it does acts on the model)
+            finish(pending)
+            pending = None
+        queue_check(rec)
+        if rec["ahead"]:
+            pending = rec
+            continue
+        if finish(rec):
             stopped_early = True
             break
+    if pending is not None:  # (unreachable: the last step is a boundary; kept so no step goes unreported)
+        finish(pending)
     if bar is not None:
         bar.close()
     phases.report(lambda msg: _say(d, c, msg))
