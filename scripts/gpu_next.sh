@@ -125,10 +125,15 @@ case "${1:-verify}" in
         --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite
       rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt
     done ;;
-  s21b)  # session 21: the 350m pair, and the 1.3b pair at batch 8 (16,384 tokens a step, the update amortized over 2x)
-    stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" --overwrite
-    rm -rf "$OUT"/b350/*.pt "$OUT"/b350/*/*.pt
+  s21b)  # session 21: the lookahead test again (sentry fix), the 350m pair with the lookahead on and off, and the 1.3b
+          # pair at batch 8 (16,384 tokens a step, the update amortized over 2x)
+    stage 100 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu tests/train/test_train_gpu.py -k lookahead -rfE --tb=short
+    for v in 1 0; do
+      stage 250 env LOWBIT_LOOKAHEAD=$v python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 \
+        --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" --overwrite
+      rm -rf "$OUT"/b350/*.pt "$OUT"/b350/*/*.pt
+    done
     stage 330 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13x8" --overwrite
     rm -rf "$OUT"/b13x8/*.pt "$OUT"/b13x8/*/*.pt ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -176,7 +177,7 @@ def test_async_check_reports_once_the_gpu_has_passed_it():
     ev = _FakeEvent()
     rec = ("blocks.3.qkv", "grad_output", "backward", 41, "raise", (torch.tensor([float("nan")]),))
     with state._lock:
-        state._inflight.append(([rec], torch.tensor([float("nan")]), ev, None))
+        state._inflight.append(([rec], torch.tensor([float("nan")]), ev, None, torch.tensor([float("nan")])))
     state.check_nonfinite(wait=False)  # the GPU has not passed the event: nothing read, nothing raised
     assert state.pending_checks() == 1 and not ev.waited
     ev.done = True
@@ -187,6 +188,24 @@ def test_async_check_reports_once_the_gpu_has_passed_it():
     ev2 = _FakeEvent()
     rec2 = ("fc", "input", "forward", 7, "skip", (torch.tensor([float("inf")]),))
     with state._lock:
-        state._inflight.append(([rec2], torch.tensor([float("inf")]), ev2, None))
+        state._inflight.append(([rec2], torch.tensor([float("inf")]), ev2, None, torch.tensor([float("inf")])))
     got = nonfinite_events()
     assert ev2.waited and [(e.layer, e.role, e.step, e.amax) for e in got] == [("fc", "input", 7, float("inf"))]
+
+
+def test_fault_is_attributed_from_the_values_checked_not_the_live_tensors():
+    """A queued check names its layers from the amaxes as they were when it was queued: a CUDA graph's next replay
+    rewrites the recorded tensors before the host reads the check (lowbit train's one-step lookahead)."""
+    from lowbit.nn import state
+
+    nonfinite_events()
+    a, b = torch.tensor([1.0]), torch.tensor([2.0, 3.0])
+    good, bad = torch.tensor([4.0]), torch.tensor([float("nan")])
+    recs = [("l0", "input", "forward", 5, "skip", (a, b)), ("l1", "input", "forward", 5, "skip", (good,)),
+            ("l2", "grad_output", "backward", 5, "skip", (bad,))]
+    state._launch_check(recs)
+    bad.fill_(1.0)  # the next step rewrote the amax: the check still reports what it checked
+    a.fill_(float("inf"))
+    got = nonfinite_events()
+    assert [(e.layer, e.role, e.step) for e in got] == [("l2", "grad_output", 5)]
+    assert math.isnan(got[0].amax)

@@ -237,7 +237,8 @@ def nonfinite_events() -> list[NonFiniteEvent]:
 # check wait (the error then surfaces at the exit of the step that produced it, at one sync per check).
 _unchecked: list[tuple] = []
 _boundary_queued = False  # a check is queued for the end of the running backward pass
-_inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None), oldest first
+_inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None,
+#   their amaxes flattened at the check), oldest first
 SYNC_CHECKS = os.environ.get("LOWBIT_SENTRY_SYNC", "0") == "1"
 
 
@@ -303,20 +304,29 @@ class _PinnedRing:
 _ring = _PinnedRing()
 
 
+def _flat(parts: list) -> torch.Tensor:
+    """The amax tensors ``parts`` flattened into one 1-D tensor, in order."""
+    try:  # the usual case: float32 (1,) amaxes on one device -> one cat
+        return torch.cat([p.detach().reshape(-1) for p in parts])
+    except RuntimeError:  # mixed devices / dtypes
+        dev = parts[0].device
+        return torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts])
+
+
 def _max_of(parts: list) -> torch.Tensor:
     """(1,) float32: the max of the amax tensors ``parts`` (finite iff all are: NaN propagates through max, amaxes
     are >= 0)."""
-    try:  # the usual case: float32 (1,) amaxes on one device -> one cat, one max
-        return torch.cat(parts).max().reshape(1)
-    except RuntimeError:  # mixed devices / shapes / dtypes
-        dev = parts[0].device
-        return torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts]).max().reshape(1)
+    return _flat(parts).max().reshape(1)
 
 
 def _launch_check(recs: list) -> None:
     """Queue one finiteness check over every amax of ``recs``: the max of all of them (NaN propagates
-    through max, amaxes are >= 0, so the max is finite iff all are), copied asynchronously on CUDA."""
-    mx = _max_of([a for r in recs for a in r[5]])
+    through max, amaxes are >= 0, so the max is finite iff all are), copied asynchronously on CUDA. The
+    flattened amaxes are kept with the check: a fault is attributed to its layers from these values, which
+    later work cannot change (a graph's replay rewrites the recorded tensors; ``lowbit train`` replays the next
+    step before it reads this one's check)."""
+    flat = _flat([a for r in recs for a in r[5]])
+    mx = flat.max().reshape(1)
     if mx.is_cuda:
         slot = _ring.take()
         if slot is None:  # every slot in flight: read the oldest checks first (this waits)
@@ -326,9 +336,9 @@ def _launch_check(recs: list) -> None:
         host.copy_(mx, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        _inflight.append((recs, host, ev, i))
+        _inflight.append((recs, host, ev, i, flat))
     else:
-        _inflight.append((recs, mx, None, None))
+        _inflight.append((recs, mx, None, None, flat))
 
 
 _deferred_error: list = []  # a "raise" event read while draining for a free slot, raised at the next check
@@ -341,7 +351,7 @@ def _drain(wait: bool, raise_errors: bool = True) -> None:
         with _lock:
             if not _inflight:
                 break
-            recs, mx, ev, slot = _inflight[0]
+            recs, mx, ev, slot, flat = _inflight[0]
             if ev is not None and not wait and not ev.query():
                 break
             _inflight.pop(0)
@@ -352,9 +362,11 @@ def _drain(wait: bool, raise_errors: bool = True) -> None:
             _ring.give(slot)
         if finite:
             continue
+        flat = flat.float().cpu()  # (the error path reads the checked values: a copy, only when one is non-finite)
+        at = 0
         for layer, role, phase, step_, policy, amaxes in recs:
-            # the error path reads the recorded values (a sync, only when something is non-finite)
-            vals = torch.cat([a.detach().float().reshape(-1).cpu() for a in amaxes])
+            n = sum(a.numel() for a in amaxes)
+            vals, at = flat[at:at + n], at + n
             vals = vals[~torch.isfinite(vals)]
             if not vals.numel():
                 continue
