@@ -125,6 +125,17 @@ case "${1:-verify}" in
         --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite
       rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt
     done ;;
+  s21c)  # session 21: weight gradients on a side stream (GPU tests), then the 1.3b step with it on / off (alternating;
+          # LOWBIT_STEP_PHASES=1: the GPU time of each graph; the summary's tokens/s and peak memory)
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py -rfE --tb=short
+    for v in 1 0 1; do
+      stage 120 env LOWBIT_WGRAD_STREAM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block \
+        --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
+        --overwrite | grep -E "phases|CUDA graph"
+      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('tokens/s', round(s['tokens_per_s']), 'peak MiB', s['peak_memory_bytes'] >> 20)" "$OUT/ab/summary.json"
+      rm -rf "$OUT/ab"
+    done ;;
   s21b)  # session 21: the lookahead test again (sentry fix), the 350m pair with the lookahead on and off, and the 1.3b
           # pair at batch 8 (16,384 tokens a step, the update amortized over 2x)
     stage 100 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider \

@@ -28,7 +28,7 @@ from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
-           "check_microbatch_arg", "weight_layer"]
+           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -309,6 +309,78 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=None, columnwise=q.columnwise, meta=q.meta)
 
 
+# ------------------------------------------------------------------------------------------------
+# weight gradients on a side stream
+# ------------------------------------------------------------------------------------------------
+# The weight gradient dW = dYᵀX is off the backward's critical path (only the optimizer reads it), while the data
+# gradient and everything after it (the norm backward, the quantizers, the attention backward) are on it. Inside
+# `wgrad_on_side_stream()` the backward runs a weight-gradient GEMM on a second CUDA stream where nothing on the
+# first can read its output before the backward ends: the weight's .grad is None (autograd's AccumulateGrad then
+# takes the tensor as it is, no kernel), and no gradient graph is being built. The streams join once, when the
+# backward pass ends. `lowbit train` captures its forward+backward graph this way (CUDA graphs keep the two
+# streams as parallel branches); elsewhere (hooks reading .grad during the backward, DDP's reducer) it is not safe,
+# so it is opt-in.
+_SIDE = {"on": False, "streams": {}, "join": None}
+
+
+class wgrad_on_side_stream:
+    """Context manager: within it, a quantized layer's backward computes its weight gradient on a side CUDA stream
+    where that is safe (the weight's ``.grad`` is None, no ``create_graph``), joined back into the calling stream
+    when the backward pass ends. The same bits as without (the same kernels, only their order on the GPU changes).
+
+    Use it only where nothing reads a weight's gradient before the backward has returned (no DDP reducer, no
+    gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+
+    def __enter__(self):
+        self.prev, _SIDE["on"] = _SIDE["on"], self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        _SIDE["on"] = self.prev
+        return False
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    st = _SIDE["streams"].get(dev)
+    if st is None:
+        st = _SIDE["streams"][dev] = torch.cuda.Stream(dev)
+    return st
+
+
+def _join_side(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
+    _SIDE["join"] = None
+    main.wait_stream(side)
+
+
+def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀX (:func:`lowbit.gemm.wgrad_mm`), on the side stream where :class:`wgrad_on_side_stream` allows."""
+    dev = qdy.device
+    if not (_SIDE["on"] and dev.type == "cuda" and weight.grad is None and not torch.is_grad_enabled()):
+        return wgrad_mm(qdy, qx, out_dtype=out_dtype)
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
+    # the inputs were made on the main stream, which frees them after this backward returns: their memory must
+    # not be handed out again before the side stream has read it
+    for q in (qdy, qx):
+        for c in q._copies():
+            for t in (c.data, c.scale_inv, c.amax, c.global_scale):
+                if t is not None:
+                    t.record_stream(side)
+    if _SIDE["join"] is None:
+        _SIDE["join"] = (main, side)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _join_side(main, side))
+        except RuntimeError:  # not inside a backward pass (a direct call): join now
+            _join_side(main, side)
+    return dw
+
+
 @dataclass
 class _Cfg:
     layer: GemmLayer
@@ -400,6 +472,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.qx = _columnwise_only(qx) if need_wgrad else None
         ctx.qw = qw if need_dgrad else None
         ctx.cfg = cfg
+        ctx.weight = weight  # (its .grad decides where the weight gradient may run: _wgrad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(pre if cfg.gelu else None, *norm_saved)
@@ -429,7 +502,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                                              ctx.x_shape)
                 dx = None if dx is None else dx.reshape(ctx.x_shape)
             if need_wgrad:
-                dw = wgrad_mm(qdy, ctx.qx, out_dtype=ctx.w_dtype)
+                dw = _wgrad(qdy, ctx.qx, ctx.w_dtype, ctx.weight)
         if ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, dnw, None
@@ -548,6 +621,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         ctx.qw1 = qw1 if need_dx else None
         ctx.qw2 = qw2 if need_du else None
         ctx.cfg1, ctx.cfg2 = cfg1, cfg2
+        ctx.w1, ctx.w2 = w1, w2  # (their .grad decides where the weight gradients may run: _wgrad)
         ctx.x_shape, ctx.x_dtype, ctx.w1_dtype, ctx.w2_dtype = x.shape, x.dtype, w1.dtype, w2.dtype
         ctx.b2_dtype = None if b2 is None else b2.dtype
         ctx.save_for_backward(u if need_du else None, *norm_saved)
@@ -569,7 +643,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
             qdy = g2.quantize(dy2, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
                               policy=cfg2.policy)
             if need_dw2:
-                dw2 = wgrad_mm(qdy, ctx.qh, out_dtype=ctx.w2_dtype)
+                dw2 = _wgrad(qdy, ctx.qh, ctx.w2_dtype, ctx.w2)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
                 sch1 = recipe.role("grad_output").scheme
@@ -591,7 +665,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                                                  ctx.x_shape)
                     dx = None if dx is None else dx.reshape(ctx.x_shape)
                 if need_dw1:
-                    dw1 = wgrad_mm(qdu, ctx.qx, out_dtype=ctx.w1_dtype)
+                    dw1 = _wgrad(qdu, ctx.qx, ctx.w1_dtype, ctx.w1)
         if ctx.needs_input_grad[3]:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
         return dx, dw1, dw2, db2, dnw, None, None

@@ -466,7 +466,12 @@ class _GraphedStep:
             self.primed = self.prime()
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
-        with torch.cuda.graph(g):
+        # the weight gradients as a parallel branch of the graph (nn.functional.wgrad_on_side_stream: the gradients
+        # are None at capture, no hooks run in this one-process step); LOWBIT_WGRAD_STREAM=0 off
+        from lowbit.nn.functional import wgrad_on_side_stream
+
+        side = wgrad_on_side_stream(os.environ.get("LOWBIT_WGRAD_STREAM", "1") != "0")
+        with torch.cuda.graph(g), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
             else:
