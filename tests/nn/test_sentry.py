@@ -195,7 +195,7 @@ def test_async_check_reports_once_the_gpu_has_passed_it():
 
 def test_fault_is_attributed_from_the_values_checked_not_the_live_tensors():
     """A queued check names its layers from the amaxes as they were when it was queued: a CUDA graph's next replay
-    rewrites the recorded tensors before the host reads the check (lowbit train's one-step lookahead)."""
+    rewrites the recorded tensors, possibly before the host reads the check."""
     from lowbit.nn import state
 
     nonfinite_events()

@@ -642,10 +642,11 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         if need_du or need_dw2:
             qdy = g2.quantize(dy2, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
                               policy=cfg2.policy)
-            if need_dw2:
-                dw2 = _wgrad(qdy, ctx.qh, ctx.w2_dtype, ctx.w2)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
+            if need_dw2:  # (after fc2's data gradient: on a side stream it then overlaps the memory-bound kernels below)
+                dw2 = _wgrad(qdy, ctx.qh, ctx.w2_dtype, ctx.w2)
+            if need_du:
                 sch1 = recipe.role("grad_output").scheme
                 if need_dx and need_dw1 and _fused_swiglu_bwd() and swiglu_backward_fused_quant_supported(u, dh, sch1):
                     # SwiGLU's backward inside fc1's grad_output quantizer: du is never written in 16 bits

@@ -323,8 +323,8 @@ def _launch_check(recs: list) -> None:
     """Queue one finiteness check over every amax of ``recs``: the max of all of them (NaN propagates
     through max, amaxes are >= 0, so the max is finite iff all are), copied asynchronously on CUDA. The
     flattened amaxes are kept with the check: a fault is attributed to its layers from these values, which
-    later work cannot change (a graph's replay rewrites the recorded tensors; ``lowbit train`` replays the next
-    step before it reads this one's check)."""
+    later work cannot change (a CUDA graph's next replay rewrites the recorded tensors, possibly before the host
+    reads this check)."""
     flat = _flat([a for r in recs for a in r[5]])
     mx = flat.max().reshape(1)
     if mx.is_cuda:

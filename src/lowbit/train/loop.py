@@ -709,28 +709,15 @@ def _train_one(c: TrainConfig) -> dict:
     phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
     profile_dir = os.environ.get("LOWBIT_PROFILE_GRAPHS")  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
-    # One step ahead: a replayed step whose update runs on the device (the skip decided there) is finished on the
-    # host (loss read, sentry events, reporting) only after the next step has been launched, so the GPU runs the
-    # next forward while the host reads the last one's results instead of idling for the host's turnaround. Only
-    # where that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step),
-    # and never across a validation, a checkpoint or the end of the run. LOWBIT_LOOKAHEAD=0 turns it off; the
-    # step-phase and profile diagnostics (host timing per step) run without it.
-    lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
-                 and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
-    t_mark = time.perf_counter()  # where the next step's wall time starts: the last step's end, after its eval/save
 
     def graph_batches(step: int) -> list:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
                                    c.seq_len, d.device) for m in range(c.grad_accum)]
 
-    def boundary(done: int) -> bool:
-        """Whether the host acts on the model after step ``done`` (validation, checkpoint, stop, the end)."""
-        return (done % c.eval_every == 0 or done >= c.steps or bool(c.ckpt_every and done % c.ckpt_every == 0)
-                or (c.stop_at_step is not None and done >= c.stop_at_step))
-
     def launch(step: int) -> dict:
         """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go)."""
-        phases.start(time.perf_counter())
+        t0 = time.perf_counter()
+        phases.start(t0)
         lr = lr_at(step, c)
         if graphed is not None and graphed.update is not None:
             graphed.set_lr(lr)
@@ -767,11 +754,13 @@ def _train_one(c: TrainConfig) -> dict:
                     loss_sum = graphed.loss_sum.clone()
                 else:
                     loss_sum = graphed.replay(phases.gpu_mark).clone()
-                if graphed.update is not None:  # (the next replay rewrites the flag)
-                    skip = graphed.skip.clone()
+                if graphed.update is not None:
+                    skip = graphed.skip
                 if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
                     prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")
+                if recipe is not None:  # the sentry's check of the amaxes the replay wrote, queued behind it
+                    lnn.state.check_captured(wait=False)
             else:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
                 for m in range(c.grad_accum):
@@ -786,19 +775,13 @@ def _train_one(c: TrainConfig) -> dict:
                         loss_sum += micro_step(x, y, m)
         except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
             raise FloatingPointError(f"step {step}: {e}") from e
-        updated = skip is not None  # the update graph ran (or skipped the step) on the device
-        return {"step": step, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated,
-                "ahead": lookahead and updated and not boundary(step + 1)}
-
-    def queue_check(rec: dict) -> None:
-        """Queue the sentry's check of the amaxes the replay of ``rec`` wrote (before the next replay rewrites them)."""
-        if graphed is not None and recipe is not None:
-            lnn.state.check_captured(wait=False)
+        # skip: the update graph ran (or skipped the step) on the device
+        return {"step": step, "t0": t0, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": skip is not None}
 
     def finish(rec: dict) -> bool:
         """The host's part of a launched step: wait for it, read its loss and faults, skip / roll back / update
         (eagerly where the update is not a graph), report, validate, checkpoint. True: stop the run here."""
-        nonlocal timed_tokens, timed_s, last_train_loss, t_mark
+        nonlocal timed_tokens, timed_s, last_train_loss
         step, lr, loss_sum, updated = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"]
         found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
         phases.mark("wait fwd+bwd (nonfinite check)")
@@ -851,12 +834,11 @@ def _train_one(c: TrainConfig) -> dict:
             last_train_loss = step_loss
             history["train"].append([step + 1, step_loss])
             history["lr"].append([step + 1, lr])
-        if d.device.type == "cuda" and not rec["ahead"]:  # (ahead: the next step is queued behind this one)
+        if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
         phases.mark("wait clip+optimizer")
         phases.end_step()
-        now = time.perf_counter()
-        dt, t_mark = now - t_mark, now
+        dt = time.perf_counter() - rec["t0"]
         if step > start:  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
             timed_s += dt
@@ -869,27 +851,14 @@ def _train_one(c: TrainConfig) -> dict:
             vl = evaluate()
             history["val"].append([done, vl])
             _say(d, c, f"[lowbit] step {done}: train loss {step_loss:.4f}  val loss {vl:.4f}", bar)
-            t_mark = time.perf_counter()
         if (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final):
             save(done)
-            t_mark = time.perf_counter()
         return c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps
 
-    pending = None  # a launched step finished after the next one is launched (lookahead)
     for step in range(start, c.steps):
-        rec = launch(step)
-        if pending is not None:  # (never a boundary: nothing it does acts on the model)
-            finish(pending)
-            pending = None
-        queue_check(rec)
-        if rec["ahead"]:
-            pending = rec
-            continue
-        if finish(rec):
+        if finish(launch(step)):
             stopped_early = True
             break
-    if pending is not None:  # (unreachable: the last step is a boundary; kept so no step goes unreported)
-        finish(pending)
     if bar is not None:
         bar.close()
     phases.report(lambda msg: _say(d, c, msg))
