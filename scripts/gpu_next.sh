@@ -120,6 +120,11 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s22a)  # session 22: where the 1.3b step's GPU time goes, every kernel name (graph profiles of both recipes)
+    stage 300 env LOWBIT_PROFILE_GRAPHS="$OUT/prof" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit train \
+      --model 1.3b --recipe fp8-block --steps 8 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 \
+      --no-progress --compare bf16 --out-dir "$OUT/p13" --overwrite | grep -E "phases|graph"
+    rm -rf "$OUT"/p13 ;;
   s21d)  # session 21: fc2's weight gradient after its data gradient (GPU tests; side stream on / off alternating), then
           # the 1.3b and 350m pairs
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

@@ -76,7 +76,9 @@ def profile_step(graphed, out_dir: str, say) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        s = summarize(_kernels(prof))
+        # LOWBIT_PROFILE_TOP: how many kernel names to keep (default 25; 0: all)
+        top = int(os.environ.get("LOWBIT_PROFILE_TOP", "25")) or 100000
+        s = summarize(_kernels(prof), top=top)
         res[name] = s
         if s["kernels"]:
             say(f"[lowbit] graph {name}: {s['kernels']} kernels, span {s['span_us'] / 1e3:.2f} ms, busy "
