@@ -120,6 +120,19 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s22b)  # session 22: the tuner timing candidates from CUDA graphs (its GPU test), then the 1.3b step with it on / off
+          # (alternating; GPU time of each graph), then the 1.3b pair
+    stage 120 env OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_launch.py -rfE --tb=short
+    for v in 1 0 1; do
+      stage 120 env LOWBIT_TUNE_GRAPHS=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block \
+        --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
+        --overwrite | grep -E "phases"
+      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json"
+      rm -rf "$OUT/ab"
+    done
+    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
+    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
   s22a)  # session 22: where the 1.3b step's GPU time goes, every kernel name (graph profiles of both recipes)
     stage 300 env LOWBIT_PROFILE_GRAPHS="$OUT/prof" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit train \
       --model 1.3b --recipe fp8-block --steps 8 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 \

@@ -159,3 +159,53 @@ def test_tuned_launch_keeps_each_candidates_best_round(monkeypatch):
     monkeypatch.setattr(tb.triton.testing, "do_bench", fake_bench)
     assert tb.tuned_launch("k", (1,), [{"n": "a"}, {"n": "b"}], lambda c: ran.append(c["n"])) == {"n": "b"}
     assert ran == ["a", "b", "a", "b", "b"]
+
+
+@pytest.mark.gpu
+def test_tuner_times_gpu_work_not_host_work():
+    """On CUDA the tuner times each candidate from a CUDA graph of one launch: a candidate with little GPU work and a
+    slow host side (here a sleep) beats one with more GPU work, which an eager timing would rank the other way; a
+    candidate that cannot be captured (a host sync) is timed eagerly, and capturing works again after it."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import lowbit.quant.triton_backend as tb
+
+    x = torch.randn(1 << 24, device="cuda")  # 64 MB: a few passes take a few hundred microseconds
+    y = torch.empty_like(x)
+
+    def slow_host(c=None):  # ~1 ms of host time, one cheap kernel
+        time.sleep(1e-3)
+        y[:1024].copy_(x[:1024])
+
+    def busy_gpu(c=None):  # no host delay, eight 128 MB passes
+        for _ in range(8):
+            y.copy_(x)
+
+    assert tb._gpu_ms(slow_host) < 0.1 < 0.5 < tb.triton.testing.do_bench(slow_host, warmup=3, rep=10)
+    assert tb._gpu_ms(busy_gpu) > 0.15
+    old = dict(tb._TUNED)
+    try:
+        tb.AUTOTUNE, auto = True, tb.AUTOTUNE
+        picked = tb.tuned_launch("test_host_vs_gpu", (1,), [{"n": "gpu"}, {"n": "host"}],
+                                 lambda c: (busy_gpu if c["n"] == "gpu" else slow_host)())
+        assert picked == {"n": "host"}
+    finally:
+        tb.AUTOTUNE = auto
+        tb._TUNED.clear()
+        tb._TUNED.update(old)
+    synced = []
+
+    def syncs():  # not capturable: .item() waits for the GPU
+        synced.append(float(x[:16].sum().item()))
+
+    assert tb._gpu_ms(syncs) > 0 and synced
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y.copy_(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x)

@@ -67,6 +67,40 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# Candidates are timed from a CUDA graph of one launch (LOWBIT_TUNE_GRAPHS=0: eagerly). Timed eagerly, a launch's
+# Python and Triton host work (tens of microseconds) can outlast a 20-50 us kernel, and the tuner then ranks host
+# time: the RMSNorm quantizer of the 1.3b GPT (8192 x 2048 FP32) picked a 48 us slab walk over the 35 us register
+# tile in two of three fresh tunings (H200, session 22, BENCHMARKS.md).
+TUNE_GRAPHS = os.environ.get("LOWBIT_TUNE_GRAPHS", "1") != "0"
+
+
+def _gpu_ms(fn) -> float:
+    """Time of ``fn`` (ms, triton.testing.do_bench's mean, which clears the L2 cache before each call): on CUDA, of
+    one call captured in a CUDA graph and replayed, so the host's cost of the call does not count; eagerly where
+    that cannot be (no CUDA, inside another capture, or ``fn`` not capturable). ``fn`` runs once eagerly first: a
+    candidate that cannot run raises from there."""
+    if not (TUNE_GRAPHS and torch.cuda.is_available()) or torch.cuda.is_current_stream_capturing():
+        return triton.testing.do_bench(fn, warmup=3, rep=10)
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):  # (torch.cuda.graph's rule: warm up off the capturing stream)
+        fn()
+    cur.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    try:
+        # thread_local: another thread's CUDA calls (a data loader's copies) must not invalidate this capture
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            fn()
+    except Exception:  # e.g. a host synchronization inside fn: time it eagerly
+        del g
+        return triton.testing.do_bench(fn, warmup=3, rep=10)
+    try:
+        return triton.testing.do_bench(g.replay, warmup=3, rep=20)
+    finally:
+        del g
+
+
 # ------------------------------------------------------------------------------------------------
 # amax accumulators of the blockwise launches captured into one CUDA graph
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +197,7 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
                 if i in failed:
                     continue
                 try:
-                    t = triton.testing.do_bench(lambda c=c: launch(c), warmup=3, rep=10)
+                    t = _gpu_ms(lambda c=c: launch(c))
                 except Exception as e:
                     failed.add(i)
                     err = e
