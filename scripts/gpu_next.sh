@@ -120,6 +120,20 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s22c)  # session 22: the one-step lookahead with pinned, non-blocking reads (its GPU tests and the train GPU tests), the
+          # 1.3b fp8-block step with it on / off alternating, then the 1.3b pair
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/train/test_train_gpu.py tests/test_launch.py -rfE --tb=short
+    for v in 1 0 1 0; do
+      stage 120 env LOWBIT_LOOKAHEAD=$v python3 -m lowbit train --model 1.3b --recipe fp8-block \
+        --steps 16 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
+        --overwrite > /dev/null
+      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('lookahead', sys.argv[2], 'tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json" $v
+      rm -rf "$OUT/ab"
+    done
+    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
+      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
+    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
   s22b)  # session 22: the tuner timing candidates from CUDA graphs (its GPU test), then the 1.3b step with it on / off
           # (alternating; GPU time of each graph), then the 1.3b pair
     stage 120 env OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_launch.py -rfE --tb=short

@@ -709,6 +709,25 @@ def _train_one(c: TrainConfig) -> dict:
     phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
     profile_dir = os.environ.get("LOWBIT_PROFILE_GRAPHS")  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
+    # One step ahead: a replayed step whose update runs on the device (the skip decided there) is finished on the
+    # host (loss read, sentry events, reporting) only after the next step has been launched, so the GPU runs the
+    # next step while the host reads the last one's results instead of idling for the host's turnaround. Only where
+    # that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step), never
+    # across a validation, a checkpoint or the end of the run. The step's loss and skip flag reach the host by
+    # non-blocking copies into pinned slots, waited for by an event: reading a device tensor (.item()) would wait for
+    # everything queued on the stream, the next step included (session 21's first lookahead did, and gained
+    # nothing). LOWBIT_LOOKAHEAD=0 turns it off; the step-phase and profile diagnostics run without it.
+    lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
+                 and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
+    # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
+    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32, pin_memory=True))
+                   for _ in range(2)] if lookahead else None)
+    t_mark = [time.perf_counter()]  # where the next step's wall time starts: the last step's end, after its eval/save
+
+    def boundary(done: int) -> bool:
+        """Whether the host acts on the model after step ``done`` (validation, checkpoint, stop, the end)."""
+        return (done % c.eval_every == 0 or done >= c.steps or bool(c.ckpt_every and done % c.ckpt_every == 0)
+                or (c.stop_at_step is not None and done >= c.stop_at_step))
 
     def graph_batches(step: int) -> list:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
@@ -728,7 +747,7 @@ def _train_one(c: TrainConfig) -> dict:
         torch.manual_seed(step_key)  # stochastic rounding etc.: keyed by step
         if fault_poison is not None:
             fault_poison.fill_(float("inf") if step in c.fault_steps else 0.0)
-        skip = None
+        skip = host = None
         try:
             if graphed is not None:  # (one process: this rank's rows are the global batch's)
                 batches = prefetched.pop(step, None) or graph_batches(step)
@@ -756,11 +775,16 @@ def _train_one(c: TrainConfig) -> dict:
                     loss_sum = graphed.replay(phases.gpu_mark).clone()
                 if graphed.update is not None:
                     skip = graphed.skip
+                    if lookahead:  # the values this step reads on the host, copied out before the next replay
+                        hl, hs = host_slots[step % 2]
+                        hl.copy_(loss_sum, non_blocking=True)
+                        hs.copy_(skip, non_blocking=True)
+                        ready = torch.cuda.Event()
+                        ready.record()
+                        host = (hl, hs, ready)
                 if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
                     prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")
-                if recipe is not None:  # the sentry's check of the amaxes the replay wrote, queued behind it
-                    lnn.state.check_captured(wait=False)
             else:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
                 for m in range(c.grad_accum):
@@ -776,7 +800,15 @@ def _train_one(c: TrainConfig) -> dict:
         except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
             raise FloatingPointError(f"step {step}: {e}") from e
         # skip: the update graph ran (or skipped the step) on the device
-        return {"step": step, "t0": t0, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": skip is not None}
+        updated = skip is not None
+        return {"step": step, "t0": t0, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated, "host": host,
+                "ahead": host is not None and not boundary(step + 1)}
+
+    def queue_check(rec: dict) -> None:
+        """Queue the sentry's check of the amaxes the replay of ``rec`` wrote, behind it (and before the next replay
+        rewrites them); after the last step's finish(), whose nonfinite_events() waits for every queued check."""
+        if graphed is not None and recipe is not None:
+            lnn.state.check_captured(wait=False)
 
     def finish(rec: dict) -> bool:
         """The host's part of a launched step: wait for it, read its loss and faults, skip / roll back / update
@@ -785,11 +817,17 @@ def _train_one(c: TrainConfig) -> dict:
         step, lr, loss_sum, updated = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"]
         found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
         phases.mark("wait fwd+bwd (nonfinite check)")
-        loss_sum = _all_sum(loss_sum, d)
-        step_loss = float(loss_sum) / (c.grad_accum * d.world)
+        if rec["host"] is not None:  # (one process: nothing to reduce) this step's values, not the queue's end
+            hl, hs, ready = rec["host"]
+            ready.synchronize()
+            step_loss, skipped = float(hl) / c.grad_accum, bool(float(hs))
+        else:
+            loss_sum = _all_sum(loss_sum, d)
+            step_loss = float(loss_sum) / (c.grad_accum * d.world)
+            skipped = updated and bool(rec["skip"])
         grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
         if updated:
-            grads_bad = not found and math.isfinite(step_loss) and bool(rec["skip"])
+            grads_bad = not found and math.isfinite(step_loss) and skipped
         elif c.grad_clip > 0:  # every rank clips (a collective under FSDP2); a non-finite norm skips the step too
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
@@ -834,11 +872,12 @@ def _train_one(c: TrainConfig) -> dict:
             last_train_loss = step_loss
             history["train"].append([step + 1, step_loss])
             history["lr"].append([step + 1, lr])
-        if d.device.type == "cuda":
+        if d.device.type == "cuda" and not rec["ahead"]:  # (ahead: the next step is queued behind this one)
             torch.cuda.synchronize(d.device)
         phases.mark("wait clip+optimizer")
         phases.end_step()
-        dt = time.perf_counter() - rec["t0"]
+        now = time.perf_counter()
+        dt, t_mark[0] = now - t_mark[0], now
         if step > start:  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
             timed_s += dt
@@ -851,14 +890,27 @@ def _train_one(c: TrainConfig) -> dict:
             vl = evaluate()
             history["val"].append([done, vl])
             _say(d, c, f"[lowbit] step {done}: train loss {step_loss:.4f}  val loss {vl:.4f}", bar)
+            t_mark[0] = time.perf_counter()
         if (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final):
             save(done)
+            t_mark[0] = time.perf_counter()
         return c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps
 
+    pending = None  # a launched step finished after the next one is launched (lookahead)
     for step in range(start, c.steps):
-        if finish(launch(step)):
+        rec = launch(step)
+        if pending is not None:  # (never a boundary: nothing it does acts on the model)
+            finish(pending)
+            pending = None
+        queue_check(rec)
+        if rec["ahead"]:
+            pending = rec
+            continue
+        if finish(rec):
             stopped_early = True
             break
+    if pending is not None:  # (unreachable: the last step is a boundary; kept so no step goes unreported)
+        finish(pending)
     if bar is not None:
         bar.close()
     phases.report(lambda msg: _say(d, c, msg))
