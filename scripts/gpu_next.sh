@@ -121,7 +121,7 @@ case "${1:-verify}" in
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
   s22c)  # session 22: the one-step lookahead with pinned, non-blocking reads (its GPU tests and the train GPU tests), the
-          # 1.3b fp8-block step with it on / off alternating, then the 1.3b pair
+          # 1.3b fp8-block step with it on / off alternating
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/train/test_train_gpu.py tests/test_launch.py -rfE --tb=short
     for v in 1 0 1 0; do
@@ -130,7 +130,8 @@ case "${1:-verify}" in
         --overwrite > /dev/null
       python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('lookahead', sys.argv[2], 'tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json" $v
       rm -rf "$OUT/ab"
-    done
+    done ;;
+  s22d)  # session 22: the 1.3b pair
     stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
     rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
