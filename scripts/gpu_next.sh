@@ -133,6 +133,13 @@ case "${1:-verify}" in
       python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('lookahead', sys.argv[2], 'tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json" $v
       rm -rf "$OUT/ab"
     done ;;
+  s22e)  # session 22: the sentry's snapshot of a graph's amaxes by runs of their buffers (GPU tests), then the 1.3b fp8-block
+          # step on this commit (graph profile: the update graph's kernels) and its tokens/s
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/train/test_train_gpu.py tests/nn/test_wgrad_stream.py tests/optim -rfE --tb=short
+    stage 150 env LOWBIT_PROFILE_GRAPHS="$OUT/prof" LOWBIT_PROFILE_TOP=12 python3 -m lowbit train --model 1.3b \
+      --recipe fp8-block --steps 16 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
+      --out-dir "$OUT/p13" --overwrite | grep -E "graph|recipe|fp8-block" ;;
   s22d)  # session 22: the 1.3b pair
     stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
       --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"

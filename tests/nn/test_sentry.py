@@ -209,3 +209,44 @@ def test_fault_is_attributed_from_the_values_checked_not_the_live_tensors():
     got = nonfinite_events()
     assert [(e.layer, e.role, e.step) for e in got] == [("l2", "grad_output", 5)]
     assert math.isnan(got[0].amax)
+
+
+def test_captured_amaxes_snapshotted_by_runs_of_their_buffers():
+    """A captured graph's amaxes are views into a few buffers (the amax arena's slots, the optimizer's): the check
+    snapshots them as one slice a run of consecutive elements (gaps, a shared slot, two buffers, an int32 buffer seen
+    as float32), and still names the faulty layer from the values it checked; parts that are not (1,) float32 views
+    keep the plain cat."""
+    from lowbit.nn import state
+
+    nonfinite_events()
+    arena = torch.zeros(16, dtype=torch.int32).view(torch.float32)  # (as AmaxArena's slots are read)
+    opt = torch.zeros(4)
+    arena[:] = torch.arange(1, 17, dtype=torch.float32)
+    opt[:] = torch.tensor([100.0, 101.0, 102.0, 103.0])
+    w = opt[2:3]
+    parts = [arena[0:1], arena[1:2], arena[5:6], w, w, arena[2:3], opt[0:1], arena[9:10]]
+    g = state._Gather(parts)
+    assert g.slices is not None and len(g.slices) == 5  # arena 0-2, 5, 9; opt 0, 2
+    snap = g.snapshot()
+    assert torch.equal(g.values(snap), state._flat(parts))
+    assert float(snap.max()) == 102.0
+    arena[1] = 50.0  # a snapshot is a copy
+    assert torch.equal(g.values(snap), torch.tensor([1.0, 2.0, 6.0, 102.0, 102.0, 3.0, 100.0, 10.0]))
+    assert state._Gather([arena[0:1], torch.tensor([1.0], dtype=torch.float64)]).slices is None
+    assert state._Gather([arena[0:2]]).slices is None
+
+    recs = [("l0", "input", "forward", 7, "skip", (parts[0], parts[1])), ("l1", "weight", "forward", 7, "skip", (w, w)),
+            ("l2", "grad_output", "backward", 7, "skip", (parts[2],))]
+    with state._lock:
+        state._captured.extend(recs)
+        state._captured_gather[0] = None
+    try:
+        assert float(state.captured_amax_max()[0]) == 102.0
+        arena[5] = float("nan")
+        assert math.isnan(float(state.captured_amax_max()[0]))
+        state.check_captured(wait=False)
+        arena[5] = 1.0  # rewritten before the host reads the check
+        got = nonfinite_events()
+        assert [(e.layer, e.role, e.step) for e in got] == [("l2", "grad_output", 7)]
+    finally:
+        state.clear_captured()
