@@ -13,7 +13,7 @@
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
 # Session 22 (2026-11-24) ran s22a (graph profiles), scripts/bench_norm_quant.py, scripts/quant_keys.py, s22b, s22c,
-# s22d + s21e and verify (372 passed at b17899e, on an H100).
+# s22d + s21e, verify (372 passed at b17899e, on an H100) and s22e (18 passed at 862cccc).
 # Session 21 (2026-11-24) ran s21a / s21b (removed since: the training loop finishing each step on the host one step
 # late, LOWBIT_LOOKAHEAD, measured no faster: 1.3b fp8-block 75,214 tokens/s with it against 75,505 without, 350m
 # 211,541 against 216,250; and the 1.3b pair at batch 8, 1.283x), s21c (weight gradients on a side stream) and s21d.
