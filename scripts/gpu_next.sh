@@ -42,6 +42,21 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 stage() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -60; }
+# fp8-block against BF16 on one preset (20 steps, seq 2048, same data and seed): the summary table
+pair() { local preset=$1 bs=$2 dir="$OUT/pair-$1"
+  stage 280 python3 -m lowbit train --model "$preset" --recipe fp8-block --steps 20 --batch-size "$bs" --seq-len 2048 \
+    --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$dir" --overwrite | grep -A4 "^recipe"
+  rm -rf "$dir"/*.pt "$dir"/*/*.pt; }
+# 1.3b fp8-block with VAR set to each VALUE in turn: step phases (GPU time of each graph; PHASES=0 leaves them off,
+# they turn the lookahead off), tokens/s and peak memory; STEPS steps (default 12)
+ab13() { local var=$1 v; shift
+  for v in "$@"; do
+    stage 120 env "$var=$v" LOWBIT_STEP_PHASES="${PHASES:-1}" python3 -m lowbit train --model 1.3b --recipe fp8-block \
+      --steps "${STEPS:-12}" --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress \
+      --out-dir "$OUT/ab" --overwrite | grep -E "phases"
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], 'tokens/s', round(s['tokens_per_s']), 'peak MiB', s['peak_memory_bytes'] >> 20)" "$OUT/ab/summary.json" "$var=$v"
+    rm -rf "$OUT/ab"
+  done; }
 case "${1:-verify}" in
   verify)
     stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
@@ -126,13 +141,7 @@ case "${1:-verify}" in
           # 1.3b fp8-block step with it on / off alternating
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/train/test_train_gpu.py tests/test_launch.py -rfE --tb=short
-    for v in 1 0 1 0; do
-      stage 120 env LOWBIT_LOOKAHEAD=$v python3 -m lowbit train --model 1.3b --recipe fp8-block \
-        --steps 16 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
-        --overwrite > /dev/null
-      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('lookahead', sys.argv[2], 'tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json" $v
-      rm -rf "$OUT/ab"
-    done ;;
+    PHASES=0 STEPS=16 ab13 LOWBIT_LOOKAHEAD 1 0 1 0 ;;
   s22e)  # session 22: the sentry's snapshot of a graph's amaxes by runs of their buffers (GPU tests), then the 1.3b fp8-block
           # step on this commit (graph profile: the update graph's kernels) and its tokens/s
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
@@ -141,22 +150,12 @@ case "${1:-verify}" in
       --recipe fp8-block --steps 16 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 --no-progress \
       --out-dir "$OUT/p13" --overwrite | grep -E "graph|recipe|fp8-block" ;;
   s22d)  # session 22: the 1.3b pair
-    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
-    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
+    pair 1.3b 4 ;;
   s22b)  # session 22: the tuner timing candidates from CUDA graphs (its GPU test), then the 1.3b step with it on / off
           # (alternating; GPU time of each graph), then the 1.3b pair
     stage 120 env OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_launch.py -rfE --tb=short
-    for v in 1 0 1; do
-      stage 120 env LOWBIT_TUNE_GRAPHS=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block \
-        --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
-        --overwrite | grep -E "phases"
-      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('tokens/s', round(s['tokens_per_s']))" "$OUT/ab/summary.json"
-      rm -rf "$OUT/ab"
-    done
-    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
-    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
+    ab13 LOWBIT_TUNE_GRAPHS 1 0 1
+    pair 1.3b 4 ;;
   s22a)  # session 22: where the 1.3b step's GPU time goes, every kernel name (graph profiles of both recipes)
     stage 300 env LOWBIT_PROFILE_GRAPHS="$OUT/prof" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit train \
       --model 1.3b --recipe fp8-block --steps 8 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 2 \
@@ -166,31 +165,15 @@ case "${1:-verify}" in
           # the 1.3b and 350m pairs
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/nn/test_swiglu_mlp_fused.py -rfE --tb=short
-    for v in 1 0; do
-      stage 120 env LOWBIT_WGRAD_STREAM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block \
-        --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
-        --overwrite | grep -E "phases"
-      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('tokens/s', round(s['tokens_per_s']), 'peak MiB', s['peak_memory_bytes'] >> 20)" "$OUT/ab/summary.json"
-      rm -rf "$OUT/ab"
-    done
-    stage 280 python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 20 --batch-size 4 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b13" --overwrite | grep -A4 "^recipe"
-    rm -rf "$OUT"/b13/*.pt "$OUT"/b13/*/*.pt ;;
+    ab13 LOWBIT_WGRAD_STREAM 1 0
+    pair 1.3b 4 ;;
   s21e)  # session 21: the 350m pair
-    stage 250 python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 --batch-size 8 --seq-len 2048 \
-      --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$OUT/b350" --overwrite | grep -A4 "^recipe"
-    rm -rf "$OUT"/b350/*.pt "$OUT"/b350/*/*.pt ;;
+    pair 350m 8 ;;
   s21c)  # session 21: weight gradients on a side stream (GPU tests), then the 1.3b step with it on / off (alternating;
           # LOWBIT_STEP_PHASES=1: the GPU time of each graph; the summary's tokens/s and peak memory)
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py -rfE --tb=short
-    for v in 1 0 1; do
-      stage 120 env LOWBIT_WGRAD_STREAM=$v LOWBIT_STEP_PHASES=1 python3 -m lowbit train --model 1.3b --recipe fp8-block \
-        --steps 12 --batch-size 4 --seq-len 2048 --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/ab" \
-        --overwrite | grep -E "phases|CUDA graph"
-      python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('tokens/s', round(s['tokens_per_s']), 'peak MiB', s['peak_memory_bytes'] >> 20)" "$OUT/ab/summary.json"
-      rm -rf "$OUT/ab"
-    done ;;
+    ab13 LOWBIT_WGRAD_STREAM 1 0 1 ;;
   s20a)  # session 20: the branch-free SwiGLU-backward prologue and wgrad_mm's operand order (GPU tests), then the
           # 350m step with the order tuned / not (alternating; LOWBIT_STEP_PHASES=1 GPU time of each graph)
     stage 240 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-__all__ = ["capability", "num_sms"]
+__all__ = ["capability", "num_sms", "capture"]
 
 
 def _index(device) -> int:
@@ -34,3 +34,19 @@ def capability(device) -> tuple:
 def num_sms(device) -> int:
     """Streaming multiprocessors of CUDA ``device``."""
     return _num_sms(_index(device))
+
+
+def capture(fn, *, capture_error_mode: str = "global"):
+    """``fn`` warmed up on a side stream, then captured once in a CUDA graph (as ``torch.cuda.graphs`` asks); returns
+    the graph (replay it to time GPU work without host cost). Raises what the warm-up or the capture raises.
+    ``capture_error_mode="thread_local"`` lets other threads' CUDA calls (a data loader's copies) run meanwhile."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
+        fn()
+    torch.cuda.synchronize()
+    return g

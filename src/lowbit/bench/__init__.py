@@ -6,6 +6,8 @@ import contextlib
 import os
 import subprocess
 
+from .._device import capture  # noqa: F401  (re-exported: the benches time CUDA graphs of their calls)
+
 
 @contextlib.contextmanager
 def env(name: str, value: str):
@@ -19,23 +21,6 @@ def env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
-
-
-def capture(fn):
-    """``fn`` warmed up on a side stream, then captured once in a CUDA graph (as ``torch.cuda.graphs`` asks); returns
-    the graph (replay it to time GPU work without host cost). Raises what the capture raises."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def git_commit() -> str:

@@ -28,7 +28,7 @@ import sys
 import torch
 import triton
 
-from .._device import capability, num_sms
+from .._device import capability, capture, num_sms
 from .._launch import CachedLaunch, ensure_tma_allocator
 from ..formats import E4M3, FloatFormat
 from . import register_backend
@@ -77,23 +77,13 @@ TUNE_GRAPHS = os.environ.get("LOWBIT_TUNE_GRAPHS", "1") != "0"
 def _gpu_ms(fn) -> float:
     """Time of ``fn`` (ms, triton.testing.do_bench's mean, which clears the L2 cache before each call): on CUDA, of
     one call captured in a CUDA graph and replayed, so the host's cost of the call does not count; eagerly where
-    that cannot be (no CUDA, inside another capture, or ``fn`` not capturable). ``fn`` runs once eagerly first: a
-    candidate that cannot run raises from there."""
+    that cannot be (no CUDA, inside another capture, or ``fn`` not capturable). A candidate that cannot run raises
+    from the eager timing."""
     if not (TUNE_GRAPHS and torch.cuda.is_available()) or torch.cuda.is_current_stream_capturing():
         return triton.testing.do_bench(fn, warmup=3, rep=10)
-    cur = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):  # (torch.cuda.graph's rule: warm up off the capturing stream)
-        fn()
-    cur.wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    try:
-        # thread_local: another thread's CUDA calls (a data loader's copies) must not invalidate this capture
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            fn()
-    except Exception:  # e.g. a host synchronization inside fn: time it eagerly
-        del g
+    try:  # (thread_local: another thread's CUDA calls, a data loader's copies, must not invalidate the capture)
+        g = capture(fn, capture_error_mode="thread_local")
+    except Exception:  # a host synchronization inside fn, or fn fails (then it raises again here)
         return triton.testing.do_bench(fn, warmup=3, rep=10)
     try:
         return triton.testing.do_bench(g.replay, warmup=3, rep=20)

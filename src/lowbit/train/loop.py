@@ -735,8 +735,7 @@ def _train_one(c: TrainConfig) -> dict:
 
     def launch(step: int) -> dict:
         """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go)."""
-        t0 = time.perf_counter()
-        phases.start(t0)
+        phases.start(time.perf_counter())
         lr = lr_at(step, c)
         if graphed is not None and graphed.update is not None:
             graphed.set_lr(lr)
@@ -801,7 +800,7 @@ def _train_one(c: TrainConfig) -> dict:
             raise FloatingPointError(f"step {step}: {e}") from e
         # skip: the update graph ran (or skipped the step) on the device
         updated = skip is not None
-        return {"step": step, "t0": t0, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated, "host": host,
+        return {"step": step, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated, "host": host,
                 "ahead": host is not None and not boundary(step + 1)}
 
     def queue_check(rec: dict) -> None:
