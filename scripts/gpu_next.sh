@@ -137,6 +137,12 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s23a)  # session 23: each step's host period, GPU period and graph time, with nvidia-smi's clocks (scripts/step_clock.py)
+    for r in fp8-block bf16; do
+      stage 200 python3 scripts/step_clock.py --model 1.3b --recipe $r --steps ${STEPS:-30} --batch-size 4 --seq-len 2048 \
+        --eval-every 100 --eval-windows 8 --no-progress --out-dir "$OUT/sc-$r" --overwrite
+      rm -rf "$OUT/sc-$r"/*.pt
+    done ;;
   s22c)  # session 22: the one-step lookahead with pinned, non-blocking reads (its GPU tests and the train GPU tests), the
           # 1.3b fp8-block step with it on / off alternating
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
