@@ -137,6 +137,11 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s23b)  # session 23: the BF16-pair register-tile quantizer (quant_gluon.rowcol_1x128_regs_packed): its GPU tests and
+    # the quantize kernel tests, then the row+col sweep (every candidate checked bit for bit, against a copy) and bench quant
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_quant_kernels.py -rfE
+    stage 150 python3 scripts/rowcol_sweep.py --shapes 8192x8192,16384x4096,8192x11264,8192x2048 2>&1 | grep -E "==|regs|packed|best|MISMATCH"
+    stage 90 python3 -m lowbit bench quant ;;
   s23a)  # session 23: each step's host period, GPU period and graph time, with nvidia-smi's clocks (scripts/step_clock.py)
     for r in fp8-block bf16; do
       stage 200 python3 scripts/step_clock.py --model 1.3b --recipe $r --steps ${STEPS:-30} --batch-size 4 --seq-len 2048 \

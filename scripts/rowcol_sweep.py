@@ -82,7 +82,7 @@ def quant(shapes):
                 cands = cands[:1] + list(tb._GLUON_CONFIGS) + cands[1:]
             # the register-tile kernels, checked against the slab walk
             if tb._regs_ok(x, 128, False, True, True):
-                cands = cands[:1] + list(tb._REGS_CONFIGS) + cands[1:]
+                cands = cands[:1] + (list(tb._PACKED_CONFIGS) if dt == torch.bfloat16 else []) + list(tb._REGS_CONFIGS) + cands[1:]
 
             def prepare(cfg, x=x):
                 launch, qt = prepared(x, sch, True, True, cfg)

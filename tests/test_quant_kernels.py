@@ -383,6 +383,7 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
         pytest.skip("register-tile quantizer not available on this GPU / Triton")
     monkeypatch.setattr(tb, "AUTOTUNE", False)
+    monkeypatch.setattr(tb, "_PACKED_CONFIGS", [])  # (BF16's first candidates: their own test below)
     schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
     shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
     for cfg in tb._REGS_CONFIGS:
@@ -409,6 +410,69 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     assert not tb._regs_ok(z, 128, True, True, True) and not tb._regs_ok(z, 128, False, True, False)
     assert not tb._regs_ok(z, 64, False, True, True)
     tb._BLOCKWISE_PLANS.clear()
+
+
+@pytest.mark.gpu
+def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
+    """The BF16-pair form of the register-tile quantizer (quant_gluon.rowcol_1x128_regs_packed), each candidate forced
+    alone, bit for bit against the reference: the shapes of the test above, E4M3 pow2, E5M2 non-pow2 and eps scales;
+    NaN (three patterns), +-Inf, -0, subnormals, the largest finite BF16 and a zero tile, in even and odd columns
+    (the low and high halves of a pair). FP16 and FP32 input never take it."""
+    import lowbit.quant.triton_backend as tb
+
+    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
+    shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
+    for cfg in tb._PACKED_CONFIGS:
+        monkeypatch.setattr(tb, "_PACKED_CONFIGS", [cfg])
+        for i, shape in enumerate(shapes):
+            x = _randn(shape, torch.bfloat16, cuda, seed=180 + i)
+            if i == 1:
+                bits = x.view(torch.int16)
+                x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+                bits[7, 6] = 0x7FC1  # another NaN payload, an even column
+                bits[9, 11] = -1  # 0xFFFF: a negative NaN, an odd column
+                x[200, 129], x[201, 130] = 3.3895e38, -3.3895e38  # the largest finite BF16 (0x7F7F), both halves
+                bits[250, 300], bits[251, 301] = 0x0001, -32767  # subnormals +-2^-133 (0x8001)
+                x[128:256, 256:384] = 0
+            for sch in schemes if i < 2 else schemes[:1]:
+                tb._BLOCKWISE_PLANS.clear()
+                bad = compare(x, sch, True, True)
+                plans = list(tb._BLOCKWISE_PLANS.values())
+                assert plans and plans[-1].fn is tb.QG.rowcol_1x128_regs_packed \
+                    and plans[-1].cfg.get("maxnreg") == cfg.get("maxnreg"), f"{cfg} {shape}: not the packed kernel"
+                assert not bad, f"{sch} {shape} {cfg}: {bad}"
+    for dtype in (torch.float16, torch.float32):
+        tb._BLOCKWISE_PLANS.clear()
+        assert not compare(_randn((256, 384), dtype, cuda, seed=190), Float8Blockwise(), True, True)
+        assert list(tb._BLOCKWISE_PLANS.values())[-1].fn is tb.QG.rowcol_1x128_regs
+    tb._BLOCKWISE_PLANS.clear()
+
+
+def test_blockwise_regs_packed_compiles_for_sm90():
+    """The BF16-pair quantizer compiles for sm_90 on any machine: its block maxima are 16-bit pair maxima
+    (VIMNMX.U16x2), and capped at its first candidate's 80 registers it fits three CTAs of 8 warps an SM."""
+    import lowbit.quant.triton_backend as tb
+    from lowbit.quant.kernels import quant_gluon as QG
+
+    if not QG.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    sig, consts = rowcol_regs_signature("bf16", 8)
+    keep = ("x_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "amax_ptr", "M", "K", "rs_ld", "cs_ld", "FMAX", "POW2",
+            "EPS", "A", "B", "T")
+    sig = dict({n: sig[n] for n in keep}, AW="constexpr", abs_mask="i32")
+    consts = dict({n: consts[n] for n in keep if n in consts}, AW=QG.rowcol_regs_word_layout(8, 8))
+    c0 = tb._PACKED_CONFIGS[0]
+    k = compile_gluon_sm90(QG.rowcol_1x128_regs_packed, sig, consts, divisible=("M", "K", "rs_ld", "cs_ld"),
+                           num_warps=c0["num_warps"], maxnreg=c0["maxnreg"])
+    assert "max.u16x2" in k.asm["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"]
+    got = sm90_sass(k)
+    if got is not None:
+        sass, regs = got
+        assert "VIMNMX" in sass and "U16x2" in sass
+        assert regs <= 80 and 3 * 8 * 32 * regs <= 65536
 
 
 @pytest.mark.gpu

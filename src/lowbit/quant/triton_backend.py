@@ -461,6 +461,12 @@ _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 
 
+# Candidates of its BF16 form that reads and reduces the tile as BF16 pairs (quant_gluon.rowcol_1x128_regs_packed),
+# tried before _REGS_CONFIGS for BF16 input: capped at 80 registers a thread (three CTAs an SM), or uncapped (two).
+_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80), dict(KIND="packed", LC=8, num_warps=8, maxnreg=64),
+                   dict(KIND="packed", LC=8, num_warps=8)]
+
+
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
 # a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
 _MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
@@ -481,6 +487,12 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
 def _regs_layouts(num_warps: int, lanes_c: int) -> dict:
     """rowcol_1x128_regs' layout arguments (quant_gluon.rowcol_regs_layouts; built once each). Read-only."""
     return dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c)))
+
+
+@functools.lru_cache(maxsize=None)
+def _regs_word_layout(num_warps: int, lanes_c: int):
+    """rowcol_1x128_regs_packed's layout of the tile's BF16 pairs (quant_gluon.rowcol_regs_word_layout; built once)."""
+    return QG.rowcol_regs_word_layout(num_warps, lanes_c)
 
 
 @functools.lru_cache(maxsize=None)
@@ -673,6 +685,12 @@ class _BlockwisePlan:
             if c.get("maxnreg"):
                 kw["maxnreg"] = c["maxnreg"]
             return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
+        if kind == "packed":
+            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], num_warps=c["num_warps"],
+                      AW=_regs_word_layout(c["num_warps"], c["LC"]), **_regs_layouts(c["num_warps"], c["LC"]))
+            if c.get("maxnreg"):
+                kw["maxnreg"] = c["maxnreg"]
+            return QG.rowcol_1x128_regs_packed, ((M // 128) * (Kd // 128),), (), kw
         bm = c["BM"]
         kw = dict(self.kw, **{k: v for k, v in c.items() if k not in ("KIND", "CTAS")})
         kw["EVEN"] = M % bm == 0 and Kd % bs == 0
@@ -705,7 +723,8 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
         # follows from the plan's key, unlike the alignment-dependent two above)
         regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
-        cands = (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
+        cands = (list(_PACKED_CONFIGS) if regs and x2.dtype == torch.bfloat16 else []) \
+            + (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 

@@ -332,6 +332,63 @@ if GLUON:
         gl.atomic_max(amax_ptr, gl.max(cmax, axis=0), sem="relaxed")
 
 
+if GLUON:
+    @gluon.jit
+    def _max_u16x2(a, b):
+        """Per 16-bit half, the unsigned maximum of two int32 words (VIMNMX.U16x2): on |x| bit patterns of BF16 pairs
+        the larger magnitude of each half, NaN (0x7FC0..) above Inf (0x7F80) as blockwise_kernel's int32 maximum."""
+        return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _bf16_words_f32(w, A: gl.constexpr):
+        """The 128 x 128 FP32 tile in layout A from its BF16 pairs w (128 x 64 int32 in rowcol_regs_word_layout: the
+        low half is the even column): a BF16 is the top 16 bits of its FP32, so each value is one shift or mask,
+        and joined along a new last dimension the halves are A's elements in A's threads (a register renaming)."""
+        x = gl.reshape(gl.join(w << 16, w & -65536), [128, 128])
+        return gl.convert_layout(x, A).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def rowcol_1x128_regs_packed(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
+                                 FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
+                                 B: gl.constexpr, T: gl.constexpr, AW: gl.constexpr, abs_mask=0x7FFFFFFF):
+        """rowcol_1x128_regs (COMPACT, no prologue) for BF16 x, with the tile read and reduced as BF16 pairs.
+
+        Same outputs and numbers, bit for bit: the block maxima are taken on the 16-bit |x| patterns two at a time
+        (one VIMNMX.U16x2 a pair; a BF16's pattern orders as its FP32's, which is the top half) and widened once
+        per row / column; the FP32 values are made from the pairs only for the two products. The tile lives in
+        32 registers a thread instead of 64 + 64 (FP32 values and |x| patterns), so the kernel fits 80 registers:
+        three CTAs an SM instead of two, more loads in flight. AW: rowcol_regs_word_layout (A over pairs)."""
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
+        pm, pk, m0, k0 = _tile_origin(K)
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
+        rw = gl.arange(0, 128, layout=gl.SliceLayout(1, AW))
+        cw = gl.arange(0, 64, layout=gl.SliceLayout(0, AW))
+        K2 = K // 2
+        xw = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        w = gl.load(xw + (m0 * K2 + k0 // 2) + gl.expand_dims(rw, 1) * K2 + gl.expand_dims(cw, 0))
+        # (the mask from the run-time abs_mask, as rowcol_1x128_regs': a constant could become a half-precision |x|)
+        aw = w & (abs_mask & 0x7FFF7FFF)
+        rmw = gl.reduce(aw, 1, _max_u16x2)  # (128,) per row: the max of its even columns | of its odd columns
+        cmw = gl.reduce(aw, 0, _max_u16x2)  # (64,) per column pair
+        S1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        i1 = gl.arange(0, 128, layout=S1)
+        rmax = gl.convert_layout(gl.maximum(rmw << 16, rmw & -65536), S1)  # FP32 patterns, >= 0
+        cmax = gl.convert_layout(gl.reshape(gl.join(cmw << 16, cmw & -65536), [128]), S1)
+        sr1 = _compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, _recip(sr1, POW2, FMAX))
+        sc1 = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, _recip(sc1, POW2, FMAX))
+        x = _bf16_words_f32(w, A)
+        q = (x * gl.expand_dims(gl.convert_layout(sr1, gl.SliceLayout(1, A)), 1)).to(DT)
+        gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
+        xb = gl.convert_layout(x, B)
+        qc = (xb * gl.expand_dims(gl.convert_layout(sc1, gl.SliceLayout(0, B)), 0)).to(DT)
+        _store_transposed(cq_ptr, qc, T, m0, k0, M)
+        gl.atomic_max(amax_ptr, gl.max(cmax, axis=0), sem="relaxed")
+
+
 def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     """The three register layouts of rowcol_1x128_regs for a 128 x 128 tile at ``num_warps`` (4, 8 or 16) warps.
 
@@ -361,6 +418,15 @@ def rowcol_regs_layouts(num_warps: int, lanes_c: int = 8):
     sw = lambda bases: [[b[1], b[0]] for b in bases]  # noqa: E731
     T = gl.DistributedLinearLayout(sw(rows_reg + cols_reg), sw(lanes), sw(warps), [], [128, 128])
     return A, B, T
+
+
+def rowcol_regs_word_layout(num_warps: int, lanes_c: int = 8):
+    """AW: rowcol_regs_layouts' A over the (128, 64) int32 words of a BF16 tile (word j of a row = columns 2j, 2j + 1):
+    A with its first column register (column 1) taken out and every other column coordinate halved, so that
+    joining each word's two halves along a new last dimension gives back A's elements in A's threads."""
+    A = rowcol_regs_layouts(num_warps, lanes_c)[0]
+    half = lambda bases: [[b[0], b[1] // 2] for b in bases if b != [0, 1]]  # noqa: E731
+    return gl.DistributedLinearLayout(half(A.reg_bases), half(A.lane_bases), half(A.warp_bases), [], [128, 64])
 
 
 def rowcol_regs_half_layout(num_warps: int, lanes_c: int = 8):
