@@ -462,9 +462,10 @@ _REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="
 
 
 # Candidates of its BF16 form that reads and reduces the tile as BF16 pairs (quant_gluon.rowcol_1x128_regs_packed),
-# tried before _REGS_CONFIGS for BF16 input: capped at 80 registers a thread (three CTAs an SM), or uncapped (two).
-_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80), dict(KIND="packed", LC=8, num_warps=8, maxnreg=64),
-                   dict(KIND="packed", LC=8, num_warps=8)]
+# tried before _REGS_CONFIGS for BF16 input. H200, session 23 (BENCHMARKS.md): capped at 80 registers a thread (three
+# CTAs an SM) 0.87-0.90 of a copy on 8192x2048 to 16384x4096, against 0.76-0.82 for _REGS_CONFIGS' first; uncapped
+# (98 registers, two CTAs) 0.81-0.88 and 64 registers (four CTAs, spilling) 0.61-0.62 were slower on every shape.
+_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 
 
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers

@@ -9,7 +9,8 @@ of A) give the hardware's two-value FP8 cast vertical pairs, stored as 8-byte pi
 H200, session 13 (BENCHMARKS.md): 1x128 0.80-0.81 of a device copy from BF16 and 0.93-0.95 from FP32, against
 0.75-0.77 for ``quant.blockwise_kernel``'s slab walk; MXFP8 0.66-0.67, against 0.45-0.46 for ``mxfp8_kernel``.
 ``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``), SwiGLU (``SWIGLU``) and SwiGLU-backward (``SWIGLU_BWD``)
-prologues of the fused quantizers.
+prologues of the fused quantizers. ``rowcol_1x128_regs_packed`` (BF16 input, no prologue; the default there since
+session 23) holds and reduces the tile as BF16 pairs in 80 registers, three CTAs an SM: 0.87-0.90 of a copy.
 
 ``rowcol_1x128_gluon`` (session 9, opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA,
 STAGES in flight a CTA, each read twice in SR-row slabs; 0.70-0.71 of a copy, the speed of the slab walk at the
