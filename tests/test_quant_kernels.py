@@ -448,6 +448,15 @@ def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
         tb._BLOCKWISE_PLANS.clear()
         assert not compare(_randn((256, 384), dtype, cuda, seed=190), Float8Blockwise(), True, True)
         assert list(tb._BLOCKWISE_PLANS.values())[-1].fn is tb.QG.rowcol_1x128_regs
+    # BF16 that is not 16-byte aligned (its int32 pair loads would fault) takes rowcol_1x128_regs, also after the
+    # same shape ran aligned (the plan is keyed on it)
+    base = _randn((256 * 384 + 8,), torch.bfloat16, cuda, seed=191)
+    for off in (0, 1, 4, 8):
+        tb._TUNED.clear()
+        x = base[off:off + 256 * 384].view(256, 384)
+        assert not compare(x, Float8Blockwise(), True, True), f"offset {off}"
+        plan = [p for k, p in tb._BLOCKWISE_PLANS.items() if k[-1] == (off % 8 == 0)][-1]
+        assert plan.fn is (tb.QG.rowcol_1x128_regs_packed if off % 8 == 0 else tb.QG.rowcol_1x128_regs), off
     tb._BLOCKWISE_PLANS.clear()
 
 

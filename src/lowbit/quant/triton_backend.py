@@ -386,7 +386,7 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?) -> _BlockwisePlan once tuned
+_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> _BlockwisePlan once tuned
 
 
 # (two_d, rowwise, columnwise, dtype) -> candidates of blockwise_persistent_kernel (first = default without
@@ -482,6 +482,13 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
             and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
             and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
+
+
+def _packed_ok(x2, regs: bool) -> bool:
+    """Whether quant_gluon.rowcol_1x128_regs_packed may run where the register-tile kernel may (``regs``): BF16 input
+    whose base is 16-byte aligned (it reads the tile as int32 pairs, vectorized by 4; a 2-byte-aligned view would
+    fault)."""
+    return regs and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -711,7 +718,9 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu)
+    # (the register-tile kernels' eligibility follows from the rest of the key, except the BF16-pair form's alignment)
+    packed = _packed_ok(x2, _regs_ok(x2, bs, two_d, rowwise, columnwise))
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, packed)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
         plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
@@ -724,7 +733,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
         # follows from the plan's key, unlike the alignment-dependent two above)
         regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
-        cands = (list(_PACKED_CONFIGS) if regs and x2.dtype == torch.bfloat16 else []) \
+        cands = (list(_PACKED_CONFIGS) if packed else []) \
             + (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
@@ -733,7 +742,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, *args, *extra, **kw)
 
-        tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, _bucket(M), _bucket(Kd))
+        tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, packed, _bucket(M), _bucket(Kd))
         c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
