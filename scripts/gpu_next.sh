@@ -137,6 +137,10 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s23e)  # session 23: SwiGLU's forward quantizer as BF16 pairs (its GPU tests, every candidate), the SwiGLU sweep, the 1.3b pair
+    stage 150 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/ops/test_swiglu.py tests/test_quant_kernels.py -k "swiglu or packed or fused" -rfE
+    stage 100 python3 scripts/rowcol_sweep.py --shapes "" --swiglu 8192x5632,16384x2816 2>&1 | grep -E "==|regs|packed|best|MISMATCH"
+    pair 1.3b 4 ;;
   s23c)  # session 23: the whole GPU suite, then bench quant (issue 3's table) at the final kernel code
     stage 330 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
     stage 70 python3 -m lowbit bench quant ;;

@@ -471,8 +471,8 @@ def test_blockwise_regs_packed_compiles_for_sm90():
     sig, consts = rowcol_regs_signature("bf16", 8)
     keep = ("x_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "amax_ptr", "M", "K", "rs_ld", "cs_ld", "FMAX", "POW2",
             "EPS", "A", "B", "T")
-    sig = dict({n: sig[n] for n in keep}, AW="constexpr", abs_mask="i32")
-    consts = dict({n: consts[n] for n in keep if n in consts}, AW=QG.rowcol_regs_word_layout(8, 8))
+    sig = dict({n: sig[n] for n in keep}, AW="constexpr", abs_mask="i32", SWIGLU="constexpr")
+    consts = dict({n: consts[n] for n in keep if n in consts}, AW=QG.rowcol_regs_word_layout(8, 8), SWIGLU=False)
     c0 = tb._PACKED_CONFIGS[0]
     k = compile_gluon_sm90(QG.rowcol_1x128_regs_packed, sig, consts, divisible=("M", "K", "rs_ld", "cs_ld"),
                            num_warps=c0["num_warps"], maxnreg=c0["maxnreg"])
@@ -482,6 +482,17 @@ def test_blockwise_regs_packed_compiles_for_sm90():
         sass, regs = got
         assert "VIMNMX" in sass and "U16x2" in sass
         assert regs <= 80 and 3 * 8 * 32 * regs <= 65536
+    # with the SwiGLU prologue, uncapped (ops.swiglu._SWIGLU_PACKED_CONFIGS' first): two CTAs an SM, no spills
+    from lowbit.ops.swiglu import _SWIGLU_PACKED_CONFIGS
+
+    c0 = _SWIGLU_PACKED_CONFIGS[0]
+    k = compile_gluon_sm90(QG.rowcol_1x128_regs_packed, sig, dict(consts, SWIGLU=True),
+                           divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=c0["num_warps"],
+                           **({"maxnreg": c0["maxnreg"]} if "maxnreg" in c0 else {}))
+    assert "ex2.approx.ftz.f32" in k.asm["ptx"]
+    got = sm90_sass(k, "3.6")
+    if got is not None:
+        assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128, got[1]
 
 
 @pytest.mark.gpu

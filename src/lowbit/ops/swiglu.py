@@ -276,6 +276,10 @@ _SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dic
 # register-tile candidates with the SWIGLU prologue (quant_gluon.rowcol_1x128_regs), all within 128 registers (two
 # CTAs an SM). The plain quantizer's first candidate (compact scales, 8 lanes along the columns) compiles to 130 here
 # and runs one CTA an SM: 146 us against 103 us at 8192 x 5632 (H200, session 18, BENCHMARKS.md), so it is capped.
+# Before them for BF16 u (16-byte aligned), the BF16-pair form (quant_gluon.rowcol_1x128_regs_packed with SWIGLU):
+# h made and reduced as BF16 pairs, 1,408 SASS instructions a thread against 1,872 (Triton 3.6); 107 registers
+# uncapped (two CTAs an SM), or capped at 80 (three, spilling).
+_SWIGLU_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8), dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 _SWIGLU_REGS_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                         dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
                         dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
@@ -290,13 +294,25 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     return rowwise and columnwise and tb._regs_ok(u.view(-1, u.shape[-1]), 128, False, True, True)
 
 
-def _swiglu_quant_candidates(u: torch.Tensor, regs: bool) -> list[dict]:
+def _packed_runs(u: torch.Tensor, regs: bool) -> bool:
+    """Whether the BF16-pair form may take u where the register-tile quantizer may (``regs``): BF16, 16-byte aligned
+    (triton_backend._packed_ok)."""
+    from ..quant import triton_backend as tb
+
+    return tb._packed_ok(u, regs)
+
+
+def _swiglu_quant_candidates(u: torch.Tensor, regs: bool, packed: bool | None = None) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
-    register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (H200, sessions 13 and 18:
-    see BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
+    register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (its BF16-pair form's before
+    them where ``packed``, by default :func:`_packed_runs`; H200, sessions 13, 18 and 23: see BENCHMARKS.md), then the
+    slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
-    return (list(_SWIGLU_REGS_CONFIGS) if regs else []) + list(_SWIGLU_QUANT_CONFIGS) + [
+    if packed is None:
+        packed = _packed_runs(u, regs)
+    return (list(_SWIGLU_PACKED_CONFIGS) if packed else []) + (list(_SWIGLU_REGS_CONFIGS) if regs else []) \
+        + list(_SWIGLU_QUANT_CONFIGS) + [
         c for c in _SWIGLU_TILE_CONFIGS if u.dtype == torch.bfloat16 or not c.get("BITS16")]
 
 
@@ -339,8 +355,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 
     def launch(c):
         kw = {k: v for k, v in c.items() if k not in ("KIND", "CTAS")}
-        if c.get("KIND") == "regs":
-            fn, g, _, kw = plan.launch_args(c)  # quant_gluon.rowcol_1x128_regs on h's (M, F) tile grid
+        if c.get("KIND") in ("regs", "packed"):
+            fn, g, _, kw = plan.launch_args(c)  # quant_gluon.rowcol_1x128_regs(_packed) on h's (M, F) tile grid
             fn[g](*args, **kw, SWIGLU=True)
         elif c.get("KIND") == "tile":
             n_prog = min(n_tiles, plan.nsm * c["CTAS"])
@@ -348,8 +364,9 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         else:
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
-    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs),
-                 lambda: _swiglu_quant_candidates(u, regs), launch)
+    packed = _packed_runs(u, regs)  # (u's alignment: not in the plan's key)
+    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs, packed),
+                 lambda: _swiglu_quant_candidates(u, regs, packed), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt

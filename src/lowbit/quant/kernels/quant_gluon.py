@@ -350,16 +350,33 @@ if GLUON:
         return gl.convert_layout(x, A).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _bf16_bits(v):
+        """The BF16 bit pattern of FP32 ``v`` rounded to BF16 (RNE), in the low 16 bits of an int32 (high bits 0)."""
+        return v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+
+    @gluon.jit
+    def _swiglu_words(aw, bw):
+        """h = silu(a) * b as BF16 pairs from the pairs of a and b (the SWIGLU prologue's operations, per half)."""
+        a0 = (aw << 16).to(gl.float32, bitcast=True)
+        a1 = (aw & -65536).to(gl.float32, bitcast=True)
+        h0 = (a0 * _sigmoid(a0)) * (bw << 16).to(gl.float32, bitcast=True)
+        h1 = (a1 * _sigmoid(a1)) * (bw & -65536).to(gl.float32, bitcast=True)
+        return _bf16_bits(h0) | (_bf16_bits(h1) << 16)
+
+    @gluon.jit
     def rowcol_1x128_regs_packed(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                                  FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
-                                 B: gl.constexpr, T: gl.constexpr, AW: gl.constexpr, abs_mask=0x7FFFFFFF):
+                                 B: gl.constexpr, T: gl.constexpr, AW: gl.constexpr, abs_mask=0x7FFFFFFF,
+                                 SWIGLU: gl.constexpr = False):
         """rowcol_1x128_regs (COMPACT, no prologue) for BF16 x, with the tile read and reduced as BF16 pairs.
 
         Same outputs and numbers, bit for bit: the block maxima are taken on the 16-bit |x| patterns two at a time
         (one VIMNMX.U16x2 a pair; a BF16's pattern orders as its FP32's, which is the top half) and widened once
         per row / column; the FP32 values are made from the pairs only for the two products. The tile lives in
         32 registers a thread instead of 64 + 64 (FP32 values and |x| patterns), so the kernel fits 80 registers:
-        three CTAs an SM instead of two, more loads in flight. AW: rowcol_regs_word_layout (A over pairs)."""
+        three CTAs an SM instead of two, more loads in flight. AW: rowcol_regs_word_layout (A over pairs).
+        SWIGLU: quantize h = silu(a) * b (M, K) of x = u (M, 2K) = [a | b], BF16, as rowcol_1x128_regs' SWIGLU
+        prologue computes it, pair by pair."""
         DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
@@ -367,8 +384,13 @@ if GLUON:
         rw = gl.arange(0, 128, layout=gl.SliceLayout(1, AW))
         cw = gl.arange(0, 64, layout=gl.SliceLayout(0, AW))
         K2 = K // 2
+        LD: gl.constexpr = 2 if SWIGLU else 1  # x's row stride in units of K
         xw = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        w = gl.load(xw + (m0 * K2 + k0 // 2) + gl.expand_dims(rw, 1) * K2 + gl.expand_dims(cw, 0))
+        wp = xw + (m0 * K2 * LD + k0 // 2) + gl.expand_dims(rw, 1) * (K2 * LD) + gl.expand_dims(cw, 0)
+        if SWIGLU:
+            w = _swiglu_words(gl.load(wp), gl.load(wp + K2))
+        else:
+            w = gl.load(wp)
         # (the mask from the run-time abs_mask, as rowcol_1x128_regs': a constant could become a half-precision |x|)
         aw = w & (abs_mask & 0x7FFF7FFF)
         rmw = gl.reduce(aw, 1, _max_u16x2)  # (128,) per row: the max of its even columns | of its odd columns
