@@ -144,9 +144,9 @@ case "${1:-verify}" in
   s23c)  # session 23: the whole GPU suite, then bench quant (issue 3's table) at the final kernel code
     stage 330 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
     stage 70 python3 -m lowbit bench quant ;;
-  s23d)  # session 23: bench gemm (issue 3's table, the five shapes), then the 1.3b pair
-    stage 300 python3 -m lowbit bench gemm
-    pair 1.3b 4 ;;
+  s23d)  # session 23: bench gemm (issue 3's table, the five shapes), then the 350m pair
+    stage 290 python3 -m lowbit bench gemm
+    pair 350m 8 ;;
   s23b)  # session 23: the BF16-pair register-tile quantizer (quant_gluon.rowcol_1x128_regs_packed): its GPU tests and
     # the quantize kernel tests, then the row+col sweep (every candidate checked bit for bit, against a copy) and bench quant
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_quant_kernels.py -rfE
