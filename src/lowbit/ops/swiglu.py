@@ -277,9 +277,10 @@ _SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dic
 # CTAs an SM). The plain quantizer's first candidate (compact scales, 8 lanes along the columns) compiles to 130 here
 # and runs one CTA an SM: 146 us against 103 us at 8192 x 5632 (H200, session 18, BENCHMARKS.md), so it is capped.
 # Before them for BF16 u (16-byte aligned), the BF16-pair form (quant_gluon.rowcol_1x128_regs_packed with SWIGLU):
-# h made and reduced as BF16 pairs, 1,408 SASS instructions a thread against 1,872 (Triton 3.6); 107 registers
-# uncapped (two CTAs an SM), or capped at 80 (three, spilling).
-_SWIGLU_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8), dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
+# h made and reduced as BF16 pairs, 1,408 SASS instructions a thread against 1,872 (Triton 3.6), 107 registers (two
+# CTAs an SM). H200, session 23: 99.7 against 103.4 us at 8192 x 5632, 123 against 136 at 16384 x 2816; capped at 80
+# registers (three CTAs, spilling) it took 122 / 131 us, so that form is not a candidate.
+_SWIGLU_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8)]
 _SWIGLU_REGS_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                         dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
                         dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
