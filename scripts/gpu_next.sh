@@ -60,7 +60,7 @@ ab13() { local var=$1 v; shift
 case "${1:-verify}" in
   verify)
     stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
-    stage 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemm.py -k gluon -rfE ;;
+    stage 150 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemm.py -k gluon -rfE ;;
   kernels)
     stage 40 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_gpu.py -k rounding_edges -rfE
     stage 170 python3 -m lowbit bench gemm --shapes 16384x4096x4096,16384x4096x14336,8192x8192x8192
