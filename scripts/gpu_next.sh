@@ -137,6 +137,12 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s23f)  # session 23: the SwiGLU-backward and RoPE-backward quantizers as BF16 pairs (PACK): their GPU tests, each
+    # candidate timed, then the 1.3b pair
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/ops tests/nn tests/test_quant_kernels.py -k "swiglu or rope or packed or fused or mlp" -rfE
+    stage 60 python3 scripts/bench_swiglu_quant.py 8192,5632 16384,2816
+    stage 60 python3 scripts/bench_rope_quant.py
+    pair 1.3b 4 ;;
   s23e)  # session 23: SwiGLU's forward quantizer as BF16 pairs (its GPU tests, every candidate), the SwiGLU sweep, the 1.3b pair
     stage 150 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/ops/test_swiglu.py tests/test_quant_kernels.py -k "swiglu or packed or fused" -rfE
     stage 100 python3 scripts/rowcol_sweep.py --shapes "" --swiglu 8192x5632,16384x2816 2>&1 | grep -E "==|regs|packed|best|MISMATCH"

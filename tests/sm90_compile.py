@@ -68,10 +68,11 @@ def rowcol_regs_signature(x: str = "bf16", num_warps: int = 8, lanes_c: int = 8,
                A="constexpr", B="constexpr", T="constexpr", COMPACT="constexpr", NORM="constexpr",
                SWIGLU="constexpr", abs_mask="i32", rstd_ptr="constexpr", nw_ptr="constexpr", SWIGLU_BWD="constexpr",
                g_ptr="constexpr", H="constexpr", ROPE_BWD="constexpr", gv_ptr="constexpr", cos_ptr="constexpr",
-               sin_ptr="constexpr", rope_T="constexpr", tab_row="constexpr", HD="constexpr", DH="constexpr")
+               sin_ptr="constexpr", rope_T="constexpr", tab_row="constexpr", HD="constexpr", DH="constexpr",
+               AW="constexpr")
     consts = dict(FMAX=448.0, POW2=True, EPS=0.0, COMPACT=True, NORM=False, SWIGLU=False, rstd_ptr=None, nw_ptr=None,
                   SWIGLU_BWD=False, g_ptr=None, H=None, ROPE_BWD=False, gv_ptr=None, cos_ptr=None, sin_ptr=None,
-                  rope_T=1, tab_row=0, HD=0, DH=None,
+                  rope_T=1, tab_row=0, HD=0, DH=None, AW=None,
                   **dict(zip("ABT", QG.rowcol_regs_layouts(num_warps, lanes_c))))
     consts.update(const)
     return sig, consts

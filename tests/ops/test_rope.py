@@ -183,7 +183,8 @@ def test_backward_quantize_compiles_for_sm90():
     c = _ROPE_BWD_CONFIGS[0]
     for dh in (128, 64):
         sig, const = rowcol_regs_signature("bf16", c["num_warps"], c["LC"], COMPACT=c["COMPACT"], ROPE_BWD=True,
-                                           DH=dh, H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]))
+                                           DH=dh, H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]),
+                                           AW=QG.rowcol_regs_word_layout(c["num_warps"], c["LC"]) if c.get("PACK") else None)
         # the prologue's pointers and run-time arguments, typed
         sig.update(g_ptr="*bf16", gv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rope_T="i32", tab_row="i32",
                    HD="i32")

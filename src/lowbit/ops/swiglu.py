@@ -387,7 +387,10 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 # swiglu_backward, then the register-tile quantizer on du), and the autotuner keeps the fastest (H200, session 14:
 # the fused kernel, 0.212 against 0.233 ms at 8192 x 11264; BENCHMARKS.md). Whole 128 x 128 tiles and both copies
 # only (the MLP's backward with dx and dw1 both wanted); everything else runs the two kernels.
-_SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
+# PACK (BF16 only): the computed du tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
+# 1,976 SASS instructions a thread against 2,280 at the same 128 registers (Triton 3.6; session 23).
+_SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128, PACK=True),
+                       dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                        dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
                        dict(KIND="two")]
 
@@ -427,6 +430,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     W = u.shape[-1]
     M = u.numel() // W
     return rowcol_regs_prologue(
-        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme, lambda: list(_SWIGLU_BWD_CONFIGS), u,
+        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme,
+        lambda: [c for c in _SWIGLU_BWD_CONFIGS if not c.get("PACK") or u.dtype == torch.bfloat16], u,
         lambda c: dict(SWIGLU_BWD=True, g_ptr=g),
         lambda: swiglu_backward(u, g))

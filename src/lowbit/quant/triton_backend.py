@@ -519,7 +519,8 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
     backward), autotuned (``name``, ``tkey``) over ``candidates`` (a list, or a function returning it, as tuned_launch
     takes): KIND "regs" runs the kernel on ``x`` (the first input; its dtype and device are the output's) with
     ``prologue(c)``'s keyword arguments (its switch and extra pointers) and the half-tile layout H of ``c``'s warps
-    and lanes (these prologues compute their tile in two 64-row halves); KIND "two" runs ``unfused()`` (the (M, W)
+    and lanes (these prologues compute their tile in two 64-row halves), with "PACK" the tile quantized as BF16 pairs
+    (BF16 x only; ignored otherwise); KIND "two" runs ``unfused()`` (the (M, W)
     tensor in 16 bits) and the plain quantizer's default candidate on it. Returns the QuantizedTensor."""
     W = shape[-1]
     M = math.prod(shape) // W
@@ -535,6 +536,8 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
             fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
             fn[grid](unfused(), *args, **kw)
         else:
+            if c.get("PACK") and x.dtype != torch.bfloat16:  # (BF16 pairs only: FP16 runs the form without)
+                c = dict(c, PACK=False)
             fn, grid, _, kw = plan.launch_args(c)
             fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
@@ -692,6 +695,8 @@ class _BlockwisePlan:
                       num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))
             if c.get("maxnreg"):
                 kw["maxnreg"] = c["maxnreg"]
+            if c.get("PACK"):  # (a BF16 prologue's tile quantized as BF16 pairs)
+                kw["AW"] = _regs_word_layout(c["num_warps"], c["LC"])
             return QG.rowcol_1x128_regs, ((M // 128) * (Kd // 128),), (), kw
         if kind == "packed":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], num_warps=c["num_warps"],

@@ -259,7 +259,7 @@ if GLUON:
                           SWIGLU: gl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None,
                           SWIGLU_BWD: gl.constexpr = False, g_ptr=None, H: gl.constexpr = None,
                           ROPE_BWD: gl.constexpr = False, gv_ptr=None, cos_ptr=None, sin_ptr=None, rope_T=1, tab_row=0,
-                          HD=0, DH: gl.constexpr = None):
+                          HD=0, DH: gl.constexpr = None, AW: gl.constexpr = None):
         """x (M, K) 16-bit or FP32 row-major, M % 128 == K % 128 == 0; one 128 x 128 tile a program, K-major
         order (program p: row panel p // (K / 128), column tile p % (K / 128)).
 
@@ -284,8 +284,9 @@ if GLUON:
         the gradients of RoPE's outputs: x_ptr = dq_rot, g_ptr = dk_rot, gv_ptr = dv, each (M, HD) row-major 16-bit,
         cos_ptr / sin_ptr (>= rope_T, DH) FP32 with row stride tab_row, t = row % rope_T: dqkv as lowbit.ops.rope's
         backward kernel stores it (_rope_bwd_half). HD % 128 == 0, DH in (64, 128); H as for SWIGLU_BWD.
+        AW (BF16 tiles of the SWIGLU_BWD / ROPE_BWD prologues; rowcol_regs_word_layout): the computed tile is packed
+        into BF16 pairs and quantized as rowcol_1x128_regs_packed does (fewer instructions for the maxima).
         """
-        DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
         c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
@@ -303,6 +304,20 @@ if GLUON:
             x = ((a * _sigmoid(a)) * b.to(gl.float32)).to(b.dtype)
         else:
             x = gl.load(ptrs)
+        if AW is not None:
+            _rowcol_packed_core(_pack_words(x, AW), rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk,
+                                m0, k0, FMAX, POW2, EPS, A, B, T, abs_mask)
+        else:
+            _rowcol_quant(x, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0, r, c, FMAX,
+                          POW2, EPS, A, B, T, COMPACT, NORM, abs_mask, rstd_ptr, nw_ptr)
+
+    @gluon.jit
+    def _rowcol_quant(x, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0, r, c,
+                      FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                      T: gl.constexpr, COMPACT: gl.constexpr, NORM: gl.constexpr, abs_mask, rstd_ptr, nw_ptr):
+        """rowcol_1x128_regs' quantization of its tile x (16-bit or FP32, layout A): maxima over int32 patterns of |x|
+        in FP32, scales, both copies, the amax."""
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
         x = x.to(gl.float32)
         if NORM:  # the RMSNorm output (x * rstd[m]) * w[k], as blockwise_kernel's _norm_rows
             x = (x * gl.expand_dims(gl.load(rstd_ptr + m0 + r), 1)) * gl.expand_dims(gl.load(nw_ptr + k0 + c), 0)
@@ -377,10 +392,7 @@ if GLUON:
         three CTAs an SM instead of two, more loads in flight. AW: rowcol_regs_word_layout (A over pairs).
         SWIGLU: quantize h = silu(a) * b (M, K) of x = u (M, 2K) = [a | b], BF16, as rowcol_1x128_regs' SWIGLU
         prologue computes it, pair by pair."""
-        DT: gl.constexpr = rq_ptr.dtype.element_ty
         pm, pk, m0, k0 = _tile_origin(K)
-        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
-        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         rw = gl.arange(0, 128, layout=gl.SliceLayout(1, AW))
         cw = gl.arange(0, 64, layout=gl.SliceLayout(0, AW))
         K2 = K // 2
@@ -391,6 +403,26 @@ if GLUON:
             w = _swiglu_words(gl.load(wp), gl.load(wp + K2))
         else:
             w = gl.load(wp)
+        _rowcol_packed_core(w, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0, FMAX, POW2,
+                            EPS, A, B, T, abs_mask)
+
+    @gluon.jit
+    def _pack_words(x16, AW: gl.constexpr):
+        """The BF16 tile x16 (128 x 128, layout A) as its pairs (128 x 64 int32 in AW, the even column low): the
+        split along the first register dimension and the conversion to AW only rename registers."""
+        xi = x16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        lo, hi = gl.split(gl.reshape(xi, [128, 64, 2]))
+        return gl.convert_layout(lo | (hi << 16), AW)
+
+    @gluon.jit
+    def _rowcol_packed_core(w, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0,
+                            FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, A: gl.constexpr,
+                            B: gl.constexpr, T: gl.constexpr, abs_mask):
+        """Both 1x128 copies, their scales and the amax of tile (m0, k0) from its BF16 pairs w (128 x 64 int32, the
+        layout A over pairs): rowcol_1x128_regs_packed's reductions and products."""
+        DT: gl.constexpr = rq_ptr.dtype.element_ty
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, A))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, A))
         # (the mask from the run-time abs_mask, as rowcol_1x128_regs': a constant could become a half-precision |x|)
         aw = w & (abs_mask & 0x7FFF7FFF)
         rmw = gl.reduce(aw, 1, _max_u16x2)  # (128,) per row: the max of its even columns | of its odd columns
