@@ -943,3 +943,14 @@ if __name__ == "__main__" and "--interp-scales" in sys.argv:
     sys.exit(1 if _bad else 0)
 if __name__ == "__main__" and "--interp-persistent" in sys.argv:
     sys.exit(_interp_persistent_main())
+
+
+def test_bf16_pack_candidates():
+    """The prologue quantizers' PACK candidates (BF16 pairs) are offered for BF16 only; a PACK candidate forced
+    alone stays (rowcol_regs_prologue runs it without packing on other dtypes)."""
+    from lowbit.quant.triton_backend import bf16_pack_candidates
+
+    cands = [dict(KIND="regs", PACK=True), dict(KIND="regs"), dict(KIND="two")]
+    assert bf16_pack_candidates(cands, torch.bfloat16) == cands
+    assert bf16_pack_candidates(cands, torch.float16) == cands[1:]
+    assert bf16_pack_candidates(cands[:1], torch.float16) == cands[:1]

@@ -183,7 +183,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
 # 3.6), or capped at 128 (a few spills)), timed against the two kernels it replaces (KIND "two": this module's
 # backward kernel, then the plain register-tile quantizer); the autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
 # PACK (BF16 only): the computed dqkv tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
-# 1,952 SASS instructions a thread against 2,328, 104 registers (Triton 3.6; session 23).
+# 1,952 SASS instructions a thread against 2,328, 104 registers (Triton 3.6); H200, session 23: 94.6 against 101.1 us
+# (1.3b, D 128) and 90.5 against 104.1 (350m, D 64; the best unpacked candidate there is the 128-register cap).
 _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, PACK=True),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
@@ -232,7 +233,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
         dtype gq.dtype, with both copies, bit-identical to ``quantize(dqkv.view(B·T, 3·H·D), scheme, rowwise=True,
         columnwise=True)`` where dqkv is what rope_qkv's backward returns.
     """
-    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
+    from ..quant.triton_backend import _bucket, bf16_pack_candidates, rowcol_regs_prologue
 
     if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme):
         raise NotImplementedError(
@@ -244,7 +245,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
     M, W = B * T, 3 * H * D
     return rowcol_regs_prologue(
         "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), scheme,
-        lambda: [c for c in _ROPE_BWD_CONFIGS if not c.get("PACK") or gq.dtype == torch.bfloat16], gq,
+        lambda: bf16_pack_candidates(_ROPE_BWD_CONFIGS, gq.dtype), gq,
         lambda c: dict(ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T, tab_row=cos.stride(0),
                        HD=H * D, DH=D),
         lambda: _backward_dqkv((gq, gk, gv), cos, sin).view(M, W))

@@ -388,7 +388,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 # the fused kernel, 0.212 against 0.233 ms at 8192 x 11264; BENCHMARKS.md). Whole 128 x 128 tiles and both copies
 # only (the MLP's backward with dx and dw1 both wanted); everything else runs the two kernels.
 # PACK (BF16 only): the computed du tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
-# 1,976 SASS instructions a thread against 2,280 at the same 128 registers (Triton 3.6; session 23).
+# 1,976 SASS instructions a thread against 2,280 at the same 128 registers (Triton 3.6); H200, session 23: 0.184 /
+# 0.185 ms against 0.191 / 0.189 at 8192 x 5632 / 16384 x 2816.
 _SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128, PACK=True),
                        dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                        dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
@@ -419,7 +420,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
         bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
     """
-    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
+    from ..quant.triton_backend import _bucket, bf16_pack_candidates, rowcol_regs_prologue
 
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
@@ -431,6 +432,6 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     M = u.numel() // W
     return rowcol_regs_prologue(
         "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme,
-        lambda: [c for c in _SWIGLU_BWD_CONFIGS if not c.get("PACK") or u.dtype == torch.bfloat16], u,
+        lambda: bf16_pack_candidates(_SWIGLU_BWD_CONFIGS, u.dtype), u,
         lambda c: dict(SWIGLU_BWD=True, g_ptr=g),
         lambda: swiglu_backward(u, g))

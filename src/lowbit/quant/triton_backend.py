@@ -509,6 +509,13 @@ def _regs_half_layout(num_warps: int, lanes_c: int):
     return QG.rowcol_regs_half_layout(num_warps, lanes_c)
 
 
+def bf16_pack_candidates(candidates: list, dtype: torch.dtype) -> list:
+    """``candidates`` of a prologue quantizer (rowcol_regs_prologue) without the "PACK" ones unless ``dtype`` is
+    BF16; all of them where that would leave none (a PACK candidate forced alone: it runs without packing)."""
+    keep = [c for c in candidates if not c.get("PACK") or dtype == torch.bfloat16]
+    return keep or list(candidates)
+
+
 _PROLOGUE_PLANS: dict = {}  # (name, M, W, dtype, scheme) -> _BlockwisePlan of a prologue quantizer's output
 
 
