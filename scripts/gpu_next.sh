@@ -12,6 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 23 (2026-11-24) ran s23a (scripts/step_clock.py), s23b (the BF16-pair quantizer), s23c (GPU suite: 15 failures
+# from a misaligned view, fixed in 2b88b24; then 373 passed), s23e, s23d, verify (373 passed at ac9b79c), s23f (two
+# every-candidate tests out of candidates on FP16, fixed in 63a72e5) and s23g (373 passed at e6d0285).
 # Session 22 (2026-11-24) ran s22a (graph profiles), scripts/bench_norm_quant.py, scripts/quant_keys.py, s22b, s22c,
 # s22d + s21e, verify (372 passed at b17899e, on an H100) and s22e (18 passed at 862cccc).
 # Session 21 (2026-11-24) ran s21a / s21b (removed since: the training loop finishing each step on the host one step
