@@ -140,6 +140,8 @@ case "${1:-verify}" in
       --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13"
     stage 130 env LOWBIT_STEP_PHASES=1 LOWBIT_FUSED_ADAMW_QUANT=0 python3 -m lowbit train --model 1.3b --recipe fp8-block \
       --steps 20 --batch-size 4 --seq-len 2048 --eval-every 20 --eval-windows 8 --no-progress --out-dir "$OUT/b13t" ;;
+  s23h)  # session 23, review: the quantize, SwiGLU, RoPE and fused-MLP GPU tests after the dispatch clean-up
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_quant_kernels.py tests/ops tests/nn -rfE ;;
   s23g)  # session 23, final: the whole GPU suite
     stage 330 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE ;;
   s23f)  # session 23: the SwiGLU-backward and RoPE-backward quantizers as BF16 pairs (PACK): their GPU tests, each

@@ -372,6 +372,18 @@ def test_blockwise_gluon_compiles_for_sm90():
     assert k.metadata.shared >= 2 * 128 * 128 * 2  # the two stages of input tiles
 
 
+# The register-tile quantizers' every-candidate tests: E4M3 pow2, E5M2 non-pow2 and eps scales; one tile, a few, many
+# (4096 x 1152: 288 programs), tall-narrow and wide-short panels.
+REGS_SCHEMES = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
+REGS_SHAPES = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
+
+
+def _skip_without_regs(tb, cuda):
+    """Skip where the register-tile quantizers cannot run (GPU below sm_89, no Gluon)."""
+    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+
+
 @pytest.mark.gpu
 def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
@@ -380,12 +392,10 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     (ragged, one copy, 2D, other block sizes) are not routed to it."""
     import lowbit.quant.triton_backend as tb
 
-    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
-        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    _skip_without_regs(tb, cuda)
     monkeypatch.setattr(tb, "AUTOTUNE", False)
     monkeypatch.setattr(tb, "_PACKED_CONFIGS", [])  # (BF16's first candidates: their own test below)
-    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
-    shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
+    schemes, shapes = REGS_SCHEMES, REGS_SHAPES
     for cfg in tb._REGS_CONFIGS:
         monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -420,11 +430,9 @@ def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
     (the low and high halves of a pair). FP16 and FP32 input never take it."""
     import lowbit.quant.triton_backend as tb
 
-    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
-        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    _skip_without_regs(tb, cuda)
     monkeypatch.setattr(tb, "AUTOTUNE", False)
-    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
-    shapes = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
+    schemes, shapes = REGS_SCHEMES, REGS_SHAPES
     for cfg in tb._PACKED_CONFIGS:
         monkeypatch.setattr(tb, "_PACKED_CONFIGS", [cfg])
         for i, shape in enumerate(shapes):
@@ -574,8 +582,7 @@ def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch):
     huge blocks (codes clamped); the shapes it must leave to mxfp8_kernel (ragged, one copy) still exact."""
     import lowbit.quant.triton_backend as tb
 
-    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
-        pytest.skip("register-tile quantizer not available on this GPU / Triton")
+    _skip_without_regs(tb, cuda)
     monkeypatch.setattr(tb, "AUTOTUNE", False)
     launched = []
     orig = tb.QG.mxfp8_rowcol_regs

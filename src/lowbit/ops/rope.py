@@ -233,7 +233,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
         dtype gq.dtype, with both copies, bit-identical to ``quantize(dqkv.view(B·T, 3·H·D), scheme, rowwise=True,
         columnwise=True)`` where dqkv is what rope_qkv's backward returns.
     """
-    from ..quant.triton_backend import _bucket, bf16_pack_candidates, rowcol_regs_prologue
+    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
 
     if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme):
         raise NotImplementedError(
@@ -245,7 +245,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
     M, W = B * T, 3 * H * D
     return rowcol_regs_prologue(
         "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), scheme,
-        lambda: bf16_pack_candidates(_ROPE_BWD_CONFIGS, gq.dtype), gq,
+        lambda: list(_ROPE_BWD_CONFIGS), gq,
         lambda c: dict(ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T, tab_row=cos.stride(0),
                        HD=H * D, DH=D),
         lambda: _backward_dqkv((gq, gk, gv), cos, sin).view(M, W))

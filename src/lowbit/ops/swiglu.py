@@ -295,23 +295,17 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     return rowwise and columnwise and tb._regs_ok(u.view(-1, u.shape[-1]), 128, False, True, True)
 
 
-def _packed_runs(u: torch.Tensor, regs: bool) -> bool:
-    """Whether the BF16-pair form may take u where the register-tile quantizer may (``regs``): BF16, 16-byte aligned
-    (triton_backend._packed_ok)."""
-    from ..quant import triton_backend as tb
-
-    return tb._packed_ok(u, regs)
-
-
 def _swiglu_quant_candidates(u: torch.Tensor, regs: bool, packed: bool | None = None) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
     register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (its BF16-pair form's before
-    them where ``packed``, by default :func:`_packed_runs`; H200, sessions 13, 18 and 23: see BENCHMARKS.md), then the
-    slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
+    them where ``packed``, by default where triton_backend._packed_ok takes u; H200, sessions 13, 18 and 23: see
+    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
     if packed is None:
-        packed = _packed_runs(u, regs)
+        from ..quant import triton_backend as tb
+
+        packed = regs and tb._packed_ok(u)
     return (list(_SWIGLU_PACKED_CONFIGS) if packed else []) + (list(_SWIGLU_REGS_CONFIGS) if regs else []) \
         + list(_SWIGLU_QUANT_CONFIGS) + [
         c for c in _SWIGLU_TILE_CONFIGS if u.dtype == torch.bfloat16 or not c.get("BITS16")]
@@ -330,8 +324,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         ``quantize(swiglu(u), scheme, rowwise=..., columnwise=...)``.
     """
     from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _set_copies,
-                                        tuned_launch)
+    from ..quant.triton_backend import (_BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _packed_ok,
+                                        _set_copies, tuned_launch)
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
@@ -365,7 +359,7 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         else:
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
-    packed = _packed_runs(u, regs)  # (u's alignment: not in the plan's key)
+    packed = regs and _packed_ok(u)  # (u's alignment: not in the plan's key)
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs, packed),
                  lambda: _swiglu_quant_candidates(u, regs, packed), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
@@ -420,7 +414,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
         bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
     """
-    from ..quant.triton_backend import _bucket, bf16_pack_candidates, rowcol_regs_prologue
+    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
 
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
@@ -432,6 +426,6 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     M = u.numel() // W
     return rowcol_regs_prologue(
         "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme,
-        lambda: bf16_pack_candidates(_SWIGLU_BWD_CONFIGS, u.dtype), u,
+        lambda: list(_SWIGLU_BWD_CONFIGS), u,
         lambda c: dict(SWIGLU_BWD=True, g_ptr=g),
         lambda: swiglu_backward(u, g))

@@ -85,10 +85,7 @@ def _gpu_ms(fn) -> float:
         g = capture(fn, capture_error_mode="thread_local")
     except Exception:  # a host synchronization inside fn, or fn fails (then it raises again here)
         return triton.testing.do_bench(fn, warmup=3, rep=10)
-    try:
-        return triton.testing.do_bench(g.replay, warmup=3, rep=20)
-    finally:
-        del g
+    return triton.testing.do_bench(g.replay, warmup=3, rep=20)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -484,11 +481,11 @@ def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
             and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
 
 
-def _packed_ok(x2, regs: bool) -> bool:
-    """Whether quant_gluon.rowcol_1x128_regs_packed may run where the register-tile kernel may (``regs``): BF16 input
+def _packed_ok(x2) -> bool:
+    """Whether quant_gluon.rowcol_1x128_regs_packed may run where the register-tile kernel may (_regs_ok): BF16 input
     whose base is 16-byte aligned (it reads the tile as int32 pairs, vectorized by 4; a 2-byte-aligned view would
     fault)."""
-    return regs and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
+    return x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -510,8 +507,8 @@ def _regs_half_layout(num_warps: int, lanes_c: int):
 
 
 def bf16_pack_candidates(candidates: list, dtype: torch.dtype) -> list:
-    """``candidates`` of a prologue quantizer (rowcol_regs_prologue) without the "PACK" ones unless ``dtype`` is
-    BF16; all of them where that would leave none (a PACK candidate forced alone: it runs without packing)."""
+    """``candidates`` of a prologue quantizer (rowcol_regs_prologue applies it) without the "PACK" ones unless
+    ``dtype`` is BF16; all of them where that would leave none (a PACK candidate forced alone: it runs unpacked)."""
     keep = [c for c in candidates if not c.get("PACK") or dtype == torch.bfloat16]
     return keep or list(candidates)
 
@@ -548,7 +545,8 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
             fn, grid, _, kw = plan.launch_args(c)
             fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
-    tuned_launch(name, tkey, candidates, launch)
+    tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates, x.dtype),
+                 launch)
     qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
     return qt
@@ -731,7 +729,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
     # (the register-tile kernels' eligibility follows from the rest of the key, except the BF16-pair form's alignment)
-    packed = _packed_ok(x2, _regs_ok(x2, bs, two_d, rowwise, columnwise))
+    packed = _packed_ok(x2)
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, packed)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
@@ -745,6 +743,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
         # follows from the plan's key, unlike the alignment-dependent two above)
         regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
+        packed = packed and regs
         cands = (list(_PACKED_CONFIGS) if packed else []) \
             + (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \

@@ -366,7 +366,7 @@ if GLUON:
 
     @gluon.jit
     def _bf16_bits(v):
-        """The BF16 bit pattern of FP32 ``v`` rounded to BF16 (RNE), in the low 16 bits of an int32 (high bits 0)."""
+        """The BF16 bit pattern of ``v`` (FP32: rounded to BF16, RNE; BF16: itself) in the low 16 bits of an int32."""
         return v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
 
     @gluon.jit
@@ -410,8 +410,7 @@ if GLUON:
     def _pack_words(x16, AW: gl.constexpr):
         """The BF16 tile x16 (128 x 128, layout A) as its pairs (128 x 64 int32 in AW, the even column low): the
         split along the first register dimension and the conversion to AW only rename registers."""
-        xi = x16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        lo, hi = gl.split(gl.reshape(xi, [128, 64, 2]))
+        lo, hi = gl.split(gl.reshape(_bf16_bits(x16), [128, 64, 2]))
         return gl.convert_layout(lo | (hi << 16), AW)
 
     @gluon.jit
