@@ -34,13 +34,16 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
         qq = T.quantize_qk_triton(q, k, dtype="int8")
-        v8, vs = T.quantize_v_fp8_triton(v)
+        v8, vs = T.quantize_v_fp8_triton(v)  # natural key order: the Triton kernel's
+        vp, _ = T.quantize_v_fp8_triton(v, key_order="wgmma32")  # the Gluon kernel's
         for causal in [c == "yes" for c in args.causal.split(",")]:
             flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
 
             def kern():
-                return T.attention_fwd_triton(qq.q, qq.k, v8, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs,
-                                              q_scale_rows=qq.q_scale_rows, causal=causal, out_dtype=torch.bfloat16)
+                gl = os.environ.get("LOWBIT_ATTN_GLUON") != "0"
+                return T.attention_fwd_triton(qq.q, qq.k, vp if gl else v8, q_scale=qq.q_scale, k_scale=qq.k_scale,
+                                              v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
+                                              out_dtype=torch.bfloat16, v_key_order="wgmma32" if gl else "natural")
 
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -165,6 +165,11 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_quant_kernels.py -rfE
     stage 150 python3 scripts/rowcol_sweep.py --shapes 8192x8192,16384x4096,8192x11264,8192x2048 2>&1 | grep -E "==|regs|packed|best|MISMATCH"
     stage 90 python3 -m lowbit bench quant ;;
+  s24a)  # session 24: the Gluon INT8·FP8 attention forward with P in registers (V in "wgmma32" key order): the attention
+          # GPU tests, then the attention bench (INT8·BF16 and INT8·FP8 rows, all six shapes)
+    stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention -rfE --tb=short
+    stage 300 python3 -m lowbit bench attention --modes int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
   s23a)  # session 23: each step's host period, GPU period and graph time, with nvidia-smi's clocks (scripts/step_clock.py)
     for r in fp8-block bf16; do
       stage 200 python3 scripts/step_clock.py --model 1.3b --recipe $r --steps ${STEPS:-30} --batch-size 4 --seq-len 2048 \

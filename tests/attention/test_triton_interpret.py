@@ -47,6 +47,46 @@ def test_prepass_bit_exact(tri, dtype, granularity, layout):
     assert torch.equal(v16, r16) and torch.equal(vs, rs)
 
 
+@pytest.mark.parametrize("S,layout", [(37, "bhsd"), (64, "bshd"), (17, "bshd")])
+def test_v_fp8_wgmma32_key_order(tri, S, layout):
+    """key_order="wgmma32": the same codes as the natural order, key s stored at wgmma32_position(s) (a bijection of
+    each 32-key chunk), the last chunk's unused positions zero; _v_natural_order undoes it bit for bit; a forward call
+    that cannot run the Gluon kernel (here: the interpreter) reads it through that fallback with the natural order's
+    output, bit for bit."""
+    pos = tri.wgmma32_position(torch.arange(64))
+    assert sorted(pos.tolist()) == list(range(64)) and pos[8].item() == 2 and pos[6].item() == 12
+    v = rand(2, 2, S, 32, seed=9)
+    if layout == "bshd":
+        v = v.transpose(1, 2).contiguous()
+    n8, ns = tri.quantize_v_fp8_triton(v, layout=layout)
+    p8, ps = tri.quantize_v_fp8_triton(v, layout=layout, key_order="wgmma32")
+    assert torch.equal(ns, ps)
+    st = lambda t: t.permute(0, 1, 3, 2) if layout == "bhsd" else t.permute(0, 2, 3, 1)  # noqa: E731  (B,H,D,S)
+    s32 = -(-S // 32) * 32
+    full = st(p8).as_strided(st(p8).shape[:3] + (s32,), st(p8).stride()).view(torch.uint8)
+    idx = tri.wgmma32_position(torch.arange(S))
+    assert torch.equal(full[..., idx], st(n8).view(torch.uint8))
+    unused = sorted(set(range(s32)) - set(idx.tolist()))
+    assert not full[..., unused].any()
+    assert torch.equal(tri._v_natural_order(p8, layout).view(torch.uint8), n8.view(torch.uint8))
+    q, k = rand(2, 4, 21, 32, seed=10), rand(2, 2, S, 32, seed=11, offset=1.0)
+    if layout == "bshd":
+        q, k = (t.transpose(1, 2).contiguous() for t in (q, k))
+    a = R.quantize_qk_reference(q, k, dtype="int8", block_q=32, block_k=16, layout=layout)
+    kw = dict(q_scale=a.q_scale, k_scale=a.k_scale, q_scale_rows=a.q_scale_rows, k_scale_rows=16, layout=layout,
+              causal=True, config=CFG)
+    on = tri.attention_fwd_triton(a.q, a.k, n8, v_scale=ns, **kw)
+    op = tri.attention_fwd_triton(a.q, a.k, p8, v_scale=ps, v_key_order="wgmma32", **kw)
+    assert torch.equal(on, op)
+    with pytest.raises(ValueError, match="key_order"):
+        tri.quantize_v_fp8_triton(v, layout=layout, key_order="mma")
+    with pytest.raises(ValueError, match="dense"):
+        tri.quantize_v_fp8_triton(v.reshape(-1, *v.shape[2:]) if layout == "bshd" else v[0].transpose(0, 1),
+                                  cu_seqlens_k=torch.tensor([0, S], dtype=torch.int32), key_order="wgmma32")
+    with pytest.raises(ValueError, match="FP8 V"):
+        tri.attention_fwd_triton(a.q, a.k, v, v_scale=ns, v_key_order="wgmma32", **kw)
+
+
 def test_prepass_non_power_of_two_blocks(tri):
     """block_k / block_q / warp_q need not be powers of two (the kernel pads its row range and masks)."""
     q, k = rand(1, 2, 50, 32, seed=7), rand(1, 2, 41, 32, seed=8, offset=2.0)

@@ -8,21 +8,26 @@ softmax never hides the other's MMAs. Here:
 * one **loader warp** keeps ``STAGES`` key tiles in flight through TMA (K: BN x D int8 rows; V: FP8, stored
   sequence-contiguous, as two D x 64 halves so each half is one K-major wgmma B operand) and a stage goes back to it
   through an mbarrier as soon as both math warpgroups are done with it — no CTA-wide barrier anywhere;
-* two **math warpgroups**, 64 query rows each of a 128-row tile, issue their wgmmas back to back (async) and drift
-  out of step, so one's softmax runs while the other's MMAs occupy the tensor cores; within a warpgroup, tile j's
-  scores and tile j - 1's P·V are issued together and tile j's softmax runs while that P·V does. P reaches the P·V
-  wgmma through a shared-memory buffer of the warpgroup (carried in registers across the loop, Triton unpacked the
-  FP8 operand byte by byte and spilled).
+* two **math warpgroups**, 64 query rows each of a 128-row tile. For key tile j a warpgroup runs the softmax of
+  its scores, then issues tile j + 1's INT8 scores and tile j's FP8 P·V back to back (async) and waits for both;
+  the two warpgroups drift out of step, so one's softmax runs while the other's MMAs occupy the tensor cores.
+  **P stays in registers**: the accumulator layout of the scores is the A-operand layout of the P·V wgmma up to a
+  permutation of keys inside each 32-key chunk (``_fa_p_operand``), so V is stored with its keys in that order
+  (``_triton.quantize_v_fp8_triton(key_order="wgmma32")``, free in the prepass) and no shuffle, shared-memory round
+  trip or warpgroup barrier stands between the softmax and the P·V. No FP8 value crosses the loop's back edge
+  (Triton unpacks a loop-carried FP8 tensor byte by byte).
 
-Measured on an H200 (2026-11-23, BENCHMARKS.md session 12): 1.00-1.09x cuDNN BF16 at head dim 128 against the Triton
-kernel's 0.91-0.98x; latency-bound (issue slots 45% busy, a third of the stalls at warpgroup barriers). At head dim
-64 the Triton kernel (two CTAs an SM) is faster, so that stays its default.
+Measured on an H200 (2026-11-24, BENCHMARKS.md session 24): 1.19-1.33x cuDNN BF16 at head dim 128 (P through shared
+memory, session 12: 1.00-1.09x). Latency-bound: a mask-free tile costs 524 instructions a thread (I2F, the exp2's
+FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
+Triton kernel (two CTAs an SM) is faster, so that stays its default.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
 inside the exp2's FMA; the running row max / sum update; P·448 rounded to E4M3 (saturating RNE); P·V of the tile's
 128 keys accumulated by the FP8 wgmma from zero and promoted into the FP32 accumulator once per tile
-(``acc·alpha + tile``); the output divided by the row sum and multiplied by V's per-channel scale.
+(``acc·alpha + tile``); the output divided by the row sum and multiplied by V's per-channel scale. The row
+sums are kept per (row, lane) and added across lanes at the end: the same terms as the reference, another order.
 
 Scope (``why_not`` gives the rule a call breaks; such calls run the Triton kernel): dense ``bhsd`` / ``bshd`` (no
 varlen), head dim 128 (64 with ``LOWBIT_ATTN_GLUON=force``), no window but causal (bottom-right aligned), GQA / MQA,
@@ -99,83 +104,92 @@ if GLUON_WS:
         return t0, t1
 
     @gluon.jit
-    def _fa_pv(p_s, pb, v_s, j, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, mma_o: gl.constexpr):
-        """Issue P·V of key tile j (its two 64-key halves, P from shared memory p_s[pb], p_s[pb + 1]; FP8 wgmmas
-        from zero into layout mma_o, async): the token."""
-        s = j % STAGES
-        zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
-        o = warpgroup_mma(p_s.index(pb), v_s.index(2 * s).permute((1, 0)), zo, use_acc=False, is_async=True)
-        return warpgroup_mma(p_s.index(pb + 1), v_s.index(2 * s + 1).permute((1, 0)), o, is_async=True)
+    def _fa_p_operand(p, mma_o: gl.constexpr):
+        """P (64 x 64 E4M3, the score wgmma's accumulator layout) relabelled as the A operand of the FP8 P·V wgmma in
+        registers, with no data movement (``assert_trivial``). A thread holds score columns 2c, 2c+1, 2c+8, 2c+9,
+        ... (c its lane in the quad) and the A operand wants keys 4c..4c+3, 16+4c..16+4c+3 of each 32-key chunk, so
+        within a chunk the operand's key kappa = 16h + 4c + 2a + b is score column sigma = 16h + 8a + 2c + b: V
+        arrives with its keys stored in that order (``quantize_v_fp8_triton(key_order="wgmma32")``)."""
+        R: gl.constexpr = p.shape[0]
+        p = gl.reshape(p, [R, 2, 2, 2, 4, 2])  # (row, chunk, h, a, c, b): column sigma
+        p = gl.permute(p, [0, 1, 2, 4, 3, 5])  # (row, chunk, h, c, a, b): key kappa
+        p = gl.reshape(p, [R, 64])
+        return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4), assert_trivial=True)
 
     @gluon.jit
     def _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
                     K_SCALE_ROWS: gl.constexpr, MASK: gl.constexpr, mma_s: gl.constexpr):
         """The online-softmax update of key tile j from its INT32 score halves (layout mma_s): (P·448 halves as
-        E4M3, alpha = the factor on the accumulator, l, m)."""
+        E4M3, alpha = the factor on the accumulator, l, m). l_i is kept per (row, lane of the quad), shape (64, 4):
+        each thread sums its own columns and the four lanes of a row are added once, in the epilogue."""
         HALF: gl.constexpr = BN // 2
+        R: gl.constexpr = BM // 2
         n0 = j * BN
         # one K scale per 64-key half (K_SCALE_ROWS is a multiple of 64); a half past Sk reads as 1
         c0 = q_sc * gl.load(ks_base + n0 // K_SCALE_ROWS)
         c1 = q_sc * gl.load(ks_base + (n0 + HALF) // K_SCALE_ROWS, mask=n0 + HALF < Sk, other=1.0)
-        s0 = s0.to(gl.float32)
-        s1 = s1.to(gl.float32)
+        # c > 0: the row max of s·c is c·max(s) (rounding is monotone), and p = exp2(s·c - m) is one FMA
         if MASK:
+            s0 = s0.to(gl.float32)
+            s1 = s1.to(gl.float32)
             cols = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_s))
             lim = offs_m[:, None] + diag + win_right  # key j is visible from row i when j - (i + diag) <= win_right
             s0 = gl.where((cols[None, :] < Sk) & (cols[None, :] <= lim), s0, float("-inf"))
             s1 = gl.where((cols[None, :] + HALF < Sk) & (cols[None, :] + HALF <= lim), s1, float("-inf"))
-        # c > 0: the row max of s·c is c·max(s) (rounding is monotone), and p = exp2(s·c - m) is one FMA
-        m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1) * c0, gl.max(s1, 1) * c1))
-        if MASK:  # a row may still see nothing: keep exp2 away from (-inf) - (-inf)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1) * c0, gl.max(s1, 1) * c1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see nothing: no (-inf) - (-inf)
         else:
+            # mask-free: the maxima over the INT32 scores (exact in FP32, |s| < 2^24; 3-input VIMNMX3), a thread's
+            # own columns of both halves first (column = 8·i + 2·lane + b: axes 1 and 3 are its registers), then one
+            # cross-lane reduction of max(max(s0)·c0, max(s1)·c1) for the two halves together
+            pm0 = gl.max(gl.max(gl.reshape(s0, [R, 8, 4, 2]), 3), 1)
+            pm1 = gl.max(gl.max(gl.reshape(s1, [R, 8, 4, 2]), 3), 1)
+            pl: gl.constexpr = gl.SliceLayout(1, pm0.type.layout)
+            pm = gl.maximum(pm0.to(gl.float32) * gl.convert_layout(c0, pl)[:, None],
+                            pm1.to(gl.float32) * gl.convert_layout(c1, pl)[:, None])
+            m_new = gl.maximum(m_i, gl.convert_layout(gl.max(pm, 1), m_i.type.layout))
             m_use = m_new
+            s0 = s0.to(gl.float32)
+            s1 = s1.to(gl.float32)
         mb = m_use - LOG2_448
         p0 = gl.exp2(s0 * c0[:, None] - mb[:, None])
         p1 = gl.exp2(s1 * c1[:, None] - mb[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
+        part = gl.sum(gl.sum(gl.reshape(p0, [R, 8, 4, 2]), 3), 1) + gl.sum(gl.sum(gl.reshape(p1, [R, 8, 4, 2]), 3), 1)
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
         p0 = p0.to(gl.float8e4nv, fp_downcast_rounding="rtne")
         p1 = p1.to(gl.float8e4nv, fp_downcast_rounding="rtne")
         return p0, p1, alpha, l_i, m_new
 
     @gluon.jit
-    def _fa_fold(acc, o, alpha, empty, j, STAGES: gl.constexpr, mma_o: gl.constexpr):
-        """Tile j's P·V is done: its stage goes back to the loader, and acc = acc·alpha + o (the FP32 promotion)."""
-        mbarrier.arrive(empty.index(j % STAGES), count=1)
-        a = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-        return acc * a[:, None] + o
-
-    @gluon.jit
-    def _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty, ks_base, offs_m, j, Sk, diag,
-                 win_right, K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 MASK: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
-        """Key tile j's scores and tile j - 1's P·V (its P in the warpgroup's shared buffer, alpha from its softmax)
-        go to the tensor cores together; tile j's softmax runs while the P·V does; then tile j - 1 is folded into acc
-        and tile j's P takes the buffer. Nothing is left in flight at the end (a wgmma in flight across the loop's back
-        edge can make ptxas serialize every wgmma; an FP8 P carried in registers across it was unpacked byte by byte
-        and spilled)."""
-        t0, t1 = _fa_qk(q, k_s, ready, j, STAGES, mma_s)
-        o = _fa_pv(p_s, pb, v_s, j - 1, STAGES, HEAD_DIM, mma_o)
-        s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
-        p0, p1, alpha_n, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
-                                                K_SCALE_ROWS, MASK, mma_s)
+    def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, Sk, diag, win_right,
+                 K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+        """Key tile j from its scores (s0, s1): its softmax; then tile j + 1's scores (unless LAST) and tile j's
+        P·V (its two 64-key halves, P in registers, FP8 wgmmas from zero) go to the tensor cores together; tile j is
+        folded into acc (acc·alpha + o: the FP32 promotion) and its stage goes back to the loader. Both wgmma groups
+        are waited for before the loop's back edge: an FP8 value carried across it is unpacked byte by byte
+        (hundreds of PRMT, spills), and a wgmma in flight across it can make ptxas serialize every wgmma. The other
+        warpgroup's softmax fills the tensor cores meanwhile. Returns tile j + 1's scores."""
+        p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
+                                              K_SCALE_ROWS, MASK, mma_s)
+        a0 = _fa_p_operand(p0, mma_o)
+        a1 = _fa_p_operand(p1, mma_o)
+        st = j % STAGES
+        zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
+        if not LAST:
+            t0, t1 = _fa_qk(q, k_s, ready, j + 1, STAGES, mma_s)
+        o = warpgroup_mma(a0, v_s.index(2 * st).permute((1, 0)), zo, use_acc=False, is_async=True)
+        o = warpgroup_mma(a1, v_s.index(2 * st + 1).permute((1, 0)), o, is_async=True)
+        if not LAST:
+            s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        acc = _fa_fold(acc, o, alpha, empty, j - 1, STAGES, mma_o)
-        _fa_put_p(p0, p1, p_s, pb)
-        return acc, l_i, m_i, alpha_n
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None] + o
+        return acc, l_i, m_i, s0, s1
 
     @gluon.jit
-    def _fa_put_p(p0, p1, p_s, pb):
-        """Tile j's P halves into the warpgroup's buffer p_s[pb], p_s[pb + 1] (free: the last P·V that read it has
-        been waited for), visible to the next wgmma (async proxy) once every thread of the warpgroup has written."""
-        p_s.index(pb).store(p0)
-        p_s.index(pb + 1).store(p1)
-        fence_async_shared()
-        _wg_barrier()
-
-    @gluon.jit
-    def _fa_math(q_s, k_s, v_s, p_s, qbar, ready, empty,
+    def _fa_math(q_s, k_s, v_s, qbar, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
@@ -203,29 +217,27 @@ if GLUON_WS:
         diag = Sk - Sq
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([ROWS], gl.float32, row_l)
+        l_i = gl.sum(gl.sum(gl.reshape(gl.zeros((ROWS, BN // 2), gl.float32, mma_s), [ROWS, 8, 4, 2]), 3), 1)
         acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, mma_o)
         mbarrier.wait(qbar, 0)
         q = q_s.slice(R0, ROWS, dim=0)
-        pb = 2 * PART  # this warpgroup's P buffer (two 64x64 halves)
         if n_all > 0:
-            # tile 0: scores and softmax only (masked: harmless where it is not needed, and it runs once)
-            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s)
+            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s)  # tile 0's scores
             s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
-            p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, 0, Sk, diag, win_right,
-                                                  K_SCALE_ROWS, True, mma_s)
-            _fa_put_p(p0, p1, p_s, pb)
-            for j in range(1, n_full):
-                acc, l_i, m_i, alpha = _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty,
-                                                ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
-                                                HEAD_DIM, STAGES, False, mma_s, mma_o)
-            for j in range(gl.maximum(n_full, 1), n_all):
-                acc, l_i, m_i, alpha = _fa_step(acc, l_i, m_i, alpha, q, q_sc, k_s, v_s, p_s, pb, ready, empty,
-                                                ks_base, offs_m, j, Sk, diag, win_right, K_SCALE_ROWS,
-                                                HEAD_DIM, STAGES, True, mma_s, mma_o)
-            o = _fa_pv(p_s, pb, v_s, n_all - 1, STAGES, HEAD_DIM, mma_o)  # the last tile's P·V
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            acc = _fa_fold(acc, o, alpha, empty, n_all - 1, STAGES, mma_o)
+            n_a = gl.minimum(n_full, n_all - 1)
+            for j in range(0, n_a):
+                acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
+                                                 offs_m, j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES,
+                                                 False, False, mma_s, mma_o)
+            for j in range(n_a, n_all - 1):
+                acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
+                                                 offs_m, j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES,
+                                                 True, False, mma_s, mma_o)
+            # the last tile (masked: harmless where it is not needed, and it runs once)
+            acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m,
+                                             n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES, True,
+                                             True, mma_s, mma_o)
+        l_i = gl.convert_layout(gl.sum(l_i, 1), row_l)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
         lo = gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))
@@ -278,14 +290,13 @@ if GLUON_WS:
                                         layout=q_layout)
         kd = tma.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[BN, HEAD_DIM],
                                         layout=k_layout)
-        vd = tma.make_tensor_descriptor(v_base, shape=[HEAD_DIM, Sk], strides=[svd, 1],
+        # V's keys are stored permuted within 32-key chunks (key_order "wgmma32"), the last chunk zero-padded: the
+        # descriptor covers whole chunks (a key < Sk may be stored at a position >= Sk)
+        vd = tma.make_tensor_descriptor(v_base, shape=[HEAD_DIM, (Sk + 31) // 32 * 32], strides=[svd, 1],
                                         block_shape=[HEAD_DIM, BN // 2], layout=v_layout)
         q_s = gl.allocate_shared_memory(gl.int8, [BM, HEAD_DIM], q_layout)
         k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BN, HEAD_DIM], k_layout)
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HEAD_DIM, BN // 2], v_layout)
-        # P reaches the P·V wgmma through shared memory: per math warpgroup one buffer of two 64x64 halves
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM // 2, BN // 2], gl.float8e4nv)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [4, BM // 2, BN // 2], p_layout)
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -296,14 +307,14 @@ if GLUON_WS:
         # Each partition gets its own argument tuple, written out in the call (a tuple bound to a name first turns
         # its constexprs into tensors); the two math warpgroups run _fa_math, their index PART a gl.constexpr (a
         # plain literal would arrive as a tensor).
-        gl.warp_specialize([(_fa_math, (q_s, k_s, v_s, p_s, qbar, ready, empty,
+        gl.warp_specialize([(_fa_math, (q_s, k_s, v_s, qbar, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
                                         STAGES, gl.constexpr(0))),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
                                           REVERSE_M, STAGES)),
-                            (_fa_math, (q_s, k_s, v_s, p_s, qbar, ready, empty,
+                            (_fa_math, (q_s, k_s, v_s, qbar, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
@@ -317,9 +328,10 @@ if GLUON_WS:
 # runs it there too (tests).
 DEFAULT_DIMS = (128,)
 STAGES = {64: 4, 128: 3}  # key tiles in flight: 16 + 3 x 32 KB of shared memory at D = 128, 8 + 4 x 16 at 64
-# Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left) and the loader
-# warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM.
-_LAUNCH = dict(LOAD_REGS=24, MATH_REGS=232, num_warps=4, maxnreg=168)
+# Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
+# and the loader warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM. At
+# 232 / 248 the masked loop of one warpgroup spilled (Triton 3.6); at 240 / 240 nothing does.
+_LAUNCH = dict(LOAD_REGS=24, MATH_REGS=240, num_warps=4, maxnreg=168)
 
 
 def mode() -> str:
@@ -331,11 +343,11 @@ def mode() -> str:
     return m
 
 
-def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool, left: int, right: int, big: int,
-            k_scale_rows: int, qv, kv, vv, ov, device) -> str | None:
-    """None when this kernel can run the call, else the reason (the Triton kernel runs it). The call's own rules
-    first, then the machine's."""
-    if qk_mode != 1 or not pv_fp8 or not v_scaled:
+def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: int, k_scale_rows: int, qv, kv,
+               device) -> str | None:
+    """The rules of :func:`why_not` that do not depend on V or the output (``_triton.fp8_v_key_order`` asks them
+    before V is quantized): None when they pass, else the reason."""
+    if qk_mode != 1:
         return "only INT8 Q·Kᵀ with FP8 P·V"
     if varlen:
         return "varlen"
@@ -348,12 +360,26 @@ def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool
         return f"head dim {D}: the Triton kernel is faster there (H200, 2026-11-23)"
     if k_scale_rows % 64:
         return f"K scale blocks of {k_scale_rows} keys (a multiple of 64)"
-    for name, t, st, inner in (("q", q, qv, 3), ("k", k, kv, 3), ("v", v, vv, 2)):
-        if st[inner] != 1 or t.data_ptr() % 16 or any((x * t.element_size()) % 16 for i, x in enumerate(st) if i != inner):
+    for name, t, st in (("q", q, qv), ("k", k, kv)):
+        if st[3] != 1 or t.data_ptr() % 16 or any((x * t.element_size()) % 16 for x in st[:3]):
             return f"{name}'s strides / alignment (TMA)"
+    return machine_why_not(device)
+
+
+def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool, left: int, right: int, big: int,
+            k_scale_rows: int, qv, kv, vv, ov, device, v_key_order: str = "natural") -> str | None:
+    """None when this kernel can run the call, else the reason (the Triton kernel runs it). The call's own rules
+    first, then the machine's. V must come with its keys in the "wgmma32" order (``_triton.quantize_v_fp8_triton``)."""
+    if qk_mode != 1 or not pv_fp8 or not v_scaled:
+        return "only INT8 Q·Kᵀ with FP8 P·V"
+    if v_key_order != "wgmma32":
+        return "V's keys in natural order (the kernel reads key_order='wgmma32')"
+    if vv[2] != 1 or v.data_ptr() % 16 or any((x * v.element_size()) % 16 for i, x in enumerate(vv) if i != 2):
+        return "v's strides / alignment (TMA)"
     if ov[3] != 1:
         return "output not channel-contiguous"
-    return machine_why_not(device)
+    return why_not_qk(q, k, qk_mode=qk_mode, varlen=varlen, left=left, right=right, big=big,
+                      k_scale_rows=k_scale_rows, qv=qv, kv=kv, device=device)
 
 
 def machine_why_not(device) -> str | None:

@@ -200,9 +200,10 @@ def _v_scale_kernel(P, S, R, n_chunks, D: tl.constexpr, BLOCK_D: tl.constexpr, C
 @triton.jit
 def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seqlen,
                     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr,
-                    FP16: tl.constexpr, INTERPRET: tl.constexpr):
+                    FP16: tl.constexpr, INTERPRET: tl.constexpr, KEY_PERM: tl.constexpr = False):
     """y = code(v · R[bh, channel]): E4M3 (saturating RNE) or, FP16, v·2^e rounded to nearest even (exact unless
-    it lands among FP16's subnormals)."""
+    it lands among FP16's subnormals). KEY_PERM: key s is stored at position ``wgmma32_position(s)`` (see
+    ``quantize_v_fp8_triton``)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -226,6 +227,8 @@ def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seq
         code = y.to(tl.float16)
     else:
         code = _to_e4m3(y, INTERPRET)
+    if KEY_PERM:  # within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
+        roff = (roff & ~31) | (roff & 0x11) | ((roff << 1) & 0xC) | ((roff >> 2) & 0x2)
     tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
 
 
@@ -550,7 +553,7 @@ def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=
     return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
 
 
-def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16):
+def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16, key_perm=False):
     """V -> out (E4M3 codes, or FP16 with ``fp16``) and the per-channel dequantization scales (B, H, D): per-chunk
     channel amax, then the scales and the quantizer's multipliers, then the codes (three launches)."""
     varlen = cu_seqlens_k is not None
@@ -570,27 +573,85 @@ def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16):
     _v_scale_kernel[(B * H,)](part, v_scale, inv, nch, D=D, BLOCK_D=bd, CH=8, FP16=fp16, num_warps=4)
     _v_quant_kernel[(nch, B * H)](v, out, inv, cu, *_views(v, layout, varlen), *_views(out, layout, varlen), H, S,
                                   CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, FP16=fp16, INTERPRET=INTERPRETED,
-                                  num_warps=4)
+                                  KEY_PERM=key_perm, num_warps=4)
     return out, v_scale
 
 
-def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None):
+KEY_ORDERS = ("natural", "wgmma32")
+
+
+def wgmma32_position(s: torch.Tensor) -> torch.Tensor:
+    """Where key ``s`` is stored in a "wgmma32" FP8 V (integer tensor in, same shape out): within each 32-key chunk
+    key sigma = 16h + 8a + 2c + b (h, a, b bits, c two bits) goes to position kappa = 16h + 4c + 2a + b, the order in
+    which the Gluon kernel's P·V wgmma takes P's columns from the score accumulator (attention/_gluon.py,
+    ``_fa_p_operand``)."""
+    return (s & ~31) | (s & 0x11) | ((s << 1) & 0xC) | ((s >> 2) & 0x2)
+
+
+def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None, key_order="natural"):
     """V -> (E4M3 codes, fp32 scale (B, Hkv, D)) = ``quantize_v_fp8_reference`` bit for bit.
 
     The codes have v's logical shape but are stored sequence-contiguous (a view of a
     (B, H, D, S_pad) / (H, D, T_pad) buffer), so the P·V tile is K-major, as Hopper FP8 MMA needs.
     Three launches: per-chunk channel amax, the scales (amax/448 and the multiplier 448/amax), the codes.
+
+    ``key_order="wgmma32"`` (dense only): the keys are stored in the Gluon kernel's order (``wgmma32_position``),
+    the buffer padded to whole 32-key chunks with zeros; the returned view's key index is then the storage position,
+    not the key (only ``attention_fwd_triton(..., v_key_order="wgmma32")`` reads it right).
     """
+    if key_order not in KEY_ORDERS:
+        raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")
     varlen = cu_seqlens_k is not None
+    if varlen and key_order != "natural":
+        raise ValueError(f"key_order={key_order!r} needs dense V (varlen V is stored in natural key order)")
     B, H, S, D = _dims(v, layout, varlen)
     if varlen:
         T = v.shape[0]
         buf = torch.empty(H, D, -(-T // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
         v8 = buf[:, :, :T].permute(2, 0, 1)
     else:
-        buf = torch.empty(B, H, D, -(-S // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
+        pad = 32 if key_order == "wgmma32" else 16
+        buf = torch.empty(B, H, D, -(-S // pad) * pad, device=v.device, dtype=torch.float8_e4m3fn)
+        if key_order == "wgmma32" and S % 32:
+            buf[..., S // 32 * 32:].zero_()  # the last chunk's unused positions: P is 0 there, and 0 · 0 = 0
         v8 = buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
-    return _quantize_v(v, v8, layout, cu_seqlens_k, max_seqlen_k, fp16=False)
+    return _quantize_v(v, v8, layout, cu_seqlens_k, max_seqlen_k, fp16=False, key_perm=key_order == "wgmma32")
+
+
+def _v_natural_order(v8, layout):
+    """A "wgmma32" FP8 V (``quantize_v_fp8_triton``) -> the same codes in natural key order (a fresh buffer)."""
+    S = v8.shape[2] if layout == "bhsd" else v8.shape[1]
+    st = v8.permute(0, 1, 3, 2) if layout == "bhsd" else v8.permute(0, 2, 3, 1)  # (B, H, D, S) storage view
+    s32 = -(-S // 32) * 32
+    full = st.as_strided(st.shape[:3] + (s32,), st.stride())  # the whole padded chunks (inside the buffer)
+    pos = wgmma32_position(torch.arange(S, device=v8.device))
+    buf = torch.empty(st.shape[:3] + (-(-S // 16) * 16,), device=v8.device, dtype=v8.dtype)
+    buf[..., :S] = full.index_select(3, pos)
+    return buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
+
+
+def fp8_v_key_order(q, k, *, layout="bhsd", varlen=False, causal=False, window=None, k_scale_rows=64) -> str:
+    """The key order ``attention_fwd_triton`` wants an FP8 V in for an INT8·FP8 call on these quantized q, k:
+    "wgmma32" where the Gluon kernel takes the call (V quantized that way by the prepass, no extra pass), else
+    "natural"."""
+    if varlen or INTERPRETED or q.dtype != torch.int8:
+        return "natural"
+    from . import _gluon
+    if _gluon.mode() == "0":
+        return "natural"
+    left, right = _window_bounds(causal, window)
+    reason = _gluon.why_not_qk(q, k, qk_mode=1, varlen=varlen, left=left, right=right, big=BIG,
+                               k_scale_rows=k_scale_rows, qv=_views(q, layout, False), kv=_views(k, layout, False),
+                               device=q.device)
+    return "wgmma32" if reason is None else "natural"
+
+
+def _window_bounds(causal, window):
+    """(left, right) of a call: -1 in ``window`` is unbounded (BIG), causal caps right at 0."""
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return (BIG if left < 0 else left), (BIG if right < 0 else right)
 
 
 def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=None):
@@ -605,14 +666,20 @@ def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
                          q_scale_rows=128, k_scale_rows=64, softmax_scale=None, causal=False, window=None,
                          layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                         max_seqlen_k=None, return_lse=False, out_dtype=None, config=None):
+                         max_seqlen_k=None, return_lse=False, out_dtype=None, config=None, v_key_order="natural"):
     """Launch the forward kernel on already-prepared operands (no validation here: see api.py).
 
     q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
     + v_scale (BF16 V carried in FP16 by ``quantize_v_fp16_triton``; the output is multiplied by v_scale).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
-    autotuned unless LOWBIT_ATTN_AUTOTUNE=0.
+    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored (``quantize_v_fp8_triton``'s
+    ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that the Gluon kernel cannot take
+    is put back in natural order first (one extra pass over V).
     """
+    if v_key_order not in KEY_ORDERS:
+        raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")
+    if v_key_order != "natural" and v.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
     varlen = cu_seqlens_q is not None
     B, Hq, Sq, D = _dims(q, layout, varlen)
     _, Hkv, Sk, _ = _dims(k, layout, varlen)
@@ -632,11 +699,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
         lse = torch.empty(B, Hq, Sq, device=q.device, dtype=torch.float32) if return_lse else o
         sl = lse.stride() if return_lse else (0, 0, 0)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    left = BIG if left < 0 else left
-    right = BIG if right < 0 else right
+    left, right = _window_bounds(causal, window)
     dummy = o
     qs = q_scale if q_scale is not None else dummy
     ks = k_scale if k_scale is not None else dummy
@@ -649,7 +712,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
         if gmode != "0":
             reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
                                     varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
-                                    qv=qv, kv=kv, vv=vv, ov=ov, device=q.device)
+                                    qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order)
             if reason is None:
                 _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=qv, kv=kv, vv=vv, ov=ov, sl=sl,
                               B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,
@@ -658,6 +721,9 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 return (o, lse) if return_lse else o
             if gmode == "force":
                 raise RuntimeError(f"LOWBIT_ATTN_GLUON=force, but the Gluon kernel cannot run this call: {reason}")
+    if v_key_order != "natural":  # the Triton kernel reads V in natural key order
+        v = _v_natural_order(v, layout)
+        vv = _views(v, layout, varlen)
     args = [q, k, v, o, lse, qs, ks, vs, km if km is not None else dummy,
             cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
             *qv, *kv, *vv, *ov,

@@ -255,15 +255,18 @@ def _kernel_layout(layout, cu_seqlens_k) -> str:
     return "bhsd" if lay == "thd" else lay
 
 
-def _quantize_v(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_k, backend):
+def _quantize_v(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_k, backend, key_order: str = "natural"):
     """(V for the P·V MMA, per-channel scales) for a resolved ``pv`` (``kind``): "fp8" or "fp16" convert V (Triton
-    prepass or reference), "native" keeps it. ``lay``: "bhsd" / "bshd" ("bhsd" for packed varlen)."""
+    prepass or reference), "native" keeps it. ``lay``: "bhsd" / "bshd" ("bhsd" for packed varlen). ``key_order``:
+    the Triton prepass's FP8 key order (``_triton.fp8_v_key_order``)."""
     if kind == "native":
         return v, None
     if (backend or ("triton" if v.is_cuda else "reference")) == "triton":
         from . import _triton
-        fn = _triton.quantize_v_fp8_triton if kind == "fp8" else _triton.quantize_v_fp16_triton
-        return fn(v, layout=lay, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        if kind == "fp8":
+            return _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                                 key_order=key_order)
+        return _triton.quantize_v_fp16_triton(v, layout=lay, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     fn = _ref.quantize_v_fp8_reference if kind == "fp8" else _ref.quantize_v_fp16_reference
     return fn(v, layout=lay, cu_seqlens_k=cu_seqlens_k)
 
@@ -365,12 +368,14 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
     else:
         qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
-    va, vs = _quantize_v(pv, v, lay, cu_k, mk, "triton")
+    order = (_triton.fp8_v_key_order(qa, ka, layout=lay, varlen=cu_q is not None, causal=causal, window=window,
+                                     k_scale_rows=block_k) if pv == "fp8" else "natural")
+    va, vs = _quantize_v(pv, v, lay, cu_k, mk, "triton", key_order=order)
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
                                        k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal, window=window,
-                                       return_lse=return_lse, out_dtype=out_dtype, **kw)
+                                       return_lse=return_lse, out_dtype=out_dtype, v_key_order=order, **kw)
     if not return_lse:
         return res, None
     out, lse = res
@@ -613,9 +618,13 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         from . import _triton
         _check_triton(D, q_int8.device)
         kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
-        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, mk, "triton")
+        order = (_triton.fp8_v_key_order(q_int8, k_int8, layout=lay2, varlen=cu_seqlens_q is not None,
+                                         causal=causal, window=window, k_scale_rows=block_k)
+                 if pv == "fp8" else "natural")
+        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, mk, "triton", key_order=order)
         res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
                                            k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
-                                           window=window, return_lse=return_lse, out_dtype=v.dtype, **kw)
+                                           window=window, return_lse=return_lse, out_dtype=v.dtype,
+                                           v_key_order=order, **kw)
         out, lse = res if return_lse else (res, None)
     return (out, lse) if return_lse else out

@@ -77,17 +77,23 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         else:
             qq = T.quantize_qk_triton(q, k, dtype=qk)
             qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
-        va, vs = _quantize_v(pvr, v, "bhsd", None, None, "triton")
-        kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q: T.attention_fwd_triton(  # noqa: E731
-            qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16)
+        # FP8 V in the key order the call's kernel reads (the Gluon kernel's "wgmma32", as attention() makes it)
+        order = T.fp8_v_key_order(qa, ka, causal=causal) if pvr == "fp8" else "natural"
+        va, vs = _quantize_v(pvr, v, "bhsd", None, None, "triton", key_order=order)
+        kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q, o=order: T.attention_fwd_triton(  # noqa: E731
+            qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
+            v_key_order=o)
         if pointer_tiles:
             with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
                 run(tag + "_kernel", kern, "kernel")
         with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")
             if (qk, pv) == ("int8", "fp8"):  # the default above is the Gluon kernel on sm_90; the Triton one too
+                va_n, vs_n = _quantize_v(pvr, v, "bhsd", None, None, "triton")  # natural key order
                 with env("LOWBIT_ATTN_GLUON", "0"):
-                    run(tag + "_kernel_triton", kern, "kernel")
+                    run(tag + "_kernel_triton", lambda: T.attention_fwd_triton(
+                        qa, ka, va_n, q_scale=qs, k_scale=ks, v_scale=vs_n, q_scale_rows=rows_q, causal=causal,
+                        out_dtype=torch.bfloat16), "kernel")
                     run(tag + "_e2e_triton", lambda: attention(q, k, v, causal=causal, qk="int8", pv="fp8",
                                                                backend="triton"), "end-to-end")
         if qk != "bf16":
