@@ -344,9 +344,9 @@ def mode() -> str:
 
 
 def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: int, k_scale_rows: int, qv, kv,
-               device) -> str | None:
+               device, call_only: bool = False) -> str | None:
     """The rules of :func:`why_not` that do not depend on V or the output (``_triton.fp8_v_key_order`` asks them
-    before V is quantized): None when they pass, else the reason."""
+    before V is quantized), then the machine's (not with ``call_only``): None when they pass, else the reason."""
     if qk_mode != 1:
         return "only INT8 Q·Kᵀ with FP8 P·V"
     if varlen:
@@ -363,7 +363,7 @@ def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: 
     for name, t, st in (("q", q, qv), ("k", k, kv)):
         if st[3] != 1 or t.data_ptr() % 16 or any((x * t.element_size()) % 16 for x in st[:3]):
             return f"{name}'s strides / alignment (TMA)"
-    return machine_why_not(device)
+    return None if call_only else machine_why_not(device)
 
 
 def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool, left: int, right: int, big: int,
@@ -372,14 +372,17 @@ def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool
     first, then the machine's. V must come with its keys in the "wgmma32" order (``_triton.quantize_v_fp8_triton``)."""
     if qk_mode != 1 or not pv_fp8 or not v_scaled:
         return "only INT8 Q·Kᵀ with FP8 P·V"
+    reason = why_not_qk(q, k, qk_mode=qk_mode, varlen=varlen, left=left, right=right, big=big,
+                        k_scale_rows=k_scale_rows, qv=qv, kv=kv, device=device, call_only=True)
+    if reason is not None:
+        return reason
     if v_key_order != "wgmma32":
         return "V's keys in natural order (the kernel reads key_order='wgmma32')"
     if vv[2] != 1 or v.data_ptr() % 16 or any((x * v.element_size()) % 16 for i, x in enumerate(vv) if i != 2):
         return "v's strides / alignment (TMA)"
     if ov[3] != 1:
         return "output not channel-contiguous"
-    return why_not_qk(q, k, qk_mode=qk_mode, varlen=varlen, left=left, right=right, big=big,
-                      k_scale_rows=k_scale_rows, qv=qv, kv=kv, device=device)
+    return machine_why_not(device)
 
 
 def machine_why_not(device) -> str | None:
