@@ -165,6 +165,12 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_quant_kernels.py -rfE
     stage 150 python3 scripts/rowcol_sweep.py --shapes 8192x8192,16384x4096,8192x11264,8192x2048 2>&1 | grep -E "==|regs|packed|best|MISMATCH"
     stage 90 python3 -m lowbit bench quant ;;
+  s24b)  # session 24: the clipping norm's parts on the weight-gradient side stream (its GPU tests and the Gluon attention
+          # test fixed in a40ab31), the 1.3b step with LOWBIT_SIDE_GRAD_NORM 0 / 1 alternating, then the 1.3b pair
+    stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
+    STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1
+    pair 1.3b 4 ;;
   s24a)  # session 24: the Gluon INT8·FP8 attention forward with P in registers (V in "wgmma32" key order): the attention
           # GPU tests, then the attention bench (INT8·BF16 and INT8·FP8 rows, all six shapes)
     stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
