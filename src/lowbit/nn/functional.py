@@ -28,7 +28,7 @@ from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
-           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream", "SideGradNorms"]
+           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -319,10 +319,8 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
 # takes the tensor as it is, no kernel), and no gradient graph is being built. The streams join once, when the
 # backward pass ends. `lowbit train` captures its forward+backward graph this way (CUDA graphs keep the two
 # streams as parallel branches); elsewhere (hooks reading .grad during the backward, DDP's reducer) it is not safe,
-# so it is opt-in. With a `SideGradNorms` collector it also takes each such gradient's 2-norm there, right after the
-# GEMM, so that the gradient-clipping norm (lowbit train's update graph) need not read those gradients again on the
-# critical path.
-_SIDE = {"on": False, "streams": {}, "join": None, "norms": None}
+# so it is opt-in.
+_SIDE = {"on": False, "streams": {}, "join": None}
 
 
 class wgrad_on_side_stream:
@@ -331,67 +329,18 @@ class wgrad_on_side_stream:
     when the backward pass ends. The same bits as without (the same kernels, only their order on the GPU changes).
 
     Use it only where nothing reads a weight's gradient before the backward has returned (no DDP reducer, no
-    gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks).
+    gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks)."""
 
-    ``grad_norms``: a :class:`SideGradNorms` that records the 2-norm of each weight gradient computed on the side
-    stream (taken there, right after its GEMM), or None."""
-
-    def __init__(self, enabled: bool = True, grad_norms: SideGradNorms | None = None):
-        if grad_norms is not None and not isinstance(grad_norms, SideGradNorms):
-            raise TypeError(f"grad_norms: expected a SideGradNorms or None, got {type(grad_norms).__name__}")
+    def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
-        self.grad_norms = grad_norms
 
     def __enter__(self):
-        self.prev = _SIDE["on"], _SIDE["norms"]
-        _SIDE["on"], _SIDE["norms"] = self.enabled, self.grad_norms
+        self.prev, _SIDE["on"] = _SIDE["on"], self.enabled
         return self
 
     def __exit__(self, *exc):
-        _SIDE["on"], _SIDE["norms"] = self.prev
+        _SIDE["on"] = self.prev
         return False
-
-
-class SideGradNorms:
-    """The 2-norms (0-dim float32) of the weight gradients that :class:`wgrad_on_side_stream` computes on its side
-    stream, each taken there right after its GEMM: it then overlaps the rest of the backward, and a gradient-clipping
-    norm reads only the other gradients (``lowbit train``'s update graph, which combines the two:
-    :func:`lowbit.train.loop._total_norm`). Holds the weights and these norms, never the gradients.
-
-    A recorded norm is that of the GEMM's output, the weight's final gradient only where autograd stored that tensor
-    as ``.grad`` unchanged. :meth:`final` therefore keeps a weight's norm only where its ``.grad`` is still that tensor
-    (the same storage and version counter: nothing was accumulated into it, as a second micro-batch or a second use
-    of the weight elsewhere in the model would) and where it was recorded once (a weight read by two GEMMs gets two
-    partial gradients, summed by autograd afterwards)."""
-
-    def __init__(self):
-        self._rec: dict = {}  # id(weight) -> (weight, norm or None where recorded twice, dw.data_ptr(), dw._version)
-
-    def record(self, weight: torch.Tensor, dw: torch.Tensor) -> None:
-        """Take ``dw``'s norm on the current stream (:func:`_wgrad` calls it on the side stream, after the GEMM)."""
-        k = id(weight)
-        if k in self._rec:
-            self._rec[k] = (weight, None, 0, 0)
-            return
-        norm = torch.linalg.vector_norm(dw, 2.0, dtype=torch.float32)
-        self._rec[k] = (weight, norm, dw.data_ptr(), dw._version)
-
-    def __len__(self) -> int:
-        """The weights recorded (those recorded twice included)."""
-        return len(self._rec)
-
-    def final(self, params) -> list:
-        """For each of ``params`` in order: its gradient's recorded norm where that is the norm of its ``.grad`` (the
-        very weight recorded, once, whose ``.grad`` is the tensor the GEMM wrote, unchanged since), else None. Call it
-        once the backward has returned (for a captured one: after the capture, before anything writes ``.grad``)."""
-        out = []
-        for p in params:
-            rec = self._rec.get(id(p))
-            g = p.grad
-            ok = (rec is not None and rec[0] is p and rec[1] is not None and g is not None
-                  and g.data_ptr() == rec[2] and g._version == rec[3])
-            out.append(rec[1] if ok else None)
-        return out
 
 
 def _side_stream(dev: torch.device) -> torch.cuda.Stream:
@@ -416,8 +365,6 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
     side.wait_stream(main)
     with torch.cuda.stream(side):
         dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
-        if _SIDE["norms"] is not None:
-            _SIDE["norms"].record(weight, dw)
     # the inputs were made on the main stream, which frees them after this backward returns: their memory must
     # not be handed out again before the side stream has read it
     for q in (qdy, qx):

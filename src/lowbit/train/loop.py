@@ -409,23 +409,6 @@ def _amax_arena(device):
     return AmaxArena(4096, device)
 
 
-def _total_norm(grads: list, norms: list, device) -> torch.Tensor:
-    """The 2-norm of all of ``grads`` (None entries skipped) as ``torch.nn.utils.get_total_norm`` computes it, the
-    2-norm of the per-tensor 2-norms, with ``norms[i]`` (a 0-dim tensor, or None) standing for ``grads[i]``'s norm
-    where given: computed already (on the weight-gradient side stream, :class:`lowbit.nn.functional.SideGradNorms`),
-    so only the other gradients are read here (one ``torch._foreach_norm``). The same value as get_total_norm up to the
-    order of its reductions. A float32 0-dim tensor on ``device`` (0 where there is no gradient)."""
-    if len(norms) != len(grads):
-        raise ValueError(f"norms: expected one entry (a norm or None) per gradient, got {len(norms)} for {len(grads)}")
-    parts = [n for g, n in zip(grads, norms) if g is not None and n is not None]
-    rest = [g for g, n in zip(grads, norms) if g is not None and n is None]
-    if rest:
-        parts += torch._foreach_norm(rest, 2.0)
-    if not parts:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in parts]), 2.0)
-
-
 class _GraphedStep:
     """The micro-batch loop of one step (forwards + backwards into ``.grad``) captured as one CUDA graph, and,
     once the optimizer has state, the update (gradient clipping + the fused AdamW step) as a second graph.
@@ -437,16 +420,13 @@ class _GraphedStep:
     ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite: the steps the eager
     loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes
     ``1 / min(1, max_norm / (norm + 1e-6))`` as the kernel's ``grad_scale`` (it divides the gradients by it)
-    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The norm of the
-    weight gradients made on the side stream is taken there, inside the first graph (see :meth:`capture`), and the
-    update combines those with the other gradients' norms (:func:`_total_norm`). The learning rate becomes a device
-    tensor the loop refills each step.
+    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
+    loop refills each step.
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
-                 quantized: bool = True, prime=None, clips: bool = True):
+                 quantized: bool = True, prime=None):
         self.run_micro = run_micro
-        self.clips = clips  # the update clips (a gradient norm is wanted: the side stream may take its parts)
         self.prime = prime  # called between the warm-up and the capture (lowbit.optim.AdamW.refresh_weight_copies)
         self.quantized = quantized  # the step quantizes (a recipe is active): its graph gets an amax arena
         self.params = params
@@ -456,10 +436,6 @@ class _GraphedStep:
         self.graph = None
         self.update = None  # the update graph
         self.arena = None  # the AmaxArena the graph's quantize launches took their amax slots from (kept alive with it)
-        # per parameter: the 2-norm of its gradient, taken on the weight-gradient side stream inside the captured
-        # backward (memory of the graph's pool, rewritten by each replay), or None (see capture)
-        self.grad_norms: list | None = None
-        self.grad_norm = None  # (), float32: the gradient norm the update graph computes (where it clips)
         self.primed = 0  # weights whose optimizer-written FP8 copies the captured forward reads
         self.opt = None
         self.lr = None  # (), float32: the learning rate the captured update reads
@@ -491,15 +467,10 @@ class _GraphedStep:
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
         # the weight gradients as a parallel branch of the graph (nn.functional.wgrad_on_side_stream: the gradients
-        # are None at capture, no hooks run in this one-process step); LOWBIT_WGRAD_STREAM=0 off. With one micro-batch
-        # a step (a side-stream GEMM's output is then the weight's whole gradient), each of those gradients' 2-norm
-        # is taken on the side stream too, overlapping the backward, and the update graph's clipping norm reads only
-        # the other gradients (SideGradNorms, _total_norm); LOWBIT_SIDE_GRAD_NORM=0 off
-        from lowbit.nn.functional import SideGradNorms, wgrad_on_side_stream
+        # are None at capture, no hooks run in this one-process step); LOWBIT_WGRAD_STREAM=0 off
+        from lowbit.nn.functional import wgrad_on_side_stream
 
-        norms = (SideGradNorms() if self.clips and self.xs.shape[0] == 1
-                 and os.environ.get("LOWBIT_SIDE_GRAD_NORM", "1") != "0" else None)
-        side = wgrad_on_side_stream(os.environ.get("LOWBIT_WGRAD_STREAM", "1") != "0", grad_norms=norms)
+        side = wgrad_on_side_stream(os.environ.get("LOWBIT_WGRAD_STREAM", "1") != "0")
         with torch.cuda.graph(g), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
@@ -511,7 +482,6 @@ class _GraphedStep:
                 with amax_arena(arena):
                     self.run_micro(self.xs, self.ys, self.loss_sum)
         self.graph, self.arena = g, arena
-        self.grad_norms = norms.final(self.params) if norms is not None and len(norms) else None
 
     @staticmethod
     def update_capturable(opt) -> bool:
@@ -538,12 +508,7 @@ class _GraphedStep:
                 bad = bad | ~torch.isfinite(mx[0])
             scale = None
             if grad_clip > 0:
-                grads = [p.grad for p in self.params]
-                if self.grad_norms is not None and any(n is not None for n in self.grad_norms):
-                    norm = _total_norm(grads, self.grad_norms, self.device)
-                else:
-                    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-                self.grad_norm = norm
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
                 bad = bad | ~torch.isfinite(norm)
                 scale = 1.0 / torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
             self.skip = bad.float()
@@ -553,10 +518,6 @@ class _GraphedStep:
             finally:
                 del opt.grad_scale, opt.found_inf
         self.update, self.opt = graph, opt
-
-    def side_norms(self) -> int:
-        """How many gradients' norms the captured backward takes on the side stream (the update graph reads those)."""
-        return 0 if self.grad_norms is None else sum(n is not None for n in self.grad_norms)
 
     def set_lr(self, lr: float) -> None:
         self.lr.fill_(lr)
@@ -580,7 +541,7 @@ class _GraphedStep:
         """Forget the graphs (the next step captures afresh) and the sentry's references into their memory pools."""
         import lowbit.nn as lnn
 
-        self.graph = self.arena = self.grad_norms = self.grad_norm = None
+        self.graph = self.arena = None
         if self.update is not None:
             lr = float(self.lr)
             for g in self.opt.param_groups:
@@ -730,8 +691,7 @@ def _train_one(c: TrainConfig) -> dict:
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
                                [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None,
-                               prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None,
-                               clips=c.grad_clip > 0)
+                               prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
     _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
 
     # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
@@ -798,9 +758,7 @@ def _train_one(c: TrainConfig) -> dict:
                         a = graphed.arena
                         _say(d, c, f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
                                    + (f" ({a.missed} launches found the arena full)" if a.missed else "")
-                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer" if graphed.primed else "")
-                                   + (f"; {graphed.side_norms()} weight gradients' norms taken on the side stream"
-                                      if graphed.side_norms() else ""),
+                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer" if graphed.primed else ""),
                              bar)
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
