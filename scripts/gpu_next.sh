@@ -169,7 +169,7 @@ case "${1:-verify}" in
           # test fixed in a40ab31), the 1.3b step with LOWBIT_SIDE_GRAD_NORM 0 / 1 alternating, then the 1.3b pair
     stage 200 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
-    STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1
+    STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
   s24a)  # session 24: the Gluon INT8·FP8 attention forward with P in registers (V in "wgmma32" key order): the attention
           # GPU tests, then the attention bench (INT8·BF16 and INT8·FP8 rows, all six shapes)
