@@ -618,12 +618,26 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
     return _quantize_v(v, v8, layout, cu_seqlens_k, max_seqlen_k, fp16=False, key_perm=key_order == "wgmma32")
 
 
-def _v_natural_order(v8, layout):
-    """A "wgmma32" FP8 V (``quantize_v_fp8_triton``) -> the same codes in natural key order (a fresh buffer)."""
+def _wgmma32_storage(v8, layout):
+    """The (B, H, D, whole 32-key chunks) storage view of a "wgmma32" FP8 V; ValueError where v8 is not laid out as
+    ``quantize_v_fp8_triton(key_order="wgmma32")`` makes it (sequence-contiguous, its buffer padded to whole chunks):
+    the kernels read up to the padded end."""
     S = v8.shape[2] if layout == "bhsd" else v8.shape[1]
     st = v8.permute(0, 1, 3, 2) if layout == "bhsd" else v8.permute(0, 2, 3, 1)  # (B, H, D, S) storage view
     s32 = -(-S // 32) * 32
-    full = st.as_strided(st.shape[:3] + (s32,), st.stride())  # the whole padded chunks (inside the buffer)
+    last = v8.storage_offset() + sum((n - 1) * x for n, x in zip(st.shape[:3] + (s32,), st.stride()))
+    if st.stride(3) != 1 or last >= v8.untyped_storage().nbytes():
+        raise ValueError(f"v_key_order='wgmma32' needs V as quantize_v_fp8_triton(key_order='wgmma32') stores it "
+                         f"(sequence-contiguous, padded to whole 32-key chunks); got strides {tuple(v8.stride())} "
+                         f"over a buffer of {v8.untyped_storage().nbytes()} bytes")
+    return st.as_strided(st.shape[:3] + (s32,), st.stride())
+
+
+def _v_natural_order(v8, layout):
+    """A "wgmma32" FP8 V (``quantize_v_fp8_triton``) -> the same codes in natural key order (a fresh buffer)."""
+    S = v8.shape[2] if layout == "bhsd" else v8.shape[1]
+    st = v8.permute(0, 1, 3, 2) if layout == "bhsd" else v8.permute(0, 2, 3, 1)
+    full = _wgmma32_storage(v8, layout)  # the whole padded chunks (inside the buffer)
     pos = wgmma32_position(torch.arange(S, device=v8.device))
     buf = torch.empty(st.shape[:3] + (-(-S // 16) * 16,), device=v8.device, dtype=v8.dtype)
     buf[..., :S] = full.index_select(3, pos)
@@ -678,8 +692,12 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     """
     if v_key_order not in KEY_ORDERS:
         raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")
-    if v_key_order != "natural" and v.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
+    if v_key_order != "natural":
+        if v.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
+        if cu_seqlens_q is not None:
+            raise ValueError(f"v_key_order={v_key_order!r} needs dense V (varlen V is stored in natural key order)")
+        _wgmma32_storage(v, layout)
     varlen = cu_seqlens_q is not None
     B, Hq, Sq, D = _dims(q, layout, varlen)
     _, Hkv, Sk, _ = _dims(k, layout, varlen)
