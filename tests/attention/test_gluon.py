@@ -168,9 +168,7 @@ def test_gluon_attention_compiles_for_sm90(variant):
     round trip), and the mask-free row maxima use the 3-input VIMNMX3 on the INT32 scores."""
     import inspect
     import re
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
     from sm90_compile import compile_gluon_sm90, sm90_sass
 
     if not G.GLUON_WS:

@@ -227,7 +227,7 @@ def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seq
         code = y.to(tl.float16)
     else:
         code = _to_e4m3(y, INTERPRET)
-    if KEY_PERM:  # within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
+    if KEY_PERM:  # wgmma32_position: within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
         roff = (roff & ~31) | (roff & 0x11) | ((roff << 1) & 0xC) | ((roff >> 2) & 0x2)
     tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
 
@@ -636,10 +636,9 @@ def _wgmma32_storage(v8, layout):
 def _v_natural_order(v8, layout):
     """A "wgmma32" FP8 V (``quantize_v_fp8_triton``) -> the same codes in natural key order (a fresh buffer)."""
     S = v8.shape[2] if layout == "bhsd" else v8.shape[1]
-    st = v8.permute(0, 1, 3, 2) if layout == "bhsd" else v8.permute(0, 2, 3, 1)
-    full = _wgmma32_storage(v8, layout)  # the whole padded chunks (inside the buffer)
+    full = _wgmma32_storage(v8, layout)  # (B, H, D, whole chunks), inside the buffer
     pos = wgmma32_position(torch.arange(S, device=v8.device))
-    buf = torch.empty(st.shape[:3] + (-(-S // 16) * 16,), device=v8.device, dtype=v8.dtype)
+    buf = torch.empty(full.shape[:3] + (-(-S // 16) * 16,), device=v8.device, dtype=v8.dtype)
     buf[..., :S] = full.index_select(3, pos)
     return buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
 
