@@ -384,6 +384,22 @@ def _skip_without_regs(tb, cuda):
         pytest.skip("register-tile quantizer not available on this GPU / Triton")
 
 
+def _special_values(x):
+    """NaN, +-Inf and -0 in the first tiles, and a tile of zeros (scale 1), written into x (>= 256 x 384)."""
+    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+    x[128:256, 256:384] = 0
+
+
+def _regs_cases(tb, x, i):
+    """Each register-tile scheme on x (i: the shape's index in REGS_SHAPES; the large shapes run the first scheme
+    only), both copies against the reference with a fresh plan cache: yields (scheme, mismatches, the plan taken)."""
+    for sch in REGS_SCHEMES if i < 2 else REGS_SCHEMES[:1]:
+        tb._BLOCKWISE_PLANS.clear()
+        bad = compare(x, sch, True, True)
+        plans = list(tb._BLOCKWISE_PLANS.values())
+        yield sch, bad, (plans[-1] if plans else None)
+
+
 @pytest.mark.gpu
 def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
@@ -395,21 +411,16 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     _skip_without_regs(tb, cuda)
     monkeypatch.setattr(tb, "AUTOTUNE", False)
     monkeypatch.setattr(tb, "_PACKED_CONFIGS", [])  # (BF16's first candidates: their own test below)
-    schemes, shapes = REGS_SCHEMES, REGS_SHAPES
     for cfg in tb._REGS_CONFIGS:
         monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for i, shape in enumerate(shapes):
+            for i, shape in enumerate(REGS_SHAPES):
                 x = _randn(shape, dtype, cuda, seed=160 + i)
-                if i == 1:  # special values, and a tile of zeros (scale 1)
-                    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
-                    x[128:256, 256:384] = 0
-                for sch in schemes if i < 2 else schemes[:1]:
-                    tb._BLOCKWISE_PLANS.clear()
-                    bad = compare(x, sch, True, True)
-                    plans = list(tb._BLOCKWISE_PLANS.values())
-                    assert plans and plans[-1].fn is tb.QG.rowcol_1x128_regs \
-                        and all(plans[-1].cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "LC")), \
+                if i == 1:
+                    _special_values(x)
+                for sch, bad, plan in _regs_cases(tb, x, i):
+                    assert plan and plan.fn is tb.QG.rowcol_1x128_regs \
+                        and all(plan.cfg.get(k) == v for k, v in cfg.items() if k not in ("KIND", "LC")), \
                         f"{cfg} {shape}: not the register-tile kernel"
                     assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
                     # the plan is cached under its own key (shape first), so the next call finds it, not rebuilds it
@@ -432,25 +443,20 @@ def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
 
     _skip_without_regs(tb, cuda)
     monkeypatch.setattr(tb, "AUTOTUNE", False)
-    schemes, shapes = REGS_SCHEMES, REGS_SHAPES
     for cfg in tb._PACKED_CONFIGS:
         monkeypatch.setattr(tb, "_PACKED_CONFIGS", [cfg])
-        for i, shape in enumerate(shapes):
+        for i, shape in enumerate(REGS_SHAPES):
             x = _randn(shape, torch.bfloat16, cuda, seed=180 + i)
             if i == 1:
                 bits = x.view(torch.int16)
-                x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
+                _special_values(x)
                 bits[7, 6] = 0x7FC1  # another NaN payload, an even column
                 bits[9, 11] = -1  # 0xFFFF: a negative NaN, an odd column
                 x[200, 129], x[201, 130] = 3.3895e38, -3.3895e38  # the largest finite BF16 (0x7F7F), both halves
-                bits[250, 300], bits[251, 301] = 0x0001, -32767  # subnormals +-2^-133 (0x8001)
-                x[128:256, 256:384] = 0
-            for sch in schemes if i < 2 else schemes[:1]:
-                tb._BLOCKWISE_PLANS.clear()
-                bad = compare(x, sch, True, True)
-                plans = list(tb._BLOCKWISE_PLANS.values())
-                assert plans and plans[-1].fn is tb.QG.rowcol_1x128_regs_packed \
-                    and plans[-1].cfg.get("maxnreg") == cfg.get("maxnreg"), f"{cfg} {shape}: not the packed kernel"
+                bits[250, 100], bits[251, 101] = 0x0001, -32767  # subnormals +-2^-133 (0x8001), outside the zero tile
+            for sch, bad, plan in _regs_cases(tb, x, i):
+                assert plan and plan.fn is tb.QG.rowcol_1x128_regs_packed \
+                    and plan.cfg.get("maxnreg") == cfg.get("maxnreg"), f"{cfg} {shape}: not the packed kernel"
                 assert not bad, f"{sch} {shape} {cfg}: {bad}"
     for dtype in (torch.float16, torch.float32):
         tb._BLOCKWISE_PLANS.clear()
