@@ -1,7 +1,7 @@
 """The Gluon INT8·FP8 attention forward (lowbit.attention._gluon) against the Triton kernel and SDPA cuDNN, same run.
 
-Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switch
-LOWBIT_ATTN_GLUON_STAGES) is checked against the first one's output (max abs difference).
+Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switches
+LOWBIT_ATTN_GLUON_STAGES, LOWBIT_ATTN_GLUON_PERSIST: "stages=3,persist=0") is checked against the first one's output (max abs difference).
 
     python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "stages=3;stages=4"]
 """
@@ -20,7 +20,7 @@ import triton  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4,32,4096,128;2,32,8192,128;8,16,2048,64")
-    ap.add_argument("--variants", default="stages=3;stages=4")
+    ap.add_argument("--variants", default="persist=0;persist=1")
     ap.add_argument("--causal", default="no,yes")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel on the first shape (Nsight Compute)")
     args = ap.parse_args()
@@ -65,6 +65,7 @@ def main():
             for var in args.variants.split(";"):
                 kv = dict(x.split("=") for x in var.split(","))
                 os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", "3" if D == 128 else "4")
+                os.environ["LOWBIT_ATTN_GLUON_PERSIST"] = kv.get("persist", "1")
                 try:
                     o = kern()
                     diff = 0.0 if first is None else (o.float() - first.float()).abs().max().item()

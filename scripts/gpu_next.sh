@@ -174,6 +174,12 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s25a)  # session 25: the persistent Gluon attention forward (FLAT descriptors, Q double-buffered) and the Sk == 1 fix:
+          # the attention GPU tests, the persistent / one-CTA-a-tile sweep, then the attention bench
+    stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention -rfE --tb=short
+    stage 150 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128" --variants "persist=0;persist=1"
+    stage 300 python3 -m lowbit bench attention --modes int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
   s24a)  # session 24: the Gluon INT8·FP8 attention forward with P in registers (V in "wgmma32" key order): the attention
           # GPU tests, then the attention bench (INT8·BF16 and INT8·FP8 rows, all six shapes)
     stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

