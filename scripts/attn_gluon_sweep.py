@@ -1,7 +1,6 @@
 """The Gluon INT8·FP8 attention forward (lowbit.attention._gluon) against the Triton kernel and SDPA cuDNN, same run.
 
 Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switches
-LOWBIT_ATTN_GLUON_STAGES, LOWBIT_ATTN_GLUON_PERSIST: "stages=3,persist=0") is checked against the first one's output (max abs difference).
 
     python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "stages=3;stages=4"]
 """

@@ -180,6 +180,10 @@ case "${1:-verify}" in
       tests/attention -rfE --tb=short
     stage 150 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128" --variants "persist=0;persist=1"
     stage 300 python3 -m lowbit bench attention --modes int8/bf16,int8/fp8 --rep-ms 100 --out "$OUT/attn" ;;
+  s25b)  # session 25, final code (head dim 64 on the persistent grid by default): the whole GPU suite, then the
+          # attention bench at D = 64
+    stage 420 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE
+    stage 120 python3 -m lowbit bench attention --shapes "8,16,2048,64" --modes int8/fp8 --rep-ms 100 --out "$OUT/attn64" ;;
   s24a)  # session 24: the Gluon INT8·FP8 attention forward with P in registers (V in "wgmma32" key order): the attention
           # GPU tests, then the attention bench (INT8·BF16 and INT8·FP8 rows, all six shapes)
     stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

@@ -227,6 +227,28 @@ def test_why_not_names_the_rule():
     assert why() in ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")
 
 
+def test_head_dim_64_needs_the_persistent_grid(monkeypatch):
+    """At head dim 64 the kernel runs by default only on the persistent grid (dense Q/K/V): else the Triton kernel is
+    faster (H200, 2026-11-24), and the refusal says so."""
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
+    q = torch.zeros(2, 4, 100, 64, dtype=torch.int8)
+    vbuf = torch.zeros(2, 4, 64, 128, dtype=torch.float8_e4m3fn)
+    v = vbuf[..., :100].permute(0, 1, 3, 2)
+    st = tuple(q.stride())
+    big = 1 << 30
+    base = dict(qk_mode=1, pv_fp8=True, v_scaled=True, varlen=False, left=big, right=0, big=big, k_scale_rows=64,
+                qv=st, kv=st, vv=tuple(v.stride()), ov=st, device=q.device, v_key_order="wgmma32")
+    machine = ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")
+    assert G.why_not(q, q, v, **base) in machine
+    qp = torch.zeros(2, 4, 101, 64, dtype=torch.int8)[:, :, :100]
+    assert "persistent grid" in G.why_not(qp, qp, v, **dict(base, qv=tuple(qp.stride()), kv=tuple(qp.stride())))
+    vp = torch.zeros(2, 5, 64, 128, dtype=torch.float8_e4m3fn)[:, :4, :, :100].permute(0, 1, 3, 2)  # padded heads
+    assert "persistent grid" in G.why_not(q, q, vp, **dict(base, vv=tuple(vp.stride())))
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "0")
+    assert "persistent grid" in G.why_not(q, q, v, **base)
+    assert not G.runs_by_default("cpu", 64)
+
+
 def _key_tile_loops(sass: str) -> list:
     """The SASS of every innermost loop that runs the softmax (MUFU.EX2): from a label to the branch back to it."""
     import re

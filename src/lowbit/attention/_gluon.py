@@ -67,7 +67,7 @@ if GLUON_WS:
     LOG2_448 = gl.constexpr(8.807354922057604)  # P is computed as p·448 (E4M3's range); l carries the same factor
 
     @gluon.jit
-    def _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M: gl.constexpr):
+    def _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M: gl.constexpr):
         """Work tile t (query block fastest, then batch·head): (pid_m, bh, number of mask-free key tiles, number of
         key tiles). Key tiles start at 0 (no left window); a tile is mask-free when every key is < Sk and inside
         every row's causal limit."""
@@ -94,7 +94,7 @@ if GLUON_WS:
         c = 0
         i = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            pid_m, bh, n_full, n_all = _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M)
+            pid_m, bh, n_full, n_all = _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M)
             if FLAT:
                 q_row = bh * Sq
                 k_row = (bh // H * (H // GROUP) + bh % H // GROUP) * Sk
@@ -257,7 +257,7 @@ if GLUON_WS:
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                         instr_shape=[16, HEAD_DIM, 32])  # the FP32 P·V tile
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        pid_m, bh, n_full, n_all = _fa_tile(t, n_m, H, Sq, Sk, win_right, REVERSE_M)
+        pid_m, bh, n_full, n_all = _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M)
         b = bh // H
         h = bh % H
         hk = h // GROUP
@@ -398,11 +398,13 @@ if GLUON_WS:
 
 
 # ------------------------------------------------------------------------------------------------ launcher
-# Head dims the kernel runs by default: at D = 64 it ran at 0.58-0.67 of cuDNN against the Triton kernel's 0.85-0.88
-# (H200, 2026-11-23: half the MMA work a tile for the same softmax work, one CTA an SM); LOWBIT_ATTN_GLUON=force
-# runs it there too (tests).
+# Head dims: 128 runs this kernel by default; 64 only on the persistent grid (dense Q/K/V, ``_flat``): there it ran
+# 0.97-1.07x cuDNN non-causal and 0.87-0.99x causal against the Triton kernel's 0.89-0.97x / 0.85-0.93x (H200,
+# 2026-11-24, session 25); one CTA a tile it ran 0.70-0.96x, below the Triton kernel. LOWBIT_ATTN_GLUON=force runs
+# it on any TMA-able call (tests).
 DEFAULT_DIMS = (128,)
-STAGES = {64: 4, 128: 3}  # key tiles in flight: 16 + 3 x 32 KB of shared memory at D = 128, 8 + 4 x 16 at 64
+PERSISTENT_DIMS = (64,)
+STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
 # and the loader warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM. At
 # 232 / 248 the masked loop of one warpgroup spilled (Triton 3.6); at 240 / 240 nothing does.
@@ -432,7 +434,10 @@ def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: 
     if D not in STAGES:
         return f"head dim {D} (64 or 128)"
     if D not in DEFAULT_DIMS and mode() != "force":
-        return f"head dim {D}: the Triton kernel is faster there (H200, 2026-11-23)"
+        B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]  # (only a dense bhsd call can be FLAT)
+        Hkv, Sk = k.shape[1], k.shape[2]
+        if D not in PERSISTENT_DIMS or not (persistent() and _flat_qk(qv, kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk)):
+            return f"head dim {D} off the persistent grid: the Triton kernel is faster there (H200, 2026-11-24)"
     if k_scale_rows % 64:
         return f"K scale blocks of {k_scale_rows} keys (a multiple of 64)"
     for name, t, st in (("q", q, qv), ("k", k, kv)):
@@ -457,6 +462,9 @@ def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool
         return "v's strides / alignment (TMA)"
     if ov[3] != 1:
         return "output not channel-contiguous"
+    D = q.shape[-1]
+    if D not in DEFAULT_DIMS and mode() != "force" and not _flat_v(vv, Hkv=k.shape[1], D=D):
+        return f"head dim {D} off the persistent grid (V not one dense buffer): the Triton kernel is faster there"
     return machine_why_not(device)
 
 
@@ -471,9 +479,11 @@ def machine_why_not(device) -> str | None:
 
 
 def runs_by_default(device, head_dim: int) -> bool:
-    """Whether a dense INT8·FP8 call of this head dim (TMA-able, causal or no mask) runs this kernel under the
-    current ``LOWBIT_ATTN_GLUON`` (what ``lowbit info`` reports and the tests expect)."""
-    return mode() != "0" and head_dim in DEFAULT_DIMS and machine_why_not(device) is None
+    """Whether a dense INT8·FP8 call of this head dim (contiguous ``bhsd`` Q/K, the prepass's V, causal or no mask)
+    runs this kernel under the current ``LOWBIT_ATTN_GLUON`` / ``LOWBIT_ATTN_GLUON_PERSIST`` (what ``lowbit info``
+    reports and the tests expect)."""
+    dims = DEFAULT_DIMS + (PERSISTENT_DIMS if persistent() else ())
+    return mode() != "0" and head_dim in dims and machine_why_not(device) is None
 
 
 def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov, sl, B, Hq, Hkv, Sq, Sk,
@@ -512,10 +522,20 @@ def _flat(qv, kv, vv, *, B, Hq, Hkv, Sq, Sk, D) -> bool:
     """Whether one TMA descriptor per operand can span every head (the kernel's FLAT): Q's and K's rows of all
     heads one evenly strided sequence ((b, h, s) at (b·H + h)·S + s rows), V's channels likewise, and every row
     index inside TMA's int32 coordinates."""
+    return _flat_qk(qv, kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk) and _flat_v(vv, Hkv=Hkv, D=D) and B * Hkv * D < 2**31
+
+
+def _flat_qk(qv, kv, *, B, Hq, Hkv, Sq, Sk) -> bool:
+    """Q's and K's part of ``_flat`` (strides (b, h, s, d) in elements)."""
     q_ok = qv[1] == Sq * qv[2] and qv[0] == Hq * qv[1]
     k_ok = kv[1] == Sk * kv[2] and kv[0] == Hkv * kv[1]
-    v_ok = vv[1] == D * vv[3] and vv[0] == Hkv * vv[1]
-    return q_ok and k_ok and v_ok and max(B * Hq * Sq, B * Hkv * Sk, B * Hkv * D) < 2**31
+    return q_ok and k_ok and max(B * Hq * Sq, B * Hkv * Sk) < 2**31
+
+
+def _flat_v(vv, *, Hkv, D) -> bool:
+    """V's part of ``_flat``: its (B, Hkv, D, S_pad) buffer dense (strides (b, h, s, d) of the sequence-contiguous
+    view)."""
+    return vv[1] == D * vv[3] and vv[0] == Hkv * vv[1]
 
 
 _SMS: dict = {}
