@@ -12,6 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 25 (2026-11-24) ran attn_gluon_sweep.py rounds (K-scale prefetch, I2F-free conversion, early K wait: not
+# kept; the persistent grid: kept), Nsight Compute on the kernel, s25a (attention GPU tests 208 passed + bench) and s25b
+# (the whole GPU suite on an H100: 377 passed, 4 skipped at eedf5d8; D = 64 bench).
 # Session 24 (2026-11-24) ran attn_gluon_sweep.py rounds (P-in-registers variants), s24a (attention GPU tests + bench:
 # 1 failure fixed in a40ab31), s24b (the side-stream clipping norm, reverted: neutral; the 1.3b pair 1.292x) and verify
 # (cut at its 300 s stage limit on a cold machine; then the suite alone: 373 passed, 4 skipped at ab04396).
