@@ -94,15 +94,15 @@ def cmd_info(argv=None) -> int:
             if (qk, pv) == ("int8", "fp8") and be == "triton":
                 from lowbit.attention import _gluon
                 if _gluon.runs_by_default(dev, 128):
-                    note = (" (dense, head dim 128, causal or no mask: the warp-specialized Gluon kernel; "
-                            "otherwise the Triton one)")
+                    note = (" (dense, head dim 128 (64 on the persistent grid), causal or no mask: the "
+                            "warp-specialized Gluon kernel; otherwise the Triton one)")
             print(f"  qk={qk} pv={pv} -> {be}{note}")
         except Exception as e:  # report, do not crash info
             print(f"  qk={qk} pv={pv} -> unavailable ({e})")
     print("\nkernel switches (docs/GUIDE.md section 6):")
     for name, default in (("LOWBIT_AUTOTUNE", "1"), ("LOWBIT_ATTN_AUTOTUNE", "1"), ("LOWBIT_ATTN_TMA", "1"),
                           ("LOWBIT_ATTN_BWD_TMA", "0"), ("LOWBIT_GEMM_TMA", "1"),
-                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
+                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_ATTN_GLUON_PERSIST", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
         value = os.environ.get(name)
         print(f"  {name}={value if value is not None else default}{'' if value is not None else ' (default)'}")
     return 0
