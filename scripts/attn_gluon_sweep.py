@@ -1,8 +1,10 @@
 """The Gluon INT8·FP8 attention forward (lowbit.attention._gluon) against the Triton kernel and SDPA cuDNN, same run.
 
 Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switches
+LOWBIT_ATTN_GLUON_STAGES and LOWBIT_ATTN_GLUON_PERSIST: ``stages=N``, ``persist=0|1``, joined with ``,``) is checked
+against the first one's output (max abs difference).
 
-    python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "stages=3;stages=4"]
+    python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "persist=0;persist=1,stages=4"]
 """
 from __future__ import annotations
 

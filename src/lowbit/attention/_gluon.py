@@ -26,7 +26,8 @@ softmax never hides the other's MMAs. Here:
 Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF16 at head dim 128 with the persistent
 grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a mask-free tile costs 524 instructions a thread (I2F, the exp2's
 FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
-Triton kernel (two CTAs an SM) is faster, so that stays its default.
+kernel is the default only on the persistent grid (H200: 0.97-1.07x cuDNN against the Triton kernel's 0.89-0.97x);
+with one CTA a tile the Triton kernel (two CTAs an SM) is faster there.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
@@ -36,7 +37,7 @@ inside the exp2's FMA; the running row max / sum update; P·448 rounded to E4M3 
 sums are kept per (row, lane) and added across lanes at the end: the same terms as the reference, another order.
 
 Scope (``why_not`` gives the rule a call breaks; such calls run the Triton kernel): dense ``bhsd`` / ``bshd`` (no
-varlen), head dim 128 (64 with ``LOWBIT_ATTN_GLUON=force``), no window but causal (bottom-right aligned), GQA / MQA,
+varlen), head dim 128, and 64 on the persistent grid (else with ``LOWBIT_ATTN_GLUON=force``), no window but causal (bottom-right aligned), GQA / MQA,
 optional log-sum-exp (K smoothing undone as in the Triton kernel), TMA-able strides. sm_90 only (wgmma, TMA).
 """
 from __future__ import annotations
@@ -96,9 +97,10 @@ if GLUON_WS:
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             pid_m, bh, n_full, n_all = _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M)
             if FLAT:
+                kv = bh // H * (H // GROUP) + bh % H // GROUP  # (batch, kv head) of query head bh
                 q_row = bh * Sq
-                k_row = (bh // H * (H // GROUP) + bh % H // GROUP) * Sk
-                v_row = (bh // H * (H // GROUP) + bh % H // GROUP) * HEAD_DIM
+                k_row = kv * Sk
+                v_row = kv * HEAD_DIM
             else:
                 q_row = 0
                 k_row = 0
