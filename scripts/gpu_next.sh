@@ -177,6 +177,29 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s26c)  # session 26: CachedLaunch taking its shortcut on Triton 3.6 (an empty HookChain is no hook), the attention
+          # call's launches through it: host time before (ab_old/, the previous commit) and after, same run; GPU tests
+    for r in 1 2; do
+      [ -d ab_old ] && stage 60 python3 ab_old/scripts/attn_host_time.py
+      stage 60 python3 scripts/attn_host_time.py
+    done
+    stage 300 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/attention tests/test_launch.py tests/test_quant_kernels.py -rfE --tb=short ;;
+  s26b)  # session 26: the attention call's launches without Triton's argument binding (SpecializedLaunch): the attention
+          # and launch GPU tests, the host time of one quantized call, then the attention bench at D = 64 and 128
+    stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention tests/test_launch.py -rfE --tb=short
+    stage 60 python3 scripts/attn_host_time.py
+    stage 200 python3 -m lowbit bench attention --shapes "${SHAPES:-8,16,2048,64;4,32,4096,128}" --modes int8/fp8 \
+      --rep-ms 100 --out "$OUT/attn" ;;
+  s26a)  # session 26: the row sums of the E4M3 P on the tensor cores (P·ones wgmma): the attention GPU tests, then the
+          # sweep of the kernel before (ab_old/: a copy of the previous commit's src and script) and after, same run
+    stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention -rfE --tb=short
+    for r in 1 2; do
+      [ -d ab_old ] && stage 100 python3 ab_old/scripts/attn_gluon_sweep.py --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" --variants "persist=1"
+      stage 100 python3 scripts/attn_gluon_sweep.py --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" --variants "persist=1"
+    done ;;
   s25a)  # session 25: the persistent Gluon attention forward (FLAT descriptors, Q double-buffered) and the Sk == 1 fix:
           # the attention GPU tests, the persistent / one-CTA-a-tile sweep, then the attention bench
     stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

@@ -66,6 +66,22 @@ def test_hooks_or_disabled_use_the_jit_path(fake_env, monkeypatch):
     assert len(jit.calls) == 3 and jit.compiled.runs == []
 
 
+def test_empty_hook_chain_is_no_hook(fake_env):
+    """Triton 3.6 keeps a HookChain in knobs.runtime.launch_enter_hook / launch_exit_hook even when no hook is
+    installed: an empty chain takes the shortcut, a chain with a hook (a profiler) does not."""
+    chain = types.SimpleNamespace(calls=[])
+    fake_env.runtime.launch_enter_hook = chain
+    fake_env.runtime.launch_exit_hook = types.SimpleNamespace(calls=[])
+    jit = _JIT()
+    cl = _launch.CachedLaunch(jit)
+    cl((1,), "k", 1)
+    cl((1,), "k", 1)
+    assert len(jit.calls) == 1 and len(jit.compiled.runs) == 1
+    chain.calls.append(print)
+    cl((1,), "k", 1)
+    assert len(jit.calls) == 2 and len(jit.compiled.runs) == 1
+
+
 def test_launcher_signature_mismatch_disables_the_shortcut(fake_env, monkeypatch):
     jit = _JIT()
     cl = _launch.CachedLaunch(jit)
@@ -77,6 +93,56 @@ def test_launcher_signature_mismatch_disables_the_shortcut(fake_env, monkeypatch
     jit.compiled.run = bad_run
     cl((1,), "k", 1)  # falls back to the JIT path and turns the shortcut off
     assert len(jit.calls) == 2 and _launch._ENABLED is False
+
+
+class _Param:
+    def __init__(self, name, constexpr=False, default=None, has_default=False):
+        self.name, self.is_constexpr, self.default, self.has_default = name, constexpr, default, has_default
+
+
+class _Tensor:
+    def __init__(self, ptr, dtype="bf16"):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_specialized_launch_keys_on_what_triton_specializes(fake_env):
+    """SpecializedLaunch builds CachedLaunch's key itself: a tensor's dtype and 16-byte alignment, an integer's
+    == 1 / % 16 / width, a constexpr's value, the launch options; other changes reuse the compiled kernel, and the
+    launcher gets every parameter in order, defaults filled in."""
+    jit = _JIT()
+    jit.params = [_Param("x"), _Param("n"), _Param("s"), _Param("BLOCK", True), _Param("FLAG", True, False, True)]
+    sl = _launch.SpecializedLaunch(jit)
+    x = _Tensor(4096)
+    sl[(2,)](x, 100, 0.5, BLOCK=64, num_warps=4)
+    assert len(jit.calls) == 1 and jit.calls[0] == ((2,), (x, 100, 0.5, 64, False), {"num_warps": 4})
+    sl[(3,)](_Tensor(8192), 36, 2.0, BLOCK=64, num_warps=4)  # same specialization: the compiled kernel
+    assert len(jit.calls) == 1 and len(jit.compiled.runs) == 1
+    assert jit.compiled.runs[0][-5:] == (jit.compiled.runs[0][-5], 36, 2.0, 64, False)
+    for args, kw in [((_Tensor(4100), 100, 0.5), {}),             # misaligned pointer
+                     ((_Tensor(4096, "fp16"), 100, 0.5), {}),      # dtype
+                     ((x, 1, 0.5), {}),                            # an integer equal to 1
+                     ((x, 96, 0.5), {}),                           # divisible by 16
+                     ((x, 2**40 + 3, 0.5), {}),                    # 64-bit
+                     ((x, 100, 0.5), {"FLAG": True}),              # a constexpr's value
+                     ((x, 100, 0.5), {"num_warps": 8})]:           # a launch option
+        n = len(jit.calls)
+        kw = {"BLOCK": 64, "num_warps": 4, **kw}
+        sl[(1,)](*args, **kw)
+        assert len(jit.calls) == n + 1, (args, kw)
+        sl[(1,)](*args, **kw)
+        assert len(jit.calls) == n + 1, (args, kw)
+
+
+def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
+    jit = _JIT()  # no .params: never read while the shortcut is off (an interpreted kernel has none)
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    sl = _launch.SpecializedLaunch(jit)
+    sl[(1,)](1, 2, BLOCK=3)
+    sl[(1,)](1, 2, BLOCK=3)
+    assert jit.calls == [((1,), (1, 2), {"BLOCK": 3})] * 2
 
 
 def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, capsys):

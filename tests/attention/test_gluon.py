@@ -127,6 +127,36 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
     assert torch.equal(l1, l0) and torch.equal(l1, lp)
 
 
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("D,causal,granularity", [(128, False, "per_block"), (64, True, "per_warp")])
+def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch):
+    """The quantized call's six launches (prepass and forward) reuse their compiled kernels by specialization key
+    (lowbit._launch.SpecializedLaunch): a second call with new data of the same shape goes through that shortcut,
+    and its output and LSE equal, bit for bit, those of Triton's own launch path."""
+    from lowbit import _launch
+    from lowbit.attention import _triton as T
+    g = torch.Generator(device="cuda").manual_seed(D)
+    shape = (2, 4, 555, D)
+    first = [torch.randn(*shape, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    again = [torch.randn(*shape, generator=g, device="cuda").bfloat16() for _ in range(3)]
+    kw = dict(causal=causal, qk="int8", pv="fp8", granularity=granularity, return_lse=True)
+    A.attention(*first, **kw)
+    launches = [T._QUANT_ROWS, T._V_AMAX, T._V_SCALE, T._V_QUANT, G._LAUNCHER]
+    sizes = [len(x.compiled) for x in launches]
+    assert all(sizes), sizes  # each launch went through the shortcut's first call
+    jit_runs = []
+    for x in launches:  # count the launches that go through Triton's own path (JITFunction.run)
+        monkeypatch.setattr(x.fn, "run", (lambda run: lambda *a, **k: jit_runs.append(1) or run(*a, **k))(x.fn.run))
+    o1, l1 = A.attention(*again, **kw)
+    assert [len(x.compiled) for x in launches] == sizes  # same keys: no new compiled kernels
+    assert not jit_runs and _launch._ENABLED  # every launch took the shortcut
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    o0, l0 = A.attention(*again, **kw)
+    assert len(jit_runs) == 6  # the Q and K rows, V's amax / scales / codes, the forward: Triton's path
+    assert torch.equal(o1, o0) and torch.equal(l1, l0)
+
+
 def test_persist_rejects_unknown_value(monkeypatch):
     monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "yes")
     with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_PERSIST"):

@@ -47,7 +47,7 @@ import os
 import torch
 
 from .._device import capability
-from .._launch import ensure_tma_allocator
+from .._launch import SpecializedLaunch, ensure_tma_allocator
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon
@@ -413,6 +413,9 @@ STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory
 _LAUNCH = dict(LOAD_REGS=24, MATH_REGS=240, num_warps=4, maxnreg=168)
 
 
+_LAUNCHER = SpecializedLaunch(attn_fwd_int8_fp8_ws) if GLUON_WS else None  # no per-call argument binding
+
+
 def mode() -> str:
     """``LOWBIT_ATTN_GLUON``: "1" (default) eligible calls run this kernel, "0" never, "force": as "1" but an
     ineligible INT8·FP8 call raises instead of falling back (tests)."""
@@ -498,7 +501,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
     n_tiles = -(-Sq // BLOCK_M) * B * Hq
     flat = _flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
     grid = (min(n_tiles, _num_sms(q.device)) if flat and persistent() else n_tiles,)
-    attn_fwd_int8_fp8_ws[grid](
+    _LAUNCHER[grid](
         q, k, v, o, lse, q_scale, k_scale, v_scale, km,
         qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
