@@ -177,6 +177,15 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s26d)  # session 26, final code: the host time of one quantized attention call before (ab_old/: c3ccd01) and after,
+          # interleaved, then the attention bench at D = 64 (host-bound end to end)
+    for r in 1 2; do
+      [ -d ab_old ] && stage 90 python3 ab_old/scripts/attn_host_time.py
+      stage 90 python3 scripts/attn_host_time.py
+    done
+    stage 150 python3 -m lowbit bench attention --shapes "8,16,2048,64" --modes int8/fp8 --rep-ms 100 --out "$OUT/attn64" ;;
+  s26e)  # session 26, final code: the whole GPU suite
+    stage 560 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE ;;
   s26c)  # session 26: CachedLaunch taking its shortcut on Triton 3.6 (an empty HookChain is no hook), the attention
           # call's launches through it: host time before (ab_old/, the previous commit) and after, same run; GPU tests
     for r in 1 2; do
