@@ -32,7 +32,19 @@ for D in (64, 128):
         loops.append((time.perf_counter() - t) / 100)
     print(f"D={D} one call: host {statistics.median(hs)*1e6:.0f} us (min {min(hs)*1e6:.0f}), to sync "
           f"{statistics.median(ws)*1e6:.0f} us; back to back {min(loops)*1e6:.0f} us/call (best of 3 x 100)")
-    if D == 64:
+    # the launch shortcut on and off in alternate calls (same process, interleaved: the host's speed drifts by 2x
+    # between runs on the device machine, so separate runs do not compare)
+    from lowbit import _launch
+    on, off = [], []
+    for i in range(400):
+        _launch._ENABLED = i % 2 == 0
+        torch.cuda.synchronize()
+        t0 = time.perf_counter(); f(); t1 = time.perf_counter()
+        (on if i % 2 == 0 else off).append(t1 - t0)
+    _launch._ENABLED = True
+    print(f"D={D} launch shortcut on / off, interleaved: host {statistics.median(on)*1e6:.0f} / "
+          f"{statistics.median(off)*1e6:.0f} us a call (medians of 200)")
+    if D == 64 and os.environ.get("TOP", "12") != "0":
         pr = cProfile.Profile(); pr.enable()
         for _ in range(100): f()
         pr.disable(); torch.cuda.synchronize()
