@@ -28,7 +28,7 @@ def run(q, k, v, label):
     scale = D ** -0.5
     # P (normalised by the exact row max, as the online softmax's last tile) with optional E4M3 rounding of P and of
     # V (per-channel scale over the sequence, as quantize_v_fp8)
-    def attn(qq, kk, p8, v8, smooth_v=False):
+    def attn(qq, kk, p8, v8, smooth_v=False, l8=False):
         s = (qq @ kk.transpose(-1, -2)) * scale
         p = torch.exp(s - s.amax(-1, keepdim=True))
         l = p.sum(-1, keepdim=True)
@@ -37,6 +37,8 @@ def run(q, k, v, label):
         vv = vv - mean
         if p8:
             p = to_e4m3(p * E4M3_MAX).float() / E4M3_MAX
+            if l8:  # divide by the sums of the rounded P (the P the P·V uses)
+                l = p.sum(-1, keepdim=True)
         if v8:
             amax = vv.abs().amax(-2, keepdim=True).clamp_min(1e-30)
             vv = to_e4m3(vv * (E4M3_MAX / amax)).float() * (amax / E4M3_MAX)
@@ -53,7 +55,9 @@ def run(q, k, v, label):
             ("exact Q·K, P and V in E4M3, V smoothed", nrmse(attn(q, k, True, True, True), ref)),
             ("INT8 Q·K (per block), P·V exact (sage 1.0.6's math, FP16 P·V)", nrmse(attn(qi, ki, False, False), ref)),
             ("INT8 Q·K, P and V in E4M3", nrmse(attn(qi, ki, True, True), ref)),
-            ("INT8 Q·K, P and V in E4M3, V smoothed", nrmse(attn(qi, ki, True, True, True), ref))]
+            ("INT8 Q·K, P and V in E4M3, V smoothed", nrmse(attn(qi, ki, True, True, True), ref)),
+            ("INT8 Q·K, P and V in E4M3, divided by the sums of the E4M3 P",
+             nrmse(attn(qi, ki, True, True, l8=True), ref))]
     print(f"\n{label}\n| rounding | NRMSE vs FP32 |\n|---|---:|")
     for name, e in rows:
         print(f"| {name} | {e:.2e} |")
