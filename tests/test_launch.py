@@ -118,9 +118,10 @@ def test_specialized_launch_keys_on_what_triton_specializes(fake_env):
     x = _Tensor(4096)
     sl[(2,)](x, 100, 0.5, BLOCK=64, num_warps=4)
     assert len(jit.calls) == 1 and jit.calls[0] == ((2,), (x, 100, 0.5, 64, False), {"num_warps": 4})
-    sl[(3,)](_Tensor(8192), 36, 2.0, BLOCK=64, num_warps=4)  # same specialization: the compiled kernel
+    y = _Tensor(8192)
+    sl[(3,)](y, 36, 2.0, BLOCK=64, num_warps=4)  # same specialization: the compiled kernel
     assert len(jit.calls) == 1 and len(jit.compiled.runs) == 1
-    assert jit.compiled.runs[0][-5:] == (jit.compiled.runs[0][-5], 36, 2.0, 64, False)
+    assert jit.compiled.runs[0][:3] == (3, 1, 1) and jit.compiled.runs[0][-5:] == (y, 36, 2.0, 64, False)
     for args, kw in [((_Tensor(4100), 100, 0.5), {}),             # misaligned pointer
                      ((_Tensor(4096, "fp16"), 100, 0.5), {}),      # dtype
                      ((x, 1, 0.5), {}),                            # an integer equal to 1

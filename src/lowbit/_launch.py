@@ -60,7 +60,7 @@ class CachedLaunch:
 
     def __call__(self, grid, key, *args, **options):
         ck = self.compiled.get(key) if _ENABLED else None
-        rt = _knobs.runtime if ck is not None else None
+        rt = _knobs.runtime
         if ck is not None and _unhooked(rt.launch_enter_hook) and _unhooked(rt.launch_exit_hook):
             dev = _driver.active.get_current_device()
             stream = _driver.active.get_current_stream(dev)

@@ -23,9 +23,10 @@ softmax never hides the other's MMAs. Here:
   warpgroups finish the last one — the per-CTA start (launch, Q load, pipeline fill) and the epilogue no longer
   stall the SM. Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
 
-Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF16 at head dim 128 with the persistent
-grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a mask-free tile costs 524 instructions a thread (I2F, the exp2's
-FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
+Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF16 at head dim 128 with the
+persistent grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a
+mask-free tile costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion:
+64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
 kernel is the default only on the persistent grid (H200: 0.97-1.07x cuDNN against the Triton kernel's 0.89-0.97x);
 with one CTA a tile the Triton kernel (two CTAs an SM) is faster there.
 
@@ -37,8 +38,9 @@ inside the exp2's FMA; the running row max / sum update; P·448 rounded to E4M3 
 sums are kept per (row, lane) and added across lanes at the end: the same terms as the reference, another order.
 
 Scope (``why_not`` gives the rule a call breaks; such calls run the Triton kernel): dense ``bhsd`` / ``bshd`` (no
-varlen), head dim 128, and 64 on the persistent grid (else with ``LOWBIT_ATTN_GLUON=force``), no window but causal (bottom-right aligned), GQA / MQA,
-optional log-sum-exp (K smoothing undone as in the Triton kernel), TMA-able strides. sm_90 only (wgmma, TMA).
+varlen), head dim 128, and 64 on the persistent grid (else with ``LOWBIT_ATTN_GLUON=force``), no window but causal
+(bottom-right aligned), GQA / MQA, optional log-sum-exp (K smoothing undone as in the Triton kernel), TMA-able
+strides. sm_90 only (wgmma, TMA).
 """
 from __future__ import annotations
 

@@ -583,13 +583,13 @@ def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16, key_perm=False
     part = torch.empty(B * H, nch, D, device=v.device, dtype=torch.float32)
     cu = cu_seqlens_k if varlen else part
     _V_AMAX[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
-                                 CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
+                          CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
     v_scale = torch.empty(B, H, D, device=v.device, dtype=torch.float32)
     inv = torch.empty_like(v_scale)
     _V_SCALE[(B * H,)](part, v_scale, inv, nch, D=D, BLOCK_D=bd, CH=8, FP16=fp16, num_warps=4)
     _V_QUANT[(nch, B * H)](v, out, inv, cu, *_views(v, layout, varlen), *_views(out, layout, varlen), H, S,
-                                  CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, FP16=fp16, INTERPRET=INTERPRETED,
-                                  KEY_PERM=key_perm, num_warps=4)
+                           CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, FP16=fp16, INTERPRET=INTERPRETED,
+                           KEY_PERM=key_perm, num_warps=4)
     return out, v_scale
 
 
@@ -776,5 +776,5 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     else:
         bm, bn, warps, stages = config or heuristic_config(Sq, D)
         _ATTN_FWD[(triton.cdiv(Sq, bm), B * Hq)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                                                 num_stages=stages)
+                                                num_stages=stages)
     return (o, lse) if return_lse else o
