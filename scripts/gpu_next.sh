@@ -177,6 +177,20 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s27a)  # session 27: the prepass in three launches (_triton.prepass_triton): the attention GPU tests, then the prepass
+          # before (ab_old/: the previous commit) and after, interleaved
+    stage 300 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention -rfE --tb=short
+    for r in 1 2; do
+      [ -d ab_old ] && stage 60 python3 ab_old/scripts/attn_prepass_probe.py --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}"
+      stage 60 python3 scripts/attn_prepass_probe.py --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}" --separate
+    done ;;
+  s27b)  # session 27: lowbit bench attention before (ab_old/) and after the three-launch prepass, INT8·FP8
+    for r in old new; do
+      d=.; [ $r = old ] && d=ab_old; [ -d $d ] || continue
+      stage 280 env PYTHONPATH="$d/src:${PYTHONPATH#src:}" python3 -m lowbit bench attention \
+        --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}" --modes int8/fp8 --rep-ms 100 --out "$OUT/attn-$r"
+    done ;;
   s26d)  # session 26, final code: the host time of one quantized attention call before (ab_old/: c3ccd01) and after,
           # interleaved, then the attention bench at D = 64 (host-bound end to end)
     for r in 1 2; do

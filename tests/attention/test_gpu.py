@@ -10,6 +10,7 @@ import torch
 
 import lowbit.attention as A
 from lowbit.attention import reference as R
+from prepass_check import qk_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +47,8 @@ def _prep(tri, q, k, v, qk, pv, granularity, layout="bhsd", **vl):
     if qk == "bf16":
         qa, ka, qs, ks, km, rows = q, k, None, None, None, 128
     else:
-        t = tri.quantize_qk_triton(q, k, dtype=qk, granularity=granularity, layout=layout, **vl)
-        r = R.quantize_qk_reference(q, k, dtype=qk, granularity=granularity, layout=layout, **vl)
-        # prepass: bit-identical codes and scales (same k_mean helper; div.rn; same rounding steps)
+        t, r = qk_pair(tri.quantize_qk_triton, q, k, dtype=qk, granularity=granularity, layout=layout, **vl)
+        # prepass: bit-identical codes and scales (on the prepass's K mean; div.rn; same rounding steps)
         assert torch.equal(t.q.view(torch.int8), r.q.view(torch.int8)), "q codes differ"
         assert torch.equal(t.k.view(torch.int8), r.k.view(torch.int8)), "k codes differ"
         assert torch.equal(t.q_scale, r.q_scale) and torch.equal(t.k_scale, r.k_scale)
@@ -283,6 +283,57 @@ def _rounding_edge_keys(dt, device):
     k = torch.zeros(n, dtype=dt)
     k[:x.numel()] = x
     return k.view(1, 1, n // 64, 64).to(device), x
+
+
+FUSED_CASES = [  # (qk, pv, layout, B, Hq, Hkv, Sq, Sk, D, dtype, varlen lengths or None)
+    ("int8", "fp8", "bhsd", 2, 8, 2, 1000, 1000, 128, torch.bfloat16, None),
+    ("int8", "fp8", "bshd", 1, 4, 4, 4113, 4113, 64, torch.float16, None),
+    ("int8", "fp16", "bhsd", 2, 4, 2, 17, 300, 128, torch.bfloat16, None),
+    ("fp8", "fp8", "bhsd", 1, 4, 1, 129, 129, 128, torch.bfloat16, None),
+    ("int8", "fp8", "bhsd", 3, 4, 2, 0, 0, 128, torch.bfloat16, [1000, 1, 3000]),
+]
+
+
+@pytest.mark.parametrize("qk,pv,layout,B,Hq,Hkv,Sq,Sk,D,dtype,lens", FUSED_CASES)
+def test_fused_prepass_equals_separate_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D, dtype, lens):
+    """``prepass_triton`` (three launches for Q, K and V) equals ``quantize_qk_triton`` + ``quantize_v_*_triton`` and
+    the references (on its K mean) bit for bit, in the key order the forward kernel wants ("wgmma32" where the Gluon
+    kernel takes the call); K with channel offsets up to 8, as real keys have."""
+    tri = pytest.importorskip("lowbit.attention._triton")
+    off = torch.linspace(-8, 8, D, device="cuda")
+    kw, vkw = dict(layout=layout), dict(layout=layout)
+    if lens is not None:
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        T, m = int(cu[-1]), max(lens)
+        q, k, v = rand(T, Hq, D, dtype=dtype, seed=1), (rand(T, Hkv, D, dtype=torch.float32, seed=2) + off).to(dtype), \
+            rand(T, Hkv, D, dtype=dtype, seed=3)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m)
+        vkw = dict(cu_seqlens_k=cu, max_seqlen_k=m)
+    else:
+        q, k, v = rand(B, Hq, Sq, D, dtype=dtype, seed=1), \
+            (rand(B, Hkv, Sk, D, dtype=torch.float32, seed=2) + off).to(dtype), rand(B, Hkv, Sk, D, dtype=dtype, seed=3)
+        if layout == "bshd":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    qq, vo, vs, order = tri.prepass_triton(q, k, v, qk=qk, pv=pv, key_order="auto", causal=True, **kw)
+    want = tri.fp8_v_key_order(qq.q, qq.k, layout=layout, varlen=lens is not None, causal=True) if pv == "fp8" else "natural"
+    assert order == want
+    a, r = qk_pair(tri.quantize_qk_triton, q, k, dtype=qk, **kw)
+    bits = lambda t: t.view(torch.int8) if t.element_size() == 1 else t  # noqa: E731 - FP8 codes compared as bytes
+    for name in ("q", "k", "q_scale", "k_scale", "k_mean"):
+        assert torch.equal(bits(getattr(qq, name)), bits(getattr(a, name))), name
+    for name in ("q", "k", "q_scale", "k_scale"):
+        assert torch.equal(bits(getattr(qq, name)), bits(getattr(r, name))), name
+    if pv == "fp8":
+        sep = tri.quantize_v_fp8_triton(v, key_order=order, **vkw)
+        ref = R.quantize_v_fp8_reference(v, **{n: x for n, x in vkw.items() if n != "max_seqlen_k"})
+        assert torch.equal(vo.float(), sep[0].float()) and torch.equal(vs, sep[1])
+        nat = vo if order == "natural" else tri._v_natural_order(vo, layout)
+        assert torch.equal(nat.float(), ref[0].float()) and torch.equal(vs, ref[1])
+    else:
+        sep = tri.quantize_v_fp16_triton(v, **vkw)
+        ref = R.quantize_v_fp16_reference(v, **{n: x for n, x in vkw.items() if n != "max_seqlen_k"})
+        for got in (sep, ref):
+            assert torch.equal(vo, got[0]) and torch.equal(vs, got[1])
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lowbit.attention import reference as R
+from prepass_check import qk_pair
 
 CFG = (16, 16, 4, 1)  # BLOCK_M, BLOCK_N, warps, stages: small tiles so several tiles and masks are exercised
 TIGHT = 2e-3
@@ -35,7 +36,7 @@ def test_prepass_bit_exact(tri, dtype, granularity, layout):
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     kw = dict(dtype=dtype, granularity=granularity, block_q=32, warp_q=16, block_k=16, layout=layout)
-    a, r = tri.quantize_qk_triton(q, k, **kw), R.quantize_qk_reference(q, k, **kw)
+    a, r = qk_pair(tri.quantize_qk_triton, q, k, **kw)
     assert torch.equal(a.q.view(torch.int8), r.q.view(torch.int8)) and torch.equal(a.k.view(torch.int8), r.k.view(torch.int8))
     assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale)
     v8, vs = tri.quantize_v_fp8_triton(v, layout=layout)
@@ -94,7 +95,7 @@ def test_prepass_non_power_of_two_blocks(tri):
     """block_k / block_q / warp_q need not be powers of two (the kernel pads its row range and masks)."""
     q, k = rand(1, 2, 50, 32, seed=7), rand(1, 2, 41, 32, seed=8, offset=2.0)
     for kw in (dict(block_k=12, block_q=24), dict(granularity="per_warp", block_q=24, warp_q=12, block_k=20)):
-        a, r = tri.quantize_qk_triton(q, k, **kw), R.quantize_qk_reference(q, k, **kw)
+        a, r = qk_pair(tri.quantize_qk_triton, q, k, **kw)
         assert torch.equal(a.q, r.q) and torch.equal(a.k, r.k), kw
         assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale), kw
 
@@ -105,7 +106,7 @@ def test_prepass_varlen_bit_exact(tri):
     q, k, v = rand(60, 4, 32, seed=4), rand(52, 2, 32, seed=5, offset=1.5), rand(52, 2, 32, seed=6)
     kw = dict(granularity="per_warp", block_q=32, warp_q=16, block_k=16, cu_seqlens_q=cq, cu_seqlens_k=ck,
               max_seqlen_q=39, max_seqlen_k=33)
-    a, r = tri.quantize_qk_triton(q, k, **kw), R.quantize_qk_reference(q, k, **kw)
+    a, r = qk_pair(tri.quantize_qk_triton, q, k, **kw)
     assert torch.equal(a.q, r.q) and torch.equal(a.k, r.k)
     assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale)
     v8, vs = tri.quantize_v_fp8_triton(v, cu_seqlens_k=ck, max_seqlen_k=33)
@@ -114,6 +115,39 @@ def test_prepass_varlen_bit_exact(tri):
     v16, vs = tri.quantize_v_fp16_triton(v * 1000, cu_seqlens_k=ck, max_seqlen_k=33)
     r16, rs = R.quantize_v_fp16_reference(v * 1000, cu_seqlens_k=ck)
     assert torch.equal(v16, r16) and torch.equal(vs, rs)
+
+
+@pytest.mark.parametrize("pv,layout,varlen", [("fp8", "bhsd", False), ("fp16", "bshd", False), ("fp8", "bhsd", True)])
+def test_fused_prepass_equals_separate(tri, pv, layout, varlen):
+    """``prepass_triton`` (Q, K and V in three launches) gives what ``quantize_qk_triton`` and ``quantize_v_*_triton``
+    give, bit for bit, and both equal the references (on the prepass's K mean). 300 keys: three statistics chunks,
+    the last one partial; GQA; K with channel offsets so the mean matters."""
+    if varlen:
+        cq, ck = torch.tensor([0, 45, 46, 90], dtype=torch.int32), torch.tensor([0, 300, 301, 430], dtype=torch.int32)
+        q, k, v = rand(90, 4, 32, seed=31), rand(430, 2, 32, seed=32, offset=3.0), rand(430, 2, 32, seed=33)
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=45, max_seqlen_k=300)
+        vkw = dict(cu_seqlens_k=ck, max_seqlen_k=300)
+    else:
+        q, k, v = rand(2, 4, 45, 32, seed=31), rand(2, 2, 300, 32, seed=32, offset=3.0), rand(2, 2, 300, 32, seed=33)
+        if layout == "bshd":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        kw = vkw = dict(layout=layout)
+    qkw = dict(granularity="per_warp", block_q=32, warp_q=16, block_k=16, **kw)
+    qq, vo, vs, order = tri.prepass_triton(q, k, v, qk="int8", pv=pv, key_order="auto", **qkw)
+    assert order == "natural"  # the interpreter has no Gluon kernel
+    a, r = qk_pair(tri.quantize_qk_triton, q, k, **qkw)
+    for name in ("q", "k", "q_scale", "k_scale", "k_mean"):
+        assert torch.equal(getattr(qq, name), getattr(a, name)), name
+    assert torch.equal(qq.q, r.q) and torch.equal(qq.k, r.k)
+    assert torch.equal(qq.q_scale, r.q_scale) and torch.equal(qq.k_scale, r.k_scale)
+    sep = (tri.quantize_v_fp8_triton if pv == "fp8" else tri.quantize_v_fp16_triton)(v, **vkw)
+    ref = (R.quantize_v_fp8_reference if pv == "fp8" else R.quantize_v_fp16_reference)(
+        v, **{n: x for n, x in vkw.items() if n != "max_seqlen_k"})
+    for got in (sep, ref):
+        assert torch.equal(vo.float(), got[0].float()) and torch.equal(vs, got[1])
+    assert vo.stride() == sep[0].stride()  # the same (sequence-contiguous for FP8) storage
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        tri.prepass_triton(q, k, v)
 
 
 def _prepare(tri, q, k, v, qk, pv, layout="bhsd", **vl):
@@ -262,7 +296,7 @@ def _run_variant(tri, name):
         qa, ka, qs, ks, km, rows = q, k, None, None, None, 128
     else:
         kw = dict(dtype=qk, granularity=granularity, block_q=32, warp_q=16, block_k=16)
-        a, r = tri.quantize_qk_triton(q, k, **kw), R.quantize_qk_reference(q, k, **kw)
+        a, r = qk_pair(tri.quantize_qk_triton, q, k, **kw)
         assert torch.equal(a.q.view(torch.int8), r.q.view(torch.int8)), name
         assert torch.equal(a.k.view(torch.int8), r.k.view(torch.int8)), name
         assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale), name

@@ -46,7 +46,7 @@ except Exception:  # pragma: no cover
 
 from .._launch import SpecializedLaunch, ensure_tma_allocator
 from .api import _views
-from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, k_mean as _k_mean, n_q_groups
+from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
 BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
 
@@ -102,29 +102,21 @@ def _to_int8(y, INTERPRET: tl.constexpr):
 
 
 # ============================================================================ prepass kernels
+# One family of three launches serves quantize_qk, quantize_v_fp8 / _fp16 and the fused prepass of
+# lowbit.attention (Q, K and V in three launches instead of six and a torch reduction):
+#   1. _prepass_stats_kernel: per chunk of key rows the FP32 column sums of K (smoothing) and the column amax of V;
+#      further programs of the same grid quantize Q's scale groups (they need no statistics);
+#   2. _prepass_finalize_kernel: per (batch, kv head) the K mean and V's per-channel scales and multipliers;
+#   3. _prepass_codes_kernel: per K scale group the K codes (mean subtracted) and the V codes of the same rows.
+# K and V are each read twice (the statistics precede the codes), Q once.
 @triton.jit
-def _quant_rows_kernel(X, Y, S, MEAN, CU,
-                       sxb, sxh, sxs, sxd, syb, syh, sys_, syd, ssb, ssh, smb, smh,
-                       H, seqlen, n_groups, mult,
-                       ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                       QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, VARLEN: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """One program = one scale group of ROWS rows × D channels of one (batch, head).
+def _rows_group(xb, yb, sp, mp, g, seqlen, n_groups, mult, sxs, sxd, sys_, syd,
+                ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr):
+    """One scale group: rows g·ROWS ... of the (batch, head) at xb -> codes at yb, scale at sp[g].
 
-    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1) written to S[b, h, g].
-    ROWS_P2 = next power of two >= ROWS (tl.arange needs one; a user's block_k need not be)."""
-    g = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    if VARLEN:
-        start = tl.load(CU + b).to(tl.int64)
-        seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
-        xb = X + start * sxs + h.to(tl.int64) * sxh
-        yb = Y + start * sys_ + h.to(tl.int64) * syh
-    else:
-        xb = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
-        yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
+    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1). mp: the (batch, head)'s mean
+    row (HAS_MEAN). ROWS_P2 = next power of two >= ROWS (tl.arange needs one; a user's block_k need not be)."""
     r = tl.arange(0, ROWS_P2)
     rows = g * ROWS + r
     d = tl.arange(0, BLOCK_D)
@@ -133,15 +125,13 @@ def _quant_rows_kernel(X, Y, S, MEAN, CU,
     x = tl.load(xb + roff[:, None] * sxs + d[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
     x = x * mult
     if HAS_MEAN:
-        mu = tl.load(MEAN + b.to(tl.int64) * smb + h * smh + d, mask=d < D, other=0.0)
-        x = x - mu[None, :]
-    if HAS_MEAN:  # masked rows/columns read 0 but the mean moved them
-        x = tl.where(m, x, 0.0)
+        mu = tl.load(mp + d, mask=d < D, other=0.0)
+        x = tl.where(m, x - mu[None, :], 0.0)  # masked rows/columns read 0 but the mean moved them
     amax = tl.max(tl.abs(x))  # one flat reduction (per-row then per-column reductions cost ~10 shuffles per element)
     scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
     inv = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full([], QMAX, tl.float32), amax))  # the quantizer's multiplier (one division per group)
     if g < n_groups:
-        tl.store(S + b.to(tl.int64) * ssb + h * ssh + g, scale)
+        tl.store(sp + g, scale)
     y = x * inv
     if TO_FP8:
         code = _to_e4m3(y, INTERPRET)
@@ -151,86 +141,151 @@ def _quant_rows_kernel(X, Y, S, MEAN, CU,
 
 
 @triton.jit
-def _v_amax_kernel(V, P, CU, svb, svh, svs, svd, H, seqlen, n_chunks,
-                   CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr):
-    """Partial |v| max over a CHUNK of rows, per channel -> P[bh, chunk, :]."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+def _seq_base(X, CU, b, h, sb, sh, ss, seqlen, VARLEN: tl.constexpr):
+    """(pointer to sequence b, head h of X, its length): dense strides, or packed rows from cu_seqlens CU."""
     if VARLEN:
         start = tl.load(CU + b).to(tl.int64)
         seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
-        vb = V + start * svs + h.to(tl.int64) * svh
+        base = X + start * ss + h.to(tl.int64) * sh
     else:
-        vb = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-    rows = c * CHUNK + tl.arange(0, CHUNK)
-    d = tl.arange(0, BLOCK_D)
-    m = (rows[:, None] < seqlen) & (d[None, :] < D)
-    x = tl.load(vb + rows.to(tl.int64)[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
-    tl.store(P + (bh.to(tl.int64) * n_chunks + c) * D + d, tl.max(tl.abs(x), 0), mask=d < D)
+        base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
+    return base, seqlen
 
 
 @triton.jit
-def _v_scale_kernel(P, S, R, n_chunks, D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
-                    FP16: tl.constexpr):
-    """Per (batch·head): amax per channel from the partials P[bh, :, :], then the dequantization scale S and the
-    quantizer's multiplier R. FP8: S = amax/448, R = 448/amax. FP16 (BF16 V into FP16's range): the power of two
-    R = 2^e, e = 15 - floor(log2 amax) clamped to <= 126 (amax·R < 2^16 and a BF16 mantissa ends at 1.9921875, so
-    amax·R <= 65280 < 65504), S = 2^-e; both exact. amax 0 -> S = R = 1."""
+def _prepass_stats_kernel(Q, QC, QS, K, V, PK, PV, CUQ, CUK,
+                          sqb, sqh, sqs, sqd, scb, sch, scs, scd, ssb, ssh,
+                          skb, skh, sks, skd, svb, svh, svs, svd,
+                          Hq, Hkv, Sq, Sk, nq_groups, nq_grid, n_chunks, n_stat, mult,
+                          Q_ROWS: tl.constexpr, Q_ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                          QMAX: tl.constexpr, TO_FP8: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                          DO_Q: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr, VARLEN: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    """Programs [0, n_stat): chunk c = pid % n_chunks of CHUNK key rows of (batch·kv head) pid // n_chunks ->
+    PK[bh, c, :] = FP32 column sums of K (K_SUM), PV[bh, c, :] = column max of |V| (V_AMAX); rows past the
+    sequence add 0. Programs [n_stat, n_stat + nq_grid·B·Hq) (DO_Q): one Q scale group each (``_rows_group``)."""
+    pid = tl.program_id(0)
+    if pid < n_stat:
+        c = pid % n_chunks
+        bh = pid // n_chunks
+        b = bh // Hkv
+        h = bh % Hkv
+        d = tl.arange(0, BLOCK_D)
+        r = tl.arange(0, SUB)
+        seqlen = Sk
+        if K_SUM:
+            kb, seqlen = _seq_base(K, CUK, b, h, skb, skh, sks, Sk, VARLEN)
+            acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+        if V_AMAX:
+            vb, seqlen = _seq_base(V, CUK, b, h, svb, svh, svs, Sk, VARLEN)
+            amx = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(CHUNK // SUB):
+            rows = c * CHUNK + i * SUB + r
+            m = (rows[:, None] < seqlen) & (d[None, :] < D)
+            roff = rows.to(tl.int64)[:, None]
+            if K_SUM:
+                acc += tl.load(kb + roff * sks + d[None, :] * skd, mask=m, other=0.0).to(tl.float32)
+            if V_AMAX:
+                amx = tl.maximum(amx, tl.abs(tl.load(vb + roff * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)))
+        out = (bh.to(tl.int64) * n_chunks + c) * D + d
+        if K_SUM:
+            tl.store(PK + out, tl.sum(acc, 0), mask=d < D)
+        if V_AMAX:
+            tl.store(PV + out, tl.max(amx, 0), mask=d < D)
+    elif DO_Q:
+        p = pid - n_stat
+        g = p % nq_grid
+        bh = p // nq_grid
+        b = bh // Hq
+        h = bh % Hq
+        qb, seqlen = _seq_base(Q, CUQ, b, h, sqb, sqh, sqs, Sq, VARLEN)
+        cb, seqlen = _seq_base(QC, CUQ, b, h, scb, sch, scs, Sq, VARLEN)
+        _rows_group(qb, cb, QS + b.to(tl.int64) * ssb + h * ssh, QS, g, seqlen, nq_groups, mult, sqs, sqd, scs, scd,
+                    Q_ROWS, Q_ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, False, INTERPRET)
+
+
+@triton.jit
+def _prepass_finalize_kernel(PK, PV, KM, VS, VR, CUK, Hkv, Sk, n_chunks, smb, smh,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, K_SUM: tl.constexpr,
+                             V_AMAX: tl.constexpr, FP16: tl.constexpr, VARLEN: tl.constexpr):
+    """Per (batch·kv head) bh, from the stats kernel's partials: KM[b, h, 0, :] = (sum of K's rows) / length
+    (length 0 -> / 1), summed chunk by chunk in order; VS / VR = V's dequantization scale and quantizer multiplier
+    per channel. FP8: VS = amax/448, VR = 448/amax. FP16 (BF16 V into FP16's range): the power of two VR = 2^e,
+    e = 15 - floor(log2 amax) clamped to <= 126 (amax·VR < 2^16 and a BF16 mantissa ends at 1.9921875, so
+    amax·VR <= 65280 < 65504), VS = 2^-e; both exact. amax 0 -> VS = VR = 1."""
     bh = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     c = tl.arange(0, CH)
+    base = bh.to(tl.int64) * n_chunks * D
+    ksum = tl.zeros([BLOCK_D], dtype=tl.float32)
     amax = tl.zeros([BLOCK_D], dtype=tl.float32)
     for c0 in range(0, n_chunks, CH):
-        x = tl.load(P + (bh.to(tl.int64) * n_chunks + c0 + c[:, None]) * D + d[None, :],
-                    mask=(c0 + c[:, None] < n_chunks) & (d[None, :] < D), other=0.0)
-        amax = tl.maximum(amax, tl.max(x, 0))
-    if FP16:
-        e = 15 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-        e = tl.where(amax == 0.0, 0, tl.minimum(e, 126))
-        r = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        sc = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    else:
-        sc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
-        r = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0 + tl.zeros_like(amax), amax))
-    tl.store(S + bh.to(tl.int64) * D + d, sc, mask=d < D)
-    tl.store(R + bh.to(tl.int64) * D + d, r, mask=d < D)
+        off = base + (c0 + c[:, None]) * D + d[None, :]
+        m = (c0 + c[:, None] < n_chunks) & (d[None, :] < D)
+        if K_SUM:
+            ksum += tl.sum(tl.load(PK + off, mask=m, other=0.0), 0)
+        if V_AMAX:
+            amax = tl.maximum(amax, tl.max(tl.load(PV + off, mask=m, other=0.0), 0))
+    if K_SUM:
+        b = bh // Hkv
+        h = bh % Hkv
+        n = Sk
+        if VARLEN:
+            n = tl.load(CUK + b + 1) - tl.load(CUK + b)
+        n = tl.maximum(n, 1).to(tl.float32)
+        tl.store(KM + b.to(tl.int64) * smb + h * smh + d, tl.math.div_rn(ksum, n + tl.zeros_like(ksum)), mask=d < D)
+    if V_AMAX:
+        if FP16:
+            e = 15 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+            e = tl.where(amax == 0.0, 0, tl.minimum(e, 126))
+            r = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            sc = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        else:
+            sc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
+            r = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0 + tl.zeros_like(amax), amax))
+        tl.store(VS + bh.to(tl.int64) * D + d, sc, mask=d < D)
+        tl.store(VR + bh.to(tl.int64) * D + d, r, mask=d < D)
 
 
 @triton.jit
-def _v_quant_kernel(V, Y, R, CU, svb, svh, svs, svd, syb, syh, sys_, syd, H, seqlen,
-                    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, VARLEN: tl.constexpr,
-                    FP16: tl.constexpr, INTERPRET: tl.constexpr, KEY_PERM: tl.constexpr = False):
-    """y = code(v · R[bh, channel]): E4M3 (saturating RNE) or, FP16, v·2^e rounded to nearest even (exact unless
-    it lands among FP16's subnormals). KEY_PERM: key s is stored at position ``wgmma32_position(s)`` (see
-    ``quantize_v_fp8_triton``)."""
-    c = tl.program_id(0)
+def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
+                          skb, skh, sks, skd, scb, sch, scs, scd, ssb, ssh, smb, smh,
+                          svb, svh, svs, svd, syb, syh, sys_, syd, Hkv, Sk, nk_groups,
+                          ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                          QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, K_CODES: tl.constexpr,
+                          V_CODES: tl.constexpr, V_FP16: tl.constexpr, KEY_PERM: tl.constexpr,
+                          VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (g, bh): K scale group g (rows g·ROWS ...) of (batch·kv head) bh -> K codes and scale (K_CODES,
+    ``_rows_group`` with the mean), and V's same rows -> codes y = code(v · VR[bh, channel]) (V_CODES): E4M3
+    (saturating RNE) or, V_FP16, v·2^e rounded to nearest even (exact unless it lands among FP16's subnormals).
+    KEY_PERM: key s is stored at position ``wgmma32_position(s)`` (see ``quantize_v_fp8_triton``)."""
+    g = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    if VARLEN:
-        start = tl.load(CU + b).to(tl.int64)
-        seqlen = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
-        vb = V + start * svs + h.to(tl.int64) * svh
-        yb = Y + start * sys_ + h.to(tl.int64) * syh
-    else:
-        vb = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-        yb = Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh
-    rows = c * CHUNK + tl.arange(0, CHUNK)
-    d = tl.arange(0, BLOCK_D)
-    m = (rows[:, None] < seqlen) & (d[None, :] < D)
-    roff = rows.to(tl.int64)
-    x = tl.load(vb + roff[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
-    r = tl.load(R + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
-    y = x * r[None, :]
-    if FP16:
-        code = y.to(tl.float16)
-    else:
-        code = _to_e4m3(y, INTERPRET)
-    if KEY_PERM:  # wgmma32_position: within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
-        roff = (roff & ~31) | (roff & 0x11) | ((roff << 1) & 0xC) | ((roff >> 2) & 0x2)
-    tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
+    b = bh // Hkv
+    h = bh % Hkv
+    if K_CODES:
+        kb, seqlen = _seq_base(K, CUK, b, h, skb, skh, sks, Sk, VARLEN)
+        cb, seqlen = _seq_base(KC, CUK, b, h, scb, sch, scs, Sk, VARLEN)
+        _rows_group(kb, cb, KS + b.to(tl.int64) * ssb + h * ssh, KM + b.to(tl.int64) * smb + h * smh, g, seqlen,
+                    nk_groups, 1.0, sks, skd, scs, scd, ROWS, ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, HAS_MEAN, INTERPRET)
+    if V_CODES:
+        vb, seqlen = _seq_base(V, CUK, b, h, svb, svh, svs, Sk, VARLEN)
+        yb, seqlen = _seq_base(VC, CUK, b, h, syb, syh, sys_, Sk, VARLEN)
+        r_ = tl.arange(0, ROWS_P2)
+        rows = g * ROWS + r_
+        d = tl.arange(0, BLOCK_D)
+        m = (rows[:, None] < seqlen) & (r_[:, None] < ROWS) & (d[None, :] < D)
+        roff = rows.to(tl.int64)
+        x = tl.load(vb + roff[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
+        rv = tl.load(VR + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
+        y = x * rv[None, :]
+        if V_FP16:
+            code = y.to(tl.float16)
+        else:
+            code = _to_e4m3(y, INTERPRET)
+        if KEY_PERM:  # wgmma32_position: within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
+            roff = (roff & ~31) | (roff & 0x11) | ((roff << 1) & 0xC) | ((roff >> 2) & 0x2)
+        tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
 
 
 # ============================================================================ forward kernel
@@ -458,12 +513,11 @@ def prune_fwd_configs(configs, named_args, **kwargs):
 
 _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "QK_MODE", "PV_FP8",
              "Q_SCALE_ROWS", "K_SCALE_ROWS", "HAS_KMEAN", "RETURN_LSE", "VARLEN", "TMA", "V_SCALED"]
-# The launches of an eager call without Triton's per-call argument binding (~20-40 us each on the host, six a
+# The launches of an eager call without Triton's per-call argument binding (~20-40 us each on the host, four a
 # quantized call): the compiled kernel is reused by its specialization key (lowbit._launch.SpecializedLaunch)
-_QUANT_ROWS = SpecializedLaunch(_quant_rows_kernel)
-_V_AMAX = SpecializedLaunch(_v_amax_kernel)
-_V_SCALE = SpecializedLaunch(_v_scale_kernel)
-_V_QUANT = SpecializedLaunch(_v_quant_kernel)
+_PREPASS_STATS = SpecializedLaunch(_prepass_stats_kernel)
+_PREPASS_FINALIZE = SpecializedLaunch(_prepass_finalize_kernel)
+_PREPASS_CODES = SpecializedLaunch(_prepass_codes_kernel)
 _ATTN_FWD = SpecializedLaunch(_attn_fwd)
 
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
@@ -523,74 +577,140 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def _seq_len(x, layout, varlen, cu, max_seqlen):
+    """(B, H, S, D) of a dense tensor, or of a packed one with B and the longest S from cu_seqlens."""
+    B, H, S, D = _dims(x, layout, varlen)
+    if varlen:
+        B = cu.numel() - 1
+        S = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+    return B, H, S, D
+
+
+_STAT_CHUNK = 128  # key rows a statistics program reads (its partials: ceil(S / 128) per (batch, kv head))
+
+
+def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
+                   warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
+                   max_seqlen_q=None, max_seqlen_k=None, key_order="natural", causal=False, window=None):
+    """Quantize what an attention call needs in three launches: Q and K (``qk`` "int8" / "fp8", or None to leave
+    them) and V (``pv`` "fp8" / "fp16", or None). Outputs equal ``quantize_qk_reference(..., k_mean=<this
+    mean>)`` and ``quantize_v_fp8_reference`` / ``quantize_v_fp16_reference`` bit for bit; the K mean is the FP32
+    column sum of 128-row chunks added in order, divided by the length (``reference.k_mean`` sums in torch's
+    order: the two agree to FP32 rounding).
+
+    ``key_order`` (FP8 V): "natural", "wgmma32" (dense only, see ``quantize_v_fp8_triton``) or "auto": what
+    ``fp8_v_key_order`` says the forward kernel wants for these Q/K codes (``causal`` / ``window`` / ``block_k``
+    as the forward call will get them).
+
+    Returns (``QKQuantized`` or None, V codes or None, V scales (B, Hkv, D) or None, the key order used)."""
+    if qk is None and pv is None:
+        raise ValueError("prepass_triton: nothing to quantize (qk and pv are both None)")
+    varlen = cu_seqlens_k is not None
+    do_qk, x = qk is not None, (k if qk is not None else v)
+    B, Hkv, Sk, D = _seq_len(x, layout, varlen, cu_seqlens_k, max_seqlen_k)
+    dev = x.device
+    bd = triton.next_power_of_2(D)
+    f32 = torch.float32
+    if do_qk:
+        _, Hq, Sq, _ = _seq_len(q, layout, varlen, cu_seqlens_q, max_seqlen_q)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+        qmax, code_dtype = (INT8_MAX, torch.int8) if qk == "int8" else (E4M3_MAX, torch.float8_e4m3fn)
+        qrows = warp_q if granularity == "per_warp" else block_q
+        nq, nq_grid, nk = n_q_groups(Sq, granularity, block_q, warp_q), -(-Sq // qrows), -(-Sk // block_k)
+        # every scale group the grid covers is written (scale 1 where a group has no row); only per-warp groups
+        # past the last row's block need their 1 beforehand
+        q_scale = (torch.empty if nq == nq_grid else torch.ones)(B, Hq, nq, device=dev, dtype=f32)
+        k_scale = torch.empty(B, Hkv, nk, device=dev, dtype=f32)
+        qc = torch.empty(q.shape, device=dev, dtype=code_dtype)
+        kc = torch.empty(k.shape, device=dev, dtype=code_dtype)
+        km = torch.empty(B, Hkv, 1, D, device=dev, dtype=f32) if smooth_k else None
+    if key_order == "auto":
+        key_order = (fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
+                                     k_scale_rows=block_k) if do_qk and pv == "fp8" else "natural")
+    vo = vs = vr = None
+    if pv == "fp8":
+        if key_order not in KEY_ORDERS:
+            raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")
+        if varlen and key_order != "natural":
+            raise ValueError(f"key_order={key_order!r} needs dense V (varlen V is stored in natural key order)")
+        # sequence-contiguous storage (a view of a (B, H, D, S_pad) / (H, D, T_pad) buffer): the P·V tile is K-major
+        if varlen:
+            T = v.shape[0]
+            buf = torch.empty(Hkv, D, -(-T // 16) * 16, device=dev, dtype=torch.float8_e4m3fn)
+            vo = buf[:, :, :T].permute(2, 0, 1)
+        else:
+            pad = 32 if key_order == "wgmma32" else 16
+            buf = torch.empty(B, Hkv, D, -(-Sk // pad) * pad, device=dev, dtype=torch.float8_e4m3fn)
+            if key_order == "wgmma32" and Sk % 32:
+                buf[..., Sk // 32 * 32:].zero_()  # the last chunk's unused positions: P is 0 there, and 0 · 0 = 0
+            vo = buf[..., :Sk].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :Sk].permute(0, 3, 1, 2)
+    elif pv == "fp16":
+        vo = torch.empty_like(v, dtype=torch.float16)
+    elif pv is not None:
+        raise ValueError(f"pv must be 'fp8', 'fp16' or None, got {pv!r}")
+    if vo is not None:
+        vs = torch.empty(B, Hkv, D, device=dev, dtype=f32)
+        vr = torch.empty_like(vs)
+    k_sum, v_amax = do_qk and smooth_k, vo is not None
+    dummy = vs if vs is not None else k_scale
+    cu_q = cu_seqlens_q if (varlen and do_qk) else dummy
+    cu_k = cu_seqlens_k if varlen else dummy
+    z4 = (0, 0, 0, 0)
+    # 1. statistics (K sums, V amax) and Q's codes
+    n_chunks = max(1, -(-Sk // _STAT_CHUNK))
+    n_stat = n_chunks * B * Hkv if (k_sum or v_amax) else 0
+    n_qp = nq_grid * B * Hq if do_qk else 0
+    pk = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if k_sum else dummy
+    pvm = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if v_amax else dummy
+    if n_stat + n_qp:
+        sub = max(8, min(64, 4096 // bd))
+        _PREPASS_STATS[(n_stat + n_qp,)](
+            q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy, k if do_qk else dummy,
+            v if v_amax else dummy, pk, pvm, cu_q, cu_k,
+            *(_views(q, layout, varlen) if do_qk else z4), *(_views(qc, layout, varlen) if do_qk else z4),
+            q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0,
+            *(_views(k, layout, varlen) if k_sum else z4), *(_views(v, layout, varlen) if v_amax else z4),
+            Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
+            n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0,
+            Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=triton.next_power_of_2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
+            QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=_STAT_CHUNK, SUB=sub, DO_Q=do_qk,
+            K_SUM=k_sum, V_AMAX=v_amax, VARLEN=varlen, INTERPRET=INTERPRETED,
+            num_warps=8 if do_qk and qrows * bd >= 8192 else 4)
+    # 2. the K mean, V's scales and multipliers
+    if k_sum or v_amax:
+        ch = max(1, min(triton.next_power_of_2(n_chunks), 4096 // bd))
+        _PREPASS_FINALIZE[(B * Hkv,)](
+            pk, pvm, km if k_sum else dummy, vs if v_amax else dummy, vr if v_amax else dummy, cu_k, Hkv, Sk,
+            n_chunks, km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
+            D=D, BLOCK_D=bd, CH=ch, K_SUM=k_sum, V_AMAX=v_amax, FP16=pv == "fp16", VARLEN=varlen, num_warps=4)
+    # 3. K's and V's codes, one K scale group's rows a program
+    rows = block_k if do_qk else 64
+    _PREPASS_CODES[(max(1, -(-Sk // rows)), B * Hkv)](
+        k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
+        v if v_amax else dummy, vo if v_amax else dummy, vr if v_amax else dummy, cu_k,
+        *(_views(k, layout, varlen) if do_qk else z4), *(_views(kc, layout, varlen) if do_qk else z4),
+        k_scale.stride(0) if do_qk else 0, k_scale.stride(1) if do_qk else 0,
+        km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
+        *(_views(v, layout, varlen) if v_amax else z4), *(_views(vo, layout, varlen) if v_amax else z4),
+        Hkv, Sk, nk if do_qk else 0,
+        ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
+        TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
+        KEY_PERM=v_amax and key_order == "wgmma32", VARLEN=varlen, INTERPRET=INTERPRETED,
+        num_warps=8 if rows * bd >= 8192 else 4)
+    qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
+          if do_qk else None)
+    return qq, vo, vs, key_order
+
+
 def quantize_qk_triton(q, k, *, dtype="int8", granularity="per_block", smooth_k=True, block_q=128, block_k=64,
                        warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q=None, max_seqlen_k=None) -> QKQuantized:
-    """Fused scale + quantize of Q and K (same outputs as ``quantize_qk_reference``)."""
-    varlen = cu_seqlens_q is not None
-    B, Hq, Sq, D = _dims(q, layout, varlen)
-    _, Hkv, Sk, _ = _dims(k, layout, varlen)
-    if varlen:
-        B = cu_seqlens_q.numel() - 1
-        Sq = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        Sk = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
-    mult = _f32(scale * LOG2E)
-    qmax = INT8_MAX if dtype == "int8" else E4M3_MAX
-    code_dtype = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
-    to_fp8 = dtype == "fp8"
-    qrows = warp_q if granularity == "per_warp" else block_q
-    nq = n_q_groups(Sq, granularity, block_q, warp_q)
-    nk = -(-Sk // block_k)
-    dev = q.device
-    # every scale group the grid covers is written (scale 1 where a group has no row); only per-warp groups past
-    # the last row's block need their 1 beforehand
-    q_scale = (torch.empty if nq == -(-Sq // qrows) else torch.ones)(B, Hq, nq, device=dev, dtype=torch.float32)
-    k_scale = torch.empty(B, Hkv, nk, device=dev, dtype=torch.float32)
-    qc = torch.empty(q.shape, device=dev, dtype=code_dtype)
-    kc = torch.empty(k.shape, device=dev, dtype=code_dtype)
-    km = _k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k) if smooth_k else None
-    bd = triton.next_power_of_2(D)
-    cu_q = cu_seqlens_q if varlen else q_scale  # dummy pointer when unused
-    cu_k = cu_seqlens_k if varlen else k_scale
-    common = dict(BLOCK_D=bd, D=D, QMAX=qmax, TO_FP8=to_fp8, VARLEN=varlen, INTERPRET=INTERPRETED)
-    warps = lambda rows: 8 if rows * bd >= 8192 else 4  # noqa: E731
-    # Q: every group of the padded grid, including trailing per-warp groups past the end (scale 1).
-    _QUANT_ROWS[(-(-Sq // qrows), B * Hq)](
-        q, qc, q_scale, q_scale, cu_q, *_views(q, layout, varlen), *_views(qc, layout, varlen),
-        q_scale.stride(0), q_scale.stride(1), 0, 0, Hq, Sq, nq, mult,
-        ROWS=qrows, ROWS_P2=triton.next_power_of_2(qrows), HAS_MEAN=False, num_warps=warps(qrows), **common)
-    kmv = km if km is not None else k_scale
-    _QUANT_ROWS[(nk, B * Hkv)](
-        k, kc, k_scale, kmv, cu_k, *_views(k, layout, varlen), *_views(kc, layout, varlen),
-        k_scale.stride(0), k_scale.stride(1), kmv.stride(0) if km is not None else 0,
-        kmv.stride(1) if km is not None else 0, Hkv, Sk, nk, 1.0,
-        ROWS=block_k, ROWS_P2=triton.next_power_of_2(block_k), HAS_MEAN=km is not None, num_warps=warps(block_k), **common)
-    return QKQuantized(qc, kc, q_scale, k_scale, km, scale, dtype, granularity, block_q, block_k, warp_q)
-
-
-def _quantize_v(v, out, layout, cu_seqlens_k, max_seqlen_k, fp16, key_perm=False):
-    """V -> out (E4M3 codes, or FP16 with ``fp16``) and the per-channel dequantization scales (B, H, D): per-chunk
-    channel amax, then the scales and the quantizer's multipliers, then the codes (three launches)."""
-    varlen = cu_seqlens_k is not None
-    B, H, S, D = _dims(v, layout, varlen)
-    if varlen:
-        B = cu_seqlens_k.numel() - 1
-        S = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    chunk = 64
-    nch = max(1, -(-S // chunk))
-    bd = triton.next_power_of_2(D)
-    part = torch.empty(B * H, nch, D, device=v.device, dtype=torch.float32)
-    cu = cu_seqlens_k if varlen else part
-    _V_AMAX[(nch, B * H)](v, part, cu, *_views(v, layout, varlen), H, S, nch,
-                          CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, num_warps=4)
-    v_scale = torch.empty(B, H, D, device=v.device, dtype=torch.float32)
-    inv = torch.empty_like(v_scale)
-    _V_SCALE[(B * H,)](part, v_scale, inv, nch, D=D, BLOCK_D=bd, CH=8, FP16=fp16, num_warps=4)
-    _V_QUANT[(nch, B * H)](v, out, inv, cu, *_views(v, layout, varlen), *_views(out, layout, varlen), H, S,
-                           CHUNK=chunk, BLOCK_D=bd, D=D, VARLEN=varlen, FP16=fp16, INTERPRET=INTERPRETED,
-                           KEY_PERM=key_perm, num_warps=4)
-    return out, v_scale
+    """Fused scale + quantize of Q and K (``prepass_triton`` without V): ``quantize_qk_reference`` bit for bit given
+    the same K mean."""
+    return prepass_triton(q, k, None, qk=dtype, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                          block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, layout=layout,
+                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k)[0]
 
 
 KEY_ORDERS = ("natural", "wgmma32")
@@ -617,21 +737,9 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
     """
     if key_order not in KEY_ORDERS:
         raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")
-    varlen = cu_seqlens_k is not None
-    if varlen and key_order != "natural":
-        raise ValueError(f"key_order={key_order!r} needs dense V (varlen V is stored in natural key order)")
-    B, H, S, D = _dims(v, layout, varlen)
-    if varlen:
-        T = v.shape[0]
-        buf = torch.empty(H, D, -(-T // 16) * 16, device=v.device, dtype=torch.float8_e4m3fn)
-        v8 = buf[:, :, :T].permute(2, 0, 1)
-    else:
-        pad = 32 if key_order == "wgmma32" else 16
-        buf = torch.empty(B, H, D, -(-S // pad) * pad, device=v.device, dtype=torch.float8_e4m3fn)
-        if key_order == "wgmma32" and S % 32:
-            buf[..., S // 32 * 32:].zero_()  # the last chunk's unused positions: P is 0 there, and 0 · 0 = 0
-        v8 = buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
-    return _quantize_v(v, v8, layout, cu_seqlens_k, max_seqlen_k, fp16=False, key_perm=key_order == "wgmma32")
+    _, v8, vs, _ = prepass_triton(None, None, v, pv="fp8", layout=layout, cu_seqlens_k=cu_seqlens_k,
+                                  max_seqlen_k=max_seqlen_k, key_order=key_order)
+    return v8, vs
 
 
 def _wgmma32_storage(v8, layout):
@@ -689,7 +797,9 @@ def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=
     Per (batch, head, channel) V is multiplied by 2^e (e = 15 - floor(log2 amax), so amax lands in [2^15, 65280])
     and rounded to FP16: exact wherever the result is a normal FP16 number (BF16 has 8 significant bits, FP16 11),
     and the kernel's output is multiplied back by the exact 2^-e."""
-    return _quantize_v(v, torch.empty_like(v, dtype=torch.float16), layout, cu_seqlens_k, max_seqlen_k, fp16=True)
+    _, v16, vs, _ = prepass_triton(None, None, v, pv="fp16", layout=layout, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_k=max_seqlen_k)
+    return v16, vs
 
 
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,

@@ -362,15 +362,16 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     from . import _triton
     _check_triton(q.shape[-1], q.device)
     kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
-    if quant_qk:
-        qq = _triton.quantize_qk_triton(q, k, dtype=qk, granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                                        block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, **kw)
-        qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
-    else:
-        qa, ka, qs, ks, km, rows = q, k, None, None, None, block_q
-    order = (_triton.fp8_v_key_order(qa, ka, layout=lay, varlen=cu_q is not None, causal=causal, window=window,
-                                     k_scale_rows=block_k) if pv == "fp8" else "natural")
-    va, vs = _quantize_v(pv, v, lay, cu_k, mk, "triton", key_order=order)
+    qa, ka, qs, ks, km, rows, va, vs, order = q, k, None, None, None, block_q, v, None, "natural"
+    if quant_qk or pv != "native":  # one prepass (three launches) for everything the call quantizes
+        qq, vq, vsq, order = _triton.prepass_triton(
+            q, k, v, qk=qk if quant_qk else None, pv=None if pv == "native" else pv, granularity=granularity,
+            smooth_k=smooth_k, block_q=block_q, block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale,
+            key_order="auto", causal=causal, window=window, **kw)
+        if qq is not None:
+            qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
+        if vq is not None:
+            va, vs = vq, vsq
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,

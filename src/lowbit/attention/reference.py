@@ -186,10 +186,11 @@ class QKQuantized:
 
 def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = None,
            max_seqlen_k: Optional[int] = None) -> Tensor:
-    """Mean of K over the sequence in FP32: (B, Hkv, 1, D).
+    """Mean of K over the sequence in FP32: (B, Hkv, 1, D) (a packed sequence of length 0: zeros).
 
-    Both the reference and the Triton prepass call this same function on the same tensor, so the
-    smoothing offsets (and hence the INT8 codes) agree bit for bit on a given device.
+    The Triton prepass computes the same mean with its own FP32 summation order (``_triton.prepass_triton``: 128-row
+    chunk sums added in order), so the two agree to FP32 rounding; ``quantize_qk_reference(..., k_mean=...)`` takes
+    the prepass's mean where codes are compared bit for bit.
     """
     if cu_seqlens_k is not None:
         nb = cu_seqlens_k.numel() - 1
@@ -203,6 +204,9 @@ def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = 
         return (s / lens.clamp(min=1).to(torch.float32)[:, None, None]).unsqueeze(2)
     # dtype= sums in FP32 while reading K in its own dtype (no FP32 copy of K, which cost as much as the quantization)
     return _bhsd(k, layout).mean(dim=2, keepdim=True, dtype=torch.float32)
+
+
+_k_mean = k_mean  # the name quantize_qk_reference reaches past its k_mean argument
 
 
 def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
@@ -248,10 +252,13 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
                           smooth_k: bool = True, block_q: int = 128, block_k: int = 64, warp_q: int = 32,
                           softmax_scale: Optional[float] = None, layout: str = "bhsd",
                           cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                          max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> QKQuantized:
+                          max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                          k_mean: Optional[Tensor] = None) -> QKQuantized:
     """Quantize Q and K to INT8 (or FP8 E4M3) with SageAttention's scale shapes (module docstring).
 
     Dense: q (B, Hq, Sq, D)/(B, Sq, Hq, D), k likewise.  Varlen: packed (T, H, D) + cu_seqlens.
+    ``k_mean`` (smooth_k, fp32 (B, Hkv, 1, D)): the mean to subtract instead of ``k_mean(k)``, e.g. the one a
+    prepass computed, whose FP32 sum runs in another order (the codes then compare bit for bit).
     """
     if dtype not in QMAX:
         raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
@@ -261,7 +268,12 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
     # Python float -> fp32 scalar, exactly as the Triton launcher passes it.
     mult = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
     qrows = warp_q if granularity == "per_warp" else block_q
-    km = k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k) if smooth_k else None
+    if not smooth_k:
+        km = None
+    elif k_mean is not None:
+        km = k_mean
+    else:
+        km = _k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     code_dtype = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
     if cu_seqlens_q is not None:
         segs_q, segs_k = _split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k)
