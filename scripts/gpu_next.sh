@@ -185,10 +185,13 @@ case "${1:-verify}" in
       [ -d ab_old ] && stage 60 python3 ab_old/scripts/attn_prepass_probe.py --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}"
       stage 60 python3 scripts/attn_prepass_probe.py --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}" --separate
     done ;;
-  s27b)  # session 27: lowbit bench attention before (ab_old/) and after the three-launch prepass, INT8·FP8
+  s27b)  # session 27: the prepass's launch parameters (tests), then lowbit bench attention before (ab_old/) and after the
+          # three-launch prepass, INT8·FP8
+    stage 200 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention/test_gluon.py tests/attention/test_gpu.py -k "fused or launches or prepass or 1000" -rfE --tb=short
     for r in old new; do
       d=.; [ $r = old ] && d=ab_old; [ -d $d ] || continue
-      stage 280 env PYTHONPATH="$d/src:${PYTHONPATH#src:}" python3 -m lowbit bench attention \
+      stage 190 env PYTHONPATH="$d/src:${PYTHONPATH#src:}" python3 -m lowbit bench attention \
         --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}" --modes int8/fp8 --rep-ms 100 --out "$OUT/attn-$r"
     done ;;
   s26d)  # session 26, final code: the host time of one quantized attention call before (ab_old/: c3ccd01) and after,

@@ -131,7 +131,7 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
 @needs_sm90
 @pytest.mark.parametrize("D,causal,granularity", [(128, False, "per_block"), (64, True, "per_warp")])
 def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch):
-    """The quantized call's six launches (prepass and forward) reuse their compiled kernels by specialization key
+    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by specialization key
     (lowbit._launch.SpecializedLaunch): a second call with new data of the same shape goes through that shortcut,
     and its output and LSE equal, bit for bit, those of Triton's own launch path."""
     from lowbit import _launch
@@ -142,7 +142,7 @@ def test_launches_without_triton_binding_are_the_same(D, causal, granularity, mo
     again = [torch.randn(*shape, generator=g, device="cuda").bfloat16() for _ in range(3)]
     kw = dict(causal=causal, qk="int8", pv="fp8", granularity=granularity, return_lse=True)
     A.attention(*first, **kw)
-    launches = [T._QUANT_ROWS, T._V_AMAX, T._V_SCALE, T._V_QUANT, G._LAUNCHER]
+    launches = [T._PREPASS_STATS, T._PREPASS_FINALIZE, T._PREPASS_CODES, G._LAUNCHER]
     sizes = [len(x.compiled) for x in launches]
     assert all(sizes), sizes  # each launch went through the shortcut's first call
     jit_runs = []
@@ -153,7 +153,7 @@ def test_launches_without_triton_binding_are_the_same(D, causal, granularity, mo
     assert not jit_runs and _launch._ENABLED  # every launch took the shortcut
     monkeypatch.setattr(_launch, "_ENABLED", False)
     o0, l0 = A.attention(*again, **kw)
-    assert len(jit_runs) == 6  # the Q and K rows, V's amax / scales / codes, the forward: Triton's path
+    assert len(jit_runs) == 4  # statistics + Q, finalize, K/V codes, the forward: Triton's path
     assert torch.equal(o1, o0) and torch.equal(l1, l0)
 
 

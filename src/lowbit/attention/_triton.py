@@ -586,7 +586,13 @@ def _seq_len(x, layout, varlen, cu, max_seqlen):
     return B, H, S, D
 
 
-_STAT_CHUNK = 128  # key rows a statistics program reads (its partials: ceil(S / 128) per (batch, kv head))
+# Launch parameters (scripts/attn_prepass_sweep.py; H200, 2026-11-24, the whole INT8·FP8 prepass from CUDA graphs:
+# B4 H32 S4096 D128 263 us with these against 301 us with 128-row chunks, 32-row loads and 8 warps for 128 x 128
+# groups; B8 H16 S2048 D64 72.7 against 76.5 us). None = the rule in prepass_triton.
+_STAT_CHUNK = None  # key rows a statistics program reads: None = 16384 elements' worth (128 at D = 128), 64..256
+_STAT_SUB = 16  # rows a statistics program loads at once
+_STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
+_CODES_WARPS = 4  # warps of the codes launch (8 for 64 x 128 groups was 9% slower)
 
 
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
@@ -595,7 +601,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     """Quantize what an attention call needs in three launches: Q and K (``qk`` "int8" / "fp8", or None to leave
     them) and V (``pv`` "fp8" / "fp16", or None). Outputs equal ``quantize_qk_reference(..., k_mean=<this
     mean>)`` and ``quantize_v_fp8_reference`` / ``quantize_v_fp16_reference`` bit for bit; the K mean is the FP32
-    column sum of 128-row chunks added in order, divided by the length (``reference.k_mean`` sums in torch's
+    column sums of chunks of key rows (``_STAT_CHUNK``) added in order, divided by the length (``reference.k_mean`` sums in torch's
     order: the two agree to FP32 rounding).
 
     ``key_order`` (FP8 V): "natural", "wgmma32" (dense only, see ``quantize_v_fp8_triton``) or "auto": what
@@ -657,13 +663,14 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     cu_k = cu_seqlens_k if varlen else dummy
     z4 = (0, 0, 0, 0)
     # 1. statistics (K sums, V amax) and Q's codes
-    n_chunks = max(1, -(-Sk // _STAT_CHUNK))
+    chunk = _STAT_CHUNK or max(64, min(256, 16384 // bd))
+    n_chunks = max(1, -(-Sk // chunk))
     n_stat = n_chunks * B * Hkv if (k_sum or v_amax) else 0
     n_qp = nq_grid * B * Hq if do_qk else 0
     pk = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if k_sum else dummy
     pvm = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if v_amax else dummy
     if n_stat + n_qp:
-        sub = max(8, min(64, 4096 // bd))
+        sub = min(_STAT_SUB, chunk)
         _PREPASS_STATS[(n_stat + n_qp,)](
             q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy, k if do_qk else dummy,
             v if v_amax else dummy, pk, pvm, cu_q, cu_k,
@@ -673,9 +680,9 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
             Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
             n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0,
             Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=triton.next_power_of_2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
-            QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=_STAT_CHUNK, SUB=sub, DO_Q=do_qk,
+            QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=chunk, SUB=sub, DO_Q=do_qk,
             K_SUM=k_sum, V_AMAX=v_amax, VARLEN=varlen, INTERPRET=INTERPRETED,
-            num_warps=8 if do_qk and qrows * bd >= 8192 else 4)
+            num_warps=_STATS_WARPS)
     # 2. the K mean, V's scales and multipliers
     if k_sum or v_amax:
         ch = max(1, min(triton.next_power_of_2(n_chunks), 4096 // bd))
@@ -696,7 +703,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
         KEY_PERM=v_amax and key_order == "wgmma32", VARLEN=varlen, INTERPRET=INTERPRETED,
-        num_warps=8 if rows * bd >= 8192 else 4)
+        num_warps=_CODES_WARPS)
     qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
           if do_qk else None)
     return qq, vo, vs, key_order

@@ -188,8 +188,8 @@ def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = 
            max_seqlen_k: Optional[int] = None) -> Tensor:
     """Mean of K over the sequence in FP32: (B, Hkv, 1, D) (a packed sequence of length 0: zeros).
 
-    The Triton prepass computes the same mean with its own FP32 summation order (``_triton.prepass_triton``: 128-row
-    chunk sums added in order), so the two agree to FP32 rounding; ``quantize_qk_reference(..., k_mean=...)`` takes
+    The Triton prepass computes the same mean with its own FP32 summation order (``_triton.prepass_triton``: sums of
+    chunks of rows added in order), so the two agree to FP32 rounding; ``quantize_qk_reference(..., k_mean=...)`` takes
     the prepass's mean where codes are compared bit for bit.
     """
     if cu_seqlens_k is not None:
