@@ -1,5 +1,5 @@
 """The attention prepass's launch parameters swept (``_triton._STAT_CHUNK`` / ``_STAT_SUB`` / ``_STATS_WARPS`` /
-``_CODES_WARPS``): the whole INT8·FP8 prepass from CUDA graph replays and its two big kernels from the torch
+``_CODES_WARPS`` / ``_STAT_SPLIT``): the whole INT8·FP8 prepass from CUDA graph replays and its two big kernels from the torch
 profiler, then each part alone (Q's codes, the K/V statistics) with the defaults.
 
     python scripts/attn_prepass_sweep.py [--shapes "4,32,4096,128;8,16,2048,64"]
@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--chunks", default="64,128,256")
     ap.add_argument("--subs", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--splits", default="0,1", help="_STAT_SPLIT values")
     args = ap.parse_args()
     from lowbit.attention import _triton as T
 
@@ -39,20 +40,25 @@ def main():
         print(f"B{B} H{H} S{S} D{D}: copy of Q {copy * 1e3:.1f} us ({4 * n / copy * 1e-6:.0f} GB/s); "
               f"the prepass at copy speed {872 / 402 * 3 * 2 * n / (4 * n) * copy * 1e3:.0f} us")
         fused = lambda: T.prepass_triton(q, k, v, qk="int8", pv="fp8", key_order="wgmma32")  # noqa: E731
-        rows, defaults = [], (T._STAT_CHUNK, T._STAT_SUB, T._STATS_WARPS, T._CODES_WARPS)
-        for chunk, sub, sw, cw in itertools.product(ints(args.chunks), ints(args.subs), ints(args.warps), ints(args.warps)):
-            if sub > chunk:
+        names = ("_STAT_CHUNK", "_STAT_SUB", "_STATS_WARPS", "_CODES_WARPS", "_STAT_SPLIT")
+        rows, defaults = [], [getattr(T, x) for x in names]
+        for cfg in itertools.product(ints(args.chunks), ints(args.subs), ints(args.warps), ints(args.warps),
+                                     ints(args.splits)):
+            if cfg[1] > cfg[0]:
                 continue
-            T._STAT_CHUNK, T._STAT_SUB, T._STATS_WARPS, T._CODES_WARPS = chunk, sub, sw, cw
+            for x, val in zip(names, cfg):
+                setattr(T, x, val)
             fused()
             ms = triton.testing.do_bench_cudagraph(fused, rep=100)
             kt = kernel_times(fused, iters=10)
-            rows.append((ms, chunk, sub, sw, cw, kt.get("_prepass_stats_kernel", 0), kt.get("_prepass_codes_kernel", 0)))
+            rows.append((ms, cfg, kt.get("_prepass_stats_kernel", 0), kt.get("_prepass_codes_kernel", 0),
+                         sum(t for n, t in kt.items() if not n.startswith("_prepass"))))
         rows.sort()
-        print("  chunk sub stats_warps codes_warps |   total us | stats us | codes us")
-        for ms, chunk, sub, sw, cw, st, co in rows:
-            print(f"  {chunk:5d} {sub:3d} {sw:11d} {cw:11d} | {ms * 1e3:10.1f} | {st:8.1f} | {co:8.1f}")
-        T._STAT_CHUNK, T._STAT_SUB, T._STATS_WARPS, T._CODES_WARPS = defaults
+        print("  chunk sub stats_warps codes_warps split |   total us | stats us | codes us | other us")
+        for ms, cfg, st, co, ot in rows:
+            print("  {:5d} {:3d} {:11d} {:11d} {:5d}".format(*cfg) + f" | {ms * 1e3:10.1f} | {st:8.1f} | {co:8.1f} | {ot:8.1f}")
+        for x, val in zip(names, defaults):
+            setattr(T, x, val)
         parts = {
             "Q codes alone (stats launch, DO_Q only) + K codes": lambda: T.prepass_triton(q, k, None, qk="int8", smooth_k=False),
             "V alone (amax, finalize, codes)": lambda: T.prepass_triton(None, None, v, pv="fp8", key_order="wgmma32"),

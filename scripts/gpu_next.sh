@@ -177,6 +177,13 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s27c)  # session 27, final prepass (K/V statistics split, 256-row chunks, keys permuted on the load): the attention GPU
+          # tests, the prepass probe, then lowbit bench attention INT8·FP8 (the prepass row is now the fused call, graphed)
+    stage 260 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention -rfE --tb=short
+    stage 60 python3 scripts/attn_prepass_probe.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64" --separate
+    stage 200 python3 -m lowbit bench attention --shapes "${SHAPES:-4,32,4096,128;8,16,2048,64}" --modes int8/fp8 \
+      --rep-ms 100 --out "$OUT/attn" ;;
   s27a)  # session 27: the prepass in three launches (_triton.prepass_triton): the attention GPU tests, then the prepass
           # before (ab_old/: the previous commit) and after, interleaved
     stage 300 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

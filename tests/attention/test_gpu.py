@@ -314,6 +314,8 @@ def test_fused_prepass_equals_separate_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D
             (rand(B, Hkv, Sk, D, dtype=torch.float32, seed=2) + off).to(dtype), rand(B, Hkv, Sk, D, dtype=dtype, seed=3)
         if layout == "bshd":
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    junk = torch.full((B * Hkv * D * (Sk + 32),), 0x7F, dtype=torch.uint8, device="cuda")  # freed: the caching
+    del junk  # allocator hands its block out again, so unwritten bytes of a fresh buffer would show as 0x7F
     qq, vo, vs, order = tri.prepass_triton(q, k, v, qk=qk, pv=pv, key_order="auto", causal=True, **kw)
     want = tri.fp8_v_key_order(qq.q, qq.k, layout=layout, varlen=lens is not None, causal=True) if pv == "fp8" else "natural"
     assert order == want
@@ -329,6 +331,12 @@ def test_fused_prepass_equals_separate_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D
         assert torch.equal(vo.float(), sep[0].float()) and torch.equal(vs, sep[1])
         nat = vo if order == "natural" else tri._v_natural_order(vo, layout)
         assert torch.equal(nat.float(), ref[0].float()) and torch.equal(vs, ref[1])
+        if order == "wgmma32":  # every position of the last 32-key chunk written, 0 past the last key
+            full = tri._wgmma32_storage(vo, layout).view(torch.uint8)
+            used = tri.wgmma32_position(torch.arange(Sk, device="cuda"))
+            mask = torch.ones(full.shape[-1], dtype=torch.bool, device="cuda")
+            mask[used] = False
+            assert not full[..., mask].any()
     else:
         sep = tri.quantize_v_fp16_triton(v, **vkw)
         ref = R.quantize_v_fp16_reference(v, **{n: x for n, x in vkw.items() if n != "max_seqlen_k"})

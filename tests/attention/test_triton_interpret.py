@@ -117,7 +117,8 @@ def test_prepass_varlen_bit_exact(tri):
     assert torch.equal(v16, r16) and torch.equal(vs, rs)
 
 
-@pytest.mark.parametrize("pv,layout,varlen", [("fp8", "bhsd", False), ("fp16", "bshd", False), ("fp8", "bhsd", True)])
+@pytest.mark.parametrize("pv,layout,varlen", [("fp8", "bhsd", False), ("fp8", "bshd", False), ("fp16", "bshd", False),
+                                               ("fp8", "bhsd", True)])
 def test_fused_prepass_equals_separate(tri, pv, layout, varlen):
     """``prepass_triton`` (Q, K and V in three launches) gives what ``quantize_qk_triton`` and ``quantize_v_*_triton``
     give, bit for bit, and both equal the references (on the prepass's K mean). 300 keys: three statistics chunks,
@@ -146,6 +147,12 @@ def test_fused_prepass_equals_separate(tri, pv, layout, varlen):
     for got in (sep, ref):
         assert torch.equal(vo.float(), got[0].float()) and torch.equal(vs, got[1])
     assert vo.stride() == sep[0].stride()  # the same (sequence-contiguous for FP8) storage
+    if pv == "fp8" and not varlen:  # the Gluon kernel's key order, with K groups (16 rows) narrower than a 32-key chunk
+        _, p8, ps, _ = tri.prepass_triton(q, k, v, qk="int8", pv="fp8", key_order="wgmma32", **qkw)
+        assert torch.equal(ps, vs) and torch.equal(tri._v_natural_order(p8, layout).float(), vo.float())
+        st = lambda t: t.permute(0, 1, 3, 2) if layout == "bhsd" else t.permute(0, 2, 3, 1)  # noqa: E731  (B,H,D,S)
+        full = st(p8).as_strided(st(p8).shape[:3] + (320,), st(p8).stride()).view(torch.uint8)
+        assert not full[..., sorted(set(range(320)) - set(tri.wgmma32_position(torch.arange(300)).tolist()))].any()
     with pytest.raises(ValueError, match="nothing to quantize"):
         tri.prepass_triton(q, k, v)
 

@@ -153,45 +153,64 @@ def _seq_base(X, CU, b, h, sb, sh, ss, seqlen, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _col_stats(K, V, PK, PV, CUK, idx, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+               BLOCK_D: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+               K_SUM: tl.constexpr, V_AMAX: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk c = idx % n_chunks of CHUNK key rows of (batch·kv head) idx // n_chunks -> PK[bh, c, :] = FP32 column
+    sums of K (K_SUM), PV[bh, c, :] = column max of |V| (V_AMAX); rows past the sequence add 0."""
+    c = idx % n_chunks
+    bh = idx // n_chunks
+    b = bh // Hkv
+    h = bh % Hkv
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, SUB)
+    seqlen = Sk
+    if K_SUM:
+        kb, seqlen = _seq_base(K, CUK, b, h, skb, skh, sks, Sk, VARLEN)
+        acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+    if V_AMAX:
+        vb, seqlen = _seq_base(V, CUK, b, h, svb, svh, svs, Sk, VARLEN)
+        amx = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(CHUNK // SUB):
+        rows = c * CHUNK + i * SUB + r
+        m = (rows[:, None] < seqlen) & (d[None, :] < D)
+        roff = rows.to(tl.int64)[:, None]
+        if K_SUM:
+            acc += tl.load(kb + roff * sks + d[None, :] * skd, mask=m, other=0.0).to(tl.float32)
+        if V_AMAX:
+            amx = tl.maximum(amx, tl.abs(tl.load(vb + roff * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)))
+    out = (bh.to(tl.int64) * n_chunks + c) * D + d
+    if K_SUM:
+        tl.store(PK + out, tl.sum(acc, 0), mask=d < D)
+    if V_AMAX:
+        tl.store(PV + out, tl.max(amx, 0), mask=d < D)
+
+
+@triton.jit
 def _prepass_stats_kernel(Q, QC, QS, K, V, PK, PV, CUQ, CUK,
                           sqb, sqh, sqs, sqd, scb, sch, scs, scd, ssb, ssh,
                           skb, skh, sks, skd, svb, svh, svs, svd,
                           Hq, Hkv, Sq, Sk, nq_groups, nq_grid, n_chunks, n_stat, mult,
                           Q_ROWS: tl.constexpr, Q_ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                           QMAX: tl.constexpr, TO_FP8: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                          DO_Q: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr, VARLEN: tl.constexpr,
-                          INTERPRET: tl.constexpr):
-    """Programs [0, n_stat): chunk c = pid % n_chunks of CHUNK key rows of (batch·kv head) pid // n_chunks ->
-    PK[bh, c, :] = FP32 column sums of K (K_SUM), PV[bh, c, :] = column max of |V| (V_AMAX); rows past the
-    sequence add 0. Programs [n_stat, n_stat + nq_grid·B·Hq) (DO_Q): one Q scale group each (``_rows_group``)."""
+                          DO_Q: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr, SPLIT: tl.constexpr,
+                          VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Programs [0, n_stat): one chunk of key rows each (``_col_stats``), both K's sums and V's amax, or (SPLIT, both
+    asked for) the first half K's and the second half V's. Programs [n_stat, n_stat + nq_grid·B·Hq) (DO_Q): one Q
+    scale group each (``_rows_group``)."""
     pid = tl.program_id(0)
     if pid < n_stat:
-        c = pid % n_chunks
-        bh = pid // n_chunks
-        b = bh // Hkv
-        h = bh % Hkv
-        d = tl.arange(0, BLOCK_D)
-        r = tl.arange(0, SUB)
-        seqlen = Sk
-        if K_SUM:
-            kb, seqlen = _seq_base(K, CUK, b, h, skb, skh, sks, Sk, VARLEN)
-            acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
-        if V_AMAX:
-            vb, seqlen = _seq_base(V, CUK, b, h, svb, svh, svs, Sk, VARLEN)
-            amx = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(CHUNK // SUB):
-            rows = c * CHUNK + i * SUB + r
-            m = (rows[:, None] < seqlen) & (d[None, :] < D)
-            roff = rows.to(tl.int64)[:, None]
-            if K_SUM:
-                acc += tl.load(kb + roff * sks + d[None, :] * skd, mask=m, other=0.0).to(tl.float32)
-            if V_AMAX:
-                amx = tl.maximum(amx, tl.abs(tl.load(vb + roff * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)))
-        out = (bh.to(tl.int64) * n_chunks + c) * D + d
-        if K_SUM:
-            tl.store(PK + out, tl.sum(acc, 0), mask=d < D)
-        if V_AMAX:
-            tl.store(PV + out, tl.max(amx, 0), mask=d < D)
+        if SPLIT:  # K's sums and V's amax in programs of their own (twice the programs, each reading one tensor)
+            n_kv = n_stat // 2
+            if pid < n_kv:
+                _col_stats(K, V, PK, PV, CUK, pid, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+                           BLOCK_D, D, CHUNK, SUB, True, False, VARLEN)
+            else:
+                _col_stats(K, V, PK, PV, CUK, pid - n_kv, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+                           BLOCK_D, D, CHUNK, SUB, False, True, VARLEN)
+        else:
+            _col_stats(K, V, PK, PV, CUK, pid, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+                       BLOCK_D, D, CHUNK, SUB, K_SUM, V_AMAX, VARLEN)
     elif DO_Q:
         p = pid - n_stat
         g = p % nq_grid
@@ -258,7 +277,10 @@ def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
     """Program (g, bh): K scale group g (rows g·ROWS ...) of (batch·kv head) bh -> K codes and scale (K_CODES,
     ``_rows_group`` with the mean), and V's same rows -> codes y = code(v · VR[bh, channel]) (V_CODES): E4M3
     (saturating RNE) or, V_FP16, v·2^e rounded to nearest even (exact unless it lands among FP16's subnormals).
-    KEY_PERM: key s is stored at position ``wgmma32_position(s)`` (see ``quantize_v_fp8_triton``)."""
+    KEY_PERM (dense V only): key s is stored at position ``wgmma32_position(s)`` (see ``quantize_v_fp8_triton``): the
+    program's rows are storage positions and it loads the key each holds, so its stores stay contiguous along the
+    sequence (permuting the stores instead was 25% slower), and the positions past the last key of its 32-key chunk
+    are written 0."""
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hkv
@@ -274,18 +296,23 @@ def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
         r_ = tl.arange(0, ROWS_P2)
         rows = g * ROWS + r_
         d = tl.arange(0, BLOCK_D)
-        m = (rows[:, None] < seqlen) & (r_[:, None] < ROWS) & (d[None, :] < D)
-        roff = rows.to(tl.int64)
-        x = tl.load(vb + roff[:, None] * svs + d[None, :] * svd, mask=m, other=0.0).to(tl.float32)
+        sm = (r_[:, None] < ROWS) & (d[None, :] < D)
+        if KEY_PERM:  # rows are storage positions: load the key each holds (the inverse of wgmma32_position)
+            key = (rows & ~31) | (rows & 0x11) | ((rows & 2) << 2) | ((rows >> 1) & 6)
+            lm = sm & (key[:, None] < seqlen)
+            sm = sm & (rows[:, None] < (seqlen + 31) // 32 * 32)  # the last chunk's unused positions get code 0
+        else:
+            key = rows
+            sm = sm & (rows[:, None] < seqlen)
+            lm = sm
+        x = tl.load(vb + key.to(tl.int64)[:, None] * svs + d[None, :] * svd, mask=lm, other=0.0).to(tl.float32)
         rv = tl.load(VR + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
         y = x * rv[None, :]
         if V_FP16:
             code = y.to(tl.float16)
         else:
             code = _to_e4m3(y, INTERPRET)
-        if KEY_PERM:  # wgmma32_position: within a 32-key chunk sigma = 16h + 8a + 2c + b goes to kappa = 16h + 4c + 2a + b
-            roff = (roff & ~31) | (roff & 0x11) | ((roff << 1) & 0xC) | ((roff >> 2) & 0x2)
-        tl.store(yb + roff[:, None] * sys_ + d[None, :] * syd, code, mask=m)
+        tl.store(yb + rows.to(tl.int64)[:, None] * sys_ + d[None, :] * syd, code, mask=sm)
 
 
 # ============================================================================ forward kernel
@@ -586,13 +613,14 @@ def _seq_len(x, layout, varlen, cu, max_seqlen):
     return B, H, S, D
 
 
-# Launch parameters (scripts/attn_prepass_sweep.py; H200, 2026-11-24, the whole INT8·FP8 prepass from CUDA graphs:
-# B4 H32 S4096 D128 263 us with these against 301 us with 128-row chunks, 32-row loads and 8 warps for 128 x 128
-# groups; B8 H16 S2048 D64 72.7 against 76.5 us). None = the rule in prepass_triton.
-_STAT_CHUNK = None  # key rows a statistics program reads: None = 16384 elements' worth (128 at D = 128), 64..256
+# Launch parameters (scripts/attn_prepass_sweep.py; H200, 2026-11-24, the whole INT8·FP8 prepass from CUDA graph
+# replays: B4 H32 S4096 D128 226.5 us, 0.92 of copy speed for its bytes, against 262.5 us with 128-row chunks, K and V
+# in the same programs and the keys permuted on the store; 301 us with those and 8 warps for the 128 x 128 Q groups).
+_STAT_CHUNK = None  # key rows a statistics program reads: None = 32768 elements' worth, 64..256 (256 at D <= 128)
 _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
 _CODES_WARPS = 4  # warps of the codes launch (8 for 64 x 128 groups was 9% slower)
+_STAT_SPLIT = True  # K's sums and V's amax in separate programs of the statistics launch (4-10% faster overall)
 
 
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
@@ -647,8 +675,6 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         else:
             pad = 32 if key_order == "wgmma32" else 16
             buf = torch.empty(B, Hkv, D, -(-Sk // pad) * pad, device=dev, dtype=torch.float8_e4m3fn)
-            if key_order == "wgmma32" and Sk % 32:
-                buf[..., Sk // 32 * 32:].zero_()  # the last chunk's unused positions: P is 0 there, and 0 · 0 = 0
             vo = buf[..., :Sk].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :Sk].permute(0, 3, 1, 2)
     elif pv == "fp16":
         vo = torch.empty_like(v, dtype=torch.float16)
@@ -663,9 +689,10 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     cu_k = cu_seqlens_k if varlen else dummy
     z4 = (0, 0, 0, 0)
     # 1. statistics (K sums, V amax) and Q's codes
-    chunk = _STAT_CHUNK or max(64, min(256, 16384 // bd))
+    chunk = _STAT_CHUNK or max(64, min(256, 32768 // bd))
     n_chunks = max(1, -(-Sk // chunk))
-    n_stat = n_chunks * B * Hkv if (k_sum or v_amax) else 0
+    split = bool(_STAT_SPLIT and k_sum and v_amax)
+    n_stat = n_chunks * B * Hkv * (2 if split else 1) if (k_sum or v_amax) else 0
     n_qp = nq_grid * B * Hq if do_qk else 0
     pk = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if k_sum else dummy
     pvm = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if v_amax else dummy
@@ -681,7 +708,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
             n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0,
             Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=triton.next_power_of_2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
             QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=chunk, SUB=sub, DO_Q=do_qk,
-            K_SUM=k_sum, V_AMAX=v_amax, VARLEN=varlen, INTERPRET=INTERPRETED,
+            K_SUM=k_sum, V_AMAX=v_amax, SPLIT=split, VARLEN=varlen, INTERPRET=INTERPRETED,
             num_warps=_STATS_WARPS)
     # 2. the K mean, V's scales and multipliers
     if k_sum or v_amax:
@@ -692,7 +719,10 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
             D=D, BLOCK_D=bd, CH=ch, K_SUM=k_sum, V_AMAX=v_amax, FP16=pv == "fp16", VARLEN=varlen, num_warps=4)
     # 3. K's and V's codes, one K scale group's rows a program
     rows = block_k if do_qk else 64
-    _PREPASS_CODES[(max(1, -(-Sk // rows)), B * Hkv)](
+    perm = v_amax and key_order == "wgmma32"
+    # "wgmma32": every position of the last 32-key chunk is written (0 past the last key: P is 0 there, and 0 · 0 = 0)
+    covered = -(-Sk // 32) * 32 if perm else Sk
+    _PREPASS_CODES[(max(1, -(-covered // rows)), B * Hkv)](
         k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
         v if v_amax else dummy, vo if v_amax else dummy, vr if v_amax else dummy, cu_k,
         *(_views(k, layout, varlen) if do_qk else z4), *(_views(kc, layout, varlen) if do_qk else z4),
@@ -702,7 +732,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         Hkv, Sk, nk if do_qk else 0,
         ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
-        KEY_PERM=v_amax and key_order == "wgmma32", VARLEN=varlen, INTERPRET=INTERPRETED,
+        KEY_PERM=perm, VARLEN=varlen, INTERPRET=INTERPRETED,
         num_warps=_CODES_WARPS)
     qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
           if do_qk else None)
@@ -736,10 +766,11 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
 
     The codes have v's logical shape but are stored sequence-contiguous (a view of a
     (B, H, D, S_pad) / (H, D, T_pad) buffer), so the P·V tile is K-major, as Hopper FP8 MMA needs.
-    Three launches: per-chunk channel amax, the scales (amax/448 and the multiplier 448/amax), the codes.
+    Three launches (``prepass_triton``): per-chunk channel amax, the scales (amax/448 and the multiplier 448/amax),
+    the codes.
 
     ``key_order="wgmma32"`` (dense only): the keys are stored in the Gluon kernel's order (``wgmma32_position``),
-    the buffer padded to whole 32-key chunks with zeros; the returned view's key index is then the storage position,
+    the buffer padded to whole 32-key chunks with zero codes; the returned view's key index is then the storage position,
     not the key (only ``attention_fwd_triton(..., v_key_order="wgmma32")`` reads it right).
     """
     if key_order not in KEY_ORDERS:

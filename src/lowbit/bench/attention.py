@@ -5,7 +5,8 @@ For each (B, H, S, D) and causal flag: median time (triton.testing.do_bench) and
   * peers: SDPA flash, SDPA cuDNN (BF16), sageattention ``sageattn`` if importable;
   * lowbit Triton kernel for qk/pv in bf16/bf16, int8/bf16, int8/fp16 (BF16 V carried in FP16, P·V in FP16),
     int8/fp8, fp8/fp8, kernel-only (operands quantized beforehand) and end-to-end (prepass included), and
-    the prepass alone (Q/K, V); int8/fp8 runs the warp-specialized Gluon kernel on sm_90 (``_gluon.py``), and
+    the prepass alone (``_triton.prepass_triton``, Q, K and V in three launches, timed from CUDA graph replays: its
+    GPU time, without the host's); int8/fp8 runs the warp-specialized Gluon kernel on sm_90 (``_gluon.py``), and
     its ``_kernel_triton`` / ``_e2e_triton`` rows the Triton kernel (``LOWBIT_ATTN_GLUON=0``) in the same run;
 and NRMSE vs an FP32 reference computed on batch 0, heads 0..3 (the kernels treat heads independently).
 Writes a markdown table and JSON lines to --out.
@@ -96,12 +97,13 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
                         out_dtype=torch.bfloat16), "kernel")
                     run(tag + "_e2e_triton", lambda: attention(q, k, v, causal=causal, qk="int8", pv="fp8",
                                                                backend="triton"), "end-to-end")
-        if qk != "bf16":
-            ms = median_ms(lambda qk=qk: T.quantize_qk_triton(q, k, dtype=qk), warmup=10, rep=100)
-            rows.append(dict(name=tag + "_prepass_qk", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
-        if pvr != "native":
-            ms = median_ms(lambda pvr=pvr: _quantize_v(pvr, v, "bhsd", None, None, "triton"), warmup=10, rep=100)
-            rows.append(dict(name=tag + "_prepass_v", kind="prepass", ms=ms, tflops=float("nan"), nrmse=float("nan")))
+        if qk != "bf16" or pvr != "native":  # the prepass as the end-to-end call runs it: its GPU time (graphed)
+            from triton.testing import do_bench_cudagraph
+            pre = lambda qk=qk, pvr=pvr, o=order: T.prepass_triton(  # noqa: E731
+                q, k, v, qk=None if qk == "bf16" else qk, pv=None if pvr == "native" else pvr, key_order=o)
+            pre()
+            ms = float(do_bench_cudagraph(pre, rep=100))
+            rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"), nrmse=float("nan")))
     del ref
     torch.cuda.empty_cache()
     return rows
