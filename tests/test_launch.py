@@ -137,6 +137,31 @@ def test_specialized_launch_keys_on_what_triton_specializes(fake_env):
         assert len(jit.calls) == n + 1, (args, kw)
 
 
+def test_keyed_launch_uses_the_callers_key(fake_env, monkeypatch):
+    """SpecializedLaunch.keyed: the caller's key (with the current device) instead of the built one; the launcher gets
+    the positional arguments, then every later parameter (kwargs, defaults filled in) in order; a new key compiles;
+    its keys are apart from launch()'s; with the shortcut off it is the JIT call."""
+    jit = _JIT()
+    jit.params = [_Param("x"), _Param("n"), _Param("BLOCK", True), _Param("FLAG", True, False, True)]
+    sl = _launch.SpecializedLaunch(jit)
+    x, y = _Tensor(4096), _Tensor(4100)  # a misaligned y under the same key: the caller's key is trusted
+    sl.keyed((2,), ("plan", 1), (x, 100), {"BLOCK": 64, "num_warps": 4})
+    assert jit.calls == [((2,), (x, 100, 64, False), {"num_warps": 4})]
+    sl.keyed((3,), ("plan", 1), (y, 7), {"BLOCK": 64, "num_warps": 4})
+    assert len(jit.calls) == 1 and jit.compiled.runs[0][:3] == (3, 1, 1) and jit.compiled.runs[0][-4:] == (y, 7, 64, False)
+    sl.keyed((3,), ("plan", 2), (y, 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
+    assert len(jit.calls) == 2 and jit.calls[1] == ((3,), (y, 7, 64, True), {"num_warps": 4})
+    sl[(1,)](x, 100, BLOCK=64, num_warps=4)  # launch()'s own key: not one of keyed()'s
+    assert len(jit.calls) == 3
+    fake_env_dev = _launch._driver.active
+    monkeypatch.setattr(fake_env_dev, "get_current_device", lambda: 1)  # another device: compiles there
+    sl.keyed((3,), ("plan", 1), (y, 7), {"BLOCK": 64, "num_warps": 4})
+    assert len(jit.calls) == 4
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    sl.keyed((3,), ("plan", 1), (y, 7), {"BLOCK": 64, "num_warps": 4})
+    assert jit.calls[-1] == ((3,), (y, 7), {"BLOCK": 64, "num_warps": 4})
+
+
 def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
     jit = _JIT()  # no .params: never read while the shortcut is off (an interpreted kernel has none)
     monkeypatch.setattr(_launch, "_ENABLED", False)

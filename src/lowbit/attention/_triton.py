@@ -623,6 +623,26 @@ _CODES_WARPS = 4  # warps of the codes launch (8 for 64 x 128 groups was 9% slow
 _STAT_SPLIT = True  # K's sums and V's amax in separate programs of the statistics launch (4-10% faster overall)
 
 
+def _p2(n: int) -> int:
+    """The next power of two >= n >= 1 (triton.next_power_of_2 is a constexpr function in newer Triton: ~4 us a call
+    on the host)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _signature(t):
+    """What a launch specializes on that a tensor argument (and the integers computed from it) can change."""
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, not t.data_ptr() & 15)
+
+
+def _run(launch, grid, key, args, kwargs):
+    """``launch[grid](*args, **kwargs)`` (a SpecializedLaunch), under ``key`` (``SpecializedLaunch.keyed``) unless it
+    is None."""
+    if key is None:
+        launch[grid](*args, **kwargs)
+    else:
+        launch.keyed(grid, key, args, kwargs)
+
+
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
                    warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, key_order="natural", causal=False, window=None):
@@ -643,7 +663,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     do_qk, x = qk is not None, (k if qk is not None else v)
     B, Hkv, Sk, D = _seq_len(x, layout, varlen, cu_seqlens_k, max_seqlen_k)
     dev = x.device
-    bd = triton.next_power_of_2(D)
+    bd = _p2(D)
     f32 = torch.float32
     if do_qk:
         _, Hq, Sq, _ = _seq_len(q, layout, varlen, cu_seqlens_q, max_seqlen_q)
@@ -688,6 +708,11 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     cu_q = cu_seqlens_q if (varlen and do_qk) else dummy
     cu_k = cu_seqlens_k if varlen else dummy
     z4 = (0, 0, 0, 0)
+    # dense: the launches' key is the call's signature (every launch argument is computed from it, the buffers are
+    # fresh and aligned); varlen: each launch keys on its arguments (max_seqlen would grow a signature cache)
+    key = None if varlen else (qk, pv, granularity, smooth_k, block_q, block_k, warp_q, layout, key_order,
+                               _STAT_CHUNK, _STAT_SUB, _STATS_WARPS, _CODES_WARPS, _STAT_SPLIT,
+                               _signature(q), _signature(k), _signature(v))
     # 1. statistics (K sums, V amax) and Q's codes
     chunk = _STAT_CHUNK or max(64, min(256, 32768 // bd))
     n_chunks = max(1, -(-Sk // chunk))
@@ -698,42 +723,41 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     pvm = torch.empty(B * Hkv, n_chunks, D, device=dev, dtype=f32) if v_amax else dummy
     if n_stat + n_qp:
         sub = min(_STAT_SUB, chunk)
-        _PREPASS_STATS[(n_stat + n_qp,)](
+        _run(_PREPASS_STATS, (n_stat + n_qp,), key, (
             q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy, k if do_qk else dummy,
             v if v_amax else dummy, pk, pvm, cu_q, cu_k,
             *(_views(q, layout, varlen) if do_qk else z4), *(_views(qc, layout, varlen) if do_qk else z4),
             q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0,
             *(_views(k, layout, varlen) if k_sum else z4), *(_views(v, layout, varlen) if v_amax else z4),
             Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
-            n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0,
-            Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=triton.next_power_of_2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
+            n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0), dict(
+            Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=_p2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
             QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=chunk, SUB=sub, DO_Q=do_qk,
             K_SUM=k_sum, V_AMAX=v_amax, SPLIT=split, VARLEN=varlen, INTERPRET=INTERPRETED,
-            num_warps=_STATS_WARPS)
+            num_warps=_STATS_WARPS))
     # 2. the K mean, V's scales and multipliers
     if k_sum or v_amax:
-        ch = max(1, min(triton.next_power_of_2(n_chunks), 4096 // bd))
-        _PREPASS_FINALIZE[(B * Hkv,)](
+        ch = max(1, min(_p2(n_chunks), 4096 // bd))
+        _run(_PREPASS_FINALIZE, (B * Hkv,), key, (
             pk, pvm, km if k_sum else dummy, vs if v_amax else dummy, vr if v_amax else dummy, cu_k, Hkv, Sk,
-            n_chunks, km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
-            D=D, BLOCK_D=bd, CH=ch, K_SUM=k_sum, V_AMAX=v_amax, FP16=pv == "fp16", VARLEN=varlen, num_warps=4)
+            n_chunks, km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0),
+            dict(D=D, BLOCK_D=bd, CH=ch, K_SUM=k_sum, V_AMAX=v_amax, FP16=pv == "fp16", VARLEN=varlen, num_warps=4))
     # 3. K's and V's codes, one K scale group's rows a program
     rows = block_k if do_qk else 64
     perm = v_amax and key_order == "wgmma32"
     # "wgmma32": every position of the last 32-key chunk is written (0 past the last key: P is 0 there, and 0 · 0 = 0)
     covered = -(-Sk // 32) * 32 if perm else Sk
-    _PREPASS_CODES[(max(1, -(-covered // rows)), B * Hkv)](
+    _run(_PREPASS_CODES, (max(1, -(-covered // rows)), B * Hkv), key, (
         k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
         v if v_amax else dummy, vo if v_amax else dummy, vr if v_amax else dummy, cu_k,
         *(_views(k, layout, varlen) if do_qk else z4), *(_views(kc, layout, varlen) if do_qk else z4),
         k_scale.stride(0) if do_qk else 0, k_scale.stride(1) if do_qk else 0,
         km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
         *(_views(v, layout, varlen) if v_amax else z4), *(_views(vo, layout, varlen) if v_amax else z4),
-        Hkv, Sk, nk if do_qk else 0,
-        ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
+        Hkv, Sk, nk if do_qk else 0), dict(
+        ROWS=rows, ROWS_P2=_p2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
-        KEY_PERM=perm, VARLEN=varlen, INTERPRET=INTERPRETED,
-        num_warps=_CODES_WARPS)
+        KEY_PERM=perm, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=_CODES_WARPS))
     qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
           if do_qk else None)
     return qq, vo, vs, key_order
