@@ -12,6 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 27 (2026-11-24) ran s27a (the three-launch prepass: 2 stale-name test failures, fixed), attn_prepass_sweep.py
+# twice (warps / chunk / load rows; then the K/V split and the keys permuted on the load), s27b, attn_host_time.py, s27c
+# (attention GPU tests 215 passed at c926473; bench) and s27d.
 # Session 25 (2026-11-24) ran attn_gluon_sweep.py rounds (K-scale prefetch, I2F-free conversion, early K wait: not
 # kept; the persistent grid: kept), Nsight Compute on the kernel, s25a (attention GPU tests 208 passed + bench) and s25b
 # (the whole GPU suite on an H100: 377 passed, 4 skipped at eedf5d8; D = 64 bench).
@@ -177,6 +180,13 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s27d)  # session 27, final code: the host time of one quantized attention call before (ab_old/: 4d225de) and after,
+          # alternating, then the whole GPU suite
+    for r in 1 2; do
+      [ -d ab_old ] && stage 60 env TOP=0 python3 ab_old/scripts/attn_host_time.py
+      stage 60 env TOP=0 python3 scripts/attn_host_time.py
+    done
+    stage 420 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE ;;
   s27c)  # session 27, final prepass (K/V statistics split, 256-row chunks, keys permuted on the load): the attention GPU
           # tests, the prepass probe, then lowbit bench attention INT8·FP8 (the prepass row is now the fused call, graphed)
     stage 260 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
