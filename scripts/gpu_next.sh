@@ -180,6 +180,11 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s27e)  # session 27: the forward's decision / plan / launch cached per dense call signature: the attention and launch GPU
+          # tests, then the host time against the session's start (ab_old/) in one process
+    stage 300 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention tests/test_launch.py -rfE --tb=short
+    [ -d ab_old ] && stage 120 python3 scripts/attn_host_ab.py ab_old/src/lowbit ;;
   s27d)  # session 27, final code: the host time of one quantized attention call before (ab_old/: 4d225de) and after,
           # alternating, then the whole GPU suite
     for r in 1 2; do

@@ -162,6 +162,25 @@ def test_keyed_launch_uses_the_callers_key(fake_env, monkeypatch):
     assert jit.calls[-1] == ((3,), (y, 7), {"BLOCK": 64, "num_warps": 4})
 
 
+def test_keyed_launch_keys_are_bounded(fake_env, monkeypatch):
+    """Callers' keys hold shapes (a server sees every length): past KEYED_MAX they are dropped all at once, and a
+    dropped key binds again (one JIT-path launch), the other launch's keys untouched."""
+    monkeypatch.setattr(_launch, "KEYED_MAX", 3)
+    jit = _JIT()
+    jit.params = [_Param("x"), _Param("B", True)]
+    sl = _launch.SpecializedLaunch(jit)
+    sl[(1,)](_Tensor(4096), B=1)
+    for i in range(3):
+        sl.keyed((1,), i, (_Tensor(4096),), {"B": 1})
+    assert len(jit.calls) == 4 and len(sl.compiled) == 4
+    sl.keyed((1,), 3, (_Tensor(4096),), {"B": 1})  # the fourth key: the first three are dropped
+    assert len(sl.compiled) == 2 and len(sl._tails) == 1
+    sl.keyed((1,), 0, (_Tensor(4096),), {"B": 1})
+    assert len(jit.calls) == 6
+    sl[(1,)](_Tensor(4096), B=1)  # launch()'s key survived
+    assert len(jit.calls) == 6
+
+
 def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
     jit = _JIT()  # no .params: never read while the shortcut is off (an interpreted kernel has none)
     monkeypatch.setattr(_launch, "_ENABLED", False)

@@ -99,6 +99,10 @@ def _spec_key(args, const) -> list:
     return key
 
 
+KEYED_MAX = 4096  # SpecializedLaunch.keyed keys kept per kernel (then dropped all at once; the compiled kernels stay
+# in Triton's own cache, so a dropped key costs one bound launch)
+
+
 class SpecializedLaunch(CachedLaunch):
     """``launch[grid](*args, **kwargs)`` = ``fn[grid](*args, **kwargs)`` (a ``JITFunction``, Triton or Gluon), the
     key of :class:`CachedLaunch` made from the arguments themselves: the current device, each constexpr's value,
@@ -133,6 +137,10 @@ class SpecializedLaunch(CachedLaunch):
         key = ("keyed", _driver.active.get_current_device(), key)  # apart from launch()'s keys in the same cache
         ent = self._tails.get(key)
         if ent is None:
+            if len(self._tails) >= KEYED_MAX:  # callers' keys hold shapes: bounded, for servers seeing every length
+                for old in self._tails:
+                    self.compiled.pop(old, None)
+                self._tails.clear()
             self._params()
             names = self._names[len(args):]
             ent = ([kwargs[n] if n in kwargs else self._defaults[n] for n in names],

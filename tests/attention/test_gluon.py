@@ -157,6 +157,50 @@ def test_launches_without_triton_binding_are_the_same(D, causal, granularity, mo
     assert torch.equal(o1, o0) and torch.equal(l1, l0)
 
 
+@gpu
+@needs_sm90
+def test_signature_caches_do_not_cross_calls(monkeypatch):
+    """The dense call's cached decisions (the prepass's key order, the Gluon kernel's why_not, its launch plan and
+    keyed launches) are per signature: calls of the same shape that differ in strides, alignment, mask or window
+    each get their own, interleaved in one process, and give what the same call gives with every cache bypassed
+    (the launch shortcut off, the Gluon decision and plans recomputed: Triton's own path), bit for bit."""
+    from lowbit import _launch
+    from lowbit.attention import _triton as T
+    B, H, S, D = 2, 4, 555, 128
+    q, k, v = (_rand(B, H, S, D, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
+    wide = _rand(B, H, S, D + 16, dtype=torch.bfloat16, seed=4)
+    wide[..., :D] = k
+    off16, off2 = (torch.empty(B * H * S * D + 8, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    off16[8:] = q.flatten()
+    off2[1:1 + q.numel()] = q.flatten()
+    calls = {
+        "plain": (dict(q=q, k=k, v=v), dict(causal=False)),
+        "causal": (dict(q=q, k=k, v=v), dict(causal=True)),
+        "window": (dict(q=q, k=k, v=v), dict(causal=True, window=(100, 0))),  # the Triton kernel
+        "k strided": (dict(q=q, k=wide[..., :D], v=v), dict(causal=True)),
+        "q 16-byte offset": (dict(q=off16[8:].view(B, H, S, D), k=k, v=v), dict(causal=True)),
+        "q 2-byte offset": (dict(q=off2[1:1 + q.numel()].view(B, H, S, D), k=k, v=v), dict(causal=True)),
+    }
+    run = lambda name: A.attention(**calls[name][0], qk="int8", pv="fp8", return_lse=True, **calls[name][1])  # noqa: E731
+    got = {}
+    for name in list(calls) * 2:  # interleaved, twice: the second round runs from the caches
+        o, lse = run(name)
+        if name in got:
+            assert torch.equal(o, got[name][0]) and torch.equal(lse, got[name][1]), name
+        got[name] = (o, lse)
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    for name in calls:
+        for cache in (T._WHY_NOT, T._CHECKED, T._ORDERS, G._PLANS):
+            cache.clear()
+        o, lse = run(name)
+        assert torch.equal(o, got[name][0]) and torch.equal(lse, got[name][1]), name
+    # the prepass writes fresh aligned codes whatever q / k look like: the same forward for the same values
+    for name in ("k strided", "q 16-byte offset", "q 2-byte offset"):
+        assert torch.equal(got[name][0], got["causal"][0]), name
+    for a, b in (("plain", "causal"), ("causal", "window")):
+        assert not torch.equal(got[a][0], got[b][0]), (a, b)
+
+
 def test_persist_rejects_unknown_value(monkeypatch):
     monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "yes")
     with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_PERSIST"):

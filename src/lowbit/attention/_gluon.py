@@ -49,7 +49,7 @@ import os
 import torch
 
 from .._device import capability
-from .._launch import SpecializedLaunch, ensure_tma_allocator
+from .._launch import KEYED_MAX, SpecializedLaunch, ensure_tma_allocator
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon
@@ -493,27 +493,43 @@ def runs_by_default(device, head_dim: int) -> bool:
     return mode() != "0" and head_dim in dims and machine_why_not(device) is None
 
 
+_PLANS: dict = {}  # launch(key=...): the caller's key -> (grid, the integer arguments, the constexprs)
+
+
 def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov, sl, B, Hq, Hkv, Sq, Sk,
-           q_scale_rows, k_scale_rows, right, return_lse, reverse_m):
+           q_scale_rows, k_scale_rows, right, return_lse, reverse_m, key=None):
     """Run attn_fwd_int8_fp8_ws on operands ``why_not`` accepted (qv/kv/vv/ov: (stride_b, stride_h, stride_s,
-    stride_d) of q, k, v, o; sl: the LSE's (b, h, s) strides)."""
+    stride_d) of q, k, v, o; sl: the LSE's (b, h, s) strides). ``key``: the call's signature (it must determine
+    every other argument, the environment switches included), under which the grid and arguments are computed once
+    and the launch is keyed (``SpecializedLaunch.keyed``)."""
     ensure_tma_allocator()
-    D = q.shape[-1]
     km = k_mean if k_mean is not None else v_scale
-    n_tiles = -(-Sq // BLOCK_M) * B * Hq
-    flat = _flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
-    grid = (min(n_tiles, _num_sms(q.device)) if flat and persistent() else n_tiles,)
-    _LAUNCHER[grid](
-        q, k, v, o, lse, q_scale, k_scale, v_scale, km,
-        qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],
-        q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        v_scale.stride(0), v_scale.stride(1),
-        km.stride(0) if k_mean is not None else 0, km.stride(1) if k_mean is not None else 0, *sl,
-        B, Hq, Hq // Hkv, Sq, Sk, right,
-        Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
-        RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
-        STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-        FLAT=flat, **_LAUNCH)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        D = q.shape[-1]
+        n_tiles = -(-Sq // BLOCK_M) * B * Hq
+        flat = _flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
+        grid = (min(n_tiles, _num_sms(q.device)) if flat and persistent() else n_tiles,)
+        ints = (qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],
+                q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
+                v_scale.stride(0), v_scale.stride(1),
+                km.stride(0) if k_mean is not None else 0, km.stride(1) if k_mean is not None else 0, *sl,
+                B, Hq, Hq // Hkv, Sq, Sk, right)
+        const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
+                     RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
+                     STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
+                     FLAT=flat, **_LAUNCH)
+        plan = (grid, ints, const)
+        if key is not None:
+            if len(_PLANS) >= KEYED_MAX:  # keys hold shapes: bounded
+                _PLANS.clear()
+            _PLANS[key] = plan
+    grid, ints, const = plan
+    args = (q, k, v, o, lse, q_scale, k_scale, v_scale, km, *ints)
+    if key is None:
+        _LAUNCHER[grid](*args, **const)
+    else:
+        _LAUNCHER.keyed(grid, key, args, const)
 
 
 def persistent() -> bool:

@@ -44,7 +44,7 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
-from .._launch import SpecializedLaunch, ensure_tma_allocator
+from .._launch import KEYED_MAX, SpecializedLaunch, ensure_tma_allocator
 from .api import _views
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
@@ -643,6 +643,29 @@ def _run(launch, grid, key, args, kwargs):
         launch.keyed(grid, key, args, kwargs)
 
 
+_ORDERS: dict = {}  # dense calls' signatures -> fp8_v_key_order's answer
+
+
+def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k):
+    """``fp8_v_key_order`` for fresh Q/K codes, cached for dense calls on what it depends on (the codes are fresh,
+    contiguous and aligned: their shapes and the options decide)."""
+    if pv != "fp8":
+        return "natural"
+    if varlen or INTERPRETED:
+        return fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
+                               k_scale_rows=block_k)
+    from . import _gluon
+    okey = (qc.device.index, tuple(qc.shape), tuple(kc.shape), qk, layout, bool(causal),
+            None if window is None else tuple(window), block_k, _gluon.mode(), _gluon.persistent())
+    order = _ORDERS.get(okey)
+    if order is None:
+        if len(_ORDERS) >= KEYED_MAX:  # keys hold shapes: bounded
+            _ORDERS.clear()
+        order = _ORDERS[okey] = fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
+                                                k_scale_rows=block_k)
+    return order
+
+
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
                    warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, key_order="natural", causal=False, window=None):
@@ -679,8 +702,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         kc = torch.empty(k.shape, device=dev, dtype=code_dtype)
         km = torch.empty(B, Hkv, 1, D, device=dev, dtype=f32) if smooth_k else None
     if key_order == "auto":
-        key_order = (fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
-                                     k_scale_rows=block_k) if do_qk and pv == "fp8" else "natural")
+        key_order = _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k) if do_qk else "natural"
     vo = vs = vr = None
     if pv == "fp8":
         if key_order not in KEY_ORDERS:
@@ -864,6 +886,11 @@ def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=
     return v16, vs
 
 
+_UNSET = object()
+_WHY_NOT: dict = {}  # dense INT8·FP8 call signature -> _gluon.why_not's answer (None: the Gluon kernel runs it)
+_CHECKED: set = set()  # signatures whose V key-order check (_wgmma32_storage) passed
+
+
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
                          q_scale_rows=128, k_scale_rows=64, softmax_scale=None, causal=False, window=None,
                          layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -879,13 +906,21 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     """
     if v_key_order not in KEY_ORDERS:
         raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")
-    if v_key_order != "natural":
+    varlen = cu_seqlens_q is not None
+    gkey = None
+    if config is None and not varlen and q.dtype == torch.int8 and v.dtype == torch.float8_e4m3fn and not INTERPRETED:
+        from . import _gluon  # dense INT8·FP8: what the Gluon kernel's choice and launch depend on (see below)
+        gkey = (q.device.index, _signature(q), _signature(k), _signature(v), v.storage_offset(),
+                v.untyped_storage().nbytes(), _signature(q_scale), _signature(k_scale), _signature(v_scale),
+                _signature(k_mean), q_scale_rows, k_scale_rows, bool(causal), None if window is None else tuple(window),
+                bool(return_lse), out_dtype,
+                layout, v_key_order, _gluon.mode(), _gluon.persistent(), os.environ.get("LOWBIT_ATTN_GLUON_STAGES"))
+    if v_key_order != "natural" and gkey not in _CHECKED:
         if v.dtype != torch.float8_e4m3fn:
             raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
         if cu_seqlens_q is not None:
             raise ValueError(f"v_key_order={v_key_order!r} needs dense V (varlen V is stored in natural key order)")
         _wgmma32_storage(v, layout)
-    varlen = cu_seqlens_q is not None
     B, Hq, Sq, D = _dims(q, layout, varlen)
     _, Hkv, Sk, _ = _dims(k, layout, varlen)
     if varlen:
@@ -915,14 +950,23 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
         from . import _gluon  # INT8 Q·Kᵀ + FP8 P·V: the warp-specialized kernel where it applies
         gmode = _gluon.mode()
         if gmode != "0":
-            reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
-                                    varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
-                                    qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order)
+            # dense calls: the decision, the V check above and the launch's arguments once per signature (gkey)
+            reason = _WHY_NOT.get(gkey, _UNSET) if gkey is not None else _UNSET
+            if reason is _UNSET:
+                reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
+                                        varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
+                                        qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order)
+                if gkey is not None:
+                    if len(_WHY_NOT) >= KEYED_MAX:  # keys hold shapes: bounded
+                        _WHY_NOT.clear()
+                        _CHECKED.clear()
+                    _WHY_NOT[gkey] = reason
+                    _CHECKED.add(gkey)
             if reason is None:
                 _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=qv, kv=kv, vv=vv, ov=ov, sl=sl,
                               B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,
                               q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows, right=right,
-                              return_lse=return_lse, reverse_m=right != BIG)
+                              return_lse=return_lse, reverse_m=right != BIG, key=gkey)
                 return (o, lse) if return_lse else o
             if gmode == "force":
                 raise RuntimeError(f"LOWBIT_ATTN_GLUON=force, but the Gluon kernel cannot run this call: {reason}")
