@@ -1,6 +1,6 @@
 """The attention prepass's launch parameters swept (``_triton._STAT_CHUNK`` / ``_STAT_SUB`` / ``_STATS_WARPS`` /
-``_CODES_WARPS`` / ``_STAT_SPLIT``): the whole INT8·FP8 prepass from CUDA graph replays and its two big kernels from the torch
-profiler, then each part alone (Q's codes, the K/V statistics) with the defaults.
+``_CODES_WARPS`` / ``_STAT_SPLIT``): the whole INT8·FP8 prepass from CUDA graph replays and its two big kernels
+from the torch profiler, then each part alone (Q's codes, the K/V statistics) with the defaults.
 
     python scripts/attn_prepass_sweep.py [--shapes "4,32,4096,128;8,16,2048,64"]
 """
@@ -56,11 +56,13 @@ def main():
         rows.sort()
         print("  chunk sub stats_warps codes_warps split |   total us | stats us | codes us | other us")
         for ms, cfg, st, co, ot in rows:
-            print("  {:5d} {:3d} {:11d} {:11d} {:5d}".format(*cfg) + f" | {ms * 1e3:10.1f} | {st:8.1f} | {co:8.1f} | {ot:8.1f}")
+            print("  {:5d} {:3d} {:11d} {:11d} {:5d}".format(*cfg)
+                  + f" | {ms * 1e3:10.1f} | {st:8.1f} | {co:8.1f} | {ot:8.1f}")
         for x, val in zip(names, defaults):
             setattr(T, x, val)
         parts = {
-            "Q codes alone (stats launch, DO_Q only) + K codes": lambda: T.prepass_triton(q, k, None, qk="int8", smooth_k=False),
+            "Q codes alone (stats launch, DO_Q only) + K codes":
+                lambda: T.prepass_triton(q, k, None, qk="int8", smooth_k=False),
             "V alone (amax, finalize, codes)": lambda: T.prepass_triton(None, None, v, pv="fp8", key_order="wgmma32"),
         }
         for name, fn in parts.items():

@@ -148,7 +148,8 @@ def test_keyed_launch_uses_the_callers_key(fake_env, monkeypatch):
     sl.keyed((2,), ("plan", 1), (x, 100), {"BLOCK": 64, "num_warps": 4})
     assert jit.calls == [((2,), (x, 100, 64, False), {"num_warps": 4})]
     sl.keyed((3,), ("plan", 1), (y, 7), {"BLOCK": 64, "num_warps": 4})
-    assert len(jit.calls) == 1 and jit.compiled.runs[0][:3] == (3, 1, 1) and jit.compiled.runs[0][-4:] == (y, 7, 64, False)
+    assert len(jit.calls) == 1
+    assert jit.compiled.runs[0][:3] == (3, 1, 1) and jit.compiled.runs[0][-4:] == (y, 7, 64, False)
     sl.keyed((3,), ("plan", 2), (y, 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
     assert len(jit.calls) == 2 and jit.calls[1] == ((3,), (y, 7, 64, True), {"num_warps": 4})
     sl[(1,)](x, 100, BLOCK=64, num_warps=4)  # launch()'s own key: not one of keyed()'s

@@ -129,9 +129,9 @@ class SpecializedLaunch(CachedLaunch):
     def keyed(self, grid, key, args, kwargs):
         """``fn[grid](*args, **kwargs)`` under the caller's ``key`` instead of one built from the arguments (~10-20 us
         of host time a launch less on the H200 machine's host). The key (with the current device added here) must
-        determine everything the built key would: every value in ``kwargs`` (constexprs and launch options), each tensor argument's dtype
-        and 16-byte alignment, each integer's == 1 / % 16 / width (in practice: the shapes, strides, dtypes and
-        alignments the arguments are computed from, and the options)."""
+        determine everything the built key would: every value in ``kwargs`` (constexprs and launch options), each
+        tensor argument's dtype and 16-byte alignment, each integer's == 1 / % 16 / width (in practice: the shapes,
+        strides, dtypes and alignments the arguments are computed from, and the options)."""
         if not _ENABLED:
             return self.fn[grid](*args, **kwargs)
         key = ("keyed", _driver.active.get_current_device(), key)  # apart from launch()'s keys in the same cache

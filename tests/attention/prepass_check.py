@@ -9,8 +9,8 @@ def qk_pair(prepass, q, k, **kw):
 
     The prepass sums K in its own FP32 order. Its mean is checked against ``reference.k_mean`` to FP32 rounding
     (|diff| <= 2^-18 · the channel's mean |k|: 64 ulps of the terms' mean magnitude, above both
-    orders' rounding over the sequence lengths tested; a wrong length, chunk or row is off by far more), and the reference is then
-    given that mean, so the codes and scales compare bit for bit."""
+    orders' rounding over the sequence lengths tested; a wrong length, chunk or row is off by far more), and the
+    reference is then given that mean, so the codes and scales compare bit for bit."""
     a = prepass(q, k, **kw)
     km = None
     if a.k_mean is not None:

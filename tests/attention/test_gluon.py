@@ -181,7 +181,8 @@ def test_signature_caches_do_not_cross_calls(monkeypatch):
         "q 16-byte offset": (dict(q=off16[8:].view(B, H, S, D), k=k, v=v), dict(causal=True)),
         "q 2-byte offset": (dict(q=off2[1:1 + q.numel()].view(B, H, S, D), k=k, v=v), dict(causal=True)),
     }
-    run = lambda name: A.attention(**calls[name][0], qk="int8", pv="fp8", return_lse=True, **calls[name][1])  # noqa: E731
+    def run(name):
+        return A.attention(**calls[name][0], qk="int8", pv="fp8", return_lse=True, **calls[name][1])
     got = {}
     for name in list(calls) * 2:  # interleaved, twice: the second round runs from the caches
         o, lse = run(name)

@@ -317,7 +317,8 @@ def test_fused_prepass_equals_separate_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D
     junk = torch.full((B * Hkv * D * (Sk + 32),), 0x7F, dtype=torch.uint8, device="cuda")  # freed: the caching
     del junk  # allocator hands its block out again, so unwritten bytes of a fresh buffer would show as 0x7F
     qq, vo, vs, order = tri.prepass_triton(q, k, v, qk=qk, pv=pv, key_order="auto", causal=True, **kw)
-    want = tri.fp8_v_key_order(qq.q, qq.k, layout=layout, varlen=lens is not None, causal=True) if pv == "fp8" else "natural"
+    want = "natural" if pv != "fp8" else tri.fp8_v_key_order(qq.q, qq.k, layout=layout, varlen=lens is not None,
+                                                              causal=True)
     assert order == want
     a, r = qk_pair(tri.quantize_qk_triton, q, k, dtype=qk, **kw)
     bits = lambda t: t.view(torch.int8) if t.element_size() == 1 else t  # noqa: E731 - FP8 codes compared as bytes

@@ -129,7 +129,8 @@ def _rows_group(xb, yb, sp, mp, g, seqlen, n_groups, mult, sxs, sxd, sys_, syd,
         x = tl.where(m, x - mu[None, :], 0.0)  # masked rows/columns read 0 but the mean moved them
     amax = tl.max(tl.abs(x))  # one flat reduction (per-row then per-column reductions cost ~10 shuffles per element)
     scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
-    inv = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full([], QMAX, tl.float32), amax))  # the quantizer's multiplier (one division per group)
+    # the quantizer's multiplier (one division per group)
+    inv = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full([], QMAX, tl.float32), amax))
     if g < n_groups:
         tl.store(sp + g, scale)
     y = x * inv
@@ -672,8 +673,8 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     """Quantize what an attention call needs in three launches: Q and K (``qk`` "int8" / "fp8", or None to leave
     them) and V (``pv`` "fp8" / "fp16", or None). Outputs equal ``quantize_qk_reference(..., k_mean=<this
     mean>)`` and ``quantize_v_fp8_reference`` / ``quantize_v_fp16_reference`` bit for bit; the K mean is the FP32
-    column sums of chunks of key rows (``_STAT_CHUNK``) added in order, divided by the length (``reference.k_mean`` sums in torch's
-    order: the two agree to FP32 rounding).
+    column sums of chunks of key rows (``_STAT_CHUNK``) added in order, divided by the length
+    (``reference.k_mean`` sums in torch's order: the two agree to FP32 rounding).
 
     ``key_order`` (FP8 V): "natural", "wgmma32" (dense only, see ``quantize_v_fp8_triton``) or "auto": what
     ``fp8_v_key_order`` says the forward kernel wants for these Q/K codes (``causal`` / ``window`` / ``block_k``
@@ -682,6 +683,8 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     Returns (``QKQuantized`` or None, V codes or None, V scales (B, Hkv, D) or None, the key order used)."""
     if qk is None and pv is None:
         raise ValueError("prepass_triton: nothing to quantize (qk and pv are both None)")
+    if pv != "fp8" and key_order not in ("natural", "auto"):
+        raise ValueError(f"key_order={key_order!r} is for FP8 V, got pv={pv!r}")
     varlen = cu_seqlens_k is not None
     do_qk, x = qk is not None, (k if qk is not None else v)
     B, Hkv, Sk, D = _seq_len(x, layout, varlen, cu_seqlens_k, max_seqlen_k)
@@ -816,8 +819,8 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
     the codes.
 
     ``key_order="wgmma32"`` (dense only): the keys are stored in the Gluon kernel's order (``wgmma32_position``),
-    the buffer padded to whole 32-key chunks with zero codes; the returned view's key index is then the storage position,
-    not the key (only ``attention_fwd_triton(..., v_key_order="wgmma32")`` reads it right).
+    the buffer padded to whole 32-key chunks with zero codes; the returned view's key index is then the storage
+    position, not the key (only ``attention_fwd_triton(..., v_key_order="wgmma32")`` reads it right).
     """
     if key_order not in KEY_ORDERS:
         raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")

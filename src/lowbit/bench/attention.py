@@ -103,7 +103,8 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
                 q, k, v, qk=None if qk == "bf16" else qk, pv=None if pvr == "native" else pvr, key_order=o)
             pre()
             ms = float(do_bench_cudagraph(pre, rep=100))
-            rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"), nrmse=float("nan")))
+            rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"),
+                             nrmse=float("nan")))
     del ref
     torch.cuda.empty_cache()
     return rows
