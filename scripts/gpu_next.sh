@@ -180,6 +180,16 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s27f)  # session 27: the persistent grid's causal rounds handed out in alternating CTA order (_gluon._fa_order): the
+          # Gluon and attention GPU tests, then the kernel before (ab_old/) and after, causal, interleaved
+    stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
+      tests/attention/test_gluon.py tests/attention/test_gpu.py -k "gluon or Gluon or True or fused" -rfE --tb=short
+    for r in 1 2; do
+      [ -d ab_old ] && stage 100 python3 ab_old/scripts/attn_gluon_sweep.py --causal "${CAUSAL:-yes}" \
+        --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" --variants "persist=1"
+      stage 100 python3 scripts/attn_gluon_sweep.py --causal "${CAUSAL:-yes}" \
+        --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" --variants "persist=1"
+    done ;;
   s27e)  # session 27: the forward's decision / plan / launch cached per dense call signature: the attention and launch GPU
           # tests, then the host time against the session's start (ab_old/) in one process
     stage 300 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

@@ -85,6 +85,21 @@ if GLUON_WS:
         return pid_m, bh, full_end // BN, gl.cdiv(hi, BN)
 
     @gluon.jit
+    def _fa_order(t, n_tiles, SNAKE: gl.constexpr):
+        """The work tile a CTA's loop index t stands for. SNAKE (causal): every other full round of the grid (one
+        tile a CTA) is handed out in reverse CTA order. A causal tile's cost repeats every n_m tiles, and where the
+        grid and n_m share a factor (132 SMs, n_m = 16 or 32: 4) a CTA would otherwise only ever get one class of
+        query blocks: every fourth, the dearest class ~20% above the cheapest (B4 H32 S4096). Reversed rounds pair
+        each class with its mirror. The last, partial round keeps the natural order (the tiles past the end are
+        then exactly the CTAs' own)."""
+        if SNAKE:
+            nprog = gl.num_programs(0)
+            j = t // nprog
+            if ((j % 2) == 1) & ((j + 1) * nprog <= n_tiles):
+                t = j * nprog + nprog - 1 - t % nprog
+        return t
+
+    @gluon.jit
     def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk, win_right, n_tiles,
                    REVERSE_M: gl.constexpr, STAGES: gl.constexpr, FLAT: gl.constexpr, HEAD_DIM: gl.constexpr):
         """Loader partition (one warp). For each work tile of this CTA: its Q tile into buffer i % 2 once both math
@@ -97,7 +112,7 @@ if GLUON_WS:
         c = 0
         i = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            pid_m, bh, n_full, n_all = _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M)
+            pid_m, bh, n_full, n_all = _fa_tile(_fa_order(t, n_tiles, REVERSE_M), n_m, Sq, Sk, win_right, REVERSE_M)
             if FLAT:
                 kv = bh // H * (H // GROUP) + bh % H // GROUP  # (batch, kv head) of query head bh
                 q_row = bh * Sq
@@ -240,7 +255,7 @@ if GLUON_WS:
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             c += _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
-                               slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c, i,
+                               slb, slh, sls, H, GROUP, Sq, Sk, win_right, _fa_order(t, n_tiles, REVERSE_M), n_m, c, i,
                                Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART)
             i += 1
 
