@@ -226,7 +226,9 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     """Quantize Q/K to INT8 (or FP8 E4M3) with per-block / per-warp scales and K smoothing.
 
     Returns ``QKQuantized`` (see ``reference`` module docstring for shapes and the varlen
-    convention).  CUDA -> fused Triton kernel, otherwise the torch reference (bit-identical INT8).
+    convention).  CUDA -> fused Triton kernel, otherwise the torch reference: the same codes and scales bit for bit
+    given the same K mean (the kernel sums K in its own FP32 order, so the two means agree to FP32 rounding;
+    ``reference.quantize_qk_reference(..., k_mean=)`` takes the kernel's).
     """
     _tensor("q", q)
     _tensor("k", k)
