@@ -377,3 +377,26 @@ def test_gluon_attention_compiles_for_sm90(variant):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) < 32
     assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "P·V without a register A operand"
     assert "VIMNMX3" in sass
+
+
+def test_key_order_cache_is_per_signature_and_bounded(monkeypatch):
+    """The prepass's cached FP8 key-order decision (``_triton._auto_key_order``) is keyed on what decides it (the
+    shapes, layout, mask, window, K scale rows, the Gluon switches) and bounded by KEYED_MAX (then cleared). CPU
+    tensors: the machine rule answers "natural" here, which is what gets cached."""
+    pytest.importorskip("triton")
+    from lowbit.attention import _triton as T
+    if T.INTERPRETED:
+        pytest.skip("the interpreter path is not cached")
+    monkeypatch.setattr(T, "KEYED_MAX", 3)
+    monkeypatch.setattr(T, "_ORDERS", {})
+    qc = torch.zeros(1, 2, 64, 128, dtype=torch.int8)
+    for s in (64, 128, 192):
+        kc = torch.zeros(1, 2, s, 128, dtype=torch.int8)
+        assert T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64) == "natural"
+    assert len(T._ORDERS) == 3
+    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64)  # the same signature: no new entry
+    assert len(T._ORDERS) == 3
+    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, False, None, 64)  # another mask: a new key, past the bound
+    assert len(T._ORDERS) == 1
+    assert T._auto_key_order(qc, kc, "int8", "fp16", "bhsd", False, True, None, 64) == "natural"  # not FP8 V: no entry
+    assert len(T._ORDERS) == 1
