@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CachedLaunch", "SpecializedLaunch", "ensure_tma_allocator"]
+__all__ = ["CachedLaunch", "SpecializedLaunch", "ensure_tma_allocator", "remember"]
 
 _ENABLED = os.environ.get("LOWBIT_FAST_LAUNCH", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -100,7 +100,16 @@ def _spec_key(args, const) -> list:
 
 
 KEYED_MAX = 4096  # SpecializedLaunch.keyed keys kept per kernel (then dropped all at once; the compiled kernels stay
-# in Triton's own cache, so a dropped key costs one bound launch)
+# in Triton's own cache, so a dropped key costs one bound launch), and entries of the caches kept with remember()
+
+
+def remember(cache: dict, key, value):
+    """``cache[key] = value``, returned; a cache keyed on shapes (a server sees every length) is emptied first once it
+    holds KEYED_MAX entries."""
+    if len(cache) >= KEYED_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class SpecializedLaunch(CachedLaunch):

@@ -191,7 +191,7 @@ def test_signature_caches_do_not_cross_calls(monkeypatch):
         got[name] = (o, lse)
     monkeypatch.setattr(_launch, "_ENABLED", False)
     for name in calls:
-        for cache in (T._WHY_NOT, T._CHECKED, T._ORDERS, G._PLANS):
+        for cache in (T._WHY_NOT, T._ORDERS, G._PLANS):
             cache.clear()
         o, lse = run(name)
         assert torch.equal(o, got[name][0]) and torch.equal(lse, got[name][1]), name
@@ -387,7 +387,8 @@ def test_key_order_cache_is_per_signature_and_bounded(monkeypatch):
     from lowbit.attention import _triton as T
     if T.INTERPRETED:
         pytest.skip("the interpreter path is not cached")
-    monkeypatch.setattr(T, "KEYED_MAX", 3)
+    from lowbit import _launch
+    monkeypatch.setattr(_launch, "KEYED_MAX", 3)
     monkeypatch.setattr(T, "_ORDERS", {})
     qc = torch.zeros(1, 2, 64, 128, dtype=torch.int8)
     for s in (64, 128, 192):

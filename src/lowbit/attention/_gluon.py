@@ -49,7 +49,7 @@ import os
 import torch
 
 from .._device import capability
-from .._launch import KEYED_MAX, SpecializedLaunch, ensure_tma_allocator
+from .._launch import SpecializedLaunch, ensure_tma_allocator, remember
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon
@@ -536,9 +536,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
                      FLAT=flat, **_LAUNCH)
         plan = (grid, ints, const)
         if key is not None:
-            if len(_PLANS) >= KEYED_MAX:  # keys hold shapes: bounded
-                _PLANS.clear()
-            _PLANS[key] = plan
+            remember(_PLANS, key, plan)
     grid, ints, const = plan
     args = (q, k, v, o, lse, q_scale, k_scale, v_scale, km, *ints)
     if key is None:

@@ -44,7 +44,7 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
-from .._launch import KEYED_MAX, SpecializedLaunch, ensure_tma_allocator
+from .._launch import SpecializedLaunch, ensure_tma_allocator, remember
 from .api import _views
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
@@ -660,10 +660,8 @@ def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k):
             None if window is None else tuple(window), block_k, _gluon.mode(), _gluon.persistent())
     order = _ORDERS.get(okey)
     if order is None:
-        if len(_ORDERS) >= KEYED_MAX:  # keys hold shapes: bounded
-            _ORDERS.clear()
-        order = _ORDERS[okey] = fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
-                                                k_scale_rows=block_k)
+        order = remember(_ORDERS, okey, fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal,
+                                                        window=window, k_scale_rows=block_k))
     return order
 
 
@@ -733,6 +731,9 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     cu_q = cu_seqlens_q if (varlen and do_qk) else dummy
     cu_k = cu_seqlens_k if varlen else dummy
     z4 = (0, 0, 0, 0)
+    qv = _views(q, layout, varlen) if do_qk else z4  # (stride_b, stride_h, stride_s, stride_d) of each operand
+    kv = _views(k, layout, varlen) if do_qk else z4
+    vv = _views(v, layout, varlen) if v_amax else z4
     # dense: the launches' key is the call's signature (every launch argument is computed from it, the buffers are
     # fresh and aligned); varlen: each launch keys on its arguments (max_seqlen would grow a signature cache)
     key = None if varlen else (qk, pv, granularity, smooth_k, block_q, block_k, warp_q, layout, key_order,
@@ -751,9 +752,8 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         _run(_PREPASS_STATS, (n_stat + n_qp,), key, (
             q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy, k if do_qk else dummy,
             v if v_amax else dummy, pk, pvm, cu_q, cu_k,
-            *(_views(q, layout, varlen) if do_qk else z4), *(_views(qc, layout, varlen) if do_qk else z4),
-            q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0,
-            *(_views(k, layout, varlen) if k_sum else z4), *(_views(v, layout, varlen) if v_amax else z4),
+            *qv, *(_views(qc, layout, varlen) if do_qk else z4),
+            q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0, *kv, *vv,
             Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
             n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0), dict(
             Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=_p2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
@@ -775,10 +775,10 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     _run(_PREPASS_CODES, (max(1, -(-covered // rows)), B * Hkv), key, (
         k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
         v if v_amax else dummy, vo if v_amax else dummy, vr if v_amax else dummy, cu_k,
-        *(_views(k, layout, varlen) if do_qk else z4), *(_views(kc, layout, varlen) if do_qk else z4),
+        *kv, *(_views(kc, layout, varlen) if do_qk else z4),
         k_scale.stride(0) if do_qk else 0, k_scale.stride(1) if do_qk else 0,
         km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
-        *(_views(v, layout, varlen) if v_amax else z4), *(_views(vo, layout, varlen) if v_amax else z4),
+        *vv, *(_views(vo, layout, varlen) if v_amax else z4),
         Hkv, Sk, nk if do_qk else 0), dict(
         ROWS=rows, ROWS_P2=_p2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
@@ -822,8 +822,6 @@ def quantize_v_fp8_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=N
     the buffer padded to whole 32-key chunks with zero codes; the returned view's key index is then the storage
     position, not the key (only ``attention_fwd_triton(..., v_key_order="wgmma32")`` reads it right).
     """
-    if key_order not in KEY_ORDERS:
-        raise ValueError(f"key_order must be one of {KEY_ORDERS}, got {key_order!r}")
     _, v8, vs, _ = prepass_triton(None, None, v, pv="fp8", layout=layout, cu_seqlens_k=cu_seqlens_k,
                                   max_seqlen_k=max_seqlen_k, key_order=key_order)
     return v8, vs
@@ -890,8 +888,9 @@ def quantize_v_fp16_triton(v, *, layout="bhsd", cu_seqlens_k=None, max_seqlen_k=
 
 
 _UNSET = object()
-_WHY_NOT: dict = {}  # dense INT8·FP8 call signature -> _gluon.why_not's answer (None: the Gluon kernel runs it)
-_CHECKED: set = set()  # signatures whose V key-order check (_wgmma32_storage) passed
+# dense INT8·FP8 call signature -> _gluon.why_not's answer (None: the Gluon kernel runs it); a signature in it also
+# passed the V key-order check (_wgmma32_storage), which runs before why_not in the call that stored it
+_WHY_NOT: dict = {}
 
 
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
@@ -918,18 +917,14 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 _signature(k_mean), q_scale_rows, k_scale_rows, bool(causal), None if window is None else tuple(window),
                 bool(return_lse), out_dtype,
                 layout, v_key_order, _gluon.mode(), _gluon.persistent(), os.environ.get("LOWBIT_ATTN_GLUON_STAGES"))
-    if v_key_order != "natural" and gkey not in _CHECKED:
+    if v_key_order != "natural" and gkey not in _WHY_NOT:
         if v.dtype != torch.float8_e4m3fn:
             raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
         if cu_seqlens_q is not None:
             raise ValueError(f"v_key_order={v_key_order!r} needs dense V (varlen V is stored in natural key order)")
         _wgmma32_storage(v, layout)
-    B, Hq, Sq, D = _dims(q, layout, varlen)
-    _, Hkv, Sk, _ = _dims(k, layout, varlen)
-    if varlen:
-        B = cu_seqlens_q.numel() - 1
-        Sq = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        Sk = int(max_seqlen_k) if max_seqlen_k is not None else int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    B, Hq, Sq, D = _seq_len(q, layout, varlen, cu_seqlens_q, max_seqlen_q)
+    _, Hkv, Sk, _ = _seq_len(k, layout, varlen, cu_seqlens_k, max_seqlen_k)
     qk_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(q.dtype, 0)
     pv_fp8 = v.dtype == torch.float8_e4m3fn
     if out_dtype is None:
@@ -960,11 +955,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                                         varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
                                         qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order)
                 if gkey is not None:
-                    if len(_WHY_NOT) >= KEYED_MAX:  # keys hold shapes: bounded
-                        _WHY_NOT.clear()
-                        _CHECKED.clear()
-                    _WHY_NOT[gkey] = reason
-                    _CHECKED.add(gkey)
+                    remember(_WHY_NOT, gkey, reason)
             if reason is None:
                 _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=qv, kv=kv, vv=vv, ov=ov, sl=sl,
                               B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,

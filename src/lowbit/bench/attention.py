@@ -72,15 +72,18 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         pvr = resolve_pv(pv, qk, q.dtype)  # "fp8" / "fp16" convert V ("auto": api.AUTO_PV_QUANTIZED for int8/fp8)
         run(tag + "_e2e", lambda qk=qk, pv=pv: attention(q, k, v, causal=causal, qk=qk, pv=pv, backend="triton"),
             "end-to-end")
-        # kernel-only: quantize once outside the timed region
-        if qk == "bf16":
-            qa, ka, qs, ks, rows_q = q, k, None, None, 128
-        else:
-            qq = T.quantize_qk_triton(q, k, dtype=qk)
-            qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
-        # FP8 V in the key order the call's kernel reads (the Gluon kernel's "wgmma32", as attention() makes it)
-        order = T.fp8_v_key_order(qa, ka, causal=causal) if pvr == "fp8" else "natural"
-        va, vs = _quantize_v(pvr, v, "bhsd", None, None, "triton", key_order=order)
+        # kernel-only: the operands quantized once outside the timed region by the end-to-end call's prepass (FP8 V
+        # in the key order the call's kernel reads: the Gluon kernel's "wgmma32")
+        qa, ka, qs, ks, rows_q, va, vs, order, pre = q, k, None, None, 128, v, None, "natural", None
+        if qk != "bf16" or pvr != "native":
+            pre = lambda qk=qk, pvr=pvr: T.prepass_triton(  # noqa: E731
+                q, k, v, qk=None if qk == "bf16" else qk, pv=None if pvr == "native" else pvr, key_order="auto",
+                causal=causal)
+            qq, vq, vsq, order = pre()
+            if qq is not None:
+                qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
+            if vq is not None:
+                va, vs = vq, vsq
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q, o=order: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
             v_key_order=o)
@@ -97,11 +100,8 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
                         out_dtype=torch.bfloat16), "kernel")
                     run(tag + "_e2e_triton", lambda: attention(q, k, v, causal=causal, qk="int8", pv="fp8",
                                                                backend="triton"), "end-to-end")
-        if qk != "bf16" or pvr != "native":  # the prepass as the end-to-end call runs it: its GPU time (graphed)
+        if pre is not None:  # the prepass as the end-to-end call runs it: its GPU time (graphed)
             from triton.testing import do_bench_cudagraph
-            pre = lambda qk=qk, pvr=pvr, o=order: T.prepass_triton(  # noqa: E731
-                q, k, v, qk=None if qk == "bf16" else qk, pv=None if pvr == "native" else pvr, key_order=o)
-            pre()
             ms = float(do_bench_cudagraph(pre, rep=100))
             rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"),
                              nrmse=float("nan")))
