@@ -180,6 +180,18 @@ case "${1:-verify}" in
       -m gpu -n 4 tests/nn/test_wgrad_stream.py tests/train/test_train_gpu.py tests/attention/test_gluon.py -rfE --tb=short
     STEPS=12 ab13 LOWBIT_SIDE_GRAD_NORM 0 1 0 1  # (aac2456, reverted: neutral)
     pair 1.3b 4 ;;
+  s28b)  # session 28: the norm backward's partial sums by column_sum (residual GPU tests), then the layouts and
+          # backward kernels of attention in a 2-layer GPT under both recipes (scripts/attn_grad_layout.py)
+    stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_residual.py -rfE --tb=short
+    stage 120 python3 scripts/attn_grad_layout.py 350m 8 2
+    stage 120 python3 scripts/attn_grad_layout.py 1.3b 4 2 ;;
+  s28a)  # session 28: where the 1.3b and 350m steps' GPU time goes, every kernel name, both recipes (graph profiles)
+    for m in "1.3b 4" "350m 8"; do set -- $m
+      stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit \
+        train --model $1 --recipe fp8-block --steps 8 --batch-size $2 --seq-len 2048 --eval-every 100 --eval-windows 2 \
+        --no-progress --compare bf16 --out-dir "$OUT/p$1" --overwrite | grep -E "phases|graph"
+      rm -rf "$OUT/p$1"
+    done ;;
   s27f)  # session 27: the persistent grid's causal rounds handed out in alternating CTA order (_gluon._fa_order): the
           # Gluon and attention GPU tests, then the kernel before (ab_old/) and after, causal, interleaved
     stage 240 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \

@@ -201,6 +201,37 @@ def check_norm_backward_candidates(device):
     print("ok")
 
 
+def check_column_sum(device):
+    """column_sum against an FP64 sum: within R FP32 ulps of sum|p| per column (a sequential FP32 sum over R rows,
+    in another order), on odd shapes (partial row and column blocks) and the norm backward's own sizes."""
+    for i, (rows, cols) in enumerate([(1, 1), (7, 3), (37, 1000), (33, 65), (528, 2048)]):
+        p = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(i)) * 3).to(device)
+        got = R.column_sum(p)
+        ref = p.double().cpu().sum(0)
+        tol = rows * EPS32 * p.double().abs().cpu().sum(0) + 1e-30
+        assert got.dtype == torch.float32 and got.shape == (cols,) and got.device == p.device
+        assert bool(((got.double().cpu() - ref).abs() <= tol).all()), (rows, cols)
+    with pytest.raises(ValueError, match="p: expected a contiguous 2-D float32 tensor"):
+        R.column_sum(torch.ones(4, 4, device=device).t())
+    with pytest.raises(ValueError, match="p: expected a contiguous 2-D float32 tensor"):
+        R.column_sum(torch.ones(4, 4, device=device, dtype=torch.float64))
+    print("ok")
+
+
+def test_column_sum_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_column_sum('cpu')")
+
+
+def test_column_sum_cpu():
+    check_column_sum("cpu")
+
+
+@pytest.mark.gpu
+def test_column_sum_gpu(cuda):
+    check_column_sum(cuda)
+
+
 def test_norm_backward_interpreter_subprocess():
     pytest.importorskip("triton")
     run_interpreted(__file__, "check_norm_backward('cpu')")
