@@ -27,15 +27,8 @@ def main():
     ap.add_argument("--subs", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--splits", default="0,1", help="_STAT_SPLIT values")
-    ap.add_argument("--one-launch", default=None, metavar="CHUNK,...",
-                    help="instead: the one-launch prepass (_FUSED) at these chunk sizes, x --warps, against the "
-                         "three launches, alternating rounds (--rounds)")
-    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     from lowbit.attention import _triton as T
-
-    if args.one_launch:
-        return one_launch(T, args)
 
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
@@ -77,31 +70,6 @@ def main():
             ms = triton.testing.do_bench_cudagraph(fn, rep=100)
             kt = ", ".join(f"{a} {b:.1f}" for a, b in sorted(kernel_times(fn, iters=10).items()))
             print(f"  {name:52s} {ms * 1e3:8.1f} us  [{kt}]")
-
-
-def one_launch(T, args):
-    """The one-launch prepass against the three launches, same process, rounds alternating (host speed drifts)."""
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-    for shp in args.shapes.split(";"):
-        B, H, S, D = ints(shp)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        copy = triton.testing.do_bench_cudagraph(lambda: q.clone(), rep=100)
-        print(f"B{B} H{H} S{S} D{D}: copy of Q {copy * 1e3:.1f} us; the prepass at copy speed: three launches "
-              f"{13 / 4 * copy * 1e3:.0f} us, one launch {9 / 4 * copy * 1e3:.0f} us")  # bytes an element / 4
-        fn = lambda: T.prepass_triton(q, k, v, qk="int8", pv="fp8", key_order="wgmma32")  # noqa: E731
-        cfgs = [(False, 0, 4)] + [(True, c, w) for c in ints(args.one_launch) for w in ints(args.warps)]
-        res = {c: [] for c in cfgs}
-        saved = T._FUSED, T._FUSED_CHUNK, T._FUSED_WARPS
-        for _ in range(args.rounds):
-            for c in cfgs:
-                T._FUSED, T._FUSED_CHUNK, T._FUSED_WARPS = c[0], c[1] or None, c[2]
-                fn()
-                res[c].append(triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3)
-        for c, ts in res.items():
-            name = "three launches" if not c[0] else f"one launch, chunk {c[1]}, {c[2]} warps"
-            print(f"  {name:36s} " + " / ".join(f"{t:7.1f}" for t in ts) + " us")
-        T._FUSED, T._FUSED_CHUNK, T._FUSED_WARPS = saved
 
 
 if __name__ == "__main__":

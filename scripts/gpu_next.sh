@@ -185,12 +185,6 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_residual.py -rfE --tb=short
     stage 120 python3 scripts/attn_grad_layout.py 350m 8 2
     stage 120 python3 scripts/attn_grad_layout.py 1.3b 4 2 ;;
-  s28c)  # session 28: the one-launch prepass (_prepass_fused_kernel): prepass GPU tests, then programs an SM / warps
-          # against the three launches, then the probe
-    stage 200 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
-      tests/attention/test_gpu.py -k "prepass or fused or one_launch or rounding" -rfE --tb=short
-    stage 150 python3 scripts/attn_prepass_sweep.py --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" \
-      --one-launch 64,128,256 --warps 4,8 ;;
   s28a)  # session 28: where the 1.3b and 350m steps' GPU time goes, every kernel name, both recipes (graph profiles)
     for m in "1.3b 4" "350m 8"; do set -- $m
       stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit \

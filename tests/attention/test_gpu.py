@@ -345,52 +345,6 @@ def test_fused_prepass_equals_separate_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D
             assert torch.equal(vo, got[0]) and torch.equal(vs, got[1])
 
 
-ONE_LAUNCH_GPU = [  # qk, pv, layout, B, Hq, Hkv, Sq, Sk, D, smooth_k
-    ("int8", "fp8", "bhsd", 2, 8, 2, 1000, 4113, 128, True),
-    ("fp8", "fp8", "bshd", 3, 4, 4, 300, 2048, 64, True),
-    ("int8", "fp16", "bhsd", 1, 4, 1, 129, 700, 128, True),
-    ("int8", None, "bhsd", 2, 4, 4, 64, 1000, 128, True),
-    (None, "fp8", "bshd", 2, 4, 2, 0, 513, 64, True),
-    ("int8", "fp8", "bhsd", 1, 2, 2, 17, 3000, 128, False),
-]
-
-
-@pytest.mark.parametrize("qk,pv,layout,B,Hq,Hkv,Sq,Sk,D,smooth_k", ONE_LAUNCH_GPU)
-def test_prepass_one_launch_gpu(qk, pv, layout, B, Hq, Hkv, Sq, Sk, D, smooth_k, monkeypatch):
-    """The one-launch dense prepass (``_prepass_fused_kernel``: programs waiting for their head's K mean and V
-    scales) equals the three launches bit for bit, the K mean included, at chunks of 64, 128 and 256 key rows (the
-    three launches' statistics chunk set to match: the mean's summation order)."""
-    tri = pytest.importorskip("lowbit.attention._triton")
-    off = torch.linspace(-8, 8, D, device="cuda")
-    q = rand(B, Hq, max(Sq, 1), D, dtype=torch.bfloat16, seed=11)
-    k = (rand(B, Hkv, Sk, D, dtype=torch.float32, seed=12) + off).to(torch.bfloat16)
-    v = rand(B, Hkv, Sk, D, dtype=torch.bfloat16, seed=13)
-    if layout == "bshd":
-        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    kw = dict(qk=qk, pv=pv, smooth_k=smooth_k, layout=layout, key_order="wgmma32" if pv == "fp8" else "natural")
-    if qk is None:
-        q = k = None
-    bits = lambda t: t.view(torch.int8) if t.element_size() == 1 else t  # noqa: E731
-    for chunk in (64, 128, 256):
-        monkeypatch.setattr(tri, "_STAT_CHUNK", chunk)
-        monkeypatch.setattr(tri, "_FUSED", False)
-        three = tri.prepass_triton(q, k, v, **kw)
-        monkeypatch.setattr(tri, "_FUSED", True)
-        assert tri._fused_plan(k if k is not None else v, False, True, chunk, 64, -(-Sk // chunk)) == "tickets"
-        one = tri.prepass_triton(q, k, v, **kw)
-        if qk is not None:
-            for name in ("q", "k", "q_scale", "k_scale", "k_mean"):
-                a, b = getattr(one[0], name), getattr(three[0], name)
-                assert (a is None and b is None and not smooth_k) or torch.equal(bits(a), bits(b)), (name, chunk)
-        if pv is not None:
-            assert torch.equal(one[2], three[2]), chunk
-            if pv == "fp8":
-                st = tri._wgmma32_storage
-                assert torch.equal(st(one[1], layout).view(torch.uint8), st(three[1], layout).view(torch.uint8))
-            else:
-                assert torch.equal(one[1], three[1]), chunk
-
-
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_int8_prepass_rounding_edges_gpu(dt):
     """The compiled INT8 rounding (no FRND/F2I: rz adds and integer sign) on the ties n + 1/2 and on the input

@@ -157,53 +157,6 @@ def test_fused_prepass_equals_separate(tri, pv, layout, varlen):
         tri.prepass_triton(q, k, v)
 
 
-ONE_LAUNCH_CASES = [  # qk, pv, smooth_k, layout, key_order, Sk, block_k
-    ("int8", "fp8", True, "bhsd", "wgmma32", 300, 16),
-    ("fp8", "fp8", True, "bshd", "natural", 520, 64),
-    ("int8", "fp16", True, "bhsd", "natural", 37, 32),
-    ("int8", None, True, "bshd", "natural", 300, 16),
-    ("int8", "fp8", False, "bhsd", "wgmma32", 64, 64),
-    (None, "fp8", True, "bhsd", "wgmma32", 257, 64),
-    (None, "fp16", True, "bshd", "natural", 300, 64),
-]
-
-
-@pytest.mark.parametrize("qk,pv,smooth_k,layout,key_order,Sk,block_k", ONE_LAUNCH_CASES)
-def test_prepass_one_launch_equals_three(tri, monkeypatch, qk, pv, smooth_k, layout, key_order, Sk, block_k):
-    """The one-launch dense prepass (``_prepass_fused_kernel``; per head under the interpreter) against the three
-    launches, every output bit for bit (the K mean and V scales come from the same partials in the same order):
-    Q/K only, V only, both, with and without K smoothing, FP16 V, the "wgmma32" key order, partial chunks (256
-    rows), GQA, both layouts."""
-    D, B, Hq, Hkv, Sq = 64, 2, 4, 2, 45
-    q, k, v = rand(B, Hq, Sq, D, seed=41), rand(B, Hkv, Sk, D, seed=42, offset=2.0), rand(B, Hkv, Sk, D, seed=43)
-    if layout == "bshd":
-        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    kw = dict(qk=qk, pv=pv, smooth_k=smooth_k, layout=layout, key_order=key_order if pv == "fp8" else "natural",
-              granularity="per_warp", block_q=32, warp_q=16, block_k=block_k)
-    ran = []
-    run = tri._run
-    monkeypatch.setattr(tri, "_run", lambda launch, *a: (ran.append(launch), run(launch, *a))[1])
-    one = tri.prepass_triton(q, k, v, **kw)
-    assert ran == [tri._PREPASS_FUSED]
-    monkeypatch.setattr(tri, "_FUSED", False)
-    three = tri.prepass_triton(q, k, v, **kw)
-    assert tri._PREPASS_FUSED not in ran[1:] and len(ran) > 1
-    bits = lambda t: t.view(torch.int8) if t.element_size() == 1 else t  # noqa: E731
-    if qk is not None:
-        for name in ("q", "k", "q_scale", "k_scale", "k_mean"):
-            a, b = getattr(one[0], name), getattr(three[0], name)
-            assert (a is None and b is None and not smooth_k) or torch.equal(bits(a), bits(b)), name
-    else:
-        assert one[0] is None
-    if pv is not None:
-        assert one[1].stride() == three[1].stride() and torch.equal(one[2], three[2])
-        assert torch.equal(bits(one[1]), bits(three[1]))
-        if key_order == "wgmma32":  # the padding positions of the last 32-key chunk too
-            st = tri._wgmma32_storage
-            assert torch.equal(st(one[1], layout).view(torch.uint8), st(three[1], layout).view(torch.uint8))
-    assert one[3] == three[3]
-
-
 def _prepare(tri, q, k, v, qk, pv, layout="bhsd", **vl):
     if qk == "bf16":
         qa, ka, qs, ks, km, rows = q, k, None, None, None, 128

@@ -110,14 +110,13 @@ def _to_int8(y, INTERPRET: tl.constexpr):
 #   3. _prepass_codes_kernel: per K scale group the K codes (mean subtracted) and the V codes of the same rows.
 # K and V are each read twice (the statistics precede the codes), Q once.
 @triton.jit
-def _rows_group(xb, yb, sp, mu, g, seqlen, n_groups, mult, sxs, sxd, sys_, syd,
+def _rows_group(xb, yb, sp, mp, g, seqlen, n_groups, mult, sxs, sxd, sys_, syd,
                 ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                 QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr):
     """One scale group: rows g·ROWS ... of the (batch, head) at xb -> codes at yb, scale at sp[g].
 
-    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1). mu: the (batch, head)'s mean
-    row, (BLOCK_D,) FP32, 0 past D (HAS_MEAN; else unused). ROWS_P2 = next power of two >= ROWS (tl.arange needs
-    one; a user's block_k need not be)."""
+    y = code((x·mult - mean) · (QMAX / amax)); scale = amax/QMAX (amax 0 -> 1 and 1). mp: the (batch, head)'s mean
+    row (HAS_MEAN). ROWS_P2 = next power of two >= ROWS (tl.arange needs one; a user's block_k need not be)."""
     r = tl.arange(0, ROWS_P2)
     rows = g * ROWS + r
     d = tl.arange(0, BLOCK_D)
@@ -126,6 +125,7 @@ def _rows_group(xb, yb, sp, mu, g, seqlen, n_groups, mult, sxs, sxd, sys_, syd,
     x = tl.load(xb + roff[:, None] * sxs + d[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
     x = x * mult
     if HAS_MEAN:
+        mu = tl.load(mp + d, mask=d < D, other=0.0)
         x = tl.where(m, x - mu[None, :], 0.0)  # masked rows/columns read 0 but the mean moved them
     amax = tl.max(tl.abs(x))  # one flat reduction (per-row then per-column reductions cost ~10 shuffles per element)
     scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
@@ -213,23 +213,15 @@ def _prepass_stats_kernel(Q, QC, QS, K, V, PK, PV, CUQ, CUK,
             _col_stats(K, V, PK, PV, CUK, pid, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
                        BLOCK_D, D, CHUNK, SUB, K_SUM, V_AMAX, VARLEN)
     elif DO_Q:
-        _q_group(Q, QC, QS, CUQ, pid - n_stat, sqb, sqh, sqs, sqd, scb, sch, scs, scd, ssb, ssh, Hq, Sq, nq_groups,
-                 nq_grid, mult, Q_ROWS, Q_ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, VARLEN, INTERPRET)
-
-
-@triton.jit
-def _q_group(Q, QC, QS, CUQ, p, sqb, sqh, sqs, sqd, scb, sch, scs, scd, ssb, ssh, Hq, Sq, nq_groups, nq_grid, mult,
-             Q_ROWS: tl.constexpr, Q_ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-             QMAX: tl.constexpr, TO_FP8: tl.constexpr, VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Q work item p: scale group p % nq_grid of (batch·head) p // nq_grid -> its codes and scale."""
-    g = p % nq_grid
-    bh = p // nq_grid
-    b = bh // Hq
-    h = bh % Hq
-    qb, seqlen = _seq_base(Q, CUQ, b, h, sqb, sqh, sqs, Sq, VARLEN)
-    cb, seqlen = _seq_base(QC, CUQ, b, h, scb, sch, scs, Sq, VARLEN)
-    _rows_group(qb, cb, QS + b.to(tl.int64) * ssb + h * ssh, mult, g, seqlen, nq_groups, mult, sqs, sqd, scs, scd,
-                Q_ROWS, Q_ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, False, INTERPRET)
+        p = pid - n_stat
+        g = p % nq_grid
+        bh = p // nq_grid
+        b = bh // Hq
+        h = bh % Hq
+        qb, seqlen = _seq_base(Q, CUQ, b, h, sqb, sqh, sqs, Sq, VARLEN)
+        cb, seqlen = _seq_base(QC, CUQ, b, h, scb, sch, scs, Sq, VARLEN)
+        _rows_group(qb, cb, QS + b.to(tl.int64) * ssb + h * ssh, QS, g, seqlen, nq_groups, mult, sqs, sqd, scs, scd,
+                    Q_ROWS, Q_ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, False, INTERPRET)
 
 
 @triton.jit
@@ -243,26 +235,6 @@ def _prepass_finalize_kernel(PK, PV, KM, VS, VR, CUK, Hkv, Sk, n_chunks, smb, sm
     amax·VR <= 65280 < 65504), VS = 2^-e; both exact. amax 0 -> VS = VR = 1."""
     bh = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
-    b = bh // Hkv
-    h = bh % Hkv
-    n = Sk
-    if VARLEN:
-        n = tl.load(CUK + b + 1) - tl.load(CUK + b)
-    mean, sc, r = _kv_final(PK, PV, bh, n_chunks, n, D, BLOCK_D, CH, K_SUM, V_AMAX, FP16, False)
-    if K_SUM:
-        tl.store(KM + b.to(tl.int64) * smb + h * smh + d, mean, mask=d < D)
-    if V_AMAX:
-        tl.store(VS + bh.to(tl.int64) * D + d, sc, mask=d < D)
-        tl.store(VR + bh.to(tl.int64) * D + d, r, mask=d < D)
-
-
-@triton.jit
-def _kv_final(PK, PV, bh, n_chunks, n, D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
-              K_SUM: tl.constexpr, V_AMAX: tl.constexpr, FP16: tl.constexpr, CG: tl.constexpr):
-    """(K mean, V scale, V multiplier), each (BLOCK_D,) FP32, of (batch·kv head) bh from its n_chunks partials (see
-    ``_prepass_finalize_kernel``); n: the sequence length. CG: the partials are read past L1 (other programs of this
-    launch wrote them)."""
-    d = tl.arange(0, BLOCK_D)
     c = tl.arange(0, CH)
     base = bh.to(tl.int64) * n_chunks * D
     ksum = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -271,26 +243,28 @@ def _kv_final(PK, PV, bh, n_chunks, n, D: tl.constexpr, BLOCK_D: tl.constexpr, C
         off = base + (c0 + c[:, None]) * D + d[None, :]
         m = (c0 + c[:, None] < n_chunks) & (d[None, :] < D)
         if K_SUM:
-            if CG:
-                ksum += tl.sum(tl.load(PK + off, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            else:
-                ksum += tl.sum(tl.load(PK + off, mask=m, other=0.0), 0)
+            ksum += tl.sum(tl.load(PK + off, mask=m, other=0.0), 0)
         if V_AMAX:
-            if CG:
-                amax = tl.maximum(amax, tl.max(tl.load(PV + off, mask=m, other=0.0, cache_modifier=".cg"), 0))
-            else:
-                amax = tl.maximum(amax, tl.max(tl.load(PV + off, mask=m, other=0.0), 0))
-    nf = tl.maximum(n, 1).to(tl.float32)
-    mean = tl.math.div_rn(ksum, nf + tl.zeros_like(ksum))
-    if FP16:
-        e = 15 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-        e = tl.where(amax == 0.0, 0, tl.minimum(e, 126))
-        r = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        sc = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    else:
-        sc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
-        r = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0 + tl.zeros_like(amax), amax))
-    return mean, sc, r
+            amax = tl.maximum(amax, tl.max(tl.load(PV + off, mask=m, other=0.0), 0))
+    if K_SUM:
+        b = bh // Hkv
+        h = bh % Hkv
+        n = Sk
+        if VARLEN:
+            n = tl.load(CUK + b + 1) - tl.load(CUK + b)
+        n = tl.maximum(n, 1).to(tl.float32)
+        tl.store(KM + b.to(tl.int64) * smb + h * smh + d, tl.math.div_rn(ksum, n + tl.zeros_like(ksum)), mask=d < D)
+    if V_AMAX:
+        if FP16:
+            e = 15 - (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
+            e = tl.where(amax == 0.0, 0, tl.minimum(e, 126))
+            r = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            sc = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        else:
+            sc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
+            r = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0 + tl.zeros_like(amax), amax))
+        tl.store(VS + bh.to(tl.int64) * D + d, sc, mask=d < D)
+        tl.store(VR + bh.to(tl.int64) * D + d, r, mask=d < D)
 
 
 @triton.jit
@@ -312,138 +286,34 @@ def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
     bh = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
-    d = tl.arange(0, BLOCK_D)
     if K_CODES:
         kb, seqlen = _seq_base(K, CUK, b, h, skb, skh, sks, Sk, VARLEN)
         cb, seqlen = _seq_base(KC, CUK, b, h, scb, sch, scs, Sk, VARLEN)
-        mu = 0.0
-        if HAS_MEAN:
-            mu = tl.load(KM + b.to(tl.int64) * smb + h * smh + d, mask=d < D, other=0.0)
-        _rows_group(kb, cb, KS + b.to(tl.int64) * ssb + h * ssh, mu, g, seqlen,
+        _rows_group(kb, cb, KS + b.to(tl.int64) * ssb + h * ssh, KM + b.to(tl.int64) * smb + h * smh, g, seqlen,
                     nk_groups, 1.0, sks, skd, scs, scd, ROWS, ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, HAS_MEAN, INTERPRET)
     if V_CODES:
         vb, seqlen = _seq_base(V, CUK, b, h, svb, svh, svs, Sk, VARLEN)
         yb, seqlen = _seq_base(VC, CUK, b, h, syb, syh, sys_, Sk, VARLEN)
+        r_ = tl.arange(0, ROWS_P2)
+        rows = g * ROWS + r_
+        d = tl.arange(0, BLOCK_D)
+        sm = (r_[:, None] < ROWS) & (d[None, :] < D)
+        if KEY_PERM:  # rows are storage positions: load the key each holds (the inverse of wgmma32_position)
+            key = (rows & ~31) | (rows & 0x11) | ((rows & 2) << 2) | ((rows >> 1) & 6)
+            lm = sm & (key[:, None] < seqlen)
+            sm = sm & (rows[:, None] < (seqlen + 31) // 32 * 32)  # the last chunk's unused positions get code 0
+        else:
+            key = rows
+            sm = sm & (rows[:, None] < seqlen)
+            lm = sm
+        x = tl.load(vb + key.to(tl.int64)[:, None] * svs + d[None, :] * svd, mask=lm, other=0.0).to(tl.float32)
         rv = tl.load(VR + bh.to(tl.int64) * D + d, mask=d < D, other=1.0)
-        _v_rows(vb, yb, rv, g, seqlen, svs, svd, sys_, syd, ROWS, ROWS_P2, BLOCK_D, D, V_FP16, KEY_PERM, INTERPRET)
-
-
-@triton.jit
-def _v_rows(vb, yb, rv, g, seqlen, svs, svd, sys_, syd, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-            BLOCK_D: tl.constexpr, D: tl.constexpr, V_FP16: tl.constexpr, KEY_PERM: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """V storage rows g·ROWS ... of one (batch, kv head) (V at vb, codes at yb) -> codes of v · rv (rv: the
-    (BLOCK_D,) per-channel multiplier). KEY_PERM: see ``_prepass_codes_kernel``."""
-    r_ = tl.arange(0, ROWS_P2)
-    rows = g * ROWS + r_
-    d = tl.arange(0, BLOCK_D)
-    sm = (r_[:, None] < ROWS) & (d[None, :] < D)
-    if KEY_PERM:  # rows are storage positions: load the key each holds (the inverse of wgmma32_position)
-        key = (rows & ~31) | (rows & 0x11) | ((rows & 2) << 2) | ((rows >> 1) & 6)
-        lm = sm & (key[:, None] < seqlen)
-        sm = sm & (rows[:, None] < (seqlen + 31) // 32 * 32)  # the last chunk's unused positions get code 0
-    else:
-        key = rows
-        sm = sm & (rows[:, None] < seqlen)
-        lm = sm
-    x = tl.load(vb + key.to(tl.int64)[:, None] * svs + d[None, :] * svd, mask=lm, other=0.0).to(tl.float32)
-    y = x * rv[None, :]
-    if V_FP16:
-        code = y.to(tl.float16)
-    else:
-        code = _to_e4m3(y, INTERPRET)
-    tl.store(yb + rows.to(tl.int64)[:, None] * sys_ + d[None, :] * syd, code, mask=sm)
-
-
-@triton.jit
-def _prepass_fused_kernel(Q, QC, QS, K, KC, KS, KM, V, VC, VS, VR, PK, PV, SYNC,
-                          sqb, sqh, sqs, sqd, scqb, scqh, scqs, scqd, ssqb, ssqh,
-                          skb, skh, sks, skd, scb, sch, scs, scd, ssb, ssh, smb, smh,
-                          svb, svh, svs, svd, syb, syh, sys_, syd,
-                          Hq, Hkv, Sq, Sk, nq_groups, nq_grid, nk_groups, n_chunks, n_kv, n_bh, mult,
-                          Q_ROWS: tl.constexpr, Q_ROWS_P2: tl.constexpr, K_ROWS: tl.constexpr,
-                          BLOCK_D: tl.constexpr, D: tl.constexpr, QMAX: tl.constexpr, TO_FP8: tl.constexpr,
-                          CHUNK: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr, DO_Q: tl.constexpr,
-                          K_CODES: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr, V_FP16: tl.constexpr,
-                          KEY_PERM: tl.constexpr, PER_HEAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """The dense prepass in one launch, reading K and V from HBM once: each chunk of CHUNK key rows gets its
-    statistics, waits for its head's K mean and V scales, and is quantized right away, re-reading its rows from L2.
-
-    A program takes a ticket t (SYNC[0], in the order programs start): tickets [0, n_kv) are (batch·kv head)
-    t // n_chunks, chunk t % n_chunks; the rest Q scale groups (``_q_group``, DO_Q). A K/V ticket: the chunk's K
-    column sums and V column amax into PK / PV[bh, chunk] (``_col_stats``, as the statistics launch); an acq_rel
-    increment of bh's arrival count (SYNC[1 + bh]); the last to arrive computes the K mean and V's scale and
-    multiplier from the partials in chunk order (``_kv_final``, as the finalize launch) into KM / VS / VR and raises
-    bh's flag (SYNC[1 + n_bh + bh], release); the others spin on it (acquire). Then the chunk's K codes (CHUNK /
-    K_ROWS scale groups) and V codes. Tickets, not program ids: every ticket below a program's has started, so the
-    earliest unfinished head has all its chunks running once n_chunks programs fit on the GPU (the launcher's
-    rule), and no wait can last forever. CHUNK is a multiple of K_ROWS and of 64 (V's rows, KEY_PERM's 32-key
-    chunks). PER_HEAD: a program per (batch·kv head) or Q group, in program-id order, all its chunks in turn and no
-    waits (the interpreter runs programs one after another)."""
-    d = tl.arange(0, BLOCK_D)
-    if PER_HEAD:
-        t = tl.program_id(0)
-        n_items = n_bh
-    else:
-        t = tl.atomic_add(SYNC, 1, sem="relaxed")
-        n_items = n_kv
-    if t < n_items:
-        if PER_HEAD:
-            bh = t
-            c_lo = 0
-            c_hi = n_chunks
+        y = x * rv[None, :]
+        if V_FP16:
+            code = y.to(tl.float16)
         else:
-            bh = t // n_chunks
-            c_lo = t % n_chunks
-            c_hi = c_lo + 1
-        for c in range(c_lo, c_hi):
-            _col_stats(K, V, PK, PV, K, bh * n_chunks + c, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs,
-                       svd, BLOCK_D, D, CHUNK, SUB, K_SUM, V_AMAX, False)
-        tl.debug_barrier()  # every thread's partial stores before the release (or this program's own loads)
-        b = bh // Hkv
-        h = bh % Hkv
-        km = KM + b.to(tl.int64) * smb + h * smh
-        last = True
-        if not PER_HEAD:
-            last = tl.atomic_add(SYNC + 1 + bh, 1, sem="acq_rel") == n_chunks - 1
-        if last:
-            mean, sc, rv = _kv_final(PK, PV, bh, n_chunks, Sk, D, BLOCK_D, CH, K_SUM, V_AMAX, V_FP16, not PER_HEAD)
-            if K_SUM:
-                tl.store(km + d, mean, mask=d < D)
-            if V_AMAX:
-                tl.store(VS + bh.to(tl.int64) * D + d, sc, mask=d < D)
-                tl.store(VR + bh.to(tl.int64) * D + d, rv, mask=d < D)
-            tl.debug_barrier()
-            if not PER_HEAD:
-                tl.atomic_xchg(SYNC + 1 + n_bh + bh, 1, sem="release")
-        else:
-            seen = tl.atomic_add(SYNC + 1 + n_bh + bh, 0, sem="acquire")
-            while seen == 0:
-                seen = tl.atomic_add(SYNC + 1 + n_bh + bh, 0, sem="acquire")
-        tl.debug_barrier()
-        mean = tl.zeros([BLOCK_D], dtype=tl.float32)
-        rv = tl.full([BLOCK_D], 1.0, tl.float32)
-        if K_SUM:
-            mean = tl.load(km + d, mask=d < D, other=0.0, cache_modifier=".cg")
-        if V_AMAX:
-            rv = tl.load(VR + bh.to(tl.int64) * D + d, mask=d < D, other=1.0, cache_modifier=".cg")
-        kb = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-        cb = KC + b.to(tl.int64) * scb + h.to(tl.int64) * sch
-        vb = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
-        yb = VC + b.to(tl.int64) * syb + h.to(tl.int64) * syh
-        for c in range(c_lo, c_hi):
-            if K_CODES:
-                for i in tl.static_range(CHUNK // K_ROWS):
-                    _rows_group(kb, cb, KS + b.to(tl.int64) * ssb + h * ssh, mean, c * (CHUNK // K_ROWS) + i,
-                                Sk, nk_groups, 1.0, sks, skd, scs, scd, K_ROWS, K_ROWS, BLOCK_D, D, QMAX, TO_FP8,
-                                K_SUM, INTERPRET)
-            if V_AMAX:
-                for i in tl.static_range(CHUNK // 64):
-                    _v_rows(vb, yb, rv, c * (CHUNK // 64) + i, Sk, svs, svd, sys_, syd, 64, 64, BLOCK_D, D,
-                            V_FP16, KEY_PERM, INTERPRET)
-    elif DO_Q:
-        _q_group(Q, QC, QS, Q, t - n_items, sqb, sqh, sqs, sqd, scqb, scqh, scqs, scqd, ssqb, ssqh, Hq, Sq,
-                 nq_groups, nq_grid, mult, Q_ROWS, Q_ROWS_P2, BLOCK_D, D, QMAX, TO_FP8, False, INTERPRET)
+            code = _to_e4m3(y, INTERPRET)
+        tl.store(yb + rows.to(tl.int64)[:, None] * sys_ + d[None, :] * syd, code, mask=sm)
 
 
 # ============================================================================ forward kernel
@@ -676,7 +546,6 @@ _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "Q
 _PREPASS_STATS = SpecializedLaunch(_prepass_stats_kernel)
 _PREPASS_FINALIZE = SpecializedLaunch(_prepass_finalize_kernel)
 _PREPASS_CODES = SpecializedLaunch(_prepass_codes_kernel)
-_PREPASS_FUSED = SpecializedLaunch(_prepass_fused_kernel)
 _ATTN_FWD = SpecializedLaunch(_attn_fwd)
 
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
@@ -753,9 +622,6 @@ _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
 _CODES_WARPS = 4  # warps of the codes launch (8 for 64 x 128 groups was 9% slower)
 _STAT_SPLIT = True  # K's sums and V's amax in separate programs of the statistics launch (4-10% faster overall)
-_FUSED = True  # dense calls: the one-launch prepass (_prepass_fused_kernel) where its rule holds
-_FUSED_CHUNK = None  # key rows a program of the one-launch prepass: None = as the statistics launch's
-_FUSED_WARPS = 4
 
 
 def _p2(n: int) -> int:
@@ -797,20 +663,6 @@ def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k):
         order = remember(_ORDERS, okey, fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal,
                                                         window=window, k_scale_rows=block_k))
     return order
-
-
-def _fused_plan(x, varlen: bool, stats: bool, chunk: int, rows: int, n_chunks: int):
-    """Whether ``prepass_triton`` runs ``_prepass_fused_kernel`` for a call: None (the three launches), "per_head"
-    under the interpreter (programs run one after another: no waits), else "tickets". Dense calls that need
-    statistics (K smoothing or V scales), with K scale groups and V's 64-row blocks tiling a chunk, and no more
-    chunks a head than SMs (so a head's chunks can all run at once: the waits' progress rule)."""
-    if not _FUSED or varlen or not stats or chunk % rows or chunk % 64:
-        return None
-    if INTERPRETED:
-        return "per_head"
-    from .._device import num_sms
-
-    return "tickets" if n_chunks <= num_sms(x.device) else None
 
 
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
@@ -885,48 +737,11 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     # dense: the launches' key is the call's signature (every launch argument is computed from it, the buffers are
     # fresh and aligned); varlen: each launch keys on its arguments (max_seqlen would grow a signature cache)
     key = None if varlen else (qk, pv, granularity, smooth_k, block_q, block_k, warp_q, layout, key_order,
-                               _STAT_CHUNK, _STAT_SUB, _STATS_WARPS, _CODES_WARPS, _STAT_SPLIT, _FUSED,
-                               _FUSED_CHUNK, _FUSED_WARPS,
+                               _STAT_CHUNK, _STAT_SUB, _STATS_WARPS, _CODES_WARPS, _STAT_SPLIT,
                                _signature(q), _signature(k), _signature(v))
+    # 1. statistics (K sums, V amax) and Q's codes
     chunk = _STAT_CHUNK or max(64, min(256, 32768 // bd))
     n_chunks = max(1, -(-Sk // chunk))
-    rows = block_k if do_qk else 64
-    perm = v_amax and key_order == "wgmma32"
-    fchunk = _FUSED_CHUNK or chunk
-    n_fc = max(1, -(-Sk // fchunk))
-    plan = _fused_plan(x, varlen, k_sum or v_amax, fchunk, rows, n_fc)
-    if plan is not None:  # one launch, K and V read from HBM once
-        per_head = plan == "per_head"
-        n_kv = B * Hkv * (1 if per_head else n_fc)
-        grid = n_kv + (nq_grid * B * Hq if do_qk else 0)
-        # the ticket counter, each head's arrivals and its ready flag (zeroed: one memset)
-        sync = torch.zeros(1 + 2 * B * Hkv, device=dev, dtype=torch.int32) if not per_head else dummy
-        if vs is None:
-            vs = vr = dummy
-        _run(_PREPASS_FUSED, (grid,), key, (
-            q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy,
-            k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
-            v if v_amax else dummy, vo if v_amax else dummy, vs, vr,
-            torch.empty(B * Hkv, n_fc, D, device=dev, dtype=f32) if k_sum else dummy,
-            torch.empty(B * Hkv, n_fc, D, device=dev, dtype=f32) if v_amax else dummy, sync,
-            *qv, *(_views(qc, layout, varlen) if do_qk else z4),
-            q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0,
-            *kv, *(_views(kc, layout, varlen) if do_qk else z4),
-            k_scale.stride(0) if do_qk else 0, k_scale.stride(1) if do_qk else 0,
-            km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
-            *vv, *(_views(vo, layout, varlen) if v_amax else z4),
-            Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
-            nk if do_qk else 0, n_fc, n_kv, B * Hkv, _f32(scale * LOG2E) if do_qk else 1.0), dict(
-            Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=_p2(qrows) if do_qk else 1, K_ROWS=rows, BLOCK_D=bd, D=D,
-            QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=fchunk, SUB=min(_STAT_SUB, fchunk),
-            CH=max(1, min(_p2(n_fc), 4096 // bd)), DO_Q=do_qk, K_CODES=do_qk, K_SUM=k_sum, V_AMAX=v_amax,
-            V_FP16=pv == "fp16", KEY_PERM=perm, PER_HEAD=per_head, INTERPRET=INTERPRETED,
-            num_warps=_FUSED_WARPS))
-        vs = vs if v_amax else None
-        qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
-              if do_qk else None)
-        return qq, vo, vs, key_order
-    # 1. statistics (K sums, V amax) and Q's codes
     split = bool(_STAT_SPLIT and k_sum and v_amax)
     n_stat = n_chunks * B * Hkv * (2 if split else 1) if (k_sum or v_amax) else 0
     n_qp = nq_grid * B * Hq if do_qk else 0
@@ -953,6 +768,8 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
             n_chunks, km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0),
             dict(D=D, BLOCK_D=bd, CH=ch, K_SUM=k_sum, V_AMAX=v_amax, FP16=pv == "fp16", VARLEN=varlen, num_warps=4))
     # 3. K's and V's codes, one K scale group's rows a program
+    rows = block_k if do_qk else 64
+    perm = v_amax and key_order == "wgmma32"
     # "wgmma32": every position of the last 32-key chunk is written (0 past the last key: P is 0 there, and 0 · 0 = 0)
     covered = -(-Sk // 32) * 32 if perm else Sk
     _run(_PREPASS_CODES, (max(1, -(-covered // rows)), B * Hkv), key, (
