@@ -27,14 +27,8 @@ def main():
     ap.add_argument("--subs", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--splits", default="0,1", help="_STAT_SPLIT values")
-    ap.add_argument("--ab", default=None, metavar="NAME=V1,V2",
-                    help="instead: the whole prepass with module knob NAME at each value, rounds alternating")
-    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from lowbit.attention import _triton as T
-
-    if args.ab:
-        return ab(T, args)
 
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
@@ -76,32 +70,6 @@ def main():
             ms = triton.testing.do_bench_cudagraph(fn, rep=100)
             kt = ", ".join(f"{a} {b:.1f}" for a, b in sorted(kernel_times(fn, iters=10).items()))
             print(f"  {name:52s} {ms * 1e3:8.1f} us  [{kt}]")
-
-
-def ab(T, args):
-    """The whole INT8·FP8 prepass (graphed) with one module knob at each value, same process, rounds alternating
-    (host and clock drift between processes); each value's kernels from the profiler after its last round."""
-    name, vals = args.ab.split("=")
-    vals = [int(x) for x in vals.split(",")]
-    saved = getattr(T, name)
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-    for shp in args.shapes.split(";"):
-        B, H, S, D = (int(x) for x in shp.split(","))
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        copy = triton.testing.do_bench_cudagraph(lambda: q.clone(), rep=100)
-        fn = lambda: T.prepass_triton(q, k, v, qk="int8", pv="fp8", key_order="wgmma32")  # noqa: E731
-        res = {x: [] for x in vals}
-        for _ in range(args.rounds):
-            for x in vals:
-                setattr(T, name, type(saved)(x) if saved is not None else x)
-                fn()
-                res[x].append(triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3)
-        print(f"B{B} H{H} S{S} D{D}: copy of Q {copy * 1e3:.1f} us, the prepass at copy speed {13 / 4 * copy * 1e3:.0f} us")
-        for x in vals:
-            setattr(T, name, type(saved)(x) if saved is not None else x)
-            kt = ", ".join(f"{a} {b:.1f}" for a, b in sorted(kernel_times(fn, iters=10).items()))
-            print(f"  {name}={x}: " + " / ".join(f"{t:6.1f}" for t in res[x]) + f" us  [{kt}]")
-    setattr(T, name, saved)
 
 
 if __name__ == "__main__":

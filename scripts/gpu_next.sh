@@ -185,17 +185,6 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_residual.py -rfE --tb=short
     stage 120 python3 scripts/attn_grad_layout.py 350m 8 2
     stage 120 python3 scripts/attn_grad_layout.py 1.3b 4 2 ;;
-  s28d)  # session 28: the prepass's L2 program order (_L2_ORDER): prepass GPU tests, A/B in one process, then the 1.3b and
-          # 350m training pairs (column_sum in the norm backward). (s28c, the one-launch prepass, went with its revert.)
-    stage 200 env LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 \
-      tests/attention/test_gpu.py -k "prepass or fused or rounding" -rfE --tb=short
-    stage 120 python3 scripts/attn_prepass_sweep.py --shapes "${SHAPES:-4,32,4096,128;2,32,8192,128;8,16,2048,64}" \
-      --ab _L2_ORDER=0,1 --rounds 3
-    pair 1.3b 4 ;;
-  s28e)  # session 28: the 350m pair, then the GPU tests of what this session touched (ops, attention prepass)
-    pair 350m 8
-    stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
-      -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
   s28a)  # session 28: where the 1.3b and 350m steps' GPU time goes, every kernel name, both recipes (graph profiles)
     for m in "1.3b 4" "350m 8"; do set -- $m
       stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit \

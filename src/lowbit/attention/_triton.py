@@ -195,42 +195,25 @@ def _prepass_stats_kernel(Q, QC, QS, K, V, PK, PV, CUQ, CUK,
                           Q_ROWS: tl.constexpr, Q_ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                           QMAX: tl.constexpr, TO_FP8: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                           DO_Q: tl.constexpr, K_SUM: tl.constexpr, V_AMAX: tl.constexpr, SPLIT: tl.constexpr,
-                          L2_ORDER: tl.constexpr, VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
+                          VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
     """Programs [0, n_stat): one chunk of key rows each (``_col_stats``), both K's sums and V's amax, or (SPLIT, both
     asked for) the first half K's and the second half V's. Programs [n_stat, n_stat + nq_grid·B·Hq) (DO_Q): one Q
-    scale group each (``_rows_group``). L2_ORDER: the Q programs first, then the statistics with K's and V's
-    programs of a chunk next to each other (SPLIT), so the launch ends reading the last heads' K and V, which the
-    codes launch (its heads in reverse) then finds in L2."""
+    scale group each (``_rows_group``)."""
     pid = tl.program_id(0)
-    if L2_ORDER:
-        n_qp = tl.num_programs(0) - n_stat
-        s = pid - n_qp
-        if not DO_Q:
-            s = pid
-    else:
-        s = pid
-    if (s >= 0) & (s < n_stat):
+    if pid < n_stat:
         if SPLIT:  # K's sums and V's amax in programs of their own (twice the programs, each reading one tensor)
             n_kv = n_stat // 2
-            if L2_ORDER:
-                idx = s // 2
-                is_k = s % 2 == 0
-            else:
-                idx = tl.where(s < n_kv, s, s - n_kv)
-                is_k = s < n_kv
-            if is_k:
-                _col_stats(K, V, PK, PV, CUK, idx, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+            if pid < n_kv:
+                _col_stats(K, V, PK, PV, CUK, pid, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
                            BLOCK_D, D, CHUNK, SUB, True, False, VARLEN)
             else:
-                _col_stats(K, V, PK, PV, CUK, idx, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+                _col_stats(K, V, PK, PV, CUK, pid - n_kv, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
                            BLOCK_D, D, CHUNK, SUB, False, True, VARLEN)
         else:
-            _col_stats(K, V, PK, PV, CUK, s, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
+            _col_stats(K, V, PK, PV, CUK, pid, Hkv, Sk, n_chunks, skb, skh, sks, skd, svb, svh, svs, svd,
                        BLOCK_D, D, CHUNK, SUB, K_SUM, V_AMAX, VARLEN)
     elif DO_Q:
         p = pid - n_stat
-        if L2_ORDER:
-            p = pid
         g = p % nq_grid
         bh = p // nq_grid
         b = bh // Hq
@@ -291,7 +274,7 @@ def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
                           ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                           QMAX: tl.constexpr, TO_FP8: tl.constexpr, HAS_MEAN: tl.constexpr, K_CODES: tl.constexpr,
                           V_CODES: tl.constexpr, V_FP16: tl.constexpr, KEY_PERM: tl.constexpr,
-                          L2_ORDER: tl.constexpr, VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
+                          VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (g, bh): K scale group g (rows g·ROWS ...) of (batch·kv head) bh -> K codes and scale (K_CODES,
     ``_rows_group`` with the mean), and V's same rows -> codes y = code(v · VR[bh, channel]) (V_CODES): E4M3
     (saturating RNE) or, V_FP16, v·2^e rounded to nearest even (exact unless it lands among FP16's subnormals).
@@ -301,8 +284,6 @@ def _prepass_codes_kernel(K, KC, KS, KM, V, VC, VR, CUK,
     are written 0."""
     g = tl.program_id(0)
     bh = tl.program_id(1)
-    if L2_ORDER:  # the heads the statistics launch read last first (see _prepass_stats_kernel)
-        bh = tl.num_programs(1) - 1 - bh
     b = bh // Hkv
     h = bh % Hkv
     if K_CODES:
@@ -641,7 +622,6 @@ _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
 _CODES_WARPS = 4  # warps of the codes launch (8 for 64 x 128 groups was 9% slower)
 _STAT_SPLIT = True  # K's sums and V's amax in separate programs of the statistics launch (4-10% faster overall)
-_L2_ORDER = True  # program orders that leave the last heads' K and V in L2 for the codes launch
 
 
 def _p2(n: int) -> int:
@@ -757,7 +737,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     # dense: the launches' key is the call's signature (every launch argument is computed from it, the buffers are
     # fresh and aligned); varlen: each launch keys on its arguments (max_seqlen would grow a signature cache)
     key = None if varlen else (qk, pv, granularity, smooth_k, block_q, block_k, warp_q, layout, key_order,
-                               _STAT_CHUNK, _STAT_SUB, _STATS_WARPS, _CODES_WARPS, _STAT_SPLIT, _L2_ORDER,
+                               _STAT_CHUNK, _STAT_SUB, _STATS_WARPS, _CODES_WARPS, _STAT_SPLIT,
                                _signature(q), _signature(k), _signature(v))
     # 1. statistics (K sums, V amax) and Q's codes
     chunk = _STAT_CHUNK or max(64, min(256, 32768 // bd))
@@ -778,7 +758,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
             n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0), dict(
             Q_ROWS=qrows if do_qk else 1, Q_ROWS_P2=_p2(qrows) if do_qk else 1, BLOCK_D=bd, D=D,
             QMAX=qmax if do_qk else 1.0, TO_FP8=do_qk and qk == "fp8", CHUNK=chunk, SUB=sub, DO_Q=do_qk,
-            K_SUM=k_sum, V_AMAX=v_amax, SPLIT=split, L2_ORDER=_L2_ORDER, VARLEN=varlen, INTERPRET=INTERPRETED,
+            K_SUM=k_sum, V_AMAX=v_amax, SPLIT=split, VARLEN=varlen, INTERPRET=INTERPRETED,
             num_warps=_STATS_WARPS))
     # 2. the K mean, V's scales and multipliers
     if k_sum or v_amax:
@@ -802,7 +782,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         Hkv, Sk, nk if do_qk else 0), dict(
         ROWS=rows, ROWS_P2=_p2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
-        KEY_PERM=perm, L2_ORDER=_L2_ORDER, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=_CODES_WARPS))
+        KEY_PERM=perm, VARLEN=varlen, INTERPRET=INTERPRETED, num_warps=_CODES_WARPS))
     qq = (QKQuantized(qc, kc, q_scale, k_scale, km, scale, qk, granularity, block_q, block_k, warp_q)
           if do_qk else None)
     return qq, vo, vs, key_order
