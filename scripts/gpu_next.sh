@@ -185,6 +185,12 @@ case "${1:-verify}" in
     stage 200 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_residual.py -rfE --tb=short
     stage 120 python3 scripts/attn_grad_layout.py 350m 8 2
     stage 120 python3 scripts/attn_grad_layout.py 1.3b 4 2 ;;
+  s28d)  # session 28 (a4b2791, reverted in defda0a): the prepass L2 program order A/B, and the 1.3b pair
+    ;;
+  s28e)  # session 28: the 350m pair, then the GPU tests of what this session touched (ops, attention prepass)
+    pair 350m 8
+    stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+      -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
   s28a)  # session 28: where the 1.3b and 350m steps' GPU time goes, every kernel name, both recipes (graph profiles)
     for m in "1.3b 4" "350m 8"; do set -- $m
       stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit \
