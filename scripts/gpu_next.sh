@@ -12,6 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 28 (2026-11-24) ran s28a (graph profiles, H100), s28b (column_sum's tests; scripts/attn_grad_layout.py),
+# s28c twice (the one-launch prepass, reverted), s28d (the L2 program order, reverted; the 1.3b pair 1.293x), s28e
+# (the 350m pair 1.161x; 212 ops/attention GPU tests passed) and the whole GPU suite (386 passed, 4 skipped at 1f5050a).
 # Session 27 (2026-11-24) ran s27a (the three-launch prepass: 2 stale-name test failures, fixed), attn_prepass_sweep.py
 # twice (warps / chunk / load rows; then the K/V split and the keys permuted on the load), s27b, attn_host_time.py, s27c
 # (attention GPU tests 215 passed at c926473; bench) and s27d.
