@@ -338,6 +338,26 @@ def _sdpa_call(q, k, v, *, causal, scale, layout):
     return o if layout == "bhsd" else o.transpose(1, 2).contiguous()
 
 
+def _triton_operands(q, k, v, *, qk, pv, granularity="per_block", smooth_k=True, block_q=128, block_k=64, warp_q=32,
+                     softmax_scale=None, causal=False, window=None, **kw):
+    """What ``_triton.attention_fwd_triton`` takes for one call: (q, k, q_scale, k_scale, k_mean, q_scale_rows, v,
+    v_scale, v_key_order), everything the call quantizes (``qk`` "int8" / "fp8", ``pv`` resolved: "fp8" / "fp16")
+    made by one ``_triton.prepass_triton`` (FP8 V in the key order the forward kernel reads), the rest as given.
+    ``kw``: layout and varlen arguments, as prepass_triton takes them."""
+    from . import _triton
+
+    quant_qk = qk in ("int8", "fp8")
+    if not quant_qk and pv == "native":
+        return q, k, None, None, None, block_q, v, None, "natural"
+    qq, vq, vs, order = _triton.prepass_triton(
+        q, k, v, qk=qk if quant_qk else None, pv=None if pv == "native" else pv, granularity=granularity,
+        smooth_k=smooth_k, block_q=block_q, block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale,
+        key_order="auto", causal=causal, window=window, **kw)
+    qa, ka, qs, ks, km, rows = (q, k, None, None, None, block_q) if qq is None else (
+        qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows)
+    return qa, ka, qs, ks, km, rows, (v if vq is None else vq), vs, order
+
+
 def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smooth_k, window, cu_q, cu_k, mq, mk,
              return_lse, backend, block_q, block_k, warp_q):
     lay = "bhsd" if layout == "thd" else layout
@@ -364,16 +384,9 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     from . import _triton
     _check_triton(q.shape[-1], q.device)
     kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
-    qa, ka, qs, ks, km, rows, va, vs, order = q, k, None, None, None, block_q, v, None, "natural"
-    if quant_qk or pv != "native":  # one prepass (three launches) for everything the call quantizes
-        qq, vq, vsq, order = _triton.prepass_triton(
-            q, k, v, qk=qk if quant_qk else None, pv=None if pv == "native" else pv, granularity=granularity,
-            smooth_k=smooth_k, block_q=block_q, block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale,
-            key_order="auto", causal=causal, window=window, **kw)
-        if qq is not None:
-            qa, ka, qs, ks, km, rows = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.k_mean, qq.q_scale_rows
-        if vq is not None:
-            va, vs = vq, vsq
+    qa, ka, qs, ks, km, rows, va, vs, order = _triton_operands(
+        q, k, v, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
+        warp_q=warp_q, softmax_scale=softmax_scale, causal=causal, window=window, **kw)
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,

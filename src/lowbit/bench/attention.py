@@ -65,7 +65,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         rows.append(dict(name="sageattention", kind="peer", ms=float("nan"), tflops=float("nan"),
                          nrmse=float("nan"), error="not installed"))
 
-    from lowbit.attention.api import _quantize_v, resolve_pv
+    from lowbit.attention.api import _quantize_v, _triton_operands, resolve_pv
 
     for qk, pv in modes:
         tag = f"lowbit_{qk}_{pv}"
@@ -74,16 +74,10 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             "end-to-end")
         # kernel-only: the operands quantized once outside the timed region by the end-to-end call's prepass (FP8 V
         # in the key order the call's kernel reads: the Gluon kernel's "wgmma32")
-        qa, ka, qs, ks, rows_q, va, vs, order, pre = q, k, None, None, 128, v, None, "natural", None
-        if qk != "bf16" or pvr != "native":
-            pre = lambda qk=qk, pvr=pvr: T.prepass_triton(  # noqa: E731
-                q, k, v, qk=None if qk == "bf16" else qk, pv=None if pvr == "native" else pvr, key_order="auto",
-                causal=causal)
-            qq, vq, vsq, order = pre()
-            if qq is not None:
-                qa, ka, qs, ks, rows_q = qq.q, qq.k, qq.q_scale, qq.k_scale, qq.q_scale_rows
-            if vq is not None:
-                va, vs = vq, vsq
+        pre = lambda qk=qk, pvr=pvr: _triton_operands(q, k, v, qk=qk, pv=pvr, causal=causal)  # noqa: E731
+        qa, ka, qs, ks, _, rows_q, va, vs, order = pre()
+        if qk == "bf16" and pvr == "native":
+            pre = None  # nothing to quantize: no prepass row
         kern = lambda qa=qa, ka=ka, va=va, qs=qs, ks=ks, vs=vs, r=rows_q, o=order: T.attention_fwd_triton(  # noqa: E731
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
             v_key_order=o)
