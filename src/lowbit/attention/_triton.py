@@ -591,26 +591,19 @@ def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool, backward: bool = Fals
 
 
 # ============================================================================ launchers
-def _dims(x, layout, varlen):
-    if varlen:
-        return None, x.shape[1], x.shape[0], x.shape[2]
-    if layout == "bhsd":
-        return x.shape
-    b, s, h, d = x.shape
-    return b, h, s, d
-
-
 def _f32(x: float) -> float:
     """x rounded to the nearest FP32 (what a float32 tensor holds), without a tensor."""
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _seq_len(x, layout, varlen, cu, max_seqlen):
-    """(B, H, S, D) of a dense tensor, or of a packed one with B and the longest S from cu_seqlens."""
-    B, H, S, D = _dims(x, layout, varlen)
+    """(B, H, S, D) of a dense tensor, or of a packed (T, H, D) one with B and the longest S from cu_seqlens."""
     if varlen:
-        B = cu.numel() - 1
         S = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        return cu.numel() - 1, x.shape[1], S, x.shape[2]
+    if layout == "bhsd":
+        return tuple(x.shape)
+    B, S, H, D = x.shape
     return B, H, S, D
 
 
