@@ -194,6 +194,28 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s29b)  # session 29: the shared-memory carveout (lowbit._carveout): its GPU test, the 1.3b fp8-block step's kernels in
+          # order with it (are the Triton -> cuBLAS gaps gone?), then tokens/s with it off / on, alternating
+    stage 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_carveout.py -rfE --tb=short
+    stage 200 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-on" LOWBIT_PROFILE_TOP=0 LOWBIT_PROFILE_TRACE=1 LOWBIT_STEP_PHASES=1 \
+      python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 8 --batch-size 4 --seq-len 2048 --eval-every 100 \
+      --eval-windows 2 --no-progress --out-dir "$OUT/pon" --overwrite | grep -E "phases|graph"
+    rm -rf "$OUT/pon"
+    for v in ${VALUES:-off 100 off 100}; do
+      stage 150 env LOWBIT_SMEM_CARVEOUT=$v python3 -m lowbit train --model ${MODEL:-1.3b} --recipe ${RECIPE:-fp8-block} \
+        --steps 20 --batch-size ${BS:-4} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" \
+        --overwrite | grep -E "^(fp8|bf16)" | sed "s/^/carveout=$v  /"
+    done
+    rm -rf "$OUT/ab" ;;
+  s29a)  # session 29: every kernel of the 1.3b and 350m fp8-block steps in order (stream, grid; LOWBIT_PROFILE_TRACE),
+          # then the 1.3b pair on this machine
+    for m in "1.3b 4" "350m 8"; do set -- $m
+      stage 200 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_PROFILE_TRACE=1 LOWBIT_STEP_PHASES=1 \
+        python3 -m lowbit train --model $1 --recipe fp8-block --steps 8 --batch-size $2 --seq-len 2048 --eval-every 100 \
+        --eval-windows 2 --no-progress --out-dir "$OUT/p$1" --overwrite | grep -E "phases|graph"
+      rm -rf "$OUT/p$1"
+    done
+    pair 1.3b 4 ;;
   s28a)  # session 28: where the 1.3b and 350m steps' GPU time goes, every kernel name, both recipes (graph profiles)
     for m in "1.3b 4" "350m 8"; do set -- $m
       stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-$1" LOWBIT_PROFILE_TOP=0 LOWBIT_STEP_PHASES=1 python3 -m lowbit \

@@ -16,8 +16,9 @@ from collections import defaultdict
 import torch
 
 
-def _kernels(prof) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time."""
+def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time; ``raw``, if
+    given, also receives each kernel's [start, duration, stream, grid, name] (for ``LOWBIT_PROFILE_TRACE``)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -26,8 +27,11 @@ def _kernels(prof) -> list[tuple[float, float, str]]:
             trace = json.load(f)
     finally:
         os.unlink(path)
-    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?"))
-           for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    if raw is not None:
+        raw.extend(sorted([float(e["ts"]), float(e.get("dur", 0.0)), (e.get("args") or {}).get("stream"),
+                           (e.get("args") or {}).get("grid"), e.get("name", "?")[:120]] for e in evs))
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")) for e in evs]
     return sorted(out)
 
 
@@ -78,7 +82,11 @@ def profile_step(graphed, out_dir: str, say) -> None:
             torch.cuda.synchronize()
         # LOWBIT_PROFILE_TOP: how many kernel names to keep (default 25; 0: all)
         top = int(os.environ.get("LOWBIT_PROFILE_TOP", "25")) or 100000
-        s = summarize(_kernels(prof), top=top)
+        # LOWBIT_PROFILE_TRACE=1: also every kernel in order (start, duration, stream, grid, name)
+        raw = [] if os.environ.get("LOWBIT_PROFILE_TRACE") == "1" else None
+        s = summarize(_kernels(prof, raw), top=top)
+        if raw is not None:
+            s["trace"] = raw
         res[name] = s
         if s["kernels"]:
             say(f"[lowbit] graph {name}: {s['kernels']} kernels, span {s['span_us'] / 1e3:.2f} ms, busy "
