@@ -33,11 +33,6 @@ except Exception:  # noqa: BLE001
     _ENABLED = False
 
 
-from . import _carveout  # noqa: E402
-
-_carveout.install()  # lowbit's kernels ask for the whole L1 as shared memory as they load (see _carveout)
-
-
 def _unhooked(hook) -> bool:
     """No launch hook installed: None (Triton <= 3.5), or an empty ``HookChain`` (Triton 3.6 keeps one always; a
     check for None alone never took the shortcut there)."""
