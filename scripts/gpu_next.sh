@@ -194,6 +194,17 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s29c)  # session 29: lowbit.ops.transpose (wgrad_mm's XᵀdY order copied back): its GPU tests and wgrad_mm's, the
+          # per-shape table, then the 350m fp8-block step with the order tuned (fc2: XᵀdY + transpose_2d) or not
+    stage 240 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_transpose.py \
+      tests/test_gemm.py -k "transpose or wgrad" -rfE --tb=short
+    stage 150 python3 scripts/wgrad_order.py --preset 350m,1.3b --rounds 2
+    for v in 0 1 0 1; do
+      stage 150 env LOWBIT_WGRAD_ORDER_TUNE=$v python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 \
+        --batch-size 8 --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
+        | grep -E "^fp8" | sed "s/^/order_tune=$v  /"
+    done
+    rm -rf "$OUT/ab" ;;
   s29b)  # session 29: the shared-memory carveout (lowbit._carveout): its GPU test, the 1.3b fp8-block step's kernels in
           # order with it (are the Triton -> cuBLAS gaps gone?), then tokens/s with it off / on, alternating
     stage 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_carveout.py -rfE --tb=short

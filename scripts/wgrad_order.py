@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from lowbit import quantize, scaled_mm  # noqa: E402
 from lowbit.bench import capture, median_ms  # noqa: E402
 from lowbit.gemm import wgrad_mm  # noqa: E402
+from lowbit.ops.transpose import transpose_2d  # noqa: E402
 from lowbit.quant import Float8Blockwise  # noqa: E402
 
 # tokens a step, (name, out features, in features)
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
             qx = quantize(x, act, rowwise=True, columnwise=True)
             qdy = quantize(dy, act, rowwise=True, columnwise=True)
             qw = quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
+            dwt = torch.randn(K, N, device=dev)  # (the XᵀdY order's output, to be transposed)
             fns = {
                 "wgrad dY^T X (cuBLAS)": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
                                                             out_dtype=torch.float32, backend="cublas"),
@@ -55,6 +57,11 @@ def main(argv=None) -> int:
                                                             out_dtype=torch.float32, backend="cublas"),
                 "wgrad (X^T dY)^T copied": lambda: scaled_mm(qx, qdy, a_copy="columnwise", b_copy="columnwise",
                                                               out_dtype=torch.float32, backend="cublas").t().contiguous(),
+                "wgrad (X^T dY) transpose_2d": lambda: transpose_2d(scaled_mm(qx, qdy, a_copy="columnwise",
+                                                                              b_copy="columnwise", out_dtype=torch.float32,
+                                                                              backend="cublas")),
+                "transpose: torch .t().contiguous()": lambda: dwt.t().contiguous(),
+                "transpose: transpose_2d": lambda: transpose_2d(dwt),
                 "wgrad_mm (tuned order)": lambda: wgrad_mm(qdy, qx, out_dtype=torch.float32),
                 "fprop (cuBLAS)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="cublas"),
                 "fprop (Triton/Gluon)": lambda: scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="triton"),
@@ -92,7 +99,9 @@ def main(argv=None) -> int:
             for k, v in res.items():
                 ms = statistics.median(v)
                 tot[k] = (tot.get(k, (0.0, 0))[0] + ms, tot.get(k, (0.0, 0))[1] + 1)
-                print(f"  {k:24s} {ms * 1e3:8.1f} us  {flops / ms * 1e-9:7.0f} TFLOP/s  rounds {[round(t * 1e3, 1) for t in v]}")
+                rate = (f"{8.0 * K * N / ms * 1e-6:7.0f} GB/s   " if k.startswith("transpose") else
+                        f"{flops / ms * 1e-9:7.0f} TFLOP/s")
+                print(f"  {k:34s} {ms * 1e3:8.1f} us  {rate}  rounds {[round(t * 1e3, 1) for t in v]}")
         print(f"[{preset}] per layer, us: " + ", ".join(
             f"{k} {t * 1e3:.0f}" + ("" if n == len(layers) else f" ({n} of {len(layers)} GEMMs)") for k, (t, n) in tot.items()))
     return 0

@@ -209,7 +209,9 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
         (N, K) contiguous: ``scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)``.
 
     For 1x128 blockwise copies on CUDA, with the autotuner on, the first call of each shape also times the other
-    operand order, ``scaled_mm(x, dy, ...)`` (dWᵀ, K x N) followed by a transposing copy, and keeps the faster.
+    operand order, ``scaled_mm(x, dy, ...)`` (dWᵀ, K x N) followed by a transposing copy
+    (:func:`lowbit.ops.transpose.transpose_2d`, a tiled kernel: torch's own ran at a quarter of copy speed), and keeps
+    the faster.
     cuBLAS picks its kernel by the operand shapes, and the order alone can cost 1.4x: the 350m GPT's fc2 weight
     gradient (1024 x 2816 over 16,384 tokens) takes 168 us as dYᵀX, 117 us as XᵀdY and 138 us with the copy back
     (H200, session 20, GPU time from CUDA graphs, BENCHMARKS.md); on the other GPT shapes the first order wins or
@@ -222,6 +224,7 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
     if not (isinstance(dy, QuantizedTensor) and isinstance(x, QuantizedTensor) and _order_tunable(dy, x)):
         return direct()
+    from ..ops.transpose import transpose_2d
     from ..quant.triton_backend import tuned_launch
 
     res = []
@@ -231,7 +234,7 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
         if c["ORDER"] == "dy_x":
             res.append(direct())
         else:
-            res.append(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype).t().contiguous())
+            res.append(transpose_2d(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)))
 
     key = (tuple(dy.columnwise.data.shape), tuple(x.columnwise.data.shape), dy.scheme, x.scheme, out_dtype,
            dy.columnwise.data.device)
