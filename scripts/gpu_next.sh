@@ -194,6 +194,19 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s29d)  # session 29: the side-stream weight gradients leaving SMs to the main stream (LOWBIT_WGRAD_SM_CARVEOUT,
+          # experiment): does the carveout reach cuBLAS's blockwise GEMM, then the 350m step with 0 / 16 / 32 SMs left
+          # and with the side stream off
+    stage 60 python3 scripts/wgrad_carveout_probe.py 2>&1 | grep -v Warning
+    for v in ${VALUES:-0 16 32 0 16 32}; do
+      stage 150 env LOWBIT_WGRAD_SM_CARVEOUT=$v python3 -m lowbit train --model ${MODEL:-350m} --recipe fp8-block --steps 20 \
+        --batch-size ${BS:-8} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
+        2>&1 | grep -E "^fp8" | sed "s/^/wgrad_carveout=$v  /"
+    done
+    stage 150 env LOWBIT_WGRAD_STREAM=0 python3 -m lowbit train --model ${MODEL:-350m} --recipe fp8-block --steps 20 \
+      --batch-size ${BS:-8} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
+      | grep -E "^fp8" | sed "s/^/side_stream=off  /"
+    rm -rf "$OUT/ab" ;;
   s29c)  # session 29: lowbit.ops.transpose (wgrad_mm's XᵀdY order copied back): its GPU tests and wgrad_mm's, the
           # per-shape table, then the 350m fp8-block step with the order tuned (fc2: XᵀdY + transpose_2d) or not
     stage 240 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_transpose.py \

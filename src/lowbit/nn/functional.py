@@ -321,6 +321,7 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
 # streams as parallel branches); elsewhere (hooks reading .grad during the backward, DDP's reducer) it is not safe,
 # so it is opt-in.
 _SIDE = {"on": False, "streams": {}, "join": None}
+_SIDE_CARVEOUT = int(os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT", "0"))
 
 
 class wgrad_on_side_stream:
@@ -363,8 +364,17 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     side.wait_stream(main)
+    carve = _SIDE_CARVEOUT
     with torch.cuda.stream(side):
-        dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
+        if carve:  # (experiment) cuBLAS leaves `carve` SMs to the main stream's kernels
+            prev = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(carve)
+            try:
+                dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
+            finally:
+                torch._C._set_sm_carveout_experimental(prev)
+        else:
+            dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
     # the inputs were made on the main stream, which frees them after this backward returns: their memory must
     # not be handed out again before the side stream has read it
     for q in (qdy, qx):
