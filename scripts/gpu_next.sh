@@ -194,6 +194,15 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s29e)  # session 29: the side-stream carveout at more widths (350m) and on the 1.3b step
+    for m in "350m 8 32 48 66" "1.3b 4 0 32 48 0 32 48"; do set -- $m; preset=$1 bs=$2; shift 2
+      for v in "$@"; do
+        stage 150 env LOWBIT_WGRAD_SM_CARVEOUT=$v python3 -m lowbit train --model $preset --recipe fp8-block --steps 20 \
+          --batch-size $bs --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
+          2>&1 | grep -E "^fp8" | sed "s/^/$preset wgrad_carveout=$v  /"
+      done
+    done
+    rm -rf "$OUT/ab" ;;
   s29d)  # session 29: the side-stream weight gradients leaving SMs to the main stream (LOWBIT_WGRAD_SM_CARVEOUT,
           # experiment): does the carveout reach cuBLAS's blockwise GEMM, then the 350m step with 0 / 16 / 32 SMs left
           # and with the side stream off
