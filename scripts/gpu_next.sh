@@ -194,6 +194,12 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s29f)  # session 29, final code: the whole GPU suite
+    stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
+      --tb=short 2>&1 | tail -25 ;;
+  s29g)  # session 29, final code: the 1.3b and 350m pairs (side-stream carveout 32, transpose_2d)
+    pair 1.3b 4
+    pair 350m 8 ;;
   s29e)  # session 29: the side-stream carveout at more widths (350m) and on the 1.3b step
     for m in "350m 8 32 48 66" "1.3b 4 0 32 48 0 32 48"; do set -- $m; preset=$1 bs=$2; shift 2
       for v in "$@"; do

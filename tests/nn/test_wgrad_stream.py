@@ -49,7 +49,8 @@ def test_context_nests_and_changes_nothing_off_cuda():
 def test_side_stream_same_bits_eager_accumulated_and_captured(cuda):
     """fp8-block GPT, every parameter gradient: on the side stream equal to one stream bit for bit, eagerly (one
     micro-batch, and two accumulated: the second runs on the main stream, the weights' .grad being set) and from a
-    CUDA graph captured with the side stream on (the lowbit train set-up: gradients None at capture), replayed."""
+    CUDA graph captured with the side stream on (the lowbit train set-up: gradients None at capture), replayed. The
+    side-stream GEMMs run with cuBLAS's SM carveout (default 32 SMs left out): other kernels, the same bits."""
     recipe = recipes.from_name("fp8-block")
     gen = torch.Generator(cuda).manual_seed(1)
     idx = [torch.randint(0, 256, (2, 257), device=cuda, generator=gen) for _ in range(2)]
@@ -88,3 +89,6 @@ def test_side_stream_same_bits_eager_accumulated_and_captured(cuda):
         for k, p in m.named_parameters():
             assert torch.equal(ref[k], p.grad), k
     lowbit.nn.nonfinite_events()
+    # the SM carveout asked of cuBLAS for the side-stream GEMMs (LOWBIT_WGRAD_SM_CARVEOUT) is undone after each one:
+    # the main stream's GEMMs keep every SM
+    assert torch._C._get_sm_carveout_experimental() is None

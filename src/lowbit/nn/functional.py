@@ -321,13 +321,32 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
 # streams as parallel branches); elsewhere (hooks reading .grad during the backward, DDP's reducer) it is not safe,
 # so it is opt-in.
 _SIDE = {"on": False, "streams": {}, "join": None}
-_SIDE_CARVEOUT = int(os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT", "0"))
+# The side stream's weight-gradient GEMMs are cuBLAS's persistent kernels: one CTA an SM holding its whole register
+# file, for the length of the GEMM. Launched beside the main stream's memory-bound kernels (the quantizers, the norm
+# backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (350m step, H200: a
+# 20 us quantizer took 162 us there; BENCHMARKS.md session 29). cuBLAS is asked to leave this many SMs free for the
+# main stream (torch's SM carveout, set around the side-stream call only). Measured on an H200 (2026-11-25, 20-step
+# runs alternating in one call): 32 SMs, 1.3b fp8-block +2.1% tokens/s (80,001 / 80,101 against 78,430 / 78,331),
+# 350m +1.7% (231,519 / 231,547 against 227,517 / 228,019); 16 SMs +0.8% at 350m, 48 less than 32 at both.
+# LOWBIT_WGRAD_SM_CARVEOUT=0 turns it off.
+_SIDE_CARVEOUT = int(os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT", "32"))
+_HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
+
+
+def _set_carveout(n):
+    import warnings
+
+    with warnings.catch_warnings():  # (torch warns once that the setting is experimental)
+        warnings.simplefilter("ignore")
+        torch._C._set_sm_carveout_experimental(n)
 
 
 class wgrad_on_side_stream:
     """Context manager: within it, a quantized layer's backward computes its weight gradient on a side CUDA stream
     where that is safe (the weight's ``.grad`` is None, no ``create_graph``), joined back into the calling stream
-    when the backward pass ends. The same bits as without (the same kernels, only their order on the GPU changes).
+    when the backward pass ends. The same bits as without (the same block products and promotions, only their order on
+    the GPU and the number of SMs cuBLAS spreads them over change: ``LOWBIT_WGRAD_SM_CARVEOUT`` SMs, default 32, are
+    left to the calling stream's kernels).
 
     Use it only where nothing reads a weight's gradient before the backward has returned (no DDP reducer, no
     gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks)."""
@@ -364,15 +383,14 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     side.wait_stream(main)
-    carve = _SIDE_CARVEOUT
     with torch.cuda.stream(side):
-        if carve:  # (experiment) cuBLAS leaves `carve` SMs to the main stream's kernels
+        if _SIDE_CARVEOUT and _HAS_CARVEOUT:  # cuBLAS leaves SMs to the main stream's kernels (see _SIDE_CARVEOUT)
             prev = torch._C._get_sm_carveout_experimental()
-            torch._C._set_sm_carveout_experimental(carve)
+            _set_carveout(_SIDE_CARVEOUT)
             try:
                 dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
             finally:
-                torch._C._set_sm_carveout_experimental(prev)
+                _set_carveout(prev)
         else:
             dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
     # the inputs were made on the main stream, which frees them after this backward returns: their memory must
