@@ -12,6 +12,9 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 29 (2026-11-25) ran s29a (kernel traces, the 1.3b pair 1.286x), s29b (the L1 carveout, reverted),
+# scripts/transition_gap.py twice, s29c (transpose_2d), s29d / s29e (the side-stream SM carveout), s29f (the whole GPU
+# suite: 388 passed, 4 skipped at dc165b6) and the 1.3b pair alone (1.319x).
 # Session 28 (2026-11-24) ran s28a (graph profiles, H100), s28b (column_sum's tests; scripts/attn_grad_layout.py),
 # s28c twice (the one-launch prepass, reverted), s28d (the L2 program order, reverted; the 1.3b pair 1.293x), s28e
 # (the 350m pair 1.161x; 212 ops/attention GPU tests passed) and the whole GPU suite (386 passed, 4 skipped at 1f5050a).
