@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._device import num_sms
 from ..gemm import scaled_mm, wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
@@ -326,11 +327,26 @@ _SIDE = {"on": False, "streams": {}, "join": None}
 # backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (350m step, H200: a
 # 20 us quantizer took 162 us there; BENCHMARKS.md session 29). cuBLAS is asked to leave this many SMs free for the
 # main stream (torch's SM carveout, set around the side-stream call only). Measured on an H200 (2026-11-25, 20-step
-# runs alternating in one call): 32 SMs, 1.3b fp8-block +2.1% tokens/s (80,001 / 80,101 against 78,430 / 78,331),
-# 350m +1.7% (231,519 / 231,547 against 227,517 / 228,019); 16 SMs +0.8% at 350m, 48 less than 32 at both.
-# LOWBIT_WGRAD_SM_CARVEOUT=0 turns it off.
-_SIDE_CARVEOUT = int(os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT", "32"))
+# runs alternating in one call): 32 of its 132 SMs, 1.3b fp8-block +2.1% tokens/s (80,001 / 80,101 against 78,430 /
+# 78,331), 350m +1.7% (231,519 / 231,547 against 227,517 / 228,019); 16 SMs +0.8% at 350m, 48 less than 32 at both.
+# The default keeps that fraction on other GPUs; LOWBIT_WGRAD_SM_CARVEOUT=N asks for N SMs (0 turns it off).
 _HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
+
+
+def side_carveout(n_sms: int) -> int:
+    """SMs the side-stream weight-gradient GEMMs leave to the main stream on a GPU of ``n_sms`` SMs: 32/132 of them
+    (32 on an H100 SXM / H200), or ``LOWBIT_WGRAD_SM_CARVEOUT``; at most half the SMs, 0 = none."""
+    raw = os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT")
+    if raw is None:
+        n = round(n_sms * 32 / 132)
+    else:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}") from None
+        if n < 0:
+            raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}")
+    return min(n, n_sms // 2)
 
 
 def _set_carveout(n):
@@ -345,8 +361,8 @@ class wgrad_on_side_stream:
     """Context manager: within it, a quantized layer's backward computes its weight gradient on a side CUDA stream
     where that is safe (the weight's ``.grad`` is None, no ``create_graph``), joined back into the calling stream
     when the backward pass ends. The same bits as without (the same block products and promotions, only their order on
-    the GPU and the number of SMs cuBLAS spreads them over change: ``LOWBIT_WGRAD_SM_CARVEOUT`` SMs, default 32, are
-    left to the calling stream's kernels).
+    the GPU and the number of SMs cuBLAS spreads them over change: ``LOWBIT_WGRAD_SM_CARVEOUT`` SMs, by default 32 of
+    132 (:func:`side_carveout`), are left to the calling stream's kernels).
 
     Use it only where nothing reads a weight's gradient before the backward has returned (no DDP reducer, no
     gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks)."""
@@ -384,9 +400,10 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
     side = _side_stream(dev)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        if _SIDE_CARVEOUT and _HAS_CARVEOUT:  # cuBLAS leaves SMs to the main stream's kernels (see _SIDE_CARVEOUT)
+        carve = side_carveout(num_sms(dev)) if _HAS_CARVEOUT else 0
+        if carve:  # cuBLAS leaves SMs to the main stream's kernels (see side_carveout)
             prev = torch._C._get_sm_carveout_experimental()
-            _set_carveout(_SIDE_CARVEOUT)
+            _set_carveout(carve)
             try:
                 dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
             finally:
