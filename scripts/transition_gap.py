@@ -3,9 +3,13 @@
 The 1.3b fp8-block step's trace (`LOWBIT_PROFILE_TRACE=1`) shows ~9 us of idle GPU before each cuBLAS / cuDNN kernel
 that follows a Triton kernel, and 0.3-0.6 us between every other pair. This script captures R repetitions of
 [producer; consumer] in one CUDA graph, replays it under torch.profiler, and prints the median gap (consumer start
-minus producer end) for each pair. Producers: a torch elementwise kernel, a plain Triton copy kernel, the same
-kernel ending in ``griddepcontrol.launch_dependents`` (the PDL trigger), lowbit's 1x128 quantizer. Consumers:
-cuBLAS FP8 blockwise, cuBLAS BF16, cuDNN attention, torch elementwise, the Triton copy.
+minus producer end) for each pair of kernel families that follow each other. Producers: cuBLAS FP8 blockwise, a
+Triton copy kernel with the whole L1 preferred as shared memory, a torch elementwise kernel, a plain Triton copy
+kernel, the same kernel ending in ``griddepcontrol.launch_dependents`` (the PDL trigger), lowbit's 1x128 quantizer.
+Consumers: cuBLAS FP8 blockwise, cuBLAS BF16, cuDNN attention, torch elementwise, the Triton copy.
+
+H200, 2026-11-25 (BENCHMARKS.md session 29): 3.6-5.0 us before every cuBLAS / cuDNN kernel whatever the producer
+(cuBLAS included), 0.3-0.6 us before a Triton or torch elementwise kernel.
 
     PYTHONPATH=src python scripts/transition_gap.py
 """
