@@ -200,6 +200,11 @@ case "${1:-verify}" in
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;
+  s30a)  # next session's first call: the side_carveout default (b977b8d, not yet run on a GPU) through the side-stream
+          # GPU test, then both pairs at the current code (session 29 measured 1.3b only: 1.319x)
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/nn/test_wgrad_stream.py -rfE
+    pair 1.3b 4
+    pair 350m 8 ;;
   s29g)  # session 29, final code: the 1.3b and 350m pairs (side-stream carveout 32, transpose_2d)
     pair 1.3b 4
     pair 350m 8 ;;
