@@ -3,7 +3,8 @@
 The 1.3b fp8-block step's trace (`LOWBIT_PROFILE_TRACE=1`) shows ~9 us of idle GPU before each cuBLAS / cuDNN kernel
 that follows a Triton kernel, and 0.3-0.6 us between every other pair. This script captures R repetitions of
 [producer; consumer] in one CUDA graph, replays it under torch.profiler, and prints the median gap (consumer start
-minus producer end) for each pair of kernel families that follow each other. Producers: cuBLAS FP8 blockwise, a
+minus producer end, :func:`lowbit.train.graph_profile.transition_gaps`) for each pair of kernel families that
+follow each other. Producers: cuBLAS FP8 blockwise, a
 Triton copy kernel with the whole L1 preferred as shared memory, a torch elementwise kernel, a plain Triton copy
 kernel, the same kernel ending in ``griddepcontrol.launch_dependents`` (the PDL trigger), lowbit's 1x128 quantizer.
 Consumers: cuBLAS FP8 blockwise, cuBLAS BF16, cuDNN attention, torch elementwise, the Triton copy.
@@ -15,11 +16,8 @@ H200, 2026-11-25 (BENCHMARKS.md session 29): 3.6-5.0 us before every cuBLAS / cu
 """
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -27,9 +25,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from lowbit import quantize  # noqa: E402
+from lowbit.bench import capture  # noqa: E402
 from lowbit.quant import Float8Blockwise  # noqa: E402
+from lowbit.train.graph_profile import kernel_trace, transition_gaps  # noqa: E402
 
 
 @triton.jit
@@ -89,46 +90,26 @@ def main() -> int:
         "triton copy": lambda: tcopy(False),
     }
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"{'producer':28s} {'consumer':22s} gap median / max (us)")
+    print(f"{'producer':28s} {'consumer':22s} idle before the next kernel")
     for pn, pf in producers.items():
         for cn, cf in consumers.items():
             def body():
                 for _ in range(R):
                     pf()
                     cf()
-            for _ in range(2):
-                body()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                body()
+            g = capture(body)
             g.replay()
             torch.cuda.synchronize()
-            from torch.profiler import ProfilerActivity, profile
-
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 g.replay()
                 torch.cuda.synchronize()
-            fd, path = tempfile.mkstemp(suffix=".json")
-            os.close(fd)
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                evs = sorted((float(e["ts"]), float(e.get("dur", 0)), e["name"]) for e in json.load(f)["traceEvents"]
-                             if e.get("cat") == "kernel")
-            os.unlink(path)
-            # every consecutive pair of kernels, labelled by their families; the producer -> consumer ones reported
-            by: dict = {}
-            for (s0, d0, n0), (s1, _, n1) in zip(evs, evs[1:]):
-                by.setdefault((_family(n0), _family(n1)), []).append(s1 - (s0 + d0))
-            for (f0, f1), gaps in sorted(by.items(), key=lambda kv: -len(kv[1])):
-                if len(gaps) >= R // 2:
-                    print(f"{pn:28s} {cn:22s} {statistics.median(gaps):6.2f} / {max(gaps):6.2f}   {f0} -> {f1} "
-                          f"({len(gaps)})", flush=True)
+            # the whole GPU's idle time by the families of the kernels around it (one stream here: each gap is
+            # between two consecutive kernels); the producer -> consumer rows and back
+            for t in transition_gaps(kernel_trace(prof)):
+                if t["count"] >= R // 2:
+                    print(f"{pn:28s} {cn:22s} {t['median_us']:6.2f} us median, {t['total_us'] / t['count']:6.2f} mean   "
+                          f"{t['from']} -> {t['to']} ({t['count']})", flush=True)
     return 0
-
-
-def _family(name: str) -> str:
-    return name.split("<")[0].split("(")[0][:40]
 
 
 def _sdpa(q):

@@ -4,10 +4,8 @@ grid of its kernel (issue 7 diagnostic, session 29).
 
     PYTHONPATH=src python scripts/wgrad_carveout_probe.py
 """
-import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -17,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from lowbit import quantize, scaled_mm  # noqa: E402
 from lowbit.bench import capture, median_ms  # noqa: E402
 from lowbit.quant import Float8Blockwise  # noqa: E402
+from lowbit.train.graph_profile import kernel_trace  # noqa: E402
 
 T, N, K = 16384, 5632, 1024
 dev = torch.device("cuda")
@@ -33,12 +32,7 @@ for carve in (None, 16, 32, 66):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    prof.export_chrome_trace(path)
-    grids = [(e["name"][:50], (e.get("args") or {}).get("grid")) for e in json.load(open(path))["traceEvents"]
-             if e.get("cat") == "kernel"]
-    os.unlink(path)
+    grids = [(name[:50], grid) for _, _, _, grid, name in kernel_trace(prof)]
     print(f"carveout {carve}: {ms * 1e3:7.1f} us  {2 * T * N * K / ms * 1e-9:6.0f} TFLOP/s  same bits {torch.equal(y, ref)}  "
           f"kernels {grids}", flush=True)
 torch._C._set_sm_carveout_experimental(None)

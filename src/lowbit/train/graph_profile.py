@@ -16,9 +16,9 @@ from collections import defaultdict
 import torch
 
 
-def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time; ``raw``, if
-    given, also receives each kernel's [start, duration, stream, grid, name] (for ``LOWBIT_PROFILE_TRACE``)."""
+def kernel_trace(prof) -> list[list]:
+    """[start us, duration us, stream, grid, name] of every GPU kernel in a finished ``torch.profiler`` session, by
+    start time (its chrome trace's kernel events)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -27,12 +27,18 @@ def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
             trace = json.load(f)
     finally:
         os.unlink(path)
-    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    return sorted(([float(e["ts"]), float(e.get("dur", 0.0)), (e.get("args") or {}).get("stream"),
+                    (e.get("args") or {}).get("grid"), e.get("name", "?")]
+                   for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"), key=lambda r: (r[0], r[1]))
+
+
+def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time; ``raw``, if
+    given, also receives each kernel's [start, duration, stream, grid, name] (for ``LOWBIT_PROFILE_TRACE``)."""
+    rows = kernel_trace(prof)
     if raw is not None:
-        raw.extend(sorted([float(e["ts"]), float(e.get("dur", 0.0)), (e.get("args") or {}).get("stream"),
-                           (e.get("args") or {}).get("grid"), e.get("name", "?")[:120]] for e in evs))
-    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")) for e in evs]
-    return sorted(out)
+        raw.extend([s, d, st, g, n[:120]] for s, d, st, g, n in rows)
+    return [(s, s + d, n) for s, d, _, _, n in rows]
 
 
 def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
