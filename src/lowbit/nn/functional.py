@@ -13,6 +13,7 @@ NaN sentry reports) lives in a :class:`GemmLayer` owned by the module.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -338,23 +339,36 @@ def side_carveout(n_sms: int) -> int:
     (32 on an H100 SXM / H200), or ``LOWBIT_WGRAD_SM_CARVEOUT``; at most half the SMs, 0 = none."""
     raw = os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT")
     if raw is None:
-        n = round(n_sms * 32 / 132)
-    else:
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}") from None
-        if n < 0:
-            raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}")
+        return min(round(n_sms * 32 / 132), n_sms // 2)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}")
     return min(n, n_sms // 2)
 
 
-def _set_carveout(n):
+@contextlib.contextmanager
+def _cublas_sm_carveout(n: int):
+    """cuBLAS GEMMs called inside leave ``n`` SMs unused (torch's SM carveout; nothing where n is 0 or this torch has
+    no carveout), the previous setting restored after."""
+    if not n or not _HAS_CARVEOUT:
+        yield
+        return
     import warnings
 
-    with warnings.catch_warnings():  # (torch warns once that the setting is experimental)
-        warnings.simplefilter("ignore")
-        torch._C._set_sm_carveout_experimental(n)
+    def put(v):
+        with warnings.catch_warnings():  # (torch warns once that the setting is experimental)
+            warnings.simplefilter("ignore")
+            torch._C._set_sm_carveout_experimental(v)
+
+    prev = torch._C._get_sm_carveout_experimental()
+    put(n)
+    try:
+        yield
+    finally:
+        put(prev)
 
 
 class wgrad_on_side_stream:
@@ -399,17 +413,9 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        carve = side_carveout(num_sms(dev)) if _HAS_CARVEOUT else 0
-        if carve:  # cuBLAS leaves SMs to the main stream's kernels (see side_carveout)
-            prev = torch._C._get_sm_carveout_experimental()
-            _set_carveout(carve)
-            try:
-                dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
-            finally:
-                _set_carveout(prev)
-        else:
-            dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
+    # (cuBLAS leaves SMs to the main stream's kernels: see side_carveout)
+    with torch.cuda.stream(side), _cublas_sm_carveout(side_carveout(num_sms(dev))):
+        dw = wgrad_mm(qdy, qx, out_dtype=out_dtype)
     # the inputs were made on the main stream, which frees them after this backward returns: their memory must
     # not be handed out again before the side stream has read it
     for q in (qdy, qx):
