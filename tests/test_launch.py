@@ -321,3 +321,35 @@ def test_tuner_times_gpu_work_not_host_work():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x)
+
+
+@pytest.mark.gpu
+def test_tuner_inside_a_capture_takes_the_first_candidate(monkeypatch):
+    """An untuned key met inside a CUDA-graph capture (a graph, or another tuner timing a launch that calls this one)
+    launches the first candidate untimed and records nothing; the next call outside a capture tunes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import lowbit.quant.triton_backend as tb
+
+    monkeypatch.setattr(tb, "AUTOTUNE", True)
+    monkeypatch.setattr(tb, "_TUNED", {})
+    x = torch.randn(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    ran = []
+
+    def launch(c):
+        ran.append(c["n"])
+        y.copy_(x * c["m"])
+
+    cands = [{"n": "first", "m": 1.0}, {"n": "second", "m": 2.0}]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        assert tb.tuned_launch("test_in_capture", (1,), cands, launch) == cands[0]
+    assert ran == ["first"] and ("test_in_capture", 1) not in tb._TUNED
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x)
+    tb.tuned_launch("test_in_capture", (1,), cands, launch)
+    assert ("test_in_capture", 1) in tb._TUNED and len(ran) > 2

@@ -77,9 +77,9 @@ TUNE_GRAPHS = os.environ.get("LOWBIT_TUNE_GRAPHS", "1") != "0"
 def _gpu_ms(fn) -> float:
     """Time of ``fn`` (ms, triton.testing.do_bench's mean, which clears the L2 cache before each call): on CUDA, of
     one call captured in a CUDA graph and replayed, so the host's cost of the call does not count; eagerly where
-    that cannot be (no CUDA, inside another capture, or ``fn`` not capturable). A candidate that cannot run raises
-    from the eager timing."""
-    if not (TUNE_GRAPHS and torch.cuda.is_available()) or torch.cuda.is_current_stream_capturing():
+    that cannot be (no CUDA, or ``fn`` not capturable; :func:`tuned_launch` does not tune inside a capture). A
+    candidate that cannot run raises from the eager timing."""
+    if not (TUNE_GRAPHS and torch.cuda.is_available()):
         return triton.testing.do_bench(fn, warmup=3, rep=10)
     try:  # (thread_local: another thread's CUDA calls, a data loader's copies, must not invalidate the capture)
         g = capture(fn, capture_error_mode="thread_local")
@@ -158,7 +158,8 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
     ``candidates``: a list of configs, or a function returning it (built only when a tuned config is not
     known yet: this runs on every call). ``launch`` must be idempotent (the kernels here are: they overwrite
     outputs and atomic-max an amax). In the interpreter, with one candidate, or with LOWBIT_AUTOTUNE=0, the
-    first candidate is used.
+    first candidate is used; likewise, untuned, inside a CUDA-graph capture (a graph, or another tuner timing a
+    launch that calls this one), where candidates cannot be timed: the tuning waits for a call outside a capture.
     """
     k = (name,) + tuple(key)
     cfg = _TUNED.get(k) if AUTOTUNE and not INTERPRET else None
@@ -169,7 +170,8 @@ def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
         candidates = candidates()
     if not candidates:
         raise RuntimeError(f"{name}: no launch configuration fits key {key}")
-    if INTERPRET or not AUTOTUNE or len(candidates) == 1:
+    if INTERPRET or not AUTOTUNE or len(candidates) == 1 or (torch.cuda.is_available()
+                                                           and torch.cuda.is_current_stream_capturing()):
         launch(candidates[0])
         return candidates[0]
     if cfg is None:
