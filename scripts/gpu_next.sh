@@ -14,7 +14,7 @@
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
 # Session 29 (2026-11-25) ran s29a (kernel traces, the 1.3b pair 1.286x), s29b (the L1 carveout, reverted),
 # scripts/transition_gap.py twice, s29c (transpose_2d), s29d / s29e (the side-stream SM carveout), s29f (the whole GPU
-# suite: 388 passed, 4 skipped at dc165b6) and the 1.3b pair alone (1.319x).
+# suite: 388 passed, 4 skipped at dc165b6) and the 1.3b pair alone (1.319x; s29g, both pairs, not run: s30a now).
 # Session 28 (2026-11-24) ran s28a (graph profiles, H100), s28b (column_sum's tests; scripts/attn_grad_layout.py),
 # s28c twice (the one-launch prepass, reverted), s28d (the L2 program order, reverted; the 1.3b pair 1.293x), s28e
 # (the 350m pair 1.161x; 212 ops/attention GPU tests passed) and the whole GPU suite (386 passed, 4 skipped at 1f5050a).
@@ -65,6 +65,12 @@ pair() { local preset=$1 bs=$2 dir="$OUT/pair-$1"
   stage 280 python3 -m lowbit train --model "$preset" --recipe fp8-block --steps 20 --batch-size "$bs" --seq-len 2048 \
     --eval-every 20 --eval-windows 8 --no-progress --compare bf16 --out-dir "$dir" --overwrite | grep -A4 "^recipe"
   rm -rf "$dir"/*.pt "$dir"/*/*.pt; }
+# fp8-block tokens/s of one 20-step run (seq 2048) with one environment setting, labelled with it: tps VAR=V PRESET BS
+tps() { local set=$1 preset=$2 bs=$3
+  stage 150 env "$set" python3 -m lowbit train --model "$preset" --recipe fp8-block --steps 20 --batch-size "$bs" \
+    --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/tps" --overwrite 2>&1 \
+    | grep -E "^fp8" | sed "s/^/$preset $set  /"
+  rm -rf "$OUT/tps"; }
 # 1.3b fp8-block with VAR set to each VALUE in turn: step phases (GPU time of each graph; PHASES=0 leaves them off,
 # they turn the lookahead off), tokens/s and peak memory; STEPS steps (default 12)
 ab13() { local var=$1 v; shift
@@ -205,55 +211,28 @@ case "${1:-verify}" in
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/nn/test_wgrad_stream.py -rfE
     pair 1.3b 4
     pair 350m 8 ;;
-  s29g)  # session 29, final code: the 1.3b and 350m pairs (side-stream carveout 32, transpose_2d)
-    pair 1.3b 4
-    pair 350m 8 ;;
   s29e)  # session 29: the side-stream carveout at more widths (350m) and on the 1.3b step
-    for m in "350m 8 32 48 66" "1.3b 4 0 32 48 0 32 48"; do set -- $m; preset=$1 bs=$2; shift 2
-      for v in "$@"; do
-        stage 150 env LOWBIT_WGRAD_SM_CARVEOUT=$v python3 -m lowbit train --model $preset --recipe fp8-block --steps 20 \
-          --batch-size $bs --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
-          2>&1 | grep -E "^fp8" | sed "s/^/$preset wgrad_carveout=$v  /"
-      done
-    done
-    rm -rf "$OUT/ab" ;;
+    for v in 32 48 66; do tps LOWBIT_WGRAD_SM_CARVEOUT=$v 350m 8; done
+    for v in 0 32 48 0 32 48; do tps LOWBIT_WGRAD_SM_CARVEOUT=$v 1.3b 4; done ;;
   s29d)  # session 29: the side-stream weight gradients leaving SMs to the main stream (LOWBIT_WGRAD_SM_CARVEOUT,
           # experiment): does the carveout reach cuBLAS's blockwise GEMM, then the 350m step with 0 / 16 / 32 SMs left
           # and with the side stream off
     stage 60 python3 scripts/wgrad_carveout_probe.py 2>&1 | grep -v Warning
-    for v in ${VALUES:-0 16 32 0 16 32}; do
-      stage 150 env LOWBIT_WGRAD_SM_CARVEOUT=$v python3 -m lowbit train --model ${MODEL:-350m} --recipe fp8-block --steps 20 \
-        --batch-size ${BS:-8} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
-        2>&1 | grep -E "^fp8" | sed "s/^/wgrad_carveout=$v  /"
-    done
-    stage 150 env LOWBIT_WGRAD_STREAM=0 python3 -m lowbit train --model ${MODEL:-350m} --recipe fp8-block --steps 20 \
-      --batch-size ${BS:-8} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
-      | grep -E "^fp8" | sed "s/^/side_stream=off  /"
-    rm -rf "$OUT/ab" ;;
+    for v in ${VALUES:-0 16 32 0 16 32}; do tps LOWBIT_WGRAD_SM_CARVEOUT=$v ${MODEL:-350m} ${BS:-8}; done
+    tps LOWBIT_WGRAD_STREAM=0 ${MODEL:-350m} ${BS:-8} ;;
   s29c)  # session 29: lowbit.ops.transpose (wgrad_mm's XᵀdY order copied back): its GPU tests and wgrad_mm's, the
           # per-shape table, then the 350m fp8-block step with the order tuned (fc2: XᵀdY + transpose_2d) or not
     stage 240 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_transpose.py \
       tests/test_gemm.py -k "transpose or wgrad" -rfE --tb=short
     stage 150 python3 scripts/wgrad_order.py --preset 350m,1.3b --rounds 2
-    for v in 0 1 0 1; do
-      stage 150 env LOWBIT_WGRAD_ORDER_TUNE=$v python3 -m lowbit train --model 350m --recipe fp8-block --steps 20 \
-        --batch-size 8 --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" --overwrite \
-        | grep -E "^fp8" | sed "s/^/order_tune=$v  /"
-    done
-    rm -rf "$OUT/ab" ;;
-  s29b)  # session 29: the shared-memory carveout (lowbit._carveout): its GPU test, the 1.3b fp8-block step's kernels in
-          # order with it (are the Triton -> cuBLAS gaps gone?), then tokens/s with it off / on, alternating
-    stage 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_carveout.py -rfE --tb=short
+    for v in 0 1 0 1; do tps LOWBIT_WGRAD_ORDER_TUNE=$v 350m 8; done ;;
+  s29b)  # session 29: the 1.3b fp8-block step's kernels in order, then tokens/s with LOWBIT_SMEM_CARVEOUT off / on
+          # (lowbit._carveout, the whole L1 as shared memory for lowbit's kernels: removed in 724fe06, not kept)
     stage 200 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-on" LOWBIT_PROFILE_TOP=0 LOWBIT_PROFILE_TRACE=1 LOWBIT_STEP_PHASES=1 \
       python3 -m lowbit train --model 1.3b --recipe fp8-block --steps 8 --batch-size 4 --seq-len 2048 --eval-every 100 \
       --eval-windows 2 --no-progress --out-dir "$OUT/pon" --overwrite | grep -E "phases|graph"
     rm -rf "$OUT/pon"
-    for v in ${VALUES:-off 100 off 100}; do
-      stage 150 env LOWBIT_SMEM_CARVEOUT=$v python3 -m lowbit train --model ${MODEL:-1.3b} --recipe ${RECIPE:-fp8-block} \
-        --steps 20 --batch-size ${BS:-4} --seq-len 2048 --eval-every 20 --eval-windows 2 --no-progress --out-dir "$OUT/ab" \
-        --overwrite | grep -E "^(fp8|bf16)" | sed "s/^/carveout=$v  /"
-    done
-    rm -rf "$OUT/ab" ;;
+    for v in ${VALUES:-off 100 off 100}; do tps LOWBIT_SMEM_CARVEOUT=$v ${MODEL:-1.3b} ${BS:-4}; done ;;
   s29a)  # session 29: every kernel of the 1.3b and 350m fp8-block steps in order (stream, grid; LOWBIT_PROFILE_TRACE),
           # then the 1.3b pair on this machine
     for m in "1.3b 4" "350m 8"; do set -- $m
