@@ -208,7 +208,8 @@ case "${1:-verify}" in
       --tb=short 2>&1 | tail -25 ;;
   s30a)  # next session's first call: the side_carveout default (b977b8d, not yet run on a GPU) through the side-stream
           # GPU test, then both pairs at the current code (session 29 measured 1.3b only: 1.319x)
-    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/nn/test_wgrad_stream.py -rfE
+    stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/nn/test_wgrad_stream.py \
+      tests/test_launch.py tests/ops/test_transpose.py -rfE
     pair 1.3b 4
     pair 350m 8 ;;
   s29e)  # session 29: the side-stream carveout at more widths (350m) and on the 1.3b step
