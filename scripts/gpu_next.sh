@@ -206,6 +206,11 @@ case "${1:-verify}" in
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;
+  s30b)  # session 30: every kernel of the 350m step in order, both recipes (graph profiles with the trace)
+    stage 280 env LOWBIT_PROFILE_GRAPHS="$OUT/prof-350m" LOWBIT_PROFILE_TOP=0 LOWBIT_PROFILE_TRACE=1 LOWBIT_STEP_PHASES=1 \
+      python3 -m lowbit train --model 350m --recipe fp8-block --steps 8 --batch-size 8 --seq-len 2048 --eval-every 100 \
+      --eval-windows 2 --no-progress --compare bf16 --out-dir "$OUT/p350m" --overwrite | grep -E "phases|graph|idle"
+    rm -rf "$OUT/p350m" ;;
   s30a)  # next session's first call: the side_carveout default (b977b8d, not yet run on a GPU) through the side-stream
           # GPU test, then both pairs at the current code (session 29 measured 1.3b only: 1.319x)
     stage 120 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/nn/test_wgrad_stream.py \
