@@ -354,7 +354,7 @@ def test_gluon_attention_compiles_for_sm90(variant):
         pytest.skip("this Triton has no Gluon warp_specialize")
     const = dict(Q_SCALE_ROWS=128, K_SCALE_ROWS=64, HAS_KMEAN=False, RETURN_LSE=False, REVERSE_M=False, HEAD_DIM=128,
                  STAGES=G.STAGES[128], FLAT=True, LOAD_REGS=G._LAUNCH["LOAD_REGS"],
-                 MATH_REGS=G._LAUNCH["MATH_REGS"], QK_FIRST=0)
+                 MATH_REGS=G._LAUNCH["MATH_REGS"])
     if variant == "causal_lse_kmean":
         const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True, FLAT=False)
     elif variant == "d64":

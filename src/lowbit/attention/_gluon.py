@@ -150,18 +150,6 @@ if GLUON_WS:
         return t0, t1
 
     @gluon.jit
-    def _fa_qk_half(q, k_s, ready, c, HI: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr):
-        """One INT8 score half (HI: keys 64..127) of the key tile in ring slot c, issued async; the first half waits
-        for the tile."""
-        HALF: gl.constexpr = BN // 2
-        s = c % STAGES
-        if not HI:
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        zs = gl.zeros((BM // 2, HALF), gl.int32, mma_s)
-        return warpgroup_mma(q, k_s.index(s).slice(HI * HALF, HALF, dim=0).permute((1, 0)), zs, use_acc=False,
-                             is_async=True)
-
-    @gluon.jit
     def _fa_p_operand(p, mma_o: gl.constexpr):
         """P (64 x 64 E4M3, the score wgmma's accumulator layout) relabelled as the A operand of the FP8 P·V wgmma in
         registers, with no data movement (``assert_trivial``). A thread holds score columns 2c, 2c+1, 2c+8, 2c+9,
@@ -228,34 +216,22 @@ if GLUON_WS:
     @gluon.jit
     def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, c, Sk, diag, win_right,
                  K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                 LAST: gl.constexpr, QK_FIRST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
         """Key tile j from its scores (s0, s1): its softmax; then tile j + 1's scores (unless LAST) and tile j's
         P·V (its two 64-key halves, P in registers, FP8 wgmmas from zero) go to the tensor cores together; tile j is
         folded into acc (acc·alpha + o: the FP32 promotion) and its stage goes back to the loader. Both wgmma groups
         are waited for before the loop's back edge: an FP8 value carried across it is unpacked byte by byte
         (hundreds of PRMT, spills), and a wgmma in flight across it can make ptxas serialize every wgmma. The other
         warpgroup's softmax fills the tensor cores meanwhile. c: tile j's slot in the K/V ring. Returns tile j + 1's
-        scores. QK_FIRST: tile j + 1's scores are issued before tile j's softmax, so they run under this
-        warpgroup's own softmax too (FlashAttention-3's intra-warpgroup overlap; their accumulators stay live
-        through the softmax)."""
-        if QK_FIRST == 1:
-            if not LAST:
-                t0, t1 = _fa_qk(q, k_s, ready, c + 1, STAGES, mma_s)
-        if QK_FIRST == 2:  # only the first half early: 32 accumulator registers live through the softmax, not 64
-            if not LAST:
-                t0 = _fa_qk_half(q, k_s, ready, c + 1, False, STAGES, mma_s)
+        scores."""
         p0, p1, alpha, l_i, m_i = _fa_softmax(s0, s1, l_i, m_i, q_sc, ks_base, offs_m, j, Sk, diag, win_right,
                                               K_SCALE_ROWS, MASK, mma_s)
         a0 = _fa_p_operand(p0, mma_o)
         a1 = _fa_p_operand(p1, mma_o)
         st = c % STAGES
         zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
-        if QK_FIRST == 0:
-            if not LAST:
-                t0, t1 = _fa_qk(q, k_s, ready, c + 1, STAGES, mma_s)
-        if QK_FIRST == 2:
-            if not LAST:
-                t1 = _fa_qk_half(q, k_s, ready, c + 1, True, STAGES, mma_s)
+        if not LAST:
+            t0, t1 = _fa_qk(q, k_s, ready, c + 1, STAGES, mma_s)
         o = warpgroup_mma(a0, v_s.index(2 * st).permute((1, 0)), zo, use_acc=False, is_async=True)
         o = warpgroup_mma(a1, v_s.index(2 * st + 1).permute((1, 0)), o, is_async=True)
         if not LAST:
@@ -271,7 +247,7 @@ if GLUON_WS:
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, QK_FIRST: gl.constexpr, PART: gl.constexpr):
+                 STAGES: gl.constexpr, PART: gl.constexpr):
         """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of each work tile of this CTA."""
         n_m = gl.cdiv(Sq, BM)
         c = 0
@@ -280,8 +256,7 @@ if GLUON_WS:
             c += _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                                slb, slh, sls, H, GROUP, Sq, Sk, win_right, _fa_order(t, n_tiles, REVERSE_M), n_m, c, i,
-                               Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, QK_FIRST,
-                               PART)
+                               Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART)
             i += 1
 
     @gluon.jit
@@ -290,7 +265,7 @@ if GLUON_WS:
                       slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c0, i,
                       Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                       RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, QK_FIRST: gl.constexpr, PART: gl.constexpr):
+                      STAGES: gl.constexpr, PART: gl.constexpr):
         """One work tile t: its key tiles occupy ring slots c0, c0 + 1, ...; its Q tile is in buffer i % 2. Returns
         its number of key tiles."""
         NW: gl.constexpr = gl.num_warps()
@@ -325,15 +300,15 @@ if GLUON_WS:
             for j in range(0, n_a):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, False, False, QK_FIRST, mma_s, mma_o)
+                                                 STAGES, False, False, mma_s, mma_o)
             for j in range(n_a, n_all - 1):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, True, False, QK_FIRST, mma_s, mma_o)
+                                                 STAGES, True, False, mma_s, mma_o)
             # the last tile (masked: harmless where it is not needed, and it runs once)
             acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m,
                                              n_all - 1, c0 + n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                             STAGES, True, True, QK_FIRST, mma_s, mma_o)
+                                             STAGES, True, True, mma_s, mma_o)
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_l)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
@@ -369,7 +344,7 @@ if GLUON_WS:
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                              STAGES: gl.constexpr, FLAT: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             MATH_REGS: gl.constexpr, QK_FIRST: gl.constexpr):
+                             MATH_REGS: gl.constexpr):
         """Work tiles: cdiv(Sq, 128) query blocks x B·Hq heads, query block fastest. num_warps 4 (+ one loader warp
         and a second math warpgroup), one CTA an SM.
 
@@ -430,14 +405,14 @@ if GLUON_WS:
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, QK_FIRST, gl.constexpr(0))),
+                                        STAGES, gl.constexpr(0))),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk,
                                           win_right, n_tiles, REVERSE_M, STAGES, FLAT, HEAD_DIM)),
                             (_fa_math, (q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, QK_FIRST, gl.constexpr(1)))],
+                                        STAGES, gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 
@@ -558,7 +533,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
                      STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-                     FLAT=flat, QK_FIRST=qk_first(), **_LAUNCH)
+                     FLAT=flat, **_LAUNCH)
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)
@@ -568,15 +543,6 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         _LAUNCHER[grid](*args, **const)
     else:
         _LAUNCHER.keyed(grid, key, args, const)
-
-
-def qk_first() -> int:
-    """``LOWBIT_ATTN_GLUON_QKFIRST``: "0" (default) the next key tile's scores are issued after this tile's softmax,
-    "1" both halves before it, "2" the first half before it (``_fa_step``'s QK_FIRST; the sweeps switch it)."""
-    m = os.environ.get("LOWBIT_ATTN_GLUON_QKFIRST", "0")
-    if m not in ("0", "1", "2"):
-        raise ValueError(f"LOWBIT_ATTN_GLUON_QKFIRST must be 0, 1 or 2, got {m!r}")
-    return int(m)
 
 
 def persistent() -> bool:
