@@ -206,6 +206,9 @@ case "${1:-verify}" in
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;
+  s30d)  # session 30 (the switch was reverted, not kept: 5-8% slower): the Gluon INT8·FP8 forward with the next key
+          # tile's scores issued before this tile's softmax (LOWBIT_ATTN_GLUON_QKFIRST 0 / 2 / 1), kernel-only
+    ;;
   s30c)  # session 30: the bound on the step ratio from the GEMMs alone (BF16 / FP8 tensorwise / FP8 blockwise, every
           # GEMM of a layer; 350m's common non-GEMM time a layer from s30b's BF16 profile)
     stage 200 python3 scripts/gemm_bound.py --preset 350m,1.3b --rounds 3 --common-us 350m=1620 2>&1 | grep -v Warn ;;
