@@ -27,16 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
 
-from lowbit import quantize, scaled_mm  # noqa: E402
+from lowbit import scaled_mm  # noqa: E402
 from lowbit.bench import capture, median_ms  # noqa: E402
 from lowbit.gemm import wgrad_mm  # noqa: E402
-from lowbit.quant import Float8Blockwise  # noqa: E402
-
-# tokens a step (the issue's batch at seq 2048), (name, out features, in features)
-PRESETS = {
-    "1.3b": (8192, [("qkv", 6144, 2048), ("proj", 2048, 2048), ("fc1", 11264, 2048), ("fc2", 2048, 5632)]),
-    "350m": (16384, [("qkv", 3072, 1024), ("proj", 1024, 1024), ("fc1", 5632, 1024), ("fc2", 1024, 2816)]),
-}
+from wgrad_order import PRESETS, layer_operands  # noqa: E402  (this folder: the presets' layer shapes, operands)
 COLUMNS = ("bf16", "fp8 tensor", "fp8 block")
 
 
@@ -70,24 +64,20 @@ def main(argv=None) -> int:
     p.add_argument("--common-us", default="", help="PRESET=US,...: non-GEMM GPU time a layer, both recipes")
     args = p.parse_args(argv)
     common = _parse_common(args.common_us)
-    dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    act, wsch = Float8Blockwise(), Float8Blockwise(block_dim=2)
-    for preset in args.preset.split(","):
+    presets = args.preset.split(",")
+    for preset in presets:
         if preset not in PRESETS:
             raise ValueError(f"--preset: expected names from {sorted(PRESETS)}, got {preset!r}")
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    for preset in presets:
         T, layers = PRESETS[preset]
         tot = {c: 0.0 for c in COLUMNS}
         flops_layer = 0.0
         print(f"[{preset}] tokens {T}; us (TFLOP/s), median of {args.rounds} rounds of graph replays")
         print(f"  {'GEMM':14s} {'M x N x K':>20s} " + " ".join(f"{c:>18s}" for c in COLUMNS) + "   block/bf16")
         for name, N, K in layers:
-            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-            dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
-            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-            qx = quantize(x, act, rowwise=True, columnwise=True)
-            qdy = quantize(dy, act, rowwise=True, columnwise=True)
-            qw = quantize(w, wsch, rowwise=True, columnwise=True)
+            x, dy, w, qx, qdy, qw = layer_operands(T, N, K, dev)
             wt, dyt, xt = w.t().contiguous(), dy.t().contiguous(), x.t().contiguous()
             gemms = {  # (M, N, K of the product, {column: fn})
                 "fprop": ((T, N, K), {
@@ -127,10 +117,10 @@ def main(argv=None) -> int:
               + f"   {tot['bf16'] / tot['fp8 block']:.2f}x")
         if preset in common:
             cu = common[preset] / 1e3
+            need = (tot["bf16"] + cu) / 1.3 - cu  # FP8 GEMM ms a layer for a 1.3x step
             print(f"  with {common[preset]:.0f} us a layer of common non-GEMM time: step ratio BF16 / FP8 = "
                   + ", ".join(f"{c} {(tot['bf16'] + cu) / (tot[c] + cu):.3f}" for c in COLUMNS[1:])
-                  + f"; FP8 GEMMs a layer needed for 1.3x: {((tot['bf16'] + cu) / 1.3 - cu) * 1e3:.0f} us "
-                  f"({flops_layer / ((tot['bf16'] + cu) / 1.3 - cu) * 1e-9:.0f} TFLOP/s)")
+                  + f"; FP8 GEMMs a layer needed for 1.3x: {need * 1e3:.0f} us ({flops_layer / need * 1e-9:.0f} TFLOP/s)")
     return 0
 
 

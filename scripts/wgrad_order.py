@@ -31,6 +31,17 @@ PRESETS = {
 }
 
 
+def layer_operands(T: int, N: int, K: int, dev):
+    """(x, dy, w, qx, qdy, qw) for a linear layer of N outputs, K inputs over T tokens: random BF16 X (T, K),
+    dY (T, N) and W (N, K), and their fp8-block copies (1x128 activations, 128x128 weight; both copies each)."""
+    act = Float8Blockwise()
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    return (x, dy, w, quantize(x, act, rowwise=True, columnwise=True), quantize(dy, act, rowwise=True, columnwise=True),
+            quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="1.3b,350m")
@@ -38,17 +49,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    act = Float8Blockwise()
     for preset in args.preset.split(","):
         T, layers = PRESETS[preset]
         tot = {}
         for name, N, K in layers:
-            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-            dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
-            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-            qx = quantize(x, act, rowwise=True, columnwise=True)
-            qdy = quantize(dy, act, rowwise=True, columnwise=True)
-            qw = quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
+            x, dy, w, qx, qdy, qw = layer_operands(T, N, K, dev)
             dwt = torch.randn(K, N, device=dev)  # (the XᵀdY order's output, to be transposed)
             fns = {
                 "wgrad dY^T X (cuBLAS)": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",

@@ -40,7 +40,7 @@ def transpose_configs(element_size: int) -> list[dict]:
     for br, bc, w in ((64, 64, 4), (32, 32, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
                       (32, 128, 4), (128, 32, 4)):
         tile = br * bc
-        # 1-byte elements: at least 128 columns and rows a tile, so each stored row fills a sector
+        # 1-byte elements: at least 64 rows and columns a tile, so each stored row is 64 bytes or more
         if element_size == 1 and min(br, bc) < 64:
             continue
         if 1024 <= tile <= 16384:
