@@ -203,6 +203,15 @@ case "${1:-verify}" in
     pair 350m 8
     stage 280 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
       -m gpu -n 4 tests/ops tests/attention/test_gpu.py -rfE --tb=short ;;
+  s31a)  # session 31: the Gluon INT8·FP8 forward's stage hand-back through named barriers (LOWBIT_ATTN_GLUON_NAMED):
+          # bit-identical GPU test, the barriers in Triton 3.6's PTX, kernel-only A/B (alternating) against cuDNN
+    export TRITON_CACHE_DIR=/tmp/tc31
+    stage 240 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_gluon.py \
+      -k named -x -rfE --tb=short
+    for f in $(grep -l "attn_fwd_int8_fp8_ws" -r /tmp/tc31 --include="*.ptx" | head -4); do
+      echo "$f"; grep -oE "(bar|barrier)\.(sync|arrive)[^;]*" "$f" | sort | uniq -c; done
+    stage 400 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64" \
+      --variants "named=0;named=1;named=0;named=1" ;;
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;

@@ -90,6 +90,38 @@ PERSIST_CASES = [  # B, Hq, Hkv, Sq, Sk, causal: more work tiles than SMs, so CT
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,causal", PERSIST_CASES + [(1, 2, 1, 17, 300, False)])
+@pytest.mark.parametrize("persist", ["0", "1"])
+def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, monkeypatch):
+    """The K/V stages and Q buffers handed back to the loader through named barriers (every math thread arrives,
+    LOWBIT_ATTN_GLUON_NAMED=1) give the same bits as through mbarriers, on both grids (persistent: the ring runs on
+    across work tiles and the loader drains the last hand-backs), GQA, ragged and causal, with the LSE."""
+    from lowbit.attention import _triton as T
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", persist)
+    g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq + D)
+    q = torch.randn(B, Hq, Sq, D, generator=g, device="cuda").bfloat16()
+    k = (torch.randn(B, Hkv, Sk, D, generator=g, device="cuda") + 2).bfloat16()
+    v = torch.randn(B, Hkv, Sk, D, generator=g, device="cuda").bfloat16()
+    qq = T.quantize_qk_triton(q, k, dtype="int8")
+    vp, vs = T.quantize_v_fp8_triton(v, key_order="wgmma32")
+    kw = dict(q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
+              out_dtype=torch.float32, v_key_order="wgmma32", return_lse=True)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "0")
+    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "1")
+    o1, l1 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    ro = R.attention_prequantized_reference(qq.q, qq.k, T._v_natural_order(vp, "bhsd"), qq.q_scale, qq.k_scale,
+                                            v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
+                                            block_n=G.BLOCK_N)
+    assert _nrmse(o1, ro) < TIGHT
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,causal", PERSIST_CASES)
 def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, monkeypatch):
     """The persistent grid (each CTA several work tiles, the next tile's Q and keys loaded during the last one) and

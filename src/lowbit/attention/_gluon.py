@@ -68,6 +68,26 @@ if GLUON_WS:
     BM = gl.constexpr(BLOCK_M)
     BN = gl.constexpr(BLOCK_N)
     LOG2_448 = gl.constexpr(8.807354922057604)  # P is computed as p·448 (E4M3's range); l carries the same factor
+    # NAMED: the stage / Q-buffer hand-back to the loader through named barriers (ids from NB_BASE: Triton's warp
+    # specialization takes 0-3, one a partition and the CTA-wide one), every thread of both math warpgroups
+    # arriving (bar.arrive) and the loader warp waiting (bar.sync) on NB_COUNT threads. Gluon's mbarrier.arrive is
+    # one elected thread behind a warpgroup bar.sync (each key tile, on the critical path); bar.arrive waits for
+    # nothing. Safe with one id a stage: a math thread arrives for a stage's next content only after it was loaded,
+    # i.e. after the loader's bar.sync on the previous content completed.
+    NB_BASE = gl.constexpr(4)
+    NB_COUNT = gl.constexpr(2 * 128 + 32)
+
+    @gluon.jit
+    def _named_arrive(bid):
+        """bar.arrive on named barrier ``bid`` (NB_COUNT threads): this thread is done; waits for nothing."""
+        gl.inline_asm_elementwise("bar.arrive $1, $2;", "=r,r,r", [bid, NB_COUNT], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _named_sync(bid):
+        """bar.sync on named barrier ``bid`` (NB_COUNT threads): wait until every math thread has arrived."""
+        gl.inline_asm_elementwise("bar.sync $1, $2;", "=r,r,r", [bid, NB_COUNT], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
     @gluon.jit
     def _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M: gl.constexpr):
@@ -101,7 +121,8 @@ if GLUON_WS:
 
     @gluon.jit
     def _fa_loader(qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk, win_right, n_tiles,
-                   REVERSE_M: gl.constexpr, STAGES: gl.constexpr, FLAT: gl.constexpr, HEAD_DIM: gl.constexpr):
+                   REVERSE_M: gl.constexpr, STAGES: gl.constexpr, FLAT: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   NAMED: gl.constexpr):
         """Loader partition (one warp). For each work tile of this CTA: its Q tile into buffer i % 2 once both math
         warpgroups are done with the tile before last, then every key tile's K and V halves into the ring's next
         stage once both have handed that stage back (ring counter c runs on across work tiles; TMA zero-fills rows
@@ -123,18 +144,31 @@ if GLUON_WS:
                 k_row = 0
                 v_row = 0
             qb = i % 2
-            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+            if NAMED:
+                if i >= 2:
+                    _named_sync(NB_BASE + STAGES + qb)
+            else:
+                mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
             mbarrier.expect(qbar.index(qb), qd.block_type.nbytes)
             _tma_load(qd, [q_row + pid_m * BM, 0], qbar.index(qb), q_s.index(qb))
             for j in range(n_all):
                 s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                if NAMED:
+                    if c >= STAGES:
+                        _named_sync(NB_BASE + s)
+                else:
+                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), kd.block_type.nbytes + 2 * vd.block_type.nbytes)
                 _tma_load(kd, [k_row + j * BN, 0], ready.index(s), k_s.index(s))
                 _tma_load(vd, [v_row, j * BN], ready.index(s), v_s.index(2 * s))
                 _tma_load(vd, [v_row, j * BN + BN // 2], ready.index(s), v_s.index(2 * s + 1))
                 c += 1
             i += 1
+        if NAMED:  # take the last hand-backs: no named barrier is left part-arrived at exit
+            for k in range(gl.maximum(c - STAGES, 0), c):
+                _named_sync(NB_BASE + k % STAGES)
+            for k in range(gl.maximum(i - 2, 0), i):
+                _named_sync(NB_BASE + STAGES + k % 2)
 
     @gluon.jit
     def _fa_qk(q, k_s, ready, c, STAGES: gl.constexpr, mma_s: gl.constexpr):
@@ -216,7 +250,7 @@ if GLUON_WS:
     @gluon.jit
     def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, c, Sk, diag, win_right,
                  K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, NAMED: gl.constexpr):
         """Key tile j from its scores (s0, s1): its softmax; then tile j + 1's scores (unless LAST) and tile j's
         P·V (its two 64-key halves, P in registers, FP8 wgmmas from zero) go to the tensor cores together; tile j is
         folded into acc (acc·alpha + o: the FP32 promotion) and its stage goes back to the loader. Both wgmma groups
@@ -237,7 +271,10 @@ if GLUON_WS:
         if not LAST:
             s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        mbarrier.arrive(empty.index(st), count=1)
+        if NAMED:
+            _named_arrive(NB_BASE + st)
+        else:
+            mbarrier.arrive(empty.index(st), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None] + o
         return acc, l_i, m_i, s0, s1
 
@@ -247,7 +284,7 @@ if GLUON_WS:
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, PART: gl.constexpr):
+                 STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr):
         """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of each work tile of this CTA."""
         n_m = gl.cdiv(Sq, BM)
         c = 0
@@ -256,7 +293,8 @@ if GLUON_WS:
             c += _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                                slb, slh, sls, H, GROUP, Sq, Sk, win_right, _fa_order(t, n_tiles, REVERSE_M), n_m, c, i,
-                               Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART)
+                               Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART,
+                               NAMED)
             i += 1
 
     @gluon.jit
@@ -265,7 +303,7 @@ if GLUON_WS:
                       slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c0, i,
                       Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                       RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, PART: gl.constexpr):
+                      STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr):
         """One work tile t: its key tiles occupy ring slots c0, c0 + 1, ...; its Q tile is in buffer i % 2. Returns
         its number of key tiles."""
         NW: gl.constexpr = gl.num_warps()
@@ -300,15 +338,15 @@ if GLUON_WS:
             for j in range(0, n_a):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, False, False, mma_s, mma_o)
+                                                 STAGES, False, False, mma_s, mma_o, NAMED)
             for j in range(n_a, n_all - 1):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, True, False, mma_s, mma_o)
+                                                 STAGES, True, False, mma_s, mma_o, NAMED)
             # the last tile (masked: harmless where it is not needed, and it runs once)
             acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m,
                                              n_all - 1, c0 + n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                             STAGES, True, True, mma_s, mma_o)
+                                             STAGES, True, True, mma_s, mma_o, NAMED)
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_l)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
@@ -331,7 +369,10 @@ if GLUON_WS:
                 lse2 += gl.convert_layout(gl.sum(qv * km[None, :], 1), row_l) * q_sc
             gl.store(LSE + b64 * slb + h.to(gl.int64) * slh + offs_m.to(gl.int64) * sls, lse2 * 0.6931471805599453,
                      mask=row_ok)
-        mbarrier.arrive(q_empty.index(qb), count=1)  # this warpgroup is done with the Q buffer (the LSE reads it)
+        if NAMED:  # this warpgroup is done with the Q buffer (the LSE reads it)
+            _named_arrive(NB_BASE + STAGES + qb)
+        else:
+            mbarrier.arrive(q_empty.index(qb), count=1)
         return n_all
 
     # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (H200, Triton 3.6,
@@ -344,7 +385,7 @@ if GLUON_WS:
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                              STAGES: gl.constexpr, FLAT: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             MATH_REGS: gl.constexpr):
+                             MATH_REGS: gl.constexpr, NAMED: gl.constexpr = False):
         """Work tiles: cdiv(Sq, 128) query blocks x B·Hq heads, query block fastest. num_warps 4 (+ one loader warp
         and a second math warpgroup), one CTA an SM.
 
@@ -405,14 +446,14 @@ if GLUON_WS:
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, gl.constexpr(0))),
+                                        STAGES, gl.constexpr(0), NAMED)),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk,
-                                          win_right, n_tiles, REVERSE_M, STAGES, FLAT, HEAD_DIM)),
+                                          win_right, n_tiles, REVERSE_M, STAGES, FLAT, HEAD_DIM, NAMED)),
                             (_fa_math, (q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, gl.constexpr(1)))],
+                                        STAGES, gl.constexpr(1), NAMED))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 
@@ -533,7 +574,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
                      STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-                     FLAT=flat, **_LAUNCH)
+                     FLAT=flat, NAMED=os.environ.get("LOWBIT_ATTN_GLUON_NAMED", "0") == "1", **_LAUNCH)
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)

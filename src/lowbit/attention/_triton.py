@@ -909,7 +909,8 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 v.untyped_storage().nbytes(), _signature(q_scale), _signature(k_scale), _signature(v_scale),
                 _signature(k_mean), q_scale_rows, k_scale_rows, bool(causal), None if window is None else tuple(window),
                 bool(return_lse), out_dtype,
-                layout, v_key_order, _gluon.mode(), _gluon.persistent(), os.environ.get("LOWBIT_ATTN_GLUON_STAGES"))
+                layout, v_key_order, _gluon.mode(), _gluon.persistent(), os.environ.get("LOWBIT_ATTN_GLUON_STAGES"),
+                os.environ.get("LOWBIT_ATTN_GLUON_NAMED"))
     if v_key_order != "natural" and gkey not in _WHY_NOT:
         if v.dtype != torch.float8_e4m3fn:
             raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
