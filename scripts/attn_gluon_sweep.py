@@ -28,7 +28,7 @@ def main():
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
-    from lowbit.attention import _triton as T
+    from lowbit.attention import _gluon as G, _triton as T
 
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     for shp in args.shapes.split(";"):
@@ -64,16 +64,16 @@ def main():
             res["triton"] = triton.testing.do_bench(kern, warmup=25, rep=200)
             os.environ["LOWBIT_ATTN_GLUON"] = "force"
             first = None
-            for var in args.variants.split(";"):
+            for n_var, var in enumerate(args.variants.split(";")):
                 kv = dict(x.split("=") for x in var.split(","))
-                os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", "3" if D == 128 else "4")
+                os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", str(G.STAGES[D]))  # the kernel's default
                 os.environ["LOWBIT_ATTN_GLUON_PERSIST"] = kv.get("persist", "1")
                 os.environ["LOWBIT_ATTN_GLUON_NAMED"] = kv.get("named", "0")
                 try:
                     o = kern()
                     diff = 0.0 if first is None else (o.float() - first.float()).abs().max().item()
                     first = o if first is None else first
-                    res[f"gluon[{var}] d={diff:.1e}"] = triton.testing.do_bench(kern, warmup=25, rep=200)
+                    res[f"{n_var} gluon[{var}] d={diff:.1e}"] = triton.testing.do_bench(kern, warmup=25, rep=200)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {var}: {type(e).__name__}: {str(e)[:200]}")
             os.environ["LOWBIT_ATTN_GLUON"] = "1"

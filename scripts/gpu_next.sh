@@ -212,6 +212,9 @@ case "${1:-verify}" in
       echo "$f"; grep -oE "(bar|barrier)\.(sync|arrive)[^;]*" "$f" | sort | uniq -c; done
     stage 400 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64" \
       --variants "named=0;named=1;named=0;named=1" ;;
+  s31b)  # session 31: the named-barrier hand-back A/B, second round, the order reversed and alternating
+    stage 400 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64;4,32,4096,64" \
+      --variants "named=1;named=0;named=1;named=0" ;;
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;
