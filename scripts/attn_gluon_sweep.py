@@ -2,7 +2,7 @@
 
 Kernel-only (operands quantized beforehand), median of triton.testing.do_bench; each Gluon variant (env switches
 LOWBIT_ATTN_GLUON_STAGES, LOWBIT_ATTN_GLUON_PERSIST and LOWBIT_ATTN_GLUON_NAMED: ``stages=N``, ``persist=0|1``,
-``named=0|1``, joined with ``,``) is checked
+``named=auto|0|1``, joined with ``,``) is checked
 against the first one's output (max abs difference).
 
     python scripts/attn_gluon_sweep.py [--shapes "4,32,4096,128;..."] [--variants "persist=0;persist=1,stages=4"]
@@ -68,7 +68,7 @@ def main():
                 kv = dict(x.split("=") for x in var.split(","))
                 os.environ["LOWBIT_ATTN_GLUON_STAGES"] = kv.get("stages", str(G.STAGES[D]))  # the kernel's default
                 os.environ["LOWBIT_ATTN_GLUON_PERSIST"] = kv.get("persist", "1")
-                os.environ["LOWBIT_ATTN_GLUON_NAMED"] = kv.get("named", "0")
+                os.environ["LOWBIT_ATTN_GLUON_NAMED"] = kv.get("named", "auto")
                 try:
                     o = kern()
                     diff = 0.0 if first is None else (o.float() - first.float()).abs().max().item()

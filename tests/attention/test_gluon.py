@@ -391,6 +391,7 @@ def test_gluon_attention_compiles_for_sm90(variant):
         const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True, FLAT=False)
     elif variant == "d64":
         const.update(HEAD_DIM=64, STAGES=G.STAGES[64])
+    const["NAMED"] = G.named(const["HEAD_DIM"])  # the default: named-barrier hand-back at D = 64
     ptrs = dict(Q="*i8", K="*i8", V="*fp8e4nv", O="*bf16")
     sig = {}
     for n in inspect.signature(G.attn_fwd_int8_fp8_ws.fn).parameters:
@@ -409,6 +410,21 @@ def test_gluon_attention_compiles_for_sm90(variant):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) < 32
     assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "P·V without a register A operand"
     assert "VIMNMX3" in sass
+    # a key tile's warpgroup barriers: Triton 3.6 puts one after the wgmma waits; the mbarrier hand-back adds the
+    # single-thread arrive's, the named one (bar.arrive) none
+    for body in _key_tile_loops(sass):
+        assert len(re.findall(r"\bBAR\.SYNC\b", body)) == (1 if const["NAMED"] else 2)
+        assert ("BAR.ARV" in body) == const["NAMED"]
+
+
+def test_named_rejects_unknown_value(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "yes")
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_NAMED must be auto, 0 or 1, got 'yes'"):
+        G.named(64)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "auto")
+    assert G.named(64) and not G.named(128)
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "0")
+    assert not G.named(64)
 
 
 def test_key_order_cache_is_per_signature_and_bounded(monkeypatch):

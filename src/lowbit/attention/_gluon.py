@@ -7,7 +7,8 @@ softmax never hides the other's MMAs. Here:
 
 * one **loader warp** keeps ``STAGES`` key tiles in flight through TMA (K: BN x D int8 rows; V: FP8, stored
   sequence-contiguous, as two D x 64 halves so each half is one K-major wgmma B operand) and a stage goes back to it
-  through an mbarrier as soon as both math warpgroups are done with it — no CTA-wide barrier anywhere;
+  as soon as both math warpgroups are done with it — through an mbarrier, or at head dim 64 through a named barrier
+  every math thread arrives at (``named``: no warpgroup barrier for the arrive) — no CTA-wide barrier anywhere;
 * two **math warpgroups**, 64 query rows each of a 128-row tile. For key tile j a warpgroup runs the softmax of
   its scores, then issues tile j + 1's INT8 scores and tile j's FP8 P·V back to back (async) and waits for both;
   the two warpgroups drift out of step, so one's softmax runs while the other's MMAs occupy the tensor cores.
@@ -27,8 +28,8 @@ Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF1
 persistent grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a
 mask-free tile costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion:
 64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
-kernel is the default only on the persistent grid (H200: 0.97-1.07x cuDNN against the Triton kernel's 0.89-0.97x);
-with one CTA a tile the Triton kernel (two CTAs an SM) is faster there.
+kernel is the default only on the persistent grid (H200, session 31, with the named-barrier hand-back: 0.96-1.11x
+cuDNN against the Triton kernel's 0.86-0.97x); with one CTA a tile the Triton kernel (two CTAs an SM) is faster there.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
@@ -128,7 +129,8 @@ if GLUON_WS:
         stage once both have handed that stage back (ring counter c runs on across work tiles; TMA zero-fills rows
         past the tensor). FLAT: the descriptors span every head (rows of the other heads past Sq / Sk are read as
         garbage and masked: K's by the last tile's key mask, Q's rows are not stored); else they are this CTA's
-        head's and the CTA has one work tile."""
+        head's and the CTA has one work tile. NAMED: the hand-backs are named barriers (the first use of each stage
+        and Q buffer waits for none; the last ones are taken before exit)."""
         n_m = gl.cdiv(Sq, BM)
         c = 0
         i = 0
@@ -464,6 +466,10 @@ if GLUON_WS:
 # it on any TMA-able call (tests).
 DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
+# The named-barrier hand-back (``named``) by default at head dim 64 only: 2-4% faster there on all four shapes in two
+# alternating rounds, neutral to 3% slower at 128 (H200, 2026-11-25, session 31). Triton 3.6 keeps one warpgroup
+# barrier a key tile either way: its shared-memory barrier pass puts one after every wgmma wait.
+NAMED_DIMS = (64,)
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
 # and the loader warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM. At
@@ -574,7 +580,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
                      STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-                     FLAT=flat, NAMED=os.environ.get("LOWBIT_ATTN_GLUON_NAMED", "0") == "1", **_LAUNCH)
+                     FLAT=flat, NAMED=named(D), **_LAUNCH)
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)
@@ -584,6 +590,17 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         _LAUNCHER[grid](*args, **const)
     else:
         _LAUNCHER.keyed(grid, key, args, const)
+
+
+def named(head_dim: int) -> bool:
+    """``LOWBIT_ATTN_GLUON_NAMED``: whether the math warpgroups hand K/V stages and Q buffers back to the loader
+    through named barriers (every thread ``bar.arrive``; the loader ``bar.sync``) rather than mbarriers (Gluon's
+    single-thread arrive behind a warpgroup ``bar.sync``). "auto" (default): at the head dims of ``NAMED_DIMS``;
+    "1" / "0": always / never. Same bits either way."""
+    m = os.environ.get("LOWBIT_ATTN_GLUON_NAMED", "auto")
+    if m not in ("auto", "0", "1"):
+        raise ValueError(f"LOWBIT_ATTN_GLUON_NAMED must be auto, 0 or 1, got {m!r}")
+    return head_dim in NAMED_DIMS if m == "auto" else m == "1"
 
 
 def persistent() -> bool:
