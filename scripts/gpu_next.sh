@@ -215,6 +215,10 @@ case "${1:-verify}" in
   s31b)  # session 31: the named-barrier hand-back A/B, second round, the order reversed and alternating
     stage 400 python3 scripts/attn_gluon_sweep.py --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64;4,32,4096,64" \
       --variants "named=1;named=0;named=1;named=0" ;;
+  s31c)  # session 31, final code: issue 5's table (its three shapes and the S4096 D128 one, causal and not; kernel-only and
+          # end to end; sage 1.0.6 and both SDPA backends; NRMSE)
+    stage 480 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64;4,32,4096,64" \
+      --causal both --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn-final" ;;
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;
