@@ -12,6 +12,8 @@
 #   bash scripts/gpu_next.sh train      # ~3 min: 1.3b fp8-block vs BF16 (20 steps) and both step profiles
 #   bash scripts/gpu_next.sh s8final    # ~4.5 min: train GPU tests, 1.3b and 350m pairs with LOWBIT_STEP_PHASES=1
 #   bash scripts/gpu_next.sh s8prof     # ~1.5 min: residual GPU tests + both 1.3b step profiles (kernel lists to $OUT)
+# Session 31 (2026-11-25) ran s31a / s31b (the named-barrier hand-back: test, barrier ids, two A/B rounds), s29f
+# (405 passed, 4 skipped at 33d3519), s31c (issue 5's table) and s31d.
 # Session 29 (2026-11-25) ran s29a (kernel traces, the 1.3b pair 1.286x), s29b (the L1 carveout, reverted),
 # scripts/transition_gap.py twice, s29c (transpose_2d), s29d / s29e (the side-stream SM carveout), s29f (the whole GPU
 # suite: 388 passed, 4 skipped at dc165b6) and the 1.3b pair alone (1.319x; s29g, both pairs, not run: s30a now).
@@ -219,6 +221,9 @@ case "${1:-verify}" in
           # end to end; sage 1.0.6 and both SDPA backends; NRMSE)
     stage 480 python3 -m lowbit bench attention --shapes "4,32,4096,128;2,32,8192,128;8,16,2048,64;4,32,4096,64" \
       --causal both --modes bf16/bf16,int8/bf16,int8/fp8 --out "$OUT/attn-final" ;;
+  s31d)  # session 31, after the review: the Gluon attention GPU tests (the stage-count check of the named hand-back)
+    stage 300 env LOWBIT_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_gluon.py -rfE \
+      --tb=short ;;
   s29f)  # session 29, final code: the whole GPU suite
     stage 480 env LOWBIT_AUTOTUNE=0 LOWBIT_ATTN_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests -rfE \
       --tb=short 2>&1 | tail -25 ;;

@@ -399,6 +399,9 @@ def test_gluon_attention_compiles_for_sm90(variant):
     strides = [n for n in sig if sig[n] == "i32" and n.startswith("s") and n[-1] in "bhsd"]
     k = compile_gluon_sm90(G.attn_fwd_int8_fp8_ws, sig, const, divisible=strides,
                            num_warps=G._LAUNCH["num_warps"], maxnreg=G._LAUNCH["maxnreg"])
+    # the named-barrier hand-back's ids (NB_BASE and up) are not among those Triton's own barriers use
+    triton_ids = {int(i) for i in re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", k.asm["ptx"])}
+    assert triton_ids and max(triton_ids) < G.NAMED_BARRIER_BASE, triton_ids
     res = sm90_sass(k, triton_version="3.6")
     if res is None:
         return  # compiled; the SASS claims are for the Triton it was measured with
@@ -415,6 +418,23 @@ def test_gluon_attention_compiles_for_sm90(variant):
     for body in _key_tile_loops(sass):
         assert len(re.findall(r"\bBAR\.SYNC\b", body)) == (1 if const["NAMED"] else 2)
         assert ("BAR.ARV" in body) == const["NAMED"]
+
+
+@gpu
+@needs_sm90
+def test_named_rejects_too_many_stages(monkeypatch):
+    """A CTA has 16 named barriers: the hand-back takes one a stage and one a Q buffer from NAMED_BARRIER_BASE, so a
+    stage count past that is refused before anything launches, naming both switches."""
+    from lowbit.attention import _triton as T
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "1")
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_STAGES", str(16 - G.NAMED_BARRIER_BASE - 1))
+    q = torch.randn(1, 2, 200, 64, device="cuda").bfloat16()
+    qq = T.quantize_qk_triton(q, q, dtype="int8")
+    vp, vs = T.quantize_v_fp8_triton(q, key_order="wgmma32")
+    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_STAGES=11 with the named-barrier hand-back"):
+        T.attention_fwd_triton(qq.q, qq.k, vp, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs,
+                               q_scale_rows=qq.q_scale_rows, out_dtype=torch.float32, v_key_order="wgmma32")
 
 
 def test_named_rejects_unknown_value(monkeypatch):

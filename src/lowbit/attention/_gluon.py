@@ -64,6 +64,7 @@ except Exception:  # pragma: no cover - older Triton
 
 BLOCK_M = 128  # query rows a CTA: two math warpgroups of 64
 BLOCK_N = 128  # keys a tile: two halves of 64 (one K scale block each)
+NAMED_BARRIER_BASE = 4  # the named-barrier hand-back's first id (Triton's warp specialization uses 0-3; 16 a CTA)
 
 if GLUON_WS:
     BM = gl.constexpr(BLOCK_M)
@@ -75,7 +76,7 @@ if GLUON_WS:
     # one elected thread behind a warpgroup bar.sync (each key tile, on the critical path); bar.arrive waits for
     # nothing. Safe with one id a stage: a math thread arrives for a stage's next content only after it was loaded,
     # i.e. after the loader's bar.sync on the previous content completed.
-    NB_BASE = gl.constexpr(4)
+    NB_BASE = gl.constexpr(NAMED_BARRIER_BASE)
     NB_COUNT = gl.constexpr(2 * 128 + 32)
 
     @gluon.jit
@@ -581,6 +582,10 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
                      STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
                      FLAT=flat, NAMED=named(D), **_LAUNCH)
+        if const["NAMED"] and NAMED_BARRIER_BASE + const["STAGES"] + 2 > 16:  # 16 named barriers a CTA
+            raise ValueError(f"LOWBIT_ATTN_GLUON_STAGES={const['STAGES']} with the named-barrier hand-back needs "
+                             f"barrier ids up to {NAMED_BARRIER_BASE + const['STAGES'] + 1} (at most 15): set at "
+                             f"most {16 - NAMED_BARRIER_BASE - 2} stages or LOWBIT_ATTN_GLUON_NAMED=0")
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)
