@@ -469,7 +469,7 @@ DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
 # The named-barrier hand-back (``named``) by default at head dim 64 only: 2-4% faster there on all four shapes in two
 # alternating rounds, neutral to 3% slower at 128 (H200, 2026-11-25, session 31). Triton 3.6 keeps one warpgroup
-# barrier a key tile either way: its shared-memory barrier pass puts one after every wgmma wait.
+# barrier a key tile either way: its shared-memory barrier pass puts one after the wgmma waits.
 NAMED_DIMS = (64,)
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
