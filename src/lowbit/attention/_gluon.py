@@ -467,7 +467,7 @@ if GLUON_WS:
 # it on any TMA-able call (tests).
 DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
-# The named-barrier hand-back (``named``) by default at head dim 64 only: 2-4% faster there on all four shapes in two
+# The named-barrier hand-back (``named``) by default at head dim 64 only: 2-5% faster there on all four shapes in two
 # alternating rounds, neutral to 3% slower at 128 (H200, 2026-11-25, session 31). Triton 3.6 keeps one warpgroup
 # barrier a key tile either way: its shared-memory barrier pass puts one after the wgmma waits.
 NAMED_DIMS = (64,)
