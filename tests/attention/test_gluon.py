@@ -428,11 +428,12 @@ def test_named_rejects_too_many_stages(monkeypatch):
     from lowbit.attention import _triton as T
     monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
     monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "1")
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_STAGES", str(16 - G.NAMED_BARRIER_BASE - 1))
+    stages = 16 - G.NAMED_BARRIER_BASE - 1  # one more than the ids allow
+    monkeypatch.setenv("LOWBIT_ATTN_GLUON_STAGES", str(stages))
     q = torch.randn(1, 2, 200, 64, device="cuda").bfloat16()
     qq = T.quantize_qk_triton(q, q, dtype="int8")
     vp, vs = T.quantize_v_fp8_triton(q, key_order="wgmma32")
-    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_STAGES=11 with the named-barrier hand-back"):
+    with pytest.raises(ValueError, match=f"LOWBIT_ATTN_GLUON_STAGES={stages} with the named-barrier hand-back"):
         T.attention_fwd_triton(qq.q, qq.k, vp, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs,
                                q_scale_rows=qq.q_scale_rows, out_dtype=torch.float32, v_key_order="wgmma32")
 

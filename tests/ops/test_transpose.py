@@ -29,7 +29,7 @@ def _rand(shape, dtype, device, gen):
 def _same_bits(a, b):
     if a.dtype == torch.bool:
         return torch.equal(a, b)
-    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    v = T._BITS[a.element_size()]  # (the integer dtype of each element width)
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(v), b.view(v))
 
 

@@ -388,7 +388,7 @@ if GLUON_WS:
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                              STAGES: gl.constexpr, FLAT: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             MATH_REGS: gl.constexpr, NAMED: gl.constexpr = False):
+                             MATH_REGS: gl.constexpr, NAMED: gl.constexpr):
         """Work tiles: cdiv(Sq, 128) query blocks x B·Hq heads, query block fastest. num_warps 4 (+ one loader warp
         and a second math warpgroup), one CTA an SM.
 
