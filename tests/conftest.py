@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -36,3 +37,13 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def switches():
+    """``switches(LOWBIT_X=value, ...)`` sets lowbit switches for the rest of the test, in this process
+    (:func:`lowbit.runtime.env.override`); they are restored at its end."""
+    from lowbit.runtime import env
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(env.override(**values))

@@ -32,6 +32,6 @@ __all__ = [
 
 
 # `lowbit.attention` is both this package and the function users call (`lowbit.attention(q, k, v)`).
-from .._callable import make_callable as _make_callable
+from ..runtime.callable import make_callable as _make_callable
 
 _make_callable(__name__, "attention")

@@ -49,8 +49,8 @@ import os
 
 import torch
 
-from .._device import capability
-from .._launch import SpecializedLaunch, ensure_tma_allocator, remember
+from ..runtime.device import capability
+from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
     from triton.experimental import gluon

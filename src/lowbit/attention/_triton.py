@@ -44,7 +44,7 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
-from .._launch import SpecializedLaunch, ensure_tma_allocator, remember
+from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
 from .api import _views
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 

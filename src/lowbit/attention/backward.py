@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
-from .._callable import make_callable
+from ..runtime.callable import make_callable
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
 from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS

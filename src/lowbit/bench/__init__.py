@@ -6,7 +6,7 @@ import contextlib
 import os
 import subprocess
 
-from .._device import capture  # noqa: F401  (re-exported: the benches time CUDA graphs of their calls)
+from ..runtime.device import capture  # noqa: F401  (re-exported: the benches time CUDA graphs of their calls)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from ..runtime import env
+from ..runtime.device import INTERPRET
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
@@ -192,9 +194,7 @@ def _order_tunable(dy: QuantizedTensor, x: QuantizedTensor) -> bool:
             and sb.block_dim == 1 and cd is not None and cx is not None and cd.data.is_cuda
             and cd.data.device == cx.data.device):
         return False
-    from ..quant import triton_backend as tb  # (CUDA tensors: Triton is there)
-
-    return tb.AUTOTUNE and not tb.INTERPRET and os.environ.get("LOWBIT_WGRAD_ORDER_TUNE", "1") != "0"
+    return env.get("LOWBIT_AUTOTUNE") and not INTERPRET
 
 
 def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -216,16 +216,15 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
     gradient (1024 x 2816 over 16,384 tokens) takes 168 us as dYᵀX, 117 us as XᵀdY and 138 us with the copy back
     (H200, session 20, GPU time from CUDA graphs, BENCHMARKS.md); on the other GPT shapes the first order wins or
     the copy costs more than the order saves. Both orders form the same block products and per-block promotions;
-    the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` (or
-    ``LOWBIT_WGRAD_ORDER_TUNE=0``, for A/B runs) keeps the first order.
+    the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` keeps the first order.
     """
     def direct():
         return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)
 
     if not (isinstance(dy, QuantizedTensor) and isinstance(x, QuantizedTensor) and _order_tunable(dy, x)):
         return direct()
-    from ..ops.transpose import transpose_2d
-    from ..quant.triton_backend import tuned_launch
+    from ..runtime.transpose import transpose_2d
+    from ..runtime.autotune import tuned_launch
 
     res = []
 

@@ -14,11 +14,13 @@ import os
 
 import torch
 
-from .._device import capability, num_sms
-from .._launch import ensure_tma_allocator
+from ..runtime.device import capability, num_sms
+from ..runtime.launch import ensure_tma_allocator
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
-from ..quant.triton_backend import _TUNED, INTERPRET, _bucket, tuned_launch
+from ..runtime.autotune import bucket as _bucket
+from ..runtime.autotune import tuned_config, tuned_launch
+from ..runtime.device import INTERPRET
 from . import _dims, check_k_contiguous, register_backend
 from .kernels import gemm as G
 
@@ -199,7 +201,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 def _run(key, cands, launch, accumulate):
     # Accumulating launches are not idempotent: never time them; reuse a tuned config or take the first.
     if accumulate:
-        cfg = _TUNED.get(("gemm",) + key)
+        cfg = tuned_config("gemm", key)
         launch(cfg if cfg is not None else cands()[0])
     else:
         tuned_launch("gemm", key, cands, launch)

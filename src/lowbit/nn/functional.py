@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._device import num_sms
+from ..runtime.device import num_sms
 from ..gemm import scaled_mm, wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise

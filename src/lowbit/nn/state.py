@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import distributed
-from .._device import capability as _device_capability
+from ..runtime.device import capability as _device_capability
 from ..quant.scaling import AmaxHistory
 from ..recipes import DelayedScaling, Recipe
 

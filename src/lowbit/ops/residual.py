@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from .._device import num_sms
+from ..runtime.device import num_sms
 from .norm_quant import row_reduce_configs
 
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
@@ -162,7 +162,8 @@ if triton is not None:
 
 
 def _launch(x, y, out, rstd, eps, stats: bool):
-    from ..quant.triton_backend import _bucket, tuned_launch
+    from ..runtime.autotune import bucket as _bucket
+    from ..runtime.autotune import tuned_launch
 
     K = x.shape[-1]
     M = x.numel() // K
@@ -242,7 +243,8 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         raise ValueError(f"weight: expected float32 of shape ({K},), got {weight.dtype} {tuple(weight.shape)}")
     if triton is None or not (out.is_cuda or INTERPRET) or K > NORM_BACKWARD_MAX_K or M == 0:
         return _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw)
-    from ..quant.triton_backend import _bucket, tuned_launch
+    from ..runtime.autotune import bucket as _bucket
+    from ..runtime.autotune import tuned_launch
 
     dn = dn.contiguous()
     g = None if g is None else g.contiguous()

@@ -28,8 +28,11 @@ import sys
 import torch
 import triton
 
-from .._device import capability, capture, num_sms
-from .._launch import CachedLaunch, ensure_tma_allocator
+from ..runtime.amax_arena import arena_slot
+from ..runtime.autotune import bucket as _bucket
+from ..runtime.autotune import tuned_launch
+from ..runtime.device import INTERPRET, capability, num_sms
+from ..runtime.launch import CachedLaunch, ensure_tma_allocator
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
@@ -38,166 +41,12 @@ from .reference import _validate, resolve_seed
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton", "INTERPRET", "AmaxArena", "amax_arena"]
+__all__ = ["supports", "quantize_triton"]
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Software rounding onto the grid before the FP8 cast (exact in the interpreter); on the GPU the
-# hardware satfinite RNE conversion is used unless LOWBIT_SW_ROUND=1.
-SW_ROUND = INTERPRET or os.environ.get("LOWBIT_SW_ROUND", "0") == "1"
+# Software rounding onto the grid before the FP8 cast in the interpreter (its float->fp8 cast is wrong for some
+# values); on the GPU the hardware's saturating RNE conversion.
+SW_ROUND = INTERPRET
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# ------------------------------------------------------------------------------------------------
-# a small autotuner: candidate configs from a generator, pruned by shape, timed once per shape bucket
-# ------------------------------------------------------------------------------------------------
-_TUNED: dict = {}
-AUTOTUNE = os.environ.get("LOWBIT_AUTOTUNE", "1") == "1"
-_TUNING_NOTICE = [False]  # said once per process: first steps of a model compile and time many kernel variants
-
-
-def _tuning_notice(name: str, key: tuple) -> None:
-    if not _TUNING_NOTICE[0]:
-        _TUNING_NOTICE[0] = True
-        print(f"[lowbit] autotuning Triton launch configs for new shapes (first {name} key {key}); the first steps "
-              f"of a model compile and time each kernel's candidates, later calls reuse the choice "
-              f"(LOWBIT_AUTOTUNE=0 skips tuning)", file=sys.stderr, flush=True)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-# Candidates are timed from a CUDA graph of one launch (LOWBIT_TUNE_GRAPHS=0: eagerly). Timed eagerly, a launch's
-# Python and Triton host work (tens of microseconds) can outlast a 20-50 us kernel, and the tuner then ranks host
-# time: the RMSNorm quantizer of the 1.3b GPT (8192 x 2048 FP32) picked a 48 us slab walk over the 35 us register
-# tile in two of three fresh tunings (H200, session 22, BENCHMARKS.md).
-TUNE_GRAPHS = os.environ.get("LOWBIT_TUNE_GRAPHS", "1") != "0"
-
-
-def _gpu_ms(fn) -> float:
-    """Time of ``fn`` (ms, triton.testing.do_bench's mean, which clears the L2 cache before each call): on CUDA, of
-    one call captured in a CUDA graph and replayed, so the host's cost of the call does not count; eagerly where
-    that cannot be (no CUDA, or ``fn`` not capturable; :func:`tuned_launch` does not tune inside a capture). A
-    candidate that cannot run raises from the eager timing."""
-    if not (TUNE_GRAPHS and torch.cuda.is_available()):
-        return triton.testing.do_bench(fn, warmup=3, rep=10)
-    try:  # (thread_local: another thread's CUDA calls, a data loader's copies, must not invalidate the capture)
-        g = capture(fn, capture_error_mode="thread_local")
-    except Exception:  # a host synchronization inside fn, or fn fails (then it raises again here)
-        return triton.testing.do_bench(fn, warmup=3, rep=10)
-    return triton.testing.do_bench(g.replay, warmup=3, rep=20)
-
-
-# ------------------------------------------------------------------------------------------------
-# amax accumulators of the blockwise launches captured into one CUDA graph
-# ------------------------------------------------------------------------------------------------
-class AmaxArena:
-    """Slots for the int32 amax accumulators of the blockwise quantize launches captured into one CUDA graph.
-
-    Each launch atomically maxes its tiles' maxima into a zeroed int32, so outside a graph every launch zero-fills
-    a small buffer first: one fill kernel a call, 288 a 1.3b GPT step, each with its launch gap in the graph.
-    Inside :func:`amax_arena` the launches take consecutive slots of one buffer instead, and the caller captures
-    :meth:`reset` (one fill for all of them) before them. Every slot is then zeroed at the start of each replay,
-    before any launch that writes it, and holds its amax until the next replay: the lifetime of every other
-    tensor in a graph's memory. Where a scale grid has padding (which must read 0), or the slots run out, a launch
-    zero-fills its own buffer as outside a graph.
-    """
-
-    def __init__(self, n: int, device):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: expected a positive int (slots), got {n!r}")
-        self.buf = torch.zeros(n, dtype=torch.int32, device=device)
-        self.used = 0
-        self.missed = 0  # launches that found the arena full (they zero-filled their own buffers)
-
-    def reset(self) -> None:
-        """Zero every slot (capture this before the launches that take slots)."""
-        self.buf.zero_()
-
-    def take(self, device) -> torch.Tensor | None:
-        """A zeroed (1,) int32 slot on ``device``, or None (another device, or full)."""
-        if device != self.buf.device:
-            return None
-        if self.used >= self.buf.numel():
-            self.missed += 1
-            return None
-        self.used += 1
-        return self.buf[self.used - 1:self.used]
-
-
-_ARENA: list = [None]  # the active AmaxArena (process-wide: the autograd engine runs backward launches on its own thread)
-
-
-class amax_arena:
-    """``with amax_arena(arena):`` blockwise quantize launches on the arena's device take their amax accumulators
-    from ``arena`` (see :class:`AmaxArena`) while the current stream is capturing a CUDA graph; outside a capture
-    they zero-fill their own, as always."""
-
-    def __init__(self, arena: AmaxArena):
-        self.arena, self.prev = arena, None
-
-    def __enter__(self):
-        self.prev, _ARENA[0] = _ARENA[0], self.arena
-        return self.arena
-
-    def __exit__(self, *exc):
-        _ARENA[0] = self.prev
-        return False
-
-
-def _arena_slot(dev) -> torch.Tensor | None:
-    a = _ARENA[0]
-    if a is None or dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        return None
-    return a.take(dev)
-
-
-def tuned_launch(name: str, key: tuple, candidates, launch) -> dict:
-    """Run ``launch(cfg)`` with the fastest of ``candidates`` for this (name, key); returns the config used.
-
-    ``candidates``: a list of configs, or a function returning it (built only when a tuned config is not
-    known yet: this runs on every call). ``launch`` must be idempotent (the kernels here are: they overwrite
-    outputs and atomic-max an amax). In the interpreter, with one candidate, or with LOWBIT_AUTOTUNE=0, the
-    first candidate is used; likewise, untuned, inside a CUDA-graph capture (a graph, or another tuner timing a
-    launch that calls this one), where candidates cannot be timed: the tuning waits for a call outside a capture.
-    """
-    k = (name,) + tuple(key)
-    cfg = _TUNED.get(k) if AUTOTUNE and not INTERPRET else None
-    if cfg is not None:
-        launch(cfg)
-        return cfg
-    if callable(candidates):
-        candidates = candidates()
-    if not candidates:
-        raise RuntimeError(f"{name}: no launch configuration fits key {key}")
-    if INTERPRET or not AUTOTUNE or len(candidates) == 1 or (torch.cuda.is_available()
-                                                           and torch.cuda.is_current_stream_capturing()):
-        launch(candidates[0])
-        return candidates[0]
-    if cfg is None:
-        _tuning_notice(name, key)
-        # Two rounds over the candidates, each candidate's best time kept: the first tuning of a process often
-        # starts on an idle GPU whose clocks are still ramping, so the first candidates timed look slow and a
-        # single round picked a 2x slower config (H200, session 6: 1x128 rowwise 0.49 of copy on the first key
-        # tuned against 0.89 on the next). A candidate that fails (e.g. out of shared memory) is dropped.
-        best, failed, err = {}, set(), None
-        for _ in range(2):
-            for i, c in enumerate(candidates):
-                if i in failed:
-                    continue
-                try:
-                    t = _gpu_ms(lambda c=c: launch(c))
-                except Exception as e:
-                    failed.add(i)
-                    err = e
-                    continue
-                best[i] = min(t, best.get(i, t))
-        ok = [(t, i) for i, t in best.items() if i not in failed]
-        if not ok:
-            raise RuntimeError(f"{name}: no candidate config ran for key {key}") from err
-        cfg = _TUNED[k] = candidates[min(ok)[1]]
-    launch(cfg)
-    return cfg
 
 
 def _configs(tile_m: list[int], tile_k: list[int], warps: list[int], M: int, K: int, *, min_m: int = 1, min_k: int = 1):
@@ -563,7 +412,7 @@ def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: b
     rq = torch.empty(plan.M, plan.K, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(plan.K, plan.M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     nr, nc = plan.nr, plan.nc
-    slot = None if plan.padded else _arena_slot(dev)
+    slot = None if plan.padded else arena_slot(dev)
     if slot is not None:
         buf = torch.empty(nr + nc, dtype=torch.float32, device=dev)
         amax_i = slot

@@ -403,7 +403,7 @@ def _amax_arena(device):
     if os.environ.get("LOWBIT_AMAX_ARENA", "1") == "0":
         return None
     try:
-        from lowbit.quant.triton_backend import AmaxArena
+        from lowbit.runtime.amax_arena import AmaxArena
     except ImportError:  # no Triton: the reference quantizers allocate their own amaxes
         return None
     return AmaxArena(4096, device)
@@ -476,7 +476,7 @@ class _GraphedStep:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
             else:
                 # the blockwise quantizers' amax accumulators: one fill a replay instead of one a launch
-                from lowbit.quant.triton_backend import amax_arena
+                from lowbit.runtime.amax_arena import amax_arena
 
                 arena.reset()
                 with amax_arena(arena):

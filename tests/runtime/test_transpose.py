@@ -1,4 +1,4 @@
-"""lowbit.ops.transpose.transpose_2d: bit-identical to ``x.t().contiguous()`` on odd shapes (tiles cut at both edges,
+"""lowbit.runtime.transpose.transpose_2d: bit-identical to ``x.t().contiguous()`` on odd shapes (tiles cut at both edges,
 one row, one column), every dtype width, every launch candidate on the GPU; bad input. On the CPU under Triton's
 interpreter in a child process."""
 import importlib
@@ -7,7 +7,7 @@ import pytest
 import torch
 from interp_helper import run_interpreted
 
-T = importlib.import_module("lowbit.ops.transpose")
+T = importlib.import_module("lowbit.runtime.transpose")
 
 # (rows, cols): a tile's edge cut in both dims, a single row / column, more rows than columns and the reverse, and
 # the 350m fc2 weight gradient's shape (the XᵀdY order's output, transposed back)

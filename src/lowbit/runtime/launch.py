@@ -18,11 +18,12 @@ launch. ``LOWBIT_FAST_LAUNCH=0`` turns the shortcut off.
 
 from __future__ import annotations
 
-import os
+from . import env
+from .device import INTERPRET
 
 __all__ = ["CachedLaunch", "SpecializedLaunch", "ensure_tma_allocator", "remember"]
 
-_ENABLED = os.environ.get("LOWBIT_FAST_LAUNCH", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+_ENABLED = not INTERPRET
 
 try:  # Triton internals the shortcut needs; any of them missing -> always the normal launch
     from triton import knobs as _knobs
@@ -37,6 +38,11 @@ def _unhooked(hook) -> bool:
     """No launch hook installed: None (Triton <= 3.5), or an empty ``HookChain`` (Triton 3.6 keeps one always; a
     check for None alone never took the shortcut there)."""
     return hook is None or getattr(hook, "calls", None) == []
+
+
+def _on() -> bool:
+    """The shortcut is usable (this Triton has its internals, not the interpreter) and wanted (LOWBIT_FAST_LAUNCH)."""
+    return _ENABLED and env.get("LOWBIT_FAST_LAUNCH")
 
 
 def _disable() -> None:
@@ -59,7 +65,7 @@ class CachedLaunch:
         self.compiled: dict = {}
 
     def __call__(self, grid, key, *args, **options):
-        ck = self.compiled.get(key) if _ENABLED else None
+        ck = self.compiled.get(key) if _on() else None
         rt = _knobs.runtime
         if ck is not None and _unhooked(rt.launch_enter_hook) and _unhooked(rt.launch_exit_hook):
             dev = _driver.active.get_current_device()
@@ -72,7 +78,7 @@ class CachedLaunch:
             except TypeError:  # another Triton's launcher signature: stop shortcutting, launch normally
                 _disable()
         ck = self.fn[grid](*args, **options)
-        if _ENABLED and ck is not None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
+        if _on() and ck is not None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
             self.compiled[key] = ck
         return ck
 
@@ -141,7 +147,7 @@ class SpecializedLaunch(CachedLaunch):
         determine everything the built key would: every value in ``kwargs`` (constexprs and launch options), each
         tensor argument's dtype and 16-byte alignment, each integer's == 1 / % 16 / width (in practice: the shapes,
         strides, dtypes and alignments the arguments are computed from, and the options)."""
-        if not _ENABLED:
+        if not _on():
             return self.fn[grid](*args, **kwargs)
         key = ("keyed", _driver.active.get_current_device(), key)  # apart from launch()'s keys in the same cache
         ent = self._tails.get(key)
@@ -158,7 +164,7 @@ class SpecializedLaunch(CachedLaunch):
         return self(grid, key, *args, *ent[0], **ent[1])
 
     def launch(self, grid, args, kwargs):
-        if not _ENABLED:
+        if not _on():
             return self.fn[grid](*args, **kwargs)
         self._params()
         full = list(args)
@@ -185,7 +191,7 @@ def ensure_tma_allocator() -> None:
     Triton keeps the allocator in a ContextVar, i.e. per thread: the autograd engine runs backward kernels on
     its own threads, so this checks (and, where none is set, installs) the allocator of the calling thread on
     every use rather than once per process. An allocator the user set is kept."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if INTERPRET:
         return
     if not _ALLOC_STATE:
         try:

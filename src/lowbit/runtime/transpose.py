@@ -14,9 +14,10 @@ bit-identical to torch's. Configs from :func:`transpose_configs` (tile sizes and
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .autotune import bucket, tuned_launch
+from .device import INTERPRET
 
 __all__ = ["transpose_2d", "transpose_configs"]
 
@@ -25,8 +26,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # the integer dtype each element size moves as (the kernel copies bits: floats, ints, bool and FP8 alike)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,10 +90,8 @@ def transpose_2d(x: torch.Tensor) -> torch.Tensor:
     if INTERPRET:
         launch(dict(BLOCK_R=16, BLOCK_C=32, num_warps=4))  # (small tiles: the interpreter is slow)
         return y
-    from ..quant.triton_backend import _bucket, tuned_launch
-
     # (wgrad_mm's order tuner times a launch that calls this: untuned inside its capture, tuned_launch takes the
     # first config)
-    tuned_launch("transpose_2d", (x.element_size(), _bucket(R), _bucket(C)), lambda: transpose_configs(x.element_size()),
+    tuned_launch("transpose_2d", (x.element_size(), bucket(R), bucket(C)), lambda: transpose_configs(x.element_size()),
                  launch)
     return y

@@ -1,12 +1,16 @@
-"""lowbit._launch.CachedLaunch: the first call of a key goes through the JIT function, later calls reuse the compiled
+"""lowbit.runtime.launch.CachedLaunch: the first call of a key goes through the JIT function, later calls reuse the compiled
 kernel's launcher with the same arguments (all of them, constexprs included, as JITFunction.run passes them);
 a launch hook or a kernel without the internals falls back to the normal path. Fakes stand in for Triton's objects."""
+import threading
 import types
 
 import pytest
 
-pytest.importorskip("triton")
-from lowbit import _launch  # noqa: E402
+triton = pytest.importorskip("triton")
+import triton.testing  # noqa: E402
+from lowbit.runtime import autotune as at  # noqa: E402
+from lowbit.runtime import env  # noqa: E402
+from lowbit.runtime import launch as _launch  # noqa: E402
 
 
 class _Compiled:
@@ -191,15 +195,14 @@ def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
     assert jit.calls == [((1,), (1, 2), {"BLOCK": 3})] * 2
 
 
-def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, capsys):
+def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, switches, capsys):
     """The autotuner (CPU: do_bench faked): the fastest candidate wins, is reused for the key without timing again,
     a failing candidate is skipped, and the first tuning of the process prints one notice."""
-    import lowbit.quant.triton_backend as tb
-
-    monkeypatch.setattr(tb, "AUTOTUNE", True)
-    monkeypatch.setattr(tb, "INTERPRET", False)
-    monkeypatch.setattr(tb, "_TUNED", {})
-    monkeypatch.setattr(tb, "_TUNING_NOTICE", [False])
+    
+    switches(LOWBIT_AUTOTUNE=True)
+    monkeypatch.setattr(at, "INTERPRET", False)
+    monkeypatch.setattr(at, "_TUNED", {})
+    monkeypatch.setattr(at, "_notice", threading.Event())
     cost = {"a": 3.0, "b": 1.0, "c": 2.0}
     ran, timed = [], []
 
@@ -213,14 +216,14 @@ def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, capsys):
             raise RuntimeError("out of shared memory")
         ran.append(cfg["n"])
 
-    monkeypatch.setattr(tb.triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     cands = [{"n": "a"}, {"n": "bad"}, {"n": "b"}, {"n": "c"}]
-    assert tb.tuned_launch("k", (1,), cands, launch) == {"n": "b"}
+    assert at.tuned_launch("k", (1,), cands, launch) == {"n": "b"}
     assert timed == ["a", "b", "c"] * 2 and ran[-1] == "b"  # two rounds; the failing candidate tried once
     built = []
-    assert tb.tuned_launch("k", (1,), lambda: built.append(1) or cands, launch) == {"n": "b"}
+    assert at.tuned_launch("k", (1,), lambda: built.append(1) or cands, launch) == {"n": "b"}
     assert timed == ["a", "b", "c"] * 2 and ran[-1] == "b" and not built  # reused: no timing, no candidate list built
-    tb.tuned_launch("k", (2,), cands, launch)  # a new key is tuned, silently this time
+    at.tuned_launch("k", (2,), cands, launch)  # a new key is tuned, silently this time
     err = capsys.readouterr().err
     assert err.count("[lowbit] autotuning") == 1 and "LOWBIT_AUTOTUNE=0" in err
 
@@ -252,15 +255,15 @@ def test_tma_allocator_installed_per_thread(monkeypatch):
     assert _allocator.get() is before  # the other threads' settings did not leak into this one
 
 
-def test_tuned_launch_keeps_each_candidates_best_round(monkeypatch):
+def test_tuned_launch_keeps_each_candidates_best_round(monkeypatch, switches):
     """A candidate timed slow in the first round (a GPU whose clocks are still ramping) is judged by its best round:
     round 1 says a < b, round 2 says b < a by more, so b wins."""
-    import lowbit.quant.triton_backend as tb
-
-    monkeypatch.setattr(tb, "AUTOTUNE", True)
-    monkeypatch.setattr(tb, "INTERPRET", False)
-    monkeypatch.setattr(tb, "_TUNED", {})
-    monkeypatch.setattr(tb, "_TUNING_NOTICE", [True])
+    
+    switches(LOWBIT_AUTOTUNE=True)
+    monkeypatch.setattr(at, "INTERPRET", False)
+    monkeypatch.setattr(at, "_TUNED", {})
+    monkeypatch.setattr(at, "_notice", threading.Event())
+    at._notice.set()
     rounds = iter([2.0, 5.0, 1.9, 1.0])  # a, b in round 1; a, b in round 2
     ran = []
 
@@ -268,8 +271,8 @@ def test_tuned_launch_keeps_each_candidates_best_round(monkeypatch):
         fn()
         return next(rounds)
 
-    monkeypatch.setattr(tb.triton.testing, "do_bench", fake_bench)
-    assert tb.tuned_launch("k", (1,), [{"n": "a"}, {"n": "b"}], lambda c: ran.append(c["n"])) == {"n": "b"}
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    assert at.tuned_launch("k", (1,), [{"n": "a"}, {"n": "b"}], lambda c: ran.append(c["n"])) == {"n": "b"}
     assert ran == ["a", "b", "a", "b", "b"]
 
 
@@ -284,8 +287,7 @@ def test_tuner_times_gpu_work_not_host_work():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import lowbit.quant.triton_backend as tb
-
+    
     x = torch.randn(1 << 24, device="cuda")  # 64 MB: a few passes take a few hundred microseconds
     y = torch.empty_like(x)
 
@@ -297,24 +299,23 @@ def test_tuner_times_gpu_work_not_host_work():
         for _ in range(8):
             y.copy_(x)
 
-    assert tb._gpu_ms(slow_host) < 0.1 < 0.5 < tb.triton.testing.do_bench(slow_host, warmup=3, rep=10)
-    assert tb._gpu_ms(busy_gpu) > 0.15
-    old = dict(tb._TUNED)
+    assert at._gpu_ms(slow_host) < 0.1 < 0.5 < triton.testing.do_bench(slow_host, warmup=3, rep=10)
+    assert at._gpu_ms(busy_gpu) > 0.15
+    old = dict(at._TUNED)
     try:
-        tb.AUTOTUNE, auto = True, tb.AUTOTUNE
-        picked = tb.tuned_launch("test_host_vs_gpu", (1,), [{"n": "gpu"}, {"n": "host"}],
-                                 lambda c: (busy_gpu if c["n"] == "gpu" else slow_host)())
+        with env.override(LOWBIT_AUTOTUNE=True):
+                picked = at.tuned_launch("test_host_vs_gpu", (1,), [{"n": "gpu"}, {"n": "host"}],
+                                     lambda c: (busy_gpu if c["n"] == "gpu" else slow_host)())
         assert picked == {"n": "host"}
     finally:
-        tb.AUTOTUNE = auto
-        tb._TUNED.clear()
-        tb._TUNED.update(old)
+        at._TUNED.clear()
+        at._TUNED.update(old)
     synced = []
 
     def syncs():  # not capturable: .item() waits for the GPU
         synced.append(float(x[:16].sum().item()))
 
-    assert tb._gpu_ms(syncs) > 0 and synced
+    assert at._gpu_ms(syncs) > 0 and synced
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y.copy_(x)
@@ -324,17 +325,16 @@ def test_tuner_times_gpu_work_not_host_work():
 
 
 @pytest.mark.gpu
-def test_tuner_inside_a_capture_takes_the_first_candidate(monkeypatch):
+def test_tuner_inside_a_capture_takes_the_first_candidate(monkeypatch, switches):
     """An untuned key met inside a CUDA-graph capture (a graph, or another tuner timing a launch that calls this one)
     launches the first candidate untimed and records nothing; the next call outside a capture tunes."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import lowbit.quant.triton_backend as tb
-
-    monkeypatch.setattr(tb, "AUTOTUNE", True)
-    monkeypatch.setattr(tb, "_TUNED", {})
+    
+    switches(LOWBIT_AUTOTUNE=True)
+    monkeypatch.setattr(at, "_TUNED", {})
     x = torch.randn(1 << 20, device="cuda")
     y = torch.empty_like(x)
     ran = []
@@ -346,10 +346,10 @@ def test_tuner_inside_a_capture_takes_the_first_candidate(monkeypatch):
     cands = [{"n": "first", "m": 1.0}, {"n": "second", "m": 2.0}]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        assert tb.tuned_launch("test_in_capture", (1,), cands, launch) == cands[0]
-    assert ran == ["first"] and ("test_in_capture", 1) not in tb._TUNED
+        assert at.tuned_launch("test_in_capture", (1,), cands, launch) == cands[0]
+    assert ran == ["first"] and ("test_in_capture", 1) not in at._TUNED
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x)
-    tb.tuned_launch("test_in_capture", (1,), cands, launch)
-    assert ("test_in_capture", 1) in tb._TUNED and len(ran) > 2
+    at.tuned_launch("test_in_capture", (1,), cands, launch)
+    assert ("test_in_capture", 1) in at._TUNED and len(ran) > 2

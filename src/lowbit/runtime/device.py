@@ -1,14 +1,22 @@
-"""Facts about a CUDA device that kernel dispatch asks on every call (compute capability, SM count), cached per
-device index: ``torch.cuda.get_device_capability`` / ``get_device_properties`` cost microseconds of host time a call,
-which the quantize and GEMM launchers would otherwise pay for every operand of every step."""
+"""Facts about the machine that kernel dispatch asks on every call.
+
+:data:`INTERPRET`: whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read once at import, as
+Triton does). :func:`capability` / :func:`num_sms`: a CUDA device's compute capability and SM count, cached per
+device index (torch's queries cost microseconds of host time a call, which the launchers would otherwise pay for
+every operand of every step). :func:`capture`: a function captured once in a CUDA graph.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-__all__ = ["capability", "num_sms", "capture"]
+__all__ = ["INTERPRET", "capability", "num_sms", "capture"]
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
 
 
 def _index(device) -> int:
