@@ -38,6 +38,7 @@ from torch import Tensor
 from ..formats import philox_randint
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..runtime.callable import make_callable
+from ..runtime.device import INTERPRET
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from . import reference as _ref
 from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
@@ -369,7 +370,7 @@ def _interpreted() -> bool:
     mod = sys.modules.get(__package__ + ".backward_kernels")
     if mod is not None:
         return bool(mod.INTERPRETED)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return INTERPRET
 
 
 def _triton_ok(q: Tensor) -> bool:

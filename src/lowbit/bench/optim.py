@@ -34,7 +34,7 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: in
     """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps[, stages]) config of lowbit's kernel."""
     from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
     from lowbit.optim import AdamW
-    from lowbit.optim.adamw import _config
+    from lowbit.optim.adamw import KernelConfig
     from lowbit.quant import Float8Blockwise, quantize
 
     dev = torch.device("cuda")
@@ -79,9 +79,9 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: in
     setup(opt)
     moved = n * 30 + 2 * sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes)
     for cfg in configs:
-        with env("LOWBIT_ADAMW_CFG", ",".join(map(str, cfg))):
-            ch, ch2, w, ns = _config()  # (the optimizer's own parsing: a missing stage count defaults there)
-            t = median_ms(capture(opt.step).replay, rep=rep)
+        opt.kernel_config = KernelConfig(*cfg)
+        ch, ch2, w, ns = cfg if len(cfg) == 4 else (*cfg, KernelConfig.stages)
+        t = median_ms(capture(opt.step).replay, rep=rep)
         gbs = moved / t / 1e6
         rows.append({"case": f"lowbit.optim.AdamW (CH={ch}, CH2={ch2}, {w} warps, {ns} stages)", "ms": t, "GB/s": gbs,
                      "of copy": gbs / copy_gbs, "vs torch": base / t})

@@ -159,7 +159,7 @@ def _residual(x: torch.Tensor, y: torch.Tensor, norm):
     """(x + y, rstd, link) for ``norm``, the module whose RMSNorm reads the sum next (or None): rstd the sum's RMSNorm
     statistics where that norm runs inside its quantizer (else None), link the
     :class:`~lowbit.ops.residual.NormGradLink` that moves the norm's backward into the add's (None where the fused
-    add does not run or ``LOWBIT_FUSED_NORM_BACKWARD=0``)."""
+    add does not run or ``LOWBIT_UNFUSE=norm_backward``)."""
     if norm is not None and norm.normalization == "RMSNorm":
         out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
         return out, (rstd if norm.fuses_norm(x) else None), link

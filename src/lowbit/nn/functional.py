@@ -28,6 +28,8 @@ from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
 from . import state as _ac
+from ..runtime import env
+from ..runtime.device import INTERPRET as _INTERPRET
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
            "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]
@@ -40,7 +42,6 @@ def check_microbatch_arg(is_first_microbatch) -> None:
         raise TypeError(f"is_first_microbatch: expected None, True or False, got {is_first_microbatch!r}")
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run the Triton kernels there, in tests)
 
 
 def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
@@ -337,15 +338,9 @@ _HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(t
 def side_carveout(n_sms: int) -> int:
     """SMs the side-stream weight-gradient GEMMs leave to the main stream on a GPU of ``n_sms`` SMs: 32/132 of them
     (32 on an H100 SXM / H200), or ``LOWBIT_WGRAD_SM_CARVEOUT``; at most half the SMs, 0 = none."""
-    raw = os.environ.get("LOWBIT_WGRAD_SM_CARVEOUT")
-    if raw is None:
+    n = env.get("LOWBIT_WGRAD_SM_CARVEOUT")
+    if n is None:
         return min(round(n_sms * 32 / 132), n_sms // 2)
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs (an integer >= 0), got {raw!r}")
     return min(n, n_sms // 2)
 
 
@@ -621,11 +616,11 @@ def _linked_rstd(norm_eps, norm_rstd, norm_link):
 def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
-    current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns
+    current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_UNFUSE=swiglu_quant`` turns
     the fusion off (the modules then run SwiGLU and the quantizers as separate kernels, same bits)."""
     from ..ops.swiglu import _fused_quant_runs
 
-    if b1 is not None or os.environ.get("LOWBIT_FUSED_SWIGLU_QUANT", "1") == "0":
+    if b1 is not None or not env.fused("swiglu_quant"):
         return False
     out_dtype = _out_dtype(x) if out_dtype is None else out_dtype  # u's dtype: fc1's output
     for role in ("input", "grad_output"):
@@ -638,8 +633,8 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, ou
 def _fused_swiglu_bwd() -> bool:
     """SwiGLU's backward fused into fc1's grad_output quantizer where it can run
     (:func:`lowbit.ops.swiglu.swiglu_backward_quantize_1x128`; same bits as the two kernels);
-    ``LOWBIT_FUSED_SWIGLU_BWD_QUANT=0`` turns it off."""
-    return os.environ.get("LOWBIT_FUSED_SWIGLU_BWD_QUANT", "1") != "0"
+    ``LOWBIT_UNFUSE=swiglu_bwd_quant`` turns it off."""
+    return env.fused("swiglu_bwd_quant")
 
 
 class _SwiGLUMLPFn(torch.autograd.Function):
@@ -750,8 +745,8 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
 
 def _fused_rope_bwd() -> bool:
     """RoPE's backward fused into the QKV projection's grad_output quantizer where it can run
-    (:func:`rope_grad_sink`); ``LOWBIT_FUSED_ROPE_BWD_QUANT=0`` turns it off."""
-    return os.environ.get("LOWBIT_FUSED_ROPE_BWD_QUANT", "1") != "0"
+    (:func:`rope_grad_sink`); ``LOWBIT_UNFUSE=rope_bwd_quant`` turns it off."""
+    return env.fused("rope_bwd_quant")
 
 
 def rope_grad_sink(module):

@@ -82,7 +82,7 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
     """``y = Linear(Norm(x))``: the norm in high precision, the Linear's three GEMMs quantized in autocast.
 
     Under a 1x128 blockwise recipe with RMSNorm on an FP32 input (CUDA), the norm runs inside the input quantizer
-    (:mod:`lowbit.ops.norm_quant`) and its FP32 output is never written; ``LOWBIT_FUSED_NORM_QUANT=0`` turns that off.
+    (:mod:`lowbit.ops.norm_quant`) and its FP32 output is never written; ``LOWBIT_UNFUSE=norm_quant`` turns that off.
 
     Args:
         in_features, out_features, bias: as ``torch.nn.Linear``.

@@ -44,7 +44,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             compared across recipes should use the same kernels in every mode, e.g. lowbit.models.GPT).
             Under a 1x128 blockwise recipe (``Float8BlockScaling``) with no fc1 bias, the fused SwiGLU also
             runs inside fc2's input quantizer (same bits; h is never written in 16 bits;
-            ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns that off).
+            ``LOWBIT_UNFUSE=swiglu_quant`` turns that off).
         device, dtype: parameter placement.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
+from ..runtime import env
+from ..runtime.device import INTERPRET
 
 __all__ = ["rmsnorm_quantize_1x128", "rmsnorm_quantize_reference", "rmsnorm_rstd_reference", "norm_quant_fusable",
            "rms_norm_backward"]
@@ -30,11 +32,10 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _enabled() -> bool:
-    return os.environ.get("LOWBIT_FUSED_NORM_QUANT", "1") != "0"
+    return env.fused("norm_quant")
 
 
 def rmsnorm_rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,7 +62,7 @@ def _runs(device: torch.device, scheme) -> bool:
 
 
 def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
-    """Whether :func:`rmsnorm_quantize_1x128` takes this input: the fusion on (``LOWBIT_FUSED_NORM_QUANT``, default
+    """Whether :func:`rmsnorm_quantize_1x128` takes this input: the fusion on (not ``LOWBIT_UNFUSE=norm_quant``, default
     1), Triton on CUDA (or its interpreter), a 1x128 Float8Blockwise scheme, x float32 contiguous and non-empty,
     the norm weight float32 of x's last dim (the GPT's FP32 residual stream; other dtypes keep the unfused path,
     whose norm output dtype they would have to reproduce)."""
@@ -164,7 +165,7 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
             f"rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x on CUDA and a "
             f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x {getattr(x, 'dtype', None)} "
             f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight {getattr(weight, 'dtype', None)} "
-            f"{tuple(getattr(weight, 'shape', ()))}" + ("" if _enabled() else " (LOWBIT_FUSED_NORM_QUANT=0)"))
+            f"{tuple(getattr(weight, 'shape', ()))}" + ("" if _enabled() else " (LOWBIT_UNFUSE has norm_quant)"))
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps: expected a float > 0, got {eps!r}")
     if not (rowwise or columnwise):

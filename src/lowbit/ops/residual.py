@@ -33,6 +33,8 @@ import torch
 
 from ..runtime.device import num_sms
 from .norm_quant import row_reduce_configs
+from ..runtime import env
+from ..runtime.device import INTERPRET
 
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
            "norm_residual_backward", "norm_residual_backward_reference"]
@@ -43,7 +45,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def residual_add_reference(x: torch.Tensor, y: torch.Tensor, rms_eps: float | None = None):
@@ -83,9 +84,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the kernel takes (x, y): the fusion on (``LOWBIT_FUSED_RESIDUAL``, default 1), Triton on CUDA (or its
+    """Whether the kernel takes (x, y): the fusion on (not ``LOWBIT_UNFUSE=residual``), Triton on CUDA (or its
     interpreter), x float32 and y float32 / bfloat16 / float16 of x's shape, both contiguous, non-empty, same device."""
-    return (os.environ.get("LOWBIT_FUSED_RESIDUAL", "1") != "0" and triton is not None
+    return (env.fused("residual") and triton is not None
             and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == torch.float32
             and y.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape == y.shape and x.dim() >= 1
             and x.numel() > 0 and x.is_contiguous() and y.is_contiguous() and x.device == y.device
@@ -381,7 +382,7 @@ def rms_norm_linked(x: torch.Tensor, weight: torch.Tensor, eps: float, link: Nor
 
 
 def _fused_norm_backward_on() -> bool:
-    return os.environ.get("LOWBIT_FUSED_NORM_BACKWARD", "1") != "0"
+    return env.fused("norm_backward")
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = None,
@@ -395,7 +396,7 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
             following RMSNorm with this epsilon (``LayerNormLinear`` / ``LayerNormMLP``'s ``input_rstd``).
         norm_weight: (K,) float32, that following RMSNorm's weight (needs ``rms_eps``): also return a
             :class:`NormGradLink` for the norm's module (``input_norm_link``), whose backward then runs inside this
-            add's (``LOWBIT_FUSED_NORM_BACKWARD=0`` turns that off, and a DTensor weight (FSDP2's shard) gets none:
+            add's (``LOWBIT_UNFUSE=norm_backward`` turns that off, and a DTensor weight (FSDP2's shard) gets none:
             the link is None).
 
     Returns:

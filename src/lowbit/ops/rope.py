@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+from ..runtime.device import INTERPRET
 
 __all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope", "rope_backward_quantize_1x128",
            "rope_backward_fused_quant_supported"]
@@ -27,7 +28,6 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton use the reference
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

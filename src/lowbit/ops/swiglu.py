@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from ..runtime.device import INTERPRET
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_quantize_1x128", "swiglu_fused_quant_supported",
            "swiglu_backward_quantize_1x128", "swiglu_backward_fused_quant_supported"]
@@ -23,7 +24,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:

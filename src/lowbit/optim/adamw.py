@@ -10,19 +10,18 @@ AMSGrad / maximize groups, DTensor parameters) goes through ``torch.optim.AdamW`
 
 from __future__ import annotations
 
-import os
 import struct
+from dataclasses import dataclass
 
 import torch
 
 from ..nn.functional import FreshWeight, weight_layer
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
-from ..quant.triton_backend import SW_ROUND
+from ..runtime.device import INTERPRET
 from . import kernels as K
 
 __all__ = ["AdamW"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _bits(x: float) -> int:
@@ -30,19 +29,19 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _config() -> tuple[int, int, int, int]:
-    """(rows a chunk of the update, rows a chunk of the cast, warps, pipelining stages of the update loop). In-place
-    kernels cannot be autotuned by timing repeated launches, so this is fixed (chosen on an H200 by
-    ``lowbit bench optim``); LOWBIT_ADAMW_CFG="CH,CH2,WARPS[,STAGES]" overrides it for sweeps.
-    H200, session 17: (8, 32, 8, 3) 9.65 ms a 1.3b step against 10.29 for session 16's (16, 32, 8, 1): three chunks'
-    loads in flight a program (cp.async), 77 registers (three CTAs an SM)."""
-    v = os.environ.get("LOWBIT_ADAMW_CFG")
-    if v:
-        t = [int(x) for x in v.split(",")]
-        if len(t) not in (3, 4):
-            raise ValueError(f"LOWBIT_ADAMW_CFG: expected 'CH,CH2,WARPS[,STAGES]', got {v!r}")
-        return (*t, 1) if len(t) == 3 else tuple(t)
-    return 8, 32, 8, 3
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch config of the quantizing AdamW kernel. In-place kernels cannot be autotuned by timing repeated
+    launches, so it is fixed; ``lowbit bench optim --configs`` times others."""
+
+    rows_update: int = 8
+    """Rows of a 128x128 tile the update loop handles a chunk."""
+    rows_cast: int = 32
+    """Rows a chunk of the FP8 cast (the tile's values re-read from L2)."""
+    num_warps: int = 8
+    """Warps a program."""
+    stages: int = 3
+    """Update-loop chunks in flight (software pipelining through shared memory)."""
 
 
 def _aligned(*ts) -> bool:
@@ -95,6 +94,7 @@ class AdamW(torch.optim.AdamW):
         if not isinstance(quantized_weights, bool):
             raise TypeError(f"quantized_weights: expected a bool, got {quantized_weights!r}")
         self.quantized_weights = quantized_weights
+        self.kernel_config = KernelConfig()
         self._buckets: dict = {}  # (param group, bucket, update or prime) -> _Bucket
         self._amax: dict = {}  # ids of a launch's FreshWeights -> its int32 amax slots
         self.fused_tensors = 0  # tensors the last step updated in the quantizing kernel
@@ -115,7 +115,7 @@ class AdamW(torch.optim.AdamW):
                     e = weight_layer(p)
                     if e is None or type(p.data) is not torch.Tensor or p.dtype != torch.float32:
                         continue
-                    if not (p.is_cuda or _INTERPRET) or not p.is_contiguous() or not _aligned(p):
+                    if not (p.is_cuda or INTERPRET) or not p.is_contiguous() or not _aligned(p):
                         continue
                     if need_grad:
                         gr = p.grad
@@ -194,13 +194,14 @@ class AdamW(torch.optim.AdamW):
         lr_ptr = lr if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" else None
         lr_val = 0.0 if lr_ptr is not None else float(lr)
         fmt = sch.format
-        ch, ch2, warps, ns = _config()
+        kc = self.kernel_config
+        ch, ch2, warps, ns = kc.rows_update, kc.rows_cast, kc.num_warps, kc.stages
         dummy = b.amax  # an unused pointer argument
         K.adamw_fp8_128x128_kernel[(-(-M // 128) * -(-Kd // 128), len(items))](
             b.table, M, Kd, f0.q.rowwise.scale_inv.shape[1], f0.q.columnwise.scale_inv.shape[1],
             lr_ptr if lr_ptr is not None else dummy, _bits(lr_val), _bits(g["betas"][0]), _bits(g["betas"][1]),
             _bits(g["weight_decay"]), _bits(g["eps"]), gs if gs is not None else dummy, fi if fi is not None else dummy,
-            FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, POW2=sch.pow2, EPS=float(sch.eps), SW=SW_ROUND,
+            FMAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, POW2=sch.pow2, EPS=float(sch.eps), SW=INTERPRET,
             E5M2=fmt.name.lower() == "e5m2", ADAM=adam, LR_PTR=lr_ptr is not None, HAS_GS=gs is not None,
             HAS_FI=fi is not None, WD=g["weight_decay"] != 0, CH=ch, CH2=ch2, EVEN=M % 128 == 0 and Kd % 128 == 0,
             NS=ns, num_warps=warps, enable_fp_fusion=False)

@@ -18,12 +18,13 @@ import os
 import triton
 import triton.language as tl
 
+from ..runtime.device import INTERPRET
 from ..quant.kernels.quant import _abs_bits, _bits_to_f32, _compute_scale, _fp8_prep, _recip
 
 # Triton's interpreter returns nothing from libdevice.pow: there the bias corrections take exp(step * log(beta)) in
 # float64 (numpy), which is the same double as pow to within an ulp, i.e. the same FP32 value after the rounding
 # that follows except at a rounding boundary; the CPU tests use fixed betas and steps, where it is checked.
-_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERP = tl.constexpr(INTERPRET)
 
 # The launch table: one row of int64 addresses per tensor, in this column order (the kernel reads them by index).
 TABLE_COLUMNS = ("p", "grad", "exp_avg", "exp_avg_sq", "rq", "rs", "cq", "cs", "step", "amax")

@@ -26,11 +26,12 @@ import os
 import triton
 import triton.language as tl
 
+from ...runtime.device import INTERPRET
+
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
-# _sigmoid by PTX inline asm where the kernel is compiled (LOWBIT_FAST_SIGMOID=0: Triton's exp and division, for
-# A/B runs); plain Triton ops where Triton's interpreter runs it (no asm there). Read once, at import.
-_FAST_SIGMOID = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
-                             and os.environ.get("LOWBIT_FAST_SIGMOID", "1") != "0")
+# _sigmoid by PTX inline asm where the kernel is compiled; plain Triton ops where Triton's interpreter runs it (no
+# asm there).
+_FAST_SIGMOID = tl.constexpr(not INTERPRET)
 MAGIC_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
 
 
