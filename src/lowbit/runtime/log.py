@@ -1,0 +1,51 @@
+"""The ``lowbit`` logger, and why a fast path declined a call.
+
+A fast path (a fused kernel, a Gluon kernel, a TMA tile load) that does not take a call says why through
+:func:`declined`: once per (path, reason) at DEBUG level on the ``lowbit`` logger, so a run with ``LOWBIT_LOG=debug``
+shows every fallback, and :func:`declines` returns the counts (``lowbit info`` prints them for its own probe calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from . import env
+
+__all__ = ["logger", "declined", "declines"]
+
+logger = logging.getLogger("lowbit")
+_counts: Counter = Counter()
+_lock = threading.Lock()
+_configured = threading.Event()
+
+
+def _configure() -> None:
+    """Apply ``LOWBIT_LOG`` once: the level, and a stderr handler where the application installed none."""
+    if _configured.is_set():
+        return
+    _configured.set()
+    level = getattr(logging, env.get("LOWBIT_LOG").upper())
+    logger.setLevel(level)
+    if level < logging.WARNING and not logger.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[lowbit] %(message)s"))
+        logger.addHandler(h)
+
+
+def declined(path: str, reason: str) -> None:
+    """Record that fast path ``path`` declined a call for ``reason`` (logged at DEBUG the first time)."""
+    key = (path, reason)
+    with _lock:
+        first = key not in _counts
+        _counts[key] += 1
+    if first:
+        _configure()
+        logger.debug("%s declined a call: %s", path, reason)
+
+
+def declines() -> dict[tuple[str, str], int]:
+    """{(path, reason): times} since the process started."""
+    with _lock:
+        return dict(_counts)
