@@ -78,7 +78,7 @@ def cmd_info(argv=None) -> int:
     from lowbit.nn import check_recipe_support
     from lowbit.train.loop import GRAPH_RECIPES
 
-    for name in ("fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4"):
+    for name in recipes.QUANTIZED_NAMES:
         r = recipes.from_name(name)
         with warnings.catch_warnings():  # the one-time emulation notice is for training runs, not this table
             warnings.simplefilter("ignore")
@@ -99,12 +99,16 @@ def cmd_info(argv=None) -> int:
             print(f"  qk={qk} pv={pv} -> {be}{note}")
         except Exception as e:  # report, do not crash info
             print(f"  qk={qk} pv={pv} -> unavailable ({e})")
-    print("\nkernel switches (docs/GUIDE.md section 6):")
-    for name, default in (("LOWBIT_AUTOTUNE", "1"), ("LOWBIT_ATTN_AUTOTUNE", "1"), ("LOWBIT_ATTN_TMA", "1"),
-                          ("LOWBIT_ATTN_BWD_TMA", "0"), ("LOWBIT_GEMM_TMA", "1"),
-                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_ATTN_GLUON_PERSIST", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
-        value = os.environ.get(name)
-        print(f"  {name}={value if value is not None else default}{'' if value is not None else ' (default)'}")
+    print("\nswitches (environment variables; lowbit.runtime.env):")
+    from lowbit.runtime import env
+
+    for name, value, default, doc in env.describe():
+        shown = ",".join(sorted(value)) if isinstance(value, frozenset) else int(value) if isinstance(value, bool) \
+            else value
+        print(f"  {name}={'' if shown is None else shown}{' (default)' if value == default else ''}")
+        print(f"      {doc}")
+    for name in env.unknown():
+        print(f"  {name}: not a lowbit switch, ignored (a typo, or a switch that was removed)")
     return 0
 
 

@@ -17,8 +17,7 @@ delayed (taken from an amax history) for that role. Pass a recipe to :func:`lowb
 from __future__ import annotations
 
 import enum
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Tensorwise, Scheme
 
@@ -34,6 +33,7 @@ __all__ = [
     "NVFP4BlockScaling",
     "from_name",
     "NAMES",
+    "QUANTIZED_NAMES",
 ]
 
 ROLES = ("input", "weight", "grad_output")
@@ -299,31 +299,22 @@ class MXFP8BlockScaling(Recipe):
         return "mxfp8"
 
 
-def _env_flag(name: str) -> bool:
-    v = os.environ.get(name, "").strip().lower()
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    if v in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name}: environment variable must be 0/1 (or true/false), got {v!r}")
-
-
 @dataclass(frozen=True)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 elements, E4M3 scales per 16 elements, an FP32 per-tensor scale (DESIGN §3).
 
     Roles: inputs 1x16 with the Random Hadamard Transform on the wgrad (columnwise) copy; weights
     16x16 tiles without RHT; gradients 1x16 with RHT on the wgrad copy and stochastic rounding.
-    Every GEMM dim must be a multiple of 16. Emulated on Hopper. Each flag defaults to the
-    environment variable named below (``1``/``true`` sets it) when not passed.
+    Every GEMM dim must be a multiple of 16. Emulated on Hopper. The three flags are TransformerEngine's
+    ``NVTE_NVFP4_DISABLE_*`` switches, as explicit fields.
     """
 
-    disable_rht: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_RHT"))
-    """No Random Hadamard Transform on the wgrad operands (env ``LOWBIT_NVFP4_DISABLE_RHT``)."""
-    disable_stochastic_rounding: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
-    """Round gradients to nearest instead of stochastically (env ``LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING``)."""
-    disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION"))
-    """Quantize weights in 1x16 blocks (separately per copy) instead of 16x16 tiles (env ``LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION``)."""
+    disable_rht: bool = False
+    """No Random Hadamard Transform on the wgrad operands."""
+    disable_stochastic_rounding: bool = False
+    """Round gradients to nearest instead of stochastically."""
+    disable_2d_quantization: bool = False
+    """Quantize weights in 1x16 blocks (separately per copy) instead of 16x16 tiles."""
 
     name = "nvfp4"
 
@@ -356,7 +347,11 @@ NAMES = {
     "mxfp8": MXFP8BlockScaling,
     "nvfp4": NVFP4BlockScaling,
 }
-"""CLI recipe names -> recipe classes (``"bf16"``: no recipe, high precision)."""
+"""Recipe names (``--recipe``, :func:`from_name`) -> recipe classes (``"bf16"``: no recipe, high precision): the one
+list of names; everything that lists recipes derives from it."""
+
+QUANTIZED_NAMES = tuple(n for n, cls in NAMES.items() if cls is not None)
+"""The names of the quantizing recipes, in :data:`NAMES`' order."""
 
 
 def from_name(name: str) -> Recipe | None:

@@ -79,12 +79,22 @@ def test_from_name():
         recipes.from_name("fp4")
 
 
-def test_nvfp4_env_flags(monkeypatch):
-    monkeypatch.setenv("LOWBIT_NVFP4_DISABLE_RHT", "1")
-    monkeypatch.setenv("LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "true")
+def test_nvfp4_flags_are_explicit_fields(monkeypatch):
+    """The NVFP4 switches are fields (no environment variable changes a recipe); each one changes its role's scheme;
+    a non-bool is a TypeError or ValueError naming the field."""
+    monkeypatch.setenv("LOWBIT_NVFP4_DISABLE_RHT", "1")  # (a removed switch: ignored)
     r = recipes.NVFP4BlockScaling()
-    assert r.disable_rht and r.disable_stochastic_rounding and not r.disable_2d_quantization
-    assert not recipes.NVFP4BlockScaling(disable_rht=False).disable_rht  # an explicit argument wins
-    monkeypatch.setenv("LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION", "maybe")
-    with pytest.raises(ValueError, match="LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION: environment variable must be 0/1"):
-        recipes.NVFP4BlockScaling()
+    assert not (r.disable_rht or r.disable_stochastic_rounding or r.disable_2d_quantization)
+    assert r.role("input").scheme.rht and r.role("weight").scheme.two_d
+    assert r.role("grad_output").scheme.stochastic_rounding
+    off = recipes.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True)
+    assert not off.role("input").scheme.rht and not off.role("grad_output").scheme.rht
+    assert not off.role("weight").scheme.two_d and not off.role("grad_output").scheme.stochastic_rounding
+    with pytest.raises((TypeError, ValueError), match="disable_rht"):
+        recipes.NVFP4BlockScaling(disable_rht="yes")
+
+
+def test_recipe_names_are_one_list():
+    assert recipes.QUANTIZED_NAMES == tuple(n for n in recipes.NAMES if n != "bf16")
+    for n in recipes.QUANTIZED_NAMES:
+        assert recipes.from_name(n).name == n

@@ -169,9 +169,31 @@ def test_train_png_valid(tmp_path, small_text, cache_dir, targs):
     _png_ok(tmp_path / "loss.png")
 
 
+# `lowbit <args>` whose checkpoint writer stalls at the rename of its second checkpoint.pt (the temporary file is
+# complete), waiting to be killed
+_STALL_SECOND_CHECKPOINT = """
+import os, sys, time
+import lowbit.train.checkpoint as ck
+from lowbit.cli import main
+renames = []
+class _Os:
+    def __getattr__(self, name):
+        return getattr(os, name)
+    @staticmethod
+    def replace(src, dst):
+        if os.path.basename(str(dst)) == "checkpoint.pt":
+            renames.append(dst)
+            while len(renames) == 2:
+                time.sleep(1)
+        return os.replace(src, dst)
+ck.os = _Os()
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigkill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, small_text, cache_dir):
-    """A real `python -m lowbit train` process SIGKILLed while writing its step-6 checkpoint (the testing hook
-    LOWBIT_TEST_CKPT_STALL_STEP holds it between the complete temporary file and the rename): the step-3
+    """A real `lowbit train` process SIGKILLed while writing its step-6 checkpoint (the child's checkpoint module gets
+    an ``os.replace`` that stalls at the second checkpoint's rename, after its temporary file is complete): the step-3
     checkpoint is intact, `--resume` continues from it, and the loss trajectory equals an uninterrupted run's."""
     import os
     import signal
@@ -187,8 +209,8 @@ def test_sigkill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, small
     env = child_env(OMP_NUM_THREADS="1")
     logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("full", "killed", "resumed")}
     full = subprocess.Popen(cmd("full"), env=env, stdout=logs["full"], stderr=subprocess.STDOUT, cwd=tmp_path)
-    killed = subprocess.Popen(cmd("killed"), env={**env, "LOWBIT_TEST_CKPT_STALL_STEP": "6"}, stdout=logs["killed"],
-                              stderr=subprocess.STDOUT, cwd=tmp_path)
+    killed = subprocess.Popen([sys.executable, "-c", _STALL_SECOND_CHECKPOINT, *cmd("killed")[3:]], env=env,
+                              stdout=logs["killed"], stderr=subprocess.STDOUT, cwd=tmp_path)
     run = tmp_path / "killed"
     ck_file = run / "checkpoint.pt"
     try:

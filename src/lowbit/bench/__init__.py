@@ -9,20 +9,6 @@ import subprocess
 from ..runtime.device import capture  # noqa: F401  (re-exported: the benches time CUDA graphs of their calls)
 
 
-@contextlib.contextmanager
-def env(name: str, value: str):
-    """Set an environment variable for a block (a kernel switch read at launch), then restore it."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
 def git_commit() -> str:
     """Short hash of the checkout the benchmark runs from ("unknown" outside a git checkout), with "+dirty" when
     tracked files differ from it — as on a copy of a working tree whose ``.git`` is older than its files, where the

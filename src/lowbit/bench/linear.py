@@ -27,8 +27,10 @@ import time
 
 import torch
 
+from ..recipes import QUANTIZED_NAMES
+
 DEFAULT_SHAPES = "16384x4096x4096,16384x4096x14336"
-DEFAULT_RECIPES = "fp8-delayed,fp8-current,fp8-block,mxfp8,nvfp4"
+DEFAULT_RECIPES = ",".join(QUANTIZED_NAMES)
 
 __all__ = ["main", "bench_shape"]
 

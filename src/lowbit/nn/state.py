@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import distributed
+from ..runtime import env
 from ..runtime.device import capability as _device_capability
 from ..quant.scaling import AmaxHistory
 from ..recipes import DelayedScaling, Recipe
@@ -239,7 +240,6 @@ _unchecked: list[tuple] = []
 _boundary_queued = False  # a check is queued for the end of the running backward pass
 _inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None,
 #   their amaxes flattened at the check), oldest first
-SYNC_CHECKS = os.environ.get("LOWBIT_SENTRY_SYNC", "0") == "1"
 
 
 def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
@@ -266,7 +266,7 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
 
 def _check_at_boundary() -> None:
     try:
-        check_nonfinite(wait=SYNC_CHECKS)
+        check_nonfinite(wait=env.get("LOWBIT_SENTRY_SYNC"))
     except NonFiniteAmaxError:
         if _depth == 0:
             # A failed backward's gradient amaxes (NaN/Inf among them) must not wait for the next exit: a NaN
@@ -740,7 +740,7 @@ class autocast(contextlib.ContextDecorator):
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
                     # queues the check and reports earlier checks the GPU has finished (no sync).
-                    check_nonfinite(wait=SYNC_CHECKS)
+                    check_nonfinite(wait=env.get("LOWBIT_SENTRY_SYNC"))
                 except NonFiniteAmaxError:
                     _drop_pending(carried)  # else the NaN stays pending and masks the next step's amax
                     _step += 1

@@ -123,9 +123,6 @@ SWITCHES: dict[str, Switch] = _switches(
            "made it (one sync per check)."),
     Switch("LOWBIT_CACHE", _path, None,
            "Directory of the training corpus cache (default $XDG_CACHE_HOME/lowbit or ~/.cache/lowbit)."),
-    Switch("LOWBIT_PROFILE_GRAPHS", _path, None,
-           "lowbit train: replay the fourth step's CUDA graphs under torch.profiler and write kernel times, gaps "
-           "and the kernel trace to DIR/<recipe>/graph_profile.json."),
     Switch("LOWBIT_LOG", _choice("warning", "info", "debug"), "warning",
            "Level of the 'lowbit' logger; debug says why a fast path declined a call."),
 )

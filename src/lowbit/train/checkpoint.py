@@ -11,10 +11,6 @@ dicts keyed by parameter name, so a checkpoint written by any world size (DDP or
 other. Writes go to a temporary file in the same folder, are fsynced and renamed over the old file:
 a run killed while writing leaves the previous checkpoint intact (and a stale temporary file, which the
 next successful write of that checkpoint removes).
-
-Testing hook: with ``LOWBIT_TEST_CKPT_STALL_STEP=N`` in the environment, the write of the step-``N``
-checkpoint stops after its temporary file is complete and before the rename, and waits to be killed
-(tests/train kill a real ``lowbit train`` process there).
 """
 
 from __future__ import annotations
@@ -127,9 +123,6 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> Path:
                 raise _write_error(path, payload, e) from e
             f.flush()
             os.fsync(f.fileno())
-        if os.environ.get("LOWBIT_TEST_CKPT_STALL_STEP") == str(payload.get("step")):
-            while True:  # testing: be killed between the complete temporary file and the rename
-                time.sleep(1)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

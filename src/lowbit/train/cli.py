@@ -88,6 +88,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pos", choices=("rope", "learned"), default=None)
     g.add_argument("--norm", choices=("RMSNorm", "LayerNorm"), default=None)
     g.add_argument("--no-tie", dest="tie_weights", action="store_const", const=False, default=None, help="untie embedding and output head")
+    g = p.add_argument_group("diagnostics")
+    g.add_argument("--step-phases", action="store_true",
+                   help="report the host wall time of each phase of a step, and the GPU time between them")
+    g.add_argument("--profile-graphs", default=None, metavar="DIR",
+                   help="replay the fourth step's CUDA graphs under torch.profiler; kernel times, gaps and the trace "
+                        "go to DIR/<recipe>/graph_profile.json")
     # testing hooks (hidden)
     p.add_argument("--stop-at-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(), help=argparse.SUPPRESS)
@@ -104,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp, cuda_graph=args.cuda_graph,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
-        stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps),
+        stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
+        profile_graphs=args.profile_graphs,
     )
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime import env
+
 __all__ = ["Corpus", "load_corpus", "default_cache_dir", "stdlib_files", "check_writable_dir", "CHUNK", "VAL_EVERY"]
 
 CHUNK = 64 * 1024
@@ -37,8 +39,8 @@ FORMAT_VERSION = 1
 
 def default_cache_dir() -> Path:
     """``$LOWBIT_CACHE`` or ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``."""
-    if os.environ.get("LOWBIT_CACHE"):
-        return Path(os.environ["LOWBIT_CACHE"])
+    if env.get("LOWBIT_CACHE"):
+        return Path(env.get("LOWBIT_CACHE"))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lowbit"
 

@@ -1,4 +1,4 @@
-"""Where a captured training step's GPU time goes (diagnostic, ``LOWBIT_PROFILE_GRAPHS=DIR`` on ``lowbit train``).
+"""Where a captured training step's GPU time goes (diagnostic: ``lowbit train --profile-graphs DIR``).
 
 A CUDA graph replays its kernels back to back, but not without gaps: each node's launch, ramp-up and drain cost
 time that no kernel's duration counts. :func:`profile_step` replays the step's graphs one at a time, each under
@@ -34,7 +34,7 @@ def kernel_trace(prof) -> list[list]:
 
 def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
     """(start us, end us, name) of every GPU kernel in a finished profiler session, by start time; ``raw``, if
-    given, also receives each kernel's [start, duration, stream, grid, name] (for ``LOWBIT_PROFILE_TRACE``)."""
+    given, also receives each kernel's [start, duration, stream, grid, name]."""
     rows = kernel_trace(prof)
     if raw is not None:
         raw.extend([s, d, st, g, n[:120]] for s, d, st, g, n in rows)
@@ -88,7 +88,7 @@ def transition_gaps(trace: list) -> list[dict]:
     """Where the whole GPU sat idle, by what ran before and after: each gap of the union of all streams' kernel
     intervals (no kernel running anywhere), grouped by (family of the kernel that ended last, family of the kernel
     that starts) (:func:`kernel_family`), largest total first. ``trace``: the [start, duration, stream, grid, name]
-    rows of ``LOWBIT_PROFILE_TRACE``. (Per-stream gaps would also count a stream waiting on another's work.)
+    rows of the trace. (Per-stream gaps would also count a stream waiting on another's work.)
     Session 29 found ~9 us before every cuBLAS / cuDNN kernel of a training graph this way, against 0.3-0.6 us before
     anything else."""
     rows = sorted(trace, key=lambda r: r[0])
@@ -121,14 +121,10 @@ def profile_step(graphed, out_dir: str, say) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        # LOWBIT_PROFILE_TOP: how many kernel names to keep (default 25; 0: all)
-        top = int(os.environ.get("LOWBIT_PROFILE_TOP", "25")) or 100000
-        # LOWBIT_PROFILE_TRACE=1: also every kernel in order (start, duration, stream, grid, name)
-        raw = [] if os.environ.get("LOWBIT_PROFILE_TRACE") == "1" else None
-        s = summarize(_kernels(prof, raw), top=top)
-        if raw is not None:
-            s["trace"] = raw
-            s["transitions"] = transition_gaps(raw)[:20]
+        raw = []  # every kernel in order (start, duration, stream, grid, name)
+        s = summarize(_kernels(prof, raw), top=25)
+        s["trace"] = raw
+        s["transitions"] = transition_gaps(raw)[:20]
         res[name] = s
         if s["kernels"]:
             say(f"[lowbit] graph {name}: {s['kernels']} kernels, span {s['span_us'] / 1e3:.2f} ms, busy "

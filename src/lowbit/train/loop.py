@@ -19,13 +19,15 @@ from pathlib import Path
 import torch
 
 from .. import distributed
+from .. import recipes as _recipes
+from ..runtime import env
 from ..models import GPT, attention_backend, config_from_preset, set_attention
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
 
 __all__ = ["TrainConfig", "train", "PRESET_DEFAULTS", "RECIPES"]
 
-RECIPES = ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
+RECIPES = tuple(_recipes.NAMES)  # (the one list of recipe names: lowbit.recipes.NAMES)
 
 # Per-preset defaults for what the user leaves unset: (seq_len, batch_size, lr)
 PRESET_DEFAULTS = {
@@ -95,6 +97,14 @@ class TrainConfig:
     """Testing: end the run (as if killed) after this step, before ``steps``."""
     fault_steps: tuple = field(default_factory=tuple)
     """Testing: put +inf into the first block's input at these steps (a transient fault)."""
+    step_phases: bool = False
+    """Diagnostic: report the host wall time of each phase of a step (and the GPU time between its marks)."""
+    profile_graphs: str | None = None
+    """Diagnostic: a folder; the fourth step's CUDA graphs are replayed under torch.profiler and their kernel times,
+    gaps and trace written to ``<folder>/<recipe>/graph_profile.json``."""
+    lookahead: bool = True
+    """With CUDA graphs and ``on_nonfinite="skip"``: finish a step on the host after the next one is launched (off:
+    every step is waited for; the same results)."""
 
     def validate(self) -> None:
         if self.recipe not in RECIPES:
@@ -331,14 +341,15 @@ def _optimizer(model, c: TrainConfig):
     if next(model.parameters()).device.type != "cuda":
         return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
     cls = torch.optim.AdamW
-    if os.environ.get("LOWBIT_FUSED_ADAMW_QUANT", "1") != "0":
+    if env.fused("adamw_quant"):
         # torch's fused AdamW, whose step also writes the FP8 copies of the 128x128 blockwise weights (fp8-block)
         # that the next forward would otherwise quantize; any other recipe: torch's step unchanged
         from lowbit.optim import AdamW as cls
     return cls(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
 
-GRAPH_RECIPES = ("bf16", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
+GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _recipes.from_name(n).delayed)
+"""The recipes a step can be captured under: delayed scaling keeps per-step host state."""
 
 
 def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
@@ -359,7 +370,7 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
 
 class _Phases:
     """Host wall time per phase of a training step, averaged over the steps after the first (diagnostic:
-    ``LOWBIT_STEP_PHASES=1``); where the host waits on the GPU the phase is named "wait ..."."""
+    ``TrainConfig.step_phases``); where the host waits on the GPU the phase is named "wait ..."."""
 
     def __init__(self, on: bool):
         self.on, self.n, self.t, self.acc = on, -1, 0.0, {}
@@ -398,10 +409,8 @@ class _Phases:
 
 
 def _amax_arena(device):
-    """An AmaxArena for the forward+backward graph (LOWBIT_AMAX_ARENA=0: none, every quantize launch fills its own
-    amax), or None where the Triton quantizers are not in use. 4,096 slots: a 1.3b GPT step takes 288."""
-    if os.environ.get("LOWBIT_AMAX_ARENA", "1") == "0":
-        return None
+    """An AmaxArena for the forward+backward graph, or None where the Triton quantizers are not in use. 4,096 slots:
+    a 1.3b GPT step takes 288."""
     try:
         from lowbit.runtime.amax_arena import AmaxArena
     except ImportError:  # no Triton: the reference quantizers allocate their own amaxes
@@ -467,10 +476,10 @@ class _GraphedStep:
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
         # the weight gradients as a parallel branch of the graph (nn.functional.wgrad_on_side_stream: the gradients
-        # are None at capture, no hooks run in this one-process step); LOWBIT_WGRAD_STREAM=0 off
+        # are None at capture, no hooks run in this one-process step)
         from lowbit.nn.functional import wgrad_on_side_stream
 
-        side = wgrad_on_side_stream(os.environ.get("LOWBIT_WGRAD_STREAM", "1") != "0")
+        side = wgrad_on_side_stream(True)
         with torch.cuda.graph(g), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
@@ -706,8 +715,8 @@ def _train_one(c: TrainConfig) -> dict:
     last_train_loss = float("nan")
     stopped_early = False
     step = start
-    phases = _Phases(os.environ.get("LOWBIT_STEP_PHASES") == "1")
-    profile_dir = os.environ.get("LOWBIT_PROFILE_GRAPHS")  # (diagnostic: graph_profile.profile_step, 4th step)
+    phases = _Phases(c.step_phases)
+    profile_dir = c.profile_graphs  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
     # One step ahead: a replayed step whose update runs on the device (the skip decided there) is finished on the
     # host (loss read, sentry events, reporting) only after the next step has been launched, so the GPU runs the
@@ -715,10 +724,10 @@ def _train_one(c: TrainConfig) -> dict:
     # that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step), never
     # across a validation, a checkpoint or the end of the run. The step's loss and skip flag reach the host by
     # non-blocking copies into pinned slots, waited for by an event: reading a device tensor (.item()) would wait for
-    # everything queued on the stream, the next step included (session 21's first lookahead did, and gained
-    # nothing). LOWBIT_LOOKAHEAD=0 turns it off; the step-phase and profile diagnostics run without it.
+    # everything queued on the stream, the next step included. TrainConfig.lookahead=False turns it off; the
+    # step-phase and profile diagnostics run without it.
     lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
-                 and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
+                 and c.lookahead)
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
     host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32, pin_memory=True))
                    for _ in range(2)] if lookahead else None)
