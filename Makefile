@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - the main job on its embedded default (creates .venv and installs what it needs)
-#   make test   - the test suite (CPU tests always; GPU tests where CUDA is present)
+#   make test   - lint (ruff), then the test suite (CPU tests always; GPU tests where CUDA is present)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/lowbit demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 -W ignore::RuntimeWarning
 
 info: $(STAMP)

@@ -10,6 +10,8 @@ import lowbit
 from lowbit import recipes
 from nn_helpers import RECIPES, sqnr
 
+from lowbit.runtime import env
+
 pytestmark = pytest.mark.gpu
 
 
@@ -84,15 +86,11 @@ def test_cuda_delayed_state_and_sentry(cuda, tmp_path):
     ev = lowbit.nn.nonfinite_events()
     got = [(raised.role, raised.phase)] if raised is not None else [(e.role, e.phase) for e in ev]
     assert got == [("input", "forward")] and state.pending_checks() == 0
-    # LOWBIT_SENTRY_SYNC=1 semantics: each check waits, so the exit of the faulty step raises
-    old = state.SYNC_CHECKS
-    state.SYNC_CHECKS = True
-    try:
+    # LOWBIT_SENTRY_SYNC=1: each check waits, so the exit of the faulty step raises
+    with env.override(LOWBIT_SENTRY_SYNC=True):
         with pytest.raises(lowbit.nn.NonFiniteAmaxError, match="of input"):
             with lowbit.autocast(recipe=r):
                 m(x)
-    finally:
-        state.SYNC_CHECKS = old
     # many steps in flight: the pinned slots are reused, nothing is lost
     for _ in range(3 * state._ring.n):
         with lowbit.autocast(recipe=r):

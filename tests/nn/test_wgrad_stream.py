@@ -45,23 +45,22 @@ def test_context_nests_and_changes_nothing_off_cuda():
     assert _SIDE["on"] is False and _SIDE["join"] is None
 
 
-def test_side_carveout_default_and_setting(monkeypatch):
+def test_side_carveout_default_and_setting(switches):
     """The SMs the side-stream weight gradients leave to the main stream: 32 of 132 by default (the H200 measurement)
     and the same fraction elsewhere, LOWBIT_WGRAD_SM_CARVEOUT=N as given, at most half the SMs, bad values named."""
     from lowbit.nn.functional import side_carveout
 
-    monkeypatch.delenv("LOWBIT_WGRAD_SM_CARVEOUT", raising=False)
+    switches(LOWBIT_WGRAD_SM_CARVEOUT=None)
     assert side_carveout(132) == 32 and side_carveout(114) == 28 and side_carveout(78) == 19 and side_carveout(1) == 0
-    monkeypatch.setenv("LOWBIT_WGRAD_SM_CARVEOUT", "0")
+    switches(LOWBIT_WGRAD_SM_CARVEOUT="0")
     assert side_carveout(132) == 0
-    monkeypatch.setenv("LOWBIT_WGRAD_SM_CARVEOUT", "16")
+    switches(LOWBIT_WGRAD_SM_CARVEOUT="16")
     assert side_carveout(132) == 16
-    monkeypatch.setenv("LOWBIT_WGRAD_SM_CARVEOUT", "100")
+    switches(LOWBIT_WGRAD_SM_CARVEOUT="100")
     assert side_carveout(132) == 66
     for bad in ("-1", "many", "1.5"):
-        monkeypatch.setenv("LOWBIT_WGRAD_SM_CARVEOUT", bad)
         with pytest.raises(ValueError, match="LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs"):
-            side_carveout(132)
+            switches(LOWBIT_WGRAD_SM_CARVEOUT=bad)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,7 @@ def test_update_graph_matches_eager_step_and_skips_on_the_device():
 
 
 @pytest.mark.gpu
-def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir, monkeypatch):
+def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir, switches):
     """fp8-block with lowbit.optim.AdamW writing the FP8 weight copies, through a non-finite step rolled back to a
     checkpoint (loading it bumps the weights' versions: the next forward quantizes them, the next step writes the copies
     again): the loss trajectory follows the same run with torch's AdamW (the forward quantizing every weight) to the
@@ -130,7 +130,7 @@ def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir,
     test_faults_under_cuda_graphs_skip_and_roll_back)."""
     runs = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("LOWBIT_FUSED_ADAMW_QUANT", fused)
+        switches(LOWBIT_UNFUSE="" if fused == "1" else "adamw_quant")
         runs[fused] = train(TrainConfig(recipe="fp8-block", steps=12, batch_size=8, seq_len=128, data=small_text,
                                         cache_dir=cache_dir, out_dir=str(tmp_path / fused), eval_windows=8, device="cuda",
                                         ckpt_every=4, fault_steps=(6,), on_nonfinite="rollback", cuda_graph="off",
@@ -176,9 +176,9 @@ def test_faults_under_cuda_graphs_skip_and_roll_back(tmp_path, small_text, cache
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-block"])
-def test_lookahead_changes_only_the_time(tmp_path, small_text, cache_dir, monkeypatch, recipe):
+def test_lookahead_changes_only_the_time(tmp_path, small_text, cache_dir, recipe):
     """Graph-replayed steps finished on the host one step late (the default: loss and skip flag read from pinned
-    copies) against every step waited for (LOWBIT_LOOKAHEAD=0): the same history, validation included, and a fault
+    copies) against every step waited for (lookahead=False): the same history, validation included, and a fault
     (inf into the first block's input inside the captured graph) skipped on the device and reported at its own step,
     with its layer, either way."""
     import math
@@ -187,8 +187,7 @@ def test_lookahead_changes_only_the_time(tmp_path, small_text, cache_dir, monkey
                 eval_windows=8, device="cuda", fault_steps=(3,), progress=False, verbose=False, on_nonfinite="skip")
     runs = {}
     for la in ("1", "0"):
-        monkeypatch.setenv("LOWBIT_LOOKAHEAD", la)
-        runs[la] = train(TrainConfig(out_dir=str(tmp_path / la), **base))
+        runs[la] = train(TrainConfig(out_dir=str(tmp_path / la), lookahead=la == "1", **base))
     for r in runs.values():
         assert r["cuda_graph"]
         assert {e["step"] for e in r["events"]} == {3} and {e["action"] for e in r["events"]} == {"skip"}, r["events"]

@@ -147,7 +147,7 @@ def _split(recipe, x, w, dy, timer):
 
 def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=25, rep=100, torchao=True, split=True):
     """Rows (dicts) for one shape: name, ms, speedup over BF16, TFLOP/s, and for lowbit the part split."""
-    import lowbit
+    import lowbit.nn
     from lowbit import recipes
 
     timer = _timer(device, warmup, rep)
@@ -172,7 +172,7 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
         if recipe is None:
             continue
         m = make_linear(lowbit.nn.Linear)
-        ctx = lambda r=recipe: lowbit.autocast(recipe=r)  # noqa: E731
+        ctx = lambda r=recipe: lowbit.nn.autocast(recipe=r)  # noqa: E731
         try:
             t = timer(_fwd_bwd(m, x, dy, ctx), [x, m.weight])
         except (NotImplementedError, ValueError) as e:

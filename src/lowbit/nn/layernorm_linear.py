@@ -72,7 +72,7 @@ def check_norm_input(input, size: int, name: str) -> None:
         raise ValueError(f"input: last dim must be {name} = {size}, got {got} (input shape {tuple(input.shape)})")
 
 
-def _check_features(**kw):
+def check_features(**kw):
     for n, v in kw.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{n}: expected a positive int, got {v!r}")
@@ -101,7 +101,7 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
                  eps: float = 1e-5, return_layernorm_output: bool = False, device=None, dtype=None):
         super().__init__()
-        _check_features(in_features=in_features, out_features=out_features)
+        check_features(in_features=in_features, out_features=out_features)
         check_norm_args(normalization, eps)
         if not isinstance(return_layernorm_output, bool):  # bool("no") would silently be True
             raise TypeError(f"return_layernorm_output: expected a bool, got {return_layernorm_output!r}")

@@ -11,7 +11,7 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import (_check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input,
+from .layernorm_linear import (check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input,
                                check_norm_link)
 
 __all__ = ["LayerNormMLP"]
@@ -60,7 +60,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         if fused_swiglu not in (None, True, False):
             raise TypeError(f"fused_swiglu: expected None, True or False, got {fused_swiglu!r}")
         self.fused_swiglu = fused_swiglu
-        _check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_norm_args(normalization, eps)
         if activation not in _ACTS:
             raise ValueError(f"activation: expected one of {_ACTS}, got {activation!r}")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
-from .layernorm_linear import _check_features
+from .layernorm_linear import check_features
 
 __all__ = ["Linear"]
 
@@ -36,7 +36,7 @@ class Linear(LowbitModule, torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
-        _check_features(in_features=in_features, out_features=out_features)
+        check_features(in_features=in_features, out_features=out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_gemms("")
 

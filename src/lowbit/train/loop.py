@@ -261,7 +261,7 @@ def quantized_weight_bytes(model, recipe) -> tuple[int, int]:
     """(bytes of the lowbit modules' weights quantized per ``recipe`` (rowwise copy: data + scales),
     bytes of the same weights in BF16). Without a recipe both are the BF16 size."""
     import lowbit.nn as lnn
-    from lowbit import quantize
+    from lowbit.quant import quantize
 
     kinds = tuple(getattr(lnn, n) for n in ("Linear", "LayerNormLinear", "LayerNormMLP") if hasattr(lnn, n))
     q = bf = 0
