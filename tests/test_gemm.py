@@ -33,7 +33,6 @@ import torch
 from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
 from lowbit.gemm.reference import dequantize_exact
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
-from lowbit.quant.reference import quantize_reference
 from sm90_compile import compile_gluon_sm90, sm90_sass
 
 try:

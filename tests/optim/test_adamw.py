@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import lowbit
 from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
 from lowbit.optim import AdamW
 from lowbit.optim.reference import adamw_step_reference

@@ -9,7 +9,6 @@ CI's 2-core machine the trajectories agree to ~1e-6, on a 16-core one (torch 2.1
 """
 
 import json
-import os
 import subprocess
 import sys
 

@@ -173,7 +173,6 @@ def test_sigkill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, small
     """A real `python -m lowbit train` process SIGKILLed while writing its step-6 checkpoint (the testing hook
     LOWBIT_TEST_CKPT_STALL_STEP holds it between the complete temporary file and the rename): the step-3
     checkpoint is intact, `--resume` continues from it, and the loss trajectory equals an uninterrupted run's."""
-    import os
     import signal
     import subprocess
     import sys

@@ -99,8 +99,6 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             ms = float(do_bench_cudagraph(pre, rep=100))
             rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"),
                              nrmse=float("nan")))
-    del ref
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -129,6 +127,7 @@ def main(argv=None) -> int:
         for (B, H, S, D) in shapes:
             for causal in causals:
                 rows = bench_case(B, H, S, D, causal, modes, args.rep_ms, args.pointer_tiles)
+                torch.cuda.empty_cache()  # the case's tensors died with bench_case's frame
                 cud = next((r["ms"] for r in rows if r["name"] == "sdpa_cudnn"), float("nan"))
                 fla = next((r["ms"] for r in rows if r["name"] == "sdpa_flash"), float("nan"))
                 sage = next((r["ms"] for r in rows if r["name"] == "sageattention"), float("nan"))

@@ -29,66 +29,70 @@ def _bench(fn, rep=100) -> float | None:
         return None
 
 
-def run(shapes, rep=100):
+def _run_shape(M, K, N, rep, rows):
+    """Times every kernel on one (M, K, N) and appends its rows; the inputs die with this frame."""
     from lowbit.gemm import scaled_mm
     from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, quantize
 
     F = torch.nn.functional
     dev = torch.device("cuda")
+    print(f"[gemm] M={M} K={K} N={N}", flush=True)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    flops = 2.0 * M * N * K
+    res = {}
+    res["bf16 torch.mm"] = _bench(lambda: torch.mm(x, w.t()), rep)
+    xa = x.to(torch.float8_e4m3fn)
+    wa = w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep)
+    qa = quantize(x, Float8Blockwise())
+    qb = quantize(w, Float8Blockwise(block_dim=2))
+    if hasattr(F, "scaled_mm"):
+        sa = qa.logical_scales()
+        sb = qb.logical_scales()
+        S = F.ScalingType
+        res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa, S.BlockWise1x128,
+                                                                 sb.t(), S.BlockWise128x128, output_dtype=torch.bfloat16), rep)
+    try:
+        from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
+
+        res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), qa.logical_scales(),
+                                                                 qb.logical_scales().t()), rep)
+    except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
+        print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
+    # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
+    # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
+    # and each Gluon kernel alone: one tile a CTA ("force"), persistent warp-specialized ("ws")
+    for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
+                          ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1", "force"),
+                          ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
+        with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
+            res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
+    na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
+    # the dequantized path autotunes its core GEMM: the faster of cuBLAS and Triton's (pointer / TMA tiles)
+    for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
+        with env("LOWBIT_GEMM_TMA", tma):
+            res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+    res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+    ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
+    res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+    res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+    bf = res.get("bf16 torch.mm")
+    cb = res.get("cuBLAS fp8 blockwise")
+    for name, t in res.items():
+        if t is None:
+            continue
+        tf = flops / t * 1e-9
+        rows.append((f"{M}x{K}x{N}", name, t, tf, bf / t if bf else None, cb / t if cb else None))
+        print(f"    {name:28s} {t * 1e3:9.1f} us {tf:8.1f} TFLOP/s  x{(bf / t) if bf else float('nan'):.2f} vs bf16"
+              f"  x{(cb / t) if cb else float('nan'):.2f} vs cuBLAS blockwise", flush=True)
+
+
+def run(shapes, rep=100):
     rows = []
     for M, K, N in shapes:
-        print(f"[gemm] M={M} K={K} N={N}", flush=True)
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-        flops = 2.0 * M * N * K
-        res = {}
-        res["bf16 torch.mm"] = _bench(lambda: torch.mm(x, w.t()), rep)
-        xa = x.to(torch.float8_e4m3fn)
-        wa = w.to(torch.float8_e4m3fn)
-        one = torch.ones((), device=dev)
-        res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep)
-        qa = quantize(x, Float8Blockwise())
-        qb = quantize(w, Float8Blockwise(block_dim=2))
-        if hasattr(F, "scaled_mm"):
-            sa = qa.logical_scales()
-            sb = qb.logical_scales()
-            S = F.ScalingType
-            res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa, S.BlockWise1x128,
-                                                                     sb.t(), S.BlockWise128x128, output_dtype=torch.bfloat16), rep)
-        try:
-            from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
-
-            res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), qa.logical_scales(),
-                                                                     qb.logical_scales().t()), rep)
-        except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
-            print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
-        # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
-        # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
-        # and each Gluon kernel alone: one tile a CTA ("force"), persistent warp-specialized ("ws")
-        for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
-                              ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1", "force"),
-                              ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
-            with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
-                res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
-        na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
-        # the dequantized path autotunes its core GEMM: the faster of cuBLAS and Triton's (pointer / TMA tiles)
-        for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
-            with env("LOWBIT_GEMM_TMA", tma):
-                res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
-        res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
-        ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
-        res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
-        res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
-        bf = res.get("bf16 torch.mm")
-        cb = res.get("cuBLAS fp8 blockwise")
-        for name, t in res.items():
-            if t is None:
-                continue
-            tf = flops / t * 1e-9
-            rows.append((f"{M}x{K}x{N}", name, t, tf, bf / t if bf else None, cb / t if cb else None))
-            print(f"    {name:28s} {t * 1e3:9.1f} us {tf:8.1f} TFLOP/s  x{(bf / t) if bf else float('nan'):.2f} vs bf16"
-                  f"  x{(cb / t) if cb else float('nan'):.2f} vs cuBLAS blockwise", flush=True)
-        del x, w, xa, wa, qa, qb, na, nb, ma, mb
+        _run_shape(M, K, N, rep, rows)
         torch.cuda.empty_cache()
     return rows
 
