@@ -31,7 +31,7 @@ ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml
 def _expected(xf: np.ndarray, fmt) -> np.ndarray:
     """ml_dtypes' RNE cast after our saturation convention.
 
-    Convention (DESIGN §2): finite values beyond ±max and ±Inf saturate to ±max. ml_dtypes instead
+    Convention (NUMERICS §2): finite values beyond ±max and ±Inf saturate to ±max. ml_dtypes instead
     overflows to Inf/NaN, so we compare against ml_dtypes(clip(x, ±max)) — clipping first is exactly
     saturation because every value beyond max rounds (or would overflow) to max or beyond.
     NaN stays NaN for the FP8 formats; E2M1 has no NaN (checked separately).

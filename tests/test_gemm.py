@@ -1,4 +1,4 @@
-"""Scaled GEMM backends against the float64-exact reference (DESIGN §5).
+"""Scaled GEMM backends against the float64-exact reference (NUMERICS §5).
 
 Tolerance (FP32 accumulation order). With S = |A|·|B|ᵀ (float64, exact dequantized operands), a
 backend that forms FP8 products exactly, reduces each K block on the tensor cores and promotes the

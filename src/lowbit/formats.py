@@ -1,4 +1,4 @@
-"""The number formats lowbit quantizes to, and their exact rounding rules (DESIGN §2).
+"""The number formats lowbit quantizes to, and their exact rounding rules (NUMERICS §2).
 
 Every cast here is written in plain torch arithmetic so that it runs on any device and is the
 specification the GPU kernels are tested against bit for bit:

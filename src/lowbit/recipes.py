@@ -1,4 +1,4 @@
-"""Recipes: which quantization each tensor role of a layer gets (DESIGN §3, §6).
+"""Recipes: which quantization each tensor role of a layer gets (NUMERICS §3, §6).
 
 A recipe is a frozen dataclass with the field names and defaults TransformerEngine users know. It
 maps the three tensor roles of a linear layer to :mod:`lowbit.quant` schemes:
@@ -310,7 +310,7 @@ def _env_flag(name: str) -> bool:
 
 @dataclass(frozen=True)
 class NVFP4BlockScaling(Recipe):
-    """NVFP4: E2M1 elements, E4M3 scales per 16 elements, an FP32 per-tensor scale (DESIGN §3).
+    """NVFP4: E2M1 elements, E4M3 scales per 16 elements, an FP32 per-tensor scale (NUMERICS §3).
 
     Roles: inputs 1x16 with the Random Hadamard Transform on the wgrad (columnwise) copy; weights
     16x16 tiles without RHT; gradients 1x16 with RHT on the wgrad copy and stochastic rounding.

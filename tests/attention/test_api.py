@@ -363,7 +363,7 @@ def test_attention_grad_format_validation():
 
 
 def test_lowbit_attention_backward_is_callable():
-    """DESIGN §7's low-level call: lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=, scales=)
+    """NUMERICS §7's low-level call: lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=, scales=)
     returns QuantizedTensors (dequantize() ≈ the gradient); the module stays importable as a module."""
     import lowbit
     import lowbit.attention.backward as mod

@@ -336,7 +336,7 @@ def test_why_not_names_the_rule():
 
 def test_head_dim_64_needs_the_persistent_grid(monkeypatch):
     """At head dim 64 the kernel runs by default only on the persistent grid (dense Q/K/V): else the Triton kernel is
-    faster (H200, 2026-11-24), and the refusal says so."""
+    faster, and the refusal says so."""
     monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
     q = torch.zeros(2, 4, 100, 64, dtype=torch.int8)
     vbuf = torch.zeros(2, 4, 64, 128, dtype=torch.float8_e4m3fn)

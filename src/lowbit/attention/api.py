@@ -496,7 +496,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     (16-bit only, no ``return_lse``) draws a Philox seed from torch's default generator and regenerates the same
     mask in the backward (see ``lowbit.attention.backward``).
 
-    FP8 gradients (DESIGN §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
+    FP8 gradients (NUMERICS §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
     epilogue — ``scales=None``: one scale per row along head_dim computed there; ``scales=(scale_dq, scale_dk,
     scale_dv)`` (or a dict with keys dq/dk/dv), FP32 (1,) tensors, positive and finite: given per-tensor scales
     (delayed scaling; values are checked for CPU tensors, a CUDA tensor's values are the caller's contract since
@@ -576,7 +576,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
                       pv: str = "auto", window=None, cu_seqlens_q: Optional[Tensor] = None,
                       cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                       max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None):
-    """Attention on pre-quantized INT8 Q/K (SageAttention conventions, DESIGN §3).
+    """Attention on pre-quantized INT8 Q/K (SageAttention conventions, NUMERICS §3).
 
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);

@@ -105,7 +105,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench attention", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES),
-                    help="B,H,S,D;B,H,S,D;... (default: the three issue shapes)")
+                    help="B,H,S,D;B,H,S,D;... (default: the three SHAPES)")
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--modes", default=",".join(f"{a}/{b}" for a, b in MODES), help="qk/pv pairs, comma-separated")
     ap.add_argument("--rep-ms", type=int, default=200)

@@ -149,7 +149,7 @@ def _case(args, b, h, s, d, causal, fmt, rows):
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench attention --backward", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument("--shapes", default=None, help="B,H,S,D;B,H,S,D;... (default: the issue's three)")
+    ap.add_argument("--shapes", default=None, help="B,H,S,D;B,H,S,D;... (default: the three SHAPES)")
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")

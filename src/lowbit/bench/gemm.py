@@ -108,7 +108,7 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     return table_main(argv, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxKxN list (default: the issue's five shapes)", run=run, markdown=markdown)
+                      shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes)", run=run, markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     return table_main(argv, prog="lowbit bench quant", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxK list (default: the issue's activation shapes)", run=run, markdown=markdown)
+                      shapes_help="comma-separated MxK list (default: four GPT-sized activation shapes)", run=run, markdown=markdown)
 
 
 if __name__ == "__main__":

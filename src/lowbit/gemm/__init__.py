@@ -1,4 +1,4 @@
-"""Scaled GEMMs on QuantizedTensors: ``scaled_mm`` dispatches to the fastest correct backend (DESIGN §5).
+"""Scaled GEMMs on QuantizedTensors: ``scaled_mm`` dispatches to the fastest correct backend (NUMERICS §5).
 
 Backends register themselves with :func:`register_backend` (cuBLAS through torch, Triton kernels);
 the float64-exact reference runs everywhere else and is the spec.

@@ -1,4 +1,4 @@
-"""Reference scaled GEMM: exact math in float64, the spec every fast backend is tested against (DESIGN §5).
+"""Reference scaled GEMM: exact math in float64, the spec every fast backend is tested against (NUMERICS §5).
 
 ``y = A · Bᵀ`` where A (M, K) and B (N, K) are copies of two QuantizedTensors, both contiguous along
 K. Each operand is dequantized *exactly* in float64 (an FP8/E2M1 element times its scale, with the

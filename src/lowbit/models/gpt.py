@@ -9,7 +9,7 @@ Shape (per block, pre-norm)::
 The adds are :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA); under a recipe whose input quantizer
 takes the norm (1x128 blockwise), each add also returns the next norm's row statistics (``input_rstd``).
 
-Token embedding, the final norm and the output head stay in high precision (as DESIGN §6 asks of
+Token embedding, the final norm and the output head stay in high precision (as NUMERICS §6 asks of
 ``lowbit.convert``); the head shares the embedding matrix when ``tie_weights``. The vocabulary is
 bytes (256), so the presets have fewer parameters than their names (which give the transformer
 shape: ``125m`` is GPT-2 small's 12 x 768, ``350m`` 24 x 1024, ``1.3b`` 24 x 2048).

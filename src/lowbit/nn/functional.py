@@ -1,4 +1,4 @@
-"""The quantized linear op: fprop, dgrad and wgrad as quantized ``scaled_mm`` calls (DESIGN §4–§6).
+"""The quantized linear op: fprop, dgrad and wgrad as quantized ``scaled_mm`` calls (NUMERICS §4–§6).
 
 ``y = x · wᵀ + b`` (optionally GELU'd) where, per the active recipe's roles:
 
@@ -325,11 +325,9 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
 _SIDE = {"on": False, "streams": {}, "join": None}
 # The side stream's weight-gradient GEMMs are cuBLAS's persistent kernels: one CTA an SM holding its whole register
 # file, for the length of the GEMM. Launched beside the main stream's memory-bound kernels (the quantizers, the norm
-# backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (350m step, H200: a
-# 20 us quantizer took 162 us there; BENCHMARKS.md session 29). cuBLAS is asked to leave this many SMs free for the
-# main stream (torch's SM carveout, set around the side-stream call only). Measured on an H200 (2026-11-25, 20-step
-# runs alternating in one call): 32 of its 132 SMs, 1.3b fp8-block +2.1% tokens/s (80,001 / 80,101 against 78,430 /
-# 78,331), 350m +1.7% (231,519 / 231,547 against 227,517 / 228,019); 16 SMs +0.8% at 350m, 48 less than 32 at both.
+# backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (a 20 us quantizer
+# took 162 us). cuBLAS is asked to leave this many SMs free for the main stream (torch's SM carveout, set around the
+# side-stream call only): 32 of 132 SMs gave ~2% more tokens/s on the 350m and 1.3b GPTs; 16 and 48 gave less.
 # The default keeps that fraction on other GPUs; LOWBIT_WGRAD_SM_CARVEOUT=N asks for N SMs (0 turns it off).
 _HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
 

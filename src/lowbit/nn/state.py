@@ -1,4 +1,4 @@
-"""Autocast state, delayed-scaling state and the NaN sentry (DESIGN §6).
+"""Autocast state, delayed-scaling state and the NaN sentry (NUMERICS §6).
 
 ``with lowbit.autocast(recipe=...):`` sets the recipe lowbit modules quantize with. The state is
 process-global (like TransformerEngine's), saved and restored by every ``autocast`` so contexts nest;

@@ -10,7 +10,7 @@ Numerics: ``out = x + float(y)`` in FP32, one rounding: bit for bit torch's ``x 
 accounts for its dependence on x).
 
 In torch the add of an FP32 and a BF16 tensor runs the non-vectorized mixed-dtype elementwise kernel (about
-2.5 TB/s on an H200, 3.1 ms of a 1.3b GPT step).
+2.5 TB/s, 3.1 ms of a 1.3b GPT step).
 
 The backward can take over the next RMSNorm's backward (``norm_weight=``, a :class:`NormGradLink`): the module
 whose norm reads ``out`` hands the gradient of its norm output ``dn`` to the link instead of computing the norm's
@@ -188,9 +188,8 @@ def _bwd_configs(K: int) -> list[dict]:
 def column_sum(p: torch.Tensor) -> torch.Tensor:
     """``p.sum(0)`` of a contiguous (R, K) float32 tensor of partial sums, as (K,) float32: one Triton kernel on CUDA
     (and under the interpreter), a program a 64-column strip, so a few hundred partial rows cost a few microseconds.
-    torch's reduction over the leading dim took 17-49 us for the norm backward's 528-1056 x 2048 partials (H100,
-    2026-11-24: 0.8-2.3 ms of kernel time a 1.3b step), about a tenth of the copy speed. Same terms, another order:
-    FP32 rounding of the sum."""
+    torch's reduction over the leading dim runs at about a tenth of the copy speed on the norm backward's partials
+    (up to 2.3 ms of kernel time a 1.3b step). Same terms, another order: FP32 rounding of the sum."""
     if p.dim() != 2 or p.dtype != torch.float32 or not p.is_contiguous():
         raise ValueError(f"p: expected a contiguous 2-D float32 tensor, got {p.dtype} {tuple(p.shape)} "
                          f"(contiguous: {p.is_contiguous()})")

@@ -32,10 +32,9 @@ def _bits(x: float) -> int:
 
 def _config() -> tuple[int, int, int, int]:
     """(rows a chunk of the update, rows a chunk of the cast, warps, pipelining stages of the update loop). In-place
-    kernels cannot be autotuned by timing repeated launches, so this is fixed (chosen on an H200 by
-    ``lowbit bench optim``); LOWBIT_ADAMW_CFG="CH,CH2,WARPS[,STAGES]" overrides it for sweeps.
-    H200, session 17: (8, 32, 8, 3) 9.65 ms a 1.3b step against 10.29 for session 16's (16, 32, 8, 1): three chunks'
-    loads in flight a program (cp.async), 77 registers (three CTAs an SM)."""
+    kernels cannot be autotuned by timing repeated launches, so this is fixed (chosen with ``lowbit bench optim``);
+    LOWBIT_ADAMW_CFG="CH,CH2,WARPS[,STAGES]" overrides it for sweeps. (8, 32, 8, 3): three chunks' loads in flight a
+    program (cp.async), 77 registers (three CTAs an SM); ~6% faster than (16, 32, 8, 1)."""
     v = os.environ.get("LOWBIT_ADAMW_CFG")
     if v:
         t = [int(x) for x in v.split(",")]

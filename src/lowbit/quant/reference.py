@@ -1,4 +1,4 @@
-"""Reference quantizers: the specification in plain torch (DESIGN §3). Any device, any shape the scheme takes.
+"""Reference quantizers: the specification in plain torch (NUMERICS §3). Any device, any shape the scheme takes.
 
 Every GPU kernel is tested bit for bit against these functions, so each one spells out its
 operation order (where FP32 rounding could differ, the comment says which order is the rule).
@@ -349,7 +349,7 @@ def quantize_reference(
     if rowwise:
         qt.rowwise = one(x2, "rowwise")
     if columnwise:
-        qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (DESIGN §4)
+        qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (NUMERICS §4)
     return qt
 
 
@@ -404,7 +404,7 @@ def quantize_qk_int8(
     softmax_scale: float | None = None,
     layout: str = "bhsd",
 ) -> QKInt8:
-    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3) — the reference.
+    """INT8 quantization of Q and K for attention (SageAttention conventions, NUMERICS §3) — the reference.
 
     This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
     (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.

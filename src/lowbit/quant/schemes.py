@@ -1,4 +1,4 @@
-"""Scaling schemes: frozen descriptions of *how* a tensor is quantized (DESIGN §3).
+"""Scaling schemes: frozen descriptions of *how* a tensor is quantized (NUMERICS §3).
 
 A scheme says nothing about which tensor it is applied to; recipes (``lowbit.recipes``) map the
 tensor roles of a layer (input, weight, grad_output) to schemes.

@@ -1,4 +1,4 @@
-"""QuantizedTensor: a plain container for quantized data, its scales and its amax (DESIGN §4)."""
+"""QuantizedTensor: a plain container for quantized data, its scales and its amax (NUMERICS §4)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ class QuantizedCopy:
 
 @dataclass
 class QuantizedTensor:
-    """A quantized tensor: logical shape, nominal dtype, scheme and up to two copies (DESIGN §4).
+    """A quantized tensor: logical shape, nominal dtype, scheme and up to two copies (NUMERICS §4).
 
     * ``rowwise``: data laid out with the original last dim contiguous (fprop: x and w; dgrad: dy).
     * ``columnwise``: the transpose, contiguous along the original rows (dgrad: w; wgrad: dy and x).

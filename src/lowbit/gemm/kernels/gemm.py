@@ -1,4 +1,4 @@
-"""Triton scaled-GEMM kernels (DESIGN §5): ``C = A · Bᵀ`` with A (M, K) and B (N, K) both K-contiguous.
+"""Triton scaled-GEMM kernels (NUMERICS §5): ``C = A · Bᵀ`` with A (M, K) and B (N, K) both K-contiguous.
 
 * :func:`fp8_gemm_kernel`: FP8 (E4M3/E5M2 in any pairing the caller allows) tensor-core GEMM with
   per-operand scale modes — 0 tensorwise ``s[0]``, 1 per row ``s[row]``, 2 1xBS blocks

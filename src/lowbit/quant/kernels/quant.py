@@ -1,4 +1,4 @@
-"""Triton quantization kernels (DESIGN §2-§4). Launchers live in :mod:`lowbit.quant.triton_backend`.
+"""Triton quantization kernels (NUMERICS §2-§4). Launchers live in :mod:`lowbit.quant.triton_backend`.
 
 Every kernel reproduces :mod:`lowbit.quant.reference` bit for bit:
 
@@ -425,7 +425,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
 
     One program a tile: grid (cdiv(M, BM), cdiv(K, BS)), or with KMAJOR (cdiv(K, BS), cdiv(M, BM)), so that
     consecutive programs read neighbouring column tiles of the same rows, which DRAM serves better than
-    tiles BM rows apart (rowwise only: ~5% on the H200).
+    tiles BM rows apart (rowwise only: ~5%).
 
     SLAB = 0: the whole tile is loaded once and held in registers (FP32: ~170 registers a thread for
     128x128 at 8 warps, so one CTA an SM and nothing in flight while it computes): small blocks, short
@@ -464,8 +464,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     cqb = cq_ptr + (k0 * M + m0)
     ck = tl.arange(0, BS)
     if SLAB == 0:
-        # The whole tile held at once: exactly the original single-pass kernel (bit-identical to the reference on
-        # the H200 for every dtype and scheme, incl. 2D from FP32, which the slab walk does not yet match there).
+        # The whole tile held at once: exactly the original single-pass kernel (bit-identical to the reference for
+        # every dtype and scheme, incl. 2D from FP32, which the slab walk does not match).
         offs_m = m0 + tl.arange(0, BM)
         offs_k = k0 + tl.arange(0, BS)
         mmask = offs_m < M
@@ -610,7 +610,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
     of cq rows. The amax is kept per program and meets the others in one atomic_max at the end.
     EVEN / WIDE: as in blockwise_kernel.
 
-    Used only where it was measured bit-identical and faster on the H200 (see triton_backend._PERSISTENT):
+    Used only where it was measured bit-identical and faster (see triton_backend._PERSISTENT):
     Triton 3.6 miscompiles one pattern here. With FP32 input, the transpose of an FP8 tile cast straight from
     FP32 (SATCVT, no clamp first) permutes pairs of elements along K (2D: columnwise data wrong, rowwise right;
     the same bug made blockwise_kernel's 2D slab walk differ for FP32, and it goes away with the clamp).
@@ -678,7 +678,7 @@ def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, E
     BITS16 (BF16 input only): the maxima are taken over the 16-bit patterns (|x| bits = (bf16 bits & 0x7FFF) << 16,
     the same integers as the FP32 patterns, since BF16 -> FP32 only appends zero bits), so the FP32 tile need not
     be live during the reductions (an autotune candidate of lowbit.ops.swiglu's whole-tile kernel; for
-    blockwise_persistent_kernel's 1x128 BF16 it was no faster, session 7, so that kernel does not offer it)."""
+    blockwise_persistent_kernel's 1x128 BF16 it was no faster, so that kernel does not offer it)."""
     BM: tl.constexpr = raw.shape[0]
     BS: tl.constexpr = raw.shape[1]
     rr = tl.arange(0, BM)
