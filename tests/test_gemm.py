@@ -8,7 +8,7 @@ block into FP32 once per block differs from the exact result by
                                                                       bf16, 2**-10 for fp16)
 
 — 2**-12: Hopper's FP8 MMA aligns and truncates while summing one block (DeepSeek-V3 §3.3.2 measures
-~14 bits kept). The largest err / S seen on an H200 was 1.16 * 2**-13 (2026-11-23, a 4096x4096x384 case of the
+~14 bits kept). The largest err / S seen on Hopper was 1.16 * 2**-13 (a 4096x4096x384 case of the
 Gluon kernels, both of them; 2**-13 had held on the smaller shapes), so the term is twice 2**-13;
 the FP32 promotions add one rounding (2**-24 relative) per block (n_kblocks =
 ceil(K/128)), plus the two scale multiplies (2); the reference's own rounding of its float64-exact sum to

@@ -665,7 +665,7 @@ def test_blockwise_regs_compiles_for_sm90():
         assert "-126" not in got[0] and "8.50705917302346158658e+37" not in got[0]
     # with the SwiGLU forward as its prologue, the fused quantizer's first candidate (ops.swiglu._SWIGLU_REGS_CONFIGS):
     # within 128 registers without spills, so two CTAs run on an SM (the plain quantizer's first candidate compiles to
-    # 130 there: one CTA an SM, 1.4x slower on the H200, session 18)
+    # 130 there: one CTA an SM, 1.4x slower)
     from lowbit.ops.swiglu import _SWIGLU_REGS_CONFIGS
 
     c0 = _SWIGLU_REGS_CONFIGS[0]

@@ -24,8 +24,8 @@ from .reference import QKQuantized, n_q_groups
 _QK = ("bf16", "fp16", "int8", "fp8")
 _PV = ("auto", "bf16", "fp16", "fp8")
 # What pv="auto" means for quantized Q·Kᵀ ("int8"/"fp8") on BF16 inputs. "fp16" is the more accurate choice (P keeps
-# 11 significant bits); it becomes the default once an H200 run shows it end to end at least as fast as "bf16" (the
-# V conversion adds one pass over V). Not measured yet (2026-11-23: device time spent), so "bf16" for now.
+# 11 significant bits), but the V conversion adds one pass over V; "bf16" stays the default until "fp16" is shown
+# end to end at least as fast.
 AUTO_PV_QUANTIZED = "bf16"
 _BACKENDS = ("reference", "triton", "sdpa")
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -301,8 +301,8 @@ _SDPA_ORDER = None
 
 
 def _sdpa_order():
-    """SDPA backends in the order lowbit wants them: cuDNN first (on an H200, B4 H32 S4096 D128: forward 603 vs
-    flash's 346 TFLOP/s, backward 515 vs 288 — BENCHMARKS.md), then flash, memory-efficient, math; each call
+    """SDPA backends in the order lowbit wants them: cuDNN first (on Hopper about 1.7x flash's TFLOP/s forward and
+    backward), then flash, memory-efficient, math; each call
     takes the first that supports its inputs (e.g. GQA or odd shapes fall through to flash)."""
     global _SDPA_ORDER
     if _SDPA_ORDER is None:

@@ -82,7 +82,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
             v_key_order=o)
         if pointer_tiles:
-            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
+            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles
                 run(tag + "_kernel", kern, "kernel")
         with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
 
         if dist.is_available() and dist.is_initialized():
             # every rank reaches the teardown together: rank 0 still writes the report while the others finish, and
-            # tearing down gloo under a peer still in it aborted a rank now and then (CI, FSDP, 2026-11-23)
+            # tearing down gloo under a peer still in it aborts a rank now and then (seen with FSDP)
             dist.barrier()
     except ValueError as e:
         p.exit(2, f"lowbit train: error: {e}\n")

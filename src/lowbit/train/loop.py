@@ -715,8 +715,8 @@ def _train_one(c: TrainConfig) -> dict:
     # that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step), never
     # across a validation, a checkpoint or the end of the run. The step's loss and skip flag reach the host by
     # non-blocking copies into pinned slots, waited for by an event: reading a device tensor (.item()) would wait for
-    # everything queued on the stream, the next step included (session 21's first lookahead did, and gained
-    # nothing). LOWBIT_LOOKAHEAD=0 turns it off; the step-phase and profile diagnostics run without it.
+    # everything queued on the stream, the next step included, and the lookahead would gain
+    # nothing. LOWBIT_LOOKAHEAD=0 turns it off; the step-phase and profile diagnostics run without it.
     lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
                  and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
