@@ -53,7 +53,8 @@ def test_all_bf16_bit_patterns_round_exactly(fmt):
     assert np.array_equal(got[finite_or_inf].view(np.uint32), exp[finite_or_inf].view(np.uint32))
     # NaN stays NaN in the rounded values (the E2M1 *encoding* maps it to +0: see test_e2m1_nan_encoding)
     assert np.isnan(got[~finite_or_inf]).all()
-    # storage bits for the FP8 formats equal ml_dtypes' bits (NaN patterns excluded: torch and ml_dtypes pick different NaNs)
+    # storage bits for the FP8 formats equal ml_dtypes' bits (NaN patterns excluded: torch and ml_dtypes pick different
+    # NaNs)
     if fmt.torch_dtype is not None:
         store = cast_to_format(x, fmt).view(torch.uint8).numpy()
         ref = np.clip(xf, -fmt.max, fmt.max).astype(ML[fmt.name]).view(np.uint8)

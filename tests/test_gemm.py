@@ -14,10 +14,10 @@ the FP32 promotions add one rounding (2**-24 relative) per block (n_kblocks =
 ceil(K/128)), plus the two scale multiplies (2); the reference's own rounding of its float64-exact sum to
 FP32 output (1: y_ref is compared, not the exact value); and 7 roundings of slack for summation orders
 that are not ours (cuBLAS's promotion interval and split-K, the NVFP4 global-scale divisions of the
-emulated path). Those 10·2**-24 are < 0.3% of the 2**-12 term: the slack does not hide errors. An indexing or scale error moves y by O(|y|) ~ S/sqrt(K), 15-30x above this
-bound for the shapes tested. Exactness: on small-integer inputs quantized with power-of-two
-(blockwise, pow2=True) scales, the FP8 elements are small integers times powers of two and every
-partial sum (<= 16·K·2^k < 2**14·2^k) is exactly representable, so every backend must agree with the
+emulated path). Those 10·2**-24 are < 0.3% of the 2**-12 term: the slack does not hide errors. An indexing or scale
+error moves y by O(|y|) ~ S/sqrt(K), 15-30x above this bound for the shapes tested. Exactness: on small-integer inputs
+quantized with power-of-two (blockwise, pow2=True) scales, the FP8 elements are small integers times powers of two and
+every partial sum (<= 16·K·2^k < 2**14·2^k) is exactly representable, so every backend must agree with the
 reference bit for bit (FP32 output).
 """
 
@@ -42,7 +42,8 @@ try:
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
-OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # one output ulp (rounding can land on either neighbour)
+# one output ulp (rounding can land on either neighbour)
+OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def _operands(M, N, K, sa, sb, a_copy, b_copy, device, seed=0, ints=False, scale_a=None, scale_b=None):

@@ -167,7 +167,8 @@ RHT_SCHEMES = [NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True, rht_si
 @pytest.mark.gpu
 def test_nvfp4_rht_fused_bit_identical(cuda):
     """The RHT'd columnwise copy transformed in registers (amax_rht_kernel + nvfp4_kernel RHT=True): odd shapes
-    (M and K multiples of 16, not of the tiles), bf16 and fp32 input (fp16 on the smaller shapes), columnwise only and with the rowwise copy."""
+    (M and K multiples of 16, not of the tiles), bf16 and fp32 input (fp16 on the smaller shapes), columnwise only and
+    with the rowwise copy."""
     for i, shape in enumerate([(16, 16), (48, 1008), (2, 48, 160), (1008, 4096)]):
         for dtype in (torch.bfloat16, torch.float32) + ((torch.float16,) if i != 3 else ()):
             x = _randn(shape, dtype, cuda, seed=70 + i)
@@ -522,7 +523,8 @@ def test_amax_arena_in_a_cuda_graph(cuda):
              ((512, 512), torch.float32, Float8Blockwise(block_dim=2)),  # the weights of Float8BlockScaling
              ((130, 256), torch.bfloat16, Float8Blockwise()),  # 130 rows: the rowwise grid is padded (pad4 = 132)
              ((256, 2816), torch.float32, Float8Blockwise(block_dim=2)),  # 22 column blocks, padded to 24
-             ((100, 260), torch.bfloat16, Float8Blockwise(fmt="e5m2", pow2=False))]  # ragged, no padding (100, 260 % 4 == 0)
+             # ragged, no padding (100, 260 % 4 == 0)
+             ((100, 260), torch.bfloat16, Float8Blockwise(fmt="e5m2", pow2=False))]
     xs = [torch.zeros(shape, dtype=dt, device=cuda) for shape, dt, _ in cases]
     for x, (shape, dt, sch) in zip(xs, cases):  # warm-up outside the capture: tuning, plans
         quantize(x.copy_(_randn(shape, dt, cuda, seed=7)), sch, rowwise=True, columnwise=True)

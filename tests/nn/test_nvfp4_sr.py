@@ -117,7 +117,8 @@ def test_stochastic_rounding_with_rht_is_unbiased():
     assert not recipe.disable_rht and not recipe.disable_stochastic_rounding
     R = 128
     m, x, node, G, dws, dxs = _backward_samples(recipe, R, seed=0)
-    x_seen = node.qx.dequantize("columnwise", dtype=torch.float64)  # x̃ (its quantization error is fixed: round to nearest)
+    # x̃ (its quantization error is fixed: round to nearest)
+    x_seen = node.qx.dequantize("columnwise", dtype=torch.float64)
     Ge = _expected_rht_dy(G, recipe.role("grad_output").scheme)
     mean_e, single_e = _ratio(dws, Ge.t() @ x_seen)
     mean_s, single_s = _ratio(dws, G.double().t() @ x_seen)

@@ -259,7 +259,8 @@ def test_forward_takes_the_copies_gpu():
 def test_kernel_compiles_for_sm90():
     """The kernel compiles for Hopper (sm_90) on any machine (Triton's own toolchain) as the launcher builds it: IEEE
     division and square root (no approximate forms), no FP32 FMA contraction (enable_fp_fusion=False), 16-byte loads
-    of the FP32 tensors (the update's through cp.async where its loop is pipelined); under Triton 3.6 (the GPU machine's) at most 128 registers at the default config, no spills."""
+    of the FP32 tensors (the update's through cp.async where its loop is pipelined); under Triton 3.6 (the GPU
+    machine's) at most 128 registers at the default config, no spills."""
     pytest.importorskip("triton")
     import inspect
     import re

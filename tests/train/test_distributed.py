@@ -24,7 +24,8 @@ TOL_FIRST, TOL = 2e-5, 1e-3
 def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mode):
     recipe = "fp8-block"
     common = ["--recipe", recipe, "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir,
-              "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]  # (gloo, also on a GPU machine)
+              # (gloo, also on a GPU machine)
+              "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]
     env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "lowbit.train.cli", *common, "--batch-size", "4", "--out-dir", str(tmp_path / "ddp"),

@@ -895,9 +895,9 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
     + v_scale (BF16 V carried in FP16 by ``quantize_v_fp16_triton``; the output is multiplied by v_scale).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
-    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored (``quantize_v_fp8_triton``'s
-    ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that the Gluon kernel cannot take
-    is put back in natural order first (one extra pass over V).
+    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored
+    (``quantize_v_fp8_triton``'s ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that
+    the Gluon kernel cannot take is put back in natural order first (one extra pass over V).
     """
     if v_key_order not in KEY_ORDERS:
         raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")

@@ -3,8 +3,8 @@
 For each (M, K, N): BF16 ``torch.mm``; cuBLAS FP8 tensorwise (``torch._scaled_mm``); cuBLAS FP8
 blockwise 1x128·128x128 (``F.scaled_mm``, where this torch offers it); torchao's Triton blockwise
 kernel (only if torchao is importable); lowbit's Triton blockwise GEMM (1x128 · 128x128, BF16 out);
-lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused per-tile unpack). Median time by ``triton.testing.do_bench``; TFLOP/s =
-2·M·N·K / t; ratios against BF16 and cuBLAS blockwise.
+lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused per-tile unpack). Median time by
+``triton.testing.do_bench``; TFLOP/s = 2·M·N·K / t; ratios against BF16 and cuBLAS blockwise.
 """
 
 from __future__ import annotations

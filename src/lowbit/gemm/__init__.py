@@ -17,8 +17,9 @@ from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
 
-# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=));
-# opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may then yield.
+# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
+# accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may
+# then yield.
 BACKENDS: dict[str, tuple[Callable, Callable]] = {}
 
 _FP8_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)

@@ -45,7 +45,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (CPU tensors run 
 
 def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     """The weight role's scheme where an optimizer may write ``w``'s quantized copies itself (see
-    :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else None."""
+    :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else
+    None."""
     rq = recipe.role("weight")
     sch = rq.scheme
     if (rq.delayed or not isinstance(sch, Float8Blockwise) or sch.block_dim != 2 or sch.block_size != 128
@@ -112,7 +113,8 @@ class GemmLayer:
         self.wcache = None
         self.fresh: FreshWeight | None = None
         self.fresh_uses = 0
-        self._offered_dy: QuantizedTensor | None = None  # FP8 grad_output handed over by the next op (see offer_grad_output)
+        # FP8 grad_output handed over by the next op (see offer_grad_output)
+        self._offered_dy: QuantizedTensor | None = None
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
 
@@ -307,7 +309,8 @@ def _gelu_grad(pre: torch.Tensor) -> torch.Tensor:
 
 
 def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
-    """``q`` with its columnwise copy only: what a wgrad GEMM reads, kept for the backward (the rowwise one is freed)."""
+    """``q`` with its columnwise copy only: what a wgrad GEMM reads, kept for the backward (the rowwise one is
+freed)."""
     return QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=None, columnwise=q.columnwise, meta=q.meta)
 
 
@@ -693,7 +696,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                               policy=cfg2.policy)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
-            if need_dw2:  # (after fc2's data gradient: on a side stream it then overlaps the memory-bound kernels below)
+            # (after fc2's data gradient: on a side stream it then overlaps the memory-bound kernels below)
+            if need_dw2:
                 dw2 = _wgrad(qdy, ctx.qh, ctx.w2_dtype, ctx.w2)
             if need_du:
                 sch1 = recipe.role("grad_output").scheme

@@ -130,7 +130,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             ln, self.fc1_weight, self.fc1_bias, st.recipe)
 
     def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:
-        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the default)."""
+        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the
+        default)."""
         if self.fused_swiglu if self.fused_swiglu is not None else fused_default:
             return swiglu(h)
         a, b = h.chunk(2, dim=-1)

@@ -581,7 +581,8 @@ class DelayedScalingState:
             self.pending[role] = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 = none)."""
+        """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 =
+        none)."""
         out = {}
         for role, h in self.histories.items():
             for k, v in h.state_dict().items():

@@ -73,7 +73,8 @@ def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_weight_grad: bool):
     """(dx, dw) of y = (x · rstd) · w for x (M, K), rstd (M,): on CUDA torch's own fused RMSNorm backward (the kernel
     F.rms_norm's autograd runs there), elsewhere (no CPU kernel of it) the same math in FP32 torch ops:
-    dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked for."""
+    dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked
+    for."""
     K = x.shape[-1]
     dy = dy.reshape(-1, K).to(x.dtype)
     if x.is_cuda and hasattr(torch.ops.aten, "_fused_rms_norm_backward"):

@@ -52,7 +52,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_kernel(h_ptr, g_ptr, o_ptr, F, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
-        """Row r of h (2F wide, contiguous); forward: o[r, :F] = silu(a)·b; backward: o[r, :2F] = d[a | b] from g[r, :F]."""
+        """Row r of h (2F wide, contiguous); forward: o[r, :F] = silu(a)·b; backward: o[r, :2F] = d[a | b] from g[r,
+        :F]."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < F

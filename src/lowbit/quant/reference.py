@@ -366,7 +366,8 @@ class QKInt8:
         q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
         k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
         k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
-        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2 units.
+        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2
+    units.
         granularity, block_q, block_k, warp_q: the settings used.
     """
 

@@ -125,7 +125,8 @@ class AmaxArena:
         return self.buf[self.used - 1:self.used]
 
 
-_ARENA: list = [None]  # the active AmaxArena (process-wide: the autograd engine runs backward launches on its own thread)
+# the active AmaxArena (process-wide: the autograd engine runs backward launches on its own thread)
+_ARENA: list = [None]
 
 
 class amax_arena:

@@ -420,8 +420,8 @@ class _GraphedStep:
     ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite: the steps the eager
     loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes
     ``1 / min(1, max_norm / (norm + 1e-6))`` as the kernel's ``grad_scale`` (it divides the gradients by it)
-    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
-    loop refills each step.
+    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate
+    becomes a device tensor the loop refills each step.
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,

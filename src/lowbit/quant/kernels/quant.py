@@ -31,7 +31,8 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # A/B runs); plain Triton ops where Triton's interpreter runs it (no asm there). Read once, at import.
 _FAST_SIGMOID = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                              and os.environ.get("LOWBIT_FAST_SIGMOID", "1") != "0")
-MAGIC_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+# 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+MAGIC_RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -106,7 +107,8 @@ def _pow2_scale(a, FMAX: tl.constexpr):
 @triton.jit
 def _recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
     """1 / s rounded to nearest. With the POW2 and FMAX that _compute_scale made s with, FMAX >= 4 (so s is 2**E
-    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 -> Inf)."""
+    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 ->
+    Inf)."""
     if POW2 and FMAX >= 4.0:
         r = _bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
         r = tl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
