@@ -54,8 +54,7 @@ def test_nvfp4_worked_example_1x16():
     # global scale S = 448*6 / amax = 2688 / 12 = 224
     assert c.global_scale.item() == 224.0 and c.amax.item() == 12.0
     # block 0: d = e4m3(12 * (224/6)) = e4m3(447.99998) = 448;
-    # block 1: e4m3(1 * 37.333332) = 36 (grid step 4 in [32,
-    # 64))
+    # block 1: e4m3(1 * 37.333332) = 36 (grid step 4 in [32, 64))
     d = q.logical_scales().float()
     assert d.tolist() == [[448.0, 36.0]]
     # encode factors: e0 = 1/(448/224) = 0.5 ; e1 = 1/(36/224) = 6.2222...
