@@ -142,7 +142,8 @@ def test_mxfp8_kernel_bit_identical(fmt, cuda):
     assert not compare(x, MXFP8(fmt), True, False)
 
 
-NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True),
+NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True,
+                                                                                    stochastic_rounding=True),
                  NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True)]
 
 
@@ -243,7 +244,8 @@ def test_nonfinite_inputs_bit_identical(cuda):
     x[130, 7] = float("inf")
     x[200, 300] = -float("inf")
     x[9, 9] = -0.0
-    for scheme in [Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4()]:
+    for scheme in [Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(),
+                   NVFP4()]:
         bad = compare(x, scheme, True, True)
         assert not bad, f"{scheme} with NaN/Inf: {bad}"
         q = quantize(x, scheme, rowwise=True, columnwise=True)
@@ -292,7 +294,8 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     for (two_d, rw, cw, dtype), cfgs in tb._PERSISTENT.items():
-        schemes = [Float8Blockwise(block_dim=2 if two_d else 1), Float8Blockwise(block_dim=2 if two_d else 1, fmt="e5m2", pow2=False)]
+        schemes = [Float8Blockwise(block_dim=2 if two_d else 1), Float8Blockwise(block_dim=2 if two_d else 1,
+                                                                                 fmt="e5m2", pow2=False)]
         for j, cfg in enumerate(cfgs):
             monkeypatch.setitem(tb._PERSISTENT, (two_d, rw, cw, dtype), [cfg])
             tb._BLOCKWISE_PLANS.clear()
@@ -802,7 +805,8 @@ def _scale_rule_mismatches(device) -> list:
             for eps in (0.0, 1e-12):
                 s = torch.empty_like(a, device=device)
                 si = torch.empty_like(s)
-                _scale_rule_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax, POW2=pow2,
+                _scale_rule_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax,
+                                                                    POW2=pow2,
                                                                   EPS=eps, BLOCK=1024)
                 rs = compute_scale(a, fmax, pow2=pow2, eps=eps)
                 for name, got, ref in (("scale", s, rs), ("scale_inv", si, 1.0 / rs)):

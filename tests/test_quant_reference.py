@@ -106,7 +106,8 @@ def test_nvfp4_rht_columnwise_amax_after_transform_and_roundtrip():
     R = rht_matrix(NVFP4().rht_signs)
     xt = rht_blocks(x.t().contiguous(), NVFP4().rht_signs)
     # the butterfly equals the matrix form to FP32 rounding, along either dim
-    assert torch.allclose(xt, (x.t().reshape(48, 4, 16) @ R).reshape(48, 64), rtol=1e-6, atol=1e-6 * x.abs().max().item())
+    assert torch.allclose(xt, (x.t().reshape(48, 4, 16) @ R).reshape(48, 64), rtol=1e-6, atol=1e-6
+                          * x.abs().max().item())
     assert torch.equal(rht_blocks(x, NVFP4().rht_signs, dim=0).t(), xt)
     assert q.columnwise.rht and q.columnwise.amax.item() == xt.abs().max().item()
     # RHT spreads outliers: the columnwise (RHT) copy is at least as accurate as plain 1x16 on outlier data

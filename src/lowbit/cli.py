@@ -51,7 +51,8 @@ def cmd_info(argv=None) -> int:
         print("device: cpu (no CUDA): every op runs its pure-torch reference")
     x = torch.zeros(256, 256, device=dev)
     print("\nquantize backends:")
-    for s in (Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4(), NVFP4(two_d=True)):
+    for s in (Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4(),
+              NVFP4(two_d=True)):
         print(f"  {s!r:<90} -> {quant.backend_for(x, s, True, True)}")
     from lowbit import gemm
 
@@ -102,7 +103,8 @@ def cmd_info(argv=None) -> int:
     print("\nkernel switches (docs/GUIDE.md section 6):")
     for name, default in (("LOWBIT_AUTOTUNE", "1"), ("LOWBIT_ATTN_AUTOTUNE", "1"), ("LOWBIT_ATTN_TMA", "1"),
                           ("LOWBIT_ATTN_BWD_TMA", "0"), ("LOWBIT_GEMM_TMA", "1"),
-                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_ATTN_GLUON_PERSIST", "1"), ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
+                          ("LOWBIT_GEMM_GLUON", "1"), ("LOWBIT_ATTN_GLUON", "1"), ("LOWBIT_ATTN_GLUON_PERSIST", "1"),
+                          ("LOWBIT_FUSED_SWIGLU_QUANT", "1"), ("LOWBIT_SENTRY_SYNC", "0"), ("LOWBIT_FAST_LAUNCH", "1")):
         value = os.environ.get(name)
         print(f"  {name}={value if value is not None else default}{'' if value is not None else ' (default)'}")
     return 0
@@ -122,7 +124,8 @@ def cmd_quant_demo(argv=None) -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
     gauss = torch.randn(a.rows, a.cols, generator=g, device=dev)
-    heavy = torch.randn(a.rows, a.cols, generator=g, device=dev) / torch.rand(a.rows, a.cols, generator=g, device=dev).clamp(min=0.05).sqrt()
+    heavy = torch.randn(a.rows, a.cols, generator=g, device=dev) / torch.rand(a.rows, a.cols, generator=g,
+                                                                              device=dev).clamp(min=0.05).sqrt()
     heavy[:: max(1, a.rows // 2)] *= 1e4  # two "massive activation" rows
     schemes = {
         "FP8 E4M3 per-tensor": Float8Tensorwise(),

@@ -168,7 +168,8 @@ class DelayedScaling(Recipe):
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin: expected an int >= 0, got {self.margin!r}")
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or self.amax_history_len < 1:
+        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len,
+                                                                    bool) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len: expected an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {self.amax_compute_algo!r}")
@@ -288,7 +289,8 @@ class MXFP8BlockScaling(Recipe):
 
     def _roles(self):
         f = self.fp8_format
-        return {"input": RoleQuant(MXFP8(f.fwd)), "weight": RoleQuant(MXFP8(f.fwd)), "grad_output": RoleQuant(MXFP8(f.bwd))}
+        return {"input": RoleQuant(MXFP8(f.fwd)), "weight": RoleQuant(MXFP8(f.fwd)),
+                "grad_output": RoleQuant(MXFP8(f.bwd))}
 
     @property
     def divisibility(self):
@@ -336,7 +338,8 @@ class NVFP4BlockScaling(Recipe):
         return {
             "input": RoleQuant(NVFP4(two_d=False, rht=rht)),
             "weight": RoleQuant(NVFP4(two_d=not self.disable_2d_quantization, rht=False)),
-            "grad_output": RoleQuant(NVFP4(two_d=False, rht=rht, stochastic_rounding=not self.disable_stochastic_rounding)),
+            "grad_output": RoleQuant(NVFP4(two_d=False, rht=rht,
+                                           stochastic_rounding=not self.disable_stochastic_rounding)),
         }
 
     @property

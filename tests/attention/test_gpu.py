@@ -162,7 +162,8 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
     shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
     q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     for causal in (False, True):
-        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton", return_lse=True)
+        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton",
+                  return_lse=True)
         monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
         o0, l0 = A.attention(q, k, v, **kw)
         used = []
@@ -182,7 +183,8 @@ def test_varlen_kernel(qk, pv, causal):
     lq, lk = [1, 17, 1000, 300], [5, 17, 1200, 300]
     cq = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
     ck = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
-    q, k, v = rand(sum(lq), 8, 128, dtype=torch.bfloat16, seed=1), rand(sum(lk), 2, 128, dtype=torch.bfloat16, seed=2), \
+    q, k, v = rand(sum(lq), 8, 128, dtype=torch.bfloat16, seed=1), rand(sum(lk), 2, 128, dtype=torch.bfloat16,
+                                                                        seed=2), \
         rand(sum(lk), 2, 128, dtype=torch.bfloat16, seed=3)
     vl = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=1000, max_seqlen_k=1200)
     qa, ka, va, qs, ks, vs, km, rows = _prep(tri, q, k, v, qk, pv, "per_warp", **vl)

@@ -180,7 +180,8 @@ def test_fp8_epilogue_bitexact_and_floors(kdev, fmt):
     """FP8 rowwise and given-scale gradients == lowbit.quantize of the kernel's own FP32 gradients
     (interpreter with the emulated cast; the hardware cast is checked on the GPU), and their error floors."""
     q, k, v, do = make_inputs(1, 4, 2, 33, 40, 32, device=kdev, seed=20)
-    check_fp8_epilogue(q, k, v, do, dict(causal=True), ((16, 32, 4, 1), (32, 16, 4, 1)), fmt, tensorwise_tol=FP8_TOL[fmt])
+    check_fp8_epilogue(q, k, v, do, dict(causal=True), ((16, 32, 4, 1), (32, 16, 4, 1)), fmt,
+                       tensorwise_tol=FP8_TOL[fmt])
 
 
 def test_fp8_e4m3_tighter_than_e5m2_reference_backend():

@@ -152,7 +152,8 @@ def test_fp8_grad_handoff_on_cuda(cuda):
     m_off = MultiheadAttention(256, 4, 2, fp8_grad_handoff=False, **kw)
     m_off.load_state_dict(m.state_dict())
     hp = MultiheadAttention(256, 4, 2, **dict(kw, dtype=torch.float32))
-    hp.load_state_dict({k: v.float() for k, v in m.state_dict().items() if not k.endswith("_extra_state")}, strict=False)
+    hp.load_state_dict({k: v.float() for k, v in m.state_dict().items() if not k.endswith("_extra_state")},
+                       strict=False)
     x = torch.randn(2, 256, 256, device=cuda)
     hp(x).square().mean().backward()
     for step in range(3):

@@ -109,4 +109,5 @@ if __name__ == "__main__":  # measurement used to set MAX_RATIO
             hp, _, _ = train(seed, None)
             lq, _, _ = train(seed, rf())
             rs.append(lq[-1] / hp[-1])
-        print(name, "ratios", [round(r, 3) for r in rs], "max", round(max(rs), 3), "first/last", round(lq[0], 3), round(lq[-1], 4))
+        print(name, "ratios", [round(r, 3) for r in rs], "max", round(max(rs), 3), "first/last", round(lq[0], 3),
+              round(lq[-1], 4))

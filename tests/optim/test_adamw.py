@@ -97,7 +97,8 @@ def _check_kernel(device: str, seed: int = 0, sch=SCH):
             topt.step()
             assert torch.equal(bias.detach(), twin.detach())  # the 1D parameter: torch's own step
     # a skipped step (found_inf = 1): nothing changes, the copies (and their amax) stay valid
-    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone()) for p, l in zip(ps, layers)]
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone()) for p,
+              l in zip(ps, layers)]
     _grads(ps + [bias], gen)
     opt.grad_scale, opt.found_inf = torch.tensor(1.0, device=device), torch.ones((), device=device)
     opt.step()
@@ -275,7 +276,8 @@ def test_kernel_compiles_for_sm90():
     fn = K.adamw_fp8_128x128_kernel
     ptrs = dict(tab_ptr="*i64", lr_ptr="*fp32", gs_ptr="*fp32", fi_ptr="*fp32")
     names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: ptrs.get(n) or ("constexpr" if "constexpr" in str(p.annotation) else "i64" if n.endswith("_bits") else "i32")
+    sig = {n: ptrs.get(n) or ("constexpr" if "constexpr" in str(p.annotation) else "i64" if n.endswith("_bits")
+                              else "i32")
            for n, p in inspect.signature(fn.fn).parameters.items()}
     ch, ch2, warps, ns = _config()
     const = dict(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, SW=False, E5M2=False, ADAM=True, LR_PTR=True,

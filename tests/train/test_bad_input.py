@@ -12,7 +12,8 @@ from lowbit.train.loop import TrainConfig, train
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(steps=2, batch_size=2, seq_len=32, eval_windows=2, out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+    base = dict(steps=2, batch_size=2, seq_len=32, eval_windows=2, out_dir=str(tmp_path / "run"),
+                cache_dir=str(tmp_path / "cache"),
                 progress=False, verbose=False)
     base.update(kw)
     return TrainConfig(**base)

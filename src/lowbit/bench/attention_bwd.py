@@ -156,7 +156,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
     ap.add_argument("--per-kernel", type=int, default=0, metavar="N",
                     help="also N interleaved calls per lowbit variant under torch.profiler: each kernel's GPU time")
-    ap.add_argument("--tma", action="store_true", help="also the lowbit variants with TMA tiles (LOWBIT_ATTN_BWD_TMA=1)")
+    ap.add_argument("--tma", action="store_true",
+                    help="also the lowbit variants with TMA tiles (LOWBIT_ATTN_BWD_TMA=1)")
     args = ap.parse_args(argv)
 
     import torch

@@ -45,19 +45,23 @@ def _run_shape(M, K, N, rep, rows):
     xa = x.to(torch.float8_e4m3fn)
     wa = w.to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
-    res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep)
+    res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=torch.bfloat16), rep)
     qa = quantize(x, Float8Blockwise())
     qb = quantize(w, Float8Blockwise(block_dim=2))
     if hasattr(F, "scaled_mm"):
         sa = qa.logical_scales()
         sb = qb.logical_scales()
         S = F.ScalingType
-        res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa, S.BlockWise1x128,
-                                                                 sb.t(), S.BlockWise128x128, output_dtype=torch.bfloat16), rep)
+        res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa,
+                                                                 S.BlockWise1x128,
+                                                                 sb.t(), S.BlockWise128x128,
+                                                                 output_dtype=torch.bfloat16), rep)
     try:
         from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
 
-        res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(), qa.logical_scales(),
+        res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(),
+                                                                 qa.logical_scales(),
                                                                  qb.logical_scales().t()), rep)
     except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
         print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
@@ -65,7 +69,8 @@ def _run_shape(M, K, N, rep, rows):
     # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
     # and each Gluon kernel alone: one tile a CTA ("force"), persistent warp-specialized ("ws")
     for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
-                          ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1", "force"),
+                          ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1",
+                                                                                "force"),
                           ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
         with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
             res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
@@ -74,10 +79,13 @@ def _run_shape(M, K, N, rep, rows):
     for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
         with env("LOWBIT_GEMM_TMA", tma):
             res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
-    res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+    res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16,
+                                                                  backend="triton_emulated"), rep)
     ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
-    res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
-    res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16, backend="triton_emulated"), rep)
+    res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
+                                                                backend="triton_dequant"), rep)
+    res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
+                                                                  backend="triton_emulated"), rep)
     bf = res.get("bf16 torch.mm")
     cb = res.get("cuBLAS fp8 blockwise")
     for name, t in res.items():
@@ -99,8 +107,10 @@ def run(shapes, rep=100):
 
 def markdown(rows) -> str:
     dev = torch.cuda.get_device_name()
-    out = [f"Device: {dev}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
-           "| M x K x N | kernel | time (us) | TFLOP/s | vs BF16 torch.mm | vs cuBLAS FP8 blockwise |", "|---|---|---:|---:|---:|---:|"]
+    out = [f"Device: {dev}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}",
+           "",
+           "| M x K x N | kernel | time (us) | TFLOP/s | vs BF16 torch.mm | vs cuBLAS FP8 blockwise |",
+           "|---|---|---:|---:|---:|---:|"]
     for shape, name, t, tf, rb, rc in rows:
         out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {tf:.0f} | {'' if rb is None else f'{rb:.2f}'} | {'' if rc is None else f'{rc:.2f}'} |")
     return "\n".join(out) + "\n"
@@ -108,7 +118,8 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     return table_main(argv, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes)", run=run, markdown=markdown)
+                      shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes)", run=run,
+                      markdown=markdown)
 
 
 if __name__ == "__main__":

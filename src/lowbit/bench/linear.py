@@ -231,7 +231,8 @@ def main(argv=None) -> int:
         ap.error(str(e))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("lowbit bench linear: needs a CUDA GPU (pass --device cpu for a smoke test of the references)", file=sys.stderr)
+        print("lowbit bench linear: needs a CUDA GPU (pass --device cpu for a smoke test of the references)",
+              file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (references; not a benchmark)"

@@ -52,7 +52,8 @@ def _run_shape(M, K, rep, rows):
         ("copy (device to device)", lambda: y.copy_(x), None),
         ("1x128 rowwise", lambda: quantize(x, Float8Blockwise(), True, False, backend="triton"), None),
         ("1x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(), True, True, backend="triton"), None),
-        ("128x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
+        ("128x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(block_dim=2), True, True, backend="triton"),
+         None),
         ("tensorwise current row+col", lambda: quantize(x, Float8Tensorwise(), True, True, backend="triton"), 2),
         ("MXFP8 rowwise+columnwise", lambda: quantize(x, MXFP8(), True, True, backend="triton"), None),
         ("NVFP4 1x16 rowwise", lambda: quantize(x, NVFP4(), True, False, backend="triton"), 2),
@@ -66,7 +67,8 @@ def _run_shape(M, K, rep, rows):
     cases += [
         ("copy fp32", lambda: y32.copy_(x32), None),
         ("fp32 1x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(), True, True, backend="triton"), None),
-        ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
+        ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True,
+                                                             backend="triton"), None),
     ]
     copy_bw = None
     for name, fn, passes in cases:
@@ -80,7 +82,8 @@ def _run_shape(M, K, rep, rows):
             moved = 2 * n_in
         else:
             q = fn()
-            moved = n_in * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size() for v in q))
+            moved = n_in * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size()
+                                                                                      for v in q))
         bw = moved / t * 1e-6
         if name.startswith("copy"):  # fractions are of the copy of the same input dtype
             copy_bw = bw
@@ -110,7 +113,8 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     return table_main(argv, prog="lowbit bench quant", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxK list (default: four GPT-sized activation shapes)", run=run, markdown=markdown)
+                      shapes_help="comma-separated MxK list (default: four GPT-sized activation shapes)", run=run,
+                      markdown=markdown)
 
 
 if __name__ == "__main__":

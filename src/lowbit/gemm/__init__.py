@@ -15,7 +15,8 @@ from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8
 from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
-__all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
+__all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
+           "dequantize_exact", "apply_epilogue"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
 # accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may

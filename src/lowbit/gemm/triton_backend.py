@@ -162,7 +162,8 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         if cfg.get("WS"):
-            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda, ldb,
+            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda,
+                       ldb,
                        SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
             return
         if cfg.get("GLUON"):
@@ -279,7 +280,8 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
 
     def launch(cfg):
         if cfg.get("GWS"):
-            _launch_ws(dev, cfg, (A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c), M, N, K, 0, 0,
+            _launch_ws(dev, cfg, (A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c), M, N, K,
+                       0, 0,
                        SA=0, SB=1 if nv else 0, BS=64, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
             return
         if cfg.get("CUBLAS"):

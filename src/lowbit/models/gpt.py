@@ -174,10 +174,12 @@ class Block(nn.Module):
         import lowbit.nn as lnn
 
         self.n_head = cfg.n_head
-        self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm, eps=cfg.norm_eps)
+        self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm,
+                                       eps=cfg.norm_eps)
         self.proj = lnn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         # the same fused SwiGLU kernel under every recipe (BF16 included), so recipe comparisons compare GEMMs
-        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp,
+        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm,
+                                    activation=cfg.mlp,
                                     fused_swiglu=True)
 
     def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None, link=None):
@@ -209,7 +211,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "RMSNorm" else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm_f = nn.RMSNorm(cfg.d_model,
+                                 eps=cfg.norm_eps) if cfg.norm == "RMSNorm" else nn.LayerNorm(cfg.d_model,
+                                                                                              eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight

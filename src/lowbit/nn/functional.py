@@ -240,7 +240,8 @@ class GemmLayer:
         _ac.sentry([c.amax for c in q._copies()], layer=self, role="input", phase="forward", policy=policy)
         return q, rstd
 
-    def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool, policy: str) -> QuantizedTensor:
+    def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool,
+                         policy: str) -> QuantizedTensor:
         """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False)."""
         if is_first_microbatch is False:
             c = self.wcache
@@ -279,7 +280,8 @@ class GemmLayer:
                 self.fresh_uses += 1
                 self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
                 return q
-        q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache and torch.is_grad_enabled()),
+        q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache
+                                                                                                and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
@@ -332,7 +334,8 @@ _SIDE = {"on": False, "streams": {}, "join": None}
 # took 162 us). cuBLAS is asked to leave this many SMs free for the main stream (torch's SM carveout, set around the
 # side-stream call only): 32 of 132 SMs gave ~2% more tokens/s on the 350m and 1.3b GPTs; 16 and 48 gave less.
 # The default keeps that fraction on other GPUs; LOWBIT_WGRAD_SM_CARVEOUT=N asks for N SMs (0 turns it off).
-_HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
+_HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C,
+                                                                               "_get_sm_carveout_experimental")
 
 
 def side_carveout(n_sms: int) -> int:
@@ -542,7 +545,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0] or ctx.needs_input_grad[3], ctx.needs_input_grad[1]
         dx = dw = db = dnw = None
         if need_dgrad or need_wgrad:
-            qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+            qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad,
+                                                               need_wgrad=need_wgrad,
                                                                 phase="backward", policy=cfg.policy)
             if qdy is None:
                 qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
@@ -619,7 +623,8 @@ def _linked_rstd(norm_eps, norm_rstd, norm_link):
 # ------------------------------------------------------------------------------------------------
 # fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into fc2's input quantizer
 # ------------------------------------------------------------------------------------------------
-def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype | None = None) -> bool:
+def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype
+                       | None = None) -> bool:
     """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns

@@ -533,7 +533,8 @@ class DelayedScalingState:
     def __init__(self, recipe: DelayedScaling, device=None):
         self.recipe = recipe
         self.histories = {
-            role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, rq.scheme.fmt, device=device)
+            role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, rq.scheme.fmt,
+                              device=device)
             for role, rq in recipe.roles().items()
         }
         self.pending: dict[str, torch.Tensor | None] = {r: None for r in self.histories}
@@ -710,7 +711,8 @@ class autocast(contextlib.ContextDecorator):
     def __enter__(self):
         global _state, _depth, _carried
         outer = _state
-        recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled else None))
+        recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled
+                                                                                else None))
         support = outer.support
         if self.enabled:
             support = check_recipe_support(recipe, allow_emulation=self.allow_emulation)

@@ -43,7 +43,8 @@ def rmsnorm_rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (1.0 / torch.sqrt((x2 * x2).mean(dim=1) + eps)).float()
 
 
-def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *, rowwise: bool = True,
+def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *,
+                               rowwise: bool = True,
                                columnwise: bool = True):
     """The spec of the fused kernel given its rstd (M,): quantize ``(x · rstd) · w`` (FP32 products) with ``scheme``."""
     from ..quant.reference import quantize_reference
@@ -70,7 +71,8 @@ def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
             and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme))
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_weight_grad: bool):
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      need_weight_grad: bool):
     """(dx, dw) of y = (x · rstd) · w for x (M, K), rstd (M,): on CUDA torch's own fused RMSNorm backward (the kernel
     F.rms_norm's autograd runs there), elsewhere (no CPU kernel of it) the same math in FP32 torch ops:
     dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked
@@ -78,7 +80,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wei
     K = x.shape[-1]
     dy = dy.reshape(-1, K).to(x.dtype)
     if x.is_cuda and hasattr(torch.ops.aten, "_fused_rms_norm_backward"):
-        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [K], rstd.reshape(-1, 1), weight, [True, need_weight_grad])
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [K], rstd.reshape(-1, 1), weight, [True,
+                                                                                                   need_weight_grad])
         return dx, (dw if need_weight_grad else None)
     r = rstd.reshape(-1, 1).float()
     xh = x.float() * r
@@ -157,7 +160,8 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
         M = prod(x.shape[:-1]) — what the backward (:func:`rms_norm_backward`) needs besides x and the weight.
     """
     from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _regs_ok,
+    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
+                                        _regs_ok,
                                         _set_copies, tuned_launch)
 
     if not norm_quant_fusable(x, weight, scheme):

@@ -137,7 +137,8 @@ class _RopeQKV(torch.autograd.Function):
             if placeholder is not None:  # dqkv went to the QKV projection quantized: autograd gets a stand-in
                 return placeholder.expand(B, T, 3, H, D), None, None, None
         like = next(g for g in (gq, gk, gv) if g is not None)
-        gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None else g.transpose(1, 2).contiguous()
+        gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None
+              else g.transpose(1, 2).contiguous()
               for g in (gq, gk, gv)]
         return _backward_dqkv(gs, cos, sin), None, None, None
 

@@ -94,6 +94,7 @@ def transpose_2d(x: torch.Tensor) -> torch.Tensor:
 
     # (wgrad_mm's order tuner times a launch that calls this: untuned inside its capture, tuned_launch takes the
     # first config)
-    tuned_launch("transpose_2d", (x.element_size(), _bucket(R), _bucket(C)), lambda: transpose_configs(x.element_size()),
+    tuned_launch("transpose_2d", (x.element_size(), _bucket(R), _bucket(C)),
+                 lambda: transpose_configs(x.element_size()),
                  launch)
     return y

@@ -318,11 +318,14 @@ def quantize_reference(
         row = _copy_tensorwise(x2, scheme.format, scale)
         qt.rowwise = row if rowwise else None
         if columnwise:  # same scale, transposed data: one scale per tensor commutes with the transpose
-            qt.columnwise = QuantizedCopy(data=row.data.t().contiguous(), scale_inv=row.scale_inv.clone(), amax=row.amax.clone())
+            qt.columnwise = QuantizedCopy(data=row.data.t().contiguous(), scale_inv=row.scale_inv.clone(),
+                                          amax=row.amax.clone())
         return qt
     if isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2 or isinstance(scheme, NVFP4) and scheme.two_d:
         # Square tiles are symmetric under transpose: the columnwise copy is the transposed data and scale grid.
-        row = _copy_blockwise(x2, scheme) if isinstance(scheme, Float8Blockwise) else _copy_nvfp4(x2, scheme, rht=False, seed=seed or 0, index_base=0)
+        row = _copy_blockwise(x2, scheme) if isinstance(scheme, Float8Blockwise) else _copy_nvfp4(x2, scheme, rht=False,
+                                                                                                  seed=seed or 0,
+                                                                                                  index_base=0)
         qt.rowwise = row if rowwise else None
         if columnwise:
             if isinstance(scheme, NVFP4):
@@ -332,7 +335,8 @@ def quantize_reference(
                 cdata = row.data.t().contiguous()
                 logical = scale_logical(scheme, row.scale_inv, *x2.shape)
                 cscale = scale_storage(scheme, logical.t().contiguous())
-            qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(), global_scale=row.global_scale)
+            qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(),
+                                          global_scale=row.global_scale)
         return qt
 
     def one(m2, which):

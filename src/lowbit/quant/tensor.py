@@ -129,14 +129,16 @@ def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
     if d.dtype != dt:
         _bad(qt, which, name, r, k, f"data must be {dt}, got {d.dtype}")
     if d.shape != dshape:
-        _bad(qt, which, name, r, k, f"data must have shape {dshape}{' (two E2M1 codes a byte)' if dt == torch.uint8 else ''}, "
+        _bad(qt, which, name, r, k,
+             f"data must have shape {dshape}{' (two E2M1 codes a byte)' if dt == torch.uint8 else ''}, "
                                     f"got {tuple(d.shape)}")
     if s.dtype != st:
         _bad(qt, which, name, r, k, f"scale_inv must be {st}, got {s.dtype}")
     if s.shape != sshape:
         _bad(qt, which, name, r, k, f"scale_inv must have the storage shape {sshape} ({rule}), got {tuple(s.shape)}")
     if not s.is_contiguous():
-        _bad(qt, which, name, r, k, f"scale_inv must be contiguous (the storage layout), got strides {tuple(s.stride())}")
+        _bad(qt, which, name, r, k,
+             f"scale_inv must be contiguous (the storage layout), got strides {tuple(s.stride())}")
     if s.device != d.device:
         _bad(qt, which, name, r, k, f"scale_inv must be on the data's device {d.device}, got {s.device}")
     if dt == torch.uint8:
@@ -239,7 +241,8 @@ class QuantizedTensor:
         the data dtype and shape, and the scale dtype, shape, contiguity and device, that the scheme and the logical
         shape require (see :func:`check_copy`), and the copies share one device. Metadata only: cheap, no device
         synchronization."""
-        copies = [which] if which is not None else [w for w in ("rowwise", "columnwise") if getattr(self, w) is not None]
+        copies = [which] if which is not None else [w for w in ("rowwise", "columnwise")
+                                                    if getattr(self, w) is not None]
         if not copies:
             raise ValueError(f"{name}: has neither a rowwise nor a columnwise copy")
         for w in copies:
@@ -305,7 +308,8 @@ class QuantizedTensor:
             return e2m1_decode(unpack_e2m1(c.data))
         return c.data.to(torch.float32)
 
-    def dequantize(self, which: str | None = None, *, dtype: torch.dtype | None = None, undo_rht: bool = True) -> torch.Tensor:
+    def dequantize(self, which: str | None = None, *, dtype: torch.dtype | None = None,
+                   undo_rht: bool = True) -> torch.Tensor:
         """High-precision tensor of the logical shape: element · scale_inv (NVFP4: q · d / S).
 
         ``which`` picks the copy (default: rowwise if present). A columnwise copy quantized after the

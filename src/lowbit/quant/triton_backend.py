@@ -264,7 +264,8 @@ def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
 
 
 def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
-                    scale: torch.Tensor | None = None, seed: int | None = None, _checked: bool = False) -> QuantizedTensor:
+                    scale: torch.Tensor | None = None, seed: int | None = None,
+                    _checked: bool = False) -> QuantizedTensor:
     """Quantize a CUDA tensor with the Triton kernels; same contract and results as :func:`quantize_reference`.
 
     Args:
@@ -351,10 +352,12 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
             if delayed:
                 amax_i.zero_()
             grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-            K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise, COL=columnwise,
+            K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise,
+                                      COL=columnwise,
                                       SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)),
+        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M),
+                                                              _bucket(Kd)),
                                                cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
@@ -547,7 +550,8 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
             fn, grid, _, kw = plan.launch_args(c)
             fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
-    tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates, x.dtype),
+    tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates,
+                                                          x.dtype),
                  launch)
     qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
@@ -813,7 +817,8 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tenso
         rs = torch.empty(M, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
         cs = torch.empty(Kd, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
     min_m = 16 if (columnwise or sch.two_d) else 1
-    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd,  # noqa: E731
+    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M,
+                             Kd,  # noqa: E731
                              min_m=min_m, min_k=16)
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)

@@ -72,7 +72,8 @@ def check_shapes(sd: dict, model) -> None:
     theirs = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(own) - set(theirs))
     extra = sorted(set(theirs) - set(own))
-    bad = [f"{k}: checkpoint {theirs[k]} vs model {own[k]}" for k in sorted(set(own) & set(theirs)) if own[k] != theirs[k]]
+    bad = [f"{k}: checkpoint {theirs[k]} vs model {own[k]}" for k in sorted(set(own) & set(theirs))
+           if own[k] != theirs[k]]
     if missing or extra or bad:
         parts = []
         if bad:

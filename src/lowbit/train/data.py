@@ -78,7 +78,8 @@ def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".")
+                                                                             for part in p.relative_to(path).parts))
         if not files:
             raise ValueError(f"data: folder {str(path)!r} contains no files")
         return files
@@ -168,7 +169,8 @@ class Corpus:
         rng = np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))
         return rng.integers(0, hi + 1, size=global_batch, dtype=np.int64)
 
-    def train_batch(self, seed: int, step: int, rows: slice, global_batch: int, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, seed: int, step: int, rows: slice, global_batch: int, seq_len: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) int64 tensors of the given rows of the step's global batch."""
         off = self.batch_offsets(seed, step, global_batch, seq_len)[rows]
         return self._windows(self.train, off, seq_len, device)
@@ -193,7 +195,8 @@ class Corpus:
         return w[:, :-1], w[:, 1:]
 
 
-def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None, *, verbose: bool = True) -> Corpus:
+def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None, *,
+                verbose: bool = True) -> Corpus:
     """Build (once) and open the token cache for ``data`` (None: the standard-library corpus).
 
     Raises:

@@ -201,7 +201,8 @@ def setup_distributed(device_arg: str) -> Dist:
     dist = torch.distributed
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device, group=dist.group.WORLD)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device,
+                group=dist.group.WORLD)
 
 
 def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -291,7 +292,8 @@ def train(config: TrainConfig) -> dict:
         b = _train_one(base.resolved())
         summary["compare"] = {"bf16": b}
         if b.get("final_val_loss") and summary.get("final_val_loss") is not None:
-            summary["val_loss_gap_pct"] = 100.0 * (summary["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+            summary["val_loss_gap_pct"] = 100.0 * (summary["final_val_loss"]
+                                                   - b["final_val_loss"]) / b["final_val_loss"]
     return summary
 
 
@@ -574,7 +576,8 @@ def _train_one(c: TrainConfig) -> dict:
     mcfg, raw = _build(c, d)
     if recipe is not None and recipe.divisibility > 1:
         k = recipe.divisibility
-        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size), ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
+        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size),
+                        ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
             if v % k:
                 raise ValueError(f"{name}: recipe {c.recipe!r} needs multiples of {k}, got {v}")
     model = _wrap(raw, c, d)
@@ -584,7 +587,8 @@ def _train_one(c: TrainConfig) -> dict:
     use_bf16 = c.dtype == "bf16" or (c.dtype == "auto" and d.device.type == "cuda")
     use_graph, no_graph_why = _graph_decision(c, d)
     # torch.autocast's cast cache must be off under graph capture (its cached casts would be freed memory)
-    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16, cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
+    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
     group = d.group if d.active else None
 
     def lowbit_ctx():
@@ -611,7 +615,8 @@ def _train_one(c: TrainConfig) -> dict:
         path = ck_path if c.resume == "auto" else Path(c.resume)
         ck = ckpt.read_checkpoint(path)
         if ck["model_config"] != mcfg.to_dict():
-            diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items() if ck["model_config"].get(k) != v}
+            diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items()
+                    if ck["model_config"].get(k) != v}
             raise ValueError(f"resume: checkpoint {str(path)!r} was saved for a different model shape "
                              f"(field: (checkpoint, this run)) {diff}")
         saved = ck.get("train", {})
@@ -622,7 +627,8 @@ def _train_one(c: TrainConfig) -> dict:
                              "pass the same values or start a new --out-dir")
         ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
         start = int(ck["step"])
-        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v] for k, v in ck.get("history", history).items()}
+        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v] for k,
+                   v in ck.get("history", history).items()}
         events = list(ck.get("events", []))
         _say(d, c, f"[lowbit] resumed from {path} at step {start}")
         del ck
@@ -690,9 +696,12 @@ def _train_one(c: TrainConfig) -> dict:
     graphed = None
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
-                               [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None,
+                               [p for p in model.parameters() if p.requires_grad], d.device,
+                               quantized=recipe is not None,
                                prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
-    _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
+    _say(d, c,
+         f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}",
+         bar)
 
     # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
     # (adding 0 changes no value), so a captured graph injects the fault too: launch() refills it before each step
@@ -720,7 +729,8 @@ def _train_one(c: TrainConfig) -> dict:
     lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
                  and os.environ.get("LOWBIT_LOOKAHEAD", "1") != "0")
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
-    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32, pin_memory=True))
+    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32,
+                                                                                       pin_memory=True))
                    for _ in range(2)] if lookahead else None)
     t_mark = [time.perf_counter()]  # where the next step's wall time starts: the last step's end, after its eval/save
 
@@ -756,9 +766,11 @@ def _train_one(c: TrainConfig) -> dict:
                     graphed.capture()
                     if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
-                        _say(d, c, f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
+                        _say(d, c,
+                             f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
                                    + (f" ({a.missed} launches found the arena full)" if a.missed else "")
-                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer" if graphed.primed else ""),
+                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer"
+                                      if graphed.primed else ""),
                              bar)
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
@@ -788,7 +800,8 @@ def _train_one(c: TrainConfig) -> dict:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
                 for m in range(c.grad_accum):
                     r0 = d.rank * rows_per_rank + m * c.batch_size
-                    x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
+                    x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len,
+                                              d.device)
                     sync = contextlib.nullcontext()
                     if d.active and not c.fsdp and m < c.grad_accum - 1:
                         sync = model.no_sync()
@@ -838,7 +851,8 @@ def _train_one(c: TrainConfig) -> dict:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
             where = ([{"layer": e.layer, "role": e.role} for e in found]
-                     or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss", "role": "loss"}])
+                     or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss",
+                                                                                        "role": "loss"}])
             action = c.on_nonfinite
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
@@ -853,14 +867,17 @@ def _train_one(c: TrainConfig) -> dict:
                 else:
                     action = "skip (no checkpoint to roll back to)"
             for w in where:
-                events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss) else str(step_loss)})
-            _say(d, c, f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
+                events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss)
+                               else str(step_loss)})
+            _say(d, c,
+                 f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
         else:
             if not updated:
                 opt.step()
                 phases.mark("optimizer launch")
                 if step == start and getattr(opt, "fused_tensors", 0):
-                    _say(d, c, f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
+                    _say(d, c,
+                         f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
                                "FP8 copies for the next forward in one kernel", bar)
                 if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
                     # the optimizer has state now: capture the update graph here, in the (untimed) first step

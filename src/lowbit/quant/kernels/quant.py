@@ -275,7 +275,8 @@ def _rht_rows_mask(M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr):
     """amax_rht_ptr (int32 bits, pre-zeroed) = max |RHT(x)| for x (M, K) contiguous, M % 16 == 0, the RHT
     along M in 16-row groups of each column; RHT(x) is never written out. PLAIN: amax_ptr = max |x| as well,
     from the same read (the rowwise copy's amax)."""
@@ -335,7 +336,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
     tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
     s = _compute_scale(_bits_to_f32(amax), FMAX, POW2, 0.0)
@@ -343,7 +345,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         q = _fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -523,7 +526,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 row_max = tl.max(ab, axis=1)
                 if not COL:
                     tmax = tl.maximum(tmax, row_max)
-                _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW,
+                _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS,
+                         SW,
                          SATCVT, DT, EVEN, WIDE)
         if COL or TWO_D:
             col_max = tl.max(acc, axis=0)
@@ -573,7 +577,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 else:
                     if R2:
                         row_max = tl.max(x.to(tl.int32, bitcast=True) & abs_mask, axis=1)
-                        _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2,
+                        _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS,
+                                 POW2,
                                  EPS, SW, SATCVT, DT, EVEN, WIDE)
                     q = _fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
                     _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
@@ -661,7 +666,8 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
+            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld
+                                + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
                                 False, abs_mask)
             amax = tl.maximum(amax, a)
@@ -832,7 +838,8 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         lo, hi = tl.split(tl.reshape(codes, (G, BK, 8, 2)))
         packed = tl.permute(lo | (hi << 4), (1, 0, 2))  # (BK, G, 8): byte i of group g is cq[k, rows[g] / 2 + i]
         cmask = tl.trans(gmask)
-        tl.store(cq_ptr + offs_k[:, None, None] * (M // 2) + (rows // 2)[None, :, None] + tl.arange(0, 8)[None, None, :],
+        tl.store(cq_ptr + offs_k[:, None, None] * (M // 2) + (rows // 2)[None, :, None]
+                 + tl.arange(0, 8)[None, None, :],
                  packed, mask=cmask[:, :, None])
         tl.store(cs_ptr + offs_k[:, None] * M16 + (rows // 16)[None, :], tl.trans(dc.to(tl.float8e4nv)), mask=cmask)
     else:
@@ -842,7 +849,8 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         if TWO_D:
             bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
             d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
-            enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16, 16)),
+            enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16,
+                                                                                             16)),
                                (BM, BK))
             codes = _nvfp4_round(x * enc_e, seed, idx, SR)
             dq = d.to(tl.float8e4nv)

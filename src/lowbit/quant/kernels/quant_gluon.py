@@ -303,7 +303,8 @@ if GLUON:
         else:
             x = gl.load(ptrs)
         if AW is not None:
-            _rowcol_packed_core(_pack_words(x, AW), rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk,
+            _rowcol_packed_core(_pack_words(x, AW), rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm,
+                                pk,
                                 m0, k0, FMAX, POW2, EPS, A, B, T, abs_mask)
         else:
             _rowcol_quant(x, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0, r, c, FMAX,
