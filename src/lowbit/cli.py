@@ -38,12 +38,14 @@ def cmd_info(argv=None) -> int:
     from lowbit import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quant
 
     print(f"lowbit {lowbit.__version__}")
-    print(f"python {platform.python_version()}  torch {torch.__version__}  triton {_version('triton')}  numpy {_version('numpy')}")
+    print(f"python {platform.python_version()}  torch {torch.__version__}  triton {_version('triton')}  numpy "
+          f"{_version('numpy')}")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         p = torch.cuda.get_device_properties(dev)
         cap = torch.cuda.get_device_capability(dev)
-        print(f"device: {p.name}  capability sm_{cap[0]}{cap[1]}  {p.multi_processor_count} SMs  {p.total_memory / 2**30:.0f} GiB")
+        print(f"device: {p.name}  capability sm_{cap[0]}{cap[1]}  {p.multi_processor_count} SMs  "
+              f"{p.total_memory / 2**30:.0f} GiB")
         native = cap >= (9, 0)
         print(f"FP8 tensor cores: {'yes' if native else 'no'}  (MXFP8 and NVFP4 are emulated on Hopper)")
     else:
@@ -141,7 +143,8 @@ def cmd_quant_demo(argv=None) -> int:
         return (10 * torch.log10(x.double().pow(2).sum() / (x.double() - y.double()).pow(2).sum())).item()
 
     bf16_bytes = gauss.numel() * 2
-    print(f"tensor [{a.rows}, {a.cols}] on {dev}; SQNR in dB (higher is better); bytes for one rowwise copy vs BF16 ({bf16_bytes:,})")
+    print(f"tensor [{a.rows}, {a.cols}] on {dev}; SQNR in dB (higher is better); bytes for one rowwise copy vs BF16 "
+          f"({bf16_bytes:,})")
     print(f"{'scheme':<26}{'gaussian':>10}{'outliers*':>11}{'bytes':>12}{'vs bf16':>9}")
     keep = torch.ones(a.rows, dtype=torch.bool, device=dev)
     keep[:: max(1, a.rows // 2)] = False

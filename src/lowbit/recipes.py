@@ -79,9 +79,11 @@ class RoleQuant:
 
 def _check_format(name: str, value, allowed) -> None:
     if not isinstance(value, Format):
-        raise ValueError(f"{name}: expected a lowbit.recipes.Format ({', '.join('Format.' + f.name for f in allowed)}), got {value!r}")
+        raise ValueError(f"{name}: expected a lowbit.recipes.Format "
+                         f"({', '.join('Format.' + f.name for f in allowed)}), got {value!r}")
     if value not in allowed:
-        raise ValueError(f"{name}: this recipe takes {', '.join('Format.' + f.name for f in allowed)}, got Format.{value.name}")
+        raise ValueError(f"{name}: this recipe takes {', '.join('Format.' + f.name for f in allowed)}, got "
+                         f"Format.{value.name}")
 
 
 def _check_bool(name: str, value) -> None:

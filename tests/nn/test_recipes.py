@@ -83,7 +83,8 @@ def test_from_name():
     assert isinstance(recipes.from_name("mxfp8"), recipes.MXFP8BlockScaling)
     assert isinstance(recipes.from_name("nvfp4"), recipes.NVFP4BlockScaling)
     with pytest.raises(ValueError,
-                       match="unknown recipe 'fp4'; valid names: bf16, fp8-delayed, fp8-current, fp8-block, mxfp8, nvfp4"):
+                       match="unknown recipe 'fp4'; valid names: bf16, fp8-delayed, fp8-current, fp8-block, "
+                             "mxfp8, nvfp4"):
         recipes.from_name("fp4")
 
 

@@ -132,12 +132,14 @@ def main(argv=None) -> int:
                 fla = next((r["ms"] for r in rows if r["name"] == "sdpa_flash"), float("nan"))
                 sage = next((r["ms"] for r in rows if r["name"] == "sageattention"), float("nan"))
                 title = f"B={B} H={H} S={S} D={D} causal={causal}"
-                lines.append(f"## {title}\n\n| impl | kind | ms | TFLOP/s | x cuDNN | x flash | x sage | NRMSE vs FP32 |\n"
+                lines.append(f"## {title}\n\n| impl | kind | ms | TFLOP/s | x cuDNN | x flash | x sage | "
+                             "NRMSE vs FP32 |\n"
                              "|---|---|---:|---:|---:|---:|---:|---:|\n")
                 for r in rows:
                     r.update(B=B, H=H, S=S, D=D, causal=causal, device=dev_name)
                     jf.write(json.dumps(r) + "\n")
-                    lines.append(f"| {r['name']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.0f} | {cud / r['ms']:.2f} | "
+                    lines.append(f"| {r['name']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                                 f"{cud / r['ms']:.2f} | "
                                  f"{fla / r['ms']:.2f} | {sage / r['ms']:.2f} | {r['nrmse']:.2e} |"
                                  + (f" {r['error']}" if "error" in r else "") + "\n")
                 lines.append("\n")

@@ -112,7 +112,8 @@ def markdown(rows) -> str:
            "| M x K x N | kernel | time (us) | TFLOP/s | vs BF16 torch.mm | vs cuBLAS FP8 blockwise |",
            "|---|---|---:|---:|---:|---:|"]
     for shape, name, t, tf, rb, rc in rows:
-        out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {tf:.0f} | {'' if rb is None else f'{rb:.2f}'} | {'' if rc is None else f'{rc:.2f}'} |")
+        out.append(f"| {shape} | {name} | {t * 1e3:.1f} | {tf:.0f} | {'' if rb is None else f'{rb:.2f}'} | "
+                   f"{'' if rc is None else f'{rc:.2f}'} |")
     return "\n".join(out) + "\n"
 
 

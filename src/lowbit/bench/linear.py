@@ -195,7 +195,8 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
 
 def _format(M, K, N, rows) -> str:
     lines = [f"### Linear fwd+bwd, (M, K, N) = ({M}, {K}, {N})", "",
-             "| contender | ms | × BF16 | TFLOP/s | quantize ms (x / w / dy) | GEMM ms (fprop / dgrad / wgrad) | note |",
+             "| contender | ms | × BF16 | TFLOP/s | quantize ms (x / w / dy) | GEMM ms (fprop / dgrad / "
+             "wgrad) | note |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("parts")
@@ -203,7 +204,8 @@ def _format(M, K, N, rows) -> str:
         if p:
             q = f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} ({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})"
             g = f"{p['fprop'] + p['dgrad'] + p['wgrad']:.3f} ({p['fprop']:.3f} / {p['dgrad']:.3f} / {p['wgrad']:.3f})"
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | {r.get('note', '')} |")
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | "
+                     f"{r.get('note', '')} |")
     return "\n".join(lines)
 
 

@@ -102,7 +102,8 @@ def run(shapes, rep=100):
 
 
 def markdown(rows) -> str:
-    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
+    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date "
+           f"{datetime.date.today().isoformat()}; commit {git_commit()}", "",
            "| input | kernel | call (us) | graphed (us) | MiB moved | GB/s | fraction of copy |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for shape, name, te, tg, mib, bw, r in rows:

@@ -114,7 +114,8 @@ def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> 
     ``"auto"``: lowbit.attention when ``qk``/``pv`` ask for quantized attention, else SDPA (the same 16-bit math).
     ``qk``/``pv`` are passed to lowbit.attention."""
     if (qk, pv) != ("bf16", "bf16") and backend == "sdpa":
-        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use 'auto' or 'lowbit'")
+        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use "
+                         "'auto' or 'lowbit'")
     if backend not in ("auto", "lowbit", "sdpa"):
         raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
     _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)

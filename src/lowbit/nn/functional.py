@@ -183,7 +183,8 @@ class GemmLayer:
         if st is None or not st.compatible(recipe):
             if st is not None and any(h.steps for h in st.histories.values()):
                 raise ValueError(
-                    f"recipe: layer {self.name!r} holds delayed-scaling state for {st.recipe} but the active recipe is {recipe}; "
+                    f"recipe: layer {self.name!r} holds delayed-scaling state for {st.recipe} but the active recipe "
+                    f"is {recipe}; "
                     "amax_history_len, amax_compute_algo, margin and fp8_format must stay the same across steps"
                 )
             st = _ac.DelayedScalingState(recipe, device=device)
@@ -247,18 +248,22 @@ class GemmLayer:
             c = self.wcache
             if c is None:
                 raise ValueError(
-                    f"is_first_microbatch: False needs a quantized weight cached by an earlier call with True in this step; "
-                    f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None to not cache)."
+                    "is_first_microbatch: False needs a quantized weight cached by an earlier call with True "
+                    "in this step; "
+                    f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None "
+                    "to not cache)."
                 )
             crecipe, version, ptr, q = c
             if crecipe != recipe:
                 raise ValueError(
-                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe is {recipe}; "
+                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe "
+                    f"is {recipe}; "
                     f"pass True when the recipe changes (layer {self.name!r})"
                 )
             if version != w._version or ptr != w.data_ptr():
                 raise ValueError(
-                    f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since it was cached "
+                    f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since "
+                    "it was cached "
                     "(optimizer step?); pass True on the first microbatch after each weight update"
                 )
             if columnwise and q.columnwise is None:
@@ -491,7 +496,8 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_li
     and the link."""
     if (norm_weight is None) != (norm_eps is None):
         raise ValueError(f"norm_weight, norm_eps: give both (RMSNorm fused into the input quantizer) or neither; got "
-                         f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps {norm_eps!r}")
+                         f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps "
+                         f"{norm_eps!r}")
     if norm_weight is None:
         if norm_link is not None:
             raise ValueError("norm_link: given without norm_weight / norm_eps (it links a fused RMSNorm's backward)")
@@ -597,16 +603,19 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
+        raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape "
+                         f"{tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
     x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe, norm_link)
     norm_rstd, norm_link = _linked_rstd(norm_eps, norm_rstd, norm_link)
     out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
+        raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer "
+                        f"{layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
-        raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
+        raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} "
+                        f"(layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)

@@ -44,9 +44,11 @@ def check_norm_link(link, normalization: str, input: torch.Tensor, weight: torch
     from ..ops.residual import NormGradLink
 
     if not isinstance(link, NormGradLink):
-        raise TypeError(f"input_norm_link: expected None or a lowbit.ops.residual.NormGradLink, got {type(link).__name__}")
+        raise TypeError("input_norm_link: expected None or a lowbit.ops.residual.NormGradLink, got "
+                        f"{type(link).__name__}")
     if normalization != "RMSNorm":
-        raise ValueError(f"input_norm_link: links an RMSNorm's backward; this module's normalization is {normalization!r}")
+        raise ValueError("input_norm_link: links an RMSNorm's backward; this module's normalization is "
+                         f"{normalization!r}")
     link.check(input, weight, eps)
 
 
@@ -59,7 +61,8 @@ def check_input_rstd(input_rstd, input: torch.Tensor) -> None:
     if not (isinstance(input_rstd, torch.Tensor) and input_rstd.dtype == torch.float32
             and tuple(input_rstd.shape) == (M,)
             and input_rstd.device == input.device):
-        raise ValueError(f"input_rstd: expected None or a float32 tensor of shape ({M},) on {input.device} (one per input "
+        raise ValueError(f"input_rstd: expected None or a float32 tensor of shape ({M},) on {input.device} "
+                         "(one per input "
                          f"row), got {getattr(input_rstd, 'dtype', type(input_rstd).__name__)} "
                          f"{tuple(getattr(input_rstd, 'shape', ()))} on {getattr(input_rstd, 'device', None)}")
 

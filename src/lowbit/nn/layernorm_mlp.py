@@ -143,5 +143,6 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         return F.silu(a) * b
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, normalization={self.normalization}, "
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, "
                 f"activation={self.activation}, eps={self.eps}")

@@ -143,7 +143,8 @@ def check_recipe_support(recipe: Recipe, device=None, *, allow_emulation: bool =
         capability: override the (major, minor) compute capability (for tests).
     """
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
+        raise TypeError("recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got "
+                        f"{type(recipe).__name__}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if _cuda_available() else torch.device("cpu")
     device = torch.device(device)

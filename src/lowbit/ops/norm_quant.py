@@ -166,9 +166,12 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
 
     if not norm_quant_fusable(x, weight, scheme):
         raise NotImplementedError(
-            f"rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x on CUDA and a "
-            f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x {getattr(x, 'dtype', None)} "
-            f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight {getattr(weight, 'dtype', None)} "
+            "rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x "
+            "on CUDA and a "
+            f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x "
+            f"{getattr(x, 'dtype', None)} "
+            f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight "
+            f"{getattr(weight, 'dtype', None)} "
             f"{tuple(getattr(weight, 'shape', ()))}" + ("" if _enabled() else " (LOWBIT_FUSED_NORM_QUANT=0)"))
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps: expected a float > 0, got {eps!r}")
@@ -182,7 +185,8 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
                      lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
     elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
               and rstd.device == x.device and rstd.is_contiguous()):
-        raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per row of x), got "
+        raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per "
+                         "row of x), got "
                          f"{getattr(rstd, 'dtype', type(rstd).__name__)} {tuple(getattr(rstd, 'shape', ()))} on "
                          f"{getattr(rstd, 'device', None)}")
     key = (M, Kd, scheme, rowwise, columnwise)

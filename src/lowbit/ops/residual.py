@@ -231,12 +231,15 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         if t is None:
             continue
         if t.dtype not in dts or tuple(t.shape) != tuple(out.shape) or t.device != out.device:
-            raise ValueError(f"{name}: expected {'/'.join(str(d) for d in dts)} of shape {tuple(out.shape)} on {out.device} "
+            raise ValueError(f"{name}: expected {'/'.join(str(d) for d in dts)} of shape {tuple(out.shape)} on "
+                             f"{out.device} "
                              f"(out's), got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous float32 tensor, got {out.dtype} (contiguous: {out.is_contiguous()})")
+        raise ValueError(f"out: expected a contiguous float32 tensor, got {out.dtype} (contiguous: "
+                         f"{out.is_contiguous()})")
     if not (rstd.dtype == torch.float32 and rstd.numel() == M and rstd.device == out.device):
-        raise ValueError(f"rstd: expected float32 with {M} elements (one per row of out) on {out.device}, got {rstd.dtype} "
+        raise ValueError(f"rstd: expected float32 with {M} elements (one per row of out) on {out.device}, got "
+                         f"{rstd.dtype} "
                          f"{tuple(rstd.shape)} on {rstd.device}")
     if not (weight.dtype == torch.float32 and tuple(weight.shape) == (K,)):
         raise ValueError(f"weight: expected float32 of shape ({K},), got {weight.dtype} {tuple(weight.shape)}")
@@ -305,14 +308,16 @@ class NormGradLink:
                              f"came with (link's sum {self.out_key and self.out_key[1]}, input "
                              f"{tuple(getattr(input, 'shape', ()))})")
         if weight is not self.weight or float(eps) != self.eps:
-            raise ValueError(f"input_norm_link: made for another norm (weight or eps differ: link eps {self.eps}, module eps "
+            raise ValueError("input_norm_link: made for another norm (weight or eps differ: link eps "
+                             f"{self.eps}, module eps "
                              f"{eps}); residual_add(..., norm_weight=) must name this module's norm weight and eps")
 
     def put(self, dn: torch.Tensor, rstd: torch.Tensor) -> None:
         """Called by the norm's module in its backward: dn the gradient of the norm output, rstd the statistics its
         forward used."""
         if self._pending is not None:
-            raise RuntimeError("NormGradLink: a second norm-output gradient before the residual add's backward took the "
+            raise RuntimeError("NormGradLink: a second norm-output gradient before the residual add's "
+                               "backward took the "
                                "first; one link serves one norm")
         self._pending = (dn, rstd)
 
@@ -410,7 +415,8 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         if not (isinstance(norm_weight, torch.Tensor) and norm_weight.dtype == torch.float32
                 and tuple(norm_weight.shape) == (x.shape[-1],)):
             raise ValueError(f"norm_weight: expected a float32 tensor of shape ({x.shape[-1]},), got "
-                             f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} {tuple(getattr(norm_weight, 'shape', ()))}")
+                             f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} "
+                             f"{tuple(getattr(norm_weight, 'shape', ()))}")
     if not residual_add_supported(x, y):
         if rms_eps is None:
             return x + y

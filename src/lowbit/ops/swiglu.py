@@ -35,7 +35,8 @@ def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
 
 def _check(h):
     if not isinstance(h, torch.Tensor) or h.dim() < 1 or h.shape[-1] % 2:
-        raise ValueError(f"h: expected (..., 2F) = [a | b] with an even last dim, got shape {tuple(getattr(h, 'shape', ()))}")
+        raise ValueError("h: expected (..., 2F) = [a | b] with an even last dim, got shape "
+                         f"{tuple(getattr(h, 'shape', ()))}")
     if not h.is_floating_point():
         raise TypeError(f"h: expected a floating-point tensor, got {h.dtype}")
 
@@ -330,7 +331,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
-            f"swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 CUDA u with "
+            "swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 "
+            "CUDA u with "
             f"its last dim a multiple of 256; got scheme {scheme!r}, u {u.dtype} {tuple(u.shape)} on {u.device}")
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one copy must be asked for")

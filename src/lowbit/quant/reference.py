@@ -263,7 +263,8 @@ def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, 
     if not (rowwise or columnwise):
         raise ValueError("rowwise/columnwise: at least one copy must be requested, got rowwise=False, columnwise=False")
     if not isinstance(scheme, (Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4)):
-        raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+        raise TypeError("scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, "
+                        f"got {scheme!r}")
     if scale is not None:
         if not isinstance(scheme, Float8Tensorwise):
             raise ValueError(f"scale: a given (delayed) scale only applies to Float8Tensorwise, got scheme {scheme!r}")
@@ -284,10 +285,12 @@ def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, 
     K = x.shape[-1]
     if isinstance(scheme, MXFP8):
         if rowwise and K % 32:
-            raise ValueError(f"x: MXFP8 rowwise needs the last dim divisible by 32, got shape {tuple(x.shape)} (last dim {K})")
+            raise ValueError(f"x: MXFP8 rowwise needs the last dim divisible by 32, got shape {tuple(x.shape)} "
+                             f"(last dim {K})")
         if columnwise and M % 32:
             raise ValueError(
-                f"x: MXFP8 columnwise needs the product of the leading dims divisible by 32, got shape {tuple(x.shape)} (rows {M})"
+                "x: MXFP8 columnwise needs the product of the leading dims divisible by 32, got shape "
+                f"{tuple(x.shape)} (rows {M})"
             )
     if isinstance(scheme, NVFP4):
         if K % 16:
@@ -430,10 +433,12 @@ def quantize_qk_int8(
     qb, kb = _to_bhsd(q, layout, "q"), _to_bhsd(k, layout, "k")
     B, Hq, Sq, D = qb.shape
     if kb.shape[0] != B or kb.shape[3] != D:
-        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} (layout {layout})")
+        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} "
+                         f"(layout {layout})")
     Hkv = kb.shape[1]
     if Hq % Hkv:
-        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, got {Hkv}")
+        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value "
+                         f"heads, got {Hkv}")
     if granularity not in ("per_block", "per_warp"):
         raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
     if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):

@@ -82,7 +82,8 @@ def scale_storage_shape(scheme: Scheme, rows: int, cols: int) -> tuple[int, ...]
         return (rows, cols // 32)
     if isinstance(scheme, NVFP4):
         return (rows // 16, cols // 16) if scheme.two_d else (rows, cols // 16)
-    raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+    raise TypeError("scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, "
+                    f"got {scheme!r}")
 
 
 def copy_layout(scheme: Scheme, rows: int, cols: int):
@@ -251,7 +252,8 @@ class QuantizedTensor:
             check_copy(self, w, name)
         r, c = self.rowwise, self.columnwise
         if r is not None and c is not None and r.data.device != c.data.device:
-            raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on {c.data.device}")
+            raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on "
+                             f"{c.data.device}")
 
     # -- amax / NaN sentry ----------------------------------------------------------------------
     @property

@@ -287,7 +287,8 @@ def _check_triton_input(x, scheme, rowwise, columnwise, scale):
     if not x.is_cuda and not INTERPRET:
         raise ValueError(f"x: the triton backend runs on CUDA tensors, got device {x.device}; use backend='reference'")
     if x.dtype not in _IN_DTYPES:
-        raise TypeError(f"x: the triton backend takes float32, bfloat16 or float16, got {x.dtype}; use backend='reference'")
+        raise TypeError(f"x: the triton backend takes float32, bfloat16 or float16, got {x.dtype}; use "
+                        "backend='reference'")
     if not x.is_contiguous():
         raise ValueError(f"x: the triton kernels need a contiguous tensor (got strides {tuple(x.stride())} for shape "
                          f"{tuple(x.shape)}); call x.contiguous() or use backend='reference'")

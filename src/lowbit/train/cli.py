@@ -76,7 +76,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
-                   help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, roll back to the last checkpoint, or stop (default skip)")
+                   help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, "
+                        "roll back to the last checkpoint, or stop (default skip)")
     g.add_argument("--compare", choices=("bf16",), default=None,
                    help="also run the BF16 baseline on the same data and seed")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -86,7 +87,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes bf16/fp8-current/"
+                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
+                        "bf16/fp8-current/"
                         "fp8-block/mxfp8; removes the per-kernel host cost of the eager path)")
     g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
     g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")

@@ -51,7 +51,8 @@ def check_writable_dir(path: str | os.PathLike, name: str) -> Path:
         raise ValueError(f"{name}: must be a directory, but {str(path)!r} exists and is not one")
     blocker = next((a for a in path.parents if a.exists()), None)
     if not path.exists() and blocker is not None and not blocker.is_dir():
-        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {str(blocker)!r} is a file, not a directory")
+        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {str(blocker)!r} is a file, "
+                         "not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -157,9 +158,11 @@ class Corpus:
                              f"(seq_len + 1 = {need}); give more text or a smaller --seq-len")
         for name, arr in (("train", self.train), ("val", self.val)):
             if len(arr) < need:
-                raise ValueError(f"data: the {name} split of {self.meta['source']} has {len(arr)} bytes, fewer than one "
+                raise ValueError(f"data: the {name} split of {self.meta['source']} has {len(arr)} bytes, "
+                                 "fewer than one "
                                  f"sequence (seq_len + 1 = {need}); the corpus has {total} bytes in all, and "
-                                 f"validation takes 1 in {VAL_EVERY} chunks of {CHUNK} bytes (or the last 10% of a smaller "
+                                 f"validation takes 1 in {VAL_EVERY} chunks of {CHUNK} bytes (or the last 10% "
+                                 "of a smaller "
                                  f"corpus); give more text or a smaller --seq-len")
 
     # -- batches ---------------------------------------------------------------------------------
@@ -221,7 +224,8 @@ def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathL
         check_writable_dir(cache, "cache_dir")
         raw, used, skipped = _read_all(files)
         if not raw:
-            raise ValueError(f"data: {source} holds no text ({len(files)} files, {skipped} skipped as binary, the rest empty)")
+            raise ValueError(f"data: {source} holds no text ({len(files)} files, {skipped} skipped as binary, "
+                             "the rest empty)")
         stream = np.frombuffer(raw, dtype=np.uint8)
         train, val = split_stream(stream)
         meta = {"format_version": FORMAT_VERSION, "source": source, "files": used, "skipped_binary": skipped,

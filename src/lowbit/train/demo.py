@@ -53,7 +53,8 @@ def run_demo(argv=None) -> dict:
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
-        raise ValueError(f"recipes: unknown recipe(s) {bad or a.recipes!r}; expected a comma-separated list from {', '.join(RECIPES)}")
+        raise ValueError(f"recipes: unknown recipe(s) {bad or a.recipes!r}; expected a comma-separated list from "
+                         f"{', '.join(RECIPES)}")
     if "bf16" in recipes:  # the baseline first, so the gaps can be read as the runs finish
         recipes = ["bf16"] + [r for r in recipes if r != "bf16"]
     if a.model is not None and a.model not in PRESET_DEFAULTS:
@@ -87,7 +88,8 @@ def run_demo(argv=None) -> dict:
                 title=f"lowbit demo: {model} on {summary['device']}, {cfg['steps']} steps")
     (out / "table.md").write_text(format_table(rows, markdown=True) + "\n")
     write_json(out / "summary.json", summary)
-    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {out / 'summary.json'}, {out / 'loss_curves.png'}, {out / 'table.md'}", flush=True)
+    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {out / 'summary.json'}, {out / 'loss_curves.png'}, "
+          f"{out / 'table.md'}", flush=True)
     return summary
 
 

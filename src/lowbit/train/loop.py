@@ -609,7 +609,8 @@ def _train_one(c: TrainConfig) -> dict:
     start = 0
     own_ckpt = [bool(c.resume)]  # rollback only to a checkpoint of this run (not one --overwrite replaces)
     if not c.resume and not c.overwrite and (c.ckpt_every or c.save_final) and ck_path.exists():
-        raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume to continue "
+        raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume "
+                         "to continue "
                          "that run, --overwrite to replace it, or another --out-dir")
     if c.resume:
         path = ck_path if c.resume == "auto" else Path(c.resume)
@@ -677,7 +678,8 @@ def _train_one(c: TrainConfig) -> dict:
         bar = tqdm(total=c.steps, initial=start, unit="step", dynamic_ncols=True,
                    desc=f"{c.model}/{c.recipe}", leave=True, mininterval=0.5)
     _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
-               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} attention={attention_backend()} "
+               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} "
+               f"attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
     def micro_step(x, y, m: int) -> torch.Tensor:
@@ -870,7 +872,8 @@ def _train_one(c: TrainConfig) -> dict:
                 events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss)
                                else str(step_loss)})
             _say(d, c,
-                 f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
+                 f"[lowbit] step {step}: non-finite "
+                 f"{', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
         else:
             if not updated:
                 opt.step()
