@@ -93,7 +93,8 @@ def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, 
     err = (y64 - r64).abs()
     bound = tol + rt * r64.abs()
     worst = (err / (S + 1e-300)).max().item()
-    assert bool((err <= bound).all()), f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, max err/S = {worst:.3g}"
+    assert bool((err <= bound).all()), (f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, "
+                                        f"max err/S = {worst:.3g}")
     if epi.get("gelu"):
         p64, rp64 = pre.double().cpu(), ref_pre.double().cpu()
         perr = (p64 - rp64).abs()
@@ -451,8 +452,8 @@ def _interp_main() -> int:
             A, B = dequantize_exact(a, ac), dequantize_exact(b, bc)
             S = A.abs() @ B.abs().t()
             err = (y.double() - ref.double()).abs()
-            bound = (0 if exact
-                     else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs() + 2.0**-20 * ref.double().abs() * bool(epi)
+            bound = ((0 if exact else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs()
+                     + 2.0**-20 * ref.double().abs() * bool(epi))
             if not bool((err <= bound).all()):
                 fails += 1
                 print("FAIL", fn.__name__, sa, sb, M, N, K, ac, bc, ints, (err / (S + 1e-300)).max().item())

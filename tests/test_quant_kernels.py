@@ -68,7 +68,8 @@ def mismatches(ref, got):
         for f in ("data", "scale_inv", "amax", "global_scale"):
             if not _same(getattr(r, f), getattr(g, f)):
                 A, B = getattr(r, f), getattr(g, f)
-                n = "?" if A is None or B is None or A.shape != B.shape else int((A.cpu().float() != B.cpu().float()).sum())
+                n = ("?" if A is None or B is None or A.shape != B.shape
+                     else int((A.cpu().float() != B.cpu().float()).sum()))
                 bad.append(f"{which}.{f}: {n} mismatches (ref {None if A is None else tuple(A.shape)}, got "
                            f"{None if B is None else tuple(B.shape)})")
         if not g.data.is_contiguous():

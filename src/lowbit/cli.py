@@ -72,7 +72,8 @@ def cmd_info(argv=None) -> int:
     for sa, sb in pairs:
         a = quant.quantize(x.normal_(), sa, True, True, backend="reference")
         b = quant.quantize(x.normal_(), sb, True, True, backend="reference")
-        name = f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x {type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}"
+        name = (f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x "
+                f"{type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}")
         print(f"  {name:<50} -> {gemm.backend_for(a, b)}")
     print("\nrecipes (lowbit train --recipe NAME):")
     import warnings

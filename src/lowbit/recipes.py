@@ -324,10 +324,12 @@ class NVFP4BlockScaling(Recipe):
 
     disable_rht: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_RHT"))
     """No Random Hadamard Transform on the wgrad operands (env ``LOWBIT_NVFP4_DISABLE_RHT``)."""
-    disable_stochastic_rounding: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
+    disable_stochastic_rounding: bool = field(
+        default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
     """Round gradients to nearest instead of stochastically (env ``LOWBIT_NVFP4_DISABLE_STOCHASTIC_ROUNDING``)."""
     disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION"))
-    """Quantize weights in 1x16 blocks (separately per copy) instead of 16x16 tiles (env ``LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION``)."""
+    """Quantize weights in 1x16 blocks (separately per copy) instead of 16x16 tiles
+    (env ``LOWBIT_NVFP4_DISABLE_2D_QUANTIZATION``)."""
 
     name = "nvfp4"
 

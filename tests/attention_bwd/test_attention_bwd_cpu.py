@@ -20,7 +20,8 @@ from lowbit.attention.reference import attention_reference
 from lowbit.formats import philox_randint
 from lowbit.quant import Float8Rowwise, QuantizedTensor, quantize
 
-from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse, triton_interpreted
+from bwd_common import (BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse,
+                        triton_interpreted)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -130,7 +130,8 @@ def test_stochastic_rounding_with_rht_is_unbiased():
     # sampling spread), 0.02 (the clamp bias).
     assert 0.1 < single_s < 0.2
     assert _nrmse(Ge, G.double()) < 0.02
-    assert mean_e / single_e < 0.105, f"wgrad: mean-of-{R} / single error = {mean_e / single_e:.3f} (expected ~{R ** -0.5:.3f})"
+    assert mean_e / single_e < 0.105, (f"wgrad: mean-of-{R} / single error = {mean_e / single_e:.3f} "
+                                       f"(expected ~{R ** -0.5:.3f})")
     assert mean_s / single_s < 0.15
     assert mean_x / single_x < 0.105
 

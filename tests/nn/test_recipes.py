@@ -32,8 +32,8 @@ def test_roles():
     assert recipes.Float8CurrentScaling(fp8_format=Format.E4M3).role("grad_output").scheme == Float8Tensorwise("e4m3")
     assert not recipes.Float8CurrentScaling().delayed
     b = recipes.Float8BlockScaling().roles()
-    assert b["input"].scheme == Float8Blockwise("e4m3",
-                                                block_dim=1) and b["weight"].scheme == Float8Blockwise("e4m3", block_dim=2)
+    assert (b["input"].scheme == Float8Blockwise("e4m3", block_dim=1)
+            and b["weight"].scheme == Float8Blockwise("e4m3", block_dim=2))
     assert recipes.Float8BlockScaling(fp8_format=Format.HYBRID).role("grad_output").scheme.fmt == "e5m2"
     assert recipes.MXFP8BlockScaling().role("weight").scheme == MXFP8("e4m3")
     n = recipes.NVFP4BlockScaling().roles()

@@ -48,7 +48,8 @@ def test_reference_and_bad_input():
 
 def _interpreted(call: str, timeout: int):
     """Run ``t.<call>`` (this module as t) in a child process with Triton's interpreter on from the start."""
-    code = "import sys; sys.path.insert(0, %r); import test_swiglu as t; t.%s; print('ok')" % (os.path.dirname(__file__), call)
+    code = ("import sys; sys.path.insert(0, %r); import test_swiglu as t; t.%s; print('ok')"
+            % (os.path.dirname(__file__), call))
     return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                           text=True, timeout=timeout)
 

@@ -156,7 +156,8 @@ def test_demo_writes_report(tmp_path, cache_dir, capsys):
         assert name in printed
     assert "gap vs bf16" in printed and "tokens/s" in printed
     rows = {r["recipe"]: r for r in summ["table"]}
-    assert rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"] < rows["bf16"]["weight_bytes_quantized"]
+    assert (rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"]
+            < rows["bf16"]["weight_bytes_quantized"])
     assert s["recipes"] == ["bf16", "fp8-block", "nvfp4"]
 
 

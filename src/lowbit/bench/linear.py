@@ -202,7 +202,8 @@ def _format(M, K, N, rows) -> str:
         p = r.get("parts")
         q = g = ""
         if p:
-            q = f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} ({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})"
+            q = (f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} "
+                 f"({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})")
             g = f"{p['fprop'] + p['dgrad'] + p['wgrad']:.3f} ({p['fprop']:.3f} / {p['dgrad']:.3f} / {p['wgrad']:.3f})"
         lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | "
                      f"{r.get('note', '')} |")

@@ -285,8 +285,8 @@ class GemmLayer:
                 self.fresh_uses += 1
                 self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
                 return q
-        q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache
-                                                                                                and torch.is_grad_enabled()),
+        q = self.quantize(w.detach(), "weight", recipe, rowwise=True,
+                          columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
@@ -505,8 +505,8 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_li
     if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
         raise ValueError(f"norm_eps: expected a float > 0, got {norm_eps!r}")
     if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[-1],):
-        raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got "
-                         f"{tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__}")
+        got = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__
+        raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got {got}")
     if norm_link is not None:
         norm_link.check(x, norm_weight, norm_eps)
     if norm_fuses(x, norm_weight, recipe):

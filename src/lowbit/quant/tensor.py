@@ -337,4 +337,5 @@ class QuantizedTensor:
 
     def __repr__(self) -> str:
         copies = "+".join(n for n in ("rowwise", "columnwise") if getattr(self, n) is not None)
-        return f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, scheme={self.scheme}, copies={copies}, nbytes={self.nbytes})"
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, scheme={self.scheme}, "
+                f"copies={copies}, nbytes={self.nbytes})")

@@ -75,7 +75,8 @@ class TrainConfig:
     compare: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA, fp32 on CPU."""
+    """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA,
+    fp32 on CPU."""
     fsdp: bool = False
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
