@@ -167,8 +167,8 @@ def test_prequantized_reference_index_mapping_explicit():
         for h in range(Hq):
             hk = h // (Hq // Hkv)
             for i in range(Sq):
-                s = torch.stack([(qi[b, h, i].float() @ ki[b, hk, j].float()) * (qs[b, h, i // rows]
-                                                                                 * ks[b, hk, j // bk])
+                s = torch.stack([(qi[b, h, i].float() @ ki[b, hk, j].float())
+                                 * (qs[b, h, i // rows] * ks[b, hk, j // bk])
                                  for j in range(Sk)])
                 p = torch.exp2(s - s.max())
                 exp[b, h, i] = (p.bfloat16().float() @ v[b, hk].float()) / p.sum()

@@ -198,8 +198,8 @@ def check_modules(device):
         torch.testing.assert_close(dxf, dxu, rtol=1e-4, atol=1e-6)
         for n in gf:
             assert gf[n] is not None and gu[n] is not None, n
-            torch.testing.assert_close(gf[n], gu[n], rtol=1e-4, atol=1e-6, msg=lambda s,
-                                       n=n: f"{type(m).__name__}.{n}: {s}")
+            torch.testing.assert_close(gf[n], gu[n], rtol=1e-4, atol=1e-6,
+                                       msg=lambda s, n=n: f"{type(m).__name__}.{n}: {s}")
     # not fused: LayerNorm, return_layernorm_output, a BF16 input
     m = lowbit.nn.LayerNormLinear(256, 128, normalization="LayerNorm").to(device)
     assert _run(m, torch.randn(4, 256, device=device), torch.randn(4, 128, device=device), True)[3] == 0

@@ -54,10 +54,10 @@ def _check_kernel(device, shapes, dtypes):
         outs = rope_qkv(a, cos, sin)
         refs = rope_qkv_reference(r, cos, sin)
         for o, e in zip(outs, refs):
-            assert o.shape == e.shape and _ulp_close(o, e, dtype), (B, T, H, D, dtype, (o.float()
-                                                                                        - e.float()).abs().max())
-        gs = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(device, dtype) for i,
-              o in enumerate(outs)]
+            assert o.shape == e.shape and _ulp_close(o, e, dtype), (B, T, H, D, dtype,
+                                                                    (o.float() - e.float()).abs().max())
+        gs = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(device, dtype)
+              for i, o in enumerate(outs)]
         torch.autograd.backward(outs, gs)
         torch.autograd.backward(refs, gs)
         # the backward rotates by -angle in FP32 with one rounding: same bound against the reference's autograd

@@ -40,8 +40,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
 
 def test_reference_and_bad_input():
     h = torch.tensor([[0.0, 2.0, 3.0, 4.0]])
-    torch.testing.assert_close(swiglu_reference(h), torch.tensor([[0.0, 2.0 / (1 + torch.exp(torch.tensor(-2.0)))
-                                                                   * 4.0]]))
+    torch.testing.assert_close(swiglu_reference(h),
+                               torch.tensor([[0.0, 2.0 / (1 + torch.exp(torch.tensor(-2.0))) * 4.0]]))
     with pytest.raises(ValueError, match="even last dim"):
         swiglu(torch.zeros(3, 5))
 

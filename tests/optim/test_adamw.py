@@ -97,8 +97,8 @@ def _check_kernel(device: str, seed: int = 0, sch=SCH):
             topt.step()
             assert torch.equal(bias.detach(), twin.detach())  # the 1D parameter: torch's own step
     # a skipped step (found_inf = 1): nothing changes, the copies (and their amax) stay valid
-    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone()) for p,
-              l in zip(ps, layers)]
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone())
+              for p, l in zip(ps, layers)]
     _grads(ps + [bias], gen)
     opt.grad_scale, opt.found_inf = torch.tensor(1.0, device=device), torch.ones((), device=device)
     opt.step()

@@ -632,8 +632,8 @@ def _linked_rstd(norm_eps, norm_rstd, norm_link):
 # ------------------------------------------------------------------------------------------------
 # fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into fc2's input quantizer
 # ------------------------------------------------------------------------------------------------
-def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype
-                       | None = None) -> bool:
+def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe,
+                       out_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_FUSED_SWIGLU_QUANT=0`` turns

@@ -136,8 +136,8 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
                 and norm_fuses(input, self.layer_norm_weight, st.recipe))
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor
-                | None = None,
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
+                input_rstd: torch.Tensor | None = None,
                 input_norm_link=None):
         """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
         computed already (:func:`lowbit.ops.residual.residual_add` with ``rms_eps=self.eps``), used only where the norm

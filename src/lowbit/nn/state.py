@@ -712,8 +712,8 @@ class autocast(contextlib.ContextDecorator):
     def __enter__(self):
         global _state, _depth, _carried
         outer = _state
-        recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled
-                                                                                else None))
+        recipe = self.recipe or (outer.recipe if outer.recipe is not None
+                                 else (DelayedScaling() if self.enabled else None))
         support = outer.support
         if self.enabled:
             support = check_recipe_support(recipe, allow_emulation=self.allow_emulation)

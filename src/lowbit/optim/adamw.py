@@ -87,8 +87,8 @@ class AdamW(torch.optim.AdamW):
                  quantized_weights: bool = True, **kw):
         params = list(params)
         if fused is None:
-            first = params[0]["params"][0] if params and isinstance(params[0], dict) else (params[0] if params
-                                                                                           else None)
+            first = (params[0]["params"][0] if params and isinstance(params[0], dict)
+                     else (params[0] if params else None))
             fused = bool(first is not None and first.is_cuda)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, capturable=capturable, fused=fused, **kw)

@@ -629,8 +629,8 @@ def _train_one(c: TrainConfig) -> dict:
                              "pass the same values or start a new --out-dir")
         ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
         start = int(ck["step"])
-        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v] for k,
-                   v in ck.get("history", history).items()}
+        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v]
+                   for k, v in ck.get("history", history).items()}
         events = list(ck.get("events", []))
         _say(d, c, f"[lowbit] resumed from {path} at step {start}")
         del ck

@@ -666,8 +666,8 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld
-                                + k0,
+            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb,
+                                cs_ptr + pm.to(tl.int64) * cs_ld + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
                                 False, abs_mask)
             amax = tl.maximum(amax, a)
