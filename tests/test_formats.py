@@ -31,7 +31,7 @@ ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml
 def _expected(xf: np.ndarray, fmt) -> np.ndarray:
     """ml_dtypes' RNE cast after our saturation convention.
 
-    Convention (DESIGN §2): finite values beyond ±max and ±Inf saturate to ±max. ml_dtypes instead
+    Convention (NUMERICS §2): finite values beyond ±max and ±Inf saturate to ±max. ml_dtypes instead
     overflows to Inf/NaN, so we compare against ml_dtypes(clip(x, ±max)) — clipping first is exactly
     saturation because every value beyond max rounds (or would overflow) to max or beyond.
     NaN stays NaN for the FP8 formats; E2M1 has no NaN (checked separately).
@@ -53,7 +53,8 @@ def test_all_bf16_bit_patterns_round_exactly(fmt):
     assert np.array_equal(got[finite_or_inf].view(np.uint32), exp[finite_or_inf].view(np.uint32))
     # NaN stays NaN in the rounded values (the E2M1 *encoding* maps it to +0: see test_e2m1_nan_encoding)
     assert np.isnan(got[~finite_or_inf]).all()
-    # storage bits for the FP8 formats equal ml_dtypes' bits (NaN patterns excluded: torch and ml_dtypes pick different NaNs)
+    # storage bits for the FP8 formats equal ml_dtypes' bits (NaN patterns excluded: torch and ml_dtypes pick different
+    # NaNs)
     if fmt.torch_dtype is not None:
         store = cast_to_format(x, fmt).view(torch.uint8).numpy()
         ref = np.clip(xf, -fmt.max, fmt.max).astype(ML[fmt.name]).view(np.uint8)

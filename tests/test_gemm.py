@@ -1,4 +1,4 @@
-"""Scaled GEMM backends against the float64-exact reference (DESIGN §5).
+"""Scaled GEMM backends against the float64-exact reference (NUMERICS §5).
 
 Tolerance (FP32 accumulation order). With S = |A|·|B|ᵀ (float64, exact dequantized operands), a
 backend that forms FP8 products exactly, reduces each K block on the tensor cores and promotes the
@@ -8,16 +8,16 @@ block into FP32 once per block differs from the exact result by
                                                                       bf16, 2**-10 for fp16)
 
 — 2**-12: Hopper's FP8 MMA aligns and truncates while summing one block (DeepSeek-V3 §3.3.2 measures
-~14 bits kept). The largest err / S seen on an H200 was 1.16 * 2**-13 (2026-11-23, a 4096x4096x384 case of the
+~14 bits kept). The largest err / S seen on Hopper was 1.16 * 2**-13 (a 4096x4096x384 case of the
 Gluon kernels, both of them; 2**-13 had held on the smaller shapes), so the term is twice 2**-13;
 the FP32 promotions add one rounding (2**-24 relative) per block (n_kblocks =
 ceil(K/128)), plus the two scale multiplies (2); the reference's own rounding of its float64-exact sum to
 FP32 output (1: y_ref is compared, not the exact value); and 7 roundings of slack for summation orders
 that are not ours (cuBLAS's promotion interval and split-K, the NVFP4 global-scale divisions of the
-emulated path). Those 10·2**-24 are < 0.3% of the 2**-12 term: the slack does not hide errors. An indexing or scale error moves y by O(|y|) ~ S/sqrt(K), 15-30x above this
-bound for the shapes tested. Exactness: on small-integer inputs quantized with power-of-two
-(blockwise, pow2=True) scales, the FP8 elements are small integers times powers of two and every
-partial sum (<= 16·K·2^k < 2**14·2^k) is exactly representable, so every backend must agree with the
+emulated path). Those 10·2**-24 are < 0.3% of the 2**-12 term: the slack does not hide errors. An indexing or scale
+error moves y by O(|y|) ~ S/sqrt(K), 15-30x above this bound for the shapes tested. Exactness: on small-integer inputs
+quantized with power-of-two (blockwise, pow2=True) scales, the FP8 elements are small integers times powers of two and
+every partial sum (<= 16·K·2^k < 2**14·2^k) is exactly representable, so every backend must agree with the
 reference bit for bit (FP32 output).
 """
 
@@ -33,7 +33,6 @@ import torch
 from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
 from lowbit.gemm.reference import dequantize_exact
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
-from lowbit.quant.reference import quantize_reference
 from sm90_compile import compile_gluon_sm90, sm90_sass
 
 try:
@@ -43,7 +42,8 @@ try:
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
-OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # one output ulp (rounding can land on either neighbour)
+# one output ulp (rounding can land on either neighbour)
+OUT_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def _operands(M, N, K, sa, sb, a_copy, b_copy, device, seed=0, ints=False, scale_a=None, scale_b=None):
@@ -93,7 +93,8 @@ def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, 
     err = (y64 - r64).abs()
     bound = tol + rt * r64.abs()
     worst = (err / (S + 1e-300)).max().item()
-    assert bool((err <= bound).all()), f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, max err/S = {worst:.3g}"
+    assert bool((err <= bound).all()), (f"{backend}: max |err| / bound = {(err / (bound + 1e-300)).max().item():.3g}, "
+                                        f"max err/S = {worst:.3g}")
     if epi.get("gelu"):
         p64, rp64 = pre.double().cpu(), ref_pre.double().cpu()
         perr = (p64 - rp64).abs()
@@ -194,7 +195,8 @@ POW2_PAIRS = [
 
 def _pow2_operands(M, N, K, sa, sb, a_copy, b_copy, device, seed):
     given = lambda s: 8.0 if isinstance(s, Float8Tensorwise) else None  # noqa: E731
-    return _operands(M, N, K, sa, sb, a_copy, b_copy, device, seed=seed, ints=True, scale_a=given(sa), scale_b=given(sb))
+    return _operands(M, N, K, sa, sb, a_copy, b_copy, device, seed=seed, ints=True, scale_a=given(sa),
+                     scale_b=given(sb))
 
 
 @pytest.mark.gpu
@@ -235,7 +237,8 @@ def test_cublas_gemm_vs_reference(sa, sb, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
 def test_epilogues(backend, cuda):
-    sa, sb = (Float8Blockwise(), Float8Blockwise(block_dim=2)) if backend == "triton" else (Float8Tensorwise(), Float8Tensorwise())
+    sa, sb = (Float8Blockwise(), Float8Blockwise(block_dim=2)) if backend == "triton" else (Float8Tensorwise(),
+                                                                                            Float8Tensorwise())
     M, N, K = (129, 200, 384) if backend == "triton" else (128, 208, 384)
     a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=9)
     bias = torch.randn(N, device=cuda)
@@ -283,9 +286,11 @@ def _emulated_cases(sa, sb, backend, cuda, extra_shapes):
     for M, N in ((48, 80), (272, 304)):
         a, b = _operands(M, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=1)[0], \
             _operands(N, 1024, 1024, sa, sb, "rowwise", "rowwise", cuda, seed=2)[0]
-        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda), gelu=True)
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda),
+               gelu=True)
         # BF16 out, BF16 or no bias: MXFP8 dequant goes to cuBLAS's BF16 GEMM
-        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda).bfloat16())
+        _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16, bias=torch.randn(N,
+                                                                                               device=cuda).bfloat16())
         _check(a, b, "rowwise", "rowwise", backend, out_dtype=torch.bfloat16)
         out = torch.randn(M, N, device=cuda)
         _check(a, b, "rowwise", "rowwise", backend, accumulate=True, out=out)
@@ -403,8 +408,10 @@ def _interp_main() -> int:
 
     fails = tma_cases = 0
     cases = [
-        (scaled_mm_triton, Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32), 33, 40, 100, "rowwise", "rowwise", {}),
-        (scaled_mm_triton, Float8Blockwise(block_dim=2, block_size=32), Float8Blockwise(block_size=32, fmt="e5m2"), 17, 9, 70, "columnwise", "rowwise", {}),
+        (scaled_mm_triton, Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32), 33, 40, 100,
+         "rowwise", "rowwise", {}),
+        (scaled_mm_triton, Float8Blockwise(block_dim=2, block_size=32), Float8Blockwise(block_size=32, fmt="e5m2"), 17,
+         9, 70, "columnwise", "rowwise", {}),
         (scaled_mm_triton, Float8Tensorwise(), Float8Rowwise(), 17, 9, 70, "rowwise", "columnwise", {}),
         (scaled_mm_triton, Float8Tensorwise(), Float8Tensorwise("e5m2"), 17, 9, 64, "rowwise", "rowwise",
          {"bias": torch.randn(9), "gelu": True, "out_dtype": torch.bfloat16}),
@@ -425,7 +432,8 @@ def _interp_main() -> int:
             exact = ints and fn is scaled_mm_triton and _pow2(sa, sb)
             a, b = _operands(M, N, K, sa, sb, ac, bc, "cpu", seed=M, ints=exact)
             kw = {"out_dtype": torch.float32, **epi}
-            y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
+            y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None,
+                                                     **kw})
             ref, _ = scaled_mm_reference(a, b, a_copy=ac, b_copy=bc, **kw)
             if fn in (scaled_mm_triton, scaled_mm_dequant) and K % 16 == 0:  # LOWBIT_GEMM_TMA=1: TMA tiles, same bits
                 import lowbit.gemm.triton_backend as tb
@@ -433,7 +441,8 @@ def _interp_main() -> int:
                 real, seen = tb._tma_ok, []
                 tb._tma_ok = lambda *args: seen.append(real(*args)) or seen[-1]
                 os.environ["LOWBIT_GEMM_TMA"] = "1"
-                y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
+                y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None,
+                                                          **kw})
                 os.environ["LOWBIT_GEMM_TMA"] = "0"
                 tb._tma_ok = real
                 if not (seen == [True] and torch.equal(y, y2)):
@@ -443,7 +452,8 @@ def _interp_main() -> int:
             A, B = dequantize_exact(a, ac), dequantize_exact(b, bc)
             S = A.abs() @ B.abs().t()
             err = (y.double() - ref.double()).abs()
-            bound = (0 if exact else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs() + 2.0**-20 * ref.double().abs() * bool(epi)
+            bound = ((0 if exact else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs()
+                     + 2.0**-20 * ref.double().abs() * bool(epi))
             if not bool((err <= bound).all()):
                 fails += 1
                 print("FAIL", fn.__name__, sa, sb, M, N, K, ac, bc, ints, (err / (S + 1e-300)).max().item())
@@ -475,7 +485,8 @@ def test_padded_128x128_scale_grids_go_to_triton(cuda):
     from lowbit.gemm import backend_for, cublas
 
     for K, want in ((2816, "triton"), (1152, "triton"), (4096, "cublas")):
-        a, b = _operands(256, 384, K, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda, seed=K)
+        a, b = _operands(256, 384, K, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda,
+                         seed=K)
         assert backend_for(a, b, out_dtype=torch.bfloat16) == want, K
         before = set(cublas.REJECTED)
         _check(a, b, "rowwise", "rowwise", None, out_dtype=torch.bfloat16)

@@ -69,14 +69,16 @@ def test_data_format_and_shape_must_match_the_scheme():
     ac = _q((48, 128), Float8Rowwise(), columnwise=True, rowwise=False)
     bc = _q((48, 32), Float8Rowwise(), columnwise=True, rowwise=False, seed=3)
     bad = _with(bc, "columnwise", scale_inv=torch.ones(48, 1))  # the rowwise copy's shape, not the columnwise one's
-    with pytest.raises(ValueError, match=r"^b: the columnwise copy \(32, 48\).*\(32, 1\) \(rowwise: \(rows, 1\)\).*got \(48, 1\)"):
+    with pytest.raises(ValueError,
+                       match=r"^b: the columnwise copy \(32, 48\).*\(32, 1\) \(rowwise: \(rows, 1\)\).*got \(48, 1\)"):
         scaled_mm(ac, bad, a_copy="columnwise", b_copy="columnwise")
 
 
 def test_nvfp4_and_mxfp8_layouts():
     a, b = _q((32, 64), NVFP4()), _q((16, 64), NVFP4(two_d=True), seed=1)
     scaled_mm(a, b)  # well formed
-    with pytest.raises(ValueError, match=r"^a: .*data must have shape \(32, 32\) \(two E2M1 codes a byte\), got \(32, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"^a: .*data must have shape \(32, 32\) \(two E2M1 codes a byte\), got \(32, 64\)"):
         scaled_mm(_with(a, data=torch.zeros(32, 64, dtype=torch.uint8)), b)
     with pytest.raises(ValueError, match=r"^b: .*storage shape \(1, 4\) \(NVFP4 16x16"):
         scaled_mm(a, _with(b, scale_inv=a.rowwise.scale_inv[:16].contiguous()))  # a 1x16 grid under 16x16 tiles
@@ -108,7 +110,8 @@ def test_quantized_tensor_validate():
     _q((33, 200), Float8Blockwise(block_dim=2), rowwise=True, columnwise=True).validate()
     q = _q((32, 64), Float8Blockwise(), rowwise=True, columnwise=True)
     bad = _with(q, "columnwise", data=q.rowwise.data)
-    with pytest.raises(ValueError, match=r"^w: the columnwise copy \(64, 32\).*data must have shape \(64, 32\), got \(32, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"^w: the columnwise copy \(64, 32\).*data must have shape \(64, 32\), got \(32, 64\)"):
         bad.validate("w")
     with pytest.raises(ValueError, match="neither"):
         QuantizedTensor(shape=torch.Size((4, 4)), dtype=torch.float32, scheme=Float8Tensorwise()).validate()
@@ -146,7 +149,8 @@ def test_cublas_refuses_noncontiguous_data_without_rejecting_the_signature(cubla
     a, b = _tw_pair()
     before = set(cublas_state.REJECTED)
     nc = _with(a, data=a.rowwise.data.t().contiguous().t())  # (32, 64), strides (1, 32)
-    with pytest.raises(ValueError, match=r"^a: the cuBLAS GEMM needs a's rowwise data contiguous along K.*strides \(1, 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"^a: the cuBLAS GEMM needs a's rowwise data contiguous along K.*strides \(1, 32\)"):
         _call_cublas(nc, b)
     with pytest.raises(ValueError, match=r"^b: the cuBLAS GEMM needs b's rowwise data contiguous"):
         _call_cublas(a, _with(b, data=b.rowwise.data.t().contiguous().t()))

@@ -68,8 +68,10 @@ def mismatches(ref, got):
         for f in ("data", "scale_inv", "amax", "global_scale"):
             if not _same(getattr(r, f), getattr(g, f)):
                 A, B = getattr(r, f), getattr(g, f)
-                n = "?" if A is None or B is None or A.shape != B.shape else int((A.cpu().float() != B.cpu().float()).sum())
-                bad.append(f"{which}.{f}: {n} mismatches (ref {None if A is None else tuple(A.shape)}, got {None if B is None else tuple(B.shape)})")
+                n = ("?" if A is None or B is None or A.shape != B.shape
+                     else int((A.cpu().float() != B.cpu().float()).sum()))
+                bad.append(f"{which}.{f}: {n} mismatches (ref {None if A is None else tuple(A.shape)}, got "
+                           f"{None if B is None else tuple(B.shape)})")
         if not g.data.is_contiguous():
             bad.append(f"{which}.data not contiguous")
     return bad
@@ -142,7 +144,8 @@ def test_mxfp8_kernel_bit_identical(fmt, cuda):
     assert not compare(x, MXFP8(fmt), True, False)
 
 
-NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True, stochastic_rounding=True),
+NVFP4_SCHEMES = [NVFP4(), NVFP4(two_d=True), NVFP4(stochastic_rounding=True), NVFP4(two_d=True,
+                                                                                    stochastic_rounding=True),
                  NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True)]
 
 
@@ -167,7 +170,8 @@ RHT_SCHEMES = [NVFP4(rht=True), NVFP4(rht=True, stochastic_rounding=True, rht_si
 @pytest.mark.gpu
 def test_nvfp4_rht_fused_bit_identical(cuda):
     """The RHT'd columnwise copy transformed in registers (amax_rht_kernel + nvfp4_kernel RHT=True): odd shapes
-    (M and K multiples of 16, not of the tiles), bf16 and fp32 input (fp16 on the smaller shapes), columnwise only and with the rowwise copy."""
+    (M and K multiples of 16, not of the tiles), bf16 and fp32 input (fp16 on the smaller shapes), columnwise only and
+    with the rowwise copy."""
     for i, shape in enumerate([(16, 16), (48, 1008), (2, 48, 160), (1008, 4096)]):
         for dtype in (torch.bfloat16, torch.float32) + ((torch.float16,) if i != 3 else ()):
             x = _randn(shape, dtype, cuda, seed=70 + i)
@@ -242,7 +246,8 @@ def test_nonfinite_inputs_bit_identical(cuda):
     x[130, 7] = float("inf")
     x[200, 300] = -float("inf")
     x[9, 9] = -0.0
-    for scheme in [Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4()]:
+    for scheme in [Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(),
+                   NVFP4()]:
         bad = compare(x, scheme, True, True)
         assert not bad, f"{scheme} with NaN/Inf: {bad}"
         q = quantize(x, scheme, rowwise=True, columnwise=True)
@@ -291,7 +296,8 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     for (two_d, rw, cw, dtype), cfgs in tb._PERSISTENT.items():
-        schemes = [Float8Blockwise(block_dim=2 if two_d else 1), Float8Blockwise(block_dim=2 if two_d else 1, fmt="e5m2", pow2=False)]
+        schemes = [Float8Blockwise(block_dim=2 if two_d else 1), Float8Blockwise(block_dim=2 if two_d else 1,
+                                                                                 fmt="e5m2", pow2=False)]
         for j, cfg in enumerate(cfgs):
             monkeypatch.setitem(tb._PERSISTENT, (two_d, rw, cw, dtype), [cfg])
             tb._BLOCKWISE_PLANS.clear()
@@ -522,7 +528,8 @@ def test_amax_arena_in_a_cuda_graph(cuda):
              ((512, 512), torch.float32, Float8Blockwise(block_dim=2)),  # the weights of Float8BlockScaling
              ((130, 256), torch.bfloat16, Float8Blockwise()),  # 130 rows: the rowwise grid is padded (pad4 = 132)
              ((256, 2816), torch.float32, Float8Blockwise(block_dim=2)),  # 22 column blocks, padded to 24
-             ((100, 260), torch.bfloat16, Float8Blockwise(fmt="e5m2", pow2=False))]  # ragged, no padding (100, 260 % 4 == 0)
+             # ragged, no padding (100, 260 % 4 == 0)
+             ((100, 260), torch.bfloat16, Float8Blockwise(fmt="e5m2", pow2=False))]
     xs = [torch.zeros(shape, dtype=dt, device=cuda) for shape, dt, _ in cases]
     for x, (shape, dt, sch) in zip(xs, cases):  # warm-up outside the capture: tuning, plans
         quantize(x.copy_(_randn(shape, dt, cuda, seed=7)), sch, rowwise=True, columnwise=True)
@@ -665,7 +672,7 @@ def test_blockwise_regs_compiles_for_sm90():
         assert "-126" not in got[0] and "8.50705917302346158658e+37" not in got[0]
     # with the SwiGLU forward as its prologue, the fused quantizer's first candidate (ops.swiglu._SWIGLU_REGS_CONFIGS):
     # within 128 registers without spills, so two CTAs run on an SM (the plain quantizer's first candidate compiles to
-    # 130 there: one CTA an SM, 1.4x slower on the H200, session 18)
+    # 130 there: one CTA an SM, 1.4x slower)
     from lowbit.ops.swiglu import _SWIGLU_REGS_CONFIGS
 
     c0 = _SWIGLU_REGS_CONFIGS[0]
@@ -800,7 +807,8 @@ def _scale_rule_mismatches(device) -> list:
             for eps in (0.0, 1e-12):
                 s = torch.empty_like(a, device=device)
                 si = torch.empty_like(s)
-                _scale_rule_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax, POW2=pow2,
+                _scale_rule_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), s, si, a.numel(), FMAX=fmax,
+                                                                    POW2=pow2,
                                                                   EPS=eps, BLOCK=1024)
                 rs = compute_scale(a, fmax, pow2=pow2, eps=eps)
                 for name, got, ref in (("scale", s, rs), ("scale_inv", si, 1.0 / rs)):

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lowbit import MXFP8, NVFP4, AmaxHistory, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
-from lowbit.formats import E4M3, e2m1_decode, unpack_e2m1
-from lowbit.quant.reference import hadamard_16, quantize_qk_int8, quantize_reference, quantize_v_fp8, rht_blocks, rht_matrix
+from lowbit.formats import e2m1_decode, unpack_e2m1
+from lowbit.quant.reference import (hadamard_16, quantize_qk_int8, quantize_reference, quantize_v_fp8, rht_blocks,
+                                    rht_matrix)
 
 ALL_SCHEMES = [
     Float8Tensorwise(),
@@ -53,7 +54,8 @@ def test_nvfp4_worked_example_1x16():
     c = q.rowwise
     # global scale S = 448*6 / amax = 2688 / 12 = 224
     assert c.global_scale.item() == 224.0 and c.amax.item() == 12.0
-    # block 0: d = e4m3(12 * (224/6)) = e4m3(447.99998) = 448;  block 1: e4m3(1 * 37.333332) = 36 (grid step 4 in [32, 64))
+    # block 0: d = e4m3(12 * (224/6)) = e4m3(447.99998) = 448;
+    # block 1: e4m3(1 * 37.333332) = 36 (grid step 4 in [32, 64))
     d = q.logical_scales().float()
     assert d.tolist() == [[448.0, 36.0]]
     # encode factors: e0 = 1/(448/224) = 0.5 ; e1 = 1/(36/224) = 6.2222...
@@ -105,7 +107,8 @@ def test_nvfp4_rht_columnwise_amax_after_transform_and_roundtrip():
     R = rht_matrix(NVFP4().rht_signs)
     xt = rht_blocks(x.t().contiguous(), NVFP4().rht_signs)
     # the butterfly equals the matrix form to FP32 rounding, along either dim
-    assert torch.allclose(xt, (x.t().reshape(48, 4, 16) @ R).reshape(48, 64), rtol=1e-6, atol=1e-6 * x.abs().max().item())
+    assert torch.allclose(xt, (x.t().reshape(48, 4, 16) @ R).reshape(48, 64), rtol=1e-6, atol=1e-6
+                          * x.abs().max().item())
     assert torch.equal(rht_blocks(x, NVFP4().rht_signs, dim=0).t(), xt)
     assert q.columnwise.rht and q.columnwise.amax.item() == xt.abs().max().item()
     # RHT spreads outliers: the columnwise (RHT) copy is at least as accurate as plain 1x16 on outlier data
@@ -204,7 +207,7 @@ def test_shapes_dtypes_and_3d(scheme, dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# Error floors (SQNR, dB). Measured on these seeds (2026-11-21) and set ~1.5 dB below the measurement.
+# Error floors (SQNR, dB). Measured on these seeds and set ~1.5 dB below the measurement.
 # ------------------------------------------------------------------------------------------------
 FLOORS_GAUSS = {  # measured: see comment per line
     "tensorwise-e4m3": 30.0,  # 31.5
@@ -246,7 +249,7 @@ def test_blockwise_beats_tensorwise_on_outliers():
     b = normal_rows_sqnr(Float8Blockwise())
     m = normal_rows_sqnr(MXFP8())
     n1 = normal_rows_sqnr(NVFP4())
-    # Measured 2026-11-21: tensorwise 23.2 dB (normal rows pushed toward E4M3 subnormals by the 1e4 rows),
+    # Measured: tensorwise 23.2 dB (normal rows pushed toward E4M3 subnormals by the 1e4 rows),
     # 1x128 31.5, MXFP8 29.8, NVFP4 1x16 20.7. Margins ~1.5 dB.
     assert t < 25.0, t
     assert b > t + 6.5, (b, t)
@@ -295,7 +298,7 @@ def test_smooth_k_reduces_error_with_channel_offsets():
         p_ref = torch.softmax(q @ k.transpose(-1, -2) / 8, dim=-1)
         p_q = torch.softmax(q @ kd.transpose(-1, -2) / 8, dim=-1)
         err[smooth] = ((p_q - p_ref).norm() / p_ref.norm()).item()
-    # measured 2026-11-21: 8.8e-3 smoothed vs 5.2e-2 unsmoothed (6x); required: 4x
+    # measured: 8.8e-3 smoothed vs 5.2e-2 unsmoothed (6x); required: 4x
     assert err[True] < err[False] / 4, err
 
 

@@ -38,12 +38,14 @@ def cmd_info(argv=None) -> int:
     from lowbit import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quant
 
     print(f"lowbit {lowbit.__version__}")
-    print(f"python {platform.python_version()}  torch {torch.__version__}  triton {_version('triton')}  numpy {_version('numpy')}")
+    print(f"python {platform.python_version()}  torch {torch.__version__}  triton {_version('triton')}  numpy "
+          f"{_version('numpy')}")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         p = torch.cuda.get_device_properties(dev)
         cap = torch.cuda.get_device_capability(dev)
-        print(f"device: {p.name}  capability sm_{cap[0]}{cap[1]}  {p.multi_processor_count} SMs  {p.total_memory / 2**30:.0f} GiB")
+        print(f"device: {p.name}  capability sm_{cap[0]}{cap[1]}  {p.multi_processor_count} SMs  "
+              f"{p.total_memory / 2**30:.0f} GiB")
         native = cap >= (9, 0)
         print(f"FP8 tensor cores: {'yes' if native else 'no'}  (MXFP8 and NVFP4 are emulated on Hopper)")
     else:
@@ -51,7 +53,8 @@ def cmd_info(argv=None) -> int:
         print("device: cpu (no CUDA): every op runs its pure-torch reference")
     x = torch.zeros(256, 256, device=dev)
     print("\nquantize backends:")
-    for s in (Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4(), NVFP4(two_d=True)):
+    for s in (Float8Tensorwise(), Float8Rowwise(), Float8Blockwise(), Float8Blockwise(block_dim=2), MXFP8(), NVFP4(),
+              NVFP4(two_d=True)):
         print(f"  {s!r:<90} -> {quant.backend_for(x, s, True, True)}")
     from lowbit import gemm
 
@@ -69,7 +72,8 @@ def cmd_info(argv=None) -> int:
     for sa, sb in pairs:
         a = quant.quantize(x.normal_(), sa, True, True, backend="reference")
         b = quant.quantize(x.normal_(), sb, True, True, backend="reference")
-        name = f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x {type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}"
+        name = (f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x "
+                f"{type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}")
         print(f"  {name:<50} -> {gemm.backend_for(a, b)}")
     print("\nrecipes (lowbit train --recipe NAME):")
     import warnings
@@ -126,7 +130,8 @@ def cmd_quant_demo(argv=None) -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
     gauss = torch.randn(a.rows, a.cols, generator=g, device=dev)
-    heavy = torch.randn(a.rows, a.cols, generator=g, device=dev) / torch.rand(a.rows, a.cols, generator=g, device=dev).clamp(min=0.05).sqrt()
+    heavy = torch.randn(a.rows, a.cols, generator=g, device=dev) / torch.rand(a.rows, a.cols, generator=g,
+                                                                              device=dev).clamp(min=0.05).sqrt()
     heavy[:: max(1, a.rows // 2)] *= 1e4  # two "massive activation" rows
     schemes = {
         "FP8 E4M3 per-tensor": Float8Tensorwise(),
@@ -142,7 +147,8 @@ def cmd_quant_demo(argv=None) -> int:
         return (10 * torch.log10(x.double().pow(2).sum() / (x.double() - y.double()).pow(2).sum())).item()
 
     bf16_bytes = gauss.numel() * 2
-    print(f"tensor [{a.rows}, {a.cols}] on {dev}; SQNR in dB (higher is better); bytes for one rowwise copy vs BF16 ({bf16_bytes:,})")
+    print(f"tensor [{a.rows}, {a.cols}] on {dev}; SQNR in dB (higher is better); bytes for one rowwise copy vs BF16 "
+          f"({bf16_bytes:,})")
     print(f"{'scheme':<26}{'gaussian':>10}{'outliers*':>11}{'bytes':>12}{'vs bf16':>9}")
     keep = torch.ones(a.rows, dtype=torch.bool, device=dev)
     keep[:: max(1, a.rows // 2)] = False

@@ -1,4 +1,4 @@
-"""The number formats lowbit quantizes to, and their exact rounding rules (DESIGN §2).
+"""The number formats lowbit quantizes to, and their exact rounding rules (NUMERICS §2).
 
 Every cast here is written in plain torch arithmetic so that it runs on any device and is the
 specification the GPU kernels are tested against bit for bit:
@@ -248,7 +248,8 @@ def e2m1_encode(values: torch.Tensor) -> torch.Tensor:
     v = values.to(torch.float32)
     a = torch.nan_to_num(v.abs(), nan=0.0)
     # magnitude index: 0,0.5,1,1.5,2,3,4,6 -> 0..7
-    idx = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, torch.where(a < 6, torch.full_like(a, 6), torch.full_like(a, 7))))
+    idx = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, torch.where(a < 6, torch.full_like(a, 6),
+                                                                          torch.full_like(a, 7))))
     idx = idx.to(torch.uint8)
     sign = (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
     return sign | idx

@@ -1,4 +1,4 @@
-"""Recipes: which quantization each tensor role of a layer gets (DESIGN §3, §6).
+"""Recipes: which quantization each tensor role of a layer gets (NUMERICS §3, §6).
 
 A recipe is a frozen dataclass with the field names and defaults TransformerEngine users know. It
 maps the three tensor roles of a linear layer to :mod:`lowbit.quant` schemes:
@@ -79,9 +79,11 @@ class RoleQuant:
 
 def _check_format(name: str, value, allowed) -> None:
     if not isinstance(value, Format):
-        raise ValueError(f"{name}: expected a lowbit.recipes.Format ({', '.join('Format.' + f.name for f in allowed)}), got {value!r}")
+        raise ValueError(f"{name}: expected a lowbit.recipes.Format "
+                         f"({', '.join('Format.' + f.name for f in allowed)}), got {value!r}")
     if value not in allowed:
-        raise ValueError(f"{name}: this recipe takes {', '.join('Format.' + f.name for f in allowed)}, got Format.{value.name}")
+        raise ValueError(f"{name}: this recipe takes {', '.join('Format.' + f.name for f in allowed)}, got "
+                         f"Format.{value.name}")
 
 
 def _check_bool(name: str, value) -> None:
@@ -168,7 +170,8 @@ class DelayedScaling(Recipe):
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin: expected an int >= 0, got {self.margin!r}")
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or self.amax_history_len < 1:
+        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len,
+                                                                    bool) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len: expected an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {self.amax_compute_algo!r}")
@@ -288,7 +291,8 @@ class MXFP8BlockScaling(Recipe):
 
     def _roles(self):
         f = self.fp8_format
-        return {"input": RoleQuant(MXFP8(f.fwd)), "weight": RoleQuant(MXFP8(f.fwd)), "grad_output": RoleQuant(MXFP8(f.bwd))}
+        return {"input": RoleQuant(MXFP8(f.fwd)), "weight": RoleQuant(MXFP8(f.fwd)),
+                "grad_output": RoleQuant(MXFP8(f.bwd))}
 
     @property
     def divisibility(self):
@@ -301,7 +305,7 @@ class MXFP8BlockScaling(Recipe):
 
 @dataclass(frozen=True)
 class NVFP4BlockScaling(Recipe):
-    """NVFP4: E2M1 elements, E4M3 scales per 16 elements, an FP32 per-tensor scale (DESIGN §3).
+    """NVFP4: E2M1 elements, E4M3 scales per 16 elements, an FP32 per-tensor scale (NUMERICS §3).
 
     Roles: inputs 1x16 with the Random Hadamard Transform on the wgrad (columnwise) copy; weights
     16x16 tiles without RHT; gradients 1x16 with RHT on the wgrad copy and stochastic rounding.
@@ -327,7 +331,8 @@ class NVFP4BlockScaling(Recipe):
         return {
             "input": RoleQuant(NVFP4(two_d=False, rht=rht)),
             "weight": RoleQuant(NVFP4(two_d=not self.disable_2d_quantization, rht=False)),
-            "grad_output": RoleQuant(NVFP4(two_d=False, rht=rht, stochastic_rounding=not self.disable_stochastic_rounding)),
+            "grad_output": RoleQuant(NVFP4(two_d=False, rht=rht,
+                                           stochastic_rounding=not self.disable_stochastic_rounding)),
         }
 
     @property

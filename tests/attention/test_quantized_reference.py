@@ -87,7 +87,7 @@ def test_matches_lead_quant_reference_bit_exact(layout, granularity, smooth_k):
 
 
 def test_varlen_quantization_restarts_blocks_per_sequence():
-    lq, lk = [37, 5, 70], [20, 33, 1]
+    # sequence lengths: q 37, 5, 70; k 20, 33, 1
     cq = torch.tensor([0, 37, 42, 112], dtype=torch.int32)
     ck = torch.tensor([0, 20, 53, 54], dtype=torch.int32)
     q, k = rand(112, 4, 32, seed=6), rand(54, 2, 32, seed=7, offset=2.0)
@@ -167,7 +167,8 @@ def test_prequantized_reference_index_mapping_explicit():
         for h in range(Hq):
             hk = h // (Hq // Hkv)
             for i in range(Sq):
-                s = torch.stack([(qi[b, h, i].float() @ ki[b, hk, j].float()) * (qs[b, h, i // rows] * ks[b, hk, j // bk])
+                s = torch.stack([(qi[b, h, i].float() @ ki[b, hk, j].float())
+                                 * (qs[b, h, i // rows] * ks[b, hk, j // bk])
                                  for j in range(Sk)])
                 p = torch.exp2(s - s.max())
                 exp[b, h, i] = (p.bfloat16().float() @ v[b, hk].float()) / p.sum()

@@ -37,7 +37,8 @@ def test_prepass_bit_exact(tri, dtype, granularity, layout):
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     kw = dict(dtype=dtype, granularity=granularity, block_q=32, warp_q=16, block_k=16, layout=layout)
     a, r = qk_pair(tri.quantize_qk_triton, q, k, **kw)
-    assert torch.equal(a.q.view(torch.int8), r.q.view(torch.int8)) and torch.equal(a.k.view(torch.int8), r.k.view(torch.int8))
+    assert torch.equal(a.q.view(torch.int8), r.q.view(torch.int8)) and torch.equal(a.k.view(torch.int8),
+                                                                                   r.k.view(torch.int8))
     assert torch.equal(a.q_scale, r.q_scale) and torch.equal(a.k_scale, r.k_scale)
     v8, vs = tri.quantize_v_fp8_triton(v, layout=layout)
     r8, rs = R.quantize_v_fp8_reference(v, layout=layout)

@@ -20,7 +20,8 @@ from lowbit.attention.reference import attention_reference
 from lowbit.formats import philox_randint
 from lowbit.quant import Float8Rowwise, QuantizedTensor, quantize
 
-from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse, triton_interpreted
+from bwd_common import (BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse,
+                        triton_interpreted)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -180,7 +181,8 @@ def test_fp8_epilogue_bitexact_and_floors(kdev, fmt):
     """FP8 rowwise and given-scale gradients == lowbit.quantize of the kernel's own FP32 gradients
     (interpreter with the emulated cast; the hardware cast is checked on the GPU), and their error floors."""
     q, k, v, do = make_inputs(1, 4, 2, 33, 40, 32, device=kdev, seed=20)
-    check_fp8_epilogue(q, k, v, do, dict(causal=True), ((16, 32, 4, 1), (32, 16, 4, 1)), fmt, tensorwise_tol=FP8_TOL[fmt])
+    check_fp8_epilogue(q, k, v, do, dict(causal=True), ((16, 32, 4, 1), (32, 16, 4, 1)), fmt,
+                       tensorwise_tol=FP8_TOL[fmt])
 
 
 def test_fp8_e4m3_tighter_than_e5m2_reference_backend():

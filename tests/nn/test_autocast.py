@@ -62,7 +62,9 @@ def test_bad_arguments():
         lowbit.autocast(enabled="yes")
     with pytest.raises(TypeError, match="allow_emulation: expected a bool, got 'no'"):
         lowbit.autocast(allow_emulation="no")
-    with pytest.raises(TypeError, match=r"amax_reduction_group: expected a torch.distributed.ProcessGroup .*or None, got list: \[0, 1\]"):
+    with pytest.raises(TypeError,
+                       match=r"amax_reduction_group: expected a torch.distributed.ProcessGroup .*or None, got "
+                             r"list: \[0, 1\]"):
         lowbit.autocast(amax_reduction_group=[0, 1])  # ranks, not a group: would only fail at the exit's collective
 
 
@@ -80,7 +82,9 @@ def test_device_support(monkeypatch):
         assert chk(recipes.NVFP4BlockScaling(), capability=hopper) == "emulated"
     notes = [x for x in w if "emulated" in str(x.message)]
     assert len(notes) == 1  # one-time notice
-    with pytest.raises(NotImplementedError, match=r"MXFP8BlockScaling \(mxfp8\) is not native on .*sm_90 .*needs sm_100.*natively supported here: \['per_tensor', 'blockwise'\]"):
+    with pytest.raises(NotImplementedError,
+                       match=r"MXFP8BlockScaling \(mxfp8\) is not native on .*sm_90 .*needs sm_100.*natively supported "
+                             r"here: \['per_tensor', 'blockwise'\]"):
         chk(recipes.MXFP8BlockScaling(), capability=hopper, allow_emulation=False)
     with pytest.raises(TypeError, match="recipe: expected a lowbit.recipes recipe"):
         chk("fp8")

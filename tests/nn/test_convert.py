@@ -15,7 +15,8 @@ class Block(torch.nn.Module):
         self.ln1 = torch.nn.LayerNorm(d)
         self.qkv = torch.nn.Linear(d, 3 * d)
         self.proj = torch.nn.Linear(d, d)
-        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d, d))
 
     def forward(self, x):
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)

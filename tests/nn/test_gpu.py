@@ -27,7 +27,7 @@ def _step(m, x, G, recipe):
 @pytest.mark.parametrize("rname", list(RECIPES))
 def test_cuda_matches_cpu_reference(rname, cuda):
     """Deterministic recipes: GPU and CPU quantize identically, so outputs and gradients differ only by
-    the FP32 accumulation order of the GEMM (DESIGN §5) -> > 60 dB agreement (FP32 outputs)."""
+    the FP32 accumulation order of the GEMM (NUMERICS §5) -> > 60 dB agreement (FP32 outputs)."""
     torch.manual_seed(0)
     recipe = RECIPES[rname]()
     if rname == "nvfp4":  # stochastic rounding draws its seeds from the device RNG: compare the RN variant

@@ -27,9 +27,12 @@ K, N, F = 160, 96, 192  # 160: a full and a ragged 1x128 block; all multiples of
 #   LNMLP      delayed/current 24.2; 19.2   block 23.9; 22.2   mxfp8 23.1; 21.8   nvfp4 12.2;  9.8
 # Floors = those minima - 2 dB (margin for seeds outside the measured set), rounded down to 0.5 dB.
 FLOORS = {
-    "Linear": {"fp8-delayed": (26.5, 22.0), "fp8-current": (26.5, 22.0), "fp8-block": (26.0, 26.0), "mxfp8": (25.5, 25.0), "nvfp4": (14.5, 12.5)},
-    "LayerNormLinear": {"fp8-delayed": (26.5, 21.0), "fp8-current": (26.5, 21.0), "fp8-block": (26.0, 24.5), "mxfp8": (25.5, 24.0), "nvfp4": (14.5, 12.0)},
-    "LayerNormMLP": {"fp8-delayed": (22.0, 17.0), "fp8-current": (22.0, 17.0), "fp8-block": (21.5, 20.0), "mxfp8": (21.0, 19.5), "nvfp4": (10.0, 7.5)},
+    "Linear": {"fp8-delayed": (26.5, 22.0), "fp8-current": (26.5, 22.0), "fp8-block": (26.0, 26.0),
+               "mxfp8": (25.5, 25.0), "nvfp4": (14.5, 12.5)},
+    "LayerNormLinear": {"fp8-delayed": (26.5, 21.0), "fp8-current": (26.5, 21.0), "fp8-block": (26.0, 24.5),
+                        "mxfp8": (25.5, 24.0), "nvfp4": (14.5, 12.0)},
+    "LayerNormMLP": {"fp8-delayed": (22.0, 17.0), "fp8-current": (22.0, 17.0), "fp8-block": (21.5, 20.0),
+                     "mxfp8": (21.0, 19.5), "nvfp4": (10.0, 7.5)},
 }
 EXACT_DB = 120.0  # gradients that do not pass through a quantized GEMM (Linear's bias) must match torch exactly
 
@@ -123,7 +126,8 @@ def test_saves_quantized_activations_only():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
             y = m(x)
-    assert not any(t is not None and t.numel() >= x.numel() and t.is_floating_point() and t.element_size() > 1 for t in saved)
+    assert not any(t is not None and t.numel() >= x.numel() and t.is_floating_point() and t.element_size() > 1
+                   for t in saved)
     ctx = y.grad_fn
     assert ctx.qx.rowwise is None and ctx.qx.columnwise.data.dtype == torch.float8_e4m3fn  # only the wgrad copy
     assert ctx.qx.columnwise.data.shape == (64, 64)
@@ -314,9 +318,11 @@ def test_bad_inputs():
     ln_lin, ln_mlp = lowbit.nn.LayerNormLinear(32, 16), lowbit.nn.LayerNormMLP(32, 48, normalization="RMSNorm")
     for enabled in (False, True):
         with lowbit.autocast(enabled=enabled, recipe=recipes.Float8CurrentScaling()):
-            with pytest.raises(ValueError, match=r"input: last dim must be in_features = 32, got 31 \(input shape \(2, 4, 31\)\)"):
+            with pytest.raises(ValueError,
+                               match=r"input: last dim must be in_features = 32, got 31 \(input shape \(2, 4, 31\)\)"):
                 ln_lin(torch.randn(2, 4, 31))
-            with pytest.raises(ValueError, match=r"input: last dim must be hidden_size = 32, got 64 \(input shape \(4, 64\)\)"):
+            with pytest.raises(ValueError,
+                               match=r"input: last dim must be hidden_size = 32, got 64 \(input shape \(4, 64\)\)"):
                 ln_mlp(torch.randn(4, 64))
             with pytest.raises(ValueError, match=r"input: last dim must be in_features = 32, got a 0-dim tensor"):
                 ln_lin(torch.tensor(1.0))

@@ -117,7 +117,8 @@ def test_stochastic_rounding_with_rht_is_unbiased():
     assert not recipe.disable_rht and not recipe.disable_stochastic_rounding
     R = 128
     m, x, node, G, dws, dxs = _backward_samples(recipe, R, seed=0)
-    x_seen = node.qx.dequantize("columnwise", dtype=torch.float64)  # x̃ (its quantization error is fixed: round to nearest)
+    # x̃ (its quantization error is fixed: round to nearest)
+    x_seen = node.qx.dequantize("columnwise", dtype=torch.float64)
     Ge = _expected_rht_dy(G, recipe.role("grad_output").scheme)
     mean_e, single_e = _ratio(dws, Ge.t() @ x_seen)
     mean_s, single_s = _ratio(dws, G.double().t() @ x_seen)
@@ -129,7 +130,8 @@ def test_stochastic_rounding_with_rht_is_unbiased():
     # sampling spread), 0.02 (the clamp bias).
     assert 0.1 < single_s < 0.2
     assert _nrmse(Ge, G.double()) < 0.02
-    assert mean_e / single_e < 0.105, f"wgrad: mean-of-{R} / single error = {mean_e / single_e:.3f} (expected ~{R ** -0.5:.3f})"
+    assert mean_e / single_e < 0.105, (f"wgrad: mean-of-{R} / single error = {mean_e / single_e:.3f} "
+                                       f"(expected ~{R ** -0.5:.3f})")
     assert mean_s / single_s < 0.15
     assert mean_x / single_x < 0.105
 

@@ -17,7 +17,8 @@ def test_defaults_match_transformer_engine():
         0, Format.HYBRID, 1024, "max", True, 0)
     assert recipes.Float8CurrentScaling().fp8_format is Format.HYBRID
     b = recipes.Float8BlockScaling()
-    assert (b.fp8_format, b.pow2_scales, b.x_block_scaling_dim, b.w_block_scaling_dim, b.grad_block_scaling_dim) == (Format.E4M3, True, 1, 2, 1)
+    assert (b.fp8_format, b.pow2_scales, b.x_block_scaling_dim, b.w_block_scaling_dim,
+            b.grad_block_scaling_dim) == (Format.E4M3, True, 1, 2, 1)
     n = recipes.NVFP4BlockScaling()
     assert (n.disable_rht, n.disable_stochastic_rounding, n.disable_2d_quantization) == (False, False, False)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -31,14 +32,16 @@ def test_roles():
     assert recipes.Float8CurrentScaling(fp8_format=Format.E4M3).role("grad_output").scheme == Float8Tensorwise("e4m3")
     assert not recipes.Float8CurrentScaling().delayed
     b = recipes.Float8BlockScaling().roles()
-    assert b["input"].scheme == Float8Blockwise("e4m3", block_dim=1) and b["weight"].scheme == Float8Blockwise("e4m3", block_dim=2)
+    assert (b["input"].scheme == Float8Blockwise("e4m3", block_dim=1)
+            and b["weight"].scheme == Float8Blockwise("e4m3", block_dim=2))
     assert recipes.Float8BlockScaling(fp8_format=Format.HYBRID).role("grad_output").scheme.fmt == "e5m2"
     assert recipes.MXFP8BlockScaling().role("weight").scheme == MXFP8("e4m3")
     n = recipes.NVFP4BlockScaling().roles()
     assert n["input"].scheme == NVFP4(two_d=False, rht=True, stochastic_rounding=False)
     assert n["weight"].scheme == NVFP4(two_d=True, rht=False, stochastic_rounding=False)
     assert n["grad_output"].scheme == NVFP4(two_d=False, rht=True, stochastic_rounding=True)
-    n = recipes.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True).roles()
+    n = recipes.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
+                                  disable_2d_quantization=True).roles()
     assert n["grad_output"].scheme == NVFP4() and n["weight"].scheme == NVFP4()
     with pytest.raises(ValueError, match="role: expected one of"):
         recipes.Float8CurrentScaling().role("bias")
@@ -47,14 +50,18 @@ def test_roles():
 @pytest.mark.parametrize("make, match", [
     (lambda: recipes.DelayedScaling(margin=-1), "margin: expected an int >= 0, got -1"),
     (lambda: recipes.DelayedScaling(amax_history_len=0), "amax_history_len: expected an int >= 1, got 0"),
-    (lambda: recipes.DelayedScaling(amax_compute_algo="mean"), "amax_compute_algo: expected 'max' or 'most_recent', got 'mean'"),
+    (lambda: recipes.DelayedScaling(amax_compute_algo="mean"),
+     "amax_compute_algo: expected 'max' or 'most_recent', got 'mean'"),
     (lambda: recipes.DelayedScaling(fp8_format="hybrid"), "fp8_format: expected a lowbit.recipes.Format"),
-    (lambda: recipes.DelayedScaling(fp8_format=Format.E5M2), "fp8_format: this recipe takes Format.E4M3, Format.HYBRID, got Format.E5M2"),
+    (lambda: recipes.DelayedScaling(fp8_format=Format.E5M2),
+     "fp8_format: this recipe takes Format.E4M3, Format.HYBRID, got Format.E5M2"),
     (lambda: recipes.DelayedScaling(reduce_amax=1), "reduce_amax: expected a bool, got 1"),
     (lambda: recipes.DelayedScaling(warmup_steps=-3), "warmup_steps: expected an int >= 0, got -3"),
     (lambda: recipes.Float8BlockScaling(x_block_scaling_dim=3), "x_block_scaling_dim: expected 1 .* or 2 .*, got 3"),
-    (lambda: recipes.Float8BlockScaling(x_block_scaling_dim=2), r"x_block_scaling_dim, w_block_scaling_dim: both 2 makes the fprop GEMM .*2D x 2D"),
-    (lambda: recipes.Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2), "wgrad GEMM"),
+    (lambda: recipes.Float8BlockScaling(x_block_scaling_dim=2),
+     r"x_block_scaling_dim, w_block_scaling_dim: both 2 makes the fprop GEMM .*2D x 2D"),
+    (lambda: recipes.Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2, x_block_scaling_dim=2),
+     "wgrad GEMM"),
     (lambda: recipes.Float8BlockScaling(grad_block_scaling_dim=2), "dgrad GEMM"),
     (lambda: recipes.NVFP4BlockScaling(disable_rht="yes"), "disable_rht: expected a bool, got 'yes'"),
 ])
@@ -75,7 +82,9 @@ def test_from_name():
     assert isinstance(recipes.from_name("fp8-block"), recipes.Float8BlockScaling)
     assert isinstance(recipes.from_name("mxfp8"), recipes.MXFP8BlockScaling)
     assert isinstance(recipes.from_name("nvfp4"), recipes.NVFP4BlockScaling)
-    with pytest.raises(ValueError, match="unknown recipe 'fp4'; valid names: bf16, fp8-delayed, fp8-current, fp8-block, mxfp8, nvfp4"):
+    with pytest.raises(ValueError,
+                       match="unknown recipe 'fp4'; valid names: bf16, fp8-delayed, fp8-current, fp8-block, "
+                             "mxfp8, nvfp4"):
         recipes.from_name("fp4")
 
 

@@ -18,7 +18,8 @@ def _model():
     return m
 
 
-@pytest.mark.parametrize("recipe", [recipes.Float8CurrentScaling(), recipes.NVFP4BlockScaling(), recipes.DelayedScaling()],
+@pytest.mark.parametrize("recipe", [recipes.Float8CurrentScaling(), recipes.NVFP4BlockScaling(),
+                                    recipes.DelayedScaling()],
                          ids=["current", "nvfp4", "delayed"])
 def test_raise_names_layer_and_role(recipe):
     m = _model()
@@ -40,7 +41,8 @@ def test_backward_gradient_sentry_and_unnamed_layer():
     x = torch.randn(16, 32, requires_grad=True)
     with lowbit.autocast(recipe=recipes.Float8CurrentScaling()):
         y = lin(x)
-    with pytest.raises(NonFiniteAmaxError, match=r"of grad_output in layer '<unnamed Linear weight \(16, 32\).*name_modules.*\(backward"):
+    with pytest.raises(NonFiniteAmaxError,
+                       match=r"of grad_output in layer '<unnamed Linear weight \(16, 32\).*name_modules.*\(backward"):
         (y * float("inf")).sum().backward()
 
 

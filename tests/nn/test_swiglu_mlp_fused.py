@@ -81,7 +81,8 @@ def _check(device, recipe, cases):
 
 def test_fused_equals_unfused_interpreter_subprocess():
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, %r); import test_swiglu_mlp_fused as t; t.check('cpu')" % os.path.dirname(__file__)
+    code = ("import sys; sys.path.insert(0, %r); import test_swiglu_mlp_fused as t; t.check('cpu')"
+            % os.path.dirname(__file__))
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -64,7 +64,8 @@ def test_trains_close_to_high_precision(name):
     lq, _, _ = train(0, RECIPES[name]())
     assert lq[-1] < 0.5 * lq[0], f"{name}: loss did not go down enough: {lq[0]:.4f} -> {lq[-1]:.4f}"
     ratio = lq[-1] / hp[-1]
-    assert ratio < MAX_RATIO[name], f"{name}: final loss {lq[-1]:.5f} vs high precision {hp[-1]:.5f} (ratio {ratio:.3f})"
+    assert ratio < MAX_RATIO[name], (f"{name}: final loss {lq[-1]:.5f} vs high precision {hp[-1]:.5f} "
+                                     f"(ratio {ratio:.3f})")
 
 
 @pytest.mark.parametrize("name", ["fp8-delayed", "nvfp4"])
@@ -109,4 +110,5 @@ if __name__ == "__main__":  # measurement used to set MAX_RATIO
             hp, _, _ = train(seed, None)
             lq, _, _ = train(seed, rf())
             rs.append(lq[-1] / hp[-1])
-        print(name, "ratios", [round(r, 3) for r in rs], "max", round(max(rs), 3), "first/last", round(lq[0], 3), round(lq[-1], 4))
+        print(name, "ratios", [round(r, 3) for r in rs], "max", round(max(rs), 3), "first/last", round(lq[0], 3),
+              round(lq[-1], 4))

@@ -46,7 +46,7 @@ def test_context_nests_and_changes_nothing_off_cuda():
 
 
 def test_side_carveout_default_and_setting(switches):
-    """The SMs the side-stream weight gradients leave to the main stream: 32 of 132 by default (the H200 measurement)
+    """The SMs the side-stream weight gradients leave to the main stream: 32 of 132 by default (as measured on Hopper)
     and the same fraction elsewhere, LOWBIT_WGRAD_SM_CARVEOUT=N as given, at most half the SMs, bad values named."""
     from lowbit.nn.functional import side_carveout
 

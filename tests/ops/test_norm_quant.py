@@ -179,7 +179,8 @@ def check_modules(device):
     a few FP32 ulps, which the norm backward and the FP8 roundings it can tip carry into the gradients)."""
     torch.manual_seed(0)
     mods = [lowbit.nn.LayerNormLinear(256, 384, bias=True, normalization="RMSNorm"),
-            lowbit.nn.LayerNormMLP(256, 128, bias=False, normalization="RMSNorm", activation="swiglu", fused_swiglu=True),
+            lowbit.nn.LayerNormMLP(256, 128, bias=False, normalization="RMSNorm", activation="swiglu",
+                                   fused_swiglu=True),
             lowbit.nn.LayerNormMLP(128, 256, bias=True, normalization="RMSNorm", activation="gelu")]
     for m in mods:
         m = m.to(device)
@@ -197,7 +198,8 @@ def check_modules(device):
         torch.testing.assert_close(dxf, dxu, rtol=1e-4, atol=1e-6)
         for n in gf:
             assert gf[n] is not None and gu[n] is not None, n
-            torch.testing.assert_close(gf[n], gu[n], rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{type(m).__name__}.{n}: {s}")
+            torch.testing.assert_close(gf[n], gu[n], rtol=1e-4, atol=1e-6,
+                                       msg=lambda s, n=n: f"{type(m).__name__}.{n}: {s}")
     # not fused: LayerNorm, return_layernorm_output, a BF16 input
     m = lowbit.nn.LayerNormLinear(256, 128, normalization="LayerNorm").to(device)
     assert _run(m, torch.randn(4, 256, device=device), torch.randn(4, 128, device=device), True)[3] == 0
@@ -270,6 +272,7 @@ def test_quantized_linear_norm_args_fall_back_and_validate():
         with pytest.raises(ValueError, match="give both"):
             quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=m.layer_norm_weight)
         with pytest.raises(ValueError, match="norm_eps"):
-            quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=m.layer_norm_weight, norm_eps=-1.0)
+            quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=m.layer_norm_weight,
+                             norm_eps=-1.0)
         with pytest.raises(ValueError, match=r"norm_weight: expected a tensor of shape \(256,\)"):
             quantized_linear(x, m.weight, m.bias, m._gemms[""], state=st, norm_weight=torch.ones(128), norm_eps=1e-5)

@@ -66,7 +66,8 @@ def check_gpt(device):
     m = GPT(config_from_preset("tiny", n_layer=3)).to(device)
     idx = torch.randint(0, 256, (2, 33), device=device)
     seen = []
-    hooks = [mod.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw.get("input_rstd") is not None), with_kwargs=True)
+    hooks = [mod.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw.get("input_rstd") is not None),
+                                           with_kwargs=True)
              for mod in m.modules() if isinstance(mod, (lowbit.nn.LayerNormLinear, lowbit.nn.LayerNormMLP))]
     res = []
     for fused in (True, False):
@@ -126,7 +127,8 @@ def check_norm_backward(device, shapes=BWD_SHAPES):
             M = out.numel() // K
             dsize = (dn.double().reshape(-1, K).cpu() * xh).abs().sum(0)
             derr = (dw.double().cpu() - rdw.double().cpu()).abs()
-            assert dw.shape == (K,) and bool((derr <= (M + 64) * EPS32 * dsize).all()), (shape, float((derr / dsize).max()))
+            assert dw.shape == (K,) and bool((derr <= (M + 64) * EPS32 * dsize).all()), (shape,
+                                                                                         float((derr / dsize).max()))
             assert R.norm_residual_backward(g, dn, out, rstd, w, y_dt, need_dw=False)[2] is None
     print("ok")
 

@@ -54,14 +54,17 @@ def _check_kernel(device, shapes, dtypes):
         outs = rope_qkv(a, cos, sin)
         refs = rope_qkv_reference(r, cos, sin)
         for o, e in zip(outs, refs):
-            assert o.shape == e.shape and _ulp_close(o, e, dtype), (B, T, H, D, dtype, (o.float() - e.float()).abs().max())
-        gs = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(device, dtype) for i, o in enumerate(outs)]
+            assert o.shape == e.shape and _ulp_close(o, e, dtype), (B, T, H, D, dtype,
+                                                                    (o.float() - e.float()).abs().max())
+        gs = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(device, dtype)
+              for i, o in enumerate(outs)]
         torch.autograd.backward(outs, gs)
         torch.autograd.backward(refs, gs)
         # the backward rotates by -angle in FP32 with one rounding: same bound against the reference's autograd
         # (which rounds once per op), doubled
         diff = (a.grad.float() - r.grad.float()).abs()
-        assert bool((diff <= 2 * torch.finfo(dtype).eps * r.grad.float().abs() + 2 * torch.finfo(dtype).eps).all()), diff.max()
+        assert bool((diff <= 2 * torch.finfo(dtype).eps * r.grad.float().abs() + 2
+                     * torch.finfo(dtype).eps).all()), diff.max()
 
 
 SHAPES = [(1, 1, 1, 8), (2, 17, 3, 32), (1, 33, 5, 64), (2, 9, 4, 12)]
@@ -184,13 +187,15 @@ def test_backward_quantize_compiles_for_sm90():
     for dh in (128, 64):
         sig, const = rowcol_regs_signature("bf16", c["num_warps"], c["LC"], COMPACT=c["COMPACT"], ROPE_BWD=True,
                                            DH=dh, H=QG.rowcol_regs_half_layout(c["num_warps"], c["LC"]),
-                                           AW=QG.rowcol_regs_word_layout(c["num_warps"], c["LC"]) if c.get("PACK") else None)
+                                           AW=QG.rowcol_regs_word_layout(c["num_warps"], c["LC"]) if c.get("PACK")
+                                           else None)
         # the prologue's pointers and run-time arguments, typed
         sig.update(g_ptr="*bf16", gv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", rope_T="i32", tab_row="i32",
                    HD="i32")
         for n in ("g_ptr", "gv_ptr", "cos_ptr", "sin_ptr", "rope_T", "tab_row", "HD"):
             del const[n]
-        k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld", "HD", "tab_row"),
+        k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld", "HD",
+                                                                            "tab_row"),
                                num_warps=c["num_warps"])
         ptx = k.asm["ptx"]
         loads = set(re.findall(r"ld\.global[\.\w]*", ptx))

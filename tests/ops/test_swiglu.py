@@ -40,14 +40,16 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
 
 def test_reference_and_bad_input():
     h = torch.tensor([[0.0, 2.0, 3.0, 4.0]])
-    torch.testing.assert_close(swiglu_reference(h), torch.tensor([[0.0, 2.0 / (1 + torch.exp(torch.tensor(-2.0))) * 4.0]]))
+    torch.testing.assert_close(swiglu_reference(h),
+                               torch.tensor([[0.0, 2.0 / (1 + torch.exp(torch.tensor(-2.0))) * 4.0]]))
     with pytest.raises(ValueError, match="even last dim"):
         swiglu(torch.zeros(3, 5))
 
 
 def _interpreted(call: str, timeout: int):
     """Run ``t.<call>`` (this module as t) in a child process with Triton's interpreter on from the start."""
-    code = "import sys; sys.path.insert(0, %r); import test_swiglu as t; t.%s; print('ok')" % (os.path.dirname(__file__), call)
+    code = ("import sys; sys.path.insert(0, %r); import test_swiglu as t; t.%s; print('ok')"
+            % (os.path.dirname(__file__), call))
     return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -205,7 +207,8 @@ def _bwd_fused_cases(device, cases):
             a, b = getattr(fused, name), getattr(ref, name)
             assert torch.equal(a.data.view(torch.uint8).cpu(), b.data.view(torch.uint8).cpu()), (name, lead, F, fmt)
             # (bit patterns: a NaN scale or amax would not equal itself)
-            assert torch.equal(a.scale_inv.view(torch.int32).cpu(), b.scale_inv.view(torch.int32).cpu()), (name, lead, F, fmt)
+            assert torch.equal(a.scale_inv.view(torch.int32).cpu(),
+                               b.scale_inv.view(torch.int32).cpu()), (name, lead, F, fmt)
             assert torch.equal(a.amax.view(torch.int32).cpu(), b.amax.view(torch.int32).cpu()), (name, a.amax, b.amax)
 
 

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import lowbit
 from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
 from lowbit.optim import AdamW
 from lowbit.optim.reference import adamw_step_reference
@@ -98,7 +97,8 @@ def _check_kernel(device: str, seed: int = 0, sch=SCH):
             topt.step()
             assert torch.equal(bias.detach(), twin.detach())  # the 1D parameter: torch's own step
     # a skipped step (found_inf = 1): nothing changes, the copies (and their amax) stay valid
-    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone()) for p, l in zip(ps, layers)]
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), l.fresh.q.rowwise.amax.clone())
+              for p, l in zip(ps, layers)]
     _grads(ps + [bias], gen)
     opt.grad_scale, opt.found_inf = torch.tensor(1.0, device=device), torch.ones((), device=device)
     opt.step()
@@ -180,8 +180,8 @@ def test_kernel_gpu(seed):
 def test_close_to_torch_fused_adamw_gpu():
     """Against torch.optim.AdamW(fused=True, capturable=True) on the same tensors, three steps with a tensor lr and
     grad_scale. Not bit for bit: lowbit's kernel follows the published CUDA source of torch's fused AdamW (double
-    hyperparameters: one rounding to FP32 a moment), each step from the same state, while torch 2.11's build on the H200 rounds the betas to FP32 and
-    rounds the moment products in FP32 (measured 2026-11-24 with scripts/debug_adamw.py: with the betas rounded the
+    hyperparameters: one rounding to FP32 a moment), each step from the same state, while torch 2.11's CUDA build
+    rounds the betas to FP32 and rounds the moment products in FP32 (scripts/debug_adamw.py: with the betas rounded the
     first exp_avg matches exactly, exp_avg_sq is 1 ulp off in a quarter of the elements). Bounds from that run (three
     steps, drift included): moments within 8 ulp of the size of their terms (about 2x the 3-4 ulp seen), the
     parameter within 2^-18 = 32 ulp of max(|p before the step|, lr) (about 4x the 8.3 seen; the update is ~lr, a wrong
@@ -260,7 +260,8 @@ def test_forward_takes_the_copies_gpu():
 def test_kernel_compiles_for_sm90():
     """The kernel compiles for Hopper (sm_90) on any machine (Triton's own toolchain) as the launcher builds it: IEEE
     division and square root (no approximate forms), no FP32 FMA contraction (enable_fp_fusion=False), 16-byte loads
-    of the FP32 tensors (the update's through cp.async where its loop is pipelined); under Triton 3.6 (the GPU machine's) at most 128 registers at the default config, no spills."""
+    of the FP32 tensors (the update's through cp.async where its loop is pipelined); under Triton 3.6 (the GPU
+    machine's) at most 128 registers at the default config, no spills."""
     pytest.importorskip("triton")
     import inspect
     import re
@@ -275,7 +276,8 @@ def test_kernel_compiles_for_sm90():
     fn = K.adamw_fp8_128x128_kernel
     ptrs = dict(tab_ptr="*i64", lr_ptr="*fp32", gs_ptr="*fp32", fi_ptr="*fp32")
     names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: ptrs.get(n) or ("constexpr" if "constexpr" in str(p.annotation) else "i64" if n.endswith("_bits") else "i32")
+    sig = {n: ptrs.get(n) or ("constexpr" if "constexpr" in str(p.annotation) else "i64" if n.endswith("_bits")
+                              else "i32")
            for n, p in inspect.signature(fn.fn).parameters.items()}
     ch, ch2, warps, ns = _config()
     const = dict(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, SW=False, E5M2=False, ADAM=True, LR_PTR=True,

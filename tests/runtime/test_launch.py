@@ -36,7 +36,8 @@ class _JIT:
 
 @pytest.fixture
 def fake_env(monkeypatch):
-    drv = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234))
+    drv = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
+                                                             get_current_stream=lambda d: 1234))
     knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     monkeypatch.setattr(_launch, "_driver", drv, raising=False)
     monkeypatch.setattr(_launch, "_knobs", knobs, raising=False)

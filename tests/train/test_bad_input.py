@@ -12,7 +12,8 @@ from lowbit.train.loop import TrainConfig, train
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(steps=2, batch_size=2, seq_len=32, eval_windows=2, out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+    base = dict(steps=2, batch_size=2, seq_len=32, eval_windows=2, out_dir=str(tmp_path / "run"),
+                cache_dir=str(tmp_path / "cache"),
                 progress=False, verbose=False)
     base.update(kw)
     return TrainConfig(**base)
@@ -111,7 +112,8 @@ def test_checkpoint_write_failure_is_an_os_error_and_keeps_the_old_file(tmp_path
             ckpt.save_checkpoint(path, {"step": 8, "model": {"w": torch.zeros(1000, 1000)}})
         assert e.value.errno == code and e.value.filename == str(path)
         line = os_error_line(e.value)
-        assert line.startswith(f"{str(path)!r}: writing the checkpoint failed ([enforce fail at inline_container.cc:672] . "
+        assert line.startswith(f"{str(path)!r}: writing the checkpoint failed ([enforce fail at "
+                               "inline_container.cc:672] . "
                                "unexpected pos 9216 vs 9104); "), line
         assert line.endswith(f"; {room} on its filesystem against ~4.0 MB needed; the previous checkpoint, if any, is "
                              "unchanged"), line

@@ -4,12 +4,11 @@ Tolerance: the first step's loss within 2e-5 absolute (the same weights and data
 differs), every later logged training loss and the final validation loss within 1e-3. Both runs compute in FP32 on
 the CPU and differ only in summation order (the gradient all-reduce averages two half-batch means), but a gradient
 that differs in its last bits can move an element across an FP8 rounding boundary, and that grows step by step: on
-CI's 2-core machine the trajectories agree to ~1e-6, on a 16-core one (torch 2.11, 2026-11-24) up to 1.4e-4 by step
+CI's 2-core machine the trajectories agree to ~1e-6, on a 16-core one (torch 2.11) up to 1.4e-4 by step
 4 (1e-3 is 7x that). The losses fall by 0.3-0.4 a step here, so an update from another gradient shows well above it.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,7 +24,8 @@ TOL_FIRST, TOL = 2e-5, 1e-3
 def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mode):
     recipe = "fp8-block"
     common = ["--recipe", recipe, "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir,
-              "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]  # (gloo, also on a GPU machine)
+              # (gloo, also on a GPU machine)
+              "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]
     env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "lowbit.train.cli", *common, "--batch-size", "4", "--out-dir", str(tmp_path / "ddp"),

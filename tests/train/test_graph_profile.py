@@ -24,7 +24,8 @@ def test_kernels_raw_rows_from_the_chrome_trace():
     events = [
         {"cat": "kernel", "ts": 20.0, "dur": 5.0, "name": "nvjet_gemm", "args": {"stream": 7, "grid": [2, 66, 1]}},
         {"cat": "cpu_op", "ts": 1.0, "dur": 50.0, "name": "aten::mm"},
-        {"cat": "kernel", "ts": 10.0, "dur": 3.0, "name": "rowcol_1x128_regs", "args": {"stream": 7, "grid": [1024, 1, 1]}},
+        {"cat": "kernel", "ts": 10.0, "dur": 3.0, "name": "rowcol_1x128_regs", "args": {"stream": 7,
+                                                                                        "grid": [1024, 1, 1]}},
     ]
 
     class Prof:
@@ -52,7 +53,8 @@ def test_transition_gaps_whole_gpu_idle_by_family():
         [44.0, 6.0, 9, None, "nvjet_w"], [70.0, 1.0, 9, None, "_column_sum_kernel"],
     ]
     t = transition_gaps(trace)
-    assert t[0] == {"from": "cublas", "to": "triton:_column_sum_kernel", "count": 1, "total_us": 10.0, "median_us": 10.0}
+    assert t[0] == {"from": "cublas", "to": "triton:_column_sum_kernel", "count": 1, "total_us": 10.0,
+                    "median_us": 10.0}
     assert {"from": "triton:rowcol_1x128_regs", "to": "cublas", "count": 1, "total_us": 9.0, "median_us": 9.0} in t
     assert {"from": "cublas", "to": "triton:rowcol_1x128_regs", "count": 1, "total_us": 1.0, "median_us": 1.0} in t
     assert {"from": "cublas", "to": "cublas", "count": 1, "total_us": 3.0, "median_us": 3.0} in t

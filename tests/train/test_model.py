@@ -29,7 +29,8 @@ def test_blocks_are_lowbit_modules():
     assert blk.qkv.lowbit_name == "blocks.0.qkv"
 
 
-@pytest.mark.parametrize("pos, mlp, norm, tie", [("rope", "swiglu", "RMSNorm", True), ("learned", "gelu", "LayerNorm", False)])
+@pytest.mark.parametrize("pos, mlp, norm, tie", [("rope", "swiglu", "RMSNorm", True), ("learned", "gelu", "LayerNorm",
+                                                                                       False)])
 def test_variants_forward_backward(pos, mlp, norm, tie):
     torch.manual_seed(0)
     m = GPT(config_from_preset("tiny", pos=pos, mlp=mlp, norm=norm, tie_weights=tie))

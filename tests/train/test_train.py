@@ -110,16 +110,20 @@ def test_nonfinite_gradient_norm_skips_the_step(tmp_path, small_text, cache_dir,
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     # (on the CPU: a CUDA run computes the norm inside its update graph, not through clip_grad_norm_)
-    s = train(TrainConfig(recipe="bf16", steps=5, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir, device="cpu",
+    s = train(TrainConfig(recipe="bf16", steps=5, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir,
+                          device="cpu",
                           eval_every=5, eval_windows=4, progress=False, verbose=False, out_dir=str(tmp_path)))
-    assert [(e["step"], e["layer"], e["role"], e["action"]) for e in s["events"]] == [(2, "gradients", "grad_norm", "skip")]
+    assert [(e["step"], e["layer"], e["role"], e["action"]) for e in s["events"]] == [(2, "gradients", "grad_norm",
+                                                                                       "skip")]
     assert [st for st, _ in s["history"]["train"]] == [1, 2, 4, 5]
     assert math.isfinite(s["final_val_loss"])
 
 
 def test_compare_bf16(tmp_path, small_text, cache_dir, targs):
-    s = run_train(targs("--recipe", "fp8-current", "--compare", "bf16", "--steps", 4, "--batch-size", 4, "--seq-len", 64,
-                        "--data", small_text, "--cache-dir", cache_dir, "--out-dir", tmp_path, "--eval-windows", 4, *QUIET))
+    s = run_train(targs("--recipe", "fp8-current", "--compare", "bf16", "--steps", 4, "--batch-size", 4, "--seq-len",
+                        64,
+                        "--data", small_text, "--cache-dir", cache_dir, "--out-dir", tmp_path, "--eval-windows", 4,
+                        *QUIET))
     b = s["compare"]["bf16"]
     assert b["recipe"] == "bf16" and len(b["history"]["train"]) == 4
     assert abs(s["val_loss_gap_pct"]) < 5
@@ -152,7 +156,8 @@ def test_demo_writes_report(tmp_path, cache_dir, capsys):
         assert name in printed
     assert "gap vs bf16" in printed and "tokens/s" in printed
     rows = {r["recipe"]: r for r in summ["table"]}
-    assert rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"] < rows["bf16"]["weight_bytes_quantized"]
+    assert (rows["nvfp4"]["weight_bytes_quantized"] < rows["fp8-block"]["weight_bytes_quantized"]
+            < rows["bf16"]["weight_bytes_quantized"])
     assert s["recipes"] == ["bf16", "fp8-block", "nvfp4"]
 
 
@@ -195,7 +200,6 @@ def test_sigkill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, small
     """A real `lowbit train` process SIGKILLed while writing its step-6 checkpoint (the child's checkpoint module gets
     an ``os.replace`` that stalls at the second checkpoint's rename, after its temporary file is complete): the step-3
     checkpoint is intact, `--resume` continues from it, and the loss trajectory equals an uninterrupted run's."""
-    import os
     import signal
     import subprocess
     import sys

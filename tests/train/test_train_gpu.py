@@ -39,9 +39,11 @@ def test_cuda_graph_matches_eager(tmp_path, small_text, cache_dir, recipe):
 @pytest.mark.gpu
 def test_cuda_graph_refused_where_unsafe(tmp_path, small_text, cache_dir):
     with pytest.raises(ValueError, match="cuda_graph: 'on' but.*fp8-delayed"):
-        train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
+        train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text,
+                          cache_dir=cache_dir,
                           out_dir=str(tmp_path), device="cuda", cuda_graph="on", progress=False, verbose=False))
-    s = train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
+    s = train(TrainConfig(recipe="fp8-delayed", steps=2, batch_size=8, seq_len=128, data=small_text,
+                          cache_dir=cache_dir,
                           out_dir=str(tmp_path / "n"), eval_windows=8, device="cuda", progress=False, verbose=False))
     assert s["cuda_graph"] is False
 
@@ -132,7 +134,8 @@ def test_fused_adamw_quant_through_rollback_gpu(tmp_path, small_text, cache_dir,
     for fused in ("1", "0"):
         switches(LOWBIT_UNFUSE="" if fused == "1" else "adamw_quant")
         runs[fused] = train(TrainConfig(recipe="fp8-block", steps=12, batch_size=8, seq_len=128, data=small_text,
-                                        cache_dir=cache_dir, out_dir=str(tmp_path / fused), eval_windows=8, device="cuda",
+                                        cache_dir=cache_dir, out_dir=str(tmp_path / fused), eval_windows=8,
+                                        device="cuda",
                                         ckpt_every=4, fault_steps=(6,), on_nonfinite="rollback", cuda_graph="off",
                                         progress=False, verbose=False))
     for r in runs.values():

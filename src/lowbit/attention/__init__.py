@@ -1,4 +1,4 @@
-"""Attention: FP32 reference, INT8/FP8 quantization prepass, Triton forward and backward kernels (DESIGN §3, §7).
+"""Attention: FP32 reference, INT8/FP8 quantization prepass, Triton forward and backward kernels (NUMERICS §3, §7).
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """

@@ -24,12 +24,11 @@ softmax never hides the other's MMAs. Here:
   warpgroups finish the last one — the per-CTA start (launch, Q load, pipeline fill) and the epilogue no longer
   stall the SM. Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
 
-Measured on an H200 (2026-11-24, BENCHMARKS.md session 25): 1.32-1.41x cuDNN BF16 at head dim 128 with the
-persistent grid, 1.18-1.35x with one CTA a tile (P through shared memory, session 12: 1.00-1.09x). Latency-bound: a
-mask-free tile costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion:
-64 each), the MUFU pipe alone ~40% busy. At head dim 64 the
-kernel is the default only on the persistent grid (H200, session 31, with the named-barrier hand-back: 0.96-1.11x
-cuDNN against the Triton kernel's 0.86-0.97x); with one CTA a tile the Triton kernel (two CTAs an SM) is faster there.
+At head dim 128 it is faster than cuDNN BF16 (about 1.3x with the persistent grid). Latency-bound: a mask-free tile
+costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the
+MUFU pipe alone ~40% busy. At head dim 64 the kernel is the default only on the persistent grid (with the
+named-barrier hand-back it is faster than the Triton kernel there); with one CTA a tile the Triton kernel (two CTAs
+an SM) is faster.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
@@ -378,8 +377,8 @@ if GLUON_WS:
             mbarrier.arrive(q_empty.index(qb), count=1)
         return n_all
 
-    # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (H200, Triton 3.6,
-    # 2026-11-24; the same code with Sk a runtime value is exact), and a size of 1 would only add recompiles
+    # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (Triton 3.6; the
+    # same code with Sk a runtime value is exact), and a size of 1 would only add recompiles
     @gluon.jit(do_not_specialize=["B", "H", "GROUP", "Sq", "Sk"])
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svd, sob, soh, sos,
@@ -399,8 +398,8 @@ if GLUON_WS:
         CTA's descriptors are its head's.
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
-        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or FP32 out;
-        QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
+        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or FP32
+        out; QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
         v_scale (B, Hkv, D); KM: K's channel mean (only read for the LSE, HAS_KMEAN); LSE (B, Hq, Sq) FP32 natural
         log. win_right: 0 causal, 1 << 30 none. Every base, descriptor base and non-unit stride 16-byte aligned."""
         n_tiles = gl.cdiv(Sq, BM) * B * H
@@ -461,14 +460,13 @@ if GLUON_WS:
 
 
 # ------------------------------------------------------------------------------------------------ launcher
-# Head dims: 128 runs this kernel by default; 64 only on the persistent grid (dense Q/K/V, ``_flat``): there it ran
-# 0.97-1.07x cuDNN non-causal and 0.87-0.99x causal against the Triton kernel's 0.89-0.97x / 0.85-0.93x (H200,
-# 2026-11-24, session 25); one CTA a tile it ran 0.70-0.96x, below the Triton kernel. LOWBIT_ATTN_GLUON=force runs
-# it on any TMA-able call (tests).
+# Head dims: 128 runs this kernel by default; 64 only on the persistent grid (dense Q/K/V, ``_flat``), where it is
+# faster than the Triton kernel; one CTA a tile it is slower. LOWBIT_ATTN_GLUON=force runs it on any TMA-able call
+# (tests).
 DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
 # The named-barrier hand-back (``named``) by default at head dim 64 only: 2-5% faster there on all four shapes in two
-# alternating rounds, neutral to 3% slower at 128 (H200, 2026-11-25, session 31). Triton 3.6 keeps one warpgroup
+# alternating rounds, neutral to 3% slower at 128. Triton 3.6 keeps one warpgroup
 # barrier a key tile either way: its shared-memory barrier pass puts one after the wgmma waits.
 NAMED_DIMS = (64,)
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
@@ -507,7 +505,7 @@ def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: 
         B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]  # (only a dense bhsd call can be FLAT)
         Hkv, Sk = k.shape[1], k.shape[2]
         if D not in PERSISTENT_DIMS or not (persistent() and _flat_qk(qv, kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk)):
-            return f"head dim {D} off the persistent grid: the Triton kernel is faster there (H200, 2026-11-24)"
+            return f"head dim {D} off the persistent grid: the Triton kernel is faster there"
     if k_scale_rows % 64:
         return f"K scale blocks of {k_scale_rows} keys (a multiple of 64)"
     for name, t, st in (("q", q, qv), ("k", k, kv)):

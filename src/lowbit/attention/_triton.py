@@ -575,9 +575,9 @@ def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool, backward: bool = Fals
     kv / vv: (stride_b, stride_h, stride_s, stride_d) as the kernel gets them. The backward asks the same for its
     tile pairs: (Q, dO) for dK/dV, (K, V) for dQ.
 
-    Switches: ``LOWBIT_ATTN_TMA`` (forward, default on: measured on an H200 on 2026-11-23 it was 1.13-1.36x faster
-    for the INT8 / FP8 variants and within 1-2% for BF16) and ``LOWBIT_ATTN_BWD_TMA`` (backward, default off:
-    the same run measured it between 2% faster and 5% slower depending on the variant)."""
+    Switches: ``LOWBIT_ATTN_TMA`` (forward, default on: faster for the INT8 / FP8 variants, within 1-2% for BF16)
+    and ``LOWBIT_ATTN_BWD_TMA`` (backward, default off: between 2% faster and 5% slower depending on the
+    variant)."""
     name, default = ("LOWBIT_ATTN_BWD_TMA", "0") if backward else ("LOWBIT_ATTN_TMA", "1")
     if os.environ.get(name, default) != "1" or (varlen and pv_fp8):
         return False
@@ -607,9 +607,9 @@ def _seq_len(x, layout, varlen, cu, max_seqlen):
     return B, H, S, D
 
 
-# Launch parameters (scripts/attn_prepass_sweep.py; H200, 2026-11-24, the whole INT8·FP8 prepass from CUDA graph
-# replays: B4 H32 S4096 D128 226.5 us, 0.92 of copy speed for its bytes, against 262.5 us with 128-row chunks, K and V
-# in the same programs and the keys permuted on the store; 301 us with those and 8 warps for the 128 x 128 Q groups).
+# Launch parameters (scripts/attn_prepass_sweep.py): the whole INT8·FP8 prepass runs at 0.92 of copy speed for its
+# bytes; 128-row chunks, K and V in the same programs with the keys permuted on the store, and 8 warps for the
+# 128 x 128 Q groups were all slower.
 _STAT_CHUNK = None  # key rows a statistics program reads: None = 32768 elements' worth, 64..256 (256 at D <= 128)
 _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
@@ -895,9 +895,9 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
     + v_scale (BF16 V carried in FP16 by ``quantize_v_fp16_triton``; the output is multiplied by v_scale).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
-    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored (``quantize_v_fp8_triton``'s
-    ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that the Gluon kernel cannot take
-    is put back in natural order first (one extra pass over V).
+    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored
+    (``quantize_v_fp8_triton``'s ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that
+    the Gluon kernel cannot take is put back in natural order first (one extra pass over V).
     """
     if v_key_order not in KEY_ORDERS:
         raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")

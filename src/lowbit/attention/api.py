@@ -7,7 +7,8 @@ Backends (``backend=``):
 * ``"sdpa"`` — ``torch.nn.functional.scaled_dot_product_attention`` (16-bit only, dense).
 Default on CUDA: ``"triton"`` for quantized modes; for plain 16-bit attention ``"sdpa"`` when the
 request fits it (dense, no window, no LSE) because cuDNN/flash beat a Triton BF16 kernel on
-Hopper (lowbit asks SDPA for cuDNN first, then flash), otherwise ``"triton"``.  ``select_backend`` returns the choice without running anything.
+Hopper (lowbit asks SDPA for cuDNN first, then flash), otherwise ``"triton"``.  ``select_backend`` returns the choice
+without running anything.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from .reference import QKQuantized, n_q_groups
 _QK = ("bf16", "fp16", "int8", "fp8")
 _PV = ("auto", "bf16", "fp16", "fp8")
 # What pv="auto" means for quantized Q·Kᵀ ("int8"/"fp8") on BF16 inputs. "fp16" is the more accurate choice (P keeps
-# 11 significant bits); it becomes the default once an H200 run shows it end to end at least as fast as "bf16" (the
-# V conversion adds one pass over V). Not measured yet (2026-11-23: device time spent), so "bf16" for now.
+# 11 significant bits), but the V conversion adds one pass over V; "bf16" stays the default until "fp16" is shown
+# end to end at least as fast.
 AUTO_PV_QUANTIZED = "bf16"
 _BACKENDS = ("reference", "triton", "sdpa")
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -301,8 +302,8 @@ _SDPA_ORDER = None
 
 
 def _sdpa_order():
-    """SDPA backends in the order lowbit wants them: cuDNN first (on an H200, B4 H32 S4096 D128: forward 603 vs
-    flash's 346 TFLOP/s, backward 515 vs 288 — BENCHMARKS.md), then flash, memory-efficient, math; each call
+    """SDPA backends in the order lowbit wants them: cuDNN first (on Hopper about 1.7x flash's TFLOP/s forward and
+    backward), then flash, memory-efficient, math; each call
     takes the first that supports its inputs (e.g. GQA or odd shapes fall through to flash)."""
     global _SDPA_ORDER
     if _SDPA_ORDER is None:
@@ -482,9 +483,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale (a positive finite
     number) defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
-    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
+    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16"
+              (BF16 V
     carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
-    inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts mean(K)
+    inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts
+              mean(K)
     before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
     backend: None (see ``select_backend``), "reference", "triton" or "sdpa" (16-bit, dense, no window/LSE; not
@@ -496,7 +499,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     (16-bit only, no ``return_lse``) draws a Philox seed from torch's default generator and regenerates the same
     mask in the backward (see ``lowbit.attention.backward``).
 
-    FP8 gradients (DESIGN §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
+    FP8 gradients (NUMERICS §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
     epilogue — ``scales=None``: one scale per row along head_dim computed there; ``scales=(scale_dq, scale_dk,
     scale_dv)`` (or a dict with keys dq/dk/dv), FP32 (1,) tensors, positive and finite: given per-tensor scales
     (delayed scaling; values are checked for CPU tensors, a CUDA tensor's values are the caller's contract since
@@ -576,12 +579,13 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
                       pv: str = "auto", window=None, cu_seqlens_q: Optional[Tensor] = None,
                       cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                       max_seqlen_k: Optional[int] = None, return_lse: bool = False, backend: Optional[str] = None):
-    """Attention on pre-quantized INT8 Q/K (SageAttention conventions, DESIGN §3).
+    """Attention on pre-quantized INT8 Q/K (SageAttention conventions, NUMERICS §3).
 
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
     k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
-    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
+    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).  q_scale
+                      fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
     (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
     are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
     to correct the returned LSE.  Output in v's dtype.

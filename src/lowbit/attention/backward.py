@@ -722,7 +722,7 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
 
 
 # ============================================================================ `lowbit.attention.backward(...)`
-# This module, called, is its function backward (DESIGN §7's ``lowbit.attention.backward(do, q, k, v, o, lse, ...,
+# This module, called, is its function backward (NUMERICS §7's ``lowbit.attention.backward(do, q, k, v, o, lse, ...,
 # grad_format=..., scales=...)``), the way ``lowbit.attention`` is both a package and lowbit.attention.attention;
 # ``import lowbit.attention.backward`` and ``from lowbit.attention import backward`` keep giving the module.
 make_callable(__name__, "backward")

@@ -144,9 +144,8 @@ def _fp8_codes(g, row_amax, row_ok, row_scale_ptrs, SCALE,
 # * dK and dV share one pass for their row maxima and one cross-warp reduction for their two amaxes;
 # * no clamp before the cast (``_sat_fp8``).
 # The codes, scales and amaxes are bit-identical to a clamp / select / reduce-then-store formulation.
-# Measured (H200, CUPTI kernel times, B4 H32 S4096 D128 non-causal, BENCHMARKS.md session 4): the per-row dK/dV
-# kernel went from +8.8% over the BF16 one (acq_rel atomics, clamps, amax before the stores, 255 registers) to -1.3%
-# (246 registers); the relaxed atomic alone gave +7.6%.
+# With these the per-row dK/dV kernel is as fast as the BF16 one (246 registers; with acq_rel atomics, clamps and
+# the amax before the stores it was ~9% slower at 255 registers).
 @triton.jit
 def _store_grad(g, ptrs, mask, row_ok, row_scale_ptrs, SCALE, AMAX,
                 QMODE: tl.constexpr, FMT: tl.constexpr, FMAX: tl.constexpr, EMULATE: tl.constexpr):
@@ -553,21 +552,20 @@ def _fwd_dropout(Q, K, V, O, LSE, CUQ, CUK,
 
 
 # ============================================================================ configs / autotune
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class, best first.  Measured on an H200
-# (Triton 3.6; BENCHMARKS.md "Attention backward"): at D=128 the dQ kernel gains ~6% from a third stage
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class, best first (Triton 3.6): at D=128 the
+# dQ kernel gains ~6% from a third stage
 # (K/V tiles prefetched two ahead; q/dO stay resident), and 32x128 dK/dV tiles with 8 warps and 3 stages fit
 # in 241 registers without spills (64x128: 255 + spills).  At D<=64 the 64x64 4-warp tiles win both kernels
-# (1.57 -> ~1.0 ms at B8 H16 S2048).  D=256 keeps the earlier untuned choice.  Short sequences: 64x64.
+# (~1.5x).  D=256 keeps the earlier untuned choice.  Short sequences: 64x64.
 _CANDIDATES = {
     "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 2)], 128: [(32, 128, 8, 3), (64, 128, 8, 2)],
              256: [(64, 128, 8, 2), (32, 128, 4, 3)], "short": [(64, 64, 4, 3)]},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2)], 128: [(128, 64, 8, 3), (64, 64, 4, 2)],
            256: [(128, 64, 8, 2), (128, 32, 4, 3)], "short": [(64, 64, 4, 3)]},
 }
-# (Session 6 let the autotuner choose among three more candidates per kernel at D=64 and D=128, e.g. (32,128,8,2),
-# (64,64,4,3), (32,64,4,3) for dK/dV and (128,64,8,2), (64,64,4,3), (128,32,4,3) for dQ: no gain beyond the
-# run-to-run spread on the issue's six shapes (H200, 1.28-1.36x SDPA flash), so the list stays short; every
-# candidate costs a compile on a model's first step.)
+# (More candidates per kernel at D=64 and D=128, e.g. (32,128,8,2), (64,64,4,3), (32,64,4,3) for dK/dV and
+# (128,64,8,2), (64,64,4,3), (128,32,4,3) for dQ, gained nothing beyond the run-to-run spread, so the list stays
+# short; every candidate costs a compile on a model's first step.)
 
 
 def _head_dim_class(head_dim: int) -> int:
@@ -607,8 +605,8 @@ INTERPRETED = isinstance(_bwd_dq, _Interp) if _Interp else False
 def heuristic_configs(head_dim: int, max_seqlen: int, causal: bool = False):
     """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) when autotuning is off: the best measured.
 
-    Causal at D=128 the dK/dV kernel prefers the second candidate, 64x128 / 8 warps / 2 stages (H200 sweep,
-    B4 H32 S4096: 3.92 ms against 4.21 ms for the non-causal winner; the autotuner sees both)."""
+    Causal at D=128 the dK/dV kernel prefers the second candidate, 64x128 / 8 warps / 2 stages (~7% faster than
+    the non-causal winner; the autotuner sees both)."""
     if INTERPRETED:
         return (16, 32, 4, 1), (32, 16, 4, 1)
     dkdv = _candidates("dkdv", head_dim, max_seqlen)

@@ -12,7 +12,7 @@ Conventions shared by every function here and by the kernels:
   ``causal=True`` is ``right = 0``.
 * A query row that sees no key at all returns 0 and LSE ``-inf`` (logsumexp of an empty set).
 * LSE is in natural log, fp32: dense (B, Hq, Sq); varlen (Hq, total_q).
-* INT8/FP8 Q/K quantization (DESIGN §3): Q is multiplied by ``softmax_scale * log2(e)`` in FP32
+* INT8/FP8 Q/K quantization (NUMERICS §3): Q is multiplied by ``softmax_scale * log2(e)`` in FP32
   first, so dequantized scores are in log2 units and the kernels use ``exp2``.  Scale = amax / qmax
   per block of rows (all head-dim channels), amax == 0 -> scale 1.  INT8 rounds half away from
   zero and clamps to ±127; FP8 E4M3 clamps to ±448 and rounds to nearest even.
@@ -221,7 +221,7 @@ def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
     # tensor / tensor: on CUDA, torch divides by a Python scalar via its reciprocal (not correctly
     # rounded); the Triton prepass uses div.rn, so both must be true IEEE divisions.
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
-    # the quantizer multiplies by qmax / amax (DESIGN §3: the scale multiplies x on the way in); one division
+    # the quantizer multiplies by qmax / amax (NUMERICS §3: the scale multiplies x on the way in); one division
     # per group instead of one per element (the Triton prepass was bound by its per-element divisions)
     inv = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, qmax) / amax)
     y = x * inv.repeat_interleave(rows, dim=2)[:, :, :s, None]
@@ -243,7 +243,7 @@ def _validate_blocks(granularity: str, block_q: int, block_k: int, warp_q: int) 
 
 
 def n_q_groups(seqlen_q: int, granularity: str, block_q: int, warp_q: int) -> int:
-    """Number of q_scale entries per (batch, head) for ``seqlen_q`` rows (DESIGN §3)."""
+    """Number of q_scale entries per (batch, head) for ``seqlen_q`` rows (NUMERICS §3)."""
     nb = -(-seqlen_q // block_q)
     return nb * (block_q // warp_q) if granularity == "per_warp" else nb
 

@@ -73,7 +73,8 @@ def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help
         print(f"{prog}: needs a CUDA GPU")
         return 1
     try:
-        shapes = default_shapes if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = default_shapes if not args.shapes else [tuple(int(v) for v in s.split("x"))
+                                                         for s in args.shapes.split(",")]
     except ValueError:
         p.error(f"--shapes: expected a comma-separated list of x-separated integers, got {args.shapes!r}")
     md = markdown(run(shapes, args.rep))

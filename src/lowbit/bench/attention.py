@@ -82,7 +82,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
             v_key_order=o)
         if pointer_tiles:
-            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles (the default before 2026-11-23)
+            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles
                 run(tag + "_kernel", kern, "kernel")
         with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")
@@ -99,15 +99,13 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             ms = float(do_bench_cudagraph(pre, rep=100))
             rows.append(dict(name=tag + "_prepass", kind="prepass (GPU)", ms=ms, tflops=float("nan"),
                              nrmse=float("nan")))
-    del ref
-    torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench attention", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES),
-                    help="B,H,S,D;B,H,S,D;... (default: the three issue shapes)")
+                    help="B,H,S,D;B,H,S,D;... (default: the three SHAPES)")
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--modes", default=",".join(f"{a}/{b}" for a, b in MODES), help="qk/pv pairs, comma-separated")
     ap.add_argument("--rep-ms", type=int, default=200)
@@ -129,16 +127,19 @@ def main(argv=None) -> int:
         for (B, H, S, D) in shapes:
             for causal in causals:
                 rows = bench_case(B, H, S, D, causal, modes, args.rep_ms, args.pointer_tiles)
+                torch.cuda.empty_cache()  # the case's tensors died with bench_case's frame
                 cud = next((r["ms"] for r in rows if r["name"] == "sdpa_cudnn"), float("nan"))
                 fla = next((r["ms"] for r in rows if r["name"] == "sdpa_flash"), float("nan"))
                 sage = next((r["ms"] for r in rows if r["name"] == "sageattention"), float("nan"))
                 title = f"B={B} H={H} S={S} D={D} causal={causal}"
-                lines.append(f"## {title}\n\n| impl | kind | ms | TFLOP/s | x cuDNN | x flash | x sage | NRMSE vs FP32 |\n"
+                lines.append(f"## {title}\n\n| impl | kind | ms | TFLOP/s | x cuDNN | x flash | x sage | "
+                             "NRMSE vs FP32 |\n"
                              "|---|---|---:|---:|---:|---:|---:|---:|\n")
                 for r in rows:
                     r.update(B=B, H=H, S=S, D=D, causal=causal, device=dev_name)
                     jf.write(json.dumps(r) + "\n")
-                    lines.append(f"| {r['name']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.0f} | {cud / r['ms']:.2f} | "
+                    lines.append(f"| {r['name']} | {r['kind']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                                 f"{cud / r['ms']:.2f} | "
                                  f"{fla / r['ms']:.2f} | {sage / r['ms']:.2f} | {r['nrmse']:.2e} |"
                                  + (f" {r['error']}" if "error" in r else "") + "\n")
                 lines.append("\n")

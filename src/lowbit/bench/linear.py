@@ -197,15 +197,18 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
 
 def _format(M, K, N, rows) -> str:
     lines = [f"### Linear fwd+bwd, (M, K, N) = ({M}, {K}, {N})", "",
-             "| contender | ms | × BF16 | TFLOP/s | quantize ms (x / w / dy) | GEMM ms (fprop / dgrad / wgrad) | note |",
+             "| contender | ms | × BF16 | TFLOP/s | quantize ms (x / w / dy) | GEMM ms (fprop / dgrad / "
+             "wgrad) | note |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("parts")
         q = g = ""
         if p:
-            q = f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} ({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})"
+            q = (f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} "
+                 f"({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})")
             g = f"{p['fprop'] + p['dgrad'] + p['wgrad']:.3f} ({p['fprop']:.3f} / {p['dgrad']:.3f} / {p['wgrad']:.3f})"
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | {r.get('note', '')} |")
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | "
+                     f"{r.get('note', '')} |")
     return "\n".join(lines)
 
 
@@ -233,7 +236,8 @@ def main(argv=None) -> int:
         ap.error(str(e))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("lowbit bench linear: needs a CUDA GPU (pass --device cpu for a smoke test of the references)", file=sys.stderr)
+        print("lowbit bench linear: needs a CUDA GPU (pass --device cpu for a smoke test of the references)",
+              file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (references; not a benchmark)"

@@ -37,65 +37,73 @@ def _graphed(fn, rep):
 SHAPES = [(8192, 8192), (16384, 4096), (16384, 14336), (4096, 4096)]
 
 
-def run(shapes, rep=100):
+def _run_shape(M, K, rep, rows):
+    """Times every quantizer on one (M, K) input and appends its rows; the inputs die with this frame."""
     from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Tensorwise, quantize
 
     dev = torch.device("cuda")
+    print(f"[quant] M={M} K={K} bf16 ({M * K * 2 / 2**20:.0f} MiB)", flush=True)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    x32 = x.float()
+    y32 = torch.empty_like(x32)
+    inb = x.numel() * 2
+    cases = [
+        ("copy (device to device)", lambda: y.copy_(x), None),
+        ("1x128 rowwise", lambda: quantize(x, Float8Blockwise(), True, False, backend="triton"), None),
+        ("1x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(), True, True, backend="triton"), None),
+        ("128x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(block_dim=2), True, True, backend="triton"),
+         None),
+        ("tensorwise current row+col", lambda: quantize(x, Float8Tensorwise(), True, True, backend="triton"), 2),
+        ("MXFP8 rowwise+columnwise", lambda: quantize(x, MXFP8(), True, True, backend="triton"), None),
+        ("NVFP4 1x16 rowwise", lambda: quantize(x, NVFP4(), True, False, backend="triton"), 2),
+    ]
+    try:
+        from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs  # type: ignore
+
+        cases.append(("torchao 1x128 rowwise", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), None))
+    except Exception as e:  # noqa: BLE001 - the peer is optional; say why its row is missing
+        print(f"    (torchao not importable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    cases += [
+        ("copy fp32", lambda: y32.copy_(x32), None),
+        ("fp32 1x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(), True, True, backend="triton"), None),
+        ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True,
+                                                             backend="triton"), None),
+    ]
+    copy_bw = None
+    for name, fn, passes in cases:
+        te = _bench(fn, rep)
+        if te is None:
+            continue
+        tg = _graphed(fn, rep)
+        t = tg if tg is not None else te
+        n_in = 2 * inb if name.startswith("fp32") or name == "copy fp32" else inb  # (FP32 input: twice the bytes)
+        if name.startswith("copy"):
+            moved = 2 * n_in
+        else:
+            q = fn()
+            moved = n_in * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size()
+                                                                                      for v in q))
+        bw = moved / t * 1e-6
+        if name.startswith("copy"):  # fractions are of the copy of the same input dtype
+            copy_bw = bw
+        rows.append((f"{M}x{K}", name, te, tg, moved / 2**20, bw, bw / copy_bw))
+        g = f"{tg * 1e3:8.1f}" if tg is not None else "       —"
+        print(f"    {name:30s} call {te * 1e3:8.1f} us  graphed {g} us {bw:8.0f} GB/s  {bw / copy_bw:.2f} of copy",
+              flush=True)
+
+
+def run(shapes, rep=100):
     rows = []
     for M, K in shapes:
-        print(f"[quant] M={M} K={K} bf16 ({M * K * 2 / 2**20:.0f} MiB)", flush=True)
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        y = torch.empty_like(x)
-        x32 = x.float()
-        y32 = torch.empty_like(x32)
-        inb = x.numel() * 2
-        cases = [
-            ("copy (device to device)", lambda: y.copy_(x), None),
-            ("1x128 rowwise", lambda: quantize(x, Float8Blockwise(), True, False, backend="triton"), None),
-            ("1x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(), True, True, backend="triton"), None),
-            ("128x128 rowwise+columnwise", lambda: quantize(x, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
-            ("tensorwise current row+col", lambda: quantize(x, Float8Tensorwise(), True, True, backend="triton"), 2),
-            ("MXFP8 rowwise+columnwise", lambda: quantize(x, MXFP8(), True, True, backend="triton"), None),
-            ("NVFP4 1x16 rowwise", lambda: quantize(x, NVFP4(), True, False, backend="triton"), 2),
-        ]
-        try:
-            from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs  # type: ignore
-
-            cases.append(("torchao 1x128 rowwise", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), None))
-        except Exception as e:  # noqa: BLE001 - the peer is optional; say why its row is missing
-            print(f"    (torchao not importable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        cases += [
-            ("copy fp32", lambda: y32.copy_(x32), None),
-            ("fp32 1x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(), True, True, backend="triton"), None),
-            ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True, backend="triton"), None),
-        ]
-        copy_bw = None
-        for name, fn, passes in cases:
-            te = _bench(fn, rep)
-            if te is None:
-                continue
-            tg = _graphed(fn, rep)
-            t = tg if tg is not None else te
-            n_in = 2 * inb if name.startswith("fp32") or name == "copy fp32" else inb  # (FP32 input: twice the bytes)
-            if name.startswith("copy"):
-                moved = 2 * n_in
-            else:
-                q = fn()
-                moved = n_in * (passes or 1) + (q.nbytes if hasattr(q, "nbytes") else sum(v.numel() * v.element_size() for v in q))
-            bw = moved / t * 1e-6
-            if name.startswith("copy"):  # fractions are of the copy of the same input dtype
-                copy_bw = bw
-            rows.append((f"{M}x{K}", name, te, tg, moved / 2**20, bw, bw / copy_bw))
-            g = f"{tg * 1e3:8.1f}" if tg is not None else "       —"
-            print(f"    {name:30s} call {te * 1e3:8.1f} us  graphed {g} us {bw:8.0f} GB/s  {bw / copy_bw:.2f} of copy",
-                  flush=True)
-        del x, y, x32, y32
+        _run_shape(M, K, rep, rows)
         torch.cuda.empty_cache()
     return rows
 
 
 def markdown(rows) -> str:
-    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date {datetime.date.today().isoformat()}; commit {git_commit()}", "",
+    out = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; date "
+           f"{datetime.date.today().isoformat()}; commit {git_commit()}", "",
            "| input | kernel | call (us) | graphed (us) | MiB moved | GB/s | fraction of copy |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for shape, name, te, tg, mib, bw, r in rows:
@@ -106,7 +114,8 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     return table_main(argv, prog="lowbit bench quant", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxK list (default: the issue's activation shapes)", run=run, markdown=markdown)
+                      shapes_help="comma-separated MxK list (default: four GPT-sized activation shapes)", run=run,
+                      markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Scaled GEMMs on QuantizedTensors: ``scaled_mm`` dispatches to the fastest correct backend (DESIGN §5).
+"""Scaled GEMMs on QuantizedTensors: ``scaled_mm`` dispatches to the fastest correct backend (NUMERICS §5).
 
 Backends register themselves with :func:`register_backend` (cuBLAS through torch, Triton kernels);
 the float64-exact reference runs everywhere else and is the spec.
@@ -17,10 +17,12 @@ from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8
 from ..quant.tensor import QuantizedTensor
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
-__all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference", "dequantize_exact", "apply_epilogue"]
+__all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
+           "dequantize_exact", "apply_epilogue"]
 
-# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=, accumulate=, out=));
-# opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may then yield.
+# name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
+# accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may
+# then yield.
 BACKENDS: dict[str, tuple[Callable, Callable]] = {}
 
 _FP8_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
@@ -71,23 +73,27 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
     M, K = _operand(a, "a", a_copy)
     N, Kb = _operand(b, "b", b_copy)
     if K != Kb:
-        raise ValueError(f"b: the contraction dims must match: a's {a_copy} copy is ({M}, {K}), b's {b_copy} copy is ({N}, {Kb})")
+        raise ValueError(f"b: the contraction dims must match: a's {a_copy} copy is ({M}, {K}), b's {b_copy} copy "
+                         f"is ({N}, {Kb})")
     da, db = getattr(a, a_copy).data.device, getattr(b, b_copy).data.device  # (the copies used)
     if da != db:
         raise ValueError(f"b: must be on the same device as a ({da}), got {db}")
     sa, sb = a.scheme, b.scheme
     if isinstance(sa, _FP8_SCHEMES) and isinstance(sb, _FP8_SCHEMES):
         if sa.fmt == "e5m2" and sb.fmt == "e5m2":
-            raise NotImplementedError("a, b: E5M2 x E5M2 has no FP8 tensor-core instruction; supported: E4M3xE4M3, E4M3xE5M2, E5M2xE4M3")
+            raise NotImplementedError("a, b: E5M2 x E5M2 has no FP8 tensor-core instruction; supported: E4M3xE4M3, "
+                                      "E4M3xE5M2, E5M2xE4M3")
         if type(sa) is not type(sb) and not (isinstance(sa, Float8Tensorwise) or isinstance(sb, Float8Tensorwise)):
             raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}")
         if isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise):
             if sa.block_dim == 2 and sb.block_dim == 2:
-                raise NotImplementedError("a, b: blockwise 2D x 2D (128x128 x 128x128) is not supported; use 1D x 2D, 2D x 1D or 1D x 1D")
+                raise NotImplementedError("a, b: blockwise 2D x 2D (128x128 x 128x128) is not supported; use 1D x 2D, "
+                                          "2D x 1D or 1D x 1D")
             if sa.block_size != sb.block_size:
                 raise ValueError(f"a, b: block sizes must match, got {sa.block_size} and {sb.block_size}")
     elif type(sa) is not type(sb) or not isinstance(sa, (MXFP8, NVFP4)):
-        raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}; MXFP8 and NVFP4 pair only with themselves")
+        raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}; MXFP8 "
+                                  "and NVFP4 pair only with themselves")
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
     if bias is not None:
@@ -172,7 +178,8 @@ def scaled_mm(
         if backend not in table:
             raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
         if not table[backend][0](a, b, a_copy, b_copy, dict(opts, forced=True)):
-            raise NotImplementedError(f"backend: {backend!r} does not support this call ({a.scheme} x {b.scheme}, {a.device}); use None to pick one")
+            raise NotImplementedError(f"backend: {backend!r} does not support this call ({a.scheme} x {b.scheme}, "
+                                      f"{a.device}); use None to pick one")
         fn = table[backend][1]
     else:
         fn = table[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
@@ -213,8 +220,8 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
     (:func:`lowbit.ops.transpose.transpose_2d`, a tiled kernel: torch's own ran at a quarter of copy speed), and keeps
     the faster.
     cuBLAS picks its kernel by the operand shapes, and the order alone can cost 1.4x: the 350m GPT's fc2 weight
-    gradient (1024 x 2816 over 16,384 tokens) takes 168 us as dYᵀX, 117 us as XᵀdY and 138 us with the copy back
-    (H200, session 20, GPU time from CUDA graphs, BENCHMARKS.md); on the other GPT shapes the first order wins or
+    gradient (1024 x 2816 over 16,384 tokens) is ~1.2x faster as XᵀdY with the copy back than as dYᵀX; on the
+    other GPT shapes the first order wins or
     the copy costs more than the order saves. Both orders form the same block products and per-block promotions;
     the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` keeps the first order.
     """

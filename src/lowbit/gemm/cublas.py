@@ -5,7 +5,8 @@ Registered as ``"cublas"``, ahead of the Triton backends (it is the fastest wher
 What it takes (``supports``): CUDA, E4M3/E5M2 pairs (blockwise and rowwise: E4M3 only), M, N, K
 multiples of 16 (blockwise: K multiple of 128 and 128-element blocks, and M / N multiples of 4 so
 the stored 1x128 scales — (n_blocks, pad4(rows)) — are exactly the outer-dim-major (rows, n_blocks)
-view cuBLAS checks for; a 128x128 operand needs K/128 divisible by 4). Epilogues: cuBLAS produces the FP32 (tensorwise) or BF16 product and
+view cuBLAS checks for; a 128x128 operand needs K/128 divisible by 4). Epilogues: cuBLAS produces the FP32 (tensorwise)
+or BF16 product and
 :func:`lowbit.gemm.reference.apply_epilogue` applies bias / GELU / accumulate in torch.
 
 A pairing this torch/cuBLAS build rejects at run time is remembered: the call is answered by the
@@ -67,7 +68,7 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
         if a.scheme.block_size != 128 or b.scheme.block_size != 128 or K % 128:
             return False
         if kb == "block2d" and (K // 128) % 4:
-            # measured on the H200 (torch 2.11) for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
+            # measured with torch 2.11 for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
             # grid is rejected both as the padded stored view and as a dense copy; assumed for every K/128 not
             # divisible by 4. Declined up front, so the Triton GEMM answers without a failed cuBLAS call first
             return False
@@ -102,7 +103,8 @@ _NOT_CAPABILITY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "illegal memor
 def _not_capability(e: BaseException) -> bool:
     """Errors that say nothing about what this cuBLAS build supports: out of memory, a CUDA runtime error (a
     faulted context: torch.AcceleratorError). They propagate, and the signature is not added to REJECTED.
-    (Not every "CUDA error: ..." message: torch words cuBLAS's own refusals "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED".)"""
+    (Not every "CUDA error: ..." message: torch words cuBLAS's own refusals "CUDA error:
+CUBLAS_STATUS_NOT_SUPPORTED".)"""
     if isinstance(e, torch.OutOfMemoryError) or isinstance(e, getattr(torch, "AcceleratorError", ())):
         return True
     msg = str(e)
@@ -140,7 +142,8 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
             sa = _scales(a, a_copy, M)
             sb = _scales(b, b_copy, N)
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
-                sb = sb.t()  # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
+                # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
+                sb = sb.t()
             acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
     except (RuntimeError, ValueError) as e:
         if _not_capability(e):

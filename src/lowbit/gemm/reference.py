@@ -1,4 +1,4 @@
-"""Reference scaled GEMM: exact math in float64, the spec every fast backend is tested against (DESIGN §5).
+"""Reference scaled GEMM: exact math in float64, the spec every fast backend is tested against (NUMERICS §5).
 
 ``y = A · Bᵀ`` where A (M, K) and B (N, K) are copies of two QuantizedTensors, both contiguous along
 K. Each operand is dequantized *exactly* in float64 (an FP8/E2M1 element times its scale, with the
@@ -47,7 +47,8 @@ def apply_epilogue(acc: torch.Tensor, *, out_dtype, bias=None, gelu=False, accum
     return y, pre
 
 
-def scaled_mm_reference(a: QuantizedTensor, b: QuantizedTensor, *, a_copy="rowwise", b_copy="rowwise", out_dtype=torch.float32,
+def scaled_mm_reference(a: QuantizedTensor, b: QuantizedTensor, *, a_copy="rowwise", b_copy="rowwise",
+                        out_dtype=torch.float32,
                         bias=None, gelu=False, accumulate=False, out=None):
     """float64-exact ``A · Bᵀ`` with the epilogue; see :func:`lowbit.gemm.scaled_mm`. Returns ``(y, pre_gelu)``."""
     A = dequantize_exact(a, a_copy)

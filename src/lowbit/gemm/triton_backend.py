@@ -105,8 +105,8 @@ def _candidates(M, N, emulated: bool):
 
 
 def _tma_ok(A, B, row_bytes) -> bool:
-    """Operand tiles by TMA descriptors (``LOWBIT_GEMM_TMA``, default on: on an H200 on 2026-11-23 the FP8 GEMM was
-    1.10-1.19x faster with them, the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous
+    """Operand tiles by TMA descriptors (``LOWBIT_GEMM_TMA``, default on: the FP8 GEMM is ~1.1x faster with them,
+    the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous
     operands with 16-byte aligned data and rows (``row_bytes`` % 16 == 0)."""
     if os.environ.get("LOWBIT_GEMM_TMA", "1") != "1" or row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
         return False
@@ -119,15 +119,14 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     promotion; :func:`~lowbit.gemm.kernels.gemm.gemm_gluon_ws`: persistent and warp-specialized) as autotune
     candidates (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` / ``ws`` the one-tile / warp-specialized configs
     only, for tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
-    On by default since its forced GPU test (tests/test_gemm.py, ragged M/N/K, against the reference) passed on an
-    H200 on 2026-11-23; measured there 1.52-1.63x torchao's Triton blockwise kernel on the large shapes."""
+    Its forced GPU test (tests/test_gemm.py, ragged M/N/K) checks it against the reference."""
     if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force", "ws") or INTERPRET or not G.GLUON:
         return False
     return bs == 128 and sb_mode == 3 and sa_mode == 2 and capability(dev) == (9, 0)
 
 
 # Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
-# tiles, 4 or 5 stages. H200 2026-11-23: 1040-1095 TFLOP/s on the issue's shapes with 4 stages (5: 0-11% less).
+# tiles, 4 or 5 stages (4 is the faster on large GEMMs, 5 up to 11% slower).
 _WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
 
 # What every launch of G.gemm_gluon_ws shares: two 4-warp math partitions (the second with MATH_REGS registers, the
@@ -165,7 +164,8 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         if cfg.get("WS"):
-            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda, ldb,
+            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda,
+                       ldb,
                        SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
             return
         if cfg.get("GLUON"):
@@ -179,14 +179,15 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
     def cands():
         out = _candidates(M, N, False)
-        if gluon:  # H200 2026-11-23: 128x128 / 8 warps / 4 stages 850-920 TFLOP/s on large shapes, the tl kernel <= 830
-            g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st) for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
+        if gluon:  # 128x128 / 8 warps / 4 stages beats the tl kernel on large shapes
+            g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st)
+                 for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
                  if bm <= max(_bucket(M), 64)]
             ws = list(_WS_CONFIGS) if G.GLUON_WS else []
             mode = os.environ.get("LOWBIT_GEMM_GLUON")
             if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= num_sms(dev):
-                # at least a tile per SM: the warp-specialized kernel alone (H200 2026-11-23: 1.04-1.25x every other
-                # candidate on the issue's five shapes; timing them all let noise pick a slower one, 964 vs 1037)
+                # at least a tile per SM: the warp-specialized kernel alone (faster than every other candidate on
+                # large GEMMs; timing them all let noise pick a slower one)
                 return ws
             out = {"force": g, "ws": ws}.get(mode, out + g + ws)
         return out
@@ -215,7 +216,7 @@ warp-specialized Gluon GEMM with the scales in its epilogue), "triton", "cublas"
 
 # The persistent warp-specialized Gluon GEMM on the dequantized BF16 operands (G.gemm_gluon_ws with SA=0): two 4-warp
 # math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES operand stages (BN=256: 48 KB a stage).
-# H200 2026-11-23, NVFP4 at 16384x4096x4096: 592 TFLOP/s with 128x256 (cuBLAS + scale epilogue 542), 128x128 546.
+# NVFP4 at 16384x4096x4096: 128x256 tiles ~1.1x cuBLAS with a scale epilogue, and faster than 128x128.
 _WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=4) for bn in (256, 128)]
 
 
@@ -281,7 +282,8 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
 
     def launch(cfg):
         if cfg.get("GWS"):
-            _launch_ws(dev, cfg, (A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c), M, N, K, 0, 0,
+            _launch_ws(dev, cfg, (A, B, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c), M, N, K,
+                       0, 0,
                        SA=0, SB=1 if nv else 0, BS=64, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
             return
         if cfg.get("CUBLAS"):

@@ -9,7 +9,7 @@ Shape (per block, pre-norm)::
 The adds are :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA); under a recipe whose input quantizer
 takes the norm (1x128 blockwise), each add also returns the next norm's row statistics (``input_rstd``).
 
-Token embedding, the final norm and the output head stay in high precision (as DESIGN §6 asks of
+Token embedding, the final norm and the output head stay in high precision (as NUMERICS §6 asks of
 ``lowbit.convert``); the head shares the embedding matrix when ``tie_weights``. The vocabulary is
 bytes (256), so the presets have fewer parameters than their names (which give the transformer
 shape: ``125m`` is GPT-2 small's 12 x 768, ``350m`` 24 x 1024, ``1.3b`` 24 x 2048).
@@ -114,7 +114,8 @@ def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> 
     ``"auto"``: lowbit.attention when ``qk``/``pv`` ask for quantized attention, else SDPA (the same 16-bit math).
     ``qk``/``pv`` are passed to lowbit.attention."""
     if (qk, pv) != ("bf16", "bf16") and backend == "sdpa":
-        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use 'auto' or 'lowbit'")
+        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use "
+                         "'auto' or 'lowbit'")
     if backend not in ("auto", "lowbit", "sdpa"):
         raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
     _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)
@@ -174,10 +175,12 @@ class Block(nn.Module):
         import lowbit.nn as lnn
 
         self.n_head = cfg.n_head
-        self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm, eps=cfg.norm_eps)
+        self.qkv = lnn.LayerNormLinear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, normalization=cfg.norm,
+                                       eps=cfg.norm_eps)
         self.proj = lnn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         # the same fused SwiGLU kernel under every recipe (BF16 included), so recipe comparisons compare GEMMs
-        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm, activation=cfg.mlp,
+        self.mlp = lnn.LayerNormMLP(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias, normalization=cfg.norm,
+                                    activation=cfg.mlp,
                                     fused_swiglu=True)
 
     def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None, link=None):
@@ -209,7 +212,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "RMSNorm" else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm_f = nn.RMSNorm(cfg.d_model,
+                                 eps=cfg.norm_eps) if cfg.norm == "RMSNorm" else nn.LayerNorm(cfg.d_model,
+                                                                                              eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.wte.weight

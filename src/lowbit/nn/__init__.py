@@ -1,4 +1,4 @@
-"""lowbit.nn: autocast, the quantized drop-in modules, convert() and the NaN sentry (DESIGN §6).
+"""lowbit.nn: autocast, the quantized drop-in modules, convert() and the NaN sentry (NUMERICS §6).
 
 * :func:`autocast` — the recipe context (nested, exception safe; amax reduction and delayed-scaling
   update at the outermost exit).

@@ -59,7 +59,8 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"num_attention_heads: must divide hidden_size ({hidden_size}), got {num_attention_heads}")
         kv = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         if not isinstance(kv, int) or kv <= 0 or num_attention_heads % kv:
-            raise ValueError(f"num_gqa_groups: must be a positive divisor of num_attention_heads ({num_attention_heads}), got {num_gqa_groups!r}")
+            raise ValueError("num_gqa_groups: must be a positive divisor of num_attention_heads "
+                             f"({num_attention_heads}), got {num_gqa_groups!r}")
         if normalization not in (None, "LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization: expected None, 'LayerNorm' or 'RMSNorm', got {normalization!r}")
         if qk not in _QK:
@@ -69,7 +70,8 @@ class MultiheadAttention(torch.nn.Module):
         if not (0.0 <= attention_dropout < 1.0):
             raise ValueError(f"attention_dropout: must be in [0, 1), got {attention_dropout!r}")
         if attention_dropout > 0 and not _sixteen_bit(qk, pv):
-            raise NotImplementedError(f"attention_dropout: dropout runs with 16-bit attention only, got qk={qk!r}, pv={pv!r}")
+            raise NotImplementedError("attention_dropout: dropout runs with 16-bit attention only, got "
+                                      f"qk={qk!r}, pv={pv!r}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_attention_heads, kv
         self.head_dim = hidden_size // num_attention_heads
         self.causal, self.attention_dropout = bool(causal), float(attention_dropout)

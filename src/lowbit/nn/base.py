@@ -46,8 +46,10 @@ class LowbitModule:
                 k: v for k, v in state.items() if k.split(".")[0] in ("input", "weight", "grad_output")}
             g.load_state_dict(sub)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         key = prefix + _EXTRA
         if key not in state_dict and key in missing_keys:  # checkpoint of a torch module: no scaling state is fine
             missing_keys.remove(key)

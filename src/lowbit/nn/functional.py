@@ -1,4 +1,4 @@
-"""The quantized linear op: fprop, dgrad and wgrad as quantized ``scaled_mm`` calls (DESIGN §4–§6).
+"""The quantized linear op: fprop, dgrad and wgrad as quantized ``scaled_mm`` calls (NUMERICS §4–§6).
 
 ``y = x · wᵀ + b`` (optionally GELU'd) where, per the active recipe's roles:
 
@@ -46,7 +46,8 @@ def check_microbatch_arg(is_first_microbatch) -> None:
 
 def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     """The weight role's scheme where an optimizer may write ``w``'s quantized copies itself (see
-    :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else None."""
+    :class:`FreshWeight`): 128 x 128 blockwise FP8 with current scaling of a contiguous 2D FP32 CUDA weight; else
+    None."""
     rq = recipe.role("weight")
     sch = rq.scheme
     if (rq.delayed or not isinstance(sch, Float8Blockwise) or sch.block_dim != 2 or sch.block_size != 128
@@ -113,7 +114,8 @@ class GemmLayer:
         self.wcache = None
         self.fresh: FreshWeight | None = None
         self.fresh_uses = 0
-        self._offered_dy: QuantizedTensor | None = None  # FP8 grad_output handed over by the next op (see offer_grad_output)
+        # FP8 grad_output handed over by the next op (see offer_grad_output)
+        self._offered_dy: QuantizedTensor | None = None
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
 
@@ -182,7 +184,8 @@ class GemmLayer:
         if st is None or not st.compatible(recipe):
             if st is not None and any(h.steps for h in st.histories.values()):
                 raise ValueError(
-                    f"recipe: layer {self.name!r} holds delayed-scaling state for {st.recipe} but the active recipe is {recipe}; "
+                    f"recipe: layer {self.name!r} holds delayed-scaling state for {st.recipe} but the active recipe "
+                    f"is {recipe}; "
                     "amax_history_len, amax_compute_algo, margin and fp8_format must stay the same across steps"
                 )
             st = _ac.DelayedScalingState(recipe, device=device)
@@ -239,24 +242,29 @@ class GemmLayer:
         _ac.sentry([c.amax for c in q._copies()], layer=self, role="input", phase="forward", policy=policy)
         return q, rstd
 
-    def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool, policy: str) -> QuantizedTensor:
+    def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool,
+                         policy: str) -> QuantizedTensor:
         """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False)."""
         if is_first_microbatch is False:
             c = self.wcache
             if c is None:
                 raise ValueError(
-                    f"is_first_microbatch: False needs a quantized weight cached by an earlier call with True in this step; "
-                    f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None to not cache)."
+                    "is_first_microbatch: False needs a quantized weight cached by an earlier call with True "
+                    "in this step; "
+                    f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None "
+                    "to not cache)."
                 )
             crecipe, version, ptr, q = c
             if crecipe != recipe:
                 raise ValueError(
-                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe is {recipe}; "
+                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe "
+                    f"is {recipe}; "
                     f"pass True when the recipe changes (layer {self.name!r})"
                 )
             if version != w._version or ptr != w.data_ptr():
                 raise ValueError(
-                    f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since it was cached "
+                    f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since "
+                    "it was cached "
                     "(optimizer step?); pass True on the first microbatch after each weight update"
                 )
             if columnwise and q.columnwise is None:
@@ -278,7 +286,8 @@ class GemmLayer:
                 self.fresh_uses += 1
                 self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
                 return q
-        q = self.quantize(w.detach(), "weight", recipe, rowwise=True, columnwise=columnwise or (cache and torch.is_grad_enabled()),
+        q = self.quantize(w.detach(), "weight", recipe, rowwise=True,
+                          columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
@@ -308,7 +317,8 @@ def _gelu_grad(pre: torch.Tensor) -> torch.Tensor:
 
 
 def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
-    """``q`` with its columnwise copy only: what a wgrad GEMM reads, kept for the backward (the rowwise one is freed)."""
+    """``q`` with its columnwise copy only: what a wgrad GEMM reads, kept for the backward (the rowwise one is
+freed)."""
     return QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=None, columnwise=q.columnwise, meta=q.meta)
 
 
@@ -326,13 +336,12 @@ def _columnwise_only(q: QuantizedTensor) -> QuantizedTensor:
 _SIDE = {"on": False, "streams": {}, "join": None}
 # The side stream's weight-gradient GEMMs are cuBLAS's persistent kernels: one CTA an SM holding its whole register
 # file, for the length of the GEMM. Launched beside the main stream's memory-bound kernels (the quantizers, the norm
-# backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (350m step, H200: a
-# 20 us quantizer took 162 us there; BENCHMARKS.md session 29). cuBLAS is asked to leave this many SMs free for the
-# main stream (torch's SM carveout, set around the side-stream call only). Measured on an H200 (2026-11-25, 20-step
-# runs alternating in one call): 32 of its 132 SMs, 1.3b fp8-block +2.1% tokens/s (80,001 / 80,101 against 78,430 /
-# 78,331), 350m +1.7% (231,519 / 231,547 against 227,517 / 228,019); 16 SMs +0.8% at 350m, 48 less than 32 at both.
+# backward), they took every SM and the main stream's next kernel waited for the GEMM to finish (a 20 us quantizer
+# took 162 us). cuBLAS is asked to leave this many SMs free for the main stream (torch's SM carveout, set around the
+# side-stream call only): 32 of 132 SMs gave ~2% more tokens/s on the 350m and 1.3b GPTs; 16 and 48 gave less.
 # The default keeps that fraction on other GPUs; LOWBIT_WGRAD_SM_CARVEOUT=N asks for N SMs (0 turns it off).
-_HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
+_HAS_CARVEOUT = hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C,
+                                                                               "_get_sm_carveout_experimental")
 
 
 def side_carveout(n_sms: int) -> int:
@@ -482,7 +491,8 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_li
     and the link."""
     if (norm_weight is None) != (norm_eps is None):
         raise ValueError(f"norm_weight, norm_eps: give both (RMSNorm fused into the input quantizer) or neither; got "
-                         f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps {norm_eps!r}")
+                         f"norm_weight {'None' if norm_weight is None else tuple(norm_weight.shape)}, norm_eps "
+                         f"{norm_eps!r}")
     if norm_weight is None:
         if norm_link is not None:
             raise ValueError("norm_link: given without norm_weight / norm_eps (it links a fused RMSNorm's backward)")
@@ -490,8 +500,8 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_li
     if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
         raise ValueError(f"norm_eps: expected a float > 0, got {norm_eps!r}")
     if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[-1],):
-        raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got "
-                         f"{tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__}")
+        got = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__
+        raise ValueError(f"norm_weight: expected a tensor of shape ({x.shape[-1]},) (the input's last dim), got {got}")
     if norm_link is not None:
         norm_link.check(x, norm_weight, norm_eps)
     if norm_fuses(x, norm_weight, recipe):
@@ -536,7 +546,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0] or ctx.needs_input_grad[3], ctx.needs_input_grad[1]
         dx = dw = db = dnw = None
         if need_dgrad or need_wgrad:
-            qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+            qdy = None if cfg.gelu else layer.take_grad_output(dy2, recipe, need_dgrad=need_dgrad,
+                                                               need_wgrad=need_wgrad,
                                                                 phase="backward", policy=cfg.policy)
             if qdy is None:
                 qdy = layer.quantize(dy2, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_wgrad,
@@ -587,16 +598,19 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape {tuple(x.shape)}")
+        raise ValueError(f"input: last dim must be in_features = {weight.shape[1]} for layer {layer.name!r}, got shape "
+                         f"{tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"input: empty tensor (shape {tuple(x.shape)}) for layer {layer.name!r}")
     x, norm_weight, norm_eps = _norm_inputs(x, norm_weight, norm_eps, recipe, norm_link)
     norm_rstd, norm_link = _linked_rstd(norm_eps, norm_rstd, norm_link)
     out_dtype = _out_dtype(x)
     if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer {layer.name!r})")
+        raise TypeError(f"input: quantized layers take float32, bfloat16 or float16 inputs, got {x.dtype} (layer "
+                        f"{layer.name!r})")
     if weight.dtype not in _OUT_DTYPES:
-        raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} (layer {layer.name!r})")
+        raise TypeError(f"weight: quantized layers need a float32, bfloat16 or float16 weight, got {weight.dtype} "
+                        f"(layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
@@ -613,7 +627,8 @@ def _linked_rstd(norm_eps, norm_rstd, norm_link):
 # ------------------------------------------------------------------------------------------------
 # fc1 -> SwiGLU -> fc2 under a 1x128 blockwise recipe, with SwiGLU fused into fc2's input quantizer
 # ------------------------------------------------------------------------------------------------
-def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe, out_dtype: torch.dtype | None = None) -> bool:
+def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe,
+                       out_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`quantized_swiglu_mlp` can run this MLP: fc1 without bias (kept on the unfused path, which
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_UNFUSE=swiglu_quant`` turns
@@ -690,7 +705,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                               policy=cfg2.policy)
             if need_du:
                 dh = scaled_mm(qdy, ctx.qw2, a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
-            if need_dw2:  # (after fc2's data gradient: on a side stream it then overlaps the memory-bound kernels below)
+            # (after fc2's data gradient: on a side stream it then overlaps the memory-bound kernels below)
+            if need_dw2:
                 dw2 = _wgrad(qdy, ctx.qh, ctx.w2_dtype, ctx.w2)
             if need_du:
                 sch1 = recipe.role("grad_output").scheme

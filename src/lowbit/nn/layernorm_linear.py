@@ -11,7 +11,8 @@ from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 
-__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd", "check_norm_link"]
+__all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd",
+           "check_norm_link"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -43,9 +44,11 @@ def check_norm_link(link, normalization: str, input: torch.Tensor, weight: torch
     from ..ops.residual import NormGradLink
 
     if not isinstance(link, NormGradLink):
-        raise TypeError(f"input_norm_link: expected None or a lowbit.ops.residual.NormGradLink, got {type(link).__name__}")
+        raise TypeError("input_norm_link: expected None or a lowbit.ops.residual.NormGradLink, got "
+                        f"{type(link).__name__}")
     if normalization != "RMSNorm":
-        raise ValueError(f"input_norm_link: links an RMSNorm's backward; this module's normalization is {normalization!r}")
+        raise ValueError("input_norm_link: links an RMSNorm's backward; this module's normalization is "
+                         f"{normalization!r}")
     link.check(input, weight, eps)
 
 
@@ -55,9 +58,11 @@ def check_input_rstd(input_rstd, input: torch.Tensor) -> None:
     if input_rstd is None:
         return
     M = input.numel() // input.shape[-1] if input.dim() else 1
-    if not (isinstance(input_rstd, torch.Tensor) and input_rstd.dtype == torch.float32 and tuple(input_rstd.shape) == (M,)
+    if not (isinstance(input_rstd, torch.Tensor) and input_rstd.dtype == torch.float32
+            and tuple(input_rstd.shape) == (M,)
             and input_rstd.device == input.device):
-        raise ValueError(f"input_rstd: expected None or a float32 tensor of shape ({M},) on {input.device} (one per input "
+        raise ValueError(f"input_rstd: expected None or a float32 tensor of shape ({M},) on {input.device} "
+                         "(one per input "
                          f"row), got {getattr(input_rstd, 'dtype', type(input_rstd).__name__)} "
                          f"{tuple(getattr(input_rstd, 'shape', ()))} on {getattr(input_rstd, 'device', None)}")
 
@@ -110,7 +115,8 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         self.return_layernorm_output = return_layernorm_output
         fk = dict(device=device, dtype=dtype)
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(in_features, **fk))
-        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, **fk)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features,
+                                                              **fk)) if normalization == "LayerNorm" else None
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
         self.reset_parameters()
@@ -130,7 +136,8 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
                 and norm_fuses(input, self.layer_norm_weight, st.recipe))
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None, input_rstd: torch.Tensor | None = None,
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
+                input_rstd: torch.Tensor | None = None,
                 input_norm_link=None):
         """``input`` (..., in_features); ``input_rstd``: optional (M,) float32 RMSNorm statistics of the input rows
         computed already (:func:`lowbit.ops.residual.residual_add` with ``rms_eps=self.eps``), used only where the norm
@@ -147,7 +154,8 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
             return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
                                     norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
                                     norm_link=input_norm_link)
-        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+        ln = apply_norm(input, self.normalization, (self.in_features,), self.layer_norm_weight, self.layer_norm_bias,
+                        self.eps,
                         input_norm_link)
         if not st.enabled:
             y = F.linear(ln, self.weight, self.bias)

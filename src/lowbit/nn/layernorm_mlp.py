@@ -55,7 +55,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
-                 activation: str = "gelu", eps: float = 1e-5, fused_swiglu: bool | None = None, device=None, dtype=None):
+                 activation: str = "gelu", eps: float = 1e-5, fused_swiglu: bool | None = None, device=None,
+                 dtype=None):
         super().__init__()
         if fused_swiglu not in (None, True, False):
             raise TypeError(f"fused_swiglu: expected None, True or False, got {fused_swiglu!r}")
@@ -69,7 +70,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         fk = dict(device=device, dtype=dtype)
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, **fk))
-        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **fk)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size,
+                                                              **fk)) if normalization == "LayerNorm" else None
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **fk))
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_out, **fk)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **fk))
@@ -99,7 +101,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         check_norm_link(input_norm_link, self.normalization, input, self.layer_norm_weight, self.eps)
         st = _ac.get_state()
         if not st.enabled:
-            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight,
+                            self.layer_norm_bias, self.eps,
                             input_norm_link)
             h = F.linear(ln, self.fc1_weight, self.fc1_bias)
             h = F.gelu(h) if self.activation == "gelu" else self._swiglu(h, fused_default=False)
@@ -110,11 +113,13 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             ln, nkw = input, dict(norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
                                   norm_link=input_norm_link)
         else:
-            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight, self.layer_norm_bias, self.eps,
+            ln = apply_norm(input, self.normalization, (self.hidden_size,), self.layer_norm_weight,
+                            self.layer_norm_bias, self.eps,
                             input_norm_link)
             nkw = {}
         if self.activation == "gelu":
-            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st, **nkw)
+            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st,
+                                 **nkw)
         else:
             if self.fused_swiglu is not False and self._fusable(ln, st):
                 # SwiGLU inside fc2's input quantizer (1x128 blockwise recipes): same bits, h never written
@@ -130,12 +135,14 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             ln, self.fc1_weight, self.fc1_bias, st.recipe)
 
     def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:
-        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the default)."""
+        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the
+        default)."""
         if self.fused_swiglu if self.fused_swiglu is not None else fused_default:
             return swiglu(h)
         a, b = h.chunk(2, dim=-1)
         return F.silu(a) * b
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, normalization={self.normalization}, "
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, "
                 f"activation={self.activation}, eps={self.eps}")

@@ -1,4 +1,4 @@
-"""Autocast state, delayed-scaling state and the NaN sentry (DESIGN §6).
+"""Autocast state, delayed-scaling state and the NaN sentry (NUMERICS §6).
 
 ``with lowbit.autocast(recipe=...):`` sets the recipe lowbit modules quantize with. The state is
 process-global (like TransformerEngine's), saved and restored by every ``autocast`` so contexts nest;
@@ -144,7 +144,8 @@ def check_recipe_support(recipe: Recipe, device=None, *, allow_emulation: bool =
         capability: override the (major, minor) compute capability (for tests).
     """
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
+        raise TypeError("recipe: expected a lowbit.recipes recipe (e.g. Float8CurrentScaling()), got "
+                        f"{type(recipe).__name__}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if _cuda_available() else torch.device("cpu")
     device = torch.device(device)
@@ -533,7 +534,8 @@ class DelayedScalingState:
     def __init__(self, recipe: DelayedScaling, device=None):
         self.recipe = recipe
         self.histories = {
-            role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, rq.scheme.fmt, device=device)
+            role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin, rq.scheme.fmt,
+                              device=device)
             for role, rq in recipe.roles().items()
         }
         self.pending: dict[str, torch.Tensor | None] = {r: None for r in self.histories}
@@ -581,7 +583,8 @@ class DelayedScalingState:
             self.pending[role] = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 = none)."""
+        """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 =
+        none)."""
         out = {}
         for role, h in self.histories.items():
             for k, v in h.state_dict().items():
@@ -709,7 +712,8 @@ class autocast(contextlib.ContextDecorator):
     def __enter__(self):
         global _state, _depth, _carried
         outer = _state
-        recipe = self.recipe or (outer.recipe if outer.recipe is not None else (DelayedScaling() if self.enabled else None))
+        recipe = self.recipe or (outer.recipe if outer.recipe is not None
+                                 else (DelayedScaling() if self.enabled else None))
         support = outer.support
         if self.enabled:
             support = check_recipe_support(recipe, allow_emulation=self.allow_emulation)

@@ -44,7 +44,8 @@ def rmsnorm_rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (1.0 / torch.sqrt((x2 * x2).mean(dim=1) + eps)).float()
 
 
-def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *, rowwise: bool = True,
+def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *,
+                               rowwise: bool = True,
                                columnwise: bool = True):
     """The spec of the fused kernel given its rstd (M,): quantize ``(x · rstd) · w`` (FP32 products) with ``scheme``."""
     from ..quant.reference import quantize_reference
@@ -71,14 +72,17 @@ def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
             and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme))
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_weight_grad: bool):
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      need_weight_grad: bool):
     """(dx, dw) of y = (x · rstd) · w for x (M, K), rstd (M,): on CUDA torch's own fused RMSNorm backward (the kernel
     F.rms_norm's autograd runs there), elsewhere (no CPU kernel of it) the same math in FP32 torch ops:
-    dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked for."""
+    dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw = Σ_rows dy · x̂. dw is None unless asked
+    for."""
     K = x.shape[-1]
     dy = dy.reshape(-1, K).to(x.dtype)
     if x.is_cuda and hasattr(torch.ops.aten, "_fused_rms_norm_backward"):
-        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [K], rstd.reshape(-1, 1), weight, [True, need_weight_grad])
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(dy, x, [K], rstd.reshape(-1, 1), weight, [True,
+                                                                                                   need_weight_grad])
         return dx, (dw if need_weight_grad else None)
     r = rstd.reshape(-1, 1).float()
     xh = x.float() * r
@@ -157,14 +161,18 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
         M = prod(x.shape[:-1]) — what the backward (:func:`rms_norm_backward`) needs besides x and the weight.
     """
     from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _regs_ok,
+    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
+                                        _regs_ok,
                                         _set_copies, tuned_launch)
 
     if not norm_quant_fusable(x, weight, scheme):
         raise NotImplementedError(
-            f"rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x on CUDA and a "
-            f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x {getattr(x, 'dtype', None)} "
-            f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight {getattr(weight, 'dtype', None)} "
+            "rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x "
+            "on CUDA and a "
+            f"float32 weight of shape (x.shape[-1],) on its device; got scheme {scheme!r}, x "
+            f"{getattr(x, 'dtype', None)} "
+            f"{tuple(getattr(x, 'shape', ()))} on {getattr(x, 'device', None)}, weight "
+            f"{getattr(weight, 'dtype', None)} "
             f"{tuple(getattr(weight, 'shape', ()))}" + ("" if _enabled() else " (LOWBIT_UNFUSE has norm_quant)"))
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps: expected a float > 0, got {eps!r}")
@@ -178,7 +186,8 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
                      lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
     elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
               and rstd.device == x.device and rstd.is_contiguous()):
-        raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per row of x), got "
+        raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per "
+                         "row of x), got "
                          f"{getattr(rstd, 'dtype', type(rstd).__name__)} {tuple(getattr(rstd, 'shape', ()))} on "
                          f"{getattr(rstd, 'device', None)}")
     key = (M, Kd, scheme, rowwise, columnwise)
@@ -192,7 +201,7 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     w = weight.detach()
 
     # both copies of whole 128 x 128 tiles (regs): the register-tile kernel first (quant_gluon.rowcol_1x128_regs;
-    # session 13 on the H200: 0.92-0.94 of an FP32 copy against 0.75-0.77 for the slab walk)
+    # 0.9 of an FP32 copy, faster than the slab walk)
     def launch(c):
         fn, grid, extra, kw = plan.launch_args(c)  # rowcol_1x128_regs, or blockwise_kernel's slab configs
         fn[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)

@@ -10,7 +10,7 @@ Numerics: ``out = x + float(y)`` in FP32, one rounding: bit for bit torch's ``x 
 accounts for its dependence on x).
 
 In torch the add of an FP32 and a BF16 tensor runs the non-vectorized mixed-dtype elementwise kernel (about
-2.5 TB/s on an H200, 3.1 ms of a 1.3b GPT step).
+2.5 TB/s, 3.1 ms of a 1.3b GPT step).
 
 The backward can take over the next RMSNorm's backward (``norm_weight=``, a :class:`NormGradLink`): the module
 whose norm reads ``out`` hands the gradient of its norm output ``dn`` to the link instead of computing the norm's
@@ -170,7 +170,8 @@ def _launch(x, y, out, rstd, eps, stats: bool):
     M = x.numel() // K
     # (candidates: the rstd kernel's, the same row walk)
     tuned_launch("residual_add", (stats, y.dtype, _bucket(M), _bucket(K)), lambda: row_reduce_configs(K),
-                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps), STATS=stats,
+                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps),
+                                                                              STATS=stats,
                                                                              **c))
 
 
@@ -190,9 +191,8 @@ def _bwd_configs(K: int) -> list[dict]:
 def column_sum(p: torch.Tensor) -> torch.Tensor:
     """``p.sum(0)`` of a contiguous (R, K) float32 tensor of partial sums, as (K,) float32: one Triton kernel on CUDA
     (and under the interpreter), a program a 64-column strip, so a few hundred partial rows cost a few microseconds.
-    torch's reduction over the leading dim took 17-49 us for the norm backward's 528-1056 x 2048 partials (H100,
-    2026-11-24: 0.8-2.3 ms of kernel time a 1.3b step), about a tenth of the copy speed. Same terms, another order:
-    FP32 rounding of the sum."""
+    torch's reduction over the leading dim runs at about a tenth of the copy speed on the norm backward's partials
+    (up to 2.3 ms of kernel time a 1.3b step). Same terms, another order: FP32 rounding of the sum."""
     if p.dim() != 2 or p.dtype != torch.float32 or not p.is_contiguous():
         raise ValueError(f"p: expected a contiguous 2-D float32 tensor, got {p.dtype} {tuple(p.shape)} "
                          f"(contiguous: {p.is_contiguous()})")
@@ -233,12 +233,15 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         if t is None:
             continue
         if t.dtype not in dts or tuple(t.shape) != tuple(out.shape) or t.device != out.device:
-            raise ValueError(f"{name}: expected {'/'.join(str(d) for d in dts)} of shape {tuple(out.shape)} on {out.device} "
+            raise ValueError(f"{name}: expected {'/'.join(str(d) for d in dts)} of shape {tuple(out.shape)} on "
+                             f"{out.device} "
                              f"(out's), got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous float32 tensor, got {out.dtype} (contiguous: {out.is_contiguous()})")
+        raise ValueError(f"out: expected a contiguous float32 tensor, got {out.dtype} (contiguous: "
+                         f"{out.is_contiguous()})")
     if not (rstd.dtype == torch.float32 and rstd.numel() == M and rstd.device == out.device):
-        raise ValueError(f"rstd: expected float32 with {M} elements (one per row of out) on {out.device}, got {rstd.dtype} "
+        raise ValueError(f"rstd: expected float32 with {M} elements (one per row of out) on {out.device}, got "
+                         f"{rstd.dtype} "
                          f"{tuple(rstd.shape)} on {rstd.device}")
     if not (weight.dtype == torch.float32 and tuple(weight.shape) == (K,)):
         raise ValueError(f"weight: expected float32 of shape ({K},), got {weight.dtype} {tuple(weight.shape)}")
@@ -308,14 +311,16 @@ class NormGradLink:
                              f"came with (link's sum {self.out_key and self.out_key[1]}, input "
                              f"{tuple(getattr(input, 'shape', ()))})")
         if weight is not self.weight or float(eps) != self.eps:
-            raise ValueError(f"input_norm_link: made for another norm (weight or eps differ: link eps {self.eps}, module eps "
+            raise ValueError("input_norm_link: made for another norm (weight or eps differ: link eps "
+                             f"{self.eps}, module eps "
                              f"{eps}); residual_add(..., norm_weight=) must name this module's norm weight and eps")
 
     def put(self, dn: torch.Tensor, rstd: torch.Tensor) -> None:
         """Called by the norm's module in its backward: dn the gradient of the norm output, rstd the statistics its
         forward used."""
         if self._pending is not None:
-            raise RuntimeError("NormGradLink: a second norm-output gradient before the residual add's backward took the "
+            raise RuntimeError("NormGradLink: a second norm-output gradient before the residual add's "
+                               "backward took the "
                                "first; one link serves one norm")
         self._pending = (dn, rstd)
 
@@ -413,7 +418,8 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         if not (isinstance(norm_weight, torch.Tensor) and norm_weight.dtype == torch.float32
                 and tuple(norm_weight.shape) == (x.shape[-1],)):
             raise ValueError(f"norm_weight: expected a float32 tensor of shape ({x.shape[-1]},), got "
-                             f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} {tuple(getattr(norm_weight, 'shape', ()))}")
+                             f"{getattr(norm_weight, 'dtype', type(norm_weight).__name__)} "
+                             f"{tuple(getattr(norm_weight, 'shape', ()))}")
     if not residual_add_supported(x, y):
         if rms_eps is None:
             return x + y

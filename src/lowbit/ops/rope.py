@@ -2,7 +2,7 @@
 projection once and writes rotated Q, rotated K and V as separate (B, T, H, D) tensors (handed to attention as
 (B, H, T, D) views); the backward is the same kernel with the rotation transposed, writing dQKV in the packed
 layout. In the unfused torch form (x·cos + rotate_half(x)·sin on strided views) this was ~30% of a BF16 step
-of the 350m GPT on an H200 (broadcast multiplies, a cat and copies on non-contiguous tensors).
+of the 350m GPT (broadcast multiplies, a cat and copies on non-contiguous tensors).
 
 Numerics (both paths): FP32 math, one rounding to the input dtype:
 ``out[:h] = x[:h]·cos[:h] − x[h:]·sin[:h]``, ``out[h:] = x[h:]·cos[h:] + x[:h]·sin[h:]`` (h = D/2).
@@ -137,7 +137,8 @@ class _RopeQKV(torch.autograd.Function):
             if placeholder is not None:  # dqkv went to the QKV projection quantized: autograd gets a stand-in
                 return placeholder.expand(B, T, 3, H, D), None, None, None
         like = next(g for g in (gq, gk, gv) if g is not None)
-        gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None else g.transpose(1, 2).contiguous()
+        gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None
+              else g.transpose(1, 2).contiguous()
               for g in (gq, gk, gv)]
         return _backward_dqkv(gs, cos, sin), None, None, None
 
@@ -181,10 +182,11 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
 # quant_gluon._rope_bwd_half): dqkv (B·T, 3·H·D) is never written in 16 bits. Candidates: the fused kernel (each
 # scale by every thread of its row / column; what ptxas picks: 128 registers at head_dim 128, ~165 at 64 (Triton
 # 3.6), or capped at 128 (a few spills)), timed against the two kernels it replaces (KIND "two": this module's
-# backward kernel, then the plain register-tile quantizer); the autotuner keeps the fastest. Whole 128-row tiles, H·D a multiple of 128, head_dim 64 or 128, both copies.
+# backward kernel, then the plain register-tile quantizer); the autotuner keeps the fastest. Whole 128-row tiles,
+# H·D a multiple of 128, head_dim 64 or 128, both copies.
 # PACK (BF16 only): the computed dqkv tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
-# 1,952 SASS instructions a thread against 2,328, 104 registers (Triton 3.6); H200, session 23: 94.6 against 101.1 us
-# (1.3b, D 128) and 90.5 against 104.1 (350m, D 64; the best unpacked candidate there is the 128-register cap).
+# 1,952 SASS instructions a thread against 2,328, 104 registers (Triton 3.6): 6-13% faster than the best unpacked
+# candidate (at head_dim 64 that is the 128-register cap).
 _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, PACK=True),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),

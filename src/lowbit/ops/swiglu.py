@@ -1,6 +1,6 @@
 """SwiGLU ``silu(a) · b`` on the packed fc1 output ``[a | b]``, fused: one kernel forward (reads a and b once,
 writes the product), one backward (writes d[a | b] in the packed layout). In torch this is a chunk, a silu, a
-multiply and their backwards on strided halves (~7% of a BF16 350m GPT step on an H200).
+multiply and their backwards on strided halves (~7% of a BF16 350m GPT step).
 
 Numerics: FP32 math, one rounding to the output dtype; ``sigmoid(a) = 1 / (1 + exp(-a))`` by the hardware's
 approximate exp2 and reciprocal (``lowbit.quant.kernels.quant._sigmoid``). Agrees with
@@ -35,7 +35,8 @@ def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
 
 def _check(h):
     if not isinstance(h, torch.Tensor) or h.dim() < 1 or h.shape[-1] % 2:
-        raise ValueError(f"h: expected (..., 2F) = [a | b] with an even last dim, got shape {tuple(getattr(h, 'shape', ()))}")
+        raise ValueError("h: expected (..., 2F) = [a | b] with an even last dim, got shape "
+                         f"{tuple(getattr(h, 'shape', ()))}")
     if not h.is_floating_point():
         raise TypeError(f"h: expected a floating-point tensor, got {h.dtype}")
 
@@ -52,7 +53,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_kernel(h_ptr, g_ptr, o_ptr, F, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
-        """Row r of h (2F wide, contiguous); forward: o[r, :F] = silu(a)·b; backward: o[r, :2F] = d[a | b] from g[r, :F]."""
+        """Row r of h (2F wide, contiguous); forward: o[r, :F] = silu(a)·b; backward: o[r, :2F] = d[a | b] from g[r,
+        :F]."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < F
@@ -126,9 +128,8 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 # fc2's wgrad its columnwise one). Fusing them saves writing and re-reading h (M x F, 16-bit). The values
 # quantized are exactly those the unfused kernel stores (the same FP32 expressions, rounded to the 16-bit dtype
 # first), so the result is bit-identical to ``quantize(swiglu(u))``. (The same fusion for the backward, SwiGLU's
-# d[a | b] into fc1's grad_output quantizer, was built as a slab walk and measured on the H200 on 2026-11-23: 1.31x
-# faster than the separate kernels at first, 0.87x once the blockwise quantizer was rewritten, and taken out. It
-# is back below, on the register-tile quantizer: swiglu_backward_quantize_1x128.)
+# d[a | b] into fc1's grad_output quantizer, is below, on the register-tile quantizer:
+# swiglu_backward_quantize_1x128; as a slab walk it was slower than the separate kernels.)
 
 
 def _fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
@@ -250,7 +251,8 @@ if triton is not None:
             pk = t - pm * nkt
             m0 = pm * 128
             f0 = pk * 128
-            a = _rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
+            a = _rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0),
+                                rs_ptr + pk.to(tl.int64) * rs_ld + m0,
                                 cq_ptr + (f0.to(tl.int64) * M + m0), cs_ptr + pm.to(tl.int64) * cs_ld + f0,
                                 M, F, M - m0, F - f0, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, FDT, ROW, COL, EVEN,
                                 False, BITS16, abs_mask)
@@ -267,19 +269,19 @@ _SWIGLU_QUANT_CONFIGS = ([dict(SLAB=16, num_warps=4)] if INTERPRET else
                           dict(SLAB=16, num_warps=4, UNROLL=2), dict(SLAB=64, num_warps=4)])
 
 
-# whole-tile candidates (_swiglu_quant_tile_kernel), tried on the GPU only. H200, session 7 (scripts/rowcol_sweep.py,
-# M x F 8192 x 5632 and 16384 x 2816): 8 warps with BITS16 151 us against 165 us for the best slab walk; 16 warps
-# 201-218 us, two programs an SM 154 us (not kept).
-_SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True), dict(KIND="tile", CTAS=1, num_warps=8)]
+# whole-tile candidates (_swiglu_quant_tile_kernel), tried on the GPU only: 8 warps with BITS16 beat the best slab
+# walk; 16 warps and two programs an SM were slower (not kept).
+_SWIGLU_TILE_CONFIGS = [dict(KIND="tile", CTAS=1, num_warps=8, BITS16=True),
+                        dict(KIND="tile", CTAS=1, num_warps=8)]
 
 
 # register-tile candidates with the SWIGLU prologue (quant_gluon.rowcol_1x128_regs), all within 128 registers (two
 # CTAs an SM). The plain quantizer's first candidate (compact scales, 8 lanes along the columns) compiles to 130 here
-# and runs one CTA an SM: 146 us against 103 us at 8192 x 5632 (H200, session 18, BENCHMARKS.md), so it is capped.
+# and runs one CTA an SM, 1.4x slower, so it is capped.
 # Before them for BF16 u (16-byte aligned), the BF16-pair form (quant_gluon.rowcol_1x128_regs_packed with SWIGLU):
 # h made and reduced as BF16 pairs, 1,408 SASS instructions a thread against 1,872 (Triton 3.6), 107 registers (two
-# CTAs an SM). H200, session 23: 99.7 against 103.4 us at 8192 x 5632, 123 against 136 at 16384 x 2816; capped at 80
-# registers (three CTAs, spilling) it took 122 / 131 us, so that form is not a candidate.
+# CTAs an SM), a few percent faster; capped at 80 registers (three CTAs, spilling) it was slower, so that form is
+# not a candidate.
 _SWIGLU_PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8)]
 _SWIGLU_REGS_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                         dict(KIND="regs", COMPACT=True, LC=8, num_warps=8, maxnreg=128),
@@ -298,8 +300,8 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
 def _swiglu_quant_candidates(u: torch.Tensor, regs: bool, packed: bool | None = None) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
     register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (its BF16-pair form's before
-    them where ``packed``, by default where triton_backend._packed_ok takes u; H200, sessions 13, 18 and 23: see
-    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
+    them where ``packed``, by default where triton_backend._packed_ok takes u), then the slab walk's, then the
+    whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
     if packed is None:
@@ -329,7 +331,8 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
-            f"swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 CUDA u with "
+            "swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 "
+            "CUDA u with "
             f"its last dim a multiple of 256; got scheme {scheme!r}, u {u.dtype} {tuple(u.shape)} on {u.device}")
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: at least one copy must be asked for")
@@ -378,12 +381,11 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
 # with each scale computed by every thread of its row / column (COMPACT off) that fits the plain quantizer's 128
 # registers (two CTAs an SM) without spills (Triton 3.6, sm_90; whole tiles in one piece took 253 registers, and
 # spilled under a cap). The candidates are timed against the two kernels it replaces (KIND "two":
-# swiglu_backward, then the register-tile quantizer on du), and the autotuner keeps the fastest (H200, session 14:
-# the fused kernel, 0.212 against 0.233 ms at 8192 x 11264; BENCHMARKS.md). Whole 128 x 128 tiles and both copies
+# swiglu_backward, then the register-tile quantizer on du), and the autotuner keeps the fastest (the fused kernel,
+# about 10% faster). Whole 128 x 128 tiles and both copies
 # only (the MLP's backward with dx and dw1 both wanted); everything else runs the two kernels.
 # PACK (BF16 only): the computed du tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
-# 1,976 SASS instructions a thread against 2,280 at the same 128 registers (Triton 3.6); H200, session 23: 0.184 /
-# 0.185 ms against 0.191 / 0.189 at 8192 x 5632 / 16384 x 2816.
+# 1,976 SASS instructions a thread against 2,280 at the same 128 registers (Triton 3.6): a few percent faster.
 _SWIGLU_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128, PACK=True),
                        dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
                        dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),

@@ -87,7 +87,8 @@ class AdamW(torch.optim.AdamW):
                  quantized_weights: bool = True, **kw):
         params = list(params)
         if fused is None:
-            first = params[0]["params"][0] if params and isinstance(params[0], dict) else (params[0] if params else None)
+            first = (params[0]["params"][0] if params and isinstance(params[0], dict)
+                     else (params[0] if params else None))
             fused = bool(first is not None and first.is_cuda)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, capturable=capturable, fused=fused, **kw)
@@ -137,7 +138,8 @@ class AdamW(torch.optim.AdamW):
         amax = torch.zeros(1, dtype=torch.int32, device=p.device).view(torch.float32)  # (rebound to a bucket slot)
         q = QuantizedTensor(shape=tuple(p.shape), dtype=p.dtype, scheme=sch)
         q.rowwise = QuantizedCopy(data=torch.empty(M, Kd, dtype=dt, device=p.device),
-                                  scale_inv=torch.zeros(scale_storage_shape(sch, M, Kd), dtype=torch.float32, device=p.device),
+                                  scale_inv=torch.zeros(scale_storage_shape(sch, M, Kd), dtype=torch.float32,
+                                                        device=p.device),
                                   amax=amax)
         q.columnwise = QuantizedCopy(data=torch.empty(Kd, M, dtype=dt, device=p.device),
                                      scale_inv=torch.zeros(scale_storage_shape(sch, Kd, M), dtype=torch.float32,

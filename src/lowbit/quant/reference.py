@@ -1,4 +1,4 @@
-"""Reference quantizers: the specification in plain torch (DESIGN §3). Any device, any shape the scheme takes.
+"""Reference quantizers: the specification in plain torch (NUMERICS §3). Any device, any shape the scheme takes.
 
 Every GPU kernel is tested bit for bit against these functions, so each one spells out its
 operation order (where FP32 rounding could differ, the comment says which order is the rule).
@@ -263,7 +263,8 @@ def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, 
     if not (rowwise or columnwise):
         raise ValueError("rowwise/columnwise: at least one copy must be requested, got rowwise=False, columnwise=False")
     if not isinstance(scheme, (Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4)):
-        raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+        raise TypeError("scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, "
+                        f"got {scheme!r}")
     if scale is not None:
         if not isinstance(scheme, Float8Tensorwise):
             raise ValueError(f"scale: a given (delayed) scale only applies to Float8Tensorwise, got scheme {scheme!r}")
@@ -284,10 +285,12 @@ def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, 
     K = x.shape[-1]
     if isinstance(scheme, MXFP8):
         if rowwise and K % 32:
-            raise ValueError(f"x: MXFP8 rowwise needs the last dim divisible by 32, got shape {tuple(x.shape)} (last dim {K})")
+            raise ValueError(f"x: MXFP8 rowwise needs the last dim divisible by 32, got shape {tuple(x.shape)} "
+                             f"(last dim {K})")
         if columnwise and M % 32:
             raise ValueError(
-                f"x: MXFP8 columnwise needs the product of the leading dims divisible by 32, got shape {tuple(x.shape)} (rows {M})"
+                "x: MXFP8 columnwise needs the product of the leading dims divisible by 32, got shape "
+                f"{tuple(x.shape)} (rows {M})"
             )
     if isinstance(scheme, NVFP4):
         if K % 16:
@@ -318,11 +321,14 @@ def quantize_reference(
         row = _copy_tensorwise(x2, scheme.format, scale)
         qt.rowwise = row if rowwise else None
         if columnwise:  # same scale, transposed data: one scale per tensor commutes with the transpose
-            qt.columnwise = QuantizedCopy(data=row.data.t().contiguous(), scale_inv=row.scale_inv.clone(), amax=row.amax.clone())
+            qt.columnwise = QuantizedCopy(data=row.data.t().contiguous(), scale_inv=row.scale_inv.clone(),
+                                          amax=row.amax.clone())
         return qt
     if isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2 or isinstance(scheme, NVFP4) and scheme.two_d:
         # Square tiles are symmetric under transpose: the columnwise copy is the transposed data and scale grid.
-        row = _copy_blockwise(x2, scheme) if isinstance(scheme, Float8Blockwise) else _copy_nvfp4(x2, scheme, rht=False, seed=seed or 0, index_base=0)
+        row = _copy_blockwise(x2, scheme) if isinstance(scheme, Float8Blockwise) else _copy_nvfp4(x2, scheme, rht=False,
+                                                                                                  seed=seed or 0,
+                                                                                                  index_base=0)
         qt.rowwise = row if rowwise else None
         if columnwise:
             if isinstance(scheme, NVFP4):
@@ -332,7 +338,8 @@ def quantize_reference(
                 cdata = row.data.t().contiguous()
                 logical = scale_logical(scheme, row.scale_inv, *x2.shape)
                 cscale = scale_storage(scheme, logical.t().contiguous())
-            qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(), global_scale=row.global_scale)
+            qt.columnwise = QuantizedCopy(data=cdata, scale_inv=cscale, amax=row.amax.clone(),
+                                          global_scale=row.global_scale)
         return qt
 
     def one(m2, which):
@@ -349,7 +356,7 @@ def quantize_reference(
     if rowwise:
         qt.rowwise = one(x2, "rowwise")
     if columnwise:
-        qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (DESIGN §4)
+        qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (NUMERICS §4)
     return qt
 
 
@@ -366,7 +373,8 @@ class QKInt8:
         q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
         k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
         k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
-        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2 units.
+        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2
+    units.
         granularity, block_q, block_k, warp_q: the settings used.
     """
 
@@ -404,7 +412,7 @@ def quantize_qk_int8(
     softmax_scale: float | None = None,
     layout: str = "bhsd",
 ) -> QKInt8:
-    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3) — the reference.
+    """INT8 quantization of Q and K for attention (SageAttention conventions, NUMERICS §3) — the reference.
 
     This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
     (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.
@@ -425,10 +433,12 @@ def quantize_qk_int8(
     qb, kb = _to_bhsd(q, layout, "q"), _to_bhsd(k, layout, "k")
     B, Hq, Sq, D = qb.shape
     if kb.shape[0] != B or kb.shape[3] != D:
-        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} (layout {layout})")
+        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} "
+                         f"(layout {layout})")
     Hkv = kb.shape[1]
     if Hq % Hkv:
-        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, got {Hkv}")
+        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value "
+                         f"heads, got {Hkv}")
     if granularity not in ("per_block", "per_warp"):
         raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
     if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):

@@ -1,4 +1,4 @@
-"""Delayed-scaling state: an amax history and the scale derived from it (DESIGN §3, per-tensor delayed)."""
+"""Delayed-scaling state: an amax history and the scale derived from it (NUMERICS §3, per-tensor delayed)."""
 
 from __future__ import annotations
 

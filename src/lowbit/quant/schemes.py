@@ -1,4 +1,4 @@
-"""Scaling schemes: frozen descriptions of *how* a tensor is quantized (DESIGN §3).
+"""Scaling schemes: frozen descriptions of *how* a tensor is quantized (NUMERICS §3).
 
 A scheme says nothing about which tensor it is applied to; recipes (``lowbit.recipes``) map the
 tensor roles of a layer (input, weight, grad_output) to schemes.
@@ -80,7 +80,8 @@ class Float8Blockwise(_FP8Scheme):
     def __post_init__(self):
         super().__post_init__()
         if self.block_dim not in (1, 2):
-            raise ValueError(f"block_dim: must be 1 (1x{self.block_size}) or 2 ({self.block_size}x{self.block_size}), got {self.block_dim!r}")
+            raise ValueError(f"block_dim: must be 1 (1x{self.block_size}) or 2 ({self.block_size}x{self.block_size}), "
+                             f"got {self.block_dim!r}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two >= 16, got {self.block_size!r}")
         if not (self.eps >= 0.0):

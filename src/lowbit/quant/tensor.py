@@ -1,4 +1,4 @@
-"""QuantizedTensor: a plain container for quantized data, its scales and its amax (DESIGN §4)."""
+"""QuantizedTensor: a plain container for quantized data, its scales and its amax (NUMERICS §4)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def scale_storage_shape(scheme: Scheme, rows: int, cols: int) -> tuple[int, ...]
         return (rows, cols // 32)
     if isinstance(scheme, NVFP4):
         return (rows // 16, cols // 16) if scheme.two_d else (rows, cols // 16)
-    raise TypeError(f"scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, got {scheme!r}")
+    raise TypeError("scheme: expected one of Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4, "
+                    f"got {scheme!r}")
 
 
 def copy_layout(scheme: Scheme, rows: int, cols: int):
@@ -129,14 +130,16 @@ def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
     if d.dtype != dt:
         _bad(qt, which, name, r, k, f"data must be {dt}, got {d.dtype}")
     if d.shape != dshape:
-        _bad(qt, which, name, r, k, f"data must have shape {dshape}{' (two E2M1 codes a byte)' if dt == torch.uint8 else ''}, "
+        _bad(qt, which, name, r, k,
+             f"data must have shape {dshape}{' (two E2M1 codes a byte)' if dt == torch.uint8 else ''}, "
                                     f"got {tuple(d.shape)}")
     if s.dtype != st:
         _bad(qt, which, name, r, k, f"scale_inv must be {st}, got {s.dtype}")
     if s.shape != sshape:
         _bad(qt, which, name, r, k, f"scale_inv must have the storage shape {sshape} ({rule}), got {tuple(s.shape)}")
     if not s.is_contiguous():
-        _bad(qt, which, name, r, k, f"scale_inv must be contiguous (the storage layout), got strides {tuple(s.stride())}")
+        _bad(qt, which, name, r, k,
+             f"scale_inv must be contiguous (the storage layout), got strides {tuple(s.stride())}")
     if s.device != d.device:
         _bad(qt, which, name, r, k, f"scale_inv must be on the data's device {d.device}, got {s.device}")
     if dt == torch.uint8:
@@ -182,7 +185,7 @@ class QuantizedCopy:
 
 @dataclass
 class QuantizedTensor:
-    """A quantized tensor: logical shape, nominal dtype, scheme and up to two copies (DESIGN §4).
+    """A quantized tensor: logical shape, nominal dtype, scheme and up to two copies (NUMERICS §4).
 
     * ``rowwise``: data laid out with the original last dim contiguous (fprop: x and w; dgrad: dy).
     * ``columnwise``: the transpose, contiguous along the original rows (dgrad: w; wgrad: dy and x).
@@ -239,7 +242,8 @@ class QuantizedTensor:
         the data dtype and shape, and the scale dtype, shape, contiguity and device, that the scheme and the logical
         shape require (see :func:`check_copy`), and the copies share one device. Metadata only: cheap, no device
         synchronization."""
-        copies = [which] if which is not None else [w for w in ("rowwise", "columnwise") if getattr(self, w) is not None]
+        copies = [which] if which is not None else [w for w in ("rowwise", "columnwise")
+                                                    if getattr(self, w) is not None]
         if not copies:
             raise ValueError(f"{name}: has neither a rowwise nor a columnwise copy")
         for w in copies:
@@ -248,7 +252,8 @@ class QuantizedTensor:
             check_copy(self, w, name)
         r, c = self.rowwise, self.columnwise
         if r is not None and c is not None and r.data.device != c.data.device:
-            raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on {c.data.device}")
+            raise ValueError(f"{name}: the rowwise copy is on {r.data.device} but the columnwise copy on "
+                             f"{c.data.device}")
 
     # -- amax / NaN sentry ----------------------------------------------------------------------
     @property
@@ -305,7 +310,8 @@ class QuantizedTensor:
             return e2m1_decode(unpack_e2m1(c.data))
         return c.data.to(torch.float32)
 
-    def dequantize(self, which: str | None = None, *, dtype: torch.dtype | None = None, undo_rht: bool = True) -> torch.Tensor:
+    def dequantize(self, which: str | None = None, *, dtype: torch.dtype | None = None,
+                   undo_rht: bool = True) -> torch.Tensor:
         """High-precision tensor of the logical shape: element · scale_inv (NVFP4: q · d / S).
 
         ``which`` picks the copy (default: rowwise if present). A columnwise copy quantized after the
@@ -331,4 +337,5 @@ class QuantizedTensor:
 
     def __repr__(self) -> str:
         copies = "+".join(n for n in ("rowwise", "columnwise") if getattr(self, n) is not None)
-        return f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, scheme={self.scheme}, copies={copies}, nbytes={self.nbytes})"
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, scheme={self.scheme}, "
+                f"copies={copies}, nbytes={self.nbytes})")

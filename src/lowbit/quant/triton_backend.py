@@ -113,7 +113,8 @@ def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
 
 
 def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
-                    scale: torch.Tensor | None = None, seed: int | None = None, _checked: bool = False) -> QuantizedTensor:
+                    scale: torch.Tensor | None = None, seed: int | None = None,
+                    _checked: bool = False) -> QuantizedTensor:
     """Quantize a CUDA tensor with the Triton kernels; same contract and results as :func:`quantize_reference`.
 
     Args:
@@ -135,7 +136,8 @@ def _check_triton_input(x, scheme, rowwise, columnwise, scale):
     if not x.is_cuda and not INTERPRET:
         raise ValueError(f"x: the triton backend runs on CUDA tensors, got device {x.device}; use backend='reference'")
     if x.dtype not in _IN_DTYPES:
-        raise TypeError(f"x: the triton backend takes float32, bfloat16 or float16, got {x.dtype}; use backend='reference'")
+        raise TypeError(f"x: the triton backend takes float32, bfloat16 or float16, got {x.dtype}; use "
+                        "backend='reference'")
     if not x.is_contiguous():
         raise ValueError(f"x: the triton kernels need a contiguous tensor (got strides {tuple(x.stride())} for shape "
                          f"{tuple(x.shape)}); call x.contiguous() or use backend='reference'")
@@ -200,10 +202,12 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
             if delayed:
                 amax_i.zero_()
             grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-            K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise, COL=columnwise,
+            K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise,
+                                      COL=columnwise,
                                       SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M), _bucket(Kd)),
+        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M),
+                                                              _bucket(Kd)),
                                                cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
@@ -234,20 +238,20 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> _BlockwisePlan once tuned
+# (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> _BlockwisePlan once tuned
+_BLOCKWISE_PLANS: dict = {}
 
 
 # (two_d, rowwise, columnwise, dtype) -> candidates of blockwise_persistent_kernel (first = default without
-# autotuning) where it is used. Measured on the H200 (8192x8192, BENCHMARKS.md, issue 3, session 4): each one
-# bit-identical to blockwise_kernel there and faster than it; CTAS: programs an SM, PREFETCH: tiles loaded ahead.
-# Not listed, so on blockwise_kernel: 1x128 both copies from BF16 or FP32 (the slab walk is faster: session 11,
-# 0.75-0.77 of copy against 0.62-0.64 for FP32 and 0.47 for BF16), FP32 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6, see the kernel; the
-# whole-tile kernel reaches 0.85 of an FP32 copy there), and the cases not measured (one copy of 2D, columnwise only).
+# autotuning) where it is used: each one bit-identical to blockwise_kernel and faster than it; CTAS: programs an
+# SM, PREFETCH: tiles loaded ahead. Not listed, so on blockwise_kernel: 1x128 both copies from BF16 or FP32 (the
+# slab walk is faster), FP32 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6,
+# see the kernel), and the cases not measured (one copy of 2D, columnwise only).
 _PERSISTENT = {
-    (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of copy (was 0.52)
+    (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of copy
                                          dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),
                                          dict(BM=128, CTAS=1, PREFETCH=2, num_warps=16)],
-    (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],  # 0.92 (was 0.88)
+    (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],  # 0.92 of copy
 }
 
 
@@ -269,9 +273,8 @@ def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, colum
 
 
 # Candidates of the Gluon TMA-pipelined 1x128 row+col kernel (quant_gluon.rowcol_1x128_gluon): STAGES input tiles
-# of 32 KiB in flight a CTA, CTAS programs an SM, SR-row slabs of RPT rows a thread. H200, session 9: 0.70-0.71 of a
-# copy, the same as blockwise_kernel's slab walk (the other variants measured, 0.28-0.57, are in BENCHMARKS.md); so
-# it is opt-in: LOWBIT_QUANT_GLUON=1.
+# of 32 KiB in flight a CTA, CTAS programs an SM, SR-row slabs of RPT rows a thread. About 0.7 of a copy, no faster
+# than blockwise_kernel's slab walk, so it is opt-in: LOWBIT_QUANT_GLUON=1.
 _GLUON_CONFIGS = [dict(KIND="gluon", SR=32, RPT=4, STAGES=2, CTAS=2, num_warps=4)]
 GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "0") == "1"
 
@@ -302,17 +305,18 @@ _GLUON_LAUNCH = _GluonLaunch()
 
 
 # Candidates of the register-tile 1x128 row+col kernel (quant_gluon.rowcol_1x128_regs): one 128 x 128 tile a
-# program held in registers, both copies from the one load, no shared-memory transposition. H200, session 13
-# (BENCHMARKS.md): BF16 0.80-0.81 of a copy, FP32 0.92-0.94, against 0.75-0.77 for the slab walk; the other
-# layouts, warp counts, a TMA-fed persistent form and BF16 maxima from the bits all measured slower.
-_REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8), dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
+# program held in registers, both copies from the one load, no shared-memory transposition: faster than the slab
+# walk (FP32 input: 0.9 of a copy); the other layouts, warp counts, a TMA-fed persistent form and BF16 maxima from
+# the bits all measured slower.
+_REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
+                 dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                  dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 
 
 # Candidates of its BF16 form that reads and reduces the tile as BF16 pairs (quant_gluon.rowcol_1x128_regs_packed),
-# tried before _REGS_CONFIGS for BF16 input. H200, session 23 (BENCHMARKS.md): capped at 80 registers a thread (three
-# CTAs an SM) 0.87-0.90 of a copy on 8192x2048 to 16384x4096, against 0.76-0.82 for _REGS_CONFIGS' first; uncapped
-# (98 registers, two CTAs) 0.81-0.88 and 64 registers (four CTAs, spilling) 0.61-0.62 were slower on every shape.
+# tried before _REGS_CONFIGS for BF16 input: capped at 80 registers a thread (three CTAs an SM) it is faster than
+# _REGS_CONFIGS' first (about 0.9 of a copy); uncapped (98 registers, two CTAs) and 64 registers (four CTAs,
+# spilling) were slower on every shape.
 _PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 
 
@@ -396,7 +400,8 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
             fn, grid, _, kw = plan.launch_args(c)
             fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
-    tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates, x.dtype),
+    tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates,
+                                                          x.dtype),
                  launch)
     qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
     _set_copies(qt, *bufs)
@@ -443,10 +448,9 @@ def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
 
 def _row2_configs(bs: int) -> list[dict]:
     """blockwise_kernel's launches for both 1D copies with the rowwise copy made in walk 2 (ROW2): walk 1 only loads
-    32-row slabs and keeps their elementwise maximum, walk 2 makes both copies from 64-row slabs. On the H200
-    (session 11, scripts/rowcol_sweep.py, each bit-identical to the reference in the GPU tests) the first took
-    0.75-0.77 of a copy's bandwidth for BF16 and FP32 input at 8192x8192, 8192x11264 and 16384x4096, against 0.72-0.73
-    (BF16) and 0.68-0.70 (FP32) for the best walk that makes the rowwise copy in walk 1; the other two within 1-2%."""
+    32-row slabs and keeps their elementwise maximum, walk 2 makes both copies from 64-row slabs. Each is
+    bit-identical to the reference; the first is faster than the best walk that makes the rowwise copy in walk 1
+    (about 0.75 of a copy's bandwidth for BF16 and FP32 input), the other two within 1-2% of it."""
     return [dict(BM=bs, SLAB=32, SLAB2=64, num_warps=4, UNROLL=2, SCR=True, ROW2=True),
             dict(BM=bs, SLAB=32, SLAB2=64, num_warps=4, UNROLL=4, SCR=True, ROW2=True),
             dict(BM=bs, SLAB=64, num_warps=4, SCR=True, ROW2=True)]
@@ -457,14 +461,14 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     """Candidate launches of ``blockwise_kernel`` (the first is the default when not autotuning), pruned by shape.
 
     A tile is BM x bs; BM = bs with the columnwise copy or 2D scales. 128-wide tiles are walked in
-    SLAB-row slabs at 4 warps (see the kernel; measured on the H200): both 1D copies with the rowwise one made in
+    SLAB-row slabs at 4 warps (see the kernel): both 1D copies with the rowwise one made in
     walk 2 (_row2_configs, BF16 / FP16 / FP32); the columnwise copy alone in 64-row slabs, column scales one a
     thread (SCR), both walks unrolled; 32-row slabs for rowwise only. Smaller blocks, and rowwise-only inputs of few
     rows, are held whole.
-    2D from FP32 input stays on whole tiles (the previous kernel's structure): on the H200 the slab walk's
-    2D columnwise data from FP32 input is wrong (pairs of elements along K permuted) — a Triton 3.6 miscompile
-    of the transpose of an FP8 tile cast from FP32 without a clamp first (SATCVT); with the clamp it matched
-    (measured in session 4, scripts/quant_blockwise_sweep.py --diag). 1D from FP32 matched either way.
+    2D from FP32 input stays on whole tiles (the previous kernel's structure): the slab walk's 2D columnwise data
+    from FP32 input is wrong (pairs of elements along K permuted) — a Triton 3.6 miscompile of the transpose of an
+    FP8 tile cast from FP32 without a clamp first (SATCVT); with the clamp it matches. 1D from FP32 matches either
+    way.
     """
     square = two_d or columnwise
     out = []
@@ -473,15 +477,15 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
         if bm <= max(_bucket(M), bs if square else 1):
             out.append(dict(BM=bm, SLAB=slab, num_warps=warps, **kw))
 
-    # The slab walk is used only where it was shown bit-identical on the H200 (BF16 / FP16, 1D); 2D and FP32
+    # The slab walk is used only where it was shown bit-identical on the GPU (BF16 / FP16, 1D); 2D and FP32
     # inputs keep the original whole-tile kernel (a 2D slab walk from FP32 differed there; the weights of an
     # FP32-master model are exactly that case).
     if dtype == torch.float32 or two_d:
         out = []
         if dtype == torch.float32 and not two_d and rowwise and columnwise and bs >= 128:
             # 1D row+col from FP32 (the RMSNorm / LayerNorm outputs of LayerNormLinear): the slab walk first
-            # (session 11: 0.75-0.77 of an FP32 copy against 0.62-0.64 for blockwise_persistent_kernel and 0.48-0.62
-            # for whole tiles in the same run; the session-7 walk, 0.68-0.70, kept as a candidate)
+            # (faster than blockwise_persistent_kernel and whole tiles; the rowwise-in-walk-1 walk kept as a
+            # candidate)
             out += _row2_configs(bs) + [dict(BM=bs, SLAB=64, num_warps=4, SCR=True)]
         for w in (8, 4) if bs >= 64 else (4,):
             c = dict(BM=bs, SLAB=0, num_warps=w) if square else dict(BM=min(bs, 64), SLAB=0, num_warps=4)
@@ -493,7 +497,7 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     if square and bs >= 128:  # (1D columnwise here: 2D returned above)
         if rowwise:
             out += [c for c in _row2_configs(bs) if bs <= max(_bucket(M), bs)]
-            add(bs, 64, 4, SCR=True)  # the session-7 walk: the rowwise copy in walk 1
+            add(bs, 64, 4, SCR=True)  # the rowwise copy in walk 1
         else:
             add(bs, 64, 4, SCR=True, UNROLL=2)
             add(bs, 64, 4, SCR=True)
@@ -663,7 +667,8 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tenso
         rs = torch.empty(M, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
         cs = torch.empty(Kd, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
     min_m = 16 if (columnwise or sch.two_d) else 1
-    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd,  # noqa: E731
+    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M,
+                             Kd,  # noqa: E731
                              min_m=min_m, min_k=16)
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)

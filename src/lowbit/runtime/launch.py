@@ -1,7 +1,7 @@
 """Launch a Triton kernel specialization again without Triton's per-call argument binding.
 
 ``JITFunction.__getitem__(grid)(*args)`` binds and specializes every argument, hashes a cache key and looks up
-the compiled kernel on every call: ~20-30 us of host time per launch on the H200 machine's host, which an eager
+the compiled kernel on every call: ~20-30 us of host time per launch on a typical host, which an eager
 FP8 Linear pays for every quantized operand of every step. :class:`CachedLaunch` does that once per
 *specialization key* the caller supplies and afterwards calls the compiled kernel's launcher directly, the way
 ``JITFunction.run`` itself does (``kernel.run(grid, stream, function, packed_metadata, launch_metadata, hooks,
@@ -122,7 +122,7 @@ class SpecializedLaunch(CachedLaunch):
     """``launch[grid](*args, **kwargs)`` = ``fn[grid](*args, **kwargs)`` (a ``JITFunction``, Triton or Gluon), the
     key of :class:`CachedLaunch` made from the arguments themselves: the current device, each constexpr's value,
     each tensor's dtype and 16-byte alignment, each integer's == 1 / % 16 / width, and the launch options. Costs
-    ~0.1-0.2 us an argument against Triton's own binding (~20-40 us a launch on the H200 machine's host)."""
+    ~0.1-0.2 us an argument against Triton's own binding (~20-40 us a launch on a typical host)."""
 
     __slots__ = ("_names", "_defaults", "_const", "_tails")
 
@@ -143,7 +143,7 @@ class SpecializedLaunch(CachedLaunch):
 
     def keyed(self, grid, key, args, kwargs):
         """``fn[grid](*args, **kwargs)`` under the caller's ``key`` instead of one built from the arguments (~10-20 us
-        of host time a launch less on the H200 machine's host). The key (with the current device added here) must
+        of host time a launch less on a typical host). The key (with the current device added here) must
         determine everything the built key would: every value in ``kwargs`` (constexprs and launch options), each
         tensor argument's dtype and 16-byte alignment, each integer's == 1 / % 16 / width (in practice: the shapes,
         strides, dtypes and alignments the arguments are computed from, and the options)."""

@@ -3,8 +3,7 @@
 Where it is used: :func:`lowbit.gemm.wgrad_mm` may compute a weight gradient in the other operand order, XᵀdY
 (K x N) instead of dYᵀX (N x K), because cuBLAS picks a faster kernel for some shapes; the result must then be
 transposed into the weight's (N x K) layout. torch's transposing copy runs at about a quarter of copy speed there
-(the 350m GPT's fc2 gradient, 2816 x 1024 FP32: 21 us alone and ~37 us in the training graph, H200, sessions 20
-and 29; BENCHMARKS.md), which ate most of what the faster order saves.
+(e.g. the 350m GPT's fc2 gradient, 2816 x 1024 FP32), which ate most of what the faster order saves.
 
 The kernel reads a (BLOCK_R, BLOCK_C) tile along x's rows, transposes it in registers / shared memory
 (``tl.trans``) and writes it along y's rows, so both the loads and the stores are coalesced. A pure data move:
@@ -92,6 +91,7 @@ def transpose_2d(x: torch.Tensor) -> torch.Tensor:
         return y
     # (wgrad_mm's order tuner times a launch that calls this: untuned inside its capture, tuned_launch takes the
     # first config)
-    tuned_launch("transpose_2d", (x.element_size(), bucket(R), bucket(C)), lambda: transpose_configs(x.element_size()),
+    tuned_launch("transpose_2d", (x.element_size(), bucket(R), bucket(C)),
+                 lambda: transpose_configs(x.element_size()),
                  launch)
     return y

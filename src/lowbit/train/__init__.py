@@ -1,4 +1,5 @@
-"""Training: data (:mod:`.data`), the loop (:mod:`.loop`), checkpoints, reports, ``lowbit train`` and ``lowbit demo``."""
+"""Training: data (:mod:`.data`), the loop (:mod:`.loop`), checkpoints, reports, ``lowbit train`` and ``lowbit
+demo``."""
 
 from .loop import TrainConfig, train
 

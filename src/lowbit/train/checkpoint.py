@@ -68,7 +68,8 @@ def check_shapes(sd: dict, model) -> None:
     theirs = {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(own) - set(theirs))
     extra = sorted(set(theirs) - set(own))
-    bad = [f"{k}: checkpoint {theirs[k]} vs model {own[k]}" for k in sorted(set(own) & set(theirs)) if own[k] != theirs[k]]
+    bad = [f"{k}: checkpoint {theirs[k]} vs model {own[k]}" for k in sorted(set(own) & set(theirs))
+           if own[k] != theirs[k]]
     if missing or extra or bad:
         parts = []
         if bad:
@@ -144,7 +145,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     """Load a checkpoint file with ``weights_only=True`` and check that it is one of ours."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"resume: {str(path)!r} is a folder; pass the checkpoint file (e.g. {str(path / 'checkpoint.pt')!r}) "
+        raise ValueError(f"resume: {str(path)!r} is a folder; pass the checkpoint file (e.g. "
+                         f"{str(path / 'checkpoint.pt')!r}) "
                          "or --resume alone for the out-dir's")
     if not path.is_file():
         raise ValueError(f"resume: no checkpoint at {str(path)!r}")
@@ -161,9 +163,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     except Exception as e:  # noqa: BLE001 - any unpickling/IO failure is a bad file for the user
         raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise ValueError(f"resume: {str(path)!r} is not a lowbit training checkpoint (format {ck.get('format') if isinstance(ck, dict) else type(ck).__name__!r})")
+        raise ValueError(f"resume: {str(path)!r} is not a lowbit training checkpoint (format "
+                         f"{ck.get('format') if isinstance(ck, dict) else type(ck).__name__!r})")
     if ck.get("version") != VERSION:
-        raise ValueError(f"resume: checkpoint {str(path)!r} has version {ck.get('version')!r}; this lowbit reads version {VERSION}")
+        raise ValueError(f"resume: checkpoint {str(path)!r} has version {ck.get('version')!r}; this lowbit reads "
+                         f"version {VERSION}")
     return ck
 
 

@@ -47,30 +47,39 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``lowbit train`` options to ``parser`` (returns it)."""
     p = parser
     g = p.add_argument_group("run")
-    g.add_argument("--recipe", default="bf16", help=f"quantization recipe: {', '.join(RECIPES)} (default bf16 = no quantization)")
+    g.add_argument("--recipe", default="bf16",
+                   help=f"quantization recipe: {', '.join(RECIPES)} (default bf16 = no quantization)")
     g.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESET_DEFAULTS)} (default tiny)")
     g.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    g.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per micro-batch per rank (default: per preset)")
-    g.add_argument("--seq-len", type=_positive_int, default=None, help="tokens (bytes) per sequence (default: per preset)")
+    g.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per micro-batch per rank (default: per preset)")
+    g.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens (bytes) per sequence (default: per preset)")
     g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step (default 1)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per preset)")
     g.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default min(100, steps/10))")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices, >= 0 (0: off; default 0.1)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this, >= 0 (0: off; default 1.0)")
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of the matrices, >= 0 (0: off; default 0.1)")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this, >= 0 (0: off; default 1.0)")
     g.add_argument("--seed", type=int, default=1337, help="0 <= seed < 2**32 (default 1337)")
     g = p.add_argument_group("data and output")
-    g.add_argument("--data", default=None, metavar="PATH", help="text file or folder of text files (default: the Python standard library's .py files)")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="text file or folder of text files (default: the Python standard library's .py files)")
     g.add_argument("--cache-dir", default=None, help="token cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     g.add_argument("--out-dir", default=None, help="checkpoint and report folder (default runs/<model>-<recipe>)")
     g.add_argument("--eval-every", type=_positive_int, default=None, help="validate every N steps (default steps/10)")
     g.add_argument("--eval-windows", type=_positive_int, default=64, help="validation sequences (default 64)")
-    g.add_argument("--ckpt-every", type=_nonneg_int, default=0, help="checkpoint every N steps (default 0: at the end only)")
+    g.add_argument("--ckpt-every", type=_nonneg_int, default=0,
+                   help="checkpoint every N steps (default 0: at the end only)")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
-                   help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, roll back to the last checkpoint, or stop (default skip)")
-    g.add_argument("--compare", choices=("bf16",), default=None, help="also run the BF16 baseline on the same data and seed")
+                   help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, "
+                        "roll back to the last checkpoint, or stop (default skip)")
+    g.add_argument("--compare", choices=("bf16",), default=None,
+                   help="also run the BF16 baseline on the same data and seed")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("hardware")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -78,7 +87,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes bf16/fp8-current/"
+                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
+                        "bf16/fp8-current/"
                         "fp8-block/mxfp8; removes the per-kernel host cost of the eager path)")
     g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
     g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")
@@ -87,7 +97,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mlp", choices=("swiglu", "gelu"), default=None)
     g.add_argument("--pos", choices=("rope", "learned"), default=None)
     g.add_argument("--norm", choices=("RMSNorm", "LayerNorm"), default=None)
-    g.add_argument("--no-tie", dest="tie_weights", action="store_const", const=False, default=None, help="untie embedding and output head")
+    g.add_argument("--no-tie", dest="tie_weights", action="store_const", const=False, default=None,
+                   help="untie embedding and output head")
     g = p.add_argument_group("diagnostics")
     g.add_argument("--step-phases", action="store_true",
                    help="report the host wall time of each phase of a step, and the GPU time between them")
@@ -96,7 +107,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "go to DIR/<recipe>/graph_profile.json")
     # testing hooks (hidden)
     p.add_argument("--stop-at-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(), help=argparse.SUPPRESS)
+    p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(),
+                   help=argparse.SUPPRESS)
     return p
 
 
@@ -106,8 +118,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         recipe=args.recipe, model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume, overwrite=args.overwrite,
-        on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp, cuda_graph=args.cuda_graph,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume,
+                       overwrite=args.overwrite,
+        on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
+                       cuda_graph=args.cuda_graph,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
@@ -142,7 +156,8 @@ def main(argv=None) -> int:
     """Command entry (``python -m lowbit.train.cli``; ``lowbit train`` may delegate here): parses ``argv``,
     runs, prints bad input and file-system errors (an unwritable or full out-dir, say) as one error line
     (exit status 2) and tears down the process group."""
-    p = add_train_args(argparse.ArgumentParser(prog="lowbit train", description="Train the reference GPT under a lowbit recipe."))
+    p = add_train_args(argparse.ArgumentParser(prog="lowbit train",
+                                               description="Train the reference GPT under a lowbit recipe."))
     args = p.parse_args(argv)
     try:
         run_train(args)
@@ -150,7 +165,7 @@ def main(argv=None) -> int:
 
         if dist.is_available() and dist.is_initialized():
             # every rank reaches the teardown together: rank 0 still writes the report while the others finish, and
-            # tearing down gloo under a peer still in it aborted a rank now and then (CI, FSDP, 2026-11-23)
+            # tearing down gloo under a peer still in it aborts a rank now and then (seen with FSDP)
             dist.barrier()
     except ValueError as e:
         p.exit(2, f"lowbit train: error: {e}\n")

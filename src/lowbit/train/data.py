@@ -53,7 +53,8 @@ def check_writable_dir(path: str | os.PathLike, name: str) -> Path:
         raise ValueError(f"{name}: must be a directory, but {str(path)!r} exists and is not one")
     blocker = next((a for a in path.parents if a.exists()), None)
     if not path.exists() and blocker is not None and not blocker.is_dir():
-        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {str(blocker)!r} is a file, not a directory")
+        raise ValueError(f"{name}: cannot create the directory {str(path)!r}: {str(blocker)!r} is a file, "
+                         "not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -80,7 +81,8 @@ def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".")
+                                                                             for part in p.relative_to(path).parts))
         if not files:
             raise ValueError(f"data: folder {str(path)!r} contains no files")
         return files
@@ -158,9 +160,11 @@ class Corpus:
                              f"(seq_len + 1 = {need}); give more text or a smaller --seq-len")
         for name, arr in (("train", self.train), ("val", self.val)):
             if len(arr) < need:
-                raise ValueError(f"data: the {name} split of {self.meta['source']} has {len(arr)} bytes, fewer than one "
+                raise ValueError(f"data: the {name} split of {self.meta['source']} has {len(arr)} bytes, "
+                                 "fewer than one "
                                  f"sequence (seq_len + 1 = {need}); the corpus has {total} bytes in all, and "
-                                 f"validation takes 1 in {VAL_EVERY} chunks of {CHUNK} bytes (or the last 10% of a smaller "
+                                 f"validation takes 1 in {VAL_EVERY} chunks of {CHUNK} bytes (or the last 10% "
+                                 "of a smaller "
                                  f"corpus); give more text or a smaller --seq-len")
 
     # -- batches ---------------------------------------------------------------------------------
@@ -170,7 +174,8 @@ class Corpus:
         rng = np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))
         return rng.integers(0, hi + 1, size=global_batch, dtype=np.int64)
 
-    def train_batch(self, seed: int, step: int, rows: slice, global_batch: int, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, seed: int, step: int, rows: slice, global_batch: int, seq_len: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) int64 tensors of the given rows of the step's global batch."""
         off = self.batch_offsets(seed, step, global_batch, seq_len)[rows]
         return self._windows(self.train, off, seq_len, device)
@@ -195,7 +200,8 @@ class Corpus:
         return w[:, :-1], w[:, 1:]
 
 
-def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None, *, verbose: bool = True) -> Corpus:
+def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None, *,
+                verbose: bool = True) -> Corpus:
     """Build (once) and open the token cache for ``data`` (None: the standard-library corpus).
 
     Raises:
@@ -220,7 +226,8 @@ def load_corpus(data: str | os.PathLike | None = None, cache_dir: str | os.PathL
         check_writable_dir(cache, "cache_dir")
         raw, used, skipped = _read_all(files)
         if not raw:
-            raise ValueError(f"data: {source} holds no text ({len(files)} files, {skipped} skipped as binary, the rest empty)")
+            raise ValueError(f"data: {source} holds no text ({len(files)} files, {skipped} skipped as binary, "
+                             "the rest empty)")
         stream = np.frombuffer(raw, dtype=np.uint8)
         train, val = split_stream(stream)
         meta = {"format_version": FORMAT_VERSION, "source": source, "files": used, "skipped_binary": skipped,

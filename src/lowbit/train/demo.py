@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
@@ -29,14 +28,18 @@ _AUTO = {"cpu": ("tiny", 100, 8, 128, 32), "cuda": ("125m", 300, 8, 1024, 64)}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowbit demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="report", help="report folder (default report/)")
-    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help=f"comma-separated, from {', '.join(RECIPES)} (default %(default)s)")
-    p.add_argument("--model", default=None, help=f"preset ({', '.join(PRESET_DEFAULTS)}); default tiny on CPU, 125m on a GPU")
-    p.add_argument("--steps", type=_positive_int, default=None, help="steps per recipe (default 100 on CPU, 300 on a GPU)")
+    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
+                   help=f"comma-separated, from {', '.join(RECIPES)} (default %(default)s)")
+    p.add_argument("--model", default=None,
+                   help=f"preset ({', '.join(PRESET_DEFAULTS)}); default tiny on CPU, 125m on a GPU")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="steps per recipe (default 100 on CPU, 300 on a GPU)")
     p.add_argument("--batch-size", type=_positive_int, default=None)
     p.add_argument("--seq-len", type=_positive_int, default=None)
     p.add_argument("--eval-windows", type=_positive_int, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--data", default=None, metavar="PATH", help="text file or folder (default: the Python standard library)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="text file or folder (default: the Python standard library)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-progress", action="store_true")
@@ -50,7 +53,8 @@ def run_demo(argv=None) -> dict:
     recipes = [r.strip() for r in a.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
-        raise ValueError(f"recipes: unknown recipe(s) {bad or a.recipes!r}; expected a comma-separated list from {', '.join(RECIPES)}")
+        raise ValueError(f"recipes: unknown recipe(s) {bad or a.recipes!r}; expected a comma-separated list from "
+                         f"{', '.join(RECIPES)}")
     if "bf16" in recipes:  # the baseline first, so the gaps can be read as the runs finish
         recipes = ["bf16"] + [r for r in recipes if r != "bf16"]
     if a.model is not None and a.model not in PRESET_DEFAULTS:
@@ -78,11 +82,14 @@ def run_demo(argv=None) -> dict:
     print("\n" + table, flush=True)
     summary = {"model": model, "device": runs[recipes[0]]["device"], "recipes": recipes, "config": cfg,
                "elapsed_s": elapsed, "table": rows, "runs": runs,
-               "files": {"summary": str(out / "summary.json"), "plot": str(out / "loss_curves.png"), "table": str(out / "table.md")}}
-    plot_losses(runs, out / "loss_curves.png", title=f"lowbit demo: {model} on {summary['device']}, {cfg['steps']} steps")
+               "files": {"summary": str(out / "summary.json"), "plot": str(out / "loss_curves.png"),
+                         "table": str(out / "table.md")}}
+    plot_losses(runs, out / "loss_curves.png",
+                title=f"lowbit demo: {model} on {summary['device']}, {cfg['steps']} steps")
     (out / "table.md").write_text(format_table(rows, markdown=True) + "\n")
     write_json(out / "summary.json", summary)
-    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {out / 'summary.json'}, {out / 'loss_curves.png'}, {out / 'table.md'}", flush=True)
+    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {out / 'summary.json'}, {out / 'loss_curves.png'}, "
+          f"{out / 'table.md'}", flush=True)
     return summary
 
 

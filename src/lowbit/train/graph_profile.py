@@ -89,8 +89,8 @@ def transition_gaps(trace: list) -> list[dict]:
     intervals (no kernel running anywhere), grouped by (family of the kernel that ended last, family of the kernel
     that starts) (:func:`kernel_family`), largest total first. ``trace``: the [start, duration, stream, grid, name]
     rows of the trace. (Per-stream gaps would also count a stream waiting on another's work.)
-    Session 29 found ~9 us before every cuBLAS / cuDNN kernel of a training graph this way, against 0.3-0.6 us before
-    anything else."""
+    (This is how ~9 us of idle GPU before every cuBLAS / cuDNN kernel of a training graph shows up, against
+    0.3-0.6 us before anything else.)"""
     rows = sorted(trace, key=lambda r: r[0])
     groups: dict = defaultdict(list)
     if rows:

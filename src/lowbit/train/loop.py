@@ -77,7 +77,8 @@ class TrainConfig:
     compare: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA, fp32 on CPU."""
+    """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA,
+    fp32 on CPU."""
     fsdp: bool = False
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
@@ -211,7 +212,8 @@ def setup_distributed(device_arg: str) -> Dist:
     dist = torch.distributed
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device, group=dist.group.WORLD)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device,
+                group=dist.group.WORLD)
 
 
 def _all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -301,7 +303,8 @@ def train(config: TrainConfig) -> dict:
         b = _train_one(base.resolved())
         summary["compare"] = {"bf16": b}
         if b.get("final_val_loss") and summary.get("final_val_loss") is not None:
-            summary["val_loss_gap_pct"] = 100.0 * (summary["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"]
+            summary["val_loss_gap_pct"] = 100.0 * (summary["final_val_loss"]
+                                                   - b["final_val_loss"]) / b["final_val_loss"]
     return summary
 
 
@@ -429,8 +432,8 @@ class _GraphedStep:
     ``found_inf`` is set when the loss, a recorded amax or the gradient norm is non-finite: the steps the eager
     loop skips (a non-finite norm alone is reported as the event ``gradients/grad_norm``). Clipping passes
     ``1 / min(1, max_norm / (norm + 1e-6))`` as the kernel's ``grad_scale`` (it divides the gradients by it)
-    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate becomes a device tensor the
-    loop refills each step.
+    instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate
+    becomes a device tensor the loop refills each step.
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
@@ -583,7 +586,8 @@ def _train_one(c: TrainConfig) -> dict:
     mcfg, raw = _build(c, d)
     if recipe is not None and recipe.divisibility > 1:
         k = recipe.divisibility
-        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size), ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
+        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size),
+                        ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
             if v % k:
                 raise ValueError(f"{name}: recipe {c.recipe!r} needs multiples of {k}, got {v}")
     model = _wrap(raw, c, d)
@@ -593,7 +597,8 @@ def _train_one(c: TrainConfig) -> dict:
     use_bf16 = c.dtype == "bf16" or (c.dtype == "auto" and d.device.type == "cuda")
     use_graph, no_graph_why = _graph_decision(c, d)
     # torch.autocast's cast cache must be off under graph capture (its cached casts would be freed memory)
-    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16, cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
+    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
     group = d.group if d.active else None
 
     def lowbit_ctx():
@@ -614,13 +619,15 @@ def _train_one(c: TrainConfig) -> dict:
     start = 0
     own_ckpt = [bool(c.resume)]  # rollback only to a checkpoint of this run (not one --overwrite replaces)
     if not c.resume and not c.overwrite and (c.ckpt_every or c.save_final) and ck_path.exists():
-        raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume to continue "
+        raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume "
+                         "to continue "
                          "that run, --overwrite to replace it, or another --out-dir")
     if c.resume:
         path = ck_path if c.resume == "auto" else Path(c.resume)
         ck = ckpt.read_checkpoint(path)
         if ck["model_config"] != mcfg.to_dict():
-            diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items() if ck["model_config"].get(k) != v}
+            diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items()
+                    if ck["model_config"].get(k) != v}
             raise ValueError(f"resume: checkpoint {str(path)!r} was saved for a different model shape "
                              f"(field: (checkpoint, this run)) {diff}")
         saved = ck.get("train", {})
@@ -631,7 +638,8 @@ def _train_one(c: TrainConfig) -> dict:
                              "pass the same values or start a new --out-dir")
         ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
         start = int(ck["step"])
-        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v] for k, v in ck.get("history", history).items()}
+        history = {k: [list(x) if isinstance(x, (list, tuple)) else x for x in v]
+                   for k, v in ck.get("history", history).items()}
         events = list(ck.get("events", []))
         _say(d, c, f"[lowbit] resumed from {path} at step {start}")
         del ck
@@ -680,7 +688,8 @@ def _train_one(c: TrainConfig) -> dict:
         bar = tqdm(total=c.steps, initial=start, unit="step", dynamic_ncols=True,
                    desc=f"{c.model}/{c.recipe}", leave=True, mininterval=0.5)
     _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
-               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} attention={attention_backend()} "
+               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} "
+               f"attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
     def micro_step(x, y, m: int) -> torch.Tensor:
@@ -699,9 +708,12 @@ def _train_one(c: TrainConfig) -> dict:
     graphed = None
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
-                               [p for p in model.parameters() if p.requires_grad], d.device, quantized=recipe is not None,
+                               [p for p in model.parameters() if p.requires_grad], d.device,
+                               quantized=recipe is not None,
                                prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
-    _say(d, c, f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}", bar)
+    _say(d, c,
+         f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}",
+         bar)
 
     # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
     # (adding 0 changes no value), so a captured graph injects the fault too: launch() refills it before each step
@@ -724,12 +736,13 @@ def _train_one(c: TrainConfig) -> dict:
     # that changes nothing but the time: --on-nonfinite skip (rollback and raise act before the next step), never
     # across a validation, a checkpoint or the end of the run. The step's loss and skip flag reach the host by
     # non-blocking copies into pinned slots, waited for by an event: reading a device tensor (.item()) would wait for
-    # everything queued on the stream, the next step included. TrainConfig.lookahead=False turns it off; the
-    # step-phase and profile diagnostics run without it.
+    # everything queued on the stream, the next step included, and the lookahead would gain
+    # nothing. TrainConfig.lookahead=False turns it off; the step-phase and profile diagnostics run without it.
     lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
                  and c.lookahead)
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
-    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32, pin_memory=True))
+    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32,
+                                                                                       pin_memory=True))
                    for _ in range(2)] if lookahead else None)
     t_mark = [time.perf_counter()]  # where the next step's wall time starts: the last step's end, after its eval/save
 
@@ -765,9 +778,11 @@ def _train_one(c: TrainConfig) -> dict:
                     graphed.capture()
                     if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
-                        _say(d, c, f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
+                        _say(d, c,
+                             f"[lowbit] CUDA graph captured: {a.used} quantize amax accumulators zeroed by one fill"
                                    + (f" ({a.missed} launches found the arena full)" if a.missed else "")
-                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer" if graphed.primed else ""),
+                                   + (f"; {graphed.primed} weights' FP8 copies written by the optimizer"
+                                      if graphed.primed else ""),
                              bar)
                     # warm-up and capture drew random numbers: re-key, so the replay (which reads the CUDA
                     # generator's seed and offset when it starts) draws what an eager step would
@@ -797,7 +812,8 @@ def _train_one(c: TrainConfig) -> dict:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
                 for m in range(c.grad_accum):
                     r0 = d.rank * rows_per_rank + m * c.batch_size
-                    x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len, d.device)
+                    x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len,
+                                              d.device)
                     sync = contextlib.nullcontext()
                     if d.active and not c.fsdp and m < c.grad_accum - 1:
                         sync = model.no_sync()
@@ -847,7 +863,8 @@ def _train_one(c: TrainConfig) -> dict:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
             where = ([{"layer": e.layer, "role": e.role} for e in found]
-                     or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss", "role": "loss"}])
+                     or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss",
+                                                                                        "role": "loss"}])
             action = c.on_nonfinite
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
@@ -862,14 +879,18 @@ def _train_one(c: TrainConfig) -> dict:
                 else:
                     action = "skip (no checkpoint to roll back to)"
             for w in where:
-                events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss) else str(step_loss)})
-            _say(d, c, f"[lowbit] step {step}: non-finite {', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
+                events.append({"step": step, "action": action, **w, "loss": step_loss if math.isfinite(step_loss)
+                               else str(step_loss)})
+            _say(d, c,
+                 f"[lowbit] step {step}: non-finite "
+                 f"{', '.join(w['layer'] + '/' + w['role'] for w in where)} -> {action}", bar)
         else:
             if not updated:
                 opt.step()
                 phases.mark("optimizer launch")
                 if step == start and getattr(opt, "fused_tensors", 0):
-                    _say(d, c, f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
+                    _say(d, c,
+                         f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
                                "FP8 copies for the next forward in one kernel", bar)
                 if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
                     # the optimizer has state now: capture the update graph here, in the (untimed) first step

@@ -108,7 +108,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
             "—" if r["gap_pct"] is None or r["recipe"] == "bf16" else f"{r['gap_pct']:+.2f}%",
             "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
             _mib(r["peak_memory_bytes"]),
-            "n/a" if ratio is None else f"{_mib(r['weight_bytes_quantized'])} / {_mib(r['weight_bytes_bf16'])} ({ratio:.2f}x)",
+            "n/a" if ratio is None
+                     else f"{_mib(r['weight_bytes_quantized'])} / {_mib(r['weight_bytes_bf16'])} ({ratio:.2f}x)",
             str(r["events"]),
         ])
     if markdown:
@@ -116,5 +117,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in body]
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))  # noqa: E731
+    fmt = lambda row: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v,
+                                                                             w) in enumerate(zip(row,
+                                                                                                 widths)))  # noqa: E731
     return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])

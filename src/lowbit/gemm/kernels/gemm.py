@@ -1,4 +1,4 @@
-"""Triton scaled-GEMM kernels (DESIGN §5): ``C = A · Bᵀ`` with A (M, K) and B (N, K) both K-contiguous.
+"""Triton scaled-GEMM kernels (NUMERICS §5): ``C = A · Bᵀ`` with A (M, K) and B (N, K) both K-contiguous.
 
 * :func:`fp8_gemm_kernel`: FP8 (E4M3/E5M2 in any pairing the caller allows) tensor-core GEMM with
   per-operand scale modes — 0 tensorwise ``s[0]``, 1 per row ``s[row]``, 2 1xBS blocks
@@ -394,19 +394,23 @@ if GLUON:
         # one would be.
         for kb in range(0, nkbu, 4):
             t0 = _g_mma(a_s, b_s, bars, kb, zero, STAGES)
-            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA, SB, BS)
+            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA,
+                               SB, BS)
             t1 = _g_mma(a_s, b_s, bars, kb + 1, zero, STAGES)
-            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s, SA, SB, BS)
+            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s,
+                               SA, SB, BS)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
             _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb, nkbu, BS, STAGES)
             acc = _g_fold(acc, p0, r0, c0, SA, SB)
             t0 = _g_mma(a_s, b_s, bars, kb + 2, zero, STAGES)
-            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s, SA, SB, BS)
+            r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s,
+                               SA, SB, BS)
             p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
             _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb + 1, nkbu, BS, STAGES)
             acc = _g_fold(acc, p1, r1, c1, SA, SB)
             t1 = _g_mma(a_s, b_s, bars, kb + 3, zero, STAGES)
-            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s, SA, SB, BS)
+            r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s,
+                               SA, SB, BS)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
             _g_refill(ad, bd, a_s, b_s, bars, off_m, off_n, kb + 2, nkbu, BS, STAGES)
             acc = _g_fold(acc, p0, r0, c0, SA, SB)
@@ -446,7 +450,8 @@ if GLUON:
     def _ws_loader(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                    SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                    HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   NMATH: gl.constexpr):
         """Loader partition (one warp): for every K step of every tile of this CTA, wait for its stage to be free,
         then TMA A's and B's tiles into it (zero fill past M, N, K) and let `ready` count the bytes."""
         num_pm = gl.cdiv(M, BM)
@@ -509,19 +514,23 @@ if GLUON:
             # as in fp8_gemm_gluon: block j+1 in flight while block j is folded; nothing across the back edge
             for kb in range(0, nkbu, 4):
                 t0 = _ws_mma(a_s, b_s, ready, it, zero, R0, ROWS, STAGES, False)
-                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s, SA, SB, BS)
+                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb, nkb, lda_s, ldb_s,
+                                   SA, SB, BS)
                 t1 = _ws_mma(a_s, b_s, ready, it + 1, zero, R0, ROWS, STAGES, False)
-                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s, ldb_s, SA, SB, BS)
+                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s,
+                                   ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
                 acc = _g_fold(acc, p0, r0, c0, SA, SB)
                 t0 = _ws_mma(a_s, b_s, ready, it + 2, zero, R0, ROWS, STAGES, False)
-                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s, ldb_s, SA, SB, BS)
+                r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s,
+                                   ldb_s, SA, SB, BS)
                 p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
                 mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
                 acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 t1 = _ws_mma(a_s, b_s, ready, it + 3, zero, R0, ROWS, STAGES, False)
-                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s, ldb_s, SA, SB, BS)
+                r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s,
+                                   ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
                 mbarrier.arrive(empty.index((it + 2) % STAGES), count=1)
                 acc = _g_fold(acc, p0, r0, c0, SA, SB)
@@ -529,7 +538,8 @@ if GLUON:
                 mbarrier.arrive(empty.index((it + 3) % STAGES), count=1)
                 acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 it += 4
-            _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU, ACCUM)
+            _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU,
+                        ACCUM)
 
 
     @gluon.jit
@@ -587,7 +597,7 @@ if GLUON:
                       NMATH: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr):
         """Persistent, warp-specialized GEMM ``C = A · Bᵀ``: one loader warp and NMATH = 2 math partitions of
         num_warps = 4 each, one warpgroup apiece over BM/2 rows of every tile. (One 8-warp partition over whole tiles
-        ran at 0.82-0.95 of this on an H200, 2026-11-23: its two warpgroups synchronise at every stage release.)
+        is slower: its two warpgroups synchronise at every stage release.)
         Launch at most one CTA per SM, with ``maxnreg`` such that every warpgroup (the loader's rounded up to one)
         fits the register file; MATH_REGS is the second math partition's register count (the default partition
         gets what is left).
@@ -602,10 +612,15 @@ if GLUON:
             mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
         # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
         # into tensors; the math partition index is a gl.constexpr, as a plain literal would arrive as a tensor)
-        gl.warp_specialize([(_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(0))),
-                            (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+        gl.warp_specialize([(_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
+                                        K, lda_s, ldb_s,
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH,
+                                        gl.constexpr(0))),
+                            (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M,
+                                          N, K, lda_s, ldb_s,
                                           SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                            (_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
-                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, gl.constexpr(1)))],
+                            (_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
+                                        K, lda_s, ldb_s,
+                                        SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH,
+                                        gl.constexpr(1)))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])

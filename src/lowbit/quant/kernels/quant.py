@@ -1,4 +1,4 @@
-"""Triton quantization kernels (DESIGN §2-§4). Launchers live in :mod:`lowbit.quant.triton_backend`.
+"""Triton quantization kernels (NUMERICS §2-§4). Launchers live in :mod:`lowbit.quant.triton_backend`.
 
 Every kernel reproduces :mod:`lowbit.quant.reference` bit for bit:
 
@@ -32,7 +32,8 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # _sigmoid by PTX inline asm where the kernel is compiled; plain Triton ops where Triton's interpreter runs it (no
 # asm there).
 _FAST_SIGMOID = tl.constexpr(not INTERPRET)
-MAGIC_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+# 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
+MAGIC_RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -107,7 +108,8 @@ def _pow2_scale(a, FMAX: tl.constexpr):
 @triton.jit
 def _recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
     """1 / s rounded to nearest. With the POW2 and FMAX that _compute_scale made s with, FMAX >= 4 (so s is 2**E
-    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 -> Inf)."""
+    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 ->
+    Inf)."""
     if POW2 and FMAX >= 4.0:
         r = _bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
         r = tl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
@@ -274,7 +276,8 @@ def _rht_rows_mask(M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr):
     """amax_rht_ptr (int32 bits, pre-zeroed) = max |RHT(x)| for x (M, K) contiguous, M % 16 == 0, the RHT
     along M in 16-row groups of each column; RHT(x) is never written out. PLAIN: amax_ptr = max |x| as well,
     from the same read (the rowwise copy's amax)."""
@@ -334,7 +337,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
     tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
     s = _compute_scale(_bits_to_f32(amax), FMAX, POW2, 0.0)
@@ -342,7 +346,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         q = _fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -426,7 +431,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
 
     One program a tile: grid (cdiv(M, BM), cdiv(K, BS)), or with KMAJOR (cdiv(K, BS), cdiv(M, BM)), so that
     consecutive programs read neighbouring column tiles of the same rows, which DRAM serves better than
-    tiles BM rows apart (rowwise only: ~5% on the H200).
+    tiles BM rows apart (rowwise only: ~5%).
 
     SLAB = 0: the whole tile is loaded once and held in registers (FP32: ~170 registers a thread for
     128x128 at 8 warps, so one CTA an SM and nothing in flight while it computes): small blocks, short
@@ -465,8 +470,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     cqb = cq_ptr + (k0 * M + m0)
     ck = tl.arange(0, BS)
     if SLAB == 0:
-        # The whole tile held at once: exactly the original single-pass kernel (bit-identical to the reference on
-        # the H200 for every dtype and scheme, incl. 2D from FP32, which the slab walk does not yet match there).
+        # The whole tile held at once: exactly the original single-pass kernel (bit-identical to the reference for
+        # every dtype and scheme, incl. 2D from FP32, which the slab walk does not match).
         offs_m = m0 + tl.arange(0, BM)
         offs_k = k0 + tl.arange(0, BS)
         mmask = offs_m < M
@@ -522,7 +527,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 row_max = tl.max(ab, axis=1)
                 if not COL:
                     tmax = tl.maximum(tmax, row_max)
-                _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW,
+                _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS,
+                         SW,
                          SATCVT, DT, EVEN, WIDE)
         if COL or TWO_D:
             col_max = tl.max(acc, axis=0)
@@ -572,7 +578,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 else:
                     if R2:
                         row_max = tl.max(x.to(tl.int32, bitcast=True) & abs_mask, axis=1)
-                        _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS, POW2,
+                        _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS,
+                                 POW2,
                                  EPS, SW, SATCVT, DT, EVEN, WIDE)
                     q = _fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
                     _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
@@ -611,7 +618,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
     of cq rows. The amax is kept per program and meets the others in one atomic_max at the end.
     EVEN / WIDE: as in blockwise_kernel.
 
-    Used only where it was measured bit-identical and faster on the H200 (see triton_backend._PERSISTENT):
+    Used only where it was measured bit-identical and faster (see triton_backend._PERSISTENT):
     Triton 3.6 miscompiles one pattern here. With FP32 input, the transpose of an FP8 tile cast straight from
     FP32 (SATCVT, no clamp first) permutes pairs of elements along K (2D: columnwise data wrong, rowwise right;
     the same bug made blockwise_kernel's 2D slab walk differ for FP32, and it goes away with the clamp).
@@ -660,7 +667,8 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
+            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb,
+                                cs_ptr + pm.to(tl.int64) * cs_ld + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
                                 False, abs_mask)
             amax = tl.maximum(amax, a)
@@ -679,7 +687,7 @@ def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, E
     BITS16 (BF16 input only): the maxima are taken over the 16-bit patterns (|x| bits = (bf16 bits & 0x7FFF) << 16,
     the same integers as the FP32 patterns, since BF16 -> FP32 only appends zero bits), so the FP32 tile need not
     be live during the reductions (an autotune candidate of lowbit.ops.swiglu's whole-tile kernel; for
-    blockwise_persistent_kernel's 1x128 BF16 it was no faster, session 7, so that kernel does not offer it)."""
+    blockwise_persistent_kernel's 1x128 BF16 it was no faster, so that kernel does not offer it)."""
     BM: tl.constexpr = raw.shape[0]
     BS: tl.constexpr = raw.shape[1]
     rr = tl.arange(0, BM)
@@ -831,7 +839,8 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         lo, hi = tl.split(tl.reshape(codes, (G, BK, 8, 2)))
         packed = tl.permute(lo | (hi << 4), (1, 0, 2))  # (BK, G, 8): byte i of group g is cq[k, rows[g] / 2 + i]
         cmask = tl.trans(gmask)
-        tl.store(cq_ptr + offs_k[:, None, None] * (M // 2) + (rows // 2)[None, :, None] + tl.arange(0, 8)[None, None, :],
+        tl.store(cq_ptr + offs_k[:, None, None] * (M // 2) + (rows // 2)[None, :, None]
+                 + tl.arange(0, 8)[None, None, :],
                  packed, mask=cmask[:, :, None])
         tl.store(cs_ptr + offs_k[:, None] * M16 + (rows // 16)[None, :], tl.trans(dc.to(tl.float8e4nv)), mask=cmask)
     else:
@@ -841,7 +850,8 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         if TWO_D:
             bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
             d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
-            enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16, 16)),
+            enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16,
+                                                                                             16)),
                                (BM, BK))
             codes = _nvfp4_round(x * enc_e, seed, idx, SR)
             dq = d.to(tl.float8e4nv)

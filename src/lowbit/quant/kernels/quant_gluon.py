@@ -6,15 +6,14 @@ of an input from one read.
 column block maxima both come from the one load, and the transposed copy needs no shared-memory transposition:
 the same registers read down the columns (layout B of :func:`rowcol_regs_layouts`, a linear layout with the lanes
 of A) give the hardware's two-value FP8 cast vertical pairs, stored as 8-byte pieces of the transposed rows.
-H200, session 13 (BENCHMARKS.md): 1x128 0.80-0.81 of a device copy from BF16 and 0.93-0.95 from FP32, against
-0.75-0.77 for ``quant.blockwise_kernel``'s slab walk; MXFP8 0.66-0.67, against 0.45-0.46 for ``mxfp8_kernel``.
+Faster than ``quant.blockwise_kernel``'s slab walk (1x128 from FP32: 0.9 of a device copy) and than
+``mxfp8_kernel``.
 ``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``), SwiGLU (``SWIGLU``) and SwiGLU-backward (``SWIGLU_BWD``)
-prologues of the fused quantizers. ``rowcol_1x128_regs_packed`` (BF16 input, no prologue; the default there since
-session 23) holds and reduces the tile as BF16 pairs in 80 registers, three CTAs an SM: 0.87-0.90 of a copy.
+prologues of the fused quantizers. ``rowcol_1x128_regs_packed`` (BF16 input, no prologue; the default there)
+holds and reduces the tile as BF16 pairs in 80 registers, three CTAs an SM: about 0.9 of a copy.
 
-``rowcol_1x128_gluon`` (session 9, opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA,
-STAGES in flight a CTA, each read twice in SR-row slabs; 0.70-0.71 of a copy, the speed of the slab walk at the
-time, never faster.
+``rowcol_1x128_gluon`` (opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA, STAGES in
+flight a CTA, each read twice in SR-row slabs; never faster than the slab walk.
 
 The numbers are blockwise_kernel's / mxfp8_kernel's (hence the reference's, bit for bit): amax as a max over int32
 patterns of |x|, ``scale = fmax / amax`` (0 -> 1, overflow -> FP32 max, power-of-two scales from the exponent bits),
@@ -140,8 +139,7 @@ if GLUON:
         db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b,
         g) or the b half (db: reads a, g; b's load is masked off). Both halves run one branch-free expression (below):
         a branch on the half (uniform in a program) made ptxas spill under the 128-register cap, and computing both
-        values and selecting one cost ~3 instructions an element more (H200, session 20: 0.191 against 0.199-0.213
-        ms at 8192 x 11264, BENCHMARKS.md)."""
+        values and selecting one cost ~3 instructions an element more (4-10% slower)."""
         F = K // 2
         f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
         i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
@@ -305,7 +303,8 @@ if GLUON:
         else:
             x = gl.load(ptrs)
         if AW is not None:
-            _rowcol_packed_core(_pack_words(x, AW), rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk,
+            _rowcol_packed_core(_pack_words(x, AW), rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm,
+                                pk,
                                 m0, k0, FMAX, POW2, EPS, A, B, T, abs_mask)
         else:
             _rowcol_quant(x, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, pm, pk, m0, k0, r, c, FMAX,
