@@ -13,7 +13,7 @@ Conventions (shared with ``lowbit.attention.reference``):
 * Dropout (Philox, regenerated, never stored): element (b, h, i, j) of the attention matrix has the
   counter ``offset + ((b·Hq + h)·Sq + i)·Sk + j`` (varlen: Sq/Sk = max_seqlen_q/k, i/j within the
   sequence) and is **kept** iff ``(philox_randint(seed, counter) >> 8) · 2^-24 >= dropout_p``;
-  kept probabilities are multiplied by ``1 / (1 - dropout_p)``.  ``dropout_keep_mask`` is the
+  kept probabilities are multiplied by ``1 / (1 - dropout_p)``.  ``reference.dropout_keep_mask`` is the
   torch generator of the same mask (``philox_randint`` equals ``tl.randint``).
 * FP8 gradients (``grad_format="e4m3"|"e5m2"``) are :class:`lowbit.QuantizedTensor` s with a
   rowwise copy: data ``(rows, D)`` (rows = product of the gradient's leading dims in its layout),
@@ -41,9 +41,9 @@ from ..runtime import env
 from ..runtime.callable import make_callable
 from . import reference as _ref
 from ._checks import (GRAD_FORMATS, TRITON_HEAD_DIMS, check_cu_meta, check_dropout, check_grad_args,
-                      check_grad_sink, check_qkv, check_softmax_scale, check_tensor, check_triton, check_varlen, check_window,
-                      row_views, shape4, triton_ok, views)
-from .reference import attention_backward_reference, attention_forward_reference, dropout_keep_mask
+                      check_grad_sink, check_qkv, check_softmax_scale, check_tensor, check_triton, check_varlen,
+                      check_window, row_views, shape4, triton_ok, views)
+from .reference import attention_backward_reference, attention_forward_reference
 
 __all__ = [
     "backward",
