@@ -400,7 +400,8 @@ if GLUON_WS:
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
         sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or
-        FP32 out; QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
+        FP32 out; QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS
+        keys); VS:
         v_scale (B, Hkv, D); KM: K's channel mean (only read for the LSE, HAS_KMEAN); LSE (B, Hq, Sq) FP32 natural
         log. win_right: 0 causal, 1 << 30 none. Every base, descriptor base and non-unit stride 16-byte aligned."""
         n_tiles = gl.cdiv(Sq, BM) * B * H

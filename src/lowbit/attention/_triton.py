@@ -360,7 +360,8 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
             s = tl.dot(q, kt, max_num_imprecise_acc=32)
         else:
             s = tl.dot(q, kt)
-        # Scores in log2 units are s·c with c = q_scale[row]·k_scale[tile] (INT8/FP8; 16-bit: c = softmax_scale·log2 e).
+        # Scores in log2 units are s·c with c = q_scale[row]·k_scale[tile] (INT8/FP8; 16-bit: c = softmax_scale·log2
+        # e).
         # The multiply is not done per element: c > 0, so the row max is c·max(s) (rounding is monotone: the same
         # number as max(s·c)) and p = exp2(s·c - m) is one FMA per element. Where a key tile spans several K scale
         # blocks, the column scale still multiplies s first: s·k_scale[col], then c = q_scale[row].

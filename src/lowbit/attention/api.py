@@ -348,10 +348,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale (a positive finite
     number) defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
-    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16" (BF16 V
-    carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
-    inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts mean(K)
-    before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
+    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype),
+    "fp16" (BF16 V carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V
+    for BF16 inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.
+    smooth_k subtracts mean(K) before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
     backend: None (see ``select_backend``), "reference", "triton" or "sdpa" (16-bit, dense, no window/LSE; not
     with ``dropout_p > 0`` or ``grad_format``, which need lowbit's own forward).
@@ -443,9 +443,10 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
     k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
-    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).  q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
-    (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
-    are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
+    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).
+    q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block;
+    k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk are max_seqlen_q/k and blocks restart at each sequence.
+    k_mean fp32 (B, Hkv, 1, D), only used
     to correct the returned LSE.  Output in v's dtype.
     """
     for n, t in (("q_int8", q_int8), ("k_int8", k_int8), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale)):

@@ -703,7 +703,8 @@ class QKInt8:
         q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
         k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
         k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
-        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2 units.
+        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2
+            units.
         granularity, block_q, block_k, warp_q: the settings used.
     """
 
@@ -762,10 +763,12 @@ def quantize_qk_int8(
     qb, kb = _checked_bhsd(q, layout, "q"), _checked_bhsd(k, layout, "k")
     B, Hq, Sq, D = qb.shape
     if kb.shape[0] != B or kb.shape[3] != D:
-        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} (layout {layout})")
+        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} "
+                         f"(layout {layout})")
     Hkv = kb.shape[1]
     if Hq % Hkv:
-        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, got {Hkv}")
+        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, "
+                         f"got {Hkv}")
     if granularity not in ("per_block", "per_warp"):
         raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
     if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):
