@@ -1,5 +1,4 @@
 """Entry points on the CPU: dispatch to the references, validation errors, autograd."""
-import math
 
 import pytest
 import torch

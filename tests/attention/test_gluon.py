@@ -455,11 +455,11 @@ def test_key_order_cache_is_per_signature_and_bounded(monkeypatch, switches):
     qc = torch.zeros(1, 2, 64, 128, dtype=torch.int8)
     for s in (64, 128, 192):
         kc = torch.zeros(1, 2, s, 128, dtype=torch.int8)
-        assert T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64, G.DEFAULT_OPTIONS) == "natural"
+        assert T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64) == "natural"
     assert len(T._ORDERS) == 3
-    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64, G.DEFAULT_OPTIONS)  # the same signature: no new entry
+    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, True, None, 64)  # the same signature: no new entry
     assert len(T._ORDERS) == 3
-    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, False, None, 64, G.DEFAULT_OPTIONS)  # another mask: a new key, past the bound
+    T._auto_key_order(qc, kc, "int8", "fp8", "bhsd", False, False, None, 64)  # another mask: a new key, past the bound
     assert len(T._ORDERS) == 1
     assert T._auto_key_order(qc, kc, "int8", "fp16", "bhsd", False, True, None, 64) == "natural"  # not FP8 V: no entry
     assert len(T._ORDERS) == 1

@@ -639,7 +639,7 @@ def _run(launch, grid, key, args, kwargs):
 _ORDERS: dict = {}  # dense calls' signatures -> fp8_v_key_order's answer
 
 
-def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k, options):
+def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k, options=DEFAULT_OPTIONS):
     """``fp8_v_key_order`` for fresh Q/K codes, cached for dense calls on what it depends on (the codes are fresh,
     contiguous and aligned: their shapes and the options decide)."""
     if pv != "fp8":
