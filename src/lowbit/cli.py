@@ -96,8 +96,7 @@ def cmd_info(argv=None) -> int:
             be = att.backend_for(device=dev, qk=qk, pv=pv)
             note = " (cuDNN first, then flash)" if be == "sdpa" else ""
             if (qk, pv) == ("int8", "fp8") and be == "triton":
-                from lowbit.attention import _gluon
-                if _gluon.runs_by_default(dev, 128):
+                if att.gluon_by_default(dev, 128):
                     note = (" (dense, head dim 128 (64 on the persistent grid), causal or no mask: the "
                             "warp-specialized Gluon kernel; otherwise the Triton one)")
             print(f"  qk={qk} pv={pv} -> {be}{note}")

@@ -133,7 +133,7 @@ def test_lowbit_info_hook():
 
 def test_attention_dropout_and_quantized_backward_cpu():
     """dropout_p > 0 routes to the Philox dropout path (same mask in backward); INT8 forwards are differentiable."""
-    from lowbit.attention.backward import attention_forward_reference
+    from lowbit.attention.reference import attention_forward_reference
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 19, 64, generator=g, requires_grad=True) for _ in range(3))
@@ -250,7 +250,7 @@ def test_dropout_path_validates_like_the_plain_path():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     _raises(ValueError, "must equal the packed lengths", attention, tq, tk, tk, cu_seqlens_q=cu, cu_seqlens_k=cu, **d)
     if not torch.cuda.is_available():  # backend='triton' on a CPU without the interpreter
-        from lowbit.attention.backward import _triton_ok
+        from lowbit.attention._checks import triton_ok as _triton_ok
 
         if not _triton_ok(q):
             _raises(NotImplementedError, "needs a CUDA device", attention, q, k, v, backend="triton", **d)
@@ -370,7 +370,7 @@ def test_lowbit_attention_backward_is_callable():
     returns QuantizedTensors (dequantize() ≈ the gradient); the module stays importable as a module."""
     import lowbit
     import lowbit.attention.backward as mod
-    from lowbit.attention.backward import attention_backward_reference
+    from lowbit.attention.reference import attention_backward_reference
 
     assert lowbit.attention.backward is mod and A.backward is mod and callable(mod)
     q, k, v = qkv(B=1, Sq=13, Sk=15, D=16, dtype=torch.float32)

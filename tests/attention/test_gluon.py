@@ -12,6 +12,7 @@ import torch
 
 import lowbit.attention as A
 from lowbit.attention import _gluon as G
+from lowbit.runtime.device import num_sms
 from lowbit.attention import reference as R
 
 TIGHT = 2e-3  # as tests/attention/test_gpu.py: FP32 output vs the tiled quantized reference
@@ -48,9 +49,9 @@ CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,causal,layout,granularity,return_lse", CASES)
-def test_gluon_vs_quantized_reference(B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse, monkeypatch):
+def test_gluon_vs_quantized_reference(B, Hq, Hkv, Sq, Sk, D, causal, layout, granularity, return_lse, switches):
     from lowbit.attention import _triton as T
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    switches(LOWBIT_ATTN_GLUON="force")
     seed = zlib.crc32(repr((B, Hq, Sq, Sk, D, causal, layout)).encode()) % 1000
     shq = (B, Hq, Sq, D) if layout == "bhsd" else (B, Sq, Hq, D)
     shk = (B, Hkv, Sk, D) if layout == "bhsd" else (B, Sk, Hkv, D)
@@ -92,14 +93,13 @@ PERSIST_CASES = [  # B, Hq, Hkv, Sq, Sk, causal: more work tiles than SMs, so CT
 @needs_sm90
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,causal", PERSIST_CASES + [(1, 2, 1, 17, 300, False)])
-@pytest.mark.parametrize("persist", ["0", "1"])
-def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, monkeypatch):
+@pytest.mark.parametrize("persist", [False, True])
+def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, monkeypatch, switches):
     """The K/V stages and Q buffers handed back to the loader through named barriers (every math thread arrives,
-    LOWBIT_ATTN_GLUON_NAMED=1) give the same bits as through mbarriers, on both grids (persistent: the ring runs on
+    GluonOptions(named=True)) give the same bits as through mbarriers, on both grids (persistent: the ring runs on
     across work tiles and the loader drains the last hand-backs), GQA, ragged and causal, with the LSE."""
     from lowbit.attention import _triton as T
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", persist)
+    switches(LOWBIT_ATTN_GLUON="force")
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq + D)
     q = torch.randn(B, Hq, Sq, D, generator=g, device="cuda").bfloat16()
     k = (torch.randn(B, Hkv, Sk, D, generator=g, device="cuda") + 2).bfloat16()
@@ -108,10 +108,10 @@ def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, m
     vp, vs = T.quantize_v_fp8_triton(v, key_order="wgmma32")
     kw = dict(q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
               out_dtype=torch.float32, v_key_order="wgmma32", return_lse=True)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "0")
-    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "1")
-    o1, l1 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, gluon_options=G.GluonOptions(named=False, persistent=persist),
+                                    **kw)
+    o1, l1 = T.attention_fwd_triton(qq.q, qq.k, vp, gluon_options=G.GluonOptions(named=True, persistent=persist),
+                                    **kw)
     torch.cuda.synchronize()
     assert torch.equal(o1, o0) and torch.equal(l1, l0)
     ro = R.attention_prequantized_reference(qq.q, qq.k, T._v_natural_order(vp, "bhsd"), qq.q_scale, qq.k_scale,
@@ -123,12 +123,12 @@ def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, m
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,causal", PERSIST_CASES)
-def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, monkeypatch):
+def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, monkeypatch, switches):
     """The persistent grid (each CTA several work tiles, the next tile's Q and keys loaded during the last one) and
     the one-CTA-a-tile grid give the same bits; so do the all-heads TMA descriptors (FLAT, contiguous Q/K/V, rows of
     the next head read past Sq / Sk and masked) and the per-head ones (a Q, K and V with padded head strides)."""
     from lowbit.attention import _triton as T
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    switches(LOWBIT_ATTN_GLUON="force")
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq)
     q = torch.randn(B, Hq, Sq, 128, generator=g, device="cuda").bfloat16()
     k = (torch.randn(B, Hkv, Sk, 128, generator=g, device="cuda") + 2).bfloat16()
@@ -139,17 +139,15 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
               out_dtype=torch.float32, v_key_order="wgmma32", return_lse=True)
     qv, kv, vv = (tuple(t.stride()) for t in (qq.q, qq.k, vp))
     assert G._flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=128)
-    assert G._num_sms("cuda") < -(-Sq // G.BLOCK_M) * B * Hq
+    assert num_sms("cuda") < -(-Sq // G.BLOCK_M) * B * Hq
     o1, l1 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "0")
-    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, **kw)
+    o0, l0 = T.attention_fwd_triton(qq.q, qq.k, vp, gluon_options=G.GluonOptions(persistent=False), **kw)
     # the same codes behind padded head strides: per-head descriptors
     qpad = torch.zeros(B, Hq, Sq + 3, 128, dtype=torch.int8, device="cuda")[:, :, :Sq]
     qpad.copy_(qq.q)
     kpad = torch.zeros(B, Hkv, Sk + 5, 128, dtype=torch.int8, device="cuda")[:, :, :Sk]
     kpad.copy_(qq.k)
     assert not G._flat(tuple(qpad.stride()), tuple(kpad.stride()), vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=128)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "1")
     op, lp = T.attention_fwd_triton(qpad, kpad, vp, **kw)
     ro = R.attention_prequantized_reference(qq.q, qq.k, T._v_natural_order(vp, "bhsd"), qq.q_scale, qq.k_scale,
                                             v_scale=vs, q_scale_rows=qq.q_scale_rows, causal=causal,
@@ -162,11 +160,11 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("D,causal,granularity", [(128, False, "per_block"), (64, True, "per_warp")])
-def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch):
-    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by
-    specialization key (lowbit._launch.SpecializedLaunch): a second call with new data of the same shape goes through
-    that shortcut, and its output and LSE equal, bit for bit, those of Triton's own launch path."""
-    from lowbit import _launch
+def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch, switches):
+    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by specialization key
+    (lowbit.runtime.launch.SpecializedLaunch): a second call with new data of the same shape goes through that shortcut,
+    and its output and LSE equal, bit for bit, those of Triton's own launch path."""
+    from lowbit.runtime import launch as _launch
     from lowbit.attention import _triton as T
     g = torch.Generator(device="cuda").manual_seed(D)
     shape = (2, 4, 555, D)
@@ -191,12 +189,12 @@ def test_launches_without_triton_binding_are_the_same(D, causal, granularity, mo
 
 @gpu
 @needs_sm90
-def test_signature_caches_do_not_cross_calls(monkeypatch):
+def test_signature_caches_do_not_cross_calls(monkeypatch, switches):
     """The dense call's cached decisions (the prepass's key order, the Gluon kernel's why_not, its launch plan and
     keyed launches) are per signature: calls of the same shape that differ in strides, alignment, mask or window
     each get their own, interleaved in one process, and give what the same call gives with every cache bypassed
     (the launch shortcut off, the Gluon decision and plans recomputed: Triton's own path), bit for bit."""
-    from lowbit import _launch
+    from lowbit.runtime import launch as _launch
     from lowbit.attention import _triton as T
     B, H, S, D = 2, 4, 555, 128
     q, k, v = (_rand(B, H, S, D, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
@@ -234,12 +232,6 @@ def test_signature_caches_do_not_cross_calls(monkeypatch):
         assert not torch.equal(got[a][0], got[b][0]), (a, b)
 
 
-def test_persist_rejects_unknown_value(monkeypatch):
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "yes")
-    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_PERSIST"):
-        G.persistent()
-
-
 def test_flat_rule():
     """FLAT needs every head's rows one evenly strided sequence: contiguous Q/K (B, H, S, D) and V's (B, H, D, S_pad)
     buffer; a padded head stride or the bshd layout is not."""
@@ -256,11 +248,11 @@ def test_flat_rule():
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("k_scale_rows,q_scale_rows", [(64, 32), (128, 128), (192, 64)])
-def test_gluon_scale_index_mapping(k_scale_rows, q_scale_rows, monkeypatch):
+def test_gluon_scale_index_mapping(k_scale_rows, q_scale_rows, monkeypatch, switches):
     """(query row, key) -> (q_scale, k_scale): power-of-two scales spread over 2^-12 .. 2^-1 per Q group and K block,
     so a wrong index moves the output far past the tolerance (checked with the K scales reversed)."""
     from lowbit.attention import _triton as T
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    switches(LOWBIT_ATTN_GLUON="force")
     g = torch.Generator(device="cuda").manual_seed(5)
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 200, 520, 128
     qi = torch.randint(-127, 128, (B, Hq, Sq, D), generator=g, dtype=torch.int8, device="cuda")
@@ -282,29 +274,31 @@ def test_gluon_scale_index_mapping(k_scale_rows, q_scale_rows, monkeypatch):
 
 @gpu
 @needs_sm90
-def test_gluon_end_to_end_and_force(monkeypatch):
+def test_gluon_end_to_end_and_force(monkeypatch, switches):
     """lowbit.attention(qk="int8", pv="fp8") runs the Gluon kernel by default on sm_90 (the same output as forcing
     it); LOWBIT_ATTN_GLUON=0 runs the Triton kernel (within the FP32-reference floor too); force on a call outside the
     kernel's scope (a sliding window) raises."""
     q, k, v = (_rand(2, 4, 1000, 128, dtype=torch.bfloat16, seed=s) for s in (31, 32, 33))
     ref = R.attention_reference(q, k, v, causal=True)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    switches(LOWBIT_ATTN_GLUON="force")
     of = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
+    switches(LOWBIT_ATTN_GLUON="1")
     od = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "0")
+    switches(LOWBIT_ATTN_GLUON="0")
     ot = A.attention(q, k, v, causal=True, qk="int8", pv="fp8", backend="triton")
     assert torch.equal(of, od)
     assert _nrmse(of, ref) < 6e-2 and _nrmse(ot, ref) < 6e-2  # FLOOR[("int8", "fp8")] of test_gpu.py
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
+    switches(LOWBIT_ATTN_GLUON="force")
     with pytest.raises(RuntimeError, match="sliding window"):
         A.attention(q, k, v, window=(100, 0), qk="int8", pv="fp8", backend="triton")
 
 
-def test_mode_rejects_unknown_value(monkeypatch):
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "yes")
+def test_mode_rejects_unknown_value():
+    from lowbit.runtime import env
+
     with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON"):
-        G.mode()
+        with env.override(LOWBIT_ATTN_GLUON="yes"):
+            pass
 
 
 def test_why_not_names_the_rule():
@@ -334,10 +328,10 @@ def test_why_not_names_the_rule():
     assert why() in ("not an sm_90 GPU", "this Triton has no Gluon warp_specialize")
 
 
-def test_head_dim_64_needs_the_persistent_grid(monkeypatch):
+def test_head_dim_64_needs_the_persistent_grid(monkeypatch, switches):
     """At head dim 64 the kernel runs by default only on the persistent grid (dense Q/K/V): else the Triton kernel is
     faster, and the refusal says so."""
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "1")
+    switches(LOWBIT_ATTN_GLUON="1")
     q = torch.zeros(2, 4, 100, 64, dtype=torch.int8)
     vbuf = torch.zeros(2, 4, 64, 128, dtype=torch.float8_e4m3fn)
     v = vbuf[..., :100].permute(0, 1, 3, 2)
@@ -351,9 +345,10 @@ def test_head_dim_64_needs_the_persistent_grid(monkeypatch):
     assert "persistent grid" in G.why_not(qp, qp, v, **dict(base, qv=tuple(qp.stride()), kv=tuple(qp.stride())))
     vp = torch.zeros(2, 5, 64, 128, dtype=torch.float8_e4m3fn)[:, :4, :, :100].permute(0, 1, 3, 2)  # padded heads
     assert "persistent grid" in G.why_not(q, q, vp, **dict(base, vv=tuple(vp.stride())))
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_PERSIST", "0")
-    assert "persistent grid" in G.why_not(q, q, v, **base)
+    off = G.GluonOptions(persistent=False)
+    assert "persistent grid" in G.why_not(q, q, v, **base, options=off)
     assert not G.runs_by_default("cpu", 64)
+    assert not G.runs_by_default("cpu", 64, off)
 
 
 def _key_tile_loops(sass: str) -> list:
@@ -391,7 +386,7 @@ def test_gluon_attention_compiles_for_sm90(variant):
         const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True, FLAT=False)
     elif variant == "d64":
         const.update(HEAD_DIM=64, STAGES=G.STAGES[64])
-    const["NAMED"] = G.named(const["HEAD_DIM"])  # the default: named-barrier hand-back at D = 64
+    const["NAMED"] = G.DEFAULT_OPTIONS.named_at(const["HEAD_DIM"])  # the default: named-barrier hand-back at D = 64
     ptrs = dict(Q="*i8", K="*i8", V="*fp8e4nv", O="*bf16")
     sig = {}
     for n in inspect.signature(G.attn_fwd_int8_fp8_ws.fn).parameters:
@@ -422,33 +417,31 @@ def test_gluon_attention_compiles_for_sm90(variant):
 
 @gpu
 @needs_sm90
-def test_named_rejects_too_many_stages(monkeypatch):
+def test_named_rejects_too_many_stages(monkeypatch, switches):
     """A CTA has 16 named barriers: the hand-back takes one a stage and one a Q buffer from NAMED_BARRIER_BASE, so a
-    stage count past that is refused before anything launches, naming both switches."""
+    stage count past that is refused before anything launches, naming both options."""
     from lowbit.attention import _triton as T
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "force")
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "1")
+    switches(LOWBIT_ATTN_GLUON="force")
     stages = 16 - G.NAMED_BARRIER_BASE - 1  # one more than the ids allow
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_STAGES", str(stages))
+    opts = G.GluonOptions(named=True, stages=stages)
     q = torch.randn(1, 2, 200, 64, device="cuda").bfloat16()
     qq = T.quantize_qk_triton(q, q, dtype="int8")
     vp, vs = T.quantize_v_fp8_triton(q, key_order="wgmma32")
-    with pytest.raises(ValueError, match=f"LOWBIT_ATTN_GLUON_STAGES={stages} with the named-barrier hand-back"):
+    with pytest.raises(ValueError, match=f"GluonOptions.stages={stages} with the named-barrier hand-back"):
         T.attention_fwd_triton(qq.q, qq.k, vp, q_scale=qq.q_scale, k_scale=qq.k_scale, v_scale=vs,
-                               q_scale_rows=qq.q_scale_rows, out_dtype=torch.float32, v_key_order="wgmma32")
+                               q_scale_rows=qq.q_scale_rows, out_dtype=torch.float32, v_key_order="wgmma32",
+                               gluon_options=opts)
 
 
-def test_named_rejects_unknown_value(monkeypatch):
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "yes")
-    with pytest.raises(ValueError, match="LOWBIT_ATTN_GLUON_NAMED must be auto, 0 or 1, got 'yes'"):
-        G.named(64)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "auto")
-    assert G.named(64) and not G.named(128)
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON_NAMED", "0")
-    assert not G.named(64)
+def test_gluon_options_defaults():
+    """GluonOptions' defaults: the named-barrier hand-back at NAMED_DIMS only, STAGES per head dim, persistent."""
+    o = G.GluonOptions()
+    assert o.named_at(64) and not o.named_at(128) and o.persistent
+    assert not G.GluonOptions(named=False).named_at(64) and G.GluonOptions(named=True).named_at(128)
+    assert o.stages_at(128) == G.STAGES[128] and G.GluonOptions(stages=2).stages_at(128) == 2
 
 
-def test_key_order_cache_is_per_signature_and_bounded(monkeypatch):
+def test_key_order_cache_is_per_signature_and_bounded(monkeypatch, switches):
     """The prepass's cached FP8 key-order decision (``_triton._auto_key_order``) is keyed on what decides it (the
     shapes, layout, mask, window, K scale rows, the Gluon switches) and bounded by KEYED_MAX (then cleared). CPU
     tensors: the machine rule answers "natural" here, which is what gets cached."""
@@ -456,7 +449,7 @@ def test_key_order_cache_is_per_signature_and_bounded(monkeypatch):
     from lowbit.attention import _triton as T
     if T.INTERPRETED:
         pytest.skip("the interpreter path is not cached")
-    from lowbit import _launch
+    from lowbit.runtime import launch as _launch
     monkeypatch.setattr(_launch, "KEYED_MAX", 3)
     monkeypatch.setattr(T, "_ORDERS", {})
     qc = torch.zeros(1, 2, 64, 128, dtype=torch.int8)

@@ -1,5 +1,5 @@
 """GPU tests: Triton prepass and forward kernels against the quantized reference (tight) and the FP32
-reference (cos-sim, rel-L1, NRMSE floors).  Metrics are appended to $LOWBIT_ATTN_LOG (JSON lines)
+reference (cos-sim, rel-L1, NRMSE floors).  Metrics are appended to $ATTN_METRICS_LOG (JSON lines)
 when set, for the report."""
 import json
 import os
@@ -26,7 +26,7 @@ TIGHT = 2e-3
 
 
 def _log(rec):
-    path = os.environ.get("LOWBIT_ATTN_LOG")
+    path = os.environ.get("ATTN_METRICS_LOG")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -118,7 +118,7 @@ def test_kernel_vs_references_more_modes(qk, pv, granularity, D, dtype, S, causa
 
 def _block_n(tri, qk, pv, S, D):
     """The key-tile width of the kernel a dense call runs: the Gluon INT8·FP8 kernel's 128 where it applies (sm_90,
-    LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (tests run with LOWBIT_ATTN_AUTOTUNE=0)."""
+    LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (tests run with LOWBIT_AUTOTUNE=0)."""
     from lowbit.attention import _gluon as G
     if (qk, pv) == ("int8", "fp8") and G.runs_by_default("cuda", D):
         return G.BLOCK_N
@@ -153,25 +153,24 @@ def _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, see
 
 @pytest.mark.parametrize("qk,pv,granularity", MODES)
 @pytest.mark.parametrize("D,S,layout", [(64, 1000, "bhsd"), (128, 4096, "bshd"), (128, 17, "bhsd")])
-def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, monkeypatch):
-    """LOWBIT_ATTN_TMA=1 (K/V tiles by TMA descriptors; compiled for sm_90 it removes the pointer path's register
+def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, monkeypatch, switches):
+    """LOWBIT_TMA=1 (K/V tiles by TMA descriptors; compiled for sm_90 it removes the pointer path's register
     spills) gives the pointer path's output bit for bit, causal and not, ragged S."""
     tri = pytest.importorskip("lowbit.attention._triton")
-    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")  # one launch config for both paths
-    monkeypatch.setenv("LOWBIT_ATTN_GLUON", "0")  # the Triton kernel's two tile paths (INT8·FP8 would go to Gluon)
+    # one launch config for both paths; the Triton kernel's two tile paths (INT8·FP8 would go to Gluon)
+    switches(LOWBIT_AUTOTUNE=False, LOWBIT_ATTN_GLUON="0")
     shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
     q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     for causal in (False, True):
-        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton",
-                  return_lse=True)
-        monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton", return_lse=True)
+        switches(LOWBIT_TMA=False)
         o0, l0 = A.attention(q, k, v, **kw)
         used = []
-        real = tri._tma_enabled
-        monkeypatch.setattr(tri, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
-        monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+        real = tri.tma_enabled
+        monkeypatch.setattr(tri, "tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
+        switches(LOWBIT_TMA=True)
         o1, l1 = A.attention(q, k, v, **kw)
-        monkeypatch.setattr(tri, "_tma_enabled", real)
+        monkeypatch.setattr(tri, "tma_enabled", real)
         assert used == [True], used
         assert torch.equal(o0, o1) and torch.equal(l0, l1), (causal, (o0.float() - o1.float()).abs().max().item())
 

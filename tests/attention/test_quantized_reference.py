@@ -6,6 +6,7 @@ import torch
 
 from lowbit.attention import attention_quantized_reference, attention_reference
 from lowbit.attention.reference import (
+    quantize_qk_int8,
     LOG2E,
     attention_prequantized_reference,
     quantize_qk_reference,
@@ -68,13 +69,12 @@ def test_quantize_qk_scales_and_error_bound(layout, granularity, dtype):
 @pytest.mark.parametrize("granularity", ["per_block", "per_warp"])
 @pytest.mark.parametrize("smooth_k", [True, False])
 def test_matches_lead_quant_reference_bit_exact(layout, granularity, smooth_k):
-    from lowbit.quant import reference as qref
     q = rand(2, 4, 131, 64, seed=3, dtype=torch.float16)
     k = rand(2, 2, 97, 64, seed=4, dtype=torch.float16, offset=torch.linspace(-5, 5, 64))
     if layout == "bshd":
         q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
     a = quantize_qk_reference(q, k, granularity=granularity, smooth_k=smooth_k, layout=layout)
-    b = qref.quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, layout=layout)
+    b = quantize_qk_int8(q, k, granularity=granularity, smooth_k=smooth_k, layout=layout)
     assert torch.equal(a.q, b.q) and torch.equal(a.k, b.k)
     assert torch.equal(a.q_scale, b.q_scale) and torch.equal(a.k_scale, b.k_scale)
     assert (a.k_mean is None) == (b.k_mean is None)
@@ -82,7 +82,7 @@ def test_matches_lead_quant_reference_bit_exact(layout, granularity, smooth_k):
         assert torch.equal(a.k_mean, b.k_mean)
     v = rand(2, 2, 97, 64, seed=5) if layout == "bhsd" else rand(2, 97, 2, 64, seed=5)
     va, sa = quantize_v_fp8_reference(v, layout=layout)
-    vb, sb = qref.quantize_v_fp8(v, layout=layout)
+    vb, sb = quantize_v_fp8_reference(v, layout=layout)
     assert torch.equal(va.view(torch.uint8), vb.view(torch.uint8)) and torch.equal(sa, sb)
 
 

@@ -207,43 +207,41 @@ def test_forward_matches_tiled_reference(tri, qk, pv, Sq, Sk, causal, window, la
 
 
 @pytest.mark.parametrize("qk,pv,Sq,Sk,causal,window,layout", CASES)
-def test_forward_tma_descriptors_same_as_pointers(tri, qk, pv, Sq, Sk, causal, window, layout, monkeypatch):
-    """LOWBIT_ATTN_TMA=1: K/V tiles through tensor descriptors (TMA on the GPU) give the pointer path's output
+def test_forward_tma_descriptors_same_as_pointers(tri, qk, pv, Sq, Sk, causal, window, layout, monkeypatch,
+                                                  switches):
+    """LOWBIT_TMA=1: K/V tiles through tensor descriptors (TMA on the GPU) give the pointer path's output
     bit for bit (the same math; ragged Sk tiles rely on the descriptor's zero fill past Sk)."""
     q, k, v = rand(1, 4, Sq, 32, seed=7), rand(1, 2, Sk, 32, seed=8, offset=0.5), rand(1, 2, Sk, 32, seed=9)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     ops = _prepare(tri, q, k, v, qk, pv, layout)
     kw = dict(causal=causal, window=window, layout=layout, return_lse=True, out_dtype=torch.float32, config=CFG)
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
+    switches(LOWBIT_TMA=False)
     o0, l0 = tri.attention_fwd_triton(**ops, **kw)
     used = []
-    real = tri._tma_enabled
-    monkeypatch.setattr(tri, "_tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+    real = tri.tma_enabled
+    monkeypatch.setattr(tri, "tma_enabled", lambda *a: used.append(real(*a)) or used[-1])
+    switches(LOWBIT_TMA=True)
     o1, l1 = tri.attention_fwd_triton(**ops, **kw)
     assert used == [True]
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
-def test_tma_refused_where_its_rules_do_not_hold(tri, monkeypatch):
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "1")
+def test_tma_refused_where_its_rules_do_not_hold(tri, switches):
+    switches(LOWBIT_TMA=True)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)
     views = lambda t: (t.stride(0), t.stride(1), t.stride(2), t.stride(3))  # noqa: E731
-    assert tri._tma_enabled(k, k, views(k), views(k), False, False)
-    assert not tri._tma_enabled(k, k, views(k), views(k), True, True)  # varlen FP8 V: sequences start anywhere
+    assert tri.tma_enabled(k, k, views(k), views(k), False, False)
+    assert not tri.tma_enabled(k, k, views(k), views(k), True, True)  # varlen FP8 V: sequences start anywhere
     odd = torch.zeros(1, 2, 40, 36, dtype=torch.int8)  # a 36-byte row stride is not a multiple of 16
-    assert not tri._tma_enabled(odd, k, views(odd), views(k), False, False)
+    assert not tri.tma_enabled(odd, k, views(odd), views(k), False, False)
     kt = k.transpose(2, 3)  # head_dim not unit-stride
-    assert not tri._tma_enabled(kt, k, views(kt), views(k), False, False)
-    monkeypatch.setenv("LOWBIT_ATTN_TMA", "0")
-    assert not tri._tma_enabled(k, k, views(k), views(k), False, False)
-    monkeypatch.delenv("LOWBIT_ATTN_TMA")  # defaults: forward on, backward opt-in (LOWBIT_ATTN_BWD_TMA)
-    monkeypatch.delenv("LOWBIT_ATTN_BWD_TMA", raising=False)
-    assert tri._tma_enabled(k, k, views(k), views(k), False, False)
-    assert not tri._tma_enabled(k, k, views(k), views(k), False, False, backward=True)
-    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "1")
-    assert tri._tma_enabled(k, k, views(k), views(k), False, False, backward=True)
+    assert not tri.tma_enabled(kt, k, views(kt), views(k), False, False)
+    switches(LOWBIT_TMA=False)
+    assert not tri.tma_enabled(k, k, views(k), views(k), False, False)
+    from lowbit.runtime import env
+
+    assert env.SWITCHES["LOWBIT_TMA"].default is True  # on by default
 
 
 def test_forward_varlen_gqa(tri):

@@ -63,12 +63,13 @@ def check_fp8_epilogue(q, k, v, do, kw, cfg, fmt, *, tensorwise_tol):
     gradients bit for bit; their NRMSE against the FP32 reference and the 16-bit kernel stays under the format's
     floor (``tensorwise_tol`` for the given-scale variant) and clearly above the 16-bit kernel's own error."""
     from lowbit.attention import backward as BW
+    from lowbit.attention import reference as R
     from lowbit.quant import Float8Rowwise, Float8Tensorwise, QuantizedTensor, quantize
 
     o, lse = BW.attention_forward(q, k, v, **kw)
     g32 = BW.backward(do, q, k, v, o, lse, grad_dtype=torch.float32, config=cfg, **kw)
     g16 = BW.backward(do, q, k, v, o, lse, config=cfg, **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     g8 = BW.backward(do, q, k, v, o, lse, grad_format=fmt, config=cfg, **kw)
     fmax = BW._FMT[fmt][1]
     scales = tuple((fmax / x.abs().amax()).reshape(1).float() / 2 for x in g32)

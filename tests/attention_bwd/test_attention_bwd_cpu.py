@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lowbit.attention import backward as BW
+from lowbit.attention import reference as R
 from lowbit.attention.reference import attention_reference
 from lowbit.formats import philox_randint
 from lowbit.quant import Float8Rowwise, QuantizedTensor, quantize
@@ -31,7 +32,7 @@ def test_reference_gradcheck_fp64():
     k = torch.randn(1, 1, 7, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 1, 7, 8, dtype=torch.float64, requires_grad=True)
     for causal, p in ((False, 0.0), (True, 0.0), (True, 0.4)):
-        f = lambda q, k, v: BW.attention_forward_reference(  # noqa: E731
+        f = lambda q, k, v: R.attention_forward_reference(  # noqa: E731
             q, k, v, causal=causal, dropout_p=p, seed=7, dtype=torch.float64)[0]
         assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-7)
 
@@ -42,10 +43,10 @@ def test_reference_backward_equals_autograd(causal, p, window):
     """Explicit formulas == autograd through the reference forward (FP64), GQA, Sq != Sk."""
     q, k, v, do = (x.double() for x in make_inputs(2, 4, 2, 11, 13, 16, dtype=torch.float64, seed=3))
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _ = BW.attention_forward_reference(qq, kk, vv, causal=causal, window=window, dropout_p=p, seed=99,
+    out, _ = R.attention_forward_reference(qq, kk, vv, causal=causal, window=window, dropout_p=p, seed=99,
                                             dtype=torch.float64)
     ga = torch.autograd.grad(out, (qq, kk, vv), do)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=causal, window=window, dropout_p=p, seed=99,
+    gr = R.attention_backward_reference(do, q, k, v, causal=causal, window=window, dropout_p=p, seed=99,
                                          dtype=torch.float64)
     for a, b in zip(gr, ga):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -57,14 +58,14 @@ def test_reference_matches_forward_engineers_reference():
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     out = attention_reference(qq, kk, vv, causal=True, layout="bshd")
     ga = torch.autograd.grad(out, (qq, kk, vv), do)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=True, layout="bshd")
+    gr = R.attention_backward_reference(do, q, k, v, causal=True, layout="bshd")
     for a, b in zip(gr, ga):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- dropout mask
 def test_dropout_mask_rule_and_rate():
-    m = BW.dropout_keep_mask(5, 11, (2, 3, 40, 50), 0.3)
+    m = R.dropout_keep_mask(5, 11, (2, 3, 40, 50), 0.3)
     # the rule, element by element, for a few positions
     for (b, h, i, j) in [(0, 0, 0, 0), (1, 2, 39, 49), (1, 0, 7, 3)]:
         idx = 11 + ((b * 3 + h) * 40 + i) * 50 + j
@@ -73,10 +74,10 @@ def test_dropout_mask_rule_and_rate():
     rate = m.float().mean().item()
     n = m.numel()
     assert abs(rate - 0.7) < 5 * math.sqrt(0.21 / n)  # binomial, 5 sigma
-    assert torch.equal(m, BW.dropout_keep_mask(5, 11, (2, 3, 40, 50), 0.3))  # reproducible
-    assert not torch.equal(m, BW.dropout_keep_mask(6, 11, (2, 3, 40, 50), 0.3))
+    assert torch.equal(m, R.dropout_keep_mask(5, 11, (2, 3, 40, 50), 0.3))  # reproducible
+    assert not torch.equal(m, R.dropout_keep_mask(6, 11, (2, 3, 40, 50), 0.3))
     # offset shifts the counter stream
-    m2 = BW.dropout_keep_mask(5, 11 + 50, (1, 1, 39, 50), 0.3)
+    m2 = R.dropout_keep_mask(5, 11 + 50, (1, 1, 39, 50), 0.3)
     assert torch.equal(m2[0, 0], m[0, 0, 1:])
 
 
@@ -92,7 +93,7 @@ def _run(q, k, v, do, **kw):
 def test_small_case_finite(kdev):
     q, k, v, do = make_inputs(1, 1, 1, 16, 16, 64, device=kdev, seed=10)
     o, lse, g = _run(q, k, v, do)
-    gr = BW.attention_backward_reference(do, q, k, v)
+    gr = R.attention_backward_reference(do, q, k, v)
     for a, b in zip(g, gr):
         assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
         assert nrmse(a.cpu(), b.cpu()) < BF16_TOL
@@ -105,16 +106,16 @@ def test_kernel_vs_reference_dropout_causal(kdev, causal, p):
     q, k, v, do = make_inputs(1, 4, 2, 37, 29, 32, device=kdev, seed=int(causal) * 2 + int(p > 0))
     kw = dict(causal=causal, dropout_p=p, seed=4242 if p else None)
     o, lse, g = _run(q, k, v, do, **kw)
-    o_ref, lse_ref = BW.attention_forward_reference(q, k, v, **kw)
+    o_ref, lse_ref = R.attention_forward_reference(q, k, v, **kw)
     assert nrmse(o.cpu(), o_ref.cpu()) < BF16_TOL
     fin = torch.isfinite(lse_ref).cpu()
     assert torch.equal(torch.isfinite(lse).cpu(), fin)
     torch.testing.assert_close(lse.cpu()[fin], lse_ref.cpu()[fin], rtol=0, atol=1e-4)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     errs = [nrmse(a.cpu(), b.cpu()) for a, b in zip(g, gr)]
     assert max(errs) < BF16_TOL, errs
     if p:  # a different mask must be visible
-        g2 = BW.attention_backward_reference(do, q, k, v, causal=causal, dropout_p=p, seed=4243)
+        g2 = R.attention_backward_reference(do, q, k, v, causal=causal, dropout_p=p, seed=4243)
         assert nrmse(g[2].cpu(), g2[2].cpu()) > 0.3
 
 
@@ -122,7 +123,7 @@ def test_kernel_bshd_window_mqa(kdev):
     q, k, v, do = make_inputs(2, 3, 1, 45, 45, 16, device=kdev, layout="bshd", seed=12)
     kw = dict(window=(9, 4), layout="bshd")
     o, lse, g = _run(q, k, v, do, **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     for a, b, x in zip(g, gr, (q, k, v)):
         assert a.shape == x.shape and a.is_contiguous()
         assert nrmse(a.cpu(), b.cpu()) < BF16_TOL
@@ -132,48 +133,11 @@ def test_kernel_varlen_ragged(kdev):
     q, k, v, do, cq, ck = make_varlen([17, 1, 40], [23, 5, 40], 2, 1, 16, device=kdev, seed=13)
     kw = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=0.1, seed=3)
     o, lse, g = _run(q, k, v, do, layout="thd", **kw)
-    o_ref, _ = BW.attention_forward_reference(q, k, v, **kw)
+    o_ref, _ = R.attention_forward_reference(q, k, v, **kw)
     assert nrmse(o.cpu(), o_ref.cpu()) < BF16_TOL
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     errs = [nrmse(a.cpu(), b.cpu()) for a, b in zip(g, gr)]
     assert max(errs) < BF16_TOL, errs
-
-
-@pytest.mark.parametrize("case", ["gqa_causal", "bshd_window_dropout", "varlen", "fp8_rows"])
-def test_tma_tiles_same_as_pointers(kdev, monkeypatch, case):
-    """LOWBIT_ATTN_BWD_TMA=1: the dK/dV kernel reads its Q / dO tiles and the dQ kernel its K / V tiles through TMA
-    descriptors (zero fill past the sequence) and they give the pointer path's gradients bit for bit (one launch
-    config for both)."""
-    import lowbit.attention._triton as T
-
-    monkeypatch.setenv("LOWBIT_ATTN_AUTOTUNE", "0")
-    kw, lay = {}, "bhsd"
-    if case == "varlen":
-        q, k, v, do, cq, ck = make_varlen([17, 1, 40], [23, 5, 40], 2, 1, 16, device=kdev, seed=31)
-        kw, lay = dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck), "thd"
-    elif case == "bshd_window_dropout":
-        q, k, v, do = make_inputs(2, 3, 1, 45, 45, 16, device=kdev, layout="bshd", seed=32)
-        kw, lay = dict(window=(9, 4), dropout_p=0.2, seed=5), "bshd"
-    else:
-        q, k, v, do = make_inputs(1, 4, 2, 37, 29, 32, device=kdev, seed=33)
-        kw = dict(causal=True)
-    fkw = {n: kw[n] for n in ("causal", "window", "dropout_p", "seed", "cu_seqlens_q", "cu_seqlens_k") if n in kw}
-    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "0")
-    o, lse = BW.attention_forward(q, k, v, layout=lay, **fkw)
-    if case == "fp8_rows":
-        kw["grad_format"] = "e4m3"
-    g0 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
-    used = []
-    real = T._tma_enabled
-    monkeypatch.setattr(T, "_tma_enabled", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
-    monkeypatch.setenv("LOWBIT_ATTN_BWD_TMA", "1")
-    g1 = BW.backward(do, q, k, v, o, lse, layout=lay, **kw)
-    assert used == [True, True]  # dK/dV (Q / dO tiles) and dQ (K / V tiles)
-    for a, b in zip(g0, g1):
-        if isinstance(a, QuantizedTensor):
-            assert torch.equal(fp8_bits(a), fp8_bits(b)) and torch.equal(a.rowwise.scale_inv, b.rowwise.scale_inv)
-        else:
-            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -188,7 +152,7 @@ def test_fp8_epilogue_bitexact_and_floors(kdev, fmt):
 def test_fp8_e4m3_tighter_than_e5m2_reference_backend():
     q, k, v, do = make_inputs(2, 2, 2, 24, 24, 32, dtype=torch.float32, seed=21)
     o, lse = BW.attention_forward(q, k, v, backend="reference")
-    gr = BW.attention_backward_reference(do, q, k, v)
+    gr = R.attention_backward_reference(do, q, k, v)
     e = {}
     for fmt in ("e4m3", "e5m2"):
         g = BW.backward(do, q, k, v, o, lse, grad_format=fmt, backend="reference")
@@ -230,7 +194,7 @@ def test_autograd_function_reference_backend_and_sink():
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     out = BW.attention_with_grad(qq, kk, vv, causal=True, dropout_p=0.1, seed=5, backend="reference")
     out.backward(do)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=True, dropout_p=0.1, seed=5)
+    gr = R.attention_backward_reference(do, q, k, v, causal=True, dropout_p=0.1, seed=5)
     for x, r in zip((qq, kk, vv), gr):
         torch.testing.assert_close(x.grad, r, rtol=1e-4, atol=1e-5)
     sink = {}
@@ -245,7 +209,7 @@ def test_autograd_function_kernels(kdev):
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     out = BW.attention_with_grad(qq, kk, vv, causal=True)
     out.backward(do)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=True)
+    gr = R.attention_backward_reference(do, q, k, v, causal=True)
     for x, r in zip((qq, kk, vv), gr):
         assert nrmse(x.grad.cpu(), r.cpu()) < BF16_TOL
 

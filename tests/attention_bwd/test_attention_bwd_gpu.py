@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lowbit.attention import backward as BW
+from lowbit.attention import reference as R
 from lowbit.quant import QuantizedTensor
 
 from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, make_inputs, make_varlen, nrmse
@@ -39,7 +40,7 @@ def test_bf16_vs_reference(b, hq, hkv, sq, sk, d, causal, window, layout):
     q, k, v, do = make_inputs(b, hq, hkv, sq, sk, d, device=DEV, layout=layout, seed=sq + d)
     o, lse = BW.attention_forward(q, k, v, causal=causal, window=window, layout=layout)
     g = BW.backward(do, q, k, v, o, lse, causal=causal, window=window, layout=layout)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=causal, window=window, layout=layout)
+    gr = R.attention_backward_reference(do, q, k, v, causal=causal, window=window, layout=layout)
     errs = [nrmse(a, r) for a, r in zip(g, gr)]
     print("bf16", (b, hq, hkv, sq, sk, d, causal, window, layout), ["%.2e" % e for e in errs])
     assert all(torch.isfinite(a).all() for a in g)
@@ -58,7 +59,7 @@ def test_every_autotune_candidate_vs_reference(d, causal, window):
     pairs = {(a or dk[0], b or dq[0]) for a, b in zip_longest(dk, dq)} | {(a, dq[0]) for a in dk}
     q, k, v, do = make_inputs(2, 4, 2, 333, 397, d, device=DEV, seed=d + 1)
     o, lse = BW.attention_forward(q, k, v, causal=causal, window=window)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=causal, window=window)
+    gr = R.attention_backward_reference(do, q, k, v, causal=causal, window=window)
     for cfg in sorted(pairs):
         g = BW.backward(do, q, k, v, o, lse, causal=causal, window=window, config=cfg)
         errs = [nrmse(a, r) for a, r in zip(g, gr)]
@@ -71,7 +72,7 @@ def test_large_case_vs_sdpa_flash():
     for causal in (False, True):
         o, lse = BW.attention_forward(q, k, v, causal=causal)
         g = BW.backward(do, q, k, v, o, lse, causal=causal)
-        gr = BW.attention_backward_reference(do, q, k, v, causal=causal)
+        gr = R.attention_backward_reference(do, q, k, v, causal=causal)
         gs = _sdpa_grads(q, k, v, do, causal)
         ours = [nrmse(a, r) for a, r in zip(g, gr)]
         sdpa = [nrmse(a, r) for a, r in zip(gs, gr)]
@@ -87,10 +88,10 @@ def test_dropout_causal(causal, p):
     q, k, v, do = make_inputs(2, 4, 2, 257, 300, 64, device=DEV, seed=7)
     kw = dict(causal=causal, dropout_p=p, seed=123456789 if p else None, offset=1000 if p else 0)
     o, lse = BW.attention_forward(q, k, v, **kw)
-    o_ref, lse_ref = BW.attention_forward_reference(q, k, v, **kw)
+    o_ref, lse_ref = R.attention_forward_reference(q, k, v, **kw)
     assert nrmse(o, o_ref) < BF16_TOL
     g = BW.backward(do, q, k, v, o, lse, **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     errs = [nrmse(a, r) for a, r in zip(g, gr)]
     print("dropout", causal, p, ["%.2e" % e for e in errs])
     assert max(errs) < BF16_TOL, errs
@@ -103,7 +104,7 @@ def test_varlen_ragged(causal):
     kw = dict(causal=causal, cu_seqlens_q=cq, cu_seqlens_k=ck)
     o, lse = BW.attention_forward(q, k, v, **kw)
     g = BW.backward(do, q, k, v, o, lse, layout="thd", **kw)
-    gr = BW.attention_backward_reference(do, q, k, v, **kw)
+    gr = R.attention_backward_reference(do, q, k, v, **kw)
     errs = [nrmse(a, r) for a, r in zip(g, gr)]
     print("varlen", causal, ["%.2e" % e for e in errs])
     assert max(errs) < BF16_TOL, errs
@@ -135,7 +136,7 @@ def test_autograd_function(p):
     out = BW.attention_with_grad(qq, kk, vv, causal=True, dropout_p=p, seed=3 if p else None,
                                  grad_format="e4m3", grad_sink=sink)
     out.backward(do)
-    gr = BW.attention_backward_reference(do, q, k, v, causal=True, dropout_p=p, seed=3 if p else None)
+    gr = R.attention_backward_reference(do, q, k, v, causal=True, dropout_p=p, seed=3 if p else None)
     for x, r, n in zip((qq, kk, vv), gr, ("dq", "dk", "dv")):
         assert isinstance(sink[n], QuantizedTensor)
         assert nrmse(x.grad, r) < FP8_TOL["e4m3"]

@@ -2,8 +2,9 @@
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
-from .api import attention, attention_qk_int8, backend_for, quantize_qk, quantize_v_fp8, quantize_v_fp16, select_backend
-from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (lowbit._callable)
+from .api import (attention, attention_qk_int8, backend_for, gluon_by_default, quantize_qk, quantize_v_fp8,
+                  quantize_v_fp16, select_backend)
+from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (runtime/callable.py)
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -22,6 +23,7 @@ __all__ = [
     "quantize_v_fp16",
     "select_backend",
     "backend_for",
+    "gluon_by_default",
     "QKQuantized",
     "attention_reference",
     "attention_quantized_reference",

@@ -24,11 +24,10 @@ softmax never hides the other's MMAs. Here:
   warpgroups finish the last one — the per-CTA start (launch, Q load, pipeline fill) and the epilogue no longer
   stall the SM. Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
 
-At head dim 128 it is faster than cuDNN BF16 (about 1.3x with the persistent grid). Latency-bound: a mask-free tile
-costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each), the
-MUFU pipe alone ~40% busy. At head dim 64 the kernel is the default only on the persistent grid (with the
-named-barrier hand-back it is faster than the Triton kernel there); with one CTA a tile the Triton kernel (two CTAs
-an SM) is faster.
+At head dim 128 it runs up to 1.4x cuDNN BF16 on the persistent grid (BENCHMARKS.md). Latency-bound: a mask-free tile
+costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each). At
+head dim 64 the kernel is the default only on the persistent grid (with the named-barrier hand-back); with one CTA a
+tile the Triton kernel (two CTAs an SM) is faster there.
 
 Numbers, per 128-key tile (the quantized reference's, as the Triton kernel's): two INT32 score halves of 64 keys
 (one K scale each: ``K_SCALE_ROWS`` is a multiple of 64), converted to FP32 and scaled by q_scale[row]·k_scale[half]
@@ -44,11 +43,13 @@ strides. sm_90 only (wgmma, TMA).
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from ..runtime.device import capability
+from ..runtime import env
+from ..runtime.device import capability, num_sms
 from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
 
 try:  # Triton >= 3.5 with Gluon's Hopper ops and warp specialization
@@ -377,8 +378,8 @@ if GLUON_WS:
             mbarrier.arrive(q_empty.index(qb), count=1)
         return n_all
 
-    # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (Triton 3.6; the
-    # same code with Sk a runtime value is exact), and a size of 1 would only add recompiles
+    # Sq / Sk / B / H / GROUP not specialized: Sk == 1 compiled as a constant gave NaN outputs (Triton 3.6; the same
+    # code with Sk a runtime value is exact), and a size of 1 would only add recompiles
     @gluon.jit(do_not_specialize=["B", "H", "GROUP", "Sq", "Sk"])
     def attn_fwd_int8_fp8_ws(Q, K, V, O, LSE, QS, KS, VS, KM,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svd, sob, soh, sos,
@@ -398,8 +399,9 @@ if GLUON_WS:
         CTA's descriptors are its head's.
 
         Q, K: int8 codes, head dim contiguous (strides s?b, s?h, s?s in elements); V: E4M3 codes stored
-        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or FP32
-        out; QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS keys); VS:
+        sequence-contiguous (svd = the stride between channels, unit stride along the sequence); O: BF16, FP16 or
+        FP32 out; QS: q_scale (B, Hq, groups of Q_SCALE_ROWS rows); KS: k_scale (B, Hkv, blocks of K_SCALE_ROWS
+        keys); VS:
         v_scale (B, Hkv, D); KM: K's channel mean (only read for the LSE, HAS_KMEAN); LSE (B, Hq, Sq) FP32 natural
         log. win_right: 0 causal, 1 << 30 none. Every base, descriptor base and non-unit stride 16-byte aligned."""
         n_tiles = gl.cdiv(Sq, BM) * B * H
@@ -460,14 +462,14 @@ if GLUON_WS:
 
 
 # ------------------------------------------------------------------------------------------------ launcher
-# Head dims: 128 runs this kernel by default; 64 only on the persistent grid (dense Q/K/V, ``_flat``), where it is
-# faster than the Triton kernel; one CTA a tile it is slower. LOWBIT_ATTN_GLUON=force runs it on any TMA-able call
-# (tests).
+# Head dims: 128 runs this kernel by default; 64 only on the persistent grid (dense Q/K/V, ``_flat``), where it beats
+# the Triton kernel; one CTA a tile it is slower than the Triton kernel there. LOWBIT_ATTN_GLUON=force runs it on any
+# TMA-able call (tests).
 DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
-# The named-barrier hand-back (``named``) by default at head dim 64 only: 2-5% faster there on all four shapes in two
-# alternating rounds, neutral to 3% slower at 128. Triton 3.6 keeps one warpgroup
-# barrier a key tile either way: its shared-memory barrier pass puts one after the wgmma waits.
+# The named-barrier hand-back (``GluonOptions.named``) by default at head dim 64 only: 2-5% faster there, neutral to
+# slower at 128. Triton 3.6 keeps one warpgroup barrier a key tile either way: its shared-memory barrier pass puts
+# one after the wgmma waits.
 NAMED_DIMS = (64,)
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
@@ -479,17 +481,42 @@ _LAUNCH = dict(LOAD_REGS=24, MATH_REGS=240, num_warps=4, maxnreg=168)
 _LAUNCHER = SpecializedLaunch(attn_fwd_int8_fp8_ws) if GLUON_WS else None  # no per-call argument binding
 
 
+@dataclass(frozen=True)
+class GluonOptions:
+    """How the Gluon kernel runs a call it takes (the launcher's ``gluon_options``; tests and benchmarks). The
+    defaults are the measured choices; every choice gives the same bits."""
+
+    named: Optional[bool] = None
+    """The math warpgroups hand K/V stages and Q buffers back to the loader through named barriers (every thread
+    ``bar.arrive``, the loader ``bar.sync``) rather than mbarriers (Gluon's single-thread arrive behind a warpgroup
+    ``bar.sync``). None: at the head dims of ``NAMED_DIMS``."""
+    persistent: bool = True
+    """A FLAT call (``_flat``) runs on a persistent grid (one CTA an SM, each taking work tiles in turn) rather than
+    one CTA a work tile."""
+    stages: Optional[int] = None
+    """Key tiles in flight. None: ``STAGES[head_dim]``. With the named-barrier hand-back at most
+    ``16 - NAMED_BARRIER_BASE - 2``."""
+
+    def named_at(self, head_dim: int) -> bool:
+        """Whether a call of this head dim uses the named-barrier hand-back."""
+        return head_dim in NAMED_DIMS if self.named is None else bool(self.named)
+
+    def stages_at(self, head_dim: int) -> int:
+        """Key tiles in flight for a call of this head dim."""
+        return STAGES[head_dim] if self.stages is None else int(self.stages)
+
+
+DEFAULT_OPTIONS = GluonOptions()
+
+
 def mode() -> str:
     """``LOWBIT_ATTN_GLUON``: "1" (default) eligible calls run this kernel, "0" never, "force": as "1" but an
     ineligible INT8·FP8 call raises instead of falling back (tests)."""
-    m = os.environ.get("LOWBIT_ATTN_GLUON", "1")
-    if m not in ("0", "1", "force"):
-        raise ValueError(f"LOWBIT_ATTN_GLUON must be 0, 1 or force, got {m!r}")
-    return m
+    return env.get("LOWBIT_ATTN_GLUON")
 
 
 def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: int, k_scale_rows: int, qv, kv,
-               device, call_only: bool = False) -> str | None:
+               device, call_only: bool = False, options: GluonOptions = DEFAULT_OPTIONS) -> str | None:
     """The rules of :func:`why_not` that do not depend on V or the output (``_triton.fp8_v_key_order`` asks them
     before V is quantized), then the machine's (not with ``call_only``): None when they pass, else the reason."""
     if qk_mode != 1:
@@ -504,7 +531,7 @@ def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: 
     if D not in DEFAULT_DIMS and mode() != "force":
         B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]  # (only a dense bhsd call can be FLAT)
         Hkv, Sk = k.shape[1], k.shape[2]
-        if D not in PERSISTENT_DIMS or not (persistent() and _flat_qk(qv, kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk)):
+        if D not in PERSISTENT_DIMS or not (options.persistent and _flat_qk(qv, kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk)):
             return f"head dim {D} off the persistent grid: the Triton kernel is faster there"
     if k_scale_rows % 64:
         return f"K scale blocks of {k_scale_rows} keys (a multiple of 64)"
@@ -515,13 +542,14 @@ def why_not_qk(q, k, *, qk_mode: int, varlen: bool, left: int, right: int, big: 
 
 
 def why_not(q, k, v, *, qk_mode: int, pv_fp8: bool, v_scaled: bool, varlen: bool, left: int, right: int, big: int,
-            k_scale_rows: int, qv, kv, vv, ov, device, v_key_order: str = "natural") -> str | None:
+            k_scale_rows: int, qv, kv, vv, ov, device, v_key_order: str = "natural",
+            options: GluonOptions = DEFAULT_OPTIONS) -> str | None:
     """None when this kernel can run the call, else the reason (the Triton kernel runs it). The call's own rules
     first, then the machine's. V must come with its keys in the "wgmma32" order (``_triton.quantize_v_fp8_triton``)."""
     if qk_mode != 1 or not pv_fp8 or not v_scaled:
         return "only INT8 Q·Kᵀ with FP8 P·V"
     reason = why_not_qk(q, k, qk_mode=qk_mode, varlen=varlen, left=left, right=right, big=big,
-                        k_scale_rows=k_scale_rows, qv=qv, kv=kv, device=device, call_only=True)
+                        k_scale_rows=k_scale_rows, qv=qv, kv=kv, device=device, call_only=True, options=options)
     if reason is not None:
         return reason
     if v_key_order != "wgmma32":
@@ -546,11 +574,11 @@ def machine_why_not(device) -> str | None:
     return None
 
 
-def runs_by_default(device, head_dim: int) -> bool:
+def runs_by_default(device, head_dim: int, options: GluonOptions = DEFAULT_OPTIONS) -> bool:
     """Whether a dense INT8·FP8 call of this head dim (contiguous ``bhsd`` Q/K, the prepass's V, causal or no mask)
-    runs this kernel under the current ``LOWBIT_ATTN_GLUON`` / ``LOWBIT_ATTN_GLUON_PERSIST`` (what ``lowbit info``
-    reports and the tests expect)."""
-    dims = DEFAULT_DIMS + (PERSISTENT_DIMS if persistent() else ())
+    runs this kernel under the current ``LOWBIT_ATTN_GLUON`` and ``options`` (what ``lowbit info`` reports and the
+    tests expect)."""
+    dims = DEFAULT_DIMS + (PERSISTENT_DIMS if options.persistent else ())
     return mode() != "0" and head_dim in dims and machine_why_not(device) is None
 
 
@@ -558,10 +586,11 @@ _PLANS: dict = {}  # launch(key=...): the caller's key -> (grid, the integer arg
 
 
 def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov, sl, B, Hq, Hkv, Sq, Sk,
-           q_scale_rows, k_scale_rows, right, return_lse, reverse_m, key=None):
+           q_scale_rows, k_scale_rows, right, return_lse, reverse_m, key=None,
+           options: GluonOptions = DEFAULT_OPTIONS):
     """Run attn_fwd_int8_fp8_ws on operands ``why_not`` accepted (qv/kv/vv/ov: (stride_b, stride_h, stride_s,
     stride_d) of q, k, v, o; sl: the LSE's (b, h, s) strides). ``key``: the call's signature (it must determine
-    every other argument, the environment switches included), under which the grid and arguments are computed once
+    every other argument, ``options`` and the switches included), under which the grid and arguments are computed once
     and the launch is keyed (``SpecializedLaunch.keyed``)."""
     ensure_tma_allocator()
     km = k_mean if k_mean is not None else v_scale
@@ -570,7 +599,7 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         D = q.shape[-1]
         n_tiles = -(-Sq // BLOCK_M) * B * Hq
         flat = _flat(qv, kv, vv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D)
-        grid = (min(n_tiles, _num_sms(q.device)) if flat and persistent() else n_tiles,)
+        grid = (min(n_tiles, num_sms(q.device)) if flat and options.persistent else n_tiles,)
         ints = (qv[0], qv[1], qv[2], kv[0], kv[1], kv[2], vv[0], vv[1], vv[3], ov[0], ov[1], ov[2],
                 q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
                 v_scale.stride(0), v_scale.stride(1),
@@ -578,12 +607,11 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
                 B, Hq, Hq // Hkv, Sq, Sk, right)
         const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
-                     STAGES=int(os.environ.get("LOWBIT_ATTN_GLUON_STAGES", STAGES[D])),  # (the override: sweeps)
-                     FLAT=flat, NAMED=named(D), **_LAUNCH)
+                     STAGES=options.stages_at(D), FLAT=flat, NAMED=options.named_at(D), **_LAUNCH)
         if const["NAMED"] and NAMED_BARRIER_BASE + const["STAGES"] + 2 > 16:  # 16 named barriers a CTA
-            raise ValueError(f"LOWBIT_ATTN_GLUON_STAGES={const['STAGES']} with the named-barrier hand-back needs "
+            raise ValueError(f"GluonOptions.stages={const['STAGES']} with the named-barrier hand-back needs "
                              f"barrier ids up to {NAMED_BARRIER_BASE + const['STAGES'] + 1} (at most 15): set at "
-                             f"most {16 - NAMED_BARRIER_BASE - 2} stages or LOWBIT_ATTN_GLUON_NAMED=0")
+                             f"most {16 - NAMED_BARRIER_BASE - 2} stages or GluonOptions.named=False")
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)
@@ -593,26 +621,6 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         _LAUNCHER[grid](*args, **const)
     else:
         _LAUNCHER.keyed(grid, key, args, const)
-
-
-def named(head_dim: int) -> bool:
-    """``LOWBIT_ATTN_GLUON_NAMED``: whether the math warpgroups hand K/V stages and Q buffers back to the loader
-    through named barriers (every thread ``bar.arrive``; the loader ``bar.sync``) rather than mbarriers (Gluon's
-    single-thread arrive behind a warpgroup ``bar.sync``). "auto" (default): at the head dims of ``NAMED_DIMS``;
-    "1" / "0": always / never. Same bits either way."""
-    m = os.environ.get("LOWBIT_ATTN_GLUON_NAMED", "auto")
-    if m not in ("auto", "0", "1"):
-        raise ValueError(f"LOWBIT_ATTN_GLUON_NAMED must be auto, 0 or 1, got {m!r}")
-    return head_dim in NAMED_DIMS if m == "auto" else m == "1"
-
-
-def persistent() -> bool:
-    """``LOWBIT_ATTN_GLUON_PERSIST`` ("1" default, "0" off): whether a FLAT call runs on a persistent grid (one CTA
-    an SM, each taking work tiles in turn) rather than one CTA a work tile."""
-    m = os.environ.get("LOWBIT_ATTN_GLUON_PERSIST", "1")
-    if m not in ("0", "1"):
-        raise ValueError(f"LOWBIT_ATTN_GLUON_PERSIST must be 0 or 1, got {m!r}")
-    return m == "1"
 
 
 def _flat(qv, kv, vv, *, B, Hq, Hkv, Sq, Sk, D) -> bool:
@@ -633,16 +641,3 @@ def _flat_v(vv, *, Hkv, D) -> bool:
     """V's part of ``_flat``: its (B, Hkv, D, S_pad) buffer dense (strides (b, h, s, d) of the sequence-contiguous
     view)."""
     return vv[1] == D * vv[3] and vv[0] == Hkv * vv[1]
-
-
-_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    """Streaming multiprocessors of ``device`` (cached)."""
-    i = torch.device(device).index
-    if i is None:
-        i = torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]

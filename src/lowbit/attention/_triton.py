@@ -32,7 +32,6 @@ rounded by hand and upcast to FP32 (exact).
 from __future__ import annotations
 
 import math
-import os
 import struct
 
 import torch
@@ -44,8 +43,11 @@ try:  # InterpretedFunction is what triton.jit returns under TRITON_INTERPRET=1
 except Exception:  # pragma: no cover
     _Interp = ()
 
+from ..runtime import env
 from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
-from .api import _views
+from . import _gluon
+from ._checks import views
+from ._gluon import DEFAULT_OPTIONS, GluonOptions
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
 BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
@@ -358,7 +360,8 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
             s = tl.dot(q, kt, max_num_imprecise_acc=32)
         else:
             s = tl.dot(q, kt)
-        # Scores in log2 units are s·c with c = q_scale[row]·k_scale[tile] (INT8/FP8; 16-bit: c = softmax_scale·log2 e).
+        # Scores in log2 units are s·c with c = q_scale[row]·k_scale[tile] (INT8/FP8; 16-bit: c = softmax_scale·log2
+        # e).
         # The multiply is not done per element: c > 0, so the row max is c·max(s) (rounding is monotone: the same
         # number as max(s·c)) and p = exp2(s·c - m) is one FMA per element. Where a key tile spans several K scale
         # blocks, the column scale still multiplies s first: s·k_scale[col], then c = q_scale[row].
@@ -564,22 +567,19 @@ def heuristic_config(max_seqlen_q: int, head_dim: int):
 
 
 def _autotune_enabled() -> bool:
-    return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not INTERPRETED
+    return env.get("LOWBIT_AUTOTUNE") and not INTERPRETED
 
 
-def _tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool, backward: bool = False) -> bool:
+def tma_enabled(k, v, kv, vv, pv_fp8: bool, varlen: bool) -> bool:
     """K/V tiles through TMA tensor descriptors where TMA's rules hold: a unit-stride inner dim (head_dim for K
     and 16-bit V; the sequence for FP8 V, which is stored sequence-contiguous), a 16-byte aligned data pointer
     and 16-byte multiples for the other strides. Not for varlen FP8 V: a packed sequence starts at any byte of
     its sequence-contiguous row, and a descriptor's base (or inner start coordinate) must be 16-byte aligned.
-    kv / vv: (stride_b, stride_h, stride_s, stride_d) as the kernel gets them. The backward asks the same for its
-    tile pairs: (Q, dO) for dK/dV, (K, V) for dQ.
+    kv / vv: (stride_b, stride_h, stride_s, stride_d) as the kernel gets them.
 
-    Switches: ``LOWBIT_ATTN_TMA`` (forward, default on: faster for the INT8 / FP8 variants, within 1-2% for BF16)
-    and ``LOWBIT_ATTN_BWD_TMA`` (backward, default off: between 2% faster and 5% slower depending on the
-    variant)."""
-    name, default = ("LOWBIT_ATTN_BWD_TMA", "0") if backward else ("LOWBIT_ATTN_TMA", "1")
-    if os.environ.get(name, default) != "1" or (varlen and pv_fp8):
+    ``LOWBIT_TMA=0`` turns it off (pointer loads, same bits); on by default: up to 1.36x faster for the INT8 / FP8
+    variants, even for BF16."""
+    if not env.get("LOWBIT_TMA") or (varlen and pv_fp8):
         return False
     for t, st, inner in ((k, kv, 3), (v, vv, 2 if pv_fp8 else 3)):
         if st[inner] != 1 or t.data_ptr() % 16:
@@ -608,8 +608,7 @@ def _seq_len(x, layout, varlen, cu, max_seqlen):
 
 
 # Launch parameters (scripts/attn_prepass_sweep.py): the whole INT8·FP8 prepass runs at 0.92 of copy speed for its
-# bytes; 128-row chunks, K and V in the same programs with the keys permuted on the store, and 8 warps for the
-# 128 x 128 Q groups were all slower.
+# bytes with these.
 _STAT_CHUNK = None  # key rows a statistics program reads: None = 32768 elements' worth, 64..256 (256 at D <= 128)
 _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)
@@ -640,27 +639,27 @@ def _run(launch, grid, key, args, kwargs):
 _ORDERS: dict = {}  # dense calls' signatures -> fp8_v_key_order's answer
 
 
-def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k):
+def _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k, options=DEFAULT_OPTIONS):
     """``fp8_v_key_order`` for fresh Q/K codes, cached for dense calls on what it depends on (the codes are fresh,
     contiguous and aligned: their shapes and the options decide)."""
     if pv != "fp8":
         return "natural"
     if varlen or INTERPRETED:
         return fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal, window=window,
-                               k_scale_rows=block_k)
-    from . import _gluon
+                               k_scale_rows=block_k, gluon_options=options)
     okey = (qc.device.index, tuple(qc.shape), tuple(kc.shape), qk, layout, bool(causal),
-            None if window is None else tuple(window), block_k, _gluon.mode(), _gluon.persistent())
+            None if window is None else tuple(window), block_k, _gluon.mode(), options)
     order = _ORDERS.get(okey)
     if order is None:
         order = remember(_ORDERS, okey, fp8_v_key_order(qc, kc, layout=layout, varlen=varlen, causal=causal,
-                                                        window=window, k_scale_rows=block_k))
+                                                        window=window, k_scale_rows=block_k, gluon_options=options))
     return order
 
 
 def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth_k=True, block_q=128, block_k=64,
                    warp_q=32, softmax_scale=None, layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None,
-                   max_seqlen_q=None, max_seqlen_k=None, key_order="natural", causal=False, window=None):
+                   max_seqlen_q=None, max_seqlen_k=None, key_order="natural", causal=False, window=None,
+                   gluon_options: GluonOptions | None = None):
     """Quantize what an attention call needs in three launches: Q and K (``qk`` "int8" / "fp8", or None to leave
     them) and V (``pv`` "fp8" / "fp16", or None). Outputs equal ``quantize_qk_reference(..., k_mean=<this
     mean>)`` and ``quantize_v_fp8_reference`` / ``quantize_v_fp16_reference`` bit for bit; the K mean is the FP32
@@ -669,7 +668,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
 
     ``key_order`` (FP8 V): "natural", "wgmma32" (dense only, see ``quantize_v_fp8_triton``) or "auto": what
     ``fp8_v_key_order`` says the forward kernel wants for these Q/K codes (``causal`` / ``window`` / ``block_k``
-    as the forward call will get them).
+    as the forward call will get them, and ``gluon_options`` as ``attention_fwd_triton`` will get them).
 
     Returns (``QKQuantized`` or None, V codes or None, V scales (B, Hkv, D) or None, the key order used)."""
     if qk is None and pv is None:
@@ -696,7 +695,8 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         kc = torch.empty(k.shape, device=dev, dtype=code_dtype)
         km = torch.empty(B, Hkv, 1, D, device=dev, dtype=f32) if smooth_k else None
     if key_order == "auto":
-        key_order = _auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k) if do_qk else "natural"
+        key_order = (_auto_key_order(qc, kc, qk, pv, layout, varlen, causal, window, block_k,
+                                     gluon_options or DEFAULT_OPTIONS) if do_qk else "natural")
     vo = vs = vr = None
     if pv == "fp8":
         if key_order not in KEY_ORDERS:
@@ -724,9 +724,9 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     cu_q = cu_seqlens_q if (varlen and do_qk) else dummy
     cu_k = cu_seqlens_k if varlen else dummy
     z4 = (0, 0, 0, 0)
-    qv = _views(q, layout, varlen) if do_qk else z4  # (stride_b, stride_h, stride_s, stride_d) of each operand
-    kv = _views(k, layout, varlen) if do_qk else z4
-    vv = _views(v, layout, varlen) if v_amax else z4
+    qv = views(q, layout, varlen) if do_qk else z4  # (stride_b, stride_h, stride_s, stride_d) of each operand
+    kv = views(k, layout, varlen) if do_qk else z4
+    vv = views(v, layout, varlen) if v_amax else z4
     # dense: the launches' key is the call's signature (every launch argument is computed from it, the buffers are
     # fresh and aligned); varlen: each launch keys on its arguments (max_seqlen would grow a signature cache)
     key = None if varlen else (qk, pv, granularity, smooth_k, block_q, block_k, warp_q, layout, key_order,
@@ -745,7 +745,7 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
         _run(_PREPASS_STATS, (n_stat + n_qp,), key, (
             q if do_qk else dummy, qc if do_qk else dummy, q_scale if do_qk else dummy, k if do_qk else dummy,
             v if v_amax else dummy, pk, pvm, cu_q, cu_k,
-            *qv, *(_views(qc, layout, varlen) if do_qk else z4),
+            *qv, *(views(qc, layout, varlen) if do_qk else z4),
             q_scale.stride(0) if do_qk else 0, q_scale.stride(1) if do_qk else 0, *kv, *vv,
             Hq if do_qk else 1, Hkv, Sq if do_qk else 0, Sk, nq if do_qk else 0, nq_grid if do_qk else 1,
             n_chunks, n_stat, _f32(scale * LOG2E) if do_qk else 1.0), dict(
@@ -768,10 +768,10 @@ def prepass_triton(q, k, v, *, qk=None, pv=None, granularity="per_block", smooth
     _run(_PREPASS_CODES, (max(1, -(-covered // rows)), B * Hkv), key, (
         k if do_qk else dummy, kc if do_qk else dummy, k_scale if do_qk else dummy, km if k_sum else dummy,
         v if v_amax else dummy, vo if v_amax else dummy, vr if v_amax else dummy, cu_k,
-        *kv, *(_views(kc, layout, varlen) if do_qk else z4),
+        *kv, *(views(kc, layout, varlen) if do_qk else z4),
         k_scale.stride(0) if do_qk else 0, k_scale.stride(1) if do_qk else 0,
         km.stride(0) if k_sum else 0, km.stride(1) if k_sum else 0,
-        *vv, *(_views(vo, layout, varlen) if v_amax else z4),
+        *vv, *(views(vo, layout, varlen) if v_amax else z4),
         Hkv, Sk, nk if do_qk else 0), dict(
         ROWS=rows, ROWS_P2=_p2(rows), BLOCK_D=bd, D=D, QMAX=qmax if do_qk else 1.0,
         TO_FP8=do_qk and qk == "fp8", HAS_MEAN=k_sum, K_CODES=do_qk, V_CODES=v_amax, V_FP16=pv == "fp16",
@@ -845,19 +845,19 @@ def _v_natural_order(v8, layout):
     return buf[..., :S].permute(0, 1, 3, 2) if layout == "bhsd" else buf[..., :S].permute(0, 3, 1, 2)
 
 
-def fp8_v_key_order(q, k, *, layout="bhsd", varlen=False, causal=False, window=None, k_scale_rows=64) -> str:
+def fp8_v_key_order(q, k, *, layout="bhsd", varlen=False, causal=False, window=None, k_scale_rows=64,
+                    gluon_options: GluonOptions | None = None) -> str:
     """The key order ``attention_fwd_triton`` wants an FP8 V in for an INT8·FP8 call on these quantized q, k:
     "wgmma32" where the Gluon kernel takes the call (V quantized that way by the prepass, no extra pass), else
-    "natural"."""
+    "natural" (``gluon_options``: as ``attention_fwd_triton`` will get them)."""
     if varlen or INTERPRETED or q.dtype != torch.int8:
         return "natural"
-    from . import _gluon
     if _gluon.mode() == "0":
         return "natural"
     left, right = _window_bounds(causal, window)
     reason = _gluon.why_not_qk(q, k, qk_mode=1, varlen=varlen, left=left, right=right, big=BIG,
-                               k_scale_rows=k_scale_rows, qv=_views(q, layout, False), kv=_views(k, layout, False),
-                               device=q.device)
+                               k_scale_rows=k_scale_rows, qv=views(q, layout, False), kv=views(k, layout, False),
+                               device=q.device, options=gluon_options or DEFAULT_OPTIONS)
     return "wgmma32" if reason is None else "natural"
 
 
@@ -889,28 +889,30 @@ _WHY_NOT: dict = {}
 def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k_mean=None,
                          q_scale_rows=128, k_scale_rows=64, softmax_scale=None, causal=False, window=None,
                          layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                         max_seqlen_k=None, return_lse=False, out_dtype=None, config=None, v_key_order="natural"):
+                         max_seqlen_k=None, return_lse=False, out_dtype=None, config=None, v_key_order="natural",
+                         gluon_options: GluonOptions | None = None):
     """Launch the forward kernel on already-prepared operands (no validation here: see api.py).
 
     q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
     + v_scale (BF16 V carried in FP16 by ``quantize_v_fp16_triton``; the output is multiplied by v_scale).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) forces a config (tests); otherwise
-    autotuned unless LOWBIT_ATTN_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored
+    autotuned unless LOWBIT_AUTOTUNE=0. ``v_key_order``: how an FP8 v's keys are stored
     (``quantize_v_fp8_triton``'s ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that
-    the Gluon kernel cannot take is put back in natural order first (one extra pass over V).
+    the Gluon kernel cannot take is put back in natural order first (one extra pass over V). ``gluon_options``: how
+    the Gluon kernel runs a dense INT8·FP8 call it takes (``_gluon.GluonOptions``; default: the measured choices).
     """
+    options = gluon_options or DEFAULT_OPTIONS
     if v_key_order not in KEY_ORDERS:
         raise ValueError(f"v_key_order must be one of {KEY_ORDERS}, got {v_key_order!r}")
     varlen = cu_seqlens_q is not None
     gkey = None
     if config is None and not varlen and q.dtype == torch.int8 and v.dtype == torch.float8_e4m3fn and not INTERPRETED:
-        from . import _gluon  # dense INT8·FP8: what the Gluon kernel's choice and launch depend on (see below)
+        # dense INT8·FP8: what the Gluon kernel's choice and launch depend on (see below)
         gkey = (q.device.index, _signature(q), _signature(k), _signature(v), v.storage_offset(),
                 v.untyped_storage().nbytes(), _signature(q_scale), _signature(k_scale), _signature(v_scale),
                 _signature(k_mean), q_scale_rows, k_scale_rows, bool(causal), None if window is None else tuple(window),
                 bool(return_lse), out_dtype,
-                layout, v_key_order, _gluon.mode(), _gluon.persistent(), os.environ.get("LOWBIT_ATTN_GLUON_STAGES"),
-                os.environ.get("LOWBIT_ATTN_GLUON_NAMED"))
+                layout, v_key_order, _gluon.mode(), options)
     if v_key_order != "natural" and gkey not in _WHY_NOT:
         if v.dtype != torch.float8_e4m3fn:
             raise ValueError(f"v_key_order={v_key_order!r} is for FP8 V, got v of dtype {v.dtype}")
@@ -937,9 +939,9 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     ks = k_scale if k_scale is not None else dummy
     vs = v_scale if v_scale is not None else dummy
     km = k_mean if (k_mean is not None and qk_mode != 0) else None
-    qv, kv, vv, ov = (_views(t, layout, varlen) for t in (q, k, v, o))
+    qv, kv, vv, ov = (views(t, layout, varlen) for t in (q, k, v, o))
     if config is None and qk_mode == 1 and pv_fp8 and not INTERPRETED:
-        from . import _gluon  # INT8 Q·Kᵀ + FP8 P·V: the warp-specialized kernel where it applies
+        # INT8 Q·Kᵀ + FP8 P·V: the warp-specialized kernel where it applies
         gmode = _gluon.mode()
         if gmode != "0":
             # dense calls: the decision, the V check above and the launch's arguments once per signature (gkey)
@@ -947,20 +949,21 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
             if reason is _UNSET:
                 reason = _gluon.why_not(q, k, v, qk_mode=qk_mode, pv_fp8=pv_fp8, v_scaled=v_scale is not None,
                                         varlen=varlen, left=left, right=right, big=BIG, k_scale_rows=k_scale_rows,
-                                        qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order)
+                                        qv=qv, kv=kv, vv=vv, ov=ov, device=q.device, v_key_order=v_key_order,
+                                        options=options)
                 if gkey is not None:
                     remember(_WHY_NOT, gkey, reason)
             if reason is None:
                 _gluon.launch(q, k, v, o, lse, q_scale, k_scale, v_scale, km, qv=qv, kv=kv, vv=vv, ov=ov, sl=sl,
                               B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk,
                               q_scale_rows=q_scale_rows, k_scale_rows=k_scale_rows, right=right,
-                              return_lse=return_lse, reverse_m=right != BIG, key=gkey)
+                              return_lse=return_lse, reverse_m=right != BIG, key=gkey, options=options)
                 return (o, lse) if return_lse else o
             if gmode == "force":
                 raise RuntimeError(f"LOWBIT_ATTN_GLUON=force, but the Gluon kernel cannot run this call: {reason}")
     if v_key_order != "natural":  # the Triton kernel reads V in natural key order
         v = _v_natural_order(v, layout)
-        vv = _views(v, layout, varlen)
+        vv = views(v, layout, varlen)
     args = [q, k, v, o, lse, qs, ks, vs, km if km is not None else dummy,
             cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
             *qv, *kv, *vv, *ov,
@@ -973,7 +976,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 K_SCALE_ROWS=k_scale_rows,
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
                 REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED,
-                TMA=_tma_enabled(k, v, kv, vv, pv_fp8, varlen))
+                TMA=tma_enabled(k, v, kv, vv, pv_fp8, varlen))
     if config is None and _autotune_enabled():
         grid = lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)  # noqa: E731
         _attn_fwd_tuned[grid](*args, **meta)

@@ -13,154 +13,26 @@ without running anything.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import reference as _ref
+from ._checks import (check_blocks, check_dropout_p, check_grad_args, check_grad_sink, check_half, check_qkv,
+                      check_softmax_scale, check_tensor, check_triton, check_varlen, check_window, layout_of,
+                      triton_ok)
+from .backward import attention_forward, attention_with_grad
+from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups
 
 _QK = ("bf16", "fp16", "int8", "fp8")
 _PV = ("auto", "bf16", "fp16", "fp8")
 # What pv="auto" means for quantized Q·Kᵀ ("int8"/"fp8") on BF16 inputs. "fp16" is the more accurate choice (P keeps
-# 11 significant bits), but the V conversion adds one pass over V; "bf16" stays the default until "fp16" is shown
-# end to end at least as fast.
+# 11 significant bits); it becomes the default once measured end to end at least as fast as "bf16" (the V
+# conversion adds one pass over V).
 AUTO_PV_QUANTIZED = "bf16"
 _BACKENDS = ("reference", "triton", "sdpa")
-_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-# ----------------------------------------------------------------------------- validation helpers
-def _tensor(name, x):
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _layout_of(layout, varlen: bool) -> str:
-    if varlen:
-        if layout not in (None, "thd"):
-            raise ValueError(f"with cu_seqlens the inputs are packed (total, heads, head_dim): layout must be None or "
-                             f"'thd', got {layout!r}")
-        return "thd"
-    if layout is None:
-        return "bhsd"
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd' (or None), got {layout!r}")
-    return layout
-
-
-def _shape4(name, x, layout):
-    """(B, H, S, D) of a dense / packed tensor after checking its rank."""
-    if layout == "thd":
-        if x.dim() != 3:
-            raise ValueError(f"{name}: varlen inputs must be 3-D (total, heads, head_dim), got shape {tuple(x.shape)}")
-        return None, x.shape[1], x.shape[0], x.shape[2]
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(x.shape)}")
-    if layout == "bhsd":
-        return tuple(x.shape)
-    b, s, h, d = x.shape
-    return b, h, s, d
-
-
-def _check_qkv(q, k, v, layout, *, v_heads_from_k=True):
-    bq, hq, sq, d = _shape4("q", q, layout)
-    bk, hk, sk, dk = _shape4("k", k, layout)
-    bv, hv, sv, dv = _shape4("v", v, layout)
-    if (bq != bk or bq != bv) and layout != "thd":
-        raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
-    if dk != d or dv != d:
-        raise ValueError(f"head_dim must match: q {d}, k {dk}, v {dv} (different V head dim is not supported)")
-    if hk != hv or sk != sv:
-        raise ValueError(f"k and v must have the same heads and length: k (H={hk}, S={sk}), v (H={hv}, S={sv})")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"query heads must be a multiple of key/value heads (GQA/MQA): Hq={hq}, Hkv={hk}")
-    for n, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
-    return bq, hq, sq, hk, sk, d
-
-
-def _views(x: torch.Tensor, layout: str, varlen: bool):
-    """(stride_b, stride_h, stride_s, stride_d) of a dense bhsd/bshd or packed thd tensor."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0), x.stride(2)
-    if layout == "bhsd":
-        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
-    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
-
-
-def _check_cu_meta(cu_q, cu_k, q, k):
-    """cu_seqlens_q/k given together, 1-D int32 of one length (>= 2), on the tensors' device: no values read."""
-    if (cu_q is None) != (cu_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    if cu_q is None:
-        return
-    for n, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
-        _tensor(n, cu)
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-            raise TypeError(f"{n} must be a 1-D int32 tensor of length batch+1, got dtype {cu.dtype}, "
-                            f"shape {tuple(cu.shape)}")
-        if cu.device != x.device:
-            raise ValueError(f"{n} is on {cu.device} but the tensors are on {x.device}")
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.numel()} and "
-                         f"{cu_k.numel()}")
-
-
-def _check_varlen(cu_q, cu_k, q, k, max_q, max_k):
-    _check_cu_meta(cu_q, cu_k, q, k)
-    if cu_q is None:
-        return None, None
-    # the values: each tensor read once (one device sync each on CUDA)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    lq = [b - a for a, b in zip(cq, cq[1:])]
-    lk = [b - a for a, b in zip(ck, ck[1:])]
-    if cq[0] != 0 or ck[0] != 0 or min(lq) < 0 or min(lk) < 0:
-        raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
-    if cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
-        raise ValueError(f"cu_seqlens_q[-1]={cq[-1]} / cu_seqlens_k[-1]={ck[-1]} must equal the "
-                         f"packed lengths q.shape[0]={q.shape[0]} / k.shape[0]={k.shape[0]}")
-    mq, mk = max(lq), max(lk)
-    if max_q is not None and int(max_q) < mq:
-        raise ValueError(f"max_seqlen_q={max_q} is smaller than the longest query sequence {mq}")
-    if max_k is not None and int(max_k) < mk:
-        raise ValueError(f"max_seqlen_k={max_k} is smaller than the longest key sequence {mk}")
-    return (int(max_q) if max_q is not None else mq), (int(max_k) if max_k is not None else mk)
-
-
-def _check_window(window):
-    if window is None:
-        return None
-    if not (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise ValueError(f"window must be None or a pair of ints (left, right), -1 = unbounded; got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sizes must be >= -1, got {window!r}")
-    return tuple(window)
-
-
-def _check_softmax_scale(softmax_scale) -> Optional[float]:
-    """None, or ``softmax_scale`` as a float once it is checked to be a positive finite real number."""
-    if softmax_scale is None:
-        return None
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a positive finite real number or None, got "
-                        f"{type(softmax_scale).__name__} {softmax_scale!r}")
-    s = float(softmax_scale)
-    if not (math.isfinite(s) and s > 0.0):
-        raise ValueError(f"softmax_scale must be a positive finite real number or None, got {softmax_scale!r}")
-    return s
-
-
-def _check_dropout_p(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
 
 
 def resolve_pv(pv: str, qk: str, dtype: Optional[torch.dtype]) -> str:
@@ -179,11 +51,6 @@ def resolve_pv(pv: str, qk: str, dtype: Optional[torch.dtype]) -> str:
     if pv == "auto":
         pv = AUTO_PV_QUANTIZED if qk in ("int8", "fp8") else "bf16"
     return "fp16" if pv == "fp16" and dtype == torch.bfloat16 else "native"
-
-
-def _half(name, x):
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} must be float16 or bfloat16 for this path, got {x.dtype}")
 
 
 def select_backend(device: torch.device, qk: str, pv: str, *, varlen: bool, window, return_lse: bool,
@@ -208,14 +75,13 @@ def backend_for(device=None, qk: str = "bf16", pv: str = "bf16", *, varlen: bool
     return select_backend(dev, qk, pv, varlen=varlen, window=window, return_lse=return_lse)
 
 
-def _check_triton(d, device):
-    if d not in _TRITON_HEAD_DIMS:
-        raise NotImplementedError(f"the Triton attention kernel supports head_dim in {_TRITON_HEAD_DIMS}, got {d} "
-                                  f"(use backend='reference')")
-    if device.type != "cuda":
-        from . import _triton
-        if not _triton.INTERPRETED:
-            raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+def gluon_by_default(device=None, head_dim: int = 128) -> bool:
+    """Whether a dense INT8·FP8 call of this head dim (contiguous Q/K, causal or no mask) runs the warp-specialized
+    Gluon forward kernel on ``device`` by default (``lowbit info``); otherwise the Triton kernel runs it."""
+    from . import _gluon  # (Triton is optional: imported where a Triton backend runs)
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return _gluon.runs_by_default(dev, head_dim)
 
 
 # ----------------------------------------------------------------------------- prepass
@@ -231,17 +97,17 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     given the same K mean (the kernel sums K in its own FP32 order, so the two means agree to FP32 rounding;
     ``reference.quantize_qk_reference(..., k_mean=)`` takes the kernel's).
     """
-    _tensor("q", q)
-    _tensor("k", k)
+    check_tensor("q", q)
+    check_tensor("k", k)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    lay = _layout_of(layout, varlen)
-    _half("q", q)
-    _half("k", k)
-    softmax_scale = _check_softmax_scale(softmax_scale)
+    lay = layout_of(layout, varlen)
+    check_half("q", q)
+    check_half("k", k)
+    softmax_scale = check_softmax_scale(softmax_scale)
     if dtype not in ("int8", "fp8"):
         raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
-    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
-    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    check_blocks(granularity, block_q, block_k, warp_q)
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     kw = dict(dtype=dtype, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
               warp_q=warp_q, softmax_scale=softmax_scale, layout="bhsd" if lay == "thd" else lay,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
@@ -254,11 +120,12 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
 
 def _kernel_layout(layout, cu_seqlens_k) -> str:
     """The layout the V quantizers take: the user's, with packed varlen ("thd") passed as "bhsd"."""
-    lay = _layout_of(layout, cu_seqlens_k is not None)
+    lay = layout_of(layout, cu_seqlens_k is not None)
     return "bhsd" if lay == "thd" else lay
 
 
-def _quantize_v(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_k, backend, key_order: str = "natural"):
+def quantize_v_operand(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_k, backend,
+                       key_order: str = "natural"):
     """(V for the P·V MMA, per-channel scales) for a resolved ``pv`` (``kind``): "fp8" or "fp16" convert V (Triton
     prepass or reference), "native" keeps it. ``lay``: "bhsd" / "bshd" ("bhsd" for packed varlen). ``key_order``:
     the Triton prepass's FP8 key order (``_triton.fp8_v_key_order``)."""
@@ -281,10 +148,10 @@ def quantize_v_fp16(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Op
     Per (batch, head, channel) v is multiplied by 2^e with e = 15 - floor(log2 amax) (amax lands in
     [2^15, 65280], below FP16's 65504) and rounded to FP16: exact unless the product is an FP16 subnormal.
     Dequantize with v16 · scale (scale = 2^-e, exact)."""
-    _tensor("v", v)
+    check_tensor("v", v)
     if v.dtype != torch.bfloat16:
         raise TypeError(f"quantize_v_fp16: v must be bfloat16 (FP16 V needs no conversion), got {v.dtype}")
-    return _quantize_v("fp16", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
+    return quantize_v_operand("fp16", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
 
 
 def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Optional[Tensor] = None,
@@ -292,9 +159,9 @@ def quantize_v_fp8(v: Tensor, *, layout: Optional[str] = None, cu_seqlens_k: Opt
     """V -> (float8_e4m3fn codes with v's shape, fp32 scales (B, Hkv, D) = amax/448 per channel).
 
     The Triton path stores the codes sequence-contiguous (a transposed view) for the FP8 P·V MMA."""
-    _tensor("v", v)
-    _half("v", v)
-    return _quantize_v("fp8", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
+    check_tensor("v", v)
+    check_half("v", v)
+    return quantize_v_operand("fp8", v, _kernel_layout(layout, cu_seqlens_k), cu_seqlens_k, max_seqlen_k, backend)
 
 
 # ----------------------------------------------------------------------------- forward implementations
@@ -326,7 +193,7 @@ def _sdpa(q, k, v, *, causal, scale, layout):
 
 def _sdpa_call(q, k, v, *, causal, scale, layout):
     import torch.nn.functional as F
-    qh, kh, vh = (_ref._bhsd(t, layout) for t in (q, k, v))
+    qh, kh, vh = (_ref.to_bhsd(t, layout) for t in (q, k, v))
     sq, sk = qh.shape[2], kh.shape[2]
     kw = {}
     if kh.shape[1] != qh.shape[1]:
@@ -339,7 +206,7 @@ def _sdpa_call(q, k, v, *, causal, scale, layout):
     return o if layout == "bhsd" else o.transpose(1, 2).contiguous()
 
 
-def _triton_operands(q, k, v, *, qk, pv, granularity="per_block", smooth_k=True, block_q=128, block_k=64, warp_q=32,
+def triton_operands(q, k, v, *, qk, pv, granularity="per_block", smooth_k=True, block_q=128, block_k=64, warp_q=32,
                      softmax_scale=None, causal=False, window=None, **kw):
     """What ``_triton.attention_fwd_triton`` takes for one call: (q, k, q_scale, k_scale, k_mean, q_scale_rows, v,
     v_scale, v_key_order), everything the call quantizes (``qk`` "int8" / "fp8", ``pv`` resolved: "fp8" / "fp16")
@@ -383,9 +250,9 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         return res[0].to(out_dtype), res[1]
     # triton
     from . import _triton
-    _check_triton(q.shape[-1], q.device)
+    check_triton(q.shape[-1], q.device)
     kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
-    qa, ka, qs, ks, km, rows, va, vs, order = _triton_operands(
+    qa, ka, qs, ks, km, rows, va, vs, order = triton_operands(
         q, k, v, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
         warp_q=warp_q, softmax_scale=softmax_scale, causal=causal, window=window, **kw)
     # k_mean is not passed: the LSE shift is added below from the unquantized q (more accurate than
@@ -452,14 +319,12 @@ def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None, backend=None):
     formulas); None for inputs that need no gradient. ``out``/``lse``: the 16-bit forward's, when the forward kept
     them; otherwise that forward is recomputed here. With ``o["grad"] = (grad_format, scales, grad_sink)`` the
     gradients are FP8 QuantizedTensors: put into ``grad_sink`` (a dict) and returned dequantized."""
-    from . import backward as _bwd
-
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
                   cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"], backend=backend)
     if out is None or lse is None:
-        out, lse = _bwd.attention_forward(q, k, v, layout=o["layout"], **common)
+        out, lse = attention_forward(q, k, v, layout=o["layout"], **common)
     grad_format, scales, sink = o.get("grad") or (None, None, None)
-    grads = _bwd.backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], grad_format=grad_format,
+    grads = attention_backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], grad_format=grad_format,
                           scales=scales, **common)  # ("thd" when varlen)
     if grad_format is not None:
         if sink is not None:
@@ -483,12 +348,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     (float32 runs the FP32 reference backend, its default for float32 inputs).  softmax_scale (a positive finite
     number) defaults to 1/sqrt(D).
     qk: "bf16"/"fp16" (16-bit, the inputs' dtype), "int8" (per-block/per-warp scales, INT32 MMA), "fp8";
-    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype), "fp16"
-              (BF16 V
-    carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V for BF16
-    inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.  smooth_k subtracts
-              mean(K)
-    before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
+    pv: the P·V MMA: "auto" (default: ``AUTO_PV_QUANTIZED`` when qk is "int8"/"fp8", else the inputs' dtype),
+    "fp16" (BF16 V carried in FP16 under exact power-of-two per-channel scales, P rounded to FP16), "bf16" (BF16 P·V
+    for BF16 inputs; FP16 inputs stay FP16), "fp8" (E4M3 P and per-channel-scaled V) — see ``resolve_pv``.
+    smooth_k subtracts mean(K) before quantizing (softmax-invariant; LSE corrected).  causal is bottom-right aligned;
     window=(left, right) sliding window, -1 unbounded.
     backend: None (see ``select_backend``), "reference", "triton" or "sdpa" (16-bit, dense, no window/LSE; not
     with ``dropout_p > 0`` or ``grad_format``, which need lowbit's own forward).
@@ -511,28 +374,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     ``torch.no_grad``) the options are checked and have no effect.
     """
     for n, t in (("q", q), ("k", k), ("v", v)):
-        _tensor(n, t)
+        check_tensor(n, t)
     if qk not in _QK:
         raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
     pv = resolve_pv(pv, qk, q.dtype)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    lay = _layout_of(layout, varlen)
-    _check_qkv(q, k, v, lay)
+    lay = layout_of(layout, varlen)
+    check_qkv(q, k, v, lay)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q/k/v must be float16, bfloat16 (or float32 for the reference), got {q.dtype}")
-    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
-    window = _check_window(window)
-    softmax_scale = _check_softmax_scale(softmax_scale)
-    dropout_p = _check_dropout_p(dropout_p)
-    from .backward import _check_grad_args, _check_grad_sink
-
-    _check_grad_args(grad_format, scales, None, q.device)
-    _check_grad_sink(grad_sink, grad_format)
+    check_blocks(granularity, block_q, block_k, warp_q)
+    window = check_window(window)
+    softmax_scale = check_softmax_scale(softmax_scale)
+    dropout_p = check_dropout_p(dropout_p)
+    check_grad_args(grad_format, scales, None, q.device)
+    check_grad_sink(grad_sink, grad_format)
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     sixteen = qk in ("bf16", "fp16") and pv == "native"
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if dropout_p > 0.0 or (grad_format is not None and needs_grad and sixteen):
@@ -545,10 +406,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
         if backend == "sdpa":
             raise ValueError(f"backend='sdpa' cannot run {what}: SDPA has neither lowbit's Philox dropout nor the LSE "
                              f"the fused backward needs; use backend='triton', 'reference' or None")
-        from .backward import _triton_ok, attention_with_grad
-
         # (attention_forward checks what backend="triton" needs: dtype, head_dim, device)
-        be = backend or ("triton" if _triton_ok(q) and q.dtype != torch.float32 else "reference")
+        be = backend or ("triton" if triton_ok(q) and q.dtype != torch.float32 else "reference")
         return attention_with_grad(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    dropout_p=dropout_p, layout="bhsd" if lay == "thd" else lay,
                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq,
@@ -584,26 +443,26 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     q_int8 (B, Hq, Sq, D) / (B, Sq, Hq, D) / packed (Tq, Hq, D), int8, already multiplied by
     softmax_scale·log2(e) before quantizing (so there is no softmax_scale argument);
     k_int8 likewise with Hkv heads (after smoothing); v float16/bfloat16 (pv="fp8" quantizes it
-    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).  q_scale
-                      fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) for per_warp or
-    (B, Hq, ceil(Sq/block_q)) per_block; k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk
-    are max_seqlen_q/k and blocks restart at each sequence.  k_mean fp32 (B, Hkv, 1, D), only used
+    per channel inside; pv="fp16" carries BF16 V in FP16, pv="bf16" keeps it BF16, "auto": ``resolve_pv``).
+    q_scale fp32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block;
+    k_scale fp32 (B, Hkv, ceil(Sk/block_k)); varlen: Sq/Sk are max_seqlen_q/k and blocks restart at each sequence.
+    k_mean fp32 (B, Hkv, 1, D), only used
     to correct the returned LSE.  Output in v's dtype.
     """
     for n, t in (("q_int8", q_int8), ("k_int8", k_int8), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale)):
-        _tensor(n, t)
+        check_tensor(n, t)
     if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
         raise TypeError(f"q_int8 and k_int8 must be torch.int8, got q {q_int8.dtype}, k {k_int8.dtype}")
-    _half("v", v)
+    check_half("v", v)
     pv = resolve_pv(pv, "int8", v.dtype)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    lay = _layout_of(layout, varlen)
-    B, Hq, Sq, Hkv, Sk, D = _check_qkv(q_int8, k_int8, v, lay)
+    lay = layout_of(layout, varlen)
+    B, Hq, Sq, Hkv, Sk, D = check_qkv(q_int8, k_int8, v, lay)
     if D % 16:
         raise ValueError(f"head_dim must be a multiple of 16 for INT8 MMA, got {D}")
-    _ref._validate_blocks(granularity, block_q, block_k, warp_q)
-    window = _check_window(window)
-    mq, mk = _check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
+    check_blocks(granularity, block_q, block_k, warp_q)
+    window = check_window(window)
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
     exp_q = (B, Hq, n_q_groups(Sq, granularity, block_q, warp_q))
@@ -618,7 +477,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         if s.device != q_int8.device:
             raise ValueError(f"{n} is on {s.device} but q_int8 is on {q_int8.device}")
     if k_mean is not None:
-        _tensor("k_mean", k_mean)
+        check_tensor("k_mean", k_mean)
         if k_mean.dtype != torch.float32 or tuple(k_mean.shape) != (B, Hkv, 1, D):
             raise ValueError(f"k_mean must be float32 of shape {(B, Hkv, 1, D)}, got {k_mean.dtype} "
                              f"{tuple(k_mean.shape)}")
@@ -628,7 +487,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
     lay2 = "bhsd" if lay == "thd" else lay
     if be == "reference":
-        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, None, "reference")
+        va, vs = quantize_v_operand(pv, v, lay2, cu_seqlens_k, None, "reference")
         out, lse = _ref.attention_prequantized_reference(
             q_int8, k_int8, va, q_scale, k_scale, v_scale=vs, k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k,
             causal=causal, window=window, layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -636,12 +495,12 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
         out = out.to(v.dtype)
     else:
         from . import _triton
-        _check_triton(D, q_int8.device)
+        check_triton(D, q_int8.device)
         kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
         order = (_triton.fp8_v_key_order(q_int8, k_int8, layout=lay2, varlen=cu_seqlens_q is not None,
                                          causal=causal, window=window, k_scale_rows=block_k)
                  if pv == "fp8" else "natural")
-        va, vs = _quantize_v(pv, v, lay2, cu_seqlens_k, mk, "triton", key_order=order)
+        va, vs = quantize_v_operand(pv, v, lay2, cu_seqlens_k, mk, "triton", key_order=order)
         res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
                                            k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
                                            window=window, return_lse=return_lse, out_dtype=v.dtype,

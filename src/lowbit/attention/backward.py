@@ -1,4 +1,5 @@
-"""Attention backward: reference, Triton flash-attention backward with FP8 gradient stores, autograd.
+"""Attention backward: the Triton flash-attention backward with FP8 gradient stores, the 16-bit forward that keeps
+its LSE, autograd (the references: ``lowbit.attention.reference``).
 
 Conventions (shared with ``lowbit.attention.reference``):
 
@@ -12,7 +13,7 @@ Conventions (shared with ``lowbit.attention.reference``):
 * Dropout (Philox, regenerated, never stored): element (b, h, i, j) of the attention matrix has the
   counter ``offset + ((b·Hq + h)·Sq + i)·Sk + j`` (varlen: Sq/Sk = max_seqlen_q/k, i/j within the
   sequence) and is **kept** iff ``(philox_randint(seed, counter) >> 8) · 2^-24 >= dropout_p``;
-  kept probabilities are multiplied by ``1 / (1 - dropout_p)``.  ``dropout_keep_mask`` is the
+  kept probabilities are multiplied by ``1 / (1 - dropout_p)``.  ``reference.dropout_keep_mask`` is the
   torch generator of the same mask (``philox_randint`` equals ``tl.randint``).
 * FP8 gradients (``grad_format="e4m3"|"e5m2"``) are :class:`lowbit.QuantizedTensor` s with a
   rowwise copy: data ``(rows, D)`` (rows = product of the gradient's leading dims in its layout),
@@ -28,277 +29,41 @@ Conventions (shared with ``lowbit.attention.reference``):
 from __future__ import annotations
 
 import math
-import os
-import sys
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..formats import philox_randint
+from ..quant import quantize
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
-from ..runtime.callable import make_callable
-from ..runtime.device import INTERPRET
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
+from ..runtime import env
+from ..runtime.callable import make_callable
 from . import reference as _ref
-from .api import _TRITON_HEAD_DIMS as _HEAD_DIMS
-from .api import (_check_cu_meta, _check_qkv, _check_softmax_scale, _check_triton, _check_varlen, _shape4, _tensor,
-                  _views)
+from ._checks import (GRAD_FORMATS, TRITON_HEAD_DIMS, check_cu_meta, check_dropout, check_grad_args,
+                      check_grad_sink, check_qkv, check_softmax_scale, check_tensor, check_triton, check_varlen,
+                      check_window, row_views, shape4, triton_ok, views)
+from .reference import attention_backward_reference, attention_forward_reference
 
 __all__ = [
     "backward",
     "attention_forward",
-    "attention_forward_reference",
-    "attention_backward_reference",
-    "dropout_keep_mask",
     "backward_write_bytes",
     "AttentionFunction",
     "attention_with_grad",
     "GRAD_FORMATS",
 ]
 
-GRAD_FORMATS = (None, "e4m3", "e5m2")
 _FMT = {"e4m3": (1, 448.0, torch.float8_e4m3fn), "e5m2": (2, 57344.0, torch.float8_e5m2)}
 BIG = 1 << 30
 
 
-# ============================================================================ dropout mask (torch)
-def dropout_keep_mask(seed: int, offset: int, shape, p: float, *, device=None, batch_start: int = 0,
-                      index_seqlens: Optional[Tuple[int, int]] = None) -> Tensor:
-    """Bool keep-mask (B, H, Sq, Sk) of the Philox dropout rule in the module docstring.
-
-    ``index_seqlens=(Sq_idx, Sk_idx)`` sets the counter geometry when it differs from the mask's
-    own (Sq, Sk) (varlen: the max sequence lengths); ``batch_start`` shifts the batch index.
-    """
-    b, h, sq, sk = (int(x) for x in shape)
-    isq, isk = index_seqlens if index_seqlens is not None else (sq, sk)
-    bi = torch.arange(batch_start, batch_start + b, device=device, dtype=torch.int64).view(b, 1, 1, 1)
-    hi = torch.arange(h, device=device, dtype=torch.int64).view(1, h, 1, 1)
-    ii = torch.arange(sq, device=device, dtype=torch.int64).view(1, 1, sq, 1)
-    jj = torch.arange(sk, device=device, dtype=torch.int64).view(1, 1, 1, sk)
-    idx = int(offset) + ((bi * h + hi) * isq + ii) * isk + jj
-    r = philox_randint(int(seed), idx)
-    u = (r >> 8).to(torch.float32) * (2.0 ** -24)
-    return u >= torch.tensor(float(p), dtype=torch.float32, device=device)
-
-
-# ============================================================================ references
-def _dense_forward_ref(q, k, v, *, causal, scale, window, dropout_p, seed, offset, dtype, batch_start=0,
-                       index_seqlens=None, hq_total=None):
-    """(B, H, S, D) tensors -> (out, lse, p, keep).  Differentiable."""
-    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
-    hq, hkv = qh.shape[1], kh.shape[1]
-    if hq != hkv:
-        kh = kh.repeat_interleave(hq // hkv, dim=1)
-        vh = vh.repeat_interleave(hq // hkv, dim=1)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    sq, sk = s.shape[-2], s.shape[-1]
-    mask = _ref.visible_mask(sq, sk, causal, window, device=s.device)
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).detach()
-    p = torch.exp(s - safe[..., None])
-    # normalise explicitly (gradient flows through the sum, not through the detached shift)
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
-    keep = None
-    pd = p
-    if dropout_p > 0.0:
-        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
-                                 index_seqlens=index_seqlens)
-        pd = p * keep.to(dtype) * (1.0 / (1.0 - dropout_p))
-    out = torch.matmul(pd, vh)
-    return out, lse, p, keep
-
-
-def attention_forward_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                                softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0,
-                                seed: Optional[int] = None, offset: int = 0, layout: str = "bhsd",
-                                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                                max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                                dtype: torch.dtype = torch.float32):
-    """Reference forward with Philox dropout, computed in ``dtype`` (FP32 or FP64), differentiable.
-
-    Shapes/layouts as ``attention_reference``.  Returns (out in ``dtype`` and the input layout,
-    LSE (B, Hq, Sq) / (Hq, Tq) in ``dtype``, natural log, of the un-dropped softmax).
-    """
-    _check_dropout(dropout_p, seed)
-    scale = _ref._default_scale(q.shape[-1], softmax_scale)
-    if cu_seqlens_q is not None:
-        segs_q, segs_k = _ref._split_varlen(cu_seqlens_q), _ref._split_varlen(cu_seqlens_k)
-        mq = max_seqlen_q or max(e - s for s, e in segs_q)
-        mk = max_seqlen_k or max(e - s for s, e in segs_k)
-        outs, lses = [], []
-        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
-            o, l, _, _ = _dense_forward_ref(q[a0:a1].transpose(0, 1)[None], k[c0:c1].transpose(0, 1)[None],
-                                            v[c0:c1].transpose(0, 1)[None], causal=causal, scale=scale,
-                                            window=window, dropout_p=dropout_p, seed=seed, offset=offset,
-                                            dtype=dtype, batch_start=b, index_seqlens=(mq, mk))
-            outs.append(o[0].transpose(0, 1))
-            lses.append(l[0])
-        return torch.cat(outs, 0), torch.cat(lses, 1)
-    _ref._check_layout(layout)
-    qh, kh, vh = (_ref._bhsd(t, layout) for t in (q, k, v))
-    out, lse, _, _ = _dense_forward_ref(qh, kh, vh, causal=causal, scale=scale, window=window, dropout_p=dropout_p,
-                                        seed=seed, offset=offset, dtype=dtype)
-    return (out if layout == "bhsd" else out.transpose(1, 2)), lse
-
-
-def _dense_backward_ref(do, q, k, v, lse, *, causal, scale, window, dropout_p, seed, offset, dtype,
-                        batch_start=0, index_seqlens=None):
-    """Explicit FlashAttention backward formulas on (B, H, S, D) tensors, in ``dtype``."""
-    qh, kh, vh, doh = (t.to(dtype) for t in (q, k, v, do))
-    hq, hkv = qh.shape[1], kh.shape[1]
-    g = hq // hkv
-    kr = kh.repeat_interleave(g, dim=1) if g > 1 else kh
-    vr = vh.repeat_interleave(g, dim=1) if g > 1 else vh
-    s = torch.matmul(qh, kr.transpose(-1, -2)) * scale
-    sq, sk = s.shape[-2], s.shape[-1]
-    mask = _ref.visible_mask(sq, sk, causal, window, device=s.device)
-    if lse is None:
-        lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), dim=-1)
-    lse = lse.to(dtype)
-    safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
-    p = torch.exp(s - safe[..., None]).masked_fill(~mask, 0.0)  # P = exp(S - LSE)
-    dp = torch.matmul(doh, vr.transpose(-1, -2))
-    pd = p
-    if dropout_p > 0.0:
-        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
-                                 index_seqlens=index_seqlens).to(dtype)
-        c = 1.0 / (1.0 - dropout_p)
-        pd = p * keep * c
-        dp = dp * keep * c
-    dv = torch.matmul(pd.transpose(-1, -2), doh)
-    delta = (p * dp).sum(-1, keepdim=True)  # = rowsum(dO · O)
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, kr) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
-    if g > 1:
-        b, _, skk, d = dk.shape
-        dk = dk.view(b, hkv, g, skk, d).sum(2)
-        dv = dv.view(b, hkv, g, skk, d).sum(2)
-    return dq, dk, dv
-
-
-def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *, lse: Optional[Tensor] = None,
-                                 causal: bool = False, softmax_scale: Optional[float] = None, window=None,
-                                 dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
-                                 layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None,
-                                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
-                                 max_seqlen_k: Optional[int] = None, dtype: torch.dtype = torch.float32):
-    """(dq, dk, dv) of ``attention_forward_reference`` by the explicit backward formulas, in ``dtype``.
-
-    ``P = exp(S·scale - LSE)`` (masked, ``keep``-scaled for dropout), ``dV = Pdᵀ dO``,
-    ``dP = (dO Vᵀ) ∘ keep / (1-p)``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = scale·dS K``,
-    ``dK = scale·dSᵀ Q`` (dK/dV summed over each GQA group).  With ``lse`` given (the forward's
-    LSE) P is built from it, as the kernels do; otherwise from the exact softmax.
-    Inputs in any float dtype; outputs in the input layout.
-    """
-    _check_dropout(dropout_p, seed)
-    scale = _ref._default_scale(q.shape[-1], softmax_scale)
-    kw = dict(causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed, offset=offset, dtype=dtype)
-    if cu_seqlens_q is not None:
-        segs_q, segs_k = _ref._split_varlen(cu_seqlens_q), _ref._split_varlen(cu_seqlens_k)
-        mq = max_seqlen_q or max(e - s for s, e in segs_q)
-        mk = max_seqlen_k or max(e - s for s, e in segs_k)
-        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
-        dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
-        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
-            t = lambda x, s0, s1: x[s0:s1].transpose(0, 1)[None]  # noqa: E731
-            l_b = None if lse is None else lse[:, a0:a1][None]
-            gq, gk, gv = _dense_backward_ref(t(do, a0, a1), t(q, a0, a1), t(k, c0, c1), t(v, c0, c1), l_b,
-                                             batch_start=b, index_seqlens=(mq, mk), **kw)
-            dq[a0:a1] = gq[0].transpose(0, 1)
-            dk[c0:c1] = gk[0].transpose(0, 1)
-            dv[c0:c1] = gv[0].transpose(0, 1)
-        return dq, dk, dv
-    _ref._check_layout(layout)
-    bh = lambda x: _ref._bhsd(x, layout)  # noqa: E731
-    gq, gk, gv = _dense_backward_ref(bh(do), bh(q), bh(k), bh(v), lse, **kw)
-    if layout == "bshd":
-        gq, gk, gv = (x.transpose(1, 2).contiguous() for x in (gq, gk, gv))
-    return gq, gk, gv
-
-
 # ============================================================================ validation
-def _check_dropout(dropout_p, seed):
-    if not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2 ** 63):
-            raise ValueError(f"seed must be an int in [0, 2**63) when dropout_p > 0, got {seed!r}")
-
-
-def _row_views(x: Tensor, layout: str, varlen: bool):
-    """(stride_b, stride_h, stride_s) of a per-row buffer shaped like a gradient without its last dim."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0)
-    if layout == "bhsd":
-        return x.stride(0), x.stride(1), x.stride(2)
-    return x.stride(0), x.stride(2), x.stride(1)
-
-
-def _window(causal, window):
-    if window is not None:
-        if not (isinstance(window, (tuple, list)) and len(window) == 2
-                and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-            raise ValueError(f"window must be None or a pair of ints (left, right), -1 = unbounded; got {window!r}")
-        if any(w < -1 for w in window):
-            raise ValueError(f"window sizes must be >= -1, got {window!r}")
-    return _ref._window(causal, window)
-
-
-def _check_grad_args(grad_format, scales, grad_dtype, device):
-    """``grad_format`` / ``scales`` / ``grad_dtype`` checked; returns the scales as (scale_dq, scale_dk, scale_dv) or
-    None. Scale values must be positive and finite (a zero scale gives scale_inv = inf): checked for CPU tensors;
-    for CUDA tensors that would be a device sync per call, so there the values are the caller's contract."""
-    if grad_format not in GRAD_FORMATS:
-        raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
-    if grad_format is None and scales is not None:
-        raise ValueError("scales are only meaningful with grad_format='e4m3' or 'e5m2'")
-    if grad_format is not None and grad_dtype is not None:
-        raise ValueError("grad_dtype applies to unquantized gradients only (grad_format=None)")
-    if grad_dtype is not None and grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype}")
-    sc = None
-    if scales is not None:
-        if isinstance(scales, dict):
-            missing = {"dq", "dk", "dv"} - set(scales)
-            if missing:
-                raise ValueError(f"scales dict needs keys 'dq', 'dk', 'dv'; missing {sorted(missing)}")
-            sc = (scales["dq"], scales["dk"], scales["dv"])
-        elif isinstance(scales, (tuple, list)) and len(scales) == 3:
-            sc = tuple(scales)
-        else:
-            raise TypeError(f"scales must be None (per-row scales), a 3-tuple (scale_dq, scale_dk, scale_dv) or a "
-                            f"dict with keys dq/dk/dv; got {type(scales).__name__}")
-        for n, s in zip(("scale_dq", "scale_dk", "scale_dv"), sc):
-            _tensor(n, s)
-            if s.dtype != torch.float32 or s.numel() != 1:
-                raise ValueError(f"{n} must be a float32 tensor of shape (1,), got {s.dtype} {tuple(s.shape)}")
-            if s.device != device:
-                raise ValueError(f"{n} is on {s.device} but q is on {device}")
-            if s.device.type == "cpu" and not bool(torch.isfinite(s).all() & (s > 0).all()):
-                raise ValueError(f"{n} must be positive and finite (dequantized = data / scale), got {s.item()!r}")
-    return sc
-
-
-def _check_grad_sink(grad_sink, grad_format):
-    if grad_sink is None:
-        return
-    if not isinstance(grad_sink, dict):
-        raise TypeError(f"grad_sink must be None or a dict (it receives the FP8 gradients under 'dq', 'dk', 'dv'), "
-                        f"got {type(grad_sink).__name__}")
-    if grad_format is None:
-        raise ValueError("grad_sink receives FP8 gradients: it needs grad_format='e4m3' or 'e5m2' (got None)")
-
-
 def _validate_forward(q, k, v, *, layout, cu_q, cu_k):
     """attention_forward's inputs: layout, shapes (batch, heads, lengths, head_dim, GQA), one float dtype, one
     device, cu_seqlens metadata (no values read). Returns the layout ("thd" for varlen)."""
     for n, t in (("q", q), ("k", k), ("v", v)):
-        _tensor(n, t)
+        check_tensor(n, t)
     varlen = cu_q is not None or cu_k is not None
     if varlen:
         if layout not in (None, "thd", "bhsd"):
@@ -309,18 +74,18 @@ def _validate_forward(q, k, v, *, layout, cu_q, cu_k):
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
         lay = layout
-    _check_qkv(q, k, v, lay)
+    check_qkv(q, k, v, lay)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"q/k/v must be float16/bfloat16 (or float32/float64 for the reference), got {q.dtype}")
-    _check_cu_meta(cu_q, cu_k, q, k)
+    check_cu_meta(cu_q, cu_k, q, k)
     return lay
 
 
 def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, scales, grad_dtype):
     for n, t in (("do", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
-        _tensor(n, t)
+        check_tensor(n, t)
     varlen = cu_q is not None or cu_k is not None
     if varlen:
         if cu_q is None or cu_k is None:
@@ -333,8 +98,8 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
         if layout not in ("bhsd", "bshd"):
             raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
         lay = layout
-    B, Hq, Sq, D = _shape4("q", q, lay)
-    Bk, Hkv, Sk, Dk = _shape4("k", k, lay)
+    B, Hq, Sq, D = shape4("q", q, lay)
+    Bk, Hkv, Sk, Dk = shape4("k", k, lay)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     for n, t in (("do", do), ("o", o)):
@@ -359,22 +124,10 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
     for n, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
-    sc = _check_grad_args(grad_format, scales, grad_dtype, q.device)
+    sc = check_grad_args(grad_format, scales, grad_dtype, q.device)
     if varlen:
-        mq, mk = _check_varlen(cu_q, cu_k, q, k, mq, mk)
+        mq, mk = check_varlen(cu_q, cu_k, q, k, mq, mk)
     return lay, varlen, (B, Hq, Sq, Hkv, Sk, D), mq, mk, sc
-
-
-def _interpreted() -> bool:
-    """Whether this module's kernels run under the Triton interpreter (decided when they were imported)."""
-    mod = sys.modules.get(__package__ + ".backward_kernels")
-    if mod is not None:
-        return bool(mod.INTERPRETED)
-    return INTERPRET
-
-
-def _triton_ok(q: Tensor) -> bool:
-    return q.is_cuda or _interpreted()
 
 
 # ============================================================================ the low-level backward
@@ -405,21 +158,21 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; default there) or "reference"
             (explicit FP32 formulas + ``lowbit.quantize``; default elsewhere).
         config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force tiles;
-            default autotuned (LOWBIT_ATTN_AUTOTUNE=0: heuristic).
+            default autotuned (LOWBIT_AUTOTUNE=0: heuristic).
 
     Returns:
         (dq, dk, dv) in the layout of q/k/v (contiguous), tensors or QuantizedTensors.
     """
-    softmax_scale = _check_softmax_scale(softmax_scale)
-    _check_dropout(dropout_p, seed)
+    softmax_scale = check_softmax_scale(softmax_scale)
+    check_dropout(dropout_p, seed)
     lay, varlen, dims, mq, mk, sc = _validate(do, q, k, v, o, lse, layout=layout, cu_q=cu_seqlens_q,
                                               cu_k=cu_seqlens_k, mq=max_seqlen_q, mk=max_seqlen_k,
                                               grad_format=grad_format, scales=scales, grad_dtype=grad_dtype)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dims[-1])
-    left, right = _window(causal, window)
+    left, right = _ref.causal_window(causal, check_window(window))
     if backend is None:
-        backend = "triton" if _triton_ok(q) else "reference"
+        backend = "triton" if triton_ok(q) else "reference"
     if backend not in ("triton", "reference"):
         raise ValueError(f"backend must be 'triton', 'reference' or None, got {backend!r}")
     if backend == "reference":
@@ -429,17 +182,16 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
         if grad_format is None:
             return tuple(x.to(grad_dtype or q.dtype) for x in g)
-        from ..quant import quantize
         if sc is None:
             return tuple(quantize(x, Float8Rowwise(grad_format), backend="reference") for x in g)
         return tuple(quantize(x, Float8Tensorwise(grad_format), scale=s, backend="reference")
                      for x, s in zip(g, sc))
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton backward needs bfloat16/float16 inputs, got {q.dtype}")
-    if dims[-1] not in _HEAD_DIMS:
-        raise NotImplementedError(f"the Triton backward supports head_dim in {_HEAD_DIMS}, got {dims[-1]} "
+    if dims[-1] not in TRITON_HEAD_DIMS:
+        raise NotImplementedError(f"the Triton backward supports head_dim in {TRITON_HEAD_DIMS}, got {dims[-1]} "
                                   f"(use backend='reference')")
-    if not _triton_ok(q):
+    if not triton_ok(q):
         raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     return _backward_triton(do, q, k, v, o, lse, lay=lay, varlen=varlen, dims=dims, mq=mq, mk=mk,
                             scale=float(softmax_scale), left=left, right=right, dropout_p=float(dropout_p),
@@ -448,14 +200,14 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 
 
 def _autotune_enabled(BK) -> bool:
-    return os.environ.get("LOWBIT_ATTN_AUTOTUNE", "1") != "0" and not BK.INTERPRETED
+    return env.get("LOWBIT_AUTOTUNE") and not BK.INTERPRETED
 
 
 def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, left, right, dropout_p, seed,
                      offset, grad_format, sc, grad_dtype, cu_q, cu_k, config):
+    import triton  # (Triton is optional: imported where a Triton backend runs)
+
     from . import backward_kernels as BK
-    from ._triton import _tma_enabled
-    import triton
 
     B, Hq, Sq, Hkv, Sk, D = dims
     if varlen:
@@ -478,8 +230,8 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
     cuq = cu_q if varlen else cu_dummy
     cuk = cu_k if varlen else cu_dummy
     if B * Hq > 0 and Sq > 0:
-        BK._bwd_preprocess[(triton.cdiv(Sq, 64), B * Hq)](
-            o, do, lse, delta, lse2, cuq, *_views(o, lay, varlen), *_views(do, lay, varlen), *ls, *ds,
+        BK.bwd_preprocess[(triton.cdiv(Sq, 64), B * Hq)](
+            o, do, lse, delta, lse2, cuq, *views(o, lay, varlen), *views(do, lay, varlen), *ls, *ds,
             Hq, Sq, HEAD_DIM=D, BLOCK_M=64, VARLEN=varlen, num_warps=4)
 
     # ---- outputs
@@ -496,7 +248,7 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
         rsq = torch.empty(q.shape[:-1], device=dev, dtype=torch.float32)
         rsk = torch.empty(k.shape[:-1], device=dev, dtype=torch.float32)
         rsv = torch.empty(k.shape[:-1], device=dev, dtype=torch.float32)
-        rq, rk = _row_views(rsq, lay, varlen), _row_views(rsk, lay, varlen)
+        rq, rk = row_views(rsq, lay, varlen), row_views(rsk, lay, varlen)
     else:
         rsq = rsk = rsv = delta
         rq = rk = (0, 0, 0)
@@ -514,29 +266,26 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
               (1.0 / (1.0 - dropout_p)) if dropout else 1.0, drop_sq, drop_sk, triton.next_power_of_2(max(Sq, Sk, 1))]
     meta = dict(QMODE=qmode, FMT=fmt_id, FMAX=fmax, DROPOUT=dropout, VARLEN=varlen, HEAD_DIM=D,
                 INTERPRET=BK.INTERPRETED)
-    vq, vk, vv, vdo = (_views(t, lay, varlen) for t in (q, k, v, do))
+    vq, vk, vv, vdo = (views(t, lay, varlen) for t in (q, k, v, do))
     strides_in = [*vq, *vk, *vv, *vdo]
     args_kv = [q, k, v, do, dk, dv, lse2, delta, cuq, cuk, sck, scv, rsk, rsv, amax[1:2], amax[2:3],
-               *strides_in, *_views(dk, lay, varlen), *rk, *ds, Hkv, group, Sq, Sk, *common]
+               *strides_in, *views(dk, lay, varlen), *rk, *ds, Hkv, group, Sq, Sk, *common]
     args_q = [q, k, v, do, dq, lse2, delta, cuq, cuk, scq, rsq, amax[0:1],
-              *strides_in, *_views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
+              *strides_in, *views(dq, lay, varlen), *rq, *ds, Hq, group, Sq, Sk, *common]
     if Sk > 0 and B * Hkv > 0:
-        # Q / dO tiles by TMA descriptors where allowed (LOWBIT_ATTN_BWD_TMA=1, opt-in: see _tma_enabled)
-        tma = _tma_enabled(q, do, vq, vdo, False, varlen, backward=True)
         if config is None and _autotune_enabled(BK):
-            BK._bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta, TMA=tma)
+            BK.bwd_dkdv_tuned[lambda mt: (triton.cdiv(Sk, mt["BLOCK_N"]), B * Hkv)](*args_kv, **meta)
         else:
             bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[0]
-            BK._bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
-                                                         num_warps=w, num_stages=st)
+            BK.bwd_dkdv[(triton.cdiv(Sk, bn), B * Hkv)](*args_kv, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
+                                                       num_stages=st)
     if Sq > 0 and B * Hq > 0:
-        tma = _tma_enabled(k, v, vk, vv, False, varlen, backward=True)  # K / V tiles
         if config is None and _autotune_enabled(BK):
-            BK._bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta, TMA=tma)
+            BK.bwd_dq_tuned[lambda mt: (triton.cdiv(Sq, mt["BLOCK_M"]), B * Hq)](*args_q, **meta)
         else:
             bm, bn, w, st = (config or BK.heuristic_configs(D, max(Sq, Sk), causal=right == 0))[1]
-            BK._bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
-                                                      num_stages=st)
+            BK.bwd_dq[(triton.cdiv(Sq, bm), B * Hq)](*args_q, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w,
+                                                   num_stages=st)
     if qmode == 0:
         return dq, dk, dv
     scheme = Float8Rowwise(grad_format) if qmode == 2 else Float8Tensorwise(grad_format)
@@ -584,24 +333,24 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
 
     backend: "triton" — without dropout the forward engineer's kernel
     (``lowbit.attention._triton.attention_fwd_triton``), with dropout this module's
-    ``_fwd_dropout`` kernel (same Philox counters as the backward); "reference" —
+    ``backward_kernels.fwd_dropout`` kernel (same Philox counters as the backward); "reference" —
     ``attention_forward_reference`` in FP32.  Default: triton on CUDA / interpreter.
     """
-    _check_dropout(dropout_p, seed)
+    check_dropout(dropout_p, seed)
     lay = _validate_forward(q, k, v, layout=layout, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
     varlen = lay == "thd"
-    left, right = _window(causal, window)
-    softmax_scale = _check_softmax_scale(softmax_scale)
+    left, right = _ref.causal_window(causal, check_window(window))
+    softmax_scale = check_softmax_scale(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if backend is None:
-        backend = "triton" if _triton_ok(q) else "reference"
+        backend = "triton" if triton_ok(q) else "reference"
     if backend not in ("triton", "reference"):
         raise ValueError(f"backend must be 'triton', 'reference' or None, got {backend!r}")
     if backend == "triton":
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"the Triton forward needs bfloat16/float16 inputs, got {q.dtype}")
-        _check_triton(q.shape[-1], q.device)
+        check_triton(q.shape[-1], q.device)
     if varlen:
         lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         lk = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -616,20 +365,18 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
                                              max_seqlen_q=mq, max_seqlen_k=mk)
         return o.to(q.dtype), lse.float()
     if dropout_p == 0.0 and config is None and q.is_cuda:
-        try:
-            from ._triton import attention_fwd_triton
-        except Exception:  # pragma: no cover - forward kernels unavailable
-            attention_fwd_triton = None
-        if attention_fwd_triton is not None:
-            return attention_fwd_triton(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
-                                        layout="bhsd" if varlen else layout, cu_seqlens_q=cu_seqlens_q,
-                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk,
-                                        return_lse=True, out_dtype=q.dtype)
-    from . import backward_kernels as BK
+        from ._triton import attention_fwd_triton  # (Triton is optional: imported where a Triton backend runs)
+
+        return attention_fwd_triton(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
+                                    layout="bhsd" if varlen else layout, cu_seqlens_q=cu_seqlens_q,
+                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk,
+                                    return_lse=True, out_dtype=q.dtype)
     import triton
 
-    B, Hq, Sq, D = _shape4("q", q, lay)
-    _, Hkv, Sk, _ = _shape4("k", k, lay)
+    from . import backward_kernels as BK
+
+    B, Hq, Sq, D = shape4("q", q, lay)
+    _, Hkv, Sk, _ = shape4("k", k, lay)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -642,9 +389,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     dropout = dropout_p > 0.0
     bm, bn, w, st = config or ((16, 16, 4, 1) if BK.INTERPRETED else (128, 64, 8, 2) if D <= 128 else (64, 32, 4, 2))
     cu = lse
-    BK._fwd_dropout[(triton.cdiv(max(Sq, 1), bm), B * Hq)](
+    BK.fwd_dropout[(triton.cdiv(max(Sq, 1), bm), B * Hq)](
         q, k, v, o, lse, cu_seqlens_q if varlen else cu, cu_seqlens_k if varlen else cu,
-        *_views(q, lay, varlen), *_views(k, lay, varlen), *_views(v, lay, varlen), *_views(o, lay, varlen), *sl,
+        *views(q, lay, varlen), *views(k, lay, varlen), *views(v, lay, varlen), *views(o, lay, varlen), *sl,
         Hq, Hq // Hkv, Sq, Sk, softmax_scale * _ref.LOG2E,
         BIG if left < 0 else left, BIG if right < 0 else right,
         int(seed) if dropout else 0, int(offset), float(dropout_p), (1.0 / (1.0 - dropout_p)) if dropout else 1.0,
@@ -709,10 +456,10 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     Triton path.  dropout_p > 0 without a seed draws one from torch's default generator.
     Returns out (q's dtype/layout) and with ``return_lse`` the FP32 LSE.
     """
-    _check_dropout(dropout_p, seed if seed is not None else 0)
-    _tensor("q", q)
-    _check_grad_args(grad_format, scales, None, q.device)
-    _check_grad_sink(grad_sink, grad_format)
+    check_dropout(dropout_p, seed if seed is not None else 0)
+    check_tensor("q", q)
+    check_grad_args(grad_format, scales, None, q.device)
+    check_grad_sink(grad_sink, grad_format)
     opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, dropout_p=float(dropout_p), seed=seed,
                 offset=offset, layout="thd" if cu_seqlens_q is not None else layout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -33,6 +33,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..formats import philox_randint
+from ._checks import check_blocks, check_dropout
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 INT8_MAX = 127.0
@@ -53,6 +56,18 @@ __all__ = [
     "k_mean",
     "visible_mask",
     "lse_smoothing_shift",
+    "QKInt8",
+    "quantize_qk_int8",
+    "dropout_keep_mask",
+    "attention_forward_reference",
+    "attention_backward_reference",
+    "check_layout",
+    "to_bhsd",
+    "causal_window",
+    "split_varlen",
+    "default_scale",
+    "n_q_groups",
+    "LOG2E",
 ]
 
 
@@ -76,17 +91,17 @@ def to_e4m3(x: Tensor) -> Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str) -> None:
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd' for dense inputs, got {layout!r}")
 
 
-def _bhsd(x: Tensor, layout: str) -> Tensor:
+def to_bhsd(x: Tensor, layout: str) -> Tensor:
     """A (B, H, S, D) *view* of a dense tensor in ``layout`` (no copy)."""
     return x if layout == "bhsd" else x.transpose(1, 2)
 
 
-def _window(causal: bool, window) -> Tuple[int, int]:
+def causal_window(causal: bool, window) -> Tuple[int, int]:
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -95,7 +110,7 @@ def _window(causal: bool, window) -> Tuple[int, int]:
 
 def visible_mask(sq: int, sk: int, causal: bool = False, window=None, device=None) -> Tensor:
     """Bool (sq, sk): True where query row i may attend key j (bottom-right aligned)."""
-    left, right = _window(causal, window)
+    left, right = causal_window(causal, window)
     i = torch.arange(sq, device=device)[:, None] + (sk - sq)
     j = torch.arange(sk, device=device)[None, :]
     m = torch.ones(sq, sk, dtype=torch.bool, device=device)
@@ -106,12 +121,12 @@ def visible_mask(sq: int, sk: int, causal: bool = False, window=None, device=Non
     return m
 
 
-def _split_varlen(cu: Tensor):
+def split_varlen(cu: Tensor):
     cu_l = [int(c) for c in cu.tolist()]
     return [(cu_l[b], cu_l[b + 1]) for b in range(len(cu_l) - 1)]
 
 
-def _default_scale(d: int, softmax_scale) -> float:
+def default_scale(d: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
@@ -130,7 +145,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     """
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         outs, lses = [], []
-        for (qs, qe), (ks, ke) in zip(_split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k)):
+        for (qs, qe), (ks, ke) in zip(split_varlen(cu_seqlens_q), split_varlen(cu_seqlens_k)):
             o, l = attention_reference(q[qs:qe].unsqueeze(0), k[ks:ke].unsqueeze(0), v[ks:ke].unsqueeze(0),
                                        causal=causal, softmax_scale=softmax_scale, window=window,
                                        layout="bshd", return_lse=True)
@@ -139,13 +154,13 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
         out = torch.cat(outs, 0)
         lse = torch.cat(lses, 1)
         return (out, lse) if return_lse else out
-    _check_layout(layout)
-    qh, kh, vh = (_bhsd(t, layout).float() for t in (q, k, v))
+    check_layout(layout)
+    qh, kh, vh = (to_bhsd(t, layout).float() for t in (q, k, v))
     hq, hkv = qh.shape[1], kh.shape[1]
     if hq != hkv:
         kh = kh.repeat_interleave(hq // hkv, dim=1)
         vh = vh.repeat_interleave(hq // hkv, dim=1)
-    scale = _default_scale(q.shape[-1], softmax_scale)
+    scale = default_scale(q.shape[-1], softmax_scale)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     sq, sk = s.shape[-2], s.shape[-1]
     mask = visible_mask(sq, sk, causal, window, device=s.device)
@@ -160,7 +175,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
 # ----------------------------------------------------------------------------- quantization
 @dataclass
 class QKQuantized:
-    """Quantized Q/K (same fields as ``lowbit.quant.reference.QKInt8``, plus the settings).
+    """Quantized Q/K (the fields of :class:`QKInt8`, plus the settings).
 
     q, k: int8 or float8_e4m3fn, same shape/layout as the inputs (k after smoothing).
     q_scale: fp32 (B, Hq, n_q_groups); k_scale: fp32 (B, Hkv, n_k_blocks); dequantized
@@ -203,7 +218,7 @@ def k_mean(k: Tensor, *, layout: str = "bhsd", cu_seqlens_k: Optional[Tensor] = 
         s = dense.sum(dim=1)  # (B, H, D)
         return (s / lens.clamp(min=1).to(torch.float32)[:, None, None]).unsqueeze(2)
     # dtype= sums in FP32 while reading K in its own dtype (no FP32 copy of K, which cost as much as the quantization)
-    return _bhsd(k, layout).mean(dim=2, keepdim=True, dtype=torch.float32)
+    return to_bhsd(k, layout).mean(dim=2, keepdim=True, dtype=torch.float32)
 
 
 _k_mean = k_mean  # the name quantize_qk_reference reaches past its k_mean argument
@@ -232,16 +247,6 @@ def _quant_rows(x: Tensor, rows: int, qmax: float, dtype: str):
     return codes, scale
 
 
-def _validate_blocks(granularity: str, block_q: int, block_k: int, warp_q: int) -> None:
-    if granularity not in ("per_block", "per_warp"):
-        raise ValueError(f"granularity must be 'per_block' or 'per_warp', got {granularity!r}")
-    for name, val in (("block_q", block_q), ("block_k", block_k), ("warp_q", warp_q)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if granularity == "per_warp" and block_q % warp_q:
-        raise ValueError(f"per_warp needs block_q % warp_q == 0, got block_q={block_q}, warp_q={warp_q}")
-
-
 def n_q_groups(seqlen_q: int, granularity: str, block_q: int, warp_q: int) -> int:
     """Number of q_scale entries per (batch, head) for ``seqlen_q`` rows (NUMERICS §3)."""
     nb = -(-seqlen_q // block_q)
@@ -262,8 +267,8 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
     """
     if dtype not in QMAX:
         raise ValueError(f"dtype must be 'int8' or 'fp8', got {dtype!r}")
-    _validate_blocks(granularity, block_q, block_k, warp_q)
-    scale = _default_scale(q.shape[-1], softmax_scale)
+    check_blocks(granularity, block_q, block_k, warp_q)
+    scale = default_scale(q.shape[-1], softmax_scale)
     qmax = QMAX[dtype]
     # Python float -> fp32 scalar, exactly as the Triton launcher passes it.
     mult = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
@@ -276,7 +281,7 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
         km = _k_mean(k, layout=layout, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     code_dtype = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
     if cu_seqlens_q is not None:
-        segs_q, segs_k = _split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k)
+        segs_q, segs_k = split_varlen(cu_seqlens_q), split_varlen(cu_seqlens_k)
         nb = len(segs_q)
         mq = max_seqlen_q or max(e - s for s, e in segs_q)
         mk = max_seqlen_k or max(e - s for s, e in segs_k)
@@ -296,15 +301,15 @@ def quantize_qk_reference(q: Tensor, k: Tensor, *, dtype: str = "int8", granular
             kc[c0:c1] = codes[0].transpose(0, 1)
             ks[b, :, : sc.shape[-1]] = sc[0]
         return QKQuantized(qc, kc, qs, ks, km, scale, dtype, granularity, block_q, block_k, warp_q)
-    _check_layout(layout)
-    xq = _bhsd(q, layout).float() * mult
+    check_layout(layout)
+    xq = to_bhsd(q, layout).float() * mult
     sq = xq.shape[2]
     # per-warp: pad to whole blocks first so trailing warp groups of the last block exist (scale 1)
     qcodes, qs = _quant_rows(xq, qrows, qmax, dtype)
     ng = n_q_groups(sq, granularity, block_q, warp_q)
     if qs.shape[-1] < ng:
         qs = torch.cat([qs, qs.new_ones(*qs.shape[:2], ng - qs.shape[-1])], dim=-1)
-    xk = _bhsd(k, layout).float()
+    xk = to_bhsd(k, layout).float()
     if km is not None:
         xk = xk - km
     kcodes, ks = _quant_rows(xk, block_k, qmax, dtype)
@@ -319,7 +324,7 @@ def _v_per_sequence(fn, v: Tensor, cu_seqlens_k: Tensor, dtype: torch.dtype):
     (converted V packed like v, scales (B, Hkv, D))."""
     out = torch.empty_like(v, dtype=dtype)
     scales = []
-    for s0, s1 in _split_varlen(cu_seqlens_k):
+    for s0, s1 in split_varlen(cu_seqlens_k):
         o, sc = fn(v[s0:s1].unsqueeze(0), layout="bshd")
         out[s0:s1] = o[0]
         scales.append(sc[0])
@@ -332,10 +337,12 @@ def quantize_v_fp8_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: O
     scale = amax over the sequence per (batch, head, channel) / 448 (amax == 0 -> 1);
     code = sat_rne(v · (448 / amax)).  Dequant: code * scale.  Varlen: per sequence.
     """
+    if not isinstance(v, Tensor) or not v.is_floating_point():
+        raise TypeError(f"v: expected a float16/bfloat16/float32 tensor, got {getattr(v, 'dtype', type(v))}")
     if cu_seqlens_k is not None:
         return _v_per_sequence(quantize_v_fp8_reference, v, cu_seqlens_k, torch.float8_e4m3fn)
-    _check_layout(layout)
-    vh = _bhsd(v, layout).float()
+    check_layout(layout)
+    vh = to_bhsd(v, layout).float()
     amax = vh.abs().amax(dim=2)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))  # see _quant_rows
     inv = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, E4M3_MAX) / amax)
@@ -364,8 +371,8 @@ def quantize_v_fp16_reference(v: Tensor, *, layout: str = "bhsd", cu_seqlens_k: 
     v·2^e falls below FP16's normal range (then round to nearest even).  Varlen: per sequence."""
     if cu_seqlens_k is not None:
         return _v_per_sequence(quantize_v_fp16_reference, v, cu_seqlens_k, torch.float16)
-    _check_layout(layout)
-    vh = _bhsd(v, layout).float()
+    check_layout(layout)
+    vh = to_bhsd(v, layout).float()
     scale, mult = v_fp16_scales(vh.abs().amax(dim=2))
     v16 = (vh * mult[:, :, None, :]).to(torch.float16)
     if layout == "bshd":
@@ -386,7 +393,7 @@ def lse_smoothing_shift(q: Tensor, k_mean: Tensor, softmax_scale: float, *, layo
         seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens, output_size=q.shape[0])
         km = k_mean[:, :, 0, :].repeat_interleave(hq // hkv, dim=1)[seg]  # (T, Hq, D)
         return ((q.float() * km).sum(-1) * softmax_scale).transpose(0, 1)
-    qh = _bhsd(q, layout).float()
+    qh = to_bhsd(q, layout).float()
     km = k_mean.repeat_interleave(qh.shape[1] // k_mean.shape[1], dim=1)
     return (qh * km).sum(-1) * softmax_scale
 
@@ -418,7 +425,7 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
     """
     if cu_seqlens_q is not None:
         outs, lses = [], []
-        for b, ((qs0, qs1), (ks0, ks1)) in enumerate(zip(_split_varlen(cu_seqlens_q), _split_varlen(cu_seqlens_k))):
+        for b, ((qs0, qs1), (ks0, ks1)) in enumerate(zip(split_varlen(cu_seqlens_q), split_varlen(cu_seqlens_k))):
             def sl(t):
                 return None if t is None else t[b:b + 1]
             o, l = attention_prequantized_reference(
@@ -430,8 +437,8 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
             lses.append(l[0])
         out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
         return (out, lse) if return_lse else out
-    _check_layout(layout)
-    qh, kh, vh = (_bhsd(t, layout) for t in (q, k, v))
+    check_layout(layout)
+    qh, kh, vh = (to_bhsd(t, layout) for t in (q, k, v))
     b, hq, sq, d = qh.shape
     hkv, sk = kh.shape[1], kh.shape[2]
     g = hq // hkv
@@ -444,7 +451,7 @@ def attention_prequantized_reference(q: Tensor, k: Tensor, v: Tensor, q_scale: O
         ks_col = k_scale.repeat_interleave(g, dim=1)[:, :, torch.arange(sk, device=q.device) // k_scale_rows]
         s = s * (qs_row[..., :, None] * ks_col[..., None, :])
     else:
-        c = float(torch.tensor(_default_scale(d, softmax_scale) * LOG2E, dtype=torch.float32))
+        c = float(torch.tensor(default_scale(d, softmax_scale) * LOG2E, dtype=torch.float32))
         s = s * c
     mask = visible_mask(sq, sk, causal, window, device=s.device)
     s = s.masked_fill(~mask, float("-inf"))
@@ -521,6 +528,252 @@ def attention_quantized_reference(q: Tensor, k: Tensor, v: Tensor, *, qk: str = 
         return res
     out, lse = res
     if km is not None:  # exact smoothing correction from the unquantized q (as ``attention`` does)
-        lse = lse + lse_smoothing_shift(q, km, _default_scale(q.shape[-1], softmax_scale), layout=layout,
+        lse = lse + lse_smoothing_shift(q, km, default_scale(q.shape[-1], softmax_scale), layout=layout,
                                         cu_seqlens_q=cu_seqlens_q)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- dropout (Philox) and the 16-bit
+# forward / backward with it (``lowbit.attention.backward``'s references)
+def dropout_keep_mask(seed: int, offset: int, shape, p: float, *, device=None, batch_start: int = 0,
+                      index_seqlens: Optional[Tuple[int, int]] = None) -> Tensor:
+    """Bool keep-mask (B, H, Sq, Sk) of the Philox dropout rule in the module docstring.
+
+    ``index_seqlens=(Sq_idx, Sk_idx)`` sets the counter geometry when it differs from the mask's
+    own (Sq, Sk) (varlen: the max sequence lengths); ``batch_start`` shifts the batch index.
+    """
+    b, h, sq, sk = (int(x) for x in shape)
+    isq, isk = index_seqlens if index_seqlens is not None else (sq, sk)
+    bi = torch.arange(batch_start, batch_start + b, device=device, dtype=torch.int64).view(b, 1, 1, 1)
+    hi = torch.arange(h, device=device, dtype=torch.int64).view(1, h, 1, 1)
+    ii = torch.arange(sq, device=device, dtype=torch.int64).view(1, 1, sq, 1)
+    jj = torch.arange(sk, device=device, dtype=torch.int64).view(1, 1, 1, sk)
+    idx = int(offset) + ((bi * h + hi) * isq + ii) * isk + jj
+    r = philox_randint(int(seed), idx)
+    u = (r >> 8).to(torch.float32) * (2.0 ** -24)
+    return u >= torch.tensor(float(p), dtype=torch.float32, device=device)
+
+
+def _dense_forward_ref(q, k, v, *, causal, scale, window, dropout_p, seed, offset, dtype, batch_start=0,
+                       index_seqlens=None, hq_total=None):
+    """(B, H, S, D) tensors -> (out, lse, p, keep).  Differentiable."""
+    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+    hq, hkv = qh.shape[1], kh.shape[1]
+    if hq != hkv:
+        kh = kh.repeat_interleave(hq // hkv, dim=1)
+        vh = vh.repeat_interleave(hq // hkv, dim=1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    mask = visible_mask(sq, sk, causal, window, device=s.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).detach()
+    p = torch.exp(s - safe[..., None])
+    # normalise explicitly (gradient flows through the sum, not through the detached shift)
+    denom = p.sum(-1, keepdim=True)
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+    keep = None
+    pd = p
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
+                                 index_seqlens=index_seqlens)
+        pd = p * keep.to(dtype) * (1.0 / (1.0 - dropout_p))
+    out = torch.matmul(pd, vh)
+    return out, lse, p, keep
+
+
+def attention_forward_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                                softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0,
+                                seed: Optional[int] = None, offset: int = 0, layout: str = "bhsd",
+                                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                                max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                                dtype: torch.dtype = torch.float32):
+    """Reference forward with Philox dropout, computed in ``dtype`` (FP32 or FP64), differentiable.
+
+    Shapes/layouts as ``attention_reference``.  Returns (out in ``dtype`` and the input layout,
+    LSE (B, Hq, Sq) / (Hq, Tq) in ``dtype``, natural log, of the un-dropped softmax).
+    """
+    check_dropout(dropout_p, seed)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    if cu_seqlens_q is not None:
+        segs_q, segs_k = split_varlen(cu_seqlens_q), split_varlen(cu_seqlens_k)
+        mq = max_seqlen_q or max(e - s for s, e in segs_q)
+        mk = max_seqlen_k or max(e - s for s, e in segs_k)
+        outs, lses = [], []
+        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
+            o, l, _, _ = _dense_forward_ref(q[a0:a1].transpose(0, 1)[None], k[c0:c1].transpose(0, 1)[None],
+                                            v[c0:c1].transpose(0, 1)[None], causal=causal, scale=scale,
+                                            window=window, dropout_p=dropout_p, seed=seed, offset=offset,
+                                            dtype=dtype, batch_start=b, index_seqlens=(mq, mk))
+            outs.append(o[0].transpose(0, 1))
+            lses.append(l[0])
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+    check_layout(layout)
+    qh, kh, vh = (to_bhsd(t, layout) for t in (q, k, v))
+    out, lse, _, _ = _dense_forward_ref(qh, kh, vh, causal=causal, scale=scale, window=window, dropout_p=dropout_p,
+                                        seed=seed, offset=offset, dtype=dtype)
+    return (out if layout == "bhsd" else out.transpose(1, 2)), lse
+
+
+def _dense_backward_ref(do, q, k, v, lse, *, causal, scale, window, dropout_p, seed, offset, dtype,
+                        batch_start=0, index_seqlens=None):
+    """Explicit FlashAttention backward formulas on (B, H, S, D) tensors, in ``dtype``."""
+    qh, kh, vh, doh = (t.to(dtype) for t in (q, k, v, do))
+    hq, hkv = qh.shape[1], kh.shape[1]
+    g = hq // hkv
+    kr = kh.repeat_interleave(g, dim=1) if g > 1 else kh
+    vr = vh.repeat_interleave(g, dim=1) if g > 1 else vh
+    s = torch.matmul(qh, kr.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    mask = visible_mask(sq, sk, causal, window, device=s.device)
+    if lse is None:
+        lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), dim=-1)
+    lse = lse.to(dtype)
+    safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+    p = torch.exp(s - safe[..., None]).masked_fill(~mask, 0.0)  # P = exp(S - LSE)
+    dp = torch.matmul(doh, vr.transpose(-1, -2))
+    pd = p
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, offset, s.shape, dropout_p, device=s.device, batch_start=batch_start,
+                                 index_seqlens=index_seqlens).to(dtype)
+        c = 1.0 / (1.0 - dropout_p)
+        pd = p * keep * c
+        dp = dp * keep * c
+    dv = torch.matmul(pd.transpose(-1, -2), doh)
+    delta = (p * dp).sum(-1, keepdim=True)  # = rowsum(dO · O)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
+    if g > 1:
+        b, _, skk, d = dk.shape
+        dk = dk.view(b, hkv, g, skk, d).sum(2)
+        dv = dv.view(b, hkv, g, skk, d).sum(2)
+    return dq, dk, dv
+
+
+def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *, lse: Optional[Tensor] = None,
+                                 causal: bool = False, softmax_scale: Optional[float] = None, window=None,
+                                 dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+                                 layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None,
+                                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                                 max_seqlen_k: Optional[int] = None, dtype: torch.dtype = torch.float32):
+    """(dq, dk, dv) of ``attention_forward_reference`` by the explicit backward formulas, in ``dtype``.
+
+    ``P = exp(S·scale - LSE)`` (masked, ``keep``-scaled for dropout), ``dV = Pdᵀ dO``,
+    ``dP = (dO Vᵀ) ∘ keep / (1-p)``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = scale·dS K``,
+    ``dK = scale·dSᵀ Q`` (dK/dV summed over each GQA group).  With ``lse`` given (the forward's
+    LSE) P is built from it, as the kernels do; otherwise from the exact softmax.
+    Inputs in any float dtype; outputs in the input layout.
+    """
+    check_dropout(dropout_p, seed)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    kw = dict(causal=causal, scale=scale, window=window, dropout_p=dropout_p, seed=seed, offset=offset, dtype=dtype)
+    if cu_seqlens_q is not None:
+        segs_q, segs_k = split_varlen(cu_seqlens_q), split_varlen(cu_seqlens_k)
+        mq = max_seqlen_q or max(e - s for s, e in segs_q)
+        mk = max_seqlen_k or max(e - s for s, e in segs_k)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+        for b, ((a0, a1), (c0, c1)) in enumerate(zip(segs_q, segs_k)):
+            t = lambda x, s0, s1: x[s0:s1].transpose(0, 1)[None]  # noqa: E731
+            l_b = None if lse is None else lse[:, a0:a1][None]
+            gq, gk, gv = _dense_backward_ref(t(do, a0, a1), t(q, a0, a1), t(k, c0, c1), t(v, c0, c1), l_b,
+                                             batch_start=b, index_seqlens=(mq, mk), **kw)
+            dq[a0:a1] = gq[0].transpose(0, 1)
+            dk[c0:c1] = gk[0].transpose(0, 1)
+            dv[c0:c1] = gv[0].transpose(0, 1)
+        return dq, dk, dv
+    check_layout(layout)
+    bh = lambda x: to_bhsd(x, layout)  # noqa: E731
+    gq, gk, gv = _dense_backward_ref(bh(do), bh(q), bh(k), bh(v), lse, **kw)
+    if layout == "bshd":
+        gq, gk, gv = (x.transpose(1, 2).contiguous() for x in (gq, gk, gv))
+    return gq, gk, gv
+
+
+# ----------------------------------------------------------------------------- dense INT8 Q/K with typed checks
+@dataclass
+class QKInt8:
+    """Result of :func:`quantize_qk_int8`.
+
+    Attributes:
+        q: int8, same shape and layout as the input q (q · softmax_scale · log2(e), quantized).
+        k: int8, same shape and layout as the input k (after subtracting ``k_mean`` when smoothing).
+        q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
+        k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
+        k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
+        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2
+            units.
+        granularity, block_q, block_k, warp_q: the settings used.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    k_mean: Optional[Tensor]
+    softmax_scale: float
+    granularity: str = "per_block"
+    block_q: int = 128
+    block_k: int = 64
+    warp_q: int = 32
+
+
+def _checked_bhsd(t: torch.Tensor, layout: str, name: str) -> torch.Tensor:
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+    if layout == "bhsd":
+        return t
+    if layout == "bshd":
+        return t.transpose(1, 2)
+    raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+
+
+def quantize_qk_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    granularity: str = "per_block",
+    smooth_k: bool = True,
+    block_q: int = 128,
+    block_k: int = 64,
+    warp_q: int = 32,
+    softmax_scale: Optional[float] = None,
+    layout: str = "bhsd",
+) -> QKInt8:
+    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3) — the reference.
+
+    This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
+    (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.
+
+    Args:
+        q: (B, Hq, Sq, D) for ``layout="bhsd"`` or (B, Sq, Hq, D) for ``"bshd"``; float16/bfloat16/float32.
+        k: (B, Hkv, Sk, D) / (B, Sk, Hkv, D); Hq must be divisible by Hkv.
+        granularity: ``"per_block"`` (one scale per ``block_q`` query rows) or ``"per_warp"`` (one per ``warp_q`` rows).
+        smooth_k: subtract the per-(b, h, channel) mean of K over the sequence before quantizing
+            (softmax is unchanged; the LSE shifts by q·k_mean·softmax_scale).
+        softmax_scale: default 1/sqrt(D). Q is multiplied by ``softmax_scale · log2(e)`` (float32) first.
+
+    Scales are amax / 127 over the group (amax = 0 -> 1); INT8 rounds half away from zero.
+    """
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a float16/bfloat16/float32 tensor, got {getattr(t, 'dtype', type(t))}")
+    qb, kb = _checked_bhsd(q, layout, "q"), _checked_bhsd(k, layout, "k")
+    B, Hq, Sq, D = qb.shape
+    if kb.shape[0] != B or kb.shape[3] != D:
+        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} "
+                         f"(layout {layout})")
+    Hkv = kb.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value heads, "
+                         f"got {Hkv}")
+    if granularity not in ("per_block", "per_warp"):
+        raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
+    if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):
+        raise ValueError(f"warp_q: must divide block_q ({block_q}), got {warp_q}")
+    r = quantize_qk_reference(q, k, dtype="int8", granularity=granularity, smooth_k=smooth_k, block_q=block_q,
+                              block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, layout=layout)
+    return QKInt8(q=r.q, k=r.k, q_scale=r.q_scale, k_scale=r.k_scale, k_mean=r.k_mean, softmax_scale=r.softmax_scale,
+                  granularity=granularity, block_q=block_q, block_k=block_k, warp_q=warp_q)

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from . import env, git_commit, median_ms
+from ..runtime.env import override
+from . import git_commit, median_ms
 from . import nrmse as _nrmse
 
 SHAPES = [(4, 32, 4096, 128), (2, 32, 8192, 128), (8, 16, 2048, 64)]
@@ -65,7 +66,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
         rows.append(dict(name="sageattention", kind="peer", ms=float("nan"), tflops=float("nan"),
                          nrmse=float("nan"), error="not installed"))
 
-    from lowbit.attention.api import _quantize_v, _triton_operands, resolve_pv
+    from lowbit.attention.api import quantize_v_operand, resolve_pv, triton_operands
 
     for qk, pv in modes:
         tag = f"lowbit_{qk}_{pv}"
@@ -74,7 +75,7 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             "end-to-end")
         # kernel-only: the operands quantized once outside the timed region by the end-to-end call's prepass (FP8 V
         # in the key order the call's kernel reads: the Gluon kernel's "wgmma32")
-        pre = lambda qk=qk, pvr=pvr: _triton_operands(q, k, v, qk=qk, pv=pvr, causal=causal)  # noqa: E731
+        pre = lambda qk=qk, pvr=pvr: triton_operands(q, k, v, qk=qk, pv=pvr, causal=causal)  # noqa: E731
         qa, ka, qs, ks, _, rows_q, va, vs, order = pre()
         if qk == "bf16" and pvr == "native":
             pre = None  # nothing to quantize: no prepass row
@@ -82,13 +83,13 @@ def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
             qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, q_scale_rows=r, causal=causal, out_dtype=torch.bfloat16,
             v_key_order=o)
         if pointer_tiles:
-            with env("LOWBIT_ATTN_TMA", "0"):  # pointer tiles
+            with override(LOWBIT_TMA=False):  # pointer tiles
                 run(tag + "_kernel", kern, "kernel")
-        with env("LOWBIT_ATTN_TMA", "1"):  # the same kernel with K/V tiles by TMA descriptors (the default)
+        with override(LOWBIT_TMA=True):  # the same kernel with K/V tiles by TMA descriptors (the default)
             run(tag + "_kernel_tma", kern, "kernel")
             if (qk, pv) == ("int8", "fp8"):  # the default above is the Gluon kernel on sm_90; the Triton one too
-                va_n, vs_n = _quantize_v(pvr, v, "bhsd", None, None, "triton")  # natural key order
-                with env("LOWBIT_ATTN_GLUON", "0"):
+                va_n, vs_n = quantize_v_operand(pvr, v, "bhsd", None, None, "triton")  # natural key order
+                with override(LOWBIT_ATTN_GLUON="0"):
                     run(tag + "_kernel_triton", lambda: T.attention_fwd_triton(
                         qa, ka, va_n, q_scale=qs, k_scale=ks, v_scale=vs_n, q_scale_rows=rows_q, causal=causal,
                         out_dtype=torch.bfloat16), "kernel")

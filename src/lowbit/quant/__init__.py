@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from . import reference  # noqa: F401 - lowbit.quant.reference, the spec
-from .reference import quantize_qk_int8, quantize_reference, quantize_v_fp8
+from .reference import quantize_reference
 from .scaling import AmaxHistory
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 from .tensor import QuantizedCopy, QuantizedTensor
@@ -19,8 +19,6 @@ from .tensor import QuantizedCopy, QuantizedTensor
 __all__ = [
     "quantize",
     "quantize_reference",
-    "quantize_qk_int8",
-    "quantize_v_fp8",
     "QuantizedTensor",
     "QuantizedCopy",
     "AmaxHistory",

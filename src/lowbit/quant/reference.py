@@ -16,7 +16,6 @@ Conventions shared by all schemes:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -39,13 +38,7 @@ __all__ = [
     "rht_matrix",
     "rht_blocks",
     "hadamard_16",
-    "QKInt8",
-    "quantize_qk_int8",
-    "quantize_v_fp8",
-    "LOG2E",
 ]
-
-LOG2E = 1.4426950408889634
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,110 +351,3 @@ def quantize_reference(
     if columnwise:
         qt.columnwise = one(x2.t().contiguous(), "columnwise")  # the copy is stored K-contiguous (NUMERICS §4)
     return qt
-
-
-# ------------------------------------------------------------------------------------------------
-# Attention: INT8 Q/K (SageAttention conventions) and per-channel FP8 V
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class QKInt8:
-    """Result of :func:`quantize_qk_int8`.
-
-    Attributes:
-        q: int8, same shape and layout as the input q (q · softmax_scale · log2(e), quantized).
-        k: int8, same shape and layout as the input k (after subtracting ``k_mean`` when smoothing).
-        q_scale: float32 (B, Hq, ceil(Sq/block_q)·(block_q/warp_q)) per_warp, (B, Hq, ceil(Sq/block_q)) per_block.
-        k_scale: float32 (B, Hkv, ceil(Sk/block_k)).
-        k_mean: float32 (B, Hkv, 1, D), mean of K over the sequence, or None without smoothing.
-        softmax_scale: the softmax scale folded into q (with log2(e)), so q·q_scale · k·k_scale is a score in log2
-    units.
-        granularity, block_q, block_k, warp_q: the settings used.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    q_scale: torch.Tensor
-    k_scale: torch.Tensor
-    k_mean: torch.Tensor | None
-    softmax_scale: float
-    granularity: str = "per_block"
-    block_q: int = 128
-    block_k: int = 64
-    warp_q: int = 32
-
-
-def _to_bhsd(t: torch.Tensor, layout: str, name: str) -> torch.Tensor:
-    if t.dim() != 4:
-        raise ValueError(f"{name}: expected a 4-D tensor in layout {layout!r}, got shape {tuple(t.shape)}")
-    if layout == "bhsd":
-        return t
-    if layout == "bshd":
-        return t.transpose(1, 2)
-    raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-
-
-def quantize_qk_int8(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    granularity: str = "per_block",
-    smooth_k: bool = True,
-    block_q: int = 128,
-    block_k: int = 64,
-    warp_q: int = 32,
-    softmax_scale: float | None = None,
-    layout: str = "bhsd",
-) -> QKInt8:
-    """INT8 quantization of Q and K for attention (SageAttention conventions, NUMERICS §3) — the reference.
-
-    This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
-    (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.
-
-    Args:
-        q: (B, Hq, Sq, D) for ``layout="bhsd"`` or (B, Sq, Hq, D) for ``"bshd"``; float16/bfloat16/float32.
-        k: (B, Hkv, Sk, D) / (B, Sk, Hkv, D); Hq must be divisible by Hkv.
-        granularity: ``"per_block"`` (one scale per ``block_q`` query rows) or ``"per_warp"`` (one per ``warp_q`` rows).
-        smooth_k: subtract the per-(b, h, channel) mean of K over the sequence before quantizing
-            (softmax is unchanged; the LSE shifts by q·k_mean·softmax_scale).
-        softmax_scale: default 1/sqrt(D). Q is multiplied by ``softmax_scale · log2(e)`` (float32) first.
-
-    Scales are amax / 127 over the group (amax = 0 -> 1); INT8 rounds half away from zero.
-    """
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}: expected a float16/bfloat16/float32 tensor, got {getattr(t, 'dtype', type(t))}")
-    qb, kb = _to_bhsd(q, layout, "q"), _to_bhsd(k, layout, "k")
-    B, Hq, Sq, D = qb.shape
-    if kb.shape[0] != B or kb.shape[3] != D:
-        raise ValueError(f"k: batch and head dim must match q's ({B}, {D}), got shape {tuple(k.shape)} "
-                         f"(layout {layout})")
-    Hkv = kb.shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"k: the number of query heads ({Hq}) must be divisible by the number of key/value "
-                         f"heads, got {Hkv}")
-    if granularity not in ("per_block", "per_warp"):
-        raise ValueError(f"granularity: expected 'per_block' or 'per_warp', got {granularity!r}")
-    if granularity == "per_warp" and (warp_q <= 0 or block_q % warp_q):
-        raise ValueError(f"warp_q: must divide block_q ({block_q}), got {warp_q}")
-    # the math is the attention package's (one implementation; the kernels are tested against it)
-    from ..attention.reference import quantize_qk_reference
-
-    r = quantize_qk_reference(q, k, dtype="int8", granularity=granularity, smooth_k=smooth_k, block_q=block_q,
-                              block_k=block_k, warp_q=warp_q, softmax_scale=softmax_scale, layout=layout)
-    return QKInt8(q=r.q, k=r.k, q_scale=r.q_scale, k_scale=r.k_scale, k_mean=r.k_mean, softmax_scale=r.softmax_scale,
-                  granularity=granularity, block_q=block_q, block_k=block_k, warp_q=warp_q)
-
-
-def quantize_v_fp8(v: torch.Tensor, *, layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(batch, head, channel) FP8 E4M3 quantization of V — the reference (PyTorch on any device); the Triton
-    kernels on CUDA, bit-identical to this, are behind :func:`lowbit.attention.quantize_v_fp8`.
-
-    Returns ``(v_fp8, v_scale)``: v_fp8 float8_e4m3fn in v's shape and layout; v_scale float32
-    (B, Hkv, D) = amax over the sequence / 448 (amax = 0 -> 1). v ≈ v_fp8 · v_scale.
-    """
-    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-        raise TypeError(f"v: expected a float16/bfloat16/float32 tensor, got {getattr(v, 'dtype', type(v))}")
-    _to_bhsd(v, layout, "v")  # (shape / layout checks)
-    from ..attention.reference import quantize_v_fp8_reference
-
-    return quantize_v_fp8_reference(v, layout=layout)
