@@ -18,7 +18,7 @@ import datetime
 
 import torch
 
-from . import capture, env, git_commit, median_ms
+from . import capture, git_commit, median_ms
 
 
 def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int]]:
@@ -32,7 +32,7 @@ def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int
 
 def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: int = 20) -> list[dict]:
     """Rows {case, ms, ...} for the torch baseline and each (CH, CH2, warps[, stages]) config of lowbit's kernel."""
-    from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
+    from lowbit.nn.functional import GemmLayer, record_weight_layer
     from lowbit.optim import AdamW
     from lowbit.optim.adamw import KernelConfig
     from lowbit.quant import Float8Blockwise, quantize
@@ -47,7 +47,7 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: in
     for a, b in shapes:
         p = torch.nn.Parameter(torch.randn(a, b, device=dev, generator=gen) * 0.02)
         p.grad = torch.randn(a, b, device=dev, generator=gen) * 1e-3
-        _WEIGHT_LAYERS[p] = (GemmLayer(object()), sch)
+        record_weight_layer(p, GemmLayer(object()), sch)
         ps.append(p)
     big = torch.empty(2**28, device=dev)  # 1 GiB FP32
     big2 = torch.empty_like(big)

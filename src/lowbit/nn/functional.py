@@ -67,6 +67,14 @@ def weight_layer(w: torch.Tensor):
     return _WEIGHT_LAYERS.get(w)
 
 
+def record_weight_layer(w: torch.Tensor, layer: "GemmLayer", scheme) -> None:
+    """Record that ``layer`` quantizes weight ``w`` with ``scheme`` (what a forward does; for benchmarks that step an
+    optimizer over weights no forward has seen)."""
+    if not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2):
+        raise ValueError(f"scheme: an optimizer writes 128x128 blockwise FP8 copies only, got {scheme!r}")
+    _WEIGHT_LAYERS[w] = (layer, scheme)
+
+
 class FreshWeight:
     """Quantized copies of a weight written by its optimizer in the same kernel as the update
     (:class:`lowbit.optim.AdamW`), which the forward takes instead of quantizing the weight again.

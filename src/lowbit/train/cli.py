@@ -16,7 +16,7 @@ from .report import format_table, plot_losses, table_rows, write_json
 __all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line"]
 
 
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -26,7 +26,7 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _nonneg_int(s: str) -> int:
+def nonneg_int(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -50,14 +50,14 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--recipe", default="bf16",
                    help=f"quantization recipe: {', '.join(RECIPES)} (default bf16 = no quantization)")
     g.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESET_DEFAULTS)} (default tiny)")
-    g.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    g.add_argument("--batch-size", type=_positive_int, default=None,
+    g.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    g.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch per rank (default: per preset)")
-    g.add_argument("--seq-len", type=_positive_int, default=None,
+    g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens (bytes) per sequence (default: per preset)")
-    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step (default 1)")
+    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per preset)")
-    g.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default min(100, steps/10))")
+    g.add_argument("--warmup", type=nonneg_int, default=None, help="warm-up steps (default min(100, steps/10))")
     g.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW weight decay of the matrices, >= 0 (0: off; default 0.1)")
     g.add_argument("--grad-clip", type=float, default=1.0,
@@ -68,9 +68,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="text file or folder of text files (default: the Python standard library's .py files)")
     g.add_argument("--cache-dir", default=None, help="token cache folder (default $LOWBIT_CACHE or ~/.cache/lowbit)")
     g.add_argument("--out-dir", default=None, help="checkpoint and report folder (default runs/<model>-<recipe>)")
-    g.add_argument("--eval-every", type=_positive_int, default=None, help="validate every N steps (default steps/10)")
-    g.add_argument("--eval-windows", type=_positive_int, default=64, help="validation sequences (default 64)")
-    g.add_argument("--ckpt-every", type=_nonneg_int, default=0,
+    g.add_argument("--eval-every", type=positive_int, default=None, help="validate every N steps (default steps/10)")
+    g.add_argument("--eval-windows", type=positive_int, default=64, help="validation sequences (default 64)")
+    g.add_argument("--ckpt-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (default 0: at the end only)")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
@@ -106,7 +106,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="replay the fourth step's CUDA graphs under torch.profiler; kernel times, gaps and the trace "
                         "go to DIR/<recipe>/graph_profile.json")
     # testing hooks (hidden)
-    p.add_argument("--stop-at-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stop-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(),
                    help=argparse.SUPPRESS)
     return p

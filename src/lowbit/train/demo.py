@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .cli import _positive_int, os_error_line
+from .cli import positive_int, os_error_line
 from .data import check_writable_dir
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import format_table, plot_losses, table_rows, write_json
@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(RECIPES)} (default %(default)s)")
     p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(PRESET_DEFAULTS)}); default tiny on CPU, 125m on a GPU")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="steps per recipe (default 100 on CPU, 300 on a GPU)")
-    p.add_argument("--batch-size", type=_positive_int, default=None)
-    p.add_argument("--seq-len", type=_positive_int, default=None)
-    p.add_argument("--eval-windows", type=_positive_int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=None)
+    p.add_argument("--seq-len", type=positive_int, default=None)
+    p.add_argument("--eval-windows", type=positive_int, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file or folder (default: the Python standard library)")
