@@ -33,6 +33,9 @@ import torch
 from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
 from lowbit.gemm.reference import dequantize_exact
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
+from lowbit.quant.reference import quantize_reference
+from lowbit.runtime import env
+from lowbit.runtime.autotune import forget_tuned
 from sm90_compile import compile_gluon_sm90, sm90_sass
 
 try:
@@ -161,7 +164,6 @@ def test_wgrad_mm_both_orders_bit_identical(cuda, monkeypatch):
     kernels, each forced alone and with the tuner's pick, on the 350m GPT's fc2 shape (where the order matters
     most), a 1.3b one and ragged ones; and they stay within the module's bound of the reference."""
     import lowbit.gemm as G
-    from lowbit.quant import triton_backend as tb
 
     for (M, N, K) in [(16384, 1024, 2816), (8192, 2048, 5632), (1152, 384, 640), (384, 136, 264)]:
         qdy, qx = _wgrad_operands(M, N, K, cuda, M + N)
@@ -169,9 +171,9 @@ def test_wgrad_mm_both_orders_bit_identical(cuda, monkeypatch):
         outs = []
         for cands in ([G._WGRAD_ORDERS[0]], [G._WGRAD_ORDERS[1]], list(G._WGRAD_ORDERS)):
             monkeypatch.setattr(G, "_WGRAD_ORDERS", cands)
-            monkeypatch.setattr(tb, "_TUNED", {})
-            monkeypatch.setattr(tb, "AUTOTUNE", True)
-            y = G.wgrad_mm(qdy, qx, out_dtype=torch.float32)
+            forget_tuned()
+            with env.override(LOWBIT_AUTOTUNE=True):
+                y = G.wgrad_mm(qdy, qx, out_dtype=torch.float32)
             assert y.shape == (N, K) and y.is_contiguous() and y.dtype == torch.float32
             outs.append(y)
             monkeypatch.undo()
@@ -268,7 +270,7 @@ def test_emulated_gemm_vs_reference(sa, sb, backend, cuda, monkeypatch):
     for cfg in (tb._WS_BF16_CONFIGS if core == "gluon" else [None]):
         if cfg is not None:
             monkeypatch.setattr(tb, "_WS_BF16_CONFIGS", [cfg])
-            tb._TUNED.clear()
+            forget_tuned()
         _emulated_cases(sa, sb, backend, cuda, [(2112, 2112, 192)] if cfg is not None else [])  # 153-289 tiles
 
 
@@ -298,39 +300,38 @@ def _emulated_cases(sa, sb, backend, cuda, extra_shapes):
 
 
 @pytest.mark.gpu
-def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch):
-    """LOWBIT_GEMM_TMA=1 (operand tiles by TMA descriptors; compiled for sm_90 it removes the pointer version's
+def test_triton_gemm_tma_same_as_pointers(cuda, monkeypatch, switches):
+    """LOWBIT_TMA=1 (operand tiles by TMA descriptors; compiled for sm_90 it removes the pointer version's
     register spills): the same launch config gives the pointer path's output bit for bit, ragged M/N/K tiles —
     the FP8 GEMM and the BF16 GEMM behind the dequantized NVFP4 / MXFP8 path."""
     import lowbit.gemm.triton_backend as tb
-    import lowbit.quant.triton_backend as qtb
 
-    monkeypatch.setattr(qtb, "AUTOTUNE", False)  # one launch config for both paths
+    switches(LOWBIT_AUTOTUNE=False)  # one launch config for both paths
     pairs = [(Float8Blockwise(), Float8Blockwise(block_dim=2)), (Float8Blockwise(block_dim=2), Float8Blockwise()),
              (Float8Blockwise(), Float8Blockwise(fmt="e5m2")), (Float8Tensorwise(), Float8Rowwise())]
     for (M, N, K) in [(129, 200, 384), (1000, 4096, 4096), (4096, 1000, 1040)]:
         for sa, sb in pairs:
             a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N)
-            monkeypatch.setenv("LOWBIT_GEMM_TMA", "0")
-            y0 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
-            monkeypatch.setenv("LOWBIT_GEMM_TMA", "1")
-            assert tb._tma_ok(a.rowwise.data, b.rowwise.data, K)
-            y1 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
+            with env.override(LOWBIT_TMA=False):
+                y0 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
+            with env.override(LOWBIT_TMA=True):
+                assert tb._tma_ok(a.rowwise.data, b.rowwise.data, K)
+                y1 = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="triton")
             assert torch.equal(y0, y1), (sa, sb, M, N, K)
     monkeypatch.setattr(tb, "DEQUANT_GEMM", "triton")  # the dequantized NVFP4 / MXFP8 path's BF16 GEMM
     for sa, sb in [(NVFP4(), NVFP4(two_d=True)), (MXFP8(), MXFP8())]:
         for (M, N, K) in [(272, 304, 1056), (2048, 1024, 4096)]:
             a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=K)
-            monkeypatch.setenv("LOWBIT_GEMM_TMA", "0")
-            y0 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
-            monkeypatch.setenv("LOWBIT_GEMM_TMA", "1")
-            y1 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
+            with env.override(LOWBIT_TMA=False):
+                y0 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
+            with env.override(LOWBIT_TMA=True):
+                y1 = scaled_mm(a, b, out_dtype=torch.float32, backend="triton_dequant")
             assert torch.equal(y0, y1), (sa, sb, M, N, K)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["force", "ws"])
-def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, mode):
+def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, switches, mode):
     """The Gluon kernels (wgmma of K block j+1 overlapping block j's promotion; 1x128 x 128x128 on sm_90) alone:
     ``force`` the one-tile-per-CTA kernel, ``ws`` the persistent warp-specialized one (shapes with more tiles than
     SMs, so CTAs run several tiles and the stage phases wrap). The reference's tolerance, exact on small-integer
@@ -342,11 +343,11 @@ def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, mode):
         pytest.skip("needs Gluon and an sm_90 GPU")
     if mode == "ws" and not tb.G.GLUON_WS:
         pytest.skip("this Triton's Gluon has no warp_specialize")
-    monkeypatch.setenv("LOWBIT_GEMM_GLUON", mode)
+    switches(LOWBIT_GEMM_GLUON=mode)
     for cfg in (tb._WS_CONFIGS if mode == "ws" else [None]):
         if cfg is not None:  # each warp-specialized candidate alone
             monkeypatch.setattr(tb, "_WS_CONFIGS", [cfg])
-            tb._TUNED.clear()
+            forget_tuned()
         _gluon_cases(tb, cuda)
 
 
@@ -432,18 +433,18 @@ def _interp_main() -> int:
             exact = ints and fn is scaled_mm_triton and _pow2(sa, sb)
             a, b = _operands(M, N, K, sa, sb, ac, bc, "cpu", seed=M, ints=exact)
             kw = {"out_dtype": torch.float32, **epi}
-            y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None,
-                                                     **kw})
+            with env.override(LOWBIT_TMA=False):
+                y, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None,
+                                                          **kw})
             ref, _ = scaled_mm_reference(a, b, a_copy=ac, b_copy=bc, **kw)
-            if fn in (scaled_mm_triton, scaled_mm_dequant) and K % 16 == 0:  # LOWBIT_GEMM_TMA=1: TMA tiles, same bits
+            if fn in (scaled_mm_triton, scaled_mm_dequant) and K % 16 == 0:  # LOWBIT_TMA=1: TMA tiles, same bits
                 import lowbit.gemm.triton_backend as tb
 
                 real, seen = tb._tma_ok, []
                 tb._tma_ok = lambda *args: seen.append(real(*args)) or seen[-1]
-                os.environ["LOWBIT_GEMM_TMA"] = "1"
-                y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False, "out": None,
-                                                          **kw})
-                os.environ["LOWBIT_GEMM_TMA"] = "0"
+                with env.override(LOWBIT_TMA=True):
+                    y2, _ = fn(a, b, a_copy=ac, b_copy=bc, **{"bias": None, "gelu": False, "accumulate": False,
+                                                              "out": None, **kw})
                 tb._tma_ok = real
                 if not (seen == [True] and torch.equal(y, y2)):
                     fails += 1

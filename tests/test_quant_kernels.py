@@ -21,6 +21,7 @@ import torch
 
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, backend_for, quantize
 from lowbit.quant.reference import quantize_reference
+from lowbit.runtime.autotune import forget_tuned
 from sm90_compile import compile_gluon_sm90, rowcol_regs_signature, sm90_sass
 
 HAVE_TRITON = True
@@ -196,7 +197,7 @@ def test_nvfp4_rht_every_tile_shape_bit_identical(cuda, monkeypatch):
     scheme = RHT_SCHEMES[1]
     ref = quantize_reference(x.cpu(), scheme, rowwise=False, columnwise=True, seed=11)
     for bm, bk, w in [(16, 128, 4), (32, 64, 4), (64, 16, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8)]:
-        monkeypatch.setattr(tb, "_TUNED", {})
+        forget_tuned()
         monkeypatch.setattr(tb, "_configs", lambda *a, bm=bm, bk=bk, w=w, **k: [dict(BM=bm, BK=bk, num_warps=w)])
         got = tb.quantize_triton(x, scheme, rowwise=False, columnwise=True, seed=11)
         bad = mismatches(ref, got)
@@ -301,7 +302,7 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
         for j, cfg in enumerate(cfgs):
             monkeypatch.setitem(tb._PERSISTENT, (two_d, rw, cw, dtype), [cfg])
             tb._BLOCKWISE_PLANS.clear()
-            tb._TUNED.clear()
+            forget_tuned()
             for i, shape in enumerate([(256, 384), (2048, 1152)]):
                 x = _randn(shape, dtype, cuda, seed=80 + i)
                 assert tb._blockwise_persistent_configs(x, 128, two_d, rw, cw) == [dict(cfg, KIND="pers")]
@@ -312,70 +313,7 @@ def test_blockwise_persistent_every_candidate_bit_identical(cuda, monkeypatch):
         assert not tb._blockwise_persistent_configs(base[1:1 + 256 * 384].view(256, 384), 128, two_d, rw, cw)
         assert not tb._blockwise_persistent_configs(_randn((256, 400), dtype, cuda, seed=91), 128, two_d, rw, cw)
     tb._BLOCKWISE_PLANS.clear()
-    tb._TUNED.clear()
-
-
-@pytest.mark.gpu
-def test_blockwise_gluon_every_candidate_bit_identical(cuda, monkeypatch):
-    """The Gluon TMA-pipelined 1x128 row+col quantizer (quant_gluon.rowcol_1x128_gluon, opt-in), each launch candidate
-    forced alone: one tile, fewer tiles than programs, more tiles than programs (144 > 132 SMs), a tall-narrow and a
-    wide-short panel; BF16 and FP16; E4M3 pow2, E5M2 non-pow2 and eps scales; NaN / Inf / zero tiles. The inputs it must
-    leave to blockwise_kernel (ragged, misaligned, one copy, 2D) are not routed to it."""
-    import lowbit.quant.triton_backend as tb
-
-    monkeypatch.setattr(tb, "GLUON_QUANT", True)  # (opt-in: LOWBIT_QUANT_GLUON=1)
-    monkeypatch.setattr(tb, "_regs_ok", lambda *a, **k: False)  # (it would come first)
-    if not tb._gluon_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
-        pytest.skip("Gluon quantizer not available on this GPU / Triton")
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
-    schemes = [Float8Blockwise(), Float8Blockwise(fmt="e5m2", pow2=False), Float8Blockwise(pow2=False, eps=1e-3)]
-    shapes = [(128, 128), (256, 384), (2048, 1152), (4096, 256), (128, 4096)]
-    for j, cfg in enumerate(tb._GLUON_CONFIGS):
-        monkeypatch.setattr(tb, "_GLUON_CONFIGS", [cfg])
-        for dtype in (torch.bfloat16, torch.float16):
-            for i, shape in enumerate(shapes if j == 0 else shapes[1:3]):
-                x = _randn(shape, dtype, cuda, seed=140 + i)
-                if i == 1:  # special values, and a tile of zeros (scale 1)
-                    x[0, 5], x[3, 200], x[130, 7], x[131, 8] = float("nan"), float("inf"), float("-inf"), -0.0
-                    x[128:256, 256:384] = 0
-                for sch in schemes if j == 0 else schemes[:1]:
-                    tb._BLOCKWISE_PLANS.clear()
-                    bad = compare(x, sch, True, True)
-                    plans = list(tb._BLOCKWISE_PLANS.values())
-                    assert plans and plans[-1].fn is tb._GLUON_LAUNCH, f"{cfg} {shape}: not the Gluon kernel"
-                    assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
-    x = _randn((256 * 384 + 8,), torch.bfloat16, cuda, seed=150)
-    assert not tb._gluon_ok(x[1:1 + 256 * 384].view(256, 384), 128, False, True, True)  # misaligned
-    y = _randn((256, 400), torch.bfloat16, cuda, seed=151)
-    assert not tb._gluon_ok(y, 128, False, True, True)  # ragged
-    z = y[:, :384].contiguous()
-    assert not tb._gluon_ok(z, 128, True, True, True) and not tb._gluon_ok(z, 128, False, True, False)
-    assert not tb._gluon_ok(z.float(), 128, False, True, True)
-    tb._BLOCKWISE_PLANS.clear()
-
-
-def test_blockwise_gluon_compiles_for_sm90():
-    """The Gluon quantizer compiles for Hopper (sm_90) with the installed Triton, on any machine (Triton's own
-    toolchain, no GPU): its loads are TMA, its FP8 casts the hardware's saturating ones; no register spills under
-    Triton 3.6."""
-    from lowbit.quant.kernels import quant_gluon as QG
-
-    if not QG.GLUON:
-        pytest.skip("this Triton has no Gluon")
-    sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*fp32", cq_ptr="*fp8e4nv", cs_ptr="*fp32", amax_ptr="*i32",
-               M="i32", K="i32", rs_ld="i32", cs_ld="i32", n_prog="i32", FMAX="constexpr", POW2="constexpr",
-               EPS="constexpr", STAGES="constexpr", SR="constexpr", RPT="constexpr", abs_mask="i32")
-    k = compile_gluon_sm90(QG.rowcol_1x128_gluon, sig, dict(FMAX=448.0, POW2=True, EPS=0.0, STAGES=2, SR=32, RPT=4),
-                           divisible=("M", "K"), num_warps=4)
-    ptx = k.asm["ptx"]
-    assert "cp.async.bulk.tensor.2d" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    # Spills are ptxas's decision, so they show in the SASS (STL/LDL), not in the PTX. Checked with the Triton the
-    # kernel was measured with (3.6, the GPU machine's); Triton 3.9 spills at this config's 4 warps (254 registers
-    # under 3.6), which matters only if the kernel is re-measured there.
-    got = sm90_sass(k, "3.6")
-    if got is not None:
-        assert "STL" not in got[0] and "LDL" not in got[0]  # nothing spilled to local memory
-    assert k.metadata.shared >= 2 * 128 * 128 * 2  # the two stages of input tiles
+    forget_tuned()
 
 
 # The register-tile quantizers' every-candidate tests: E4M3 pow2, E5M2 non-pow2 and eps scales; one tile, a few, many
@@ -386,7 +324,7 @@ REGS_SHAPES = [(128, 128), (256, 384), (4096, 1152), (2048, 256), (128, 2048)]
 
 def _skip_without_regs(tb, cuda):
     """Skip where the register-tile quantizers cannot run (GPU below sm_89, no Gluon)."""
-    if not tb._regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
+    if not tb.regs_ok(torch.zeros(128, 128, dtype=torch.bfloat16, device=cuda), 128, False, True, True):
         pytest.skip("register-tile quantizer not available on this GPU / Triton")
 
 
@@ -407,7 +345,7 @@ def _regs_cases(tb, x, i):
 
 
 @pytest.mark.gpu
-def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
+def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch, switches):
     """The register-tile 1x128 row+col quantizer (quant_gluon.rowcol_1x128_regs), each launch candidate forced alone:
     one tile, a few, many (4096 x 1152: 288 programs), tall-narrow and wide-short panels; BF16, FP16 and FP32; E4M3
     pow2, E5M2 non-pow2 and eps scales; NaN / Inf / -0 and a zero tile. The inputs it must leave to the other kernels
@@ -415,10 +353,10 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     _skip_without_regs(tb, cuda)
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    switches(LOWBIT_AUTOTUNE=False)
     monkeypatch.setattr(tb, "_PACKED_CONFIGS", [])  # (BF16's first candidates: their own test below)
-    for cfg in tb._REGS_CONFIGS:
-        monkeypatch.setattr(tb, "_REGS_CONFIGS", [cfg])
+    for cfg in tb.REGS_CONFIGS:
+        monkeypatch.setattr(tb, "REGS_CONFIGS", [cfg])
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for i, shape in enumerate(REGS_SHAPES):
                 x = _randn(shape, dtype, cuda, seed=160 + i)
@@ -432,15 +370,15 @@ def test_blockwise_regs_every_candidate_bit_identical(cuda, monkeypatch):
                     # the plan is cached under its own key (shape first), so the next call finds it, not rebuilds it
                     assert [k[:3] for k in tb._BLOCKWISE_PLANS] == [(*shape, dtype)]
     y = _randn((256, 400), torch.bfloat16, cuda, seed=171)
-    assert not tb._regs_ok(y, 128, False, True, True)  # ragged
+    assert not tb.regs_ok(y, 128, False, True, True)  # ragged
     z = y[:, :384].contiguous()
-    assert not tb._regs_ok(z, 128, True, True, True) and not tb._regs_ok(z, 128, False, True, False)
-    assert not tb._regs_ok(z, 64, False, True, True)
+    assert not tb.regs_ok(z, 128, True, True, True) and not tb.regs_ok(z, 128, False, True, False)
+    assert not tb.regs_ok(z, 64, False, True, True)
     tb._BLOCKWISE_PLANS.clear()
 
 
 @pytest.mark.gpu
-def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
+def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch, switches):
     """The BF16-pair form of the register-tile quantizer (quant_gluon.rowcol_1x128_regs_packed), each candidate forced
     alone, bit for bit against the reference: the shapes of the test above, E4M3 pow2, E5M2 non-pow2 and eps scales;
     NaN (three patterns), +-Inf, -0, subnormals, the largest finite BF16 and a zero tile, in even and odd columns
@@ -448,7 +386,7 @@ def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     _skip_without_regs(tb, cuda)
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    switches(LOWBIT_AUTOTUNE=False)
     for cfg in tb._PACKED_CONFIGS:
         monkeypatch.setattr(tb, "_PACKED_CONFIGS", [cfg])
         for i, shape in enumerate(REGS_SHAPES):
@@ -472,7 +410,7 @@ def test_blockwise_regs_packed_every_candidate_bit_identical(cuda, monkeypatch):
     # same shape ran aligned (the plan is keyed on it)
     base = _randn((256 * 384 + 8,), torch.bfloat16, cuda, seed=191)
     for off in (0, 1, 4, 8):
-        tb._TUNED.clear()
+        forget_tuned()
         x = base[off:off + 256 * 384].view(256, 384)
         assert not compare(x, Float8Blockwise(), True, True), f"offset {off}"
         plan = [p for k, p in tb._BLOCKWISE_PLANS.items() if k[-1] == (off % 8 == 0)][-1]
@@ -522,7 +460,7 @@ def test_amax_arena_in_a_cuda_graph(cuda):
     output equals the reference bit for bit — amax included, on a second replay whose maxima are far below the
     first's (an accumulator not re-zeroed would keep the first replay's). Padded grids and a full arena fall back to
     their own zero-filled buffers; outside a capture the arena is not touched."""
-    import lowbit.quant.triton_backend as tb
+    from lowbit.runtime import amax_arena as AA
 
     cases = [((512, 384), torch.bfloat16, Float8Blockwise()),  # 1x128, whole tiles (the register-tile kernel)
              ((512, 512), torch.float32, Float8Blockwise(block_dim=2)),  # the weights of Float8BlockScaling
@@ -533,8 +471,8 @@ def test_amax_arena_in_a_cuda_graph(cuda):
     xs = [torch.zeros(shape, dtype=dt, device=cuda) for shape, dt, _ in cases]
     for x, (shape, dt, sch) in zip(xs, cases):  # warm-up outside the capture: tuning, plans
         quantize(x.copy_(_randn(shape, dt, cuda, seed=7)), sch, rowwise=True, columnwise=True)
-    arena = tb.AmaxArena(3, cuda)
-    with tb.amax_arena(arena):  # not capturing: no slots taken
+    arena = AA.AmaxArena(3, cuda)
+    with AA.amax_arena(arena):  # not capturing: no slots taken
         quantize(xs[0], cases[0][2], rowwise=True, columnwise=True)
     assert arena.used == 0
     side = torch.cuda.Stream(cuda)
@@ -542,12 +480,12 @@ def test_amax_arena_in_a_cuda_graph(cuda):
     def capture_and_replay(slots, seed):
         """Capture every case's quantize under an arena of `slots`, then replay twice (maxima 1000x lower the
         second time) and check every output against the reference."""
-        arena = tb.AmaxArena(slots, cuda)
+        arena = AA.AmaxArena(slots, cuda)
         side.wait_stream(torch.cuda.current_stream(cuda))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side), torch.cuda.graph(g):
             arena.reset()
-            with tb.amax_arena(arena):
+            with AA.amax_arena(arena):
                 outs = [quantize(x, sch, rowwise=True, columnwise=True) for x, (_, _, sch) in zip(xs, cases)]
         torch.cuda.current_stream(cuda).wait_stream(side)
         for rep, scale in ((0, 1.0), (1, 1e-3)):
@@ -570,33 +508,32 @@ def test_amax_arena_in_a_cuda_graph(cuda):
 def test_amax_arena_bookkeeping():
     """AmaxArena hands out consecutive zeroed (1,) int32 slots on its own device only, counts the calls that found it
     full, and rejects a non-positive size; amax_arena restores the previous arena on exit."""
-    import lowbit.quant.triton_backend as tb
+    from lowbit.runtime import amax_arena as AA
 
-    a = tb.AmaxArena(2, "cpu")
+    a = AA.AmaxArena(2, "cpu")
     s0, s1 = a.take(torch.device("cpu")), a.take(torch.device("cpu"))
     assert s0.dtype == torch.int32 and s0.shape == (1,) and s1.data_ptr() == s0.data_ptr() + 4 and int(s1) == 0
     assert a.take(torch.device("cpu")) is None and a.missed == 1
-    assert tb.AmaxArena(1, "cpu").take(torch.device("meta")) is None
+    assert AA.AmaxArena(1, "cpu").take(torch.device("meta")) is None
     with pytest.raises(ValueError, match="positive int"):
-        tb.AmaxArena(0, "cpu")
-    b = tb.AmaxArena(1, "cpu")
-    with tb.amax_arena(a):
-        with tb.amax_arena(b):
-            assert tb._ARENA[0] is b
-        assert tb._ARENA[0] is a
-        assert tb._arena_slot(torch.device("cpu")) is None  # CPU tensors: never a slot
-    assert tb._ARENA[0] is None
+        AA.AmaxArena(0, "cpu")
+    b = AA.AmaxArena(1, "cpu")
+    with AA.amax_arena(a) as got_a:
+        with AA.amax_arena(b) as got_b:
+            assert got_b is b
+        assert got_a is a
+        assert AA.arena_slot(torch.device("cpu")) is None  # CPU tensors: never a slot
 
 
 @pytest.mark.gpu
-def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch):
+def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch, switches):
     """The MXFP8 register-tile quantizer (quant_gluon.mxfp8_rowcol_regs), each candidate forced alone, against the
     reference: BF16 / FP16 / FP32, E4M3 and E5M2, one tile to many, NaN / Inf / -0, a zero block, subnormal and
     huge blocks (codes clamped); the shapes it must leave to mxfp8_kernel (ragged, one copy) still exact."""
     import lowbit.quant.triton_backend as tb
 
     _skip_without_regs(tb, cuda)
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    switches(LOWBIT_AUTOTUNE=False)
     launched = []
     orig = tb.QG.mxfp8_rowcol_regs
 
@@ -618,17 +555,17 @@ def test_mxfp8_regs_every_candidate_bit_identical(cuda, monkeypatch):
                     x[96:128, 32:64] *= 1e30 if dtype == torch.float32 else 1e3
                 for sch in (MXFP8(), MXFP8(fmt="e5m2")) if i < 2 else (MXFP8(),):
                     n = len(launched)
-                    tb._TUNED.clear()
+                    forget_tuned()
                     bad = compare(x, sch, True, True)
                     assert len(launched) == n + 1, f"{cfg} {shape}: not the register-tile kernel"
                     assert not bad, f"{sch} {shape} {dtype} {cfg}: {bad}"
     n = len(launched)
     for shape, rw, cw in [((160, 256), True, True), ((256, 384), True, False), ((256, 384), False, True)]:
-        tb._TUNED.clear()
+        forget_tuned()
         bad = compare(_randn(shape, torch.bfloat16, cuda, seed=190), MXFP8(), rw, cw)
         assert not bad, (shape, rw, cw, bad)
     assert len(launched) == n
-    tb._TUNED.clear()
+    forget_tuned()
 
 
 def test_blockwise_regs_compiles_for_sm90():
@@ -659,7 +596,7 @@ def test_blockwise_regs_compiles_for_sm90():
     k = compile_gluon_sm90(QG.rowcol_1x128_regs, sig, const, divisible=("M", "K", "rs_ld", "cs_ld"), num_warps=8,
                            maxnreg=128)
     ptx = k.asm["ptx"]
-    # the sigmoid as two MUFU operations (quant._sigmoid), without the non-ftz range fix-ups of tl.exp / division
+    # the sigmoid as two MUFU operations (quant.sigmoid), without the non-ftz range fix-ups of tl.exp / division
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
     assert "div.full.f32" not in ptx and "div.rn.f32" not in ptx and "ex2.approx.f32" not in ptx
     assert ptx.count("st.global.v2.b32") == 16 and ptx.count("ld.global.v4.b32") == 24
@@ -704,7 +641,7 @@ def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
     monkeypatch.setattr(tb, "_persistent_ok", lambda *a, **k: False)
-    monkeypatch.setattr(tb, "_regs_ok", lambda *a, **k: False)
+    monkeypatch.setattr(tb, "regs_ok", lambda *a, **k: False)
     orig = tb._blockwise_configs
     for dtype in (torch.bfloat16, torch.float32):
         for i, shape in enumerate([(256, 384), (129, 257)]):  # whole tiles (EVEN), ragged
@@ -714,11 +651,11 @@ def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
                     for cfg in orig(*shape, 128, sch.block_dim == 2, rw, cw, dtype):
                         monkeypatch.setattr(tb, "_blockwise_configs", lambda *a, cfg=cfg, **k: [cfg])
                         tb._BLOCKWISE_PLANS.clear()
-                        tb._TUNED.clear()
+                        forget_tuned()
                         bad = compare(x, sch, rw, cw)
                         assert not bad, f"{sch} {shape} {dtype} rowwise={rw} columnwise={cw} {cfg}: {bad}"
     tb._BLOCKWISE_PLANS.clear()
-    tb._TUNED.clear()
+    forget_tuned()
 
 
 @pytest.mark.gpu
@@ -760,12 +697,12 @@ def test_triton_backend_rejects_bad_input_clearly():
 
 
 # ------------------------------------------------------------------------------------------------
-# The scale rule (_compute_scale / _recip) alone: the division-free power-of-two path against the reference
+# The scale rule (compute_scale / recip) alone: the division-free power-of-two path against the reference
 # ------------------------------------------------------------------------------------------------
 if HAVE_TRITON:
     import triton.language as tl
 
-    from lowbit.quant.kernels.quant import _compute_scale, _recip
+    from lowbit.quant.kernels.quant import compute_scale, recip
 
     @triton.jit
     def _scale_rule_kernel(a_ptr, s_ptr, si_ptr, N, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr,
@@ -773,9 +710,9 @@ if HAVE_TRITON:
         """The quantizers' own scale helpers applied to a vector of amax values."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         a = tl.load(a_ptr + offs, mask=offs < N, other=0.0)
-        s = _compute_scale(a, FMAX, POW2, EPS)
+        s = compute_scale(a, FMAX, POW2, EPS)
         tl.store(s_ptr + offs, s, mask=offs < N)
-        tl.store(si_ptr + offs, _recip(s, POW2, FMAX), mask=offs < N)
+        tl.store(si_ptr + offs, recip(s, POW2, FMAX), mask=offs < N)
 
 
 def _scale_rule_amaxes(n_random: int) -> torch.Tensor:
@@ -822,7 +759,7 @@ def _scale_rule_mismatches(device) -> list:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_scale_rule_in_interpreter_matches_reference():
-    """_compute_scale and _recip (the power-of-two path takes no division: exponent arithmetic on the bits) give the
+    """compute_scale and recip (the power-of-two path takes no division: exponent arithmetic on the bits) give the
     reference's scale and 1/scale bit for bit on every exponent and at the rounding boundary of each FMAX."""
     _run_interp("--interp-scales")
 
@@ -931,14 +868,14 @@ def _interp_persistent_main() -> int:  # runs in the subprocess
                     for prefetch in (1, 2):
                         x = _randn(shape, dtype, "cpu", seed=n)
                         M, Kd = shape
-                        plan = tb._BlockwisePlan(M, Kd, sch, rw, cw, x.device)
-                        bufs = tb._blockwise_buffers(plan, sch.format, x.device, rw, cw)
+                        plan = tb.BlockwisePlan(M, Kd, sch, rw, cw, x.device)
+                        bufs = tb.blockwise_buffers(plan, sch.format, x.device, rw, cw)
                         bm = 64 if sch.block_dim == 1 and not cw else 128
-                        QK.blockwise_persistent_kernel[(2,)](x, *tb._blockwise_args(plan, *bufs), 2,
+                        QK.blockwise_persistent_kernel[(2,)](x, *tb.blockwise_args(plan, *bufs), 2,
                                                              **dict(plan.kw, BM=bm, PREFETCH=prefetch,
                                                                     EVEN=M % bm == 0 and Kd % 128 == 0))
                         got = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=sch)
-                        tb._set_copies(got, *bufs)
+                        tb.set_copies(got, *bufs)
                         bad = mismatches(quantize_reference(x, sch, rowwise=rw, columnwise=cw), got)
                         n += 1
                         if bad:

@@ -12,10 +12,12 @@ import torch
 
 import lowbit
 from lowbit import recipes
+from lowbit.runtime import env
 
 
 def _run(m, x, dy, recipe, fused: bool, autocast16: bool):
-    os.environ["LOWBIT_FUSED_SWIGLU_QUANT"] = "1" if fused else "0"
+    unfuse = env.override(LOWBIT_UNFUSE="" if fused else "swiglu_quant")
+    unfuse.__enter__()
     try:
         for p in m.parameters():
             p.grad = None
@@ -34,7 +36,7 @@ def _run(m, x, dy, recipe, fused: bool, autocast16: bool):
             F_._SwiGLUMLPFn.apply = real
         return [y.detach(), xx.grad] + [p.grad for p in m.parameters()], len(calls)
     finally:
-        os.environ.pop("LOWBIT_FUSED_SWIGLU_QUANT", None)
+        unfuse.__exit__(None, None, None)
 
 
 CASES = [((3, 43), 256, 128, False, "RMSNorm", torch.bfloat16, False),

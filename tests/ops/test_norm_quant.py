@@ -12,6 +12,8 @@ from interp_helper import run_interpreted
 import lowbit
 from lowbit import recipes
 from lowbit.quant.schemes import Float8Blockwise, Float8Tensorwise
+from lowbit.runtime.autotune import forget_tuned
+from lowbit.runtime import env
 
 NQ = importlib.import_module("lowbit.ops.norm_quant")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -53,34 +55,34 @@ def check_every_candidate(device):
     Gluon the register-tile kernel's (both copies of whole tiles only)."""
     from lowbit.quant import triton_backend as tb
 
-    qc, rc, regs = NQ._quant_configs, NQ.row_reduce_configs, tb._REGS_CONFIGS
+    qc, rc, regs = NQ._quant_configs, NQ.row_reduce_configs, NQ.REGS_CONFIGS
     try:
-        tb._REGS_CONFIGS = []
+        NQ.REGS_CONFIGS = []
         for rw, cw in COPIES:
             for cfg in qc(rw, cw):
                 NQ._quant_configs = lambda r, c, cfg=cfg: [cfg]
-                tb._TUNED.clear()
+                forget_tuned()
                 check_kernel(device, [(200, 384), (256, 256)], (Float8Blockwise(),))
-        if tb._regs_ok(torch.zeros(128, 128, device=device), 128, False, True, True):
+        if tb.regs_ok(torch.zeros(128, 128, device=device), 128, False, True, True):
             NQ._quant_configs = lambda r, c: []
             for cfg in regs:
-                tb._REGS_CONFIGS = [cfg]
-                tb._TUNED.clear()
+                NQ.REGS_CONFIGS = [cfg]
+                forget_tuned()
                 for shape in ((256, 256), (384, 1024), (3, 128, 256)):
                     x, w = _inputs(shape, device, seed=7)
                     q, rstd = NQ.rmsnorm_quantize_1x128(x, w, 1e-5, Float8Blockwise())
                     ref = NQ.rmsnorm_quantize_reference(x.cpu(), w.cpu(), rstd.cpu(), Float8Blockwise())
                     bad = mismatches(ref, q)
                     assert not bad, (shape, cfg, bad)
-        tb._REGS_CONFIGS = regs
+        NQ.REGS_CONFIGS = regs
         NQ._quant_configs = qc
         for cfg in rc(2048):
             NQ.row_reduce_configs = lambda k, cfg=cfg: [cfg]
-            tb._TUNED.clear()
+            forget_tuned()
             check_kernel(device, [(200, 384), (64, 2048), (3, 1000)], (Float8Blockwise(),))
     finally:
-        NQ._quant_configs, NQ.row_reduce_configs, tb._REGS_CONFIGS = qc, rc, regs
-        tb._TUNED.clear()
+        NQ._quant_configs, NQ.row_reduce_configs, NQ.REGS_CONFIGS = qc, rc, regs
+        forget_tuned()
     print("ok")
 
 
@@ -125,10 +127,10 @@ def test_bad_input_and_fusability(monkeypatch):
     assert not NQ.norm_quant_fusable(x, torch.ones(128), Float8Blockwise())
     assert not NQ.norm_quant_fusable(x.t(), torch.ones(4), Float8Blockwise())  # not contiguous
     assert not NQ.norm_quant_fusable(torch.zeros(0, 256), w, Float8Blockwise())
-    monkeypatch.setenv("LOWBIT_FUSED_NORM_QUANT", "0")
-    assert not NQ.norm_quant_fusable(x, w, Float8Blockwise())
-    with pytest.raises(NotImplementedError, match="LOWBIT_FUSED_NORM_QUANT=0"):
-        NQ.rmsnorm_quantize_1x128(x, w, 1e-5, Float8Blockwise())
+    with env.override(LOWBIT_UNFUSE="norm_quant"):
+        assert not NQ.norm_quant_fusable(x, w, Float8Blockwise())
+        with pytest.raises(NotImplementedError, match="LOWBIT_UNFUSE has norm_quant"):
+            NQ.rmsnorm_quantize_1x128(x, w, 1e-5, Float8Blockwise())
     monkeypatch.undo()
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not NQ.norm_quant_fusable(x, w, Float8Blockwise())  # a CPU tensor without the interpreter
@@ -140,7 +142,8 @@ def test_bad_input_and_fusability(monkeypatch):
 def _run(m, x, dy, fused: bool):
     """(output, input grad, parameter grads) of m under fp8-block with the fusion on or off, and how many fused
     norm+quantize calls ran."""
-    os.environ["LOWBIT_FUSED_NORM_QUANT"] = "1" if fused else "0"
+    unfuse = env.override(LOWBIT_UNFUSE="" if fused else "norm_quant")
+    unfuse.__enter__()
     calls = []
     real = NQ.rmsnorm_quantize_1x128
     NQ.rmsnorm_quantize_1x128 = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -155,7 +158,7 @@ def _run(m, x, dy, fused: bool):
         return y.detach(), xx.grad, {n: p.grad for n, p in m.named_parameters()}, len(calls)
     finally:
         NQ.rmsnorm_quantize_1x128 = real
-        os.environ.pop("LOWBIT_FUSED_NORM_QUANT", None)
+        unfuse.__exit__(None, None, None)
 
 
 def _composed(m, x):

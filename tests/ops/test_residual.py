@@ -12,6 +12,8 @@ from interp_helper import run_interpreted
 
 import lowbit
 from lowbit import recipes
+from lowbit.runtime.autotune import forget_tuned
+from lowbit.runtime import env
 
 R = importlib.import_module("lowbit.ops.residual")
 NQ = importlib.import_module("lowbit.ops.norm_quant")
@@ -42,17 +44,16 @@ def check_kernel(device, shapes=SHAPES):
 
 
 def check_every_candidate(device):
-    from lowbit.quant import triton_backend as tb
 
     orig = R.row_reduce_configs
     try:
         for cfg in orig(2048):
             R.row_reduce_configs = lambda K, cfg=cfg: [cfg]
-            tb._TUNED.clear()
+            forget_tuned()
             check_kernel(device, [(130, 200), (64, 2048), (3, 1000)])
     finally:
         R.row_reduce_configs = orig
-        tb._TUNED.clear()
+        forget_tuned()
     print("ok")
 
 
@@ -71,14 +72,13 @@ def check_gpt(device):
              for mod in m.modules() if isinstance(mod, (lowbit.nn.LayerNormLinear, lowbit.nn.LayerNormMLP))]
     res = []
     for fused in (True, False):
-        os.environ["LOWBIT_FUSED_RESIDUAL"] = "1" if fused else "0"
         seen.clear()
         m.zero_grad()
-        with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
-            _, loss = m(idx[:, :-1], idx[:, 1:])
-        loss.backward()
+        with env.override(LOWBIT_UNFUSE="" if fused else "residual"):
+            with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+                _, loss = m(idx[:, :-1], idx[:, 1:])
+            loss.backward()
         res.append((loss.detach(), [p.grad.clone() for p in m.parameters()], list(seen)))
-    os.environ.pop("LOWBIT_FUSED_RESIDUAL", None)
     for h in hooks:
         h.remove()
     # qkv of block 0 computes its own; then mlp, qkv, mlp, qkv, mlp get statistics from the residual adds
@@ -189,17 +189,16 @@ def check_linked_autograd(device, recipe=None):
 
 
 def check_norm_backward_candidates(device):
-    from lowbit.quant import triton_backend as tb
 
     orig = R._bwd_configs
     try:
         for cfg in orig(2048):
             R._bwd_configs = lambda K, cfg=cfg: [dict(cfg, BLOCK_K=max(16, R.triton.next_power_of_2(K)))]
-            tb._TUNED.clear()
+            forget_tuned()
             check_norm_backward(device, [(130, 1000), (1000, 2048)])
     finally:
         R._bwd_configs = orig
-        tb._TUNED.clear()
+        forget_tuned()
     print("ok")
 
 
@@ -271,7 +270,7 @@ def test_norm_backward_against_torch_gpu(cuda):
 
 
 def check_gpt_linked(device):
-    """A GPT with the norms' backward fused into the residual adds (LOWBIT_FUSED_NORM_BACKWARD=1, the default)
+    """A GPT with the norms' backward fused into the residual adds (not in LOWBIT_UNFUSE, the default)
     against without: the same loss bit for bit (the forward does not change), every gradient to FP32 rounding; under
     fp8-block (norm inside the quantizer) and with lowbit's autocast off (torch's RMSNorm forward). Every norm after
     the first hands its gradient over (5 of 6 in 3 blocks)."""
@@ -284,9 +283,10 @@ def check_gpt_linked(device):
     for recipe in (recipes.Float8BlockScaling(), None):
         res = []
         for on in ("1", "0"):
-            os.environ["LOWBIT_FUSED_NORM_BACKWARD"] = on
             used = []
             R.NormGradLink.take = lambda self: (used.append(1), take(self))[1]
+            unfuse = env.override(LOWBIT_UNFUSE="" if on == "1" else "norm_backward")
+            unfuse.__enter__()
             try:
                 m.zero_grad()
                 with lowbit.autocast(enabled=recipe is not None, recipe=recipe or recipes.Float8BlockScaling()):
@@ -294,7 +294,7 @@ def check_gpt_linked(device):
                 loss.backward()
             finally:
                 R.NormGradLink.take = take
-                os.environ.pop("LOWBIT_FUSED_NORM_BACKWARD", None)
+                unfuse.__exit__(None, None, None)
             res.append((loss.detach(), [p.grad.clone() for p in m.parameters()], len(used)))
         assert res[0][2] == 5 and res[1][2] == 0, (res[0][2], res[1][2])
         assert torch.equal(res[0][0], res[1][0])
@@ -366,8 +366,8 @@ def test_fallback_and_bad_input(monkeypatch):
     assert not R.residual_add_supported(x, y[:, :32])
     assert not R.residual_add_supported(x, y.t().contiguous().t())  # not contiguous
     assert not R.residual_add_supported(x, y.to(torch.int32))
-    monkeypatch.setenv("LOWBIT_FUSED_RESIDUAL", "0")
-    assert not R.residual_add_supported(x, y)
+    with env.override(LOWBIT_UNFUSE="residual"):
+        assert not R.residual_add_supported(x, y)
     for bad in (0.0, -1.0, True, "1e-5"):
         with pytest.raises(ValueError, match="rms_eps"):
             R.residual_add(x, y, rms_eps=bad)

@@ -97,17 +97,16 @@ def _bwd_case(B, T, H, D, dtype, device, seed, tab_extra=5):
 
 
 @pytest.mark.gpu
-def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch):
+def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch, switches):
     """rope_backward_quantize_1x128, each candidate forced alone, equals RoPE's backward kernel (through autograd)
     followed by the reference 1x128 quantizer, bit for bit (data, scales, amax): head dims 64 and 128, BF16 and
     FP16, sequences shorter than a tile (T = 64: a tile's rows wrap into the next sequence's table rows), tables
     longer than T, several heads and batches, E4M3 pow2 and E5M2 non-pow2 scales."""
     import lowbit.ops.rope as R
-    import lowbit.quant.triton_backend as tb
     from lowbit.quant import Float8Blockwise
     from lowbit.quant.reference import quantize_reference
 
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    switches(LOWBIT_AUTOTUNE=False)
     configs = list(R._ROPE_BWD_CONFIGS)
     cases = [(2, 128, 16, 128, torch.bfloat16), (1, 384, 2, 64, torch.bfloat16), (4, 64, 2, 128, torch.float16),
              (3, 256, 6, 64, torch.bfloat16)]
@@ -134,9 +133,9 @@ def test_backward_quantize_every_candidate_bit_identical(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpt_fused_rope_backward_matches_unfused(cuda, monkeypatch):
+def test_gpt_fused_rope_backward_matches_unfused(cuda, switches):
     """A GPT step under fp8-block: every parameter gradient with RoPE's backward inside qkv's grad_output
-    quantizer equals the unfused path's (LOWBIT_FUSED_ROPE_BWD_QUANT=0) bit for bit, and the fused path ran (the
+    quantizer equals the unfused path's (LOWBIT_UNFUSE=rope_bwd_quant) bit for bit, and the fused path ran (the
     qkv layers took the handed-over gradient)."""
     import lowbit
     from lowbit import recipes
@@ -145,7 +144,7 @@ def test_gpt_fused_rope_backward_matches_unfused(cuda, monkeypatch):
     cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=256, ffn_hidden=512, max_seq_len=256)
     grads = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("LOWBIT_FUSED_ROPE_BWD_QUANT", fused)
+        switches(LOWBIT_UNFUSE="" if fused == "1" else "rope_bwd_quant")
         torch.manual_seed(0)
         model = GPT(cfg).to(cuda)
         idx = torch.randint(0, 256, (2, 257), device=cuda, generator=torch.Generator(cuda).manual_seed(1))

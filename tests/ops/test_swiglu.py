@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lowbit.ops.swiglu import swiglu, swiglu_reference
+from lowbit.runtime.autotune import forget_tuned
 
 
 def _bound(ref, dtype, k=1):
@@ -71,13 +72,12 @@ def _fused_quant_cases(device, cases, force=None):
     bit: data, scales (storage layout), amax. ``force``: launch only this candidate config (no tuning)."""
     from lowbit import quantize
     from lowbit.ops.swiglu import swiglu_quantize_1x128
-    from lowbit.quant import triton_backend as tb
     from lowbit.quant.schemes import Float8Blockwise
 
     if force is not None:
         S = importlib.import_module("lowbit.ops.swiglu")
         S._swiglu_quant_candidates = lambda *a: [force]
-        tb._TUNED.clear()
+        forget_tuned()
 
     for (lead, F, dtype, fmt, rowwise, columnwise) in cases:
         g = torch.Generator().manual_seed(F + sum(lead))
@@ -161,13 +161,12 @@ def test_fused_quant_gpu(cuda):
 def test_fused_quant_every_candidate_gpu(cuda, monkeypatch):
     """Each launch config the autotuner may pick, forced alone, bit-identical to the reference."""
     S = importlib.import_module("lowbit.ops.swiglu")
-    from lowbit.quant import triton_backend as tb
 
     for dtype in (torch.bfloat16, torch.float16):
         # (128 rows: the register-tile quantizer's candidates too, which take both copies of whole 128-row tiles)
         u = torch.empty(128, 256, dtype=dtype, device=cuda)
         for cfg in S._swiglu_quant_candidates(u, S._regs_runs(u, True, True)):
-            monkeypatch.setattr(tb, "_TUNED", {})
+            forget_tuned()
             monkeypatch.setattr(S, "_swiglu_quant_candidates", lambda *a, cfg=cfg: [cfg])
             cases = [c for c in GPU_FUSED_CASES + REGS_CASES if c[2] == dtype]
             if cfg.get("KIND") in ("regs", "packed"):
@@ -250,7 +249,7 @@ def test_backward_fused_quant_every_candidate_gpu(cuda, monkeypatch):
                                                    torch.empty(128, 128, dtype=torch.bfloat16, device=cuda),
                                                    Float8Blockwise())
     for cfg in list(S._SWIGLU_BWD_CONFIGS):
-        monkeypatch.setattr(tb, "_TUNED", {})
+        forget_tuned()
         monkeypatch.setattr(S, "_SWIGLU_BWD_CONFIGS", [cfg])
         _bwd_fused_cases(cuda, BWD_CASES)
         monkeypatch.undo()

@@ -271,7 +271,7 @@ def test_kernel_compiles_for_sm90():
     from sm90_compile import sm90_sass
 
     from lowbit.optim import kernels as K
-    from lowbit.optim.adamw import _config
+    from lowbit.optim.adamw import KernelConfig
 
     fn = K.adamw_fp8_128x128_kernel
     ptrs = dict(tab_ptr="*i64", lr_ptr="*fp32", gs_ptr="*fp32", fi_ptr="*fp32")
@@ -279,7 +279,8 @@ def test_kernel_compiles_for_sm90():
     sig = {n: ptrs.get(n) or ("constexpr" if "constexpr" in str(p.annotation) else "i64" if n.endswith("_bits")
                               else "i32")
            for n, p in inspect.signature(fn.fn).parameters.items()}
-    ch, ch2, warps, ns = _config()
+    kc = KernelConfig()
+    ch, ch2, warps, ns = kc.rows_update, kc.rows_cast, kc.num_warps, kc.stages
     const = dict(FMAX=448.0, EMIN=-6, MBITS=3, POW2=True, EPS=0.0, SW=False, E5M2=False, ADAM=True, LR_PTR=True,
                  HAS_GS=True, HAS_FI=True, WD=True, CH=ch, CH2=ch2, EVEN=True, NS=ns)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

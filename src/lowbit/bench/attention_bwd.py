@@ -86,70 +86,10 @@ def _per_kernel(fns, names, n_calls, tag):
               + (f" ({100 * (tot / sum(base.values()) - 1):+.2f}%)" if base else ""), flush=True)
 
 
-def _case(args, b, h, s, d, causal, fmt, rows):
-    """Times every backward variant on one shape and appends its rows; the inputs die with this frame."""
-    import torch
-    from torch.nn.attention import SDPBackend
-
-    from ..attention import backward as BW
-
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, lse = BW.attention_forward(q, k, v, causal=causal)
-    fl = flops_bwd(b, h, s, d, causal)
-    fns, grads = {}, {}
-    for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            fns[name], grads[name] = _sdpa_bwd_fn(q, k, v, do, causal, be)
-        except Exception as e:  # backend not available for this shape / build
-            print(f"# {name} unavailable: {type(e).__name__}: {str(e)[:120]}")
-    fmax = {"e4m3": 448.0, "e5m2": 57344.0}
-    variants = [("lowbit_bf16", {}), ("lowbit_fp8_e4m3_rowscale", {"grad_format": "e4m3"}),
-                ("lowbit_fp8_e4m3_tensorscale", {"grad_format": "e4m3", "scales": tuple(
-                    torch.full((1,), fmax["e4m3"] / 4.0, device="cuda") for _ in range(3))})]
-    if args.tma:  # each lowbit variant also with its tiles loaded by TMA descriptors (opt-in switch)
-        variants += [(name + "_tma", dict(kw, _tma=True)) for name, kw in variants]
-    for name, kw in variants:
-        kw = dict(kw)
-        tma = "1" if kw.pop("_tma", False) else "0"
-
-        def fn(kw=kw, tma=tma):
-            with env("LOWBIT_ATTN_BWD_TMA", tma):
-                return BW.backward(do, q, k, v, o, lse, causal=causal, **kw)
-        g = fn()  # compiles (and autotunes) outside the timed rounds
-        grads[name] = tuple(x.dequantize() if hasattr(x, "dequantize") else x for x in g)
-        fns[name] = fn
-    names = list(fns)
-    times = {n: [] for n in names}
-    for r in range(args.rounds):
-        for i in range(len(names)):
-            n = names[(i + r) % len(names)]
-            times[n].append(median_ms(fns[n], rep=args.rep))
-    med = {n: statistics.median(t) for n, t in times.items()}
-    for name in names:
-        ms, t = med[name], times[name]
-        paired = ([a / c for a, c in zip(times["lowbit_bf16"], t)] if "lowbit_bf16" in times else None)
-        r = dict(B=b, H=h, S=s, D=d, causal=causal, variant=name, ms=ms, times=t,
-                 spread=(max(t) - min(t)) / ms, tflops=fl / ms / 1e9,
-                 vs_flash=(med["sdpa_flash"] / ms) if "sdpa_flash" in med else None,
-                 vs_cudnn=(med["sdpa_cudnn"] / ms) if "sdpa_cudnn" in med else None,
-                 vs_bf16=statistics.median(paired) if paired else None,
-                 vs_bf16_min=min(paired) if paired else None, vs_bf16_max=max(paired) if paired else None,
-                 nrmse_dq_vs_flash=(_nrmse(grads[name][0], grads["sdpa_flash"][0])
-                                    if "sdpa_flash" in grads else None))
-        rows.append(r)
-        vb = "-" if not paired else f"{r['vs_bf16']:.3f} ({r['vs_bf16_min']:.3f}..{r['vs_bf16_max']:.3f})"
-        print(f"| {b} | {h} | {s} | {d} | {causal} | {name} | {ms:.3f} | {100 * r['spread']:.1f}% | "
-              f"{r['tflops']:.0f} | {fmt(r['vs_flash'], '.2f')} | {fmt(r['vs_cudnn'], '.2f')} | {vb} | "
-              f"{fmt(r['nrmse_dq_vs_flash'], '.2e')} |", flush=True)
-    if args.per_kernel:
-        _per_kernel(fns, [n for n in names if n.startswith("lowbit")], args.per_kernel, (b, h, s, d, causal))
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="lowbit bench attention --backward", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument("--shapes", default=None, help="B,H,S,D;B,H,S,D;... (default: the three SHAPES)")
+    ap.add_argument("--shapes", default=None, help="B,H,S,D;B,H,S,D;... (default: the issue's three)")
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -160,6 +100,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch
     import triton
+    from torch.nn.attention import SDPBackend
+
+    from ..attention import backward as BW
 
     if not torch.cuda.is_available():
         print("attention_bwd bench needs a CUDA GPU", file=sys.stderr)

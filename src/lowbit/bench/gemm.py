@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from . import env, git_commit, median_ms, table_main
+from ..runtime.env import override
+from . import git_commit, median_ms, table_main
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
 
@@ -65,19 +66,19 @@ def _run_shape(M, K, N, rep, rows):
                                                                  qb.logical_scales().t()), rep)
     except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
         print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
-    # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_GEMM_TMA, the default)
+    # pointer tiles, then the same kernel with TMA operand tiles (LOWBIT_TMA, the default)
     # and the Gluon kernel among the TMA candidates (LOWBIT_GEMM_GLUON=1, the default)
     # and each Gluon kernel alone: one tile a CTA ("force"), persistent warp-specialized ("ws")
     for name, tma, gl in (("lowbit triton blockwise", "0", "0"), ("lowbit triton blockwise (TMA, no Gluon)", "1", "0"),
                           ("lowbit triton blockwise (TMA + Gluon)", "1", "1"), ("lowbit Gluon, one tile a CTA", "1",
                                                                                 "force"),
                           ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
-        with env("LOWBIT_GEMM_TMA", tma), env("LOWBIT_GEMM_GLUON", gl):
+        with override(LOWBIT_TMA=tma, LOWBIT_GEMM_GLUON=gl):
             res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
     na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
     # the dequantized path autotunes its core GEMM: the faster of cuBLAS and Triton's (pointer / TMA tiles)
     for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
-        with env("LOWBIT_GEMM_TMA", tma):
+        with override(LOWBIT_TMA=tma):
             res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
     res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16,
                                                                   backend="triton_emulated"), rep)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from . import register_backend
 from .. import gemm as _gemm
 from .reference import apply_epilogue
@@ -65,10 +65,10 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
     if ka == kb == "row":
         return True
     if ka.startswith("block") and kb.startswith("block"):
-        if a.scheme.block_size != 128 or b.scheme.block_size != 128 or K % 128:
+        if a.scheme.block_size != BLOCK_SIZE or b.scheme.block_size != BLOCK_SIZE or K % BLOCK_SIZE:
             return False
-        if kb == "block2d" and (K // 128) % 4:
-            # measured with torch 2.11 for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
+        if kb == "block2d" and (K // BLOCK_SIZE) % 4:
+            # measured on the H200 (torch 2.11) for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
             # grid is rejected both as the padded stored view and as a dense copy; assumed for every K/128 not
             # divisible by 4. Declined up front, so the Triton GEMM answers without a failed cuBLAS call first
             return False

@@ -10,17 +10,15 @@ Nothing here touches CUDA at import time.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..runtime.device import capability, num_sms
-from ..runtime.launch import ensure_tma_allocator
-from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from ..quant.schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import cdiv
-from ..runtime.autotune import bucket as _bucket
-from ..runtime.autotune import tuned_config, tuned_launch
-from ..runtime.device import INTERPRET
+from ..runtime import env
+from ..runtime.autotune import bucket, tuned_config, tuned_launch
+from ..runtime.device import INTERPRET, capability, num_sms
+from ..runtime.launch import ensure_tma_allocator
+from ..runtime.log import declined
 from . import _dims, check_k_contiguous, register_backend
 from .kernels import gemm as G
 
@@ -28,6 +26,7 @@ __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_t
            "scaled_mm_dequant", "dequantize_bf16"]
 
 _FP8 = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
+
 
 def _on_device(a, b) -> bool:
     return a.device.type == "cuda" and b.device.type == "cuda"
@@ -42,7 +41,7 @@ def _copy(t, which, name):
 
 def _block_size(sa, sb) -> int:
     bs = [s.block_size for s in (sa, sb) if isinstance(s, Float8Blockwise)]
-    return bs[0] if bs else 128
+    return bs[0] if bs else BLOCK_SIZE
 
 
 def supports_fp8(a, b, a_copy, b_copy, opts) -> bool:
@@ -96,7 +95,7 @@ def _candidates(M, N, emulated: bool):
                               (64, 64, 128, 4, 3)):
         if emulated:
             bk = 64
-        if bm > max(_bucket(M), 64) or bn > max(_bucket(N), 64):
+        if bm > max(bucket(M), 64) or bn > max(bucket(N), 64):
             continue
         out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st))
     if INTERPRET:
@@ -105,13 +104,19 @@ def _candidates(M, N, emulated: bool):
 
 
 def _tma_ok(A, B, row_bytes) -> bool:
-    """Operand tiles by TMA descriptors (``LOWBIT_GEMM_TMA``, default on: the FP8 GEMM is ~1.1x faster with them,
-    the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous
-    operands with 16-byte aligned data and rows (``row_bytes`` % 16 == 0)."""
-    if os.environ.get("LOWBIT_GEMM_TMA", "1") != "1" or row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16:
-        return False
-    ensure_tma_allocator()
-    return True
+    """Operand tiles by TMA descriptors (``LOWBIT_TMA``, default on: the FP8 GEMM measured 1.10-1.19x faster with
+    them on the H200, the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous operands with
+    16-byte aligned data and rows (``row_bytes`` % 16 == 0). Where not, says why."""
+    if env.get("LOWBIT_TMA") and not (row_bytes % 16 or A.data_ptr() % 16 or B.data_ptr() % 16):
+        ensure_tma_allocator()
+        return True
+    if not env.get("LOWBIT_TMA"):
+        declined("gemm.tma", "LOWBIT_TMA=0")
+    elif row_bytes % 16:
+        declined("gemm.tma", f"operand rows of {row_bytes} bytes (TMA needs multiples of 16)")
+    else:
+        declined("gemm.tma", "operand data not 16-byte aligned")
+    return False
 
 
 def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
@@ -119,14 +124,26 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     promotion; :func:`~lowbit.gemm.kernels.gemm.gemm_gluon_ws`: persistent and warp-specialized) as autotune
     candidates (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` / ``ws`` the one-tile / warp-specialized configs
     only, for tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
-    Its forced GPU test (tests/test_gemm.py, ragged M/N/K) checks it against the reference."""
-    if os.environ.get("LOWBIT_GEMM_GLUON", "1") not in ("1", "force", "ws") or INTERPRET or not G.GLUON:
-        return False
-    return bs == 128 and sb_mode == 3 and sa_mode == 2 and capability(dev) == (9, 0)
+    Measured 1.5-1.6x torchao's Triton blockwise kernel on large shapes on the H200. Where a 1x128 x 128x128 call
+    does not fit, says why."""
+    if sb_mode != 3 or sa_mode != 2:
+        return False  # (not 1x128 x 128x128 blockwise: not one of its uses)
+    mode = env.get("LOWBIT_GEMM_GLUON")
+    if mode != "0" and not INTERPRET and G.GLUON and bs == BLOCK_SIZE and capability(dev) == (9, 0):
+        return True
+    if mode == "0":
+        declined("gemm.gluon", "LOWBIT_GEMM_GLUON=0")
+    elif INTERPRET or not G.GLUON:
+        declined("gemm.gluon", "Triton's interpreter, or Gluon not importable")
+    elif bs != BLOCK_SIZE:
+        declined("gemm.gluon", f"block size {bs} (only {BLOCK_SIZE})")
+    else:
+        declined("gemm.gluon", f"compute capability {capability(dev)} (sm_90 only)")
+    return False
 
 
 # Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
-# tiles, 4 or 5 stages (4 is the faster on large GEMMs, 5 up to 11% slower).
+# tiles, 4 or 5 stages (4 measured fastest on the H200; 5 within 0-11%).
 _WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
 
 # What every launch of G.gemm_gluon_ws shares: two 4-warp math partitions (the second with MATH_REGS registers, the
@@ -179,22 +196,21 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
     def cands():
         out = _candidates(M, N, False)
-        if gluon:  # 128x128 / 8 warps / 4 stages beats the tl kernel on large shapes
+        if gluon:  # (128x128 / 8 warps / 4 stages: faster than the tl kernel on large shapes)
             g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st)
-                 for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
-                 if bm <= max(_bucket(M), 64)]
+                 for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3)) if bm <= max(bucket(M), 64)]
             ws = list(_WS_CONFIGS) if G.GLUON_WS else []
-            mode = os.environ.get("LOWBIT_GEMM_GLUON")
+            mode = env.get("LOWBIT_GEMM_GLUON")
             if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= num_sms(dev):
-                # at least a tile per SM: the warp-specialized kernel alone (faster than every other candidate on
-                # large GEMMs; timing them all let noise pick a slower one)
+                # at least a tile per SM: the warp-specialized kernel alone (1.04-1.25x every other candidate on the
+                # H200; timing them all let noise pick a slower one)
                 return ws
             out = {"force": g, "ws": ws}.get(mode, out + g + ws)
         return out
 
     # (the Gluon mode in the key: a forced-Gluon call must not reuse a config tuned without it, and vice versa)
-    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma,
-          gluon and os.environ.get("LOWBIT_GEMM_GLUON")),
+    _run(("fp8", sa_mode, sb_mode, bs, A.dtype, B.dtype, bucket(M), bucket(N), bucket(K), tma,
+          gluon and env.get("LOWBIT_GEMM_GLUON")),
          cands, launch, accumulate)
     return _finish(c, pre, out, accumulate)
 
@@ -216,7 +232,7 @@ warp-specialized Gluon GEMM with the scales in its epilogue), "triton", "cublas"
 
 # The persistent warp-specialized Gluon GEMM on the dequantized BF16 operands (G.gemm_gluon_ws with SA=0): two 4-warp
 # math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES operand stages (BN=256: 48 KB a stage).
-# NVFP4 at 16384x4096x4096: 128x256 tiles ~1.1x cuBLAS with a scale epilogue, and faster than 128x128.
+# NVFP4 at 16384x4096x4096 on the H200: 128x256 fastest, 1.09x cuBLAS with the scale epilogue.
 _WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=4) for bn in (256, 128)]
 
 
@@ -234,7 +250,7 @@ def _emu_candidates(M, N, pre: bool, gws: bool = False):
     # A plain BF16 GEMM in the K loop: the usual Hopper tiles (128x256x64 with 8 warps first).
     out = [dict(BM=bm, BN=bn, BK=64, num_warps=w, num_stages=st)
            for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4))
-           if bm <= max(_bucket(M), 64) and bn <= max(_bucket(N), 64)]
+           if bm <= max(bucket(M), 64) and bn <= max(bucket(N), 64)]
     if INTERPRET:
         out = [dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)]
     return (out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]) + cublas + ws
@@ -277,7 +293,7 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
     gsb = cb.global_scale if nv else sb
     tma = pre and _tma_ok(A, B, K * A.element_size())  # (the dequantized rows: fresh, 16-byte aligned buffers)
 
-    gws = (pre and tma and not INTERPRET and G.GLUON_WS and os.environ.get("LOWBIT_GEMM_GLUON", "1") != "0"
+    gws = (pre and tma and not INTERPRET and G.GLUON_WS and env.get("LOWBIT_GEMM_GLUON") != "0"
            and capability(dev) == (9, 0))
 
     def launch(cfg):
@@ -298,7 +314,7 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, _bucket(M), _bucket(N), _bucket(K), tma, gws),
+    _run(("emu", pre, DEQUANT_GEMM, nv, a2d, b2d, A.dtype, B.dtype, bucket(M), bucket(N), bucket(K), tma, gws),
          lambda: _emu_candidates(M, N, pre, gws), launch, accumulate)
     return _finish(c, pre_out, out, accumulate)
 

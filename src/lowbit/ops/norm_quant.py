@@ -17,11 +17,15 @@ The backward is torch's ``_fused_rms_norm_backward`` on the saved (x, rstd), as 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..quant.reference import quantize_reference
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..quant.tensor import QuantizedTensor
 from ..runtime import env
+from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
+from ..runtime.log import declined
 
 __all__ = ["rmsnorm_quantize_1x128", "rmsnorm_quantize_reference", "rmsnorm_rstd_reference", "norm_quant_fusable",
            "rms_norm_backward"]
@@ -32,7 +36,9 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-
+if triton is not None:
+    from ..quant.triton_backend import (REGS_CONFIGS, BlockwisePlan, blockwise_args, blockwise_buffers, regs_ok,
+                                        set_copies)
 
 def _enabled() -> bool:
     return env.fused("norm_quant")
@@ -47,29 +53,51 @@ def rmsnorm_rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scheme, *,
                                rowwise: bool = True,
                                columnwise: bool = True):
-    """The spec of the fused kernel given its rstd (M,): quantize ``(x · rstd) · w`` (FP32 products) with ``scheme``."""
-    from ..quant.reference import quantize_reference
-
+    """The spec of the fused kernel given its rstd (M,): quantize ``(x · rstd) · w`` (FP32 products) with
+    ``scheme``."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     y = (x2 * rstd.float().reshape(-1, 1)) * weight.float()
     return quantize_reference(y.reshape(x.shape), scheme, rowwise=rowwise, columnwise=columnwise)
 
 
 def _runs(device: torch.device, scheme) -> bool:
-    from ..quant.schemes import Float8Blockwise
-
     return (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
-            and scheme.block_size == 128 and (device.type == "cuda" or INTERPRET))
+            and scheme.block_size == BLOCK_SIZE and (device.type == "cuda" or INTERPRET))
 
 
 def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
-    """Whether :func:`rmsnorm_quantize_1x128` takes this input: the fusion on (not ``LOWBIT_UNFUSE=norm_quant``, default
-    1), Triton on CUDA (or its interpreter), a 1x128 Float8Blockwise scheme, x float32 contiguous and non-empty,
+    """Whether :func:`rmsnorm_quantize_1x128` takes this input: the fusion on (not ``LOWBIT_UNFUSE=norm_quant``),
+    Triton on CUDA (or its interpreter), a 1x128 Float8Blockwise scheme, x float32 contiguous and non-empty,
     the norm weight float32 of x's last dim (the GPT's FP32 residual stream; other dtypes keep the unfused path,
-    whose norm output dtype they would have to reproduce)."""
-    return (_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.numel() > 0 and x.dtype == torch.float32
+    whose norm output dtype they would have to reproduce). Where not, says why
+    (:func:`lowbit.runtime.log.declined`)."""
+    if (_enabled() and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.numel() > 0 and x.dtype == torch.float32
             and x.is_contiguous() and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
-            and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme))
+            and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme)):
+        return True
+    declined("ops.norm_quant", _why_not(x, weight, scheme))
+    return False
+
+
+def _why_not(x, weight, scheme) -> str:
+    """The first rule of :func:`norm_quant_fusable` this input breaks."""
+    if not _enabled():
+        return "LOWBIT_UNFUSE has norm_quant"
+    if triton is None:
+        return "Triton is not installed"
+    if not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1 and scheme.block_size == BLOCK_SIZE):
+        return f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise"
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.numel() > 0):
+        return "x is not a non-empty tensor"
+    if x.dtype != torch.float32:
+        return f"x dtype {x.dtype} (float32 only)"
+    if not x.is_contiguous():
+        return "x is not contiguous"
+    if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.shape == (x.shape[-1],)):
+        return "the norm weight is not float32 of x's last dim"
+    if weight.device != x.device:
+        return "the norm weight is on another device"
+    return f"device {x.device.type} (CUDA, or Triton's interpreter)"
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
@@ -160,11 +188,6 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
         quantized norm output (see the module docstring for its exact value), rstd (M,) float32 with
         M = prod(x.shape[:-1]) — what the backward (:func:`rms_norm_backward`) needs besides x and the weight.
     """
-    from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_REGS_CONFIGS, _BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket,
-                                        _regs_ok,
-                                        _set_copies, tuned_launch)
-
     if not norm_quant_fusable(x, weight, scheme):
         raise NotImplementedError(
             "rmsnorm_quantize_1x128: needs a 1x128 Float8Blockwise scheme, a contiguous non-empty float32 x "
@@ -182,7 +205,7 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     M = x.numel() // Kd
     if rstd is None:
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        tuned_launch("rms_rstd", (_bucket(M), _bucket(Kd)), lambda: row_reduce_configs(Kd),
+        tuned_launch("rms_rstd", (bucket(M), bucket(Kd)), lambda: row_reduce_configs(Kd),
                      lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
     elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
               and rstd.device == x.device and rstd.is_contiguous()):
@@ -193,21 +216,21 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     key = (M, Kd, scheme, rowwise, columnwise)
     entry = _PLANS.get(key)
     if entry is None:  # (the plan, and whether the register-tile kernel may run: both follow from the key)
-        entry = _PLANS[key] = (_BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device),
-                               _regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise, columnwise))
+        entry = _PLANS[key] = (BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device),
+                               regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise, columnwise))
     plan, regs = entry
-    bufs = _blockwise_buffers(plan, scheme.format, x.device, rowwise, columnwise)
-    args = _blockwise_args(plan, *bufs)
+    bufs = blockwise_buffers(plan, scheme.format, x.device, rowwise, columnwise)
+    args = blockwise_args(plan, *bufs)
     w = weight.detach()
 
     # both copies of whole 128 x 128 tiles (regs): the register-tile kernel first (quant_gluon.rowcol_1x128_regs;
-    # 0.9 of an FP32 copy, faster than the slab walk)
+    # on the H200 0.93 of an FP32 copy's bandwidth, above the slab walk)
     def launch(c):
         fn, grid, extra, kw = plan.launch_args(c)  # rowcol_1x128_regs, or blockwise_kernel's slab configs
         fn[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)
 
-    tuned_launch("rms_quant", (rowwise, columnwise, regs, _bucket(M), _bucket(Kd)),
-                 lambda: (list(_REGS_CONFIGS) if regs else []) + _quant_configs(rowwise, columnwise), launch)
+    tuned_launch("rms_quant", (rowwise, columnwise, regs, bucket(M), bucket(Kd)),
+                 lambda: (list(REGS_CONFIGS) if regs else []) + _quant_configs(rowwise, columnwise), launch)
     qt = QuantizedTensor(shape=tuple(x.shape), dtype=x.dtype, scheme=scheme)
-    _set_copies(qt, *bufs)
+    set_copies(qt, *bufs)
     return qt, rstd

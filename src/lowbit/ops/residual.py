@@ -27,14 +27,13 @@ in FP32 (per-row sums in the kernel's order, the weight gradient as per-program 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..runtime.device import num_sms
-from .norm_quant import row_reduce_configs
 from ..runtime import env
-from ..runtime.device import INTERPRET
+from ..runtime.autotune import bucket, tuned_launch
+from ..runtime.device import INTERPRET, num_sms
+from ..runtime.log import declined
+from .norm_quant import rms_norm_backward, rmsnorm_rstd_reference, row_reduce_configs
 
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
            "norm_residual_backward", "norm_residual_backward_reference"]
@@ -53,8 +52,6 @@ def residual_add_reference(x: torch.Tensor, y: torch.Tensor, rms_eps: float | No
     out = x + y.float()
     if rms_eps is None:
         return out
-    from .norm_quant import rmsnorm_rstd_reference
-
     return out, rmsnorm_rstd_reference(out, rms_eps)
 
 
@@ -85,16 +82,32 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether the kernel takes (x, y): the fusion on (not ``LOWBIT_UNFUSE=residual``), Triton on CUDA (or its
-    interpreter), x float32 and y float32 / bfloat16 / float16 of x's shape, both contiguous, non-empty, same device."""
-    return (env.fused("residual") and triton is not None
+    interpreter), x float32 and y float32 / bfloat16 / float16 of x's shape, both contiguous, non-empty, same device.
+    Where not, says why (:func:`lowbit.runtime.log.declined`)."""
+    if (env.fused("residual") and triton is not None
             and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == torch.float32
             and y.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape == y.shape and x.dim() >= 1
             and x.numel() > 0 and x.is_contiguous() and y.is_contiguous() and x.device == y.device
-            and (x.is_cuda or INTERPRET))
+            and (x.is_cuda or INTERPRET)):
+        return True
+    if not env.fused("residual"):
+        declined("ops.residual", "LOWBIT_UNFUSE has residual")
+    elif triton is None:
+        declined("ops.residual", "Triton is not installed")
+    elif not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == torch.float32
+              and y.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        declined("ops.residual", "x is not float32, or y not float32 / bfloat16 / float16")
+    elif not (x.shape == y.shape and x.dim() >= 1 and x.numel() > 0 and x.device == y.device):
+        declined("ops.residual", "x and y differ in shape or device, or are empty")
+    elif not (x.is_contiguous() and y.is_contiguous()):
+        declined("ops.residual", "x or y is not contiguous")
+    else:
+        declined("ops.residual", f"device {x.device.type} (CUDA, or Triton's interpreter)")
+    return False
 
 
 if triton is not None:
-    from .norm_quant import rstd_of_sumsq
+    from .norm_quant import rstd_of_sumsq  # (a @triton.jit helper: defined only with Triton)
 
     @triton.jit
     def _residual_add_kernel(x_ptr, y_ptr, o_ptr, rstd_ptr, M, K, eps, STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -163,15 +176,12 @@ if triton is not None:
 
 
 def _launch(x, y, out, rstd, eps, stats: bool):
-    from ..runtime.autotune import bucket as _bucket
-    from ..runtime.autotune import tuned_launch
 
     K = x.shape[-1]
     M = x.numel() // K
     # (candidates: the rstd kernel's, the same row walk)
-    tuned_launch("residual_add", (stats, y.dtype, _bucket(M), _bucket(K)), lambda: row_reduce_configs(K),
-                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps),
-                                                                              STATS=stats,
+    tuned_launch("residual_add", (stats, y.dtype, bucket(M), bucket(K)), lambda: row_reduce_configs(K),
+                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps), STATS=stats,
                                                                              **c))
 
 
@@ -247,8 +257,6 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         raise ValueError(f"weight: expected float32 of shape ({K},), got {weight.dtype} {tuple(weight.shape)}")
     if triton is None or not (out.is_cuda or INTERPRET) or K > NORM_BACKWARD_MAX_K or M == 0:
         return _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw)
-    from ..runtime.autotune import bucket as _bucket
-    from ..runtime.autotune import tuned_launch
 
     dn = dn.contiguous()
     g = None if g is None else g.contiguous()
@@ -268,7 +276,7 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         # (the partials' sum inside the tuned launch: a config with more programs writes more partial rows)
         part["dw"] = column_sum(dwp) if need_dw else None
 
-    tuned_launch("norm_residual_bwd", (g is not None, dn.dtype, y_dtype, need_dw, _bucket(M), _bucket(K)),
+    tuned_launch("norm_residual_bwd", (g is not None, dn.dtype, y_dtype, need_dw, bucket(M), bucket(K)),
                  lambda: _bwd_configs(K), launch)
     return dx, dy, part["dw"]
 
@@ -276,8 +284,6 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
 def _norm_residual_backward_torch(g, dn, out, rstd, weight, y_dtype, need_dw):
     """The same math without the kernel: norm_quant.rms_norm_backward (torch's RMSNorm backward on CUDA), then the
     sum and the cast."""
-    from .norm_quant import rms_norm_backward
-
     K = out.shape[-1]
     dx, dw = rms_norm_backward(dn, out.reshape(-1, K), rstd.reshape(-1), weight, need_dw)
     if g is not None:

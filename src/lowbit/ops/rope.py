@@ -14,10 +14,12 @@ bit. Its backward can run inside the QKV projection's 1x128 grad_output quantize
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..runtime.autotune import bucket
 from ..runtime.device import INTERPRET
+from ..runtime.log import declined
 
 __all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope", "rope_backward_quantize_1x128",
            "rope_backward_fused_quant_supported"]
@@ -27,6 +29,9 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without Triton use the reference
     triton = None
+
+if triton is not None:
+    from ..quant.triton_backend import regs_ok, rowcol_regs_prologue
 
 
 
@@ -185,8 +190,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
 # backward kernel, then the plain register-tile quantizer); the autotuner keeps the fastest. Whole 128-row tiles,
 # H·D a multiple of 128, head_dim 64 or 128, both copies.
 # PACK (BF16 only): the computed dqkv tile packed into BF16 pairs and quantized as rowcol_1x128_regs_packed does,
-# 1,952 SASS instructions a thread against 2,328, 104 registers (Triton 3.6): 6-13% faster than the best unpacked
-# candidate (at head_dim 64 that is the 128-register cap).
+# 1,952 SASS instructions a thread against 2,328 (Triton 3.6): 6-13% faster on the H200.
 _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, PACK=True),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
                      dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, maxnreg=128),
@@ -196,28 +200,34 @@ _ROPE_BWD_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8, PACK=Tr
 def rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme) -> bool:
     """Whether :func:`rope_backward_quantize_1x128` can take these: a 1x128 Float8Blockwise scheme; gq, gk, gv
     (B, T, H, D) contiguous 16-bit tensors of one dtype and shape on a CUDA sm_89+ GPU with Gluon; D 64 or 128,
-    H·D and B·T multiples of 128; cos, sin (>= T, D) float32 with unit column stride on the same device."""
-    from ..quant import triton_backend as tb
-    from ..quant.schemes import Float8Blockwise
-
-    if triton is None or INTERPRET or not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
-                                           and scheme.block_size == 128):
+    H·D and B·T multiples of 128; cos, sin (>= T, D) float32 with unit column stride on the same device. Where not,
+    says why (:func:`lowbit.runtime.log.declined`)."""
+    if triton is None or INTERPRET:
+        declined("ops.rope_bwd_quant", "no Triton, or Triton's interpreter")
+        return False
+    if not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1 and scheme.block_size == BLOCK_SIZE):
+        declined("ops.rope_bwd_quant", f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
         return False
     ts = (gq, gk, gv)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda and t.is_contiguous() for t in ts):
+        declined("ops.rope_bwd_quant", "gq/gk/gv are not contiguous 4-dim CUDA tensors")
         return False
     if not (gk.shape == gq.shape == gv.shape and gk.dtype == gq.dtype == gv.dtype
             and gq.dtype in (torch.bfloat16, torch.float16) and gk.device == gq.device == gv.device):
+        declined("ops.rope_bwd_quant", "gq/gk/gv differ in shape, dtype or device, or are not 16-bit")
         return False
     B, T, H, D = gq.shape
     for t in (cos, sin):
         if not (t.dtype == torch.float32 and t.dim() == 2 and t.shape[0] >= T and t.shape[1] == D
                 and t.stride(1) == 1 and t.device == gq.device):
+            declined("ops.rope_bwd_quant", "cos/sin are not float32 (>= T, D) tables with unit column stride")
             return False
-    if D not in (64, 128) or (H * D) % 128 or (B * T) % 128 or 128 * 3 * H * D >= 2**31:
+    if D not in (64, 128) or (H * D) % BLOCK_SIZE or (B * T) % BLOCK_SIZE or BLOCK_SIZE * 3 * H * D >= 2**31:
+        declined("ops.rope_bwd_quant", f"head_dim {D}, H*D {H * D}, B*T {B * T}: needs D 64 or 128 and whole "
+                                       f"{BLOCK_SIZE}x{BLOCK_SIZE} tiles")
         return False
     # (the quantizer's own conditions on the (B·T, 3·H·D) output; its width checked above, in-tile offsets in int32)
-    return tb._regs_ok(gq.view(B * T, H * D), 128, False, True, True)
+    return regs_ok(gq.view(B * T, H * D), BLOCK_SIZE, False, True, True)
 
 
 def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
@@ -235,8 +245,6 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
         dtype gq.dtype, with both copies, bit-identical to ``quantize(dqkv.view(B·T, 3·H·D), scheme, rowwise=True,
         columnwise=True)`` where dqkv is what rope_qkv's backward returns.
     """
-    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
-
     if not rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme):
         raise NotImplementedError(
             "rope_backward_quantize_1x128: needs a 1x128 Float8Blockwise scheme, contiguous (B, T, H, D) 16-bit CUDA "
@@ -246,7 +254,7 @@ def rope_backward_quantize_1x128(gq, gk, gv, cos, sin, scheme):
     B, T, H, D = gq.shape
     M, W = B * T, 3 * H * D
     return rowcol_regs_prologue(
-        "rope_bwd_quant", (gq.dtype, D, _bucket(M), _bucket(W)), (M, W), scheme,
+        "rope_bwd_quant", (gq.dtype, D, bucket(M), bucket(W)), (M, W), scheme,
         lambda: list(_ROPE_BWD_CONFIGS), gq,
         lambda c: dict(ROPE_BWD=True, g_ptr=gk, gv_ptr=gv, cos_ptr=cos, sin_ptr=sin, rope_T=T, tab_row=cos.stride(0),
                        HD=H * D, DH=D),

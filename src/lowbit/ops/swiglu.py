@@ -3,17 +3,20 @@ writes the product), one backward (writes d[a | b] in the packed layout). In tor
 multiply and their backwards on strided halves (~7% of a BF16 350m GPT step).
 
 Numerics: FP32 math, one rounding to the output dtype; ``sigmoid(a) = 1 / (1 + exp(-a))`` by the hardware's
-approximate exp2 and reciprocal (``lowbit.quant.kernels.quant._sigmoid``). Agrees with
+approximate exp2 and reciprocal (``lowbit.quant.kernels.quant.sigmoid``). Agrees with
 :func:`swiglu_reference` to within one rounding of the output dtype (the exponential and the products may
 differ in the last FP32 bits), tests/ops/test_swiglu.py.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..quant.tensor import QuantizedTensor
+from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
+from ..runtime.log import declined
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_quantize_1x128", "swiglu_fused_quant_supported",
            "swiglu_backward_quantize_1x128", "swiglu_backward_fused_quant_supported"]
@@ -24,6 +27,10 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+if triton is not None:
+    from ..quant.kernels.quant import bits_to_f32, compute_scale, fp8_cast, recip, rowcol_tile_1d, sigmoid
+    from ..quant.triton_backend import (BlockwisePlan, blockwise_args, blockwise_buffers, packed_ok, regs_ok,
+                                        rowcol_regs_prologue, set_copies)
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
@@ -42,13 +49,12 @@ def _check(h):
 
 
 if triton is not None:
-    from ..quant.kernels.quant import _sigmoid
 
     @triton.jit
     def _silu(a):
         """(sigmoid(a), silu(a)) in FP32 — one place for the expressions, so the fused quantizer below quantizes
         exactly the values the SwiGLU kernel stores."""
-        sig = _sigmoid(a)
+        sig = sigmoid(a)
         return sig, a * sig
 
     @triton.jit
@@ -128,18 +134,29 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 # fc2's wgrad its columnwise one). Fusing them saves writing and re-reading h (M x F, 16-bit). The values
 # quantized are exactly those the unfused kernel stores (the same FP32 expressions, rounded to the 16-bit dtype
 # first), so the result is bit-identical to ``quantize(swiglu(u))``. (The same fusion for the backward, SwiGLU's
-# d[a | b] into fc1's grad_output quantizer, is below, on the register-tile quantizer:
-# swiglu_backward_quantize_1x128; as a slab walk it was slower than the separate kernels.)
+# d[a | b] into fc1's grad_output quantizer, as a slab walk lost to the separate kernels once the blockwise
+# quantizer was rewritten; it is below on the register-tile quantizer: swiglu_backward_quantize_1x128.)
 
 
 def _fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
     """The kernel's own conditions on a u of ``width`` = 2F columns: Triton, CUDA (or its interpreter), a 16-bit
-    dtype, F a multiple of 128, a 1x128 Float8Blockwise scheme."""
-    from ..quant.schemes import Float8Blockwise
-
-    return (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
-            and scheme.block_size == 128 and (device.type == "cuda" or INTERPRET)
-            and dtype in (torch.bfloat16, torch.float16) and width % 256 == 0)
+    dtype, F a multiple of BLOCK_SIZE, a 1x128 Float8Blockwise scheme. Where not, says why
+    (:func:`lowbit.runtime.log.declined`)."""
+    if (triton is not None and isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1
+            and scheme.block_size == BLOCK_SIZE and (device.type == "cuda" or INTERPRET)
+            and dtype in (torch.bfloat16, torch.float16) and width % (2 * BLOCK_SIZE) == 0):
+        return True
+    if triton is None:
+        declined("ops.swiglu_quant", "Triton is not installed")
+    elif not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1 and scheme.block_size == BLOCK_SIZE):
+        declined("ops.swiglu_quant", f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
+    elif not (device.type == "cuda" or INTERPRET):
+        declined("ops.swiglu_quant", f"device {device.type} (CUDA, or Triton's interpreter)")
+    elif dtype not in (torch.bfloat16, torch.float16):
+        declined("ops.swiglu_quant", f"dtype {dtype} (bfloat16 or float16 only)")
+    else:
+        declined("ops.swiglu_quant", f"F = {width // 2} is not a multiple of {BLOCK_SIZE}")
+    return False
 
 
 def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
@@ -150,7 +167,6 @@ def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
 
 
 if triton is not None:
-    from ..quant.kernels.quant import _bits_to_f32, _compute_scale, _fp8_cast, _recip, _rowcol_tile_1d
 
     @triton.jit
     def _swiglu_h(a, b, DT: tl.constexpr):
@@ -194,20 +210,20 @@ if triton is not None:
             ab = x.to(tl.int32, bitcast=True) & abs_mask
             acc = tl.maximum(acc, ab)
             if ROW:
-                sr = _compute_scale(_bits_to_f32(tl.max(ab, axis=1)), FMAX, POW2, EPS)
+                sr = compute_scale(bits_to_f32(tl.max(ab, axis=1)), FMAX, POW2, EPS)
                 rmask = rows < M
-                tl.store(rs_ptr + pid_n * rs_ld + rows, _recip(sr, POW2, FMAX), mask=rmask)
-                q = _fp8_cast(x * sr[:, None], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
+                tl.store(rs_ptr + pid_n * rs_ld + rows, recip(sr, POW2, FMAX), mask=rmask)
+                q = fp8_cast(x * sr[:, None], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
                 tl.store(rq_ptr + rows[:, None] * F + cn[None, :], q, mask=rmask[:, None])
         col_max = tl.max(acc, axis=0)
         tl.atomic_max(amax_ptr, tl.max(col_max, axis=0), sem="relaxed")
         if COL:
-            sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-            tl.store(cs_ptr + pid_m * cs_ld + cn, _recip(sc, POW2, FMAX))
+            sc = compute_scale(bits_to_f32(col_max), FMAX, POW2, EPS)
+            tl.store(cs_ptr + pid_m * cs_ld + cn, recip(sc, POW2, FMAX))
             for r0 in tl.range(0, BS, SLAB, loop_unroll_factor=UNROLL):
                 rows = m0 + r0 + tl.arange(0, SLAB).to(tl.int64)
                 x = _swiglu_vals(u_ptr, rows, cn, M, F, DT)
-                q = _fp8_cast(x * sc[None, :], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
+                q = fp8_cast(x * sc[None, :], FDT, FMAX, EMIN, MBITS, SW, SATCVT)
                 tl.store(cq_ptr + cn.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q), mask=(rows < M)[None, :])
 
 
@@ -236,7 +252,7 @@ if triton is not None:
         128 x 128 tile of h in registers (computed once: no second walk re-reading u), as the blockwise quantizer's
         blockwise_persistent_kernel does: program p takes tiles p, p + n_prog, ... in row-panel order, with the next
         tile's a and b loaded before the current one is computed. EVEN: M % 128 == 0 (no masks).
-        BITS16: see quant.kernels.quant._rowcol_tile_1d."""
+        BITS16: see quant.kernels.quant.rowcol_tile_1d."""
         FDT: tl.constexpr = rq_ptr.dtype.element_ty
         pid = tl.program_id(0)
         nkt = F // 128
@@ -251,8 +267,7 @@ if triton is not None:
             pk = t - pm * nkt
             m0 = pm * 128
             f0 = pk * 128
-            a = _rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0),
-                                rs_ptr + pk.to(tl.int64) * rs_ld + m0,
+            a = rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
                                 cq_ptr + (f0.to(tl.int64) * M + m0), cs_ptr + pm.to(tl.int64) * cs_ld + f0,
                                 M, F, M - m0, F - f0, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, FDT, ROW, COL, EVEN,
                                 False, BITS16, abs_mask)
@@ -260,7 +275,7 @@ if triton is not None:
         tl.atomic_max(amax_ptr, amax, sem="relaxed")
 
 
-# (M, F, dtype, scheme, rowwise, columnwise) -> (the quantizer's _BlockwisePlan for h, whether _regs_runs)
+# (M, F, dtype, scheme, rowwise, columnwise) -> (the quantizer's BlockwisePlan for h, whether _regs_runs)
 _PLANS: dict = {}
 
 # slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
@@ -290,24 +305,20 @@ _SWIGLU_REGS_CONFIGS = [dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
 
 def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     """Whether the register-tile quantizer (quant_gluon.rowcol_1x128_regs with its SWIGLU or SWIGLU_BWD prologue)
-    may take u: both copies, and the quantizer's own conditions (triton_backend._regs_ok: CUDA sm_89+, not the
+    may take u: both copies, and the quantizer's own conditions (triton_backend.regs_ok: CUDA sm_89+, not the
     interpreter, whole 128 x 128 tiles) on the (M, 2F) input."""
-    from ..quant import triton_backend as tb
-
-    return rowwise and columnwise and tb._regs_ok(u.view(-1, u.shape[-1]), 128, False, True, True)
+    return rowwise and columnwise and regs_ok(u.view(-1, u.shape[-1]), BLOCK_SIZE, False, True, True)
 
 
 def _swiglu_quant_candidates(u: torch.Tensor, regs: bool, packed: bool | None = None) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
     register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (its BF16-pair form's before
-    them where ``packed``, by default where triton_backend._packed_ok takes u), then the slab walk's, then the
-    whole-tile kernel's (BITS16 only where u is BF16)."""
+    them where ``packed``, by default where triton_backend.packed_ok takes u; H200, sessions 13, 18 and 23: see
+    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
     if packed is None:
-        from ..quant import triton_backend as tb
-
-        packed = regs and tb._packed_ok(u)
+        packed = regs and packed_ok(u)
     return (list(_SWIGLU_PACKED_CONFIGS) if packed else []) + (list(_SWIGLU_REGS_CONFIGS) if regs else []) \
         + list(_SWIGLU_QUANT_CONFIGS) + [
         c for c in _SWIGLU_TILE_CONFIGS if u.dtype == torch.bfloat16 or not c.get("BITS16")]
@@ -325,10 +336,6 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., F), dtype u.dtype, bit-identical to
         ``quantize(swiglu(u), scheme, rowwise=..., columnwise=...)``.
     """
-    from ..quant.tensor import QuantizedTensor
-    from ..quant.triton_backend import (_BlockwisePlan, _blockwise_args, _blockwise_buffers, _bucket, _packed_ok,
-                                        _set_copies, tuned_launch)
-
     if not swiglu_fused_quant_supported(u, scheme):
         raise NotImplementedError(
             "swiglu_quantize_1x128: needs a 1x128 Float8Blockwise scheme and a contiguous bfloat16/float16 "
@@ -341,13 +348,13 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
     key = (M, F, u.dtype, scheme, rowwise, columnwise)
     entry = _PLANS.get(key)
     if entry is None:  # the blockwise quantizer's plan: the same output layouts and kernel constants for h (M, F)
-        plan = _BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
+        plan = BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
         plan.kw = {k: v for k, v in plan.kw.items() if k not in ("TWO_D", "BS")}  # (1x128 here)
         plan.kw["DT"] = tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16
         entry = _PLANS[key] = (plan, _regs_runs(u, rowwise, columnwise))
     plan, regs = entry
-    bufs = _blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
-    args = (u, *_blockwise_args(plan, *bufs))
+    bufs = blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
+    args = (u, *blockwise_args(plan, *bufs))
     grid = (F // 128, triton.cdiv(M, 128))
     n_tiles = triton.cdiv(M, 128) * (F // 128)
 
@@ -362,11 +369,11 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         else:
             _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
 
-    packed = regs and _packed_ok(u)  # (u's alignment: not in the plan's key)
-    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, _bucket(M), _bucket(F), regs, packed),
+    packed = regs and packed_ok(u)  # (u's alignment: not in the plan's key)
+    tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, bucket(M), bucket(F), regs, packed),
                  lambda: _swiglu_quant_candidates(u, regs, packed), launch)
     qt = QuantizedTensor(shape=(*u.shape[:-1], F), dtype=u.dtype, scheme=scheme)
-    _set_copies(qt, *bufs)
+    set_copies(qt, *bufs)
     return qt
 
 
@@ -416,8 +423,6 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
         A :class:`~lowbit.quant.tensor.QuantizedTensor` of shape (..., 2F), dtype u.dtype, with both copies,
         bit-identical to ``quantize(swiglu_backward(u, g), scheme, rowwise=True, columnwise=True)``.
     """
-    from ..quant.triton_backend import _bucket, rowcol_regs_prologue
-
     if not swiglu_backward_fused_quant_supported(u, g, scheme):
         raise NotImplementedError(
             f"swiglu_backward_quantize_1x128: needs a 1x128 Float8Blockwise scheme, contiguous bfloat16/float16 CUDA u "
@@ -427,7 +432,7 @@ def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
     W = u.shape[-1]
     M = u.numel() // W
     return rowcol_regs_prologue(
-        "swiglu_bwd_quant", (u.dtype, _bucket(M), _bucket(W)), u.shape, scheme,
+        "swiglu_bwd_quant", (u.dtype, bucket(M), bucket(W)), u.shape, scheme,
         lambda: list(_SWIGLU_BWD_CONFIGS), u,
         lambda c: dict(SWIGLU_BWD=True, g_ptr=g),
         lambda: swiglu_backward(u, g))

@@ -13,13 +13,11 @@ for ``Float8Blockwise(block_dim=2)``: one amax a 128 x 128 tile, its (power-of-t
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from ..quant.kernels.quant import abs_bits, bits_to_f32, compute_scale, fp8_prep, recip
 from ..runtime.device import INTERPRET
-from ..quant.kernels.quant import _abs_bits, _bits_to_f32, _compute_scale, _fp8_prep, _recip
 
 # Triton's interpreter returns nothing from libdevice.pow: there the bias corrections take exp(step * log(beta)) in
 # float64 (numpy), which is the same double as pow to within an ulp, i.e. the same FP32 value after the rounding
@@ -175,7 +173,7 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
             mask = ((m0 + r0 + rr) < M)[:, None] & kmask[None, :]
             p = _adamw_tile_rows(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lrwd, b1, 1.0 - b1, b2, 1.0 - b2, eps,
                                  gs, step_size, bc2s, HAS_GS, WD, EVEN)
-            acc = tl.maximum(acc, _abs_bits(p))
+            acc = tl.maximum(acc, abs_bits(p))
     else:
         for r0 in range(0, 128, CH):
             offs = (m0 + r0 + rr)[:, None] * K + (k0 + cc)[None, :]
@@ -184,11 +182,11 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
                 p = tl.load(p_ptr + offs)
             else:
                 p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-            acc = tl.maximum(acc, _abs_bits(p))
+            acc = tl.maximum(acc, abs_bits(p))
     a = tl.max(tl.max(acc, axis=1), axis=0)
     tl.atomic_max(amax_ptr, a, sem="relaxed")
-    s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-    si = _recip(s, POW2, FMAX)
+    s = compute_scale(bits_to_f32(a), FMAX, POW2, EPS)
+    si = recip(s, POW2, FMAX)
     tl.store(rs_ptr + tm * rs_ld + tk, si)
     tl.store(cs_ptr + tk * cs_ld + tm, si)
     r2 = tl.arange(0, CH2)
@@ -200,7 +198,7 @@ def _adamw_fp8_tile(tab_ptr, M, K, rs_ld, cs_ld, lr_ptr, lr_bits, b1_bits, b2_bi
             p = tl.load(p_ptr + offs, eviction_policy="evict_first")
         else:
             p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-        q = _fp8_prep(p * s, FMAX, EMIN, MBITS, SW)
+        q = fp8_prep(p * s, FMAX, EMIN, MBITS, SW)
         if EVEN:
             tl.store(rq_ptr + offs, q.to(DT))
             tl.store(cq_ptr + toffs, tl.trans(q).to(DT))

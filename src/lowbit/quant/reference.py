@@ -29,10 +29,13 @@ from ..formats import (
     unpack_e2m1,
 )
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
+from .rht import hadamard_16, rht_blocks, rht_matrix
 from .tensor import QuantizedCopy, QuantizedTensor, expand_blocks, pad_to, scale_logical, scale_storage
 
 __all__ = [
     "quantize_reference",
+    "validate_quantize_args",
+    "resolve_seed",
     "compute_scale",
     "amax_of",
     "rht_matrix",
@@ -99,24 +102,6 @@ def _block_amax_2d(x2: torch.Tensor, bs: int) -> torch.Tensor:
     return xp.reshape(rp // bs, bs, kp // bs, bs).amax(dim=(1, 3))
 
 
-# ------------------------------------------------------------------------------------------------
-# Random Hadamard Transform
-# ------------------------------------------------------------------------------------------------
-def hadamard_16(device=None) -> torch.Tensor:
-    """The 16x16 Sylvester Hadamard matrix (entries ±1), float32."""
-    h = torch.ones(1, 1)
-    for _ in range(4):
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.to(device=device, dtype=torch.float32)
-
-
-@functools.lru_cache(maxsize=64)
-def rht_signs_vector(signs: int, device=None) -> torch.Tensor:
-    """float32 (16,) ±1 sign diagonal of the RHT (bit i of ``signs`` set -> -1). Cached per (signs, device) — it is
-    needed for every RHT'd operand of every step, and building it is a host-to-device copy; read it only."""
-    return torch.tensor([-1.0 if (signs >> i) & 1 else 1.0 for i in range(16)], dtype=torch.float32, device=device)
-
-
 def resolve_seed(scheme, seed, device=None):
     """The stochastic-rounding seed a quantization uses: ``seed``, or for an NVFP4 scheme with stochastic rounding
     and no seed one drawn so that torch.manual_seed makes the run reproducible — from torch's CPU generator as an
@@ -128,35 +113,6 @@ def resolve_seed(scheme, seed, device=None):
             return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
         return int(torch.randint(0, 2**62, (1,)).item())
     return seed
-
-
-def rht_blocks(x: torch.Tensor, signs: int, dim: int = -1) -> torch.Tensor:
-    """Random Hadamard Transform of ``x`` (float32) in blocks of 16 along ``dim``: v -> (v ⊙ s) · H / 4.
-
-    Computed as a fixed-order butterfly (4 stages of a+b / a-b, then ×1/4, exact), so every device —
-    and any kernel that does the same stages — gets the same bits; a matmul with :func:`rht_matrix`
-    agrees to FP32 rounding but leaves the summation order to the library.
-    """
-    n = x.shape[dim]
-    if n % 16:
-        raise ValueError(f"x: the RHT needs dim {dim} divisible by 16, got {n}")
-    y = x.to(torch.float32).movedim(dim, -1)
-    lead = y.shape[:-1]
-    y = y.reshape(*lead, n // 16, 16) * rht_signs_vector(signs, device=x.device)
-    for h in (1, 2, 4, 8):  # Sylvester order: pairs (j, j + h) inside each group of 2h
-        y = y.reshape(*lead, n // 16, 16 // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack([a + b, a - b], dim=-2)
-    y = y.reshape(*lead, n) * 0.25
-    return y.movedim(-1, dim)
-
-
-def rht_matrix(signs: int, device=None) -> torch.Tensor:
-    """R = diag(s) · H / 4 (16x16, float32, orthogonal: R·Rᵀ = I); a 16-vector v (row) transforms as v · R.
-
-    ``signs``: 16-bit mask, bit i set -> s_i = -1.
-    """
-    return (rht_signs_vector(signs)[:, None] * hadamard_16() / 4.0).to(device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,7 +198,9 @@ def _copy_nvfp4(x2, sch: NVFP4, *, rht: bool, seed: int, index_base: int):
 # ------------------------------------------------------------------------------------------------
 # validation and the entry point
 # ------------------------------------------------------------------------------------------------
-def _validate(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, scale):
+def validate_quantize_args(x: torch.Tensor, scheme: Scheme, rowwise: bool, columnwise: bool, scale) -> None:
+    """Raise the error :func:`lowbit.quantize` raises for these arguments, if any (every backend checks them the same
+    way; a backend then checks what it implements)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.is_complex() or not x.is_floating_point():
@@ -305,7 +263,7 @@ def quantize_reference(
     seed: int | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` with ``scheme`` in plain torch. See :func:`lowbit.quantize` for the arguments."""
-    _validate(x, scheme, rowwise, columnwise, scale)
+    validate_quantize_args(x, scheme, rowwise, columnwise, scale)
     x2 = _as_2d(x.detach())
     qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme)
     seed = qt.meta["seed"] = resolve_seed(scheme, seed)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, get_format
 
 __all__ = [
+    "BLOCK_SIZE",
     "Float8Tensorwise",
     "Float8Rowwise",
     "Float8Blockwise",
@@ -23,6 +24,10 @@ __all__ = [
 # The fixed ±1 diagonal of the Random Hadamard Transform (bit i set -> sign -1). Fixed so that two
 # runs (and the GPU kernel and this reference) agree; a recipe may seed another one.
 DEFAULT_RHT_SIGNS = 0b1011_0011_1000_1101
+
+BLOCK_SIZE = 128
+"""The FP8 blockwise scaling block (1x128 segments, 128x128 tiles: DeepSeek-V3's and cuBLAS's): the default of
+:class:`Float8Blockwise` and the only block size the fused and Gluon fast paths take."""
 
 
 class _FP8Scheme:
@@ -70,7 +75,7 @@ class Float8Blockwise(_FP8Scheme):
     """FP8 element format: ``"e4m3"`` or ``"e5m2"``."""
     block_dim: int = 1
     """1: one scale per 1 x ``block_size`` segment of a row; 2: one scale per ``block_size`` square tile."""
-    block_size: int = 128
+    block_size: int = BLOCK_SIZE
     """Block edge length (128 in DeepSeek-V3 and cuBLAS; other powers of two are allowed for experiments)."""
     pow2: bool = True
     """Round each scale *down* to a power of two, so amax·scale ≤ fmax still holds and scaling is exact."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import e2m1_decode, e8m0_decode, unpack_e2m1
+from .rht import rht_matrix
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 
 __all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical",
@@ -325,8 +326,6 @@ class QuantizedTensor:
             # q·d is exact (E2M1 × E4M3); one rounding in the division
             x = (q * self.expanded_block_scales(which)) / c.global_scale
             if c.rht and undo_rht:
-                from .reference import rht_matrix  # local: reference imports this module
-
                 R = rht_matrix(self.scheme.rht_signs, device=x.device)
                 x = (x.reshape(r, k // 16, 16) @ R.t()).reshape(r, k)
         else:

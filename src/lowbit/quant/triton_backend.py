@@ -16,32 +16,47 @@ Covers, on CUDA tensors (float32 / bfloat16 / float16, contiguous):
 
 Every output is bit-identical to :func:`lowbit.quant.reference.quantize_reference` (tests/test_quant_kernels.py).
 Nothing here touches CUDA at import time.
+
+Fused-prologue API (used by lowbit.ops and lowbit.optim): a fused kernel that computes the tensor to quantize
+itself (RMSNorm, SwiGLU, RoPE's backward) writes the blockwise quantizer's outputs with the quantizer's own layouts
+and launch configs:
+
+* :class:`BlockwisePlan`: the shape-dependent part of one blockwise quantize call (scale-grid layouts, kernel
+  constants; ``launch_args(config)`` gives the kernel, grid and arguments of a launch candidate);
+* :func:`blockwise_buffers`: a plan's output buffers (FP8 copies, scale grids, amax accumulator);
+* :func:`blockwise_args`: the quantize kernels' arguments after the input, for those buffers;
+* :func:`set_copies`: attach the filled buffers to a :class:`~lowbit.quant.tensor.QuantizedTensor`;
+* :func:`regs_ok`, :func:`packed_ok`: whether the register-tile kernel (and its BF16-pair form) may take an input;
+* :data:`REGS_CONFIGS`: the register-tile kernel's launch candidates;
+* :func:`rowcol_regs_prologue`, :func:`bf16_pack_candidates`: both 1x128 copies of a tensor the register-tile
+  kernel computes in a prologue, autotuned against the unfused path.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 
 import torch
-import triton
 
 from ..runtime.amax_arena import arena_slot
-from ..runtime.autotune import bucket as _bucket
+from ..runtime.autotune import bucket
 from ..runtime.autotune import tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
-from ..runtime.launch import CachedLaunch, ensure_tma_allocator
+from ..runtime.log import declined
+from ..runtime.launch import CachedLaunch
 from ..formats import E4M3, FloatFormat
 from . import register_backend
 from .kernels import quant as K
 from .kernels import quant_gluon as QG
-from .reference import _validate, resolve_seed
-from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from .reference import resolve_seed, validate_quantize_args
+from .schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton"]
+__all__ = ["supports", "quantize_triton",
+           # fused-prologue API
+           "BlockwisePlan", "blockwise_buffers", "blockwise_args", "set_copies", "regs_ok", "packed_ok", "REGS_CONFIGS",
+           "rowcol_regs_prologue", "bf16_pack_candidates"]
 
 # Software rounding onto the grid before the FP8 cast in the interpreter (its float->fp8 cast is wrong for some
 # values); on the GPU the hardware's saturating RNE conversion.
@@ -55,7 +70,7 @@ def _configs(tile_m: list[int], tile_k: list[int], warps: list[int], M: int, K: 
     for bm in tile_m:
         for bk in tile_k:
             for w in warps:
-                if bm > max(_bucket(M), min_m) or bk > max(_bucket(K), min_k):
+                if bm > max(bucket(M), min_m) or bk > max(bucket(K), min_k):
                     continue
                 if bm * bk >= 128 * 128 and w < 4 or bm * bk <= 32 * 32 and w > 4:
                     continue
@@ -84,7 +99,7 @@ def _implemented(x, scheme, rowwise: bool, columnwise: bool) -> bool:
     if isinstance(scheme, (Float8Tensorwise, Float8Rowwise)):
         return True
     if isinstance(scheme, Float8Blockwise):
-        return scheme.block_size <= 128
+        return scheme.block_size <= BLOCK_SIZE
     if isinstance(scheme, MXFP8):
         return (not rowwise or Kd % 32 == 0) and (not columnwise or M % 32 == 0)
     if isinstance(scheme, NVFP4):
@@ -107,7 +122,7 @@ def _launch_amax(x2: torch.Tensor, amax_i: torch.Tensor) -> None:
     """amax_i (int32 bits, zeroed) = max |x2| over the contiguous x2. amax_i is a fresh allocation (aligned), so
     the specialization key is the size, dtype, device and x2's 16-byte alignment (see lowbit._launch)."""
     n = x2.numel()
-    block = 4096 if n >= 4096 else max(16, _bucket(n))
+    block = 4096 if n >= 4096 else max(16, bucket(n))
     key = (n, x2.dtype, x2.device.index, x2.data_ptr() % 16 == 0)
     _AMAX_LAUNCH((cdiv(n, block),), key, x2, amax_i, n, block, num_warps=8 if block >= 4096 else 4)
 
@@ -125,14 +140,14 @@ def quantize_triton(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise
     """
     if _checked:
         if scale is not None:
-            _validate(x, scheme, rowwise, columnwise, scale)
+            validate_quantize_args(x, scheme, rowwise, columnwise, scale)
     else:
         _check_triton_input(x, scheme, rowwise, columnwise, scale)
     return _quantize_triton(x, scheme, rowwise, columnwise, scale, seed)
 
 
 def _check_triton_input(x, scheme, rowwise, columnwise, scale):
-    _validate(x, scheme, rowwise, columnwise, scale)
+    validate_quantize_args(x, scheme, rowwise, columnwise, scale)
     if not x.is_cuda and not INTERPRET:
         raise ValueError(f"x: the triton backend runs on CUDA tensors, got device {x.device}; use backend='reference'")
     if x.dtype not in _IN_DTYPES:
@@ -206,8 +221,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
                                       COL=columnwise,
                                       SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, _bucket(M),
-                                                              _bucket(Kd)),
+        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)),
                                                cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
@@ -234,35 +248,41 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
             K.rowscale_kernel[(cdiv(R, c["BM"]),)](x2, q, si, amax_i, R, C, sr, sc, **_fmt_args(fmt), POW2=sch.pow2,
                                                   SW=SW_ROUND, BR=c["BM"], BC=c["BK"], num_warps=c["num_warps"])
 
-        tuned_launch("rowscale", (which, x2.dtype, _bucket(R), _bucket(C)), cands, launch)
+        tuned_launch("rowscale", (which, x2.dtype, bucket(R), bucket(C)), cands, launch)
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-# (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> _BlockwisePlan once tuned
-_BLOCKWISE_PLANS: dict = {}
+_BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> BlockwisePlan
 
 
 # (two_d, rowwise, columnwise, dtype) -> candidates of blockwise_persistent_kernel (first = default without
-# autotuning) where it is used: each one bit-identical to blockwise_kernel and faster than it; CTAS: programs an
-# SM, PREFETCH: tiles loaded ahead. Not listed, so on blockwise_kernel: 1x128 both copies from BF16 or FP32 (the
-# slab walk is faster), FP32 128x128 (the persistent kernel's columnwise copy from FP32 is wrong under Triton 3.6,
-# see the kernel), and the cases not measured (one copy of 2D, columnwise only).
+# autotuning) where it is used: the uses where it measured bit-identical to blockwise_kernel and faster than it on the
+# H200 (BENCHMARKS.md); CTAS: programs an SM, PREFETCH: tiles loaded ahead. Not listed, so on blockwise_kernel:
+# 1x128 both copies (the slab walk and the register-tile kernel are faster), FP32 128x128 (the persistent kernel's
+# columnwise copy from FP32 is wrong under Triton 3.6, see the kernel), and the cases not measured.
 _PERSISTENT = {
-    (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of copy
+    (True, True, True, torch.bfloat16): [dict(BM=128, CTAS=1, PREFETCH=1, num_warps=16),  # 0.86 of a copy
                                          dict(BM=128, CTAS=1, PREFETCH=1, num_warps=8),
                                          dict(BM=128, CTAS=1, PREFETCH=2, num_warps=16)],
-    (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],  # 0.92 of copy
+    (False, True, False, torch.float32): [dict(BM=64, CTAS=2, PREFETCH=1, num_warps=4)],
 }
 
 
 def _persistent_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
     """Whether blockwise_persistent_kernel may run on this input: one of the uses in _PERSISTENT, and the compiled
-    variant measured there (whole tiles only: M and K multiples of 128; x 16-byte aligned, since Triton
+    variant measured there (whole tiles only: M and K multiples of BLOCK_SIZE; x 16-byte aligned, since Triton
     specializes the loads' vector width, hence the layouts, on it). Checked on every call (x's alignment can
     change from call to call); the candidate list is built only on a tuning miss."""
+    if INTERPRET or bs != BLOCK_SIZE or not x2.is_cuda or (two_d, rowwise, columnwise, x2.dtype) not in _PERSISTENT:
+        return False  # (not one of its uses: no decline)
     M, Kd = x2.shape
-    return (not INTERPRET and bs == 128 and x2.is_cuda and M % 128 == 0 and Kd % 128 == 0 and x2.data_ptr() % 16 == 0
-            and (two_d, rowwise, columnwise, x2.dtype) in _PERSISTENT)
+    if M % BLOCK_SIZE == 0 and Kd % BLOCK_SIZE == 0 and x2.data_ptr() % 16 == 0:
+        return True
+    if M % BLOCK_SIZE or Kd % BLOCK_SIZE:
+        declined("quant.blockwise_persistent", f"shape ({M}, {Kd}) is not whole {BLOCK_SIZE}x{BLOCK_SIZE} tiles")
+    else:
+        declined("quant.blockwise_persistent", "input not 16-byte aligned")
+    return False
 
 
 def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> list[dict]:
@@ -272,51 +292,18 @@ def _blockwise_persistent_configs(x2, bs: int, two_d: bool, rowwise: bool, colum
     return [dict(c, KIND="pers") for c in _PERSISTENT[(two_d, rowwise, columnwise, x2.dtype)]]
 
 
-# Candidates of the Gluon TMA-pipelined 1x128 row+col kernel (quant_gluon.rowcol_1x128_gluon): STAGES input tiles
-# of 32 KiB in flight a CTA, CTAS programs an SM, SR-row slabs of RPT rows a thread. About 0.7 of a copy, no faster
-# than blockwise_kernel's slab walk, so it is opt-in: LOWBIT_QUANT_GLUON=1.
-_GLUON_CONFIGS = [dict(KIND="gluon", SR=32, RPT=4, STAGES=2, CTAS=2, num_warps=4)]
-GLUON_QUANT = os.environ.get("LOWBIT_QUANT_GLUON", "0") == "1"
-
-
-def _gluon_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
-    """Whether quant_gluon.rowcol_1x128_gluon may run: 1x128 with both copies from 16-bit input of whole 128 x 128
-    tiles, 16-byte aligned (a TMA descriptor's base), on a Hopper GPU (TMA, and the hardware FP8 cast: not with
-    LOWBIT_SW_ROUND), Gluon importable, and asked for (LOWBIT_QUANT_GLUON=1: slower than rowcol_1x128_regs)."""
-    M, Kd = x2.shape
-    return (GLUON_QUANT and QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d
-            and rowwise and columnwise and x2.dtype in (torch.bfloat16, torch.float16) and M % 128 == 0
-            and Kd % 128 == 0 and x2.data_ptr() % 16 == 0 and capability(x2.device)[0] == 9)
-
-
-class _GluonLaunch:
-    """``fn[grid](*args, **kw)`` for the Gluon kernel, installing the TMA scratch allocator of the calling thread
-    first (its descriptors are built in-kernel; the autograd engine runs backward kernels on its own threads)."""
-
-    def __getitem__(self, grid):
-        def run(*args, **kw):
-            ensure_tma_allocator()
-            QG.rowcol_1x128_gluon[grid](*args, **kw)
-
-        return run
-
-
-_GLUON_LAUNCH = _GluonLaunch()
-
-
 # Candidates of the register-tile 1x128 row+col kernel (quant_gluon.rowcol_1x128_regs): one 128 x 128 tile a
-# program held in registers, both copies from the one load, no shared-memory transposition: faster than the slab
-# walk (FP32 input: 0.9 of a copy); the other layouts, warp counts, a TMA-fed persistent form and BF16 maxima from
-# the bits all measured slower.
-_REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
-                 dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
-                 dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
+# program held in registers, both copies from the one load, no shared-memory transposition; on the H200 0.80 of a
+# copy's bandwidth from BF16 and 0.93 from FP32, above the slab walk (BENCHMARKS.md). Other layouts, warp counts, a
+# TMA-fed persistent form and BF16 maxima from the bits all measured slower.
+REGS_CONFIGS = [dict(KIND="regs", COMPACT=True, LC=8, num_warps=8),
+                dict(KIND="regs", COMPACT=False, LC=8, num_warps=8),
+                dict(KIND="regs", COMPACT=True, LC=4, num_warps=8)]
 
 
 # Candidates of its BF16 form that reads and reduces the tile as BF16 pairs (quant_gluon.rowcol_1x128_regs_packed),
-# tried before _REGS_CONFIGS for BF16 input: capped at 80 registers a thread (three CTAs an SM) it is faster than
-# _REGS_CONFIGS' first (about 0.9 of a copy); uncapped (98 registers, two CTAs) and 64 registers (four CTAs,
-# spilling) were slower on every shape.
+# tried before REGS_CONFIGS for BF16 input: capped at 80 registers a thread (three CTAs an SM) it beat REGS_CONFIGS'
+# first on every shape measured (0.87 against 0.80 of a copy); uncapped or at 64 registers it was slower.
 _PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 
 
@@ -324,20 +311,39 @@ _PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 # a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
 _MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
 
+_REGS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-def _regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool) -> bool:
-    """Whether quant_gluon's register-tile kernels may run (rowcol_1x128_regs for 1x128, bs = 128; mxfp8_rowcol_regs,
-    asked with bs = 128 too): both copies from BF16 / FP16 / FP32 input of whole 128 x 128 tiles (in-tile offsets
-    within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+;
-    not with LOWBIT_SW_ROUND), Gluon importable."""
+
+def regs_ok(x2, bs: int, two_d: bool, rowwise: bool, columnwise: bool, path: str = "quant.rowcol_1x128_regs") -> bool:
+    """Whether quant_gluon's register-tile kernels may run (rowcol_1x128_regs for 1x128, bs = BLOCK_SIZE;
+    mxfp8_rowcol_regs, asked with bs = BLOCK_SIZE too): both copies from BF16 / FP16 / FP32 input of whole 128 x 128
+    tiles (in-tile offsets within int32), on a CUDA GPU with the hardware's saturating FP8 cast (sm_89+; not in
+    Triton's interpreter), Gluon importable. Where a call of its kind (both 1D copies of BLOCK_SIZE blocks) does not
+    fit, says why (:func:`lowbit.runtime.log.declined` under ``path``)."""
+    if bs != BLOCK_SIZE or two_d or not (rowwise and columnwise):
+        return False  # (not one of its uses: no decline)
     M, Kd = x2.shape
-    return (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and bs == 128 and not two_d and rowwise
-            and columnwise and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and M % 128 == 0
-            and Kd % 128 == 0 and 128 * max(M, Kd) < 2**31 and capability(x2.device) >= (8, 9))
+    if (QG.GLUON and not INTERPRET and not SW_ROUND and x2.is_cuda and x2.dtype in _REGS_DTYPES
+            and M % BLOCK_SIZE == 0 and Kd % BLOCK_SIZE == 0 and BLOCK_SIZE * max(M, Kd) < 2**31
+            and capability(x2.device) >= (8, 9)):
+        return True
+    if not QG.GLUON:
+        declined(path, "Gluon is not importable (Triton >= 3.5 with Hopper ops)")
+    elif INTERPRET or SW_ROUND or not x2.is_cuda:
+        declined(path, "not a CUDA tensor, or Triton's interpreter")
+    elif x2.dtype not in _REGS_DTYPES:
+        declined(path, f"dtype {x2.dtype} (bfloat16, float16 or float32 only)")
+    elif M % BLOCK_SIZE or Kd % BLOCK_SIZE:
+        declined(path, f"shape ({M}, {Kd}) is not whole {BLOCK_SIZE}x{BLOCK_SIZE} tiles")
+    elif BLOCK_SIZE * max(M, Kd) >= 2**31:
+        declined(path, f"shape ({M}, {Kd}): in-tile offsets past int32")
+    else:
+        declined(path, f"compute capability {capability(x2.device)} (sm_89+ only)")
+    return False
 
 
-def _packed_ok(x2) -> bool:
-    """Whether quant_gluon.rowcol_1x128_regs_packed may run where the register-tile kernel may (_regs_ok): BF16 input
+def packed_ok(x2) -> bool:
+    """Whether quant_gluon.rowcol_1x128_regs_packed may run where the register-tile kernel may (regs_ok): BF16 input
     whose base is 16-byte aligned (it reads the tile as int32 pairs, vectorized by 4; a 2-byte-aligned view would
     fault)."""
     return x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0
@@ -368,7 +374,7 @@ def bf16_pack_candidates(candidates: list, dtype: torch.dtype) -> list:
     return keep or list(candidates)
 
 
-_PROLOGUE_PLANS: dict = {}  # (name, M, W, dtype, scheme) -> _BlockwisePlan of a prologue quantizer's output
+_PROLOGUE_PLANS: dict = {}  # (name, M, W, dtype, scheme) -> BlockwisePlan of a prologue quantizer's output
 
 
 def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidates, x: torch.Tensor, prologue,
@@ -386,13 +392,13 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
     key = (name, M, W, x.dtype, scheme)
     plan = _PROLOGUE_PLANS.get(key)
     if plan is None:  # the blockwise quantizer's plan for the (M, W) output: layouts and kernel constants
-        plan = _PROLOGUE_PLANS[key] = _BlockwisePlan(M, W, scheme, True, True, x.device)
-    bufs = _blockwise_buffers(plan, scheme.format, x.device, True, True)
-    args = _blockwise_args(plan, *bufs)
+        plan = _PROLOGUE_PLANS[key] = BlockwisePlan(M, W, scheme, True, True, x.device)
+    bufs = blockwise_buffers(plan, scheme.format, x.device, True, True)
+    args = blockwise_args(plan, *bufs)
 
     def launch(c):
         if c["KIND"] == "two":
-            fn, grid, _, kw = plan.launch_args(_REGS_CONFIGS[0])
+            fn, grid, _, kw = plan.launch_args(REGS_CONFIGS[0])
             fn[grid](unfused(), *args, **kw)
         else:
             if c.get("PACK") and x.dtype != torch.bfloat16:  # (BF16 pairs only: FP16 runs the form without)
@@ -404,11 +410,11 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
                                                           x.dtype),
                  launch)
     qt = QuantizedTensor(shape=tuple(shape), dtype=x.dtype, scheme=scheme)
-    _set_copies(qt, *bufs)
+    set_copies(qt, *bufs)
     return qt
 
 
-def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
+def blockwise_buffers(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool):
     """The outputs of one blockwise quantize launch: (rq, rs, cq, cs, amax_i) — FP8 copies (None where not asked
     for), scale grids in storage layout and the int32 amax accumulator. One zero-filled buffer (one launch) holds
     both scale grids (pads must read 0) and the amax at the end; every grid starts 16-byte aligned (sizes are
@@ -429,16 +435,16 @@ def _blockwise_buffers(plan: "_BlockwisePlan", fmt: FloatFormat, dev, rowwise: b
     return rq, rs, cq, cs, amax_i
 
 
-def _blockwise_args(plan: "_BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
-    """The blockwise kernels' arguments after the input, for _blockwise_buffers' outputs: (rq, rs, cq, cs, amax_i,
+def blockwise_args(plan: "BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
+    """The blockwise kernels' arguments after the input, for blockwise_buffers' outputs: (rq, rs, cq, cs, amax_i,
     M, K, rs_ld, cs_ld); a copy not asked for is passed as the other one (its ROW / COL switch is off: not written)."""
     rw, cw = rq is not None, cq is not None
     return (rq if rw else cq, rs if rw else cs, cq if cw else rq, cs if cw else rs, amax_i, plan.M, plan.K,
             plan.rshape[1] if rw else 0, plan.cshape[1] if cw else 0)
 
 
-def _set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
-    """Attach the copies _blockwise_buffers made (and a kernel filled) to ``qt``; both share the amax tensor."""
+def set_copies(qt: QuantizedTensor, rq, rs, cq, cs, amax_i) -> None:
+    """Attach the copies blockwise_buffers made (and a kernel filled) to ``qt``; both share the amax tensor."""
     amax = amax_i.view(torch.float32)
     if rq is not None:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
@@ -474,7 +480,7 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     out = []
 
     def add(bm, slab, warps, **kw):
-        if bm <= max(_bucket(M), bs if square else 1):
+        if bm <= max(bucket(M), bs if square else 1):
             out.append(dict(BM=bm, SLAB=slab, num_warps=warps, **kw))
 
     # The slab walk is used only where it was shown bit-identical on the GPU (BF16 / FP16, 1D); 2D and FP32
@@ -496,8 +502,8 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
         return out or [dict(BM=bs if square else 8, SLAB=0, num_warps=4)]
     if square and bs >= 128:  # (1D columnwise here: 2D returned above)
         if rowwise:
-            out += [c for c in _row2_configs(bs) if bs <= max(_bucket(M), bs)]
-            add(bs, 64, 4, SCR=True)  # the rowwise copy in walk 1
+            out += [c for c in _row2_configs(bs) if bs <= max(bucket(M), bs)]
+            add(bs, 64, 4, SCR=True)  # the session-7 walk: the rowwise copy in walk 1
         else:
             add(bs, 64, 4, SCR=True, UNROLL=2)
             add(bs, 64, 4, SCR=True)
@@ -516,7 +522,7 @@ def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, col
     return out
 
 
-class _BlockwisePlan:
+class BlockwisePlan:
     """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
     matters: this runs for every quantized GEMM operand of every step)."""
 
@@ -545,11 +551,6 @@ class _BlockwisePlan:
         """(kernel, grid, extra positional arguments, keyword arguments) for candidate ``c``."""
         M, Kd, bs = self.M, self.K, self.bs
         kind = c.get("KIND")
-        if kind == "gluon":
-            n_prog = min(cdiv(M, 128) * cdiv(Kd, 128), self.nsm * c["CTAS"])
-            kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], STAGES=c["STAGES"], SR=c["SR"],
-                      RPT=c["RPT"], num_warps=c["num_warps"])
-            return _GLUON_LAUNCH, (n_prog,), (n_prog,), kw
         if kind == "regs":
             kw = dict(FMAX=self.kw["FMAX"], POW2=self.kw["POW2"], EPS=self.kw["EPS"], COMPACT=c["COMPACT"],
                       num_warps=c["num_warps"], **_regs_layouts(c["num_warps"], c["LC"]))
@@ -582,25 +583,24 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     two_d = sch.block_dim == 2
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
-    glu = _gluon_ok(x2, bs, two_d, rowwise, columnwise)
     # (the register-tile kernels' eligibility follows from the rest of the key, except the BF16-pair form's alignment)
-    packed = _packed_ok(x2)
-    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, glu, packed)
+    packed = packed_ok(x2)
+    key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, packed)
     plan = _BLOCKWISE_PLANS.get(key)
     if plan is None:
-        plan = _BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
-    bufs = _blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
-    args = _blockwise_args(plan, *bufs)
+        plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
+    bufs = blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
+    args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
         plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
     else:
         # (the register-tile kernel's candidates first where it may run, then the persistent kernel's where it
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
         # follows from the plan's key, unlike the alignment-dependent two above)
-        regs = _regs_ok(x2, bs, two_d, rowwise, columnwise)
+        regs = regs_ok(x2, bs, two_d, rowwise, columnwise)
         packed = packed and regs
         cands = (list(_PACKED_CONFIGS) if packed else []) \
-            + (list(_REGS_CONFIGS) if regs else []) + (list(_GLUON_CONFIGS) if glu else []) \
+            + (list(REGS_CONFIGS) if regs else [])\
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
             + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
@@ -608,11 +608,11 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
             fn, grid, extra, kw = plan.launch_args(c)
             fn[grid](x2, *args, *extra, **kw)
 
-        tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, glu, regs, packed, _bucket(M), _bucket(Kd))
+        tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, regs, packed, bucket(M), bucket(Kd))
         c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         _BLOCKWISE_PLANS[key] = plan
-    _set_copies(qt, *bufs)
+    set_copies(qt, *bufs)
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
@@ -624,7 +624,7 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     cs = torch.empty(Kd, M // 32, dtype=torch.uint8, device=dev) if columnwise else None
     # both copies of whole 128 x 128 tiles: the register-tile kernel first (quant_gluon.mxfp8_rowcol_regs)
-    regs = _regs_ok(x2, 128, False, rowwise, columnwise)
+    regs = regs_ok(x2, BLOCK_SIZE, False, rowwise, columnwise, "quant.mxfp8_rowcol_regs")
     cands = lambda: (list(_MX_REGS_CONFIGS) if regs else []) \
         + _configs([32, 64, 128], [32, 64, 128], [4, 8], M, Kd, min_m=32, min_k=32)  # noqa: E731
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
@@ -639,7 +639,7 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
         K.mxfp8_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, **_fmt_args(fmt), EMAX=fmt.emax, ROW=rowwise,
                              COL=columnwise, SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-    tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, regs, _bucket(M), _bucket(Kd)), cands, launch)
+    tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, regs, bucket(M), bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax)
@@ -685,8 +685,8 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tenso
                              COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
                              RHT=rht, SEED_PTR=seed_ptr, num_warps=c["num_warps"])
 
-    tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, rht, x2.dtype, _bucket(M),
-                           _bucket(Kd)), cands, launch)
+    tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, rht, x2.dtype, bucket(M),
+                           bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=rs, amax=amax, global_scale=gs, rht=False)
@@ -708,7 +708,7 @@ def _nvfp4_rht(qt, x2, sch: NVFP4, rowwise, seed):
         K.amax_rht_kernel[grid](x2, amax_c, amax_r, M, Kd, int(sch.rht_signs), PLAIN=rowwise, BM=c["BM"], BK=c["BK"],
                                 num_warps=c["num_warps"])
 
-    tuned_launch("amax_rht", (rowwise, x2.dtype, _bucket(M), _bucket(Kd)), cands, launch)
+    tuned_launch("amax_rht", (rowwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
     if rowwise:
         _nvfp4(qt, x2, sch, True, False, seed, amax_i=amax_r)
     _nvfp4(qt, x2, sch, False, True, seed, amax_i=amax_c, rht=True)

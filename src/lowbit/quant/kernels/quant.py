@@ -17,19 +17,36 @@ Every kernel reproduces :mod:`lowbit.quant.reference` bit for bit:
   exact. E2M1 (no Hopper instruction) always uses the software path; stochastic rounding draws
   ``tl.randint(seed, index)`` with the reference's counter convention.
 * offsets are int64.
+
+Fused-prologue API (used by lowbit.ops and lowbit.optim): the ``@triton.jit`` helpers below are the scale and cast
+rules every quantizer shares; a kernel that quantizes its own values (a fused prologue, the AdamW step writing FP8
+weight copies, the Gluon quantizers) calls them, so its bits are the quantizers' own.
+
+* :func:`sigmoid`: sigmoid of FP32 values as the SwiGLU kernels compute it (MUFU exp2 and reciprocal);
+* :func:`abs_bits`: the int32 bit pattern of |x|, ordered like |x| (the amax reductions);
+* :func:`bits_to_f32`: int32 bits back to FP32;
+* :func:`compute_scale`: ``reference.compute_scale`` (fmax / amax, pow2, eps) from an FP32 amax;
+* :func:`recip`: the stored ``scale_inv = 1 / scale``, exact for power-of-two scales;
+* :func:`fp8_prep`: an FP32 value ready for the FP8 cast (on-grid in the interpreter, else clamped);
+* :func:`fp8_cast`: the FP8 cast itself (no clamp where the hardware's satfinite conversion clamps);
+* :func:`rowcol_tile_1d`: both 1x128 copies of one whole tile held in registers;
+* :func:`mx_exponent`: MXFP8's shared exponent and E8M0 code from a block maximum's bits.
 """
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
 from ...runtime.device import INTERPRET
 
+__all__ = ["sigmoid", "abs_bits", "bits_to_f32", "compute_scale", "recip", "fp8_prep", "fp8_cast", "rowcol_tile_1d",
+           "mx_exponent", "amax_kernel", "amax_rht_kernel", "tensorwise_kernel", "rowscale_kernel", "blockwise_kernel",
+           "blockwise_persistent_kernel", "mxfp8_kernel", "nvfp4_kernel"]
+
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
-# _sigmoid by PTX inline asm where the kernel is compiled; plain Triton ops where Triton's interpreter runs it (no
+# sigmoid by PTX inline asm where the kernel is compiled; plain Triton ops where Triton's interpreter runs it (no
 # asm there).
 _FAST_SIGMOID = tl.constexpr(not INTERPRET)
 # 1.5 * 2**23: (t + MAGIC) - MAGIC rounds 0 <= t < 2**22 to the nearest integer, ties to even
@@ -37,7 +54,7 @@ MAGIC_RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _sigmoid(a):
+def sigmoid(a):
     """sigmoid(a) = 1 / (1 + exp(-a)) of FP32 a, as the SwiGLU kernels and their fused quantizers compute it (one
     place, so that the fused kernels reproduce the unfused ones bit for bit): the hardware's approximate exp2 and
     reciprocal (MUFU.EX2, MUFU.RCP) on 2^(-a·log2 e), with subnormal inputs and results flushed to zero (``.ftz``).
@@ -45,7 +62,7 @@ def _sigmoid(a):
     non-ftz fix-ups around each (range tests and rescaling multiplies, ~8 instructions an element on sm_90), which
     made the fused SwiGLU-backward quantizer issue-bound. The values differ from that form only where
     1 + exp(-a) > 2^126 (a < -87.3): there the reciprocal flushes to 0 instead of a number below 2^-126. Under
-    Triton's interpreter, or with LOWBIT_FAST_SIGMOID=0: ``1.0 / (1.0 + tl.exp(-a))``."""
+    Triton's interpreter: ``1.0 / (1.0 + tl.exp(-a))``."""
     if _FAST_SIGMOID:
         e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [a * -1.4426950408889634],
                                       dtype=tl.float32, is_pure=True, pack=1)
@@ -56,18 +73,18 @@ def _sigmoid(a):
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     """int32 bit pattern of |x| (x float32): ordered like |x|, NaN above +Inf."""
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _bits_to_f32(b):
+def bits_to_f32(b):
     return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
+def compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
     """reference.compute_scale: fmax / max(amax, eps); 0 -> 1; overflow -> FP32 max; pow2 rounds down; NaN stays.
 
     POW2 (FMAX >= 4) takes no division: see _pow2_scale."""
@@ -80,7 +97,7 @@ def _compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr)
         s = tl.where(a == 0, 1.0, s)
         s = tl.where(s == float("inf"), FP32_MAX, s)
         if POW2:
-            p = _bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
+            p = bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
             s = tl.where(s == s, p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
     return s
 
@@ -99,19 +116,18 @@ def _pow2_scale(a, FMAX: tl.constexpr):
     b = a.to(tl.int32, bitcast=True)
     fb = tl.cast(FMAX, tl.float32).to(tl.int32, bitcast=True)
     e = ((fb >> 23) & 0xFF) - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
-    s = _bits_to_f32((tl.minimum(e, 127) + 127) << 23)
+    s = bits_to_f32((tl.minimum(e, 127) + 127) << 23)
     s = tl.where(a == 0, 1.0, s)
     s = tl.where(a == float("inf"), 0.0, s)
     return tl.where(a != a, a, s)
 
 
 @triton.jit
-def _recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
-    """1 / s rounded to nearest. With the POW2 and FMAX that _compute_scale made s with, FMAX >= 4 (so s is 2**E
-    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 ->
-    Inf)."""
+def recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
+    """1 / s rounded to nearest. With the POW2 and FMAX that compute_scale made s with, FMAX >= 4 (so s is 2**E
+    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 -> Inf)."""
     if POW2 and FMAX >= 4.0:
-        r = _bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
+        r = bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
         r = tl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
         r = tl.where(s == 0, float("inf"), r)
         return tl.where(s != s, s, r)
@@ -130,8 +146,8 @@ def _round_sw(v, u, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a) for normal a
     e = tl.maximum(e, EMIN)
     qe = e - MBITS
-    quantum = _bits_to_f32((qe + 127) << 23)
-    inv_q = _bits_to_f32((127 - qe) << 23)
+    quantum = bits_to_f32((qe + 127) << 23)
+    inv_q = bits_to_f32((127 - qe) << 23)
     t = a * inv_q  # exact
     if SR:
         fl = tl.floor(t)
@@ -140,12 +156,12 @@ def _round_sw(v, u, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
         n = (t + MAGIC_RNE) - MAGIC_RNE
     r = tl.minimum(n * quantum, FMAX)
     sign = v.to(tl.int32, bitcast=True) & -2147483648
-    r = _bits_to_f32(r.to(tl.int32, bitcast=True) | sign)
+    r = bits_to_f32(r.to(tl.int32, bitcast=True) | sign)
     return tl.where(v != v, v, r)
 
 
 @triton.jit
-def _fp8_prep(v, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr):
+def fp8_prep(v, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr):
     """FP32 value ready for ``.to(fp8)``: on-grid (SW) or clamped to ±fmax with NaN kept (hardware satfinite RNE)."""
     if SW:
         return _round_sw(v, v, FMAX, EMIN, MBITS, False)
@@ -154,14 +170,14 @@ def _fp8_prep(v, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW
 
 
 @triton.jit
-def _fp8_cast(v, dtype: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr,
-              SATCVT: tl.constexpr):
-    """v cast to FP8 ``dtype`` as ``_fp8_prep(v).to(dtype)``. SATCVT (host: sm_89+, where Triton emits
+def fp8_cast(v, dtype: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, SW: tl.constexpr,
+             SATCVT: tl.constexpr):
+    """v cast to FP8 ``dtype`` as ``fp8_prep(v).to(dtype)``. SATCVT (host: sm_89+, where Triton emits
     ``cvt.rn.satfinite``, which already sends ±Inf and |v| > fmax to ±fmax and keeps NaN): no clamp first."""
     if SATCVT and not SW:
         return v.to(dtype)
     else:
-        return _fp8_prep(v, FMAX, EMIN, MBITS, SW).to(dtype)
+        return fp8_prep(v, FMAX, EMIN, MBITS, SW).to(dtype)
 
 
 @triton.jit
@@ -197,7 +213,7 @@ def amax_kernel(x_ptr, amax_ptr, N, BLOCK: tl.constexpr):
     """amax_ptr (int32 bits, pre-zeroed) = max |x| over the flat contiguous x of N elements."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(_abs_bits(x), axis=0), sem="relaxed")
+    tl.atomic_max(amax_ptr, tl.max(abs_bits(x), axis=0), sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,9 +301,9 @@ def amax_rht_kernel(x_ptr, amax_rht_ptr, amax_ptr, M, K, signs, PLAIN: tl.conste
     pid_k = tl.program_id(1).to(tl.int64)
     rows, offs_k, mask = _rht_rows_mask(M, K, pid_m, pid_k, BM, BK)
     x, y = _rht_tile(x_ptr, rows, offs_k, K, mask, signs, BM // 16, BK)
-    tl.atomic_max(amax_rht_ptr, tl.max(tl.max(tl.max(_abs_bits(y), axis=2), axis=1), axis=0), sem="relaxed")
+    tl.atomic_max(amax_rht_ptr, tl.max(tl.max(tl.max(abs_bits(y), axis=2), axis=1), axis=0), sem="relaxed")
     if PLAIN:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(_abs_bits(x), axis=2), axis=1), axis=0), sem="relaxed")
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(abs_bits(x), axis=2), axis=1), axis=0), sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -308,13 +324,13 @@ def tensorwise_kernel(x_ptr, rq_ptr, cq_ptr, scale_ptr, amax_ptr, si_ptr, M, K,
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     if DELAYED:
         s = tl.load(scale_ptr)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0), sem="relaxed")
+        tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0), sem="relaxed")
     else:
-        a = _bits_to_f32(tl.load(amax_ptr))
-        s = _compute_scale(a, FMAX, False, 0.0)
+        a = bits_to_f32(tl.load(amax_ptr))
+        s = compute_scale(a, FMAX, False, 0.0)
     if (pid_m == 0) & (pid_k == 0):
-        tl.store(si_ptr, _recip(s, False, FMAX))
-    q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+        tl.store(si_ptr, recip(s, False, FMAX))
+    q = fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
     if ROW:
         tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
     if COL:
@@ -337,18 +353,16 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(abs_bits(x), axis=1))
     tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
-    s = _compute_scale(_bits_to_f32(amax), FMAX, POW2, 0.0)
-    tl.store(si_ptr + offs_r, _recip(s, POW2, FMAX), mask=rmask)
+    s = compute_scale(bits_to_f32(amax), FMAX, POW2, 0.0)
+    tl.store(si_ptr + offs_r, recip(s, POW2, FMAX), mask=rmask)
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)
-        q = _fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        q = fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -409,9 +423,9 @@ def _rows_1d(x, row_max, rsb, rqb, r, ck, K, nm, nk, FMAX: tl.constexpr, EMIN: t
              EVEN: tl.constexpr, WIDE: tl.constexpr):
     """The rowwise 1xBS copy of slab x (rows r of a tile; row_max its rows' |x| maxima as int32 bits): scale_inv at
     rsb[r], FP8 data at rqb (leading dimension K)."""
-    sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-    _vec_store(rsb, r, nm, _recip(sr, POW2, FMAX), EVEN)
-    _tile_store(rqb, r, ck, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+    sr = compute_scale(bits_to_f32(row_max), FMAX, POW2, EPS)
+    _vec_store(rsb, r, nm, recip(sr, POW2, FMAX), EVEN)
+    _tile_store(rqb, r, ck, K, nm, nk, fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
 
 
 @triton.jit
@@ -446,7 +460,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     (global, this tile's own) and read back, since in the slab layout every thread holds 16 columns and
     would do the two divisions for each.
     EVEN: M % BM == 0 and K % BS == 0, no bounds masks. WIDE: in-tile offsets in int64 (see _tile_offsets).
-    SATCVT: see _fp8_cast. abs_mask: 0x7FFFFFFF, passed at run time so that the compiler cannot see
+    SATCVT: see fp8_cast. abs_mask: 0x7FFFFFFF, passed at run time so that the compiler cannot see
     "bits & 0x7FFFFFFF" as fabs: fused with the bf16->fp32 conversion, ptxas may then compute |x| with a
     half-precision FMA, which replaces a NaN's payload (the amax bits would change).
     SLAB2: walk 2's slab height (0: SLAB). 128 rows give 128-byte pieces of each row of the transposed copy.
@@ -478,13 +492,13 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         kmask = offs_k < K
         mask = mmask[:, None] & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        ab = _abs_bits(x)
+        ab = abs_bits(x)
         row_max = tl.max(ab, axis=1)
         tl.atomic_max(amax_ptr, tl.max(row_max, axis=0), sem="relaxed")
         if TWO_D:
-            s = _compute_scale(_bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
-            si = _recip(s, POW2, FMAX)
-            q = _fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
+            s = compute_scale(bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
+            si = recip(s, POW2, FMAX)
+            q = fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
                 tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
@@ -494,14 +508,14 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                          mask=kmask[:, None] & mmask[None, :])
         else:
             if ROW:
-                sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-                tl.store(rs_ptr + pid_k * rs_ld + offs_m, _recip(sr, POW2, FMAX), mask=mmask)
-                q = _fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
+                sr = compute_scale(bits_to_f32(row_max), FMAX, POW2, EPS)
+                tl.store(rs_ptr + pid_k * rs_ld + offs_m, recip(sr, POW2, FMAX), mask=mmask)
+                q = fp8_prep(x * sr[:, None], FMAX, EMIN, MBITS, SW)
                 tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
             if COL:
-                sc = _compute_scale(_bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
-                tl.store(cs_ptr + pid_m * cs_ld + offs_k, _recip(sc, POW2, FMAX), mask=kmask)
-                qc = _fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
+                sc = compute_scale(bits_to_f32(tl.max(ab, axis=0)), FMAX, POW2, EPS)
+                tl.store(cs_ptr + pid_m * cs_ld + offs_k, recip(sc, POW2, FMAX), mask=kmask)
+                qc = fp8_prep(x * sc[None, :], FMAX, EMIN, MBITS, SW)
                 tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
                          mask=kmask[:, None] & mmask[None, :])
     else:
@@ -538,8 +552,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         tl.atomic_max(amax_ptr, a, sem="relaxed")
         # the scales of walk 2: the tile's (2D) or one a column (1D)
         if TWO_D:
-            mult = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(mult, POW2, FMAX)
+            mult = compute_scale(bits_to_f32(a), FMAX, POW2, EPS)
+            si = recip(mult, POW2, FMAX)
             if ROW:
                 tl.store(rs_ptr + pid_m * rs_ld + pid_k, si)
             if COL:
@@ -547,19 +561,19 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         elif COL:
             csb = cs_ptr + pid_m * cs_ld + k0
             if SCR:
-                _vec_store(csb, ck, nk, _bits_to_f32(col_max), EVEN)
+                _vec_store(csb, ck, nk, bits_to_f32(col_max), EVEN)
                 tl.debug_barrier()
                 c1 = tl.arange(0, BS)
                 if EVEN:
                     cm1 = tl.load(csb + c1)
                 else:
                     cm1 = tl.load(csb + c1, mask=c1 < nk, other=0.0)
-                sc = _compute_scale(cm1, FMAX, POW2, EPS)
+                sc = compute_scale(cm1, FMAX, POW2, EPS)
                 tl.debug_barrier()  # every maximum read before any is overwritten
-                _vec_store(csb, c1, nk, _recip(sc, POW2, FMAX), EVEN)
+                _vec_store(csb, c1, nk, recip(sc, POW2, FMAX), EVEN)
             else:
-                sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-                _vec_store(csb, ck, nk, _recip(sc, POW2, FMAX), EVEN)
+                sc = compute_scale(bits_to_f32(col_max), FMAX, POW2, EPS)
+                _vec_store(csb, ck, nk, recip(sc, POW2, FMAX), EVEN)
             mult = sc[None, :]
         # walk 2: columnwise copy (2D: and the rowwise one, same scale; ROW2: and the rowwise one, its own scales)
         if COL or TWO_D:
@@ -571,9 +585,9 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                 if TWO_D:
                     xs = x * mult
                     if ROW:
-                        _tile_store(rqb, r, ck, K, nm, nk, _fp8_cast(xs, DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+                        _tile_store(rqb, r, ck, K, nm, nk, fp8_cast(xs, DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
                     if COL:
-                        _tile_store(cqb, ck, r, M, nk, nm, _fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT),
+                        _tile_store(cqb, ck, r, M, nk, nm, fp8_cast(tl.trans(xs), DT, FMAX, EMIN, MBITS, SW, SATCVT),
                                     EVEN, WIDE)
                 else:
                     if R2:
@@ -581,7 +595,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                         _rows_1d(x, row_max, rs_ptr + pid_k * rs_ld + m0, rqb, r, ck, K, nm, nk, FMAX, EMIN, MBITS,
                                  POW2,
                                  EPS, SW, SATCVT, DT, EVEN, WIDE)
-                    q = _fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+                    q = fp8_cast(x * mult, DT, FMAX, EMIN, MBITS, SW, SATCVT)
                     _tile_store(cqb, ck, r, M, nk, nm, tl.trans(q), EVEN, WIDE)
 
 
@@ -657,9 +671,9 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
             ab = x.to(tl.int32, bitcast=True) & abs_mask
             a = tl.max(tl.max(ab, axis=1), axis=0)
             amax = tl.maximum(amax, a)
-            s = _compute_scale(_bits_to_f32(a), FMAX, POW2, EPS)
-            si = _recip(s, POW2, FMAX)
-            q = _fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
+            s = compute_scale(bits_to_f32(a), FMAX, POW2, EPS)
+            si = recip(s, POW2, FMAX)
+            q = fp8_cast(x * s, DT, FMAX, EMIN, MBITS, SW, SATCVT)
             if ROW:
                 tl.store(rs_ptr + pm.to(tl.int64) * rs_ld + pk, si)
                 _tile_store(rqb, rr, cc, K, nm, nk, q, EVEN, WIDE)
@@ -667,8 +681,7 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            a = _rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb,
-                                cs_ptr + pm.to(tl.int64) * cs_ld + k0,
+            a = rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
                                 False, abs_mask)
             amax = tl.maximum(amax, a)
@@ -676,10 +689,10 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
 
 
 @triton.jit
-def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, EMIN: tl.constexpr,
-                    MBITS: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr,
-                    DT: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
-                    BITS16: tl.constexpr, abs_mask):
+def rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, EMIN: tl.constexpr,
+                   MBITS: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr, SW: tl.constexpr, SATCVT: tl.constexpr,
+                   DT: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                   BITS16: tl.constexpr, abs_mask):
     """1x128 scales both ways for one whole (BM, BS) tile ``raw`` (the input's own dtype, in registers): stores the
     rowwise copy at rqb (ld K) with its scale_inv at rsb[r], the columnwise copy transposed at cqb (ld M) with its
     scale_inv at csb[c]; nm / nk rows / cols of the tile lie inside the array. Returns the tile's |x| maximum bits.
@@ -702,13 +715,13 @@ def _rowcol_tile_1d(raw, rqb, rsb, cqb, csb, M, K, nm, nk, FMAX: tl.constexpr, E
         col_max = tl.max(ab, axis=0)
     x = raw.to(tl.float32)
     if ROW:
-        sr = _compute_scale(_bits_to_f32(row_max), FMAX, POW2, EPS)
-        _vec_store(rsb, rr, nm, _recip(sr, POW2, FMAX), EVEN)
-        _tile_store(rqb, rr, cc, K, nm, nk, _fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
+        sr = compute_scale(bits_to_f32(row_max), FMAX, POW2, EPS)
+        _vec_store(rsb, rr, nm, recip(sr, POW2, FMAX), EVEN)
+        _tile_store(rqb, rr, cc, K, nm, nk, fp8_cast(x * sr[:, None], DT, FMAX, EMIN, MBITS, SW, SATCVT), EVEN, WIDE)
     if COL:
-        sc = _compute_scale(_bits_to_f32(col_max), FMAX, POW2, EPS)
-        _vec_store(csb, cc, nk, _recip(sc, POW2, FMAX), EVEN)
-        _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(_fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)),
+        sc = compute_scale(bits_to_f32(col_max), FMAX, POW2, EPS)
+        _vec_store(csb, cc, nk, recip(sc, POW2, FMAX), EVEN)
+        _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(fp8_cast(x * sc[None, :], DT, FMAX, EMIN, MBITS, SW, SATCVT)),
                     EVEN, WIDE)
     return tl.max(row_max, axis=0)
 
@@ -729,7 +742,7 @@ def _load_tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
 # MXFP8: 1x32 blocks, E8M0 scales; rowwise (along K) and columnwise (along M) from one read
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _mx_exponent(amax_bits, EMAX: tl.constexpr):
+def mx_exponent(amax_bits, EMAX: tl.constexpr):
     """(X, code): X = floor(log2 amax) - emax from the exponent bits (amax 0 -> 0; clamp ±127); NaN -> code 0xFF."""
     be = (amax_bits >> 23) & 0xFF
     # torch.frexp: normal a -> floor(log2 a) = be - 127; subnormal ends up clamped to -127 either way;
@@ -750,24 +763,24 @@ def mxfp8_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K,
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
     offs_m, offs_k, mmask, kmask, mask, x = _load_tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
-    ab = _abs_bits(x)
+    ab = abs_bits(x)
     tl.atomic_max(amax_ptr, tl.max(tl.max(ab, axis=1), axis=0), sem="relaxed")
     if ROW:
         bm = tl.max(tl.reshape(ab, (BM, BK // 32, 32)), axis=2)
-        X, code = _mx_exponent(bm, EMAX)
-        mult = _bits_to_f32((127 - X) << 23)  # 2**-X, a normal FP32 power of two
+        X, code = mx_exponent(bm, EMAX)
+        mult = bits_to_f32((127 - X) << 23)  # 2**-X, a normal FP32 power of two
         xs = tl.reshape(tl.reshape(x, (BM, BK // 32, 32)) * mult[:, :, None], (BM, BK))
-        q = _fp8_prep(xs, FMAX, EMIN, MBITS, SW)
+        q = fp8_prep(xs, FMAX, EMIN, MBITS, SW)
         tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
         offs_kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
         tl.store(rs_ptr + offs_m[:, None] * (K // 32) + offs_kb[None, :], code.to(tl.uint8),
                  mask=mmask[:, None] & (offs_kb[None, :] < K // 32))
     if COL:
         bmc = tl.max(tl.reshape(ab, (BM // 32, 32, BK)), axis=1)
-        Xc, codec = _mx_exponent(bmc, EMAX)
-        multc = _bits_to_f32((127 - Xc) << 23)
+        Xc, codec = mx_exponent(bmc, EMAX)
+        multc = bits_to_f32((127 - Xc) << 23)
         xc = tl.reshape(tl.reshape(x, (BM // 32, 32, BK)) * multc[:, None, :], (BM, BK))
-        qc = _fp8_prep(xc, FMAX, EMIN, MBITS, SW)
+        qc = fp8_prep(xc, FMAX, EMIN, MBITS, SW)
         tl.store(cq_ptr + offs_k[:, None] * M + offs_m[None, :], tl.trans(qc).to(cq_ptr.dtype.element_ty),
                  mask=kmask[:, None] & mmask[None, :])
         offs_mb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
@@ -783,8 +796,8 @@ def _nvfp4_encode(x, bamax, S, seed, idx, SR: tl.constexpr, SW: tl.constexpr):
     """Block amax (broadcastable to x) -> (d as float32 on the E4M3 grid, E2M1 codes of x)."""
     t = bamax * tl.math.div_rn(S, tl.full(S.shape, 6.0, tl.float32))
     t = tl.where(t != t, t, tl.minimum(t, 448.0))
-    d = _fp8_prep(t, 448.0, -6, 3, SW).to(tl.float8e4nv).to(tl.float32)
-    enc = _recip(tl.math.div_rn(d, S))
+    d = fp8_prep(t, 448.0, -6, 3, SW).to(tl.float8e4nv).to(tl.float32)
+    enc = recip(tl.math.div_rn(d, S))
     enc = tl.where(enc == float("inf"), FP32_MAX, enc)
     return d, enc
 
@@ -816,7 +829,7 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         seed = tl.load(seed)
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
-    amax = _bits_to_f32(tl.load(amax_ptr))
+    amax = bits_to_f32(tl.load(amax_ptr))
     S = tl.math.div_rn(tl.full((1,), 2688.0, tl.float32), tl.full((1,), 1.0, tl.float32) * amax)
     S = tl.where(amax == 0, 1.0, S)
     S = tl.where(S == float("inf"), FP32_MAX, S)
@@ -831,7 +844,7 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         G: tl.constexpr = BM // 16
         rows, offs_k, gmask = _rht_rows_mask(M, K, pid_m, pid_k, BM, BK)
         _, y = _rht_tile(x_ptr, rows, offs_k, K, gmask, signs, G, BK)
-        bmc = _bits_to_f32(tl.max(_abs_bits(y), axis=2))
+        bmc = bits_to_f32(tl.max(abs_bits(y), axis=2))
         dc, encc = _nvfp4_encode(y, bmc, S2, seed, 0, SR, SW)
         # M*K + k*M + m, formed as (K + k) * M + m so that nothing is computed in int32
         idxc = (K + offs_k[None, :, None]) * M + rows[:, None, None] + tl.arange(0, 16)[None, None, :]
@@ -845,10 +858,10 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
         tl.store(cs_ptr + offs_k[:, None] * M16 + (rows // 16)[None, :], tl.trans(dc.to(tl.float8e4nv)), mask=cmask)
     else:
         offs_m, offs_k, mmask, kmask, mask, x = _load_tile(x_ptr, M, K, pid_m, pid_k, BM, BK)
-        ab = _abs_bits(x)
+        ab = abs_bits(x)
         idx = offs_m[:, None] * K + offs_k[None, :]
         if TWO_D:
-            bm = _bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
+            bm = bits_to_f32(tl.max(tl.max(tl.reshape(ab, (BM // 16, 16, BK // 16, 16)), axis=3), axis=1))
             d, enc = _nvfp4_encode(x, bm, tl.reshape(S, (1, 1)), seed, idx, SR, SW)
             enc_e = tl.reshape(tl.broadcast_to(tl.reshape(enc, (BM // 16, 1, BK // 16, 1)), (BM // 16, 16, BK // 16,
                                                                                              16)),
@@ -870,7 +883,7 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
                 tl.store(cs_ptr + offs_kb[:, None] * M16 + offs_mb[None, :], tl.trans(dq), mask=tl.trans(smask))
         else:
             if ROW:
-                bm = _bits_to_f32(tl.max(tl.reshape(ab, (BM, BK // 16, 16)), axis=2))
+                bm = bits_to_f32(tl.max(tl.reshape(ab, (BM, BK // 16, 16)), axis=2))
                 d, enc = _nvfp4_encode(x, bm, S2, seed, idx, SR, SW)
                 enc_e = tl.reshape(tl.broadcast_to(enc[:, :, None], (BM, BK // 16, 16)), (BM, BK))
                 codes = _nvfp4_round(x * enc_e, seed, idx, SR)
@@ -881,7 +894,7 @@ def nvfp4_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, gs_ptr, M, K, 
                 tl.store(rs_ptr + offs_m[:, None] * K16 + offs_kb[None, :], d.to(tl.float8e4nv),
                          mask=mmask[:, None] & (offs_kb[None, :] < K16))
             if COL:
-                bmc = _bits_to_f32(tl.max(tl.reshape(ab, (BM // 16, 16, BK)), axis=1))
+                bmc = bits_to_f32(tl.max(tl.reshape(ab, (BM // 16, 16, BK)), axis=1))
                 dc, encc = _nvfp4_encode(x, bmc, S2, seed, idx, SR, SW)
                 encc_e = tl.reshape(tl.broadcast_to(encc[:, None, :], (BM // 16, 16, BK)), (BM, BK))
                 idxc = (K + offs_k[None, :]) * M + offs_m[:, None]  # M*K + k*M + m without an int32 M*K

@@ -6,14 +6,11 @@ of an input from one read.
 column block maxima both come from the one load, and the transposed copy needs no shared-memory transposition:
 the same registers read down the columns (layout B of :func:`rowcol_regs_layouts`, a linear layout with the lanes
 of A) give the hardware's two-value FP8 cast vertical pairs, stored as 8-byte pieces of the transposed rows.
-Faster than ``quant.blockwise_kernel``'s slab walk (1x128 from FP32: 0.9 of a device copy) and than
-``mxfp8_kernel``.
+On the H200 (BENCHMARKS.md) 1x128 reaches 0.80 of a device copy's bandwidth from BF16 and 0.93 from FP32, above
+``quant.blockwise_kernel``'s slab walk; MXFP8 0.66, above ``mxfp8_kernel``.
 ``rowcol_1x128_regs`` also takes the RMSNorm (``NORM``), SwiGLU (``SWIGLU``) and SwiGLU-backward (``SWIGLU_BWD``)
 prologues of the fused quantizers. ``rowcol_1x128_regs_packed`` (BF16 input, no prologue; the default there)
-holds and reduces the tile as BF16 pairs in 80 registers, three CTAs an SM: about 0.9 of a copy.
-
-``rowcol_1x128_gluon`` (opt-in with ``LOWBIT_QUANT_GLUON=1``): tiles streamed into shared memory by TMA, STAGES in
-flight a CTA, each read twice in SR-row slabs; never faster than the slab walk.
+holds and reduces the tile as BF16 pairs in 80 registers, three CTAs an SM: 0.87-0.90 of a copy.
 
 The numbers are blockwise_kernel's / mxfp8_kernel's (hence the reference's, bit for bit): amax as a max over int32
 patterns of |x|, ``scale = fmax / amax`` (0 -> 1, overflow -> FP32 max, power-of-two scales from the exponent bits),
@@ -27,119 +24,24 @@ from __future__ import annotations
 try:  # Triton >= 3.5 with Gluon's Hopper ops
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-    # (renamed async_load and barrier after Triton 3.6)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: F401 - (the version check)
     GLUON = True
 except Exception:  # pragma: no cover - older Triton, or none
     GLUON = False
 
 # The scale math is the Triton kernels' own (quant.kernels.quant): those helpers make no layout-less tensors, so
 # the Gluon kernels call them as they are.
-from .quant import _compute_scale, _mx_exponent, _recip, _sigmoid  # noqa: E402
+from .quant import compute_scale, mx_exponent, recip, sigmoid  # noqa: E402
 
 if GLUON:
     @gluon.jit
-    def _g_issue(xd, x_s, bars, t, nkt, pred, STAGES: gl.constexpr, i):
-        """TMA load of tile t (row-panel order of the 128 x 128 grid) into stage i % STAGES."""
-        s = i % STAGES
-        pm = t // nkt
-        mbarrier.expect(bars.index(s), xd.block_type.nbytes, pred=pred)
-        _tma_load(xd, [pm * 128, (t - pm * nkt) * 128], bars.index(s), x_s.index(s), pred=pred)
-
-    @gluon.jit
-    def rowcol_1x128_gluon(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld, n_prog,
-                           FMAX: gl.constexpr, POW2: gl.constexpr, EPS: gl.constexpr, STAGES: gl.constexpr,
-                           SR: gl.constexpr = 32,
-                           RPT: gl.constexpr = 4, abs_mask=0x7FFFFFFF):
-        """x (M, K) 16-bit row-major, M % 128 == K % 128 == 0; persistent: program p takes 128 x 128 tiles p,
-        p + n_prog, ... in row-panel order.
-
-        Both copies, always (the one use, row+col; blockwise_kernel makes single copies).
-        Outputs (quant.kernels.quant.blockwise_kernel's 1D layouts): rq (M, K) FP8 with rs[kb, m] (ld rs_ld), cq
-        (K, M) FP8 = the transposed columnwise copy with cs[mb, k] (ld cs_ld); scale_inv stored. amax_ptr: int32
-        bits of max |x|, atomically maxed (the caller zeroes it). ``abs_mask``: a run-time 0x7FFFFFFF (see
-        blockwise_kernel: a constant lets ptxas compute |x| in half precision, which rewrites NaN payloads).
-
-        A tile, once in shared memory, is read twice in SR-row slabs (few registers a thread, so that several
-        CTAs an SM hide each other's latencies): walk 1 writes the rowwise copy and keeps an elementwise running
-        max, whose column maxima give the column scales; walk 2 writes the columnwise copy.
-        RPT: rows of a slab a thread holds (RPT x 8): with 4, a thread's transposed FP8 values leave the layout
-        conversion as 4-byte words, not single bytes.
-        """
-        NW: gl.constexpr = gl.num_warps()
-        DT: gl.constexpr = rq_ptr.dtype.element_ty
-        pid = gl.program_id(0)
-        nkt = K // 128
-        n_tiles = (M // 128) * nkt
-        my_n = gl.cdiv(n_tiles - pid, n_prog)
-
-        # No swizzle: a 128-wide 16-bit row is 256 bytes, wider than TMA's largest swizzle; the slab loads below
-        # read 16 bytes a thread with 8 threads on each 128-byte row segment, which unswizzled rows serve without
-        # bank conflicts.
-        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        xd = tma.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[128, 128], layout=x_layout)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, 128, 128], x_layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _g_issue(xd, x_s, bars, pid + i * n_prog, nkt, i < my_n, STAGES, i)
-
-        # a slab (SR x 128): RPT rows x 8 consecutive columns a thread (16-byte loads, 8-byte rowwise stores)
-        L: gl.constexpr = gl.BlockedLayout([RPT, 8], [2, 16], [NW, 1], [1, 0])
-        # the transposed slab (128 x SR) of the columnwise copy: 16 consecutive bytes of a cq row a thread
-        LT: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // SR, SR // 16], [NW, 1], [1, 0])
-        r = gl.arange(0, SR, layout=gl.SliceLayout(1, L))
-        c = gl.arange(0, 128, layout=gl.SliceLayout(0, L))
-        rt = gl.arange(0, 128, layout=gl.SliceLayout(1, LT))
-        ct = gl.arange(0, SR, layout=gl.SliceLayout(0, LT))
-        offs = gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)
-        offs_t = gl.expand_dims(rt, 1) * M + gl.expand_dims(ct, 0)
-        tmax = gl.max(gl.zeros([128], gl.int32, gl.SliceLayout(0, L)), axis=0)
-        for i in range(my_n):
-            t = pid + i * n_prog
-            pm = t // nkt
-            pk = t - pm * nkt
-            m0 = pm * 128
-            k0 = pk * 128
-            s = i % STAGES
-            mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-            xt = x_s.index(s)
-            acc = gl.zeros([SR, 128], gl.int32, L)
-            for j in gl.static_range(128 // SR):  # walk 1
-                x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
-                ab = x.to(gl.int32, bitcast=True) & abs_mask
-                acc = gl.maximum(acc, ab)
-                sr = _compute_scale(gl.max(ab, axis=1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-                gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + j * SR + r, _recip(sr, POW2, FMAX))
-                q = (x * gl.expand_dims(sr, 1)).to(DT)
-                gl.store(rq_ptr + ((m0 + j * SR).to(gl.int64) * K + k0) + offs, q)
-            cmax = gl.max(acc, axis=0)
-            tmax = gl.maximum(tmax, gl.max(cmax, axis=0))
-            sc = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _recip(sc, POW2, FMAX))
-            for j in gl.static_range(128 // SR):  # walk 2
-                x = xt.slice(j * SR, SR, dim=0).load(L).to(gl.float32)
-                q = (x * gl.expand_dims(sc, 0)).to(DT)
-                qt = gl.convert_layout(gl.permute(q, [1, 0]), LT)
-                gl.store(cq_ptr + (k0.to(gl.int64) * M + m0 + j * SR) + offs_t, qt)
-            _cta_barrier()  # every warp has read stage s: refill it with the tile STAGES ahead
-            _g_issue(xd, x_s, bars, t + STAGES * n_prog, nkt, i + STAGES < my_n, STAGES, i)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-        gl.atomic_max(amax_ptr, tmax, sem="relaxed")
-
-    @gluon.jit
     def _swiglu_bwd_half(x_ptr, g_ptr, m0, k0, K, H: gl.constexpr, h: gl.constexpr):
         """Rows 2i + h (i < 64) of the du tile (m0, k0) in layout H (16-bit): lowbit.ops.swiglu's _swiglu_kernel
-        (BACKWARD): sig = 1 / (1 + exp(-a)) (quant._sigmoid), da = g * b * (sig * (1 + a * (1 - sig))),
+        (BACKWARD): sig = 1 / (1 + exp(-a)) (quant.sigmoid), da = g * b * (sig * (1 + a * (1 - sig))),
         db = g * (a * sig), FP32 math rounded once to u's dtype; the tile lies in the a half of du (da: reads a, b,
         g) or the b half (db: reads a, g; b's load is masked off). Both halves run one branch-free expression (below):
         a branch on the half (uniform in a program) made ptxas spill under the 128-register cap, and computing both
-        values and selecting one cost ~3 instructions an element more (4-10% slower)."""
+        values and selecting one cost ~3 instructions an element more (4-10% slower on the H200)."""
         F = K // 2
         f0 = k0 - (k0 >= F).to(gl.int64) * F  # the column of a (and of g) under this tile
         i = gl.arange(0, 64, layout=gl.SliceLayout(1, H))
@@ -148,7 +50,7 @@ if GLUON:
         pa = x_ptr + (m0 * K + f0) + rows * K + gl.expand_dims(c, 0)
         a = gl.load(pa).to(gl.float32)
         g = gl.load(g_ptr + (m0 * F + f0) + rows * F + gl.expand_dims(c, 0)).to(gl.float32)
-        sig = _sigmoid(a)
+        sig = sigmoid(a)
         isa = (gl.expand_dims(i * 0, 1) + gl.expand_dims(c, 0) + k0) < F  # (all or none of the tile)
         b = gl.load(pa + F, mask=isa, other=1.0).to(gl.float32)
         # One expression for both halves, (g * b') * (sig * fma(a, w, addend)): in the a half b' = b, w = 1 - sig (as
@@ -299,7 +201,7 @@ if GLUON:
             # _swiglu_h (the same operations, so the same bits as the SwiGLU kernel stores)
             a = gl.load(ptrs).to(gl.float32)
             b = gl.load(ptrs + K)
-            x = ((a * _sigmoid(a)) * b.to(gl.float32)).to(b.dtype)
+            x = ((a * sigmoid(a)) * b.to(gl.float32)).to(b.dtype)
         else:
             x = gl.load(ptrs)
         if AW is not None:
@@ -328,17 +230,17 @@ if GLUON:
             # each, one a thread, and brought back (through shared memory, as the reductions were).
             S1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             i1 = gl.arange(0, 128, layout=S1)
-            sr1 = _compute_scale(gl.convert_layout(rmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, _recip(sr1, POW2, FMAX))
-            sc1 = _compute_scale(gl.convert_layout(cmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, _recip(sc1, POW2, FMAX))
+            sr1 = compute_scale(gl.convert_layout(rmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, recip(sr1, POW2, FMAX))
+            sc1 = compute_scale(gl.convert_layout(cmax, S1).to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, recip(sc1, POW2, FMAX))
             sr = gl.convert_layout(sr1, gl.SliceLayout(1, A))
             sc = gl.convert_layout(sc1, gl.SliceLayout(0, A))
         else:
-            sr = _compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, _recip(sr, POW2, FMAX))
-            sc = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, _recip(sc, POW2, FMAX))
+            sr = compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + r, recip(sr, POW2, FMAX))
+            sc = compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+            gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + c, recip(sc, POW2, FMAX))
         q = (x * gl.expand_dims(sr, 1)).to(DT)
         gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
         xb = gl.convert_layout(x, B)
@@ -373,8 +275,8 @@ if GLUON:
         """h = silu(a) * b as BF16 pairs from the pairs of a and b (the SWIGLU prologue's operations, per half)."""
         a0 = (aw << 16).to(gl.float32, bitcast=True)
         a1 = (aw & -65536).to(gl.float32, bitcast=True)
-        h0 = (a0 * _sigmoid(a0)) * (bw << 16).to(gl.float32, bitcast=True)
-        h1 = (a1 * _sigmoid(a1)) * (bw & -65536).to(gl.float32, bitcast=True)
+        h0 = (a0 * sigmoid(a0)) * (bw << 16).to(gl.float32, bitcast=True)
+        h1 = (a1 * sigmoid(a1)) * (bw & -65536).to(gl.float32, bitcast=True)
         return _bf16_bits(h0) | (_bf16_bits(h1) << 16)
 
     @gluon.jit
@@ -429,10 +331,10 @@ if GLUON:
         i1 = gl.arange(0, 128, layout=S1)
         rmax = gl.convert_layout(gl.maximum(rmw << 16, rmw & -65536), S1)  # FP32 patterns, >= 0
         cmax = gl.convert_layout(gl.reshape(gl.join(cmw << 16, cmw & -65536), [128]), S1)
-        sr1 = _compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-        gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, _recip(sr1, POW2, FMAX))
-        sc1 = _compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
-        gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, _recip(sc1, POW2, FMAX))
+        sr1 = compute_scale(rmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(rs_ptr + pk.to(gl.int64) * rs_ld + m0 + i1, recip(sr1, POW2, FMAX))
+        sc1 = compute_scale(cmax.to(gl.float32, bitcast=True), FMAX, POW2, EPS)
+        gl.store(cs_ptr + pm.to(gl.int64) * cs_ld + k0 + i1, recip(sc1, POW2, FMAX))
         x = _bf16_words_f32(w, A)
         q = (x * gl.expand_dims(gl.convert_layout(sr1, gl.SliceLayout(1, A)), 1)).to(DT)
         gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0), q)
@@ -510,7 +412,7 @@ if GLUON:
         x = gl.load(x_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)).to(gl.float32)
         ab = x.to(gl.int32, bitcast=True) & abs_mask
         # rowwise: 1 x 32 blocks
-        X, code = _mx_exponent(gl.max(gl.reshape(ab, [128, 4, 32]), axis=2), EMAX)
+        X, code = mx_exponent(gl.max(gl.reshape(ab, [128, 4, 32]), axis=2), EMAX)
         mult = ((127 - X) << 23).to(gl.float32, bitcast=True)  # 2**-X, as mxfp8_kernel
         q = gl.reshape(gl.reshape(x, [128, 4, 32]) * gl.expand_dims(mult, 2), [128, 128])
         gl.store(rq_ptr + (m0 * K + k0) + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0),
@@ -521,7 +423,7 @@ if GLUON:
                  code.to(gl.uint8))
         # columnwise: 32 x 1 blocks, the values read down the columns (B) for the transposed copy
         bmc = gl.max(gl.reshape(ab, [4, 32, 128]), axis=1)
-        Xc, codec = _mx_exponent(bmc, EMAX)
+        Xc, codec = mx_exponent(bmc, EMAX)
         multc = ((127 - Xc) << 23).to(gl.float32, bitcast=True)
         xb = gl.reshape(gl.convert_layout(x, B), [4, 32, 128])
         mb = gl.expand_dims(gl.convert_layout(multc, gl.SliceLayout(1, xb.type.layout)), 1)
