@@ -144,6 +144,43 @@ def test_no_private_names_across_modules():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
+def _module_aliases(module: str, path: Path) -> dict[str, str]:
+    """Local names bound to lowbit modules in ``path`` (``import lowbit.x as X``, ``from . import x``), -> module."""
+    out = {}
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname:
+                    out[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                if f"{target}.{a.name}" in MODULES:
+                    out[a.asname or a.name] = f"{target}.{a.name}"
+    return out
+
+
+def test_no_private_attributes_of_other_modules():
+    """``mod._name`` where ``mod`` is another lowbit module (a package's private submodules, ``pkg._triton``, are
+    fine: the attribute's owner is then the package)."""
+    bad = []
+    for m, path in MODULES.items():
+        aliases = _module_aliases(m, path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and f"{aliases[node.value.id]}.{node.attr}" not in MODULES and aliases[node.value.id] != m):
+                bad.append(f"{m}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "private attributes of other modules:\n" + "\n".join(bad)
+
+
 def _sources():
     return [(p, p.read_text()) for p in sorted(PKG.rglob("*.py"))]
 

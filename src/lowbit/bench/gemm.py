@@ -20,7 +20,7 @@ from . import git_commit, median_ms, table_main
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
 
 
-def _bench(fn, rep=100) -> float | None:
+def time_ms(fn, rep=100) -> float | None:
     try:
         fn()
         torch.cuda.synchronize()
@@ -42,11 +42,11 @@ def _run_shape(M, K, N, rep, rows):
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
     flops = 2.0 * M * N * K
     res = {}
-    res["bf16 torch.mm"] = _bench(lambda: torch.mm(x, w.t()), rep)
+    res["bf16 torch.mm"] = time_ms(lambda: torch.mm(x, w.t()), rep)
     xa = x.to(torch.float8_e4m3fn)
     wa = w.to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
-    res["cuBLAS fp8 tensorwise"] = _bench(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
+    res["cuBLAS fp8 tensorwise"] = time_ms(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
                                                                    out_dtype=torch.bfloat16), rep)
     qa = quantize(x, Float8Blockwise())
     qb = quantize(w, Float8Blockwise(block_dim=2))
@@ -54,14 +54,14 @@ def _run_shape(M, K, N, rep, rows):
         sa = qa.logical_scales()
         sb = qb.logical_scales()
         S = F.ScalingType
-        res["cuBLAS fp8 blockwise"] = _bench(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa,
+        res["cuBLAS fp8 blockwise"] = time_ms(lambda: F.scaled_mm(qa.rowwise.data, qb.rowwise.data.t(), sa,
                                                                  S.BlockWise1x128,
                                                                  sb.t(), S.BlockWise128x128,
                                                                  output_dtype=torch.bfloat16), rep)
     try:
         from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_gemm_1x128_128x128 as ao_gemm  # type: ignore
 
-        res["torchao triton blockwise"] = _bench(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(),
+        res["torchao triton blockwise"] = time_ms(lambda: ao_gemm(qa.rowwise.data, qb.rowwise.data.t(),
                                                                  qa.logical_scales(),
                                                                  qb.logical_scales().t()), rep)
     except Exception as e:  # noqa: BLE001 - any import/run problem means "no torchao row"
@@ -74,18 +74,18 @@ def _run_shape(M, K, N, rep, rows):
                                                                                 "force"),
                           ("lowbit Gluon, persistent warp-specialized", "1", "ws")):
         with override(LOWBIT_TMA=tma, LOWBIT_GEMM_GLUON=gl):
-            res[name] = _bench(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
+            res[name] = time_ms(lambda: scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="triton"), rep)
     na, nb = quantize(x, NVFP4()), quantize(w, NVFP4(two_d=True))
     # the dequantized path autotunes its core GEMM: the faster of cuBLAS and Triton's (pointer / TMA tiles)
     for name, tma in (("lowbit nvfp4 dequant+bf16", "0"), ("lowbit nvfp4 dequant+bf16 (TMA)", "1")):
         with override(LOWBIT_TMA=tma):
-            res[name] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
-    res["lowbit nvfp4 fused emulated"] = _bench(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16,
+            res[name] = time_ms(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16, backend="triton_dequant"), rep)
+    res["lowbit nvfp4 fused emulated"] = time_ms(lambda: scaled_mm(na, nb, out_dtype=torch.bfloat16,
                                                                   backend="triton_emulated"), rep)
     ma, mb = quantize(x, MXFP8()), quantize(w, MXFP8())
-    res["lowbit mxfp8 dequant+bf16"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
+    res["lowbit mxfp8 dequant+bf16"] = time_ms(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
                                                                 backend="triton_dequant"), rep)
-    res["lowbit mxfp8 fused emulated"] = _bench(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
+    res["lowbit mxfp8 fused emulated"] = time_ms(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
                                                                   backend="triton_emulated"), rep)
     bf = res.get("bf16 torch.mm")
     cb = res.get("cuBLAS fp8 blockwise")

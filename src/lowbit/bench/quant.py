@@ -21,7 +21,7 @@ import datetime
 import torch
 
 from . import capture, git_commit, table_main
-from .gemm import _bench
+from .gemm import time_ms
 
 
 def _graphed(fn, rep):
@@ -32,7 +32,7 @@ def _graphed(fn, rep):
     except Exception as e:  # noqa: BLE001 - reported, the eager time stands
         print(f"    (not graphed: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
         return None
-    return _bench(g.replay, rep)
+    return time_ms(g.replay, rep)
 
 SHAPES = [(8192, 8192), (16384, 4096), (16384, 14336), (4096, 4096)]
 
@@ -72,7 +72,7 @@ def _run_shape(M, K, rep, rows):
     ]
     copy_bw = None
     for name, fn, passes in cases:
-        te = _bench(fn, rep)
+        te = time_ms(fn, rep)
         if te is None:
             continue
         tg = _graphed(fn, rep)

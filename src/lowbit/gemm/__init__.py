@@ -37,12 +37,18 @@ def register_backend(name: str, supports: Callable, fn: Callable) -> None:
     _CHOICE.clear()
 
 
+def forget_choices() -> None:
+    """Drop the memo of which backend runs each call signature: the next calls ask the backends' ``supports`` again
+    (a backend whose support changed at run time calls this)."""
+    _CHOICE.clear()
+
+
 def _all():
     yield from BACKENDS.items()
     yield "reference", (lambda *a: True, scaled_mm_reference)
 
 
-def _dims(a, b, a_copy, b_copy) -> tuple[int, int, int]:
+def gemm_dims(a, b, a_copy, b_copy) -> tuple[int, int, int]:
     """(M, N, K) of ``A · Bᵀ`` for these copies (no validation: see :func:`_validate`)."""
     M, K = (a.rows, a.cols) if a_copy == "rowwise" else (a.cols, a.rows)
     N = b.rows if b_copy == "rowwise" else b.cols

@@ -53,7 +53,7 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
     if a.device.type != "cuda" or b.device.type != "cuda":
         return False
     ka, kb = _kind(a.scheme), _kind(b.scheme)
-    M, N, K = _gemm._dims(a, b, a_copy, b_copy)
+    M, N, K = _gemm.gemm_dims(a, b, a_copy, b_copy)
     if "other" in (ka, kb) or _sig(a, b, opts.get("out_dtype"), K) in REJECTED:
         return False
     if M % 16 or N % 16 or K % 16:
@@ -151,7 +151,7 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         sig = _sig(a, b, out_dtype, K)
         REJECTED.add(sig)
         REJECTED_WHY[sig] = f"{type(e).__name__}: {str(e)[:400]}"
-        _gemm._CHOICE.clear()  # the dispatcher's memo re-asks supports(), which now declines this signature
+        _gemm.forget_choices()  # the dispatcher's memo re-asks supports(), which now declines this signature
         return _triton(a, b, **kw)
     if plain:
         return acc, None

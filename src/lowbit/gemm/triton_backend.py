@@ -19,7 +19,7 @@ from ..runtime.autotune import bucket, tuned_config, tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
 from ..runtime.launch import ensure_tma_allocator
 from ..runtime.log import declined
-from . import _dims, check_k_contiguous, register_backend
+from . import gemm_dims, check_k_contiguous, register_backend
 from .kernels import gemm as G
 
 __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",
@@ -359,7 +359,7 @@ def supports_dequant(a, b, a_copy, b_copy, opts) -> bool:
         return False
     if opts.get("forced"):
         return True
-    M, N, _ = _dims(a, b, a_copy, b_copy)
+    M, N, _ = gemm_dims(a, b, a_copy, b_copy)
     return min(M, N) >= DEQUANT_MIN_MN
 
 

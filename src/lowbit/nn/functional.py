@@ -641,14 +641,14 @@ def swiglu_mlp_fusable(x: torch.Tensor, w1: torch.Tensor, b1, recipe: Recipe,
     computes its gradient), input and grad_output roles quantized 1x128 Float8Blockwise with
     current scaling, a 16-bit fc1 output on CUDA, ffn a multiple of 128. ``LOWBIT_UNFUSE=swiglu_quant`` turns
     the fusion off (the modules then run SwiGLU and the quantizers as separate kernels, same bits)."""
-    from ..ops.swiglu import _fused_quant_runs
+    from ..ops.swiglu import fused_quant_runs
 
     if b1 is not None or not env.fused("swiglu_quant"):
         return False
     out_dtype = _out_dtype(x) if out_dtype is None else out_dtype  # u's dtype: fc1's output
     for role in ("input", "grad_output"):
         rq = recipe.role(role)
-        if rq.delayed or not _fused_quant_runs(x.device, out_dtype, w1.shape[0], rq.scheme):
+        if rq.delayed or not fused_quant_runs(x.device, out_dtype, w1.shape[0], rq.scheme):
             return False
     return True
 

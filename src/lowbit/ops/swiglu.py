@@ -138,7 +138,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 # quantizer was rewritten; it is below on the register-tile quantizer: swiglu_backward_quantize_1x128.)
 
 
-def _fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
+def fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, scheme) -> bool:
     """The kernel's own conditions on a u of ``width`` = 2F columns: Triton, CUDA (or its interpreter), a 16-bit
     dtype, F a multiple of BLOCK_SIZE, a 1x128 Float8Blockwise scheme. Where not, says why
     (:func:`lowbit.runtime.log.declined`)."""
@@ -163,7 +163,7 @@ def swiglu_fused_quant_supported(u: torch.Tensor, scheme) -> bool:
     """Whether :func:`swiglu_quantize_1x128` can take ``u`` (..., 2F) under ``scheme``: a 1x128 Float8Blockwise
     scheme, a contiguous 16-bit CUDA tensor (or Triton's interpreter), F a multiple of 128."""
     return (u.dim() >= 1 and u.is_contiguous() and u.numel() > 0
-            and _fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme))
+            and fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme))
 
 
 if triton is not None:
@@ -407,7 +407,7 @@ def swiglu_backward_fused_quant_supported(u: torch.Tensor, g: torch.Tensor, sche
             and u.is_contiguous() and g.is_contiguous() and g.dtype == u.dtype and g.device == u.device
             and u.shape[-1] % 2 == 0 and g.shape == (*u.shape[:-1], u.shape[-1] // 2)):
         return False
-    return _fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme) and _regs_runs(u, True, True)
+    return fused_quant_runs(u.device, u.dtype, u.shape[-1], scheme) and _regs_runs(u, True, True)
 
 
 def swiglu_backward_quantize_1x128(u: torch.Tensor, g: torch.Tensor, scheme):
