@@ -161,9 +161,9 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
 @needs_sm90
 @pytest.mark.parametrize("D,causal,granularity", [(128, False, "per_block"), (64, True, "per_warp")])
 def test_launches_without_triton_binding_are_the_same(D, causal, granularity, monkeypatch, switches):
-    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by specialization key
-    (lowbit.runtime.launch.SpecializedLaunch): a second call with new data of the same shape goes through that shortcut,
-    and its output and LSE equal, bit for bit, those of Triton's own launch path."""
+    """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by
+    specialization key (lowbit.runtime.launch.SpecializedLaunch): a second call with new data of the same shape goes
+    through that shortcut, and its output and LSE equal, bit for bit, those of Triton's own launch path."""
     from lowbit.runtime import launch as _launch
     from lowbit.attention import _triton as T
     g = torch.Generator(device="cuda").manual_seed(D)

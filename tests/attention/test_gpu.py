@@ -162,7 +162,8 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
     shape = (2, 4, S, D) if layout == "bhsd" else (2, S, 4, D)
     q, k, v = (rand(*shape, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     for causal in (False, True):
-        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton", return_lse=True)
+        kw = dict(causal=causal, qk=qk, pv=pv, granularity=granularity, layout=layout, backend="triton",
+                  return_lse=True)
         switches(LOWBIT_TMA=False)
         o0, l0 = A.attention(q, k, v, **kw)
         used = []

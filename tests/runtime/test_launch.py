@@ -1,5 +1,5 @@
-"""lowbit.runtime.launch.CachedLaunch: the first call of a key goes through the JIT function, later calls reuse the compiled
-kernel's launcher with the same arguments (all of them, constexprs included, as JITFunction.run passes them);
+"""lowbit.runtime.launch.CachedLaunch: the first call of a key goes through the JIT function, later calls reuse the
+compiled kernel's launcher with the same arguments (all of them, constexprs included, as JITFunction.run passes them);
 a launch hook or a kernel without the internals falls back to the normal path. Fakes stand in for Triton's objects."""
 import threading
 import types
@@ -7,7 +7,7 @@ import types
 import pytest
 
 triton = pytest.importorskip("triton")
-import triton.testing  # noqa: E402
+pytest.importorskip("triton.testing")  # (binds triton.testing: the tuner tests fake its do_bench)
 from lowbit.runtime import autotune as at  # noqa: E402
 from lowbit.runtime import env  # noqa: E402
 from lowbit.runtime import launch as _launch  # noqa: E402

@@ -1,4 +1,5 @@
-"""lowbit.runtime.transpose.transpose_2d: bit-identical to ``x.t().contiguous()`` on odd shapes (tiles cut at both edges,
+"""lowbit.runtime.transpose.transpose_2d: bit-identical to ``x.t().contiguous()`` on odd shapes (tiles cut at both
+edges,
 one row, one column), every dtype width, every launch candidate on the GPU; bad input. On the CPU under Triton's
 interpreter in a child process."""
 import importlib

@@ -181,8 +181,8 @@ def _launch(x, y, out, rstd, eps, stats: bool):
     M = x.numel() // K
     # (candidates: the rstd kernel's, the same row walk)
     tuned_launch("residual_add", (stats, y.dtype, bucket(M), bucket(K)), lambda: row_reduce_configs(K),
-                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps), STATS=stats,
-                                                                             **c))
+                 lambda c: _residual_add_kernel[(triton.cdiv(M, c["ROWS"]),)](x, y, out, rstd, M, K, float(eps),
+                                                                             STATS=stats, **c))
 
 
 def _bwd_configs(K: int) -> list[dict]:

@@ -267,7 +267,8 @@ if triton is not None:
             pk = t - pm * nkt
             m0 = pm * 128
             f0 = pk * 128
-            a = rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0), rs_ptr + pk.to(tl.int64) * rs_ld + m0,
+            a = rowcol_tile_1d(_swiglu_h(ac, bc, DT), rq_ptr + (m0.to(tl.int64) * F + f0),
+                               rs_ptr + pk.to(tl.int64) * rs_ld + m0,
                                 cq_ptr + (f0.to(tl.int64) * M + m0), cs_ptr + pm.to(tl.int64) * cs_ld + f0,
                                 M, F, M - m0, F - f0, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, FDT, ROW, COL, EVEN,
                                 False, BITS16, abs_mask)

@@ -221,8 +221,8 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
                                       COL=columnwise,
                                       SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
-        _TENSORWISE_PLANS[pkey] = tuned_launch("tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)),
-                                               cands, launch)
+        _TENSORWISE_PLANS[pkey] = tuned_launch(
+            "tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
@@ -667,9 +667,11 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tenso
         rs = torch.empty(M, Kd // 16, dtype=E4M3.torch_dtype, device=dev) if rowwise else None
         cs = torch.empty(Kd, M // 16, dtype=E4M3.torch_dtype, device=dev) if columnwise else None
     min_m = 16 if (columnwise or sch.two_d) else 1
-    cands = lambda: _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M,
-                             Kd,  # noqa: E731
-                             min_m=min_m, min_k=16)
+
+    def cands():
+        return _configs([16, 32, 64] if min_m == 16 else [4, 16, 32, 64], [16, 32, 64, 128], [4, 8], M, Kd,
+                        min_m=min_m, min_k=16)
+
     rq_, rs_ = (rq, rs) if rowwise else (cq, cs)
     cq_, cs_ = (cq, cs) if columnwise else (rq, rs)
     seed_ptr = isinstance(seed, torch.Tensor)  # (1,) int64 on the device

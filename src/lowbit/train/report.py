@@ -117,7 +117,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in body]
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v,
-                                                                             w) in enumerate(zip(row,
-                                                                                                 widths)))  # noqa: E731
+
+    def fmt(row):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+
     return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])

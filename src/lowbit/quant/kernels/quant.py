@@ -125,7 +125,8 @@ def _pow2_scale(a, FMAX: tl.constexpr):
 @triton.jit
 def recip(s, POW2: tl.constexpr = False, FMAX: tl.constexpr = 0.0):
     """1 / s rounded to nearest. With the POW2 and FMAX that compute_scale made s with, FMAX >= 4 (so s is 2**E
-    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal; 0 -> Inf)."""
+    with -126 <= E <= 127, or 1, 0, NaN): exact from the bits, no division (2**127 -> 2**-127, a subnormal;
+    0 -> Inf)."""
     if POW2 and FMAX >= 4.0:
         r = bits_to_f32((254 << 23) - s.to(tl.int32, bitcast=True))
         r = tl.where(s == 1.7014118346046923e38, 5.877471754111438e-39, r)  # 2**127 -> 2**-127
@@ -353,7 +354,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(abs_bits(x), axis=1))
     tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
     s = compute_scale(bits_to_f32(amax), FMAX, POW2, 0.0)
@@ -361,7 +363,8 @@ def rowscale_kernel(x_ptr, q_ptr, si_ptr, amax_ptr, R, C, stride_r, stride_c,
     for c0 in range(0, C, BC):
         offs_c = c0 + tl.arange(0, BC).to(tl.int64)
         mask = rmask[:, None] & (offs_c[None, :] < C)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)
         q = fp8_prep(x * s[:, None], FMAX, EMIN, MBITS, SW)
         tl.store(q_ptr + offs_r[:, None] * C + offs_c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -681,7 +684,8 @@ def blockwise_persistent_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr,
                 tl.store(cs_ptr + pk.to(tl.int64) * cs_ld + pm, si)
                 _tile_store(cqb, cc, rr, M, nk, nm, tl.trans(q), EVEN, WIDE)
         else:
-            a = rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb, cs_ptr + pm.to(tl.int64) * cs_ld + k0,
+            a = rowcol_tile_1d(xc, rqb, rs_ptr + pk.to(tl.int64) * rs_ld + m0, cqb,
+                               cs_ptr + pm.to(tl.int64) * cs_ld + k0,
                                 M, K, nm, nk, FMAX, EMIN, MBITS, POW2, EPS, SW, SATCVT, DT, ROW, COL, EVEN, WIDE,
                                 False, abs_mask)
             amax = tl.maximum(amax, a)
