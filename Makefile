@@ -31,7 +31,7 @@ info: $(STAMP)
 	$(VENV)/bin/lowbit info
 
 gpu-check:
-	bash scripts/gpu_check.sh
+	bash tools/gpu_check.sh
 
 # The sm_90 SASS checks of the Gluon kernels (register, spill and barrier counts) hold for the Triton the kernels were
 # measured with (3.6, the GPU machine's); elsewhere they only compile. A second venv with that Triton (compile-only,

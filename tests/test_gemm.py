@@ -267,9 +267,9 @@ def test_emulated_gemm_vs_reference(sa, sb, backend, cuda, monkeypatch):
         pytest.skip("the warp-specialized Gluon GEMM needs Gluon's warp_specialize and an sm_90 GPU")
     monkeypatch.setattr(tb, "DEQUANT_GEMM", core or None)  # the dequantized path's core GEMM: Triton's or cuBLAS's
     # gluon: each warp-specialized config alone, with a shape of more tiles than SMs (persistent CTAs wrap)
-    for cfg in (tb._WS_BF16_CONFIGS if core == "gluon" else [None]):
+    for cfg in (tb.WS_BF16_CONFIGS if core == "gluon" else [None]):
         if cfg is not None:
-            monkeypatch.setattr(tb, "_WS_BF16_CONFIGS", [cfg])
+            monkeypatch.setattr(tb, "WS_BF16_CONFIGS", [cfg])
             forget_tuned()
         _emulated_cases(sa, sb, backend, cuda, [(2112, 2112, 192)] if cfg is not None else [])  # 153-289 tiles
 
@@ -344,9 +344,9 @@ def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, switches, mode):
     if mode == "ws" and not tb.G.GLUON_WS:
         pytest.skip("this Triton's Gluon has no warp_specialize")
     switches(LOWBIT_GEMM_GLUON=mode)
-    for cfg in (tb._WS_CONFIGS if mode == "ws" else [None]):
+    for cfg in (tb.WS_CONFIGS if mode == "ws" else [None]):
         if cfg is not None:  # each warp-specialized candidate alone
-            monkeypatch.setattr(tb, "_WS_CONFIGS", [cfg])
+            monkeypatch.setattr(tb, "WS_CONFIGS", [cfg])
             forget_tuned()
         _gluon_cases(tb, cuda)
 
@@ -508,7 +508,7 @@ def test_gluon_ws_compiles_for_sm90(variant):
         pytest.skip("this Triton's Gluon has no warp_specialize")
 
     fp8 = variant == "fp8"
-    cfg = tb._WS_CONFIGS[0] if fp8 else tb._WS_BF16_CONFIGS[0]
+    cfg = tb.WS_CONFIGS[0] if fp8 else tb.WS_BF16_CONFIGS[0]
     et = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(a_ptr=et, b_ptr=et, sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16", bias_ptr="*bf16",
                M="i32", N="i32", K="i32", lda_s="i32", ldb_s="i32")

@@ -635,21 +635,21 @@ def test_blockwise_regs_compiles_for_sm90():
 
 @pytest.mark.gpu
 def test_blockwise_kernel_every_candidate_bit_identical(cuda, monkeypatch):
-    """Each blockwise_kernel launch config the autotuner may pick (triton_backend._blockwise_configs), forced one at
+    """Each blockwise_kernel launch config the autotuner may pick (triton_backend.blockwise_configs), forced one at
     a time (the persistent kernel kept out), for BF16 and FP32 input, 1D and 2D, every copy combination: ragged and
     whole tiles."""
     import lowbit.quant.triton_backend as tb
 
     monkeypatch.setattr(tb, "_persistent_ok", lambda *a, **k: False)
     monkeypatch.setattr(tb, "regs_ok", lambda *a, **k: False)
-    orig = tb._blockwise_configs
+    orig = tb.blockwise_configs
     for dtype in (torch.bfloat16, torch.float32):
         for i, shape in enumerate([(256, 384), (129, 257)]):  # whole tiles (EVEN), ragged
             x = _randn(shape, dtype, cuda, seed=120 + i)
             for sch in (Float8Blockwise(), Float8Blockwise(block_dim=2)):
                 for rw, cw in COPIES:
                     for cfg in orig(*shape, 128, sch.block_dim == 2, rw, cw, dtype):
-                        monkeypatch.setattr(tb, "_blockwise_configs", lambda *a, cfg=cfg, **k: [cfg])
+                        monkeypatch.setattr(tb, "blockwise_configs", lambda *a, cfg=cfg, **k: [cfg])
                         tb._BLOCKWISE_PLANS.clear()
                         forget_tuned()
                         bad = compare(x, sch, rw, cw)

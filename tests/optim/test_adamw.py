@@ -181,7 +181,7 @@ def test_close_to_torch_fused_adamw_gpu():
     """Against torch.optim.AdamW(fused=True, capturable=True) on the same tensors, three steps with a tensor lr and
     grad_scale. Not bit for bit: lowbit's kernel follows the published CUDA source of torch's fused AdamW (double
     hyperparameters: one rounding to FP32 a moment), each step from the same state, while torch 2.11's CUDA build
-    rounds the betas to FP32 and rounds the moment products in FP32 (scripts/debug_adamw.py: with the betas rounded the
+    rounds the betas to FP32 and rounds the moment products in FP32 (measured: with the betas rounded the
     first exp_avg matches exactly, exp_avg_sq is 1 ulp off in a quarter of the elements). Bounds from that run (three
     steps, drift included): moments within 8 ulp of the size of their terms (about 2x the 3-4 ulp seen), the
     parameter within 2^-18 = 32 ulp of max(|p before the step|, lr) (about 4x the 8.3 seen; the update is ~lr, a wrong

@@ -33,6 +33,16 @@ __all__ = [
 ]
 
 
+def __getattr__(name):
+    # forward_kernel: the Triton forward kernel, for tools (tools/kernel_spills.py). Loaded on first access, so
+    # importing the package does not build the Triton kernels.
+    if name == "forward_kernel":
+        from ._triton import attn_fwd
+
+        return attn_fwd
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # `lowbit.attention` is both this package and the function users call (`lowbit.attention(q, k, v)`).
 from ..runtime.callable import make_callable as _make_callable
 

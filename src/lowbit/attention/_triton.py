@@ -416,7 +416,7 @@ def _fwd_tiles(acc, l_i, m_i, q, q_sc, k_base, v_base, ks_base, offs_m, offs_d, 
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "win_left", "win_right", "SEQ_BUCKET"])
-def _attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
+def attn_fwd(Q, K, V, O, LSE, QS, KS, VS, KM, CUQ, CUK,
               sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
               sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh, slb, slh, sls,
               H, GROUP, Sq, Sk, sm_scale_log2, win_left, win_right, SEQ_BUCKET,
@@ -549,12 +549,12 @@ _TUNE_KEY = ["SEQ_BUCKET", "win_left", "win_right", "H", "GROUP", "HEAD_DIM", "Q
 _PREPASS_STATS = SpecializedLaunch(_prepass_stats_kernel)
 _PREPASS_FINALIZE = SpecializedLaunch(_prepass_finalize_kernel)
 _PREPASS_CODES = SpecializedLaunch(_prepass_codes_kernel)
-_ATTN_FWD = SpecializedLaunch(_attn_fwd)
+_ATTN_FWD = SpecializedLaunch(attn_fwd)
 
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=_TUNE_KEY,
-                                  prune_configs_by={"early_config_prune": prune_fwd_configs})(_attn_fwd)
+                                  prune_configs_by={"early_config_prune": prune_fwd_configs})(attn_fwd)
 
-INTERPRETED = isinstance(_attn_fwd, _Interp) if _Interp else False
+INTERPRETED = isinstance(attn_fwd, _Interp) if _Interp else False
 
 
 def heuristic_config(max_seqlen_q: int, head_dim: int):
@@ -607,8 +607,8 @@ def _seq_len(x, layout, varlen, cu, max_seqlen):
     return B, H, S, D
 
 
-# Launch parameters (scripts/attn_prepass_sweep.py): the whole INT8·FP8 prepass runs at 0.92 of copy speed for its
-# bytes with these.
+# Launch parameters, from a sweep over them on the H200: the whole INT8·FP8 prepass runs at 0.92 of copy speed for
+# its bytes with these.
 _STAT_CHUNK = None  # key rows a statistics program reads: None = 32768 elements' worth, 64..256 (256 at D <= 128)
 _STAT_SUB = 16  # rows a statistics program loads at once
 _STATS_WARPS = 4  # warps of the statistics + Q launch (8 for the 128 x 128 Q groups was 18% slower)

@@ -29,7 +29,7 @@ from .reference import apply_epilogue
 __all__ = ["supports", "scaled_mm_cublas", "REJECTED", "REJECTED_WHY"]
 
 REJECTED: set = set()
-REJECTED_WHY: dict = {}  # signature -> the error cuBLAS / torch gave (for diagnostics: scripts, lowbit info)
+REJECTED_WHY: dict = {}  # signature -> the error cuBLAS / torch gave (for diagnostics: tools, lowbit info)
 _F = torch.nn.functional
 _HAS_F_SCALED_MM = hasattr(_F, "scaled_mm") and hasattr(_F, "ScalingType")
 

@@ -142,9 +142,10 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     return False
 
 
-# Candidates of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128: 128x128
-# tiles, 4 or 5 stages (4 measured fastest on the H200; 5 within 0-11%).
-_WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
+WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
+"""The candidate list of the persistent warp-specialized Gluon kernel (G.gemm_gluon_ws) on FP8 1x128 x 128x128:
+128x128 tiles, 4 or 5 stages (4 measured fastest on the H200; 5 within 0-11%). Tests and tools/gemm_sweep.py
+narrow it to force one config."""
 
 # What every launch of G.gemm_gluon_ws shares: two 4-warp math partitions (the second with MATH_REGS registers, the
 # default one with what is left), one loader warp with 24; 12 warps in all at maxnreg 168 = the 64K register file.
@@ -199,7 +200,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         if gluon:  # (128x128 / 8 warps / 4 stages: faster than the tl kernel on large shapes)
             g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st)
                  for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3)) if bm <= max(bucket(M), 64)]
-            ws = list(_WS_CONFIGS) if G.GLUON_WS else []
+            ws = list(WS_CONFIGS) if G.GLUON_WS else []
             mode = env.get("LOWBIT_GEMM_GLUON")
             if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= num_sms(dev):
                 # at least a tile per SM: the warp-specialized kernel alone (1.04-1.25x every other candidate on the
@@ -230,16 +231,17 @@ with FP32 output + :func:`~lowbit.gemm.kernels.gemm.scale_epilogue_kernel`, and 
 warp-specialized Gluon GEMM with the scales in its epilogue), "triton", "cublas" or "gluon" (for tests)."""
 
 
-# The persistent warp-specialized Gluon GEMM on the dequantized BF16 operands (G.gemm_gluon_ws with SA=0): two 4-warp
-# math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES operand stages (BN=256: 48 KB a stage).
-# NVFP4 at 16384x4096x4096 on the H200: 128x256 fastest, 1.09x cuBLAS with the scale epilogue.
-_WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=4) for bn in (256, 128)]
+WS_BF16_CONFIGS = [dict(GWS=True, BM=128, BN=bn, STAGES=4) for bn in (256, 128)]
+"""The candidate list of the persistent warp-specialized Gluon GEMM on the dequantized BF16 operands
+(G.gemm_gluon_ws with SA=0): two 4-warp math partitions over 64-row halves of 128 x BN tiles, K steps of 64, STAGES
+operand stages (BN=256: 48 KB a stage). NVFP4 at 16384x4096x4096 on the H200: 128x256 fastest, 1.09x cuBLAS with
+the scale epilogue. Tests and tools/gemm_sweep.py narrow it to force one config."""
 
 
 def _emu_candidates(M, N, pre: bool, gws: bool = False):
     if not pre:
         return _candidates(M, N, True)
-    ws = list(_WS_BF16_CONFIGS) if gws and DEQUANT_GEMM in (None, "gluon") else []
+    ws = list(WS_BF16_CONFIGS) if gws and DEQUANT_GEMM in (None, "gluon") else []
     if DEQUANT_GEMM == "gluon":
         if not ws:
             raise RuntimeError("DEQUANT_GEMM='gluon' needs Gluon's warp_specialize, an sm_90 GPU and TMA-able operands")

@@ -462,7 +462,7 @@ def _row2_configs(bs: int) -> list[dict]:
             dict(BM=bs, SLAB=64, num_warps=4, SCR=True, ROW2=True)]
 
 
-def _blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
+def blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, columnwise: bool,
                        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Candidate launches of ``blockwise_kernel`` (the first is the default when not autotuning), pruned by shape.
 
@@ -602,7 +602,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         cands = (list(_PACKED_CONFIGS) if packed else []) \
             + (list(REGS_CONFIGS) if regs else [])\
             + _blockwise_persistent_configs(x2, bs, two_d, rowwise, columnwise) \
-            + _blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
+            + blockwise_configs(M, Kd, bs, two_d, rowwise, columnwise, x2.dtype)
 
         def launch(c):
             fn, grid, extra, kw = plan.launch_args(c)

@@ -452,7 +452,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
 
     SLAB = 0: the whole tile is loaded once and held in registers (FP32: ~170 registers a thread for
     128x128 at 8 warps, so one CTA an SM and nothing in flight while it computes): small blocks, short
-    rowwise-only inputs, and 2D from FP32 (see _blockwise_configs). The transposed copy is cast in its
+    rowwise-only inputs, and 2D from FP32 (see blockwise_configs). The transposed copy is cast in its
     own (transposed) layout, as the original single-pass kernel did.
     SLAB > 0: the tile is walked in SLAB x BS row slabs, twice. Walk 1 makes the rowwise copy (a row's
     scale needs only its BS values) and keeps an elementwise running max for the column / tile amax;

@@ -14,7 +14,7 @@ The per-layer sums say how much of a step the GEMMs can save. ``--common-us`` (t
 which both recipes pay: attention, norms, residual adds, RoPE, SwiGLU and their quantize / cast kernels, from a graph
 profile) turns them into the step ratio BF16 / FP8 each FP8 column would give with that common time.
 
-    PYTHONPATH=src python scripts/gemm_bound.py [--preset 350m,1.3b] [--rounds 2] [--common-us 350m=1640,1.3b=...]
+    PYTHONPATH=src python tools/gemm_bound.py [--preset 350m,1.3b] [--rounds 2] [--common-us 350m=1640,1.3b=...]
 """
 from __future__ import annotations
 
@@ -23,25 +23,43 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
-import torch  # noqa: E402
-
-from lowbit import scaled_mm  # noqa: E402
-from lowbit.bench import capture, median_ms  # noqa: E402
-from lowbit.gemm import wgrad_mm  # noqa: E402
-from wgrad_order import PRESETS, layer_operands  # noqa: E402  (this folder: the presets' layer shapes, operands)
 COLUMNS = ("bf16", "fp8 tensor", "fp8 block")
 
+# tokens a step, (name, out features, in features) of the linear layers of a block
+PRESETS = {
+    "1.3b": (8192, [("qkv", 6144, 2048), ("proj", 2048, 2048), ("fc1", 11264, 2048), ("fc2", 2048, 5632)]),
+    "350m": (16384, [("qkv", 3072, 1024), ("proj", 1024, 1024), ("fc1", 5632, 1024), ("fc2", 1024, 2816)]),
+}
 
-def _e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def layer_operands(T: int, N: int, K: int, dev):
+    """(x, dy, w, qx, qdy, qw) for a linear layer of N outputs, K inputs over T tokens: random BF16 X (T, K),
+    dY (T, N) and W (N, K), and their fp8-block copies (1x128 activations, 128x128 weight; both copies each)."""
+    import torch
+
+    from lowbit import quantize
+    from lowbit.quant import Float8Blockwise
+
+    act = Float8Blockwise()
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    return (x, dy, w, quantize(x, act, rowwise=True, columnwise=True), quantize(dy, act, rowwise=True, columnwise=True),
+            quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True))
+
+
+def _e4m3(t):
     """(E4M3 codes of t, contiguous; the FP32 scale-inverse) with one scale for the tensor."""
+    import torch
+
     s = (448.0 / t.abs().amax().float().clamp_min(1e-12))
     return (t.float() * s).to(torch.float8_e4m3fn).contiguous(), (1.0 / s).reshape(())
 
 
-def _tensorwise(a: torch.Tensor, bt: torch.Tensor, out_dtype):
+def _tensorwise(a, bt, out_dtype):
     """A (m, k) · Bt (n, k)ᵀ as one tensorwise cuBLAS call (codes and scales made here, outside the timing)."""
+    import torch
+
     qa, sa = _e4m3(a)
     qb, sb = _e4m3(bt)
     return lambda: torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -68,6 +86,13 @@ def main(argv=None) -> int:
     for preset in presets:
         if preset not in PRESETS:
             raise ValueError(f"--preset: expected names from {sorted(PRESETS)}, got {preset!r}")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    import torch
+
+    from lowbit import scaled_mm
+    from lowbit.bench import capture, median_ms
+    from lowbit.gemm import wgrad_mm
+
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for preset in presets:
@@ -120,7 +145,8 @@ def main(argv=None) -> int:
             need = (tot["bf16"] + cu) / 1.3 - cu  # FP8 GEMM ms a layer for a 1.3x step
             print(f"  with {common[preset]:.0f} us a layer of common non-GEMM time: step ratio BF16 / FP8 = "
                   + ", ".join(f"{c} {(tot['bf16'] + cu) / (tot[c] + cu):.3f}" for c in COLUMNS[1:])
-                  + f"; FP8 GEMMs a layer needed for 1.3x: {need * 1e3:.0f} us ({flops_layer / need * 1e-9:.0f} TFLOP/s)")
+                  + f"; FP8 GEMMs a layer needed for 1.3x: {need * 1e3:.0f} us "
+                  f"({flops_layer / need * 1e-9:.0f} TFLOP/s)")
     return 0
 
 

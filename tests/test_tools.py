@@ -1,0 +1,135 @@
+"""The maintainer tools in ``tools/``: few, documented, and using only lowbit's public names (issue 42).
+
+Each Python tool has a module docstring, compiles, answers ``--help`` without a GPU, and imports nothing private
+from lowbit (no ``from lowbit.x import _name``, no ``lowbit.x._y`` module, no ``mod._name`` of a lowbit module);
+each shell tool opens with a comment block saying what it does. The old ``scripts`` folder is gone for good.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+MAX_TOOLS = 8
+
+
+def _tools() -> list[Path]:
+    return sorted(p for p in TOOLS.iterdir() if p.is_file())
+
+
+PY_TOOLS = [p for p in _tools() if p.suffix == ".py"]
+SH_TOOLS = [p for p in _tools() if p.suffix == ".sh"]
+
+
+def test_scripts_folder_is_gone():
+    assert not (ROOT / "scripts").exists()
+
+
+def test_few_tools():
+    files = _tools()
+    assert 0 < len(files) <= MAX_TOOLS, [p.name for p in files]
+    assert {p.suffix for p in files} <= {".py", ".sh"}, [p.name for p in files]
+
+
+@pytest.mark.parametrize("path", SH_TOOLS, ids=lambda p: p.name)
+def test_shell_tool_has_header(path):
+    lines = path.read_text().splitlines()
+    assert lines and lines[0].startswith("#!"), f"{path.name}: no shebang"
+    header = []
+    for line in lines[1:]:
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    assert sum(bool(h) for h in header) >= 2, f"{path.name}: no header comment after the shebang"
+
+
+@pytest.mark.parametrize("path", PY_TOOLS, ids=lambda p: p.name)
+def test_python_tool_has_docstring_and_compiles(path, tmp_path):
+    doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
+    assert doc and len(doc.strip()) > 20, f"{path.name}: no module docstring"
+    py_compile.compile(str(path), cfile=str(tmp_path / "tool.pyc"), doraise=True)
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Private lowbit names a module reaches: imports of ``_name``, ``._module`` paths, ``mod._name`` accesses."""
+    bad = []
+    aliases = set()  # local names bound to lowbit modules (or anything imported from lowbit)
+    roots = set()  # local names bound to the lowbit package by ``import lowbit...``
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "lowbit" or a.name.startswith("lowbit."):
+                    if any(private(p) for p in a.name.split(".")):
+                        bad.append(f"line {node.lineno}: import {a.name}")
+                    if a.asname:
+                        aliases.add(a.asname)
+                    else:
+                        roots.add("lowbit")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == "lowbit" or node.module.startswith("lowbit.")):
+            if any(private(p) for p in node.module.split(".")):
+                bad.append(f"line {node.lineno}: from {node.module} import ...")
+            for a in node.names:
+                if private(a.name):
+                    bad.append(f"line {node.lineno}: from {node.module} import {a.name}")
+                aliases.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and (root.id in aliases or root.id in roots):
+                bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in roots:
+                chain = ast.unparse(node).split(".")
+                if any(private(p) for p in chain[1:-1]):
+                    bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(set(bad))
+
+
+@pytest.mark.parametrize("path", PY_TOOLS, ids=lambda p: p.name)
+def test_python_tool_uses_only_public_lowbit(path):
+    bad = _private_uses(ast.parse(path.read_text(), filename=str(path)))
+    assert not bad, f"{path.name} reaches private lowbit names:\n" + "\n".join(bad)
+
+
+def test_private_use_detector():
+    src = """
+import lowbit.gemm.triton_backend as tb
+import lowbit.attention._triton
+from lowbit.quant.triton_backend import _blockwise_configs, blockwise_configs
+from lowbit.attention import _triton as T
+from lowbit.gemm import kernels
+x = tb._WS_CONFIGS
+y = kernels._private
+z = lowbit.attention._triton.attn_fwd
+ok = tb.WS_CONFIGS, tb.__name__, blockwise_configs
+"""
+    bad = _private_uses(ast.parse(src))
+    assert len(bad) == 7, bad
+    assert not any("WS_CONFIGS" in b and "_WS" not in b for b in bad)
+
+
+@pytest.mark.parametrize("path", PY_TOOLS, ids=lambda p: p.name)
+def test_python_tool_help_without_gpu(path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
