@@ -202,7 +202,8 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         for i in range(n):
             _sync(device)
             t0 = time.perf_counter()
-            with torch.autocast(device, dtype=torch.bfloat16), (lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()):
+            quant = lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+            with torch.autocast(device, dtype=torch.bfloat16), quant:
                 loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
