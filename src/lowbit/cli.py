@@ -20,6 +20,7 @@ BENCHES = {
     "linear": "lowbit.bench.linear",
     "attention": "lowbit.bench.attention",
     "optim": "lowbit.bench.optim",
+    "model": "lowbit.bench.model",
 }
 
 

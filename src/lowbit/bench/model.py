@@ -1,0 +1,330 @@
+"""``lowbit bench model``: lowbit in the user's own training loop — a HuggingFace ``LlamaForCausalLM`` trained the way
+HF Trainer does it in bf16 mode, eager and under ``torch.compile``, against the same loop without lowbit.
+
+The loop (what a 40-line script or HF Trainer runs): FP32 parameters, forward under
+``torch.autocast(device, dtype=torch.bfloat16)``, ``loss = model(input_ids, labels=input_ids).loss``,
+``loss.backward()``, ``torch.optim.AdamW(fused=True)`` (on CUDA) ``.step()``, ``.zero_grad(set_to_none=True)``.
+The model is random-initialised from a fixed seed (nothing downloaded, ``attn_implementation="sdpa"``); the data is
+one seeded batch of random token ids, repeated every step (the model memorises it, so the loss falls and the
+last-step loss compares the variants' numerics). Every variant builds a fresh model from the same seed.
+
+Variants:
+
+* ``bf16`` / ``bf16-compile``: the loop as is / with ``torch.compile(model)``;
+* ``<recipe>`` (each of ``lowbit.recipes.QUANTIZED_NAMES``): ``lowbit.convert(model, recipe=...)`` and the forward
+  inside ``lowbit.autocast(recipe=...)`` nested in ``torch.autocast`` (the backward runs after it, as in the guide);
+  ``<recipe>-compile``: the same plus ``torch.compile(model)``;
+* ``torchao-compile`` (when torchao imports): ``torchao.float8.convert_to_float8_training`` (tensorwise, the
+  default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``.
+
+A variant that raises (compiling a lowbit model is known to fail today, issue 41) is reported as
+``failed: <type>: <message>`` and the benchmark goes on.
+
+How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
+median step time of the steps after the warm-up (the first steps compile and autotune). **host ms** is the time from
+the step's start until Python has enqueued all of it (before the synchronize): when it is close to the step time the
+run is host-bound and a faster kernel will not show. **peak GiB** is ``torch.cuda.max_memory_allocated``.
+**x bf16** and **x bf16-compile** are tokens/s ratios against the loop without lowbit (eager, compiled): above 1 is
+faster. **loss** is the last step's loss; a quantized variant should sit close to ``bf16``'s.
+
+``--device cpu`` (the default without CUDA) is a smoke test of the code path on a tiny model: its timings mean
+nothing; compile variants run there only with ``--compile-on-cpu`` and torchao never.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from . import git_commit
+
+PROG = "lowbit bench model"
+
+# --size presets: Llama shapes (heads of 64 and 128 dims, SwiGLU intermediate ~ 2.75 x hidden)
+PRESETS = {
+    1024: dict(hidden=1024, intermediate=2816, layers=24, heads=16, vocab=32000),  # ~ 370M parameters
+    2048: dict(hidden=2048, intermediate=5632, layers=8, heads=16, vocab=32000),  # ~ 540M parameters
+}
+CPU_SMOKE = dict(hidden=64, intermediate=128, layers=2, heads=4, vocab=256)
+CUDA_RUN = dict(batch=4, seq=2048, steps=15, warmup=5, lr=3e-4)
+CPU_RUN = dict(batch=2, seq=64, steps=3, warmup=1, lr=1e-3)
+DEFAULT_RECIPES = "fp8-current,fp8-block"
+SEED = 0
+
+
+def _quantized_names() -> tuple[str, ...]:
+    from lowbit import recipes
+
+    return tuple(recipes.QUANTIZED_NAMES)
+
+
+def _split(s: str | None) -> list[str]:
+    return [v.strip().lower() for v in (s or "").split(",") if v.strip()]
+
+
+def variant_names(recipe_names) -> list[str]:
+    """The default variants for these recipes, in run order."""
+    out = ["bf16", "bf16-compile"]
+    for r in recipe_names:
+        out += [r, f"{r}-compile"]
+    return out + ["torchao-compile"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=2048, help=f"model preset: {', '.join(map(str, PRESETS))} (hidden "
+                   "size; default 2048); ignored on --device cpu (tiny smoke model)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: per preset)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; cpu 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; cpu 64)")
+    p.add_argument("--steps", type=int, default=None, help="steps per variant (default 15; cpu 3)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps left out of the median (default 5; cpu 1); must be < --steps")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-4; cpu 1e-3)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variants (default: bf16, bf16-compile, <recipe>, <recipe>-compile for each "
+                        "of --recipes, torchao-compile)")
+    p.add_argument("--recipes", default=DEFAULT_RECIPES,
+                   help=f"lowbit recipes of the default variants (default {DEFAULT_RECIPES}; any of "
+                        f"{', '.join(_quantized_names())})")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda (the benchmark; default when present) or cpu (a smoke test on a tiny model)")
+    p.add_argument("--compile-on-cpu", action="store_true", help="run the compile variants on --device cpu too")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the table (markdown) to FILE and the rows (JSON) to FILE.json")
+    return p.parse_args(argv)
+
+
+def resolve(args) -> dict:
+    """Check the arguments and fill in the defaults; raises ValueError on bad input."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (pass --device cpu for the smoke test)")
+    if device == "cpu":
+        model = dict(CPU_SMOKE)
+    else:
+        if args.size not in PRESETS:
+            raise ValueError(f"--size: expected one of {', '.join(map(str, PRESETS))}, got {args.size}")
+        model = dict(PRESETS[args.size])
+    run = dict(CPU_RUN if device == "cpu" else CUDA_RUN)
+    for k in ("batch", "seq", "steps", "warmup", "lr"):
+        if getattr(args, k) is not None:
+            run[k] = getattr(args, k)
+    if args.layers is not None:
+        model["layers"] = args.layers
+    for k, v in (("layers", model["layers"]), ("batch", run["batch"]), ("seq", run["seq"]),
+                 ("steps", run["steps"])):
+        if v < 1:
+            raise ValueError(f"--{k}: expected an integer >= 1, got {v}")
+    if run["warmup"] < 0 or run["warmup"] >= run["steps"]:
+        raise ValueError(f"--warmup: expected 0 <= warmup < steps ({run['steps']}), got {run['warmup']}")
+    if not (run["lr"] > 0 and math.isfinite(run["lr"])):
+        raise ValueError(f"--lr: expected a positive number, got {run['lr']}")
+    known = _quantized_names()
+    recipe_names = _split(args.recipes)
+    for r in recipe_names:
+        if r not in known:
+            raise ValueError(f"--recipes: unknown recipe {r!r}; expected some of {', '.join(known)}")
+    valid = variant_names(known)
+    variants = _split(args.variants) if args.variants is not None else variant_names(recipe_names)
+    if not variants:
+        raise ValueError("--variants: empty list")
+    for v in variants:
+        if v not in valid:
+            raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
+    variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
+    return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
+                size=None if device == "cpu" else args.size, **run)
+
+
+# ------------------------------------------------------------------------------------------------
+# the user's loop
+# ------------------------------------------------------------------------------------------------
+def build_model(m: dict, seq: int, device: str):
+    """A random-init ``LlamaForCausalLM`` of shape ``m`` in FP32, from the fixed seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+                      num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                      num_key_value_heads=m["heads"], max_position_embeddings=seq, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def _torchao_convert(model):
+    from torchao.float8 import convert_to_float8_training
+
+    # lm_head stays high precision (as lowbit.convert keeps it, and as torchao's own examples filter it)
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    return model
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
+    """Train a fresh model ``cfg["steps"]`` steps under variant ``name``; the row of measurements (or why not)."""
+    import lowbit
+    from lowbit import recipes
+
+    device = cfg["device"]
+    base = name[: -len("-compile")] if name.endswith("-compile") else name
+    compiled = name.endswith("-compile")
+    recipe = recipes.from_name(base) if base not in ("bf16", "torchao") else None
+    model = opt = loss = None
+    try:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if compiled:
+            torch._dynamo.reset()  # each variant compiles its own fresh model, from a clean cache
+        model = build_model(cfg["model"], cfg["seq"], device)
+        if recipe is not None:
+            lowbit.convert(model, recipe=recipe)
+        if base == "torchao":
+            _torchao_convert(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=device == "cuda")
+        fwd = torch.compile(model) if compiled else model
+        step_s, host_s = [], []
+        n = cfg["steps"]
+        for i in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            quant = lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+            with torch.autocast(device, dtype=torch.bfloat16), quant:
+                loss = fwd(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
+            _sync(device)
+            t2 = time.perf_counter()
+            step_s.append(t2 - t0)
+            host_s.append(t1 - t0)
+            log(f"[bench model] {name}: step {i + 1}/{n} {1e3 * (t2 - t0):.1f} ms (host {1e3 * (t1 - t0):.1f} ms)"
+                f"{' (warm-up)' if i < cfg['warmup'] else ''}")
+        final = float(loss.detach().float().item())
+        med = statistics.median(step_s[cfg["warmup"]:])
+        row = dict(variant=name, status="ok", tokens_per_s=cfg["batch"] * cfg["seq"] / med, step_ms=1e3 * med,
+                   host_ms=1e3 * statistics.median(host_s[cfg["warmup"]:]), loss=final,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
+    except Exception as e:  # report the variant, never stop the benchmark
+        msg = (str(e).strip().splitlines() or [""])[0].strip()
+        row = dict(variant=name, status=f"failed: {type(e).__name__}: {msg}"[:300])
+        log(f"[bench model] {name}: {row['status']}")
+    finally:
+        del model, opt, loss
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def run(cfg: dict, log=print) -> list[dict]:
+    """Every variant of ``cfg`` (from :func:`resolve`) in order; rows with the ratios filled in."""
+    device = cfg["device"]
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+    rows = []
+    for name in cfg["variants"]:
+        skip = None
+        if name == "torchao-compile":
+            try:
+                import torchao.float8  # noqa: F401
+            except Exception as e:
+                skip = f"torchao not importable ({type(e).__name__})"
+            if device == "cpu":
+                skip = "torchao float8 is CUDA only"
+        if skip is None and name.endswith("-compile") and device == "cpu" and not cfg["compile_on_cpu"]:
+            skip = "compile variants off on CPU (--compile-on-cpu runs them)"
+        if skip is not None:
+            rows.append(dict(variant=name, status=f"skipped: {skip}"))
+            log(f"[bench model] {name}: skipped: {skip}")
+            continue
+        log(f"[bench model] {name}: start")
+        row = run_variant(name, cfg, ids, log)
+        if row["status"] == "ok":
+            log(f"[bench model] {name}: {row['tokens_per_s']:,.0f} tokens/s, step {row['step_ms']:.1f} ms, host "
+                f"{row['host_ms']:.1f} ms, loss {row['loss']:.4f}"
+                + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))
+        rows.append(row)
+    refs = {r["variant"]: r["tokens_per_s"] for r in rows if r["status"] == "ok"}
+    for r in rows:
+        for ref in ("bf16", "bf16-compile", "torchao-compile"):
+            if r["status"] == "ok" and ref in refs:
+                r[f"x_{ref}"] = r["tokens_per_s"] / refs[ref]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def n_params(m: dict) -> int:
+    h, f, v = m["hidden"], m["intermediate"], m["vocab"]
+    return m["layers"] * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+
+
+def header(cfg: dict) -> str:
+    m = cfg["model"]
+    if cfg["device"] == "cuda":
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = "cpu (smoke test: tiny model, timings mean nothing)"
+    size = f"--size {cfg['size']}" if cfg["size"] else "tiny"
+    return (f"## lowbit bench model — {dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}, commit "
+            f"{git_commit()}\n\nLlamaForCausalLM {size}: hidden {m['hidden']}, intermediate {m['intermediate']}, "
+            f"{m['layers']} layers, {m['heads']} heads, vocab {m['vocab']} ({n_params(m) / 1e6:.1f}M parameters); "
+            f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
+            f"{cfg['steps'] - cfg['warmup']}; FP32 params, bf16 autocast, AdamW lr {cfg['lr']:g}")
+
+
+def markdown(cfg: dict, rows: list[dict]) -> str:
+    refs = ["bf16", "bf16-compile"] + (["torchao-compile"] if any("x_torchao-compile" in r for r in rows) else [])
+    cols = ["variant", "tokens/s", "step ms", "host ms", "peak GiB", "loss"] + [f"x {r}" for r in refs]
+    lines = [header(cfg), "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1))
+             + "|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['variant']} | {r['status'].replace('|', '/')} |" + " |" * (len(cols) - 2))
+            continue
+        peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        cells = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", peak,
+                 f"{r['loss']:.4f}"] + [f"{r[f'x_{ref}']:.2f}" if f"x_{ref}" in r else "-" for ref in refs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; print progress, then the markdown table; returns the exit status (2: bad input)."""
+    args = parse_args(argv)
+    try:
+        cfg = resolve(args)
+        rows = run(cfg, log=lambda s: print(s, flush=True))
+        md = markdown(cfg, rows)
+        print("\n" + md, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(md)
+            with open(args.out + ".json", "w") as f:
+                json.dump(dict(header=header(cfg), config={k: v for k, v in cfg.items()}, rows=rows), f, indent=1)
+            print(f"[bench model] wrote {args.out} and {args.out}.json", flush=True)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: error: {e.filename!r}: {e.strerror or e}" if e.filename else f"{PROG}: error: {e}",
+              file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,67 @@
+"""``lowbit bench model`` on the CPU: the smoke run end to end through the CLI, and bad input."""
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lowbit.cli import main  # noqa: E402
+
+
+def test_smoke_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "model.md"
+    rc = main(["bench", "model", "--device", "cpu", "--recipes", "fp8-current,fp8-block", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for v in ("bf16", "bf16-compile", "fp8-current", "fp8-current-compile", "fp8-block", "fp8-block-compile",
+              "torchao-compile"):
+        assert f"| {v} |" in text, v
+    assert "[bench model] fp8-block: step 3/3" in text
+    assert "x bf16 | x bf16-compile" in text
+    assert out.read_text().startswith("## lowbit bench model")
+    data = json.loads((tmp_path / "model.md.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert rows["bf16-compile"]["status"].startswith("skipped:")  # compile is off on CPU by default
+    assert rows["torchao-compile"]["status"].startswith("skipped:")
+    initial = math.log(data["config"]["model"]["vocab"])  # the loss of a random-init model ~ log(vocab)
+    ref = rows["bf16"]
+    assert ref["status"] == "ok" and math.isfinite(ref["loss"]) and ref["loss"] < initial - 0.1
+    for v in ("fp8-current", "fp8-block"):
+        r = rows[v]
+        assert r["status"] == "ok", r["status"]
+        assert math.isfinite(r["loss"]) and r["loss"] < initial - 0.1
+        assert abs(r["loss"] - ref["loss"]) / ref["loss"] < 0.1  # FP8 tracks BF16 after the same steps
+        assert r["tokens_per_s"] > 0 and r["host_ms"] <= r["step_ms"] + 1e-6
+        assert r["x_bf16"] == pytest.approx(r["tokens_per_s"] / ref["tokens_per_s"])
+
+
+def test_failed_variant_is_a_row_not_a_crash(capsys, monkeypatch):
+    from lowbit.bench import model as bm
+
+    def broken(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(bm, "build_model", broken)
+    rc = main(["bench", "model", "--device", "cpu", "--variants", "bf16", "--steps", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "| bf16 | failed: RuntimeError: boom |" in text
+    assert "second line" not in text
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--variants", "bf16,fp9"], "unknown variant 'fp9'"),
+    (["--recipes", "fp8-nope"], "unknown recipe 'fp8-nope'"),
+    (["--batch", "0"], "--batch: expected an integer >= 1"),
+    (["--seq", "-4"], "--seq: expected an integer >= 1"),
+    (["--layers", "0"], "--layers: expected an integer >= 1"),
+    (["--steps", "3", "--warmup", "3"], "--warmup"),
+])
+def test_bad_input_exits_2_with_one_line(args, msg, capsys):
+    rc = main(["bench", "model", "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("lowbit bench model: error: ") and msg in err
+    assert "Traceback" not in err and err.count("\n") == 1
