@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-
 from lowbit.cli import main
 
 

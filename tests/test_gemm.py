@@ -29,14 +29,13 @@ import sys
 
 import pytest
 import torch
+from sm90_compile import compile_gluon_sm90, sm90_sass
 
 from lowbit.gemm import BACKENDS, backend_for, scaled_mm, scaled_mm_reference
 from lowbit.gemm.reference import dequantize_exact
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
-from lowbit.quant.reference import quantize_reference
 from lowbit.runtime import env
 from lowbit.runtime.autotune import forget_tuned
-from sm90_compile import compile_gluon_sm90, sm90_sass
 
 try:
     import triton  # noqa: F401

@@ -18,11 +18,11 @@ import sys
 
 import pytest
 import torch
+from sm90_compile import compile_gluon_sm90, rowcol_regs_signature, sm90_sass
 
 from lowbit.quant import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, backend_for, quantize
 from lowbit.quant.reference import quantize_reference
 from lowbit.runtime.autotune import forget_tuned
-from sm90_compile import compile_gluon_sm90, rowcol_regs_signature, sm90_sass
 
 HAVE_TRITON = True
 try:

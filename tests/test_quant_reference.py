@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lowbit import MXFP8, NVFP4, AmaxHistory, Float8Blockwise, Float8Rowwise, Float8Tensorwise, quantize
-from lowbit.formats import e2m1_decode, unpack_e2m1
 from lowbit.attention.reference import quantize_qk_int8
 from lowbit.attention.reference import quantize_v_fp8_reference as quantize_v_fp8
+from lowbit.formats import e2m1_decode, unpack_e2m1
 from lowbit.quant.reference import hadamard_16, quantize_reference, rht_blocks, rht_matrix
 
 ALL_SCHEMES = [

@@ -12,8 +12,8 @@ import torch
 
 import lowbit.attention as A
 from lowbit.attention import _gluon as G
-from lowbit.runtime.device import num_sms
 from lowbit.attention import reference as R
+from lowbit.runtime.device import num_sms
 
 TIGHT = 2e-3  # as tests/attention/test_gpu.py: FP32 output vs the tiled quantized reference
 LSE_TOL = 1e-3
@@ -164,8 +164,8 @@ def test_launches_without_triton_binding_are_the_same(D, causal, granularity, mo
     """The quantized call's four launches (the prepass's three and the forward) reuse their compiled kernels by
     specialization key (lowbit.runtime.launch.SpecializedLaunch): a second call with new data of the same shape goes
     through that shortcut, and its output and LSE equal, bit for bit, those of Triton's own launch path."""
-    from lowbit.runtime import launch as _launch
     from lowbit.attention import _triton as T
+    from lowbit.runtime import launch as _launch
     g = torch.Generator(device="cuda").manual_seed(D)
     shape = (2, 4, 555, D)
     first = [torch.randn(*shape, generator=g, device="cuda").bfloat16() for _ in range(3)]
@@ -194,8 +194,8 @@ def test_signature_caches_do_not_cross_calls(monkeypatch, switches):
     keyed launches) are per signature: calls of the same shape that differ in strides, alignment, mask or window
     each get their own, interleaved in one process, and give what the same call gives with every cache bypassed
     (the launch shortcut off, the Gluon decision and plans recomputed: Triton's own path), bit for bit."""
-    from lowbit.runtime import launch as _launch
     from lowbit.attention import _triton as T
+    from lowbit.runtime import launch as _launch
     B, H, S, D = 2, 4, 555, 128
     q, k, v = (_rand(B, H, S, D, dtype=torch.bfloat16, seed=s) for s in (1, 2, 3))
     wide = _rand(B, H, S, D + 16, dtype=torch.bfloat16, seed=4)

@@ -7,10 +7,10 @@ import zlib
 
 import pytest
 import torch
+from prepass_check import qk_pair
 
 import lowbit.attention as A
 from lowbit.attention import reference as R
-from prepass_check import qk_pair
 
 pytestmark = pytest.mark.gpu
 

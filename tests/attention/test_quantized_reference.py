@@ -6,9 +6,9 @@ import torch
 
 from lowbit.attention import attention_quantized_reference, attention_reference
 from lowbit.attention.reference import (
-    quantize_qk_int8,
     LOG2E,
     attention_prequantized_reference,
+    quantize_qk_int8,
     quantize_qk_reference,
     quantize_v_fp8_reference,
     round_half_away,

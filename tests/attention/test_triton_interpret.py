@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from prepass_check import qk_pair
 
 from lowbit.attention import reference as R
-from prepass_check import qk_pair
 
 CFG = (16, 16, 4, 1)  # BLOCK_M, BLOCK_N, warps, stages: small tiles so several tiles and masks are exercised
 TIGHT = 2e-3

@@ -1,5 +1,4 @@
 import pytest
-
 from bwd_common import kernels_device
 
 

@@ -14,15 +14,22 @@ import sys
 
 import pytest
 import torch
+from bwd_common import (
+    BF16_TOL,
+    FP8_TOL,
+    check_fp8_epilogue,
+    fp8_bits,
+    make_inputs,
+    make_varlen,
+    nrmse,
+    triton_interpreted,
+)
 
 from lowbit.attention import backward as BW
 from lowbit.attention import reference as R
 from lowbit.attention.reference import attention_reference
 from lowbit.formats import philox_randint
 from lowbit.quant import Float8Rowwise, QuantizedTensor, quantize
-
-from bwd_common import (BF16_TOL, FP8_TOL, check_fp8_epilogue, fp8_bits, make_inputs, make_varlen, nrmse,
-                        triton_interpreted)
 
 
 # ----------------------------------------------------------------------------- reference

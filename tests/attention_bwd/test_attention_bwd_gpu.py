@@ -8,12 +8,11 @@ P/dS/gradients sets the floor); FP8 per-row E4M3 3.5e-2 (measured 2.1e-2..2.5e-2
 """
 import pytest
 import torch
+from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, make_inputs, make_varlen, nrmse
 
 from lowbit.attention import backward as BW
 from lowbit.attention import reference as R
 from lowbit.quant import QuantizedTensor
-
-from bwd_common import BF16_TOL, FP8_TOL, check_fp8_epilogue, make_inputs, make_varlen, nrmse
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -3,7 +3,6 @@ and scales, equal to the single-process amax over the union of their data."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

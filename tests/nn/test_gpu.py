@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nn_helpers import RECIPES, sqnr
 
 import lowbit
 from lowbit import recipes
-from nn_helpers import RECIPES, sqnr
-
 from lowbit.runtime import env
 
 pytestmark = pytest.mark.gpu

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nn_helpers import RECIPES, grads_of, make_module, sqnr
 
 import lowbit
-from nn_helpers import RECIPES, grads_of, make_module, sqnr
 from lowbit import recipes
 
 MODULES = [

@@ -8,9 +8,9 @@ import io
 
 import pytest
 import torch
+from nn_helpers import RECIPES
 
 import lowbit
-from nn_helpers import RECIPES
 
 STEPS = 25
 

@@ -12,8 +12,8 @@ from interp_helper import run_interpreted
 import lowbit
 from lowbit import recipes
 from lowbit.quant.schemes import Float8Blockwise, Float8Tensorwise
-from lowbit.runtime.autotune import forget_tuned
 from lowbit.runtime import env
+from lowbit.runtime.autotune import forget_tuned
 
 NQ = importlib.import_module("lowbit.ops.norm_quant")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

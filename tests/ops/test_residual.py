@@ -12,8 +12,8 @@ from interp_helper import run_interpreted
 
 import lowbit
 from lowbit import recipes
-from lowbit.runtime.autotune import forget_tuned
 from lowbit.runtime import env
+from lowbit.runtime.autotune import forget_tuned
 
 R = importlib.import_module("lowbit.ops.residual")
 NQ = importlib.import_module("lowbit.ops.norm_quant")

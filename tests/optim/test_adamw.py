@@ -267,8 +267,8 @@ def test_kernel_compiles_for_sm90():
     import re
 
     import triton
-    from triton.backends.compiler import GPUTarget
     from sm90_compile import sm90_sass
+    from triton.backends.compiler import GPUTarget
 
     from lowbit.optim import kernels as K
     from lowbit.optim.adamw import KernelConfig

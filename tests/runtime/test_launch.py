@@ -199,7 +199,7 @@ def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
 def test_tuned_launch_times_once_per_key_and_says_so(monkeypatch, switches, capsys):
     """The autotuner (CPU: do_bench faked): the fastest candidate wins, is reused for the key without timing again,
     a failing candidate is skipped, and the first tuning of the process prints one notice."""
-    
+
     switches(LOWBIT_AUTOTUNE=True)
     monkeypatch.setattr(at, "INTERPRET", False)
     monkeypatch.setattr(at, "_TUNED", {})
@@ -259,7 +259,7 @@ def test_tma_allocator_installed_per_thread(monkeypatch):
 def test_tuned_launch_keeps_each_candidates_best_round(monkeypatch, switches):
     """A candidate timed slow in the first round (a GPU whose clocks are still ramping) is judged by its best round:
     round 1 says a < b, round 2 says b < a by more, so b wins."""
-    
+
     switches(LOWBIT_AUTOTUNE=True)
     monkeypatch.setattr(at, "INTERPRET", False)
     monkeypatch.setattr(at, "_TUNED", {})
@@ -288,7 +288,7 @@ def test_tuner_times_gpu_work_not_host_work():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    
+
     x = torch.randn(1 << 24, device="cuda")  # 64 MB: a few passes take a few hundred microseconds
     y = torch.empty_like(x)
 
@@ -333,7 +333,7 @@ def test_tuner_inside_a_capture_takes_the_first_candidate(monkeypatch, switches)
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    
+
     switches(LOWBIT_AUTOTUNE=True)
     monkeypatch.setattr(at, "_TUNED", {})
     x = torch.randn(1 << 20, device="cuda")

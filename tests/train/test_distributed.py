@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from testenv import child_env
 
 from lowbit.train.loop import TrainConfig, train
-from testenv import child_env
 
 TOL_FIRST, TOL = 2e-5, 1e-3
 

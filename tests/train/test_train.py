@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from testenv import child_env
 
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.cli import run_train
 from lowbit.train.loop import TrainConfig, train
-from testenv import child_env
 
 QUIET = ("--no-progress",)
 

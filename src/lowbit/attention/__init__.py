@@ -2,9 +2,18 @@
 
 Triton is imported lazily (only when a Triton backend runs), so the package works without it.
 """
-from .api import (attention, attention_qk_int8, backend_for, gluon_by_default, quantize_qk, quantize_v_fp8,
-                  quantize_v_fp16, select_backend)
+from ..runtime.callable import make_callable as _make_callable
 from . import backward  # callable: lowbit.attention.backward(do, q, k, v, o, lse, ...) (runtime/callable.py)
+from .api import (
+    attention,
+    attention_qk_int8,
+    backend_for,
+    gluon_by_default,
+    quantize_qk,
+    quantize_v_fp8,
+    quantize_v_fp16,
+    select_backend,
+)
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -44,6 +53,4 @@ def __getattr__(name):
 
 
 # `lowbit.attention` is both this package and the function users call (`lowbit.attention(q, k, v)`).
-from ..runtime.callable import make_callable as _make_callable
-
 _make_callable(__name__, "attention")

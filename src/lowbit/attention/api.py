@@ -19,9 +19,21 @@ import torch
 from torch import Tensor
 
 from . import reference as _ref
-from ._checks import (check_blocks, check_dropout_p, check_grad_args, check_grad_sink, check_half, check_qkv,
-                      check_softmax_scale, check_tensor, check_triton, check_varlen, check_window, layout_of,
-                      triton_ok)
+from ._checks import (
+    check_blocks,
+    check_dropout_p,
+    check_grad_args,
+    check_grad_sink,
+    check_half,
+    check_qkv,
+    check_softmax_scale,
+    check_tensor,
+    check_triton,
+    check_varlen,
+    check_window,
+    layout_of,
+    triton_ok,
+)
 from .backward import attention_forward, attention_with_grad
 from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups

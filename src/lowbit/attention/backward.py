@@ -40,9 +40,24 @@ from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..runtime import env
 from ..runtime.callable import make_callable
 from . import reference as _ref
-from ._checks import (GRAD_FORMATS, TRITON_HEAD_DIMS, check_cu_meta, check_dropout, check_grad_args,
-                      check_grad_sink, check_qkv, check_softmax_scale, check_tensor, check_triton, check_varlen,
-                      check_window, row_views, shape4, triton_ok, views)
+from ._checks import (
+    GRAD_FORMATS,
+    TRITON_HEAD_DIMS,
+    check_cu_meta,
+    check_dropout,
+    check_grad_args,
+    check_grad_sink,
+    check_qkv,
+    check_softmax_scale,
+    check_tensor,
+    check_triton,
+    check_varlen,
+    check_window,
+    row_views,
+    shape4,
+    triton_ok,
+    views,
+)
 from .reference import attention_backward_reference, attention_forward_reference
 
 __all__ = [

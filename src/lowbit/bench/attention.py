@@ -29,8 +29,8 @@ MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp16"), ("int8", "fp8"), 
 
 
 def bench_case(B, H, S, D, causal, modes, rep_ms=200, pointer_tiles=False):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lowbit.attention import _triton as T
     from lowbit.attention import attention

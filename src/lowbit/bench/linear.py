@@ -53,6 +53,7 @@ def _timer(device: torch.device, warmup: int, rep: int):
     if device.type == "cuda":
         try:
             import triton.testing  # noqa: F401 - median_ms needs it
+
             from . import median_ms
 
             def t(fn, grads=()):

@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 
-from ..runtime import env
-from ..runtime.device import INTERPRET
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedTensor
+from ..runtime import env
+from ..runtime.device import INTERPRET
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
@@ -235,8 +235,8 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
     if not (isinstance(dy, QuantizedTensor) and isinstance(x, QuantizedTensor) and _order_tunable(dy, x)):
         return direct()
-    from ..runtime.transpose import transpose_2d
     from ..runtime.autotune import tuned_launch
+    from ..runtime.transpose import transpose_2d
 
     res = []
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import gemm as _gemm
 from ..quant.schemes import BLOCK_SIZE, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from . import register_backend
-from .. import gemm as _gemm
 from .reference import apply_epilogue
 
 __all__ = ["supports", "scaled_mm_cublas", "REJECTED", "REJECTED_WHY"]

@@ -19,7 +19,7 @@ from ..runtime.autotune import bucket, tuned_config, tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
 from ..runtime.launch import ensure_tma_allocator
 from ..runtime.log import declined
-from . import gemm_dims, check_k_contiguous, register_backend
+from . import check_k_contiguous, gemm_dims, register_backend
 from .kernels import gemm as G
 
 __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",

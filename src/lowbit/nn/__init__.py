@@ -9,25 +9,25 @@
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
 """
 
-from .state import (
-    AutocastState,
-    NonFiniteAmaxError,
-    NonFiniteEvent,
-    autocast,
-    check_recipe_support,
-    get_recipe,
-    get_state,
-    is_enabled,
-    nonfinite_events,
-    check_nonfinite,
-)
+from .attention import MultiheadAttention
 from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
 from .functional import quantized_linear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
-from .attention import MultiheadAttention
+from .state import (
+    AutocastState,
+    NonFiniteAmaxError,
+    NonFiniteEvent,
+    autocast,
+    check_nonfinite,
+    check_recipe_support,
+    get_recipe,
+    get_state,
+    is_enabled,
+    nonfinite_events,
+)
 
 __all__ = [
     "autocast",

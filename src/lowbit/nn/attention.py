@@ -110,8 +110,8 @@ class MultiheadAttention(torch.nn.Module):
 
     def _handoff_scale(self, x):
         """(qkv GemmLayer, grad format, delayed grad_output scale) when the FP8 hand-off applies, else None."""
-        from . import state as _ac
         from ..quant.schemes import Float8Tensorwise
+        from . import state as _ac
 
         if not self.fp8_grad_handoff or not _sixteen_bit(self.qk, self.pv):
             return None

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..runtime.device import num_sms
 from ..gemm import scaled_mm, wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import DelayedScaling, Recipe
-from . import state as _ac
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
+from ..runtime.device import num_sms
+from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
            "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]

@@ -11,8 +11,14 @@ from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
-from .layernorm_linear import (check_features, apply_norm, check_input_rstd, check_norm_args, check_norm_input,
-                               check_norm_link)
+from .layernorm_linear import (
+    apply_norm,
+    check_features,
+    check_input_rstd,
+    check_norm_args,
+    check_norm_input,
+    check_norm_link,
+)
 
 __all__ = ["LayerNormMLP"]
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -38,10 +37,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import distributed
-from ..runtime import env
-from ..runtime.device import capability as _device_capability
 from ..quant.scaling import AmaxHistory
 from ..recipes import DelayedScaling, Recipe
+from ..runtime import env
+from ..runtime.device import capability as _device_capability
 
 __all__ = [
     "autocast",

@@ -37,8 +37,14 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from ..quant.triton_backend import (REGS_CONFIGS, BlockwisePlan, blockwise_args, blockwise_buffers, regs_ok,
-                                        set_copies)
+    from ..quant.triton_backend import (
+        REGS_CONFIGS,
+        BlockwisePlan,
+        blockwise_args,
+        blockwise_buffers,
+        regs_ok,
+        set_copies,
+    )
 
 def _enabled() -> bool:
     return env.fused("norm_quant")

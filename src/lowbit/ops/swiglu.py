@@ -29,8 +29,15 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
     from ..quant.kernels.quant import bits_to_f32, compute_scale, fp8_cast, recip, rowcol_tile_1d, sigmoid
-    from ..quant.triton_backend import (BlockwisePlan, blockwise_args, blockwise_buffers, packed_ok, regs_ok,
-                                        rowcol_regs_prologue, set_copies)
+    from ..quant.triton_backend import (
+        BlockwisePlan,
+        blockwise_args,
+        blockwise_buffers,
+        packed_ok,
+        regs_ok,
+        rowcol_regs_prologue,
+        set_copies,
+    )
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,6 @@ Conventions shared by all schemes:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..formats import (
@@ -28,8 +26,8 @@ from ..formats import (
     pack_e2m1,
     unpack_e2m1,
 )
-from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 from .rht import hadamard_16, rht_blocks, rht_matrix
+from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 from .tensor import QuantizedCopy, QuantizedTensor, expand_blocks, pad_to, scale_logical, scale_storage
 
 __all__ = [

@@ -39,13 +39,12 @@ import math
 
 import torch
 
-from ..runtime.amax_arena import arena_slot
-from ..runtime.autotune import bucket
-from ..runtime.autotune import tuned_launch
-from ..runtime.device import INTERPRET, capability, num_sms
-from ..runtime.log import declined
-from ..runtime.launch import CachedLaunch
 from ..formats import E4M3, FloatFormat
+from ..runtime.amax_arena import arena_slot
+from ..runtime.autotune import bucket, tuned_launch
+from ..runtime.device import INTERPRET, capability, num_sms
+from ..runtime.launch import CachedLaunch
+from ..runtime.log import declined
 from . import register_backend
 from .kernels import quant as K
 from .kernels import quant_gluon as QG

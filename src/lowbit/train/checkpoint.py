@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import time
 import zipfile
 from pathlib import Path
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .cli import positive_int, os_error_line
+from .cli import os_error_line, positive_int
 from .data import check_writable_dir
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import format_table, plot_losses, table_rows, write_json

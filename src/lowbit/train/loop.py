@@ -20,8 +20,8 @@ import torch
 
 from .. import distributed
 from .. import recipes as _recipes
-from ..runtime import env
 from ..models import GPT, attention_backend, config_from_preset, set_attention
+from ..runtime import env
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
 

@@ -35,7 +35,6 @@ weight copies, the Gluon quantizers) calls them, so its bits are the quantizers'
 
 from __future__ import annotations
 
-
 import triton
 import triton.language as tl
 
