@@ -742,7 +742,7 @@ def quantize_qk_int8(
     softmax_scale: Optional[float] = None,
     layout: str = "bhsd",
 ) -> QKInt8:
-    """INT8 quantization of Q and K for attention (SageAttention conventions, DESIGN §3) — the reference.
+    """INT8 quantization of Q and K for attention (SageAttention conventions, NUMERICS §3) — the reference.
 
     This is the spec the kernels are tested against and runs in PyTorch on any device; the fused Triton prepass
     (one launch each for Q and K on CUDA, bit-identical to this) is :func:`lowbit.attention.quantize_qk`.

@@ -321,8 +321,8 @@ def _regs_runs(u: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
 def _swiglu_quant_candidates(u: torch.Tensor, regs: bool, packed: bool | None = None) -> list[dict]:
     """The launch candidates for ``u`` (the first is the default without autotuning): on the GPU, where the
     register-tile quantizer may run (``regs``: :func:`_regs_runs`), its candidates first (its BF16-pair form's before
-    them where ``packed``, by default where triton_backend.packed_ok takes u; H200, sessions 13, 18 and 23: see
-    BENCHMARKS.md), then the slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
+    them where ``packed``, by default where triton_backend.packed_ok takes u: the fastest order measured), then the
+    slab walk's, then the whole-tile kernel's (BITS16 only where u is BF16)."""
     if INTERPRET or not u.is_cuda:
         return list(_SWIGLU_QUANT_CONFIGS)
     if packed is None:

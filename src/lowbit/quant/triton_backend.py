@@ -502,7 +502,7 @@ def blockwise_configs(M: int, Kd: int, bs: int, two_d: bool, rowwise: bool, colu
     if square and bs >= 128:  # (1D columnwise here: 2D returned above)
         if rowwise:
             out += [c for c in _row2_configs(bs) if bs <= max(bucket(M), bs)]
-            add(bs, 64, 4, SCR=True)  # the session-7 walk: the rowwise copy in walk 1
+            add(bs, 64, 4, SCR=True)  # the rowwise copy written in walk 1
         else:
             add(bs, 64, 4, SCR=True, UNROLL=2)
             add(bs, 64, 4, SCR=True)

@@ -22,10 +22,13 @@ _configured = threading.Event()
 
 
 def _configure() -> None:
-    """Apply ``LOWBIT_LOG`` once: the level, and a stderr handler where the application installed none."""
+    """Apply ``LOWBIT_LOG`` once where it is set: the level, and a stderr handler where the application installed
+    none. Unset, the logger is left to the application's logging configuration."""
     if _configured.is_set():
         return
     _configured.set()
+    if env.get("LOWBIT_LOG") == env.SWITCHES["LOWBIT_LOG"].default:
+        return
     level = getattr(logging, env.get("LOWBIT_LOG").upper())
     logger.setLevel(level)
     if level < logging.WARNING and not logger.handlers and not logging.getLogger().handlers:
