@@ -6,9 +6,12 @@
 #   GPU_TESTS     test paths for pytest (default: tests)
 #   PYTEST_ARGS   extra pytest arguments, e.g. "-x -k gemm"
 #   TEST_TIMEOUT  seconds for the test run (default 1800)
+#   GPU_WORKERS   pytest-xdist workers where xdist is installed (default 8: a fresh machine spends most of the suite
+#                 compiling kernels, which parallel workers spread over the CPU cores; 0 for one process)
 #   BENCHES       benches to run, of: quant gemm linear attention attention_bwd optim (default all; "" for none)
 #   OUT           log directory (default /tmp/lowbit-gpu)
-# Peer wheels (torchao, sageattention) in .whl/ are installed first when present. Exits 1 if any step failed.
+# Wheels in .whl/ (peers: torchao, sageattention; pytest-xdist) are installed first when present. Exits 1 if any
+# step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -21,10 +24,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 torch.cuda.get_device_name())"
 python3 -m lowbit info | tee "$OUT/info.txt"
 rc=0
+WORKERS=""
+if [ "${GPU_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then WORKERS="-n ${GPU_WORKERS:-8}"; fi
 # Tests run each kernel's first launch config: autotuning every test shape would spend minutes compiling.
 # shellcheck disable=SC2086  # (GPU_TESTS / PYTEST_ARGS are word lists)
 LOWBIT_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-1800}" \
-  python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider $WORKERS -m gpu ${GPU_TESTS:-tests} ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/gpu_tests.log" || rc=1
 for b in ${BENCHES-quant gemm linear attention attention_bwd optim}; do
   case $b in
