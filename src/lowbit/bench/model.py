@@ -176,7 +176,7 @@ def _sync(device: str) -> None:
 
 def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     """Train a fresh model ``cfg["steps"]`` steps under variant ``name``; the row of measurements (or why not)."""
-    import lowbit
+    import lowbit.nn
     from lowbit import recipes
 
     device = cfg["device"]
@@ -192,7 +192,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
             torch._dynamo.reset()  # each variant compiles its own fresh model, from a clean cache
         model = build_model(cfg["model"], cfg["seq"], device)
         if recipe is not None:
-            lowbit.convert(model, recipe=recipe)
+            lowbit.nn.convert(model, recipe=recipe)  # (lowbit.convert)
         if base == "torchao":
             _torchao_convert(model)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=device == "cuda")
@@ -202,7 +202,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         for i in range(n):
             _sync(device)
             t0 = time.perf_counter()
-            quant = lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+            quant = lowbit.nn.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
             with torch.autocast(device, dtype=torch.bfloat16), quant:
                 loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
