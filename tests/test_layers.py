@@ -54,6 +54,15 @@ def _room(module: str) -> str:
     return "__init__" if len(parts) == 1 else parts[1]
 
 
+def _from_target(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in ``module`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(module: str, path: Path):
     """(target module, imported name or None, line) for every import of a lowbit module in ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -64,12 +73,7 @@ def _imports(module: str, path: Path):
                 if a.name.split(".")[0] == "lowbit":
                     yield a.name, None, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_pkg else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(module, is_pkg, node)
             if target.split(".")[0] != "lowbit":
                 continue
             for a in node.names:
@@ -155,12 +159,7 @@ def _module_aliases(module: str, path: Path) -> dict[str, str]:
                 if a.name in MODULES and a.asname:
                     out[a.asname] = a.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_pkg else module.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(module, is_pkg, node)
             for a in node.names:
                 if f"{target}.{a.name}" in MODULES:
                     out[a.asname or a.name] = f"{target}.{a.name}"
