@@ -132,10 +132,13 @@ def test_progress_without_tqdm_on_a_terminal(monkeypatch):
     from lowbit.train import progress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    monkeypatch.setattr(progress, "_NOTED", [])
     s = _Stream(tty=True)
     p = progress.Progress(total=4, stream=s, bar=True)
     assert not p.uses_bar
-    assert s.getvalue().splitlines()[0] == progress.TQDM_NOTE
+    assert s.getvalue().splitlines() == [progress.TQDM_NOTE]
+    progress.Progress(total=4, stream=s, bar=True)  # a second run (lowbit demo): no second note
+    assert s.getvalue().splitlines() == [progress.TQDM_NOTE]
 
 
 def test_progress_uses_tqdm_on_a_terminal(monkeypatch):

@@ -16,6 +16,8 @@ __all__ = ["Progress", "TQDM_NOTE", "have_tqdm"]
 TQDM_NOTE = "[lowbit] note: no progress bar (tqdm is not installed; `pip install lowbit[train]` adds it); " \
             "progress goes to log lines"
 
+_NOTED: list = []  # (TQDM_NOTE printed already)
+
 
 def have_tqdm() -> bool:
     """Whether ``tqdm`` can be imported."""
@@ -55,7 +57,9 @@ class Progress:
         out = self.stream
         want_bar = (_isatty(out) and _isatty(sys.stderr)) if bar is None else bar
         if want_bar and not have_tqdm():
-            print(TQDM_NOTE, file=out, flush=True)  # one line, only where a bar was wanted
+            if not _NOTED:  # one line per process (lowbit demo runs three), only where a bar was wanted
+                _NOTED.append(True)
+                print(TQDM_NOTE, file=out, flush=True)
             want_bar = False
         if want_bar:
             from tqdm.auto import tqdm
