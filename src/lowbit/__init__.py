@@ -21,7 +21,20 @@ from .quant import (
     quantize,
 )
 
-__version__ = "0.1.0"
+
+def _package_version(fallback: str = "0.1.0") -> str:
+    """The installed distribution's version (pyproject.toml's), or ``fallback`` when running from a source tree."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover (Python >= 3.8 has it)
+        return fallback
+    try:
+        return version("lowbit")
+    except PackageNotFoundError:
+        return fallback
+
+
+__version__ = _package_version()
 
 # attribute -> (module, name in module); resolved on first access
 _LAZY = {

@@ -197,8 +197,13 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        import lowbit
+
+        print(f"lowbit {lowbit.__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lowbit <command> [options]\n\ncommands:")
+        print("usage: lowbit [--version] <command> [options]\n\ncommands:")
         for k, (_, h) in COMMANDS.items():
             print(f"  {k:<12}{h}")
         return 0 if argv else 2

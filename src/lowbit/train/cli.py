@@ -10,8 +10,9 @@ import argparse
 import os
 from pathlib import Path
 
+from .budget import check_activation_budget
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
-from .report import format_table, plot_losses, table_rows, write_json
+from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
 __all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line"]
 
@@ -136,19 +137,22 @@ def _is_main() -> bool:
 def run_train(args: argparse.Namespace) -> dict:
     """Run ``lowbit train`` from parsed arguments: train, then (rank 0) write ``summary.json`` and
     ``loss.png`` into the out-dir and print the results table. Returns the summary dict."""
+    check_activation_budget(config_from_args(args))  # refuse a --seq-len x --batch-size the device cannot hold
     summary = train(config_from_args(args))
     if _is_main():
         out = Path(summary["out_dir"])
         runs = {summary["recipe"]: summary}
         if "compare" in summary:
             runs = {"bf16": summary["compare"]["bf16"], **runs}
-        summary["report"] = {"summary": str(out / "summary.json"), "plot": str(out / "loss.png")}
+        png = try_plot_losses(runs, out / "loss.png", title=f"{summary['model']} on {summary['device']}")
+        summary["report"] = {"summary": str(out / "summary.json"), "plot": None if png is None else str(png)}
         write_json(out / "summary.json", summary)
-        plot_losses(runs, out / "loss.png", title=f"{summary['model']} on {summary['device']}")
         print(format_table(table_rows(runs)), flush=True)
         for e in summary["events"]:
             print(f"[lowbit] non-finite at step {e['step']}: layer {e['layer']} ({e['role']}) -> {e['action']}")
-        print(f"[lowbit] report: {out / 'summary.json'}, {out / 'loss.png'}", flush=True)
+        if png is None:
+            print(PLOT_NOTE, flush=True)
+        print(f"[lowbit] report: {out / 'summary.json'}{'' if png is None else f', {png}'}", flush=True)
     return summary
 
 

@@ -3,20 +3,24 @@
 On a CPU (the reference kernels) it trains the ``tiny`` preset for a few dozen steps — under five
 minutes on two cores; with a CUDA GPU it picks the ``125m`` preset and more steps. It prints the
 results table (final validation loss, gap to BF16, tokens/s, peak memory, bytes of the quantized
-weights against BF16) and writes ``report/``: ``summary.json``, ``loss_curves.png``, ``table.md``.
+weights against BF16) and writes ``report/``: ``summary.json``, ``loss_curves.png``, ``table.md``
+(the PNG only with matplotlib: ``pip install lowbit[train]``). A run that fails leaves no empty ``report/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import torch
 
+from .budget import check_activation_budget
 from .cli import os_error_line, positive_int
 from .data import check_writable_dir
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
-from .report import format_table, plot_losses, table_rows, write_json
+from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
 __all__ = ["run_demo", "main", "build_parser", "DEFAULT_RECIPES"]
 
@@ -69,8 +73,36 @@ def run_demo(argv=None) -> dict:
                progress=not a.no_progress)
     cfg["eval_every"] = max(1, cfg["steps"] // 8)
     TrainConfig(**cfg).validate()  # every argument checked before the banner and the first run
+    check_activation_budget(TrainConfig(**cfg))
+    made = _missing_dirs(Path(a.out) / "runs")  # the folders this demo creates: removed again if it fails, if empty
     out = check_writable_dir(a.out, "out")  # the report is written after all the runs: check the folder first
-    print(f"[lowbit demo] {model} on {dev}: {', '.join(recipes)}; {cfg['steps']} steps of "
+    try:
+        return _run(out, model, recipes, cfg)
+    except BaseException:  # (Ctrl-C included) no empty report/ left behind
+        _remove_empty(made)
+        raise
+
+
+def _missing_dirs(path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet (deepest first)."""
+    p = Path(path).absolute()
+    return [q for q in (p, *p.parents) if not q.exists()]
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the folders in ``dirs`` (deepest first) that hold nothing but empty folders; keep any with a file."""
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for root, _subdirs, _files in os.walk(d, topdown=False):
+            try:
+                os.rmdir(root)  # fails (and is left) when it still holds something
+            except OSError:
+                pass
+
+
+def _run(out: Path, model: str, recipes: list, cfg: dict) -> dict:
+    print(f"[lowbit demo] {model} on {cfg['device']}: {', '.join(recipes)}; {cfg['steps']} steps of "
           f"{cfg['batch_size']} x {cfg['seq_len']} tokens each -> {out}/", flush=True)
     t0 = time.perf_counter()
     runs = {}
@@ -80,16 +112,19 @@ def run_demo(argv=None) -> dict:
     rows = table_rows(runs)
     table = format_table(rows)
     print("\n" + table, flush=True)
-    summary = {"model": model, "device": runs[recipes[0]]["device"], "recipes": recipes, "config": cfg,
+    device = runs[recipes[0]]["device"]
+    png = try_plot_losses(runs, out / "loss_curves.png",
+                          title=f"lowbit demo: {model} on {device}, {cfg['steps']} steps")
+    summary = {"model": model, "device": device, "recipes": recipes, "config": cfg,
                "elapsed_s": elapsed, "table": rows, "runs": runs,
-               "files": {"summary": str(out / "summary.json"), "plot": str(out / "loss_curves.png"),
+               "files": {"summary": str(out / "summary.json"), "plot": None if png is None else str(png),
                          "table": str(out / "table.md")}}
-    plot_losses(runs, out / "loss_curves.png",
-                title=f"lowbit demo: {model} on {summary['device']}, {cfg['steps']} steps")
     (out / "table.md").write_text(format_table(rows, markdown=True) + "\n")
     write_json(out / "summary.json", summary)
-    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {out / 'summary.json'}, {out / 'loss_curves.png'}, "
-          f"{out / 'table.md'}", flush=True)
+    if png is None:
+        print(PLOT_NOTE, flush=True)
+    wrote = [out / "summary.json", *([] if png is None else [png]), out / "table.md"]
+    print(f"\n[lowbit demo] done in {elapsed:.0f} s; wrote {', '.join(map(str, wrote))}", flush=True)
     return summary
 
 

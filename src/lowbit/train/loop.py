@@ -683,10 +683,9 @@ def _train_one(c: TrainConfig) -> dict:
 
     bar = None
     if d.main and c.progress:
-        from tqdm.auto import tqdm
+        from .progress import Progress  # a tqdm bar on a terminal (when installed), else log lines
 
-        bar = tqdm(total=c.steps, initial=start, unit="step", dynamic_ncols=True,
-                   desc=f"{c.model}/{c.recipe}", leave=True, mininterval=0.5)
+        bar = Progress(total=c.steps, initial=start, desc=f"{c.model}/{c.recipe}")
     _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
                f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} "
                f"attention={attention_backend()} "
@@ -913,8 +912,7 @@ def _train_one(c: TrainConfig) -> dict:
         done = step + 1
         if bar is not None:
             tps = timed_tokens / timed_s if timed_s else tokens_per_step / dt
-            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            bar.update(1)
+            bar.update(done, loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}")
         if done % c.eval_every == 0 or done == c.steps:
             vl = evaluate()
             history["val"].append([done, vl])

@@ -1,4 +1,8 @@
-"""Reports: JSON summaries (atomic), the loss-curve PNG (matplotlib, Agg canvas) and the results table."""
+"""Reports: JSON summaries (atomic), the loss-curve PNG (matplotlib, Agg canvas) and the results table.
+
+matplotlib is optional (``pip install lowbit[train]``): :func:`try_plot_losses` skips the PNG without it, and the
+commands print :data:`PLOT_NOTE` once; the JSON and the table need nothing beyond the standard library.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["write_json", "plot_losses", "format_table", "table_rows"]
+__all__ = ["write_json", "plot_losses", "try_plot_losses", "PLOT_NOTE", "format_table", "table_rows"]
+
+PLOT_NOTE = "[lowbit] note: no loss plot (matplotlib is not installed; the PNG needs `pip install lowbit[train]`)"
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
@@ -75,6 +81,16 @@ def plot_losses(runs: dict, path: str | os.PathLike, title: str = "") -> Path:
     fig.savefig(tmp, format="png")
     os.replace(tmp, path)
     return path
+
+
+def try_plot_losses(runs: dict, path: str | os.PathLike, title: str = "") -> Path | None:
+    """:func:`plot_losses`, or ``None`` (nothing written) when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+    except ImportError:
+        return None
+    return plot_losses(runs, path, title=title)
 
 
 def _mib(n):
