@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from .budget import check_activation_budget
-from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
+from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
-__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line"]
+__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "resume_command"]
 
 
 def positive_int(s: str) -> int:
@@ -73,6 +75,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--eval-windows", type=positive_int, default=64, help="validation sequences (default 64)")
     g.add_argument("--ckpt-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (default 0: at the end only)")
+    g.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="N",
+                   help="keep the last N checkpoints (checkpoint.pt and checkpoint-step<S>.pt); --resume falls back "
+                        "from a bad latest one to the newest good one (default 2)")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
                    help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
@@ -119,7 +124,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         recipe=args.recipe, model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, resume=args.resume,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
                        cuda_graph=args.cuda_graph,
@@ -128,6 +134,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
         profile_graphs=args.profile_graphs,
     )
+
+
+def resume_command(argv) -> str:
+    """The command line that continues a run started with ``argv``: the same arguments less ``--resume [CKPT]`` and
+    ``--overwrite``, plus ``--resume`` (the out-dir's checkpoint)."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a == "--overwrite" or a.startswith("--resume="):
+            continue
+        if a == "--resume":
+            nxt = next(it, None)
+            if nxt is not None and (nxt.startswith("-") and nxt != "-"):
+                out.append(nxt)  # (a flag, not --resume's CKPT)
+            continue
+        out.append(a)
+    return shlex.join(["lowbit", "train", *out, "--resume"])
 
 
 def _is_main() -> bool:
@@ -162,6 +184,7 @@ def main(argv=None) -> int:
     (exit status 2) and tears down the process group."""
     p = add_train_args(argparse.ArgumentParser(prog="lowbit train",
                                                description="Train the reference GPT under a lowbit recipe."))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     try:
         run_train(args)
@@ -171,6 +194,12 @@ def main(argv=None) -> int:
             # every rank reaches the teardown together: rank 0 still writes the report while the others finish, and
             # tearing down gloo under a peer still in it aborts a rank now and then (seen with FSDP)
             dist.barrier()
+    except TrainInterrupted as e:  # Ctrl-C in one process: stopped at the end of a step, checkpoint written
+        where = (f"checkpoint {e.checkpoint}\nlowbit train: to resume: {resume_command(argv)}" if e.checkpoint
+                 else "no checkpoint (this run writes none)")
+        p.exit(130, f"lowbit train: interrupted (Ctrl-C) after step {e.step}; {where}\n")
+    except KeyboardInterrupt:
+        p.exit(130, "lowbit train: interrupted (Ctrl-C)\n")
     except ValueError as e:
         p.exit(2, f"lowbit train: error: {e}\n")
     except OSError as e:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from ..runtime import env
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
 
-__all__ = ["TrainConfig", "train", "PRESET_DEFAULTS", "RECIPES"]
+__all__ = ["TrainConfig", "train", "TrainInterrupted", "PRESET_DEFAULTS", "RECIPES"]
 
 RECIPES = tuple(_recipes.NAMES)  # (the one list of recipe names: lowbit.recipes.NAMES)
 
@@ -68,6 +70,10 @@ class TrainConfig:
     eval_windows: int = 64
     ckpt_every: int = 0
     """Checkpoint every N steps (0: only at the end); always atomic."""
+    keep_checkpoints: int = 2
+    """Keep the last N checkpoints (``checkpoint.pt``, the latest, also kept as ``checkpoint-step<S>.pt``, and the
+    N-1 before it); a resume whose latest is bad (digest mismatch, unreadable, invalid fields) falls back to the
+    newest good one. 1: only ``checkpoint.pt``."""
     save_final: bool = True
     overwrite: bool = False
     """Start afresh even if ``out_dir`` holds a checkpoint (which the first save then replaces)."""
@@ -133,6 +139,7 @@ class TrainConfig:
             integer(name, 1, optional=True)
         integer("warmup", 0, optional=True)
         integer("ckpt_every", 0, note=" (0 = only at the end)")
+        integer("keep_checkpoints", 1)
         integer("stop_at_step", 1, optional=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed: must be an integer in [0, 2**32), got {self.seed!r}")
@@ -570,7 +577,61 @@ _MATCH_ON_RESUME = ("recipe", "model", "steps", "global_batch", "seq_len", "lr",
                     "weight_decay", "beta1", "beta2", "grad_clip", "seed", "mlp", "pos", "norm", "tie_weights")
 
 
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped a single-process run at the end of step ``step``; ``checkpoint``: the checkpoint
+    written there (None where the run writes none)."""
+
+    def __init__(self, step: int, checkpoint: str | None):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class _StopRequest:
+    """A SIGINT handler for one process (not under torchrun, only from the main thread, not where SIGINT is ignored):
+    once the steps run (``armed``), Ctrl-C asks the loop to stop at the end of the current step; before that, or a
+    second time, it interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.requested, self.armed, self.at_step, self.prev = False, False, None, None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return
+        prev = signal.getsignal(signal.SIGINT)
+        if prev in (signal.SIG_IGN, None):
+            return
+        self.prev = prev
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if not self.armed or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True  # (no printing here: it may interrupt a write to the same stream)
+
+    def restore(self) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+            self.prev = None
+
+
 def _train_one(c: TrainConfig) -> dict:
+    """One run: holds the out-dir's writer lock (rank 0, where the run writes checkpoints) and, in one process, the
+    Ctrl-C handler, around :func:`_train_run`."""
+    lock = None
+    if (c.ckpt_every or c.save_final) and int(os.environ.get("RANK", "0")) == 0:
+        check_writable_dir(c.out_dir, "out_dir")
+        lock = ckpt.lock_out_dir(c.out_dir)
+    stop = _StopRequest()
+    try:
+        stop.install()
+        return _train_run(c, stop)
+    finally:
+        stop.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     import lowbit.nn as lnn
     import lowbit.recipes as lrec
 
@@ -618,21 +679,29 @@ def _train_one(c: TrainConfig) -> dict:
     events: list[dict] = []
     start = 0
     own_ckpt = [bool(c.resume)]  # rollback only to a checkpoint of this run (not one --overwrite replaces)
-    if not c.resume and not c.overwrite and (c.ckpt_every or c.save_final) and ck_path.exists():
+    if (not c.resume and not c.overwrite and (c.ckpt_every or c.save_final)
+            and (ck_path.exists() or ckpt.previous_checkpoints(ck_path))):
         raise ValueError(f"out_dir: {str(out)!r} already holds a checkpoint ({ck_path.name}); pass --resume "
                          "to continue "
                          "that run, --overwrite to replace it, or another --out-dir")
+    # every field checked before use: the step within this run's, and ``train`` holding every argument compared below
+    read_kw = dict(max_step=c.steps, train_keys=_MATCH_ON_RESUME, warn=lambda msg: _say(d, c, msg))
     if c.resume:
-        path = ck_path if c.resume == "auto" else Path(c.resume)
-        ck = ckpt.read_checkpoint(path)
+        if c.resume == "auto":  # the newest good one of the out-dir's kept checkpoints
+            ck, path, skipped = ckpt.read_good_checkpoint(ck_path, **read_kw)
+            if skipped:
+                _say(d, c, f"[lowbit] resume: skipped {' | '.join(skipped)}; using {path} (step {ck['step']})")
+        else:
+            path = Path(c.resume)
+            ck = ckpt.read_checkpoint(path, **read_kw)
         if ck["model_config"] != mcfg.to_dict():
             diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items()
                     if ck["model_config"].get(k) != v}
             raise ValueError(f"resume: checkpoint {str(path)!r} was saved for a different model shape "
                              f"(field: (checkpoint, this run)) {diff}")
-        saved = ck.get("train", {})
+        saved = ck["train"]  # (validated: a dict holding every key of _MATCH_ON_RESUME)
         now = train_state()
-        diff = {k: (saved.get(k), now[k]) for k in _MATCH_ON_RESUME if k in saved and saved[k] != now[k]}
+        diff = {k: (saved[k], now[k]) for k in _MATCH_ON_RESUME if saved[k] != now[k]}
         if diff:
             raise ValueError(f"resume: these arguments differ from the checkpointed run (checkpoint, now): {diff}; "
                              "pass the same values or start a new --out-dir")
@@ -654,7 +723,7 @@ def _train_one(c: TrainConfig) -> dict:
                 "model": msd, "optimizer": osd,
                 "train": train_state(),
                 "history": history, "events": events, "world_size": d.world,
-            })
+            }, keep=c.keep_checkpoints, fresh=not own_ckpt[0])  # (fresh: drop an earlier run's kept ones)
         own_ckpt[0] = True
         if d.active:
             torch.distributed.barrier()
@@ -748,7 +817,7 @@ def _train_one(c: TrainConfig) -> dict:
     def boundary(done: int) -> bool:
         """Whether the host acts on the model after step ``done`` (validation, checkpoint, stop, the end)."""
         return (done % c.eval_every == 0 or done >= c.steps or bool(c.ckpt_every and done % c.ckpt_every == 0)
-                or (c.stop_at_step is not None and done >= c.stop_at_step))
+                or (c.stop_at_step is not None and done >= c.stop_at_step) or stop.requested)
 
     def graph_batches(step: int) -> list:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
@@ -868,8 +937,8 @@ def _train_one(c: TrainConfig) -> dict:
             if action == "raise":
                 raise FloatingPointError(f"step {step}: non-finite values in {where}")
             if action == "rollback":
-                if own_ckpt[0] and ck_path.exists():
-                    ck = ckpt.read_checkpoint(ck_path)
+                if own_ckpt[0] and (ck_path.exists() or ckpt.previous_checkpoints(ck_path)):
+                    ck = ckpt.read_good_checkpoint(ck_path, **read_kw)[0]
                     ckpt.apply_state(model, opt, ck["model"], ck["optimizer"])
                     action = f"rollback to step {ck['step']}"
                     if graphed is not None:  # loading may re-create .grad tensors: capture afresh next step
@@ -918,12 +987,19 @@ def _train_one(c: TrainConfig) -> dict:
             history["val"].append([done, vl])
             _say(d, c, f"[lowbit] step {done}: train loss {step_loss:.4f}  val loss {vl:.4f}", bar)
             t_mark[0] = time.perf_counter()
-        if (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final):
+        saved = (c.ckpt_every and done % c.ckpt_every == 0) or (done == c.steps and c.save_final)
+        if saved:
             save(done)
             t_mark[0] = time.perf_counter()
+        if stop.requested and done < c.steps:  # Ctrl-C: a checkpoint here (where the run writes any), then stop
+            if not saved and (c.ckpt_every or c.save_final):
+                save(done)
+            stop.at_step = done
+            return True
         return c.stop_at_step is not None and done >= c.stop_at_step and done < c.steps
 
     pending = None  # a launched step finished after the next one is launched (lookahead)
+    stop.armed = True
     for step in range(start, c.steps):
         rec = launch(step)
         if pending is not None:  # (never a boundary: nothing it does acts on the model)
@@ -943,6 +1019,9 @@ def _train_one(c: TrainConfig) -> dict:
     phases.report(lambda msg: _say(d, c, msg))
     if graphed is not None:
         graphed.drop()
+    stop.armed = False
+    if stop.at_step is not None:
+        raise TrainInterrupted(stop.at_step, str(ck_path) if c.ckpt_every or c.save_final else None)
     peak, peak_kind = _peak(d.device)
     qbytes, bfbytes = quantized_weight_bytes(raw, recipe)
     summary = {
