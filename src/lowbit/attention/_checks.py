@@ -90,10 +90,15 @@ def check_qkv(q, k, v, layout):
         raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
     if dk != d or dv != d:
         raise ValueError(f"head_dim must match: q {d}, k {dk}, v {dv} (different V head dim is not supported)")
+    if d < 1:
+        raise ValueError(f"q: head_dim must be >= 1, got q shape {tuple(q.shape)} (layout {layout!r})")
     if hk != hv or sk != sv:
         raise ValueError(f"k and v must have the same heads and length: k (H={hk}, S={sk}), v (H={hv}, S={sv})")
     if hk == 0 or hq % hk:
         raise ValueError(f"query heads must be a multiple of key/value heads (GQA/MQA): Hq={hq}, Hkv={hk}")
+    if sk < 1:
+        raise ValueError(f"k: attention needs at least one key (the softmax over no keys is undefined), got k shape "
+                         f"{tuple(k.shape)} (layout {layout!r})")
     for n, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
