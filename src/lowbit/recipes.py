@@ -273,7 +273,7 @@ class Float8BlockScaling(Recipe):
         dims = {}
         for n in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             v = getattr(self, n)
-            if v not in (1, 2) or isinstance(v, bool):
+            if isinstance(v, bool) or not isinstance(v, int) or v not in (1, 2):
                 raise ValueError(f"{n}: expected 1 (1x128) or 2 (128x128), got {v!r}")
             dims[n] = v
         x, w, g = dims.values()

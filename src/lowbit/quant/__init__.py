@@ -94,8 +94,8 @@ def quantize(
     if rowwise.__class__ is not bool or columnwise.__class__ is not bool:
         _bad_flag("rowwise" if rowwise.__class__ is not bool else "columnwise",
                   rowwise if rowwise.__class__ is not bool else columnwise)
-    if seed is not None and (seed.__class__ is bool or not isinstance(seed, (int, torch.Tensor))):
-        raise TypeError(f"seed: expected an int (the Philox key) or None, got {type(seed).__name__} {seed!r}")
+    if seed is not None and seed.__class__ is not int:
+        _check_seed(seed)
     if backend is None and isinstance(x, torch.Tensor):
         # Hot path (every quantized GEMM operand, every step): the backend choice depends only on these
         # properties, so it is looked up once per distinct key.
@@ -143,6 +143,16 @@ def _check_scheme(scheme) -> None:
     if not isinstance(scheme, _SCHEMES):
         raise TypeError(f"scheme: expected one of {', '.join(c.__name__ for c in _SCHEMES)} (lowbit.quant), got "
                         f"{type(scheme).__name__} {scheme!r}")
+
+
+def _check_seed(seed) -> None:
+    """``seed``: an int, or the (1,) int64 tensor holding one (what a CUDA draw makes)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise TypeError(f"seed: a tensor seed must be a one-element int64 tensor, got {seed.dtype} of shape "
+                            f"{tuple(seed.shape)}")
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int (the Philox key) or None, got {type(seed).__name__} {seed!r}")
 
 
 def _bad_flag(name: str, value) -> None:
