@@ -93,12 +93,31 @@ def _check_bool(name: str, value) -> None:
 
 _ROLE_CACHE: dict = {}
 
+MAX_AMAX_HISTORY_LEN = 1 << 16
+"""The longest amax history :class:`DelayedScaling` takes (one FP32 per step per tensor role of every layer;
+TransformerEngine's default is 1024)."""
+
+MAX_MARGIN = 126
+"""The largest :class:`DelayedScaling` margin (2**-margin stays a normal FP32 number)."""
+
+
+def _concrete():
+    """The concrete recipe classes, in :data:`NAMES`' order."""
+    return [c for c in NAMES.values() if c is not None]
+
+
 
 class Recipe:
     """Base class of all recipes (not instantiated directly)."""
 
     #: short name used by :func:`from_name` and in reports
     name: str = "?"
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Recipe:
+            raise TypeError("Recipe: the base class of the recipes is not a recipe itself; use one of "
+                            + ", ".join(c.__name__ for c in _concrete()) + " (lowbit.recipes)")
+        return super().__new__(cls)
 
     def role(self, role: str) -> RoleQuant:
         """The :class:`RoleQuant` of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
@@ -118,7 +137,8 @@ class Recipe:
         return r
 
     def _roles(self) -> dict[str, RoleQuant]:  # pragma: no cover - abstract
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}: a Recipe subclass must define _roles() (the scheme of "
+                                  f"each role); use one of {', '.join(c.__name__ for c in _concrete())}")
 
     @property
     def divisibility(self) -> int:
@@ -133,7 +153,8 @@ class Recipe:
     @property
     def kind(self) -> str:
         """``"per_tensor"``, ``"blockwise"``, ``"mxfp8"`` or ``"nvfp4"`` (what the device check looks at)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}: a Recipe subclass must define the kind property "
+                                  f"('per_tensor', 'blockwise', 'mxfp8' or 'nvfp4')")
 
 
 @dataclass(frozen=True)
@@ -169,10 +190,17 @@ class DelayedScaling(Recipe):
     def __post_init__(self):
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin: expected an int >= 0, got {self.margin!r}")
+        if self.margin > MAX_MARGIN:
+            raise ValueError(f"margin: expected an int <= {MAX_MARGIN} (scales are divided by 2**margin; beyond that "
+                             f"they underflow FP32), got {self.margin!r}")
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
         if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len,
                                                                     bool) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len: expected an int >= 1, got {self.amax_history_len!r}")
+        if self.amax_history_len > MAX_AMAX_HISTORY_LEN:
+            raise ValueError(f"amax_history_len: expected an int <= {MAX_AMAX_HISTORY_LEN} (one FP32 per step for "
+                             f"each tensor of every layer; TransformerEngine's default is 1024), got "
+                             f"{self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {self.amax_compute_algo!r}")
         _check_bool("reduce_amax", self.reduce_amax)
@@ -245,7 +273,7 @@ class Float8BlockScaling(Recipe):
         dims = {}
         for n in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             v = getattr(self, n)
-            if v not in (1, 2) or isinstance(v, bool):
+            if isinstance(v, bool) or not isinstance(v, int) or v not in (1, 2):
                 raise ValueError(f"{n}: expected 1 (1x128) or 2 (128x128), got {v!r}")
             dims[n] = v
         x, w, g = dims.values()

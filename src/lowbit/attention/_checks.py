@@ -18,6 +18,7 @@ __all__ = [
     "TRITON_HEAD_DIMS",
     "GRAD_FORMATS",
     "check_tensor",
+    "check_bool",
     "check_half",
     "layout_of",
     "shape4",
@@ -46,6 +47,11 @@ GRAD_FORMATS = (None, "e4m3", "e5m2")
 def check_tensor(name, x):
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_bool(name, x):
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
 
 
 def check_half(name, x):
@@ -90,10 +96,15 @@ def check_qkv(q, k, v, layout):
         raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
     if dk != d or dv != d:
         raise ValueError(f"head_dim must match: q {d}, k {dk}, v {dv} (different V head dim is not supported)")
+    if d < 1:
+        raise ValueError(f"q: head_dim must be >= 1, got q shape {tuple(q.shape)} (layout {layout!r})")
     if hk != hv or sk != sv:
         raise ValueError(f"k and v must have the same heads and length: k (H={hk}, S={sk}), v (H={hv}, S={sv})")
     if hk == 0 or hq % hk:
         raise ValueError(f"query heads must be a multiple of key/value heads (GQA/MQA): Hq={hq}, Hkv={hk}")
+    if sk < 1:
+        raise ValueError(f"k: attention needs at least one key (the softmax over no keys is undefined), got k shape "
+                         f"{tuple(k.shape)} (layout {layout!r})")
     for n, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but q is on {q.device}")
@@ -142,6 +153,9 @@ def check_varlen(cu_q, cu_k, q, k, max_q, max_k):
     check_cu_meta(cu_q, cu_k, q, k)
     if cu_q is None:
         return None, None
+    for n, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"{n} must be None or an int >= 0, got {m!r}")
     cq, ck = cu_q.tolist(), cu_k.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
     lk = [b - a for a, b in zip(ck, ck[1:])]

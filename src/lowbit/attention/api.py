@@ -21,6 +21,8 @@ from torch import Tensor
 from . import reference as _ref
 from ._checks import (
     check_blocks,
+    check_bool,
+    check_cu_meta,
     check_dropout_p,
     check_grad_args,
     check_grad_sink,
@@ -111,6 +113,8 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
     """
     check_tensor("q", q)
     check_tensor("k", k)
+    check_cu_meta(cu_seqlens_q, cu_seqlens_k, q, k)
+    check_bool("smooth_k", smooth_k)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     lay = layout_of(layout, varlen)
     check_half("q", q)
@@ -387,6 +391,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     """
     for n, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(n, t)
+    check_cu_meta(cu_seqlens_q, cu_seqlens_k, q, k)  # (before the shapes, which depend on whether they are given)
+    for n, f in (("causal", causal), ("smooth_k", smooth_k), ("return_lse", return_lse)):
+        check_bool(n, f)
     if qk not in _QK:
         raise ValueError(f"qk must be one of {_QK}, got {qk!r}")
     pv = resolve_pv(pv, qk, q.dtype)
@@ -463,6 +470,9 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     """
     for n, t in (("q_int8", q_int8), ("k_int8", k_int8), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale)):
         check_tensor(n, t)
+    check_cu_meta(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8)
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     if q_int8.dtype != torch.int8 or k_int8.dtype != torch.int8:
         raise TypeError(f"q_int8 and k_int8 must be torch.int8, got q {q_int8.dtype}, k {k_int8.dtype}")
     check_half("v", v)

@@ -99,22 +99,37 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
     elif type(sa) is not type(sb) or not isinstance(sa, (MXFP8, NVFP4)):
         raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}; MXFP8 "
                                   "and NVFP4 pair only with themselves")
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (N,):
-            raise ValueError(f"bias: expected a tensor of shape ({N},), got {getattr(bias, 'shape', bias)}")
-        if bias.device != a.device:
-            raise ValueError(f"bias: must be on {a.device}, got {bias.device}")
-    if accumulate and out is None:
-        raise ValueError("out: accumulate=True adds into `out`, so `out` must be given")
+    for name, flag in (("gelu", gelu), ("accumulate", accumulate)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool (True or False), got {type(flag).__name__} {flag!r}")
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+        if out.dtype not in _OUT_DTYPES:
+            raise TypeError(f"out: expected a float32, bfloat16 or float16 tensor (the result is written into it), "
+                            f"got {out.dtype}")
         if out.shape != (M, N):
             raise ValueError(f"out: expected shape ({M}, {N}), got {tuple(out.shape)}")
         if out.device != a.device:
             raise ValueError(f"out: must be on {a.device}, got {out.device}")
         if gelu and accumulate:
             raise ValueError("gelu/accumulate: GELU followed by accumulation into out is not a supported epilogue")
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES} or None, got {out_dtype!r}")
+    if out is not None and out.dtype != out_dtype:
+        raise ValueError(f"out_dtype: {out_dtype} disagrees with out's dtype {out.dtype}; pass the same dtype, or "
+                         f"leave out_dtype None (it then follows out)")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias: expected a floating-point tensor, got {bias.dtype}")
+        if bias.shape != (N,):
+            raise ValueError(f"bias: expected a tensor of shape ({N},), got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: must be on {a.device}, got {bias.device}")
+    if accumulate and out is None:
+        raise ValueError("out: accumulate=True adds into `out`, so `out` must be given")
     return M, N, K
 
 
@@ -132,7 +147,7 @@ def scaled_mm(
     *,
     a_copy: str = "rowwise",
     b_copy: str = "rowwise",
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     gelu: bool = False,
     accumulate: bool = False,
@@ -146,25 +161,40 @@ def scaled_mm(
         a, b: QuantizedTensors. A is ``a``'s ``a_copy`` as a 2D (M, K) matrix, B is ``b``'s ``b_copy``
             as (N, K) — both contiguous along K. fprop: (x rowwise, w rowwise); dgrad: (dy rowwise,
             w columnwise); wgrad: (dy columnwise, x columnwise).
-        out_dtype: float32, bfloat16 or float16.
+        out_dtype: float32, bfloat16 or float16; None (default): ``out``'s dtype when ``out`` is given, else
+            bfloat16. Given together with ``out``, it must equal ``out``'s dtype.
         bias: (N,) added before GELU.
         gelu: apply GELU (erf form) in the epilogue; with ``return_pre_gelu`` the pre-GELU values are
             returned too, for the backward.
         accumulate: ``out += y`` (beta = 1); ``out`` (M, N) required.
+        out: a float32 / bfloat16 / float16 (M, N) tensor on the operands' device to write (or add) the result into.
         backend: force ``"reference"`` or a registered backend; default: the fastest that supports the call.
 
     Returns:
         y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
     """
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected a torch.Tensor of shape (N,) or None, got {type(bias).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor of shape (M, N) or None, got {type(out).__name__}")
+    if return_pre_gelu.__class__ is not bool:
+        raise TypeError(f"return_pre_gelu: expected a bool (True or False), got {type(return_pre_gelu).__name__} "
+                        f"{return_pre_gelu!r}")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if out is None else out.dtype
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
     if backend is None and isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         # Hot path: validity and the backend choice depend only on these properties, so a key seen before
         # skips both (the cuBLAS backend clears the memo when cuBLAS rejects a signature at run time).
-        key = (a.device, b.device, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
-               None if bias is None else (bias.shape, bias.device), gelu, accumulate,
-               None if out is None else (out.shape, out.device),
-               getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None)
-        fn = _CHOICE.get(key)
+        try:
+            key = (a.device, b.device, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
+                   None if bias is None else (bias.shape, bias.device, bias.dtype), gelu.__class__, gelu,
+                   accumulate.__class__, accumulate, None if out is None else (out.shape, out.device, out.dtype),
+                   getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None)
+            fn = _CHOICE.get(key)
+        except TypeError:  # an unhashable or non-string argument: _validate names it
+            _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
+            raise
         if fn is not None:
             # the key does not cover the tensors themselves: their structure is checked on every call (metadata only)
             a.validate("a", a_copy)
@@ -180,7 +210,7 @@ def scaled_mm(
     _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
     table = dict(_all())
     if backend is not None:
-        if backend not in table:
+        if not isinstance(backend, str) or backend not in table:
             raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
         if not table[backend][0](a, b, a_copy, b_copy, dict(opts, forced=True)):
             raise NotImplementedError(f"backend: {backend!r} does not support this call ({a.scheme} x {b.scheme}, "

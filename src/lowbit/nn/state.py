@@ -38,7 +38,7 @@ import torch
 
 from .. import distributed
 from ..quant.scaling import AmaxHistory
-from ..recipes import DelayedScaling, Recipe
+from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import capability as _device_capability
 
@@ -696,9 +696,11 @@ class autocast(contextlib.ContextDecorator):
                  on_nonfinite: str | None = None, *, allow_emulation: bool = True):
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled: expected a bool, got {enabled!r}")
-        if recipe is not None and not isinstance(recipe, Recipe):
+        if recipe is not None and (not isinstance(recipe, Recipe) or type(recipe) is Recipe):
             hint = " (use lowbit.recipes.from_name for a name)" if isinstance(recipe, str) else ""
-            raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}{hint}")
+            kinds = ", ".join(c.__name__ for c in NAMES.values() if c is not None)
+            raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}{hint}; the recipes: "
+                            f"{kinds}")
         if on_nonfinite is not None and on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite: expected one of {_ON_NONFINITE}, got {on_nonfinite!r}")
         if not isinstance(allow_emulation, bool):
@@ -706,7 +708,7 @@ class autocast(contextlib.ContextDecorator):
         _check_group(amax_reduction_group)
         self.enabled, self.recipe, self.group = enabled, recipe, amax_reduction_group
         self.on_nonfinite, self.allow_emulation = on_nonfinite, allow_emulation
-        self._saved: list[AutocastState] = []
+        self._saved: list[tuple[AutocastState, AutocastState]] = []  # (the state found, the state installed)
 
     def __enter__(self):
         global _state, _depth, _carried
@@ -724,7 +726,7 @@ class autocast(contextlib.ContextDecorator):
             on_nonfinite=self.on_nonfinite or (outer.on_nonfinite if _depth else "raise"),
             support=support,
         )
-        self._saved.append(outer)
+        self._saved.append((outer, new))
         _state = new
         if _depth == 0:
             _carried = _snapshot_pending()
@@ -733,8 +735,14 @@ class autocast(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type, exc, tb):
         global _state, _depth, _step, _carried
+        if not self._saved:
+            raise RuntimeError("autocast: __exit__ without a matching __enter__ (this context is not active); use it "
+                               "as `with lowbit.autocast(...):` or call __enter__ first")
+        if _state is not self._saved[-1][1]:
+            raise RuntimeError("autocast: contexts must exit in reverse order of entry (LIFO): this context is not the "
+                               "innermost active one; exit the inner autocast first (the state is left unchanged)")
         group = _state.amax_reduction_group
-        _state = self._saved.pop()
+        _state = self._saved.pop()[0]
         _depth -= 1
         if _depth == 0:
             _state = AutocastState()

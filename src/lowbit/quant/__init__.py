@@ -6,6 +6,7 @@ and to the pure-torch reference (:mod:`lowbit.quant.reference`, the spec) everyw
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -90,13 +91,23 @@ def quantize(
         :class:`QuantizedTensor` with the requested copies, their scales and amax. A non-finite amax
         is flagged by ``has_nonfinite_amax``.
     """
+    if rowwise.__class__ is not bool or columnwise.__class__ is not bool:
+        _bad_flag("rowwise" if rowwise.__class__ is not bool else "columnwise",
+                  rowwise if rowwise.__class__ is not bool else columnwise)
+    if seed is not None and seed.__class__ is not int:
+        _check_seed(seed)
     if backend is None and isinstance(x, torch.Tensor):
         # Hot path (every quantized GEMM operand, every step): the backend choice depends only on these
         # properties, so it is looked up once per distinct key.
         key = (x.device.type, x.dtype, tuple(x.shape), x.is_contiguous(), scheme, rowwise, columnwise)
-        fn = _CHOICE.get(key)
+        try:
+            fn = _CHOICE.get(key)
+        except TypeError:  # an unhashable scheme: not a scheme
+            _check_scheme(scheme)
+            raise
         if fn is not None:  # this key ran before: its input checks passed then (a backend's `.checked` skips them)
             return fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
+        _check_scheme(scheme)
         fn = dict(_all_backends())[backend_for(x, scheme, rowwise, columnwise)][1]
         out = fn(x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
         if len(_CHOICE) > 4096:
@@ -104,10 +115,19 @@ def quantize(
         _CHOICE[key] = getattr(fn, "checked", fn)
         return out
     table = dict(_all_backends())
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (one of {sorted(table)}) or None, got "
+                        f"{type(backend).__name__} {backend!r}")
+    if backend is not None and backend not in table:
+        if backend == "triton" and importlib.util.find_spec("triton") is None:
+            raise NotImplementedError("backend: 'triton' needs the triton package, which is not installed; "
+                                      "use backend='reference' or None (or install triton)")
+        raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _check_scheme(scheme)  # (before a backend's `supports` looks at it)
     if backend is None:
         backend = backend_for(x, scheme, rowwise, columnwise)
-    elif backend not in table:
-        raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
     elif not table[backend][0](x, scheme, rowwise, columnwise):
         raise NotImplementedError(
             f"backend: {backend!r} does not support scheme {scheme!r} on {getattr(x, 'device', '?')} "
@@ -116,14 +136,35 @@ def quantize(
     return table[backend][1](x, scheme, rowwise=rowwise, columnwise=columnwise, scale=scale, seed=seed)
 
 
+_SCHEMES = (Float8Tensorwise, Float8Rowwise, Float8Blockwise, MXFP8, NVFP4)
+
+
+def _check_scheme(scheme) -> None:
+    if not isinstance(scheme, _SCHEMES):
+        raise TypeError(f"scheme: expected one of {', '.join(c.__name__ for c in _SCHEMES)} (lowbit.quant), got "
+                        f"{type(scheme).__name__} {scheme!r}")
+
+
+def _check_seed(seed) -> None:
+    """``seed``: an int, or the (1,) int64 tensor holding one (what a CUDA draw makes)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise TypeError(f"seed: a tensor seed must be a one-element int64 tensor, got {seed.dtype} of shape "
+                            f"{tuple(seed.shape)}")
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int (the Philox key) or None, got {type(seed).__name__} {seed!r}")
+
+
+def _bad_flag(name: str, value) -> None:
+    raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+
+
 def _load_fast_backends() -> None:
     """Import the kernel backends, which call :func:`register_backend` for what they support.
 
     Only where Triton is installed; a kernel module that fails to import for another reason is a bug
     and raises.
     """
-    import importlib.util
-
     if importlib.util.find_spec("triton") is None:
         return
     if importlib.util.find_spec("lowbit.quant.triton_backend") is not None:

@@ -6,6 +6,8 @@ tensor roles of a layer (input, weight, grad_output) to schemes.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, get_format
@@ -30,10 +32,27 @@ BLOCK_SIZE = 128
 :class:`Float8Blockwise` and the only block size the fused and Gluon fast paths take."""
 
 
+MAX_BLOCK_SIZE = 4096
+"""The largest :class:`Float8Blockwise` block edge (tensors are padded to whole blocks: a larger one only wastes
+memory, and no kernel takes it)."""
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+
+
 class _FP8Scheme:
     """Shared by the FP8 schemes: ``fmt`` must name E4M3 or E5M2; ``format`` is its FloatFormat."""
 
     def __post_init__(self):
+        if not isinstance(self.fmt, (str, FloatFormat)):
+            raise TypeError(f"fmt: expected 'e4m3' or 'e5m2', got {type(self.fmt).__name__} {self.fmt!r}")
         fmt = get_format(self.fmt)
         if fmt not in (E4M3, E5M2):
             raise ValueError(f"fmt: an FP8 scheme takes 'e4m3' or 'e5m2', got {self.fmt!r}")
@@ -66,6 +85,10 @@ class Float8Rowwise(_FP8Scheme):
     pow2: bool = False
     """Round each scale down to a power of two."""
 
+    def __post_init__(self):
+        super().__post_init__()
+        _check_bool("pow2", self.pow2)
+
 
 @dataclass(frozen=True)
 class Float8Blockwise(_FP8Scheme):
@@ -84,13 +107,23 @@ class Float8Blockwise(_FP8Scheme):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_int("block_dim", self.block_dim)
+        _check_int("block_size", self.block_size)
         if self.block_dim not in (1, 2):
-            raise ValueError(f"block_dim: must be 1 (1x{self.block_size}) or 2 ({self.block_size}x{self.block_size}), "
+            raise ValueError(f"block_dim: must be 1 (1 x block_size segments) or 2 (block_size square tiles), "
                              f"got {self.block_dim!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two >= 16, got {self.block_size!r}")
-        if not (self.eps >= 0.0):
-            raise ValueError(f"eps: must be >= 0, got {self.eps!r}")
+        bs = self.block_size
+        if bs < 16 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
+            raise ValueError(f"block_size: must be a power of two in [16, {MAX_BLOCK_SIZE}], got {bs!r}")
+        _check_bool("pow2", self.pow2)
+        if isinstance(self.eps, bool) or not isinstance(self.eps, numbers.Real):
+            raise TypeError(f"eps: expected a real number >= 0, got {type(self.eps).__name__} {self.eps!r}")
+        try:
+            eps = float(self.eps)
+        except OverflowError:
+            eps = math.inf
+        if not (0.0 <= eps < math.inf):
+            raise ValueError(f"eps: must be a finite real number >= 0, got {self.eps!r}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,7 @@ class MXFP8(_FP8Scheme):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_int("block_size", self.block_size)
         if self.block_size != 32:
             raise ValueError(f"block_size: MXFP8 uses 32-element blocks, got {self.block_size!r}")
 
@@ -122,13 +156,16 @@ class NVFP4:
     """16-bit mask of the RHT sign diagonal (bit i set -> -1)."""
 
     def __post_init__(self):
+        for name in ("two_d", "rht", "stochastic_rounding"):
+            _check_bool(name, getattr(self, name))
+        _check_int("rht_signs", self.rht_signs)
         if self.two_d and self.rht:
             raise ValueError(
                 "rht: the Random Hadamard Transform applies to 1x16 blocks of the columnwise copy; "
                 "it cannot be combined with two_d=True (16x16 tiles, whose columnwise copy is the plain transpose)"
             )
-        if not (0 <= int(self.rht_signs) < 1 << 16):
-            raise ValueError(f"rht_signs: must be a 16-bit mask, got {self.rht_signs!r}")
+        if not (0 <= self.rht_signs < 1 << 16):
+            raise ValueError(f"rht_signs: must be a 16-bit mask (an int in [0, 65535]), got {self.rht_signs!r}")
 
     @property
     def format(self) -> FloatFormat:
