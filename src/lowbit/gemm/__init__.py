@@ -104,7 +104,7 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
             raise TypeError(f"{name}: expected a bool (True or False), got {type(flag).__name__} {flag!r}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+            raise TypeError(f"out: expected a torch.Tensor of shape (M, N) or None, got {type(out).__name__}")
         if out.dtype not in _OUT_DTYPES:
             raise TypeError(f"out: expected a float32, bfloat16 or float16 tensor (the result is written into it), "
                             f"got {out.dtype}")
@@ -121,7 +121,7 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
                          f"leave out_dtype None (it then follows out)")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+            raise TypeError(f"bias: expected a torch.Tensor of shape (N,) or None, got {type(bias).__name__}")
         if not bias.is_floating_point():
             raise TypeError(f"bias: expected a floating-point tensor, got {bias.dtype}")
         if bias.shape != (N,):
@@ -173,15 +173,11 @@ def scaled_mm(
     Returns:
         y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
     """
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: expected a torch.Tensor of shape (N,) or None, got {type(bias).__name__}")
-    if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: expected a torch.Tensor of shape (M, N) or None, got {type(out).__name__}")
     if return_pre_gelu.__class__ is not bool:
         raise TypeError(f"return_pre_gelu: expected a bool (True or False), got {type(return_pre_gelu).__name__} "
                         f"{return_pre_gelu!r}")
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if out is None else out.dtype
+        out_dtype = torch.bfloat16 if out is None else getattr(out, "dtype", None)  # (a non-tensor out: _validate)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
     if backend is None and isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         # Hot path: validity and the backend choice depend only on these properties, so a key seen before
@@ -192,7 +188,7 @@ def scaled_mm(
                    accumulate.__class__, accumulate, None if out is None else (out.shape, out.device, out.dtype),
                    getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None)
             fn = _CHOICE.get(key)
-        except TypeError:  # an unhashable or non-string argument: _validate names it
+        except (TypeError, AttributeError):  # unhashable, or a bias / out that is no tensor: _validate names it
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             raise
         if fn is not None:

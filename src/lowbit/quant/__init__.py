@@ -92,8 +92,8 @@ def quantize(
         is flagged by ``has_nonfinite_amax``.
     """
     if rowwise.__class__ is not bool or columnwise.__class__ is not bool:
-        _bad_flag("rowwise" if rowwise.__class__ is not bool else "columnwise",
-                  rowwise if rowwise.__class__ is not bool else columnwise)
+        name, flag = ("rowwise", rowwise) if rowwise.__class__ is not bool else ("columnwise", columnwise)
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(flag).__name__} {flag!r}")
     if seed is not None and seed.__class__ is not int:
         _check_seed(seed)
     if backend is None and isinstance(x, torch.Tensor):
@@ -153,10 +153,6 @@ def _check_seed(seed) -> None:
                             f"{tuple(seed.shape)}")
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int (the Philox key) or None, got {type(seed).__name__} {seed!r}")
-
-
-def _bad_flag(name: str, value) -> None:
-    raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
 
 
 def _load_fast_backends() -> None:
