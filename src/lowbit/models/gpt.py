@@ -128,12 +128,14 @@ def _lowbit_attention():
     return attention
 
 
-def attention_backend() -> str:
-    """The attention :func:`attend` runs now: ``"lowbit"`` or ``"sdpa"``."""
-    b = _ATTENTION_OPTS["backend"]
+def attention_backend(backend: str | None = None, qk: str | None = None, pv: str | None = None) -> str:
+    """The attention :func:`attend` runs: ``"lowbit"`` or ``"sdpa"``; for the :func:`set_attention` options given, the
+    ones in force for those left None."""
+    b = _ATTENTION_OPTS["backend"] if backend is None else backend
+    qk = _ATTENTION_OPTS["qk"] if qk is None else qk
+    pv = _ATTENTION_OPTS["pv"] if pv is None else pv
     if b == "auto":  # 16-bit attention is the same math either way; SDPA has the fused backward
-        quantized = _ATTENTION_OPTS["qk"] != "bf16" or _ATTENTION_OPTS["pv"] != "bf16"
-        return "lowbit" if quantized else "sdpa"
+        return "lowbit" if qk != "bf16" or pv != "bf16" else "sdpa"
     return b
 
 

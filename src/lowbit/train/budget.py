@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..models.gpt import config_from_preset
+from ..models.gpt import attention_backend, config_from_preset
 
 __all__ = ["activation_bytes", "device_memory_bytes", "check_activation_budget", "ACT_VALUES_PER_DIM"]
 
@@ -17,17 +17,10 @@ projection, the MLP's hidden activations at ~3x ``d_model``...): a deliberately 
 never a false alarm."""
 
 
-def _attention_backend(attention: str, qk: str, pv: str) -> str:
-    # the rule of lowbit.models.gpt.attention_backend, for a config not yet applied with set_attention
-    if attention == "auto":
-        return "lowbit" if (qk, pv) != ("bf16", "bf16") else "sdpa"
-    return attention
-
-
 def activation_bytes(model: str, batch_size: int, seq_len: int, *, device: str = "cpu", bf16: bool = False,
-                     attention: str = "auto", attn_qk: str = "bf16", attn_pv: str = "bf16", grad_accum: int = 1) -> int:
-    """Estimated bytes of activations one micro-batch keeps for its backward (``grad_accum`` does not add: each
-    micro-batch's backward frees its own). With ``L`` layers, ``B`` batch, ``T`` sequence length, ``D`` d_model,
+                     attention: str = "auto", attn_qk: str = "bf16", attn_pv: str = "bf16") -> int:
+    """Estimated bytes of activations one micro-batch keeps for its backward (gradient accumulation does not add:
+    each micro-batch's backward frees its own). With ``L`` layers, ``B`` batch, ``T`` sequence length, ``D`` d_model,
     ``H`` heads, ``V`` vocabulary and ``e`` bytes per element (2 under bf16 autocast, else 4)::
 
         L * B * T * D * 16 * e          # the blocks (ACT_VALUES_PER_DIM = 16 values per token and unit of D)
@@ -43,7 +36,7 @@ def activation_bytes(model: str, batch_size: int, seq_len: int, *, device: str =
     B, T = int(batch_size), int(seq_len)
     e = 2 if bf16 else 4
     total = L * B * T * D * ACT_VALUES_PER_DIM * e + B * T * V * 4 * 3
-    if device == "cpu" and _attention_backend(attention, attn_qk, attn_pv) == "lowbit":
+    if device == "cpu" and attention_backend(attention, attn_qk, attn_pv) == "lowbit":
         total += L * B * H * T * T * 4 * 3
     return total
 
