@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from ..recipes import QUANTIZED_NAMES, from_name
 from . import git_commit
 
 PROG = "lowbit bench model"
@@ -59,12 +60,6 @@ CUDA_RUN = dict(batch=4, seq=2048, steps=15, warmup=5, lr=3e-4)
 CPU_RUN = dict(batch=2, seq=64, steps=3, warmup=1, lr=1e-3)
 DEFAULT_RECIPES = "fp8-current,fp8-block"
 SEED = 0
-
-
-def _quantized_names() -> tuple[str, ...]:
-    from lowbit import recipes
-
-    return tuple(recipes.QUANTIZED_NAMES)
 
 
 def _split(s: str | None) -> list[str]:
@@ -95,7 +90,7 @@ def parse_args(argv):
                         "of --recipes, torchao-compile)")
     p.add_argument("--recipes", default=DEFAULT_RECIPES,
                    help=f"lowbit recipes of the default variants (default {DEFAULT_RECIPES}; any of "
-                        f"{', '.join(_quantized_names())})")
+                        f"{', '.join(QUANTIZED_NAMES)})")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (the benchmark; default when present) or cpu (a smoke test on a tiny model)")
     p.add_argument("--compile-on-cpu", action="store_true", help="run the compile variants on --device cpu too")
@@ -129,7 +124,7 @@ def resolve(args) -> dict:
         raise ValueError(f"--warmup: expected 0 <= warmup < steps ({run['steps']}), got {run['warmup']}")
     if not (run["lr"] > 0 and math.isfinite(run["lr"])):
         raise ValueError(f"--lr: expected a positive number, got {run['lr']}")
-    known = _quantized_names()
+    known = QUANTIZED_NAMES
     recipe_names = _split(args.recipes)
     for r in recipe_names:
         if r not in known:
@@ -177,12 +172,11 @@ def _sync(device: str) -> None:
 def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     """Train a fresh model ``cfg["steps"]`` steps under variant ``name``; the row of measurements (or why not)."""
     import lowbit.nn
-    from lowbit import recipes
 
     device = cfg["device"]
     base = name[: -len("-compile")] if name.endswith("-compile") else name
     compiled = name.endswith("-compile")
-    recipe = recipes.from_name(base) if base not in ("bf16", "torchao") else None
+    recipe = from_name(base) if base not in ("bf16", "torchao") else None
     model = opt = loss = None
     try:
         if device == "cuda":
