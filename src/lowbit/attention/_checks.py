@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..runtime.checks import check_bool
 from ..runtime.device import INTERPRET
 
 __all__ = [
@@ -47,11 +48,6 @@ GRAD_FORMATS = (None, "e4m3", "e5m2")
 def check_tensor(name, x):
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def check_bool(name, x):
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
 
 
 def check_half(name, x):

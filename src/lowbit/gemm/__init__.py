@@ -13,6 +13,7 @@ import torch
 from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedTensor
 from ..runtime import env
+from ..runtime.checks import check_bool
 from ..runtime.device import INTERPRET
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
@@ -99,9 +100,8 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
     elif type(sa) is not type(sb) or not isinstance(sa, (MXFP8, NVFP4)):
         raise NotImplementedError(f"a, b: cannot pair scaling schemes {type(sa).__name__} x {type(sb).__name__}; MXFP8 "
                                   "and NVFP4 pair only with themselves")
-    for name, flag in (("gelu", gelu), ("accumulate", accumulate)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool (True or False), got {type(flag).__name__} {flag!r}")
+    check_bool("gelu", gelu)
+    check_bool("accumulate", accumulate)
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out: expected a torch.Tensor of shape (M, N) or None, got {type(out).__name__}")
@@ -173,9 +173,7 @@ def scaled_mm(
     Returns:
         y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
     """
-    if return_pre_gelu.__class__ is not bool:
-        raise TypeError(f"return_pre_gelu: expected a bool (True or False), got {type(return_pre_gelu).__name__} "
-                        f"{return_pre_gelu!r}")
+    check_bool("return_pre_gelu", return_pre_gelu)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if out is None else getattr(out, "dtype", None)  # (a non-tensor out: _validate)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..runtime.checks import check_bool
 from . import reference  # noqa: F401 - lowbit.quant.reference, the spec
 from .reference import quantize_reference
 from .scaling import AmaxHistory
@@ -91,9 +92,8 @@ def quantize(
         :class:`QuantizedTensor` with the requested copies, their scales and amax. A non-finite amax
         is flagged by ``has_nonfinite_amax``.
     """
-    if rowwise.__class__ is not bool or columnwise.__class__ is not bool:
-        name, flag = ("rowwise", rowwise) if rowwise.__class__ is not bool else ("columnwise", columnwise)
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(flag).__name__} {flag!r}")
+    check_bool("rowwise", rowwise)
+    check_bool("columnwise", columnwise)
     if seed is not None and seed.__class__ is not int:
         _check_seed(seed)
     if backend is None and isinstance(x, torch.Tensor):

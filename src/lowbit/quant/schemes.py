@@ -11,6 +11,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..formats import E2M1, E4M3, E5M2, FloatFormat, get_format
+from ..runtime.checks import check_bool
 
 __all__ = [
     "BLOCK_SIZE",
@@ -35,11 +36,6 @@ BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 4096
 """The largest :class:`Float8Blockwise` block edge (tensors are padded to whole blocks: a larger one only wastes
 memory, and no kernel takes it)."""
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
 
 
 def _check_int(name: str, value) -> None:
@@ -87,7 +83,7 @@ class Float8Rowwise(_FP8Scheme):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_bool("pow2", self.pow2)
+        check_bool("pow2", self.pow2)
 
 
 @dataclass(frozen=True)
@@ -115,7 +111,7 @@ class Float8Blockwise(_FP8Scheme):
         bs = self.block_size
         if bs < 16 or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
             raise ValueError(f"block_size: must be a power of two in [16, {MAX_BLOCK_SIZE}], got {bs!r}")
-        _check_bool("pow2", self.pow2)
+        check_bool("pow2", self.pow2)
         if isinstance(self.eps, bool) or not isinstance(self.eps, numbers.Real):
             raise TypeError(f"eps: expected a real number >= 0, got {type(self.eps).__name__} {self.eps!r}")
         try:
@@ -157,7 +153,7 @@ class NVFP4:
 
     def __post_init__(self):
         for name in ("two_d", "rht", "stochastic_rounding"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         _check_int("rht_signs", self.rht_signs)
         if self.two_d and self.rht:
             raise ValueError(
