@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -23,7 +25,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..gemm import scaled_mm, wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
-from ..quant.tensor import QuantizedCopy, QuantizedTensor
+from ..quant.tensor import (
+    QuantizedCopy,
+    QuantizedTensor,
+    copy_from_tensors,
+    copy_tensors,
+    empty_copy_tensors,
+    n_copy_tensors,
+)
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
@@ -116,6 +125,7 @@ class GemmLayer:
     def __init__(self, owner, suffix: str = ""):
         self._owner_ref = owner  # plain attribute: the module keeps GemmLayers in a dict, no cycle issue for GC
         self.suffix = suffix
+        _LAYERS.add(self)
         self.delayed: _ac.DelayedScalingState | None = None
         self._loaded: dict | None = None  # delayed state loaded before a DelayedScaling forward built it
         self.wcache = None
@@ -175,6 +185,10 @@ class GemmLayer:
         return q
 
     # -- naming ---------------------------------------------------------------------------------
+    def weight(self) -> torch.Tensor | None:
+        """The weight this GEMM multiplies by: its module's ``weight`` (or ``<suffix>_weight``), or None."""
+        return getattr(self._owner_ref, f"{self.suffix}_weight" if self.suffix else "weight", None)
+
     @property
     def name(self) -> str:
         o = self._owner_ref
@@ -298,6 +312,44 @@ class GemmLayer:
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
+
+
+_LAYERS: "weakref.WeakSet[GemmLayer]" = weakref.WeakSet()  # every live GemmLayer (for layer_of)
+_BY_PTR: dict = {}  # weight data_ptr -> weakref to the GemmLayer that multiplies by it (a cache of layer_of)
+
+
+def layer_of(w: torch.Tensor) -> GemmLayer:
+    """The :class:`GemmLayer` whose module's weight is stored where ``w`` is (what lowbit's operators get: the
+    weight, not the module). A weight no lowbit module holds gets a layer of its own, named by its shape."""
+    ptr = w.data_ptr()
+    ref = _BY_PTR.get(ptr)
+    g = ref() if ref is not None else None
+    if g is not None:
+        gw = g.weight()
+        if gw is not None and gw.data_ptr() == ptr:
+            return g
+    for g in list(_LAYERS):
+        gw = g.weight()
+        if isinstance(gw, torch.Tensor) and gw.data_ptr() == ptr and gw.shape == w.shape:
+            _BY_PTR[ptr] = weakref.ref(g)
+            return g
+    g = _ANON.get((ptr, tuple(w.shape)))
+    if g is None:
+        if len(_ANON) > 1024:
+            _ANON.clear()
+        g = _ANON[(ptr, tuple(w.shape))] = GemmLayer(_Anonymous(w), "")
+    return g
+
+
+_ANON: dict = {}  # (data_ptr, shape) -> the layer of a weight no lowbit module holds
+
+
+class _Anonymous:
+    """The owner of a layer made for a weight no lowbit module holds (:func:`layer_of`); it keeps no reference to
+    the weight."""
+
+    def __init__(self, w: torch.Tensor):
+        self.lowbit_name = f"<weight {tuple(w.shape)} at {w.data_ptr():#x}>"
 
 
 def _check_dims(layer: GemmLayer, recipe: Recipe, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -620,7 +672,184 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                         f"(layer {layer.name!r})")
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
+    if torch.compiler.is_compiling():
+        return _compiled_linear(x, weight, bias, norm_weight, cfg, st.key)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantized linear as torch.library operators: what torch.compile traces
+# ------------------------------------------------------------------------------------------------
+# Eager calls run _QuantizedLinearFn; inside torch.compile the same steps run as two operators, opaque to Dynamo and
+# Inductor: lowbit::quantized_linear (the forward; returns y and what the backward reads) and
+# lowbit::quantized_linear_backward, with fake implementations (shapes only) and registered autograd. The autocast
+# state crosses as its key (a string: another recipe is another key, so a compiled graph is never reused for it);
+# the layer (its name for the NaN sentry, delayed-scaling state, weight cache) is found from the weight at run time
+# (layer_of). What differs from eager: no FP8 grad_output hand-off between layers, no norm link, no side-stream
+# weight gradient (each needs an object to cross between operators); the bits of every output are the same.
+def _own(outs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
+    """``outs`` as an operator may return them: a tensor that is a view, or shares storage with an input or an
+    earlier output, is copied."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    res = []
+    for t in outs:
+        p = t.untyped_storage().data_ptr()
+        if t._base is not None or p in seen:
+            t = t.clone()
+            p = t.untyped_storage().data_ptr()
+        seen.add(p)
+        res.append(t)
+    return res
+
+
+_MICROBATCH = {-1: None, 0: False, 1: True}
+
+
+@torch.library.custom_op("lowbit::quantized_linear", mutates_args=())
+def quantized_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        norm_weight: Optional[torch.Tensor], norm_rstd: Optional[torch.Tensor], key: str, gelu: bool,
+                        norm_eps: float, out_dtype: torch.dtype, microbatch: int, need_dgrad: bool,
+                        need_wgrad: bool) -> list[torch.Tensor]:
+    """The forward of :func:`quantized_linear` on a 2D input x (M, K): ``[y (M, N)]`` followed by what its backward
+    reads: x's columnwise copy (``need_wgrad``), the weight's columnwise copy (``need_dgrad``), the pre-GELU output
+    (``gelu``) and the RMSNorm's row statistics (``norm_weight`` given: RMSNorm(x) fused into the input quantizer
+    with ``norm_eps``). ``key``: the autocast state's key; ``microbatch``: -1 / 0 / 1 for ``is_first_microbatch``
+    None / False / True."""
+    recipe, policy = _ac.from_key(key)
+    layer = layer_of(weight)
+    mb = _MICROBATCH[microbatch]
+    cfg = _Cfg(layer, recipe, mb, gelu, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
+    qx, norm_saved = _quantize_input(cfg, x, norm_weight, need_wgrad)
+    qw = layer.quantized_weight(weight, recipe, mb, columnwise=need_dgrad, policy=policy)
+    y, pre = scaled_mm(qx, qw, out_dtype=out_dtype, bias=bias, gelu=gelu, return_pre_gelu=True)
+    out = [y]
+    if need_wgrad:
+        out += copy_tensors(qx, "columnwise")
+    if need_dgrad:
+        out += copy_tensors(qw, "columnwise")
+    if gelu:
+        out.append(pre)
+    if norm_weight is not None:
+        out.append(norm_saved[1])
+    return _own(out, (x, weight, bias, norm_weight, norm_rstd))
+
+
+@quantized_linear_op.register_fake
+def _(x, weight, bias, norm_weight, norm_rstd, key, gelu, norm_eps, out_dtype, microbatch, need_dgrad, need_wgrad):
+    recipe, _ = _ac.from_key(key)
+    (M, K), N = x.shape, weight.shape[0]
+    out = [x.new_empty((M, N), dtype=out_dtype)]
+    if need_wgrad:
+        out += empty_copy_tensors(recipe.role("input").scheme, (M, K), "columnwise", x.device)
+    if need_dgrad:
+        out += empty_copy_tensors(recipe.role("weight").scheme, (N, K), "columnwise", x.device)
+    if gelu:
+        out.append(x.new_empty((M, N), dtype=out_dtype))
+    if norm_weight is not None:
+        out.append(x.new_empty((M,), dtype=torch.float32))
+    return out
+
+
+@torch.library.custom_op("lowbit::quantized_linear_backward", mutates_args=())
+def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: torch.Tensor,
+                                 norm_weight: Optional[torch.Tensor], saved: list[torch.Tensor], key: str, gelu: bool,
+                                 norm_eps: float, x_dtype: torch.dtype, need_dx: bool, need_dw: bool,
+                                 need_dnw: bool) -> list[torch.Tensor]:
+    """The backward of :func:`quantized_linear_op` for dy (M, N) and its ``saved`` outputs (x: the 2D input, given
+    where the RMSNorm is fused): ``[dx (M, K)]`` if ``need_dx``, ``[dw]`` if ``need_dw``, ``[d norm_weight]`` if
+    ``need_dnw``."""
+    recipe, policy = _ac.from_key(key)
+    layer = layer_of(weight)
+    (M, N), K = dy.shape, weight.shape[1]
+    need_dgrad = need_dx or need_dnw
+    cfg = _Cfg(layer, recipe, None, gelu, policy, x_dtype, None if norm_weight is None else norm_eps)
+    sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
+    i = 0
+    qx = qw = pre = rstd = None
+    if need_dw:
+        qx = copy_from_tensors(saved[i:i + n_copy_tensors(sin)], sin, (M, K), x_dtype, "columnwise")
+        i += n_copy_tensors(sin)
+    if need_dgrad:
+        qw = copy_from_tensors(saved[i:i + n_copy_tensors(sw)], sw, (N, K), weight.dtype, "columnwise")
+        i += n_copy_tensors(sw)
+    if gelu:
+        pre, i = saved[i], i + 1
+        dy = (dy.float() * _gelu_grad(pre)).to(dy.dtype)
+    if norm_weight is not None:
+        rstd = saved[i]
+    out = []
+    qdy = layer.quantize(dy, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_dw, phase="backward",
+                         policy=policy)
+    if need_dgrad:
+        dx = scaled_mm(qdy, qw, a_copy="rowwise", b_copy="columnwise", out_dtype=x_dtype)
+        dnw = None
+        if norm_weight is not None:
+            dx, dnw = _norm_backward(dx, (x, rstd, norm_weight), need_dx, need_dnw, cfg, x.shape)
+        if need_dx:
+            out.append(dx)
+        if need_dnw:
+            out.append(dnw)
+    if need_dw:
+        out.insert(1 if need_dx else 0, wgrad_mm(qdy, qx, out_dtype=weight.dtype))
+    return _own(out, (dy, x, weight, norm_weight, *saved))
+
+
+@quantized_linear_backward_op.register_fake
+def _(dy, x, weight, norm_weight, saved, key, gelu, norm_eps, x_dtype, need_dx, need_dw, need_dnw):
+    M, (N, K) = dy.shape[0], weight.shape
+    out = []
+    if need_dx:
+        out.append(dy.new_empty((M, K), dtype=x_dtype))
+    if need_dw:
+        out.append(dy.new_empty((N, K), dtype=weight.dtype))
+    if need_dnw:
+        out.append(dy.new_empty((K,), dtype=norm_weight.dtype))
+    return out
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, norm_weight, _, key, gelu, norm_eps, _, _, need_dgrad, need_wgrad = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x if norm_weight is not None else None, weight, norm_weight, *output[1:])
+    ctx.key, ctx.gelu, ctx.norm_eps, ctx.x_dtype = key, gelu, norm_eps, x.dtype
+    ctx.fwd_need = (need_dgrad, need_wgrad)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, grads):
+    x, weight, norm_weight, *saved = ctx.saved_tensors
+    dy = grads[0]
+    need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    need_dnw = norm_weight is not None and ctx.needs_input_grad[3]
+    need_dx, need_dw = need_dx and ctx.fwd_need[0], need_dw and ctx.fwd_need[1]
+    need_dnw = need_dnw and ctx.fwd_need[0]
+    dx = dw = db = dnw = None
+    if need_dx or need_dw or need_dnw:
+        res = list(quantized_linear_backward_op(dy, x, weight, norm_weight, saved, ctx.key, ctx.gelu, ctx.norm_eps,
+                                                ctx.x_dtype, need_dx, need_dw, need_dnw))
+        dx = res.pop(0) if need_dx else None
+        dw = res.pop(0) if need_dw else None
+        dnw = res.pop(0) if need_dnw else None
+    if need_db:
+        db = dy.float().sum(0).to(ctx.bias_dtype)
+    return dx, dw, db, dnw, None, None, None, None, None, None, None, None
+
+
+quantized_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, cfg: _Cfg, key: str) -> torch.Tensor:
+    """:func:`quantized_linear` through :func:`quantized_linear_op` (inside torch.compile)."""
+    K = x.shape[-1]
+    grad = torch.is_grad_enabled()
+    need_dgrad = grad and (x.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
+    need_wgrad = grad and weight.requires_grad
+    mb = -1 if cfg.is_first_microbatch is None else int(cfg.is_first_microbatch)
+    outs = quantized_linear_op(x.reshape(-1, K), weight, bias, norm_weight, cfg.norm_rstd, key,
+                               cfg.gelu, 0.0 if cfg.norm_eps is None else cfg.norm_eps, cfg.out_dtype, mb,
+                               need_dgrad, need_wgrad)
+    y = outs[0]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _linked_rstd(norm_eps, norm_rstd, norm_link):

@@ -56,6 +56,8 @@ __all__ = [
     "nonfinite_events",
     "check_nonfinite",
     "DelayedScalingState",
+    "state_key",
+    "from_key",
 ]
 
 _ON_NONFINITE = ("raise", "skip", "ignore")
@@ -74,6 +76,8 @@ class AutocastState:
         amax_reduction_group: process group for the delayed-scaling amax reduction (None: world).
         on_nonfinite: ``"raise"`` (NonFiniteAmaxError), ``"skip"`` (record a :class:`NonFiniteEvent`) or ``"ignore"``.
         support: ``"native"``, ``"emulated"`` or ``"reference"`` (see :func:`check_recipe_support`).
+        key: a string naming (recipe, on_nonfinite) (:func:`state_key`; ``""`` when disabled): what a compiled
+            graph passes to lowbit's operators, and what ``torch.compile`` guards on, so another recipe recompiles.
     """
 
     enabled: bool = False
@@ -81,6 +85,7 @@ class AutocastState:
     amax_reduction_group: object = None
     on_nonfinite: str = "raise"
     support: str = "reference"
+    key: str = ""
 
 
 _state = AutocastState()
@@ -92,6 +97,29 @@ _pending: dict[int, "DelayedScalingState"] = {}  # states with pending amaxes, i
 # {id: (state, {role: amax or None})}: a step that fails is rolled back to it. None outside autocast.
 _carried: dict[int, tuple] | None = None
 _notices: set[str] = set()
+
+
+_KEYS: dict[tuple, str] = {}  # (recipe, on_nonfinite) -> key; grows by one entry per distinct recipe used
+_BY_KEY: dict[str, tuple] = {}
+
+
+def state_key(recipe: Recipe, on_nonfinite: str) -> str:
+    """The key of (recipe, on_nonfinite): equal recipes get the same key, for the life of the process."""
+    k = (recipe, on_nonfinite)
+    with _lock:
+        key = _KEYS.get(k)
+        if key is None:
+            key = _KEYS[k] = f"{type(recipe).__name__}#{len(_KEYS)}:{on_nonfinite}"
+            _BY_KEY[key] = k
+    return key
+
+
+def from_key(key: str) -> tuple[Recipe, str]:
+    """(recipe, on_nonfinite) of a key made by :func:`state_key`."""
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise ValueError(f"key: {key!r} names no lowbit autocast state of this process") from None
 
 
 def get_state() -> AutocastState:
@@ -718,13 +746,15 @@ class autocast(contextlib.ContextDecorator):
         support = outer.support
         if self.enabled:
             support = check_recipe_support(recipe, allow_emulation=self.allow_emulation)
+        policy = self.on_nonfinite or (outer.on_nonfinite if _depth else "raise")
         new = replace(
             outer,
             enabled=self.enabled,
             recipe=recipe,
             amax_reduction_group=self.group if self.group is not None else outer.amax_reduction_group,
-            on_nonfinite=self.on_nonfinite or (outer.on_nonfinite if _depth else "raise"),
+            on_nonfinite=policy,
             support=support,
+            key=state_key(recipe, policy) if self.enabled else "",
         )
         self._saved.append((outer, new))
         _state = new

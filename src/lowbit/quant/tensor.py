@@ -11,7 +11,8 @@ from .rht import rht_matrix
 from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise, Scheme
 
 __all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical",
-           "scale_storage_shape", "copy_layout", "check_copy"]
+           "scale_storage_shape", "copy_layout", "check_copy", "copy_tensors",
+           "copy_from_tensors", "empty_copy_tensors", "n_copy_tensors"]
 
 
 def expand_blocks(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
@@ -148,6 +149,53 @@ def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
         if g is None or g.dtype != torch.float32 or g.shape != (1,) or g.device != d.device:
             _bad(qt, which, name, r, k, f"global_scale must be a float32 (1,) tensor on {d.device}, got "
                                         f"{None if g is None else (g.dtype, tuple(g.shape), str(g.device))}")
+
+
+def copy_tensors(qt: "QuantizedTensor", which: str) -> list[torch.Tensor]:
+    """The tensors a GEMM reads of ``qt``'s ``which`` copy, in a fixed order: ``[data, scale_inv]``, plus
+    ``global_scale`` under NVFP4 (what an operator saves for its backward; the amax is not among them). Rebuilt by
+    :func:`copy_from_tensors`."""
+    c = qt._copy(which)
+    return [c.data, c.scale_inv] + ([c.global_scale] if isinstance(qt.scheme, NVFP4) else [])
+
+
+def n_copy_tensors(scheme: Scheme) -> int:
+    """How many tensors :func:`copy_tensors` lists for a copy under ``scheme``."""
+    return 3 if isinstance(scheme, NVFP4) else 2
+
+
+def copy_from_tensors(tensors, scheme: Scheme, shape, dtype: torch.dtype, which: str) -> "QuantizedTensor":
+    """A QuantizedTensor of logical ``shape`` holding the one ``which`` copy in ``tensors`` (as
+    :func:`copy_tensors` lists them). Its amax is not kept (an uninitialised placeholder), so it must not go to the
+    NaN sentry; the Random
+    Hadamard Transform flag follows the scheme (NVFP4 applies it to the columnwise copy where ``scheme.rht``)."""
+    n = n_copy_tensors(scheme)
+    if len(tensors) != n:
+        raise ValueError(f"tensors: a {which} copy under {scheme!r} is {n} tensors, got {len(tensors)}")
+    data, sinv = tensors[0], tensors[1]
+    gs = tensors[2] if n == 3 else None
+    rht = which == "columnwise" and isinstance(scheme, NVFP4) and bool(scheme.rht)
+    amax = torch.empty(1, dtype=torch.float32, device=data.device)
+    c = QuantizedCopy(data=data, scale_inv=sinv, amax=amax, global_scale=gs, rht=rht)
+    return QuantizedTensor(torch.Size(shape), dtype, scheme, **{which: c})
+
+
+def empty_copy_tensors(scheme: Scheme, shape, which: str, device) -> list[torch.Tensor]:
+    """Uninitialised tensors with the dtypes, shapes and (contiguous) strides of :func:`copy_tensors` of a ``which``
+    copy of a tensor of logical ``shape`` (e.g. on the ``meta`` device, or fake tensors, for an operator's fake
+    implementation)."""
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    r, k = (rows, shape[-1]) if which == "rowwise" else (shape[-1], rows)
+    lay = copy_layout(scheme, r, k)
+    if isinstance(lay, str):
+        raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
+    dt, dshape, st, sshape, _ = lay
+    out = [torch.empty(dshape, dtype=dt, device=device), torch.empty(sshape, dtype=st, device=device)]
+    if isinstance(scheme, NVFP4):
+        out.append(torch.empty(1, dtype=torch.float32, device=device))
+    return out
 
 
 def _bad(qt, which, name, r, k, why):
