@@ -752,12 +752,12 @@ def _(x, weight, bias, norm_weight, norm_rstd, key, gelu, norm_eps, out_dtype, m
 
 @torch.library.custom_op("lowbit::quantized_linear_backward", mutates_args=())
 def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], weight: torch.Tensor,
-                                 norm_weight: Optional[torch.Tensor], saved: list[torch.Tensor], key: str, gelu: bool,
-                                 norm_eps: float, x_dtype: torch.dtype, need_dx: bool, need_dw: bool,
-                                 need_dnw: bool) -> list[torch.Tensor]:
+                                 bias: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+                                 saved: list[torch.Tensor], key: str, gelu: bool, norm_eps: float, x_dtype: torch.dtype,
+                                 need_dx: bool, need_dw: bool, need_dnw: bool, need_db: bool) -> list[torch.Tensor]:
     """The backward of :func:`quantized_linear_op` for dy (M, N) and its ``saved`` outputs (x: the 2D input, given
     where the RMSNorm is fused): ``[dx (M, K)]`` if ``need_dx``, ``[dw]`` if ``need_dw``, ``[d norm_weight]`` if
-    ``need_dnw``."""
+    ``need_dnw``, ``[d bias]`` if ``need_db``."""
     recipe, policy = _ac.from_key(key)
     layer = layer_of(weight)
     (M, N), K = dy.shape, weight.shape[1]
@@ -778,8 +778,9 @@ def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], we
     if norm_weight is not None:
         rstd = saved[i]
     out = []
-    qdy = layer.quantize(dy, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_dw, phase="backward",
-                         policy=policy)
+    if need_dgrad or need_dw:
+        qdy = layer.quantize(dy, "grad_output", recipe, rowwise=need_dgrad, columnwise=need_dw, phase="backward",
+                             policy=policy)
     if need_dgrad:
         dx = scaled_mm(qdy, qw, a_copy="rowwise", b_copy="columnwise", out_dtype=x_dtype)
         dnw = None
@@ -791,11 +792,13 @@ def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], we
             out.append(dnw)
     if need_dw:
         out.insert(1 if need_dx else 0, wgrad_mm(qdy, qx, out_dtype=weight.dtype))
-    return _own(out, (dy, x, weight, norm_weight, *saved))
+    if need_db:
+        out.append(dy.float().sum(0).to(bias.dtype))
+    return _own(out, (dy, x, weight, bias, norm_weight, *saved))
 
 
 @quantized_linear_backward_op.register_fake
-def _(dy, x, weight, norm_weight, saved, key, gelu, norm_eps, x_dtype, need_dx, need_dw, need_dnw):
+def _(dy, x, weight, bias, norm_weight, saved, key, gelu, norm_eps, x_dtype, need_dx, need_dw, need_dnw, need_db):
     M, (N, K) = dy.shape[0], weight.shape
     out = []
     if need_dx:
@@ -804,34 +807,38 @@ def _(dy, x, weight, norm_weight, saved, key, gelu, norm_eps, x_dtype, need_dx, 
         out.append(dy.new_empty((N, K), dtype=weight.dtype))
     if need_dnw:
         out.append(dy.new_empty((K,), dtype=norm_weight.dtype))
+    if need_db:
+        out.append(dy.new_empty((N,), dtype=bias.dtype))
     return out
 
 
 def _linear_setup(ctx, inputs, output):
     x, weight, bias, norm_weight, _, key, gelu, norm_eps, _, _, need_dgrad, need_wgrad = inputs
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(x if norm_weight is not None else None, weight, norm_weight, *output[1:])
+    ctx.save_for_backward(x if norm_weight is not None else None, weight, bias, norm_weight, *output[1:])
     ctx.key, ctx.gelu, ctx.norm_eps, ctx.x_dtype = key, gelu, norm_eps, x.dtype
     ctx.fwd_need = (need_dgrad, need_wgrad)
-    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _linear_backward(ctx, grads):
-    x, weight, norm_weight, *saved = ctx.saved_tensors
+    x, weight, bias, norm_weight, *saved = ctx.saved_tensors
     dy = grads[0]
     need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     need_dnw = norm_weight is not None and ctx.needs_input_grad[3]
     need_dx, need_dw = need_dx and ctx.fwd_need[0], need_dw and ctx.fwd_need[1]
     need_dnw = need_dnw and ctx.fwd_need[0]
+    # (the bias gradient is a plain sum torch.compile may fuse; under GELU it needs dy·GELU'(pre), made by the op)
+    db_in_op = need_db and ctx.gelu
     dx = dw = db = dnw = None
-    if need_dx or need_dw or need_dnw:
-        res = list(quantized_linear_backward_op(dy, x, weight, norm_weight, saved, ctx.key, ctx.gelu, ctx.norm_eps,
-                                                ctx.x_dtype, need_dx, need_dw, need_dnw))
+    if need_dx or need_dw or need_dnw or db_in_op:
+        res = list(quantized_linear_backward_op(dy, x, weight, bias, norm_weight, saved, ctx.key, ctx.gelu,
+                                                ctx.norm_eps, ctx.x_dtype, need_dx, need_dw, need_dnw, db_in_op))
         dx = res.pop(0) if need_dx else None
         dw = res.pop(0) if need_dw else None
         dnw = res.pop(0) if need_dnw else None
-    if need_db:
-        db = dy.float().sum(0).to(ctx.bias_dtype)
+        db = res.pop(0) if db_in_op else None
+    if need_db and not db_in_op:
+        db = dy.float().sum(0).to(bias.dtype)
     return dx, dw, db, dnw, None, None, None, None, None, None, None, None
 
 
@@ -991,8 +998,188 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     out_dtype = _out_dtype(x)
     _check_dims(layer1, recipe, x, w1)
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
+    if torch.compiler.is_compiling():
+        return _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1, st.key)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
+
+
+@torch.library.custom_op("lowbit::quantized_swiglu_mlp", mutates_args=())
+def quantized_swiglu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
+                            norm_weight: Optional[torch.Tensor], norm_rstd: Optional[torch.Tensor], key: str,
+                            norm_eps: float, out_dtype: torch.dtype, microbatch: int, need_dx: bool, need_dw1: bool,
+                            need_dw2: bool) -> list[torch.Tensor]:
+    """The forward of :func:`quantized_swiglu_mlp` on a 2D input x (M, K): ``[y (M, N)]`` followed by what its
+    backward reads: x's columnwise copy (``need_dw1``), h's columnwise copy (``need_dw2``), fc1's weight's columnwise
+    copy (``need_dx``), fc2's (``need_dx or need_dw1``), fc1's output u (the same) and the RMSNorm's row statistics
+    (``norm_weight`` given). Arguments as :func:`quantized_linear_op`; ``need_dx`` covers the norm weight's
+    gradient."""
+    from ..ops.swiglu import swiglu_quantize_1x128
+
+    recipe, policy = _ac.from_key(key)
+    g1, g2 = layer_of(w1), layer_of(w2)
+    mb = _MICROBATCH[microbatch]
+    need_du = need_dx or need_dw1
+    cfg1 = _Cfg(g1, recipe, mb, False, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
+    qx, norm_saved = _quantize_input(cfg1, x, norm_weight, need_dw1)
+    qw1 = g1.quantized_weight(w1, recipe, mb, columnwise=need_dx, policy=policy)
+    u = scaled_mm(qx, qw1, out_dtype=out_dtype)
+    qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
+    _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=policy)
+    qw2 = g2.quantized_weight(w2, recipe, mb, columnwise=need_du, policy=policy)
+    y = scaled_mm(qh, qw2, out_dtype=out_dtype, bias=b2)
+    out = [y]
+    if need_dw1:
+        out += copy_tensors(qx, "columnwise")
+    if need_dw2:
+        out += copy_tensors(qh, "columnwise")
+    if need_dx:
+        out += copy_tensors(qw1, "columnwise")
+    if need_du:
+        out += copy_tensors(qw2, "columnwise")
+        out.append(u)
+    if norm_weight is not None:
+        out.append(norm_saved[1])
+    return _own(out, (x, w1, w2, b2, norm_weight, norm_rstd))
+
+
+@quantized_swiglu_mlp_op.register_fake
+def _(x, w1, w2, b2, norm_weight, norm_rstd, key, norm_eps, out_dtype, microbatch, need_dx, need_dw1, need_dw2):
+    recipe, _ = _ac.from_key(key)
+    (M, K), (F2, N) = x.shape, (w1.shape[0], w2.shape[0])
+    sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
+    out = [x.new_empty((M, N), dtype=out_dtype)]
+    if need_dw1:
+        out += empty_copy_tensors(sin, (M, K), "columnwise", x.device)
+    if need_dw2:
+        out += empty_copy_tensors(sin, (M, F2 // 2), "columnwise", x.device)
+    if need_dx:
+        out += empty_copy_tensors(sw, (F2, K), "columnwise", x.device)
+    if need_dx or need_dw1:
+        out += empty_copy_tensors(sw, (N, F2 // 2), "columnwise", x.device)
+        out.append(x.new_empty((M, F2), dtype=out_dtype))
+    if norm_weight is not None:
+        out.append(x.new_empty((M,), dtype=torch.float32))
+    return out
+
+
+@torch.library.custom_op("lowbit::quantized_swiglu_mlp_backward", mutates_args=())
+def quantized_swiglu_mlp_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], w1: torch.Tensor,
+                                     w2: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                                     saved: list[torch.Tensor], key: str, norm_eps: float, x_dtype: torch.dtype,
+                                     need_dx: bool, need_dw1: bool, need_dw2: bool,
+                                     need_dnw: bool) -> list[torch.Tensor]:
+    """The backward of :func:`quantized_swiglu_mlp_op` for dy (M, N) and its ``saved`` outputs: ``[dx]`` if
+    ``need_dx``, ``[dw1]``, ``[dw2]``, ``[d norm_weight]`` where asked (x: the 2D input, given where the RMSNorm
+    is fused). The forward's ``need_dx`` is ``need_dx or need_dnw`` here."""
+    from ..ops.swiglu import swiglu_backward, swiglu_backward_fused_quant_supported, swiglu_backward_quantize_1x128
+
+    recipe, policy = _ac.from_key(key)
+    g1, g2 = layer_of(w1), layer_of(w2)
+    (M, N), K, F2 = dy.shape, w1.shape[1], w1.shape[0]
+    need_in = need_dx or need_dnw  # (the forward's need_dx)
+    need_du = need_in or need_dw1
+    cfg1 = _Cfg(g1, recipe, None, False, policy, x_dtype, None if norm_weight is None else norm_eps)
+    sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
+    parts, i = {}, 0
+    for name, on, sch, shape, dt in (("qx", need_dw1, sin, (M, K), x_dtype),
+                                     ("qh", need_dw2, sin, (M, F2 // 2), dy.dtype),
+                                     ("qw1", need_in, sw, (F2, K), w1.dtype),
+                                     ("qw2", need_du, sw, (N, F2 // 2), w2.dtype)):
+        if on:
+            n = n_copy_tensors(sch)
+            parts[name] = copy_from_tensors(saved[i:i + n], sch, shape, dt, "columnwise")
+            i += n
+    u = None
+    if need_du:
+        u, i = saved[i], i + 1
+    rstd = saved[i] if norm_weight is not None else None
+    dx = dw1 = dw2 = dnw = None
+    qdy = g2.quantize(dy, "grad_output", recipe, rowwise=need_du, columnwise=need_dw2, phase="backward",
+                      policy=policy)
+    if need_du:
+        dh = scaled_mm(qdy, parts["qw2"], a_copy="rowwise", b_copy="columnwise", out_dtype=u.dtype)
+    if need_dw2:
+        dw2 = wgrad_mm(qdy, parts["qh"], out_dtype=w2.dtype)
+    if need_du:
+        sch1 = recipe.role("grad_output").scheme
+        if need_in and need_dw1 and _fused_swiglu_bwd() and swiglu_backward_fused_quant_supported(u, dh, sch1):
+            qdu = swiglu_backward_quantize_1x128(u, dh, sch1)
+            _ac.sentry([c.amax for c in qdu._copies()], layer=g1, role="grad_output", phase="backward",
+                       policy=policy)
+        else:
+            du = swiglu_backward(u, dh)
+            qdu = g1.quantize(du, "grad_output", recipe, rowwise=need_in, columnwise=need_dw1, phase="backward",
+                              policy=policy)
+            del du
+        del dh
+        if need_in:
+            dx = scaled_mm(qdu, parts["qw1"], a_copy="rowwise", b_copy="columnwise", out_dtype=x_dtype)
+            if norm_weight is not None:
+                dx, dnw = _norm_backward(dx, (x, rstd, norm_weight), need_dx, need_dnw, cfg1, x.shape)
+        if need_dw1:
+            dw1 = wgrad_mm(qdu, parts["qx"], out_dtype=w1.dtype)
+    out = [t for t, on in ((dx, need_dx), (dw1, need_dw1), (dw2, need_dw2), (dnw, need_dnw)) if on]
+    return _own(out, (dy, x, w1, w2, norm_weight, *saved))
+
+
+@quantized_swiglu_mlp_backward_op.register_fake
+def _(dy, x, w1, w2, norm_weight, saved, key, norm_eps, x_dtype, need_dx, need_dw1, need_dw2, need_dnw):
+    M, K = dy.shape[0], w1.shape[1]
+    out = []
+    if need_dx:
+        out.append(dy.new_empty((M, K), dtype=x_dtype))
+    if need_dw1:
+        out.append(torch.empty_like(w1, memory_format=torch.contiguous_format))
+    if need_dw2:
+        out.append(torch.empty_like(w2, memory_format=torch.contiguous_format))
+    if need_dnw:
+        out.append(torch.empty_like(norm_weight, memory_format=torch.contiguous_format))
+    return out
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, w1, w2, b2, norm_weight, _, key, norm_eps, _, _, need_dx, need_dw1, need_dw2 = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x if norm_weight is not None else None, w1, w2, b2, norm_weight, *output[1:])
+    ctx.key, ctx.norm_eps, ctx.x_dtype = key, norm_eps, x.dtype
+    ctx.fwd_need = (need_dx, need_dw1, need_dw2)
+
+
+def _mlp_backward(ctx, grads):
+    x, w1, w2, b2, norm_weight, *saved = ctx.saved_tensors
+    dy = grads[0]
+    fx, f1, f2 = ctx.fwd_need
+    need_dx, need_dw1, need_dw2 = (ctx.needs_input_grad[0] and fx, ctx.needs_input_grad[1] and f1,
+                                   ctx.needs_input_grad[2] and f2)
+    need_dnw = norm_weight is not None and ctx.needs_input_grad[4] and fx
+    dx = dw1 = dw2 = db2 = dnw = None
+    if need_dx or need_dw1 or need_dw2 or need_dnw:
+        res = list(quantized_swiglu_mlp_backward_op(dy, x, w1, w2, norm_weight, saved, ctx.key, ctx.norm_eps,
+                                                    ctx.x_dtype, need_dx, need_dw1, need_dw2, need_dnw))
+        dx = res.pop(0) if need_dx else None
+        dw1 = res.pop(0) if need_dw1 else None
+        dw2 = res.pop(0) if need_dw2 else None
+        dnw = res.pop(0) if need_dnw else None
+    if ctx.needs_input_grad[3]:
+        db2 = dy.float().sum(0).to(b2.dtype)
+    return dx, dw1, dw2, db2, dnw, None, None, None, None, None, None, None, None
+
+
+quantized_swiglu_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+def _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1: _Cfg, key: str) -> torch.Tensor:
+    """:func:`quantized_swiglu_mlp` through :func:`quantized_swiglu_mlp_op` (inside torch.compile)."""
+    K = x.shape[-1]
+    grad = torch.is_grad_enabled()
+    need_dx = grad and (x.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
+    mb = -1 if cfg1.is_first_microbatch is None else int(cfg1.is_first_microbatch)
+    outs = quantized_swiglu_mlp_op(x.reshape(-1, K), w1, w2, b2, norm_weight, cfg1.norm_rstd, key,
+                                   0.0 if cfg1.norm_eps is None else cfg1.norm_eps, cfg1.out_dtype, mb, need_dx,
+                                   grad and w1.requires_grad, grad and w2.requires_grad)
+    y = outs[0]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _fused_rope_bwd() -> bool:

@@ -81,7 +81,7 @@ def norm_quant_fusable(x: torch.Tensor, weight: torch.Tensor, scheme) -> bool:
             and x.is_contiguous() and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
             and weight.shape == (x.shape[-1],) and weight.device == x.device and _runs(x.device, scheme)):
         return True
-    declined("ops.norm_quant", _why_not(x, weight, scheme))
+    declined("ops.norm_quant", lambda: _why_not(x, weight, scheme))
     return False
 
 

@@ -206,7 +206,7 @@ def rope_backward_fused_quant_supported(gq, gk, gv, cos, sin, scheme) -> bool:
         declined("ops.rope_bwd_quant", "no Triton, or Triton's interpreter")
         return False
     if not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1 and scheme.block_size == BLOCK_SIZE):
-        declined("ops.rope_bwd_quant", f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
+        declined("ops.rope_bwd_quant", lambda: f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
         return False
     ts = (gq, gk, gv)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda and t.is_contiguous() for t in ts):

@@ -156,7 +156,7 @@ def fused_quant_runs(device: torch.device, dtype: torch.dtype, width: int, schem
     if triton is None:
         declined("ops.swiglu_quant", "Triton is not installed")
     elif not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 1 and scheme.block_size == BLOCK_SIZE):
-        declined("ops.swiglu_quant", f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
+        declined("ops.swiglu_quant", lambda: f"scheme {scheme!r} is not 1x{BLOCK_SIZE} Float8Blockwise")
     elif not (device.type == "cuda" or INTERPRET):
         declined("ops.swiglu_quant", f"device {device.type} (CUDA, or Triton's interpreter)")
     elif dtype not in (torch.bfloat16, torch.float16):

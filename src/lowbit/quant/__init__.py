@@ -97,6 +97,8 @@ def quantize(
     if seed is not None and seed.__class__ is not int:
         _check_seed(seed)
     if backend is None and isinstance(x, torch.Tensor):
+        if x.is_cuda and not x.is_contiguous():  # (the kernels read contiguous rows; the reference would be slow)
+            x = x.contiguous()
         # Hot path (every quantized GEMM operand, every step): the backend choice depends only on these
         # properties, so it is looked up once per distinct key.
         key = (x.device.type, x.dtype, tuple(x.shape), x.is_contiguous(), scheme, rowwise, columnwise)

@@ -143,8 +143,8 @@ def get(name: str) -> Any:
         raise KeyError(f"name: {name!r} is not a lowbit switch; known: {', '.join(SWITCHES)}") from None
     raw = os.environ.get(name, "")
     value = sw.parse(name, raw) if raw != "" else sw.default
-    with _lock:
-        return _values.setdefault(name, value)
+    # (dict.setdefault is atomic: no lock, which torch.compile could not trace)
+    return _values.setdefault(name, value)
 
 
 def fused(name: str) -> bool:

@@ -11,6 +11,8 @@ import logging
 import threading
 from collections import Counter
 
+import torch
+
 from . import env
 
 __all__ = ["logger", "declined", "declines"]
@@ -37,8 +39,14 @@ def _configure() -> None:
         logger.addHandler(h)
 
 
-def declined(path: str, reason: str) -> None:
-    """Record that fast path ``path`` declined a call for ``reason`` (logged at DEBUG the first time)."""
+def declined(path: str, reason) -> None:
+    """Record that fast path ``path`` declined a call for ``reason`` (a string, or a function making it: called
+    only here), logged at DEBUG the first time. Not while ``torch.compile`` traces: the decision is made once there,
+    and Dynamo cannot trace the lock."""
+    if torch.compiler.is_compiling():
+        return
+    if callable(reason):
+        reason = reason()
     key = (path, reason)
     with _lock:
         first = key not in _counts
