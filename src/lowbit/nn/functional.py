@@ -688,13 +688,13 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # (layer_of). What differs from eager: no FP8 grad_output hand-off between layers, no norm link, no side-stream
 # weight gradient (each needs an object to cross between operators); the bits of every output are the same.
 def _own(outs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
-    """``outs`` as an operator may return them: a tensor that is a view, or shares storage with an input or an
-    earlier output, is copied."""
+    """``outs`` as an operator may return them: a tensor that shares storage with an input or an earlier output is
+    copied."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     res = []
     for t in outs:
         p = t.untyped_storage().data_ptr()
-        if t._base is not None or p in seen:
+        if p in seen:
             t = t.clone()
             p = t.untyped_storage().data_ptr()
         seen.add(p)

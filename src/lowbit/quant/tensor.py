@@ -153,10 +153,15 @@ def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
 
 def copy_tensors(qt: "QuantizedTensor", which: str) -> list[torch.Tensor]:
     """The tensors a GEMM reads of ``qt``'s ``which`` copy, in a fixed order: ``[data, scale_inv]``, plus
-    ``global_scale`` under NVFP4 (what an operator saves for its backward; the amax is not among them). Rebuilt by
+    ``global_scale`` under NVFP4 (what an operator saves for its backward; the amax is not among them). FP8 tensors
+    are given as their bytes (uint8 views), which autograd does not treat as differentiable. Rebuilt by
     :func:`copy_from_tensors`."""
     c = qt._copy(which)
-    return [c.data, c.scale_inv] + ([c.global_scale] if isinstance(qt.scheme, NVFP4) else [])
+    return [_bytes(c.data), _bytes(c.scale_inv)] + ([c.global_scale] if isinstance(qt.scheme, NVFP4) else [])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def n_copy_tensors(scheme: Scheme) -> int:
@@ -172,7 +177,14 @@ def copy_from_tensors(tensors, scheme: Scheme, shape, dtype: torch.dtype, which:
     n = n_copy_tensors(scheme)
     if len(tensors) != n:
         raise ValueError(f"tensors: a {which} copy under {scheme!r} is {n} tensors, got {len(tensors)}")
-    data, sinv = tensors[0], tensors[1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    r, k = (rows, shape[-1]) if which == "rowwise" else (shape[-1], rows)
+    lay = copy_layout(scheme, r, k)
+    if isinstance(lay, str):
+        raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
+    data, sinv = tensors[0].view(lay[0]), tensors[1].view(lay[2])
     gs = tensors[2] if n == 3 else None
     rht = which == "columnwise" and isinstance(scheme, NVFP4) and bool(scheme.rht)
     amax = torch.empty(1, dtype=torch.float32, device=data.device)
@@ -191,8 +203,9 @@ def empty_copy_tensors(scheme: Scheme, shape, which: str, device) -> list[torch.
     lay = copy_layout(scheme, r, k)
     if isinstance(lay, str):
         raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
-    dt, dshape, st, sshape, _ = lay
-    out = [torch.empty(dshape, dtype=dt, device=device), torch.empty(sshape, dtype=st, device=device)]
+    _, dshape, st, sshape, _ = lay
+    st = torch.uint8 if st.itemsize == 1 else st
+    out = [torch.empty(dshape, dtype=torch.uint8, device=device), torch.empty(sshape, dtype=st, device=device)]
     if isinstance(scheme, NVFP4):
         out.append(torch.empty(1, dtype=torch.float32, device=device))
     return out

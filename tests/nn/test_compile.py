@@ -1,0 +1,210 @@
+"""torch.compile of lowbit's quantized layers: the lowbit::quantized_linear / lowbit::quantized_swiglu_mlp operators
+(schema, fake implementation and autograd via torch.library.opcheck), full-graph tracing with no graph break, and the
+compiled results against eager, bit for bit, for every recipe (delayed scaling over two steps included)."""
+
+import copy
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.nn import state as ac
+from lowbit.recipes import QUANTIZED_NAMES, from_name
+
+RECIPES = list(QUANTIZED_NAMES)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles from scratch (the recompile limit counts across the tests' many modules and recipes)."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def _run(mod, x, recipe, steps=2, autocast_dtype=None):
+    """Forward + backward ``steps`` times (seeded per step); the outputs and every gradient of each step."""
+    outs = []
+    for s in range(steps):
+        torch.manual_seed(s)
+        with lowbit.autocast(recipe=recipe):
+            with torch.autocast(x.device.type, autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                y = mod(x)
+        y.float().square().sum().backward()
+        outs.append([y.detach().clone(), x.grad.clone()]
+                    + [p.grad.clone() for p in mod.parameters() if p.grad is not None])
+        x.grad = None
+        for p in mod.parameters():
+            p.grad = None
+    return outs
+
+
+def _check_same(eager, compiled):
+    assert len(eager) == len(compiled)
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        assert len(e) == len(c), f"step {step}: {len(e)} eager tensors, {len(c)} compiled"
+        for i, (a, b) in enumerate(zip(e, c)):
+            assert a.dtype == b.dtype and a.shape == b.shape, (step, i)
+            assert torch.equal(a, b), f"step {step}, tensor {i}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+MODULES = {
+    "linear": lambda: lowbit.nn.Linear(64, 96),
+    "layernorm_linear": lambda: lowbit.nn.LayerNormLinear(64, 96),
+    "rmsnorm_linear": lambda: lowbit.nn.LayerNormLinear(64, 96, normalization="RMSNorm"),
+    "mlp_gelu": lambda: lowbit.nn.LayerNormMLP(64, 160),
+    "mlp_swiglu": lambda: lowbit.nn.LayerNormMLP(64, 128, normalization="RMSNorm", activation="swiglu", bias=False),
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("module", list(MODULES))
+def test_compiled_module_matches_eager(module, recipe):
+    """fullgraph=True (a graph break raises) through AOTAutograd: outputs and gradients equal eager's, two steps."""
+    torch.manual_seed(0)
+    base = MODULES[module]()
+    x = torch.randn(3, 32, 64, requires_grad=True)
+    rec = from_name(recipe)
+    eager = _run(copy.deepcopy(base), x, rec)
+    compiled = _run(torch.compile(copy.deepcopy(base), backend="aot_eager", fullgraph=True), x, rec)
+    _check_same(eager, compiled)
+
+
+def test_another_recipe_recompiles():
+    """A graph compiled under one recipe is not reused under another: the second recipe's results are its own."""
+    torch.manual_seed(0)
+    base = lowbit.nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    c = torch.compile(copy.deepcopy(base), backend="aot_eager", fullgraph=True)
+    for name in ("fp8-current", "nvfp4", "fp8-current"):
+        _check_same(_run(copy.deepcopy(base), x, from_name(name), steps=1), _run(c, x, from_name(name), steps=1))
+
+
+def test_disabled_autocast_compiles_to_torch():
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with lowbit.autocast(enabled=False):
+        y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_state_key_names_recipe_and_policy():
+    r = from_name("fp8-block")
+    with lowbit.autocast(recipe=r):
+        k = ac.get_state().key
+        assert ac.from_key(k) == (r, "raise")
+        with lowbit.autocast(on_nonfinite="skip"):
+            assert ac.get_state().key != k
+    assert ac.get_state().key == ""
+    with pytest.raises(ValueError, match="key"):
+        ac.from_key("nope")
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "mxfp8", "nvfp4", "fp8-delayed"])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_opcheck_quantized_linear(recipe, gelu):
+    """torch.library.opcheck: schema, fake implementation (shapes, dtypes, strides) and registered autograd."""
+    from lowbit.nn.functional import quantized_linear_op
+
+    torch.manual_seed(1)
+    m = lowbit.nn.Linear(64, 96)
+    x = torch.randn(32, 64, requires_grad=True)
+    # (NVFP4 rounds gradients stochastically from torch's generator: opcheck's two backward runs draw different
+    # seeds, so its gradient comparison is left out there; the module tests reseed and compare bit for bit)
+    utils = ("test_schema", "test_faketensor") if recipe == "nvfp4" else None
+    with lowbit.autocast(recipe=from_name(recipe)):
+        key = ac.get_state().key
+        torch.library.opcheck(quantized_linear_op, (x, m.weight, m.bias, None, None, key, gelu, 0.0, torch.float32, -1,
+                                                    True, True), **({"test_utils": utils} if utils else {}))
+
+
+def test_opcheck_quantized_linear_backward():
+    from lowbit.nn.functional import quantized_linear_backward_op, quantized_linear_op
+
+    torch.manual_seed(2)
+    m = lowbit.nn.Linear(64, 96)
+    x = torch.randn(32, 64)
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        key = ac.get_state().key
+        outs = quantized_linear_op(x, m.weight, m.bias, None, None, key, True, 0.0, torch.float32, -1, True, True)
+        dy = torch.randn_like(outs[0])
+        torch.library.opcheck(quantized_linear_backward_op, (dy, None, m.weight.detach(), m.bias.detach(), None,
+                                                             [t.detach() for t in outs[1:]], key, True, 0.0,
+                                                             torch.float32, True, True, False, True))
+
+
+def test_compiled_sentry_still_raises():
+    """The NaN sentry sees the compiled operators' amaxes: a NaN input raises at the autocast exit."""
+    m = torch.compile(lowbit.nn.Linear(32, 32), backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    x[3, 5] = float("nan")
+    with pytest.raises(ac.NonFiniteAmaxError):
+        with lowbit.autocast(recipe=from_name("fp8-current")):
+            m(x)
+
+
+def test_compiled_converted_hf_model_smoke():
+    """A tiny converted HF Llama, compiled (full graph through AOTAutograd): its loss and gradients equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    lowbit.convert(base, skip=["lm_head"])
+    ids = torch.randint(0, 128, (2, 32))
+
+    def step(model):
+        torch.manual_seed(0)
+        with lowbit.autocast(recipe=from_name("fp8-block")):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager = step(copy.deepcopy(base))
+    compiled = step(torch.compile(copy.deepcopy(base), backend="aot_eager"))
+    _check_same([eager], [compiled])
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: inductor
+# ------------------------------------------------------------------------------------------------
+GPU_MODULES = {
+    "linear": lambda: lowbit.nn.Linear(1024, 768, device="cuda"),
+    "rmsnorm_linear": lambda: lowbit.nn.LayerNormLinear(1024, 768, normalization="RMSNorm", device="cuda"),
+    "mlp_swiglu": lambda: lowbit.nn.LayerNormMLP(1024, 1536, normalization="RMSNorm", activation="swiglu", bias=False,
+                                                 device="cuda"),
+    "mlp_gelu": lambda: lowbit.nn.LayerNormMLP(1024, 1536, device="cuda"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("module", list(GPU_MODULES))
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_gpu_inductor_matches_eager(module, recipe, mode):
+    """Inductor (fullgraph) on CUDA under torch.autocast(bfloat16), FP32 parameters: the outputs and gradients of two
+    steps equal eager's bit for bit."""
+    if mode is not None and (recipe != "fp8-block" or module != "mlp_swiglu"):
+        pytest.skip("one module and recipe for the autotuning mode")
+    torch.manual_seed(0)
+    base = GPU_MODULES[module]()
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    rec = from_name(recipe)
+    eager = _run(copy.deepcopy(base), x, rec, autocast_dtype=torch.bfloat16)
+    compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=True, mode=mode), x, rec,
+                    autocast_dtype=torch.bfloat16)
+    _check_same(eager, compiled)
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_matches_eager():
+    """mode="reduce-overhead" (CUDA graphs): three steps of a current-scaling recipe equal eager's."""
+    torch.manual_seed(0)
+    base = GPU_MODULES["mlp_swiglu"]()
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    rec = from_name("fp8-block")
+    eager = _run(copy.deepcopy(base), x, rec, steps=3, autocast_dtype=torch.bfloat16)
+    compiled = _run(torch.compile(copy.deepcopy(base), mode="reduce-overhead"), x, rec, steps=3,
+                    autocast_dtype=torch.bfloat16)
+    _check_same(eager, compiled)
