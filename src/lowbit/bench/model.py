@@ -183,7 +183,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if compiled:
-            torch._dynamo.reset()  # each variant compiles its own fresh model, from a clean cache
+            torch.compiler.reset()  # each variant compiles its own fresh model, from a clean cache
         model = build_model(cfg["model"], cfg["seq"], device)
         if recipe is not None:
             lowbit.nn.convert(model, recipe=recipe)  # (lowbit.convert)
