@@ -827,18 +827,15 @@ def _linear_backward(ctx, grads):
     need_dnw = norm_weight is not None and ctx.needs_input_grad[3]
     need_dx, need_dw = need_dx and ctx.fwd_need[0], need_dw and ctx.fwd_need[1]
     need_dnw = need_dnw and ctx.fwd_need[0]
-    # (the bias gradient is a plain sum torch.compile may fuse; under GELU it needs dy·GELU'(pre), made by the op)
-    db_in_op = need_db and ctx.gelu
     dx = dw = db = dnw = None
-    if need_dx or need_dw or need_dnw or db_in_op:
+    # (the bias gradient too: torch's sum, as eager, not a reduction Inductor would order its own way)
+    if need_dx or need_dw or need_dnw or need_db:
         res = list(quantized_linear_backward_op(dy, x, weight, bias, norm_weight, saved, ctx.key, ctx.gelu,
-                                                ctx.norm_eps, ctx.x_dtype, need_dx, need_dw, need_dnw, db_in_op))
+                                                ctx.norm_eps, ctx.x_dtype, need_dx, need_dw, need_dnw, need_db))
         dx = res.pop(0) if need_dx else None
         dw = res.pop(0) if need_dw else None
         dnw = res.pop(0) if need_dnw else None
-        db = res.pop(0) if db_in_op else None
-    if need_db and not db_in_op:
-        db = dy.float().sum(0).to(bias.dtype)
+        db = res.pop(0) if need_db else None
     return dx, dw, db, dnw, None, None, None, None, None, None, None, None
 
 
@@ -1004,6 +1001,18 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
 
 
+@torch.library.custom_op("lowbit::bias_grad", mutates_args=())
+def column_sum_op(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dy.float().sum(0).to(dtype)``: a bias gradient as eager computes it (torch's reduction order, which a
+    compiled graph would otherwise choose itself)."""
+    return dy.float().sum(0).to(dtype)
+
+
+@column_sum_op.register_fake
+def _(dy, dtype):
+    return dy.new_empty((dy.shape[1],), dtype=dtype)
+
+
 @torch.library.custom_op("lowbit::quantized_swiglu_mlp", mutates_args=())
 def quantized_swiglu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
                             norm_weight: Optional[torch.Tensor], norm_rstd: Optional[torch.Tensor], key: str,
@@ -1162,7 +1171,7 @@ def _mlp_backward(ctx, grads):
         dw2 = res.pop(0) if need_dw2 else None
         dnw = res.pop(0) if need_dnw else None
     if ctx.needs_input_grad[3]:
-        db2 = dy.float().sum(0).to(b2.dtype)
+        db2 = column_sum_op(dy, b2.dtype)
     return dx, dw1, dw2, db2, dnw, None, None, None, None, None, None, None, None
 
 
