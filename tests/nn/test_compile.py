@@ -215,3 +215,14 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
     compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=mode != "reduce-overhead", mode=mode), x, rec,
                     steps=3, autocast_dtype=torch.bfloat16)
     _check_same(eager, compiled)
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_refuses_delayed_scaling():
+    """Delayed scaling's amax histories cannot live in torch.compile's CUDA graphs: a clear error, not a wrong answer."""
+    m = torch.compile(GPU_MODULES["linear"](), mode="reduce-overhead")
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
+    with pytest.raises(Exception, match="reduce-overhead"):
+        for _ in range(3):
+            with lowbit.autocast(recipe=from_name("fp8-delayed")):
+                m(x).sum().backward()

@@ -15,10 +15,10 @@ Variants:
   inside ``lowbit.autocast(recipe=...)`` nested in ``torch.autocast`` (the backward runs after it, as in the guide);
   ``<recipe>-compile``: the same plus ``torch.compile(model)``;
 * ``torchao-compile`` (when torchao imports): ``torchao.float8.convert_to_float8_training`` (tensorwise, the
-  default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``.
+  default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``;
+* ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs.
 
-A variant that raises (compiling a lowbit model is known to fail today, issue 41) is reported as
-``failed: <type>: <message>`` and the benchmark goes on.
+A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
 How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
 median step time of the steps after the warm-up (the first steps compile and autotune). **host ms** is the time from
@@ -72,6 +72,12 @@ def variant_names(recipe_names) -> list[str]:
     for r in recipe_names:
         out += [r, f"{r}-compile"]
     return out + ["torchao-compile"]
+
+
+def all_variant_names(recipe_names) -> list[str]:
+    """Every variant for these recipes: the defaults and each compiled one with CUDA graphs (``-compile-graphs``)."""
+    out = variant_names(recipe_names)
+    return out + [f"{v}-graphs" for v in out if v.endswith("-compile")]
 
 
 def parse_args(argv):
@@ -129,7 +135,7 @@ def resolve(args) -> dict:
     for r in recipe_names:
         if r not in known:
             raise ValueError(f"--recipes: unknown recipe {r!r}; expected some of {', '.join(known)}")
-    valid = variant_names(known)
+    valid = all_variant_names(known)
     variants = _split(args.variants) if args.variants is not None else variant_names(recipe_names)
     if not variants:
         raise ValueError("--variants: empty list")
@@ -174,8 +180,9 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     import lowbit.nn
 
     device = cfg["device"]
-    base = name[: -len("-compile")] if name.endswith("-compile") else name
-    compiled = name.endswith("-compile")
+    graphs = name.endswith("-compile-graphs")
+    compiled = graphs or name.endswith("-compile")
+    base = name.split("-compile")[0] if compiled else name
     recipe = from_name(base) if base not in ("bf16", "torchao") else None
     model = opt = loss = None
     try:
@@ -190,7 +197,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         if base == "torchao":
             _torchao_convert(model)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=device == "cuda")
-        fwd = torch.compile(model) if compiled else model
+        fwd = torch.compile(model, mode="reduce-overhead" if graphs else None) if compiled else model
         step_s, host_s = [], []
         n = cfg["steps"]
         for i in range(n):

@@ -705,6 +705,22 @@ def _own(outs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
 _MICROBATCH = {-1: None, 0: False, 1: True}
 
 
+def _op_state(key: str, weights) -> tuple[Recipe, str]:
+    """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
+    the call is captured once and replayed: the sentry's records and delayed scaling's pending amaxes would hold
+    tensors of the graph's memory pool from the capture on, which the graph does not allow. There the sentry is off
+    (policy "ignore") and delayed scaling raises."""
+    recipe, policy = _ac.from_key(key)
+    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
+            raise NotImplementedError(
+                f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
+                "(mode='reduce-overhead') cannot carry; use a current-scaling recipe (fp8-current, fp8-block, mxfp8, "
+                "nvfp4) there, or compile without CUDA graphs")
+        policy = "ignore"
+    return recipe, policy
+
+
 @torch.library.custom_op("lowbit::quantized_linear", mutates_args=())
 def quantized_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                         norm_weight: Optional[torch.Tensor], norm_rstd: Optional[torch.Tensor], key: str, gelu: bool,
@@ -715,7 +731,7 @@ def quantized_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     (``gelu``) and the RMSNorm's row statistics (``norm_weight`` given: RMSNorm(x) fused into the input quantizer
     with ``norm_eps``). ``key``: the autocast state's key; ``microbatch``: -1 / 0 / 1 for ``is_first_microbatch``
     None / False / True."""
-    recipe, policy = _ac.from_key(key)
+    recipe, policy = _op_state(key, (weight,))
     layer = layer_of(weight)
     mb = _MICROBATCH[microbatch]
     cfg = _Cfg(layer, recipe, mb, gelu, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
@@ -758,7 +774,7 @@ def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], we
     """The backward of :func:`quantized_linear_op` for dy (M, N) and its ``saved`` outputs (x: the 2D input, given
     where the RMSNorm is fused): ``[dx (M, K)]`` if ``need_dx``, ``[dw]`` if ``need_dw``, ``[d norm_weight]`` if
     ``need_dnw``, ``[d bias]`` if ``need_db``."""
-    recipe, policy = _ac.from_key(key)
+    recipe, policy = _op_state(key, (weight,))
     layer = layer_of(weight)
     (M, N), K = dy.shape, weight.shape[1]
     need_dgrad = need_dx or need_dnw
@@ -1025,7 +1041,7 @@ def quantized_swiglu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     gradient."""
     from ..ops.swiglu import swiglu_quantize_1x128
 
-    recipe, policy = _ac.from_key(key)
+    recipe, policy = _op_state(key, (w1,))
     g1, g2 = layer_of(w1), layer_of(w2)
     mb = _MICROBATCH[microbatch]
     need_du = need_dx or need_dw1
@@ -1083,7 +1099,7 @@ def quantized_swiglu_mlp_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor]
     is fused). The forward's ``need_dx`` is ``need_dx or need_dnw`` here."""
     from ..ops.swiglu import swiglu_backward, swiglu_backward_fused_quant_supported, swiglu_backward_quantize_1x128
 
-    recipe, policy = _ac.from_key(key)
+    recipe, policy = _op_state(key, (w1,))
     g1, g2 = layer_of(w1), layer_of(w2)
     (M, N), K, F2 = dy.shape, w1.shape[1], w1.shape[0]
     need_in = need_dx or need_dnw  # (the forward's need_dx)
