@@ -219,7 +219,7 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
 
 @pytest.mark.gpu
 def test_gpu_reduce_overhead_refuses_delayed_scaling():
-    """Delayed scaling's amax histories cannot live in torch.compile's CUDA graphs: a clear error, not a wrong answer."""
+    """Delayed scaling's amax histories cannot live in torch.compile's CUDA graphs: a clear error, not wrong bits."""
     m = torch.compile(GPU_MODULES["linear"](), mode="reduce-overhead")
     x = torch.randn(512, 1024, device="cuda", requires_grad=True)
     with pytest.raises(Exception, match="reduce-overhead"):
