@@ -688,13 +688,14 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # (layer_of). What differs from eager: no FP8 grad_output hand-off between layers, no norm link, no side-stream
 # weight gradient (each needs an object to cross between operators); the bits of every output are the same.
 def _own(outs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
-    """``outs`` as an operator may return them: a tensor that shares storage with an input or an earlier output is
-    copied."""
+    """``outs`` as an operator may return them: a tensor that shares storage with an input or an earlier output, or
+    is a part of a larger allocation (a scale in an amax buffer: CUDA graphs track whole allocations), is copied."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     res = []
     for t in outs:
-        p = t.untyped_storage().data_ptr()
-        if p in seen:
+        st = t.untyped_storage()
+        p = st.data_ptr()
+        if p in seen or t.data_ptr() != p or st.nbytes() != t.numel() * t.element_size():
             t = t.clone()
             p = t.untyped_storage().data_ptr()
         seen.add(p)
