@@ -23,6 +23,7 @@ __all__ = [
     "check_half",
     "layout_of",
     "shape4",
+    "lse_shape",
     "check_qkv",
     "views",
     "row_views",
@@ -81,6 +82,12 @@ def shape4(name, x, layout):
         return tuple(x.shape)
     b, s, h, d = x.shape
     return b, h, s, d
+
+
+def lse_shape(q, layout):
+    """The shape of the LSE of attention with queries ``q``: (B, Hq, Sq), or (Hq, Tq) for packed ("thd") inputs."""
+    b, h, s, _ = shape4("q", q, layout)
+    return (h, s) if layout == "thd" else (b, h, s)
 
 
 def check_qkv(q, k, v, layout):
@@ -145,13 +152,16 @@ def check_cu_meta(cu_q, cu_k, q, k):
 
 def check_varlen(cu_q, cu_k, q, k, max_q, max_k):
     """``check_cu_meta``, then the values (one device sync each on CUDA): (max_seqlen_q, max_seqlen_k), or
-    (None, None) for dense inputs."""
+    (None, None) for dense inputs. While ``torch.compile`` traces, the values are not read: (max_q, max_k) come
+    back as given, and the custom operator that runs the call checks the values when it runs."""
     check_cu_meta(cu_q, cu_k, q, k)
     if cu_q is None:
         return None, None
     for n, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ValueError(f"{n} must be None or an int >= 0, got {m!r}")
+    if torch.compiler.is_compiling():
+        return max_q, max_k
     cq, ck = cu_q.tolist(), cu_k.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
     lk = [b - a for a, b in zip(ck, ck[1:])]
@@ -238,8 +248,9 @@ def check_triton(d, device):
 
 def check_grad_args(grad_format, scales, grad_dtype, device):
     """``grad_format`` / ``scales`` / ``grad_dtype`` checked; returns the scales as (scale_dq, scale_dk, scale_dv) or
-    None. Scale values must be positive and finite (a zero scale gives scale_inv = inf): checked for CPU tensors;
-    for CUDA tensors that would be a device sync per call, so there the values are the caller's contract."""
+    None. Scale values must be positive and finite (a zero scale gives scale_inv = inf): checked for CPU tensors
+    (while ``torch.compile`` traces, by the custom operator when it runs); for CUDA tensors that would be a device
+    sync per call, so there the values are the caller's contract."""
     if grad_format not in GRAD_FORMATS:
         raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
     if grad_format is None and scales is not None:
@@ -266,12 +277,15 @@ def check_grad_args(grad_format, scales, grad_dtype, device):
                 raise ValueError(f"{n} must be a float32 tensor of shape (1,), got {s.dtype} {tuple(s.shape)}")
             if s.device != device:
                 raise ValueError(f"{n} is on {s.device} but q is on {device}")
-            if s.device.type == "cpu" and not bool(torch.isfinite(s).all() & (s > 0).all()):
+            if (s.device.type == "cpu" and not torch.compiler.is_compiling()
+                    and not bool(torch.isfinite(s).all() & (s > 0).all())):
                 raise ValueError(f"{n} must be positive and finite (dequantized = data / scale), got {s.item()!r}")
     return sc
 
 
 def check_grad_sink(grad_sink, grad_format):
+    """``grad_sink``: None, or a dict (with ``grad_format`` set) that the backward fills with the FP8 gradients;
+    NotImplementedError under ``torch.compile``, whose custom operators return tensors only."""
     if grad_sink is None:
         return
     if not isinstance(grad_sink, dict):
@@ -279,3 +293,7 @@ def check_grad_sink(grad_sink, grad_format):
                         f"got {type(grad_sink).__name__}")
     if grad_format is None:
         raise ValueError("grad_sink receives FP8 gradients: it needs grad_format='e4m3' or 'e5m2' (got None)")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("grad_sink is not supported under torch.compile: the backward's QuantizedTensors "
+                                  "cannot leave a custom operator (autograd still gets the dequantized gradients; "
+                                  "call without grad_sink, or run this call eagerly)")

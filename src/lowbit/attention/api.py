@@ -12,7 +12,10 @@ without running anything.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -34,9 +37,11 @@ from ._checks import (
     check_varlen,
     check_window,
     layout_of,
+    lse_shape,
+    shape4,
     triton_ok,
 )
-from .backward import attention_forward, attention_with_grad
+from .backward import OP_SCHEMA_OPTIONS, attention_forward, attention_with_grad
 from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups
 
@@ -284,6 +289,44 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     return out, lse
 
 
+def _keeps_out_lse(backend: str, qk: str, pv: str) -> bool:
+    """Whether the autograd forward keeps O and LSE for the fused backward: a 16-bit Triton forward computes them
+    anyway (the LSE costs one FP32 per query row); other forwards leave the backward to recompute them."""
+    return backend == "triton" and qk not in ("int8", "fp8") and pv == "native"
+
+
+@contextlib.contextmanager
+def _autograd_recording():
+    """``torch.enable_grad()`` that also records inside a custom operator's kernel, where the dispatcher has
+    switched autograd off (the reference backward differentiates the FP32 reference there too)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS), torch.enable_grad():
+        yield
+
+
+_AUTOGRAD_KEYS = functools.reduce(operator.or_, (torch._C.DispatchKeySet(k) for k in (
+    torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)))
+
+
+def _backward(g_out, q, k, v, out, lse, o, needs):
+    """(dq, dk, dv) of ``_AttentionFn`` for the forward's options ``o``; None where ``needs`` (q, k, v) is False.
+    ``out``/``lse``: the 16-bit Triton forward's (``_keeps_out_lse``), else None."""
+    fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if fused or o.get("grad") is not None:
+        return _fused_backward(q, k, v, g_out, o, needs, out=out, lse=lse, backend=None if fused else "reference")
+    with _autograd_recording():
+        qd, kd, vd = (t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs))
+        ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
+                                       window=o["window"], layout="bhsd" if o["layout"] == "thd" else o["layout"],
+                                       cu_seqlens_q=o["cu_q"], cu_seqlens_k=o["cu_k"])
+        ins = [t for t in (qd, kd, vd) if t.requires_grad]
+        grads = torch.autograd.grad(ref, ins, g_out.float().contiguous())
+    it = iter(grads)
+    return [next(it).to(t.dtype) if n else None for t, n in zip((q, k, v), needs)]
+
+
 class _AttentionFn(torch.autograd.Function):
     """Forward = the requested (possibly quantized) kernel.  Backward, straight-through for the
     quantizers (the gradient of 16-bit attention at the high-precision inputs):
@@ -294,13 +337,13 @@ class _AttentionFn(torch.autograd.Function):
     * with ``grad_format`` elsewhere: ``lowbit.attention.backward``'s reference backend (FP32 formulas, then the
       FP8 quantizer) on a recomputed FP32-reference forward;
     * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores).
-    ``opts["grad"]``: (grad_format, scales, grad_sink) — FP8 gradients, handed to autograd dequantized."""
+    ``opts["grad"]``: (grad_format, scales, grad_sink) — FP8 gradients, handed to autograd dequantized.
+    Under ``torch.compile`` the custom operators ``lowbit::attention_fwd`` / ``lowbit::attention_bwd`` run the
+    same two functions (``_forward``, ``_backward``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        # A 16-bit Triton forward already computes what the fused backward needs: keep its O and LSE
-        # (the LSE costs one FP32 per query row) instead of recomputing the forward in the backward.
-        keep = opts["backend"] == "triton" and opts["qk"] not in ("int8", "fp8") and opts["pv"] == "native"
+        keep = _keeps_out_lse(opts["backend"], opts["qk"], opts["pv"])
         fwd = {n: x for n, x in opts.items() if n != "grad"}
         out, lse = _forward(q, k, v, **dict(fwd, return_lse=opts["return_lse"] or keep))
         ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None)
@@ -313,26 +356,12 @@ class _AttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_lse=None):
         q, k, v, out, lse = ctx.saved_tensors
-        o = ctx.opts
-        fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        if fused or o.get("grad") is not None:
-            return (*_fused_backward(q, k, v, g_out, o, out=out, lse=lse, backend=None if fused else "reference"),
-                    None)
-        with torch.enable_grad():
-            qd, kd, vd = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
-            ref = _ref.attention_reference(qd, kd, vd, causal=o["causal"], softmax_scale=o["softmax_scale"],
-                                           window=o["window"], layout="bhsd" if o["layout"] == "thd" else o["layout"],
-                                           cu_seqlens_q=o["cu_q"], cu_seqlens_k=o["cu_k"])
-            ins = [t for t in (qd, kd, vd) if t.requires_grad]
-            grads = torch.autograd.grad(ref, ins, g_out.float())
-        it = iter(grads)
-        out = [next(it).to(t.dtype) if t.requires_grad else None for t in (qd, kd, vd)]
-        return out[0], out[1], out[2], None
+        return (*_backward(g_out, q, k, v, out, lse, ctx.opts, ctx.needs_input_grad[:3]), None)
 
 
-def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None, backend=None):
+def _fused_backward(q, k, v, g_out, o, needs, *, out=None, lse=None, backend=None):
     """(dq, dk, dv) by ``lowbit.attention.backward`` (the Triton flash backward; ``backend="reference"``: its FP32
-    formulas); None for inputs that need no gradient. ``out``/``lse``: the 16-bit forward's, when the forward kept
+    formulas); None where ``needs`` (q, k, v) is False. ``out``/``lse``: the 16-bit forward's, when the forward kept
     them; otherwise that forward is recomputed here. With ``o["grad"] = (grad_format, scales, grad_sink)`` the
     gradients are FP8 QuantizedTensors: put into ``grad_sink`` (a dict) and returned dequantized."""
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
@@ -346,7 +375,133 @@ def _fused_backward(q, k, v, g_out, o, *, out=None, lse=None, backend=None):
         if sink is not None:
             sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
         grads = [g.dequantize() for g in grads]
-    return [g.to(t.dtype) if t.requires_grad else None for g, t in zip(grads, (q, k, v))]
+    return [g.to(t.dtype) if n else None for g, t, n in zip(grads, (q, k, v), needs)]
+
+
+# ----------------------------------------------------------------------------- torch.compile: custom operators
+# Under torch.compile, ``attention`` and ``attention_qk_int8`` validate their arguments while tracing (shapes,
+# dtypes and devices only) and run through these operators, which call the functions the eager path calls, so both
+# give the same bits. Tensor values (cu_seqlens, CPU gradient scales) are checked when the operator runs.
+def _lse_or_empty(lse, q, want: bool) -> Tensor:
+    return lse.contiguous() if want else torch.empty(0, dtype=torch.float32, device=q.device)
+
+
+def _scales_of(scale_dq, scale_dk, scale_dv):
+    return None if scale_dq is None else (scale_dq, scale_dk, scale_dv)
+
+
+def _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, layout):
+    """The options ``attention`` hands ``_forward``/``_backward``, rebuilt from an operator's arguments (the
+    cu_seqlens values checked, the default softmax scale filled in)."""
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    return dict(causal=causal, softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale,
+                layout=layout, window=check_window(window), cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, mq=mq, mk=mk)
+
+
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {OP_SCHEMA_OPTIONS}, str layout, str qk, str pv, str granularity, "
+               "bool smooth_k, SymInt block_q, SymInt block_k, SymInt warp_q, str backend, bool return_lse, "
+               "str? grad_format) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("lowbit::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def attention_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv,
+                     causal, softmax_scale, window, layout, qk, pv, granularity, smooth_k, block_q, block_k, warp_q,
+                     backend, return_lse, grad_format):
+    """Attention forward with the Q·Kᵀ arithmetic ``qk`` and the resolved P·V arithmetic ``pv`` ("native" / "fp16" /
+    "fp8") on ``backend`` ("reference" / "triton" / "sdpa"): (out in q's dtype and ``layout`` ("thd" when packed),
+    contiguous; LSE fp32 natural log, (B, Hq, Sq) / (Hq, Tq), or an empty tensor when ``return_lse`` is False).
+    softmax_scale None: 1/sqrt(D). ``scale_d*`` / ``grad_format``: the backward's FP8 gradient options (the forward
+    only checks the scale values). Differentiable: the backward is ``lowbit::attention_bwd``."""
+    o = _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, layout)
+    if scale_dq is not None:
+        check_grad_args(grad_format, _scales_of(scale_dq, scale_dk, scale_dv), None, q.device)
+    out, lse = _forward(q, k, v, **o, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k,
+                        return_lse=return_lse, backend=backend, block_q=block_q, block_k=block_k, warp_q=warp_q)
+    return out.contiguous(), _lse_or_empty(lse, q, return_lse)
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv, causal,
+      softmax_scale, window, layout, qk, pv, granularity, smooth_k, block_q, block_k, warp_q, backend, return_lse,
+      grad_format):
+    lse = q.new_empty(lse_shape(q, layout) if return_lse else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+def _attention_fwd_setup(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, mq, mk, sdq, sdk, sdv, causal, softmax_scale, window, layout, qk, pv, _, _, _, _, _,
+     backend, return_lse, grad_format) = inputs
+    out, lse = output
+    keep = return_lse and _keeps_out_lse(backend, qk, pv)
+    ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None, cu_q, cu_k, sdq, sdk, sdv)
+    ctx.args = (mq, mk, causal, softmax_scale, window, layout, grad_format)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_fwd_backward(ctx, g_out, g_lse):
+    q, k, v, out, lse, cu_q, cu_k, sdq, sdk, sdv = ctx.saved_tensors
+    mq, mk, causal, softmax_scale, window, layout, grad_format = ctx.args
+    needs = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.lowbit.attention_bwd(g_out, q, k, v, out, lse, cu_q, cu_k, mq, mk, sdq, sdk, sdv, causal,
+                                           softmax_scale, window, layout, grad_format, needs)
+    return (*(g if n else None for g, n in zip(grads, needs)),) + (None,) * 21
+
+
+attention_fwd_op.register_autograd(_attention_fwd_backward, setup_context=_attention_fwd_setup)
+
+_BWD_SCHEMA = (f"(Tensor g_out, Tensor q, Tensor k, Tensor v, Tensor? out, Tensor? lse, {OP_SCHEMA_OPTIONS}, "
+               "str layout, str? grad_format, bool[] output_mask) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("lowbit::attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def attention_bwd_op(g_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq,
+                     scale_dk, scale_dv, causal, softmax_scale, window, layout, grad_format, output_mask):
+    """The gradient of 16-bit attention at q, k, v given dO = ``g_out`` (straight-through for a quantized forward):
+    (dq, dk, dv), each contiguous in its input's shape and dtype, or an empty tensor where ``output_mask`` is False.
+    ``out``/``lse``: the forward's when it kept them (else recomputed). CUDA float16/bfloat16 or ``grad_format``:
+    the fused flash backward (FP8 gradients quantized, then dequantized); otherwise autograd through the FP32
+    reference."""
+    o = _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, layout)
+    if grad_format is not None:
+        o["grad"] = (grad_format, _scales_of(scale_dq, scale_dk, scale_dv), None)
+    grads = _backward(g_out, q, k, v, out, lse, o, tuple(output_mask))
+    return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
+
+
+@attention_bwd_op.register_fake
+def _(g_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv,
+      causal, softmax_scale, window, layout, grad_format, output_mask):
+    return tuple(t.new_empty(t.shape if n else (0,)) for t, n in zip((q, k, v), output_mask))
+
+
+_QK_INT8_SCHEMA = ("(Tensor q_int8, Tensor k_int8, Tensor v, Tensor q_scale, Tensor k_scale, Tensor? k_mean, "
+                   "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, "
+                   "bool causal, str layout, str granularity, SymInt block_q, SymInt block_k, SymInt warp_q, str pv, "
+                   "SymInt[]? window, bool return_lse, str backend) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("lowbit::attention_qk_int8", mutates_args=(), schema=_QK_INT8_SCHEMA)
+def attention_qk_int8_op(q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, layout, granularity, block_q, block_k, warp_q, pv, window, return_lse,
+                         backend):
+    """Attention on pre-quantized INT8 Q/K (``attention_qk_int8``) with the resolved P·V arithmetic ``pv`` on
+    ``backend`` ("reference" / "triton"): (out in v's dtype, q's ``layout`` ("thd" when packed), contiguous; LSE
+    fp32 (B, Hq, Sq) / (Hq, Tq), or an empty tensor when ``return_lse`` is False). Not differentiable."""
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
+    if cu_seqlens_q is not None:
+        _check_qk_scales(q_int8, k_int8, q_scale, k_scale, layout, mq, mk, cu_seqlens_q, granularity, block_q,
+                         block_k, warp_q)
+    out, lse = _qk_int8_forward(q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, mq, mk,
+                                causal=causal, lay=layout, granularity=granularity, block_q=block_q, block_k=block_k,
+                                warp_q=warp_q, pv=pv, window=check_window(window), return_lse=return_lse, be=backend)
+    return out.contiguous(), _lse_or_empty(lse, q_int8, return_lse)
+
+
+@attention_qk_int8_op.register_fake
+def _(q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      layout, granularity, block_q, block_k, warp_q, pv, window, return_lse, backend):
+    lse = q_int8.new_empty(lse_shape(q_int8, layout) if return_lse else (0,), dtype=torch.float32)
+    return q_int8.new_empty(q_int8.shape, dtype=v.dtype), lse
 
 
 # ----------------------------------------------------------------------------- public entry points
@@ -408,11 +563,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     window = check_window(window)
     softmax_scale = check_softmax_scale(softmax_scale)
     dropout_p = check_dropout_p(dropout_p)
-    check_grad_args(grad_format, scales, None, q.device)
+    sc = check_grad_args(grad_format, scales, None, q.device)
     check_grad_sink(grad_sink, grad_format)
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)  # (as given when compiling)
     sixteen = qk in ("bf16", "fp16") and pv == "native"
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if dropout_p > 0.0 or (grad_format is not None and needs_grad and sixteen):
@@ -436,6 +591,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
                         dtype=q.dtype)
     if be != "reference" and q.dtype == torch.float32:
         raise TypeError(f"backend {be!r} needs float16/bfloat16 inputs, got float32")
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.lowbit.attention_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *(sc or (None, None, None)), causal, softmax_scale,
+            None if window is None else list(window), lay, qk, pv, granularity, smooth_k, block_q, block_k, warp_q, be,
+            return_lse or (needs_grad and _keeps_out_lse(be, qk, pv)), grad_format)
+        return (out, lse) if return_lse else out
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     opts = dict(causal=bool(causal), softmax_scale=float(softmax_scale), layout=lay, qk=qk, pv=pv,
@@ -486,6 +647,41 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     window = check_window(window)
     mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q_int8, k_int8, max_seqlen_q, max_seqlen_k)
     if varlen:
+        B = cu_seqlens_q.numel() - 1
+    if not varlen or (mq is not None and mk is not None):  # (compiling with max_seqlen None: the operator checks)
+        _check_qk_scales(q_int8, k_int8, q_scale, k_scale, lay, mq, mk, cu_seqlens_q, granularity, block_q, block_k,
+                         warp_q)
+    if k_mean is not None:
+        check_tensor("k_mean", k_mean)
+        if k_mean.dtype != torch.float32 or tuple(k_mean.shape) != (B, Hkv, 1, D):
+            raise ValueError(f"k_mean must be float32 of shape {(B, Hkv, 1, D)}, got {k_mean.dtype} "
+                             f"{tuple(k_mean.shape)}")
+    be = backend or ("triton" if q_int8.is_cuda else "reference")
+    if be not in ("reference", "triton"):
+        raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
+    if be == "triton":
+        check_triton(D, q_int8.device)
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and v.requires_grad:
+            raise NotImplementedError("attention_qk_int8 under torch.compile is not differentiable (its custom "
+                                      "operator has no backward): v requires grad; detach v or run it eagerly")
+        out, lse = torch.ops.lowbit.attention_qk_int8(
+            q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, mq, mk, causal, lay, granularity,
+            block_q, block_k, warp_q, pv, None if window is None else list(window), return_lse, be)
+    else:
+        out, lse = _qk_int8_forward(q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, mq, mk,
+                                    causal=causal, lay=lay, granularity=granularity, block_q=block_q, block_k=block_k,
+                                    warp_q=warp_q, pv=pv, window=window, return_lse=return_lse, be=be)
+    return (out, lse) if return_lse else out
+
+
+def _check_qk_scales(q_int8, k_int8, q_scale, k_scale, lay, mq, mk, cu_seqlens_q, granularity, block_q, block_k,
+                     warp_q):
+    """q_scale / k_scale: float32, one scale per quantization group of q_int8 / k_int8 (varlen: of
+    max_seqlen_q/k = ``mq``/``mk``, per sequence), on q_int8's device."""
+    B, Hq, Sq, D = shape4("q_int8", q_int8, lay)
+    _, Hkv, Sk, _ = shape4("k_int8", k_int8, lay)
+    if cu_seqlens_q is not None:
         B, Sq, Sk = cu_seqlens_q.numel() - 1, mq, mk
     exp_q = (B, Hq, n_q_groups(Sq, granularity, block_q, warp_q))
     exp_k = (B, Hkv, -(-Sk // block_k))
@@ -498,15 +694,13 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
             raise ValueError(f"{n} shape mismatch: expected {exp} for {detail}, got {tuple(s.shape)}")
         if s.device != q_int8.device:
             raise ValueError(f"{n} is on {s.device} but q_int8 is on {q_int8.device}")
-    if k_mean is not None:
-        check_tensor("k_mean", k_mean)
-        if k_mean.dtype != torch.float32 or tuple(k_mean.shape) != (B, Hkv, 1, D):
-            raise ValueError(f"k_mean must be float32 of shape {(B, Hkv, 1, D)}, got {k_mean.dtype} "
-                             f"{tuple(k_mean.shape)}")
+
+
+def _qk_int8_forward(q_int8, k_int8, v, q_scale, k_scale, k_mean, cu_seqlens_q, cu_seqlens_k, mq, mk, *, causal, lay,
+                     granularity, block_q, block_k, warp_q, pv, window, return_lse, be):
+    """(out, LSE or None) of ``attention_qk_int8`` once its arguments are checked (``pv`` resolved, ``lay`` the
+    call's layout, ``be`` "reference" / "triton")."""
     rows = warp_q if granularity == "per_warp" else block_q
-    be = backend or ("triton" if q_int8.is_cuda else "reference")
-    if be not in ("reference", "triton"):
-        raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
     lay2 = "bhsd" if lay == "thd" else lay
     if be == "reference":
         va, vs = quantize_v_operand(pv, v, lay2, cu_seqlens_k, None, "reference")
@@ -514,18 +708,15 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
             q_int8, k_int8, va, q_scale, k_scale, v_scale=vs, k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k,
             causal=causal, window=window, layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             return_lse=True)
-        out = out.to(v.dtype)
-    else:
-        from . import _triton
-        check_triton(D, q_int8.device)
-        kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
-        order = (_triton.fp8_v_key_order(q_int8, k_int8, layout=lay2, varlen=cu_seqlens_q is not None,
-                                         causal=causal, window=window, k_scale_rows=block_k)
-                 if pv == "fp8" else "natural")
-        va, vs = quantize_v_operand(pv, v, lay2, cu_seqlens_k, mk, "triton", key_order=order)
-        res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
-                                           k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
-                                           window=window, return_lse=return_lse, out_dtype=v.dtype,
-                                           v_key_order=order, **kw)
-        out, lse = res if return_lse else (res, None)
-    return (out, lse) if return_lse else out
+        return out.to(v.dtype), lse
+    from . import _triton
+    kw = dict(layout=lay2, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
+    order = (_triton.fp8_v_key_order(q_int8, k_int8, layout=lay2, varlen=cu_seqlens_q is not None,
+                                     causal=causal, window=window, k_scale_rows=block_k)
+             if pv == "fp8" else "natural")
+    va, vs = quantize_v_operand(pv, v, lay2, cu_seqlens_k, mk, "triton", key_order=order)
+    res = _triton.attention_fwd_triton(q_int8, k_int8, va, q_scale=q_scale, k_scale=k_scale, v_scale=vs,
+                                       k_mean=k_mean, q_scale_rows=rows, k_scale_rows=block_k, causal=causal,
+                                       window=window, return_lse=return_lse, out_dtype=v.dtype,
+                                       v_key_order=order, **kw)
+    return res if return_lse else (res, None)

@@ -53,6 +53,7 @@ from ._checks import (
     check_triton,
     check_varlen,
     check_window,
+    lse_shape,
     row_views,
     shape4,
     triton_ok,
@@ -67,6 +68,7 @@ __all__ = [
     "AttentionFunction",
     "attention_with_grad",
     "GRAD_FORMATS",
+    "OP_SCHEMA_OPTIONS",
 ]
 
 _FMT = {"e4m3": (1, 448.0, torch.float8_e4m3fn), "e5m2": (2, 57344.0, torch.float8_e5m2)}
@@ -415,6 +417,39 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     return o, lse
 
 
+_FWD_KEYS = ("causal", "softmax_scale", "window", "dropout_p", "seed", "offset", "layout", "cu_seqlens_q",
+             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "backend")
+
+
+def _with_seed(opts: dict) -> dict:
+    """``opts`` with a Philox seed drawn from torch's default generator when dropout has none."""
+    o = dict(opts)
+    if o.get("dropout_p", 0.0) > 0.0 and o.get("seed") is None:
+        o["seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())
+    return o
+
+
+def _forward_kw(o: dict) -> dict:
+    """The ``attention_forward`` keywords of ``AttentionFunction``'s options (those that are set)."""
+    return {n: o[n] for n in _FWD_KEYS if o.get(n) is not None}
+
+
+def _backward_with_opts(g_out, q, k, v, out, lse, o: dict):
+    """(dq, dk, dv) of ``AttentionFunction`` for its options ``o`` (seed drawn): ``backward``, FP8 gradients put
+    into ``o["grad_sink"]`` (a dict) and returned dequantized."""
+    kw = _forward_kw(o)
+    if kw.get("layout") is None or kw.get("cu_seqlens_q") is not None:
+        kw["layout"] = "thd" if kw.get("cu_seqlens_q") is not None else "bhsd"
+    grads = backward(g_out.contiguous(), q, k, v, out, lse, grad_format=o.get("grad_format"),
+                     scales=o.get("scales"), config=o.get("config"), **kw)
+    sink = o.get("grad_sink")
+    if o.get("grad_format") is not None:
+        if isinstance(sink, dict):
+            sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
+        grads = tuple(g.dequantize() for g in grads)
+    return grads
+
+
 class AttentionFunction(torch.autograd.Function):
     """Differentiable 16-bit attention: ``attention_forward`` + this module's ``backward``.
 
@@ -424,38 +459,112 @@ class AttentionFunction(torch.autograd.Function):
     ``QuantizedTensor`` s themselves are stored there under "dq", "dk", "dv" so a QKV projection's
     dgrad/wgrad GEMMs can consume them without re-quantizing.  Forwards that quantize Q/K/V
     (INT8/FP8) should save their high-precision inputs and call this backward: it runs in BF16.
+    Under ``torch.compile`` the custom operators ``lowbit::attention16_fwd`` / ``lowbit::attention16_bwd`` run the
+    same functions.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        o = dict(opts)
-        if o.get("dropout_p", 0.0) > 0.0 and o.get("seed") is None:
-            o["seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())
-        fwd_kw = {n: o.get(n) for n in ("causal", "softmax_scale", "window", "dropout_p", "seed", "offset", "layout",
-                                        "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "backend")}
-        fwd_kw = {n: val for n, val in fwd_kw.items() if val is not None}
-        out, lse = attention_forward(q, k, v, **fwd_kw)
+        o = _with_seed(opts)
+        out, lse = attention_forward(q, k, v, **_forward_kw(o))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = o
-        ctx.fwd_kw = fwd_kw
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, g_out, g_lse=None):
         q, k, v, out, lse = ctx.saved_tensors
-        o = ctx.opts
-        kw = dict(ctx.fwd_kw)
-        if kw.get("layout") is None or kw.get("cu_seqlens_q") is not None:
-            kw["layout"] = "thd" if kw.get("cu_seqlens_q") is not None else "bhsd"
-        grads = backward(g_out.contiguous(), q, k, v, out, lse, grad_format=o.get("grad_format"),
-                         scales=o.get("scales"), config=o.get("config"), **kw)
-        sink = o.get("grad_sink")
-        if o.get("grad_format") is not None:
-            if isinstance(sink, dict):
-                sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
-            grads = tuple(g.dequantize() for g in grads)
+        grads = _backward_with_opts(g_out, q, k, v, out, lse, ctx.opts)
         return grads[0], grads[1], grads[2], None
+
+
+# ---------------------------------------------------------------------------- torch.compile: custom operators
+def _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv, causal,
+             softmax_scale, window, dropout_p, seed, offset, layout, backend, grad_format) -> dict:
+    """``AttentionFunction``'s options rebuilt from an operator's arguments (the cu_seqlens values checked)."""
+    mq, mk = check_varlen(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    return dict(causal=causal, softmax_scale=softmax_scale, window=check_window(window),
+                dropout_p=dropout_p, seed=seed, offset=offset, layout=layout, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk, grad_format=grad_format,
+                scales=None if scale_dq is None else (scale_dq, scale_dk, scale_dv), backend=backend)
+
+
+OP_SCHEMA_OPTIONS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, "
+                     "Tensor? scale_dq, Tensor? scale_dk, Tensor? scale_dv, bool causal, float? softmax_scale, "
+                     "SymInt[]? window")
+"""The arguments the attention operators take after their tensors, in their schemas: varlen metadata (max_seqlen
+None: from cu_seqlens), the backward's per-tensor FP8 gradient scales, the mask, the softmax scale (None:
+1/sqrt(D))."""
+_FWD16_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {OP_SCHEMA_OPTIONS}, float dropout_p, SymInt? seed, SymInt offset, "
+                 "str layout, str? backend, str? grad_format) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("lowbit::attention16_fwd", mutates_args=(), schema=_FWD16_SCHEMA)
+def attention16_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv,
+                       causal, softmax_scale, window, dropout_p, seed, offset, layout, backend, grad_format):
+    """16-bit attention forward with Philox dropout (``attention_forward``): (out in q's dtype and layout,
+    contiguous; LSE fp32 (B, Hq, Sq) / (Hq, Tq); the dropout seed, int64 (1,) on the CPU — drawn from torch's
+    default generator when ``seed`` is None — or an empty tensor without dropout). ``layout`` "thd" when packed.
+    ``scale_d*`` / ``grad_format``: the backward's FP8 gradient options (the forward only checks the scale values).
+    Differentiable: the backward is ``lowbit::attention16_bwd``."""
+    o = _with_seed(_op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk,
+                            scale_dv, causal, softmax_scale, window, dropout_p, seed, offset, layout, backend,
+                            grad_format))
+    check_grad_args(grad_format, o["scales"], None, q.device)
+    out, lse = attention_forward(q, k, v, **_forward_kw(o))
+    seed_t = torch.tensor([o["seed"]] if dropout_p > 0.0 else [], dtype=torch.int64)
+    return out.contiguous(), lse.contiguous(), seed_t
+
+
+@attention16_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv, causal,
+      softmax_scale, window, dropout_p, seed, offset, layout, backend, grad_format):
+    seed_t = torch.empty(1 if dropout_p > 0.0 else 0, dtype=torch.int64, device="cpu")
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, layout), dtype=torch.float32), seed_t
+
+
+def _attention16_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, mq, mk, sdq, sdk, sdv = inputs[:10]
+    out, lse, seed_t = output
+    ctx.save_for_backward(q, k, v, out, lse, seed_t, cu_q, cu_k, sdq, sdk, sdv)
+    ctx.args = (mq, mk) + tuple(inputs[10:])
+    ctx.mark_non_differentiable(lse, seed_t)
+
+
+def _attention16_backward(ctx, g_out, g_lse, g_seed):
+    q, k, v, out, lse, seed_t, cu_q, cu_k, sdq, sdk, sdv = ctx.saved_tensors
+    mq, mk, *rest = ctx.args
+    grads = torch.ops.lowbit.attention16_bwd(g_out, q, k, v, out, lse, seed_t, cu_q, cu_k, mq, mk, sdq, sdk, sdv,
+                                             *rest)
+    return (*grads,) + (None,) * 16
+
+
+attention16_fwd_op.register_autograd(_attention16_backward, setup_context=_attention16_setup)
+
+_BWD16_SCHEMA = ("(Tensor g_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seed, "
+                 f"{OP_SCHEMA_OPTIONS}, float dropout_p, SymInt? seed_arg, SymInt offset, str layout, str? backend, "
+                 "str? grad_format) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("lowbit::attention16_bwd", mutates_args=(), schema=_BWD16_SCHEMA)
+def attention16_bwd_op(g_out, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale_dq, scale_dk, scale_dv, causal, softmax_scale, window, dropout_p, seed_arg, offset,
+                       layout, backend, grad_format):
+    """The flash-attention backward of ``lowbit::attention16_fwd`` (``backward``, with the forward's O, LSE and
+    dropout ``seed`` tensor): (dq, dk, dv) in q's dtype, each contiguous in its input's shape; with ``grad_format``
+    quantized to FP8 in the kernel epilogue and returned dequantized (in q's dtype, as autograd hands them on).
+    ``seed_arg``: the forward's ``seed`` argument (unused: ``seed`` holds the one the forward ran)."""
+    o = _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv, causal,
+                 softmax_scale, window, dropout_p, int(seed.item()) if seed.numel() else None, offset, layout, backend,
+                 grad_format)
+    return tuple(g.to(q.dtype).contiguous() for g in _backward_with_opts(g_out, q, k, v, out, lse, o))
+
+
+@attention16_bwd_op.register_fake
+def _(g_out, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk,
+      scale_dv, causal, softmax_scale, window, dropout_p, seed_arg, offset, layout, backend, grad_format):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
 def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -473,8 +582,14 @@ def attention_with_grad(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False
     """
     check_dropout(dropout_p, seed if seed is not None else 0)
     check_tensor("q", q)
-    check_grad_args(grad_format, scales, None, q.device)
+    sc = check_grad_args(grad_format, scales, None, q.device)
     check_grad_sink(grad_sink, grad_format)
+    if torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.lowbit.attention16_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *(sc or (None, None, None)), causal,
+            softmax_scale, None if window is None else list(window), float(dropout_p), seed, offset,
+            "thd" if cu_seqlens_q is not None else layout, backend, grad_format)
+        return (out, lse) if return_lse else out
     opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, dropout_p=float(dropout_p), seed=seed,
                 offset=offset, layout="thd" if cu_seqlens_q is not None else layout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
