@@ -54,6 +54,8 @@ MODULES = {
     "rmsnorm_linear": lambda: lowbit.nn.LayerNormLinear(64, 96, normalization="RMSNorm"),
     "mlp_gelu": lambda: lowbit.nn.LayerNormMLP(64, 160),
     "mlp_swiglu": lambda: lowbit.nn.LayerNormMLP(64, 128, normalization="RMSNorm", activation="swiglu", bias=False),
+    # (eager without the FP8 gradient hand-off, which a compiled graph does not make: see the GUIDE)
+    "multihead_attention": lambda: lowbit.nn.MultiheadAttention(64, 4, normalization="RMSNorm", fp8_grad_handoff=False),
 }
 
 

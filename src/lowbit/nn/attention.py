@@ -99,7 +99,8 @@ class MultiheadAttention(torch.nn.Module):
         if rotary_pos_emb is not None:
             q, k = (_rotate(t, rotary_pos_emb, S, d) for t in (q, k))
         dropout_p = self.attention_dropout if self.training else 0.0
-        handoff = self._handoff_scale(x) if torch.is_grad_enabled() else None
+        # (no hand-off under torch.compile: the QuantizedTensors cannot leave the attention operator; same bits)
+        handoff = self._handoff_scale(x) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else None
         grad = {}
         if handoff is not None:  # the backward writes FP8 dQ/dK/dV with the projection's scale, handed to its GEMMs
             layer, fmt, scale = handoff
