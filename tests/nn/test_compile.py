@@ -228,3 +228,29 @@ def test_gpu_reduce_overhead_refuses_delayed_scaling():
         for _ in range(3):
             with lowbit.autocast(recipe=from_name("fp8-delayed")):
                 m(x).sum().backward()
+
+
+def test_per_block_compile_shares_one_graph(monkeypatch):
+    """The torchtitan pattern, each decoder block compiled on its own: the blocks share one graph (the layers' state
+    is found from their weights at run time, nothing per layer is guarded), so N blocks do not recompile N times."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    lowbit.convert(model, skip=["lm_head"])
+    ref = copy.deepcopy(model)
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(block, backend="aot_eager")
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    ids = torch.randint(0, 128, (2, 32))
+
+    def step(m):
+        with lowbit.autocast(recipe=from_name("fp8-block")):
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    _check_same([step(ref)], [step(model)])
