@@ -673,6 +673,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_dims(layer, recipe, x, weight)
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
+        _no_link_when_compiling(norm_link)
         return _compiled_linear(x, weight, bias, norm_weight, cfg, st.key)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
@@ -873,6 +874,14 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _no_link_when_compiling(norm_link) -> None:
+    """A norm link hands the norm's gradient to the residual add's backward outside autograd: no operator can carry
+    it, so a compiled graph must not be given one (``lowbit.ops.residual_add`` makes none under torch.compile)."""
+    if norm_link is not None:
+        raise NotImplementedError("norm_link: a NormGradLink cannot cross torch.compile's operators; under "
+                                  "torch.compile call without it (lowbit.ops.residual_add returns none there)")
+
+
 def _linked_rstd(norm_eps, norm_rstd, norm_link):
     """(norm_rstd, norm_link) for a Function's config: both None where the norm is not fused (it ran first, with
     the link if any); a link's rstd replaces the given one (the backward must use the statistics of the forward)."""
@@ -1013,6 +1022,7 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     _check_dims(layer1, recipe, x, w1)
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
+        _no_link_when_compiling(norm_link)
         return _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1, st.key)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
