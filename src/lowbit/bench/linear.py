@@ -11,8 +11,10 @@ For each (M, K, N) — M tokens, K in_features, N out_features — it times, in 
 
 Timing is the median of ``triton.testing.do_bench`` on CUDA (gradients reset to None each rep, for
 every contender alike). All Linears are bias-free (torchao's blockwise Linear takes no bias).
-FLOPs per fwd+bwd = 6·M·K·N. ``--device cpu`` with tiny shapes runs the references (a smoke test,
-not a benchmark).
+FLOPs per fwd+bwd = 6·M·K·N. **host ms**: the time to enqueue one forward + backward, from back-to-back calls
+without a synchronize (:func:`host_ms`); **host × BF16** its ratio to the BF16 Linear's (the eager-overhead target
+is at most 1.5): run it at a shape the GPU finishes faster than the host enqueues (e.g. ``4096x1024x1024``).
+``--device cpu`` with tiny shapes runs the references (a smoke test, not a benchmark).
 
 Usage: ``python -m lowbit.bench.linear [--shapes 16384x4096x4096,16384x4096x14336] [--recipes ...]``
 """
@@ -32,7 +34,7 @@ from ..recipes import QUANTIZED_NAMES
 DEFAULT_SHAPES = "16384x4096x4096,16384x4096x14336"
 DEFAULT_RECIPES = ",".join(QUANTIZED_NAMES)
 
-__all__ = ["main", "bench_shape"]
+__all__ = ["main", "bench_shape", "host_ms"]
 
 
 def _parse_shapes(s: str):
@@ -86,6 +88,28 @@ def _timer(device: torch.device, warmup: int, rep: int):
         return statistics.median(times)
 
     return t
+
+
+def host_ms(fn, grads=(), n: int = 50, device: torch.device | None = None) -> float:
+    """Host time (ms) to enqueue one ``fn()`` — a forward + backward — measured over ``n`` back-to-back calls with no
+    synchronize between them (after a warm-up): the time Python and the launch path take, which a GPU faster than
+    the host cannot hide. On a GPU slower than the host this is the GPU time instead (the launch queue fills)."""
+    def run():
+        for g in grads:
+            g.grad = None
+        fn()
+
+    for _ in range(3):
+        run()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    t1 = time.perf_counter()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (t1 - t0) * 1e3 / n
 
 
 def _fwd_bwd(module, x, dy, ctx=None):
@@ -167,7 +191,8 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
     rows = []
     base = make_linear()
     t_bf16 = timer(_fwd_bwd(base, x, dy), [x, base.weight])
-    rows.append(dict(name=f"torch.nn.Linear {str(dtype).replace('torch.', '')}", ms=t_bf16))
+    rows.append(dict(name=f"torch.nn.Linear {str(dtype).replace('torch.', '')}", ms=t_bf16,
+                     host_ms=host_ms(_fwd_bwd(base, x, dy), [x, base.weight], device=device)))
     for rn in recipe_names:
         recipe = recipes.from_name(rn)
         if recipe is None:
@@ -179,7 +204,7 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
         except (NotImplementedError, ValueError) as e:
             rows.append(dict(name=f"lowbit {rn}", ms=float("nan"), note=f"{type(e).__name__}: {e}"))
             continue
-        row = dict(name=f"lowbit {rn}", ms=t)
+        row = dict(name=f"lowbit {rn}", ms=t, host_ms=host_ms(_fwd_bwd(m, x, dy, ctx), [x, m.weight], device=device))
         if split:
             row["parts"] = _split(recipe, x.detach(), m.weight.detach(), dy, timer)
         rows.append(row)
@@ -187,7 +212,8 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
         for name, mod in _torchao_contenders(make_linear, device):
             try:
                 w = next(mod.parameters())
-                rows.append(dict(name=name, ms=timer(_fwd_bwd(mod, x, dy), [x, w])))
+                rows.append(dict(name=name, ms=timer(_fwd_bwd(mod, x, dy), [x, w]),
+                                 host_ms=host_ms(_fwd_bwd(mod, x, dy), [x, w], device=device)))
             except Exception as e:  # noqa: BLE001 - report and go on
                 rows.append(dict(name=name, ms=float("nan"), note=f"{type(e).__name__}: {e}"))
     for r in rows:
@@ -198,9 +224,10 @@ def bench_shape(M, K, N, recipe_names, *, device, dtype=torch.bfloat16, warmup=2
 
 def _format(M, K, N, rows) -> str:
     lines = [f"### Linear fwd+bwd, (M, K, N) = ({M}, {K}, {N})", "",
-             "| contender | ms | × BF16 | TFLOP/s | quantize ms (x / w / dy) | GEMM ms (fprop / dgrad / "
-             "wgrad) | note |",
-             "|---|---|---|---|---|---|---|"]
+             "| contender | ms | × BF16 | TFLOP/s | host ms | host × BF16 | quantize ms (x / w / dy) | GEMM ms "
+             "(fprop / dgrad / wgrad) | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base_host = rows[0].get("host_ms", float("nan")) if rows else float("nan")
     for r in rows:
         p = r.get("parts")
         q = g = ""
@@ -208,8 +235,9 @@ def _format(M, K, N, rows) -> str:
             q = (f"{p['quant x'] + p['quant w'] + p['quant dy']:.3f} "
                  f"({p['quant x']:.3f} / {p['quant w']:.3f} / {p['quant dy']:.3f})")
             g = f"{p['fprop'] + p['dgrad'] + p['wgrad']:.3f} ({p['fprop']:.3f} / {p['dgrad']:.3f} / {p['wgrad']:.3f})"
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {q} | {g} | "
-                     f"{r.get('note', '')} |")
+        h = r.get("host_ms", float("nan"))
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['speedup']:.2f} | {r['tflops']:.1f} | {h:.3f} | "
+                     f"{h / base_host:.2f} | {q} | {g} | {r.get('note', '')} |")
     return "\n".join(lines)
 
 
