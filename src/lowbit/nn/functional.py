@@ -331,6 +331,8 @@ def layer_of(w: torch.Tensor) -> GemmLayer:
     for g in list(_LAYERS):
         gw = g.weight()
         if isinstance(gw, torch.Tensor) and gw.data_ptr() == ptr and gw.shape == w.shape:
+            if len(_BY_PTR) > 4096:  # (weights gathered into fresh memory each step, e.g. FSDP2: bounded)
+                _BY_PTR.clear()
             _BY_PTR[ptr] = weakref.ref(g)
             return g
     g = _ANON.get((ptr, tuple(w.shape)))
