@@ -168,6 +168,43 @@ def test_compiled_converted_hf_model_smoke():
     _check_same([eager], [compiled])
 
 
+def check_fused_paths():
+    """Under Triton's interpreter the fused kernels run on the CPU: the RMSNorm fused into the input quantizer and
+    SwiGLU fused into fc2's (1x128 blockwise, bfloat16 autocast). Compiled (full graph) equals eager, and the fused
+    SwiGLU operator is what ran."""
+    import importlib
+
+    sw = importlib.import_module("lowbit.ops.swiglu")  # (the module: lowbit.ops.swiglu is also the function)
+    calls = []
+    orig = sw.swiglu_quantize_1x128
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    sw.swiglu_quantize_1x128 = spy
+    rec = from_name("fp8-block")
+    for make in (lambda: lowbit.nn.LayerNormMLP(128, 128, normalization="RMSNorm", activation="swiglu", bias=False),
+                 lambda: lowbit.nn.LayerNormLinear(128, 256, normalization="RMSNorm", bias=False)):
+        torch.compiler.reset()
+        torch.manual_seed(0)
+        base = make()
+        x = torch.randn(2, 64, 128, requires_grad=True)
+        eager = _run(copy.deepcopy(base), x, rec, autocast_dtype=torch.bfloat16)
+        compiled = _run(torch.compile(copy.deepcopy(base), backend="aot_eager", fullgraph=True), x, rec,
+                        autocast_dtype=torch.bfloat16)
+        _check_same(eager, compiled)
+    assert len(calls) == 4, calls  # the MLP's two steps, eager and compiled
+    print("ok")
+
+
+def test_fused_paths_interpreter_subprocess():
+    pytest.importorskip("triton")
+    from interp_helper import run_interpreted
+
+    run_interpreted(__file__, "check_fused_paths()", 1200)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: inductor
 # ------------------------------------------------------------------------------------------------
