@@ -26,6 +26,7 @@ LAYERS = {
     "recipes": 4,
     "distributed": 4,
     "nn": 5,
+    "integrations": 5.5,  # lowbit inside other libraries (transformers): built on nn and attention
     "optim": 6,
     "models": 7,
     "train": 8,

@@ -14,6 +14,7 @@ from .api import (
     quantize_v_fp16,
     select_backend,
 )
+from .config import AttentionConfig, CallStats
 from .reference import (
     QKQuantized,
     attention_prequantized_reference,
@@ -22,6 +23,7 @@ from .reference import (
     quantize_qk_reference,
     quantize_v_fp8_reference,
 )
+from .sdpa_override import SDPAOverride, sdpa_override
 
 __all__ = [
     "attention",
@@ -39,6 +41,10 @@ __all__ = [
     "attention_prequantized_reference",
     "quantize_qk_reference",
     "quantize_v_fp8_reference",
+    "AttentionConfig",
+    "CallStats",
+    "sdpa_override",
+    "SDPAOverride",
 ]
 
 

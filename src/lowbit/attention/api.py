@@ -45,8 +45,11 @@ from .backward import OP_SCHEMA_OPTIONS, attention_forward, attention_with_grad
 from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups
 
-_QK = ("bf16", "fp16", "int8", "fp8")
-_PV = ("auto", "bf16", "fp16", "fp8")
+QK_MODES = ("bf16", "fp16", "int8", "fp8")
+"""The ``qk`` values of ``attention``: the Q·Kᵀ arithmetic."""
+PV_MODES = ("auto", "bf16", "fp16", "fp8")
+"""The ``pv`` values of ``attention``: the P·V arithmetic (``resolve_pv``)."""
+_QK, _PV = QK_MODES, PV_MODES
 # What pv="auto" means for quantized Q·Kᵀ ("int8"/"fp8") on BF16 inputs. "fp16" is the more accurate choice (P keeps
 # 11 significant bits); it becomes the default once measured end to end at least as fast as "bf16" (the V
 # conversion adds one pass over V).
