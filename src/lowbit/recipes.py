@@ -119,6 +119,19 @@ class Recipe:
                             + ", ".join(c.__name__ for c in _concrete()) + " (lowbit.recipes)")
         return super().__new__(cls)
 
+    def __post_init__(self):
+        self._check_fields()
+        # the role table built with the recipe: torch.compile, tracing a first role() call, would otherwise insert
+        # into _ROLE_CACHE, and Dynamo cannot guard a dict keyed by recipes
+        self._cached_roles()
+
+    def __setstate__(self, state):  # (unpickled: no __post_init__)
+        self.__dict__.update(state)
+        self._cached_roles()
+
+    def _check_fields(self):
+        """Raise on invalid field values (each recipe checks its own)."""
+
     def role(self, role: str) -> RoleQuant:
         """The :class:`RoleQuant` of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
         if role not in ROLES:
@@ -187,7 +200,7 @@ class DelayedScaling(Recipe):
 
     name = "fp8-delayed"
 
-    def __post_init__(self):
+    def _check_fields(self):
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"margin: expected an int >= 0, got {self.margin!r}")
         if self.margin > MAX_MARGIN:
@@ -229,7 +242,7 @@ class Float8CurrentScaling(Recipe):
 
     name = "fp8-current"
 
-    def __post_init__(self):
+    def _check_fields(self):
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
 
     def _roles(self):
@@ -267,7 +280,7 @@ class Float8BlockScaling(Recipe):
 
     name = "fp8-block"
 
-    def __post_init__(self):
+    def _check_fields(self):
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
         _check_bool("pow2_scales", self.pow2_scales)
         dims = {}
@@ -314,7 +327,7 @@ class MXFP8BlockScaling(Recipe):
 
     name = "mxfp8"
 
-    def __post_init__(self):
+    def _check_fields(self):
         _check_format("fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
 
     def _roles(self):
@@ -350,7 +363,7 @@ class NVFP4BlockScaling(Recipe):
 
     name = "nvfp4"
 
-    def __post_init__(self):
+    def _check_fields(self):
         for n in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
             _check_bool(n, getattr(self, n))
 

@@ -1235,8 +1235,10 @@ def rope_grad_sink(module):
     (:func:`lowbit.ops.rope.rope_backward_quantize_1x128`: the 16-bit dqkv is never written), hands the quantized
     gradient to the module's GEMM layer and returns the stand-in autograd delivers in its place
     (:meth:`GemmLayer.offer_grad_output`); where the kernel cannot take the gradients (shapes, dtypes, device) it
-    returns None and the backward runs unfused. Call it in the forward, where the recipe is known."""
-    if not _fused_rope_bwd() or not torch.is_grad_enabled():
+    returns None and the backward runs unfused. Call it in the forward, where the recipe is known. None inside
+    torch.compile: the hand-off cannot cross between operators (``lowbit::rope_qkv_backward`` computes dqkv, and the
+    projection quantizes it: the same bits)."""
+    if not _fused_rope_bwd() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     st = _ac.get_state()
     if not st.enabled or st.recipe is None:

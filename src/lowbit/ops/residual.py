@@ -27,6 +27,8 @@ in FP32 (per-row sums in the kernel's order, the weight gradient as per-program 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..runtime import env
@@ -35,8 +37,8 @@ from ..runtime.device import INTERPRET, num_sms
 from ..runtime.log import declined
 from .norm_quant import rms_norm_backward, rmsnorm_rstd_reference, row_reduce_configs
 
-__all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "NormGradLink", "rms_norm_linked",
-           "norm_residual_backward", "norm_residual_backward_reference"]
+__all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "residual_add_op", "NormGradLink",
+           "rms_norm_linked", "norm_residual_backward", "norm_residual_backward_reference"]
 
 try:
     import triton
@@ -385,11 +387,68 @@ class _LinkedRMSNorm(torch.autograd.Function):
 def rms_norm_linked(x: torch.Tensor, weight: torch.Tensor, eps: float, link: NormGradLink | None) -> torch.Tensor:
     """``F.rms_norm(x, (K,), weight, eps)`` (the same forward bits, torch's kernel), whose backward runs inside the
     residual add that made ``link`` (checked to belong to x, weight and eps); without a link (or without torch's
-    ``_fused_rms_norm``), plain ``F.rms_norm``."""
-    if link is None or not hasattr(torch.ops.aten, "_fused_rms_norm"):
+    ``_fused_rms_norm``, or inside torch.compile, where the link cannot cross between operators), plain
+    ``F.rms_norm``, which computes the same gradient itself."""
+    if link is None or not hasattr(torch.ops.aten, "_fused_rms_norm") or torch.compiler.is_compiling():
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     link.check(x, weight, eps)
     return _LinkedRMSNorm.apply(x, weight, float(eps), link)
+
+
+# ------------------------------------------------------------------------------------------------
+# residual_add as a torch.library operator: what torch.compile traces (eager calls run _ResidualAdd)
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("lowbit::residual_add", mutates_args=())
+def residual_add_op(x: torch.Tensor, y: torch.Tensor, rms_eps: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out = x + y`` (x float32, y float32 / bfloat16 / float16 of x's shape; FP32, one rounding) as a new
+    contiguous float32 tensor, and with ``rms_eps`` the RMSNorm statistics rstd (M,) float32 of out's rows for that
+    epsilon (else an empty (0,) float32 tensor). The kernel where :func:`residual_add_supported`, the bits
+    :func:`residual_add` computes there; elsewhere torch's ``x + y`` and :func:`rmsnorm_rstd_reference`.
+    Differentiable in x and y (dx = d out, dy = d out in y's dtype); rstd carries no gradient."""
+    _check_op_args(x, y, rms_eps)
+    x, y = x.contiguous(), y.contiguous()
+    stats = rms_eps is not None
+    M = x.numel() // x.shape[-1]
+    if not residual_add_supported(x, y):
+        out = (x + y).contiguous()
+        rstd = rmsnorm_rstd_reference(out, rms_eps) if stats else out.new_empty((0,))
+        return out, rstd
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = torch.empty(M if stats else 0, dtype=torch.float32, device=x.device)
+    _launch(x, y, out, rstd if stats else out, rms_eps if stats else 1.0, stats)
+    return out, rstd
+
+
+@residual_add_op.register_fake
+def _(x, y, rms_eps):
+    _check_op_args(x, y, rms_eps)
+    M = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty((M if rms_eps is not None else 0,))
+
+
+def _check_op_args(x, y, rms_eps):
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == torch.float32
+            and y.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape == y.shape and x.dim() >= 1
+            and x.device == y.device):
+        raise ValueError(f"x, y: expected x float32 and y float32 / bfloat16 / float16 of x's shape on its device, "
+                         f"got x {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}, y "
+                         f"{getattr(y, 'dtype', type(y).__name__)} {tuple(getattr(y, 'shape', ()))}")
+    if rms_eps is not None and not rms_eps > 0:
+        raise ValueError(f"rms_eps: expected None or a float > 0, got {rms_eps!r}")
+
+
+def _residual_setup(ctx, inputs, output):
+    ctx.y_dtype = inputs[1].dtype
+    ctx.mark_non_differentiable(output[1])
+
+
+def _residual_grad(ctx, g, _):
+    if g is None:
+        return None, None, None
+    return g, g.to(ctx.y_dtype), None
+
+
+residual_add_op.register_autograd(_residual_grad, setup_context=_residual_setup)
 
 
 def _fused_norm_backward_on() -> bool:
@@ -407,12 +466,13 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
             following RMSNorm with this epsilon (``LayerNormLinear`` / ``LayerNormMLP``'s ``input_rstd``).
         norm_weight: (K,) float32, that following RMSNorm's weight (needs ``rms_eps``): also return a
             :class:`NormGradLink` for the norm's module (``input_norm_link``), whose backward then runs inside this
-            add's (``LOWBIT_UNFUSE=norm_backward`` turns that off, and a DTensor weight (FSDP2's shard) gets none:
-            the link is None).
+            add's (``LOWBIT_UNFUSE=norm_backward`` turns that off, and a DTensor weight (FSDP2's shard) gets none,
+            nor does a call inside torch.compile: the link is None).
 
     Returns:
         ``out`` (x's shape, float32); ``(out, rstd)`` with ``rms_eps``; ``(out, rstd, link)`` with ``norm_weight``.
-        One Triton kernel where :func:`residual_add_supported`; else torch's ``x + y``, and rstd and link None (a
+        One Triton kernel where :func:`residual_add_supported` (inside torch.compile, the ``lowbit::residual_add``
+        operator, the same kernel); else torch's ``x + y``, and rstd and link None (a
         following fused norm then computes its statistics itself: nothing is gained by computing them here apart
         from the sum).
     """
@@ -430,6 +490,11 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         if rms_eps is None:
             return x + y
         return (x + y, None) if norm_weight is None else (x + y, None, None)
+    if torch.compiler.is_compiling():  # (no link: it cannot cross between operators; the norm runs its backward)
+        out, rstd = residual_add_op(x, y, None if rms_eps is None else float(rms_eps))
+        if rms_eps is None:
+            return out
+        return (out, rstd) if norm_weight is None else (out, rstd, None)
     if rms_eps is None:
         return _ResidualAdd.apply(x, y, None, None, None)
     # (no link to a DTensor: FSDP2 holds a module's weight sharded until that module's forward gathers it, and the

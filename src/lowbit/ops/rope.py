@@ -21,8 +21,8 @@ from ..runtime.autotune import bucket
 from ..runtime.device import INTERPRET
 from ..runtime.log import declined
 
-__all__ = ["rope_qkv", "rope_qkv_reference", "apply_rope", "rope_backward_quantize_1x128",
-           "rope_backward_fused_quant_supported"]
+__all__ = ["rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_op", "rope_qkv_backward_op",
+           "apply_rope", "rope_backward_quantize_1x128", "rope_backward_fused_quant_supported"]
 
 try:
     import triton
@@ -59,14 +59,17 @@ def _check(qkv, cos, sin):
         raise ValueError(f"qkv: expected a (B, T, 3, H, D) tensor, got shape {tuple(getattr(qkv, 'shape', ()))}")
     if not qkv.is_floating_point():
         raise TypeError(f"qkv: expected a floating-point tensor, got {qkv.dtype}")
-    B, T, _, H, D = qkv.shape
+    _check_tables(qkv.shape[1], qkv.shape[-1], qkv.device, cos, sin)
+
+
+def _check_tables(T, D, device, cos, sin, what="qkv"):
     if D % 2:
-        raise ValueError(f"qkv: head_dim must be even for rotate-half RoPE, got {D}")
+        raise ValueError(f"{what}: head_dim must be even for rotate-half RoPE, got {D}")
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < T or t.shape[1] != D:
             raise ValueError(f"{name}: expected a (>= {T}, {D}) table, got shape {tuple(getattr(t, 'shape', ()))}")
-        if t.device != qkv.device:
-            raise ValueError(f"{name}: must be on {qkv.device}, got {t.device}")
+        if t.device != device:
+            raise ValueError(f"{name}: must be on {device}, got {t.device}")
 
 
 if triton is not None:
@@ -120,13 +123,26 @@ def _launch(srcs, dsts, cos, sin, rows, T, H, D, src_row, dst_row, sign):
                           BLOCK_H=bh, BLOCK_D=bd, SIGN=sign, num_warps=warps)
 
 
+def _kernel_runs(t: torch.Tensor) -> bool:
+    """Whether the fused kernel takes ``t``'s device: Triton on CUDA, or Triton's interpreter."""
+    return triton is not None and (t.is_cuda or INTERPRET)
+
+
+def _forward_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """q (rotated), k (rotated), v of a (B, T, 3, H, D) tensor as three new (B, T, H, D) contiguous tensors: the
+    kernel (cos, sin float32 with unit column stride)."""
+    B, T, _, H, D = qkv.shape
+    qkv = qkv.contiguous()
+    outs = [torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
+    _launch([qkv[:, :, i] for i in range(3)], outs, cos, sin, B * T, T, H, D, 3 * H * D, H * D, 1)
+    return outs
+
+
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, grad_sink):
         B, T, _, H, D = qkv.shape
-        qkv = qkv.contiguous()
-        outs = [torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
-        _launch([qkv[:, :, i] for i in range(3)], outs, cos, sin, B * T, T, H, D, 3 * H * D, H * D, 1)
+        outs = _forward_qkv(qkv, cos, sin)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (B, T, H, D)
         ctx.grad_sink = grad_sink
@@ -141,11 +157,14 @@ class _RopeQKV(torch.autograd.Function):
             placeholder = ctx.grad_sink(*gs, cos, sin)
             if placeholder is not None:  # dqkv went to the QKV projection quantized: autograd gets a stand-in
                 return placeholder.expand(B, T, 3, H, D), None, None, None
-        like = next(g for g in (gq, gk, gv) if g is not None)
-        gs = [torch.zeros(B, T, H, D, dtype=like.dtype, device=like.device) if g is None
-              else g.transpose(1, 2).contiguous()
-              for g in (gq, gk, gv)]
+        gs = _dense_grads([None if g is None else g.transpose(1, 2) for g in (gq, gk, gv)], (B, T, H, D))
         return _backward_dqkv(gs, cos, sin), None, None, None
+
+
+def _dense_grads(gs, shape) -> list[torch.Tensor]:
+    """The gradients of q, k, v as (B, T, H, D) contiguous tensors, zeros for those autograd left None."""
+    like = next(g for g in gs if g is not None)
+    return [torch.zeros(shape, dtype=like.dtype, device=like.device) if g is None else g.contiguous() for g in gs]
 
 
 def _backward_dqkv(gs, cos, sin) -> torch.Tensor:
@@ -155,6 +174,98 @@ def _backward_dqkv(gs, cos, sin) -> torch.Tensor:
     dqkv = torch.empty(B, T, 3, H, D, dtype=gs[0].dtype, device=gs[0].device)
     _launch(gs, [dqkv[:, :, i] for i in range(3)], cos, sin, B * T, T, H, D, H * D, 3 * H * D, -1)
     return dqkv
+
+
+def rope_qkv_backward_reference(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor) -> torch.Tensor:
+    """The spec of the backward: dqkv (B, T, 3, H, D) in gq's dtype from the (B, T, H, D) gradients of q, k, v:
+    ``dx[:h] = g[:h]·cos[:h] + g[h:]·sin[h:]``, ``dx[h:] = g[h:]·cos[h:] − g[:h]·sin[:h]`` (the rotation transposed)
+    in FP32, one rounding; dv = gv. The values autograd computes through :func:`rope_qkv_reference` (the same two
+    products and one sum an element)."""
+    T, D = gq.shape[1], gq.shape[-1]
+    h = D // 2
+    c, s = cos[None, :T, None, :].float(), sin[None, :T, None, :].float()
+
+    def rot_t(g):
+        gf = g.float()
+        return torch.cat([gf[..., :h] * c[..., :h] + gf[..., h:] * s[..., h:],
+                          gf[..., h:] * c[..., h:] - gf[..., :h] * s[..., :h]], dim=-1).to(g.dtype)
+
+    return torch.stack([rot_t(gq), rot_t(gk), gv.to(gq.dtype)], dim=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# rope_qkv as torch.library operators: what torch.compile traces (eager calls run _RopeQKV)
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("lowbit::rope_qkv", mutates_args=())
+def rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """Rotate-half RoPE on a packed ``qkv`` (B, T, 3, H, D) with (>= T, D) ``cos``/``sin`` tables: q (rotated),
+    k (rotated), v, each a new (B, T, H, D) contiguous tensor in qkv's dtype. The fused kernel on CUDA (or under
+    Triton's interpreter), the bits :func:`rope_qkv` computes there; elsewhere :func:`rope_qkv_reference`.
+    Differentiable: the backward is ``lowbit::rope_qkv_backward``."""
+    _check(qkv, cos, sin)
+    if _kernel_runs(qkv):
+        return tuple(_forward_qkv(qkv, cos.float().contiguous(), sin.float().contiguous()))
+    T = qkv.shape[1]
+    c, s = cos[None, :T, None, :], sin[None, :T, None, :]
+    return (apply_rope(qkv[:, :, 0], c, s).contiguous(), apply_rope(qkv[:, :, 1], c, s).contiguous(),
+            qkv[:, :, 2].clone(memory_format=torch.contiguous_format))
+
+
+@rope_qkv_op.register_fake
+def _(qkv, cos, sin):
+    _check(qkv, cos, sin)
+    B, T, _, H, D = qkv.shape
+    return tuple(qkv.new_empty((B, T, H, D)) for _ in range(3))
+
+
+@torch.library.custom_op("lowbit::rope_qkv_backward", mutates_args=())
+def rope_qkv_backward_op(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+    """The gradient dqkv (B, T, 3, H, D), a new contiguous tensor in gq's dtype, of ``lowbit::rope_qkv`` from the
+    (B, T, H, D) gradients of its q, k, v (one shape and dtype; any strides): the kernel with the rotation transposed
+    on CUDA (or under Triton's interpreter), the bits rope_qkv's eager backward computes there; elsewhere
+    :func:`rope_qkv_backward_reference`."""
+    _check_grads(gq, gk, gv, cos, sin)
+    if _kernel_runs(gq):
+        return _backward_dqkv([g.contiguous() for g in (gq, gk, gv)], cos.float().contiguous(),
+                              sin.float().contiguous())
+    return rope_qkv_backward_reference(gq, gk, gv, cos, sin)
+
+
+@rope_qkv_backward_op.register_fake
+def _(gq, gk, gv, cos, sin):
+    _check_grads(gq, gk, gv, cos, sin)
+    B, T, H, D = gq.shape
+    return gq.new_empty((B, T, 3, H, D))
+
+
+def _check_grads(gq, gk, gv, cos, sin):
+    gs = (gq, gk, gv)
+    if not all(isinstance(g, torch.Tensor) for g in gs) or gq.dim() != 4:
+        raise ValueError(f"gq, gk, gv: expected (B, T, H, D) tensors, got shape {tuple(getattr(gq, 'shape', ()))}")
+    if any(g.shape != gq.shape or g.dtype != gq.dtype or g.device != gq.device for g in gs):
+        raise ValueError("gq, gk, gv: expected one shape, dtype and device, got "
+                         + ", ".join(f"{g.dtype} {tuple(g.shape)} on {g.device}" for g in gs))
+    if not gq.is_floating_point():
+        raise TypeError(f"gq, gk, gv: expected floating-point tensors, got {gq.dtype}")
+    _check_tables(gq.shape[1], gq.shape[-1], gq.device, cos, sin, "gq, gk, gv")
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.shape = tuple(output[0].shape)
+
+
+def _rope_backward(ctx, gq, gk, gv):
+    cos, sin = ctx.saved_tensors
+    gs = _dense_grads([gq, gk, gv], ctx.shape)
+    return rope_qkv_backward_op(*gs, cos, sin), None, None
+
+
+rope_qkv_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=None):
@@ -168,16 +279,20 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad_sink=
             q, k, v as (B, T, H, D) views: it may deliver qkv's gradient itself (e.g. quantized, to the projection
             that made qkv: :func:`lowbit.nn.functional.rope_grad_sink`) and return a one-element tensor, which
             autograd then gets expanded to qkv's shape in place of the gradient (the receiving layer must not read
-            it); None: the backward computes dqkv as usual.
+            it); None: the backward computes dqkv as usual. Not called under torch.compile (the backward there is
+            the ``lowbit::rope_qkv_backward`` operator, which computes dqkv itself: the same gradient).
 
     Returns:
         q, k, v: (B, H, T, D) views of (B, T, H, D)-contiguous tensors in ``qkv.dtype``; q and k rotated.
 
-    On CUDA with Triton: one fused kernel each way; elsewhere :func:`rope_qkv_reference`.
+    On CUDA with Triton: one fused kernel each way (inside torch.compile, the ``lowbit::rope_qkv`` and
+    ``lowbit::rope_qkv_backward`` operators, the same kernels); elsewhere :func:`rope_qkv_reference`.
     """
     _check(qkv, cos, sin)
-    if triton is None or not (qkv.is_cuda or INTERPRET):
+    if not _kernel_runs(qkv):
         return rope_qkv_reference(qkv, cos, sin)
+    if torch.compiler.is_compiling():
+        return tuple(o.transpose(1, 2) for o in rope_qkv_op(qkv, cos, sin))
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
     return _RopeQKV.apply(qkv, cos, sin, grad_sink)

@@ -18,7 +18,8 @@ from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
 from ..runtime.log import declined
 
-__all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_quantize_1x128", "swiglu_fused_quant_supported",
+__all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_backward_reference", "swiglu_op",
+           "swiglu_backward_op", "swiglu_quantize_1x128", "swiglu_fused_quant_supported",
            "swiglu_backward_quantize_1x128", "swiglu_backward_fused_quant_supported"]
 
 try:
@@ -89,17 +90,27 @@ def _grid(rows, F):
     return (rows, triton.cdiv(F, block)), block, 4 if block <= 512 else 8
 
 
+def _kernel_runs(h: torch.Tensor) -> bool:
+    """Whether the fused kernels take ``h``: Triton on CUDA (or its interpreter), not empty."""
+    return triton is not None and (h.is_cuda or INTERPRET) and h.numel() > 0
+
+
+def _forward(h: torch.Tensor) -> torch.Tensor:
+    """silu(a)·b (..., F), a new contiguous tensor, of a contiguous ``h`` (..., 2F): the forward kernel."""
+    F = h.shape[-1] // 2
+    rows = h.numel() // (2 * F)
+    out = torch.empty(*h.shape[:-1], F, dtype=h.dtype, device=h.device)
+    grid, block, warps = _grid(rows, F)
+    _swiglu_kernel[grid](h, h, out, F, BLOCK=block, BACKWARD=False, num_warps=warps)
+    return out
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
         h = h.contiguous()
-        F = h.shape[-1] // 2
-        rows = h.numel() // (2 * F)
-        out = torch.empty(*h.shape[:-1], F, dtype=h.dtype, device=h.device)
-        grid, block, warps = _grid(rows, F)
-        _swiglu_kernel[grid](h, h, out, F, BLOCK=block, BACKWARD=False, num_warps=warps)
         ctx.save_for_backward(h)
-        return out
+        return _forward(h)
 
     @staticmethod
     def backward(ctx, g):
@@ -118,6 +129,74 @@ def swiglu_backward(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return dh
 
 
+def swiglu_backward_reference(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The spec of the backward: d[a | b] (h's shape and dtype) from ``h = [a | b]`` and the gradient ``g`` (..., F)
+    of silu(a)·b, with the kernel's expressions in FP32 (torch's sigmoid), one rounding:
+    ``da = g·b·σ(a)·(1 + a·(1 − σ(a)))``, ``db = g·silu(a)``."""
+    a, b = h.float().chunk(2, dim=-1)
+    gf = g.float()
+    sig = torch.sigmoid(a)
+    return torch.cat([gf * b * (sig * (1.0 + a * (1.0 - sig))), gf * (a * sig)], dim=-1).to(h.dtype)
+
+
+def _check_backward(h, g):
+    _check(h)
+    if not (isinstance(g, torch.Tensor) and g.shape == (*h.shape[:-1], h.shape[-1] // 2) and g.dtype == h.dtype
+            and g.device == h.device):
+        raise ValueError(f"g: expected {h.dtype} of shape {(*h.shape[:-1], h.shape[-1] // 2)} on {h.device} "
+                         f"(h's rows, half its width), got {getattr(g, 'dtype', type(g).__name__)} "
+                         f"{tuple(getattr(g, 'shape', ()))} on {getattr(g, 'device', None)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# swiglu as torch.library operators: what torch.compile traces (eager calls run _SwiGLU)
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("lowbit::swiglu", mutates_args=())
+def swiglu_op(h: torch.Tensor) -> torch.Tensor:
+    """silu(a)·b of ``h`` (..., 2F) = [a | b]: a new contiguous (..., F) tensor in h's dtype. The fused kernel on
+    CUDA (or under Triton's interpreter), the bits :func:`swiglu` computes there; elsewhere
+    :func:`swiglu_reference`. Differentiable: the backward is ``lowbit::swiglu_backward``."""
+    _check(h)
+    if _kernel_runs(h):
+        return _forward(h.contiguous())
+    return swiglu_reference(h).contiguous()
+
+
+@swiglu_op.register_fake
+def _(h):
+    _check(h)
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+@torch.library.custom_op("lowbit::swiglu_backward", mutates_args=())
+def swiglu_backward_op(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d[a | b], a new contiguous tensor of h's shape and dtype, from ``h`` (..., 2F) = [a | b] and the gradient
+    ``g`` (..., F) of silu(a)·b (h's dtype): the fused backward kernel on CUDA (or under Triton's interpreter), the
+    bits swiglu's eager backward computes there; elsewhere :func:`swiglu_backward_reference`."""
+    _check_backward(h, g)
+    if _kernel_runs(h):
+        return swiglu_backward(h.contiguous(), g)
+    return swiglu_backward_reference(h, g)
+
+
+@swiglu_backward_op.register_fake
+def _(h, g):
+    _check_backward(h, g)
+    return h.new_empty(h.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_grad(ctx, g):
+    (h,) = ctx.saved_tensors
+    return swiglu_backward_op(h, g)
+
+
+swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``silu(a) · b`` for ``h = [a | b]`` along the last dim; differentiable.
 
@@ -125,12 +204,15 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         h: (..., 2F) float32 / bfloat16 / float16 (the fc1 output of a SwiGLU MLP).
 
     Returns:
-        (..., F) in ``h.dtype``. One fused kernel each way on CUDA with Triton; elsewhere
+        (..., F) in ``h.dtype``. One fused kernel each way on CUDA with Triton (inside torch.compile, the
+        ``lowbit::swiglu`` and ``lowbit::swiglu_backward`` operators, the same kernels); elsewhere
         :func:`swiglu_reference` (autograd through torch).
     """
     _check(h)
-    if triton is None or not (h.is_cuda or INTERPRET) or h.numel() == 0:
+    if not _kernel_runs(h):
         return swiglu_reference(h)
+    if torch.compiler.is_compiling():
+        return swiglu_op(h)
     return _SwiGLU.apply(h)
 
 

@@ -55,7 +55,8 @@ def _sms(name: str, raw: str) -> int | None:
     return n
 
 
-# The fused kernels :data:`LOWBIT_UNFUSE` can turn off, each replaced by its unfused path (same bits).
+# The fused kernels :data:`LOWBIT_UNFUSE` can turn off, each replaced by its unfused path (same bits; norm_quant
+# and norm_backward to FP32 rounding: their sums run in another order).
 FUSIONS = {
     "norm_quant": "RMSNorm inside the 1x128 input quantizer of LayerNormLinear / LayerNormMLP",
     "residual": "the residual add as one kernel (with the next RMSNorm's statistics)",
@@ -113,7 +114,8 @@ SWITCHES: dict[str, Switch] = _switches(
            "The Gluon FP8 blockwise GEMMs on sm_90: 1 as autotune candidates, 0 never, force / ws: only the "
            "one-tile / warp-specialized kernel."),
     Switch("LOWBIT_UNFUSE", _fusions, frozenset(),
-           "Comma-separated fused kernels to replace by their unfused path (same bits), or 'all': "
+           "Comma-separated fused kernels to replace by their unfused path (same bits; norm_quant and "
+           "norm_backward to FP32 rounding), or 'all': "
            + ", ".join(FUSIONS) + "."),
     Switch("LOWBIT_WGRAD_SM_CARVEOUT", _sms, None,
            "SMs the side-stream weight-gradient GEMMs leave to the main stream (default 32 of 132, scaled to the "
