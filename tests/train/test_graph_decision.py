@@ -50,3 +50,12 @@ def test_checkpoint_stores_a_float_lr_from_a_captured_update():
     g = osd["param_groups"][0]
     assert type(g["lr"]) is float and g["lr"] == 0.25 and g["capturable"] is False
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["capturable"] is True
+
+
+def test_compile_replaces_the_step_graphs():
+    use, why = _graph_decision(TrainConfig(recipe="fp8-block", compile=True), _d())
+    assert not use and why == "--compile (torch.compile'd blocks)"
+    with pytest.raises(ValueError, match="cuda_graph: 'on' together with compile"):
+        TrainConfig(cuda_graph="on", compile=True).validate()
+    with pytest.raises(TypeError, match="compile: expected a bool"):
+        TrainConfig(compile="yes").validate()

@@ -272,3 +272,22 @@ def test_train_on_a_folder_of_text_files(tmp_path, cache_dir, targs):
     ls = _losses(s)
     assert len(ls) == 4 and all(math.isfinite(v) for v in ls) and ls[-1] < ls[0], ls
     assert math.isfinite(s["final_val_loss"])
+
+
+def test_train_compiled_blocks_equal_eager(tmp_path, small_text, cache_dir):
+    """`--compile`: every block torch.compile'd (one shared graph); fp8-block losses equal the eager run's to FP32
+    rounding (Inductor compiles the norms, attention and residual arithmetic around lowbit's operators itself)."""
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("Inductor on the CPU needs a C++ compiler")
+    torch.compiler.reset()
+    runs = {}
+    for comp in (False, True):
+        s = train(TrainConfig(recipe="fp8-block", steps=3, batch_size=4, seq_len=64, data=small_text,
+                              cache_dir=cache_dir, out_dir=str(tmp_path / str(comp)), eval_windows=2, progress=False,
+                              verbose=False, compile=comp, save_final=False))
+        runs[comp] = _losses(s)
+        assert s["compile"] is comp
+    torch.compiler.reset()
+    assert runs[True] == pytest.approx(runs[False], rel=1e-4), runs

@@ -97,6 +97,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
                         "bf16/fp8-current/"
                         "fp8-block/mxfp8; removes the per-kernel host cost of the eager path)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (one shared graph; before FSDP2 sharding) instead of "
+                        "lowbit's own CUDA graphs")
     g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
     g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")
     g.add_argument("--attn-pv", choices=("bf16", "fp8"), default="bf16")
@@ -129,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
-                       cuda_graph=args.cuda_graph,
+                       cuda_graph=args.cuda_graph, compile=args.compile,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,

@@ -92,6 +92,9 @@ class TrainConfig:
     ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8, nvfp4 —
     whose stochastic-rounding keys are drawn on the device, fresh at every replay — but not fp8-delayed,
     whose amax histories live in host objects), ``"on"`` (error if it cannot be used), ``"off"``."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (the torchtitan pattern: one graph shared by every block, before any
+    FSDP2 sharding), in place of ``lowbit train``'s own CUDA graphs (``cuda_graph`` must not be ``"on"``)."""
     attention: str = "auto"
     attn_qk: str = "bf16"
     attn_pv: str = "bf16"
@@ -164,6 +167,11 @@ class TrainConfig:
             raise ValueError(f"dtype: expected 'auto', 'bf16' or 'fp32', got {self.dtype!r}")
         if self.cuda_graph not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graph: expected 'auto', 'on' or 'off', got {self.cuda_graph!r}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile: expected a bool, got {self.compile!r}")
+        if self.compile and self.cuda_graph == "on":
+            raise ValueError("cuda_graph: 'on' together with compile; torch.compile'd blocks run without lowbit's "
+                             "own step graphs (use --cuda-graph auto or off with --compile)")
 
     def resolved(self) -> "TrainConfig":
         """A copy with the per-preset defaults filled in."""
@@ -325,6 +333,9 @@ def _build(c: TrainConfig, d: Dist):
 
 
 def _wrap(model, c: TrainConfig, d: Dist):
+    if c.compile:
+        for blk in model.blocks:  # (before fully_shard, as torchtitan does: FSDP2's hooks stay outside the graph)
+            blk.compile()
     if not d.active:
         return model
     if c.fsdp:
@@ -367,6 +378,8 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
     """(use CUDA graphs, why not) for this run."""
     if c.cuda_graph == "off":
         return False, "--cuda-graph off"
+    if c.compile:
+        return False, "--compile (torch.compile'd blocks)"
     why = None
     if d.device.type != "cuda":
         why = "not on CUDA"
@@ -1037,7 +1050,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "weight_bytes_quantized": qbytes, "weight_bytes_bf16": bfbytes,
         "history": history, "events": events,
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
-        "world_size": d.world, "fsdp": bool(c.fsdp and d.active), "attention": attention_backend(),
+        "world_size": d.world, "fsdp": bool(c.fsdp and d.active), "compile": c.compile,
+        "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
         "data": corpus.meta,
