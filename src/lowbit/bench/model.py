@@ -23,7 +23,8 @@ A variant that raises is reported as ``failed: <type>: <message>`` and the bench
 How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
 median step time of the steps after the warm-up (the first steps compile and autotune). **host ms** is the time from
 the step's start until Python has enqueued all of it (before the synchronize): when it is close to the step time the
-run is host-bound and a faster kernel will not show. **peak GiB** is ``torch.cuda.max_memory_allocated``.
+run is host-bound and a faster kernel will not show. **first step s** is the first step's time: compiling (and
+autotuning) is paid there. **peak GiB** is ``torch.cuda.max_memory_allocated``.
 **x bf16** and **x bf16-compile** are tokens/s ratios against the loop without lowbit (eager, compiled): above 1 is
 faster. **loss** is the last step's loss; a quantized variant should sit close to ``bf16``'s.
 
@@ -219,7 +220,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         final = float(loss.detach().float().item())
         med = statistics.median(step_s[cfg["warmup"]:])
         row = dict(variant=name, status="ok", tokens_per_s=cfg["batch"] * cfg["seq"] / med, step_ms=1e3 * med,
-                   host_ms=1e3 * statistics.median(host_s[cfg["warmup"]:]), loss=final,
+                   host_ms=1e3 * statistics.median(host_s[cfg["warmup"]:]), first_step_s=step_s[0], loss=final,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
     except Exception as e:  # report the variant, never stop the benchmark
         msg = (str(e).strip().splitlines() or [""])[0].strip()
@@ -293,7 +294,7 @@ def header(cfg: dict) -> str:
 
 def markdown(cfg: dict, rows: list[dict]) -> str:
     refs = ["bf16", "bf16-compile"] + (["torchao-compile"] if any("x_torchao-compile" in r for r in rows) else [])
-    cols = ["variant", "tokens/s", "step ms", "host ms", "peak GiB", "loss"] + [f"x {r}" for r in refs]
+    cols = ["variant", "tokens/s", "step ms", "host ms", "first step s", "peak GiB", "loss"] + [f"x {r}" for r in refs]
     lines = [header(cfg), "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1))
              + "|"]
     for r in rows:
@@ -301,7 +302,8 @@ def markdown(cfg: dict, rows: list[dict]) -> str:
             lines.append(f"| {r['variant']} | {r['status'].replace('|', '/')} |" + " |" * (len(cols) - 2))
             continue
         peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
-        cells = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", peak,
+        first = f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-"
+        cells = [r["variant"], f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", first, peak,
                  f"{r['loss']:.4f}"] + [f"{r[f'x_{ref}']:.2f}" if f"x_{ref}" in r else "-" for ref in refs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
