@@ -289,3 +289,17 @@ def test_fused_llama_compiles():
         comp = compiled(input_ids=ids).logits
     assert torch.equal(eager, comp)
     torch.compiler.reset()
+
+
+def test_hf_rmsnorm_is_not_torch_rmsnorm_in_bf16():
+    """Why fuse_mlp leaves the RMSNorm out: HF's LlamaRMSNorm rounds the normalized input to bfloat16, then
+    multiplies by the weight (a second rounding); F.rms_norm (what lowbit's norms run) rounds once. FP32 agrees."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(4, 32, 64)
+    assert torch.equal(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
+    norm, x = norm.bfloat16(), x.bfloat16()
+    assert not torch.equal(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
