@@ -5,7 +5,8 @@
 * :class:`MultiheadAttention` — (norm →) QKV projection → :func:`lowbit.attention` → output projection.
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP` — fprop, dgrad and wgrad quantized
   per the recipe inside autocast; bit-identical to their torch counterparts outside.
-* :func:`convert` — swap a model's ``nn.Linear`` layers in place.
+* :func:`convert` — swap a model's ``nn.Linear`` layers in place (and transformers' ``Conv1D`` for
+  :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`).
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
 """
 
@@ -13,6 +14,7 @@ from .attention import MultiheadAttention
 from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
 from .functional import quantized_linear
+from .hf_modules import Conv1DLinear, SwiGLUMLP
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
@@ -39,6 +41,8 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "Conv1DLinear",
+    "SwiGLUMLP",
     "MultiheadAttention",
     "LowbitModule",
     "name_modules",

@@ -1,4 +1,5 @@
-"""``lowbit.convert``: swap ``torch.nn.Linear`` (and visible Norm -> Linear pairs) for lowbit modules in place."""
+"""``lowbit.convert``: swap ``torch.nn.Linear`` (and visible Norm -> Linear pairs, transformers' ``Conv1D`` and, opt-in,
+Hugging Face gated MLPs) for lowbit modules in place."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 
 from ..recipes import NVFP4BlockScaling, Recipe
 from .base import name_modules
+from .hf_modules import Conv1DLinear, SwiGLUMLP, is_hf_conv1d
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
-__all__ = ["convert", "ConvertSummary", "DEFAULT_SKIP", "NVFP4_HIGH_PRECISION_TAIL"]
+__all__ = ["convert", "ConvertSummary", "DEFAULT_SKIP", "NVFP4_HIGH_PRECISION_TAIL", "GATED_MLP_CLASSES",
+           "NORM_NOT_FUSED", "QKV_NOT_FUSED"]
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "output_head", "*.output_head")
 """Name patterns kept in high precision by default (the output head)."""
@@ -22,6 +25,41 @@ NVFP4_HIGH_PRECISION_TAIL = 0.15
 """Fraction of the repeated blocks (the last ones) the NVFP4 recipe keeps in high precision by default."""
 
 _NORM_TYPES = (torch.nn.LayerNorm,) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
+
+GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP")
+"""transformers MLP classes (by name) whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the ones
+``fuse_mlp`` may fuse (where ``act_fn`` is SiLU)."""
+
+NORM_NOT_FUSED = (
+    "the RMSNorm before it is not fused: Hugging Face's RMSNorm rounds the normalized input to the input dtype before "
+    "multiplying by the weight (Gemma's: by 1 + weight), torch's / lowbit's RMSNorm rounds once, so in 16 bits the "
+    "two differ in the last bit"
+)
+"""Why :func:`convert` leaves a Hugging Face RMSNorm out of the fused MLP (and QKV) modules."""
+
+QKV_NOT_FUSED = (
+    "QKV not fused: the attention forward calls q_proj, k_proj and v_proj itself (RoPE, GQA, KV cache, the attention "
+    "interface); fusing them needs a new attention forward, not a module swap (each projection is converted as a "
+    "Linear)"
+)
+"""Why :func:`convert` does not fuse a Hugging Face attention's q/k/v projections."""
+
+
+def _is_norm(m) -> bool:
+    return isinstance(m, _NORM_TYPES) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _dims(m) -> tuple[int, int]:
+    """(out, in) features of an ``nn.Linear`` or a transformers ``Conv1D`` (weight (in, out))."""
+    if isinstance(m, torch.nn.Linear):
+        return m.out_features, m.in_features
+    k, n = m.weight.shape
+    return n, k
+
+
+def _is_silu(act) -> bool:
+    t = type(act)
+    return t is torch.nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__.startswith("transformers."))
 
 
 @dataclass
@@ -33,12 +71,19 @@ class ConvertSummary:
         kept: ``(qualified name, reason)`` per module left in high precision (Linears, norms, embeddings).
         blocks: qualified name of the repeated-block container found (``None`` if none) and its length.
         high_precision_blocks: indices of the blocks kept in high precision.
+        fused: ``(qualified name, what)`` per fused module (``fuse_mlp``: gate_proj + up_proj -> one fc1).
+        not_fused: ``(qualified name, reason)`` per fusion considered and not made (``fuse_mlp=True`` only).
+        new_parameters: qualified names of the modules whose Parameters are new objects (copies: a ``Conv1D``'s
+            transposed weight, a fused MLP's fc1): an optimizer built before :func:`convert` misses them.
     """
 
     converted: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     blocks: tuple | None = None
     high_precision_blocks: list = field(default_factory=list)
+    fused: list = field(default_factory=list)
+    not_fused: list = field(default_factory=list)
+    new_parameters: list = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} layer(s), kept {len(self.kept)} in high precision"]
@@ -46,6 +91,12 @@ class ConvertSummary:
             lines.append(f"blocks: {self.blocks[0]!r} ({self.blocks[1]}); high precision: {self.high_precision_blocks}")
         lines += [f"  + {n}: {t}" for n, t in self.converted]
         lines += [f"  = {n}: {r}" for n, r in self.kept]
+        if self.fused or self.not_fused:
+            lines.append(f"fused {len(self.fused)}, not fused {len(self.not_fused)}")
+            lines += [f"  * {n}: {w}" for n, w in self.fused]
+            lines += [f"  - {n}: {r}" for n, r in self.not_fused]
+        if self.new_parameters:
+            lines.append(f"new Parameters (build the optimizer after convert): {len(self.new_parameters)} module(s)")
         return "\n".join(lines)
 
 
@@ -113,11 +164,25 @@ def _matches(name: str, patterns) -> str | None:
 
 
 def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_high_precision_blocks="auto",
-            *, keep_output_head: bool = True, fuse_norms: bool = True) -> ConvertSummary:
+            *, keep_output_head: bool = True, fuse_norms: bool = True, fuse_mlp: bool = False) -> ConvertSummary:
     """Swap the ``torch.nn.Linear`` layers of ``model`` for :class:`lowbit.nn.Linear`, in place.
 
-    Parameters are *shared*, not copied (the optimizer, tied weights and the RNG are untouched); the
-    converted model computes exactly what it did until it runs inside :func:`lowbit.autocast`.
+    Parameters are *shared*, not copied (the optimizer, tied weights and the RNG are untouched), except where a
+    layout must change (listed in ``summary.new_parameters``: build the optimizer after ``convert``); the
+    converted model computes exactly what it did, bit for bit, until it runs inside :func:`lowbit.autocast`.
+
+    Hugging Face transformers models (Llama, Mistral, Qwen2, Gemma, GPT-2; transformers is not imported):
+
+    * GPT-2's ``Conv1D`` (``y = x @ W + b``, W (in, out)) becomes :class:`lowbit.nn.Conv1DLinear`: the weight is
+      *copied* transposed into a new (out, in) contiguous Parameter (lowbit's GEMMs take that layout; a transposed
+      view is not contiguous), the bias is shared. Its ``state_dict`` keeps Conv1D's (in, out) layout, so HF
+      checkpoints load into the converted model (before or after ``convert``) and back.
+    * ``fuse_mlp=True`` (opt-in: it replaces Parameters) turns each gated MLP of :data:`GATED_MLP_CLASSES`
+      (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose ``act_fn`` is exactly SiLU into a
+      :class:`lowbit.nn.SwiGLUMLP` (fc1 = [gate; up], copied; down shared), which inside autocast runs lowbit's
+      fused SwiGLU path; its ``state_dict`` keeps the HF keys. Not fused, with the reason in ``summary.not_fused``:
+      Gemma's MLPs (GELU-tanh, not SiLU: lowbit's fused gate is silu(a)·b), MLPs with a part kept in high
+      precision, the RMSNorm before the MLP (:data:`NORM_NOT_FUSED`) and attention QKV (:data:`QKV_NOT_FUSED`).
 
     Kept in high precision (and listed in the summary with the reason):
 
@@ -137,7 +202,8 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     parameters and the norm's weight/bias are shared; note the state_dict keys move).
 
     Returns:
-        a :class:`ConvertSummary`; the converted modules are named for the NaN sentry.
+        a :class:`ConvertSummary` (converted, kept, fused, not fused and why, new Parameters); the converted modules
+        are named for the NaN sentry.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -149,7 +215,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     for p in skip:
         if not isinstance(p, str):
             raise TypeError(f"skip: expected name patterns (str), got {p!r}")
-    for name, v in (("keep_output_head", keep_output_head), ("fuse_norms", fuse_norms)):
+    for name, v in (("keep_output_head", keep_output_head), ("fuse_norms", fuse_norms), ("fuse_mlp", fuse_mlp)):
         if not isinstance(v, bool):  # a truthy non-bool (e.g. "no") would silently mean True
             raise TypeError(f"{name}: expected a bool, got {v!r}")
     _check_keep(keep_high_precision_blocks)
@@ -171,7 +237,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
             f"of one type) to pick blocks from, got {keep_high_precision_blocks!r}"
         )
 
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear or is_hf_conv1d(m)]
     head = None
     if keep_output_head:
         heads = [n for n, _ in linears if _matches(n, DEFAULT_SKIP)]
@@ -190,8 +256,9 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
                 return f"high-precision block {pre!r} (keep_high_precision_blocks)"
         if recipe is not None and recipe.divisibility > 1:
             m = recipe.divisibility
-            if lin.in_features % m or lin.out_features % m:
-                return f"dims ({lin.out_features}, {lin.in_features}) not multiples of {m} ({type(recipe).__name__})"
+            n_out, n_in = _dims(lin)
+            if n_in % m or n_out % m:
+                return f"dims ({n_out}, {n_in}) not multiples of {m} ({type(recipe).__name__})"
         return None
 
     def parent_of(name: str):
@@ -222,6 +289,9 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
                     fused.add(lname)
                     summary.converted.append((lname, f"LayerNormLinear (fused with {nname}, now Identity)"))
 
+    if fuse_mlp:
+        fused |= _fuse_gated_mlps(model, summary, reason_to_keep, parent_of)
+
     for name, lin in linears:
         if name in fused:
             continue
@@ -230,13 +300,18 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
             summary.kept.append((name, why))
             continue
         parent, child = parent_of(name)
-        setattr(parent, child, Linear.from_linear(lin))
-        summary.converted.append((name, "Linear"))
+        if is_hf_conv1d(lin):
+            setattr(parent, child, Conv1DLinear.from_conv1d(lin))
+            summary.converted.append((name, "Conv1DLinear (from Conv1D: weight copied transposed, a new Parameter)"))
+            summary.new_parameters.append(name)
+        else:
+            setattr(parent, child, Linear.from_linear(lin))
+            summary.converted.append((name, "Linear"))
 
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Embedding):
             summary.kept.append((name, "embedding (high precision by default)"))
-        elif isinstance(m, _NORM_TYPES):
+        elif _is_norm(m):
             summary.kept.append((name, "norm (high precision by default)"))
     name_modules(model)
     return summary
@@ -257,3 +332,39 @@ def _fuse(norm, lin: torch.nn.Linear) -> LayerNormLinear:
     m.train(lin.training)
     m._init_gemms("")
     return m
+
+
+def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of) -> set:
+    """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
+    Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
+    done = set()
+    for name, m in list(model.named_modules()):
+        parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
+            summary.not_fused.append((name, QKV_NOT_FUSED))
+        if not all(type(p) is torch.nn.Linear for p in parts):
+            continue
+        cls = type(m).__name__
+        act = getattr(m, "act_fn", None)
+        sub = [f"{name}.{n}" if name else n for n in ("gate_proj", "up_proj", "down_proj")]
+        if cls not in GATED_MLP_CLASSES:
+            why = f"{cls} is not one of GATED_MLP_CLASSES (forward not known to be down(act(gate(x)) * up(x)))"
+        elif not _is_silu(act):
+            why = (f"activation {type(act).__name__} is not SiLU (lowbit's fused gate computes silu(a)·b; "
+                   "Gemma uses GELU-tanh)")
+        else:
+            keep = [(n, reason_to_keep(n, p)) for n, p in zip(sub, parts)]
+            keep = [(n, r) for n, r in keep if r]
+            why = f"{keep[0][0]} kept in high precision: {keep[0][1]}" if keep else None
+        if why:
+            summary.not_fused.append((name, "gated MLP not fused: " + why))
+            continue
+        new = SwiGLUMLP.from_gated(m)
+        parent, child = parent_of(name)
+        setattr(parent, child, new)
+        done.update(sub)
+        summary.converted.append((name, f"SwiGLUMLP (fused from {cls})"))
+        summary.fused.append((name, "gate_proj + up_proj -> fc1 of a SwiGLUMLP (fused SwiGLU inside autocast)"))
+        summary.not_fused.append((name, NORM_NOT_FUSED))
+        summary.new_parameters.append(name)
+    return done

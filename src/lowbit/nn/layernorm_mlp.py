@@ -20,7 +20,7 @@ from .layernorm_linear import (
     check_norm_link,
 )
 
-__all__ = ["LayerNormMLP"]
+__all__ = ["LayerNormMLP", "quantized_swiglu_branch", "swiglu_act"]
 
 _ACTS = ("gelu", "swiglu")
 
@@ -31,6 +31,28 @@ def _linear_init(w, b):
     if b is not None:
         bound = 1 / math.sqrt(w.shape[1]) if w.shape[1] > 0 else 0
         torch.nn.init.uniform_(b, -bound, bound)
+
+
+def swiglu_act(h: torch.Tensor, fused_swiglu: bool | None, fused_default: bool) -> torch.Tensor:
+    """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the
+    default)."""
+    if fused_swiglu if fused_swiglu is not None else fused_default:
+        return swiglu(h)
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def quantized_swiglu_branch(ln: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, fc2_bias, g1, g2, is_first_microbatch,
+                            st, fused_swiglu: bool | None, **nkw) -> torch.Tensor:
+    """``fc2(silu(a)·b)`` with ``[a | b] = fc1(ln)``, all GEMMs quantized under the autocast state ``st`` (``g1``,
+    ``g2``: the GemmLayers; ``nkw``: the fused-norm arguments of fc1's input, if any). Under a 1x128 blockwise recipe
+    with no fc1 bias (and ``fused_swiglu`` not False) the SwiGLU runs inside fc2's input quantizer (same bits)."""
+    # (an empty input takes the unfused path, whose quantized_linear says what is wrong)
+    if fused_swiglu is not False and ln.numel() > 0 and swiglu_mlp_fusable(ln, fc1_weight, fc1_bias, st.recipe):
+        return quantized_swiglu_mlp(ln, fc1_weight, fc2_weight, fc2_bias, g1, g2, is_first_microbatch, state=st, **nkw)
+    h = quantized_linear(ln, fc1_weight, fc1_bias, g1, is_first_microbatch, state=st, **nkw)
+    h = swiglu_act(h, fused_swiglu, fused_default=True)
+    return quantized_linear(h, fc2_weight, fc2_bias, g2, is_first_microbatch, state=st)
 
 
 class LayerNormMLP(LowbitModule, torch.nn.Module):
@@ -131,26 +153,12 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, gelu=True, state=st,
                                  **nkw)
         else:
-            if self.fused_swiglu is not False and self._fusable(ln, st):
-                # SwiGLU inside fc2's input quantizer (1x128 blockwise recipes): same bits, h never written
-                return quantized_swiglu_mlp(ln, self.fc1_weight, self.fc2_weight, self.fc2_bias, g1, g2,
-                                            is_first_microbatch, state=st, **nkw)
-            h = quantized_linear(ln, self.fc1_weight, self.fc1_bias, g1, is_first_microbatch, state=st, **nkw)
-            h = self._swiglu(h, fused_default=True)
+            return quantized_swiglu_branch(ln, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, g1, g2,
+                                           is_first_microbatch, st, self.fused_swiglu, **nkw)
         return quantized_linear(h, self.fc2_weight, self.fc2_bias, g2, is_first_microbatch, state=st)
 
-    def _fusable(self, ln: torch.Tensor, st) -> bool:
-        # (an empty input takes the unfused path, whose quantized_linear says what is wrong)
-        return ln.numel() > 0 and swiglu_mlp_fusable(
-            ln, self.fc1_weight, self.fc1_bias, st.recipe)
-
     def _swiglu(self, h: torch.Tensor, fused_default: bool) -> torch.Tensor:
-        """silu(a)·b of h = [a | b]: :func:`lowbit.ops.swiglu` or torch's ops, per ``fused_swiglu`` (None: the
-        default)."""
-        if self.fused_swiglu if self.fused_swiglu is not None else fused_default:
-            return swiglu(h)
-        a, b = h.chunk(2, dim=-1)
-        return F.silu(a) * b
+        return swiglu_act(h, self.fused_swiglu, fused_default)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -1,0 +1,233 @@
+"""lowbit stand-ins for Hugging Face transformers layers that :func:`lowbit.convert` swaps in.
+
+* :class:`Conv1DLinear` — GPT-2's ``Conv1D`` (``y = x @ W + b``, W stored (in, out)).
+* :class:`SwiGLUMLP` — the Llama / Mistral / Qwen2 gated MLP ``down(silu(gate(x)) * up(x))`` with gate and up as one
+  fc1 = [gate; up], so the fused SwiGLU path of :class:`LayerNormMLP` applies inside autocast.
+
+Both keep the Hugging Face module's ``state_dict`` keys and shapes (a checkpoint of the original model loads into the
+converted one and back); transformers is never imported (the original classes are recognised by name).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import state as _ac
+from .base import LowbitModule
+from .functional import check_microbatch_arg, quantized_linear
+from .layernorm_linear import check_module_args, check_norm_input
+from .layernorm_mlp import quantized_swiglu_branch
+from .linear import Linear
+
+__all__ = ["Conv1DLinear", "SwiGLUMLP", "is_hf_conv1d"]
+
+_EXTRA = "_extra_state"
+
+
+def is_hf_conv1d(m) -> bool:
+    """Whether ``m`` is transformers' ``Conv1D`` (GPT-2, GPT, ...), recognised by class name and module."""
+    t = type(m)
+    return t.__name__ == "Conv1D" and t.__module__.startswith("transformers.")
+
+
+def _copy_into(dst: torch.Tensor, src, key: str, error_msgs: list) -> None:
+    """``dst.copy_(src)`` with a shape check reported as ``load_state_dict`` reports its own."""
+    if not isinstance(src, torch.Tensor):
+        error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor, got {type(src).__name__}')
+    elif tuple(src.shape) != tuple(dst.shape):
+        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(src.shape)} from checkpoint, "
+                          f"the shape in current model is {tuple(dst.shape)}.")
+    else:
+        with torch.no_grad():
+            dst.copy_(src)
+
+
+class Conv1DLinear(Linear):
+    """:class:`lowbit.nn.Linear` standing in for transformers' ``Conv1D`` (``y = x @ W + b``, W of shape (in, out)).
+
+    ``weight`` is (out, in), contiguous, as lowbit's GEMMs take it: :meth:`from_conv1d` *copies* ``Wᵀ`` into a new
+    Parameter (a transposed view is not contiguous), so the Conv1D's weight Parameter is replaced (build the
+    optimizer after converting); the bias Parameter is shared.
+
+    Outside autocast ``forward`` is Conv1D's own ``torch.addmm(b, x, W)`` on ``weight.t().contiguous()`` (W with
+    Conv1D's memory layout: bit-identical to Conv1D, values and gradients, for one weight-sized copy per call;
+    ``F.linear`` on the (out, in) weight picks another BLAS layout and can differ in the last bit). Inside autocast it
+    quantizes like any :class:`Linear`.
+
+    ``state_dict()`` stores ``weight`` as Conv1D does, (in, out), and ``load_state_dict`` takes it so: a checkpoint of
+    the Hugging Face model loads into the converted one and back (square weights included, where the shape could not
+    tell the layouts apart).
+    """
+
+    @classmethod
+    def from_conv1d(cls, conv) -> "Conv1DLinear":
+        """A Conv1DLinear computing what ``conv`` (a transformers ``Conv1D``) does: weight copied transposed, bias
+        shared, RNG untouched."""
+        w = getattr(conv, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise TypeError(f"conv: expected a transformers Conv1D (a 2-D weight (in, out)), got {type(conv).__name__}")
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.in_features, m.out_features = w.shape
+        m.weight = torch.nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+        m.bias = conv.bias
+        m.train(conv.training)
+        m._init_gemms("")
+        return m
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """As :meth:`Linear.forward`; outside autocast, Conv1D's ``addmm`` (see the class)."""
+        check_microbatch_arg(is_first_microbatch)
+        st = _ac.get_state()
+        if st.enabled:
+            return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
+        w_io = self.weight.t().contiguous()
+        x2 = input.reshape(-1, input.shape[-1])
+        y = torch.addmm(self.bias, x2, w_io) if self.bias is not None else x2 @ w_io
+        return y.view(*input.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        w = self.weight if keep_vars else self.weight.detach()
+        destination[prefix + "weight"] = w.t()  # Conv1D's (in, out) layout (a view: no copy)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        v = state_dict.get(key)
+        if not isinstance(v, torch.Tensor):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        if tuple(v.shape) != (self.in_features, self.out_features):
+            error_msgs.append(f"size mismatch for {key}: Conv1DLinear loads Conv1D's (in, out) = "
+                              f"{(self.in_features, self.out_features)} layout, got {tuple(v.shape)}")
+            v_t = None
+        else:
+            assign = local_metadata.get("assign_to_params_buffers", False)
+            v_t = v.t().contiguous() if assign else v.t()  # (an assigned weight must be contiguous)
+        try:  # (the transposed view for the duration of the load only: the caller's dict is left as it was)
+            if v_t is None:
+                del state_dict[key]
+            else:
+                state_dict[key] = v_t
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            if v_t is None and key in missing_keys:
+                missing_keys.remove(key)  # (reported as the size mismatch above)
+        finally:
+            state_dict[key] = v
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", from Conv1D (state_dict weight (in, out))"
+
+
+class SwiGLUMLP(LowbitModule, torch.nn.Module):
+    """``y = down(silu(gate(x)) · up(x))`` — the gated MLP of Llama / Mistral / Qwen2 — with fc1 = [gate; up] as one
+    weight so that inside autocast it runs as :class:`LayerNormMLP`'s SwiGLU does (one fc1 GEMM, the fused SwiGLU,
+    inside fc2's input quantizer under 1x128 blockwise recipes with no bias). It has no norm: HF's RMSNorm is not
+    bit-identical to torch's / lowbit's (see :func:`lowbit.convert`), so the norm before it stays the model's.
+
+    Args:
+        hidden_size, ffn_hidden_size, bias, device, dtype: as :class:`LayerNormMLP` (``activation="swiglu"``).
+
+    Parameters: ``fc1_weight`` (2·ffn, hidden) = [gate; up], ``fc1_bias`` (2·ffn,), ``fc2_weight`` (hidden, ffn),
+    ``fc2_bias`` (hidden,). :meth:`from_gated` copies an HF MLP's weights in (new Parameters: build the optimizer
+    after converting).
+
+    Outside autocast it computes ``F.linear`` on the gate and up rows of fc1 separately (contiguous slices: the same
+    GEMMs as the HF module's), then ``F.silu(g) * u`` and the down projection: bit-identical to the HF MLP, values
+    and gradients.
+
+    ``state_dict()`` has the HF module's keys and shapes (``gate_proj.weight``, ``up_proj.weight``,
+    ``down_proj.weight`` [and ``.bias``], plus ``_extra_state``): HF checkpoints load into it and back.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        check_module_args(dict(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size),
+                          lambda: (3 * hidden_size + 2) * ffn_hidden_size + hidden_size, bias, device, dtype)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        fk = dict(device=device, dtype=dtype)
+        lin = [torch.nn.Linear(hidden_size, ffn_hidden_size, bias=bias, **fk) for _ in range(2)]
+        down = torch.nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **fk)
+        self._set(lin[0], lin[1], down)
+
+    def _set(self, gate, up, down) -> None:
+        with torch.no_grad():
+            self.fc1_weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]),
+                                                 requires_grad=gate.weight.requires_grad)
+            b = None if gate.bias is None else torch.cat([gate.bias, up.bias])
+            self.fc1_bias = None if b is None else torch.nn.Parameter(b, requires_grad=gate.bias.requires_grad)
+        self.fc2_weight, self.fc2_bias = down.weight, down.bias  # shared
+        self._init_gemms("fc1", "fc2")
+
+    @classmethod
+    def from_gated(cls, mlp: torch.nn.Module) -> "SwiGLUMLP":
+        """The SwiGLUMLP of an HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` ``nn.Linear``; the caller
+        checked that its activation is SiLU): gate and up copied into fc1, down's Parameters shared."""
+        lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is torch.nn.Linear for m in lins):
+            raise TypeError(f"mlp: expected gate_proj, up_proj and down_proj nn.Linear, got {type(mlp).__name__}")
+        gate, up, down = lins
+        f, h = gate.weight.shape
+        if (tuple(up.weight.shape) != (f, h) or tuple(down.weight.shape) != (h, f)
+                or (gate.bias is None) != (up.bias is None) or (gate.bias is None) != (down.bias is None)):
+            raise ValueError(f"mlp: gate {tuple(gate.weight.shape)}, up {tuple(up.weight.shape)} and down "
+                             f"{tuple(down.weight.shape)} are not one gated MLP's (same biases, (ffn, hidden) x2, "
+                             "(hidden, ffn))")
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.hidden_size, m.ffn_hidden_size = h, f
+        m._set(gate, up, down)
+        m.train(mlp.training)
+        return m
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """``input`` (..., hidden_size) -> (..., hidden_size); ``is_first_microbatch`` as :meth:`Linear.forward`."""
+        check_microbatch_arg(is_first_microbatch)
+        check_norm_input(input, self.hidden_size, "hidden_size")
+        st = _ac.get_state()
+        if st.enabled:
+            return quantized_swiglu_branch(input, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
+                                           self._gemms["fc1"], self._gemms["fc2"], is_first_microbatch, st, None)
+        (wg, wu), (bg, bu) = self._halves(self.fc1_weight), self._halves(self.fc1_bias)
+        return F.linear(F.silu(F.linear(input, wg, bg)) * F.linear(input, wu, bu), self.fc2_weight, self.fc2_bias)
+
+    def _halves(self, t):
+        f = self.ffn_hidden_size
+        return (None, None) if t is None else (t[:f], t[f:])
+
+    def _hf_tensors(self) -> dict:
+        """HF state_dict key (relative) -> the tensor (a view of fc1 / fc2 Parameters) it is read from / written to."""
+        (wg, wu), (bg, bu) = self._halves(self.fc1_weight), self._halves(self.fc1_bias)
+        out = {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": self.fc2_weight}
+        if self.fc1_bias is not None:
+            out.update({"gate_proj.bias": bg, "up_proj.bias": bu, "down_proj.bias": self.fc2_bias})
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for k, t in self._hf_tensors().items():
+            destination[prefix + k] = t if keep_vars else t.detach()
+        destination[prefix + _EXTRA] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        known = {_EXTRA}
+        for k, t in self._hf_tensors().items():
+            key = prefix + k
+            known.add(k)
+            if key in state_dict:
+                _copy_into(t, state_dict[key], key, error_msgs)
+            elif strict:
+                missing_keys.append(key)
+        if prefix + _EXTRA in state_dict:
+            self.set_extra_state(state_dict[prefix + _EXTRA])
+        if strict:  # (no child modules: every other key under the prefix is this module's, and unexpected)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"bias={self.fc1_bias is not None}, activation=swiglu (HF gate_proj/up_proj/down_proj state_dict)")
