@@ -146,14 +146,20 @@ def test_compiled_sentry_still_raises():
             m(x)
 
 
-def test_compiled_converted_hf_model_smoke():
-    """A tiny converted HF Llama, compiled (full graph through AOTAutograd): its loss and gradients equal eager's."""
+def _tiny_converted_llama(layers: int):
+    """A random-init HF Llama (vocab 128, hidden 64, GQA 4/2 heads) with its Linears converted, lm_head kept."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(cfg)
-    lowbit.convert(base, skip=["lm_head"])
+    model = transformers.LlamaForCausalLM(cfg)
+    lowbit.convert(model, skip=["lm_head"])
+    return model
+
+
+def test_compiled_converted_hf_model_smoke():
+    """A tiny converted HF Llama, compiled (full graph through AOTAutograd): its loss and gradients equal eager's."""
+    base = _tiny_converted_llama(layers=2)
     ids = torch.randint(0, 128, (2, 32))
 
     def step(model):
@@ -270,14 +276,9 @@ def test_gpu_reduce_overhead_refuses_delayed_scaling():
 def test_per_block_compile_shares_one_graph():
     """The torchtitan pattern, each decoder block compiled on its own: the blocks share one graph (the layers' state
     is found from their weights at run time, nothing per layer is guarded), so N blocks do not recompile N times."""
-    transformers = pytest.importorskip("transformers")
     import torch._dynamo
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    lowbit.convert(model, skip=["lm_head"])
+    model = _tiny_converted_llama(layers=4)
     ref = copy.deepcopy(model)
     for i, block in enumerate(model.model.layers):
         model.model.layers[i] = torch.compile(block, backend="aot_eager")

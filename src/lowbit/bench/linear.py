@@ -66,11 +66,7 @@ def _timer(device: torch.device, warmup: int, rep: int):
             pass
 
     def t(fn, grads=()):
-        def run():
-            for g in grads:
-                g.grad = None
-            fn()
-
+        run = _with_fresh_grads(fn, grads)
         for _ in range(2):
             run()
         times = []
@@ -90,15 +86,21 @@ def _timer(device: torch.device, warmup: int, rep: int):
     return t
 
 
-def host_ms(fn, grads=(), n: int = 50, device: torch.device | None = None) -> float:
-    """Host time (ms) to enqueue one ``fn()`` — a forward + backward — measured over ``n`` back-to-back calls with no
-    synchronize between them (after a warm-up): the time Python and the launch path take, which a GPU faster than
-    the host cannot hide. On a GPU slower than the host this is the GPU time instead (the launch queue fills)."""
+def _with_fresh_grads(fn, grads):
+    """``fn`` run after the ``.grad`` of each of ``grads`` is reset to None (every timed contender alike)."""
     def run():
         for g in grads:
             g.grad = None
         fn()
 
+    return run
+
+
+def host_ms(fn, grads=(), n: int = 50, device: torch.device | None = None) -> float:
+    """Host time (ms) to enqueue one ``fn()`` — a forward + backward — measured over ``n`` back-to-back calls with no
+    synchronize between them (after a warm-up): the time Python and the launch path take, which a GPU faster than
+    the host cannot hide. On a GPU slower than the host this is the GPU time instead (the launch queue fills)."""
+    run = _with_fresh_grads(fn, grads)
     for _ in range(3):
         run()
     if device is not None and device.type == "cuda":

@@ -572,18 +572,26 @@ def _norm_inputs(x: torch.Tensor, norm_weight, norm_eps, recipe: Recipe, norm_li
     return rms_norm_linked(x, norm_weight, norm_eps, norm_link), None, None
 
 
+def _linear_forward(cfg: _Cfg, x2, weight, bias, norm_weight, need_dgrad: bool, need_wgrad: bool):
+    """The forward of the quantized linear on 2D x2, shared by :class:`_QuantizedLinearFn` and
+    :func:`quantized_linear_op`: ``(y, pre-GELU or None, x's QuantizedTensor, the weight's, the norm's saved
+    tensors)``."""
+    qx, norm_saved = _quantize_input(cfg, x2, norm_weight, need_wgrad)
+    qw = cfg.layer.quantized_weight(weight, cfg.recipe, cfg.is_first_microbatch, columnwise=need_dgrad,
+                                    policy=cfg.policy)
+    b = None if bias is None else bias.detach()
+    y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
+    return y, pre, qx, qw, norm_saved
+
+
 class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, norm_weight, cfg: _Cfg):
-        layer, recipe = cfg.layer, cfg.recipe
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         need_dgrad = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]  # (the norm weight's gradient needs it too)
         need_wgrad = ctx.needs_input_grad[1]
-        qx, norm_saved = _quantize_input(cfg, x2, norm_weight, need_wgrad)
-        qw = layer.quantized_weight(weight, recipe, cfg.is_first_microbatch, columnwise=need_dgrad, policy=cfg.policy)
-        b = None if bias is None else bias.detach()
-        y, pre = scaled_mm(qx, qw, out_dtype=cfg.out_dtype, bias=b, gelu=cfg.gelu, return_pre_gelu=True)
+        y, pre, qx, qw, norm_saved = _linear_forward(cfg, x2, weight, bias, norm_weight, need_dgrad, need_wgrad)
         # Keep only what the backward reads: x's columnwise (wgrad) copy and the weight's QuantizedTensor (its
         # columnwise copy for dgrad; the whole object, which may be the cross-microbatch cache entry).
         ctx.qx = _columnwise_only(qx) if need_wgrad else None
@@ -706,16 +714,20 @@ def _own(outs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
     return res
 
 
-_MICROBATCH = {-1: None, 0: False, 1: True}
+_MICROBATCH = {-1: None, 0: False, 1: True}  # an operator's int argument -> is_first_microbatch
 
 
-def _op_state(key: str, weights) -> tuple[Recipe, str]:
+def _microbatch_code(is_first_microbatch) -> int:
+    return -1 if is_first_microbatch is None else int(is_first_microbatch)
+
+
+def _op_state(key: str, weight: torch.Tensor) -> tuple[Recipe, str]:
     """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
     the call is captured once and replayed: the sentry's records and delayed scaling's pending amaxes would hold
     tensors of the graph's memory pool from the capture on, which the graph does not allow. There the sentry is off
     (policy "ignore") and delayed scaling raises."""
     recipe, policy = _ac.from_key(key)
-    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
             raise NotImplementedError(
                 f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
@@ -735,13 +747,11 @@ def quantized_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     (``gelu``) and the RMSNorm's row statistics (``norm_weight`` given: RMSNorm(x) fused into the input quantizer
     with ``norm_eps``). ``key``: the autocast state's key; ``microbatch``: -1 / 0 / 1 for ``is_first_microbatch``
     None / False / True."""
-    recipe, policy = _op_state(key, (weight,))
+    recipe, policy = _op_state(key, weight)
     layer = layer_of(weight)
     mb = _MICROBATCH[microbatch]
     cfg = _Cfg(layer, recipe, mb, gelu, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
-    qx, norm_saved = _quantize_input(cfg, x, norm_weight, need_wgrad)
-    qw = layer.quantized_weight(weight, recipe, mb, columnwise=need_dgrad, policy=policy)
-    y, pre = scaled_mm(qx, qw, out_dtype=out_dtype, bias=bias, gelu=gelu, return_pre_gelu=True)
+    y, pre, qx, qw, norm_saved = _linear_forward(cfg, x, weight, bias, norm_weight, need_dgrad, need_wgrad)
     out = [y]
     if need_wgrad:
         out += copy_tensors(qx, "columnwise")
@@ -778,7 +788,7 @@ def quantized_linear_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor], we
     """The backward of :func:`quantized_linear_op` for dy (M, N) and its ``saved`` outputs (x: the 2D input, given
     where the RMSNorm is fused): ``[dx (M, K)]`` if ``need_dx``, ``[dw]`` if ``need_dw``, ``[d norm_weight]`` if
     ``need_dnw``, ``[d bias]`` if ``need_db``."""
-    recipe, policy = _op_state(key, (weight,))
+    recipe, policy = _op_state(key, weight)
     layer = layer_of(weight)
     (M, N), K = dy.shape, weight.shape[1]
     need_dgrad = need_dx or need_dnw
@@ -868,7 +878,7 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
     grad = torch.is_grad_enabled()
     need_dgrad = grad and (x.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
     need_wgrad = grad and weight.requires_grad
-    mb = -1 if cfg.is_first_microbatch is None else int(cfg.is_first_microbatch)
+    mb = _microbatch_code(cfg.is_first_microbatch)
     outs = quantized_linear_op(x.reshape(-1, K), weight, bias, norm_weight, cfg.norm_rstd, key,
                                cfg.gelu, 0.0 if cfg.norm_eps is None else cfg.norm_eps, cfg.out_dtype, mb,
                                need_dgrad, need_wgrad)
@@ -920,6 +930,24 @@ def _fused_swiglu_bwd() -> bool:
     return env.fused("swiglu_bwd_quant")
 
 
+def _swiglu_mlp_forward(cfg1: _Cfg, g2: GemmLayer, x2, w1, w2, b2, norm_weight, need_dx: bool, need_dw1: bool,
+                        need_dw2: bool):
+    """The forward of the fused SwiGLU MLP on 2D x2, shared by :class:`_SwiGLUMLPFn` and
+    :func:`quantized_swiglu_mlp_op` (fc2 quantizes with fc1's recipe, policy and microbatch flag in ``cfg1``):
+    ``(y, u, qx, qh, qw1, qw2, the norm's saved tensors)``."""
+    from ..ops.swiglu import swiglu_quantize_1x128
+
+    recipe, policy, mb = cfg1.recipe, cfg1.policy, cfg1.is_first_microbatch
+    qx, norm_saved = _quantize_input(cfg1, x2, norm_weight, need_dw1)
+    qw1 = cfg1.layer.quantized_weight(w1, recipe, mb, columnwise=need_dx, policy=policy)
+    u = scaled_mm(qx, qw1, out_dtype=cfg1.out_dtype)
+    qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
+    _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=policy)
+    qw2 = g2.quantized_weight(w2, recipe, mb, columnwise=need_dx or need_dw1, policy=policy)
+    y = scaled_mm(qh, qw2, out_dtype=cfg1.out_dtype, bias=None if b2 is None else b2.detach())
+    return y, u, qx, qh, qw1, qw2, norm_saved
+
+
 class _SwiGLUMLPFn(torch.autograd.Function):
     """``fc2(silu(a)·b)`` with ``[a | b] = fc1(x)``: the six quantized GEMMs of :class:`_QuantizedLinearFn` (twice,
     less fc1's bias), with SwiGLU fused into fc2's input quantizer (forward) by
@@ -930,21 +958,14 @@ class _SwiGLUMLPFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, b2, norm_weight, cfg1: _Cfg, cfg2: _Cfg):
-        from ..ops.swiglu import swiglu_quantize_1x128
-
-        g1, g2, recipe = cfg1.layer, cfg2.layer, cfg1.recipe
+        g2 = cfg2.layer
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[4]  # (the norm weight's gradient needs dx too)
         need_dw1, need_dw2 = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_du = need_dx or need_dw1
-        qx, norm_saved = _quantize_input(cfg1, x2, norm_weight, need_dw1)
-        qw1 = g1.quantized_weight(w1, recipe, cfg1.is_first_microbatch, columnwise=need_dx, policy=cfg1.policy)
-        u = scaled_mm(qx, qw1, out_dtype=cfg1.out_dtype)
-        qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
-        _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=cfg2.policy)
-        qw2 = g2.quantized_weight(w2, recipe, cfg2.is_first_microbatch, columnwise=need_du, policy=cfg2.policy)
-        y = scaled_mm(qh, qw2, out_dtype=cfg2.out_dtype, bias=None if b2 is None else b2.detach())
+        y, u, qx, qh, qw1, qw2, norm_saved = _swiglu_mlp_forward(cfg1, g2, x2, w1, w2, b2, norm_weight, need_dx,
+                                                                 need_dw1, need_dw2)
         ctx.qx = _columnwise_only(qx) if need_dw1 else None
         ctx.qh = _columnwise_only(qh) if need_dw2 else None
         ctx.qw1 = qw1 if need_dx else None
@@ -1052,20 +1073,13 @@ def quantized_swiglu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     copy (``need_dx``), fc2's (``need_dx or need_dw1``), fc1's output u (the same) and the RMSNorm's row statistics
     (``norm_weight`` given). Arguments as :func:`quantized_linear_op`; ``need_dx`` covers the norm weight's
     gradient."""
-    from ..ops.swiglu import swiglu_quantize_1x128
-
-    recipe, policy = _op_state(key, (w1,))
+    recipe, policy = _op_state(key, w1)
     g1, g2 = layer_of(w1), layer_of(w2)
     mb = _MICROBATCH[microbatch]
     need_du = need_dx or need_dw1
     cfg1 = _Cfg(g1, recipe, mb, False, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
-    qx, norm_saved = _quantize_input(cfg1, x, norm_weight, need_dw1)
-    qw1 = g1.quantized_weight(w1, recipe, mb, columnwise=need_dx, policy=policy)
-    u = scaled_mm(qx, qw1, out_dtype=out_dtype)
-    qh = swiglu_quantize_1x128(u, recipe.role("input").scheme, rowwise=True, columnwise=need_dw2)
-    _ac.sentry([c.amax for c in qh._copies()], layer=g2, role="input", phase="forward", policy=policy)
-    qw2 = g2.quantized_weight(w2, recipe, mb, columnwise=need_du, policy=policy)
-    y = scaled_mm(qh, qw2, out_dtype=out_dtype, bias=b2)
+    y, u, qx, qh, qw1, qw2, norm_saved = _swiglu_mlp_forward(cfg1, g2, x, w1, w2, b2, norm_weight, need_dx, need_dw1,
+                                                             need_dw2)
     out = [y]
     if need_dw1:
         out += copy_tensors(qx, "columnwise")
@@ -1112,7 +1126,7 @@ def quantized_swiglu_mlp_backward_op(dy: torch.Tensor, x: Optional[torch.Tensor]
     is fused). The forward's ``need_dx`` is ``need_dx or need_dnw`` here."""
     from ..ops.swiglu import swiglu_backward, swiglu_backward_fused_quant_supported, swiglu_backward_quantize_1x128
 
-    recipe, policy = _op_state(key, (w1,))
+    recipe, policy = _op_state(key, w1)
     g1, g2 = layer_of(w1), layer_of(w2)
     (M, N), K, F2 = dy.shape, w1.shape[1], w1.shape[0]
     need_in = need_dx or need_dnw  # (the forward's need_dx)
@@ -1212,7 +1226,7 @@ def _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1: _Cfg, key: str) -> to
     K = x.shape[-1]
     grad = torch.is_grad_enabled()
     need_dx = grad and (x.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
-    mb = -1 if cfg1.is_first_microbatch is None else int(cfg1.is_first_microbatch)
+    mb = _microbatch_code(cfg1.is_first_microbatch)
     outs = quantized_swiglu_mlp_op(x.reshape(-1, K), w1, w2, b2, norm_weight, cfg1.norm_rstd, key,
                                    0.0 if cfg1.norm_eps is None else cfg1.norm_eps, cfg1.out_dtype, mb, need_dx,
                                    grad and w1.requires_grad, grad and w2.requires_grad)

@@ -164,6 +164,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+def _layout_of(scheme: Scheme, shape, which: str):
+    """:func:`copy_layout` of the ``which`` copy of a tensor of logical ``shape``; ValueError where there is none."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    r, k = (rows, shape[-1]) if which == "rowwise" else (shape[-1], rows)
+    lay = copy_layout(scheme, r, k)
+    if isinstance(lay, str):
+        raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
+    return lay
+
+
 def n_copy_tensors(scheme: Scheme) -> int:
     """How many tensors :func:`copy_tensors` lists for a copy under ``scheme``."""
     return 3 if isinstance(scheme, NVFP4) else 2
@@ -172,18 +184,12 @@ def n_copy_tensors(scheme: Scheme) -> int:
 def copy_from_tensors(tensors, scheme: Scheme, shape, dtype: torch.dtype, which: str) -> "QuantizedTensor":
     """A QuantizedTensor of logical ``shape`` holding the one ``which`` copy in ``tensors`` (as
     :func:`copy_tensors` lists them). Its amax is not kept (an uninitialised placeholder), so it must not go to the
-    NaN sentry; the Random
-    Hadamard Transform flag follows the scheme (NVFP4 applies it to the columnwise copy where ``scheme.rht``)."""
+    NaN sentry; the Random Hadamard Transform flag follows the scheme (NVFP4 applies it to the columnwise copy where
+    ``scheme.rht``)."""
     n = n_copy_tensors(scheme)
     if len(tensors) != n:
         raise ValueError(f"tensors: a {which} copy under {scheme!r} is {n} tensors, got {len(tensors)}")
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    r, k = (rows, shape[-1]) if which == "rowwise" else (shape[-1], rows)
-    lay = copy_layout(scheme, r, k)
-    if isinstance(lay, str):
-        raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
+    lay = _layout_of(scheme, shape, which)
     data, sinv = tensors[0].view(lay[0]), tensors[1].view(lay[2])
     gs = tensors[2] if n == 3 else None
     rht = which == "columnwise" and isinstance(scheme, NVFP4) and bool(scheme.rht)
@@ -196,14 +202,7 @@ def empty_copy_tensors(scheme: Scheme, shape, which: str, device) -> list[torch.
     """Uninitialised tensors with the dtypes, shapes and (contiguous) strides of :func:`copy_tensors` of a ``which``
     copy of a tensor of logical ``shape`` (e.g. on the ``meta`` device, or fake tensors, for an operator's fake
     implementation)."""
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    r, k = (rows, shape[-1]) if which == "rowwise" else (shape[-1], rows)
-    lay = copy_layout(scheme, r, k)
-    if isinstance(lay, str):
-        raise ValueError(f"shape: no {which} copy of shape {tuple(shape)} under {scheme!r}: {lay}")
-    _, dshape, st, sshape, _ = lay
+    _, dshape, st, sshape, _ = _layout_of(scheme, shape, which)
     st = torch.uint8 if st.itemsize == 1 else st
     out = [torch.empty(dshape, dtype=torch.uint8, device=device), torch.empty(sshape, dtype=st, device=device)]
     if isinstance(scheme, NVFP4):
