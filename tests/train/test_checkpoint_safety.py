@@ -133,6 +133,47 @@ def test_keep_last_n_and_fall_back_from_a_bad_latest(tmp_path, small_text, capsy
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint.pt"]
 
 
+def test_named_resume_is_refused_with_the_good_older_checkpoint(tmp_path, small_text):
+    """``--resume PATH``: that file or nothing. A bad one is refused with its reason and the newest good older
+    checkpoint kept beside it (never a newer one), or why there is none; the named one then resumes."""
+    run = tmp_path / "run"
+    train(_cfg(tmp_path, small_text, steps=4, ckpt_every=1, keep_checkpoints=3))
+    latest, s2, s3 = run / "checkpoint.pt", run / "checkpoint-step2.pt", run / "checkpoint-step3.pt"
+    with open(latest, "r+b") as f:  # corrupted in place: its kept link checkpoint-step4.pt with it
+        f.seek(os.path.getsize(latest) // 2)
+        f.write(b"\0garbage\0" * 64)
+    want = (rf"^resume: checkpoint '{re.escape(str(latest))}': .*; the newest good checkpoint kept beside it is "
+            rf"'{re.escape(str(s3))}' \(step 3\): pass --resume {re.escape(str(s3))} to continue from there$")
+    with pytest.raises(ValueError, match=want):
+        train(_cfg(tmp_path, small_text, steps=4, keep_checkpoints=3, resume=str(latest)))
+
+    # a named older one that is bad points further back, never to a newer one
+    good3 = s3.read_bytes()
+    s3.write_bytes(b"junk")
+    with pytest.raises(ValueError, match=rf"^resume: '{re.escape(str(s3))}' is not a torch.save checkpoint .*; "
+                                         rf"the newest good checkpoint kept beside it is '{re.escape(str(s2))}' "
+                                         r"\(step 2\)"):
+        train(_cfg(tmp_path, small_text, steps=4, keep_checkpoints=3, resume=str(s3)))
+    s2.write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"none of the older checkpoints kept beside it passes its checks either: "
+                                         r"checkpoint-step2\.pt: .*not a torch\.save checkpoint"):
+        train(_cfg(tmp_path, small_text, steps=4, keep_checkpoints=3, resume=str(s3)))
+
+    # the suggested one resumes (and the run goes on from it)
+    s3.write_bytes(good3)
+    s = train(_cfg(tmp_path, small_text, steps=4, ckpt_every=1, keep_checkpoints=3, resume=str(s3)))
+    assert [st for st, _ in s["history"]["train"]] == [1, 2, 3, 4]
+    ckpt.read_checkpoint(latest)
+
+    # nothing kept beside it (keep 1)
+    for p in run.glob("checkpoint-step*.pt"):
+        p.unlink()
+    latest.write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"not a torch\.save checkpoint .*; no older checkpoint is kept beside it "
+                                         r"\(--keep-checkpoints N keeps the last N\)$"):
+        train(_cfg(tmp_path, small_text, steps=4, resume=str(latest)))
+
+
 def test_one_writer_per_out_dir_and_live_temp_files_are_kept(tmp_path, small_text):
     run = tmp_path / "run"
     run.mkdir()

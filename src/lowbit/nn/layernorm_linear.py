@@ -7,12 +7,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..runtime.checks import check_bool, check_device, check_float_dtype, check_param_memory, check_positive_int
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 
 __all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd",
-           "check_norm_link"]
+           "check_norm_link", "check_features", "check_module_args"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -78,9 +79,21 @@ def check_norm_input(input, size: int, name: str) -> None:
 
 
 def check_features(**kw):
+    """Each ``name=value`` must be a positive int (TypeError for another type, ValueError for an int < 1)."""
     for n, v in kw.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{n}: expected a positive int, got {v!r}")
+        check_positive_int(n, v)
+
+
+def check_module_args(features: dict, numel, bias, device, dtype) -> None:
+    """The constructor arguments lowbit's Linear-like modules share, checked before any parameter is allocated:
+    ``features`` (``{name: value}``) positive ints, ``bias`` a bool, ``device`` one this process can allocate on,
+    ``dtype`` None or a float dtype of :data:`~lowbit.runtime.checks.PARAM_DTYPES`, and the ``numel()`` parameter
+    elements (called once the features passed) within the device's memory."""
+    check_features(**features)
+    check_bool("bias", bias)
+    device = check_device("device", device)
+    check_float_dtype("dtype", dtype)
+    check_param_memory(features, numel(), device, dtype)
 
 
 class LayerNormLinear(LowbitModule, torch.nn.Module):
@@ -106,7 +119,8 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
                  eps: float = 1e-5, return_layernorm_output: bool = False, device=None, dtype=None):
         super().__init__()
-        check_features(in_features=in_features, out_features=out_features)
+        check_module_args(dict(in_features=in_features, out_features=out_features),
+                          lambda: in_features * out_features + out_features + 2 * in_features, bias, device, dtype)
         check_norm_args(normalization, eps)
         if not isinstance(return_layernorm_output, bool):  # bool("no") would silently be True
             raise TypeError(f"return_layernorm_output: expected a bool, got {return_layernorm_output!r}")

@@ -13,8 +13,8 @@ from .base import LowbitModule
 from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
 from .layernorm_linear import (
     apply_norm,
-    check_features,
     check_input_rstd,
+    check_module_args,
     check_norm_args,
     check_norm_input,
     check_norm_link,
@@ -64,13 +64,17 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
                  activation: str = "gelu", eps: float = 1e-5, fused_swiglu: bool | None = None, device=None,
                  dtype=None):
         super().__init__()
-        if fused_swiglu not in (None, True, False):
-            raise TypeError(f"fused_swiglu: expected None, True or False, got {fused_swiglu!r}")
+        if fused_swiglu is not None and fused_swiglu.__class__ is not bool:  # (1 == True would pass an `in` test)
+            raise TypeError(f"fused_swiglu: expected None, True or False, got {type(fused_swiglu).__name__} "
+                            f"{fused_swiglu!r}")
         self.fused_swiglu = fused_swiglu
-        check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
-        check_norm_args(normalization, eps)
         if activation not in _ACTS:
             raise ValueError(f"activation: expected one of {_ACTS}, got {activation!r}")
+        per_ffn = 2 if activation == "swiglu" else 1  # fc1's outputs per ffn feature
+        check_module_args(dict(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size),
+                          lambda: (hidden_size + 1) * per_ffn * ffn_hidden_size + (ffn_hidden_size + 3) * hidden_size,
+                          bias, device, dtype)
+        check_norm_args(normalization, eps)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.normalization, self.activation, self.eps = normalization, activation, float(eps)
         fk = dict(device=device, dtype=dtype)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from . import state as _ac
 from .base import LowbitModule
 from .functional import check_microbatch_arg, quantized_linear
-from .layernorm_linear import check_features
+from .layernorm_linear import check_module_args
 
 __all__ = ["Linear"]
 
@@ -19,7 +19,10 @@ class Linear(LowbitModule, torch.nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``. ``weight`` (out, in) and
-            ``bias`` (out,) are the high-precision master parameters the optimizer sees.
+            ``bias`` (out,) are the high-precision master parameters the optimizer sees. Checked first: the
+            features positive ints whose weight fits the device's memory, ``bias`` a bool, ``device`` one this
+            process can allocate on, ``dtype`` None or float32 / bfloat16 / float16 / float64 (a TypeError or
+            ValueError naming the argument).
 
     Shapes: input (..., in_features) float32/bfloat16/float16 -> output (..., out_features), same dtype.
 
@@ -36,7 +39,10 @@ class Linear(LowbitModule, torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
-        check_features(in_features=in_features, out_features=out_features)
+        # (torch.nn.Linear checks none of these: bias=0 or "no", a device it cannot use, an int dtype or a weight
+        # larger than the machine would fail inside the allocation or the init, or pass silently)
+        check_module_args(dict(in_features=in_features, out_features=out_features),
+                          lambda: (in_features + 1) * out_features, bias, device, dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_gemms("")
 

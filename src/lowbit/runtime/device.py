@@ -3,7 +3,8 @@
 :data:`INTERPRET`: whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read once at import, as
 Triton does). :func:`capability` / :func:`num_sms`: a CUDA device's compute capability and SM count, cached per
 device index (torch's queries cost microseconds of host time a call, which the launchers would otherwise pay for
-every operand of every step). :func:`capture`: a function captured once in a CUDA graph.
+every operand of every step). :func:`memory_bytes`: a device's total memory. :func:`capture`: a function captured
+once in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["INTERPRET", "capability", "num_sms", "capture"]
+__all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
@@ -42,6 +43,20 @@ def capability(device) -> tuple:
 def num_sms(device) -> int:
     """Streaming multiprocessors of CUDA ``device``."""
     return _num_sms(_index(device))
+
+
+def memory_bytes(device) -> int | None:
+    """Total memory of ``device``: a CUDA device's (the current one for ``"cuda"``), the machine's physical memory for
+    the CPU; None where it cannot be read or does not apply (``meta``, other device types)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return int(torch.cuda.get_device_properties(_index(d)).total_memory)
+    if d.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
+            return None
+    return None
 
 
 def capture(fn, *, capture_error_mode: str = "global"):

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..models.gpt import attention_backend, config_from_preset
+from ..runtime.device import memory_bytes
 
 __all__ = ["activation_bytes", "device_memory_bytes", "check_activation_budget", "ACT_VALUES_PER_DIM"]
 
@@ -46,11 +47,8 @@ def device_memory_bytes(device: str) -> int | None:
     machine's physical memory; ``None`` where it cannot be read."""
     if device == "cuda":
         idx = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
-        return int(torch.cuda.get_device_properties(idx).total_memory)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
-        return None
+        return memory_bytes(torch.device("cuda", idx))
+    return memory_bytes("cpu")
 
 
 def check_activation_budget(config) -> int:

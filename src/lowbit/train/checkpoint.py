@@ -22,7 +22,9 @@ Every field is validated before use (types, ranges, required keys; see :func:`va
 
 History: ``save_checkpoint(..., keep=N)`` with N > 1 also hard-links each checkpoint as ``checkpoint-step<S>.pt``
 and keeps the N newest of those (``checkpoint.pt`` is always the latest); :func:`read_good_checkpoint` falls back
-from a bad latest to the newest good previous one.
+from a bad latest to the newest good previous one (``--resume`` alone). A checkpoint the user names
+(``--resume PATH``) is never swapped for another: :func:`read_named_checkpoint` refuses a bad one and names the newest
+good older one kept beside it.
 
 One writer per out-dir: :func:`lock_out_dir` takes ``out_dir/.lock`` with ``fcntl.flock`` (released when the process
 dies; the file names the holder's PID).
@@ -44,7 +46,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_good_checkpoint", "previous_checkpoints",
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_good_checkpoint", "read_named_checkpoint",
+           "older_kept", "previous_checkpoints",
            "payload_digest", "validate_fields", "lock_out_dir", "OutDirLock", "gather_state", "apply_state", "FORMAT"]
 
 FORMAT = "lowbit-train"
@@ -434,6 +437,46 @@ def read_good_checkpoint(path: str | os.PathLike, **kw) -> tuple[dict, Path, lis
                 raise
             skipped.append(f"{f.name}: {str(e).removeprefix('resume: ')}")
     raise ValueError(f"resume: no good checkpoint in {str(path.parent)!r}: " + "; ".join(skipped))
+
+
+def older_kept(path: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The kept checkpoints older than ``path``, newest first: for ``checkpoint.pt`` every kept
+    ``checkpoint-step<S>.pt`` beside it (but its own hard link), for a kept ``checkpoint-step<N>.pt`` those with
+    S < N."""
+    path = Path(path)
+    m = re.match(r"^(.*)-step(\d+)$", path.stem)
+    if m:
+        base, below = path.with_name(m.group(1) + path.suffix), int(m.group(2))
+    else:
+        base, below = path, None
+    return [(st, f) for st, f in previous_checkpoints(base)
+            if (below is None or st < below) and f != path and not _same(f, path)]
+
+
+def read_named_checkpoint(path: str | os.PathLike, **kw) -> dict:
+    """:func:`read_checkpoint` of a checkpoint the user named (``--resume PATH``), which is never swapped for another
+    one: a bad file is a ValueError with its reason, naming the newest older checkpoint kept beside it that passes
+    every check (``--keep-checkpoints``), or saying that none does / none is kept. ``kw``: :func:`read_checkpoint`'s.
+    """
+    try:
+        return read_checkpoint(path, **kw)
+    except ValueError as e:
+        reason = str(e)
+    older = older_kept(path)
+    if not older:
+        raise ValueError(f"{reason}; no older checkpoint is kept beside it (--keep-checkpoints N keeps the last N)"
+                         ) from None
+    skipped = []
+    for st, f in older:
+        try:
+            read_checkpoint(f, **{**kw, "warn": lambda msg: None})
+        except ValueError as e2:
+            skipped.append(f"{f.name}: {str(e2).removeprefix('resume: ')}")
+            continue
+        raise ValueError(f"{reason}; the newest good checkpoint kept beside it is {str(f)!r} (step {st}): pass "
+                         f"--resume {f} to continue from there") from None
+    raise ValueError(f"{reason}; none of the older checkpoints kept beside it passes its checks either: "
+                     + "; ".join(skipped)) from None
 
 
 def _same(a: Path, b: Path) -> bool:

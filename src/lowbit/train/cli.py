@@ -79,7 +79,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep the last N checkpoints (checkpoint.pt and checkpoint-step<S>.pt); --resume falls back "
                         "from a bad latest one to the newest good one (default 2)")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
-                   help="continue from out-dir/checkpoint.pt (or the given checkpoint)")
+                   help="continue from out-dir/checkpoint.pt, falling back to the newest good kept one (or from the "
+                        "given checkpoint, which must pass its checks: a bad one is refused, naming a good older one)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
                    help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, "

@@ -73,7 +73,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the last N checkpoints (``checkpoint.pt``, the latest, also kept as ``checkpoint-step<S>.pt``, and the
     N-1 before it); a resume whose latest is bad (digest mismatch, unreadable, invalid fields) falls back to the
-    newest good one. 1: only ``checkpoint.pt``."""
+    newest good one. 1: only ``checkpoint.pt``. A checkpoint named with ``resume=PATH`` is not replaced: a bad one
+    is refused, naming the newest good older checkpoint kept beside it."""
     save_final: bool = True
     overwrite: bool = False
     """Start afresh even if ``out_dir`` holds a checkpoint (which the first save then replaces)."""
@@ -691,9 +692,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             ck, path, skipped = ckpt.read_good_checkpoint(ck_path, **read_kw)
             if skipped:
                 _say(d, c, f"[lowbit] resume: skipped {' | '.join(skipped)}; using {path} (step {ck['step']})")
-        else:
+        else:  # a file the user named: never swapped for another; a bad one's error names a good older kept one
             path = Path(c.resume)
-            ck = ckpt.read_checkpoint(path, **read_kw)
+            ck = ckpt.read_named_checkpoint(path, **read_kw)
         if ck["model_config"] != mcfg.to_dict():
             diff = {k: (ck["model_config"].get(k), v) for k, v in mcfg.to_dict().items()
                     if ck["model_config"].get(k) != v}
