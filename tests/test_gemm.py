@@ -457,8 +457,52 @@ def _interp_main() -> int:
             if not bool((err <= bound).all()):
                 fails += 1
                 print("FAIL", fn.__name__, sa, sb, M, N, K, ac, bc, ints, (err / (S + 1e-300)).max().item())
+    fails += _nonfinite_mismatches("cpu", [(scaled_mm_emulated, "rowwise"), (scaled_mm_dequant, "rowwise"),
+                                           (scaled_mm_emulated, "columnwise")], [(scaled_mm_triton, "rowwise")])
     print(f"gemm interp failures: {fails} (TMA cases: {tma_cases})")
     return 1 if fails else 0
+
+
+def _nonfinite_mismatches(device, mx_fns, fp8_fns) -> int:
+    """An Inf in one row of A and one of B: MXFP8 operands (the blocks' E8M0 NaN) make exactly that row and that
+    column of y NaN, and delayed per-tensor FP8 operands (the copy's NaN scale_inv) all of y, as the reference does;
+    the rest equals the reference within 2**-11 · S. ``mx_fns`` / ``fp8_fns``: (GEMM function, the copy both operands
+    use). Prints and counts the failures."""
+    fails = 0
+    M, N, K = 64, 96, 128
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    x[3, 37], w[50, 100] = float("inf"), -float("inf")
+    for fns, sa, sb, scales in [(mx_fns, MXFP8(), MXFP8("e5m2"), (None, None)),
+                                (mx_fns, MXFP8("e5m2"), MXFP8(), (None, None)),
+                                (fp8_fns, Float8Tensorwise(), Float8Tensorwise("e5m2"), (2.0, 0.5))]:
+        for fn, which in fns:
+            ops = []
+            for t, sch, s in ((x, sa, scales[0]), (w, sb, scales[1])):
+                t = t if which == "rowwise" else t.t().contiguous()  # the tensor whose `which` copy is x / w
+                kw = {} if s is None else {"scale": torch.tensor([s], device=device)}
+                ops.append(quantize(t.to(device), sch, rowwise=which == "rowwise", columnwise=which == "columnwise",
+                                    **kw))
+            a, b = ops
+            y, _ = fn(a, b, a_copy=which, b_copy=which, out_dtype=torch.float32, bias=None, gelu=False,
+                      accumulate=False, out=None)
+            ref, _ = scaled_mm_reference(a, b, a_copy=which, b_copy=which, out_dtype=torch.float32)
+            y, ref = y.cpu(), ref.cpu()
+            nan = torch.ones(M, N, dtype=torch.bool)
+            if isinstance(sa, MXFP8):
+                nan[:] = False
+                nan[3, :] = nan[:, 50] = True
+            ok = torch.equal(torch.isnan(ref), nan) and torch.equal(torch.isnan(y), nan)
+            fin = ~nan
+            if ok and fin.any():
+                A, B = dequantize_exact(a, which).cpu(), dequantize_exact(b, which).cpu()
+                S = (A.abs().nan_to_num() @ B.abs().nan_to_num().t())[fin]
+                ok = bool(((y[fin].double() - ref[fin].double()).abs() <= 2.0**-11 * S).all())
+            if not ok:
+                fails += 1
+                print("FAIL nonfinite", getattr(fn, "__name__", fn), sa, sb, which, int(torch.isnan(y).sum()),
+                      int(nan.sum()))
+    return fails
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -473,6 +517,23 @@ def test_gemm_kernels_in_interpreter():
 
 if __name__ == "__main__" and "--interp" in sys.argv:
     sys.exit(_interp_main())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("core", ["triton", "cublas"])
+def test_nonfinite_operands_give_the_references_nan(core, cuda, monkeypatch):
+    """An Inf in an MXFP8 operand (its block's E8M0 NaN) or in a delayed per-tensor FP8 operand (its NaN scale_inv):
+    exactly the reference's rows / columns of y are NaN in every backend that takes them."""
+    import lowbit.gemm.triton_backend as tb
+
+    monkeypatch.setattr(tb, "DEQUANT_GEMM", core)
+    forget_tuned()
+    mx = [(tb.scaled_mm_emulated, "rowwise"), (tb.scaled_mm_dequant, "rowwise"), (tb.scaled_mm_emulated, "columnwise"),
+          (tb.scaled_mm_dequant, "columnwise")]
+    fp8 = [(tb.scaled_mm_triton, "rowwise")]
+    if "cublas" in BACKENDS:
+        fp8.append((lambda a, b, **kw: BACKENDS["cublas"][1](a, b, **kw), "rowwise"))
+    assert _nonfinite_mismatches(cuda, mx, fp8) == 0
 
 
 @pytest.mark.gpu

@@ -256,6 +256,55 @@ def test_nonfinite_inputs_bit_identical(cuda):
 
 
 @pytest.mark.gpu
+def test_nonfinite_stays_visible_bit_identical(cuda):
+    """MXFP8: a block holding a NaN or +-Inf stores the E8M0 NaN (0xFF); delayed per-tensor scaling: a copy with a
+    NaN or Inf stores scale_inv = NaN (one program's 1 / scale OR'd with every faulty tile's NaN bits) — both copies,
+    every dtype, whole 128 x 128 tiles (the register-tile MXFP8 kernel's) and ragged ones, bit for bit; and the
+    copies dequantize to NaN there."""
+    for shape in [(256, 512), (96, 160)]:  # (96, 160): not whole 128 x 128 tiles -> mxfp8_kernel
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for bad in (float("inf"), -float("inf"), float("nan")):
+                x = _randn(shape, dtype, cuda, seed=8)
+                x[3, 37] = bad
+                x[-1, 0] = -bad
+                for scheme, kw in [(MXFP8(), {}), (MXFP8("e5m2"), {}),
+                                   (Float8Tensorwise(), {"scale": torch.tensor([3.0], device=cuda)}),
+                                   (Float8Tensorwise("e5m2"), {"scale": torch.tensor([0.5], device=cuda)})]:
+                    for rw, cw in COPIES:
+                        bad_ = compare(x, scheme, rw, cw, **kw)
+                        assert not bad_, f"{scheme} {shape} {dtype} {bad} rowwise={rw} columnwise={cw}: {bad_}"
+                    q = quantize(x, scheme, rowwise=True, columnwise=True, **kw)
+                    d = q.dequantize("rowwise").float()
+                    assert torch.isnan(d[3, 37]) and torch.isnan(q.dequantize("columnwise").float()[3, 37])
+                    if isinstance(scheme, MXFP8):  # only the faulty blocks
+                        assert int(q.rowwise.scale_inv.eq(255).sum()) == 2 and torch.isfinite(d[3, 64:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [Float8Blockwise(), Float8Blockwise(block_dim=2), Float8Rowwise(pow2=True),
+                                    Float8Blockwise(fmt="e5m2"), Float8Blockwise(block_dim=2, fmt="e5m2")], ids=repr)
+def test_pow2_scales_near_the_fp32_max_bit_identical(scheme, cuda):
+    """Power-of-two scales of amaxes near the FP32 maximum take the floor 2**(floor(log2 fmax) - 127) (every kernel
+    that quantizes with them: the plain, persistent and register-tile blockwise kernels, per-row): the reference's
+    bits, and a finite dequantization."""
+    fmax = torch.finfo(torch.float32).max
+    for shape in [(256, 384), (129, 1000), (2048, 1152)]:
+        g = torch.Generator().manual_seed(shape[0])
+        x = (torch.rand(shape, generator=g) * 2 - 1) * fmax
+        x[0, 0], x[-1, -1], x[5] = fmax, -fmax, 1.75 * 2.0**127
+        for dtype in (torch.float32, torch.bfloat16):
+            big = torch.finfo(dtype).max  # (BF16's max, (2 - 2**-7) * 2**127, is still above 1.9375 * 2**127)
+            xc = x.clamp(-big, big).to(dtype).to(cuda)
+            for rw, cw in COPIES:
+                bad = compare(xc, scheme, rw, cw)
+                assert not bad, f"{scheme} {shape} {dtype} rowwise={rw} columnwise={cw}: {bad}"
+            q = quantize(xc, scheme, rowwise=True, columnwise=True)
+            assert not q.has_nonfinite_amax
+            assert torch.isfinite(q.dequantize("rowwise").float()).all()
+            assert torch.isfinite(q.dequantize("columnwise").float()).all()
+
+
+@pytest.mark.gpu
 def test_software_rounding_path_bit_identical(cuda, monkeypatch):
     import lowbit.quant.triton_backend as tb
 
@@ -796,7 +845,33 @@ def _interp_cases():
                            (NVFP4(rht=True, stochastic_rounding=True), (48, 32), {"seed": 9})]:
         cases.append((shape, sch, True, True, {**kw, **f16}))
     cases.append(((19, 40), Float8Blockwise(block_size=32), True, False, f16))
+    # non-finite values and values near the FP32 maximum ("_fill", see _special_input; finite FP8 codes only: the
+    # interpreter's float->fp8 cast is wrong for NaN, and an Inf saturates before the cast): the MXFP8 block with an
+    # Inf gets the E8M0 NaN, a delayed copy with an Inf the NaN scale_inv, power-of-two scales stay >= their floor
+    for rw, cw in COPIES:
+        cases.append(((64, 96), MXFP8(), rw, cw, {"_fill": "inf"}))
+        cases.append(((64, 64), MXFP8("e5m2"), rw, cw, {"_fill": "inf"}))
+        cases.append(((19, 40), Float8Tensorwise(), rw, cw, {"scale": torch.tensor([3.5]), "_fill": "inf"}))
+        cases.append(((40, 19), Float8Tensorwise("e5m2"), rw, cw, {"scale": torch.tensor([0.5]), "_fill": "inf"}))
+        for sch in [Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=16),
+                    Float8Rowwise(pow2=True), Float8Blockwise(block_size=16, fmt="e5m2")]:
+            cases.append(((19, 40), sch, rw, cw, {"_fill": "huge"}))
     return cases
+
+
+def _special_input(shape, dtype, seed, fill):
+    """``_randn`` with, for ``fill="inf"``, a +Inf and a -Inf in different rows and blocks; for ``"huge"``, magnitudes
+    up to the FP32 maximum (the maximum itself, both signs, and a row just above 1.75 * 2**127)."""
+    x = _randn(shape, torch.float32, "cpu", seed)
+    if fill == "inf":
+        x[3, 5] = float("inf")
+        x[-2, -3] = -float("inf")
+    elif fill == "huge":
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.rand(shape, generator=g) * 2 - 1) * torch.finfo(torch.float32).max
+        x[0, 0], x[-1, -1] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max
+        x[1] = 1.75 * 2.0**127 * 1.01
+    return x.to(dtype)
 
 
 def _interp_rht_cases():
@@ -823,8 +898,9 @@ def _interp_main(cases) -> int:  # runs in the subprocess
         kw = dict(kw)
         tile = kw.pop("_tile", None)
         dtype = kw.pop("_dtype", torch.float32)
+        fill = kw.pop("_fill", None)
         tb._configs = configs if tile is None else (lambda *a, **k: [dict(BM=tile[0], BK=tile[1], num_warps=4)])
-        x = _randn(shape, dtype, "cpu", seed=i)
+        x = _randn(shape, dtype, "cpu", seed=i) if fill is None else _special_input(shape, dtype, i, fill)
         bad = compare(x, sch, rw, cw, **kw)
         if bad:
             failures += 1

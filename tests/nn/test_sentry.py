@@ -156,6 +156,39 @@ def test_ignore_turns_the_sentry_off():
     assert nonfinite_events() == [] and torch.isnan(y).all()
 
 
+@pytest.mark.parametrize("policy", ["ignore", "skip"])
+def test_ignore_hides_no_value_under_delayed_scaling(policy):
+    """Delayed scaling with an Inf in the input: the cast alone would saturate it to 448 · scale_inv and the output
+    would be finite. The input copy's scale_inv is NaN instead, so the output (and the loss) is non-finite; "ignore"
+    raises and records nothing, "skip" records the event; either way the Inf amax is committed as 0 (the history and
+    scale do not move) and the next clean step is finite again."""
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(32, 16)
+    r = recipes.DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32)
+    nonfinite_events()
+    with lowbit.autocast(recipe=r, on_nonfinite=policy):
+        m(x)  # the first scale is 1
+    with lowbit.autocast(recipe=r, on_nonfinite=policy):
+        m(x)  # now the scale is 448 / amax(x)
+    h = m._gemms[""].delayed.histories["input"]
+    scale, steps = h.scale.clone(), h.steps
+    assert torch.isfinite(scale).all() and scale.item() != 1.0
+    bad = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        bad[2, 5] = float("inf")
+    with lowbit.autocast(recipe=r, on_nonfinite=policy):
+        y = m(bad)
+    assert not torch.isfinite(y).any()  # the whole per-tensor GEMM: NaN, not a finite row
+    y.sum().backward()
+    assert not torch.isfinite(m.weight.grad).all()  # wgrad saw the Inf's row too
+    events = nonfinite_events()
+    assert (events == []) if policy == "ignore" else ("input", "forward") in {(e.role, e.phase) for e in events}
+    assert h.steps == steps + 1 and h.history[0] == 0 and torch.equal(h.scale, scale)
+    with lowbit.autocast(recipe=r, on_nonfinite=policy):
+        assert torch.isfinite(m(x)).all()
+
+
 class _FakeEvent:
     """Stands in for a CUDA event: query() says whether the GPU has passed it."""
 

@@ -21,7 +21,8 @@ Conventions (shared with ``lowbit.attention.reference``):
     - ``scales=None`` -> ``Float8Rowwise``: one scale per row along head_dim,
       ``scale = fmax / amax_row`` (amax 0 -> 1), ``scale_inv`` (rows, 1) stored;
     - ``scales=(scale_dq, scale_dk, scale_dv)`` (FP32 (1,) each, delayed scaling) ->
-      ``Float8Tensorwise``: ``q = sat_rne(g · scale)``, ``scale_inv = 1 / scale`` (1,).
+      ``Float8Tensorwise``: ``q = sat_rne(g · scale)``, ``scale_inv = 1 / scale`` (1,), NaN when the gradient's
+      amax is non-finite (NUMERICS §3, per-tensor delayed).
   Either way ``qt.amax`` is the gradient's amax (for the next step's delayed scale), and
   ``qt.dequantize()`` gives ``data · scale_inv``.  The codes equal
   ``lowbit.quantize(g_fp32, scheme, scale=...)`` applied to the same FP32 gradient.
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..quant import quantize
+from ..quant.reference import delayed_scale_inv
 from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..runtime import env
@@ -309,7 +311,8 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
     out = []
     for i, (g, x, rs, s) in enumerate(((dq, q, rsq, scq), (dk, k, rsk, sck), (dv, k, rsv, scv))):
         rows = g.numel() // D if D else 0
-        scale_inv = rs.reshape(rows, 1) if qmode == 2 else (1.0 / s).reshape(1)
+        # (given scales: NaN where the gradient held a NaN / Inf, as lowbit.quantize with a delayed scale stores)
+        scale_inv = rs.reshape(rows, 1) if qmode == 2 else delayed_scale_inv(s, amax[i:i + 1])
         qt = QuantizedTensor(shape=x.shape, dtype=x.dtype, scheme=scheme,
                              rowwise=QuantizedCopy(data=g.view(rows, D), scale_inv=scale_inv, amax=amax[i:i + 1]))
         qt.meta["layout"] = lay

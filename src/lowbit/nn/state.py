@@ -707,7 +707,8 @@ class autocast(contextlib.ContextDecorator):
             :func:`nonfinite_events` waits for every pending check. ``LOWBIT_SENTRY_SYNC=1`` makes each
             check wait, so the error surfaces at the exit of the step itself (one sync per check).
             ``"ignore"`` turns the sentry off (no checks, no syncs; non-finite amaxes still never enter
-            a delayed-scaling history).
+            a delayed-scaling history). It hides no value: a quantized NaN / Inf dequantizes to NaN
+            under every recipe (NUMERICS §3), so the step's outputs and loss show it.
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.

@@ -10,10 +10,13 @@ Conventions shared by all schemes:
 * ``scale`` multiplies x on the way in; ``scale_inv = 1 / scale`` is stored, so x ≈ q · scale_inv.
 * A scaling group whose amax is 0 gets scale 1 (and dequantizes to exact zeros).
 * A non-finite amax is never hidden: it is stored in the copy's ``amax`` and flagged by
-  :attr:`QuantizedTensor.has_nonfinite_amax`.
+  :attr:`QuantizedTensor.has_nonfinite_amax`, and its scaling group dequantizes to NaN (a NaN or 0 scale, MXFP8's
+  E8M0 NaN, a delayed copy's NaN ``scale_inv``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,6 +38,8 @@ __all__ = [
     "validate_quantize_args",
     "resolve_seed",
     "compute_scale",
+    "pow2_scale_floor",
+    "delayed_scale_inv",
     "amax_of",
     "rht_matrix",
     "rht_blocks",
@@ -63,7 +68,11 @@ def compute_scale(amax: torch.Tensor, fmax: float, *, pow2: bool = False, eps: f
     """scale = fmax / max(amax, eps) in float32, with the rules every quantizer shares.
 
     * amax == 0 (after eps) -> 1;  scale that overflows (tiny amax) -> FP32 max;
-    * ``pow2``: round the scale *down* to a power of two (zero its mantissa), so amax · scale ≤ fmax;
+    * ``pow2``: round the scale *down* to a power of two (zero its mantissa), so amax · scale ≤ fmax — but never
+      below :func:`pow2_scale_floor` (2**(floor(log2 fmax) - 127)), the smallest power of two whose
+      dequantized range fmax / scale is finite: an amax above fmax / floor (1.75 · 2**127 for E4M3 and E5M2,
+      within 12.5% of the FP32 max) takes the floor, and its largest elements saturate to fmax instead of
+      rounding up to 2**128 (Inf) on dequantization;
     * non-finite amax -> NaN scale for NaN amax, 0-free: Inf amax gives scale 0, which the caller's
       sentry reports (the amax is stored).
     """
@@ -76,8 +85,16 @@ def compute_scale(amax: torch.Tensor, fmax: float, *, pow2: bool = False, eps: f
     if pow2:
         m, e = torch.frexp(s)  # s = m·2**e, m in [0.5, 1)
         p = torch.ldexp(torch.ones_like(s), (e - 1).to(torch.float32))
+        p = torch.clamp(p, min=pow2_scale_floor(fmax))
         s = torch.where(torch.isfinite(s) & (s > 0), p, s)
     return s
+
+
+def pow2_scale_floor(fmax: float) -> float:
+    """The smallest power-of-two scale ``compute_scale(pow2=True)`` returns: 2**(floor(log2 fmax) - 127), so that
+    fmax / scale = fmax · 2**(127 - floor(log2 fmax)) < 2**128 stays finite. A power-of-two scale keeps the
+    mantissa, so a smaller one would round the top elements of an amax near the FP32 max up to 2**128."""
+    return math.ldexp(1.0, math.frexp(fmax)[1] - 1 - 127)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +133,20 @@ def resolve_seed(scheme, seed, device=None):
 # ------------------------------------------------------------------------------------------------
 # per-scheme copy quantizers: each takes the 2D matrix to quantize along its last dim
 # ------------------------------------------------------------------------------------------------
+def delayed_scale_inv(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The stored ``scale_inv`` of a copy cast with a given (delayed) scale: ``1 / scale``, or NaN when the copy's
+    own amax is non-finite. The cast saturates ±Inf to ±fmax, so without the NaN an Inf would come back as a finite
+    fmax / scale; with it the copy dequantizes to NaN, as a current scale (0 for an Inf amax) makes it."""
+    si = (1.0 / scale.to(torch.float32)).reshape(1)
+    return torch.where(torch.isfinite(amax.reshape(1)), si, torch.full_like(si, float("nan")))
+
+
 def _copy_tensorwise(x2, fmt: FloatFormat, scale: torch.Tensor | None):
     amax = amax_of(x2)
     s = compute_scale(amax, fmt.max) if scale is None else scale.to(torch.float32).reshape(1)
     data = cast_to_format(x2.float() * s, fmt)
-    return QuantizedCopy(data=data, scale_inv=(1.0 / s).reshape(1), amax=amax)
+    si = (1.0 / s).reshape(1) if scale is None else delayed_scale_inv(s, amax)
+    return QuantizedCopy(data=data, scale_inv=si, amax=amax)
 
 
 def _copy_rowwise(x2, sch: Float8Rowwise):
@@ -157,7 +183,9 @@ def _copy_mxfp8(x2, sch: MXFP8):
     X = torch.where(bamax == 0, torch.zeros_like(X), X)
     X = torch.clamp(X, -127, 127)
     code = e8m0_encode(X)
-    code = torch.where(torch.isnan(bamax), torch.full_like(code, 255), code)
+    # A non-finite amax (a NaN or ±Inf in the block) stores the E8M0 NaN: the whole block dequantizes to NaN, as
+    # the other schemes' NaN / zero scales make it. Its elements keep the X above (frexp of Inf / NaN: exponent 0).
+    code = torch.where(torch.isfinite(bamax), code, torch.full_like(code, 255))
     Xe = X.repeat_interleave(32, dim=1)[:, :k].to(torch.float32)
     data = cast_to_format(torch.ldexp(x2.float(), -Xe), fmt)  # x / 2**X, exact
     return QuantizedCopy(data=data, scale_inv=code, amax=amax_of(x2))

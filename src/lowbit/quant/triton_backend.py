@@ -188,12 +188,14 @@ _TENSORWISE_LAUNCH = CachedLaunch(K.tensorwise_kernel)
 def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
     M, Kd = x2.shape
     fmt, dev = sch.format, x2.device
-    amax_i = _amax_buffer(dev)
+    # the amax and scale_inv bits, zeroed by one fill (scale_inv 16 bytes in, aligned as a fresh allocation): the
+    # delayed kernel ORs the scale_inv bits in (see tensorwise_kernel)
+    buf = torch.zeros(8, dtype=torch.int32, device=dev)
+    amax_i, si = buf[0:1], buf[4:5]
     delayed = scale is not None
     s = scale.to(torch.float32).reshape(1) if delayed else amax_i  # (unused by the kernel when not delayed)
     rq = torch.empty(M, Kd, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
-    si = torch.empty(1, dtype=torch.float32, device=dev)
     pkey = (M, Kd, x2.dtype, sch, rowwise, columnwise, delayed)
     plan = _TENSORWISE_PLANS.get(pkey)
     fa = _fmt_args(fmt)
@@ -214,7 +216,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
 
         def launch(c):
             if delayed:
-                amax_i.zero_()
+                buf.zero_()
             grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
             K.tensorwise_kernel[grid](x2, a1, a2, s, amax_i, si, M, Kd, **fa, DELAYED=delayed, ROW=rowwise,
                                       COL=columnwise,
@@ -222,7 +224,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
 
         _TENSORWISE_PLANS[pkey] = tuned_launch(
             "tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
-    amax = amax_i.view(torch.float32)
+    amax, si = amax_i.view(torch.float32), si.view(torch.float32)
     if rowwise:
         qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
     if columnwise:

@@ -96,8 +96,11 @@ def compute_scale(a, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
         s = tl.where(a == 0, 1.0, s)
         s = tl.where(s == float("inf"), FP32_MAX, s)
         if POW2:
-            p = bits_to_f32(s.to(tl.int32, bitcast=True) & 0x7F800000)
-            s = tl.where(s == s, p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
+            pb = s.to(tl.int32, bitcast=True) & 0x7F800000
+            # not below 2**(floor(log2 FMAX) - 127) (reference.pow2_scale_floor; FMAX >= 2 here keeps it normal)
+            fe = (tl.cast(FMAX, tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            p = bits_to_f32(tl.maximum(pb, (fe - 127) << 23))
+            s = tl.where((s == s) & (s > 0), p, s)  # finite positive s: zero the mantissa; 0 and NaN unchanged
     return s
 
 
@@ -109,13 +112,15 @@ def _pow2_scale(a, FMAX: tl.constexpr):
     mf / ma lies in (mf / 2, 2): its exponent is ef - ea if ma <= mf, else ef - ea - 1 — and round-to-nearest cannot
     carry it up to the next power of two there, since the float after mf exceeds mf / (1 - 2**-25), the largest ma
     whose quotient would round up. E >= 128 is the quotient's overflow to inf, FP32 max, 2**127 (subnormal a lands
-    there too: its biased exponent is 0). For FMAX >= 4, E >= ef - 128 >= -126 stays normal. a = 0 -> 1, Inf -> 0,
-    NaN -> NaN, as the reference. A division costs a slow-path call whose register convention raised the 1x128
-    quantizers' registers from ~60 to 160+ (Triton 3.6, sm_90)."""
+    there too: its biased exponent is 0). E is at least ef - 127 (reference.pow2_scale_floor: the one finite amax
+    range whose E would be ef - 128, above 1.75 · 2**127 for FMAX = 1.75 · 2**ef, would dequantize to Inf), so for
+    FMAX >= 4 it stays normal. a = 0 -> 1, Inf -> 0, NaN -> NaN, as the reference. A division costs a slow-path
+    call whose register convention raised the 1x128 quantizers' registers from ~60 to 160+ (Triton 3.6, sm_90)."""
     b = a.to(tl.int32, bitcast=True)
     fb = tl.cast(FMAX, tl.float32).to(tl.int32, bitcast=True)
-    e = ((fb >> 23) & 0xFF) - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
-    s = bits_to_f32((tl.minimum(e, 127) + 127) << 23)
+    fbe = (fb >> 23) & 0xFF  # biased: ef + 127
+    e = fbe - ((b >> 23) & 0xFF) - ((b & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
+    s = bits_to_f32((tl.minimum(tl.maximum(e, fbe - 254), 127) + 127) << 23)
     s = tl.where(a == 0, 1.0, s)
     s = tl.where(a == float("inf"), 0.0, s)
     return tl.where(a != a, a, s)
@@ -315,21 +320,31 @@ def tensorwise_kernel(x_ptr, rq_ptr, cq_ptr, scale_ptr, amax_ptr, si_ptr, M, K,
                       DELAYED: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SW: tl.constexpr,
                       BM: tl.constexpr, BK: tl.constexpr):
     """Cast x (M, K) with one scale. DELAYED: scale read from scale_ptr (fp32) and the amax is recorded
-    here; else the scale comes from the amax already in amax_ptr (reference.compute_scale)."""
+    here; else the scale comes from the amax already in amax_ptr (reference.compute_scale).
+
+    si_ptr: the int32 bits of scale_inv, zeroed by the host. DELAYED: 1 / scale OR'd with the NaN bits by every
+    program whose tile holds a NaN or Inf (in any order: an OR loses nothing), so a copy whose amax is non-finite
+    dequantizes to NaN (reference.delayed_scale_inv)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    first = (pid_m == 0) & (pid_k == 0)
     if DELAYED:
         s = tl.load(scale_ptr)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0), sem="relaxed")
+        tmax = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+        tl.atomic_max(amax_ptr, tmax, sem="relaxed")
+        bad = tmax >= 0x7F800000
+        if first | bad:
+            bits = tl.where(first, recip(s, False, FMAX).to(tl.int32, bitcast=True), 0)
+            tl.atomic_or(si_ptr, tl.where(bad, bits | 0x7FC00000, bits), sem="relaxed")
     else:
         a = bits_to_f32(tl.load(amax_ptr))
         s = compute_scale(a, FMAX, False, 0.0)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(si_ptr, recip(s, False, FMAX))
+        if first:
+            tl.store(si_ptr, recip(s, False, FMAX).to(tl.int32, bitcast=True))
     q = fp8_prep(x * s, FMAX, EMIN, MBITS, SW)
     if ROW:
         tl.store(rq_ptr + offs_m[:, None] * K + offs_k[None, :], q.to(rq_ptr.dtype.element_ty), mask=mask)
@@ -746,7 +761,8 @@ def _load_tile(x_ptr, M, K, pid_m, pid_k, BM: tl.constexpr, BK: tl.constexpr):
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def mx_exponent(amax_bits, EMAX: tl.constexpr):
-    """(X, code): X = floor(log2 amax) - emax from the exponent bits (amax 0 -> 0; clamp ±127); NaN -> code 0xFF."""
+    """(X, code): X = floor(log2 amax) - emax from the exponent bits (amax 0 -> 0; clamp ±127); a non-finite amax
+    (NaN or Inf: exponent bits all ones) -> code 0xFF, the E8M0 NaN."""
     be = (amax_bits >> 23) & 0xFF
     # torch.frexp: normal a -> floor(log2 a) = be - 127; subnormal ends up clamped to -127 either way;
     # Inf/NaN -> frexp exponent 0, i.e. floor = -1.
@@ -754,7 +770,7 @@ def mx_exponent(amax_bits, EMAX: tl.constexpr):
     X = fl - EMAX
     X = tl.where(amax_bits == 0, 0, X)
     X = tl.minimum(tl.maximum(X, -127), 127)
-    code = tl.where(amax_bits > 0x7F800000, 255, X + 127)
+    code = tl.where(be == 255, 255, X + 127)
     return X, code
 
 
