@@ -36,7 +36,7 @@ from ..quant.tensor import (
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
-from ..runtime.device import num_sms
+from ..runtime.device import in_graph_pool, num_sms
 from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
@@ -721,18 +721,22 @@ def _microbatch_code(is_first_microbatch) -> int:
     return -1 if is_first_microbatch is None else int(is_first_microbatch)
 
 
-def _op_state(key: str, weight: torch.Tensor) -> tuple[Recipe, str]:
+def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Recipe, str]:
     """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
-    the call is captured once and replayed: the sentry's records and delayed scaling's pending amaxes would hold
-    tensors of the graph's memory pool from the capture on, which the graph does not allow. There the sentry is off
-    (policy "ignore") and delayed scaling raises."""
+    the call runs from the graph's private memory pool: the sentry's records, delayed scaling's pending amaxes and a
+    cached weight (``is_first_microbatch``) would keep pool tensors alive after the call, which the graph does not
+    allow. There the sentry is off (policy "ignore"), and delayed scaling and the weight cache raise."""
     recipe, policy = _ac.from_key(key)
-    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+    if weight.is_cuda and in_graph_pool(weight.device):
         if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
             raise NotImplementedError(
                 f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
                 "(mode='reduce-overhead') cannot carry; use a current-scaling recipe (fp8-current, fp8-block, mxfp8, "
                 "nvfp4) there, or compile without CUDA graphs")
+        if microbatch != -1:
+            raise NotImplementedError(
+                f"is_first_microbatch: {_MICROBATCH[microbatch]} caches the quantized weight across calls, which "
+                "torch.compile's CUDA graphs (mode='reduce-overhead') cannot carry; pass None there")
         policy = "ignore"
     return recipe, policy
 
@@ -747,7 +751,7 @@ def quantized_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     (``gelu``) and the RMSNorm's row statistics (``norm_weight`` given: RMSNorm(x) fused into the input quantizer
     with ``norm_eps``). ``key``: the autocast state's key; ``microbatch``: -1 / 0 / 1 for ``is_first_microbatch``
     None / False / True."""
-    recipe, policy = _op_state(key, weight)
+    recipe, policy = _op_state(key, weight, microbatch)
     layer = layer_of(weight)
     mb = _MICROBATCH[microbatch]
     cfg = _Cfg(layer, recipe, mb, gelu, policy, out_dtype, None if norm_weight is None else norm_eps, norm_rstd)
@@ -1073,7 +1077,7 @@ def quantized_swiglu_mlp_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     copy (``need_dx``), fc2's (``need_dx or need_dw1``), fc1's output u (the same) and the RMSNorm's row statistics
     (``norm_weight`` given). Arguments as :func:`quantized_linear_op`; ``need_dx`` covers the norm weight's
     gradient."""
-    recipe, policy = _op_state(key, w1)
+    recipe, policy = _op_state(key, w1, microbatch)
     g1, g2 = layer_of(w1), layer_of(w2)
     mb = _MICROBATCH[microbatch]
     need_du = need_dx or need_dw1

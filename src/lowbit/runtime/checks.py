@@ -15,7 +15,7 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def check_bool(name: str, value) -> None:
     """``value`` must be a bool: 1, "no" or None silently meaning a flag is a TypeError naming ``name``."""
-    if value.__class__ is not bool:
+    if not isinstance(value, bool):  # (bool has no subclasses; Dynamo traces isinstance, not __class__)
         raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
 
 
