@@ -90,6 +90,10 @@ def test_attention_validation_errors():
     _raises(ValueError, "block_q % warp_q", attention, q, k, v, granularity="per_warp", block_q=128, warp_q=48)
     _raises(ValueError, "window must be", attention, q, k, v, window=(3,))
     _raises(NotImplementedError, "backend='sdpa' supports only", attention, q, k, v, qk="int8", backend="sdpa")
+    q16, k16 = rand(2, 2, 41, 16), rand(2, 2, 41, 16)
+    for qk in ("int8", "fp8"):  # an 8-bit MMA reduces over K >= 32: a clear error, not a Triton compile failure
+        _raises(NotImplementedError, f"qk='{qk}' on the Triton attention kernel needs head_dim >= 32 .*, got 16",
+                attention, q16, k16, k16, qk=qk, backend="triton")
     _raises(ValueError, "backend must be one of", attention, q, k, v, backend="cuda")
     _raises(ValueError, "4-D", attention, q[0], k[0], v[0])
     cu = torch.tensor([0, 33], dtype=torch.int64)

@@ -17,6 +17,7 @@ from ..runtime.device import INTERPRET
 
 __all__ = [
     "TRITON_HEAD_DIMS",
+    "QUANT_QK_MIN_HEAD_DIM",
     "GRAD_FORMATS",
     "check_tensor",
     "check_bool",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+QUANT_QK_MIN_HEAD_DIM = 32  # INT8 / FP8 Q·K^T: an 8-bit MMA reduces over K >= 32
 """Head dims the Triton forward and backward kernels compile for."""
 GRAD_FORMATS = (None, "e4m3", "e5m2")
 """``grad_format`` values of the backward: 16-bit gradients, or FP8 E4M3 / E5M2 ``QuantizedTensor`` s."""
@@ -237,11 +239,16 @@ def triton_ok(q: Tensor) -> bool:
     return q.is_cuda or INTERPRET
 
 
-def check_triton(d, device):
-    """NotImplementedError where the Triton kernels cannot run: head dim ``d`` or ``device``."""
+def check_triton(d, device, qk: str = "bf16"):
+    """NotImplementedError where the Triton kernels cannot run: head dim ``d`` (for ``qk`` quantized, at least
+    :data:`QUANT_QK_MIN_HEAD_DIM`) or ``device``."""
     if d not in TRITON_HEAD_DIMS:
         raise NotImplementedError(f"the Triton attention kernel supports head_dim in {TRITON_HEAD_DIMS}, got {d} "
                                   f"(use backend='reference')")
+    if qk in ("int8", "fp8") and d < QUANT_QK_MIN_HEAD_DIM:
+        raise NotImplementedError(f"qk={qk!r} on the Triton attention kernel needs head_dim >= "
+                                  f"{QUANT_QK_MIN_HEAD_DIM} (an 8-bit tensor-core product takes K >= 32), got {d}; "
+                                  "use qk='bf16' or backend='reference'")
     if device.type != "cuda" and not INTERPRET:
         raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
 

@@ -274,7 +274,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         return res[0].to(out_dtype), res[1]
     # triton
     from . import _triton
-    check_triton(q.shape[-1], q.device)
+    check_triton(q.shape[-1], q.device, qk)
     kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
     qa, ka, qs, ks, km, rows, va, vs, order = triton_operands(
         q, k, v, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,
@@ -663,7 +663,7 @@ def attention_qk_int8(q_int8: Tensor, k_int8: Tensor, v: Tensor, q_scale: Tensor
     if be not in ("reference", "triton"):
         raise ValueError(f"backend must be 'reference', 'triton' or None, got {be!r}")
     if be == "triton":
-        check_triton(D, q_int8.device)
+        check_triton(D, q_int8.device, "int8")
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled() and v.requires_grad:
             raise NotImplementedError("attention_qk_int8 under torch.compile is not differentiable (its custom "

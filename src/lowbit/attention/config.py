@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.checks import check_bool
 from ..runtime.log import declined
-from ._checks import TRITON_HEAD_DIMS, triton_ok
+from ._checks import QUANT_QK_MIN_HEAD_DIM, TRITON_HEAD_DIMS, triton_ok
 from .api import PV_MODES, QK_MODES, resolve_pv, select_backend
 
 __all__ = ["AttentionConfig", "CallStats", "GRANULARITIES", "CONFIG_BACKENDS"]
@@ -85,6 +85,8 @@ class AttentionConfig:
             d = q.shape[-1]
             if d not in TRITON_HEAD_DIMS:
                 return f"head_dim {d} (the Triton kernels take {TRITON_HEAD_DIMS})"
+            if self.qk in ("int8", "fp8") and d < QUANT_QK_MIN_HEAD_DIM:
+                return f"head_dim {d} with qk={self.qk!r} (8-bit Q·K^T needs head_dim >= {QUANT_QK_MIN_HEAD_DIM})"
             if not triton_ok(q):
                 return f"backend 'triton' on device type {dev.type!r}"
         return None
