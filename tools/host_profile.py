@@ -7,8 +7,13 @@ contiguous gradient), prints the host ms per call next to BF16's, then the funct
 most cumulative time over ``--calls`` profiled calls. Run it on the GPU machine at a shape the GPU finishes faster
 than the host enqueues (the default).
 
-Usage: ``python tools/host_profile.py [--shape 4096x1024x1024] [--recipes fp8-current,fp8-block] [--top 30]``
-(``--device cpu`` profiles the reference path: a smoke test, not the GPU path).
+``--floor`` prints, before the profiles, the host time of the parts any quantized Linear forward + backward is made
+of, each alone: the three GEMMs as bare ``torch._scaled_mm`` calls on ready FP8 operands, an empty autograd Function,
+and lowbit's three quantizations and three GEMMs per recipe. Their sum against 1.5x BF16 is the bound on how cheap an
+eager quantized Linear can be with these calls.
+
+Usage: ``python tools/host_profile.py [--shape 4096x1024x1024] [--recipes fp8-current,fp8-block] [--top 30]
+[--floor]`` (``--device cpu`` profiles the reference path: a smoke test, not the GPU path).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import cProfile
 import io
 import pstats
 import sys
+import time
 
 import torch
 
@@ -39,6 +45,73 @@ def _step(module, x, dy, recipe):
     return fn
 
 
+class _Empty(torch.autograd.Function):
+    """An autograd Function that does no work: the engine's and the Function's own host cost."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.k = x.shape[1]
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.new_empty(dy.shape[0], ctx.k), None
+
+
+def _floor(M, K, N, recipes, dev, t_bf16):
+    """Host ms of the parts of one quantized Linear forward + backward, each alone (see the module docstring)."""
+    from lowbit.gemm import scaled_mm
+    from lowbit.quant import quantize
+
+    def per_call(fn, n=200):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t = (time.perf_counter() - t0) * 1e3 / n
+        torch.cuda.synchronize(dev)
+        return t
+
+    f8 = torch.float8_e4m3fn
+    a, b = torch.randn(M, K, device=dev).to(f8), torch.randn(N, K, device=dev).to(f8)
+    g, bt = torch.randn(M, N, device=dev).to(f8), torch.randn(K, N, device=dev).to(f8)
+    ct, xt = torch.randn(N, M, device=dev).to(f8), torch.randn(K, M, device=dev).to(f8)
+    one = torch.ones((), device=dev)
+
+    def three_mm():
+        torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(g, bt.t(), one, one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(ct, xt.t(), one, one, out_dtype=torch.float32)
+
+    x = torch.randn(M, K, device=dev, requires_grad=True)
+    w = torch.randn(N, K, device=dev)
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+
+    def empty_fn():
+        _Empty.apply(x, w).backward(dy)
+
+    rows = [("3 x torch._scaled_mm, per-tensor scales, ready FP8 operands", per_call(three_mm)),
+            ("an empty autograd Function, forward + backward", per_call(empty_fn))]
+    xb, wb = x.detach().bfloat16(), w
+    for name, recipe in recipes:
+        sx, sw, sg = (recipe.role(r).scheme for r in ("input", "weight", "grad_output"))
+        qx, qw, qg = quantize(xb, sx, True, True), quantize(wb, sw, True, True), quantize(dy, sg, True, True)
+        rows.append((f"{name}: lowbit.quantize of x, w, dy (rowwise + columnwise)",
+                     per_call(lambda: (quantize(xb, sx, True, True), quantize(wb, sw, True, True),
+                                       quantize(dy, sg, True, True)))))
+        rows.append((f"{name}: lowbit.scaled_mm fprop, dgrad, wgrad",
+                     per_call(lambda: (scaled_mm(qx, qw, out_dtype=torch.bfloat16),
+                                       scaled_mm(qg, qw, b_copy="columnwise", out_dtype=torch.bfloat16),
+                                       scaled_mm(qg, qx, a_copy="columnwise", b_copy="columnwise",
+                                                 out_dtype=torch.float32)))))
+    print(f"\n## host floor at {M}x{K}x{N}: each part alone, ms per call (BF16 nn.Linear fwd + bwd {t_bf16:.3f}; "
+          f"1.5x BF16 = {1.5 * t_bf16:.3f})")
+    for what, t in rows:
+        print(f"| {what} | {t:.3f} | {t / t_bf16:.2f}x BF16 |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="4096x1024x1024", help="MxKxN: tokens, in_features, out_features")
@@ -46,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="profiled calls per recipe")
     ap.add_argument("--top", type=int, default=30, help="functions listed per ordering")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--floor", action="store_true", help="first, the host time of each part alone (CUDA only)")
     args = ap.parse_args(argv)
     try:
         M, K, N = (int(v) for v in args.shape.lower().split("x"))
@@ -59,6 +133,8 @@ def main(argv=None) -> int:
     base = torch.nn.Linear(K, N, bias=False, device=dev)
     t_bf16 = host_ms(_step(base, x, dy, None), [x, base.weight], device=dev)
     print(f"torch.nn.Linear (FP32 params, autocast bf16): host {t_bf16:.3f} ms per forward + backward")
+    if args.floor and dev.type == "cuda":
+        _floor(M, K, N, recipes, dev, t_bf16)
     for name, recipe in recipes:
         lin = lowbit.nn.Linear(K, N, bias=False, device=dev)
         fn = _step(lin, x, dy, recipe)
