@@ -334,8 +334,8 @@ _ring = _PinnedRing()
 
 def _flat(parts: list) -> torch.Tensor:
     """The amax tensors ``parts`` flattened into one 1-D tensor, in order."""
-    try:  # the usual case: float32 (1,) amaxes on one device -> one cat
-        return torch.cat([p.detach().reshape(-1) for p in parts])
+    try:  # the usual case: float32 (1,) amaxes on one device -> one cat (1-D ones as they are: no op a part)
+        return torch.cat([p if p.dim() == 1 and not p.requires_grad else p.detach().reshape(-1) for p in parts])
     except RuntimeError:  # mixed devices / dtypes
         dev = parts[0].device
         return torch.cat([p.detach().reshape(-1).to(dev, torch.float32) for p in parts])

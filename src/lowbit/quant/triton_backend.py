@@ -43,7 +43,7 @@ from ..formats import E4M3, FloatFormat
 from ..runtime.amax_arena import arena_slot
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
-from ..runtime.launch import CachedLaunch
+from ..runtime.launch import CachedLaunch, SpecializedLaunch
 from ..runtime.log import declined
 from . import register_backend
 from .kernels import quant as K
@@ -251,6 +251,17 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
 
         tuned_launch("rowscale", (which, x2.dtype, bucket(R), bucket(C)), cands, launch)
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
+
+
+_SPECIALIZED: dict = {}  # kernel -> its SpecializedLaunch
+
+
+def _specialized(fn) -> SpecializedLaunch:
+    """The :class:`SpecializedLaunch` of kernel ``fn`` (one per kernel, shared by every plan that launches it)."""
+    launch = _SPECIALIZED.get(fn)
+    if launch is None:
+        launch = _SPECIALIZED[fn] = SpecializedLaunch(fn)
+    return launch
 
 
 _BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> BlockwisePlan
@@ -593,7 +604,10 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     bufs = blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
     args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
-        plan.fn[plan.grid](x2, *args, *plan.extra, **plan.cfg)
+        # bound once per (plan, alignments): the plan's key fixes every other argument's specialization (the buffers
+        # are fresh allocations, except an arena slot for the amax under capture)
+        lkey = (key, x2.data_ptr() % 16 == 0, bufs[4].data_ptr() % 16 == 0)
+        _specialized(plan.fn).keyed(plan.grid, lkey, (x2, *args, *plan.extra), plan.cfg)
     else:
         # (the register-tile kernel's candidates first where it may run, then the persistent kernel's where it
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
