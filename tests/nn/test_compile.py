@@ -273,6 +273,27 @@ def test_gpu_reduce_overhead_refuses_delayed_scaling():
                 m(x).sum().backward()
 
 
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_refuses_weight_cache():
+    """A weight cached across calls (is_first_microbatch=True) cannot live in torch.compile's CUDA graphs either."""
+    lin = GPU_MODULES["linear"]()
+    m = torch.compile(lambda x: lin(x, is_first_microbatch=True), mode="reduce-overhead")
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
+    with pytest.raises(Exception, match="is_first_microbatch: True caches the quantized weight"):
+        for _ in range(3):
+            with lowbit.autocast(recipe=from_name("fp8-block")):
+                m(x).sum().backward()
+
+
+def test_in_graph_pool_off_the_gpu():
+    """Outside CUDA graphs (and on the CPU) nothing allocates from a graph pool: the sentry and caches stay on."""
+    from lowbit.runtime.device import in_graph_pool
+
+    assert in_graph_pool(torch.device("cpu")) is False
+    if torch.cuda.is_available():
+        assert in_graph_pool(torch.device("cuda")) is False
+
+
 def test_per_block_compile_shares_one_graph():
     """The torchtitan pattern, each decoder block compiled on its own: the blocks share one graph (the layers' state
     is found from their weights at run time, nothing per layer is guarded), so N blocks do not recompile N times."""
