@@ -285,6 +285,32 @@ def test_gpu_reduce_overhead_refuses_weight_cache():
                 m(x).sum().backward()
 
 
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_sentry_sees_nan():
+    """Inside torch.compile's CUDA graphs the NaN sentry still fires: a replayed step whose input holds a NaN raises
+    NonFiniteAmaxError naming the layer's input, and the next finite step runs clean."""
+    lin = GPU_MODULES["linear"]()
+    lowbit.nn.name_modules(torch.nn.Sequential(lin))
+    m = torch.compile(lin, mode="reduce-overhead")
+    rec = from_name("fp8-block")
+    x = torch.randn(512, 1024, device="cuda")
+
+    def step(inp):
+        with lowbit.autocast(recipe=rec):
+            y = m(inp)
+        y.float().sum().backward()
+        ac.check_nonfinite(wait=True)
+
+    for _ in range(4):  # warm-up, recording, replays
+        step(x)
+    bad = x.clone()
+    bad[7, 11] = float("nan")
+    with pytest.raises(lowbit.nn.NonFiniteAmaxError, match="input"):
+        step(bad)
+    step(x)
+    step(x)
+
+
 def test_in_graph_pool_off_the_gpu():
     """Outside CUDA graphs (and on the CPU) nothing allocates from a graph pool: the sentry and caches stay on."""
     from lowbit.runtime.device import in_graph_pool

@@ -41,6 +41,7 @@ from ..quant.scaling import AmaxHistory
 from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import capability as _device_capability
+from ..runtime.device import in_graph_tree
 
 __all__ = [
     "autocast",
@@ -279,6 +280,9 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     if policy == "ignore":
         return
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
+    if _boards and amaxes[0].is_cuda and in_graph_tree(amaxes[0].device):
+        _board_record(amaxes, layer, role, phase, policy)
+        return
     with _lock:
         _unchecked.append((layer, role, phase, _step, policy, amaxes))
     global _boundary_queued
@@ -549,6 +553,87 @@ def pending_checks() -> int:
 
 
 # ------------------------------------------------------------------------------------------------
+# the sentry inside torch.compile's CUDA graphs
+# ------------------------------------------------------------------------------------------------
+# An operator replayed from torch.compile's CUDA graph trees (mode="reduce-overhead") runs no Python, and a tensor it
+# allocates must not outlive the graph. So there the sentry copies each amax into a slot of a per-device board
+# allocated outside any graph (at the outermost autocast entry), one slot per (layer, role, phase, copy): the graph
+# rewrites its slots at every replay, and every outermost autocast exit checks the whole board (one check, as for
+# the eager records) and zeroes it. A backward's slots are checked at the next exit (one step late).
+BOARD_SLOTS = 4096  # amaxes a device's board holds (a 1.3b model's step records about 300)
+_boards: dict = {}  # device index -> float32 (BOARD_SLOTS,) board
+_board_slots: dict = {}  # (device index, id(layer), role, phase) -> (record's first slot, layer, policy, count)
+_board_used: dict = {}  # device index -> slots taken
+_board_parts: list = [None]  # [(records without their step, their _Gather)], rebuilt when a slot is taken
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def prepare_board(device: torch.device | None = None) -> None:
+    """Allocate ``device``'s board (default: the current CUDA device, once CUDA is initialized) unless it exists or a
+    CUDA graph pool is allocating now; called at the outermost autocast entry."""
+    if device is None:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _boards or torch.cuda.is_current_stream_capturing() or in_graph_tree(device):
+        return
+    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=device)
+
+
+def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
+    """Copy ``amaxes`` into their slots of the board (taking the slots at the first call of this layer, role and
+    phase): the graph being recorded repeats the copies at every replay."""
+    dev = amaxes[0].device
+    idx = dev.index
+    board = _boards.get(idx)
+    if board is None:
+        _warn_once(f"lowbit: the NaN sentry is off inside torch.compile's CUDA graphs on cuda:{idx}: no "
+                   "lowbit.autocast was entered with that device current before the graphs were recorded")
+        return
+    key = (idx, id(layer), role, phase)
+    with _lock:
+        ent = _board_slots.get(key)
+        if ent is None:
+            at = _board_used.get(idx, 0)
+            if at + len(amaxes) > BOARD_SLOTS:
+                ent = None
+            else:
+                _board_used[idx] = at + len(amaxes)
+                ent = _board_slots[key] = (at, layer, policy, len(amaxes))
+                _board_parts[0] = None
+    if ent is None:
+        _warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
+                   "amaxes): the layers recorded after that are not checked")
+        return
+    at = ent[0]
+    for i, a in enumerate(amaxes):
+        board[at + i:at + i + 1].copy_(a.reshape(1))
+
+
+def _board_check() -> None:
+    """Queue one check of every board slot taken (records with the current step), then zero the boards."""
+    with _lock:
+        parts = _board_parts[0]
+        if parts is None:
+            recs = []
+            for (idx, _, role, phase), (at, layer, policy, n) in _board_slots.items():
+                b = _boards[idx]
+                recs.append((layer, role, phase, policy, tuple(b[at + i:at + i + 1] for i in range(n))))
+            parts = _board_parts[0] = (recs, _Gather([a for r in recs for a in r[4]]))
+    recs, gather = parts
+    _launch_check([(layer, role, phase, _step, policy, a) for layer, role, phase, policy, a in recs], gather)
+    for b in _boards.values():
+        b.zero_()  # (after the check's snapshot, in stream order)
+
+
+# ------------------------------------------------------------------------------------------------
 # delayed scaling state
 # ------------------------------------------------------------------------------------------------
 class DelayedScalingState:
@@ -761,6 +846,8 @@ class autocast(contextlib.ContextDecorator):
         _state = new
         if _depth == 0:
             _carried = _snapshot_pending()
+            if self.enabled:
+                prepare_board()
         _depth += 1
         return self
 
@@ -782,6 +869,8 @@ class autocast(contextlib.ContextDecorator):
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
                     # queues the check and reports earlier checks the GPU has finished (no sync).
+                    if _board_slots:
+                        _board_check()
                     check_nonfinite(wait=env.get("LOWBIT_SENTRY_SYNC"))
                 except NonFiniteAmaxError:
                     _drop_pending(carried)  # else the NaN stays pending and masks the next step's amax

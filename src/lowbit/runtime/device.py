@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool"]
+__all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool", "in_graph_tree"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
@@ -75,17 +75,22 @@ def capture(fn, *, capture_error_mode: str = "global"):
     return g
 
 
-def in_graph_pool(device: torch.device) -> bool:
-    """True while work on ``device`` allocates from a CUDA graph's private memory pool: a CUDA-graph capture, or
-    torch.compile's CUDA graph trees (``mode="reduce-overhead"``) warming up or recording a graph, which run on
-    the tree manager's own stream. A tensor allocated there and kept after the call breaks the graph."""
+def in_graph_tree(device: torch.device) -> bool:
+    """True while torch.compile's CUDA graph trees (``mode="reduce-overhead"``) warm up or record a graph on
+    ``device``: they run on the tree manager's own stream and allocate from the graph's private pool."""
     if device.type != "cuda":
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return True
     try:  # the tree manager is torch's internal object: no manager, or another layout of it, means no tree
         from torch._inductor import cudagraph_trees
         mgr = cudagraph_trees.get_manager(_index(device), create_if_none_exists=False)
         return mgr is not None and torch.cuda.current_stream(device) == mgr.stream
     except (ImportError, AttributeError):
         return False
+
+
+def in_graph_pool(device: torch.device) -> bool:
+    """True while work on ``device`` allocates from a CUDA graph's private memory pool: a CUDA-graph capture, or
+    :func:`in_graph_tree`. A tensor allocated there and kept after the call breaks the graph."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.is_current_stream_capturing() or in_graph_tree(device)
