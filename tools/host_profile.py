@@ -7,6 +7,10 @@ contiguous gradient), prints the host ms per call next to BF16's, then the funct
 most cumulative time over ``--calls`` profiled calls. Run it on the GPU machine at a shape the GPU finishes faster
 than the host enqueues (the default).
 
+``--layers L`` stacks L Linears (K -> N, then N -> N) under one ``lowbit.autocast`` and one backward, as a model
+does: the per-step costs (the autocast's entry and exit, the NaN sentry's two checks) are then shared, and the
+times printed are per Linear.
+
 ``--floor`` prints, before the profiles, the host time of the parts any quantized Linear forward + backward is made
 of, each alone: the three GEMMs as bare ``torch._scaled_mm`` calls on ready FP8 operands, an empty autograd Function,
 and lowbit's three quantizations and three GEMMs per recipe. Their sum against 1.5x BF16 is the bound on how cheap an
@@ -120,30 +124,40 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=30, help="functions listed per ordering")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--floor", action="store_true", help="first, the host time of each part alone (CUDA only)")
+    ap.add_argument("--layers", type=int, default=1, help="Linears in the profiled stack (times are per Linear)")
     args = ap.parse_args(argv)
     try:
         M, K, N = (int(v) for v in args.shape.lower().split("x"))
         recipes = [(n, from_name(n)) for n in args.recipes.split(",") if n.strip()]
     except ValueError as e:
         ap.error(f"--shape / --recipes: {e}")
+    if args.layers < 1:
+        ap.error(f"--layers: expected an int >= 1, got {args.layers}")
+    L = args.layers
     dev = torch.device(args.device)
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, requires_grad=True)
     dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    base = torch.nn.Linear(K, N, bias=False, device=dev)
-    t_bf16 = host_ms(_step(base, x, dy, None), [x, base.weight], device=dev)
-    print(f"torch.nn.Linear (FP32 params, autocast bf16): host {t_bf16:.3f} ms per forward + backward")
+
+    def stack(make):
+        return torch.nn.Sequential(*[make(K if i == 0 else N, N) for i in range(L)])
+
+    base = stack(lambda k, n: torch.nn.Linear(k, n, bias=False, device=dev))
+    t_bf16 = host_ms(_step(base, x, dy, None), [x, *base.parameters()], device=dev) / L
+    print(f"torch.nn.Linear (FP32 params, autocast bf16): host {t_bf16:.3f} ms per forward + backward"
+          + (f" (a stack of {L})" if L > 1 else ""))
     if args.floor and dev.type == "cuda":
         _floor(M, K, N, recipes, dev, t_bf16)
     for name, recipe in recipes:
-        lin = lowbit.nn.Linear(K, N, bias=False, device=dev)
+        lin = stack(lambda k, n: lowbit.nn.Linear(k, n, bias=False, device=dev))
         fn = _step(lin, x, dy, recipe)
-        t = host_ms(fn, [x, lin.weight], device=dev)
+        t = host_ms(fn, [x, *lin.parameters()], device=dev) / L
         print(f"\n## {name}: host {t:.3f} ms per forward + backward ({t / t_bf16:.2f}x BF16)")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
-            x.grad = lin.weight.grad = None
+            x.grad = None
+            lin.zero_grad(set_to_none=True)
             fn()
         prof.disable()
         if dev.type == "cuda":
