@@ -36,7 +36,7 @@ from ..quant.tensor import (
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
-from ..runtime.device import in_graph_pool, num_sms
+from ..runtime.device import in_graph_pool, in_graph_tree, num_sms
 from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
@@ -737,6 +737,8 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
             raise NotImplementedError(
                 f"is_first_microbatch: {_MICROBATCH[microbatch]} caches the quantized weight across calls, which "
                 "torch.compile's CUDA graphs (mode='reduce-overhead') cannot carry; pass None there")
+        if in_graph_tree(weight.device):
+            policy = _ac.graph_policy(policy)
     return recipe, policy
 
 

@@ -280,8 +280,8 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     if policy == "ignore":
         return
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
-    if _boards and amaxes[0].is_cuda and in_graph_tree(amaxes[0].device):
-        _board_record(amaxes, layer, role, phase, policy)
+    if policy.startswith(GRAPH_PREFIX):  # (an operator inside torch.compile's CUDA graphs: graph_policy)
+        _board_record(amaxes, layer, role, phase, policy[len(GRAPH_PREFIX):])
         return
     with _lock:
         _unchecked.append((layer, role, phase, _step, policy, amaxes))
@@ -572,6 +572,15 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         warnings.warn(msg, stacklevel=3)
+
+
+GRAPH_PREFIX = "graph-"
+
+
+def graph_policy(policy: str) -> str:
+    """The sentry policy an operator passes while torch.compile's CUDA graphs record it (``policy`` applies to what
+    the board's check finds): its amaxes go to the board instead of the eager records."""
+    return GRAPH_PREFIX + policy
 
 
 def prepare_board(device: torch.device | None = None) -> None:
