@@ -725,7 +725,8 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
     """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
     the call runs from the graph's private memory pool: the sentry's records, delayed scaling's pending amaxes and a
     cached weight (``is_first_microbatch``) would keep pool tensors alive after the call, which the graph does not
-    allow. There the sentry is off (policy "ignore"), and delayed scaling and the weight cache raise."""
+    allow. There the sentry is off (policy :data:`lowbit.nn.state.SENTRY_OFF`: nothing recorded, whatever the user's
+    ``on_nonfinite``), and delayed scaling and the weight cache raise."""
     recipe, policy = _ac.from_key(key)
     if weight.is_cuda and in_graph_pool(weight.device):
         if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
@@ -737,7 +738,7 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
             raise NotImplementedError(
                 f"is_first_microbatch: {_MICROBATCH[microbatch]} caches the quantized weight across calls, which "
                 "torch.compile's CUDA graphs (mode='reduce-overhead') cannot carry; pass None there")
-        policy = "ignore"
+        policy = _ac.SENTRY_OFF
     return recipe, policy
 
 
