@@ -7,9 +7,9 @@ the argument's name in the message, or a result.
 
 from __future__ import annotations
 
-import importlib.util
 import numbers
 import re
+import sys
 
 import pytest
 import torch
@@ -70,7 +70,7 @@ def test_scheme_values_that_stay_valid():
     assert recipes.DelayedScaling(amax_history_len=1 << 16).amax_history_len == 1 << 16
 
 
-def test_quantize_arguments(monkeypatch):
+def test_quantize_arguments():
     x = torch.randn(16, 32)
     with pytest.raises(TypeError, match=r"^rowwise: expected a bool .*got str 'no'"):
         quantize(x, Float8Tensorwise(), rowwise="no")
@@ -89,15 +89,50 @@ def test_quantize_arguments(monkeypatch):
         quantize(x, NVFP4(stochastic_rounding=True), seed=torch.zeros(2))
     with pytest.raises(TypeError, match=r"^backend: expected a backend name"):
         quantize(x, Float8Tensorwise(), backend=["reference"])
-    # without Triton: a clear error, not an unknown-backend listing or an import failure
-    import lowbit.quant as Q
 
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """``import triton`` fails (as without the lowbit[gpu] extra), and no Triton backend is registered."""
+    import lowbit.gemm as G
+    import lowbit.quant as Q
+    from lowbit.runtime.device import triton_installed
+
+    monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setattr(Q, "BACKENDS", {})
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    with pytest.raises(NotImplementedError, match=r"^backend: 'triton' needs the triton package, which is not "
-                                                  r"installed"):
+    monkeypatch.setattr(G, "BACKENDS", {k: v for k, v in G.BACKENDS.items() if not k.startswith("triton")})
+    triton_installed.cache_clear()
+    yield
+    triton_installed.cache_clear()  # (asked again once monkeypatch has put triton back)
+
+
+_NO_TRITON = r"^backend: 'triton' needs the triton package, which is not installed \(pip install lowbit\[gpu\]\); use "
+
+
+def test_triton_backend_without_triton_is_a_clear_error(no_triton, monkeypatch):
+    """Without Triton: a clear error naming the package and what to use instead (before the device check), not an
+    unknown-backend listing or a ModuleNotFoundError from inside lowbit."""
+    x = torch.randn(4, 32)
+    with pytest.raises(NotImplementedError, match=_NO_TRITON + "backend='reference' or None"):
         quantize(x, Float8Tensorwise(), backend="triton")
+    a = _q((16, 32))
+    with pytest.raises(NotImplementedError, match=_NO_TRITON + "backend='reference' or None"):
+        scaled_mm(a, a, backend="triton")
+    q = torch.randn(1, 1, 64, 64, dtype=torch.bfloat16)
+    for qk in ("bf16", "int8"):
+        with pytest.raises(NotImplementedError, match=_NO_TRITON + "backend='reference'"):
+            lowbit.attention.attention(q, q, q, qk=qk, backend="triton")
+    with pytest.raises(NotImplementedError, match=_NO_TRITON):
+        lowbit.attention.quantize_qk(q, q, backend="triton")
+    with pytest.raises(NotImplementedError, match=_NO_TRITON):
+        lowbit.attention.backward(q, q, q, q, q, torch.zeros(1, 1, 64), backend="triton")
+    # the default on CPU still runs (the reference); a client (transformers, sdpa_override) falls back, saying why
+    assert lowbit.attention.attention(q, q, q, qk="int8").shape == q.shape
+    import lowbit.attention.config as C
+
+    monkeypatch.setattr(C, "triton_ok", lambda t: True)  # (as on CUDA)
+    assert C.AttentionConfig(qk="int8", backend="triton").decline_reason(q, q, q) == \
+        "backend 'triton' without the triton package (pip install lowbit[gpu])"
 
 
 def test_scaled_mm_out_and_bias():

@@ -1,5 +1,6 @@
 """`pip install lowbit` without extras: the CLI runs without tqdm and matplotlib (one-line notes, no traceback),
-progress goes to log lines off a terminal, `lowbit --version`, the SPDX license, and the activation-memory check."""
+every module but the Triton kernels imports without triton, progress goes to log lines off a terminal,
+`lowbit --version`, the SPDX license, and the activation-memory check."""
 
 import io
 import json
@@ -95,6 +96,38 @@ def test_failed_demo_leaves_no_empty_report_dir(tmp_path, monkeypatch):
     (kept / "old.txt").write_text("x")
     assert demo.main(["--steps", "1", "--out", str(kept), "--device", "cpu", "--no-progress"]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["old.txt"]  # an existing folder and its files stay
+
+
+_WITHOUT_TRITON = r"""
+import importlib, pkgutil, re, sys
+sys.modules["triton"] = None  # import triton -> ImportError, as without the lowbit[gpu] extra
+import torch
+import lowbit
+failed = []
+for m in pkgutil.walk_packages(lowbit.__path__, "lowbit."):
+    if not re.search(r"kernels|triton", m.name):  # (the Triton kernels themselves need it)
+        try:
+            importlib.import_module(m.name)
+        except Exception as e:
+            failed.append(f"{m.name}: {type(e).__name__}: {e}")
+import lowbit.optim
+p, ref = (torch.nn.Parameter(torch.linspace(-1, 1, 128 * 128).reshape(128, 128)) for _ in range(2))
+for w, opt in ((p, lowbit.optim.AdamW), (ref, torch.optim.AdamW)):
+    w.grad = torch.cos(torch.arange(128 * 128.0)).reshape(128, 128)
+    opt([w], lr=0.5).step()
+assert torch.equal(p, ref) and not torch.equal(p, torch.linspace(-1, 1, 128 * 128).reshape(128, 128))
+print("failed:", failed)
+"""
+
+
+def test_modules_import_and_adamw_steps_without_triton(tmp_path):
+    """Without triton every module but the Triton kernels imports (a missing package is a clear error where a Triton
+    backend is asked for, tested in test_bad_input_api), and lowbit.optim.AdamW steps like torch's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"], env["OMP_NUM_THREADS"] = str(ROOT / "src"), "1"
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "failed: []", r.stdout + r.stderr
 
 
 class _Stream(io.StringIO):

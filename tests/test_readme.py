@@ -14,6 +14,15 @@ def _blocks():
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
+def test_each_example_says_what_it_needs():
+    """The paragraph that introduces each Python example names the install it needs (`pip install ...`)."""
+    before = open(README, encoding="utf-8").read().split("```python\n")[:-1]
+    assert len(before) == len(_blocks())
+    for chunk in before:
+        intro = chunk.rstrip().rsplit("\n\n", 1)[-1]
+        assert "pip install" in intro, intro
+
+
 @pytest.mark.parametrize("i", range(len(_blocks())))
 def test_readme_python_example_runs(i):
     code = _blocks()[i]

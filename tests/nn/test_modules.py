@@ -282,6 +282,11 @@ def test_weight_cache_misuse():
     with lowbit.autocast(recipe=r):
         with pytest.raises(ValueError, match="was modified since it was cached"):
             m(x, is_first_microbatch=False)
+        m(x, is_first_microbatch=True)
+    m.weight.data = m.weight.data * 2  # a new tensor through .data (its storage changed): refused too
+    with lowbit.autocast(recipe=r):
+        with pytest.raises(ValueError, match="was modified since it was cached"):
+            m(x, is_first_microbatch=False)
     with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
         m(x, is_first_microbatch=True)
     with lowbit.autocast(recipe=r):

@@ -1,4 +1,4 @@
-"""NaN sentry: non-finite amax raises naming layer and role, or is recorded with on_nonfinite='skip'."""
+"""NaN sentry: non-finite amax raises naming layer and role, or is recorded with on_nonfinite='skip' / 'ignore'."""
 
 from __future__ import annotations
 
@@ -147,21 +147,52 @@ def test_raised_backward_drops_its_gradient_amaxes():
     assert g.steps == 1 and g.history[0] == 3.0 and torch.equal(g.scale, torch.tensor([57344.0]) / 3.0)
 
 
-def test_ignore_turns_the_sentry_off():
+def test_ignore_records_events_and_never_stops():
+    """"ignore" means don't stop, never hide: nothing raises (forward exit, backward), the step's outputs stay NaN,
+    and every event is recorded, marked policy="ignore" (a "skip" event is marked "skip")."""
     m = lowbit.nn.Linear(32, 16)
-    x = torch.full((8, 32), float("nan"), requires_grad=True)
+    m.lowbit_name = "lin"
+    nonfinite_events()
+    x = torch.randn(8, 32)
+    x[1, 2] = float("nan")
+    x.requires_grad_(True)
+    step = lowbit.nn.state.step()
     with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="ignore"):
         y = m(x)
-    y.sum().backward()
-    assert nonfinite_events() == [] and torch.isnan(y).all()
+    y.backward(y.detach())  # a NaN grad_output: the backward's check must not raise either
+    assert torch.isnan(y).all()  # per-tensor scaling: a NaN amax makes the whole copy NaN
+    ev = nonfinite_events()
+    assert {(e.layer, e.role, e.phase, e.step, e.policy) for e in ev} == {
+        ("lin", "input", "forward", step, "ignore"), ("lin", "grad_output", "backward", step + 1, "ignore")}
+    assert nonfinite_events() == []
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
+        m(x)
+    assert [(e.role, e.policy) for e in nonfinite_events()] == [("input", "skip")]
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="ignore"):
+        m(x.detach().nan_to_num())
+    assert nonfinite_events() == []  # a clean step records nothing
+
+
+def test_graph_policy_goes_to_the_board_not_the_eager_records():
+    """An operator inside torch.compile's CUDA graphs (graph_policy) records into the device's board, never into the
+    eager records (which would keep graph-pool tensors alive); with no board for the device it says so once."""
+    nonfinite_events()
+    bad = torch.tensor([float("inf")])
+    with pytest.warns(UserWarning, match="NaN sentry is off inside torch.compile's CUDA graphs"):
+        lowbit.nn.state.sentry(bad, layer="a", role="input", phase="forward",
+                               policy=lowbit.nn.state.graph_policy("ignore"))
+    lowbit.nn.state.check_nonfinite()
+    assert nonfinite_events() == []
+    lowbit.nn.state.sentry(bad, layer="a", role="input", phase="forward", policy="ignore")
+    assert [(e.layer, e.amax, e.policy) for e in nonfinite_events()] == [("a", float("inf"), "ignore")]
 
 
 @pytest.mark.parametrize("policy", ["ignore", "skip"])
 def test_ignore_hides_no_value_under_delayed_scaling(policy):
     """Delayed scaling with an Inf in the input: the cast alone would saturate it to 448 · scale_inv and the output
-    would be finite. The input copy's scale_inv is NaN instead, so the output (and the loss) is non-finite; "ignore"
-    raises and records nothing, "skip" records the event; either way the Inf amax is committed as 0 (the history and
-    scale do not move) and the next clean step is finite again."""
+    would be finite. The input copy's scale_inv is NaN instead, so the output (and the loss) is non-finite; both
+    policies raise nothing and record the event (marked with the policy); either way the Inf amax is committed as 0
+    (the history and scale do not move) and the next clean step is finite again."""
     torch.manual_seed(0)
     m = lowbit.nn.Linear(32, 16)
     r = recipes.DelayedScaling(amax_history_len=4)
@@ -183,7 +214,7 @@ def test_ignore_hides_no_value_under_delayed_scaling(policy):
     y.sum().backward()
     assert not torch.isfinite(m.weight.grad).all()  # wgrad saw the Inf's row too
     events = nonfinite_events()
-    assert (events == []) if policy == "ignore" else ("input", "forward") in {(e.role, e.phase) for e in events}
+    assert ("input", "forward", policy) in {(e.role, e.phase, e.policy) for e in events}
     assert h.steps == steps + 1 and h.history[0] == 0 and torch.equal(h.scale, scale)
     with lowbit.autocast(recipe=r, on_nonfinite=policy):
         assert torch.isfinite(m(x)).all()

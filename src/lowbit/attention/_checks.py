@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.checks import check_bool
-from ..runtime.device import INTERPRET
+from ..runtime.device import INTERPRET, TRITON_MISSING, triton_installed
 
 __all__ = [
     "TRITON_HEAD_DIMS",
@@ -239,9 +239,16 @@ def triton_ok(q: Tensor) -> bool:
     return q.is_cuda or INTERPRET
 
 
+def check_triton_installed() -> None:
+    """NotImplementedError when the Triton backend is asked for (or is CUDA's default) but triton is not installed."""
+    if not triton_installed():
+        raise NotImplementedError(f"{TRITON_MISSING}; use backend='reference' (or 'sdpa' for 16-bit Q·Kᵀ and P·V)")
+
+
 def check_triton(d, device, qk: str = "bf16"):
-    """NotImplementedError where the Triton kernels cannot run: head dim ``d`` (for ``qk`` quantized, at least
-    :data:`QUANT_QK_MIN_HEAD_DIM`) or ``device``."""
+    """NotImplementedError where the Triton kernels cannot run: the triton package, head dim ``d`` (for ``qk``
+    quantized, at least :data:`QUANT_QK_MIN_HEAD_DIM`) or ``device``."""
+    check_triton_installed()
     if d not in TRITON_HEAD_DIMS:
         raise NotImplementedError(f"the Triton attention kernel supports head_dim in {TRITON_HEAD_DIMS}, got {d} "
                                   f"(use backend='reference')")

@@ -34,6 +34,7 @@ from ._checks import (
     check_softmax_scale,
     check_tensor,
     check_triton,
+    check_triton_installed,
     check_varlen,
     check_window,
     layout_of,
@@ -137,6 +138,7 @@ def quantize_qk(q: Tensor, k: Tensor, *, dtype: str = "int8", granularity: str =
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk)
     be = backend or ("triton" if q.is_cuda else "reference")
     if be == "triton":
+        check_triton_installed()
         from . import _triton
         return _triton.quantize_qk_triton(q, k, **kw)
     return _ref.quantize_qk_reference(q, k, **kw)
@@ -156,6 +158,7 @@ def quantize_v_operand(kind: str, v: Tensor, lay: str, cu_seqlens_k, max_seqlen_
     if kind == "native":
         return v, None
     if (backend or ("triton" if v.is_cuda else "reference")) == "triton":
+        check_triton_installed()
         from . import _triton
         if kind == "fp8":
             return _triton.quantize_v_fp8_triton(v, layout=lay, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
@@ -273,8 +276,8 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
                 return_lse=True)
         return res[0].to(out_dtype), res[1]
     # triton
-    from . import _triton
     check_triton(q.shape[-1], q.device, qk)
+    from . import _triton
     kw = dict(layout=lay, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
     qa, ka, qs, ks, km, rows, va, vs, order = triton_operands(
         q, k, v, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k, block_q=block_q, block_k=block_k,

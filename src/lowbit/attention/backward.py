@@ -53,6 +53,7 @@ from ._checks import (
     check_softmax_scale,
     check_tensor,
     check_triton,
+    check_triton_installed,
     check_varlen,
     check_window,
     lse_shape,
@@ -210,6 +211,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if dims[-1] not in TRITON_HEAD_DIMS:
         raise NotImplementedError(f"the Triton backward supports head_dim in {TRITON_HEAD_DIMS}, got {dims[-1]} "
                                   f"(use backend='reference')")
+    check_triton_installed()
     if not triton_ok(q):
         raise NotImplementedError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     return _backward_triton(do, q, k, v, o, lse, lay=lay, varlen=varlen, dims=dims, mq=mq, mk=mk,

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..runtime.checks import check_bool
+from ..runtime.device import triton_installed
 from ..runtime.log import declined
 from ._checks import QUANT_QK_MIN_HEAD_DIM, TRITON_HEAD_DIMS, triton_ok
 from .api import PV_MODES, QK_MODES, resolve_pv, select_backend
@@ -89,6 +90,8 @@ class AttentionConfig:
                 return f"head_dim {d} with qk={self.qk!r} (8-bit Q·K^T needs head_dim >= {QUANT_QK_MIN_HEAD_DIM})"
             if not triton_ok(q):
                 return f"backend 'triton' on device type {dev.type!r}"
+            if not triton_installed():
+                return "backend 'triton' without the triton package (pip install lowbit[gpu])"
         return None
 
 

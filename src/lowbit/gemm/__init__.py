@@ -14,7 +14,7 @@ from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8
 from ..quant.tensor import QuantizedTensor
 from ..runtime import env
 from ..runtime.checks import check_bool
-from ..runtime.device import INTERPRET
+from ..runtime.device import INTERPRET, TRITON_MISSING, triton_installed
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
@@ -204,6 +204,8 @@ def scaled_mm(
     _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
     table = dict(_all())
     if backend is not None:
+        if backend == "triton" and "triton" not in table and not triton_installed():
+            raise NotImplementedError(f"{TRITON_MISSING}; use backend='reference' or None")
         if not isinstance(backend, str) or backend not in table:
             raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
         if not table[backend][0](a, b, a_copy, b_copy, dict(opts, forced=True)):
@@ -282,7 +284,7 @@ def _load_fast_backends() -> None:
     import importlib.util
 
     for mod in ("lowbit.gemm.cublas", "lowbit.gemm.triton_backend"):
-        if mod.endswith("triton_backend") and importlib.util.find_spec("triton") is None:
+        if mod.endswith("triton_backend") and not triton_installed():
             continue
         if importlib.util.find_spec(mod) is not None:
             importlib.import_module(mod)

@@ -62,7 +62,9 @@ class Linear(LowbitModule, torch.nn.Linear):
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``is_first_microbatch``: None (default) quantize the weight every call; True: quantize and cache it
-        (first microbatch of a step); False: reuse the cached copies (later microbatches, weights unchanged)."""
+        (first microbatch of a step); False: reuse the cached copies (later microbatches, weights unchanged). False
+        raises if the weight changed through torch since (its version or storage); an in-place edit through ``.data``
+        (its own version counter) is not seen: pass True after one."""
         check_microbatch_arg(is_first_microbatch)
         st = _ac.get_state()
         if not st.enabled:

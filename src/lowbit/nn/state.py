@@ -22,7 +22,8 @@ next good step's amax, and an aborted step would count as a step):
   amaxes waiting for the next exit (every backward since the last outermost exit).
 
 A non-finite amax that raises nothing (``on_nonfinite="skip"`` / ``"ignore"``) is committed as 0: that
-role's history records 0 for the step and its scale stays where it was.
+role's history records 0 for the step and its scale stays where it was. Both policies record a
+:class:`NonFiniteEvent` (read with :func:`nonfinite_events`): "ignore" means "don't stop", never "hide".
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class AutocastState:
         enabled: quantize (True) or compute in high precision like torch (False).
         recipe: the active :class:`lowbit.recipes.Recipe` (None when disabled).
         amax_reduction_group: process group for the delayed-scaling amax reduction (None: world).
-        on_nonfinite: ``"raise"`` (NonFiniteAmaxError), ``"skip"`` (record a :class:`NonFiniteEvent`) or ``"ignore"``.
+        on_nonfinite: ``"raise"`` (NonFiniteAmaxError), ``"skip"`` (record a :class:`NonFiniteEvent` for the loop
+            to skip the step) or ``"ignore"`` (record the event too, and go on).
         support: ``"native"``, ``"emulated"`` or ``"reference"`` (see :func:`check_recipe_support`).
         key: a string naming (recipe, on_nonfinite) (:func:`state_key`; ``""`` when disabled): what a compiled
             graph passes to lowbit's operators, and what ``torch.compile`` guards on, so another recipe recompiles.
@@ -215,6 +217,9 @@ class NonFiniteEvent:
         phase: ``"forward"`` or ``"backward"``.
         step: :func:`step` when it happened (outermost autocast exits so far).
         amax: the amax value (nan or inf).
+        policy: the ``on_nonfinite`` policy it was recorded under: ``"skip"`` (the loop should skip the step) or
+            ``"ignore"`` (recorded only; nothing stops). ``"raise"`` for a raise-policy event that
+            :func:`nonfinite_events` collected before it was raised.
     """
 
     layer: str
@@ -222,6 +227,7 @@ class NonFiniteEvent:
     phase: str
     step: int
     amax: float
+    policy: str = "skip"
 
     def __str__(self):
         return f"non-finite amax ({self.amax}) of {self.role} in layer {self.layer!r} ({self.phase}, step {self.step})"
@@ -243,9 +249,11 @@ _events: list[NonFiniteEvent] = []
 
 
 def nonfinite_events() -> list[NonFiniteEvent]:
-    """Return and clear the non-finite amax events recorded with ``on_nonfinite="skip"``.
+    """Return and clear the non-finite amax events recorded with ``on_nonfinite="skip"`` or ``"ignore"``.
 
-    A training loop calls it after the backward: a non-empty list means "skip this optimizer step".
+    A training loop calls it after the backward: an event whose ``policy`` is ``"skip"`` means "skip this optimizer
+    step"; ``"ignore"`` events are the same record of what happened, for a loop that chose to go on (logging them).
+    It waits for the pending checks (see :func:`check_nonfinite`); "ignore" adds no check of its own.
     """
     try:
         check_nonfinite()
@@ -276,9 +284,10 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
 
     ``amax``: a float32 tensor, or a list/tuple of them (e.g. one per quantized copy); not read here.
     ``layer``: the layer's name, or an object with a ``.name`` (read only if a fault is found).
+    ``policy``: ``"raise"``, ``"skip"``, ``"ignore"`` (all three recorded and checked alike; only the outcome
+    differs), or one of them under :func:`graph_policy` (an operator inside torch.compile's CUDA graphs: the amaxes
+    go to the device's board).
     """
-    if policy == "ignore":
-        return
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
     if policy.startswith(GRAPH_PREFIX):  # (an operator inside torch.compile's CUDA graphs: graph_policy)
         _board_record(amaxes, layer, role, phase, policy[len(GRAPH_PREFIX):])
@@ -466,7 +475,7 @@ def _drain(wait: bool, raise_errors: bool = True) -> None:
             if not vals.numel():
                 continue
             ev_ = NonFiniteEvent(layer=layer if isinstance(layer, str) else layer.name, role=role, phase=phase,
-                                 step=step_, amax=float(vals.abs().max()))
+                                 step=step_, amax=float(vals.abs().max()), policy=policy)
             if policy == "raise":
                 first_error = first_error or ev_
             else:
@@ -480,7 +489,7 @@ def _drain(wait: bool, raise_errors: bool = True) -> None:
 
 def check_nonfinite(wait: bool = True) -> None:
     """Check every recorded amax: a non-finite one raises :class:`NonFiniteAmaxError` (policy ``"raise"``)
-    or becomes a :class:`NonFiniteEvent` (policy ``"skip"``).
+    or becomes a :class:`NonFiniteEvent` (policies ``"skip"`` and ``"ignore"``).
 
     Args:
         wait: wait for the GPU to finish the checked work (one sync). False queues the check and reports
@@ -800,9 +809,11 @@ class autocast(contextlib.ContextDecorator):
             check point after the GPU has finished the faulty step (the event names its step), and
             :func:`nonfinite_events` waits for every pending check. ``LOWBIT_SENTRY_SYNC=1`` makes each
             check wait, so the error surfaces at the exit of the step itself (one sync per check).
-            ``"ignore"`` turns the sentry off (no checks, no syncs; non-finite amaxes still never enter
-            a delayed-scaling history). It hides no value: a quantized NaN / Inf dequantizes to NaN
-            under every recipe (NUMERICS §3), so the step's outputs and loss show it.
+            ``"ignore"``: don't stop, never hide. The sentry checks as under ``"skip"`` (the same deferred
+            checks, no extra sync) and records every event, with ``policy="ignore"``, in
+            :func:`nonfinite_events`; nothing raises and nothing asks the loop to skip. Non-finite amaxes
+            still never enter a delayed-scaling history, and no value is hidden: a quantized NaN / Inf
+            dequantizes to NaN under every recipe (NUMERICS §3), so the step's outputs and loss show it.
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.

@@ -17,8 +17,7 @@ import torch
 
 from ..nn.functional import FreshWeight, weight_layer
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
-from ..runtime.device import INTERPRET
-from . import kernels as K
+from ..runtime.device import INTERPRET, triton_installed
 
 __all__ = ["AdamW"]
 
@@ -68,6 +67,8 @@ class AdamW(torch.optim.AdamW):
     its layer keeps (:class:`lowbit.nn.functional.FreshWeight`); the next forward reads them instead of quantizing
     the weight. Everything else is stepped by ``torch.optim.AdamW.step``.
 
+    Without the triton package (the ``lowbit[gpu]`` extra) no weight is taken: every step is torch's.
+
     Differences from ``torch.optim.AdamW(fused=True)`` for those weights: with ``grad_scale`` set (the attribute
     torch's fused optimizers read, as ``GradScaler`` and lowbit's training graph use it) the unscaled gradient is
     not written back into ``.grad``.
@@ -111,7 +112,7 @@ class AdamW(torch.optim.AdamW):
         out = []
         for g in self.param_groups:
             mine = []
-            if self.quantized_weights and self._group_ok(g):
+            if self.quantized_weights and self._group_ok(g) and triton_installed():
                 for p in g["params"]:
                     e = weight_layer(p)
                     if e is None or type(p.data) is not torch.Tensor or p.dtype != torch.float32:
@@ -199,6 +200,8 @@ class AdamW(torch.optim.AdamW):
         kc = self.kernel_config
         ch, ch2, warps, ns = kc.rows_update, kc.rows_cast, kc.num_warps, kc.stages
         dummy = b.amax  # an unused pointer argument
+        from . import kernels as K  # (Triton is optional: imported where the kernel runs)
+
         K.adamw_fp8_128x128_kernel[(-(-M // 128) * -(-Kd // 128), len(items))](
             b.table, M, Kd, f0.q.rowwise.scale_inv.shape[1], f0.q.columnwise.scale_inv.shape[1],
             lr_ptr if lr_ptr is not None else dummy, _bits(lr_val), _bits(g["betas"][0]), _bits(g["betas"][1]),

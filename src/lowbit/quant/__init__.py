@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ..runtime.checks import check_bool
+from ..runtime.device import TRITON_MISSING, triton_installed
 from . import reference  # noqa: F401 - lowbit.quant.reference, the spec
 from .reference import quantize_reference
 from .scaling import AmaxHistory
@@ -121,9 +122,8 @@ def quantize(
         raise TypeError(f"backend: expected a backend name (one of {sorted(table)}) or None, got "
                         f"{type(backend).__name__} {backend!r}")
     if backend is not None and backend not in table:
-        if backend == "triton" and importlib.util.find_spec("triton") is None:
-            raise NotImplementedError("backend: 'triton' needs the triton package, which is not installed; "
-                                      "use backend='reference' or None (or install triton)")
+        if backend == "triton" and not triton_installed():
+            raise NotImplementedError(f"{TRITON_MISSING}; use backend='reference' or None")
         raise ValueError(f"backend: expected one of {sorted(table)}, got {backend!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -163,7 +163,7 @@ def _load_fast_backends() -> None:
     Only where Triton is installed; a kernel module that fails to import for another reason is a bug
     and raises.
     """
-    if importlib.util.find_spec("triton") is None:
+    if not triton_installed():
         return
     if importlib.util.find_spec("lowbit.quant.triton_backend") is not None:
         importlib.import_module("lowbit.quant.triton_backend")

@@ -4,7 +4,7 @@
 Triton does). :func:`capability` / :func:`num_sms`: a CUDA device's compute capability and SM count, cached per
 device index (torch's queries cost microseconds of host time a call, which the launchers would otherwise pay for
 every operand of every step). :func:`memory_bytes`: a device's total memory. :func:`capture`: a function captured
-once in a CUDA graph.
+once in a CUDA graph. :func:`triton_installed`: whether the optional triton package imports.
 """
 
 from __future__ import annotations
@@ -14,10 +14,26 @@ import os
 
 import torch
 
-__all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool", "in_graph_tree"]
+__all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool", "in_graph_tree",
+           "triton_installed", "TRITON_MISSING"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
+
+
+TRITON_MISSING = "backend: 'triton' needs the triton package, which is not installed (pip install lowbit[gpu])"
+"""The start of the error a Triton backend asked for without triton gives (each caller adds what to use instead)."""
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether ``import triton`` works (the ``lowbit[gpu]`` extra); asked before a Triton path is taken, so that a
+    missing package is a clear error or the torch path, never a ModuleNotFoundError from inside lowbit."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _index(device) -> int:
