@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,16 @@ def copy_layout(scheme: Scheme, rows: int, cols: int):
     """What a copy of logical 2D shape (rows, cols) stores under ``scheme``:
     ``(data dtype, data shape, scale dtype, scale shape, the scale layout's rule in words)``, or a ``str``
     saying why no copy of that shape exists (NVFP4: cols divisible by 16, 16x16 tiles: rows too; MXFP8:
-    cols divisible by 32 — what the quantizers require)."""
+    cols divisible by 32 — what the quantizers require). Memoized: every quantized GEMM operand is
+    checked against it, every call."""
+    try:
+        return _copy_layout_memo(scheme, rows, cols)
+    except TypeError:  # an unhashable scheme: the plain function names what is wrong with it
+        return _copy_layout(scheme, rows, cols)
+
+
+def _copy_layout(scheme: Scheme, rows: int, cols: int):
+    """The layout table behind :func:`copy_layout`."""
     sshape = scale_storage_shape(scheme, rows, cols)
     if isinstance(scheme, NVFP4):
         if cols % 16 or (scheme.two_d and rows % 16):
@@ -111,6 +121,9 @@ def copy_layout(scheme: Scheme, rows: int, cols: int):
     else:
         rule = "tensorwise: (1,)" if isinstance(scheme, Float8Tensorwise) else "rowwise: (rows, 1)"
     return dt, (rows, cols), torch.float32, sshape, rule
+
+
+_copy_layout_memo = functools.lru_cache(maxsize=4096)(_copy_layout)
 
 
 def check_copy(qt: "QuantizedTensor", which: str, name: str = "x") -> None:
