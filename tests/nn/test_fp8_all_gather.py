@@ -28,11 +28,12 @@ def _model(shape):
                                lowbit.nn.Linear(n1, k, bias=False))
 
 
-def _run(model, recipe: str, n: int = 2):
-    """n SGD steps on one batch: (outputs, losses, the first step's gradients by name)."""
+def _run(model, recipe: str, n: int = 2, device="cpu"):
+    """n SGD steps on one batch: (outputs, losses, the first step's gradients by name), on the CPU as one batch of
+    32 tokens, on a GPU of 128 (the GEMM kernels' tile)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     torch.manual_seed(1)
-    x = torch.randn(32, model[0].in_features)
+    x = torch.randn(32 if device == "cpu" else 128, model[0].in_features).to(device)
     outs, losses, grads = [], [], None
     for step in range(n):
         with lowbit.autocast(recipe=from_name(recipe)):
@@ -40,11 +41,11 @@ def _run(model, recipe: str, n: int = 2):
             loss = y.square().mean()
         loss.backward()
         if grads is None:
-            grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+            grads = {name: _full(p.grad).cpu() for name, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        outs.append(y.detach())
-        losses.append(loss.detach())
+        outs.append(y.detach().cpu())
+        losses.append(loss.detach().cpu())
     return outs, losses, grads
 
 
@@ -75,14 +76,18 @@ class _Count:
             setattr(dist, name, fn)
 
 
-def _worker(rank, tmp, recipe, shape):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
+def _worker(rank, tmp, recipe, shape, device="cpu"):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
+                            world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = _model(shape)
+        mesh = init_device_mesh(device, (WORLD,))
+        model = _model(shape).to(device)
+        tokens = 32 if device == "cpu" else 128
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan = lowbit.nn.fp8_all_gather(model, from_name(recipe), mesh)
@@ -99,25 +104,25 @@ def _worker(rank, tmp, recipe, shape):
             model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
         with _Count() as fp8_bytes:
             with lowbit.autocast(recipe=from_name(recipe)):
-                model(torch.zeros(32, shape[0]))
-        outs, losses, grads = _run(model, recipe)
+                model(torch.zeros(tokens, shape[0], device=device))
+        outs, losses, grads = _run(model, recipe, device=device)
         # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
-        bf16 = _model(shape)
+        bf16 = _model(shape).to(device)
         for layer in bf16:
             if isinstance(layer, lowbit.nn.Linear):
                 fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         with _Count() as bf16_bytes, lowbit.autocast(recipe=from_name(recipe)):
-            bf16(torch.zeros(32, shape[0]))
+            bf16(torch.zeros(tokens, shape[0], device=device))
         torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
                         bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught]), f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn_and_compare(tmp_path, recipe, shape):
-    mp.spawn(_worker, args=(str(tmp_path), recipe, shape), nprocs=WORLD, join=True)
-    ref_outs, ref_losses, ref_grads = _run(_model(shape), recipe)
+def _spawn_and_compare(tmp_path, recipe, shape, device="cpu"):
+    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device), nprocs=WORLD, join=True)
+    ref_outs, ref_losses, ref_grads = _run(_model(shape).to(device), recipe, device=device)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(ref_outs, g["outs"])):
@@ -129,11 +134,9 @@ def _spawn_and_compare(tmp_path, recipe, shape):
     return got
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
-def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
+def _check_fp8_gather(tmp_path, recipe, device):
     shape = (256, 256)  # two (256, 256) weights: 128-row shards of whole 128x128 tiles
-    got = _spawn_and_compare(tmp_path, recipe, shape)
+    got = _spawn_and_compare(tmp_path, recipe, shape, device)
     weights = [(shape[1], shape[0]), (shape[0], shape[1])]
     want = sum(all_gather_bytes(s, from_name(recipe), WORLD) for s in weights)
     for g in got:
@@ -143,6 +146,21 @@ def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
         assert g["bf16_bytes"] == sum(all_gather_bytes(s, None, WORLD) for s in weights)
         assert g["fp8_bytes"] <= 0.55 * g["bf16_bytes"], (g["fp8_bytes"], g["bf16_bytes"])
         assert not g["warned"]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
+    _check_fp8_gather(tmp_path, recipe, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs 2 CUDA GPUs and NCCL")
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_fp8_all_gather_matches_unsharded_gpu(tmp_path, recipe):
+    """The same over NCCL on 2 GPUs with lowbit's GPU quantizers and GEMMs (the reference run on cuda:0)."""
+    _check_fp8_gather(tmp_path, recipe, "cuda")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
