@@ -9,6 +9,7 @@ CI's 2-core machine the trajectories agree to ~1e-6, on a 16-core one (torch 2.1
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,36 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
     # the 2-rank checkpoint (gathered, written by rank 0) resumes in a single process
     res = train(TrainConfig(out_dir=str(tmp_path / "ddp"), resume="auto", **{**base, "steps": 4}, batch_size=8))
     assert res["history"]["train"] == ddp["history"]["train"]
+
+
+def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir):
+    """``--fp8-all-gather`` moves the FP8 copies instead of the FP32 shards and changes no bit of the run: the
+    training and validation losses equal the plain FSDP2 run's exactly."""
+    common = ["--recipe", "fp8-block", "--steps", "2", "--seq-len", "64", "--data", small_text, "--cache-dir",
+              cache_dir, "--eval-every", "2", "--eval-windows", "4", "--no-progress", "--device", "cpu",
+              "--batch-size", "4", "--fsdp"]
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    runs = {}
+    for name, extra in (("fsdp", []), ("fp8ag", ["--fp8-all-gather"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lowbit.train.cli", *common, *extra, "--out-dir", str(tmp_path / name)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name]["stdout"] = r.stdout
+    assert runs["fp8ag"]["fp8_all_gather"] and not runs["fsdp"]["fp8_all_gather"]
+    m = re.search(r"--fp8-all-gather: (\d+) weights gather in FP8", runs["fp8ag"]["stdout"])
+    assert m and int(m.group(1)) > 0, runs["fp8ag"]["stdout"][-2000:]
+    assert runs["fp8ag"]["history"]["train"] == runs["fsdp"]["history"]["train"]
+    assert runs["fp8ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(fp8_all_gather=True), "needs fsdp=True"),
+    (dict(fp8_all_gather=True, fsdp=True, recipe="mxfp8"), "recipe 'mxfp8'"),
+    (dict(fp8_all_gather=True, fsdp=True, compile=True), "compile=True"),
+    (dict(fp8_all_gather=1, fsdp=True), "expected a bool"),
+])
+def test_fp8_all_gather_config_errors(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        TrainConfig(**{"recipe": "fp8-block", **kw}).validate()

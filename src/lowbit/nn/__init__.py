@@ -7,12 +7,14 @@
   per the recipe inside autocast; bit-identical to their torch counterparts outside.
 * :func:`convert` — swap a model's ``nn.Linear`` layers in place (and transformers' ``Conv1D`` for
   :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`).
+* :func:`fp8_all_gather` — FSDP2 gathers the FP8 copies of lowbit weights instead of their high-precision shards.
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
 """
 
 from .attention import MultiheadAttention
 from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
+from .fsdp import fp8_all_gather
 from .functional import quantized_linear
 from .hf_modules import Conv1DLinear, SwiGLUMLP
 from .layernorm_linear import LayerNormLinear
@@ -49,6 +51,7 @@ __all__ = [
     "convert",
     "ConvertSummary",
     "quantized_linear",
+    "fp8_all_gather",
     "NonFiniteAmaxError",
     "NonFiniteEvent",
     "nonfinite_events",

@@ -28,6 +28,7 @@ from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import (
     QuantizedCopy,
     QuantizedTensor,
+    columnwise_from_rowwise,
     copy_from_tensors,
     copy_tensors,
     empty_copy_tensors,
@@ -265,7 +266,13 @@ class GemmLayer:
 
     def quantized_weight(self, w: torch.Tensor, recipe: Recipe, is_first_microbatch, *, columnwise: bool,
                          policy: str) -> QuantizedTensor:
-        """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False)."""
+        """The weight's quantized copies: fresh (None), quantized and cached (True) or from the cache (False); or,
+        for a weight FSDP2 all-gathered as its quantized copies (:func:`lowbit.nn.fp8_all_gather`), those copies,
+        whatever ``is_first_microbatch`` says (they are what quantizing the whole weight gives)."""
+        if w.__class__ is not torch.Tensor and w.__class__ is not torch.nn.Parameter:
+            gq = getattr(w, "lowbit_gathered", None)
+            if gq is not None:
+                return self._gathered_weight(gq, recipe, columnwise, policy)
         if is_first_microbatch is False:
             c = self.wcache
             if c is None:
@@ -311,6 +318,23 @@ class GemmLayer:
                           columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+        return q
+
+
+    def _gathered_weight(self, q: QuantizedTensor, recipe: Recipe, columnwise: bool, policy: str) -> QuantizedTensor:
+        """The copies FSDP2 gathered (rowwise; the columnwise one is made from it where dgrad needs it:
+        :func:`lowbit.quant.tensor.columnwise_from_rowwise`), checked against the active recipe's weight role."""
+        rq = recipe.role("weight")
+        if rq.delayed or rq.scheme != q.scheme:
+            raise ValueError(
+                f"recipe: the weight of layer {self.name!r} was all-gathered by FSDP2 as its {q.scheme} copies "
+                f"(lowbit.nn.fp8_all_gather), but the active recipe {type(recipe).__name__} quantizes weights as "
+                f"{rq.scheme}{' with delayed scaling' if rq.delayed else ''}; run the forward under the recipe given "
+                "to fp8_all_gather"
+            )
+        if columnwise and q.columnwise is None:
+            q = QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=q.rowwise, columnwise=columnwise_from_rowwise(q))
+        _ac.sentry([c.amax for c in q._copies()], layer=self, role="weight", phase="forward", policy=policy)
         return q
 
 

@@ -13,7 +13,7 @@ from .schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorw
 
 __all__ = ["QuantizedCopy", "QuantizedTensor", "expand_blocks", "pad_to", "scale_storage", "scale_logical",
            "scale_storage_shape", "copy_layout", "check_copy", "copy_tensors",
-           "copy_from_tensors", "empty_copy_tensors", "n_copy_tensors"]
+           "copy_from_tensors", "empty_copy_tensors", "n_copy_tensors", "columnwise_from_rowwise"]
 
 
 def expand_blocks(s: torch.Tensor, r: int, k: int, bs_r: int, bs_k: int) -> torch.Tensor:
@@ -221,6 +221,27 @@ def empty_copy_tensors(scheme: Scheme, shape, which: str, device) -> list[torch.
     if isinstance(scheme, NVFP4):
         out.append(torch.empty(1, dtype=torch.float32, device=device))
     return out
+
+
+def columnwise_from_rowwise(qt: "QuantizedTensor") -> "QuantizedCopy":
+    """The columnwise copy of ``qt`` made from its rowwise copy, where the two hold the same scaling groups:
+    Float8Tensorwise (the transposed data, the same scale) and Float8Blockwise with ``block_dim=2`` (square tiles: the
+    transposed data and the transposed tile grid). Bit-identical to quantizing the high-precision tensor with
+    ``columnwise=True`` (every tile's amax, hence its scale, is the same set of elements either way).
+
+    Raises:
+        ValueError: ``qt`` has no rowwise copy, or its scheme scales rows and columns differently.
+    """
+    sch, r = qt.scheme, qt.rowwise
+    if r is None:
+        raise ValueError("qt: has no rowwise copy to transpose")
+    if isinstance(sch, Float8Tensorwise):
+        return QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv, amax=r.amax)
+    if isinstance(sch, Float8Blockwise) and sch.block_dim == 2:
+        logical = scale_logical(sch, r.scale_inv, qt.rows, qt.cols)
+        return QuantizedCopy(data=r.data.t().contiguous(), scale_inv=scale_storage(sch, logical.t()), amax=r.amax)
+    raise ValueError(f"qt: the columnwise copy is the transposed rowwise copy only under Float8Tensorwise or "
+                     f"128x128 Float8Blockwise (block_dim=2), got scheme {sch!r}")
 
 
 def _bad(qt, which, name, r, k, why):

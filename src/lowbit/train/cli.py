@@ -93,6 +93,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
+    g.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fsdp: all-gather the FP8 weight copies (fp8-block: 128x128 tiles, fp8-current: "
+                        "per-tensor) instead of FP32 shards, bit-identical to quantizing the whole weight")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
                         "bf16/fp8-current/"
@@ -132,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
+        fp8_all_gather=args.fp8_all_gather,
                        cuda_graph=args.cuda_graph, compile=args.compile,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,

@@ -87,6 +87,11 @@ class TrainConfig:
     """Compute dtype of the high-precision parts: ``"bf16"`` (torch.autocast), ``"fp32"``; auto: bf16 on CUDA,
     fp32 on CPU."""
     fsdp: bool = False
+    fp8_all_gather: bool = False
+    """With ``fsdp``: FSDP2 all-gathers the FP8 copies of the lowbit weights (per-tensor for fp8-current, 128x128 tiles
+    for fp8-block) instead of their FP32 shards, bit-identical to quantizing the whole weight
+    (:func:`lowbit.nn.fp8_all_gather`; a weight whose shards are not whole 128-row tiles, or a tied one, gathers in
+    FP32). Recipes fp8-block and fp8-current only; not with ``compile``."""
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
     ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8, nvfp4 —
@@ -169,6 +174,18 @@ class TrainConfig:
             raise ValueError(f"cuda_graph: expected 'auto', 'on' or 'off', got {self.cuda_graph!r}")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile: expected a bool, got {self.compile!r}")
+        if not isinstance(self.fp8_all_gather, bool):
+            raise TypeError(f"fp8_all_gather: expected a bool, got {self.fp8_all_gather!r}")
+        if self.fp8_all_gather:
+            if not self.fsdp:
+                raise ValueError("fp8_all_gather: True needs fsdp=True (it changes what FSDP2's all-gather moves); "
+                                 "got fsdp=False")
+            if self.recipe not in FP8_ALL_GATHER_RECIPES:
+                raise ValueError(f"fp8_all_gather: True takes recipe {' or '.join(FP8_ALL_GATHER_RECIPES)} (per-tensor "
+                                 f"or 128x128 FP8 weight copies), got recipe {self.recipe!r}")
+            if self.compile:
+                raise ValueError("fp8_all_gather: True with compile=True is not supported (torch.compile cannot trace "
+                                 "the gathered FP8 weights); drop one of them")
         if self.compile and self.cuda_graph == "on":
             raise ValueError("cuda_graph: 'on' together with compile; torch.compile'd blocks run without lowbit's "
                              "own step graphs (use --cuda-graph auto or off with --compile)")
@@ -314,7 +331,8 @@ def train(config: TrainConfig) -> dict:
     c = config.resolved()
     summary = _train_one(c)
     if c.compare == "bf16" and c.recipe != "bf16" and not summary.get("stopped_early"):
-        base = TrainConfig(**{**asdict(c), "recipe": "bf16", "compare": None, "resume": None, "overwrite": True,
+        base = TrainConfig(**{**asdict(c), "recipe": "bf16", "compare": None, "fp8_all_gather": False,
+                              "resume": None, "overwrite": True,
                               "out_dir": os.path.join(c.out_dir, "compare-bf16"), "fault_steps": ()})
         b = _train_one(base.resolved())
         summary["compare"] = {"bf16": b}
@@ -345,6 +363,12 @@ def _wrap(model, c: TrainConfig, d: Dist):
         # the mesh on the run's device type: FSDP2's default mesh takes CUDA wherever it is present, and a CPU (gloo)
         # run on a GPU machine then failed in set_device (or ran ranks on one GPU)
         mesh = init_device_mesh(d.device.type, (d.world,))
+        if c.fp8_all_gather:  # (before fully_shard: the weights become the tensors whose all-gather moves FP8)
+            import lowbit.nn as lnn
+
+            plan = lnn.fp8_all_gather(model, _recipes.from_name(c.recipe), mesh)
+            n_hp = sum(v is not None for v in plan.values())
+            _say(d, c, f"[lowbit] --fp8-all-gather: {len(plan) - n_hp} weights gather in FP8, {n_hp} in FP32")
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -363,12 +387,15 @@ def _optimizer(model, c: TrainConfig):
     if next(model.parameters()).device.type != "cuda":
         return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
     cls = torch.optim.AdamW
-    if env.fused("adamw_quant"):
+    if env.fused("adamw_quant") and not c.fp8_all_gather:
         # torch's fused AdamW, whose step also writes the FP8 copies of the 128x128 blockwise weights (fp8-block)
         # that the next forward would otherwise quantize; any other recipe: torch's step unchanged
         from lowbit.optim import AdamW as cls
     return cls(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
+
+FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current")
+"""The recipes whose weight copies FSDP2 can all-gather in FP8 (``TrainConfig.fp8_all_gather``)."""
 
 GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _recipes.from_name(n).delayed)
 """The recipes a step can be captured under: delayed scaling keeps per-step host state."""
@@ -1050,7 +1077,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "weight_bytes_quantized": qbytes, "weight_bytes_bf16": bfbytes,
         "history": history, "events": events,
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
-        "world_size": d.world, "fsdp": bool(c.fsdp and d.active), "compile": c.compile,
+        "world_size": d.world, "fsdp": bool(c.fsdp and d.active),
+        "fp8_all_gather": bool(c.fp8_all_gather and c.fsdp and d.active), "compile": c.compile,
         "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),

@@ -1,0 +1,341 @@
+"""FP8 weight all-gather under FSDP2: ``fully_shard`` gathers the quantized copies of lowbit layers' weights instead
+of their high-precision shards.
+
+:func:`fp8_all_gather` (called before ``fully_shard``) makes each lowbit weight a :class:`Float8AllGatherWeight`, a
+tensor subclass holding the high-precision shard and implementing FSDP2's all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``). Each rank quantizes its own shard; the gathered
+:class:`GatheredFloat8Weight` holds the whole weight's rowwise copy, which the lowbit layers take instead of quantizing
+the weight (:meth:`lowbit.nn.functional.GemmLayer.quantized_weight`); the columnwise copy for dgrad is the same
+copy transposed (:func:`lowbit.quant.tensor.columnwise_from_rowwise`). Bit-identical to quantizing the unsharded
+weight:
+
+* ``Float8CurrentScaling`` (per-tensor, E4M3 weights): the shards' amaxes are all-reduced (MAX) across the shard
+  group in the pre-all-gather hook, so every rank scales by ``fmax / amax`` of the whole weight; the data is gathered
+  in FP8, the scale travels as metadata (it is the same on every rank).
+* ``Float8BlockScaling`` with 128x128 weight tiles (``w_block_scaling_dim=2``): FSDP2 shards dim 0, so where every
+  rank's shard is a whole number of 128-row tiles (out_features divisible by 128 x the shard count) each tile lies
+  in one shard and needs no reduction; the FP8 data, the FP32 tile scales and each shard's amax are gathered.
+
+Everything else gathers in high precision, as FSDP2 does without this module, and says so once (a warning and
+:func:`lowbit.runtime.log.declined`): a 128x128 weight whose shards are not whole tiles, 1x128 weight blocks (their
+columnwise copy is not the rowwise one transposed), delayed scaling, MXFP8, NVFP4, BF16, weights shared by two
+modules. Gradients reduce-scatter in high precision, as FSDP2 does. The gathered weight holds no high-precision
+values: only a lowbit layer under ``lowbit.autocast`` with the same recipe can use it (anything else raises).
+torch.compile over layers holding these weights is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import distributed
+from ..quant import quantize
+from ..quant.reference import amax_of, compute_scale
+from ..quant.schemes import Float8Blockwise, Float8Tensorwise
+from ..quant.tensor import QuantizedCopy, QuantizedTensor
+from ..recipes import Float8BlockScaling, Float8CurrentScaling, Recipe
+from ..runtime.log import declined
+from .base import LowbitModule
+
+__all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight"]
+
+_aten = torch.ops.aten
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_PATH = "fp8_all_gather"
+_WARNED: set = set()
+
+
+def _say_fallback(reason: str) -> None:
+    declined(_PATH, reason)
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"lowbit fp8_all_gather: gathering in high precision: {reason}", stacklevel=3)
+
+
+def recipe_weight_scheme(recipe: Recipe):
+    """``(scheme, None)``: the weight scheme ``recipe`` gathers in FP8, or ``(None, reason)``."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return recipe.role("weight").scheme, None
+    if isinstance(recipe, Float8BlockScaling):
+        sch = recipe.role("weight").scheme
+        if sch.block_dim == 2:
+            return sch, None
+        return None, ("fp8-block with 1x128 weight blocks (w_block_scaling_dim=1): their columnwise copy is not the "
+                      "rowwise one transposed")
+    return None, (f"recipe {type(recipe).__name__}: FP8 all-gather covers Float8CurrentScaling (per-tensor) and "
+                  "Float8BlockScaling with 128x128 weight tiles")
+
+
+def fp8_gather_plan(scheme, shape, world: int) -> str | None:
+    """None where a weight of ``shape`` sharded over ``world`` ranks on dim 0 (FSDP2's ``torch.chunk``) gathers its
+    ``scheme`` copies bit-identically to quantizing it whole; else why it gathers in high precision."""
+    if len(shape) != 2:
+        return f"a {len(shape)}-D weight {tuple(shape)} (FP8 all-gather takes 2-D weights)"
+    if isinstance(scheme, Float8Tensorwise):
+        return None
+    if isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2:
+        n, bs = shape[0], scheme.block_size
+        if n % world or (n // world) % bs:
+            return (f"weight {tuple(shape)} over {world} shards: each shard must be a whole number of {bs}-row tiles "
+                    f"(out_features divisible by {bs} x {world})")
+        return None
+    return f"scheme {scheme!r}"
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s high-precision tensor where it is a :class:`Float8AllGatherWeight`."""
+    return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
+
+
+# ops whose outputs stay weights FSDP2 may gather (it pads, views, chunks and copies its shards with them)
+_KEEP = {_aten.empty_like.default, _aten.new_zeros.default, _aten.new_empty.default, _aten.slice.Tensor,
+         _aten.copy_.default, _aten.view.default, _aten.as_strided.default, _aten._to_copy.default,
+         _aten.split.Tensor, _aten.clone.default, _aten.narrow.default, _aten.alias.default}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A lowbit layer's high-precision weight (or FSDP2's shard of it) whose FSDP2 all-gather moves its quantized
+    copies (:func:`fp8_all_gather`). Every op other than FSDP2's all-gather runs on the high-precision tensor
+    (``lowbit_hp``) as on a plain tensor; views, copies and chunks stay this type.
+
+    Attributes:
+        lowbit_hp: the high-precision tensor.
+        lowbit_scheme: the weight scheme gathered (Float8Tensorwise, or Float8Blockwise with 128x128 tiles).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, scheme):
+        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
+                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
+                                                   layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
+
+    def __init__(self, hp: torch.Tensor, scheme):
+        self.lowbit_hp = hp
+        self.lowbit_scheme = scheme
+
+    def data_ptr(self) -> int:
+        return self.lowbit_hp.data_ptr()
+
+    def __repr__(self):
+        return f"Float8AllGatherWeight({self.lowbit_scheme}, {self.lowbit_hp!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func is _aten.detach.default:
+            return cls(args[0].lowbit_hp.detach(), args[0].lowbit_scheme)
+        scheme = next(a.lowbit_scheme for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        args, kwargs = pytree.tree_map_only(cls, _plain, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, scheme), out)
+
+    def __tensor_flatten__(self):
+        return ["lowbit_hp"], self.lowbit_scheme
+
+    @staticmethod
+    def __tensor_unflatten__(inner, scheme, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner["lowbit_hp"], scheme)
+
+    # -- FSDP2's all-gather extension -------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's all-gather inputs: its shard's FP8 data (uint8 bytes, padded to FSDP2's shard rows) and, for
+        128x128 tiles, its tile scales and amax; or the high-precision shard where :func:`fp8_gather_plan` says."""
+        hp = self.lowbit_hp
+        pd = getattr(mp_policy, "param_dtype", None)
+        if pd is not None and pd != hp.dtype:
+            hp = hp.to(pd)
+        n, world = outer_size[0], mesh.size()
+        rows = -(-n // world)  # FSDP2's padded shard rows
+        sch = self.lowbit_scheme
+        why = fp8_gather_plan(sch, tuple(outer_size), world)
+        if why is not None:
+            _say_fallback(why)
+            return (_pad_rows(hp, rows),), ("hp", n)
+        if isinstance(sch, Float8Tensorwise):
+            amax = amax_of(hp) if hp.numel() else torch.zeros(1, dtype=torch.float32, device=hp.device)
+            distributed.reduce_amax([amax], group=mesh.get_group())  # MAX over the shards: the whole weight's amax
+            scale = compute_scale(amax, sch.format.max)
+            if hp.numel():
+                data = quantize(hp, sch, rowwise=True, scale=scale).rowwise.data.view(torch.uint8)
+            else:
+                data = torch.zeros(hp.shape, dtype=torch.uint8, device=hp.device)
+            return (_pad_rows(data, rows),), ("tensorwise", n, (1.0 / scale).reshape(1), amax)
+        c = quantize(hp, sch, rowwise=True).rowwise
+        return (c.data.view(torch.uint8), c.scale_inv, c.amax.reshape(1)), ("tiles", n)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The whole weight from the gathered inputs: a :class:`GatheredFloat8Weight` holding its rowwise copy, or
+        the high-precision weight."""
+        kind, n = metadata[0], metadata[1]
+        if kind == "hp":
+            if out is not None:  # (FSDP2 gathers into the same buffer every time: the view already holds it)
+                return None
+            t = all_gather_outputs[0]
+            return (t if t.shape[0] == n else t[:n]), ()
+        sch = self.lowbit_scheme
+        data = all_gather_outputs[0].view(_FP8[sch.fmt])[:n]
+        if kind == "tensorwise":
+            scale_inv, amax = metadata[2], metadata[3]
+        else:
+            scale_inv, amax = all_gather_outputs[1], all_gather_outputs[2].max().reshape(1)
+        q = QuantizedTensor(torch.Size(data.shape), param_dtype, sch,
+                            rowwise=QuantizedCopy(data=data, scale_inv=scale_inv, amax=amax))
+        if out is not None:
+            out.lowbit_box[0] = q
+            return None
+        # (the data are views of FSDP2's all-gather buffers, which FSDP2 frees and reallocates itself)
+        return GatheredFloat8Weight([q]), ()
+
+
+class GatheredFloat8Weight(torch.Tensor):
+    """The unsharded weight FSDP2 all-gathered as quantized copies (:func:`fp8_all_gather`): a tensor of the weight's
+    shape and dtype holding no high-precision values. ``lowbit_gathered`` is the :class:`QuantizedTensor` (rowwise
+    copy) a lowbit layer multiplies by; other ops (``F.linear`` outside autocast, reading the values) raise."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, box: list):
+        q = box[0]
+        return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=q.dtype, device=q.device, requires_grad=False)
+
+    def __init__(self, box: list):
+        self.lowbit_box = box  # one-element list shared by every alias FSDP2 makes (as_strided, the Parameter)
+
+    @property
+    def lowbit_gathered(self) -> QuantizedTensor:
+        return self.lowbit_box[0]
+
+    def __repr__(self):
+        return f"GatheredFloat8Weight({self.lowbit_box[0]!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0]
+        if func in (_aten.detach.default, _aten.alias.default):
+            return cls(me.lowbit_box)
+        if func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(me.shape):
+            return cls(me.lowbit_box)
+        if func in (_aten.empty_like.default, _aten.zeros_like.default, _aten.new_zeros.default,
+                    _aten.new_empty.default):  # shape-only ops (FSDP2's zero gradients)
+            stand_in = torch.empty(me.shape, dtype=me.dtype, device=me.device)
+            return func(stand_in, *args[1:], **kwargs)
+        raise NotImplementedError(
+            f"{func}: this weight was all-gathered by FSDP2 as its {me.lowbit_box[0].scheme} FP8 copies "
+            "(lowbit.nn.fp8_all_gather) and holds no high-precision values; only a lowbit layer under "
+            "lowbit.autocast with the recipe given to fp8_all_gather can use it"
+        )
+
+
+def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[str, str | None]:
+    """Make FSDP2 all-gather the FP8 copies of ``model``'s lowbit weights (see the module docstring for the
+    numerics). Call it before ``fully_shard`` and before building the optimizer: each lowbit weight becomes a new
+    ``nn.Parameter`` holding a :class:`Float8AllGatherWeight` (same values, same storage). Run the forward under
+    ``lowbit.autocast(recipe=recipe)``.
+
+    Args:
+        model: the module tree; only weights of lowbit modules (``lowbit.nn.Linear`` ...) change.
+        recipe: ``Float8CurrentScaling`` or ``Float8BlockScaling`` with ``w_block_scaling_dim=2``; any other recipe
+            changes nothing and says so once (the gather stays high precision).
+        mesh: the ``DeviceMesh`` (or an int: the shard count) ``fully_shard`` will use, only to say which weights
+            gather in high precision (default: the world size where torch.distributed is initialized); the hooks
+            decide from the mesh they run on.
+
+    Returns:
+        ``{weight name: None (gathered in FP8) or why it gathers in high precision}``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe: expected a lowbit.recipes recipe (Float8CurrentScaling or Float8BlockScaling), "
+                        f"got {type(recipe).__name__}")
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        world = mesh
+    elif mesh is not None:
+        world = mesh.size()
+    elif distributed.is_active() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        world = torch.distributed.get_world_size()
+    else:
+        world = 1
+    if world < 1:
+        raise ValueError(f"mesh: the shard count must be >= 1, got {world}")
+    dtensor = _dtensor_type()
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    scheme, why_not = recipe_weight_scheme(recipe)
+    plan: dict[str, str | None] = {}
+    for mname, m in model.named_modules():
+        if not isinstance(m, LowbitModule):
+            continue
+        for suffix in getattr(m, "_gemms", {}):
+            attr = f"{suffix}_weight" if suffix else "weight"
+            p = getattr(m, attr, None)
+            if not isinstance(p, torch.nn.Parameter):
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            if dtensor is not None and isinstance(p, dtensor):
+                raise ValueError(f"model: {name} is sharded already; call fp8_all_gather before fully_shard")
+            if isinstance(p, Float8AllGatherWeight):
+                if p.lowbit_scheme != scheme:
+                    raise ValueError(f"recipe: {name} gathers {p.lowbit_scheme} copies already (an earlier "
+                                     f"fp8_all_gather), not {recipe}'s")
+                plan[name] = None
+                continue
+            why = why_not
+            if why is None and uses.get(id(p), 0) > 1:
+                why = f"{name} is shared by several modules (tied weights)"
+            if why is None and p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                why = f"{name} is {p.dtype}"
+            if why is None and p.dim() != 2:
+                why = fp8_gather_plan(scheme, tuple(p.shape), world)
+            if why is None:  # (whether the shards are whole tiles, the hooks decide by the mesh they run on)
+                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme),
+                                                    requires_grad=p.requires_grad))
+                why = fp8_gather_plan(scheme, tuple(p.shape), world)
+            plan[name] = why
+            if why is not None:
+                _say_fallback(why)
+    return plan
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch without torch.distributed)
+        return None
+    return DTensor
+
+
+def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:
+    """Bytes one FSDP2 all-gather of a weight of ``shape`` over ``world`` ranks writes into its output (every rank's
+    input, padded shards included): with ``recipe`` (what :func:`fp8_all_gather` gathers: FP8 data, plus the 128x128
+    tile scales and one amax a shard, or the high-precision fallback in FP32), or None: the BF16 gather of the same
+    weight."""
+    n, k = shape
+    rows = -(-n // world)
+    if recipe is None:
+        return world * rows * k * 2
+    scheme, why = recipe_weight_scheme(recipe)
+    if why is not None or fp8_gather_plan(scheme, tuple(shape), world) is not None:
+        return world * rows * k * 4
+    if isinstance(scheme, Float8Tensorwise):
+        return world * rows * k
+    tiles_r, tiles_k = rows // scheme.block_size, math.ceil(k / scheme.block_size)
+    return world * (rows * k + tiles_r * (-(-tiles_k // 4) * 4) * 4 + 4)

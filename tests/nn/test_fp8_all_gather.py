@@ -1,0 +1,199 @@
+"""FP8 weight all-gather under FSDP2 (2 processes, gloo, CPU): ``lowbit.nn.fp8_all_gather`` then per-layer
+``fully_shard``; two SGD steps. The outputs, losses and gathered gradients equal one process's unsharded run with the
+same recipe bit for bit (both ranks see the same batch, so the averaged gradient is the single-process one), the
+all-gather moves the FP8 bytes (counted at the collective) and a weight whose shards are not whole 128-row tiles
+gathers in high precision."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lowbit
+from lowbit.nn.fsdp import GatheredFloat8Weight, all_gather_bytes
+from lowbit.recipes import from_name
+
+WORLD = 2
+
+
+def _model(shape):
+    """Linear(K, N1) -> GELU -> Linear(N1, K), no biases (so the all-gather holds only the weights)."""
+    torch.manual_seed(0)
+    k, n1 = shape
+    return torch.nn.Sequential(lowbit.nn.Linear(k, n1, bias=False), torch.nn.GELU(),
+                               lowbit.nn.Linear(n1, k, bias=False))
+
+
+def _run(model, recipe: str, n: int = 2, device="cpu"):
+    """n SGD steps on one batch: (outputs, losses, the first step's gradients by name), on the CPU as one batch of
+    32 tokens, on a GPU of 128 (the GEMM kernels' tile)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    torch.manual_seed(1)
+    x = torch.randn(32 if device == "cpu" else 128, model[0].in_features).to(device)
+    outs, losses, grads = [], [], None
+    for step in range(n):
+        with lowbit.autocast(recipe=from_name(recipe)):
+            y = model(x)
+            loss = y.square().mean()
+        loss.backward()
+        if grads is None:
+            grads = {name: _full(p.grad).cpu() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach().cpu())
+        losses.append(loss.detach().cpu())
+    return outs, losses, grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class _Count:
+    """Bytes written by the all-gathers FSDP2 runs: the outputs of ``dist.all_gather_single`` (torch 2.13) or
+    ``dist.all_gather_into_tensor`` (earlier torch), whichever this torch has and FSDP2 calls."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor")
+
+    def __init__(self):
+        self.n, self.orig = 0, {k: getattr(dist, k) for k in self.NAMES if hasattr(dist, k)}
+
+    def __enter__(self):
+        for name, fn in self.orig.items():
+            def counting(out, inp, *a, _fn=fn, **k):
+                self.n += out.numel() * out.element_size()
+                return _fn(out, inp, *a, **k)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.orig.items():
+            setattr(dist, name, fn)
+
+
+def _worker(rank, tmp, recipe, shape, device="cpu"):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
+                            world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device, (WORLD,))
+        model = _model(shape).to(device)
+        tokens = 32 if device == "cpu" else 128
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = lowbit.nn.fp8_all_gather(model, from_name(recipe), mesh)
+        for layer in model:
+            if isinstance(layer, lowbit.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        kinds = {}
+
+        def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's pre-forward all-gather)
+            kinds.setdefault(i, type(m.weight).__name__)
+
+        for i in (0, 2):
+            model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
+        with _Count() as fp8_bytes:
+            with lowbit.autocast(recipe=from_name(recipe)):
+                model(torch.zeros(tokens, shape[0], device=device))
+        outs, losses, grads = _run(model, recipe, device=device)
+        # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
+        bf16 = _model(shape).to(device)
+        for layer in bf16:
+            if isinstance(layer, lowbit.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        with _Count() as bf16_bytes, lowbit.autocast(recipe=from_name(recipe)):
+            bf16(torch.zeros(tokens, shape[0], device=device))
+        torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
+                        bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught]), f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_and_compare(tmp_path, recipe, shape, device="cpu"):
+    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device), nprocs=WORLD, join=True)
+    ref_outs, ref_losses, ref_grads = _run(_model(shape).to(device), recipe, device=device)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, g in enumerate(got):
+        for step, (a, b) in enumerate(zip(ref_outs, g["outs"])):
+            assert torch.equal(a, b), f"rank {r} step {step}: outputs differ from the unsharded run"
+        for step, (a, b) in enumerate(zip(ref_losses, g["losses"])):
+            assert torch.equal(a, b), f"rank {r} step {step}: loss {b} vs {a}"
+        for n, a in ref_grads.items():
+            assert torch.equal(a, g["grads"][n]), f"rank {r}: gradient of {n} differs"
+    return got
+
+
+def _check_fp8_gather(tmp_path, recipe, device):
+    shape = (256, 256)  # two (256, 256) weights: 128-row shards of whole 128x128 tiles
+    got = _spawn_and_compare(tmp_path, recipe, shape, device)
+    weights = [(shape[1], shape[0]), (shape[0], shape[1])]
+    want = sum(all_gather_bytes(s, from_name(recipe), WORLD) for s in weights)
+    for g in got:
+        assert g["plan"] == {"0.weight": None, "2.weight": None}
+        assert g["kinds"] == {0: GatheredFloat8Weight.__name__, 2: GatheredFloat8Weight.__name__}
+        assert g["fp8_bytes"] == want  # data (+ tile scales and amaxes): what all_gather_bytes counts
+        assert g["bf16_bytes"] == sum(all_gather_bytes(s, None, WORLD) for s in weights)
+        assert g["fp8_bytes"] <= 0.55 * g["bf16_bytes"], (g["fp8_bytes"], g["bf16_bytes"])
+        assert not g["warned"]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
+    _check_fp8_gather(tmp_path, recipe, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs 2 CUDA GPUs and NCCL")
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_fp8_all_gather_matches_unsharded_gpu(tmp_path, recipe):
+    """The same over NCCL on 2 GPUs with lowbit's GPU quantizers and GEMMs (the reference run on cuda:0)."""
+    _check_fp8_gather(tmp_path, recipe, "cuda")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_fp8_all_gather_falls_back_where_shards_are_not_whole_tiles(tmp_path):
+    # fc1's weight (192, 256): 96-row shards cut 128x128 tiles -> high-precision gather; fc2's (256, 192): FP8
+    got = _spawn_and_compare(tmp_path, "fp8-block", (256, 192))
+    for g in got:
+        assert g["plan"]["2.weight"] is None and "128-row tiles" in g["plan"]["0.weight"]
+        assert g["kinds"] == {0: "Parameter", 2: GatheredFloat8Weight.__name__}
+        assert any("high precision" in w and "(192, 256)" in w for w in g["warned"])
+        r = from_name("fp8-block")
+        assert g["fp8_bytes"] == all_gather_bytes((192, 256), r, WORLD) + all_gather_bytes((256, 192), r, WORLD)
+        assert all_gather_bytes((192, 256), r, WORLD) == 192 * 256 * 4
+
+
+def test_fp8_all_gather_declines_other_recipes_and_checks_args():
+    m = _model((256, 256))
+    with pytest.warns(UserWarning, match="high precision"):
+        plan = lowbit.nn.fp8_all_gather(m, from_name("mxfp8"))
+    assert set(plan) == {"0.weight", "2.weight"} and all("MXFP8" in v for v in plan.values())
+    assert type(m[0].weight) is torch.nn.Parameter
+    with pytest.raises(TypeError, match="recipe"):
+        lowbit.nn.fp8_all_gather(m, "fp8-block")
+    with pytest.raises(TypeError, match="model"):
+        lowbit.nn.fp8_all_gather(m.state_dict(), from_name("fp8-block"))
+
+
+def test_fp8_all_gather_unsharded_model_is_unchanged():
+    """The wrapped weights behave as the plain ones outside FSDP2 (one process): same outputs and gradients."""
+    ref_outs, ref_losses, ref_grads = _run(_model((256, 256)), "fp8-block")
+    m = _model((256, 256))
+    plan = lowbit.nn.fp8_all_gather(m, from_name("fp8-block"), 1)
+    assert plan == {"0.weight": None, "2.weight": None}
+    outs, losses, grads = _run(m, "fp8-block")
+    assert all(torch.equal(a, b) for a, b in zip(ref_outs + ref_losses, outs + losses))
+    assert all(torch.equal(ref_grads[n], grads[n]) for n in ref_grads)
