@@ -263,25 +263,18 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
 
 
 @pytest.mark.gpu
-def test_gpu_reduce_overhead_refuses_delayed_scaling():
-    """Delayed scaling's amax histories cannot live in torch.compile's CUDA graphs: a clear error, not wrong bits."""
-    m = torch.compile(GPU_MODULES["linear"](), mode="reduce-overhead")
-    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
-    with pytest.raises(Exception, match="reduce-overhead"):
-        for _ in range(3):
-            with lowbit.autocast(recipe=from_name("fp8-delayed")):
-                m(x).sum().backward()
-
-
-@pytest.mark.gpu
-def test_gpu_reduce_overhead_refuses_weight_cache():
-    """A weight cached across calls (is_first_microbatch=True) cannot live in torch.compile's CUDA graphs either."""
+@pytest.mark.parametrize("recipe,microbatch,match", [
+    ("fp8-delayed", None, "reduce-overhead"),
+    ("fp8-block", True, "is_first_microbatch: True caches the quantized weight")])
+def test_gpu_reduce_overhead_refuses_state_across_calls(recipe, microbatch, match):
+    """What lives across calls cannot live in torch.compile's CUDA graphs: delayed scaling's amax histories and a
+    weight cached by is_first_microbatch=True get a clear error, not wrong bits."""
     lin = GPU_MODULES["linear"]()
-    m = torch.compile(lambda x: lin(x, is_first_microbatch=True), mode="reduce-overhead")
+    m = torch.compile(lambda x: lin(x, is_first_microbatch=microbatch), mode="reduce-overhead")
     x = torch.randn(512, 1024, device="cuda", requires_grad=True)
-    with pytest.raises(Exception, match="is_first_microbatch: True caches the quantized weight"):
+    with pytest.raises(Exception, match=match):
         for _ in range(3):
-            with lowbit.autocast(recipe=from_name("fp8-block")):
+            with lowbit.autocast(recipe=from_name(recipe)):
                 m(x).sum().backward()
 
 
