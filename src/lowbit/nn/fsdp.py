@@ -27,7 +27,6 @@ torch.compile over layers holding these weights is not supported.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -38,22 +37,16 @@ from ..quant.reference import amax_of, compute_scale
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..recipes import Float8BlockScaling, Float8CurrentScaling, Recipe
-from ..runtime.log import declined
+from ..runtime.log import declined, warn_once
 from .base import LowbitModule
 
 __all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight"]
 
 _aten = torch.ops.aten
-_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _PATH = "fp8_all_gather"
-_WARNED: set = set()
-
-
 def _say_fallback(reason: str) -> None:
     declined(_PATH, reason)
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"lowbit fp8_all_gather: gathering in high precision: {reason}", stacklevel=3)
+    warn_once(f"lowbit fp8_all_gather: gathering in high precision: {reason}", stacklevel=4)
 
 
 def recipe_weight_scheme(recipe: Recipe):
@@ -188,7 +181,7 @@ class Float8AllGatherWeight(torch.Tensor):
             t = all_gather_outputs[0]
             return (t if t.shape[0] == n else t[:n]), ()
         sch = self.lowbit_scheme
-        data = all_gather_outputs[0].view(_FP8[sch.fmt])[:n]
+        data = all_gather_outputs[0].view(sch.format.torch_dtype)[:n]
         if kind == "tensorwise":
             scale_inv, amax = metadata[2], metadata[3]
         else:

@@ -43,6 +43,7 @@ from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import capability as _device_capability
 from ..runtime.device import in_graph_tree
+from ..runtime.log import warn_once
 
 __all__ = [
     "autocast",
@@ -572,17 +573,7 @@ def pending_checks() -> int:
 BOARD_SLOTS = 4096  # amaxes a device's board holds (a 1.3b model's step records about 300)
 _boards: dict = {}  # device index -> float32 (BOARD_SLOTS,) board
 _board_slots: dict = {}  # (device index, id(layer), role, phase) -> (record's first slot, layer, policy, count)
-_board_used: dict = {}  # device index -> slots taken
 _board_parts: list = [None]  # [(records without their step, their _Gather)], rebuilt when a slot is taken
-_warned: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
 GRAPH_PREFIX = "graph-"
 
 
@@ -592,17 +583,15 @@ def graph_policy(policy: str) -> str:
     return GRAPH_PREFIX + policy
 
 
-def prepare_board(device: torch.device | None = None) -> None:
-    """Allocate ``device``'s board (default: the current CUDA device, once CUDA is initialized) unless it exists or a
-    CUDA graph pool is allocating now; called at the outermost autocast entry."""
-    if device is None:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return
-        device = torch.device("cuda", torch.cuda.current_device())
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _boards or torch.cuda.is_current_stream_capturing() or in_graph_tree(device):
+def prepare_board() -> None:
+    """Allocate the current CUDA device's board (once CUDA is initialized) unless it exists or a CUDA graph pool is
+    allocating now; called at the outermost autocast entry."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return
-    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=device)
+    idx = torch.cuda.current_device()
+    if idx in _boards or torch.cuda.is_current_stream_capturing() or in_graph_tree(torch.device("cuda", idx)):
+        return
+    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=torch.device("cuda", idx))
 
 
 def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
@@ -612,22 +601,19 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
     idx = dev.index
     board = _boards.get(idx)
     if board is None:
-        _warn_once(f"lowbit: the NaN sentry is off inside torch.compile's CUDA graphs on cuda:{idx}: no "
+        warn_once(f"lowbit: the NaN sentry is off inside torch.compile's CUDA graphs on cuda:{idx}: no "
                    "lowbit.autocast was entered with that device current before the graphs were recorded")
         return
     key = (idx, id(layer), role, phase)
     with _lock:
         ent = _board_slots.get(key)
         if ent is None:
-            at = _board_used.get(idx, 0)
-            if at + len(amaxes) > BOARD_SLOTS:
-                ent = None
-            else:
-                _board_used[idx] = at + len(amaxes)
+            at = sum(e[3] for k, e in _board_slots.items() if k[0] == idx)  # (slots taken on this device)
+            if at + len(amaxes) <= BOARD_SLOTS:
                 ent = _board_slots[key] = (at, layer, policy, len(amaxes))
                 _board_parts[0] = None
     if ent is None:
-        _warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
+        warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
                    "amaxes): the layers recorded after that are not checked")
         return
     at = ent[0]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import Counter
 
 import torch
 
 from . import env
 
-__all__ = ["logger", "declined", "declines"]
+__all__ = ["logger", "declined", "declines", "warn_once"]
 
 logger = logging.getLogger("lowbit")
 _counts: Counter = Counter()
@@ -54,6 +55,19 @@ def declined(path: str, reason) -> None:
     if first:
         _configure()
         logger.debug("%s declined a call: %s", path, reason)
+
+
+_warned: set = set()
+
+
+def warn_once(msg: str, stacklevel: int = 3) -> None:
+    """``warnings.warn(msg)`` the first time this process sees ``msg`` (a degraded path the user should know of, not
+    a per-call notice); later calls with the same text are silent."""
+    with _lock:
+        first = msg not in _warned
+        _warned.add(msg)
+    if first:
+        warnings.warn(msg, stacklevel=stacklevel)
 
 
 def declines() -> dict[tuple[str, str], int]:
