@@ -37,7 +37,7 @@ from ..quant.tensor import (
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
-from ..runtime.device import in_graph_pool, in_graph_tree, num_sms
+from ..runtime.device import in_graph_tree, num_sms
 from . import state as _ac
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
@@ -751,7 +751,10 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
     scaling's pending amaxes and a weight cached across calls (``is_first_microbatch``) raise; the sentry copies its
     amaxes into a board outside the graph (:mod:`lowbit.nn.state`)."""
     recipe, policy = _ac.from_key(key)
-    if weight.is_cuda and in_graph_pool(weight.device):
+    if not weight.is_cuda:
+        return recipe, policy
+    tree = in_graph_tree(weight.device)  # (asked once: it looks up torch's graph-tree manager)
+    if tree or torch.cuda.is_current_stream_capturing():
         if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
             raise NotImplementedError(
                 f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
@@ -761,8 +764,8 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
             raise NotImplementedError(
                 f"is_first_microbatch: {_MICROBATCH[microbatch]} caches the quantized weight across calls, which "
                 "torch.compile's CUDA graphs (mode='reduce-overhead') cannot carry; pass None there")
-        if in_graph_tree(weight.device):
-            policy = _ac.graph_policy(policy)
+    if tree:
+        policy = _ac.graph_policy(policy)
     return recipe, policy
 
 

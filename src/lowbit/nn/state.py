@@ -42,7 +42,7 @@ from ..quant.scaling import AmaxHistory
 from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import capability as _device_capability
-from ..runtime.device import in_graph_tree
+from ..runtime.device import in_graph_pool
 from ..runtime.log import warn_once
 
 __all__ = [
@@ -589,9 +589,10 @@ def prepare_board() -> None:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return
     idx = torch.cuda.current_device()
-    if idx in _boards or torch.cuda.is_current_stream_capturing() or in_graph_tree(torch.device("cuda", idx)):
+    dev = torch.device("cuda", idx)
+    if idx in _boards or in_graph_pool(dev):
         return
-    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=torch.device("cuda", idx))
+    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=dev)
 
 
 def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
