@@ -253,17 +253,6 @@ def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
         setattr(qt, which, QuantizedCopy(data=q, scale_inv=si, amax=amax_i.view(torch.float32)))
 
 
-_SPECIALIZED: dict = {}  # kernel -> its SpecializedLaunch
-
-
-def _specialized(fn) -> SpecializedLaunch:
-    """The :class:`SpecializedLaunch` of kernel ``fn`` (one per kernel, shared by every plan that launches it)."""
-    launch = _SPECIALIZED.get(fn)
-    if launch is None:
-        launch = _SPECIALIZED[fn] = SpecializedLaunch(fn)
-    return launch
-
-
 _BLOCKWISE_PLANS: dict = {}  # (M, K, dtype, scheme, rowwise, columnwise, SW_ROUND, persistent?, ...) -> BlockwisePlan
 
 
@@ -538,7 +527,8 @@ class BlockwisePlan:
     """Everything shape-dependent about one blockwise quantize call, computed once (host time per call
     matters: this runs for every quantized GEMM operand of every step)."""
 
-    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra", "padded")
+    __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra", "padded",
+                 "launch")
 
     def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
@@ -557,6 +547,7 @@ class BlockwisePlan:
         self.cfg = None
         self.grid = None
         self.fn, self.extra = K.blockwise_kernel, ()
+        self.launch = None  # the chosen kernel's SpecializedLaunch, bound once per alignment (set with cfg)
         self.nsm = num_sms(device) if device.type == "cuda" else 1
 
     def launch_args(self, c: dict):
@@ -604,10 +595,10 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
     bufs = blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
     args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
-        # bound once per (plan, alignments): the plan's key fixes every other argument's specialization (the buffers
-        # are fresh allocations, except an arena slot for the amax under capture)
-        lkey = (key, x2.data_ptr() % 16 == 0, bufs[4].data_ptr() % 16 == 0)
-        _specialized(plan.fn).keyed(plan.grid, lkey, (x2, *args, *plan.extra), plan.cfg)
+        # the plan fixes every other argument's specialization (the buffers are fresh allocations, except an arena
+        # slot for the amax under capture)
+        lkey = (x2.data_ptr() % 16 == 0, bufs[4].data_ptr() % 16 == 0)
+        plan.launch.keyed(plan.grid, lkey, (x2, *args, *plan.extra), plan.cfg)
     else:
         # (the register-tile kernel's candidates first where it may run, then the persistent kernel's where it
         # may, then blockwise_kernel's: the autotuner times them all; whether the register-tile kernel may run
@@ -626,6 +617,7 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         tkey = (two_d, rowwise, columnwise, bs, x2.dtype, pers, regs, packed, bucket(M), bucket(Kd))
         c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
+        plan.launch = SpecializedLaunch(plan.fn)
         _BLOCKWISE_PLANS[key] = plan
     set_copies(qt, *bufs)
 
