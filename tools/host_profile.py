@@ -27,7 +27,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
@@ -67,16 +66,8 @@ def _floor(M, K, N, recipes, dev, t_bf16):
     from lowbit.gemm import scaled_mm
     from lowbit.quant import quantize
 
-    def per_call(fn, n=200):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t = (time.perf_counter() - t0) * 1e3 / n
-        torch.cuda.synchronize(dev)
-        return t
+    def per_call(fn):
+        return host_ms(fn, n=200, device=dev)
 
     f8 = torch.float8_e4m3fn
     a, b = torch.randn(M, K, device=dev).to(f8), torch.randn(N, K, device=dev).to(f8)
