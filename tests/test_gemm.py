@@ -236,6 +236,37 @@ def test_cublas_gemm_vs_reference(sa, sb, cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pair", ["row-row", "1x128-128x128", "1x128-1x128"])
+def test_gpu_cublas_v1_equals_explicit_scaling(pair, cuda):
+    """The cuBLAS backend calls ``torch._scaled_mm``, which infers the scaling from the scale shapes; the result must be
+    bit-identical to ``F.scaled_mm`` naming the scaling explicitly (or the pairing is declined and takes that call)."""
+    from lowbit.gemm import cublas
+
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm"):
+        pytest.skip("no F.scaled_mm on this torch")
+    sa, sb = {"row-row": (Float8Rowwise(), Float8Rowwise()),
+              "1x128-128x128": (Float8Blockwise(block_dim=1), Float8Blockwise(block_dim=2)),
+              "1x128-1x128": (Float8Blockwise(block_dim=1), Float8Blockwise(block_dim=1))}[pair]
+    S = F.ScalingType
+    for M, N, K, seed in ((4096, 1024, 1024, 0), (1040, 2832, 2048, 1), (272, 656, 512, 2)):
+        a = quantize(torch.randn(M, K, device=cuda, generator=torch.Generator(cuda).manual_seed(seed)), sa)
+        b = quantize(torch.randn(N, K, device=cuda, generator=torch.Generator(cuda).manual_seed(seed + 9)), sb)
+        if not cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=torch.bfloat16)):
+            continue
+        got = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="cublas")
+        kind = {Float8Rowwise: S.RowWise}
+        ra = kind.get(type(sa), S.BlockWise1x128)
+        rb = kind.get(type(sb), S.BlockWise1x128 if getattr(sb, "block_dim", 0) == 1 else S.BlockWise128x128)
+        sca = a.rowwise.scale_inv.reshape(M, 1) if ra == S.RowWise else a.logical_scales("rowwise")
+        scb = b.logical_scales("rowwise")
+        scb = scb.reshape(1, N) if rb == S.RowWise else (scb if rb == S.BlockWise1x128 else scb.t())
+        want = F.scaled_mm(a.rowwise.data, b.rowwise.data.t(), sca, ra, scb, rb, output_dtype=torch.bfloat16)
+        assert torch.equal(got, want), f"{pair} {M}x{N}x{K}: torch._scaled_mm differs from F.scaled_mm"
+    print(f"{pair}: torch._scaled_mm declined signatures {cublas.V1_DECLINED}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
 def test_epilogues(backend, cuda):
     sa, sb = (Float8Blockwise(), Float8Blockwise(block_dim=2)) if backend == "triton" else (Float8Tensorwise(),

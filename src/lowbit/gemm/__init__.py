@@ -154,6 +154,7 @@ def scaled_mm(
     out: torch.Tensor | None = None,
     return_pre_gelu: bool = False,
     backend: str | None = None,
+    check_operands: bool = True,
 ):
     """``y = A · Bᵀ`` on quantized operands, FP32 accumulation with per-block scale promotion, fused epilogue.
 
@@ -169,11 +170,16 @@ def scaled_mm(
         accumulate: ``out += y`` (beta = 1); ``out`` (M, N) required.
         out: a float32 / bfloat16 / float16 (M, N) tensor on the operands' device to write (or add) the result into.
         backend: force ``"reference"`` or a registered backend; default: the fastest that supports the call.
+        check_operands: False skips the structural check of ``a`` and ``b`` (dtypes, shapes, scale layouts) on calls
+            whose signature was seen and checked before. For operands ``lowbit.quantize`` has just made and nothing
+            has changed since (what ``lowbit.nn`` passes); a malformed operand then fails inside the kernel or gives
+            a wrong result.
 
     Returns:
         y (M, N) — or ``(y, pre_gelu)`` when ``return_pre_gelu``.
     """
     check_bool("return_pre_gelu", return_pre_gelu)
+    check_bool("check_operands", check_operands)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if out is None else getattr(out, "dtype", None)  # (a non-tensor out: _validate)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
@@ -189,7 +195,7 @@ def scaled_mm(
         except (TypeError, AttributeError):  # unhashable, or a bias / out that is no tensor: _validate names it
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             raise
-        if fn is not None:
+        if fn is not None and check_operands:
             # the key does not cover the tensors themselves: their structure is checked on every call (metadata only)
             a.validate("a", a_copy)
             b.validate("b", b_copy)
@@ -235,13 +241,15 @@ def _order_tunable(dy: QuantizedTensor, x: QuantizedTensor) -> bool:
     return env.get("LOWBIT_AUTOTUNE") and not INTERPRET
 
 
-def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype = torch.float32,
+             check_operands: bool = True) -> torch.Tensor:
     """The weight gradient ``dW = dYᵀ · X`` from both operands' columnwise copies, contiguous (N, K).
 
     Args:
         dy: QuantizedTensor of the output gradient, (M tokens, N) logically; its columnwise copy (N, M) is read.
         x: QuantizedTensor of the layer input, (M, K) logically; its columnwise copy (K, M) is read.
         out_dtype: float32 (FP32 master weights), bfloat16 or float16.
+        check_operands: as for :func:`scaled_mm`.
 
     Returns:
         (N, K) contiguous: ``scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)``.
@@ -257,7 +265,8 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
     the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` keeps the first order.
     """
     def direct():
-        return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)
+        return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype,
+                         check_operands=check_operands)
 
     if not (isinstance(dy, QuantizedTensor) and isinstance(x, QuantizedTensor) and _order_tunable(dy, x)):
         return direct()
@@ -271,7 +280,8 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
         if c["ORDER"] == "dy_x":
             res.append(direct())
         else:
-            res.append(transpose_2d(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype)))
+            res.append(transpose_2d(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype,
+                                              check_operands=check_operands)))
 
     key = (tuple(dy.columnwise.data.shape), tuple(x.columnwise.data.shape), dy.scheme, x.scheme, out_dtype,
            dy.columnwise.data.device)

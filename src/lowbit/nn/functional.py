@@ -14,6 +14,7 @@ NaN sentry reports) lives in a :class:`GemmLayer` owned by the module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..gemm import scaled_mm, wgrad_mm
+from ..gemm import scaled_mm as _checked_scaled_mm
+from ..gemm import wgrad_mm as _checked_wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import (
@@ -39,6 +41,11 @@ from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
 from ..runtime.device import in_graph_tree, num_sms
 from . import state as _ac
+
+# Every operand this module hands the GEMMs was made by lowbit's quantizer inside the same operator: its structure is
+# checked once per call signature, not on every call.
+scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
+wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
            "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]
