@@ -303,6 +303,23 @@ def test_gpu_reduce_overhead_sentry_sees_nan():
         step(bad)
     step(x)
     step(x)
+    # then a plain CUDA-graph capture in the same process (lowbit train's graphs): its autocast exit must not check
+    # the board inside the capture (an event recorded there cannot be waited on afterwards)
+    eager = GPU_MODULES["linear"]()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            with lowbit.autocast(recipe=rec):
+                eager(x).float().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        with lowbit.autocast(recipe=rec):
+            eager(x).float().sum().backward()
+    g.replay()
+    ac.check_nonfinite(wait=True)
+    lowbit.nn.nonfinite_events()
 
 
 def test_in_graph_pool_off_the_gpu():

@@ -876,8 +876,8 @@ class autocast(contextlib.ContextDecorator):
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
                     # queues the check and reports earlier checks the GPU has finished (no sync).
-                    if _board_slots:
-                        _board_check()
+                    if _board_slots and not (_cuda_available() and torch.cuda.is_current_stream_capturing()):
+                        _board_check()  # (a capture reads nothing back; the board is checked at an exit outside it)
                     check_nonfinite(wait=env.get("LOWBIT_SENTRY_SYNC"))
                 except NonFiniteAmaxError:
                     _drop_pending(carried)  # else the NaN stays pending and masks the next step's amax
