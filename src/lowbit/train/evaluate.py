@@ -4,8 +4,9 @@ The accuracy cost of quantized attention, measured on a trained model: the check
 evaluated on the same validation windows once per attention variant (SDPA, INT8·BF16, INT8·FP8, FP8·FP8, ...),
 under the run's own recipe (the GEMMs quantized as in training), and each loss is compared with SDPA's. The
 windows, batches and forward context are ``lowbit train``'s validation (:func:`lowbit.train.loop.validation_loss`):
-with the run's data, ``--eval-windows``, ``--batch-size`` and dtype, the ``sdpa`` row is the validation loss the run
-reported at its last step.
+with the run's data, ``--eval-windows``, ``--batch-size`` and dtype, the ``sdpa`` row is the validation loss a
+one-process run reported at its last step (a delayed-scaling run's checkpoint holds the amax histories its last
+validation updated, so there it is close, not equal).
 
 Every variant starts from the checkpoint's state (a delayed-scaling recipe updates its amax histories in every
 forward), and its timed pass follows one untimed batch (kernel compilation, autotuning). Off CUDA, and for FP32
