@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: ``info``, ``demo``, ``train``, ``bench``, ``quant-demo``.
+"""The ``lowbit`` command: ``info``, ``demo``, ``train``, ``eval``, ``bench``, ``quant-demo``.
 
 Subcommands delegate to the packages that own them (``lowbit.train``, ``lowbit.bench``); this file
 only parses the first word and prints.
@@ -173,6 +173,10 @@ def cmd_train(argv=None) -> int:
     return int(importlib.import_module("lowbit.train.cli").main(argv) or 0)
 
 
+def cmd_eval(argv=None) -> int:
+    return int(importlib.import_module("lowbit.train.evaluate").main(argv) or 0)
+
+
 def cmd_bench(argv=None) -> int:
     argv = list(argv or [])
     if not argv or argv[0] not in BENCHES:
@@ -190,6 +194,7 @@ COMMANDS = {
     "info": (cmd_info, "versions, device, and which backend runs each op"),
     "demo": (cmd_demo, "the embedded default: short training runs under BF16 / FP8 / NVFP4, with a report"),
     "train": (cmd_train, "train a GPT under a recipe (see `lowbit train --help`)"),
+    "eval": (cmd_eval, "a checkpoint's validation loss with each attention variant (SDPA, INT8, FP8) and the gaps"),
     "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim"),
     "quant-demo": (cmd_quant_demo, "per-format quantization error and memory tables"),
 }

@@ -20,6 +20,7 @@ the same model is the BF16 baseline.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -31,7 +32,7 @@ from ..nn.functional import rope_grad_sink
 from ..ops.residual import residual_add
 from ..ops.rope import rope_qkv
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend", "using_attention"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,18 @@ def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> 
     if backend not in ("auto", "lowbit", "sdpa"):
         raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
     _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)
+
+
+@contextlib.contextmanager
+def using_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16"):
+    """:func:`set_attention` for the body of a ``with`` block; the options in force before are put back on exit,
+    exceptions included."""
+    before = dict(_ATTENTION_OPTS)
+    set_attention(backend, qk, pv)
+    try:
+        yield
+    finally:
+        _ATTENTION_OPTS.update(before)
 
 
 def _lowbit_attention():

@@ -18,7 +18,9 @@ Integrity: ``"digest"`` holds a SHA-256 of every tensor (its dtype, shape and ra
 (its canonical encoding, tensors as placeholders), computed over the payload minus the digest itself at save and
 checked at every read: a mismatch is a ValueError naming the file and the tensor or field. A checkpoint without a
 digest (written by a lowbit before digests) is accepted with a one-line warning that its integrity is not checked.
-Every field is validated before use (types, ranges, required keys; see :func:`validate_fields`).
+Every field is validated before use (types, ranges, required keys; see :func:`validate_fields`). The readers'
+errors start with the name of the argument that gave the file (``arg``: ``resume`` for ``lowbit train --resume``,
+``checkpoint`` for ``lowbit eval``).
 
 History: ``save_checkpoint(..., keep=N)`` with N > 1 also hard-links each checkpoint as ``checkpoint-step<S>.pt``
 and keeps the N newest of those (``checkpoint.pt`` is always the latest); :func:`read_good_checkpoint` falls back
@@ -180,13 +182,13 @@ def payload_digest(payload: dict) -> dict:
     return {"algorithm": "sha256", "tensors": {p: _tensor_digest(t) for p, t in tensors.items()}, "fields": fields}
 
 
-def _check_digest(ck: dict, path: Path, warn) -> None:
+def _check_digest(ck: dict, path: Path, warn, arg: str = "resume") -> None:
     stored = ck.get("digest")
     if stored is None:
         warn(f"[lowbit] warning: checkpoint {str(path)!r} has no digest (written by an older lowbit): its integrity "
              "is not checked")
         return
-    where = f"resume: checkpoint {str(path)!r}"
+    where = f"{arg}: checkpoint {str(path)!r}"
     if (not isinstance(stored, dict) or stored.get("algorithm") != "sha256"
             or not isinstance(stored.get("tensors"), dict) or not isinstance(stored.get("fields"), dict)):
         raise ValueError(f"{where}: field 'digest' is malformed (expected a dict with algorithm 'sha256', 'tensors' "
@@ -212,11 +214,11 @@ def _check_digest(ck: dict, path: Path, warn) -> None:
 # ------------------------------------------------------------------------------------------------
 # field validation
 # ------------------------------------------------------------------------------------------------
-def validate_fields(ck: dict, path, *, max_step: int | None = None, train_keys=()) -> None:
+def validate_fields(ck: dict, path, *, max_step: int | None = None, train_keys=(), arg: str = "resume") -> None:
     """Check every field of a loaded checkpoint before it is used; a ValueError names the field, the rule and the
     value. ``max_step``: the run's ``steps`` (``step`` must not exceed it); ``train_keys``: the arguments that must
-    match on resume, which ``train`` must all hold."""
-    where = f"resume: checkpoint {str(path)!r}"
+    match on resume, which ``train`` must all hold; ``arg``: the argument that named the file (the errors' prefix)."""
+    where = f"{arg}: checkpoint {str(path)!r}"
 
     def bad(field: str, rule: str, value) -> ValueError:
         v = repr(value)
@@ -379,40 +381,41 @@ def save_checkpoint(path: str | os.PathLike, payload: dict, keep: int = 1, fresh
 # ------------------------------------------------------------------------------------------------
 # reading
 # ------------------------------------------------------------------------------------------------
-def read_checkpoint(path: str | os.PathLike, *, max_step: int | None = None, train_keys=(), warn=None) -> dict:
+def read_checkpoint(path: str | os.PathLike, *, max_step: int | None = None, train_keys=(), warn=None,
+                    arg: str = "resume") -> dict:
     """Load a checkpoint file with ``weights_only=True``, check that it is one of ours, check its digest and validate
     its fields (:func:`validate_fields`). ``warn``: where the one-line warning about a checkpoint without a digest
-    goes (default: ``warnings.warn``)."""
+    goes (default: ``warnings.warn``); ``arg``: the argument that named the file, which starts every error."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"resume: {str(path)!r} is a folder; pass the checkpoint file (e.g. "
-                         f"{str(path / 'checkpoint.pt')!r}) "
-                         "or --resume alone for the out-dir's")
+        raise ValueError(f"{arg}: {str(path)!r} is a folder; pass the checkpoint file (e.g. "
+                         f"{str(path / 'checkpoint.pt')!r})"
+                         + (" or --resume alone for the out-dir's" if arg == "resume" else ""))
     if not path.is_file():
-        raise ValueError(f"resume: no checkpoint at {str(path)!r}")
+        raise ValueError(f"{arg}: no checkpoint at {str(path)!r}")
     try:
         with open(path, "rb") as f:
             is_zip = zipfile.is_zipfile(f)
     except OSError as e:
-        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
+        raise ValueError(f"{arg}: cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
     if not is_zip:  # torch.save writes a zip archive; torch.load's own error would be about mmap
-        raise ValueError(f"resume: {str(path)!r} is not a torch.save checkpoint (not a zip archive); "
+        raise ValueError(f"{arg}: {str(path)!r} is not a torch.save checkpoint (not a zip archive); "
                          "pass a checkpoint.pt written by lowbit train")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any unpickling/IO failure is a bad file for the user
-        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{arg}: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise ValueError(f"resume: {str(path)!r} is not a lowbit training checkpoint (format "
+        raise ValueError(f"{arg}: {str(path)!r} is not a lowbit training checkpoint (format "
                          f"{ck.get('format') if isinstance(ck, dict) else type(ck).__name__!r})")
     if ck.get("version") != VERSION:
-        raise ValueError(f"resume: checkpoint {str(path)!r} has version {ck.get('version')!r}; this lowbit reads "
+        raise ValueError(f"{arg}: checkpoint {str(path)!r} has version {ck.get('version')!r}; this lowbit reads "
                          f"version {VERSION}")
     try:
-        _check_digest(ck, path, warn or (lambda msg: warnings.warn(msg, stacklevel=3)))
+        _check_digest(ck, path, warn or (lambda msg: warnings.warn(msg, stacklevel=3)), arg)
     except (RuntimeError, TypeError) as e:  # (a truncated storage in a mmapped file, say)
-        raise ValueError(f"resume: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
-    validate_fields(ck, path, max_step=max_step, train_keys=train_keys)
+        raise ValueError(f"{arg}: cannot read checkpoint {str(path)!r}: {type(e).__name__}: {e}") from None
+    validate_fields(ck, path, max_step=max_step, train_keys=train_keys, arg=arg)
     return ck
 
 
@@ -420,23 +423,20 @@ def read_good_checkpoint(path: str | os.PathLike, **kw) -> tuple[dict, Path, lis
     """The newest good checkpoint among ``path`` and its kept previous ones (:func:`previous_checkpoints`):
     ``(checkpoint, its file, why each newer one was skipped)``. None good: a ValueError with every reason (or the
     one file's own error where there is nothing to fall back to). ``kw``: :func:`read_checkpoint`'s."""
-    path = Path(path)
+    path, arg = Path(path), kw.get("arg", "resume")
     candidates = [path] if path.exists() or not previous_checkpoints(path) else []
     for _, f in previous_checkpoints(path):
         if not any(_same(f, c) for c in candidates):
             candidates.append(f)
-    if not path.exists() and candidates:
-        skipped = [f"{path.name}: missing"]
-    else:
-        skipped = []
+    skipped = [] if path in candidates else [f"{path.name}: missing"]  # (nothing at all: the one file's own error)
     for f in candidates:
         try:
             return read_checkpoint(f, **kw), f, skipped
         except ValueError as e:
             if len(candidates) == 1 and not skipped:
                 raise
-            skipped.append(f"{f.name}: {str(e).removeprefix('resume: ')}")
-    raise ValueError(f"resume: no good checkpoint in {str(path.parent)!r}: " + "; ".join(skipped))
+            skipped.append(f"{f.name}: {str(e).removeprefix(f'{arg}: ')}")
+    raise ValueError(f"{arg}: no good checkpoint in {str(path.parent)!r}: " + "; ".join(skipped))
 
 
 def older_kept(path: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -458,6 +458,7 @@ def read_named_checkpoint(path: str | os.PathLike, **kw) -> dict:
     one: a bad file is a ValueError with its reason, naming the newest older checkpoint kept beside it that passes
     every check (``--keep-checkpoints``), or saying that none does / none is kept. ``kw``: :func:`read_checkpoint`'s.
     """
+    arg = kw.get("arg", "resume")
     try:
         return read_checkpoint(path, **kw)
     except ValueError as e:
@@ -471,10 +472,11 @@ def read_named_checkpoint(path: str | os.PathLike, **kw) -> dict:
         try:
             read_checkpoint(f, **{**kw, "warn": lambda msg: None})
         except ValueError as e2:
-            skipped.append(f"{f.name}: {str(e2).removeprefix('resume: ')}")
+            skipped.append(f"{f.name}: {str(e2).removeprefix(f'{arg}: ')}")
             continue
-        raise ValueError(f"{reason}; the newest good checkpoint kept beside it is {str(f)!r} (step {st}): pass "
-                         f"--resume {f} to continue from there") from None
+        use = f"--resume {f} to continue from there" if arg == "resume" else "that one instead"
+        raise ValueError(f"{reason}; the newest good checkpoint kept beside it is {str(f)!r} (step {st}): pass {use}"
+                         ) from None
     raise ValueError(f"{reason}; none of the older checkpoints kept beside it passes its checks either: "
                      + "; ".join(skipped)) from None
 

@@ -7,6 +7,7 @@ Also runnable on its own: ``python -m lowbit.train.cli --model tiny --steps 20``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -16,7 +17,8 @@ from .budget import check_activation_budget
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
-__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "resume_command"]
+__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "resume_command",
+           "command_errors"]
 
 
 def positive_int(s: str) -> int:
@@ -44,6 +46,20 @@ def os_error_line(e: OSError) -> str:
     what = e.strerror or str(e) or type(e).__name__
     paths = " -> ".join(repr(str(f)) for f in (e.filename, e.filename2) if f is not None)
     return f"{paths}: {what}" if paths else what
+
+
+@contextlib.contextmanager
+def command_errors(parser: argparse.ArgumentParser):
+    """A command's top level: bad input (ValueError) and file-system errors (OSError) end it with one error line
+    (exit status 2), Ctrl-C with one line (130), all named by ``parser.prog``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted (Ctrl-C)\n")
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except OSError as e:
+        parser.exit(2, f"{parser.prog}: error: {os_error_line(e)}\n")
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -195,23 +211,20 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     try:
-        run_train(args)
-        import torch.distributed as dist
+        with command_errors(p):
+            try:
+                run_train(args)
+                import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            # every rank reaches the teardown together: rank 0 still writes the report while the others finish, and
-            # tearing down gloo under a peer still in it aborts a rank now and then (seen with FSDP)
-            dist.barrier()
-    except TrainInterrupted as e:  # Ctrl-C in one process: stopped at the end of a step, checkpoint written
-        where = (f"checkpoint {e.checkpoint}\nlowbit train: to resume: {resume_command(argv)}" if e.checkpoint
-                 else "no checkpoint (this run writes none)")
-        p.exit(130, f"lowbit train: interrupted (Ctrl-C) after step {e.step}; {where}\n")
-    except KeyboardInterrupt:
-        p.exit(130, "lowbit train: interrupted (Ctrl-C)\n")
-    except ValueError as e:
-        p.exit(2, f"lowbit train: error: {e}\n")
-    except OSError as e:
-        p.exit(2, f"lowbit train: error: {os_error_line(e)}\n")
+                if dist.is_available() and dist.is_initialized():
+                    # every rank reaches the teardown together: rank 0 still writes the report while the others
+                    # finish, and tearing down gloo under a peer still in it aborts a rank now and then (seen with
+                    # FSDP)
+                    dist.barrier()
+            except TrainInterrupted as e:  # Ctrl-C in one process: stopped at the end of a step, checkpoint written
+                where = (f"checkpoint {e.checkpoint}\nlowbit train: to resume: {resume_command(argv)}"
+                         if e.checkpoint else "no checkpoint (this run writes none)")
+                p.exit(130, f"lowbit train: interrupted (Ctrl-C) after step {e.step}; {where}\n")
     finally:
         import gc
 

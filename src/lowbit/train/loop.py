@@ -27,7 +27,8 @@ from ..runtime import env
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
 
-__all__ = ["TrainConfig", "train", "TrainInterrupted", "PRESET_DEFAULTS", "RECIPES"]
+__all__ = ["TrainConfig", "train", "TrainInterrupted", "PRESET_DEFAULTS", "RECIPES", "validation_loss",
+           "forward_contexts", "computes_in_bf16", "check_divisible", "setup_distributed", "Dist"]
 
 RECIPES = tuple(_recipes.NAMES)  # (the one list of recipe names: lowbit.recipes.NAMES)
 
@@ -315,6 +316,67 @@ def quantized_weight_bytes(model, recipe) -> tuple[int, int]:
             else:
                 q += quantize(w.float(), recipe.role("weight").scheme, rowwise=True, columnwise=False).nbytes
     return q, bf
+
+
+def computes_in_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether the unquantized parts compute in BF16 (``torch.autocast``) for ``--dtype``: "bf16", or "auto" on
+    CUDA (FP32 otherwise)."""
+    return dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+
+
+def forward_contexts(recipe, device: torch.device, bf16: bool, *, cache_enabled: bool = True, group=None,
+                     on_nonfinite: str = "skip"):
+    """``(amp, quantized)``: the two context factories every forward of a run enters, in that order.
+    ``amp()``: ``torch.autocast`` to BF16 where ``bf16`` (``cache_enabled=False`` under CUDA-graph capture, where
+    the cached casts would be freed memory); ``quantized()``: ``lowbit.autocast(recipe)`` where ``recipe`` is not
+    None (``group``: the amax reduction group). Each is a no-op otherwise."""
+    import lowbit.nn as lnn
+
+    amp = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)) if bf16
+           else contextlib.nullcontext)
+
+    def quantized():
+        if recipe is None:
+            return contextlib.nullcontext()
+        return lnn.autocast(enabled=True, recipe=recipe, amax_reduction_group=group, on_nonfinite=on_nonfinite)
+
+    return amp, quantized
+
+
+def check_divisible(recipe_name: str, recipe, dims: dict) -> None:
+    """A ValueError naming the first of ``dims`` (name -> size) that is not a multiple of what ``recipe``'s GEMMs
+    need (:attr:`lowbit.recipes.Recipe.divisibility`; None or 1: any size)."""
+    k = 1 if recipe is None else recipe.divisibility
+    for name, v in dims.items():
+        if k > 1 and v % k:
+            raise ValueError(f"{name}: recipe {recipe_name!r} needs multiples of {k}, got {v}")
+
+
+@torch.no_grad()
+def validation_loss(model, corpus, offsets, seq_len: int, batch_size: int, d: Dist, amp, quantized,
+                    on_batch=None) -> float:
+    """The mean cross-entropy (nats per token) of ``model`` on the validation windows of ``corpus`` that start at
+    ``offsets``, every forward under ``amp()`` and ``quantized()`` (:func:`forward_contexts`). Each of the ``d.world``
+    ranks takes every world-th window in batches of ``batch_size`` and the sums are reduced over the ranks; every rank
+    runs the same number of batches (FSDP's collectives need it), a rank out of windows a padding batch that does not
+    count. ``on_batch(i, n)``: called after the i-th of the n batches (progress)."""
+    mine = offsets[d.rank::d.world]
+    n_batches = -(-len(offsets) // (d.world * batch_size))
+    tot = torch.zeros(2, dtype=torch.float64, device=d.device)
+    for i in range(n_batches):
+        off = mine[i * batch_size:(i + 1) * batch_size]
+        weight = 1.0
+        if len(off) == 0:  # padding batch: run it (collectives must match) but do not count it
+            off, weight = offsets[:1], 0.0
+        x, y = corpus.windows("val", off, seq_len, d.device)
+        with amp(), quantized():
+            _, loss = model(x, y)
+        tot[0] += weight * loss.double() * y.numel()
+        tot[1] += weight * y.numel()
+        if on_batch is not None:
+            on_batch(i + 1, n_batches)
+    _all_sum(tot, d)
+    return float(tot[0] / tot[1])
 
 
 def _say(d: Dist, c: TrainConfig, msg: str, bar=None) -> None:
@@ -686,28 +748,17 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     corpus = load_corpus(c.data, c.cache_dir, verbose=c.verbose and d.main)
     corpus.check_seq_len(c.seq_len)
     mcfg, raw = _build(c, d)
-    if recipe is not None and recipe.divisibility > 1:
-        k = recipe.divisibility
-        for name, v in (("seq_len x batch_size (tokens per micro-batch)", c.seq_len * c.batch_size),
-                        ("d_model", mcfg.d_model), ("ffn_hidden", mcfg.ffn_hidden)):
-            if v % k:
-                raise ValueError(f"{name}: recipe {c.recipe!r} needs multiples of {k}, got {v}")
+    check_divisible(c.recipe, recipe, {"seq_len x batch_size (tokens per micro-batch)": c.seq_len * c.batch_size,
+                                       "d_model": mcfg.d_model, "ffn_hidden": mcfg.ffn_hidden})
     model = _wrap(raw, c, d)
     opt = _optimizer(model, c)
     out = Path(c.out_dir)
     ck_path = out / "checkpoint.pt"
-    use_bf16 = c.dtype == "bf16" or (c.dtype == "auto" and d.device.type == "cuda")
+    use_bf16 = computes_in_bf16(c.dtype, d.device)
     use_graph, no_graph_why = _graph_decision(c, d)
-    # torch.autocast's cast cache must be off under graph capture (its cached casts would be freed memory)
-    amp = (lambda: torch.autocast(d.device.type, dtype=torch.bfloat16,
-                                  cache_enabled=not use_graph)) if use_bf16 else contextlib.nullcontext
-    group = d.group if d.active else None
-
-    def lowbit_ctx():
-        if recipe is None:
-            return contextlib.nullcontext()
-        return lnn.autocast(enabled=True, recipe=recipe, amax_reduction_group=group,
-                            on_nonfinite="raise" if c.on_nonfinite == "raise" else "skip")
+    amp, lowbit_ctx = forward_contexts(recipe, d.device, use_bf16, cache_enabled=not use_graph,
+                                       group=d.group if d.active else None,
+                                       on_nonfinite="raise" if c.on_nonfinite == "raise" else "skip")
 
     rows_per_rank = c.batch_size * c.grad_accum
     global_batch = rows_per_rank * d.world
@@ -769,27 +820,13 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         if d.active:
             torch.distributed.barrier()
 
-    @torch.no_grad()
     def evaluate() -> float:
         if fault_poison is not None:  # (the last step's fault is not the validation's)
             fault_poison.zero_()
-        mine = val_off[d.rank::d.world]
-        n_batches = -(-len(val_off) // (d.world * c.batch_size))  # same count on every rank (FSDP needs it)
-        tot = torch.zeros(2, dtype=torch.float64, device=d.device)
-        for i in range(n_batches):
-            off = mine[i * c.batch_size:(i + 1) * c.batch_size]
-            weight = 1.0
-            if len(off) == 0:  # padding batch: run it (collectives must match) but do not count it
-                off, weight = val_off[:1], 0.0
-            x, y = corpus.windows("val", off, c.seq_len, d.device)
-            with amp(), lowbit_ctx():
-                _, loss = model(x, y)
-            tot[0] += weight * loss.double() * y.numel()
-            tot[1] += weight * y.numel()
-        _all_sum(tot, d)
+        vl = validation_loss(model, corpus, val_off, c.seq_len, c.batch_size, d, amp, lowbit_ctx)
         if recipe is not None:
             lnn.nonfinite_events()  # evaluation faults are not training events
-        return float(tot[0] / tot[1])
+        return vl
 
     bar = None
     if d.main and c.progress:

@@ -42,12 +42,13 @@ class Progress:
     the values in ``postfix`` (e.g. ``loss="2.31"``); ``write(msg)`` prints a message without breaking the bar;
     ``close()`` ends it. ``bar``: ``None`` (auto: tqdm when installed and stdout/stderr are terminals), ``True``
     (tqdm when installed) or ``False`` (log lines). ``every``: steps between log lines (default about ten lines
-    per run). ``stream``: where log lines and messages go (default ``sys.stdout``, looked up at each print).
+    per run). ``stream``: where log lines and messages go (default ``sys.stdout``, looked up at each print). ``unit``:
+    what a step counts (``lowbit eval`` counts batches).
     """
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", every: int | None = None, bar: bool | None = None,
-                 stream=None):
-        self.total, self.desc, self.step = int(total), desc, int(initial)
+                 stream=None, unit: str = "step"):
+        self.total, self.desc, self.step, self.unit = int(total), desc, int(initial), unit
         self.every = max(1, int(every) if every else self.total // 10)
         self._stream = stream
         self._t0, self._step0 = time.perf_counter(), self.step
@@ -64,8 +65,8 @@ class Progress:
         if want_bar:
             from tqdm.auto import tqdm
 
-            self._tqdm = tqdm(total=self.total, initial=self.step, unit="step", dynamic_ncols=True, desc=desc or None,
-                              leave=True, mininterval=0.5)
+            self._tqdm = tqdm(total=self.total, initial=self.step, unit=self.unit, dynamic_ncols=True,
+                              desc=desc or None, leave=True, mininterval=0.5)
 
     @property
     def stream(self):
@@ -97,7 +98,7 @@ class Progress:
         pct = 100.0 * self.step / self.total if self.total else 100.0
         extra = "".join(f"  {k} {v}" for k, v in postfix.items())
         name = f"{self.desc} " if self.desc else ""
-        print(f"[lowbit] {name}step {self.step}/{self.total} ({pct:.0f}%){extra}  {el:,.0f} s{eta}",
+        print(f"[lowbit] {name}{self.unit} {self.step}/{self.total} ({pct:.0f}%){extra}  {el:,.0f} s{eta}",
               file=self.stream, flush=True)
 
     def write(self, msg: str) -> None:
