@@ -74,6 +74,7 @@ CASES = {
     "bf16": dict(),
     "bf16-causal-lse": dict(causal=True, return_lse=True),
     "bf16-pv-fp16": dict(pv="fp16", causal=True),
+    "sdpa-causal": dict(backend="sdpa", causal=True),  # (traces the choice of the backward: cuDNN's or not)
     "fp16": dict(qk="fp16", dtype=torch.float16),
     "fp32": dict(dtype=torch.float32, causal=True),
     "int8": dict(qk="int8"),

@@ -1,4 +1,4 @@
-"""Attention backward on the GPU: BF16 kernels vs the FP32 reference (and SDPA flash's own error),
+"""Attention backward on the GPU: BF16 Triton kernels vs the FP32 reference (and SDPA flash's own error),
 causal / window / GQA / MQA / varlen / ragged lengths / dropout, FP8 epilogues bit-exact against
 ``lowbit.quantize`` of the kernel's FP32 gradients, FP8 error floors, bytes, autograd.
 
@@ -38,7 +38,7 @@ def _sdpa_grads(q, k, v, do, causal):
 def test_bf16_vs_reference(b, hq, hkv, sq, sk, d, causal, window, layout):
     q, k, v, do = make_inputs(b, hq, hkv, sq, sk, d, device=DEV, layout=layout, seed=sq + d)
     o, lse = BW.attention_forward(q, k, v, causal=causal, window=window, layout=layout)
-    g = BW.backward(do, q, k, v, o, lse, causal=causal, window=window, layout=layout)
+    g = BW.backward(do, q, k, v, o, lse, causal=causal, window=window, layout=layout, backend="triton")
     gr = R.attention_backward_reference(do, q, k, v, causal=causal, window=window, layout=layout)
     errs = [nrmse(a, r) for a, r in zip(g, gr)]
     print("bf16", (b, hq, hkv, sq, sk, d, causal, window, layout), ["%.2e" % e for e in errs])
@@ -70,7 +70,7 @@ def test_large_case_vs_sdpa_flash():
     q, k, v, do = make_inputs(8, 4, 4, 1024, 1024, 128, device=DEV, seed=5)
     for causal in (False, True):
         o, lse = BW.attention_forward(q, k, v, causal=causal)
-        g = BW.backward(do, q, k, v, o, lse, causal=causal)
+        g = BW.backward(do, q, k, v, o, lse, causal=causal, backend="triton")
         gr = R.attention_backward_reference(do, q, k, v, causal=causal)
         gs = _sdpa_grads(q, k, v, do, causal)
         ours = [nrmse(a, r) for a, r in zip(g, gr)]

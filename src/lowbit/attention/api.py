@@ -42,7 +42,8 @@ from ._checks import (
     shape4,
     triton_ok,
 )
-from .backward import OP_SCHEMA_OPTIONS, attention_forward, attention_with_grad
+from ._cudnn import cudnn_decline, cudnn_forward
+from .backward import OP_SCHEMA_OPTIONS, attention_forward, attention_with_grad, backward_backend
 from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups
 
@@ -259,11 +260,18 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     quant_qk = qk in ("int8", "fp8")
     out_dtype = q.dtype
     if backend == "sdpa":
-        if quant_qk or pv != "native" or cu_q is not None or window is not None or return_lse:
-            raise NotImplementedError("backend='sdpa' supports only qk/pv 16-bit, dense inputs, no window and no "
-                                      f"return_lse; got qk={qk!r}, pv={pv!r}, varlen={cu_q is not None}, "
-                                      f"window={window!r}, return_lse={return_lse}")
-        return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
+        _check_sdpa(qk, pv, cu_q is not None, window, False)
+        if not return_lse:
+            return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
+        # (asked only by an autograd forward that keeps O and LSE for cuDNN's backward, ``_keeps_out_lse``)
+        B, Hq, Sq, D = shape4("q", q, lay)
+        _, Hkv, Sk, _ = shape4("k", k, lay)
+        why = cudnn_decline(device_type=q.device.type, dtype=q.dtype, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq,
+                            seqlen_k=Sk, head_dim=D, causal=causal)
+        if why is not None:
+            raise NotImplementedError(f"backend='sdpa' gives an LSE only through cuDNN's attention, which cannot run "
+                                      f"this call: {why}")
+        return cudnn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=lay)
     if backend == "reference":
         if not quant_qk and pv == "native":
             res = _ref.attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
@@ -295,10 +303,37 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     return out, lse
 
 
-def _keeps_out_lse(backend: str, qk: str, pv: str) -> bool:
+def _check_sdpa(qk: str, pv: str, varlen: bool, window, return_lse: bool) -> None:
+    """NotImplementedError where ``backend="sdpa"`` cannot run a call (SDPA computes 16-bit dense attention)."""
+    if qk in ("int8", "fp8") or pv != "native" or varlen or window is not None or return_lse:
+        raise NotImplementedError("backend='sdpa' supports only qk/pv 16-bit, dense inputs, no window and no "
+                                  f"return_lse; got qk={qk!r}, pv={pv!r}, varlen={varlen}, window={window!r}, "
+                                  f"return_lse={return_lse}")
+
+
+def _cudnn_backward_default(q, k, *, layout: str, causal: bool, window, varlen: bool, grad_format) -> bool:
+    """Whether the backward of this call runs cuDNN's attention backward by default (``backward_backend``): then the
+    O and LSE it needs, where the forward keeps none of lowbit's, come from cuDNN's forward too."""
+    B, Hq, Sq, D = shape4("q", q, layout)
+    _, Hkv, Sk, _ = shape4("k", k, layout)
+    return backward_backend(q.device, q.dtype, batch=B or 0, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_k=Sk,
+                            head_dim=D, causal=causal, window=window, varlen=varlen, grad_format=grad_format) == "cudnn"
+
+
+def _keeps_out_lse(backend: str, qk: str, pv: str, cudnn: bool) -> bool:
     """Whether the autograd forward keeps O and LSE for the fused backward: a 16-bit Triton forward computes them
-    anyway (the LSE costs one FP32 per query row); other forwards leave the backward to recompute them."""
-    return backend == "triton" and qk not in ("int8", "fp8") and pv == "native"
+    anyway (the LSE costs one FP32 per query row); a 16-bit SDPA forward whose backward is cuDNN's (``cudnn``) runs
+    cuDNN's forward with its LSE, as SDPA would; other forwards leave the backward to recompute them."""
+    if qk in ("int8", "fp8") or pv != "native":
+        return False
+    return backend == "triton" or (backend == "sdpa" and cudnn)
+
+
+def _opts_cudnn(q, k, o: dict) -> bool:
+    """``_cudnn_backward_default`` for the options ``o`` of ``_AttentionFn`` / the attention operators."""
+    grad = o.get("grad")
+    return _cudnn_backward_default(q, k, layout=o["layout"], causal=o["causal"], window=o["window"],
+                                   varlen=o["cu_q"] is not None, grad_format=None if grad is None else grad[0])
 
 
 @contextlib.contextmanager
@@ -318,7 +353,7 @@ _AUTOGRAD_KEYS = functools.reduce(operator.or_, (torch._C.DispatchKeySet(k) for 
 
 def _backward(g_out, q, k, v, out, lse, o, needs):
     """(dq, dk, dv) of ``_AttentionFn`` for the forward's options ``o``; None where ``needs`` (q, k, v) is False.
-    ``out``/``lse``: the 16-bit Triton forward's (``_keeps_out_lse``), else None."""
+    ``out``/``lse``: the forward's, where it kept them (``_keeps_out_lse``), else None."""
     fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if fused or o.get("grad") is not None:
         return _fused_backward(q, k, v, g_out, o, needs, out=out, lse=lse, backend=None if fused else "reference")
@@ -337,9 +372,11 @@ class _AttentionFn(torch.autograd.Function):
     """Forward = the requested (possibly quantized) kernel.  Backward, straight-through for the
     quantizers (the gradient of 16-bit attention at the high-precision inputs):
 
-    * CUDA, float16/bfloat16: the fused Triton flash backward (``lowbit.attention.backward``), with
-      the O and LSE of a 16-bit Triton forward, or — after a quantized or SDPA forward (SDPA returns no
-      LSE) — of a recomputed 16-bit forward (one extra forward, O(S) memory);
+    * CUDA, float16/bfloat16: ``lowbit.attention.backward`` — cuDNN's backward where it computes the same math
+      and lowbit prefers it (``backward_backend``), else the fused Triton flash backward — with the O and LSE of
+      a 16-bit Triton forward, of cuDNN's forward (a 16-bit SDPA forward whose backward is cuDNN's runs cuDNN's
+      forward with its LSE), or — after a quantized or other SDPA forward — of a recomputed 16-bit forward (one
+      extra forward, O(S) memory: cuDNN's where its backward runs, else lowbit's);
     * with ``grad_format`` elsewhere: ``lowbit.attention.backward``'s reference backend (FP32 formulas, then the
       FP8 quantizer) on a recomputed FP32-reference forward;
     * otherwise: autograd through the FP32 reference (materializes the (Sq, Sk) scores).
@@ -349,7 +386,8 @@ class _AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        keep = _keeps_out_lse(opts["backend"], opts["qk"], opts["pv"])
+        keep = _keeps_out_lse(opts["backend"], opts["qk"], opts["pv"],
+                              opts["backend"] == "sdpa" and _opts_cudnn(q, k, opts))
         fwd = {n: x for n, x in opts.items() if n != "grad"}
         out, lse = _forward(q, k, v, **dict(fwd, return_lse=opts["return_lse"] or keep))
         ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None)
@@ -367,13 +405,18 @@ class _AttentionFn(torch.autograd.Function):
 
 def _fused_backward(q, k, v, g_out, o, needs, *, out=None, lse=None, backend=None):
     """(dq, dk, dv) by ``lowbit.attention.backward`` (the Triton flash backward; ``backend="reference"``: its FP32
-    formulas); None where ``needs`` (q, k, v) is False. ``out``/``lse``: the 16-bit forward's, when the forward kept
-    them; otherwise that forward is recomputed here. With ``o["grad"] = (grad_format, scales, grad_sink)`` the
-    gradients are FP8 QuantizedTensors: put into ``grad_sink`` (a dict) and returned dequantized."""
+    formulas; None: ``backward_backend`` picks, cuDNN's backward where it runs); None where ``needs`` (q, k, v) is
+    False. ``out``/``lse``: the 16-bit forward's, when the forward kept them; otherwise that forward is recomputed
+    here (cuDNN's, with its LSE, where cuDNN's backward runs; else lowbit's). With ``o["grad"] = (grad_format,
+    scales, grad_sink)`` the gradients are FP8 QuantizedTensors: put into ``grad_sink`` (a dict) and returned
+    dequantized."""
     common = dict(causal=o["causal"], softmax_scale=o["softmax_scale"], window=o["window"], cu_seqlens_q=o["cu_q"],
                   cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"], backend=backend)
     if out is None or lse is None:
-        out, lse = attention_forward(q, k, v, layout=o["layout"], **common)
+        if backend is None and _opts_cudnn(q, k, o):
+            out, lse = cudnn_forward(q, k, v, causal=o["causal"], softmax_scale=o["softmax_scale"], layout=o["layout"])
+        else:
+            out, lse = attention_forward(q, k, v, layout=o["layout"], **common)
     grad_format, scales, sink = o.get("grad") or (None, None, None)
     grads = attention_backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], grad_format=grad_format,
                           scales=scales, **common)  # ("thd" when varlen)
@@ -438,7 +481,7 @@ def _attention_fwd_setup(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, mq, mk, sdq, sdk, sdv, causal, softmax_scale, window, layout, qk, pv, _, _, _, _, _,
      backend, return_lse, grad_format) = inputs
     out, lse = output
-    keep = return_lse and _keeps_out_lse(backend, qk, pv)
+    keep = return_lse and (backend == "sdpa" or _keeps_out_lse(backend, qk, pv, False))  # (sdpa: cuDNN's O, LSE)
     ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None, cu_q, cu_k, sdq, sdk, sdv)
     ctx.args = (mq, mk, causal, softmax_scale, window, layout, grad_format)
     ctx.mark_non_differentiable(lse)
@@ -535,7 +578,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
     (Hq, Tq).  Differentiable for every variant; for INT8/FP8 forwards the backward is
     straight-through: it computes the BF16/FP16 attention gradient from the saved high-precision
-    q, k, v (fused Triton backward on CUDA, FP32 reference math elsewhere).  ``dropout_p > 0``
+    q, k, v (on CUDA cuDNN's backward where it computes the same math, else lowbit's fused Triton backward:
+    ``lowbit.attention.backward.backward_backend``; FP32 reference math elsewhere).  ``dropout_p > 0``
     (16-bit only, no ``return_lse``) draws a Philox seed from torch's default generator and regenerates the same
     mask in the backward (see ``lowbit.attention.backward``).
 
@@ -597,11 +641,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
                         dtype=q.dtype)
     if be != "reference" and q.dtype == torch.float32:
         raise TypeError(f"backend {be!r} needs float16/bfloat16 inputs, got float32")
+    if be == "sdpa":
+        _check_sdpa(qk, pv, varlen, window, return_lse)
     if torch.compiler.is_compiling():
+        keep = needs_grad and _keeps_out_lse(be, qk, pv, be == "sdpa" and _cudnn_backward_default(
+            q, k, layout=lay, causal=causal, window=window, varlen=varlen, grad_format=grad_format))
         out, lse = torch.ops.lowbit.attention_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *(sc or (None, None, None)), causal, softmax_scale,
             None if window is None else list(window), lay, qk, pv, granularity, smooth_k, block_q, block_k, warp_q, be,
-            return_lse or (needs_grad and _keeps_out_lse(be, qk, pv)), grad_format)
+            return_lse or keep, grad_format)
         return (out, lse) if return_lse else out
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])

@@ -41,6 +41,8 @@ from ..quant.schemes import Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor
 from ..runtime import env
 from ..runtime.callable import make_callable
+from ..runtime.device import INTERPRET
+from ..runtime.log import declined
 from . import reference as _ref
 from ._checks import (
     GRAD_FORMATS,
@@ -62,10 +64,13 @@ from ._checks import (
     triton_ok,
     views,
 )
+from ._cudnn import cudnn_backward, cudnn_decline, cudnn_runtime_decline
 from .reference import attention_backward_reference, attention_forward_reference
 
 __all__ = [
     "backward",
+    "backward_backend",
+    "BACKWARD_BACKENDS",
     "attention_forward",
     "backward_write_bytes",
     "AttentionFunction",
@@ -76,6 +81,8 @@ __all__ = [
 
 _FMT = {"e4m3": (1, 448.0, torch.float8_e4m3fn), "e5m2": (2, 57344.0, torch.float8_e5m2)}
 BIG = 1 << 30
+BACKWARD_BACKENDS = ("triton", "cudnn", "reference")
+"""``backend`` values of :func:`backward` (None: :func:`backward_backend` picks)."""
 
 
 # ============================================================================ validation
@@ -150,6 +157,44 @@ def _validate(do, q, k, v, o, lse, *, layout, cu_q, cu_k, mq, mk, grad_format, s
     return lay, varlen, (B, Hq, Sq, Hkv, Sk, D), mq, mk, sc
 
 
+# ============================================================================ which backend runs the backward
+def backward_backend(device, dtype: torch.dtype, *, batch: int, heads_q: int, heads_kv: int, seqlen_q: int,
+                     seqlen_k: int, head_dim: int, causal: bool = False, window=None, varlen: bool = False,
+                     dropout_p: float = 0.0, grad_format: Optional[str] = None,
+                     grad_dtype: Optional[torch.dtype] = None, config=None, backend: Optional[str] = None) -> str:
+    """The backend :func:`backward` runs for a call with this metadata (nothing is run or read from a tensor).
+
+    ``backend`` given: that one ("cudnn" only where cuDNN computes the call's math, else ValueError naming the
+    argument, the rule and the value). None: "cudnn" where cuDNN's attention computes the same math
+    (``_cudnn.cudnn_decline``: dense, no window, causal only with seqlen_q == seqlen_k, no dropout, 16-bit gradients,
+    Hq == Hkv, head_dim a multiple of 8 up to 128) and lowbit prefers it on the device
+    (``_cudnn.cudnn_runtime_decline``: capability 9.x/10.x, cuDNN > 9.15, as torch's SDPA) — on an H100 its backward
+    took 0.73-0.85x the time of lowbit's Triton backward at every shape measured (B4-8 H16-32 S2048-4096 D64/128,
+    causal or not); otherwise "triton" on CUDA (or under Triton's interpreter), "reference" elsewhere."""
+    return _backward_choice(torch.device(device), dtype, dict(
+        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+        causal=causal, window=window, varlen=varlen, dropout_p=dropout_p, grad_format=grad_format,
+        grad_dtype=grad_dtype, config=config), backend)[0]
+
+
+def _backward_choice(device: torch.device, dtype, meta: dict, backend):
+    """(backend, why cuDNN's was not taken: None where it runs or ``backend`` was given) for ``backward_backend``."""
+    if backend is not None:
+        if backend not in BACKWARD_BACKENDS:
+            raise ValueError(f"backend must be one of {BACKWARD_BACKENDS} or None, got {backend!r}")
+        if backend == "cudnn":
+            why = cudnn_decline(device_type=device.type, dtype=dtype, **meta)
+            if why is not None:
+                raise ValueError(f"backend='cudnn' cannot run this call: {why}")
+        return backend, None
+    why = cudnn_decline(device_type=device.type, dtype=dtype, **meta)
+    if why is None:
+        why = cudnn_runtime_decline(device)
+    if why is None:
+        return "cudnn", None
+    return ("triton" if device.type == "cuda" or INTERPRET else "reference"), why
+
+
 # ============================================================================ the low-level backward
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool = False,
              softmax_scale: Optional[float] = None, window=None, dropout_p: float = 0.0, seed: Optional[int] = None,
@@ -175,9 +220,14 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             ``scale`` multiplies the gradient on the way in (dequantized = data / scale); positive and finite
             (checked for CPU tensors; for CUDA tensors reading the values would sync, so they are the caller's
             contract).
-        backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; default there) or "reference"
-            (explicit FP32 formulas + ``lowbit.quantize``; default elsewhere).
-        config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force tiles;
+        backend: None (:func:`backward_backend` picks: cuDNN's backward where it computes the same math and is
+            faster, else Triton on CUDA, the reference elsewhere), "cudnn" (``aten::_scaled_dot_product_cudnn_
+            attention_backward`` given this ``o`` and ``lse``; CUDA, dense, no window, causal only with Sq == Sk, no
+            dropout, 16-bit gradients, Hq == Hkv, head_dim a multiple of 8 up to 128), "triton" (lowbit's kernels:
+            CUDA, or CPU under TRITON_INTERPRET=1) or "reference" (explicit FP32 formulas + ``lowbit.quantize``).
+            Where the default passes cuDNN by it says why (``lowbit.runtime.log.declined`` under
+            "attention.backward.cudnn").
+        config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force Triton's tiles;
             default autotuned (LOWBIT_AUTOTUNE=0: heuristic).
 
     Returns:
@@ -191,10 +241,15 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dims[-1])
     left, right = _ref.causal_window(causal, check_window(window))
-    if backend is None:
-        backend = "triton" if triton_ok(q) else "reference"
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"backend must be 'triton', 'reference' or None, got {backend!r}")
+    B, Hq, Sq, Hkv, Sk, D = dims
+    backend, why = _backward_choice(q.device, q.dtype, dict(
+        batch=cu_seqlens_q.numel() - 1 if varlen else B, heads_q=Hq, heads_kv=Hkv, seqlen_q=mq if varlen else Sq,
+        seqlen_k=mk if varlen else Sk, head_dim=D, causal=causal, window=window, varlen=varlen, dropout_p=dropout_p,
+        grad_format=grad_format, grad_dtype=grad_dtype, config=config), backend)
+    if why is not None:
+        declined("attention.backward.cudnn", why)
+    if backend == "cudnn":
+        return cudnn_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=float(softmax_scale), layout=lay)
     if backend == "reference":
         g = attention_backward_reference(do, q, k, v, lse=lse, causal=causal, softmax_scale=softmax_scale,
                                          window=window, dropout_p=dropout_p, seed=seed, offset=offset,
