@@ -43,7 +43,8 @@ def cudnn_decline(*, device_type: str, dtype: torch.dtype, batch: int, heads_q: 
     where it does: CUDA, float16/bfloat16, dense (no ``cu_seqlens``), no sliding window, causal only with
     ``seqlen_q == seqlen_k`` (lowbit's causal is bottom-right aligned, cuDNN's top-left), no dropout (lowbit's
     Philox mask is its own), gradients in the inputs' dtype (FP8 ``grad_format`` is quantized in lowbit's kernel
-    epilogue), no ``config`` (lowbit's tiles), Hq == Hkv, head_dim a multiple of 8 up to
+    epilogue), no ``config`` (lowbit's tiles), Hq a multiple of Hkv (GQA/MQA: dK, dV come back summed over each group),
+    head_dim a multiple of 8 up to
     :data:`CUDNN_MAX_HEAD_DIM`, seqlen_q >= 1, seqlen_k >= 2 and batch, heads up to :data:`CUDNN_MAX_BATCH_HEADS`."""
     if device_type != "cuda":
         return f"the tensors must be on CUDA for cuDNN, got device type {device_type!r}"
@@ -69,8 +70,8 @@ def cudnn_decline(*, device_type: str, dtype: torch.dtype, batch: int, heads_q: 
         return f"grad_dtype must be None or the inputs' dtype {dtype} for cuDNN, got {grad_dtype}"
     if config is not None:
         return f"config must be None for cuDNN (it sets lowbit's kernel tiles), got {config!r}"
-    if heads_q != heads_kv:
-        return f"query and key/value heads must be equal for cuDNN (no GQA/MQA), got Hq={heads_q}, Hkv={heads_kv}"
+    if heads_kv < 1 or heads_q % heads_kv:
+        return f"query heads must be a multiple of the key/value heads for cuDNN, got Hq={heads_q}, Hkv={heads_kv}"
     if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
         return f"head_dim must be a multiple of 8 and at most {CUDNN_MAX_HEAD_DIM} for cuDNN, got {head_dim}"
     if seqlen_q < 1 or seqlen_k < 2:
