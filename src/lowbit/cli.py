@@ -105,7 +105,7 @@ def cmd_info(argv=None) -> int:
     try:  # the backward of every variant: the 16-bit gradient (lowbit.attention.backward.backward_backend)
         bwd = att.backward.backward_backend(dev, torch.bfloat16, batch=1, heads_q=8, heads_kv=8, seqlen_q=2048,
                                             seqlen_k=2048, head_dim=128, causal=True)
-        print(f"  backward, dense Hq == Hkv, head dim 128 -> {bwd}" + (" (cuDNN's, from lowbit's O and LSE; "
+        print(f"  backward, dense MHA, head dim 128 -> {bwd}" + (" (cuDNN's, from lowbit's O and LSE; "
               "GQA, windows, varlen, dropout, FP8 gradients: Triton)" if bwd == "cudnn" else ""))
     except Exception as e:  # report, do not crash info
         print(f"  backward -> unavailable ({e})")

@@ -167,7 +167,7 @@ def backward_backend(device, dtype: torch.dtype, *, batch: int, heads_q: int, he
     ``backend`` given: that one ("cudnn" only where cuDNN computes the call's math, else ValueError naming the
     argument, the rule and the value). None: "cudnn" where cuDNN's attention computes the same math
     (``_cudnn.cudnn_decline``: dense, no window, causal only with seqlen_q == seqlen_k, no dropout, 16-bit gradients,
-    Hq == Hkv, head_dim a multiple of 8 up to 128) and lowbit prefers it on the device
+    Hq a multiple of Hkv, head_dim a multiple of 8 up to 128) and lowbit prefers it on the device
     (``_cudnn.cudnn_runtime_decline``: capability 9.x/10.x, cuDNN > 9.15, as torch's SDPA) — on an H100 its backward
     took 0.73-0.85x the time of lowbit's Triton backward at every shape measured (B4-8 H16-32 S2048-4096 D64/128,
     causal or not); otherwise "triton" on CUDA (or under Triton's interpreter), "reference" elsewhere."""
@@ -223,9 +223,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         backend: None (:func:`backward_backend` picks: cuDNN's backward where it computes the same math and is
             faster, else Triton on CUDA, the reference elsewhere), "cudnn" (``aten::_scaled_dot_product_cudnn_
             attention_backward`` given this ``o`` and ``lse``; CUDA, dense, no window, causal only with Sq == Sk, no
-            dropout, 16-bit gradients, Hq == Hkv, head_dim a multiple of 8 up to 128), "triton" (lowbit's kernels:
-            CUDA, or CPU under TRITON_INTERPRET=1) or "reference" (explicit FP32 formulas + ``lowbit.quantize``).
-            Where the default passes cuDNN by it says why (``lowbit.runtime.log.declined`` under
+            dropout, 16-bit gradients, Hq a multiple of Hkv, head_dim a multiple of 8 up to 128), "triton" (lowbit's
+            kernels: CUDA, or CPU under TRITON_INTERPRET=1) or "reference" (explicit FP32 formulas +
+            ``lowbit.quantize``). Where the default passes cuDNN by it says why (``lowbit.runtime.log.declined`` under
             "attention.backward.cudnn").
         config: ((BM, BN, warps, stages) for dK/dV, (BM, BN, warps, stages) for dQ) to force Triton's tiles;
             default autotuned (LOWBIT_AUTOTUNE=0: heuristic).
