@@ -118,6 +118,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--profile-graphs", default=None, metavar="DIR",
                    help="replay the fourth step's CUDA graphs under torch.profiler; kernel times, gaps and the trace "
                         "go to DIR/<recipe>/graph_profile.json")
+    g.add_argument("--step-profile", type=positive_int, nargs="?", const=2, default=0, metavar="N",
+                   help="run torch.profiler over N steps after warm-up (default 2) and split each one's time into "
+                        "compute, communication (exposed and hidden) and host time, per rank, into summary.json "
+                        "(those steps are left out of tokens/s)")
     # testing hooks (hidden)
     p.add_argument("--stop-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(),
@@ -140,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
-        profile_graphs=args.profile_graphs,
+        profile_graphs=args.profile_graphs, step_profile=args.step_profile,
     )
 
 
