@@ -82,6 +82,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="continue from out-dir/checkpoint.pt, falling back to the newest good kept one (or from the "
                         "given checkpoint, which must pass its checks: a bad one is refused, naming a good older one)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
+    g.add_argument("--no-save", action="store_true",
+                   help="write no checkpoint at the end (benchmark runs; --ckpt-every still writes its own)")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
                    help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, "
                         "roll back to the last checkpoint, or stop (default skip)")
@@ -136,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
         eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save,
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
         fp8_all_gather=args.fp8_all_gather,
