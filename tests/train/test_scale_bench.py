@@ -45,6 +45,7 @@ def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
     assert sp["comm_ms"] > 0 and sp["compute_ms"] > 0 and "all_gather" in sp["comm_kinds_ms"]
     assert sp["wall_ms"] == pytest.approx(sp["compute_ms"] + sp["exposed_comm_ms"] + sp["host_ms"])
     assert "--step-profile" not in data["commands"]["fp8-block/1gpu-accum2"]  # (the loss check is not profiled)
+    assert "--no-save" in data["commands"]["fp8-block/fsdp-2gpu"] and not list(out.rglob("checkpoint*.pt"))
     if data["plot"] is not None:
         assert (out / "scaling.png").stat().st_size > 0
 
@@ -65,7 +66,8 @@ def _summary(tps, losses, world=1, profile=None):
 
 def test_table_arithmetic():
     cfg = dict(device="cuda", gpus=[1, 2, 4], recipes=["bf16", "fp8-block"], modes=["fsdp", "fsdp-fp8ag"],
-               loss_check=True, step_profile=2, model="350m", steps=50, batch_size=4, seq_len=2048)
+               refs=["graph", "eager"], loss_check=True, step_profile=2, model="350m", steps=50, batch_size=4,
+               seq_len=2048)
     runs = scale.plan(cfg)
     assert {r["dir"] for r in runs if r["kind"] == "ref"} == {"bf16/1gpu-graph", "bf16/1gpu-eager",
                                                                   "fp8-block/1gpu-graph", "fp8-block/1gpu-eager"}
@@ -103,6 +105,8 @@ def test_table_arithmetic():
     (["--steps", "3"], "--steps: must exceed the untimed steps"),
     (["--model", "7b"], "unknown preset '7b'"),
     (["--train-args", "'--lr"], "--train-args"),
+    (["--refs", "graph"], "--refs: graph needs CUDA"),
+    (["--refs", "eager,fast"], "unknown reference 'fast'"),
 ])
 def test_bad_input(args, msg, capsys):
     assert main(["bench", "scale", "--device", "cpu", *args]) == 2

@@ -77,6 +77,9 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; cpu 64)")
     p.add_argument("--step-profile", type=int, default=None, metavar="N",
                    help="steps profiled in each run (lowbit train --step-profile; default 2, 0: off)")
+    p.add_argument("--refs", default=None,
+                   help="the one-GPU references run: comma-separated graph, eager, compile, or none (default graph, "
+                        "eager, and compile where a compile mode runs; graph only on CUDA)")
     p.add_argument("--no-loss-check", action="store_true",
                    help="skip the one-process runs with the same global batch (no loss diff column)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -143,13 +146,23 @@ def resolve(args) -> dict:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"--modes: unknown mode {m!r}; expected some of {', '.join(MODES)}")
+    if args.refs is None:
+        refs = (["graph"] if device == "cuda" else []) + ["eager"] + (["compile"] if any(
+            m.endswith("-compile") for m in modes) else [])
+    else:
+        refs = [] if args.refs.strip() == "none" else list(dict.fromkeys(_split(args.refs)))
+        for r in refs:
+            if r not in REFS:
+                raise ValueError(f"--refs: unknown reference {r!r}; expected some of {', '.join(REFS)}, or none")
+        if "graph" in refs and device != "cuda":
+            raise ValueError("--refs: graph needs CUDA (lowbit train's CUDA graphs); drop it on --device cpu")
     if not args.timeout > 0:
         raise ValueError(f"--timeout: expected a positive number of seconds, got {args.timeout}")
     try:
         extra = shlex.split(args.train_args)
     except ValueError as e:
         raise ValueError(f"--train-args: {e}: {args.train_args!r}") from None
-    return dict(device=device, gpus=gpus, recipes=recipes, modes=modes, loss_check=not args.no_loss_check,
+    return dict(device=device, gpus=gpus, recipes=recipes, modes=modes, refs=refs, loss_check=not args.no_loss_check,
                 data=args.data, cache_dir=args.cache_dir, train_args=extra, timeout=float(args.timeout),
                 out=args.out, reuse=args.reuse, report_only=args.report_only, **run)
 
@@ -160,11 +173,8 @@ def resolve(args) -> dict:
 def plan(cfg: dict) -> list[dict]:
     """Every run of ``cfg``, in order: ``{recipe, kind ("ref" | "mode" | "loss"), mode, gpus, flags, dir, skip}``."""
     runs = []
-    refs = (["graph"] if cfg["device"] == "cuda" else []) + ["eager"]
-    if any(m.endswith("-compile") for m in cfg["modes"]):
-        refs.append("compile")
     for r in cfg["recipes"]:
-        for ref in refs:
+        for ref in cfg["refs"]:
             runs.append(dict(recipe=r, kind="ref", mode=ref, gpus=1, flags=REFS[ref], dir=f"{r}/1gpu-{ref}"))
         for n in cfg["gpus"]:
             if n == 1:
