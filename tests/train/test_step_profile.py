@@ -4,7 +4,7 @@ synthetic chrome-trace events (CUDA kernels; the CPU's ATen ops and gloo work), 
 import pytest
 
 from lowbit.train.loop import TrainConfig, train
-from lowbit.train.step_profile import MARKER, collective_kind, merge, split_step, uncovered
+from lowbit.train.step_profile import MARKER, collective_kind, merge, split_step, split_trace, uncovered
 
 
 def _ev(name, ts, dur, cat="kernel", tid=1):
@@ -39,7 +39,9 @@ def test_split_cuda_step():
     events = [_ev(MARKER, 0, 100, cat="user_annotation"), _ev("gemm", 10, 30), _ev("quantize", 50, 10),
               _ev("ncclDevKernel_AllGather_RING_LL", 30, 25), _ev("ncclDevKernel_ReduceScatter_Sum", 70, 10),
               _ev("gemm", 120, 10), _ev("aten::mm", 0, 100, cat="cpu_op")]
-    r = split_step(events, events[0], "cuda")
+    # (the profiler draws the step's range on the GPU's timeline too: not a step of its own)
+    events.append(_ev(MARKER, 3, 90, cat="gpu_user_annotation", tid=7))
+    (r,) = split_trace(events, "cuda")
     assert r["wall_ms"] == pytest.approx(0.1)
     assert r["compute_ms"] == pytest.approx(0.040)
     assert r["comm_ms"] == pytest.approx(0.035)

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-__all__ = ["StepProfiler", "split_step", "merge", "uncovered", "collective_kind", "MARKER"]
+__all__ = ["StepProfiler", "split_trace", "split_step", "merge", "uncovered", "collective_kind", "MARKER"]
 
 MARKER = "lowbit.step"
 """The ``torch.profiler.record_function`` name around each profiled step."""
@@ -107,6 +107,14 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
             "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())}}
 
 
+def split_trace(events: list[dict], device_type: str) -> list[dict]:
+    """:func:`split_step` of every step marked (``MARKER``) in chrome-trace ``events``, in order."""
+    # (the host's ranges: on CUDA the profiler also draws each range on the GPU's timeline, "gpu_user_annotation")
+    markers = sorted((e for e in events if e.get("name") == MARKER and e.get("ph") == "X"
+                      and e.get("cat") == "user_annotation"), key=lambda e: float(e["ts"]))
+    return [split_step(events, m, device_type) for m in markers]
+
+
 def _mean(parts: list[dict]) -> dict:
     """The mean of :func:`split_step` results (the collective kinds of any of them), with ``overlap_pct``: the
     share of comm hidden behind compute (None without comm)."""
@@ -180,9 +188,7 @@ class StepProfiler:
         self.prof.__exit__(None, None, None)
         events = chrome_trace(self.prof)
         self.prof = None
-        markers = sorted((e for e in events if e.get("name") == MARKER and e.get("ph") == "X"),
-                         key=lambda e: float(e["ts"]))
-        self.parts = [split_step(events, m, self.device.type) for m in markers]
+        self.parts = split_trace(events, self.device.type)
 
     def result(self) -> dict:
         """This rank's mean split of its profiled steps, or ``{"skipped": why}``."""
