@@ -1,7 +1,8 @@
 """FP8 weight all-gather under FSDP2 (2 processes, gloo, CPU): ``lowbit.nn.fp8_all_gather`` then per-layer
-``fully_shard``; two SGD steps. The outputs, losses and gathered gradients equal one process's unsharded run with the
-same recipe bit for bit (both ranks see the same batch, so the averaged gradient is the single-process one), the
-all-gather moves the FP8 bytes (counted at the collective) and a weight whose shards are not whole 128-row tiles
+``fully_shard`` (or one unit for the whole model); two SGD steps. The outputs, losses and gathered gradients equal one
+process's unsharded run with the same recipe bit for bit (both ranks see the same batch, so the averaged gradient is
+the single-process one), the all-gather moves the FP8 bytes (counted at the collective), per-tensor scaling runs one
+amax all-reduce per unit gathered (counted at the collective) and a weight whose shards are not whole 128-row tiles
 gathers in high precision."""
 
 from __future__ import annotations
@@ -54,19 +55,26 @@ def _full(t):
 
 
 class _Count:
-    """Bytes written by the all-gathers FSDP2 runs: the outputs of ``dist.all_gather_single`` (torch 2.13) or
-    ``dist.all_gather_into_tensor`` (earlier torch), whichever this torch has and FSDP2 calls."""
+    """Bytes written by the all-gathers FSDP2 runs (``n``) and their number (``calls``): the outputs of
+    ``dist.all_gather_single`` (torch 2.13) or ``dist.all_gather_into_tensor`` (earlier torch), whichever this torch has
+    and FSDP2 calls; and the all-reduces with ``op=MAX`` (``amax_calls``: the weights' amax reductions)."""
 
-    NAMES = ("all_gather_single", "all_gather_into_tensor")
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_reduce")
 
     def __init__(self):
-        self.n, self.orig = 0, {k: getattr(dist, k) for k in self.NAMES if hasattr(dist, k)}
+        self.n, self.calls, self.amax_calls = 0, 0, 0
+        self.orig = {k: getattr(dist, k) for k in self.NAMES if hasattr(dist, k)}
 
     def __enter__(self):
         for name, fn in self.orig.items():
-            def counting(out, inp, *a, _fn=fn, **k):
-                self.n += out.numel() * out.element_size()
-                return _fn(out, inp, *a, **k)
+            def counting(out, *a, _fn=fn, _name=name, **k):
+                if _name == "all_reduce":
+                    op = k.get("op", a[0] if a else None)
+                    self.amax_calls += op == dist.ReduceOp.MAX
+                else:
+                    self.n += out.numel() * out.element_size()
+                    self.calls += 1
+                return _fn(out, *a, **k)
 
             setattr(dist, name, counting)
         return self
@@ -76,7 +84,7 @@ class _Count:
             setattr(dist, name, fn)
 
 
-def _worker(rank, tmp, recipe, shape, device="cpu"):
+def _worker(rank, tmp, recipe, shape, device="cpu", units="layers"):
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
@@ -92,9 +100,9 @@ def _worker(rank, tmp, recipe, shape, device="cpu"):
             warnings.simplefilter("always")
             plan = lowbit.nn.fp8_all_gather(model, from_name(recipe), mesh)
         for layer in model:
-            if isinstance(layer, lowbit.nn.Linear):
+            if isinstance(layer, lowbit.nn.Linear) and units == "layers":
                 fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # (units="root": one unit gathers both weights)
         kinds = {}
 
         def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's pre-forward all-gather)
@@ -105,7 +113,11 @@ def _worker(rank, tmp, recipe, shape, device="cpu"):
         with _Count() as fp8_bytes:
             with lowbit.autocast(recipe=from_name(recipe)):
                 model(torch.zeros(tokens, shape[0], device=device))
-        outs, losses, grads = _run(model, recipe, device=device)
+        # (FSDP2 keeps the root unit's weights gathered after a forward, for the backward; with no backward here,
+        # reshard them, or the next step's update is lost: seen with plain torch.nn.Linear layers too)
+        model.reshard()
+        with _Count() as steps:
+            outs, losses, grads = _run(model, recipe, device=device)
         # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
         bf16 = _model(shape).to(device)
         for layer in bf16:
@@ -115,13 +127,14 @@ def _worker(rank, tmp, recipe, shape, device="cpu"):
         with _Count() as bf16_bytes, lowbit.autocast(recipe=from_name(recipe)):
             bf16(torch.zeros(tokens, shape[0], device=device))
         torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
-                        bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught]), f"{tmp}/rank{rank}.pt")
+                        bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught], gathers=steps.calls,
+                        amax_reductions=steps.amax_calls), f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn_and_compare(tmp_path, recipe, shape, device="cpu"):
-    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device), nprocs=WORLD, join=True)
+def _spawn_and_compare(tmp_path, recipe, shape, device="cpu", units="layers"):
+    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device, units), nprocs=WORLD, join=True)
     ref_outs, ref_losses, ref_grads = _run(_model(shape).to(device), recipe, device=device)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, g in enumerate(got):
@@ -146,6 +159,8 @@ def _check_fp8_gather(tmp_path, recipe, device):
         assert g["bf16_bytes"] == sum(all_gather_bytes(s, None, WORLD) for s in weights)
         assert g["fp8_bytes"] <= 0.55 * g["bf16_bytes"], (g["fp8_bytes"], g["bf16_bytes"])
         assert not g["warned"]
+        # one amax all-reduce per unit gathered (per-tensor scaling), none for 128x128 tiles
+        assert g["amax_reductions"] == (g["gathers"] if recipe == "fp8-current" else 0), g
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -161,6 +176,17 @@ def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
 def test_fp8_all_gather_matches_unsharded_gpu(tmp_path, recipe):
     """The same over NCCL on 2 GPUs with lowbit's GPU quantizers and GEMMs (the reference run on cuda:0)."""
     _check_fp8_gather(tmp_path, recipe, "cuda")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_fp8_current_reduces_amaxes_once_per_unit(tmp_path):
+    """One ``fully_shard`` unit holding both weights: each gather runs one amax all-reduce for the two of them (a
+    reduction per weight ran two), and the run stays bit-identical to the unsharded one."""
+    got = _spawn_and_compare(tmp_path, "fp8-current", (256, 256), units="root")
+    for g in got:
+        assert g["plan"] == {"0.weight": None, "2.weight": None}
+        assert g["kinds"] == {0: GatheredFloat8Weight.__name__, 2: GatheredFloat8Weight.__name__}
+        assert g["gathers"] >= 2 and g["amax_reductions"] == g["gathers"], g  # (2 weights a gather)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")

@@ -54,10 +54,12 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
     assert res["history"]["train"] == ddp["history"]["train"]
 
 
-def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir):
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recipe):
     """``--fp8-all-gather`` moves the FP8 copies instead of the FP32 shards and changes no bit of the run: the
-    training and validation losses equal the plain FSDP2 run's exactly."""
-    common = ["--recipe", "fp8-block", "--steps", "2", "--seq-len", "64", "--data", small_text, "--cache-dir",
+    training and validation losses equal the plain FSDP2 run's exactly (fp8-current: each block's four weights take
+    their amaxes from one all-reduce, LayerNormMLP's two among them)."""
+    common = ["--recipe", recipe, "--steps", "2", "--seq-len", "64", "--data", small_text, "--cache-dir",
               cache_dir, "--eval-every", "2", "--eval-windows", "4", "--no-progress", "--device", "cpu",
               "--batch-size", "4", "--fsdp"]
     env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -199,3 +199,47 @@ def test_lookahead_changes_only_the_time(tmp_path, small_text, cache_dir, recipe
         assert [st for st, _ in r["history"]["train"]] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
         assert len(r["history"]["val"]) == 2 and all(math.isfinite(v) for _, v in r["history"]["val"])
     assert runs["1"]["history"] == runs["0"]["history"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["on", "off"])
+def test_step_profile_on_cuda(tmp_path, small_text, cache_dir, graph):
+    """--step-profile on one GPU, graphed and eager: the kernels of steps 3-4 split the step; nothing communicates."""
+    s = train(TrainConfig(recipe="fp8-block", steps=6, batch_size=8, seq_len=128, data=small_text, cache_dir=cache_dir,
+                          out_dir=str(tmp_path), eval_windows=8, device="cuda", cuda_graph=graph, step_profile=2,
+                          save_final=False, progress=False, verbose=False))
+    sp = s["step_profile"]
+    assert sp["steps"] == [3, 4] and "CUDA kernels" in sp["basis"]
+    m = sp["mean"]
+    assert m["compute_ms"] > 0 and m["comm_ms"] == 0 and m["exposed_comm_ms"] == 0
+    assert m["wall_ms"] == pytest.approx(m["compute_ms"] + m["host_ms"], rel=1e-6)
+    assert s["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_step_profile_on_two_gpus(tmp_path, small_text, cache_dir, mode):
+    """--step-profile under torchrun on 2 GPUs (NCCL): both ranks split their steps, the NCCL kernels count as
+    communication (FSDP2: all-gathers and reduce-scatters; DDP: all-reduces)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from testenv import child_env
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "lowbit.train.cli", "--recipe", "fp8-block", "--steps", "5", "--batch-size", "8", "--seq-len", "128",
+           "--data", small_text, "--cache-dir", cache_dir, "--eval-windows", "8", "--no-progress", "--no-save",
+           "--device", "cuda", "--step-profile", "2", "--out-dir", str(tmp_path)]
+    cmd += ["--fsdp"] if mode == "fsdp" else []
+    r = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sp = json.loads((tmp_path / "summary.json").read_text())["step_profile"]
+    assert len(sp["ranks"]) == 2 and all("skipped" not in x for x in sp["ranks"])
+    m = sp["mean"]
+    assert m["comm_ms"] > 0 and m["compute_ms"] > 0 and 0 <= m["exposed_comm_ms"] <= m["comm_ms"]
+    kinds = set(m["comm_kinds_ms"])  # ("other": an NCCL kernel named for no one collective, e.g. a generic one)
+    assert kinds >= ({"all_gather", "reduce_scatter"} if mode == "fsdp" else {"all_reduce"}) or "other" in kinds, kinds

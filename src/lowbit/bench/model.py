@@ -41,13 +41,12 @@ import gc
 import json
 import math
 import statistics
-import sys
 import time
 
 import torch
 
 from ..recipes import QUANTIZED_NAMES, from_name
-from . import git_commit
+from . import exit_status, git_commit
 
 PROG = "lowbit bench model"
 
@@ -312,7 +311,8 @@ def markdown(cfg: dict, rows: list[dict]) -> str:
 def main(argv=None) -> int:
     """Run the benchmark; print progress, then the markdown table; returns the exit status (2: bad input)."""
     args = parse_args(argv)
-    try:
+
+    def body():
         cfg = resolve(args)
         rows = run(cfg, log=lambda s: print(s, flush=True))
         md = markdown(cfg, rows)
@@ -323,11 +323,5 @@ def main(argv=None) -> int:
             with open(args.out + ".json", "w") as f:
                 json.dump(dict(header=header(cfg), config={k: v for k, v in cfg.items()}, rows=rows), f, indent=1)
             print(f"[bench model] wrote {args.out} and {args.out}.json", flush=True)
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{PROG}: error: {e.filename!r}: {e.strerror or e}" if e.filename else f"{PROG}: error: {e}",
-              file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(PROG, body)

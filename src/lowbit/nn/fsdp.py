@@ -11,7 +11,9 @@ weight:
 
 * ``Float8CurrentScaling`` (per-tensor, E4M3 weights): the shards' amaxes are all-reduced (MAX) across the shard
   group in the pre-all-gather hook, so every rank scales by ``fmax / amax`` of the whole weight; the data is gathered
-  in FP8, the scale travels as metadata (it is the same on every rank).
+  in FP8, the scale travels as metadata (it is the same on every rank). One all-reduce serves every per-tensor weight
+  of a ``fully_shard`` unit: the first of the unit's hooks that FSDP2 calls for a gather reduces all of the unit's
+  shard amaxes at once, and the unit's other hooks of that gather take theirs (:class:`AmaxBatches`).
 * ``Float8BlockScaling`` with 128x128 weight tiles (``w_block_scaling_dim=2``): FSDP2 shards dim 0, so where every
   rank's shard is a whole number of 128-row tiles (out_features divisible by 128 x the shard count) each tile lies
   in one shard and needs no reduction; the FP8 data, the FP32 tile scales and each shard's amax are gathered.
@@ -27,6 +29,7 @@ torch.compile over layers holding these weights is not supported.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
@@ -40,7 +43,8 @@ from ..recipes import Float8BlockScaling, Float8CurrentScaling, Recipe
 from ..runtime.log import declined, warn_once
 from .base import LowbitModule
 
-__all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight"]
+__all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight",
+           "AmaxBatches"]
 
 _aten = torch.ops.aten
 _PATH = "fp8_all_gather"
@@ -87,6 +91,84 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _in_param_dtype(hp: torch.Tensor, mp_policy) -> torch.Tensor:
+    """``hp`` in ``mp_policy.param_dtype`` (FSDP2's ``MixedPrecisionPolicy``), the dtype the gather quantizes from."""
+    pd = getattr(mp_policy, "param_dtype", None)
+    return hp.to(pd) if pd is not None and pd != hp.dtype else hp
+
+
+class AmaxBatches:
+    """The per-tensor (``Float8CurrentScaling``) weights of one :func:`fp8_all_gather` call, grouped by the
+    ``fully_shard`` unit that gathers them: one all-reduce (MAX) gives every weight of a unit its whole-weight amax.
+
+    FSDP2 gathers all parameters of a unit together, calling each one's ``fsdp_pre_all_gather`` in turn. The first
+    call of a gather finds no amax waiting for its weight: it takes the shard amax of every weight of its unit (each
+    in the unit's ``param_dtype``, as that weight's own hook would), all-reduces them in one collective
+    (:func:`lowbit.distributed.reduce_amax`) and leaves the others waiting; each later call of the gather takes its
+    own. Every rank makes the same calls in the same order, so the collectives match, and MAX is exact: the amaxes
+    are the ones a reduction per weight gives. A waiting amax is taken only while its parameter is unchanged (its
+    version counter), and the next reduction drops whatever still waits, so no amax outlives its weights.
+
+    The units are found at the first gather, from the module tree: a weight belongs to the nearest module (its own or
+    an ancestor) that ``fully_shard`` was applied to, FSDP2's own grouping where each ``fully_shard`` call takes one
+    module (``fully_shard([m1, m2])`` is reduced once per module: still exact). Only sharded weights (DTensor
+    parameters) take part.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        self._root = weakref.ref(root)
+        self._names: list[tuple[str, str]] = []  # (module name under root, weight attribute) of each member
+        self._units: dict | None = None  # (id(module), attr) -> [(module weakref, attr)] of its unit, in tree order
+        self._waiting: dict = {}  # (id(module), attr) -> (all-reduced amax, param dtype, parameter version)
+
+    def add(self, module_name: str, attr: str) -> None:
+        """Count ``root.<module_name>.<attr>`` in (before the first gather)."""
+        self._names.append((module_name, attr))
+        self._units = None
+
+    def _resolve(self) -> dict:
+        from torch.distributed.fsdp import FSDPModule
+
+        root, by_unit, units = self._root(), {}, {}
+        if root is None:
+            return units
+        for mname, attr in self._names:
+            parts = mname.split(".") if mname else []
+            chain = [root.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]  # root ... the module
+            unit = next((m for m in reversed(chain) if isinstance(m, FSDPModule)), chain[-1])  # nearest fully_shard
+            members = by_unit.setdefault(id(unit), [])
+            members.append((weakref.ref(chain[-1]), attr))
+            units[(id(chain[-1]), attr)] = members
+        return units
+
+    def amax(self, module: torch.nn.Module, attr: str, hp: torch.Tensor, mp_policy, group) -> torch.Tensor:
+        """The whole weight's amax for ``hp``, this rank's shard of ``module.<attr>`` in the param dtype: the one
+        waiting from this gather's first call, or (the first call) all-reduced now with the rest of its unit's."""
+        key = (id(module), attr)
+        version = getattr(getattr(module, attr, None), "_version", None)
+        got = self._waiting.pop(key, None)
+        if got is not None and got[1] == hp.dtype and got[2] == version:
+            return got[0]
+        if self._units is None:
+            self._units = self._resolve()
+        dtensor = _dtensor_type()
+        keys, amaxes, waiting = [key], [amax_of(hp)], []
+        for ref, a in self._units.get(key, ()):
+            m = ref()
+            p = getattr(m, a, None) if m is not None else None
+            if (id(m), a) == key or dtensor is None or not isinstance(p, dtensor):
+                continue
+            with torch.no_grad():
+                shard = p.to_local()
+            shard = _in_param_dtype(shard.lowbit_hp if isinstance(shard, Float8AllGatherWeight) else shard, mp_policy)
+            keys.append((id(m), a))
+            amaxes.append(amax_of(shard))
+            waiting.append((shard.dtype, p._version))
+        distributed.reduce_amax(amaxes, group=group)  # MAX over the shards: each whole weight's amax
+        self._waiting = {k: (amax, dt, v) for k, amax, (dt, v) in zip(keys[1:], amaxes[1:], waiting)}
+        return amaxes[0]
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t``'s high-precision tensor where it is a :class:`Float8AllGatherWeight`."""
     return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
@@ -106,19 +188,23 @@ class Float8AllGatherWeight(torch.Tensor):
     Attributes:
         lowbit_hp: the high-precision tensor.
         lowbit_scheme: the weight scheme gathered (Float8Tensorwise, or Float8Blockwise with 128x128 tiles).
+        lowbit_batch: ``(AmaxBatches, attribute name)``: the :class:`AmaxBatches` that reduces this per-tensor
+            weight's amax with the rest of its ``fully_shard`` unit's, and the weight's attribute on its module; or
+            None (one all-reduce of its own).
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, scheme):
+    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
                                                    storage_offset=hp.storage_offset(), dtype=hp.dtype,
                                                    layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
 
-    def __init__(self, hp: torch.Tensor, scheme):
+    def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None):
         self.lowbit_hp = hp
         self.lowbit_scheme = scheme
+        self.lowbit_batch = batch
 
     def data_ptr(self) -> int:
         return self.lowbit_hp.data_ptr()
@@ -129,13 +215,13 @@ class Float8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is _aten.detach.default:
-            return cls(args[0].lowbit_hp.detach(), args[0].lowbit_scheme)
-        scheme = next(a.lowbit_scheme for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+            return cls(args[0].lowbit_hp.detach(), args[0].lowbit_scheme, args[0].lowbit_batch)
+        src = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         args, kwargs = pytree.tree_map_only(cls, _plain, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, scheme), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, src.lowbit_scheme, src.lowbit_batch), out)
 
     def __tensor_flatten__(self):
         return ["lowbit_hp"], self.lowbit_scheme
@@ -148,10 +234,7 @@ class Float8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's all-gather inputs: its shard's FP8 data (uint8 bytes, padded to FSDP2's shard rows) and, for
         128x128 tiles, its tile scales and amax; or the high-precision shard where :func:`fp8_gather_plan` says."""
-        hp = self.lowbit_hp
-        pd = getattr(mp_policy, "param_dtype", None)
-        if pd is not None and pd != hp.dtype:
-            hp = hp.to(pd)
+        hp = _in_param_dtype(self.lowbit_hp, mp_policy)
         n, world = outer_size[0], mesh.size()
         rows = -(-n // world)  # FSDP2's padded shard rows
         sch = self.lowbit_scheme
@@ -160,8 +243,12 @@ class Float8AllGatherWeight(torch.Tensor):
             _say_fallback(why)
             return (_pad_rows(hp, rows),), ("hp", n)
         if isinstance(sch, Float8Tensorwise):
-            amax = amax_of(hp) if hp.numel() else torch.zeros(1, dtype=torch.float32, device=hp.device)
-            distributed.reduce_amax([amax], group=mesh.get_group())  # MAX over the shards: the whole weight's amax
+            if self.lowbit_batch is not None:  # one all-reduce for the whole fully_shard unit
+                batches, attr = self.lowbit_batch
+                amax = batches.amax(module, attr, hp, mp_policy, mesh.get_group())
+            else:
+                amax = amax_of(hp)
+                distributed.reduce_amax([amax], group=mesh.get_group())  # MAX over the shards: the weight's amax
             scale = compute_scale(amax, sch.format.max)
             if hp.numel():
                 data = quantize(hp, sch, rowwise=True, scale=scale).rowwise.data.view(torch.uint8)
@@ -273,6 +360,7 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     scheme, why_not = recipe_weight_scheme(recipe)
+    batches = AmaxBatches(model) if isinstance(scheme, Float8Tensorwise) else None
     plan: dict[str, str | None] = {}
     for mname, m in model.named_modules():
         if not isinstance(m, LowbitModule):
@@ -299,7 +387,11 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
             if why is None and p.dim() != 2:
                 why = fp8_gather_plan(scheme, tuple(p.shape), world)
             if why is None:  # (whether the shards are whole tiles, the hooks decide by the mesh they run on)
-                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme),
+                batch = None
+                if batches is not None:
+                    batches.add(mname, attr)
+                    batch = (batches, attr)
+                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme, batch),
                                                     requires_grad=p.requires_grad))
                 why = fp8_gather_plan(scheme, tuple(p.shape), world)
             plan[name] = why

@@ -98,6 +98,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="continue from out-dir/checkpoint.pt, falling back to the newest good kept one (or from the "
                         "given checkpoint, which must pass its checks: a bad one is refused, naming a good older one)")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if the out-dir holds a checkpoint")
+    g.add_argument("--no-save", action="store_true",
+                   help="write no checkpoint at the end (benchmark runs; --ckpt-every still writes its own)")
     g.add_argument("--on-nonfinite", choices=("skip", "rollback", "raise"), default="skip",
                    help="on a non-finite amax, loss or gradient norm (the last with --grad-clip > 0): skip the step, "
                         "roll back to the last checkpoint, or stop (default skip)")
@@ -134,6 +136,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--profile-graphs", default=None, metavar="DIR",
                    help="replay the fourth step's CUDA graphs under torch.profiler; kernel times, gaps and the trace "
                         "go to DIR/<recipe>/graph_profile.json")
+    g.add_argument("--step-profile", type=positive_int, nargs="?", const=2, default=0, metavar="N",
+                   help="run torch.profiler over N steps after warm-up (default 2) and split each one's time into "
+                        "compute, communication (exposed and hidden) and host time, per rank, into summary.json "
+                        "(those steps are left out of tokens/s)")
     # testing hooks (hidden)
     p.add_argument("--stop-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(),
@@ -148,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, data=args.data, cache_dir=args.cache_dir, out_dir=args.out_dir,
         eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save,
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
         fp8_all_gather=args.fp8_all_gather,
@@ -156,7 +162,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
-        profile_graphs=args.profile_graphs,
+        profile_graphs=args.profile_graphs, step_profile=args.step_profile,
     )
 
 

@@ -16,9 +16,9 @@ from collections import defaultdict
 import torch
 
 
-def kernel_trace(prof) -> list[list]:
-    """[start us, duration us, stream, grid, name] of every GPU kernel in a finished ``torch.profiler`` session, by
-    start time (its chrome trace's kernel events)."""
+def chrome_trace(prof) -> list[dict]:
+    """The events of a finished ``torch.profiler`` session as its chrome trace has them (``name``, ``cat``, ``ts`` and
+    ``dur`` in us, ``tid``, ``args``): host ops, annotations and GPU kernels on one clock."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -27,9 +27,15 @@ def kernel_trace(prof) -> list[list]:
             trace = json.load(f)
     finally:
         os.unlink(path)
+    return trace.get("traceEvents", [])
+
+
+def kernel_trace(prof) -> list[list]:
+    """[start us, duration us, stream, grid, name] of every GPU kernel in a finished ``torch.profiler`` session, by
+    start time (its chrome trace's kernel events)."""
     return sorted(([float(e["ts"]), float(e.get("dur", 0.0)), (e.get("args") or {}).get("stream"),
                     (e.get("args") or {}).get("grid"), e.get("name", "?")]
-                   for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"), key=lambda r: (r[0], r[1]))
+                   for e in chrome_trace(prof) if e.get("cat") == "kernel"), key=lambda r: (r[0], r[1]))
 
 
 def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:

@@ -26,6 +26,7 @@ from ..models import GPT, attention_backend, config_from_preset, set_attention
 from ..runtime import env
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
+from .step_profile import StepProfiler
 
 __all__ = ["TrainConfig", "train", "TrainInterrupted", "PRESET_DEFAULTS", "RECIPES", "validation_loss",
            "forward_contexts", "computes_in_bf16", "check_divisible", "setup_distributed", "Dist"]
@@ -122,6 +123,11 @@ class TrainConfig:
     lookahead: bool = True
     """With CUDA graphs and ``on_nonfinite="skip"``: finish a step on the host after the next one is launched (off:
     every step is waited for; the same results)."""
+    step_profile: int = 0
+    """Diagnostic: run ``torch.profiler`` over this many steps after warm-up (0: off) and split each one's wall time
+    into compute, communication, the communication no compute hides (exposed) and host time, per rank, into the
+    summary's ``step_profile`` (:mod:`lowbit.train.step_profile`); those steps and the one before them are left out
+    of tokens/s. Needs ``step_profile + 2`` steps."""
 
     def validate(self) -> None:
         if self.recipe not in RECIPES:
@@ -149,6 +155,7 @@ class TrainConfig:
             integer(name, 1, optional=True)
         integer("warmup", 0, optional=True)
         integer("ckpt_every", 0, note=" (0 = only at the end)")
+        integer("step_profile", 0, note=" (0 = off)")
         integer("keep_checkpoints", 1)
         integer("stop_at_step", 1, optional=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
@@ -874,6 +881,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     stopped_early = False
     step = start
     phases = _Phases(c.step_phases)
+    sprof = StepProfiler(c.step_profile, start, c.steps, d.device)
+    if sprof.skipped:
+        _say(d, c, f"[lowbit] step profile skipped: {sprof.skipped}", bar)
     profile_dir = c.profile_graphs  # (diagnostic: graph_profile.profile_step, 4th step)
     prefetched: dict = {}  # step -> its micro-batches on the device (batches are keyed by (seed, step) only)
     # One step ahead: a replayed step whose update runs on the device (the skip decided there) is finished on the
@@ -903,6 +913,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
 
     def launch(step: int) -> dict:
         """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go)."""
+        sprof.begin(step)
         phases.start(time.perf_counter())
         lr = lr_at(step, c)
         if graphed is not None and graphed.update is not None:
@@ -971,8 +982,10 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             raise FloatingPointError(f"step {step}: {e}") from e
         # skip: the update graph ran (or skipped the step) on the device
         updated = skip is not None
+        # (a profiled step, and the one before it, is waited for: its time is its own)
+        ahead = host is not None and not boundary(step + 1) and not sprof.covers(step) and not sprof.covers(step + 1)
         return {"step": step, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated, "host": host,
-                "ahead": host is not None and not boundary(step + 1)}
+                "ahead": ahead}
 
     def queue_check(rec: dict) -> None:
         """Queue the sentry's check of the amaxes the replay of ``rec`` wrote, behind it (and before the next replay
@@ -1051,9 +1064,10 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             torch.cuda.synchronize(d.device)
         phases.mark("wait clip+optimizer")
         phases.end_step()
+        sprof.end(step)
         now = time.perf_counter()
         dt, t_mark[0] = now - t_mark[0], now
-        if step > start:  # the first step of a process includes warm-up / compilation
+        if step > start and not sprof.covers(step):  # the first step of a process includes warm-up / compilation
             timed_tokens += tokens_per_step
             timed_s += dt
         done = step + 1
@@ -1095,6 +1109,14 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     if bar is not None:
         bar.close()
     phases.report(lambda msg: _say(d, c, msg))
+    sprof.close()  # (where the run stopped inside the profiled steps)
+    step_profile = sprof.gather(d.group if d.active else None)
+    if step_profile is not None and step_profile["mean"] is not None:
+        m = step_profile["mean"]
+        _say(d, c, f"[lowbit] step profile (steps {step_profile['steps'][0]}-{step_profile['steps'][-1]}, "
+                   f"mean of {d.world} rank(s)): wall {m['wall_ms']:.2f} ms = compute {m['compute_ms']:.2f} + exposed "
+                   f"comm {m['exposed_comm_ms']:.2f} + host {m['host_ms']:.2f}; comm {m['comm_ms']:.2f} ms"
+                   + (f", {m['overlap_pct']:.0f}% hidden" if m["overlap_pct"] is not None else ""))
     if graphed is not None:
         graphed.drop()
     stop.armed = False
@@ -1117,7 +1139,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "world_size": d.world, "fsdp": bool(c.fsdp and d.active),
         "fp8_all_gather": bool(c.fp8_all_gather and c.fsdp and d.active), "compile": c.compile,
         "attention": attention_backend(),
-        "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph,
+        "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
         "data": corpus.meta,
     }

@@ -1,0 +1,113 @@
+"""``lowbit bench scale`` on the CPU: one and two gloo processes of ``lowbit train`` (tiny preset, a few steps) end to
+end through the CLI; the table's arithmetic on made-up summaries; bad input."""
+
+import json
+
+import pytest
+from testenv import child_env
+
+from lowbit.bench import scale
+from lowbit.cli import main
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, small_text, cache_dir):
+    """One run of the bench: fp8-block, FSDP2 on 2 processes against 1 (and the grad-accum 2 loss check)."""
+    out = tmp_path_factory.mktemp("scale")
+    argv = ["bench", "scale", "--device", "cpu", "--recipes", "fp8-block", "--modes", "fsdp", "--gpus", "2",
+            "--steps", "4", "--step-profile", "1", "--data", small_text, "--cache-dir", cache_dir, "--out", str(out)]
+    return out, argv
+
+
+def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
+    out, argv = smoke
+    for k, v in child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore").items():
+        monkeypatch.setenv(k, v)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for line in ("[bench scale] 3 runs of lowbit train", "run 1/3: fp8-block eager on 1 process",
+                 "run 2/3: fp8-block fsdp on 2 processes", "run 3/3: fp8-block grad-accum 2 on 1 process",
+                 "[lowbit] step profile (steps 3-3, mean of 2 rank(s))", "| fp8-block | fsdp | 2 |"):
+        assert line in text, line
+    data = json.loads((out / "scaling.json").read_text())
+    assert (out / "scaling.md").read_text().startswith("## lowbit bench scale")
+    rows = {(r["mode"], r["gpus"]): r for r in data["rows"]}
+    assert set(rows) == {("1 GPU eager", 1), ("fsdp", 2)}
+    one, two = rows[("1 GPU eager", 1)], rows[("fsdp", 2)]
+    assert one["status"] == two["status"] == "ok"
+    assert one["world_size"] == 1 and two["world_size"] == 2 and two["fsdp"]
+    assert two["tokens_per_s_per_gpu"] == pytest.approx(two["tokens_per_s"] / 2)
+    assert two["x_eager"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+    assert two["eff_eager"] == pytest.approx(two["x_eager"] / 2)
+    assert "x_graph" not in two  # (no CUDA graphs on the CPU)
+    assert two["max_loss_diff"] is not None and two["max_loss_diff"] < 1e-3  # same global batch as grad-accum 2
+    sp = two["step_profile"]
+    assert sp["comm_ms"] > 0 and sp["compute_ms"] > 0 and "all_gather" in sp["comm_kinds_ms"]
+    assert sp["wall_ms"] == pytest.approx(sp["compute_ms"] + sp["exposed_comm_ms"] + sp["host_ms"])
+    assert "--step-profile" not in data["commands"]["fp8-block/1gpu-accum2"]  # (the loss check is not profiled)
+    assert "--no-save" in data["commands"]["fp8-block/fsdp-2gpu"] and not list(out.rglob("checkpoint*.pt"))
+    if data["plot"] is not None:
+        assert (out / "scaling.png").stat().st_size > 0
+
+    # --reuse keeps the runs made with the same command lines; --report-only rebuilds the table from them
+    assert main(argv + ["--reuse"]) == 0
+    text = capsys.readouterr().out
+    assert text.count(": reused ") == 3 and "run 1/3" not in text
+    assert main(argv + ["--report-only"]) == 0
+    again = json.loads((out / "scaling.json").read_text())
+    assert [r["tokens_per_s"] for r in again["rows"]] == [r["tokens_per_s"] for r in data["rows"]]
+
+
+def _summary(tps, losses, world=1, profile=None):
+    return {"status": "ok", "tokens_per_s": tps, "world_size": world, "history": {"train": list(enumerate(losses, 1))},
+            "final_train_loss": losses[-1], "final_val_loss": losses[-1], "peak_memory_bytes": 2**30,
+            "step_profile": {"mean": profile} if profile else None}
+
+
+def test_table_arithmetic():
+    cfg = dict(device="cuda", gpus=[1, 2, 4], recipes=["bf16", "fp8-block"], modes=["fsdp", "fsdp-fp8ag"],
+               refs=["graph", "eager"], loss_check=True, step_profile=2, model="350m", steps=50, batch_size=4,
+               seq_len=2048)
+    runs = scale.plan(cfg)
+    assert {r["dir"] for r in runs if r["kind"] == "ref"} == {"bf16/1gpu-graph", "bf16/1gpu-eager",
+                                                                  "fp8-block/1gpu-graph", "fp8-block/1gpu-eager"}
+    assert next(r for r in runs if r["dir"] == "bf16/fsdp-fp8ag-2gpu")["skip"]  # (bf16 gathers no FP8)
+    prof = dict(wall_ms=10.0, compute_ms=6.0, comm_ms=4.0, exposed_comm_ms=1.0, host_ms=3.0, overlap_pct=75.0,
+                comm_kinds_ms={"all_gather": 4.0})
+    res = {"bf16/1gpu-graph": _summary(100.0, [2.0, 1.0]), "bf16/1gpu-eager": _summary(50.0, [2.0, 1.0]),
+           "bf16/fsdp-2gpu": _summary(190.0, [2.0, 1.001], 2, prof), "bf16/fsdp-4gpu": _summary(300.0, [2, 1], 4),
+           "bf16/1gpu-accum2": _summary(1.0, [2.0, 1.0]), "bf16/1gpu-accum4": _summary(1.0, [2.0, 1.0]),
+           "fp8-block/1gpu-graph": _summary(120.0, [2.0, 1.0]), "fp8-block/fsdp-2gpu": _summary(228.0, [2.1, 1.0], 2),
+           "fp8-block/1gpu-accum2": _summary(1.0, [2.0, 1.0])}
+    table = scale.rows(cfg, runs, res)
+    row = {(r["recipe"], r["mode"], r["gpus"]): r for r in table}
+    b2 = row[("bf16", "fsdp", 2)]
+    assert b2["x_graph"] == pytest.approx(1.9) and b2["eff_graph"] == pytest.approx(0.95) and b2["target_met"]
+    assert b2["x_eager"] == pytest.approx(3.8) and b2["max_loss_diff"] == pytest.approx(0.001)
+    b4 = row[("bf16", "fsdp", 4)]
+    assert b4["x_graph"] == pytest.approx(3.0) and not b4["target_met"] and b4["target"] == 3.6
+    f2 = row[("fp8-block", "fsdp", 2)]
+    assert f2["x_bf16"] == pytest.approx(228 / 190) and f2["max_loss_diff"] == pytest.approx(0.05)
+    assert "x_eager" not in f2  # (its eager reference did not run)
+    assert row[("fp8-block", "1 GPU graph", 1)]["x_bf16"] == pytest.approx(1.2)
+    assert row[("bf16", "fsdp-fp8ag", 2)]["status"].startswith("skipped:")
+    assert row[("fp8-block", "fsdp", 4)]["status"] == "skipped: not run"
+    md = scale.markdown(cfg, table)
+    assert "| bf16 | fsdp | 2 | 190 | 95 | 1.90 (met) | 95% | 3.80 | 190% | - | - | 1.00 |" in md
+    assert "| 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target)" in md
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--recipes", "fp9"], "unknown recipe 'fp9'"),
+    (["--modes", "zero3"], "unknown mode 'zero3'"),
+    (["--gpus", "1,x"], "--gpus: expected comma-separated integers"),
+    (["--gpus", "0"], "--gpus: each count must be >= 1"),
+    (["--steps", "3"], "--steps: must exceed the untimed steps"),
+    (["--model", "7b"], "unknown preset '7b'"),
+    (["--train-args", "'--lr"], "--train-args"),
+    (["--refs", "graph"], "--refs: graph needs CUDA"),
+    (["--refs", "eager,fast"], "unknown reference 'fast'"),
+])
+def test_bad_input(args, msg, capsys):
+    assert main(["bench", "scale", "--device", "cpu", *args]) == 2
+    assert msg in capsys.readouterr().err

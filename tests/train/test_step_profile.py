@@ -1,0 +1,84 @@
+"""step_profile: the split of a step's wall time into compute, communication (exposed) and host time, from
+synthetic chrome-trace events (CUDA kernels; the CPU's ATen ops and gloo work), and the loop's opt-in profiler."""
+
+import pytest
+
+from lowbit.train.loop import TrainConfig, train
+from lowbit.train.step_profile import MARKER, collective_kind, merge, split_step, split_trace, uncovered
+
+
+def _ev(name, ts, dur, cat="kernel", tid=1):
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_merge_and_uncovered():
+    a = merge([(5, 7), (0, 2), (1, 3), (6, 9)])
+    assert a == [(0, 3), (5, 9)]
+    b = merge([(2, 6), (8, 20)])
+    assert uncovered(a, b) == pytest.approx(2 + 2)  # [0, 2) and [6, 8)
+    assert uncovered(a, []) == 7 and uncovered([], b) == 0
+    assert uncovered(b, a) == pytest.approx(2 + 11)  # [3, 5) and [9, 20)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all_gather"),
+    ("ncclKernel_ReduceScatter_RING_LL_Sum_float", "reduce_scatter"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
+    ("gloo:all_gather", "all_gather"),
+    ("gloo:all_reduce", "all_reduce"),
+    ("void at::native::vectorized_elementwise_kernel<4>", None),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", None),
+])
+def test_collective_kind(name, kind):
+    assert collective_kind(name) == kind
+
+
+def test_split_cuda_step():
+    # step 0..100 us; compute kernels [10, 40) and [50, 60); an all-gather [30, 55) (15 us hidden, 10 exposed) and a
+    # reduce-scatter [70, 80) (exposed); a kernel outside the step is left out
+    events = [_ev(MARKER, 0, 100, cat="user_annotation"), _ev("gemm", 10, 30), _ev("quantize", 50, 10),
+              _ev("ncclDevKernel_AllGather_RING_LL", 30, 25), _ev("ncclDevKernel_ReduceScatter_Sum", 70, 10),
+              _ev("gemm", 120, 10), _ev("aten::mm", 0, 100, cat="cpu_op")]
+    # (the profiler draws the step's range on the GPU's timeline too: not a step of its own)
+    events.append(_ev(MARKER, 3, 90, cat="gpu_user_annotation", tid=7))
+    (r,) = split_trace(events, "cuda")
+    assert r["wall_ms"] == pytest.approx(0.1)
+    assert r["compute_ms"] == pytest.approx(0.040)
+    assert r["comm_ms"] == pytest.approx(0.035)
+    assert r["exposed_comm_ms"] == pytest.approx(0.020)  # [40, 50) and [70, 80)
+    assert r["host_ms"] == pytest.approx(0.040)  # [0, 10), [60, 70), [80, 100)
+    assert r["wall_ms"] == pytest.approx(r["compute_ms"] + r["exposed_comm_ms"] + r["host_ms"])
+    assert r["comm_kinds_ms"] == pytest.approx({"all_gather": 0.025, "reduce_scatter": 0.010})
+
+
+def test_split_cpu_step():
+    # the step thread (tid 1): ATen ops [0, 30) (nested [5, 10)) and [60, 70); gloo's thread: an all-reduce [20, 80)
+    events = [_ev(MARKER, 0, 100, cat="user_annotation", tid=1), _ev("aten::mm", 0, 30, "cpu_op"),
+              _ev("aten::add", 5, 5, "cpu_op"), _ev("aten::mul", 60, 10, "cpu_op"),
+              _ev("aten::mm", 0, 50, "cpu_op", tid=7),  # another thread's op: not this step's compute
+              _ev("FSDP::all_gather", 0, 90, "user_annotation"), _ev("gloo:all_reduce", 20, 60, "user_annotation", 9)]
+    r = split_step(events, events[0], "cpu")
+    assert r["compute_ms"] == pytest.approx(0.040)
+    assert r["comm_ms"] == pytest.approx(0.060) and r["exposed_comm_ms"] == pytest.approx(0.040)  # [30, 60), [70, 80)
+    assert r["host_ms"] == pytest.approx(0.020)  # [80, 100)
+
+
+def test_step_profile_in_summary(tmp_path, small_text, cache_dir):
+    """One process on the CPU: steps 3 and 4 of 5 profiled (step 2 warms the profiler up), left out of tokens/s."""
+    s = train(TrainConfig(recipe="fp8-block", steps=5, seq_len=64, batch_size=2, data=small_text, cache_dir=cache_dir,
+                          eval_every=5, eval_windows=2, progress=False, verbose=False, device="cpu",
+                          out_dir=str(tmp_path), step_profile=2, save_final=False))
+    sp = s["step_profile"]
+    assert sp["steps"] == [3, 4] and len(sp["ranks"]) == 1
+    m = sp["mean"]
+    assert m["wall_ms"] > 0 and m["compute_ms"] > 0 and m["comm_ms"] == 0 and m["overlap_pct"] is None
+    assert m["wall_ms"] == pytest.approx(m["compute_ms"] + m["exposed_comm_ms"] + m["host_ms"])
+    assert len(sp["ranks"][0]["per_step"]) == 2
+    assert s["tokens_per_s"] > 0  # (step 1 alone was timed)
+    short = train(TrainConfig(recipe="bf16", steps=3, seq_len=64, batch_size=2, data=small_text, cache_dir=cache_dir,
+                              eval_every=3, eval_windows=2, progress=False, verbose=False, device="cpu",
+                              out_dir=str(tmp_path / "short"), step_profile=2, save_final=False))
+    assert "needs 4 steps" in short["step_profile"]["ranks"][0]["skipped"]
+    assert short["step_profile"]["mean"] is None
+    with pytest.raises(ValueError, match="step_profile"):
+        TrainConfig(step_profile=-1).validate()
