@@ -187,6 +187,46 @@ def test_graph_policy_goes_to_the_board_not_the_eager_records():
     assert [(e.layer, e.amax, e.policy) for e in nonfinite_events()] == [("a", float("inf"), "ignore")]
 
 
+def test_board_slots_do_not_keep_layers_alive_and_are_reused(monkeypatch):
+    """The board of torch.compile's CUDA graphs (here a CPU board standing in for a device's) keeps no layer alive: a
+    layer's slots are freed when it is garbage-collected and taken by the next layer, and a non-finite amax is named
+    by its layer."""
+    import gc
+    import weakref
+
+    st = lowbit.nn.state
+    for name, value in (("_boards", {None: torch.zeros(st.BOARD_SLOTS)}), ("_board_slots", {}), ("_board_free", {}),
+                        ("_board_next", {}), ("_board_dead", []), ("_board_parts", [None])):
+        monkeypatch.setattr(st, name, value)
+
+    class Layer:
+        def __init__(self, name):
+            self.name = name
+
+    nonfinite_events()
+    a, b = Layer("a"), Layer("b")
+    st.sentry([torch.tensor([1.0]), torch.tensor([2.0])], layer=a, role="input", phase="forward",
+              policy=st.graph_policy("skip"))
+    st.sentry(torch.tensor([3.0]), layer=b, role="weight", phase="forward", policy=st.graph_policy("skip"))
+    slots = {k[1]: v[0] for k, v in st._board_slots.items()}
+    assert slots == {id(a): 0, id(b): 2}
+    st._board_check()
+    st.check_nonfinite()
+    assert nonfinite_events() == []
+    gone = weakref.ref(a)
+    del a
+    gc.collect()
+    assert gone() is None  # the board held no reference to it
+    c = Layer("c")
+    st.sentry(torch.tensor([float("nan")]), layer=c, role="input", phase="forward", policy=st.graph_policy("skip"))
+    assert st._board_slots[(None, id(c), "input", "forward")][0] == 0  # the first of a's two freed slots
+    assert st._board_free[None] == [[1, 1]]
+    assert len(st._board_slots) == 2
+    st._board_check()
+    st.check_nonfinite()
+    assert [(e.layer, e.role) for e in nonfinite_events()] == [("c", "input")]
+
+
 @pytest.mark.parametrize("policy", ["ignore", "skip"])
 def test_ignore_hides_no_value_under_delayed_scaling(policy):
     """Delayed scaling with an Inf in the input: the cast alone would saturate it to 448 · scale_inv and the output

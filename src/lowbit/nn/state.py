@@ -33,6 +33,7 @@ import functools
 import math
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -572,8 +573,11 @@ def pending_checks() -> int:
 # the eager records) and zeroes it. A backward's slots are checked at the next exit (one step late).
 BOARD_SLOTS = 4096  # amaxes a device's board holds (a 1.3b model's step records about 300)
 _boards: dict = {}  # device index -> float32 (BOARD_SLOTS,) board
-_board_slots: dict = {}  # (device index, id(layer), role, phase) -> (record's first slot, layer, policy, count)
-_board_parts: list = [None]  # [(records without their step, their _Gather)], rebuilt when a slot is taken
+_board_slots: dict = {}  # (device index, id(layer), role, phase) -> (record's first slot, layer ref, policy, count)
+_board_parts: list = [None]  # [(records without their step, their _Gather)], rebuilt when a slot is taken or freed
+_board_free: dict = {}  # device index -> [[first slot, count], ...]: ranges of layers that were freed
+_board_next: dict = {}  # device index -> the first slot no layer has taken yet
+_board_dead: list = []  # keys of layers garbage-collected since (appended by their weakref callbacks)
 GRAPH_PREFIX = "graph-"
 
 
@@ -595,6 +599,44 @@ def prepare_board() -> None:
     _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=dev)
 
 
+def _board_layer_ref(layer, key):
+    """What a board slot keeps of its layer: a weak reference (the slots must not keep a model alive; its key is freed
+    when the layer goes), or the layer's name where it is one."""
+    if isinstance(layer, str):
+        return layer
+    return weakref.ref(layer, lambda _r, k=key: _board_dead.append(k))
+
+
+def _board_layer(ref):
+    """The layer (or name) a slot's reference points to, None once the layer is gone."""
+    return ref if isinstance(ref, str) else ref()
+
+
+def _board_purge() -> None:
+    """Free the slots of garbage-collected layers (under ``_lock``); a freed range is reused by later layers."""
+    while _board_dead:
+        ent = _board_slots.pop(_board_dead.pop(), None)
+        if ent is not None:
+            _board_free.setdefault(ent[4], []).append([ent[0], ent[3]])
+            _board_parts[0] = None
+
+
+def _board_take(idx: int, n: int) -> int | None:
+    """The first of ``n`` free consecutive slots of device ``idx``'s board (under ``_lock``), or None: full."""
+    for r in _board_free.get(idx, ()):
+        if r[1] >= n:
+            at = r[0]
+            r[0], r[1] = r[0] + n, r[1] - n
+            if not r[1]:
+                _board_free[idx].remove(r)
+            return at
+    at = _board_next.get(idx, 0)
+    if at + n > BOARD_SLOTS:
+        return None
+    _board_next[idx] = at + n
+    return at
+
+
 def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
     """Copy ``amaxes`` into their slots of the board (taking the slots at the first call of this layer, role and
     phase): the graph being recorded repeats the copies at every replay."""
@@ -607,11 +649,12 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
         return
     key = (idx, id(layer), role, phase)
     with _lock:
+        _board_purge()
         ent = _board_slots.get(key)
         if ent is None:
-            at = sum(e[3] for k, e in _board_slots.items() if k[0] == idx)  # (slots taken on this device)
-            if at + len(amaxes) <= BOARD_SLOTS:
-                ent = _board_slots[key] = (at, layer, policy, len(amaxes))
+            at = _board_take(idx, len(amaxes))
+            if at is not None:
+                ent = _board_slots[key] = (at, _board_layer_ref(layer, key), policy, len(amaxes), idx)
                 _board_parts[0] = None
     if ent is None:
         warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
@@ -625,12 +668,17 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
 def _board_check() -> None:
     """Queue one check of every board slot taken (records with the current step), then zero the boards."""
     with _lock:
+        _board_purge()
         parts = _board_parts[0]
         if parts is None:
             recs = []
-            for (idx, _, role, phase), (at, layer, policy, n) in _board_slots.items():
-                b = _boards[idx]
-                recs.append((layer, role, phase, policy, tuple(b[at + i:at + i + 1] for i in range(n))))
+            for (idx, _, role, phase), (at, ref, policy, n, _) in _board_slots.items():
+                layer = _board_layer(ref)
+                if layer is None:  # (gone since the purge above: its callback runs next time)
+                    continue
+                b = _boards[idx]  # (the records name their layer: they must not keep it alive)
+                recs.append((layer if isinstance(layer, str) else layer.name, role, phase, policy,
+                             tuple(b[at + i:at + i + 1] for i in range(n))))
             parts = _board_parts[0] = (recs, _Gather([a for r in recs for a in r[4]]))
     recs, gather = parts
     _launch_check([(layer, role, phase, _step, policy, a) for layer, role, phase, policy, a in recs], gather)
