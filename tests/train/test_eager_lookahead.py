@@ -212,18 +212,19 @@ def test_two_gpus_same_bits_with_and_without_lookahead(tmp_path, small_text, cac
 
 
 def test_one_process_same_bits_and_no_read_before_the_update(tmp_path, small_text, cache_dir, monkeypatch):
-    """One process, eager (the CPU: no CUDA graphs), torch's fused AdamW: the same bits either way, a fault and
-    gradient accumulation included, and with lookahead no host read between the last backward and the update."""
+    """One process, eager (the CPU: no CUDA graphs), torch's fused AdamW: the same bits either way, faults at the first
+    step and at a validation step and gradient accumulation included, and with lookahead no host read between the
+    last backward and the update."""
     monkeypatch.setattr(loop, "_optimizer", _fused(loop._optimizer))
     runs = {}
     for la in (True, False):
         with _Trace(torch.optim.AdamW) as tr:
             s = train(_config(str(tmp_path), small_text, cache_dir, la, steps=6, eval_every=3, grad_accum=2,
-                              fault_steps=(1,)))
+                              fault_steps=(0, 2)))
         runs[la] = (s, tr.reads_before_update())
     (on, reads_on), (off, reads_off) = runs[True], runs[False]
     assert on["history"] == off["history"] and on["events"] == off["events"]
-    assert [st for st, _ in on["history"]["train"]] == [1, 3, 4, 5, 6]
+    assert [st for st, _ in on["history"]["train"]] == [2, 4, 5, 6]
     assert reads_on == [0] * 6 and any(reads_off), (reads_on, reads_off)
     assert _same_weights(tmp_path / "la1", tmp_path / "la0")
 
