@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["reduce_amax", "is_active", "any_rank"]
+__all__ = ["reduce_amax", "is_active", "any_rank", "any_rank_tensor"]
 
 
 def is_active(group=None) -> bool:
@@ -61,3 +61,12 @@ def any_rank(flag: bool, group=None, device=None) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
+
+
+def any_rank_tensor(flag: torch.Tensor, group=None) -> torch.Tensor:
+    """:func:`any_rank` on the device: ``flag`` (float, 1.0 or 0.0) all-reduced (MAX) across ``group`` in place and
+    returned, nothing read on the host (e.g. the ``found_inf`` of a fused optimizer, so every rank skips the step
+    on the device)."""
+    if is_active(group):
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return flag

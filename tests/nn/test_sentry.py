@@ -357,3 +357,55 @@ def test_captured_amaxes_snapshotted_by_runs_of_their_buffers():
         assert [(e.layer, e.role, e.step) for e in got] == [("l2", "grad_output", 7)]
     finally:
         state.clear_captured()
+
+
+def test_take_checks_keeps_a_step_apart_from_the_next():
+    """take_checks(): a step's checks taken out of the queue with the device max of their amaxes (nothing read), their
+    events read after the next step ran, which keeps its own; nonfinite_events() sees neither."""
+    from lowbit.nn import state
+
+    m = _model()
+    nonfinite_events()
+    rec = recipes.Float8CurrentScaling()
+
+    def run(x):
+        with lowbit.autocast(recipe=rec, on_nonfinite="skip"):
+            y = m(x)
+        y.sum().backward()
+        return state.take_checks()
+
+    x = torch.randn(16, 32)
+    bad = run(torch.where(torch.arange(32) == 7, float("nan"), x))
+    good = run(x)
+    assert good.amax_max.shape == (1,) and math.isfinite(float(good.amax_max))
+    assert not math.isfinite(float(bad.amax_max))
+    assert nonfinite_events() == []
+    got = {(e.layer, e.role, e.phase) for e in bad.events()}
+    assert ("0", "input", "forward") in got and ("0", "grad_output", "backward") in got
+    assert good.events() == [] and bad.events() == []  # (read once)
+    assert state.take_checks().amax_max is None  # nothing queued since
+
+    # a check still on the GPU (a fake event): taken, and waited for by events() only
+    ev = _FakeEvent()
+    r = ("fc", "input", "forward", 3, "skip", (torch.tensor([float("inf")]),))
+    with state._lock:
+        state._inflight.append(([r], torch.tensor([float("inf")]), ev, None, torch.tensor([float("inf")])))
+    taken = state.take_checks()
+    state.check_nonfinite(wait=True)
+    assert not ev.waited and nonfinite_events() == []
+    assert [(e.layer, e.step) for e in taken.events()] == [("fc", 3)] and ev.waited
+
+
+def test_take_checks_folds_many_maxes_into_one():
+    """A program that queues checks and never reads them keeps a bounded list of their maxes, whose max is still
+    non-finite where one of them was."""
+    from lowbit.nn import state
+
+    nonfinite_events()
+    for i in range(3 * state._MAXES_KEPT):
+        a = torch.tensor([float("nan") if i == 5 else 1.0])
+        state._launch_check([("l", "input", "forward", i, "skip", (a,))])
+        assert len(state._maxes) <= state._MAXES_KEPT
+    taken = state.take_checks()
+    assert math.isnan(float(taken.amax_max))
+    assert [e.step for e in taken.events()] == [5]

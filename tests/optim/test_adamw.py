@@ -122,10 +122,33 @@ def _check_kernel(device: str, seed: int = 0, sch=SCH):
         _check_copies(p, layer, sch)
 
 
+def _check_skipped_first_step(device: str):
+    """A first step skipped on the device (found_inf = 1, no copies written before): nothing is updated and the copies
+    the next forward takes hold the weights as they are; the next step (found_inf = 0) is the reference's first."""
+    gen = torch.Generator().manual_seed(5)
+    ps, layers = _params(device, SHAPES[:2], gen)
+    before = [p.detach().clone() for p in ps]
+    opt = AdamW(ps, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    for skip in (1.0, 0.0):
+        _grads(ps, gen)
+        opt.found_inf = torch.full((), skip, device=device)
+        opt.step()
+        del opt.found_inf
+        for p, layer, b in zip(ps, layers, before):
+            if skip:
+                assert torch.equal(p.detach(), b) and float(opt.state[p]["step"]) == 0
+            else:
+                rp, _, _ = adamw_step_reference(b, p.grad.cpu().to(b.device), torch.zeros_like(b), torch.zeros_like(b),
+                                                step=1, lr=3e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+                assert torch.equal(p.detach(), rp)
+            _check_copies(p, layer)
+
+
 def test_kernel_interpreter_subprocess():
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, %r); import test_adamw as t; t._check_kernel('cpu'); "
-            "t._check_kernel('cpu', 1, t.SCH_E5M2); print('ok')" % os.path.dirname(__file__))
+            "t._check_kernel('cpu', 1, t.SCH_E5M2); t._check_skipped_first_step('cpu'); print('ok')"
+            % os.path.dirname(__file__))
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
@@ -174,6 +197,7 @@ def test_non_targets_follow_torch():
 def test_kernel_gpu(seed):
     _check_kernel("cuda", seed)
     _check_kernel("cuda", seed + 10, SCH_E5M2)
+    _check_skipped_first_step("cuda")
 
 
 @pytest.mark.gpu

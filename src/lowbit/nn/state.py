@@ -59,6 +59,8 @@ __all__ = [
     "NonFiniteEvent",
     "nonfinite_events",
     "check_nonfinite",
+    "take_checks",
+    "StepChecks",
     "DelayedScalingState",
     "state_key",
     "from_key",
@@ -265,7 +267,57 @@ def nonfinite_events() -> list[NonFiniteEvent]:
     with _lock:
         out = list(_events)
         _events.clear()
+        _maxes.clear()
     return out
+
+
+class StepChecks:
+    """The sentry's checks of one stretch of work (a training step), taken out of its queue by :func:`take_checks`.
+
+    Attributes:
+        amax_max: (1,) float32 on the checked amaxes' device, the max of every amax they checked: finite iff all
+            are (the sentry's own test); None where nothing was checked. Nothing reads it: a skip decision made on
+            the device (``found_inf`` of a fused optimizer) takes it as it is.
+    """
+
+    def __init__(self, amax_max, queue: list, events: list, errors: list):
+        self.amax_max = amax_max
+        self._queue, self._events, self._errors = queue, events, errors
+
+    def events(self) -> list[NonFiniteEvent]:
+        """Wait for these checks alone and return their events, as :func:`nonfinite_events` would have returned
+        them (raise-policy ones included, never raised); later calls return nothing."""
+        out = self._events + _read(self._queue, wait=True) + self._errors
+        self._queue, self._events, self._errors = [], [], []
+        return out
+
+
+def take_checks() -> StepChecks:
+    """Take every check queued since the last :func:`take_checks` or :func:`nonfinite_events` (the records not
+    checked yet are checked first) out of the sentry's queue, without waiting for the device, as a
+    :class:`StepChecks`: its ``amax_max`` for a skip decision on the device now, its events read later. The checks
+    queued after this call are not among them, so a loop may launch its next step before it reads this one's events.
+    Not inside a CUDA-graph capture."""
+    global _boundary_queued
+    if _cuda_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("take_checks: called inside a CUDA-graph capture (nothing may be read back there)")
+    _boundary_queued = False
+    with _lock:
+        recs = list(_unchecked)
+        _unchecked.clear()
+    if recs:
+        _launch_check(recs)
+    with _lock:
+        queue, events, maxes = list(_inflight), list(_events), list(_maxes)
+        _inflight.clear()
+        _events.clear()
+        _maxes.clear()
+        errors = list(_deferred_error)
+        _deferred_error.clear()
+    amax_max = None
+    if maxes:
+        amax_max = maxes[0] if len(maxes) == 1 else _max_of(maxes)
+    return StepChecks(amax_max, queue, events, errors)
 
 
 # Deferred checks: quantization only records (layer, role, phase, step, policy, amax tensors) — no device
@@ -279,6 +331,8 @@ _unchecked: list[tuple] = []
 _boundary_queued = False  # a check is queued for the end of the running backward pass
 _inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, cuda event or None, ring slot or None,
 #   their amaxes flattened at the check), oldest first
+_maxes: list = []  # the device max of every check queued since the last take_checks() / nonfinite_events()
+_MAXES_KEPT = 64  # more are folded into one (a program that never reads its events keeps no more than this)
 
 
 def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
@@ -432,11 +486,17 @@ def _launch_check(recs: list, gather: "_Gather | None" = None) -> None:
     else:
         flat = _flat([a for r in recs for a in r[5]])
         mx = flat.max().reshape(1)
+    with _lock:
+        _maxes.append(mx)
+        if len(_maxes) > _MAXES_KEPT:
+            _maxes[:] = [_max_of(_maxes)]
     if mx.is_cuda:
         slot = _ring.take()
         if slot is None:  # every slot in flight: read the oldest checks first (this waits)
             _drain(True, raise_errors=False)
             slot = _ring.take()
+        if slot is None:  # every slot held by checks take_checks() took: one more (allocating it synchronizes)
+            slot = torch.empty(1, dtype=torch.float32, pin_memory=True), None
         host, i = slot
         host.copy_(mx, non_blocking=True)
         ev = torch.cuda.Event()
@@ -452,14 +512,30 @@ _deferred_error: list = []  # a "raise" event read while draining for a free slo
 def _drain(wait: bool, raise_errors: bool = True) -> None:
     """Read the finished checks (all of them when ``wait``), oldest first; raise the first "raise" event."""
     first_error = _deferred_error.pop(0) if (raise_errors and _deferred_error) else None
+    for ev_ in _read(_inflight, wait):
+        if ev_.policy == "raise":
+            first_error = first_error or ev_
+        else:
+            with _lock:
+                _events.append(ev_)
+    if first_error is not None:
+        if raise_errors:
+            raise NonFiniteAmaxError(first_error)
+        _deferred_error.append(first_error)
+
+
+def _read(queue: list, wait: bool) -> list[NonFiniteEvent]:
+    """Read the finished checks of ``queue`` (all of them when ``wait``), oldest first, taking them out of it; the
+    events of their non-finite amaxes, every policy."""
+    out = []
     while True:
         with _lock:
-            if not _inflight:
+            if not queue:
                 break
-            recs, mx, ev, slot, flat = _inflight[0]
+            recs, mx, ev, slot, flat = queue[0]
             if ev is not None and not wait and not ev.query():
                 break
-            _inflight.pop(0)
+            queue.pop(0)
         if ev is not None:
             ev.synchronize()  # no-op when query() said done
         finite = math.isfinite(float(mx[0]))
@@ -476,17 +552,9 @@ def _drain(wait: bool, raise_errors: bool = True) -> None:
             vals = vals[~torch.isfinite(vals)]
             if not vals.numel():
                 continue
-            ev_ = NonFiniteEvent(layer=layer if isinstance(layer, str) else layer.name, role=role, phase=phase,
-                                 step=step_, amax=float(vals.abs().max()), policy=policy)
-            if policy == "raise":
-                first_error = first_error or ev_
-            else:
-                with _lock:
-                    _events.append(ev_)
-    if first_error is not None:
-        if raise_errors:
-            raise NonFiniteAmaxError(first_error)
-        _deferred_error.append(first_error)
+            out.append(NonFiniteEvent(layer=layer if isinstance(layer, str) else layer.name, role=role,
+                                      phase=phase, step=step_, amax=float(vals.abs().max()), policy=policy))
+    return out
 
 
 def check_nonfinite(wait: bool = True) -> None:

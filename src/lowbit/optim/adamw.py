@@ -71,7 +71,8 @@ class AdamW(torch.optim.AdamW):
 
     Differences from ``torch.optim.AdamW(fused=True)`` for those weights: with ``grad_scale`` set (the attribute
     torch's fused optimizers read, as ``GradScaler`` and lowbit's training graph use it) the unscaled gradient is
-    not written back into ``.grad``.
+    not written back into ``.grad``. With ``found_inf`` set (a step the device may skip) the copies that do not hold
+    their weight yet are written from it first, so a skipped step leaves copies of the weights as they are.
 
     The copies stay valid while the weight is not modified: an in-place change through torch (``copy_``,
     ``load_state_dict``) bumps the weight's version and the forward quantizes it again; a change through
@@ -228,6 +229,11 @@ class AdamW(torch.optim.AdamW):
                             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     steps = [self.state[p]["step"] for p, _ in items]
                     torch._foreach_add_(steps, 1)
+                    if getattr(self, "found_inf", None) is not None and not all(f.valid_for(p, f.scheme)
+                                                                                for p, f in items):
+                        # a step skipped on the device writes no copies yet marks them valid: first write them from
+                        # the weights as they are (new buffers, a weight changed since), which an update overwrites
+                        self._launch((gi, bi, False), g, items, False)
                 self._launch((gi, bi, adam), g, items, adam)
                 if adam:
                     fi = getattr(self, "found_inf", None)

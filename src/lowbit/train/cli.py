@@ -140,6 +140,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run torch.profiler over N steps after warm-up (default 2) and split each one's time into "
                         "compute, communication (exposed and hidden) and host time, per rank, into summary.json "
                         "(those steps are left out of tokens/s)")
+    g.add_argument("--no-lookahead", action="store_true",
+                   help="read and wait for every step on the host before the next one (by default, with --on-nonfinite "
+                        "skip, a step's skip is decided on the device and read one step later; the same results)")
     # testing hooks (hidden)
     p.add_argument("--stop-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-steps", type=lambda s: tuple(int(v) for v in s.split(",") if v), default=(),
@@ -162,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
-        profile_graphs=args.profile_graphs, step_profile=args.step_profile,
+        profile_graphs=args.profile_graphs, step_profile=args.step_profile, lookahead=not args.no_lookahead,
     )
 
 

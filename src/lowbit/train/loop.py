@@ -3,8 +3,10 @@
 One step = ``grad_accum`` micro-batches per rank, each a forward under ``lowbit.autocast(recipe)``
 (and ``torch.autocast`` to BF16 on CUDA) and a backward; then a NaN check (non-finite amax events
 from ``lowbit.nn.nonfinite_events`` and a non-finite loss, agreed across ranks), gradient clipping
-and the AdamW update. The global batch of a step is drawn from the data by ``(seed, step)`` alone,
-so a resumed run follows the uninterrupted trajectory and N ranks reproduce one rank.
+and the AdamW update. With ``--on-nonfinite skip`` the check is made on the device (the update skipped
+there) and read on the host one step later (``TrainConfig.lookahead``). The global batch of a step is
+drawn from the data by ``(seed, step)`` alone, so a resumed run follows the uninterrupted trajectory and
+N ranks reproduce one rank.
 """
 
 from __future__ import annotations
@@ -121,8 +123,10 @@ class TrainConfig:
     """Diagnostic: a folder; the fourth step's CUDA graphs are replayed under torch.profiler and their kernel times,
     gaps and trace written to ``<folder>/<recipe>/graph_profile.json``."""
     lookahead: bool = True
-    """With CUDA graphs and ``on_nonfinite="skip"``: finish a step on the host after the next one is launched (off:
-    every step is waited for; the same results)."""
+    """With ``on_nonfinite="skip"``: decide a step's skip on the device (CUDA graphs: in the update graph; eager steps,
+    DDP and FSDP2 among them: the loss, the amaxes and the gradient norm reduced across ranks there and fed to the
+    fused AdamW as ``found_inf``) and finish it on the host after the next one is launched (off: every step is read
+    and waited for on the host; the same results)."""
     step_profile: int = 0
     """Diagnostic: run ``torch.profiler`` over this many steps after warm-up (0: off) and split each one's wall time
     into compute, communication, the communication no compute hides (exposed) and host time, per rank, into the
@@ -896,10 +900,19 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     # nothing. TrainConfig.lookahead=False turns it off; the step-phase and profile diagnostics run without it.
     lookahead = (graphed is not None and c.on_nonfinite == "skip" and not phases.on and not profile_dir
                  and c.lookahead)
+    # The eager step (DDP, FSDP2, one process without graphs) the same way: its skip decided on the device from the
+    # all-reduced loss, the sentry's max of the step's amaxes (lowbit.nn.state.take_checks) and the clipped gradient
+    # norm, agreed across ranks by one all-reduce MAX and passed to the fused AdamW as found_inf (decide()); the
+    # loss, the flag and the norm's finiteness reach the host through a pinned slot, the events through the taken
+    # checks, read one step later. Every collective and kernel of the synchronous step runs in the same order on the
+    # same values: the same bits.
+    eager_ahead = graphed is None and c.on_nonfinite == "skip" and not phases.on and c.lookahead
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
     host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32,
                                                                                        pin_memory=True))
                    for _ in range(2)] if lookahead else None)
+    eager_slots = ([torch.zeros(3, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+                   if eager_ahead and d.device.type == "cuda" else None)
     t_mark = [time.perf_counter()]  # where the next step's wall time starts: the last step's end, after its eval/save
 
     def boundary(done: int) -> bool:
@@ -911,8 +924,42 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
                                    c.seq_len, d.device) for m in range(c.grad_accum)]
 
+    def decide(step: int, loss_sum: torch.Tensor) -> dict:
+        """The end of an eager step on the device (``eager_ahead``): the loss reduced, the gradients clipped, the skip
+        agreed across ranks and the update run or skipped by the fused AdamW, nothing read on the host; returns what
+        finish() reads (the taken sentry checks, the host slot of (loss sum, skip, norm non-finite) and its event)."""
+        checks = lnn.state.take_checks() if recipe is not None else None
+        loss_sum = _all_sum(loss_sum, d)
+        bad = ~torch.isfinite(loss_sum)
+        if checks is not None and checks.amax_max is not None:
+            bad = bad | ~torch.isfinite(checks.amax_max[0])
+        norm_bad = torch.zeros((), dtype=torch.bool, device=d.device)
+        if c.grad_clip > 0:  # (the norm and the clipping scale stay on the device: error_if_nonfinite is off)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            norm_bad = ~torch.isfinite(total)
+        skip = distributed.any_rank_tensor((bad | norm_bad).float(), d.group if d.active else None)
+        if all(g.get("fused") for g in opt.param_groups):
+            opt.found_inf = skip
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+        elif not bool(skip):  # (an unfused AdamW, the CPU's, takes no found_inf: a CPU tensor's read waits for nothing)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        vals, ready = torch.stack([loss_sum, skip.double(), norm_bad.double()]), None
+        if eager_slots is not None:
+            slot = eager_slots[step % 2]
+            slot.copy_(vals, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            vals = slot
+        return {"checks": checks, "vals": vals, "ready": ready, "fused_tensors": getattr(opt, "fused_tensors", 0)}
+
     def launch(step: int) -> dict:
-        """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go)."""
+        """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go, and with
+        ``eager_ahead`` the update)."""
         sprof.begin(step)
         phases.start(time.perf_counter())
         lr = lr_at(step, c)
@@ -925,7 +972,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         torch.manual_seed(step_key)  # stochastic rounding etc.: keyed by step
         if fault_poison is not None:
             fault_poison.fill_(float("inf") if step in c.fault_steps else 0.0)
-        skip = host = None
+        skip = host = decided = None
         try:
             if graphed is not None:  # (one process: this rank's rows are the global batch's)
                 batches = prefetched.pop(step, None) or graph_batches(step)
@@ -978,14 +1025,17 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                         model.set_requires_gradient_sync(m == c.grad_accum - 1)
                     with sync:
                         loss_sum += micro_step(x, y, m)
+                if eager_ahead:
+                    decided = decide(step, loss_sum)
         except lnn.NonFiniteAmaxError as e:  # --on-nonfinite raise
             raise FloatingPointError(f"step {step}: {e}") from e
-        # skip: the update graph ran (or skipped the step) on the device
-        updated = skip is not None
+        # skip / decided: the update graph / the eager update ran (or skipped the step) on the device
+        updated = skip is not None or decided is not None
         # (a profiled step, and the one before it, is waited for: its time is its own)
-        ahead = host is not None and not boundary(step + 1) and not sprof.covers(step) and not sprof.covers(step + 1)
+        ahead = ((host is not None or decided is not None) and not boundary(step + 1) and not sprof.covers(step)
+                 and not sprof.covers(step + 1))
         return {"step": step, "lr": lr, "loss_sum": loss_sum, "skip": skip, "updated": updated, "host": host,
-                "ahead": ahead}
+                "decided": decided, "ahead": ahead}
 
     def queue_check(rec: dict) -> None:
         """Queue the sentry's check of the amaxes the replay of ``rec`` wrote, behind it (and before the next replay
@@ -997,27 +1047,36 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         """The host's part of a launched step: wait for it, read its loss and faults, skip / roll back / update
         (eagerly where the update is not a graph), report, validate, checkpoint. True: stop the run here."""
         nonlocal timed_tokens, timed_s, last_train_loss
-        step, lr, loss_sum, updated = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"]
-        found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
-        phases.mark("wait fwd+bwd (nonfinite check)")
-        if rec["host"] is not None:  # (one process: nothing to reduce) this step's values, not the queue's end
-            hl, hs, ready = rec["host"]
-            ready.synchronize()
-            step_loss, skipped = float(hl) / c.grad_accum, bool(float(hs))
+        step, lr, loss_sum, updated, dec = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"], rec["decided"]
+        if dec is not None:  # the eager step decided on the device: its values (waits for this step only)
+            if dec["ready"] is not None:
+                dec["ready"].synchronize()
+            found = dec["checks"].events() if dec["checks"] is not None else []
+            loss_total, skip_flag, norm_flag = dec["vals"].tolist()
+            step_loss = loss_total / (c.grad_accum * d.world)
+            grads_bad = not found and math.isfinite(step_loss) and norm_flag > 0
+            bad = skip_flag > 0
         else:
-            loss_sum = _all_sum(loss_sum, d)
-            step_loss = float(loss_sum) / (c.grad_accum * d.world)
-            skipped = updated and bool(rec["skip"])
-        grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
-        if updated:
-            grads_bad = not found and math.isfinite(step_loss) and skipped
-        elif c.grad_clip > 0:  # every rank clips (a collective under FSDP2); a non-finite norm skips the step too
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-            total = total.full_tensor() if hasattr(total, "full_tensor") else total
-            grads_bad = not found and math.isfinite(step_loss) and not math.isfinite(float(total))
-            phases.mark("clip")
-        bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
-        phases.mark("loss read")
+            found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
+            phases.mark("wait fwd+bwd (nonfinite check)")
+            if rec["host"] is not None:  # (one process: nothing to reduce) this step's values, not the queue's end
+                hl, hs, ready = rec["host"]
+                ready.synchronize()
+                step_loss, skipped = float(hl) / c.grad_accum, bool(float(hs))
+            else:
+                loss_sum = _all_sum(loss_sum, d)
+                step_loss = float(loss_sum) / (c.grad_accum * d.world)
+                skipped = updated and bool(rec["skip"])
+            grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
+            if updated:
+                grads_bad = not found and math.isfinite(step_loss) and skipped
+            elif c.grad_clip > 0:  # every rank clips (a collective under FSDP2); a non-finite norm skips the step too
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+                total = total.full_tensor() if hasattr(total, "full_tensor") else total
+                grads_bad = not found and math.isfinite(step_loss) and not math.isfinite(float(total))
+                phases.mark("clip")
+            bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
+            phases.mark("loss read")
         if bad:
             if graphed is None:  # (a graph's gradients are rewritten by its next replay)
                 opt.zero_grad(set_to_none=True)
@@ -1047,14 +1106,15 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             if not updated:
                 opt.step()
                 phases.mark("optimizer launch")
-                if step == start and getattr(opt, "fused_tensors", 0):
-                    _say(d, c,
-                         f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
-                               "FP8 copies for the next forward in one kernel", bar)
-                if graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
-                    # the optimizer has state now: capture the update graph here, in the (untimed) first step
-                    # (capturing synchronizes and collects garbage: tens of ms), replayed from the next step on
-                    graphed.capture_update(opt, c.grad_clip, lr)
+            fused_tensors = dec["fused_tensors"] if dec is not None else getattr(opt, "fused_tensors", 0)
+            if step == start and fused_tensors and (dec is not None or not updated):
+                _say(d, c,
+                     f"[lowbit] optimizer: lowbit.optim.AdamW updates {fused_tensors} weights and writes their "
+                           "FP8 copies for the next forward in one kernel", bar)
+            if not updated and graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
+                # the optimizer has state now: capture the update graph here, in the (untimed) first step
+                # (capturing synchronizes and collects garbage: tens of ms), replayed from the next step on
+                graphed.capture_update(opt, c.grad_clip, lr)
             if graphed is None:
                 opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
@@ -1083,7 +1143,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         if saved:
             save(done)
             t_mark[0] = time.perf_counter()
-        if stop.requested and done < c.steps:  # Ctrl-C: a checkpoint here (where the run writes any), then stop
+        # Ctrl-C: a checkpoint here (where the run writes any), then stop; not at a step finished behind the next one,
+        # whose update is already queued (the first step launched after the request is not ahead: it stops there)
+        if stop.requested and done < c.steps and not rec["ahead"]:
             if not saved and (c.ckpt_every or c.save_final):
                 save(done)
             stop.at_step = done
