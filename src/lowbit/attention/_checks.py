@@ -36,14 +36,16 @@ __all__ = [
     "check_dropout",
     "check_blocks",
     "check_triton",
+    "check_triton_installed",
     "triton_ok",
     "check_grad_args",
     "check_grad_sink",
 ]
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-QUANT_QK_MIN_HEAD_DIM = 32  # INT8 / FP8 Q·K^T: an 8-bit MMA reduces over K >= 32
 """Head dims the Triton forward and backward kernels compile for."""
+QUANT_QK_MIN_HEAD_DIM = 32
+"""Smallest head dim of INT8 / FP8 Q·Kᵀ on the Triton kernel: an 8-bit MMA reduces over K >= 32."""
 GRAD_FORMATS = (None, "e4m3", "e5m2")
 """``grad_format`` values of the backward: 16-bit gradients, or FP8 E4M3 / E5M2 ``QuantizedTensor`` s."""
 
