@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.device import capability
+from .reference import causal_window, to_bhsd
 
 __all__ = ["CUDNN_MAX_HEAD_DIM", "CUDNN_MAX_BATCH_HEADS", "CUDNN_MIN_VERSION", "cudnn_decline", "cudnn_runtime_decline",
            "cudnn_forward", "cudnn_backward"]
@@ -52,10 +53,7 @@ def cudnn_decline(*, device_type: str, dtype: torch.dtype, batch: int, heads_q: 
         return f"the inputs must be float16 or bfloat16 for cuDNN, got {dtype}"
     if varlen:
         return "cu_seqlens_q/cu_seqlens_k must be None for cuDNN (dense inputs only), got packed varlen inputs"
-    left = -1 if window is None else int(window[0])
-    right = -1 if window is None else int(window[1])
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = causal_window(causal, window)
     if left >= 0 or right > 0:
         return f"window must be None for cuDNN (no sliding window; causal is the only mask), got {tuple(window)}"
     if right == 0 and seqlen_q != seqlen_k:
@@ -107,12 +105,13 @@ def _bhsd(x: Tensor, layout: str) -> Tensor:
     x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
-    return x if layout == "bhsd" else x.transpose(1, 2)
+    return to_bhsd(x, layout)
 
 
 def _back(x: Tensor, layout: str) -> Tensor:
-    """A (B, H, S, D) result of cuDNN's as a contiguous tensor in ``layout``."""
-    return (x if layout == "bhsd" else x.transpose(1, 2)).contiguous()
+    """A (B, H, S, D) result of cuDNN's as a contiguous tensor in ``layout`` (``to_bhsd``'s transpose undoes
+    itself)."""
+    return to_bhsd(x, layout).contiguous()
 
 
 def cudnn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float, layout: str):
