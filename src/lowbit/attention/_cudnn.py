@@ -127,10 +127,9 @@ def cudnn_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    softmax_scale: float, layout: str):
     """cuDNN's attention backward from the forward's ``o`` and FP32 natural-log ``lse`` (B, H, Sq) (the call must
     pass :func:`cudnn_decline`): (dq, dk, dv), each contiguous in ``layout``, in q's dtype."""
-    Sq, Sk = (q.shape[2], k.shape[2]) if layout == "bhsd" else (q.shape[1], k.shape[1])
-    stats = (lse if lse.is_contiguous() else lse.contiguous()).unsqueeze(-1)
+    dob, qb, kb, vb, ob = (_bhsd(x, layout) for x in (do, q, k, v, o))
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # (the Philox seed and offset: read with dropout)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(do, layout), _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout), _bhsd(o, layout), stats, unused,
-        unused, None, None, None, Sq, Sk, 0.0, bool(causal), scale=float(softmax_scale))
+        dob, qb, kb, vb, ob, lse.contiguous().unsqueeze(-1), unused, unused, None, None, None, qb.shape[2],
+        kb.shape[2], 0.0, bool(causal), scale=float(softmax_scale))
     return tuple(_back(g, layout) for g in grads)
