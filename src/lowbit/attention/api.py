@@ -481,7 +481,7 @@ def _attention_fwd_setup(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, mq, mk, sdq, sdk, sdv, causal, softmax_scale, window, layout, qk, pv, _, _, _, _, _,
      backend, return_lse, grad_format) = inputs
     out, lse = output
-    keep = return_lse and (backend == "sdpa" or _keeps_out_lse(backend, qk, pv, False))  # (sdpa: cuDNN's O, LSE)
+    keep = return_lse and _keeps_out_lse(backend, qk, pv, True)  # (an SDPA forward's LSE is only ever cuDNN's)
     ctx.save_for_backward(q, k, v, out if keep else None, lse if keep else None, cu_q, cu_k, sdq, sdk, sdv)
     ctx.args = (mq, mk, causal, softmax_scale, window, layout, grad_format)
     ctx.mark_non_differentiable(lse)
