@@ -169,8 +169,8 @@ def backward_backend(device, dtype: torch.dtype, *, batch: int, heads_q: int, he
     (``_cudnn.cudnn_decline``: dense, no window, causal only with seqlen_q == seqlen_k, no dropout, 16-bit gradients,
     Hq a multiple of Hkv, head_dim a multiple of 8 up to 128) and lowbit prefers it on the device
     (``_cudnn.cudnn_runtime_decline``: capability 9.x/10.x, cuDNN > 9.15, as torch's SDPA) — on an H100 its backward
-    took 0.73-0.85x the time of lowbit's Triton backward at every shape measured (B4-8 H16-32 S2048-4096 D64/128,
-    causal or not); otherwise "triton" on CUDA (or under Triton's interpreter), "reference" elsewhere."""
+    took at most 0.85x the time of lowbit's Triton backward at every shape measured, causal or not; otherwise
+    "triton" on CUDA (or under Triton's interpreter), "reference" elsewhere."""
     return _backward_choice(torch.device(device), dtype, dict(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
         causal=causal, window=window, varlen=varlen, dropout_p=dropout_p, grad_format=grad_format,
