@@ -264,10 +264,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
         if not return_lse:
             return _sdpa(q, k, v, causal=causal, scale=softmax_scale, layout=lay), None
         # (asked only by an autograd forward that keeps O and LSE for cuDNN's backward, ``_keeps_out_lse``)
-        B, Hq, Sq, D = shape4("q", q, lay)
-        _, Hkv, Sk, _ = shape4("k", k, lay)
-        why = cudnn_decline(device_type=q.device.type, dtype=q.dtype, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq,
-                            seqlen_k=Sk, head_dim=D, causal=causal)
+        why = cudnn_decline(device_type=q.device.type, dtype=q.dtype, causal=causal, **_cudnn_shapes(q, k, lay))
         if why is not None:
             raise NotImplementedError(f"backend='sdpa' gives an LSE only through cuDNN's attention, which cannot run "
                                       f"this call: {why}")
@@ -311,13 +308,18 @@ def _check_sdpa(qk: str, pv: str, varlen: bool, window, return_lse: bool) -> Non
                                   f"return_lse={return_lse}")
 
 
+def _cudnn_shapes(q, k, layout: str) -> dict:
+    """The shape arguments of ``cudnn_decline`` / ``backward_backend`` for q, k in ``layout`` (batch 0 when packed)."""
+    B, Hq, Sq, D = shape4("q", q, layout)
+    _, Hkv, Sk, _ = shape4("k", k, layout)
+    return dict(batch=B or 0, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_k=Sk, head_dim=D)
+
+
 def _cudnn_backward_default(q, k, *, layout: str, causal: bool, window, varlen: bool, grad_format) -> bool:
     """Whether the backward of this call runs cuDNN's attention backward by default (``backward_backend``): then the
     O and LSE it needs, where the forward keeps none of lowbit's, come from cuDNN's forward too."""
-    B, Hq, Sq, D = shape4("q", q, layout)
-    _, Hkv, Sk, _ = shape4("k", k, layout)
-    return backward_backend(q.device, q.dtype, batch=B or 0, heads_q=Hq, heads_kv=Hkv, seqlen_q=Sq, seqlen_k=Sk,
-                            head_dim=D, causal=causal, window=window, varlen=varlen, grad_format=grad_format) == "cudnn"
+    return backward_backend(q.device, q.dtype, causal=causal, window=window, varlen=varlen, grad_format=grad_format,
+                            **_cudnn_shapes(q, k, layout)) == "cudnn"
 
 
 def _keeps_out_lse(backend: str, qk: str, pv: str, cudnn: bool) -> bool:
