@@ -683,9 +683,10 @@ def _board_layer(ref):
 def _board_purge() -> None:
     """Free the slots of garbage-collected layers (under ``_lock``); a freed range is reused by later layers."""
     while _board_dead:
-        ent = _board_slots.pop(_board_dead.pop(), None)
+        key = _board_dead.pop()
+        ent = _board_slots.pop(key, None)
         if ent is not None:
-            _board_free.setdefault(ent[4], []).append([ent[0], ent[3]])
+            _board_free.setdefault(key[0], []).append([ent[0], ent[3]])
             _board_parts[0] = None
 
 
@@ -722,7 +723,7 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
         if ent is None:
             at = _board_take(idx, len(amaxes))
             if at is not None:
-                ent = _board_slots[key] = (at, _board_layer_ref(layer, key), policy, len(amaxes), idx)
+                ent = _board_slots[key] = (at, _board_layer_ref(layer, key), policy, len(amaxes))
                 _board_parts[0] = None
     if ent is None:
         warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
@@ -740,7 +741,7 @@ def _board_check() -> None:
         parts = _board_parts[0]
         if parts is None:
             recs = []
-            for (idx, _, role, phase), (at, ref, policy, n, _) in _board_slots.items():
+            for (idx, _, role, phase), (at, ref, policy, n) in _board_slots.items():
                 layer = _board_layer(ref)
                 if layer is None:  # (gone since the purge above: its callback runs next time)
                     continue
