@@ -298,13 +298,9 @@ def take_checks() -> StepChecks:
     :class:`StepChecks`: its ``amax_max`` for a skip decision on the device now, its events read later. The checks
     queued after this call are not among them, so a loop may launch its next step before it reads this one's events.
     Not inside a CUDA-graph capture."""
-    global _boundary_queued
     if _cuda_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("take_checks: called inside a CUDA-graph capture (nothing may be read back there)")
-    _boundary_queued = False
-    with _lock:
-        recs = list(_unchecked)
-        _unchecked.clear()
+    recs = _take_unchecked()
     if recs:
         _launch_check(recs)
     with _lock:
@@ -333,6 +329,17 @@ _inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, c
 #   their amaxes flattened at the check), oldest first
 _maxes: list = []  # the device max of every check queued since the last take_checks() / nonfinite_events()
 _MAXES_KEPT = 64  # more are folded into one (a program that never reads its events keeps no more than this)
+
+
+def _take_unchecked() -> list[tuple]:
+    """The records not checked yet, taken out of ``_unchecked`` for a check; any check clears ``_boundary_queued``
+    (see :func:`sentry`)."""
+    global _boundary_queued
+    _boundary_queued = False
+    with _lock:
+        recs = list(_unchecked)
+        _unchecked.clear()
+    return recs
 
 
 def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
@@ -566,11 +573,7 @@ def check_nonfinite(wait: bool = True) -> None:
             only the checks the GPU has already finished; the rest are reported by a later call.
             CPU tensors are always checked at once.
     """
-    global _boundary_queued
-    _boundary_queued = False
-    with _lock:
-        recs = list(_unchecked)
-        _unchecked.clear()
+    recs = _take_unchecked()
     if recs:
         if _cuda_available() and torch.cuda.is_current_stream_capturing():
             # Inside CUDA-graph capture nothing may be read back: keep the records; every replay rewrites
