@@ -160,7 +160,7 @@ class AmaxBatches:
                 continue
             with torch.no_grad():
                 shard = p.to_local()
-            shard = _in_param_dtype(shard.lowbit_hp if isinstance(shard, Float8AllGatherWeight) else shard, mp_policy)
+            shard = _in_param_dtype(_plain(shard), mp_policy)
             keys.append((id(m), a))
             amaxes.append(amax_of(shard))
             waiting.append((shard.dtype, p._version))
