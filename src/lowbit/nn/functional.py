@@ -41,8 +41,9 @@ from ..runtime.device import INTERPRET as _INTERPRET
 from ..runtime.device import in_graph_tree, num_sms
 from . import state as _ac
 
-# Every operand this module hands the GEMMs was made by lowbit's quantizer inside the same operator: its structure is
-# checked once per call signature, not on every call.
+# Every operand this module hands the GEMMs is one lowbit built (its quantizer, the optimizer's fused update, FSDP2's
+# gathered copies, a handed-over grad_output), whose structure follows from the call's signature: it is checked at the
+# first call of each signature, not on every call.
 scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
 wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
