@@ -116,13 +116,14 @@ def _scaled_mm_v1(A, B, sa, sb, mm_dtype, sig, sch_a, sch_b):
     """Rowwise and blockwise through ``torch._scaled_mm``, which infers the scaling from the scale shapes: the same
     cuBLAS kernels as ``F.scaled_mm`` (bit-identical results, tested) at a quarter less host time a call. A pairing
     it refuses is remembered in ``V1_DECLINED`` and goes to ``F.scaled_mm``, which names the scaling explicitly."""
-    try:
-        return torch._scaled_mm(A, B.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype)
-    except (RuntimeError, ValueError) as e:
-        if _not_capability(e):
-            raise
-        V1_DECLINED.add(sig)
-        return _F.scaled_mm(A, B.t(), sa, _recipe(sch_a), sb, _recipe(sch_b), output_dtype=mm_dtype)
+    if sig not in V1_DECLINED:
+        try:
+            return torch._scaled_mm(A, B.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype)
+        except (RuntimeError, ValueError) as e:
+            if _not_capability(e):
+                raise
+            V1_DECLINED.add(sig)
+    return _F.scaled_mm(A, B.t(), sa, _recipe(sch_a), sb, _recipe(sch_b), output_dtype=mm_dtype)
 
 
 def _triton(a, b, **kw):
@@ -158,11 +159,7 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
                 # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
                 sb = sb.t()
-            sig = _sig(a, b, out_dtype, K)
-            if sig in V1_DECLINED:
-                acc = _F.scaled_mm(A, B.t(), sa, _recipe(a.scheme), sb, _recipe(b.scheme), output_dtype=mm_dtype)
-            else:
-                acc = _scaled_mm_v1(A, B, sa, sb, mm_dtype, sig, a.scheme, b.scheme)
+            acc = _scaled_mm_v1(A, B, sa, sb, mm_dtype, _sig(a, b, out_dtype, K), a.scheme, b.scheme)
     except (RuntimeError, ValueError) as e:
         if _not_capability(e):
             raise

@@ -38,7 +38,7 @@ from .. import distributed
 from ..quant import quantize
 from ..quant.reference import amax_of, compute_scale
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
-from ..quant.tensor import QuantizedCopy, QuantizedTensor
+from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
 from ..recipes import Float8BlockScaling, Float8CurrentScaling, Recipe
 from ..runtime.log import declined, warn_once
 from .base import LowbitModule
@@ -160,7 +160,7 @@ class AmaxBatches:
                 continue
             with torch.no_grad():
                 shard = p.to_local()
-            shard = _in_param_dtype(shard.lowbit_hp if isinstance(shard, Float8AllGatherWeight) else shard, mp_policy)
+            shard = _in_param_dtype(_plain(shard), mp_policy)
             keys.append((id(m), a))
             amaxes.append(amax_of(shard))
             waiting.append((shard.dtype, p._version))
@@ -422,5 +422,4 @@ def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:
         return world * rows * k * 4
     if isinstance(scheme, Float8Tensorwise):
         return world * rows * k
-    tiles_r, tiles_k = rows // scheme.block_size, math.ceil(k / scheme.block_size)
-    return world * (rows * k + tiles_r * (-(-tiles_k // 4) * 4) * 4 + 4)
+    return world * (rows * k + math.prod(scale_storage_shape(scheme, rows, k)) * 4 + 4)  # (the tile grid as stored)

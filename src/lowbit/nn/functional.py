@@ -28,7 +28,6 @@ from ..gemm import wgrad_mm as _checked_wgrad_mm
 from ..quant import quantize
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import (
-    QuantizedCopy,
     QuantizedTensor,
     columnwise_from_rowwise,
     copy_from_tensors,
@@ -42,8 +41,9 @@ from ..runtime.device import INTERPRET as _INTERPRET
 from ..runtime.device import in_graph_tree, num_sms
 from . import state as _ac
 
-# Every operand this module hands the GEMMs was made by lowbit's quantizer inside the same operator: its structure is
-# checked once per call signature, not on every call.
+# Every operand this module hands the GEMMs is one lowbit built (its quantizer, the optimizer's fused update, FSDP2's
+# gathered copies, a handed-over grad_output), whose structure follows from the call's signature: it is checked at the
+# first call of each signature, not on every call.
 scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
 wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
@@ -185,8 +185,7 @@ class GemmLayer:
                 and q.rowwise is not None and (q.rows, q.cols) == tuple(dy2.shape)):
             return None
         if need_wgrad and q.columnwise is None:  # one scale per tensor: the columnwise copy is the transpose
-            r = q.rowwise
-            q.columnwise = QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv, amax=r.amax)
+            q.columnwise = columnwise_from_rowwise(q)
         _ac.sentry(q.amax.reshape(1), layer=self, role="grad_output", phase=phase, policy=policy)
         self.delayed_state(recipe, dy2.device).observe("grad_output", q.amax)
         self.handoffs += 1

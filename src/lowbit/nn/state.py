@@ -298,13 +298,9 @@ def take_checks() -> StepChecks:
     :class:`StepChecks`: its ``amax_max`` for a skip decision on the device now, its events read later. The checks
     queued after this call are not among them, so a loop may launch its next step before it reads this one's events.
     Not inside a CUDA-graph capture."""
-    global _boundary_queued
     if _cuda_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("take_checks: called inside a CUDA-graph capture (nothing may be read back there)")
-    _boundary_queued = False
-    with _lock:
-        recs = list(_unchecked)
-        _unchecked.clear()
+    recs = _take_unchecked()
     if recs:
         _launch_check(recs)
     with _lock:
@@ -333,6 +329,17 @@ _inflight: list[tuple] = []  # (records, max of their amaxes (1,) on the host, c
 #   their amaxes flattened at the check), oldest first
 _maxes: list = []  # the device max of every check queued since the last take_checks() / nonfinite_events()
 _MAXES_KEPT = 64  # more are folded into one (a program that never reads its events keeps no more than this)
+
+
+def _take_unchecked() -> list[tuple]:
+    """The records not checked yet, taken out of ``_unchecked`` for a check; any check clears ``_boundary_queued``
+    (see :func:`sentry`)."""
+    global _boundary_queued
+    _boundary_queued = False
+    with _lock:
+        recs = list(_unchecked)
+        _unchecked.clear()
+    return recs
 
 
 def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
@@ -566,11 +573,7 @@ def check_nonfinite(wait: bool = True) -> None:
             only the checks the GPU has already finished; the rest are reported by a later call.
             CPU tensors are always checked at once.
     """
-    global _boundary_queued
-    _boundary_queued = False
-    with _lock:
-        recs = list(_unchecked)
-        _unchecked.clear()
+    recs = _take_unchecked()
     if recs:
         if _cuda_available() and torch.cuda.is_current_stream_capturing():
             # Inside CUDA-graph capture nothing may be read back: keep the records; every replay rewrites
@@ -683,9 +686,10 @@ def _board_layer(ref):
 def _board_purge() -> None:
     """Free the slots of garbage-collected layers (under ``_lock``); a freed range is reused by later layers."""
     while _board_dead:
-        ent = _board_slots.pop(_board_dead.pop(), None)
+        key = _board_dead.pop()
+        ent = _board_slots.pop(key, None)
         if ent is not None:
-            _board_free.setdefault(ent[4], []).append([ent[0], ent[3]])
+            _board_free.setdefault(key[0], []).append([ent[0], ent[3]])
             _board_parts[0] = None
 
 
@@ -722,7 +726,7 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
         if ent is None:
             at = _board_take(idx, len(amaxes))
             if at is not None:
-                ent = _board_slots[key] = (at, _board_layer_ref(layer, key), policy, len(amaxes), idx)
+                ent = _board_slots[key] = (at, _board_layer_ref(layer, key), policy, len(amaxes))
                 _board_parts[0] = None
     if ent is None:
         warn_once(f"lowbit: the NaN sentry's board inside CUDA graphs on cuda:{idx} is full ({BOARD_SLOTS} "
@@ -740,7 +744,7 @@ def _board_check() -> None:
         parts = _board_parts[0]
         if parts is None:
             recs = []
-            for (idx, _, role, phase), (at, ref, policy, n, _) in _board_slots.items():
+            for (idx, _, role, phase), (at, ref, policy, n) in _board_slots.items():
                 layer = _board_layer(ref)
                 if layer is None:  # (gone since the purge above: its callback runs next time)
                     continue

@@ -227,19 +227,24 @@ def columnwise_from_rowwise(qt: "QuantizedTensor") -> "QuantizedCopy":
     """The columnwise copy of ``qt`` made from its rowwise copy, where the two hold the same scaling groups:
     Float8Tensorwise (the transposed data, the same scale) and Float8Blockwise with ``block_dim=2`` (square tiles: the
     transposed data and the transposed tile grid). Bit-identical to quantizing the high-precision tensor with
-    ``columnwise=True`` (every tile's amax, hence its scale, is the same set of elements either way).
+    ``columnwise=True`` (every tile's amax, hence its scale, is the same set of elements either way). The data is
+    transposed by :func:`lowbit.runtime.transpose.transpose_2d` (one tiled kernel on the GPU, where torch's
+    transposing copy is slow).
 
     Raises:
         ValueError: ``qt`` has no rowwise copy, or its scheme scales rows and columns differently.
     """
+    from ..runtime.transpose import transpose_2d  # (lazy: that module imports triton)
+
     sch, r = qt.scheme, qt.rowwise
     if r is None:
         raise ValueError("qt: has no rowwise copy to transpose")
     if isinstance(sch, Float8Tensorwise):
-        return QuantizedCopy(data=r.data.t().contiguous(), scale_inv=r.scale_inv, amax=r.amax)
+        return QuantizedCopy(data=transpose_2d(r.data.contiguous()), scale_inv=r.scale_inv, amax=r.amax)
     if isinstance(sch, Float8Blockwise) and sch.block_dim == 2:
         logical = scale_logical(sch, r.scale_inv, qt.rows, qt.cols)
-        return QuantizedCopy(data=r.data.t().contiguous(), scale_inv=scale_storage(sch, logical.t()), amax=r.amax)
+        return QuantizedCopy(data=transpose_2d(r.data.contiguous()), scale_inv=scale_storage(sch, logical.t()),
+                             amax=r.amax)
     raise ValueError(f"qt: the columnwise copy is the transposed rowwise copy only under Float8Tensorwise or "
                      f"128x128 Float8Blockwise (block_dim=2), got scheme {sch!r}")
 
