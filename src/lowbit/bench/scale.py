@@ -221,7 +221,7 @@ def _child_env() -> dict:
 def _last_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if "error" in ln.lower() or "Error" in ln:
+        if "error" in ln.lower():
             return ln[:300]
     return lines[-1][:300] if lines else "no output"
 
@@ -387,7 +387,7 @@ def header(cfg: dict, table: list[dict]) -> str:
     return (f"## lowbit bench scale — {dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}, commit "
             f"{git_commit()}\n\nmodel {cfg['model']}, per-GPU batch {cfg['batch_size']} x {cfg['seq_len']} tokens, "
             f"{cfg['steps']} steps a run, tokens/s over {timed}"
-            + (f"; step profile over steps {3}-{2 + sp} (ms a step, mean of the ranks)" if sp else "")
+            + (f"; step profile over steps 3-{2 + sp} (ms a step, mean of the ranks)" if sp else "")
             + ". x graphed / x eager / x compile: tokens/s over one GPU's (CUDA-graphed, eager, compiled), eff.: "
               "that over the GPU count; targets (x graphed): "
             + ", ".join(f"{t} on {n} GPUs" for n, t in TARGETS.items())
