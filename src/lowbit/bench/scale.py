@@ -309,7 +309,7 @@ def run_all(cfg: dict, runs: list[dict], log=print) -> dict:
         results[run["dir"]] = s
         if s.get("tokens_per_s"):
             log(f"[bench scale] {label}: {s['tokens_per_s']:,.0f} tokens/s, final train loss "
-                f"{s.get('final_train_loss', float('nan')):.4f}")
+                f"{_f(s.get('final_train_loss'), '.4f')}")
     return results
 
 
@@ -375,7 +375,8 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
 
 
 def _f(v, fmt: str, none: str = "-") -> str:
-    return none if v is None else format(v, fmt)
+    """``v`` formatted; a non-finite float as ``lowbit train``'s summary.json holds it ("nan", "inf") stays as it is."""
+    return none if v is None else v if isinstance(v, str) else format(v, fmt)
 
 
 def header(cfg: dict, table: list[dict]) -> str:
