@@ -97,6 +97,16 @@ def test_table_arithmetic():
     assert "| 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target)" in md
 
 
+def test_table_takes_non_finite_losses():
+    """summary.json holds a non-finite loss as a string ("nan"): the table shows it."""
+    cfg = dict(device="cpu", gpus=[1], recipes=["bf16"], modes=[], refs=["eager"], loss_check=False, step_profile=0,
+               model="tiny", steps=6, batch_size=4, seq_len=64)
+    runs = scale.plan(cfg)
+    res = {"bf16/1gpu-eager": {**_summary(10.0, [2.0, 1.0]), "final_train_loss": "nan", "final_val_loss": "inf"}}
+    md = scale.markdown(cfg, scale.rows(cfg, runs, res))
+    assert "| bf16 | 1 GPU eager | 1 | 10 | 10 |" in md and "| nan | inf |" in md
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--recipes", "fp9"], "unknown recipe 'fp9'"),
     (["--modes", "zero3"], "unknown mode 'zero3'"),

@@ -67,8 +67,9 @@ def exit_status(prog: str, body) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"{prog}: error: {e.filename!r}: {e.strerror or e}" if e.filename else f"{prog}: error: {e}",
-              file=sys.stderr)
+        from ..train.cli import os_error_line
+
+        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -221,7 +221,7 @@ def _child_env() -> dict:
 def _last_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if "error" in ln.lower() or "Error" in ln:
+        if "error" in ln.lower():
             return ln[:300]
     return lines[-1][:300] if lines else "no output"
 
@@ -309,7 +309,7 @@ def run_all(cfg: dict, runs: list[dict], log=print) -> dict:
         results[run["dir"]] = s
         if s.get("tokens_per_s"):
             log(f"[bench scale] {label}: {s['tokens_per_s']:,.0f} tokens/s, final train loss "
-                f"{s.get('final_train_loss', float('nan')):.4f}")
+                f"{_f(s.get('final_train_loss'), '.4f')}")
     return results
 
 
@@ -375,7 +375,8 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
 
 
 def _f(v, fmt: str, none: str = "-") -> str:
-    return none if v is None else format(v, fmt)
+    """``v`` formatted; a non-finite float as ``lowbit train``'s summary.json holds it ("nan", "inf") stays as it is."""
+    return none if v is None else v if isinstance(v, str) else format(v, fmt)
 
 
 def header(cfg: dict, table: list[dict]) -> str:
@@ -387,7 +388,7 @@ def header(cfg: dict, table: list[dict]) -> str:
     return (f"## lowbit bench scale — {dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}, commit "
             f"{git_commit()}\n\nmodel {cfg['model']}, per-GPU batch {cfg['batch_size']} x {cfg['seq_len']} tokens, "
             f"{cfg['steps']} steps a run, tokens/s over {timed}"
-            + (f"; step profile over steps {3}-{2 + sp} (ms a step, mean of the ranks)" if sp else "")
+            + (f"; step profile over steps 3-{2 + sp} (ms a step, mean of the ranks)" if sp else "")
             + ". x graphed / x eager / x compile: tokens/s over one GPU's (CUDA-graphed, eager, compiled), eff.: "
               "that over the GPU count; targets (x graphed): "
             + ", ".join(f"{t} on {n} GPUs" for n, t in TARGETS.items())

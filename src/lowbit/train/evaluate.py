@@ -39,7 +39,7 @@ from .loop import (
     setup_distributed,
     validation_loss,
 )
-from .report import write_json
+from .report import text_table, write_json
 
 __all__ = ["ATTENTION_VARIANTS", "BASELINE", "DEFAULT_VARIANTS", "parse_variants", "read_eval_checkpoint",
            "evaluate_attention", "format_eval_table", "add_eval_args", "run_eval", "main"]
@@ -217,12 +217,7 @@ def format_eval_table(result: dict) -> str:
     body = [[r["variant"], r["kernel"], f"{r['val_loss']:.6f}",
              "—" if r["variant"] == result["baseline"] or r["gap_pct"] is None else f"{r['gap_pct']:+.4f}%",
              f"{r['seconds']:.2f} s", f"{r['tokens_per_s']:,.0f}"] for r in result["variants"]]
-    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
-
-    def fmt(row):
-        return "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])
+    return text_table(head, body, left=2)
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

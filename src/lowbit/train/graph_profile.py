@@ -47,29 +47,34 @@ def _kernels(prof, raw: list | None = None) -> list[tuple[float, float, str]]:
     return [(s, s + d, n) for s, d, _, _, n in rows]
 
 
+def merge(intervals) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
 def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
     """Span, busy time (union of intervals), idle time, gap statistics and the ``top`` kernel names by total time
     (all in microseconds) of one graph's kernels."""
     if not kernels:
         return {"kernels": 0}
-    busy, idle, gaps = 0.0, 0.0, []
-    cur_s, cur_e = kernels[0][0], kernels[0][1]
-    for s, e, _ in kernels[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            idle += s - cur_e
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
+    spans = merge((s, e) for s, e, _ in kernels)
+    busy = sum(e - s for s, e in spans)
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    idle = sum(gaps)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for s, e, n in kernels:
         by_name[n][0] += e - s
         by_name[n][1] += 1
     gaps.sort()
     return {
-        "kernels": len(kernels), "span_us": cur_e - kernels[0][0],  # (cur_e: the latest end of any kernel)
+        "kernels": len(kernels), "span_us": spans[-1][1] - spans[0][0],
         "busy_us": busy, "idle_us": idle, "kernel_sum_us": sum(e - s for s, e, _ in kernels),
         "gaps": len(gaps), "gap_median_us": gaps[len(gaps) // 2] if gaps else 0.0,
         "gap_p90_us": gaps[int(0.9 * len(gaps))] if gaps else 0.0,

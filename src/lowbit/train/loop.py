@@ -908,11 +908,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     # same values: the same bits.
     eager_ahead = graphed is None and c.on_nonfinite == "skip" and not phases.on and c.lookahead
     # (allocating pinned memory synchronizes the device: the slots are made once; two, as two steps are in flight)
-    host_slots = ([(torch.zeros((), dtype=torch.float64, pin_memory=True), torch.zeros((), dtype=torch.float32,
-                                                                                       pin_memory=True))
-                   for _ in range(2)] if lookahead else None)
-    eager_slots = ([torch.zeros(3, dtype=torch.float64, pin_memory=True) for _ in range(2)]
-                   if eager_ahead and d.device.type == "cuda" else None)
+    host_slots = ([torch.zeros(3, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+                  if (lookahead or eager_ahead) and d.device.type == "cuda" else None)
     t_mark = [time.perf_counter()]  # where the next step's wall time starts: the last step's end, after its eval/save
 
     def boundary(done: int) -> bool:
@@ -924,10 +921,29 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
                                    c.seq_len, d.device) for m in range(c.grad_accum)]
 
+    def to_host(step: int, *vals: torch.Tensor) -> tuple:
+        """Send step ``step``'s device scalars ``vals`` to the host without waiting: on CUDA copied (float64) into its
+        pinned slot behind an event, read by :func:`read_host` once the copy is done, not the work queued after it."""
+        vals = torch.stack(vals).double()
+        if host_slots is None:  # (the CPU: reading waits for nothing)
+            return vals, None
+        slot = host_slots[step % 2][:len(vals)]
+        slot.copy_(vals, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return slot, ready
+
+    def read_host(sent: tuple) -> list[float]:
+        """The values :func:`to_host` sent (waits for their copy alone)."""
+        vals, ready = sent
+        if ready is not None:
+            ready.synchronize()
+        return vals.tolist()
+
     def decide(step: int, loss_sum: torch.Tensor) -> dict:
         """The end of an eager step on the device (``eager_ahead``): the loss reduced, the gradients clipped, the skip
         agreed across ranks and the update run or skipped by the fused AdamW, nothing read on the host; returns what
-        finish() reads (the taken sentry checks, the host slot of (loss sum, skip, norm non-finite) and its event)."""
+        finish() reads (the taken sentry checks; (loss sum, skip, norm non-finite) sent by :func:`to_host`)."""
         checks = lnn.state.take_checks() if recipe is not None else None
         loss_sum = _all_sum(loss_sum, d)
         bad = ~torch.isfinite(loss_sum)
@@ -948,14 +964,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         elif not bool(skip):  # (an unfused AdamW, the CPU's, takes no found_inf: a CPU tensor's read waits for nothing)
             opt.step()
         opt.zero_grad(set_to_none=True)
-        vals, ready = torch.stack([loss_sum, skip.double(), norm_bad.double()]), None
-        if eager_slots is not None:
-            slot = eager_slots[step % 2]
-            slot.copy_(vals, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            vals = slot
-        return {"checks": checks, "vals": vals, "ready": ready, "fused_tensors": getattr(opt, "fused_tensors", 0)}
+        return {"checks": checks, "host": to_host(step, loss_sum, skip, norm_bad)}
 
     def launch(step: int) -> dict:
         """Queue step ``step``'s work: the graphs' replay (or the eager micro-batches, which run as they go, and with
@@ -1003,12 +1012,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                 if graphed.update is not None:
                     skip = graphed.skip
                     if lookahead:  # the values this step reads on the host, copied out before the next replay
-                        hl, hs = host_slots[step % 2]
-                        hl.copy_(loss_sum, non_blocking=True)
-                        hs.copy_(skip, non_blocking=True)
-                        ready = torch.cuda.Event()
-                        ready.record()
-                        host = (hl, hs, ready)
+                        host = to_host(step, loss_sum, skip)
                 if step + 1 < c.steps:  # the next step's batch, read and copied while the GPU runs this one
                     prefetched[step + 1] = graph_batches(step + 1)
                 phases.mark("replay launch")
@@ -1049,10 +1053,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         nonlocal timed_tokens, timed_s, last_train_loss
         step, lr, loss_sum, updated, dec = rec["step"], rec["lr"], rec["loss_sum"], rec["updated"], rec["decided"]
         if dec is not None:  # the eager step decided on the device: its values (waits for this step only)
-            if dec["ready"] is not None:
-                dec["ready"].synchronize()
             found = dec["checks"].events() if dec["checks"] is not None else []
-            loss_total, skip_flag, norm_flag = dec["vals"].tolist()
+            loss_total, skip_flag, norm_flag = read_host(dec["host"])
             step_loss = loss_total / (c.grad_accum * d.world)
             grads_bad = not found and math.isfinite(step_loss) and norm_flag > 0
             bad = skip_flag > 0
@@ -1060,9 +1062,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
             phases.mark("wait fwd+bwd (nonfinite check)")
             if rec["host"] is not None:  # (one process: nothing to reduce) this step's values, not the queue's end
-                hl, hs, ready = rec["host"]
-                ready.synchronize()
-                step_loss, skipped = float(hl) / c.grad_accum, bool(float(hs))
+                loss_total, skip_flag = read_host(rec["host"])
+                step_loss, skipped = loss_total / c.grad_accum, skip_flag > 0
             else:
                 loss_sum = _all_sum(loss_sum, d)
                 step_loss = float(loss_sum) / (c.grad_accum * d.world)
@@ -1078,7 +1079,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
             phases.mark("loss read")
         if bad:
-            if graphed is None:  # (a graph's gradients are rewritten by its next replay)
+            # (a graph's gradients are rewritten by its next replay; decide() has dropped an eager update's)
+            if graphed is None and dec is None:
                 opt.zero_grad(set_to_none=True)
             where = ([{"layer": e.layer, "role": e.role} for e in found]
                      or [{"layer": "gradients", "role": "grad_norm"} if grads_bad else {"layer": "loss",
@@ -1106,16 +1108,15 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             if not updated:
                 opt.step()
                 phases.mark("optimizer launch")
-            fused_tensors = dec["fused_tensors"] if dec is not None else getattr(opt, "fused_tensors", 0)
-            if step == start and fused_tensors and (dec is not None or not updated):
+            if step == start and getattr(opt, "fused_tensors", 0):  # (every step updates the same weights)
                 _say(d, c,
-                     f"[lowbit] optimizer: lowbit.optim.AdamW updates {fused_tensors} weights and writes their "
+                     f"[lowbit] optimizer: lowbit.optim.AdamW updates {opt.fused_tensors} weights and writes their "
                            "FP8 copies for the next forward in one kernel", bar)
             if not updated and graphed is not None and graphed.graph is not None and graphed.update_capturable(opt):
                 # the optimizer has state now: capture the update graph here, in the (untimed) first step
                 # (capturing synchronizes and collects garbage: tens of ms), replayed from the next step on
                 graphed.capture_update(opt, c.grad_clip, lr)
-            if graphed is None:
+            if graphed is None and dec is None:
                 opt.zero_grad(set_to_none=True)
             last_train_loss = step_loss
             history["train"].append([step + 1, step_loss])

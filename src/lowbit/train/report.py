@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["write_json", "plot_losses", "try_plot_losses", "PLOT_NOTE", "format_table", "table_rows"]
+__all__ = ["write_json", "plot_losses", "try_plot_losses", "PLOT_NOTE", "format_table", "table_rows", "text_table"]
 
 PLOT_NOTE = "[lowbit] note: no loss plot (matplotlib is not installed; the PNG needs `pip install lowbit[train]`)"
 
@@ -132,9 +132,15 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
         return "\n".join(lines)
+    return text_table(head, body)
+
+
+def text_table(head: list[str], body: list[list[str]], left: int = 1) -> str:
+    """``head`` over a dashed rule and the rows of ``body`` (at least one), in aligned columns: the first ``left``
+    left-justified, the others right-justified."""
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
 
     def fmt(row):
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+        return "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
 
     return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])

@@ -21,6 +21,8 @@ import re
 
 import torch
 
+from .graph_profile import chrome_trace, merge
+
 __all__ = ["StepProfiler", "split_trace", "split_step", "merge", "uncovered", "collective_kind", "MARKER"]
 
 MARKER = "lowbit.step"
@@ -30,20 +32,8 @@ _KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("al
           ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("alltoall", "all_to_all"))
 
 
-def merge(intervals) -> list[tuple[float, float]]:
-    """The union of ``(start, end)`` intervals as sorted disjoint intervals."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
 def uncovered(a: list, b: list) -> float:
-    """The length of ``a`` outside ``b`` (both :func:`merge` results)."""
+    """The length of ``a`` outside ``b`` (both :func:`~lowbit.train.graph_profile.merge` results)."""
     total, j = 0.0, 0
     for s, e in a:
         while j < len(b) and b[j][1] <= s:
@@ -180,8 +170,6 @@ class StepProfiler:
         """Stop the profiler (at the last profiled step, or where the run stopped before it) and split the steps."""
         if self.prof is None:
             return
-        from .graph_profile import chrome_trace
-
         if self.marker is not None:
             self.marker.__exit__(None, None, None)
             self.marker = None
