@@ -16,7 +16,7 @@ def test_auto_uses_graphs_for_stateless_recipes_on_one_gpu(recipe):
 
 @pytest.mark.parametrize("cfg,dist,why", [
     (dict(recipe="fp8-delayed"), _d(), "keeps per-step host state"),
-    (dict(recipe="bf16"), _d(world=2), "more than one process"),
+    (dict(recipe="bf16", fsdp=True), _d(world=2), "FSDP2"),
     (dict(recipe="bf16"), _d("cpu"), "not on CUDA"),
 ])
 def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
@@ -24,6 +24,11 @@ def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
     assert not use and why in reason
     with pytest.raises(ValueError, match=f"cuda_graph: 'on' but CUDA graphs cannot be used here: .*{why}"):
         _graph_decision(TrainConfig(cuda_graph="on", **cfg), dist)
+
+
+def test_ddp_is_captured():
+    """DDP (several processes, no FSDP2) runs under graphs: the gradient all-reduces are captured with the step."""
+    assert _graph_decision(TrainConfig(recipe="fp8-block"), _d(world=2)) == (True, "")
 
 
 def test_off_and_bad_value():

@@ -17,6 +17,16 @@ def test_gpu_tiny_trains(tmp_path, small_text, cache_dir, recipe):
     assert s["peak_memory_bytes"] > 0 and s["tokens_per_s"] > 0
 
 
+def _assert_same_trajectory(off: dict, on: dict, steps: int) -> None:
+    """Every logged training loss and the final validation loss of ``on`` within 2e-3 relative of ``off``'s."""
+    a = [l for _, l in off["history"]["train"]]
+    b = [l for _, l in on["history"]["train"]]
+    assert len(a) == len(b) == steps
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 2e-3 * abs(x), (a, b)
+    assert abs(on["final_val_loss"] - off["final_val_loss"]) <= 2e-3 * off["final_val_loss"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-block", "nvfp4"])
 def test_cuda_graph_matches_eager(tmp_path, small_text, cache_dir, recipe):
@@ -28,12 +38,7 @@ def test_cuda_graph_matches_eager(tmp_path, small_text, cache_dir, recipe):
                                        cache_dir=cache_dir, out_dir=str(tmp_path / mode), eval_windows=8, device="cuda",
                                        cuda_graph=mode, progress=False, verbose=False))
     assert runs["on"]["cuda_graph"] and not runs["off"]["cuda_graph"]
-    a = [l for _, l in runs["off"]["history"]["train"]]
-    b = [l for _, l in runs["on"]["history"]["train"]]
-    assert len(a) == len(b) == 8
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 2e-3 * abs(x), (a, b)
-    assert abs(runs["on"]["final_val_loss"] - runs["off"]["final_val_loss"]) <= 2e-3 * runs["off"]["final_val_loss"]
+    _assert_same_trajectory(runs["off"], runs["on"], 8)
 
 
 @pytest.mark.gpu
@@ -248,3 +253,30 @@ def test_step_profile_on_two_gpus(tmp_path, small_text, cache_dir, mode):
     assert m["comm_ms"] > 0 and m["compute_ms"] > 0 and 0 <= m["exposed_comm_ms"] <= m["comm_ms"]
     kinds = set(m["comm_kinds_ms"])  # ("other": an NCCL kernel named for no one collective, e.g. a generic one)
     assert kinds >= ({"all_gather", "reduce_scatter"} if mode == "fsdp" else {"all_reduce"}) or "other" in kinds, kinds
+
+
+@pytest.mark.gpu
+def test_ddp_under_cuda_graphs_matches_eager_ddp(tmp_path, small_text, cache_dir):
+    """DDP on 2 GPUs with the step captured (the gradient all-reduces inside the graph: grad_sync.GradAllReduce)
+    follows the eager torch-DDP run, with gradient accumulation: the tolerance of test_cuda_graph_matches_eager."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from testenv import child_env
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    runs = {}
+    for mode in ("off", "on"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "lowbit.train.cli", "--recipe", "fp8-block", "--steps", "8", "--batch-size", "4", "--grad-accum", "2",
+               "--seq-len", "128", "--data", small_text, "--cache-dir", cache_dir, "--eval-windows", "8",
+               "--no-progress", "--no-save", "--device", "cuda", "--cuda-graph", mode,
+               "--out-dir", str(tmp_path / mode)]
+        r = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[mode] = json.loads((tmp_path / mode / "summary.json").read_text())
+    assert runs["on"]["cuda_graph"] and not runs["off"]["cuda_graph"] and runs["on"]["world_size"] == 2
+    _assert_same_trajectory(runs["off"], runs["on"], 8)

@@ -13,7 +13,9 @@ Columns: **tokens/s** of the timed steps (all but the first, and those under the
 **x eager** (and **x compile** for compile modes) the same over one eager (compiled) GPU's; the **eff.** columns are
 those ratios over the GPU count; **fp8/bf16**: tokens/s over BF16's in the same mode on as many GPUs; **loss diff**:
 the largest relative difference of a step's training loss from the one-process run with the same global batch
-(target 0.3%); then the step profile (``lowbit train --step-profile``, mean over ranks, ms a step): **compute**,
+(target 0.3%; every run warms its learning rate up over all its steps, ``--warmup``: the default schedule's loss
+spikes in the first steps of a short run turn last-bit differences between the runs into different trajectories);
+then the step profile (``lowbit train --step-profile``, mean over ranks, ms a step): **compute**,
 **exposed comm** (communication no compute hides), **host** (the device idle) and **comm** (with the share hidden).
 
 ``--device cpu`` (the default without CUDA) runs the same on the CPU with gloo processes and the tiny preset: a smoke
@@ -197,7 +199,8 @@ def command(cfg: dict, run: dict, out: Path) -> list[str]:
     args = ["--model", cfg["model"], "--recipe", run["recipe"], "--steps", str(cfg["steps"]),
             "--batch-size", str(cfg["batch_size"]), "--seq-len", str(cfg["seq_len"]), "--eval-every",
             str(cfg["steps"]), "--eval-windows", str(cfg["eval_windows"]), "--no-progress", "--overwrite",
-            "--no-save", "--out-dir", str(out / run["dir"]), "--device", cfg["device"], *run["flags"]]
+            "--no-save", "--out-dir", str(out / run["dir"]), "--device", cfg["device"], "--warmup", str(cfg["steps"]),
+            *run["flags"]]
     if cfg["step_profile"] and run["kind"] != "loss":
         args += ["--step-profile", str(cfg["step_profile"])]
     for k in ("data", "cache_dir"):

@@ -48,7 +48,7 @@ scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
 wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
-           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream"]
+           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream", "wgrad_side_stream"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -493,6 +493,12 @@ def _side_stream(dev: torch.device) -> torch.cuda.Stream:
     if st is None:
         st = _SIDE["streams"][dev] = torch.cuda.Stream(dev)
     return st
+
+
+def wgrad_side_stream(dev: torch.device) -> torch.cuda.Stream | None:
+    """The stream weight gradients run on inside :class:`wgrad_on_side_stream` on ``dev`` (None where it is off or
+    none ran there): work that reads a weight's ``.grad`` before the backward ends waits for it too."""
+    return _SIDE["streams"].get(dev) if _SIDE["on"] else None
 
 
 def _join_side(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:

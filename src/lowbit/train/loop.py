@@ -423,7 +423,10 @@ def _build(c: TrainConfig, d: Dist):
     return mcfg, model
 
 
-def _wrap(model, c: TrainConfig, d: Dist):
+def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
+    """The model as the step runs it: compiled blocks, FSDP2's shards, torch DDP, or (DDP under CUDA graphs) the bare
+    model with rank 0's weights, its gradients averaged by :class:`~lowbit.train.grad_sync.GradAllReduce` inside the
+    captured step."""
     if c.compile:
         for blk in model.blocks:  # (before fully_shard, as torchtitan does: FSDP2's hooks stay outside the graph)
             blk.compile()
@@ -445,6 +448,11 @@ def _wrap(model, c: TrainConfig, d: Dist):
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        return model
+    if use_graph:
+        from .grad_sync import broadcast_parameters
+
+        broadcast_parameters(model, d.group)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -483,8 +491,8 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
     why = None
     if d.device.type != "cuda":
         why = "not on CUDA"
-    elif d.active:
-        why = "more than one process (DDP/FSDP collectives stay eager)"
+    elif d.active and c.fsdp:
+        why = "FSDP2 (its all-gathers and reduce-scatters are scheduled on the host)"
     elif c.recipe not in GRAPH_RECIPES:
         why = f"recipe {c.recipe!r} keeps per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})"
     if why is not None and c.cuda_graph == "on":
@@ -555,11 +563,19 @@ class _GraphedStep:
     ``1 / min(1, max_norm / (norm + 1e-6))`` as the kernel's ``grad_scale`` (it divides the gradients by it)
     instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate
     becomes a device tensor the loop refills each step.
+
+    Under DDP (``group`` given) ``run_micro`` averages the gradients and sums the loss across the ranks inside the
+    first graph (:class:`~lowbit.train.grad_sync.GradAllReduce`) and the update graph agrees on the skip by an
+    all-reduce MAX: every rank replays the same collectives.
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
-                 quantized: bool = True, prime=None):
+                 quantized: bool = True, prime=None, group=None):
         self.run_micro = run_micro
+        self.group = group  # DDP: the update graph's skip decision is agreed across it
+        # (DDP: the process group's watchdog thread queries CUDA events while this thread captures; "global" capture
+        # mode would fail those queries)
+        self.capture_mode = "thread_local" if group is not None else "global"
         self.prime = prime  # called between the warm-up and the capture (lowbit.optim.AdamW.refresh_weight_copies)
         self.quantized = quantized  # the step quantizes (a recipe is active): its graph gets an amax arena
         self.params = params
@@ -600,11 +616,11 @@ class _GraphedStep:
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
         # the weight gradients as a parallel branch of the graph (nn.functional.wgrad_on_side_stream: the gradients
-        # are None at capture, no hooks run in this one-process step)
+        # are None at capture; the one hook that reads them, DDP's all-reduce, waits for that stream)
         from lowbit.nn.functional import wgrad_on_side_stream
 
         side = wgrad_on_side_stream(True)
-        with torch.cuda.graph(g), side:
+        with torch.cuda.graph(g, capture_error_mode=self.capture_mode), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
             else:
@@ -634,7 +650,7 @@ class _GraphedStep:
             g["lr"] = self.lr
             g["capturable"] = True
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=self.capture_mode):
             bad = ~torch.isfinite(self.loss_sum)
             mx = lnn.state.captured_amax_max()  # (captured here: each replay reduces the replayed amaxes)
             if mx is not None:
@@ -644,7 +660,7 @@ class _GraphedStep:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
                 bad = bad | ~torch.isfinite(norm)
                 scale = 1.0 / torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
-            self.skip = bad.float()
+            self.skip = distributed.any_rank_tensor(bad.float(), self.group)
             opt.grad_scale, opt.found_inf = scale, self.skip
             try:
                 opt.step()
@@ -761,12 +777,12 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     mcfg, raw = _build(c, d)
     check_divisible(c.recipe, recipe, {"seq_len x batch_size (tokens per micro-batch)": c.seq_len * c.batch_size,
                                        "d_model": mcfg.d_model, "ffn_hidden": mcfg.ffn_hidden})
-    model = _wrap(raw, c, d)
+    use_graph, no_graph_why = _graph_decision(c, d)
+    model = _wrap(raw, c, d, use_graph)
     opt = _optimizer(model, c)
     out = Path(c.out_dir)
     ck_path = out / "checkpoint.pt"
     use_bf16 = computes_in_bf16(c.dtype, d.device)
-    use_graph, no_graph_why = _graph_decision(c, d)
     amp, lowbit_ctx = forward_contexts(recipe, d.device, use_bf16, cache_enabled=not use_graph,
                                        group=d.group if d.active else None,
                                        on_nonfinite="raise" if c.on_nonfinite == "raise" else "skip")
@@ -856,20 +872,35 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         (loss / c.grad_accum).backward()
         return loss.detach().double()
 
+    # DDP under CUDA graphs: each gradient averaged across ranks as the last micro-batch's backward makes it, the
+    # loss summed, all inside the captured step (grad_sync.GradAllReduce)
+    reducer = None
+    if use_graph and d.active:
+        from .grad_sync import GradAllReduce
+
+        reducer = GradAllReduce(list(model.parameters()), d.group)
+
     def run_micro(xs, ys, loss_sum):
-        """The graph's body: every micro-batch's forward and backward from the static inputs."""
+        """The graph's body: every micro-batch's forward and backward from the static inputs (under DDP, the
+        gradients averaged and the loss summed across ranks)."""
         loss_sum.zero_()
         for m in range(c.grad_accum):
+            if reducer is not None and m == c.grad_accum - 1:
+                reducer.arm()
             loss_sum += micro_step(xs[m], ys[m], m)
+        if reducer is not None:
+            reducer.finish(loss_sum)
 
     graphed = None
     if use_graph:
         graphed = _GraphedStep(run_micro, c.grad_accum, c.batch_size, c.seq_len,
                                [p for p in model.parameters() if p.requires_grad], d.device,
                                quantized=recipe is not None,
-                               prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None)
+                               prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None,
+                               group=d.group if d.active else None)
     _say(d, c,
-         f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}",
+         f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}"
+         + (" with the gradient all-reduce inside" if reducer is not None else ""),
          bar)
 
     # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
@@ -918,8 +949,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                 or (c.stop_at_step is not None and done >= c.stop_at_step) or stop.requested)
 
     def graph_batches(step: int) -> list:
-        return [corpus.train_batch(c.seed, step, slice(m * c.batch_size, (m + 1) * c.batch_size), global_batch,
-                                   c.seq_len, d.device) for m in range(c.grad_accum)]
+        r0 = d.rank * rows_per_rank
+        return [corpus.train_batch(c.seed, step, slice(r0 + m * c.batch_size, r0 + (m + 1) * c.batch_size),
+                                   global_batch, c.seq_len, d.device) for m in range(c.grad_accum)]
 
     def to_host(step: int, *vals: torch.Tensor) -> tuple:
         """Send step ``step``'s device scalars ``vals`` to the host without waiting: on CUDA copied (float64) into its
@@ -983,7 +1015,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
             fault_poison.fill_(float("inf") if step in c.fault_steps else 0.0)
         skip = host = decided = None
         try:
-            if graphed is not None:  # (one process: this rank's rows are the global batch's)
+            if graphed is not None:
                 batches = prefetched.pop(step, None) or graph_batches(step)
                 for m, (x, y) in enumerate(batches):
                     graphed.load(m, x, y)
@@ -1061,11 +1093,12 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         else:
             found = lnn.nonfinite_events() if recipe is not None else []  # (waits; reports, never raises)
             phases.mark("wait fwd+bwd (nonfinite check)")
-            if rec["host"] is not None:  # (one process: nothing to reduce) this step's values, not the queue's end
+            # (a graphed step has summed its loss across ranks already)
+            if rec["host"] is not None:  # this step's values, not the queue's end
                 loss_total, skip_flag = read_host(rec["host"])
-                step_loss, skipped = loss_total / c.grad_accum, skip_flag > 0
+                step_loss, skipped = loss_total / (c.grad_accum * d.world), skip_flag > 0
             else:
-                loss_sum = _all_sum(loss_sum, d)
+                loss_sum = loss_sum if graphed is not None else _all_sum(loss_sum, d)
                 step_loss = float(loss_sum) / (c.grad_accum * d.world)
                 skipped = updated and bool(rec["skip"])
             grads_bad = False  # a non-finite gradient norm where the loss and the amaxes are finite
@@ -1076,7 +1109,11 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                 total = total.full_tensor() if hasattr(total, "full_tensor") else total
                 grads_bad = not found and math.isfinite(step_loss) and not math.isfinite(float(total))
                 phases.mark("clip")
-            bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group, d.device)
+            if updated and d.active:  # the update graph agreed on the skip across ranks (no collective here: it
+                bad = skipped  # would queue behind the next step's replay)
+            else:
+                bad = distributed.any_rank(bool(found) or not math.isfinite(step_loss) or grads_bad, d.group,
+                                           d.device)
             phases.mark("loss read")
         if bad:
             # (a graph's gradients are rewritten by its next replay; decide() has dropped an eager update's)
