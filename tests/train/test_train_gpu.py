@@ -258,7 +258,8 @@ def test_step_profile_on_two_gpus(tmp_path, small_text, cache_dir, mode):
 @pytest.mark.gpu
 def test_ddp_under_cuda_graphs_matches_eager_ddp(tmp_path, small_text, cache_dir):
     """DDP on 2 GPUs with the step captured (the gradient all-reduces inside the graph: grad_sync.GradAllReduce)
-    follows the eager torch-DDP run, with gradient accumulation: the tolerance of test_cuda_graph_matches_eager."""
+    follows the eager torch-DDP run, with gradient accumulation and a fault (an inf in the first block's input at step
+    5) that both skip on every rank: the tolerance of test_cuda_graph_matches_eager."""
     import json
     import subprocess
     import sys
@@ -273,10 +274,13 @@ def test_ddp_under_cuda_graphs_matches_eager_ddp(tmp_path, small_text, cache_dir
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                "lowbit.train.cli", "--recipe", "fp8-block", "--steps", "8", "--batch-size", "4", "--grad-accum", "2",
                "--seq-len", "128", "--data", small_text, "--cache-dir", cache_dir, "--eval-windows", "8",
-               "--no-progress", "--no-save", "--device", "cuda", "--cuda-graph", mode,
+               "--no-progress", "--no-save", "--device", "cuda", "--cuda-graph", mode, "--fault-steps", "5",
                "--out-dir", str(tmp_path / mode)]
         r = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[mode] = json.loads((tmp_path / mode / "summary.json").read_text())
     assert runs["on"]["cuda_graph"] and not runs["off"]["cuda_graph"] and runs["on"]["world_size"] == 2
-    _assert_same_trajectory(runs["off"], runs["on"], 8)
+    _assert_same_trajectory(runs["off"], runs["on"], 7)
+    for r in runs.values():
+        assert [s for s, _ in r["history"]["train"]] == [1, 2, 3, 4, 5, 7, 8], r["history"]["train"]
+        assert {(e["step"], e["action"]) for e in r["events"]} == {(5, "skip")}, r["events"]
