@@ -364,6 +364,7 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
                 row["max_loss_diff"] = max_rel_diff(row["losses"], _losses(ref))
                 row["loss_ref"] = f"1 process, grad-accum {run['gpus']}"
                 row["loss_ref_val"] = ref.get("final_val_loss")
+                row["loss_ref_losses"] = _losses(ref)
         sp = (s.get("step_profile") or {}).get("mean")
         if sp:
             row["step_profile"] = sp
