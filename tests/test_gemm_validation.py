@@ -224,3 +224,32 @@ def test_copies_on_two_devices_are_refused():
     two.rowwise = meta.rowwise
     with pytest.raises(ValueError, match=r"^a: the rowwise copy is on meta but the columnwise copy on cpu"):
         scaled_mm(two, b, a_copy="columnwise")
+
+
+def test_check_operands_false_skips_every_check_on_a_seen_signature(monkeypatch):
+    """``check_operands=False`` (what lowbit.nn passes for operands lowbit.quantize has just made) validates and picks
+    the backend on a signature's first call only; later calls run no check at all (nor the backend choice) and give
+    the same result. With ``check_operands=True`` every call still checks the operands' structure."""
+    import lowbit.gemm as G
+
+    a = _q((64, 256), Float8Blockwise(), seed=11)
+    b = _q((48, 256), Float8Blockwise(block_dim=2), seed=12)
+    want = scaled_mm(a, b, out_dtype=torch.float32)
+    calls = {"validate": 0, "backend_for": 0, "structure": 0}
+    real_validate, real_backend_for, real_struct = G._validate, G.backend_for, QuantizedTensor.validate
+
+    def count(name, fn):
+        def f(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return f
+
+    monkeypatch.setattr(G, "_validate", count("validate", real_validate))
+    monkeypatch.setattr(G, "backend_for", count("backend_for", real_backend_for))
+    monkeypatch.setattr(QuantizedTensor, "validate", count("structure", real_struct))
+    for _ in range(3):
+        got = scaled_mm(a, b, out_dtype=torch.float32, check_operands=False)
+        assert torch.equal(got, want)
+    assert calls == {"validate": 0, "backend_for": 0, "structure": 0}, calls
+    scaled_mm(a, b, out_dtype=torch.float32)
+    assert calls["structure"] == 2 and calls["validate"] == 0, calls

@@ -195,10 +195,12 @@ def scaled_mm(
         except (TypeError, AttributeError):  # unhashable, or a bias / out that is no tensor: _validate names it
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             raise
-        if fn is not None and check_operands:
-            # the key does not cover the tensors themselves: their structure is checked on every call (metadata only)
-            a.validate("a", a_copy)
-            b.validate("b", b_copy)
+        if fn is not None:
+            if check_operands:
+                # the key does not cover the tensors themselves: their structure is checked on every call (metadata
+                # only); check_operands=False trusts operands lowbit.quantize has just made
+                a.validate("a", a_copy)
+                b.validate("b", b_copy)
         else:
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
             fn = dict(_all())[backend_for(a, b, a_copy=a_copy, b_copy=b_copy, **opts)][1]
