@@ -409,3 +409,35 @@ def test_take_checks_folds_many_maxes_into_one():
     taken = state.take_checks()
     assert math.isnan(float(taken.amax_max))
     assert [e.step for e in taken.events()] == [5]
+
+
+def test_no_read_back_inside_a_capture(monkeypatch):
+    """Inside a CUDA-graph capture (faked here on the CPU) a check reads nothing back, not even whether an earlier
+    in-flight check has finished: the event query would invalidate the capture. The records go to the captured list;
+    the earlier check is read at the next call outside the capture."""
+    from lowbit.nn import state as st
+
+    class _Event:
+        queried = 0
+
+        def query(self):
+            _Event.queried += 1
+            raise AssertionError("an event was queried inside the capture")
+
+    ev = _Event()
+    entry = ([], torch.zeros(1), ev, None, torch.zeros(1))
+    st._inflight.append(entry)
+    captured_before = len(st._captured)
+    try:
+        monkeypatch.setattr(st, "_cuda_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        st.check_nonfinite(wait=False)  # nothing recorded
+        st.sentry(torch.zeros(1), layer="fc", role="input", phase="forward", policy="skip")
+        st.check_nonfinite(wait=False)  # one record: kept for the replays
+        assert _Event.queried == 0 and entry in st._inflight
+        assert len(st._captured) == captured_before + 1 and st._captured[-1][0] == "fc"
+    finally:
+        if entry in st._inflight:
+            st._inflight.remove(entry)
+        del st._captured[captured_before:]
+        st._captured_gather[0] = None

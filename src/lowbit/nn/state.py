@@ -574,14 +574,16 @@ def check_nonfinite(wait: bool = True) -> None:
             CPU tensors are always checked at once.
     """
     recs = _take_unchecked()
-    if recs:
-        if _cuda_available() and torch.cuda.is_current_stream_capturing():
-            # Inside CUDA-graph capture nothing may be read back: keep the records; every replay rewrites
-            # the same amax tensors, which check_captured() checks after each replay.
+    if _cuda_available() and torch.cuda.is_current_stream_capturing():
+        # Inside CUDA-graph capture nothing may be read back, not even whether an earlier check has finished (an
+        # event query invalidates the capture): keep the records; every replay rewrites the same amax tensors,
+        # which check_captured() checks after each replay. Earlier checks are read at the next call outside.
+        if recs:
             with _lock:
                 _captured.extend(recs)
                 _captured_gather[0] = None
-            return
+        return
+    if recs:
         _launch_check(recs)
     _drain(wait)
 
