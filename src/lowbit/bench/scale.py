@@ -4,7 +4,8 @@ per-GPU batch.
 For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.run`` for more than one) on one GPU
 (CUDA-graphed, eager, and compiled where a compile mode is asked for: the references), then on each GPU count of
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
-``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d), every run with the same per-GPU batch; and, for the
+``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``ddp`` runs inside CUDA graphs on CUDA,
+``ddp-eager`` with torch's DDP), every run with the same per-GPU batch; and, for the
 loss check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
 each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
 
@@ -49,6 +50,7 @@ MODES = {
     "fsdp-fp8ag": ["--fsdp", "--fp8-all-gather"],
     "fsdp-compile": ["--fsdp", "--compile"],
     "ddp": [],
+    "ddp-eager": ["--cuda-graph", "off"],
     "ddp-compile": ["--compile"],
 }
 """Multi-GPU modes: the ``lowbit train`` flags each adds."""
