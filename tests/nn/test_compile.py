@@ -352,3 +352,27 @@ def test_per_block_compile_shares_one_graph():
     # compile in the same process failed reading it: "torch._dynamo.config.error_on_recompile does not exist")
     with torch._dynamo.config.patch(error_on_recompile=True):
         _check_same([step(ref)], [step(model)])
+
+
+def test_anonymous_layer_not_inherited_at_a_reused_address():
+    """A weight no lowbit module holds gets a layer of its own (what the compiled operators find from the weight):
+    the same layer for every alias of its storage (a detached view), and a fresh one for another tensor that the
+    allocator puts at a freed weight's address, which must not inherit the old weight's delayed-scaling history."""
+    from lowbit.nn.functional import layer_of
+
+    w = torch.empty(96, 64)
+    g = layer_of(w)
+    assert layer_of(w.detach()) is g and layer_of(w) is g
+    g.delayed = "history of the freed weight"
+    for _ in range(50):  # (the CPU allocator hands a freed block of the same size back almost every time)
+        ptr = w.data_ptr()
+        del w
+        w = torch.empty(96, 64)
+        if w.data_ptr() == ptr:
+            break
+        g = layer_of(w)
+        g.delayed = "history of the freed weight"
+    else:
+        pytest.skip("the allocator never reused the address")
+    fresh = layer_of(w)
+    assert fresh is not g and fresh.delayed is None

@@ -365,15 +365,29 @@ def layer_of(w: torch.Tensor) -> GemmLayer:
                 _BY_PTR.clear()
             _BY_PTR[ptr] = weakref.ref(g)
             return g
-    g = _ANON.get((ptr, tuple(w.shape)))
-    if g is None:
+    key = (ptr, tuple(w.shape))
+    e = _ANON.get(key)
+    if e is None or (e[0] is not None and e[0].expired()):
+        # (an expired entry: the storage it was made for is gone and this is other memory at the same address,
+        # whose layer must not inherit the old one's delayed-scaling history)
         if len(_ANON) > 1024:
             _ANON.clear()
-        g = _ANON[(ptr, tuple(w.shape))] = GemmLayer(_Anonymous(w), "")
-    return g
+        e = _ANON[key] = (_storage_ref(w), GemmLayer(_Anonymous(w), ""))
+    return e[1]
 
 
-_ANON: dict = {}  # (data_ptr, shape) -> the layer of a weight no lowbit module holds
+def _storage_ref(w: torch.Tensor):
+    """A weak reference to ``w``'s storage (shared by its views and detached aliases), or None where the tensor has
+    none to take (then the entry is never taken for stale)."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(w.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor subclass without a plain storage
+        return None
+
+
+_ANON: dict = {}  # (data_ptr, shape) -> (weak ref to the storage, the layer of a weight no lowbit module holds)
 
 
 class _Anonymous:
