@@ -26,9 +26,18 @@ def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
         _graph_decision(TrainConfig(cuda_graph="on", **cfg), dist)
 
 
-def test_ddp_is_captured():
-    """DDP (several processes, no FSDP2) runs under graphs: the gradient all-reduces are captured with the step."""
+def test_ddp_is_captured(monkeypatch):
+    """DDP (several processes, no FSDP2) runs under graphs: the gradient all-reduces are captured with the step; an
+    NCCL too old to capture collectives (or none) declines with the versions."""
+    from lowbit.train import loop
+
+    monkeypatch.setattr(loop, "_nccl_version", lambda: (2, 27, 3))
     assert _graph_decision(TrainConfig(recipe="fp8-block"), _d(world=2)) == (True, "")
+    for old, shown in (((2, 9, 5), "2.9.5"), ((), "none")):
+        monkeypatch.setattr(loop, "_nccl_version", lambda v=old: v)
+        use, why = _graph_decision(TrainConfig(recipe="fp8-block"), _d(world=2))
+        assert not use and f"NCCL >= 2.9.6 to capture its all-reduces, this torch has {shown}" in why, why
+    assert _graph_decision(TrainConfig(recipe="fp8-block"), _d()) == (True, "")  # (one process: no NCCL needed)
 
 
 def test_off_and_bad_value():

@@ -482,6 +482,18 @@ GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _re
 """The recipes a step can be captured under: delayed scaling keeps per-step host state."""
 
 
+NCCL_CAPTURE = (2, 9, 6)
+"""The NCCL that CUDA graphs can capture collectives with (DDP's all-reduces inside ``lowbit train``'s graphs)."""
+
+
+def _nccl_version() -> tuple:
+    """This torch's NCCL (major, minor, patch), or () without one."""
+    try:
+        return tuple(int(v) for v in torch.cuda.nccl.version()[:3])
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        return ()
+
+
 def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
     """(use CUDA graphs, why not) for this run."""
     if c.cuda_graph == "off":
@@ -493,6 +505,9 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
         why = "not on CUDA"
     elif d.active and c.fsdp:
         why = "FSDP2 (its all-gathers and reduce-scatters are scheduled on the host)"
+    elif d.active and _nccl_version() < NCCL_CAPTURE:
+        why = (f"DDP needs NCCL >= {'.'.join(map(str, NCCL_CAPTURE))} to capture its all-reduces, this torch has "
+               f"{'.'.join(map(str, _nccl_version())) or 'none'}")
     elif c.recipe not in GRAPH_RECIPES:
         why = f"recipe {c.recipe!r} keeps per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})"
     if why is not None and c.cuda_graph == "on":
