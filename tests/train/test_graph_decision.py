@@ -73,3 +73,26 @@ def test_compile_replaces_the_step_graphs():
         TrainConfig(cuda_graph="on", compile=True).validate()
     with pytest.raises(TypeError, match="compile: expected a bool"):
         TrainConfig(compile="yes").validate()
+
+
+def test_compile_mode_reaches_the_blocks_and_is_validated(monkeypatch):
+    """``compile_mode`` is passed to each block's ``compile`` ("default": torch's own default, no mode argument), needs
+    ``compile``, and ``"reduce-overhead"`` takes only graph-safe recipes and one micro-batch a step."""
+    from lowbit.models import GPT, config_from_preset
+    from lowbit.train import loop
+
+    for mode, want in (("default", {}), ("reduce-overhead", {"mode": "reduce-overhead"}),
+                       ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"})):
+        seen = []
+        monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+        c = TrainConfig(recipe="fp8-block", model="tiny", compile=True, compile_mode=mode)
+        c.validate()
+        model = GPT(config_from_preset("tiny"))
+        loop._wrap(model, c, _d("cpu"))
+        assert seen == [want] * len(model.blocks), (mode, seen)
+    for kw, msg in ((dict(compile_mode="fast"), "compile_mode: expected one of default, reduce-overhead"),
+                    (dict(compile_mode="reduce-overhead"), "needs compile=True"),
+                    (dict(compile=True, compile_mode="reduce-overhead", recipe="fp8-delayed"), "fp8-delayed"),
+                    (dict(compile=True, compile_mode="reduce-overhead", grad_accum=2), "needs grad_accum 1")):
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw).validate()

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .budget import check_activation_budget
-from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
+from .loop import COMPILE_MODES, PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
 __all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "resume_command",
@@ -121,6 +121,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (one shared graph; before FSDP2 sharding) instead of "
                         "lowbit's own CUDA graphs")
+    g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode for the blocks with --compile (reduce-overhead: torch's CUDA graphs per "
+                        "block; current-scaling recipes, --grad-accum 1)")
     g.add_argument("--attention", choices=("auto", "lowbit", "sdpa"), default="auto")
     g.add_argument("--attn-qk", choices=("bf16", "int8", "fp8"), default="bf16")
     g.add_argument("--attn-pv", choices=("bf16", "fp8"), default="bf16")
@@ -161,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        overwrite=args.overwrite,
         on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device, dtype=args.dtype, fsdp=args.fsdp,
         fp8_all_gather=args.fp8_all_gather,
-                       cuda_graph=args.cuda_graph, compile=args.compile,
+                       cuda_graph=args.cuda_graph, compile=args.compile, compile_mode=args.compile_mode,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,

@@ -104,6 +104,10 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` each transformer block (the torchtitan pattern: one graph shared by every block, before any
     FSDP2 sharding), in place of ``lowbit train``'s own CUDA graphs (``cuda_graph`` must not be ``"on"``)."""
+    compile_mode: str = "default"
+    """``torch.compile``'s mode for the blocks (with ``compile``): ``"default"``, ``"reduce-overhead"`` (each block's
+    forward and backward replayed from torch's CUDA graphs: no per-kernel host cost; current-scaling recipes and
+    ``grad_accum`` 1 only, as :mod:`lowbit.nn` documents for that mode) or ``"max-autotune-no-cudagraphs"``."""
     attention: str = "auto"
     attn_qk: str = "bf16"
     attn_pv: str = "bf16"
@@ -198,6 +202,19 @@ class TrainConfig:
             if self.compile:
                 raise ValueError("fp8_all_gather: True with compile=True is not supported (torch.compile cannot trace "
                                  "the gathered FP8 weights); drop one of them")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_mode != "default":
+            if not self.compile:
+                raise ValueError(f"compile_mode: {self.compile_mode!r} needs compile=True (--compile)")
+            if self.compile_mode == "reduce-overhead":
+                if self.recipe not in GRAPH_RECIPES:
+                    raise ValueError(f"compile_mode: 'reduce-overhead' replays CUDA graphs, which cannot carry recipe "
+                                     f"{self.recipe!r}'s per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})")
+                if self.grad_accum != 1:
+                    raise ValueError(f"compile_mode: 'reduce-overhead' needs grad_accum 1 (the weight quantized once "
+                                     f"and reused across micro-batches cannot live in its CUDA graphs), got "
+                                     f"{self.grad_accum}")
         if self.compile and self.cuda_graph == "on":
             raise ValueError("cuda_graph: 'on' together with compile; torch.compile'd blocks run without lowbit's "
                              "own step graphs (use --cuda-graph auto or off with --compile)")
@@ -429,7 +446,7 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
     captured step."""
     if c.compile:
         for blk in model.blocks:  # (before fully_shard, as torchtitan does: FSDP2's hooks stay outside the graph)
-            blk.compile()
+            blk.compile(**({} if c.compile_mode == "default" else {"mode": c.compile_mode}))
     if not d.active:
         return model
     if c.fsdp:
@@ -474,6 +491,9 @@ def _optimizer(model, c: TrainConfig):
         from lowbit.optim import AdamW as cls
     return cls(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+"""The ``torch.compile`` modes ``TrainConfig.compile_mode`` takes."""
 
 FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current")
 """The recipes whose weight copies FSDP2 can all-gather in FP8 (``TrainConfig.fp8_all_gather``)."""
@@ -882,6 +902,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
 
     def micro_step(x, y, m: int) -> torch.Tensor:
         """Forward and backward of micro-batch ``m`` (gradients accumulate); returns its loss (float64, detached)."""
+        if c.compile_mode == "reduce-overhead":  # (torch's graphs may overwrite the last replay's outputs from here)
+            torch.compiler.cudagraph_mark_step_begin()
         with amp(), lowbit_ctx():
             _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
         (loss / c.grad_accum).backward()
@@ -1253,6 +1275,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": bool(c.fsdp and d.active),
         "fp8_all_gather": bool(c.fp8_all_gather and c.fsdp and d.active), "compile": c.compile,
+        "compile_mode": c.compile_mode,
         "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
