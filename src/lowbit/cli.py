@@ -89,7 +89,7 @@ def cmd_info(argv=None) -> int:
             warnings.simplefilter("ignore")
             how = check_recipe_support(r, dev)
         graph = "CUDA graph" if name in GRAPH_RECIPES else "eager (not graph-safe yet)"
-        print(f"  {name:<12} {type(r).__name__:<22} -> {how:<10} lowbit train on one GPU: {graph}")
+        print(f"  {name:<12} {type(r).__name__:<22} -> {how:<10} lowbit train on one GPU or DDP: {graph}")
     print("\nattention:")
     att = importlib.import_module("lowbit.attention")
     for qk, pv in (("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("fp8", "fp8")):
