@@ -359,9 +359,9 @@ def test_captured_amaxes_snapshotted_by_runs_of_their_buffers():
         state.clear_captured()
 
 
-def test_take_checks_keeps_a_step_apart_from_the_next():
-    """take_checks(): a step's checks taken out of the queue with the device max of their amaxes (nothing read), their
-    events read after the next step ran, which keeps its own; nonfinite_events() sees neither."""
+def _taking_steps():
+    """A step of ``_model()`` under current scaling with ``on_nonfinite="skip"`` returning ``take_checks()`` (the
+    sentry's queue emptied first)."""
     from lowbit.nn import state
 
     m = _model()
@@ -374,6 +374,15 @@ def test_take_checks_keeps_a_step_apart_from_the_next():
         y.sum().backward()
         return state.take_checks()
 
+    return run
+
+
+def test_take_checks_keeps_a_step_apart_from_the_next():
+    """take_checks(): a step's checks taken out of the queue with the device max of their amaxes (nothing read), their
+    events read after the next step ran, which keeps its own; nonfinite_events() sees neither."""
+    from lowbit.nn import state
+
+    run = _taking_steps()
     x = torch.randn(16, 32)
     bad = run(torch.where(torch.arange(32) == 7, float("nan"), x))
     good = run(x)
@@ -441,3 +450,25 @@ def test_no_read_back_inside_a_capture(monkeypatch):
             st._inflight.remove(entry)
         del st._captured[captured_before:]
         st._captured_gather[0] = None
+
+
+def test_dropped_step_checks_are_reported_not_lost():
+    """A StepChecks garbage-collected without events(): the next nonfinite_events() reports its events (and gives its
+    pinned slots back), once; one read with events() is not reported again."""
+    import gc
+
+    from lowbit.nn import state
+
+    run = _taking_steps()
+    x = torch.randn(16, 32)
+    bad = run(torch.where(torch.arange(32) == 7, float("nan"), x))
+    del bad
+    gc.collect()
+    got = {(e.layer, e.role, e.phase) for e in nonfinite_events()}
+    assert ("0", "input", "forward") in got and ("0", "grad_output", "backward") in got
+    assert nonfinite_events() == []
+    read = run(torch.where(torch.arange(32) == 7, float("nan"), x))
+    assert read.events()
+    del read
+    gc.collect()
+    assert nonfinite_events() == [] and not state._TAKEN

@@ -268,6 +268,36 @@ def nonfinite_events() -> list[NonFiniteEvent]:
         out = list(_events)
         _events.clear()
         _maxes.clear()
+    return _dropped_checks() + out
+
+
+class _Taken:
+    """What :func:`take_checks` took (the checks in flight, their events read already, deferred errors), shared by its
+    :class:`StepChecks` and ``_TAKEN``, which keeps it for :func:`nonfinite_events` if the StepChecks is dropped
+    unread (its events reported, not lost, and its pinned slots given back)."""
+
+    __slots__ = ("queue", "events", "errors")
+
+    def __init__(self, queue: list, events: list, errors: list):
+        self.queue, self.events, self.errors = queue, events, errors
+
+    def read(self) -> list:
+        out = self.events + _read(self.queue, wait=True) + self.errors
+        self.queue, self.events, self.errors = [], [], []
+        return out
+
+
+_TAKEN: list = []  # (weak reference to a StepChecks, its _Taken), while its events are unread
+
+
+def _dropped_checks() -> list:
+    """The events of the checks of every StepChecks garbage-collected unread (waits for them), oldest first."""
+    with _lock:
+        dead = [t for ref, t in _TAKEN if ref() is None]
+        _TAKEN[:] = [(ref, t) for ref, t in _TAKEN if ref() is not None]
+    out = []
+    for t in dead:
+        out += t.read()
     return out
 
 
@@ -282,14 +312,18 @@ class StepChecks:
 
     def __init__(self, amax_max, queue: list, events: list, errors: list):
         self.amax_max = amax_max
-        self._queue, self._events, self._errors = queue, events, errors
+        self._taken = _Taken(queue, events, errors)
+        if queue or events or errors:
+            with _lock:
+                _TAKEN.append((weakref.ref(self), self._taken))
 
     def events(self) -> list[NonFiniteEvent]:
         """Wait for these checks alone and return their events, as :func:`nonfinite_events` would have returned
-        them (raise-policy ones included, never raised); later calls return nothing."""
-        out = self._events + _read(self._queue, wait=True) + self._errors
-        self._queue, self._events, self._errors = [], [], []
-        return out
+        them (raise-policy ones included, never raised); later calls return nothing. A StepChecks dropped without
+        this call loses nothing: the next :func:`nonfinite_events` reports its events."""
+        with _lock:
+            _TAKEN[:] = [(ref, t) for ref, t in _TAKEN if t is not self._taken]
+        return self._taken.read()
 
 
 def take_checks() -> StepChecks:
