@@ -66,10 +66,12 @@ def test_fallbacks_are_torchs_results_with_reasons():
         ((qs, k, v), dict(attn_mask=causal_upper_left(7, 24), enable_gqa=True),
          "upper-left CausalBias with L != S (lowbit's causal mask is lower-right)"),
     ]
+    # (torch's results outside the override: inside it torch's builtin does not recognize a CausalBias call, see
+    # test_declined_causal_bias_keeps_torchs_meaning)
+    want = [TORCH_SDPA(*args, **kw) for args, kw, _ in calls]
     with sdpa_override(qk="int8", pv="fp8") as st:
-        for args, kw, _ in calls:
-            torch.testing.assert_close(F.scaled_dot_product_attention(*args, **kw), TORCH_SDPA(*args, **kw),
-                                       rtol=0, atol=0)
+        for (args, kw, _), w in zip(calls, want):
+            torch.testing.assert_close(F.scaled_dot_product_attention(*args, **kw), w, rtol=0, atol=0)
         torch.manual_seed(5)
         got = F.scaled_dot_product_attention(q, kf, vf, dropout_p=0.5)
         torch.manual_seed(5)
@@ -231,3 +233,22 @@ def test_gpu_declines_float32_and_odd_head_dims():
         F.scaled_dot_product_attention(*_qkv(hk=4, d=80, dtype=torch.bfloat16, device="cuda"))
     assert set(st.fallbacks) == {"float32 inputs on CUDA (lowbit's kernels take float16 / bfloat16)",
                                  "head_dim 80 (the Triton kernels take (16, 32, 64, 128, 256))"}
+
+
+def test_declined_causal_bias_keeps_torchs_meaning():
+    """A CausalBias call lowbit declines goes to torch as a CausalBias call: torch's result, a plain tensor (handed
+    to torch's builtin while the override is installed, the bias was not recognized and its uninitialized memory was
+    read as a dense mask: NaN rows now and then, and a CausalBias-typed output)."""
+    q, k, v = _qkv()
+    qs = q[:, :, :7]
+    cases = [((qs, k, v), dict(attn_mask=causal_upper_left(7, 24), enable_gqa=True)),  # upper-left, L != S
+             ((qs.double(), k.double(), v.double()), dict(attn_mask=causal_lower_right(7, 24), enable_gqa=True)),
+             ((q.double(), k.double(), v.double()), dict(attn_mask=causal_upper_left(24, 24), enable_gqa=True))]
+    want = [TORCH_SDPA(*a, **kw) for a, kw in cases]
+    with sdpa_override(qk="int8", pv="fp8") as st:
+        got = [F.scaled_dot_product_attention(*a, **kw) for a, kw in cases]
+    assert st.fallbacks and st.calls == len(cases) and not st.served
+    for g, w in zip(got, want):
+        assert type(g) is torch.Tensor and type(w) is torch.Tensor
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    torch.testing.assert_close(got[0], TORCH_SDPA(qs, k, v, is_causal=True, enable_gqa=True), rtol=0, atol=0)

@@ -132,7 +132,7 @@ def _dispatch(*args, **kwargs):
         return _torch_sdpa(*args, **kwargs)
     stack = getattr(_local, "stack", None)
     if not stack or getattr(_local, "busy", False):  # no override on this thread; lowbit's own SDPA calls
-        return _torch_sdpa(*args, **kwargs)
+        return _torch_fallback(args, kwargs)
     ov = stack[-1]
     try:
         call = _parse(*args, **kwargs)
@@ -155,7 +155,25 @@ def _dispatch(*args, **kwargs):
             ov.stats.record_served()
             return out
     ov.stats.record_fallback(reason)
-    return _torch_sdpa(*args, **kwargs)
+    return _torch_fallback(args, kwargs)
+
+
+def _torch_fallback(args: tuple, kwargs: dict):
+    """torch's SDPA for a call lowbit does not serve. A ``CausalBias`` mask goes to its own ``__torch_function__``
+    under the name torch compares the call against (the installed function): handed torch's builtin instead, it does
+    not recognize the call, and torch would read the bias object's uninitialized memory as a dense mask. Its inner
+    SDPA call reaches torch directly (the thread is marked busy)."""
+    from torch.nn.attention.bias import CausalBias
+
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    if not isinstance(mask, CausalBias):
+        return _torch_sdpa(*args, **kwargs)
+    busy = getattr(_local, "busy", False)
+    _local.busy = True
+    try:
+        return type(mask).__torch_function__(F.scaled_dot_product_attention, (type(mask),), args, kwargs)
+    finally:
+        _local.busy = busy
 
 
 def _parse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
