@@ -252,3 +252,19 @@ def test_declined_causal_bias_keeps_torchs_meaning():
         assert type(g) is torch.Tensor and type(w) is torch.Tensor
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     torch.testing.assert_close(got[0], TORCH_SDPA(qs, k, v, is_causal=True, enable_gqa=True), rtol=0, atol=0)
+
+
+def test_causal_bias_under_torch_compile():
+    """Inside torch.compile the override passes calls to torch; a CausalBias one too, with torch's meaning (handed to
+    torch's builtin, tracing failed in AOTAutograd: "Multiple dispatch failed for aten.add")."""
+    q, k, v = _qkv(hk=4)
+    qs = q[:, :, :7].contiguous()
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(7, 24))
+
+    want = f(qs, k, v)
+    with sdpa_override(qk="int8", pv="fp8"):
+        got = torch.compile(f, backend="aot_eager", fullgraph=False)(qs, k, v)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

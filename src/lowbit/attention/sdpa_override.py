@@ -129,7 +129,7 @@ def _uninstall() -> None:
 def _dispatch(*args, **kwargs):
     """The installed ``scaled_dot_product_attention``."""
     if torch.compiler.is_compiling():
-        return _torch_sdpa(*args, **kwargs)
+        return _torch_fallback(args, kwargs)
     stack = getattr(_local, "stack", None)
     if not stack or getattr(_local, "busy", False):  # no override on this thread; lowbit's own SDPA calls
         return _torch_fallback(args, kwargs)
