@@ -96,3 +96,20 @@ def test_compile_mode_reaches_the_blocks_and_is_validated(monkeypatch):
                     (dict(compile=True, compile_mode="reduce-overhead", grad_accum=2), "needs grad_accum 1")):
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw).validate()
+
+
+def test_a_failed_capture_names_the_way_out(monkeypatch, tmp_path, small_text, cache_dir):
+    """A CUDA-graph capture that fails (a CUDA error, a collective that cannot be captured) stops the run with the
+    flag that trains eagerly; running out of memory stays itself."""
+    from lowbit.train import loop
+
+    class _Boom(loop._GraphedStep):
+        def capture(self, warmup: int = 2) -> None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(loop, "_GraphedStep", _Boom)
+    monkeypatch.setattr(loop, "_graph_decision", lambda c, d: (True, ""))
+    with pytest.raises(RuntimeError, match="capture of the training step failed: CUDA error.*--cuda-graph off"):
+        loop.train(TrainConfig(recipe="bf16", model="tiny", steps=2, batch_size=2, seq_len=32, device="cpu",
+                               data=small_text, cache_dir=cache_dir, out_dir=str(tmp_path), progress=False,
+                               verbose=False, save_final=False, eval_windows=2))

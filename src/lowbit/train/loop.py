@@ -1057,7 +1057,15 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                 for m, (x, y) in enumerate(batches):
                     graphed.load(m, x, y)
                 if graphed.graph is None:
-                    graphed.capture()
+                    try:
+                        graphed.capture()
+                    except RuntimeError as e:  # (CUDA errors included; not running out of memory)
+                        if isinstance(e, torch.OutOfMemoryError):
+                            raise
+                        raise RuntimeError(
+                            f"CUDA-graph capture of the {'DDP ' if d.active else ''}training step failed: {e}. "
+                            "Run with --cuda-graph off to train eagerly"
+                            + (" (torch's DDP)" if d.active else "")) from e
                     if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
                         _say(d, c,
