@@ -56,24 +56,6 @@ def host_us(fn, n: int = 300, warmup: int = 20) -> float:
     return t
 
 
-def exit_status(prog: str, body) -> int:
-    """Run ``body()`` for a benchmark's command line: 0, or 2 with one ``<prog>: error: ...`` line on stderr for bad
-    input (ValueError) or a file-system error (OSError)."""
-    import sys
-
-    try:
-        body()
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        from ..train.cli import os_error_line
-
-        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help: str, run, markdown) -> int:
     """The command line shared by the table benchmarks (gemm, quant): ``--shapes AxB[xC],...``, ``--rep``,
     ``--markdown FILE``; ``run(shapes, rep)`` -> rows, ``markdown(rows)`` -> the table printed (and written)."""

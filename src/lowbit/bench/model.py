@@ -46,7 +46,8 @@ import time
 import torch
 
 from ..recipes import QUANTIZED_NAMES, from_name
-from . import exit_status, git_commit
+from ..train.cli import exit_status
+from . import git_commit
 
 PROG = "lowbit bench model"
 

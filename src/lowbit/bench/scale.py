@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
+from ..train.cli import exit_status
 from ..train.loop import FP8_ALL_GATHER_RECIPES, PRESET_DEFAULTS, RECIPES
 from ..train.report import write_json
-from . import exit_status, git_commit
+from . import git_commit
 
 PROG = "lowbit bench scale"
 MODES = {

@@ -17,7 +17,7 @@ from .budget import check_activation_budget
 from .loop import COMPILE_MODES, PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
-__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "resume_command",
+__all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "exit_status", "resume_command",
            "command_errors"]
 
 
@@ -46,6 +46,20 @@ def os_error_line(e: OSError) -> str:
     what = e.strerror or str(e) or type(e).__name__
     paths = " -> ".join(repr(str(f)) for f in (e.filename, e.filename2) if f is not None)
     return f"{paths}: {what}" if paths else what
+
+
+def exit_status(prog: str, body) -> int:
+    """Run ``body()`` for a command that returns its status: 0, or 2 with one ``<prog>: error: ...`` line on stderr
+    for bad input (ValueError) or a file-system error (OSError)."""
+    try:
+        body()
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 @contextlib.contextmanager

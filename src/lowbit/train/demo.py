@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .budget import check_activation_budget
-from .cli import os_error_line, positive_int
+from .cli import exit_status, positive_int
 from .data import check_writable_dir
 from .loop import PRESET_DEFAULTS, RECIPES, TrainConfig, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
@@ -130,17 +130,7 @@ def _run(out: Path, model: str, recipes: list, cfg: dict) -> dict:
 
 def main(argv=None) -> int:
     """Command entry: like :func:`run_demo`, but bad input and file-system errors print one error line and return 2."""
-    import sys
-
-    try:
-        run_demo(argv)
-    except ValueError as e:
-        print(f"lowbit demo: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"lowbit demo: error: {os_error_line(e)}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status("lowbit demo", lambda: run_demo(argv))
 
 
 if __name__ == "__main__":
