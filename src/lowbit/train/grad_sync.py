@@ -76,10 +76,14 @@ class GradAllReduce:
         with torch.cuda.stream(self.stream):
             self.works.append(torch.distributed.all_reduce(g, op=op.AVG, group=self.group, async_op=True))
 
-    def _ready(self, p: torch.nn.Parameter) -> None:
-        if self.armed and p.grad is not None and id(p) not in self.done:
+    def _reduce_once(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not None and id(p) not in self.done:
             self.done.add(id(p))
             self._reduce(p.grad)
+
+    def _ready(self, p: torch.nn.Parameter) -> None:
+        if self.armed:
+            self._reduce_once(p)
 
     def finish(self, loss: torch.Tensor | None = None) -> None:
         """After the last backward: reduce what is left, sum ``loss`` (in place) and wait, on the current stream, for
@@ -87,9 +91,7 @@ class GradAllReduce:
         if not self.armed:
             raise RuntimeError("GradAllReduce.finish: arm() was not called before the backward")
         for p in self.params:  # (same order on every rank)
-            if p.grad is not None and id(p) not in self.done:
-                self.done.add(id(p))
-                self._reduce(p.grad)
+            self._reduce_once(p)
         if self.stream is not None:
             main = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
