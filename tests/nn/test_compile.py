@@ -216,6 +216,8 @@ def test_fused_paths_interpreter_subprocess():
 # ------------------------------------------------------------------------------------------------
 GPU_MODULES = {
     "linear": lambda: lowbit.nn.Linear(1024, 768, device="cuda"),
+    # (every dim a multiple of 512: fp8-block's layers are traced as torch operations, see functional.py)
+    "linear_traced": lambda: lowbit.nn.Linear(1024, 1536, device="cuda"),
     "rmsnorm_linear": lambda: lowbit.nn.LayerNormLinear(1024, 768, normalization="RMSNorm", device="cuda"),
     "mlp_swiglu": lambda: lowbit.nn.LayerNormMLP(1024, 1536, normalization="RMSNorm", activation="swiglu", bias=False,
                                                  device="cuda"),
@@ -242,6 +244,7 @@ def test_gpu_compiled_matches_eager(module, recipe):
 # Inductor compiles the torch ops around lowbit's (a LayerNorm, an unfused SwiGLU) with its own rounding order; where
 # lowbit's operators are all there is, its results equal eager's bit for bit.
 INDUCTOR_CASES = [("linear", r) for r in ("fp8-current", "fp8-block", "fp8-delayed", "mxfp8", "nvfp4")] + [
+    ("linear_traced", "fp8-block"), ("linear_traced", "fp8-current"),
     ("mlp_swiglu", "fp8-block"), ("rmsnorm_linear", "fp8-block")]
 
 
@@ -250,8 +253,8 @@ INDUCTOR_CASES = [("linear", r) for r in ("fp8-current", "fp8-block", "fp8-delay
 @pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs", "reduce-overhead"])
 def test_gpu_inductor_matches_eager(module, recipe, mode):
     """Inductor (default, autotuned, CUDA-graphed) on CUDA: three steps equal eager's bit for bit."""
-    if mode is not None and recipe != "fp8-block":
-        pytest.skip("the other modes on the blockwise recipe")
+    if mode is not None and recipe != "fp8-block" and module != "linear_traced":
+        pytest.skip("the other modes on the blockwise recipe and the traced linear")
     torch.manual_seed(0)
     base = GPU_MODULES[module]()
     x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
@@ -279,10 +282,12 @@ def test_gpu_reduce_overhead_refuses_state_across_calls(recipe, microbatch, matc
 
 
 @pytest.mark.gpu
-def test_gpu_reduce_overhead_sentry_sees_nan():
+@pytest.mark.parametrize("module", ["linear", "linear_traced"])
+def test_gpu_reduce_overhead_sentry_sees_nan(module):
     """Inside torch.compile's CUDA graphs the NaN sentry still fires: a replayed step whose input holds a NaN raises
-    NonFiniteAmaxError naming the layer's input, and the next finite step runs clean."""
-    lin = GPU_MODULES["linear"]()
+    NonFiniteAmaxError naming the layer's input, and the next finite step runs clean (the operator and the traced
+    linear alike)."""
+    lin = GPU_MODULES[module]()
     lowbit.nn.name_modules(torch.nn.Sequential(lin))
     m = torch.compile(lin, mode="reduce-overhead")
     rec = from_name("fp8-block")
@@ -376,3 +381,23 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
         pytest.skip("the allocator never reused the address")
     fresh = layer_of(w)
     assert fresh is not g and fresh.delayed is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
+    """Under fp8-current and fp8-block the compiled graph holds the layer as torch operations (Inductor fuses the
+    quantization; no lowbit Python per call but the sentry's record), not the lowbit::quantized_linear operator."""
+    codes = []
+
+    def backend(gm, inputs):
+        codes.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    lin = GPU_MODULES["linear_traced"]()
+    x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+    with lowbit.autocast(recipe=from_name(recipe)):
+        y = torch.compile(lin, backend=backend, fullgraph=True)(x)
+    y.float().sum().backward()
+    code = "\n".join(codes)
+    assert "lowbit.quantized_linear" not in code and "lowbit.sentry_pass" in code, code[:2000]

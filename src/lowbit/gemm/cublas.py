@@ -26,7 +26,7 @@ from ..quant.schemes import BLOCK_SIZE, Float8Blockwise, Float8Rowwise, Float8Te
 from . import register_backend
 from .reference import apply_epilogue
 
-__all__ = ["supports", "scaled_mm_cublas", "REJECTED", "REJECTED_WHY", "V1_DECLINED"]
+__all__ = ["supports", "schemes_supported", "scaled_mm_cublas", "scaled_mm_cublas_traceable", "REJECTED", "REJECTED_WHY", "V1_DECLINED"]
 
 REJECTED: set = set()
 V1_DECLINED: set = set()  # signatures torch._scaled_mm refuses (they take F.scaled_mm)
@@ -46,27 +46,37 @@ def _kind(sch) -> str:
 
 
 def _sig(a, b, out_dtype, K):
+    return _scheme_sig(a.scheme, b.scheme, out_dtype, K)
+
+
+def _scheme_sig(sa, sb, out_dtype, K):
     # K % 512: whether the 128x128 scale grid's padded row stride (pad4(K/128)) equals K/128
-    return (_kind(a.scheme), _kind(b.scheme), a.scheme.fmt, b.scheme.fmt, out_dtype, K % 512 == 0)
+    return (_kind(sa), _kind(sb), sa.fmt, sb.fmt, out_dtype, K % 512 == 0)
 
 
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     if a.device.type != "cuda" or b.device.type != "cuda":
         return False
-    ka, kb = _kind(a.scheme), _kind(b.scheme)
     M, N, K = _gemm.gemm_dims(a, b, a_copy, b_copy)
-    if "other" in (ka, kb) or _sig(a, b, opts.get("out_dtype"), K) in REJECTED:
+    return schemes_supported(a.scheme, b.scheme, M, N, K, opts.get("out_dtype"))
+
+
+def schemes_supported(sa, sb, M: int, N: int, K: int, out_dtype) -> bool:
+    """Whether cuBLAS runs ``A · Bᵀ`` for A (M, K) under scheme ``sa`` and B (N, K) under ``sb`` (the rules of
+    :func:`supports`, from the schemes and dims alone)."""
+    ka, kb = _kind(sa), _kind(sb)
+    if "other" in (ka, kb) or _scheme_sig(sa, sb, out_dtype, K) in REJECTED:
         return False
     if M % 16 or N % 16 or K % 16:
         return False
     if ka == kb == "tensor":
-        return not (a.scheme.fmt == "e5m2" and b.scheme.fmt == "e5m2")
-    if not _HAS_F_SCALED_MM or a.scheme.fmt != "e4m3" or b.scheme.fmt != "e4m3":
+        return not (sa.fmt == "e5m2" and sb.fmt == "e5m2")
+    if not _HAS_F_SCALED_MM or sa.fmt != "e4m3" or sb.fmt != "e4m3":
         return False
     if ka == kb == "row":
         return True
     if ka.startswith("block") and kb.startswith("block"):
-        if a.scheme.block_size != BLOCK_SIZE or b.scheme.block_size != BLOCK_SIZE or K % BLOCK_SIZE:
+        if sa.block_size != BLOCK_SIZE or sb.block_size != BLOCK_SIZE or K % BLOCK_SIZE:
             return False
         if kb == "block2d" and (K // BLOCK_SIZE) % 4:
             # measured on the H200 (torch 2.11) for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
@@ -172,6 +182,48 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         return acc, None
     return apply_epilogue(acc.float(), out_dtype=out_dtype, bias=bias.float() if bias is not None else None, gelu=gelu,
                           accumulate=accumulate, out=out)
+
+
+def _stored_layout(s: torch.Tensor, sch) -> torch.Tensor:
+    """A logical (rows, blocks) scale grid in the layout :func:`lowbit.quant.tensor.scale_storage` gives cuBLAS: 1x128
+    outer-dim-major; 128x128 row-major with rows padded to 4 blocks (tensorwise: a 0-dim tensor)."""
+    if isinstance(sch, Float8Tensorwise):
+        return s.reshape(())
+    if sch.block_dim == 1:
+        return s.t().contiguous().t()
+    nb = s.shape[1]
+    pad = -nb % 4
+    return _F.pad(s, (0, pad))[:, :nb] if pad else s.contiguous()
+
+
+def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, a_scheme,
+                               b_scheme, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A · Bᵀ (+ bias)`` as :func:`scaled_mm_cublas` computes it, in torch operations a compiled graph traces (the
+    same cuBLAS call on the same operands and scale layouts: the same bits, tested on the GPU).
+
+    Args:
+        A: (M, K) FP8, row-major, under ``a_scheme``; B: (N, K) FP8, row-major, under ``b_scheme``
+            (:func:`schemes_supported` holds for the pair).
+        sa, sb: their logical scale grids, (rows, K / 128) (tensorwise: one element).
+        out_dtype: the output's dtype; bias: (N,) or None, added in FP32 before the cast.
+    """
+    plain = bias is None
+    tensorwise = isinstance(a_scheme, Float8Tensorwise) and isinstance(b_scheme, Float8Tensorwise)
+    if tensorwise:
+        mm_dtype = out_dtype if plain else torch.float32
+        acc = torch._scaled_mm(A, B.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=mm_dtype)
+    else:
+        mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
+        la, lb = _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)
+        if b_scheme.block_dim == 1:
+            # 1x128 . 1x128: torch._scaled_mm declines the pairing on the torch this was measured with and
+            # scaled_mm_cublas answers with F.scaled_mm (V1_DECLINED); both are the same cuBLAS kernel
+            acc = _F.scaled_mm(A, B.t(), la, _recipe(a_scheme), lb, _recipe(b_scheme), output_dtype=mm_dtype)
+        else:
+            acc = torch._scaled_mm(A, B.t(), scale_a=la, scale_b=lb.t(), out_dtype=mm_dtype)
+    if plain:
+        return acc
+    return (acc.float() + bias.float()).to(out_dtype)
 
 
 register_backend("cublas", supports, scaled_mm_cublas)

@@ -734,6 +734,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
         _no_link_when_compiling(norm_link)
+        if _traced_linear_fits(x, weight, recipe, cfg):
+            return _traced_linear(x, weight, bias, cfg, st.key)
         return _compiled_linear(x, weight, bias, norm_weight, cfg, st.key)
     return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
@@ -941,6 +943,112 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
                                cfg.gelu, 0.0 if cfg.norm_eps is None else cfg.norm_eps, cfg.out_dtype, mb,
                                need_dgrad, need_wgrad)
     y = outs[0]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantized linear traced as torch operations (inside torch.compile, FP8 current scaling)
+# ------------------------------------------------------------------------------------------------
+# Where the recipe quantizes every role with current scaling under Float8Tensorwise or Float8Blockwise (fp8-current,
+# fp8-block) and the GEMMs are cuBLAS's, the compiled graph holds the layer itself instead of an opaque operator:
+# quantization as torch operations (lowbit.quant.traceable), which Inductor compiles and fuses with the work around
+# them, and the GEMMs as the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no
+# lowbit Python runs but the NaN sentry's record; the bits are eager's. Not traced (the operators above run): a GELU
+# or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
+# the GEMMs or blocks do not divide.
+@torch.library.custom_op("lowbit::sentry_pass", mutates_args=())
+def sentry_pass_op(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
+                   roles: str, phase: str) -> list[torch.Tensor]:
+    """Record ``amaxes`` (one per comma-separated role in ``roles``) of the layer that owns ``weight`` for the NaN
+    sentry, under the policy of the autocast state ``key``; returns copies of ``scales``, which the GEMMs read: the
+    data dependence keeps the record in the graph, before them."""
+    _, policy = _op_state(key, weight)
+    layer = layer_of(weight)
+    for role, a in zip(roles.split(","), amaxes):
+        _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
+    return [s.clone() for s in scales]
+
+
+@sentry_pass_op.register_fake
+def _(scales, amaxes, weight, key, roles, phase):
+    return [torch.empty_like(s) for s in scales]
+
+
+_ROLES = ("input", "weight", "grad_output")
+
+
+def _traced_linear_fits(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, cfg: _Cfg) -> bool:
+    """Whether the compiled graph can hold this call as torch operations (:class:`_TracedLinearFn`)."""
+    from ..gemm.cublas import schemes_supported
+    from ..quant.traceable import traceable_fits
+
+    if cfg.gelu or cfg.norm_eps is not None or cfg.is_first_microbatch is not None or not x.is_cuda:
+        return False
+    if weight.__class__ not in (torch.Tensor, torch.nn.Parameter) or x.__class__ is not torch.Tensor:
+        return False
+    if any(recipe.role(r).delayed for r in _ROLES):
+        return False
+    sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
+    (N, K), M = weight.shape, x.numel() // x.shape[-1]
+    return (traceable_fits(sin, M, K) and traceable_fits(sw, N, K) and traceable_fits(sg, M, N)
+            and schemes_supported(sin, sw, M, N, K, cfg.out_dtype)  # fprop: x (M, K) . w (N, K)
+            and schemes_supported(sg, sw, M, K, N, x.dtype)  # dgrad: dy (M, N) . w's columnwise copy (K, N)
+            and schemes_supported(sg, sin, N, K, M, weight.dtype))  # wgrad: dy's (N, M) . x's (K, M) copies
+
+
+class _TracedLinearFn(torch.autograd.Function):
+    """:func:`quantized_linear` on 2D x as torch operations (see above); the autocast state crosses as its key."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
+        from ..gemm.cublas import scaled_mm_cublas_traceable
+        from ..quant.traceable import quantize_traceable
+
+        recipe, _ = _ac.from_key(key)
+        sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
+        qx = quantize_traceable(x2, sin, rowwise=True, columnwise=need_wgrad)
+        qw = quantize_traceable(weight, sw, rowwise=True, columnwise=need_dgrad)
+        sx, swr = sentry_pass_op([qx.row_scale_inv, qw.row_scale_inv], [qx.amax, qw.amax], weight, key,
+                                 "input,weight", "forward")
+        y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, sx, swr, a_scheme=sin, b_scheme=sw, out_dtype=out_dtype,
+                                       bias=bias)
+        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
+        ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
+        ctx.x_dtype, ctx.bias_dtype = x2.dtype, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..gemm.cublas import scaled_mm_cublas_traceable
+        from ..quant.traceable import quantize_traceable
+
+        xc, xcs, wc, wcs, weight = ctx.saved_tensors
+        recipe, _ = _ac.from_key(ctx.key)
+        sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
+        need_dgrad, need_wgrad = ctx.need
+        need_dgrad, need_wgrad = need_dgrad and ctx.needs_input_grad[0], need_wgrad and ctx.needs_input_grad[1]
+        dx = dw = db = None
+        if need_dgrad or need_wgrad:
+            q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
+            scales = [s for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
+            scales = sentry_pass_op(scales, [q.amax], weight, ctx.key, "grad_output", "backward")
+            if need_dgrad:
+                dx = scaled_mm_cublas_traceable(q.rowwise, wc, scales[0], wcs, a_scheme=sg, b_scheme=sw,
+                                                out_dtype=ctx.x_dtype)
+            if need_wgrad:
+                dw = scaled_mm_cublas_traceable(q.columnwise, xc, scales[-1], xcs, a_scheme=sg, b_scheme=sin,
+                                                out_dtype=weight.dtype)
+        if ctx.needs_input_grad[2]:
+            db = column_sum_op(dy, ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:
+    """:func:`quantized_linear` through :class:`_TracedLinearFn` (inside torch.compile)."""
+    K = x.shape[-1]
+    grad = torch.is_grad_enabled()
+    y = _TracedLinearFn.apply(x.reshape(-1, K), weight, bias, key, cfg.out_dtype, grad and x.requires_grad,
+                              grad and weight.requires_grad)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

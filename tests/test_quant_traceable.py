@@ -1,0 +1,107 @@
+"""lowbit.quant.traceable (the quantizers a compiled graph traces) against the reference, bit for bit: eager and
+compiled by Inductor on the CPU, over random data with the edge cases the scale rules name."""
+
+import pytest
+import torch
+
+from lowbit.quant import quantize_reference
+from lowbit.quant.reference import compute_scale
+from lowbit.quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from lowbit.quant.traceable import current_scale, quantize_traceable, traceable_fits
+
+SCHEMES = [
+    Float8Tensorwise("e4m3"),
+    Float8Tensorwise("e5m2"),
+    Float8Blockwise("e4m3", block_dim=1),
+    Float8Blockwise("e5m2", block_dim=1),
+    Float8Blockwise("e4m3", block_dim=2),
+    Float8Blockwise("e4m3", block_dim=1, pow2=False),
+    Float8Blockwise("e4m3", block_dim=2, pow2=False, eps=1e-3),
+    Float8Blockwise("e4m3", block_dim=1, block_size=32),
+]
+
+
+def _data(rows, cols, dtype, seed):
+    """Random rows at scales 2**-30 .. 2**30, with a zero block, a tiny block and FP32-max-sized values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-30, 31, (rows, 1), generator=g).float())
+    x[:128, :128] = 0
+    x[-1, :64] = 1e-30
+    if dtype == torch.float32:
+        x[1, 200] = 3e38
+    return x.to(dtype)
+
+
+def _same(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                       b.view(torch.uint8) if b.element_size() == 1 else b), what
+
+
+def _check(x, sch, got):
+    ref = quantize_reference(x, sch, rowwise=True, columnwise=True)
+    _same(got.rowwise, ref.rowwise.data, "rowwise data")
+    _same(got.row_scale_inv, ref.logical_scales("rowwise"), "rowwise scales")
+    _same(got.columnwise, ref.columnwise.data, "columnwise data")
+    _same(got.col_scale_inv, ref.logical_scales("columnwise"), "columnwise scales")
+    _same(got.amax, ref.amax.reshape(1), "amax")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sch", SCHEMES, ids=repr)
+def test_traceable_equals_reference(sch, dtype):
+    x = _data(384, 256, dtype, seed=hash((repr(sch), str(dtype))) % 1000)
+    _check(x, sch, quantize_traceable(x, sch, rowwise=True, columnwise=True))
+
+
+@pytest.mark.parametrize("sch", [SCHEMES[0], SCHEMES[2], SCHEMES[4]], ids=repr)
+def test_traceable_compiled_equals_reference(sch):
+    """Inductor's CPU kernels for the same operations give the same bits (the GPU test runs Inductor's Triton)."""
+    torch.compiler.reset()
+    x = _data(256, 384, torch.bfloat16, seed=7)
+    fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
+    _check(x, sch, fn(x))
+
+
+def test_current_scale_edge_values():
+    """NaN, Inf, 0, subnormal and FP32-max amaxes, with and without power-of-two rounding and eps."""
+    a = torch.tensor([0.0, 1e-45, 1e-38, 1e-30, 0.37, 1.0, 448.0, 449.0, 1e30, 3.4e38, float("inf"), float("nan")])
+    a = torch.cat([a, torch.rand(1000) * torch.exp2(torch.randint(-126, 127, (1000,)).float())])
+    for fmax in (448.0, 57344.0):
+        for pow2 in (False, True):
+            for eps in (0.0, 1e-4):
+                got, ref = current_scale(a, fmax, pow2=pow2, eps=eps), compute_scale(a, fmax, pow2=pow2, eps=eps)
+                assert torch.equal(got.isnan(), ref.isnan())
+                assert torch.equal(got[~got.isnan()], ref[~ref.isnan()]), (fmax, pow2, eps)
+
+
+def test_traceable_covers_and_refuses():
+    assert traceable_fits(Float8Tensorwise(), 3, 5)
+    assert traceable_fits(Float8Blockwise(block_dim=2), 256, 128)
+    assert not traceable_fits(Float8Blockwise(block_dim=1), 256, 200)
+    assert not traceable_fits(Float8Rowwise(), 256, 256)
+    with pytest.raises(NotImplementedError, match="scheme: quantize_traceable covers"):
+        quantize_traceable(torch.zeros(256, 200), Float8Blockwise())
+    with pytest.raises(ValueError, match="x2: expected a 2D tensor"):
+        quantize_traceable(torch.zeros(2, 256, 256), Float8Blockwise())
+    with pytest.raises(ValueError, match="at least one copy"):
+        quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), rowwise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sch", SCHEMES[:5], ids=repr)
+def test_gpu_inductor_equals_kernels(sch, dtype):
+    """Inductor's Triton kernels for the traced quantizers against lowbit's own kernels (lowbit.quantize) on CUDA."""
+    from lowbit.quant import quantize
+
+    torch.compiler.reset()
+    x = _data(1024, 768, dtype, seed=3).cuda()
+    fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
+    got = fn(x)
+    ref = quantize(x, sch, rowwise=True, columnwise=True)
+    _same(got.rowwise, ref.rowwise.data, "rowwise data")
+    _same(got.row_scale_inv, ref.logical_scales("rowwise"), "rowwise scales")
+    _same(got.columnwise, ref.columnwise.data, "columnwise data")
+    _same(got.col_scale_inv, ref.logical_scales("columnwise"), "columnwise scales")
+    _same(got.amax, ref.amax.reshape(1), "amax")
