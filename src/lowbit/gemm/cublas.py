@@ -26,7 +26,8 @@ from ..quant.schemes import BLOCK_SIZE, Float8Blockwise, Float8Rowwise, Float8Te
 from . import register_backend
 from .reference import apply_epilogue
 
-__all__ = ["supports", "schemes_supported", "scaled_mm_cublas", "scaled_mm_cublas_traceable", "REJECTED", "REJECTED_WHY", "V1_DECLINED"]
+__all__ = ["supports", "schemes_supported", "scaled_mm_cublas", "scaled_mm_cublas_traceable", "REJECTED",
+           "REJECTED_WHY", "V1_DECLINED"]
 
 REJECTED: set = set()
 V1_DECLINED: set = set()  # signatures torch._scaled_mm refuses (they take F.scaled_mm)
@@ -218,7 +219,9 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
         if b_scheme.block_dim == 1:
             # 1x128 . 1x128: torch._scaled_mm declines the pairing on the torch this was measured with and
             # scaled_mm_cublas answers with F.scaled_mm (V1_DECLINED); both are the same cuBLAS kernel
-            acc = _F.scaled_mm(A, B.t(), la, _recipe(a_scheme), lb, _recipe(b_scheme), output_dtype=mm_dtype)
+            # (the aten operator: torch.compile does not trace torch._scaled_mm_v2, which F.scaled_mm calls)
+            acc = torch.ops.aten._scaled_mm_v2.default(A, B.t(), [la], [_recipe(a_scheme).value], [], [lb],
+                                                       [_recipe(b_scheme).value], [], None, mm_dtype)
         else:
             acc = torch._scaled_mm(A, B.t(), scale_a=la, scale_b=lb.t(), out_dtype=mm_dtype)
     if plain:

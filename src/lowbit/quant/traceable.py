@@ -4,9 +4,8 @@ Inside a compiled graph, lowbit's quantized linear quantizes with these (:func:`
 generates the kernels and fuses them with the elementwise work around them, and the graph launches them with no
 lowbit Python in between. They are the reference's arithmetic (NUMERICS §2–§3) step for step, so each copy is
 bit-identical to :func:`lowbit.quant.quantize_reference` and to the Triton kernels (tested): the amax is exact, the
-scale is a correctly rounded ``fmax / amax`` (a tensor divided by a tensor: ``python_float / tensor`` would be a
-multiply by a rounded reciprocal), the power-of-two rounding clears the scale's mantissa bits, and the saturating
-cast rounds to nearest even.
+scale is a correctly rounded ``fmax / amax`` (divided in float64 and rounded once), the power-of-two rounding clears
+the scale's mantissa bits, and the saturating cast rounds to nearest even.
 
 They cover what the compiled linear needs: :class:`Float8Tensorwise`, and :class:`Float8Blockwise` where the copy's
 dims are multiples of the block (no ragged blocks); :func:`traceable_fits` says which.
@@ -48,7 +47,9 @@ def current_scale(amax: torch.Tensor, fmax: float, *, pow2: bool = False, eps: f
     a = amax.to(torch.float32)
     if eps > 0:
         a = torch.clamp(a, min=eps)
-    s = torch.full_like(a, fmax) / a
+    # float64 quotients rounded once to float32 are the correctly rounded float32 quotients (53 >= 2 * 24 + 2 bits),
+    # which Triton's float32 division is not for every divisor
+    s = (torch.full_like(a, fmax, dtype=torch.float64) / a.double()).float()
     s = torch.where(a == 0, torch.ones_like(s), s)
     s = torch.where(torch.isinf(s), torch.full_like(s, FP32_MAX), s)
     if pow2:
@@ -63,6 +64,11 @@ def _cast(v: torch.Tensor, fmt) -> torch.Tensor:
     return torch.clamp(v, -fmt.max, fmt.max).to(fmt.torch_dtype)
 
 
+def _reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 ``1 / s`` (see :func:`current_scale`)."""
+    return (1.0 / s.double()).float()
+
+
 def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
     return x2.abs().amax().to(torch.float32).reshape(1)
 
@@ -71,41 +77,60 @@ def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwi
     fmt = sch.format
     amax = _tensor_amax(x2)
     s = current_scale(amax, fmt.max)
-    data = _cast(x2.float() * s, fmt)
-    si = torch.reciprocal(s).reshape(1, 1)
+    data = _cast(x2.float() * s, fmt).contiguous()
+    si = _reciprocal(s).reshape(1, 1)
     return TracedCopies(data if rowwise else None, si if rowwise else None,
                         data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
 
 
-def _segments(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 x block segments along the last dim of x2 (r, k): (data (r, k), scale_inv (r, k / block))."""
+def _segments(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1 x block segments along the rows of x2 (r, k): (data (r, k), scale_inv (r, k / block), block amaxes)."""
     fmt, bs = sch.format, sch.block_size
     r, k = x2.shape
     xb = x2.float().reshape(r, k // bs, bs)
-    s = current_scale(xb.abs().amax(dim=-1), fmt.max, pow2=sch.pow2, eps=sch.eps)
-    data = _cast(xb * s.unsqueeze(-1), fmt).reshape(r, k)
-    return data, torch.reciprocal(s)
+    bamax = xb.abs().amax(dim=-1)
+    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
+    data = _cast(xb * s.unsqueeze(-1), fmt).reshape(r, k).contiguous()
+    return data, _reciprocal(s), bamax
 
 
-def _tiles(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor]:
-    """block x block tiles of x2 (r, k): (data (r, k), scale_inv (r / block, k / block))."""
+def _segments_down(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block x 1 segments down the columns of x2 (r, k), read row by row: the columnwise copy (k, r) and its
+    scale_inv (k, r / block) (a transposed view of the (r / block, k) grid cuBLAS reads), and the block amaxes."""
+    fmt, bs = sch.format, sch.block_size
+    r, k = x2.shape
+    xb = x2.float().reshape(r // bs, bs, k)
+    bamax = xb.abs().amax(dim=1)
+    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
+    data = _cast(xb * s.unsqueeze(1), fmt).reshape(r, k).t().contiguous()
+    return data, _reciprocal(s).t(), bamax
+
+
+def _tiles(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block x block tiles of x2 (r, k): (data (r, k), scale_inv (r / block, k / block), tile amaxes)."""
     fmt, bs = sch.format, sch.block_size
     r, k = x2.shape
     xb = x2.float().reshape(r // bs, bs, k // bs, bs)
-    s = current_scale(xb.abs().amax(dim=(1, 3)), fmt.max, pow2=sch.pow2, eps=sch.eps)
-    data = _cast(xb * s[:, None, :, None], fmt).reshape(r, k)
-    return data, torch.reciprocal(s)
+    bamax = xb.abs().amax(dim=(1, 3))
+    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
+    data = _cast(xb * s[:, None, :, None], fmt).reshape(r, k).contiguous()
+    return data, _reciprocal(s), bamax
 
 
 def _blockwise(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool, columnwise: bool) -> TracedCopies:
-    amax = _tensor_amax(x2)
+    # (the tensor's amax is the largest block amax: no second pass over x2)
     if sch.block_dim == 2:  # one tile grid: the columnwise copy is the transpose of the rowwise one
-        data, si = _tiles(x2, sch)
+        data, si, bamax = _tiles(x2, sch)
         return TracedCopies(data if rowwise else None, si if rowwise else None,
-                            data.t().contiguous() if columnwise else None, si.t() if columnwise else None, amax)
-    row = _segments(x2, sch) if rowwise else (None, None)
-    col = _segments(x2.t(), sch) if columnwise else (None, None)
-    return TracedCopies(*row, *col, amax)
+                            data.t().contiguous() if columnwise else None, si.t() if columnwise else None,
+                            _max_of(bamax))
+    row = _segments(x2, sch) if rowwise else (None, None, None)
+    col = _segments_down(x2, sch) if columnwise else (None, None, None)
+    return TracedCopies(row[0], row[1], col[0], col[1], _max_of(row[2] if rowwise else col[2]))
+
+
+def _max_of(bamax: torch.Tensor) -> torch.Tensor:
+    return bamax.amax().reshape(1)
 
 
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
