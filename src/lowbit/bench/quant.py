@@ -3,7 +3,8 @@ device-to-device copy of the same input, measured in the same run.
 
 Per input (M, K) in BF16: copy (``y.copy_(x)``: 2 × bytes); lowbit Triton 1x128 rowwise, 1x128
 rowwise+columnwise (fused cast + transpose), 128x128 (both copies), per-tensor current scaling
-(amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable.
+(amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable; the
+quantizers ``torch.compile`` traces for fp8-current / fp8-block linears, compiled by Inductor.
 The same input in FP32 (as LayerNorm outputs and FP32 master weights reach the quantizer in training): copy,
 1x128 rowwise+columnwise, 128x128 both copies; their fraction is of the FP32 copy.
 Bytes moved count the input read once per pass plus every output written (data + scales).
@@ -70,6 +71,9 @@ def _run_shape(M, K, rep, rows):
         ("fp32 128x128 rowwise+columnwise", lambda: quantize(x32, Float8Blockwise(block_dim=2), True, True,
                                                              backend="triton"), None),
     ]
+    traced16, traced32 = _traced_cases(x, x32)
+    cases[-3:-3] = traced16  # (each group before the next copy row: fractions are of its own input dtype's copy)
+    cases += traced32
     copy_bw = None
     for name, fn, passes in cases:
         te = time_ms(fn, rep)
@@ -91,6 +95,24 @@ def _run_shape(M, K, rep, rows):
         g = f"{tg * 1e3:8.1f}" if tg is not None else "       —"
         print(f"    {name:30s} call {te * 1e3:8.1f} us  graphed {g} us {bw:8.0f} GB/s  {bw / copy_bw:.2f} of copy",
               flush=True)
+
+
+def _traced_cases(x, x32) -> tuple[list, list]:
+    """The quantizers a compiled graph traces (:mod:`lowbit.quant.traceable`), each compiled alone by Inductor: what
+    ``torch.compile`` makes of a fp8-current / fp8-block linear's quantization, next to lowbit's kernels (bytes
+    counted as for lowbit's row of the same scheme, so the GB/s compare the times)."""
+    from lowbit.quant import Float8Blockwise, Float8Tensorwise
+    from lowbit.quant.traceable import quantize_traceable
+
+    def compiled(t, sch):
+        fn = torch.compile(lambda v: quantize_traceable(v, sch, rowwise=True, columnwise=True), fullgraph=True)
+        return lambda: tuple(c for c in fn(t) if c is not None)
+
+    return ([("Inductor 1x128 rowwise+columnwise", compiled(x, Float8Blockwise()), None),
+             ("Inductor 128x128 rowwise+columnwise", compiled(x, Float8Blockwise(block_dim=2)), None),
+             ("Inductor tensorwise row+col", compiled(x, Float8Tensorwise()), 2)],
+            [("fp32 Inductor 1x128 rowwise+columnwise", compiled(x32, Float8Blockwise()), None),
+             ("fp32 Inductor 128x128 rowwise+columnwise", compiled(x32, Float8Blockwise(block_dim=2)), None)])
 
 
 def run(shapes, rep=100):
