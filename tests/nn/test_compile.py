@@ -410,3 +410,71 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     y.float().sum().backward()
     code = "\n".join(codes)
     assert "lowbit.quantized_linear" not in code and "lowbit.sentry_pass" in code, code[:2000]
+
+
+def test_opcheck_sentry_pass():
+    from lowbit.nn.functional import sentry_pass_op
+
+    m = lowbit.nn.Linear(64, 96)
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        key = ac.get_state().key
+        scales = [torch.rand(1, 1), torch.rand(4, 2).t()]
+        torch.library.opcheck(sentry_pass_op, (scales, [torch.rand(1)], m.weight.detach(), key, "input", "forward"))
+
+
+def _fits(recipe, M, N, K, **cfg):
+    """The traced linear's rules for x (M, K) BF16 and an FP32 weight (N, K)."""
+    from lowbit.nn.functional import _Cfg, traced_linear_rules
+
+    rec = from_name(recipe)
+    c = dict(layer=None, recipe=rec, is_first_microbatch=None, gelu=False, policy="raise", out_dtype=torch.bfloat16)
+    c.update(cfg)
+    return traced_linear_rules(rec, _Cfg(**c), M, N, K, torch.bfloat16, torch.float32)
+
+
+def test_traced_linear_rules():
+    """Which compiled linears are traced as torch operations: fp8-current where cuBLAS takes the dims (multiples of
+    16), fp8-block where the blocks and cuBLAS's 128x128 grids divide them (multiples of 512 for N and K); never
+    with delayed scaling, MXFP8 / NVFP4, a GELU, a fused norm or a weight cached across micro-batches."""
+    assert _fits("fp8-current", 2048, 1536, 1024)
+    assert not _fits("fp8-current", 2048, 1000, 1024)
+    assert _fits("fp8-block", 2048, 1536, 1024)
+    assert _fits("fp8-block", 8192, 5632, 2048) and _fits("fp8-block", 8192, 2048, 5632)
+    assert not _fits("fp8-block", 2048, 768, 1024)  # dgrad: N / 128 = 6 grid columns, not a multiple of 4
+    assert not _fits("fp8-block", 2048, 1024, 2816)  # fprop: K / 128 = 22
+    assert not _fits("fp8-block", 2000, 1024, 1024)  # tokens not whole blocks
+    for r in ("fp8-delayed", "mxfp8", "nvfp4"):
+        assert not _fits(r, 2048, 1024, 1024), r
+    assert not _fits("fp8-current", 2048, 1024, 1024, gelu=True)
+    assert not _fits("fp8-current", 2048, 1024, 1024, norm_eps=1e-6)
+    assert not _fits("fp8-current", 2048, 1024, 1024, is_first_microbatch=True)
+
+
+def test_traced_linear_traces_on_cpu(monkeypatch):
+    """The traced Function (tensorwise: torch's CPU _scaled_mm runs it) compiles with fullgraph=True and no
+    lowbit::quantized_linear operator, gives gradients of the right shapes, and its sentry record still raises on a
+    NaN input. (Its bits against eager are the GPU tests': on the CPU eager runs the float64 reference GEMM.)"""
+    from lowbit.nn import functional as fn
+
+    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: not any(r.role(q).delayed for q in fn._ROLES))
+    codes = []
+
+    def backend(gm, inputs):
+        codes.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    lin = lowbit.nn.Linear(64, 96)
+    m = torch.compile(lin, backend=backend, fullgraph=True)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        y = m(x)
+    y.float().square().sum().backward()
+    code = "\n".join(codes)
+    assert "lowbit.quantized_linear" not in code and "lowbit.sentry_pass" in code
+    assert y.shape == (2, 32, 96) and x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
+    assert lin.bias.grad is not None and torch.isfinite(y).all()
+    bad = x.detach().clone()
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        with lowbit.autocast(recipe=from_name("fp8-current")):
+            m(bad)

@@ -978,22 +978,31 @@ _ROLES = ("input", "weight", "grad_output")
 
 
 def _traced_linear_fits(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, cfg: _Cfg) -> bool:
-    """Whether the compiled graph can hold this call as torch operations (:class:`_TracedLinearFn`)."""
+    """Whether the compiled graph can hold this call as torch operations (:class:`_TracedLinearFn`): plain CUDA
+    tensors and :func:`traced_linear_rules`."""
+    if not x.is_cuda or weight.__class__ not in (torch.Tensor, torch.nn.Parameter) or x.__class__ is not torch.Tensor:
+        return False
+    (N, K), M = weight.shape, x.numel() // x.shape[-1]
+    return traced_linear_rules(recipe, cfg, M, N, K, x.dtype, weight.dtype)
+
+
+def traced_linear_rules(recipe: Recipe, cfg: _Cfg, M: int, N: int, K: int, x_dtype: torch.dtype,
+                        w_dtype: torch.dtype) -> bool:
+    """The recipe, epilogue and shape rules of the traced linear, for x (M, K) and a weight (N, K): no GELU, fused
+    norm or weight cached across micro-batches; every role current-scaled FP8 that :mod:`lowbit.quant.traceable`
+    covers for its copies; the three GEMMs cuBLAS's (:func:`lowbit.gemm.cublas.schemes_supported`)."""
     from ..gemm.cublas import schemes_supported
     from ..quant.traceable import traceable_fits
 
-    if cfg.gelu or cfg.norm_eps is not None or cfg.is_first_microbatch is not None or not x.is_cuda:
-        return False
-    if weight.__class__ not in (torch.Tensor, torch.nn.Parameter) or x.__class__ is not torch.Tensor:
+    if cfg.gelu or cfg.norm_eps is not None or cfg.is_first_microbatch is not None:
         return False
     if any(recipe.role(r).delayed for r in _ROLES):
         return False
     sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
-    (N, K), M = weight.shape, x.numel() // x.shape[-1]
     return (traceable_fits(sin, M, K) and traceable_fits(sw, N, K) and traceable_fits(sg, M, N)
             and schemes_supported(sin, sw, M, N, K, cfg.out_dtype)  # fprop: x (M, K) . w (N, K)
-            and schemes_supported(sg, sw, M, K, N, x.dtype)  # dgrad: dy (M, N) . w's columnwise copy (K, N)
-            and schemes_supported(sg, sin, N, K, M, weight.dtype))  # wgrad: dy's (N, M) . x's (K, M) copies
+            and schemes_supported(sg, sw, M, K, N, x_dtype)  # dgrad: dy (M, N) . w's columnwise copy (K, N)
+            and schemes_supported(sg, sin, N, K, M, w_dtype))  # wgrad: dy's (N, M) . x's (K, M) copies
 
 
 class _TracedLinearFn(torch.autograd.Function):
