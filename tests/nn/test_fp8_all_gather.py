@@ -135,7 +135,10 @@ def _worker(rank, tmp, recipe, shape, device="cpu", units="layers"):
 
 def _spawn_and_compare(tmp_path, recipe, shape, device="cpu", units="layers"):
     mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device, units), nprocs=WORLD, join=True)
-    ref_outs, ref_losses, ref_grads = _run(_model(shape).to(device), recipe, device=device)
+    ref = _model(shape).to(device)
+    with lowbit.autocast(recipe=from_name(recipe)):  # the workers' probe forward (delayed scaling records it)
+        ref(torch.zeros(32 if device == "cpu" else 128, shape[0], device=device))
+    ref_outs, ref_losses, ref_grads = _run(ref, recipe, device=device)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(ref_outs, g["outs"])):
@@ -159,12 +162,14 @@ def _check_fp8_gather(tmp_path, recipe, device):
         assert g["bf16_bytes"] == sum(all_gather_bytes(s, None, WORLD) for s in weights)
         assert g["fp8_bytes"] <= 0.55 * g["bf16_bytes"], (g["fp8_bytes"], g["bf16_bytes"])
         assert not g["warned"]
-        # one amax all-reduce per unit gathered (per-tensor scaling), none for 128x128 tiles
-        assert g["amax_reductions"] == (g["gathers"] if recipe == "fp8-current" else 0), g
+        # one amax all-reduce per unit gathered (per-tensor scaling), none for 128x128 tiles; delayed scaling adds
+        # its histories' reduction at each of the two steps' autocast exits
+        reductions = {"fp8-current": g["gathers"], "fp8-delayed": g["gathers"] + 2, "fp8-block": 0}[recipe]
+        assert g["amax_reductions"] == reductions, g
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current", "fp8-delayed"])
 def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
     _check_fp8_gather(tmp_path, recipe, "cpu")
 
@@ -172,7 +177,7 @@ def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
                     reason="needs 2 CUDA GPUs and NCCL")
-@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current", "fp8-delayed"])
 def test_fp8_all_gather_matches_unsharded_gpu(tmp_path, recipe):
     """The same over NCCL on 2 GPUs with lowbit's GPU quantizers and GEMMs (the reference run on cuda:0)."""
     _check_fp8_gather(tmp_path, recipe, "cuda")
@@ -206,6 +211,7 @@ def test_fp8_all_gather_declines_other_recipes_and_checks_args():
     m = _model((256, 256))
     with pytest.warns(UserWarning, match="high precision"):
         plan = lowbit.nn.fp8_all_gather(m, from_name("mxfp8"))
+    assert "DelayedScaling" in plan["0.weight"]
     assert set(plan) == {"0.weight", "2.weight"} and all("MXFP8" in v for v in plan.values())
     assert type(m[0].weight) is torch.nn.Parameter
     with pytest.raises(TypeError, match="recipe"):

@@ -54,7 +54,7 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
     assert res["history"]["train"] == ddp["history"]["train"]
 
 
-@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current", "fp8-delayed"])
 def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recipe):
     """``--fp8-all-gather`` moves the FP8 copies instead of the FP32 shards and changes no bit of the run: the
     training and validation losses equal the plain FSDP2 run's exactly (fp8-current: each block's four weights take

@@ -54,6 +54,12 @@ class LowbitModule:
         if key not in state_dict and key in missing_keys:  # checkpoint of a torch module: no scaling state is fine
             missing_keys.remove(key)
 
+    def gemm_layer(self, attr: str):
+        """The :class:`~lowbit.nn.functional.GemmLayer` that multiplies by the weight attribute ``attr``
+        (``"weight"``, ``"fc1_weight"`` ...), or None."""
+        suffix = attr[: -len("_weight")] if attr.endswith("_weight") else ("" if attr == "weight" else None)
+        return None if suffix is None else self._gemms.get(suffix)
+
     def clear_weight_cache(self) -> None:
         """Drop cached quantized weights (they are rebuilt by the next ``is_first_microbatch=True`` call)."""
         for g in self._gemms.values():

@@ -14,13 +14,17 @@ weight:
   in FP8, the scale travels as metadata (it is the same on every rank). One all-reduce serves every per-tensor weight
   of a ``fully_shard`` unit: the first of the unit's hooks that FSDP2 calls for a gather reduces all of the unit's
   shard amaxes at once, and the unit's other hooks of that gather take theirs (:class:`AmaxBatches`).
+* ``DelayedScaling`` (per-tensor): every rank casts its shard with its layer's delayed weight scale (the same on
+  every rank: the weight amaxes each history records are the all-reduced whole-weight ones, gathered as above, and
+  the layers' histories start equal), and the forward records the whole weight's amax in the history, as the
+  unsharded forward does; during the recipe's warm-up the scale is the current one, as above.
 * ``Float8BlockScaling`` with 128x128 weight tiles (``w_block_scaling_dim=2``): FSDP2 shards dim 0, so where every
   rank's shard is a whole number of 128-row tiles (out_features divisible by 128 x the shard count) each tile lies
   in one shard and needs no reduction; the FP8 data, the FP32 tile scales and each shard's amax are gathered.
 
 Everything else gathers in high precision, as FSDP2 does without this module, and says so once (a warning and
 :func:`lowbit.runtime.log.declined`): a 128x128 weight whose shards are not whole tiles, 1x128 weight blocks (their
-columnwise copy is not the rowwise one transposed), delayed scaling, MXFP8, NVFP4, BF16, weights shared by two
+columnwise copy is not the rowwise one transposed), MXFP8, NVFP4, BF16, weights shared by two
 modules. Gradients reduce-scatter in high precision, as FSDP2 does. The gathered weight holds no high-precision
 values: only a lowbit layer under ``lowbit.autocast`` with the same recipe can use it (anything else raises).
 torch.compile over layers holding these weights is not supported.
@@ -36,11 +40,12 @@ from torch.utils import _pytree as pytree
 
 from .. import distributed
 from ..quant import quantize
-from ..quant.reference import amax_of, compute_scale
+from ..quant.reference import amax_of, compute_scale, delayed_scale_inv
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
-from ..recipes import Float8BlockScaling, Float8CurrentScaling, Recipe
+from ..recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 from ..runtime.log import declined, warn_once
+from . import state as _ac
 from .base import LowbitModule
 
 __all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight",
@@ -55,7 +60,7 @@ def _say_fallback(reason: str) -> None:
 
 def recipe_weight_scheme(recipe: Recipe):
     """``(scheme, None)``: the weight scheme ``recipe`` gathers in FP8, or ``(None, reason)``."""
-    if isinstance(recipe, Float8CurrentScaling):
+    if isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
         return recipe.role("weight").scheme, None
     if isinstance(recipe, Float8BlockScaling):
         sch = recipe.role("weight").scheme
@@ -63,8 +68,8 @@ def recipe_weight_scheme(recipe: Recipe):
             return sch, None
         return None, ("fp8-block with 1x128 weight blocks (w_block_scaling_dim=1): their columnwise copy is not the "
                       "rowwise one transposed")
-    return None, (f"recipe {type(recipe).__name__}: FP8 all-gather covers Float8CurrentScaling (per-tensor) and "
-                  "Float8BlockScaling with 128x128 weight tiles")
+    return None, (f"recipe {type(recipe).__name__}: FP8 all-gather covers Float8CurrentScaling and DelayedScaling "
+                  "(per-tensor) and Float8BlockScaling with 128x128 weight tiles")
 
 
 def fp8_gather_plan(scheme, shape, world: int) -> str | None:
@@ -191,20 +196,23 @@ class Float8AllGatherWeight(torch.Tensor):
         lowbit_batch: ``(AmaxBatches, attribute name)``: the :class:`AmaxBatches` that reduces this per-tensor
             weight's amax with the rest of its ``fully_shard`` unit's, and the weight's attribute on its module; or
             None (one all-reduce of its own).
+        lowbit_delayed: under ``DelayedScaling``, the weight's attribute on its module (whose
+            :class:`~lowbit.nn.functional.GemmLayer` holds the scale every rank casts its shard with); else None.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None):
+    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
                                                    storage_offset=hp.storage_offset(), dtype=hp.dtype,
                                                    layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
 
-    def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None):
+    def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None):
         self.lowbit_hp = hp
         self.lowbit_scheme = scheme
         self.lowbit_batch = batch
+        self.lowbit_delayed = delayed
 
     def data_ptr(self) -> int:
         return self.lowbit_hp.data_ptr()
@@ -215,20 +223,22 @@ class Float8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is _aten.detach.default:
-            return cls(args[0].lowbit_hp.detach(), args[0].lowbit_scheme, args[0].lowbit_batch)
+            me = args[0]
+            return cls(me.lowbit_hp.detach(), me.lowbit_scheme, me.lowbit_batch, me.lowbit_delayed)
         src = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         args, kwargs = pytree.tree_map_only(cls, _plain, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, src.lowbit_scheme, src.lowbit_batch), out)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: cls(t, src.lowbit_scheme, src.lowbit_batch, src.lowbit_delayed), out)
 
     def __tensor_flatten__(self):
-        return ["lowbit_hp"], self.lowbit_scheme
+        return ["lowbit_hp"], (self.lowbit_scheme, self.lowbit_delayed)
 
     @staticmethod
-    def __tensor_unflatten__(inner, scheme, outer_size, outer_stride):
-        return Float8AllGatherWeight(inner["lowbit_hp"], scheme)
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner["lowbit_hp"], ctx[0], None, ctx[1])
 
     # -- FSDP2's all-gather extension -------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -249,14 +259,35 @@ class Float8AllGatherWeight(torch.Tensor):
             else:
                 amax = amax_of(hp)
                 distributed.reduce_amax([amax], group=mesh.get_group())  # MAX over the shards: the weight's amax
-            scale = compute_scale(amax, sch.format.max)
+            scale = self._delayed_scale(module, hp.device)
+            if scale is None:  # current scaling (or a delayed recipe's warm-up): fmax / the whole weight's amax
+                scale = compute_scale(amax, sch.format.max)
+                scale_inv = (1.0 / scale).reshape(1)
+            else:
+                scale_inv = delayed_scale_inv(scale, amax)
             if hp.numel():
                 data = quantize(hp, sch, rowwise=True, scale=scale).rowwise.data.view(torch.uint8)
             else:
                 data = torch.zeros(hp.shape, dtype=torch.uint8, device=hp.device)
-            return (_pad_rows(data, rows),), ("tensorwise", n, (1.0 / scale).reshape(1), amax)
+            return (_pad_rows(data, rows),), ("tensorwise", n, scale_inv, amax)
         c = quantize(hp, sch, rowwise=True).rowwise
         return (c.data.view(torch.uint8), c.scale_inv, c.amax.reshape(1)), ("tiles", n)
+
+    def _delayed_scale(self, module, device) -> torch.Tensor | None:
+        """The delayed scale of this weight's layer (what the unsharded forward casts it with), or None: current
+        scaling (not a delayed recipe, its warm-up, or a gather outside autocast before any forward)."""
+        if self.lowbit_delayed is None:
+            return None
+        layer = module.gemm_layer(self.lowbit_delayed) if isinstance(module, LowbitModule) else None
+        if layer is None:
+            raise ValueError(f"module: FSDP2 gathers the delayed-scaling weight {self.lowbit_delayed!r} for "
+                             f"{type(module).__name__}, which is not the lowbit module fp8_all_gather wrapped it for")
+        st = _ac.get_state()
+        if st.enabled:  # (another recipe: the forward refuses the copies, see GemmLayer._gathered_weight)
+            return layer.delayed_state(st.recipe, device).scale("weight", device) if isinstance(
+                st.recipe, DelayedScaling) else None
+        # (a gather outside autocast: FSDP2's backward re-gather, whose copies the backward does not read)
+        return None if layer.delayed is None else layer.delayed.scale("weight", device)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The whole weight from the gathered inputs: a :class:`GatheredFloat8Weight` holding its rowwise copy, or
@@ -275,6 +306,7 @@ class Float8AllGatherWeight(torch.Tensor):
             scale_inv, amax = all_gather_outputs[1], all_gather_outputs[2].max().reshape(1)
         q = QuantizedTensor(torch.Size(data.shape), param_dtype, sch,
                             rowwise=QuantizedCopy(data=data, scale_inv=scale_inv, amax=amax))
+        q.meta["delayed"] = self.lowbit_delayed is not None  # (gathered for a DelayedScaling forward)
         if out is not None:
             out.lowbit_box[0] = q
             return None
@@ -331,8 +363,9 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
 
     Args:
         model: the module tree; only weights of lowbit modules (``lowbit.nn.Linear`` ...) change.
-        recipe: ``Float8CurrentScaling`` or ``Float8BlockScaling`` with ``w_block_scaling_dim=2``; any other recipe
-            changes nothing and says so once (the gather stays high precision).
+        recipe: ``Float8CurrentScaling``, ``DelayedScaling`` or ``Float8BlockScaling`` with
+            ``w_block_scaling_dim=2``; any other recipe changes nothing and says so once (the gather stays high
+            precision).
         mesh: the ``DeviceMesh`` (or an int: the shard count) ``fully_shard`` will use, only to say which weights
             gather in high precision (default: the world size where torch.distributed is initialized); the hooks
             decide from the mesh they run on.
@@ -374,7 +407,7 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
             if dtensor is not None and isinstance(p, dtensor):
                 raise ValueError(f"model: {name} is sharded already; call fp8_all_gather before fully_shard")
             if isinstance(p, Float8AllGatherWeight):
-                if p.lowbit_scheme != scheme:
+                if p.lowbit_scheme != scheme or (p.lowbit_delayed is None) != (not isinstance(recipe, DelayedScaling)):
                     raise ValueError(f"recipe: {name} gathers {p.lowbit_scheme} copies already (an earlier "
                                      f"fp8_all_gather), not {recipe}'s")
                 plan[name] = None
@@ -391,7 +424,8 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
                 if batches is not None:
                     batches.add(mname, attr)
                     batch = (batches, attr)
-                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme, batch),
+                delayed = attr if isinstance(recipe, DelayedScaling) else None
+                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme, batch, delayed),
                                                     requires_grad=p.requires_grad))
                 why = fp8_gather_plan(scheme, tuple(p.shape), world)
             plan[name] = why

@@ -331,16 +331,20 @@ class GemmLayer:
         """The copies FSDP2 gathered (rowwise; the columnwise one is made from it where dgrad needs it:
         :func:`lowbit.quant.tensor.columnwise_from_rowwise`), checked against the active recipe's weight role."""
         rq = recipe.role("weight")
-        if rq.delayed or rq.scheme != q.scheme:
+        gathered_delayed = bool(q.meta.get("delayed", False))
+        if rq.scheme != q.scheme or rq.delayed != gathered_delayed:
+            how = lambda sch, d: f"{sch}{' with delayed scaling' if d else ''}"  # noqa: E731
             raise ValueError(
-                f"recipe: the weight of layer {self.name!r} was all-gathered by FSDP2 as its {q.scheme} copies "
-                f"(lowbit.nn.fp8_all_gather), but the active recipe {type(recipe).__name__} quantizes weights as "
-                f"{rq.scheme}{' with delayed scaling' if rq.delayed else ''}; run the forward under the recipe given "
-                "to fp8_all_gather"
+                f"recipe: the weight of layer {self.name!r} was all-gathered by FSDP2 as its "
+                f"{how(q.scheme, gathered_delayed)} copies (lowbit.nn.fp8_all_gather), but the active recipe "
+                f"{type(recipe).__name__} quantizes weights as {how(rq.scheme, rq.delayed)}; run the forward under "
+                "the recipe given to fp8_all_gather"
             )
         if columnwise and q.columnwise is None:
             q = QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=q.rowwise, columnwise=columnwise_from_rowwise(q))
         _ac.sentry([c.amax for c in q._copies()], layer=self, role="weight", phase="forward", policy=policy)
+        if rq.delayed:  # (the whole weight's amax, all-reduced by the gather: what the unsharded forward records)
+            self.delayed_state(recipe, q.rowwise.data.device).observe("weight", q.amax)
         return q
 
 

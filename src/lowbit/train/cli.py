@@ -126,8 +126,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute dtype of the unquantized parts (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) under torchrun instead of DDP")
     g.add_argument("--fp8-all-gather", action="store_true",
-                   help="with --fsdp: all-gather the FP8 weight copies (fp8-block: 128x128 tiles, fp8-current: "
-                        "per-tensor) instead of FP32 shards, bit-identical to quantizing the whole weight")
+                   help="with --fsdp: all-gather the FP8 weight copies (fp8-block: 128x128 tiles, fp8-current and "
+                        "fp8-delayed: per-tensor) instead of FP32 shards, bit-identical to quantizing the whole weight")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
                         "bf16/fp8-current/"

@@ -495,7 +495,7 @@ def _optimizer(model, c: TrainConfig):
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 """The ``torch.compile`` modes ``TrainConfig.compile_mode`` takes."""
 
-FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current")
+FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current", "fp8-delayed")
 """The recipes whose weight copies FSDP2 can all-gather in FP8 (``TrainConfig.fp8_all_gather``)."""
 
 GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _recipes.from_name(n).delayed)
