@@ -71,6 +71,7 @@ def _check(a, b, a_copy, b_copy, backend, out_dtype=torch.float32, exact=False, 
     ref_out = out0.clone() if out0 is not None else None
     y = scaled_mm(a, b, backend=backend, return_pre_gelu=True, **kw, **epi)
     y, pre = y
+    assert y.dtype == (out0.dtype if out0 is not None else out_dtype), (y.dtype, out_dtype, backend)
     epi_ref = dict(epi)
     if ref_out is not None:
         epi_ref["out"] = ref_out
@@ -225,7 +226,7 @@ def test_cublas_gemm_vs_reference(sa, sb, cuda):
     a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=5)
     if not cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=torch.bfloat16)):
         pytest.skip(f"cuBLAS does not take {sa} x {sb} on this torch")
-    for out_dtype in (torch.bfloat16, torch.float32):
+    for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
         if cublas.supports(a, b, "rowwise", "rowwise", dict(out_dtype=out_dtype)):
             w = _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=out_dtype)
             print(f"cublas {sa} x {sb} {out_dtype}: max err/S = {w:.3g}")

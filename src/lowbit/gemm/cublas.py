@@ -179,8 +179,9 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         REJECTED_WHY[sig] = f"{type(e).__name__}: {str(e)[:400]}"
         _gemm.forget_choices()  # the dispatcher's memo re-asks supports(), which now declines this signature
         return _triton(a, b, **kw)
-    if plain:
+    if plain and acc.dtype == out_dtype:
         return acc, None
+    # (a blockwise GEMM's float16 output: cuBLAS sums in FP32 here, rounded once to float16 by the epilogue)
     return apply_epilogue(acc.float(), out_dtype=out_dtype, bias=bias.float() if bias is not None else None, gelu=gelu,
                           accumulate=accumulate, out=out)
 
@@ -224,9 +225,9 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
                                                        [_recipe(b_scheme).value], [], None, mm_dtype)
         else:
             acc = torch._scaled_mm(A, B.t(), scale_a=la, scale_b=lb.t(), out_dtype=mm_dtype)
-    if plain:
+    if plain and acc.dtype == out_dtype:
         return acc
-    return (acc.float() + bias.float()).to(out_dtype)
+    return (acc.float() if plain else acc.float() + bias.float()).to(out_dtype)
 
 
 register_backend("cublas", supports, scaled_mm_cublas)
