@@ -478,3 +478,20 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
     with pytest.raises(ac.NonFiniteAmaxError, match="input"):
         with lowbit.autocast(recipe=from_name("fp8-current")):
             m(bad)
+
+
+def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
+    """With dynamic=True (as Dynamo turns on by itself at a second batch shape) the traced Function runs for several
+    token counts, each call's results equal to those of a graph compiled for its static shape."""
+    from lowbit.nn import functional as fn
+
+    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: not any(r.role(q).delayed for q in fn._ROLES))
+    lin = lowbit.nn.Linear(64, 96)
+    dyn = torch.compile(copy.deepcopy(lin), backend="aot_eager", fullgraph=True, dynamic=True)
+    rec = from_name("fp8-current")
+    for tokens in (32, 48, 80):
+        x = torch.randn(tokens, 64)
+        static = torch.compile(copy.deepcopy(lin), backend="aot_eager", fullgraph=True, dynamic=False)
+        with lowbit.autocast(recipe=rec):
+            a, b = dyn(x), static(x)
+        assert torch.equal(a, b), tokens
