@@ -144,6 +144,12 @@ class GemmLayer:
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
 
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy of its module, unpickling) is a layer of its own: layer_of must find it, or a compiled
+        # graph's operators would keep its delayed-scaling state and NaN-sentry name on an anonymous layer
+        self.__dict__.update(state)
+        _LAYERS.add(self)
+
     # -- FP8 grad_output hand-off -----------------------------------------------------------------
     def offer_grad_output(self, q: QuantizedTensor, stand_in: torch.Tensor | None = None) -> None:
         """Hand this GEMM's next backward an already-quantized grad_output (e.g. FP8 dQ/dK/dV written by the
@@ -978,6 +984,37 @@ def _(scales, amaxes, weight, key, roles, phase):
     return [torch.empty_like(s) for s in scales]
 
 
+@torch.library.custom_op("lowbit::delayed_scales", mutates_args=())
+def delayed_scales_op(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str,
+                      phase: str) -> list[torch.Tensor]:
+    """Delayed scaling inside a compiled graph, for each comma-separated role of ``roles`` with its tensor's amax in
+    ``amaxes``: ``[scale, scale_inv]`` to cast with and to store, as :meth:`GemmLayer.quantize` takes them (the
+    layer's delayed scale; during the recipe's warm-up the current one from the amax). Records each amax for the NaN
+    sentry and in the layer's pending amaxes (committed at the outermost autocast exit, as eager)."""
+    from ..quant.reference import compute_scale, delayed_scale_inv
+
+    recipe, policy = _op_state(key, weight)
+    layer = layer_of(weight)
+    out = []
+    for role, a in zip(roles.split(","), amaxes):
+        st = layer.delayed_state(recipe, a.device)
+        scale = st.scale(role, a.device)
+        if scale is None:  # warm-up: current scaling
+            scale = compute_scale(a, recipe.role(role).scheme.format.max)
+            scale_inv = 1.0 / scale
+        else:
+            scale_inv = delayed_scale_inv(scale, a)
+        _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
+        st.observe(role, a)
+        out += [scale.reshape(1).clone(), scale_inv.reshape(1).clone()]  # (never the history's own tensor)
+    return out
+
+
+@delayed_scales_op.register_fake
+def _(amaxes, weight, key, roles, phase):
+    return [torch.empty(1, dtype=torch.float32, device=a.device) for a in amaxes for _ in range(2)]
+
+
 _ROLES = ("input", "weight", "grad_output")
 
 
@@ -993,16 +1030,18 @@ def _traced_linear_fits(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, c
 def traced_linear_rules(recipe: Recipe, cfg: _Cfg, M: int, N: int, K: int, x_dtype: torch.dtype,
                         w_dtype: torch.dtype) -> bool:
     """The recipe, epilogue and shape rules of the traced linear, for x (M, K) and a weight (N, K): no GELU, fused
-    norm or weight cached across micro-batches; every role current-scaled FP8 that :mod:`lowbit.quant.traceable`
-    covers for its copies; the three GEMMs cuBLAS's (:func:`lowbit.gemm.cublas.schemes_supported`)."""
+    norm or weight cached across micro-batches; every role FP8 that :mod:`lowbit.quant.traceable` covers for its
+    copies, current-scaled, or all three per-tensor with delayed scaling; the three GEMMs cuBLAS's
+    (:func:`lowbit.gemm.cublas.schemes_supported`)."""
     from ..gemm.cublas import schemes_supported
     from ..quant.traceable import traceable_fits
 
     if cfg.gelu or cfg.norm_eps is not None or cfg.is_first_microbatch is not None:
         return False
-    if any(recipe.role(r).delayed for r in _ROLES):
-        return False
     sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
+    delayed = [recipe.role(r).delayed for r in _ROLES]
+    if any(delayed) and not (all(delayed) and all(isinstance(c, Float8Tensorwise) for c in (sin, sw, sg))):
+        return False
     return (traceable_fits(sin, M, K) and traceable_fits(sw, N, K) and traceable_fits(sg, M, N)
             and schemes_supported(sin, sw, M, N, K, cfg.out_dtype)  # fprop: x (M, K) . w (N, K)
             and schemes_supported(sg, sw, M, K, N, x_dtype)  # dgrad: dy (M, N) . w's columnwise copy (K, N)
@@ -1015,14 +1054,21 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.traceable import quantize_traceable
+        from ..quant.traceable import quantize_traceable, tensor_amax, tensorwise_copies
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
-        qx = quantize_traceable(x2, sin, rowwise=True, columnwise=need_wgrad)
-        qw = quantize_traceable(weight, sw, rowwise=True, columnwise=need_dgrad)
-        sx, swr = sentry_pass_op([qx.row_scale_inv, qw.row_scale_inv], [qx.amax, qw.amax], weight, key,
-                                 "input,weight", "forward")
+        if recipe.role("input").delayed:
+            ax, aw = tensor_amax(x2), tensor_amax(weight)
+            s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
+            qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
+            qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
+            sx, swr = qx.row_scale_inv, qw.row_scale_inv
+        else:
+            qx = quantize_traceable(x2, sin, rowwise=True, columnwise=need_wgrad)
+            qw = quantize_traceable(weight, sw, rowwise=True, columnwise=need_dgrad)
+            sx, swr = sentry_pass_op([qx.row_scale_inv, qw.row_scale_inv], [qx.amax, qw.amax], weight, key,
+                                     "input,weight", "forward")
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, sx, swr, a_scheme=sin, b_scheme=sw, out_dtype=out_dtype,
                                        bias=bias)
         ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
@@ -1033,7 +1079,7 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.traceable import quantize_traceable
+        from ..quant.traceable import quantize_traceable, tensor_amax, tensorwise_copies
 
         xc, xcs, wc, wcs, weight = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
@@ -1042,9 +1088,15 @@ class _TracedLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = need_dgrad and ctx.needs_input_grad[0], need_wgrad and ctx.needs_input_grad[1]
         dx = dw = db = None
         if need_dgrad or need_wgrad:
-            q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
-            scales = [s for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
-            scales = sentry_pass_op(scales, [q.amax], weight, ctx.key, "grad_output", "backward")
+            if recipe.role("grad_output").delayed:
+                a = tensor_amax(dy)
+                s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
+                q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
+                scales = [q.row_scale_inv if need_dgrad else None, q.col_scale_inv]
+            else:
+                q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
+                scales = [s for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
+                scales = sentry_pass_op(scales, [q.amax], weight, ctx.key, "grad_output", "backward")
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, scales[0], wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype)

@@ -20,7 +20,7 @@ import torch
 from .reference import FP32_MAX, pow2_scale_floor
 from .schemes import Float8Blockwise, Float8Tensorwise
 
-__all__ = ["TracedCopies", "current_scale", "quantize_traceable", "traceable_fits"]
+__all__ = ["TracedCopies", "current_scale", "quantize_traceable", "tensor_amax", "tensorwise_copies", "traceable_fits"]
 
 _EXPONENT_BITS = 0x7F800000  # an FP32's exponent field: masking the rest rounds a positive normal down to 2**e
 
@@ -69,18 +69,25 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
     return (1.0 / s.double()).float()
 
 
-def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
+def tensor_amax(x2: torch.Tensor) -> torch.Tensor:
+    """float32 (1,) max |x2| (NaN if any element is NaN), as :func:`lowbit.quant.reference.amax_of`."""
     return x2.abs().amax().to(torch.float32).reshape(1)
 
 
-def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
-    fmt = sch.format
-    amax = _tensor_amax(x2)
-    s = current_scale(amax, fmt.max)
-    data = _cast(x2.float() * s, fmt).contiguous()
-    si = _reciprocal(s).reshape(1, 1)
+def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tensor, scale: torch.Tensor,
+                      scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> TracedCopies:
+    """The Float8Tensorwise copies of x2 cast with a given ``scale`` (current, or a delayed one), which dequantize by
+    ``scale_inv``; ``amax`` is x2's (:func:`tensor_amax`), carried along."""
+    data = _cast(x2.float() * scale, sch.format).contiguous()
+    si = scale_inv.reshape(1, 1)
     return TracedCopies(data if rowwise else None, si if rowwise else None,
                         data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
+
+
+def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
+    amax = tensor_amax(x2)
+    s = current_scale(amax, sch.format.max)
+    return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise)
 
 
 def _segments(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
