@@ -188,14 +188,11 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
 def _stored_layout(s: torch.Tensor, sch) -> torch.Tensor:
     """A logical (rows, blocks) scale grid in the layout :func:`lowbit.quant.tensor.scale_storage` gives cuBLAS: 1x128
-    outer-dim-major; 128x128 row-major with rows padded to 4 blocks (tensorwise: a 0-dim tensor)."""
+    outer-dim-major; 128x128 row-major (its rows are whole multiples of 4 blocks wherever :func:`schemes_supported`
+    takes the pair: no padding); tensorwise a 0-dim tensor."""
     if isinstance(sch, Float8Tensorwise):
         return s.reshape(())
-    if sch.block_dim == 1:
-        return s.t().contiguous().t()
-    nb = s.shape[1]
-    pad = -nb % 4
-    return _F.pad(s, (0, pad))[:, :nb] if pad else s.contiguous()
+    return s.t().contiguous().t() if sch.block_dim == 1 else s.contiguous()
 
 
 def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, a_scheme,
