@@ -957,15 +957,16 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 
 
 # ------------------------------------------------------------------------------------------------
-# The quantized linear traced as torch operations (inside torch.compile, FP8 current scaling)
+# The quantized linear traced as torch operations (inside torch.compile, FP8)
 # ------------------------------------------------------------------------------------------------
-# Where the recipe quantizes every role with current scaling under Float8Tensorwise or Float8Blockwise (fp8-current,
-# fp8-block) and the GEMMs are cuBLAS's, the compiled graph holds the layer itself instead of an opaque operator:
-# quantization as torch operations (lowbit.quant.traceable), which Inductor compiles and fuses with the work around
-# them, and the GEMMs as the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no
-# lowbit Python runs but the NaN sentry's record; the bits are eager's. Not traced (the operators above run): a GELU
-# or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
-# the GEMMs or blocks do not divide.
+# Where the recipe quantizes every role under Float8Tensorwise or Float8Blockwise with current scaling (fp8-current,
+# fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
+# the layer itself instead of an opaque operator: quantization as torch operations (lowbit.quant.traceable), which
+# Inductor compiles and fuses with the work around them, and the GEMMs as the aten calls eager makes
+# (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no lowbit Python runs but the NaN sentry's record
+# (delayed scaling: the scales handed out and the amaxes recorded, one operator a pass); the bits are eager's. Not
+# traced (the operators above run): a GELU or RMSNorm fused into the layer, a weight cached across micro-batches, a
+# weight FSDP2 gathers as FP8 copies, dims the GEMMs or blocks do not divide.
 @torch.library.custom_op("lowbit::sentry_pass", mutates_args=())
 def sentry_pass_op(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
                    roles: str, phase: str) -> list[torch.Tensor]:
