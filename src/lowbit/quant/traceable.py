@@ -1,4 +1,4 @@
-"""FP8 current-scaling quantization written as torch operations, for torch.compile to trace and fuse.
+"""FP8 quantization written as torch operations, for torch.compile to trace and fuse.
 
 Inside a compiled graph, lowbit's quantized linear quantizes with these (:func:`lowbit.nn.quantized_linear`): Inductor
 generates the kernels and fuses them with the elementwise work around them, and the graph launches them with no
@@ -7,8 +7,9 @@ bit-identical to :func:`lowbit.quant.quantize_reference` and to the Triton kerne
 scale is a correctly rounded ``fmax / amax`` (divided in float64 and rounded once), the power-of-two rounding clears
 the scale's mantissa bits, and the saturating cast rounds to nearest even.
 
-They cover what the compiled linear needs: :class:`Float8Tensorwise`, and :class:`Float8Blockwise` where the copy's
-dims are multiples of the block (no ragged blocks); :func:`traceable_fits` says which.
+They cover what the compiled linear needs: :class:`Float8Tensorwise` (current scaling, or a given scale:
+:func:`tensorwise_copies`, for delayed scaling), and :class:`Float8Blockwise` where the copy's dims are multiples of
+the block (no ragged blocks); :func:`traceable_fits` says which.
 """
 
 from __future__ import annotations
