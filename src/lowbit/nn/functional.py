@@ -1055,12 +1055,13 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.traceable import quantize_traceable, tensor_amax, tensorwise_copies
+        from ..quant.reference import amax_of
+        from ..quant.traceable import quantize_traceable, tensorwise_copies
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
         if recipe.role("input").delayed:
-            ax, aw = tensor_amax(x2), tensor_amax(weight)
+            ax, aw = amax_of(x2), amax_of(weight)
             s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
             qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
             qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
@@ -1080,7 +1081,8 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.traceable import quantize_traceable, tensor_amax, tensorwise_copies
+        from ..quant.reference import amax_of
+        from ..quant.traceable import quantize_traceable, tensorwise_copies
 
         xc, xcs, wc, wcs, weight = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
@@ -1090,7 +1092,7 @@ class _TracedLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if need_dgrad or need_wgrad:
             if recipe.role("grad_output").delayed:
-                a = tensor_amax(dy)
+                a = amax_of(dy)
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
                 q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
                 scales = [q.row_scale_inv if need_dgrad else None, q.col_scale_inv]

@@ -18,10 +18,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .reference import FP32_MAX, pow2_scale_floor
+from .reference import FP32_MAX, amax_of, pow2_scale_floor
 from .schemes import Float8Blockwise, Float8Tensorwise
 
-__all__ = ["TracedCopies", "current_scale", "quantize_traceable", "tensor_amax", "tensorwise_copies", "traceable_fits"]
+__all__ = ["TracedCopies", "current_scale", "quantize_traceable", "tensorwise_copies", "traceable_fits"]
 
 _EXPONENT_BITS = 0x7F800000  # an FP32's exponent field: masking the rest rounds a positive normal down to 2**e
 
@@ -70,15 +70,10 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
     return (1.0 / s.double()).float()
 
 
-def tensor_amax(x2: torch.Tensor) -> torch.Tensor:
-    """float32 (1,) max |x2| (NaN if any element is NaN), as :func:`lowbit.quant.reference.amax_of`."""
-    return x2.abs().amax().to(torch.float32).reshape(1)
-
-
 def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tensor, scale: torch.Tensor,
                       scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> TracedCopies:
     """The Float8Tensorwise copies of x2 cast with a given ``scale`` (current, or a delayed one), which dequantize by
-    ``scale_inv``; ``amax`` is x2's (:func:`tensor_amax`), carried along."""
+    ``scale_inv``; ``amax`` is x2's (:func:`lowbit.quant.reference.amax_of`), carried along."""
     data = _cast(x2.float() * scale, sch.format).contiguous()
     si = scale_inv.reshape(1, 1)
     return TracedCopies(data if rowwise else None, si if rowwise else None,
@@ -86,7 +81,7 @@ def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tenso
 
 
 def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
-    amax = tensor_amax(x2)
+    amax = amax_of(x2)
     s = current_scale(amax, sch.format.max)
     return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise)
 
