@@ -137,6 +137,14 @@ def _scaled_mm_v1(A, B, sa, sb, mm_dtype, sig, sch_a, sch_b):
     return _F.scaled_mm(A, B.t(), sa, _recipe(sch_a), sb, _recipe(sch_b), output_dtype=mm_dtype)
 
 
+def _mm_dtype(tensorwise: bool, plain: bool, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype cuBLAS writes the product in: the output's where no epilogue follows (blockwise: BF16 or FP32 only),
+    else FP32 for the epilogue to round once (:func:`scaled_mm_cublas` and its traced form share this rule)."""
+    if tensorwise:
+        return out_dtype if plain else torch.float32
+    return torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
+
+
 def _triton(a, b, **kw):
     from .triton_backend import scaled_mm_triton
 
@@ -159,12 +167,11 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     tensorwise = isinstance(a.scheme, Float8Tensorwise) and isinstance(b.scheme, Float8Tensorwise)
     plain = bias is None and not gelu and not accumulate and out is None
     try:
+        mm_dtype = _mm_dtype(tensorwise, plain, out_dtype)
         if tensorwise:
-            mm_dtype = out_dtype if plain else torch.float32
             acc = torch._scaled_mm(A, B.t(), scale_a=_scales(a, a_copy, M), scale_b=_scales(b, b_copy, N),
                                    out_dtype=mm_dtype)
         else:
-            mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
             sa = _scales(a, a_copy, M)
             sb = _scales(b, b_copy, N)
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
@@ -208,11 +215,10 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
     """
     plain = bias is None
     tensorwise = isinstance(a_scheme, Float8Tensorwise) and isinstance(b_scheme, Float8Tensorwise)
+    mm_dtype = _mm_dtype(tensorwise, plain, out_dtype)
     if tensorwise:
-        mm_dtype = out_dtype if plain else torch.float32
         acc = torch._scaled_mm(A, B.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=mm_dtype)
     else:
-        mm_dtype = torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
         la, lb = _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)
         if b_scheme.block_dim == 1:
             # 1x128 . 1x128: torch._scaled_mm declines the pairing on the torch this was measured with and

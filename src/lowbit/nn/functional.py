@@ -1095,7 +1095,7 @@ class _TracedLinearFn(torch.autograd.Function):
                 a = amax_of(dy)
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
                 q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
-                scales = [q.row_scale_inv if need_dgrad else None, q.col_scale_inv]
+                scales = [q.row_scale_inv, q.col_scale_inv]
             else:
                 q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
                 scales = [s for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
