@@ -454,13 +454,19 @@ def test_traced_linear_rules():
     assert not _fits("fp8-current", 2048, 1024, 1024, is_first_microbatch=True)
 
 
+def _trace_on_cpu(monkeypatch):
+    """Let CPU tensors take the traced linear (its rules as on CUDA; torch's CPU _scaled_mm runs per-tensor GEMMs)."""
+    from lowbit.nn import functional as fn
+
+    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: fn.traced_linear_rules(
+        r, c, x.numel() // x.shape[-1], w.shape[0], w.shape[1], x.dtype, w.dtype))
+
+
 def test_traced_linear_traces_on_cpu(monkeypatch):
     """The traced Function (tensorwise: torch's CPU _scaled_mm runs it) compiles with fullgraph=True and no
     lowbit::quantized_linear operator, gives gradients of the right shapes, and its sentry record still raises on a
     NaN input. (Its bits against eager are the GPU tests': on the CPU eager runs the float64 reference GEMM.)"""
-    from lowbit.nn import functional as fn
-
-    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: not any(r.role(q).delayed for q in fn._ROLES))
+    _trace_on_cpu(monkeypatch)
     codes = []
 
     def backend(gm, inputs):
@@ -487,9 +493,7 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
 def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
     """With dynamic=True (as Dynamo turns on by itself at a second batch shape) the traced Function runs for several
     token counts, each call's results equal to those of a graph compiled for its static shape."""
-    from lowbit.nn import functional as fn
-
-    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: not any(r.role(q).delayed for q in fn._ROLES))
+    _trace_on_cpu(monkeypatch)
     lin = lowbit.nn.Linear(64, 96)
     dyn = torch.compile(copy.deepcopy(lin), backend="aot_eager", fullgraph=True, dynamic=True)
     rec = from_name("fp8-current")
@@ -506,11 +510,9 @@ def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
     eager does): over three steps, warm-up included, every layer's amax histories, scales, step counts and pending
     amaxes equal eager's bit for bit (the layers' output gradients are all ones, so every amax is the same in both
     runs), and the state is the modules' own (a deep copy's layers are found by the operators)."""
-    from lowbit.nn import functional as fn
     from lowbit.recipes import DelayedScaling
 
-    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: fn.traced_linear_rules(
-        r, c, x.numel() // x.shape[-1], w.shape[0], w.shape[1], x.dtype, w.dtype))
+    _trace_on_cpu(monkeypatch)
     class Two(torch.nn.ModuleList):  # two layers on one input: each one's gradient is all ones
         def forward(self, x):
             return torch.cat([self[0](x), self[1](x)], dim=-1)
