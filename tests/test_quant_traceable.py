@@ -1,13 +1,13 @@
-"""lowbit.quant.traceable (the quantizers a compiled graph traces) against the reference, bit for bit: eager and
-compiled by Inductor on the CPU, over random data with the edge cases the scale rules name."""
+"""lowbit.quant.traceable (the operator a compiled graph holds for FP8 quantization) against the reference, bit for
+bit: called, compiled, and through torch.library.opcheck, over random data with the edge cases the scale rules name;
+on CUDA through lowbit's Triton kernels."""
 
 import pytest
 import torch
 
 from lowbit.quant import quantize_reference
-from lowbit.quant.reference import compute_scale
 from lowbit.quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from lowbit.quant.traceable import current_scale, quantize_traceable, traceable_fits
+from lowbit.quant.traceable import quantize_fp8_op, quantize_traceable, traceable_fits
 
 SCHEMES = [
     Float8Tensorwise("e4m3"),
@@ -38,42 +38,58 @@ def _same(a, b, what):
                        b.view(torch.uint8) if b.element_size() == 1 else b), what
 
 
-def _check(x, sch, got, ref=None):
-    """Every copy, scale grid and the amax of ``got`` against ``ref`` (default: the reference's quantization of x)."""
-    ref = quantize_reference(x, sch, rowwise=True, columnwise=True) if ref is None else ref
-    _same(got.rowwise, ref.rowwise.data, "rowwise data")
-    _same(got.row_scale_inv, ref.logical_scales("rowwise"), "rowwise scales")
-    _same(got.columnwise, ref.columnwise.data, "columnwise data")
-    _same(got.col_scale_inv, ref.logical_scales("columnwise"), "columnwise scales")
+COPIES = [(True, True), (True, False), (False, True)]
+
+
+def _check(x, sch, got, rowwise=True, columnwise=True, scale=None):
+    """The copies asked for, their scale grids and the amax of ``got`` against the reference's quantization of x."""
+    ref = quantize_reference(x, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
+    for which, data, si in (("rowwise", got.rowwise, got.row_scale_inv),
+                            ("columnwise", got.columnwise, got.col_scale_inv)):
+        if getattr(ref, which) is None:
+            assert data is None and si is None, which
+            continue
+        _same(data, getattr(ref, which).data, f"{which} data")
+        _same(si, ref.logical_scales(which).to(si.device), f"{which} scales")
     _same(got.amax, ref.amax.reshape(1), "amax")
 
 
+@pytest.mark.parametrize("copies", COPIES, ids=["both", "rowwise", "columnwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sch", SCHEMES, ids=repr)
-def test_traceable_equals_reference(sch, dtype):
+def test_traceable_equals_reference(sch, dtype, copies):
     x = _data(384, 256, dtype, seed=hash((repr(sch), str(dtype))) % 1000)
-    _check(x, sch, quantize_traceable(x, sch, rowwise=True, columnwise=True))
+    _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_traceable_given_scale(fmt):
+    """Delayed scaling's given scale casts the copies; the amax is still measured."""
+    sch = Float8Tensorwise(fmt)
+    x = _data(256, 384, torch.bfloat16, seed=11)
+    for s in (torch.tensor([2.0**-20]), torch.tensor([0.37])):
+        _check(x, sch, quantize_traceable(x, sch, rowwise=True, columnwise=True, scale=s), scale=s)
 
 
 @pytest.mark.parametrize("sch", [SCHEMES[0], SCHEMES[2], SCHEMES[4]], ids=repr)
 def test_traceable_compiled_equals_reference(sch):
-    """Inductor's CPU kernels for the same operations give the same bits (the GPU test runs Inductor's Triton)."""
+    """Inside an Inductor graph (fullgraph: the operator and the views of its buffer) the same bits."""
     torch.compiler.reset()
     x = _data(256, 384, torch.bfloat16, seed=7)
     fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
     _check(x, sch, fn(x))
 
 
-def test_current_scale_edge_values():
-    """NaN, Inf, 0, subnormal and FP32-max amaxes, with and without power-of-two rounding and eps."""
-    a = torch.tensor([0.0, 1e-45, 1e-38, 1e-30, 0.37, 1.0, 448.0, 449.0, 1e30, 3.4e38, float("inf"), float("nan")])
-    a = torch.cat([a, torch.rand(1000) * torch.exp2(torch.randint(-126, 127, (1000,)).float())])
-    for fmax in (448.0, 57344.0):
-        for pow2 in (False, True):
-            for eps in (0.0, 1e-4):
-                got, ref = current_scale(a, fmax, pow2=pow2, eps=eps), compute_scale(a, fmax, pow2=pow2, eps=eps)
-                assert torch.equal(got.isnan(), ref.isnan())
-                assert torch.equal(got[~got.isnan()], ref[~ref.isnan()]), (fmax, pow2, eps)
+@pytest.mark.parametrize("sch", [SCHEMES[1], SCHEMES[3], SCHEMES[4]], ids=repr)
+def test_quantize_fp8_op_opcheck(sch):
+    """The operator's registration: the fake implementation's shapes, dtypes and strides, schema and aliasing."""
+    x = _data(256, 384, torch.float32, seed=5)
+    args = (sch.fmt, 0, 0, False, 0.0) if isinstance(sch, Float8Tensorwise) else \
+        (sch.fmt, sch.block_dim, sch.block_size, sch.pow2, float(sch.eps))
+    for rowwise, columnwise in COPIES:
+        torch.library.opcheck(quantize_fp8_op, (x, *args, rowwise, columnwise, None))
+    if isinstance(sch, Float8Tensorwise):
+        torch.library.opcheck(quantize_fp8_op, (x, *args, True, True, torch.tensor([0.5])))
 
 
 def test_traceable_covers_and_refuses():
@@ -87,16 +103,23 @@ def test_traceable_covers_and_refuses():
         quantize_traceable(torch.zeros(2, 256, 256), Float8Blockwise())
     with pytest.raises(ValueError, match="at least one copy"):
         quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), rowwise=False)
+    with pytest.raises(ValueError, match="scale: a given scale is for Float8Tensorwise"):
+        quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), scale=torch.ones(1))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies", COPIES, ids=["both", "rowwise", "columnwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sch", SCHEMES[:5], ids=repr)
-def test_gpu_inductor_equals_kernels(sch, dtype):
-    """Inductor's Triton kernels for the traced quantizers against lowbit's own kernels (lowbit.quantize) on CUDA."""
-    from lowbit.quant import quantize
-
+def test_gpu_traceable_kernels_equal_reference(sch, dtype, copies):
+    """On CUDA the operator runs lowbit's Triton kernels: called and compiled, the reference's bits."""
     torch.compiler.reset()
     x = _data(1024, 768, dtype, seed=3).cuda()
-    fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
-    _check(x, sch, fn(x), ref=quantize(x, sch, rowwise=True, columnwise=True))
+    fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=copies[0], columnwise=copies[1]),
+                       fullgraph=True)
+    _check(x, sch, fn(x), *copies)
+    _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
+    if isinstance(sch, Float8Tensorwise):
+        s = torch.tensor([0.37], device="cuda")
+        _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1], scale=s), *copies,
+               scale=s)

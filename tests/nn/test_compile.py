@@ -23,14 +23,17 @@ def _fresh_compiler():
 
 
 def _run(mod, x, recipe, steps=2, autocast_dtype=None):
-    """Forward + backward ``steps`` times (seeded per step); the outputs and every gradient of each step."""
+    """Forward + backward ``steps`` times (seeded per step); the outputs and every gradient of each step. The loss
+    is linear in the output (a seeded random weighting), so its gradient does not depend on the output: a result
+    that moves by rounding under one mode does not move the next step's delayed scales."""
     outs = []
     for s in range(steps):
         torch.manual_seed(s)
         with lowbit.autocast(recipe=recipe):
             with torch.autocast(x.device.type, autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 y = mod(x)
-        y.float().square().sum().backward()
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(100 + s)).to(y.device)
+        (y.float() * g).sum().backward()
         outs.append([y.detach().clone(), x.grad.clone()]
                     + [p.grad.clone() for p in mod.parameters() if p.grad is not None])
         x.grad = None
@@ -397,8 +400,8 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed"])
 def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
-    """Under fp8-current and fp8-block the compiled graph holds the layer as torch operations (Inductor fuses the
-    quantization; no lowbit Python per call but the sentry's record), not the lowbit::quantized_linear operator."""
+    """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizer
+    operator per tensor, the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator."""
     codes = []
 
     def backend(gm, inputs):
@@ -413,6 +416,7 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     code = "\n".join(codes)
     record = "lowbit.delayed_scales" if recipe == "fp8-delayed" else "lowbit.sentry_pass"
     assert "lowbit.quantized_linear" not in code and record in code, code[:2000]
+    assert "lowbit.quantize_fp8" in code, code[:2000]
 
 
 def test_opcheck_sentry_pass():

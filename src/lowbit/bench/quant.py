@@ -4,7 +4,7 @@ device-to-device copy of the same input, measured in the same run.
 Per input (M, K) in BF16: copy (``y.copy_(x)``: 2 × bytes); lowbit Triton 1x128 rowwise, 1x128
 rowwise+columnwise (fused cast + transpose), 128x128 (both copies), per-tensor current scaling
 (amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable; the
-quantizers ``torch.compile`` traces for fp8-current / fp8-block linears, compiled by Inductor.
+quantizer operator a ``torch.compile``'d fp8-current / fp8-block linear holds, compiled alone.
 The same input in FP32 (as LayerNorm outputs and FP32 master weights reach the quantizer in training): copy,
 1x128 rowwise+columnwise, 128x128 both copies; their fraction is of the FP32 copy.
 Bytes moved count the input read once per pass plus every output written (data + scales).
@@ -98,9 +98,9 @@ def _run_shape(M, K, rep, rows):
 
 
 def _traced_cases(x, x32) -> tuple[list, list]:
-    """The quantizers a compiled graph traces (:mod:`lowbit.quant.traceable`), each compiled alone by Inductor: what
-    ``torch.compile`` makes of a fp8-current / fp8-block linear's quantization, next to lowbit's kernels (bytes
-    counted as for lowbit's row of the same scheme, so the GB/s compare the times)."""
+    """The quantizer a compiled graph holds (:mod:`lowbit.quant.traceable`'s operator), each compiled alone: what a
+    ``torch.compile``'d fp8-current / fp8-block linear pays per quantization, host time included, next to lowbit's
+    direct calls (bytes counted as for lowbit's row of the same scheme, so the GB/s compare the times)."""
     from lowbit.quant import Float8Blockwise, Float8Tensorwise
     from lowbit.quant.traceable import quantize_traceable
 
@@ -108,11 +108,11 @@ def _traced_cases(x, x32) -> tuple[list, list]:
         fn = torch.compile(lambda v: quantize_traceable(v, sch, rowwise=True, columnwise=True), fullgraph=True)
         return lambda: tuple(c for c in fn(t) if c is not None)
 
-    return ([("Inductor 1x128 rowwise+columnwise", compiled(x, Float8Blockwise()), None),
-             ("Inductor 128x128 rowwise+columnwise", compiled(x, Float8Blockwise(block_dim=2)), None),
-             ("Inductor tensorwise row+col", compiled(x, Float8Tensorwise()), 2)],
-            [("fp32 Inductor 1x128 rowwise+columnwise", compiled(x32, Float8Blockwise()), None),
-             ("fp32 Inductor 128x128 rowwise+columnwise", compiled(x32, Float8Blockwise(block_dim=2)), None)])
+    return ([("compiled 1x128 rowwise+columnwise", compiled(x, Float8Blockwise()), None),
+             ("compiled 128x128 rowwise+columnwise", compiled(x, Float8Blockwise(block_dim=2)), None),
+             ("compiled tensorwise row+col", compiled(x, Float8Tensorwise()), 2)],
+            [("fp32 compiled 1x128 rowwise+columnwise", compiled(x32, Float8Blockwise()), None),
+             ("fp32 compiled 128x128 rowwise+columnwise", compiled(x32, Float8Blockwise(block_dim=2)), None)])
 
 
 def run(shapes, rep=100):

@@ -957,16 +957,17 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 
 
 # ------------------------------------------------------------------------------------------------
-# The quantized linear traced as torch operations (inside torch.compile, FP8)
+# The quantized linear traced (inside torch.compile, FP8)
 # ------------------------------------------------------------------------------------------------
 # Where the recipe quantizes every role under Float8Tensorwise or Float8Blockwise with current scaling (fp8-current,
 # fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
-# the layer itself instead of an opaque operator: quantization as torch operations (lowbit.quant.traceable), which
-# Inductor compiles and fuses with the work around them, and the GEMMs as the aten calls eager makes
-# (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no lowbit Python runs but the NaN sentry's record
-# (delayed scaling: the scales handed out and the amaxes recorded, one operator a pass); the bits are eager's. Not
-# traced (the operators above run): a GELU or RMSNorm fused into the layer, a weight cached across micro-batches, a
-# weight FSDP2 gathers as FP8 copies, dims the GEMMs or blocks do not divide.
+# the layer itself instead of one opaque operator: each tensor's copies from the quantizer operator
+# (lowbit.quant.traceable, lowbit's kernels), the GEMMs as the aten calls eager makes
+# (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the reshapes and casts around them Inductor's. Per call no lowbit
+# Python runs but the quantizer's launches and the NaN sentry's record (delayed scaling: the scales handed out and the
+# amaxes recorded, one operator a pass); the bits are eager's. Not traced (the operators above run): a GELU or RMSNorm
+# fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims the GEMMs or
+# blocks do not divide.
 @torch.library.custom_op("lowbit::sentry_pass", mutates_args=())
 def sentry_pass_op(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
                    roles: str, phase: str) -> list[torch.Tensor]:
@@ -1056,16 +1057,15 @@ class _TracedLinearFn(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
-        from ..quant.traceable import quantize_traceable, tensorwise_copies
+        from ..quant.traceable import quantize_traceable
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
         if recipe.role("input").delayed:
             ax, aw = amax_of(x2), amax_of(weight)
             s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
-            qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
-            qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
-            sx, swr = qx.row_scale_inv, qw.row_scale_inv
+            qx = _delayed_copies(x2, sin, s_x, sx, True, need_wgrad)
+            qw = _delayed_copies(weight, sw, s_w, swr, True, need_dgrad)
         else:
             qx = quantize_traceable(x2, sin, rowwise=True, columnwise=need_wgrad)
             qw = quantize_traceable(weight, sw, rowwise=True, columnwise=need_dgrad)
@@ -1082,7 +1082,7 @@ class _TracedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
-        from ..quant.traceable import quantize_traceable, tensorwise_copies
+        from ..quant.traceable import quantize_traceable
 
         xc, xcs, wc, wcs, weight = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
@@ -1094,7 +1094,7 @@ class _TracedLinearFn(torch.autograd.Function):
             if recipe.role("grad_output").delayed:
                 a = amax_of(dy)
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
-                q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
+                q = _delayed_copies(dy, sg, s, si, need_dgrad, need_wgrad)
                 scales = [q.row_scale_inv, q.col_scale_inv]
             else:
                 q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
@@ -1109,6 +1109,17 @@ class _TracedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None
+
+
+def _delayed_copies(x2: torch.Tensor, sch, scale: torch.Tensor, scale_inv: torch.Tensor, rowwise: bool,
+                    columnwise: bool):
+    """x2's tensorwise copies cast with a delayed ``scale``, which dequantize by the ``scale_inv`` handed out with it
+    (:func:`delayed_scales_op`, as eager's :meth:`GemmLayer.quantize` stores it)."""
+    from ..quant.traceable import quantize_traceable
+
+    q = quantize_traceable(x2, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
+    si = scale_inv.reshape(1, 1)
+    return q._replace(row_scale_inv=si if rowwise else None, col_scale_inv=si if columnwise else None)
 
 
 def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:

@@ -1,29 +1,28 @@
-"""FP8 quantization written as torch operations, for torch.compile to trace and fuse.
+"""FP8 quantization as one registered operator, for torch.compile to hold in a graph.
 
-Inside a compiled graph, lowbit's quantized linear quantizes with these (:func:`lowbit.nn.quantized_linear`): Inductor
-generates the kernels and fuses them with the elementwise work around them, and the graph launches them with no
-lowbit Python in between. They are the reference's arithmetic (NUMERICS §2–§3) step for step, so each copy is
-bit-identical to :func:`lowbit.quant.quantize_reference` and to the Triton kernels (tested): the amax is exact, the
-scale is a correctly rounded ``fmax / amax`` (divided in float64 and rounded once), the power-of-two rounding clears
-the scale's mantissa bits, and the saturating cast rounds to nearest even.
+Inside a compiled graph, lowbit's quantized linear quantizes with :func:`quantize_traceable`: the operator
+``lowbit::quantize_fp8`` runs lowbit's Triton kernels on CUDA (both copies of a tensor from one read; the reference
+elsewhere) and hands the copies, their scales and the amax back as plain tensors, with a fake implementation for
+tracing. Inductor's own kernels for the same arithmetic were measured 1.1-7x slower at the Llama client's shapes
+(``lowbit bench quant``), so the graph calls the kernels instead of fusing the quantizers with their neighbours.
+The bits are :func:`lowbit.quant.quantize`'s (tested).
 
-They cover what the compiled linear needs: :class:`Float8Tensorwise` (current scaling, or a given scale:
-:func:`tensorwise_copies`, for delayed scaling), and :class:`Float8Blockwise` where the copy's dims are multiples of
-the block (no ragged blocks); :func:`traceable_fits` says which.
+They cover what the compiled linear needs: :class:`Float8Tensorwise` (current scaling, or a given scale, for
+delayed scaling), and :class:`Float8Blockwise` where the copy's dims are multiples of the block (no ragged
+blocks); :func:`traceable_fits` says which.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from .reference import FP32_MAX, amax_of, pow2_scale_floor
 from .schemes import Float8Blockwise, Float8Tensorwise
+from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "current_scale", "quantize_traceable", "tensorwise_copies", "traceable_fits"]
-
-_EXPONENT_BITS = 0x7F800000  # an FP32's exponent field: masking the rest rounds a positive normal down to 2**e
+__all__ = ["TracedCopies", "quantize_fp8_op", "quantize_traceable", "traceable_fits"]
 
 
 class TracedCopies(NamedTuple):
@@ -42,98 +41,56 @@ class TracedCopies(NamedTuple):
     amax: torch.Tensor
 
 
-def current_scale(amax: torch.Tensor, fmax: float, *, pow2: bool = False, eps: float = 0.0) -> torch.Tensor:
-    """:func:`lowbit.quant.reference.compute_scale` in operations Inductor compiles (the power-of-two rounding by
-    masking the exponent, not ``frexp``); the same bits for every amax, NaN and Inf included."""
-    a = amax.to(torch.float32)
-    if eps > 0:
-        a = torch.clamp(a, min=eps)
-    # float64 quotients rounded once to float32 are the correctly rounded float32 quotients (53 >= 2 * 24 + 2 bits),
-    # which Triton's float32 division is not for every divisor
-    s = (torch.full_like(a, fmax, dtype=torch.float64) / a.double()).float()
-    s = torch.where(a == 0, torch.ones_like(s), s)
-    s = torch.where(torch.isinf(s), torch.full_like(s, FP32_MAX), s)
-    if pow2:
-        p = (s.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
-        p = torch.clamp(p, min=pow2_scale_floor(fmax))
-        s = torch.where(torch.isfinite(s) & (s > 0), p, s)
-    return s
+def _scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float):
+    return Float8Tensorwise(fmt) if block_dim == 0 else Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
-def _cast(v: torch.Tensor, fmt) -> torch.Tensor:
-    """Saturating round-to-nearest-even cast of float32 ``v`` to the FP8 format (NaN stays NaN)."""
-    return torch.clamp(v, -fmt.max, fmt.max).to(fmt.torch_dtype)
+def _buffer_size(sch, rows: int, cols: int, rowwise: bool, columnwise: bool) -> int:
+    """Elements of the operator's float32 buffer (see :func:`lowbit.quant.triton_backend.quantize_fp8_flat`)."""
+    if isinstance(sch, Float8Tensorwise):
+        return 8
+    return ((math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0)
+            + (math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0) + 1)
 
 
-def _reciprocal(s: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded float32 ``1 / s`` (see :func:`current_scale`)."""
-    return (1.0 / s.double()).float()
+@torch.library.custom_op("lowbit::quantize_fp8", mutates_args=())
+def quantize_fp8_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                    rowwise: bool, columnwise: bool,
+                    scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 copies of the 2D tensor ``x2`` under Float8Tensorwise (``block_dim`` 0; ``scale``: a given one) or
+    Float8Blockwise(fmt, block_dim, block_size, pow2, eps): (rowwise data, columnwise data, float32 buffer) as
+    :func:`lowbit.quant.triton_backend.quantize_fp8_flat` lays them out (an empty tensor for a copy not asked
+    for). Lowbit's Triton kernels where they run, the reference elsewhere: the same bits."""
+    from . import backend_for
+    from .reference import quantize_reference
+
+    sch = _scheme(fmt, block_dim, block_size, pow2, eps)
+    if backend_for(x2, sch, rowwise, columnwise) == "triton":
+        from .triton_backend import quantize_fp8_flat
+
+        return quantize_fp8_flat(x2, sch, rowwise, columnwise, scale)
+    q = quantize_reference(x2, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
+    empty = torch.empty(0, dtype=sch.format.torch_dtype, device=x2.device)
+    rq = q.rowwise.data if rowwise else empty
+    cq = q.columnwise.data if columnwise else empty
+    if block_dim == 0:
+        buf = torch.zeros(8, dtype=torch.float32, device=x2.device)
+        buf[0:1] = q.amax
+        buf[4:5] = (q.rowwise or q.columnwise).scale_inv.reshape(1)
+    else:
+        grids = [c.scale_inv.reshape(-1) for c in (q.rowwise, q.columnwise) if c is not None]
+        buf = torch.cat(grids + [q.amax.reshape(1).float()])
+    return rq.contiguous(), cq.contiguous(), buf
 
 
-def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tensor, scale: torch.Tensor,
-                      scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> TracedCopies:
-    """The Float8Tensorwise copies of x2 cast with a given ``scale`` (current, or a delayed one), which dequantize by
-    ``scale_inv``; ``amax`` is x2's (:func:`lowbit.quant.reference.amax_of`), carried along."""
-    data = _cast(x2.float() * scale, sch.format).contiguous()
-    si = scale_inv.reshape(1, 1)
-    return TracedCopies(data if rowwise else None, si if rowwise else None,
-                        data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
-
-
-def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
-    amax = amax_of(x2)
-    s = current_scale(amax, sch.format.max)
-    return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise)
-
-
-def _segments(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1 x block segments along the rows of x2 (r, k): (data (r, k), scale_inv (r, k / block), block amaxes)."""
-    fmt, bs = sch.format, sch.block_size
-    r, k = x2.shape
-    xb = x2.float().reshape(r, k // bs, bs)
-    bamax = xb.abs().amax(dim=-1)
-    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
-    data = _cast(xb * s.unsqueeze(-1), fmt).reshape(r, k).contiguous()
-    return data, _reciprocal(s), bamax
-
-
-def _segments_down(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block x 1 segments down the columns of x2 (r, k), read row by row: the columnwise copy (k, r) and its
-    scale_inv (k, r / block) (a transposed view of the (r / block, k) grid cuBLAS reads), and the block amaxes."""
-    fmt, bs = sch.format, sch.block_size
-    r, k = x2.shape
-    xb = x2.float().reshape(r // bs, bs, k)
-    bamax = xb.abs().amax(dim=1)
-    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
-    data = _cast(xb * s.unsqueeze(1), fmt).reshape(r, k).t().contiguous()
-    return data, _reciprocal(s).t(), bamax
-
-
-def _tiles(x2: torch.Tensor, sch: Float8Blockwise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block x block tiles of x2 (r, k): (data (r, k), scale_inv (r / block, k / block), tile amaxes)."""
-    fmt, bs = sch.format, sch.block_size
-    r, k = x2.shape
-    xb = x2.float().reshape(r // bs, bs, k // bs, bs)
-    bamax = xb.abs().amax(dim=(1, 3))
-    s = current_scale(bamax, fmt.max, pow2=sch.pow2, eps=sch.eps)
-    data = _cast(xb * s[:, None, :, None], fmt).reshape(r, k).contiguous()
-    return data, _reciprocal(s), bamax
-
-
-def _blockwise(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool, columnwise: bool) -> TracedCopies:
-    # (the tensor's amax is the largest block amax: no second pass over x2)
-    if sch.block_dim == 2:  # one tile grid: the columnwise copy is the transpose of the rowwise one
-        data, si, bamax = _tiles(x2, sch)
-        return TracedCopies(data if rowwise else None, si if rowwise else None,
-                            data.t().contiguous() if columnwise else None, si.t() if columnwise else None,
-                            _max_of(bamax))
-    row = _segments(x2, sch) if rowwise else (None, None, None)
-    col = _segments_down(x2, sch) if columnwise else (None, None, None)
-    return TracedCopies(row[0], row[1], col[0], col[1], _max_of(row[2] if rowwise else col[2]))
-
-
-def _max_of(bamax: torch.Tensor) -> torch.Tensor:
-    return bamax.amax().reshape(1)
+@quantize_fp8_op.register_fake
+def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise, scale):
+    sch = _scheme(fmt, block_dim, block_size, pow2, eps)
+    rows, cols = x2.shape
+    dt = sch.format.torch_dtype
+    rq = x2.new_empty((rows, cols) if rowwise else (0,), dtype=dt)
+    cq = x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt)
+    return rq, cq, x2.new_empty(_buffer_size(sch, rows, cols, rowwise, columnwise), dtype=torch.float32)
 
 
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
@@ -147,12 +104,18 @@ def traceable_fits(scheme, rows: int, cols: int) -> bool:
     return False
 
 
-def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False) -> TracedCopies:
-    """The current-scaling FP8 copies of the 2D tensor ``x2`` under ``scheme``, as torch operations.
+def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
+                       scale: torch.Tensor | None = None) -> TracedCopies:
+    """The FP8 copies of the 2D tensor ``x2`` under ``scheme`` through :func:`quantize_fp8_op` (one operator in a
+    compiled graph), with their logical scale grids: :func:`lowbit.quant.quantize`'s bits.
+
+    Args:
+        scale: Float8Tensorwise only: a given float32 scale of one element (delayed scaling) to cast with; the
+            copies' ``scale_inv`` is then the reciprocal the kernel stores, and the amax is still measured.
 
     Raises:
         NotImplementedError: ``scheme`` and the shape are not covered (:func:`traceable_fits`).
-        ValueError: ``x2`` is not 2D, or neither copy is asked for.
+        ValueError: ``x2`` is not 2D, neither copy is asked for, or a scale is given to a blockwise scheme.
     """
     if x2.dim() != 2:
         raise ValueError(f"x2: expected a 2D tensor, got shape {tuple(x2.shape)}")
@@ -161,6 +124,19 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
     if not traceable_fits(scheme, *x2.shape):
         raise NotImplementedError(f"scheme: quantize_traceable covers Float8Tensorwise and Float8Blockwise with dims "
                                   f"that are multiples of the block, got {scheme!r} for shape {tuple(x2.shape)}")
+    rows, cols = x2.shape
     if isinstance(scheme, Float8Tensorwise):
-        return _tensorwise(x2, scheme, rowwise, columnwise)
-    return _blockwise(x2, scheme, rowwise, columnwise)
+        rq, cq, buf = quantize_fp8_op(x2.detach(), scheme.fmt, 0, 0, False, 0.0, rowwise, columnwise, scale)
+        si = buf[4:5].reshape(1, 1)
+        return TracedCopies(rq if rowwise else None, si if rowwise else None, cq if columnwise else None,
+                            si if columnwise else None, buf[0:1])
+    if scale is not None:
+        raise ValueError(f"scale: a given scale is for Float8Tensorwise, got scheme {scheme!r}")
+    rq, cq, buf = quantize_fp8_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
+                                  float(scheme.eps), rowwise, columnwise, None)
+    rshape, cshape = scale_storage_shape(scheme, rows, cols), scale_storage_shape(scheme, cols, rows)
+    nr = math.prod(rshape) if rowwise else 0
+    nc = math.prod(cshape) if columnwise else 0
+    rs = scale_logical(scheme, buf[:nr].view(rshape), rows, cols) if rowwise else None
+    cs = scale_logical(scheme, buf[nr:nr + nc].view(cshape), cols, rows) if columnwise else None
+    return TracedCopies(rq if rowwise else None, rs, cq if columnwise else None, cs, buf[nr + nc:])

@@ -52,7 +52,7 @@ from .reference import resolve_seed, validate_quantize_args
 from .schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton",
+__all__ = ["supports", "quantize_triton", "quantize_fp8_flat",
            # fused-prologue API
            "BlockwisePlan", "blockwise_buffers", "blockwise_args", "set_copies", "regs_ok", "packed_ok", "REGS_CONFIGS",
            "rowcol_regs_prologue", "bf16_pack_candidates"]
@@ -186,6 +186,16 @@ _TENSORWISE_LAUNCH = CachedLaunch(K.tensorwise_kernel)
 
 
 def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
+    rq, cq, buf = _tensorwise_run(x2, sch, rowwise, columnwise, scale)
+    amax, si = buf[0:1], buf[4:5]
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si, amax=amax)  # one scale, one amax: shared
+
+
+def _tensorwise_run(x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
+    """The tensorwise launches: (rq, cq, buf), buf float32 (8,) with the amax at 0 and scale_inv at 4."""
     M, Kd = x2.shape
     fmt, dev = sch.format, x2.device
     # the amax and scale_inv bits, zeroed by one fill (scale_inv 16 bytes in, aligned as a fresh allocation): the
@@ -224,11 +234,7 @@ def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
 
         _TENSORWISE_PLANS[pkey] = tuned_launch(
             "tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
-    amax, si = amax_i.view(torch.float32), si.view(torch.float32)
-    if rowwise:
-        qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
-    if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si, amax=amax)  # one scale, one amax: shared
+    return rq, cq, buf.view(torch.float32)
 
 
 def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
@@ -421,10 +427,14 @@ def blockwise_buffers(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: boo
     both scale grids (pads must read 0) and the amax at the end; every grid starts 16-byte aligned (sizes are
     multiples of 4 floats). Under :func:`amax_arena` in a CUDA-graph capture, grids without padding (every element
     written by the kernel) are not filled, and the amax is an arena slot (zeroed by the arena's one fill)."""
+    return _blockwise_views(plan, fmt, dev, rowwise, columnwise, None if plan.padded else arena_slot(dev))[0]
+
+
+def _blockwise_views(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool, slot):
+    """(blockwise_buffers' outputs, the float32 buffer that holds the grids and, without an arena slot, the amax)."""
     rq = torch.empty(plan.M, plan.K, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(plan.K, plan.M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     nr, nc = plan.nr, plan.nc
-    slot = None if plan.padded else arena_slot(dev)
     if slot is not None:
         buf = torch.empty(nr + nc, dtype=torch.float32, device=dev)
         amax_i = slot
@@ -433,7 +443,7 @@ def blockwise_buffers(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: boo
         amax_i = buf[nr + nc:].view(torch.int32)
     rs = buf[:nr].view(plan.rshape) if rowwise else None
     cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
-    return rq, rs, cq, cs, amax_i
+    return (rq, rs, cq, cs, amax_i), buf
 
 
 def blockwise_args(plan: "BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
@@ -528,9 +538,11 @@ class BlockwisePlan:
     matters: this runs for every quantized GEMM operand of every step)."""
 
     __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra", "padded",
-                 "launch")
+                 "launch", "key")
 
-    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
+    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device, key: tuple = ()):
+        """``key``: the plan cache's key, where the plan is cached by its caller (kept for that caller)."""
+        self.key = key
         bs = sch.block_size
         self.rshape, self.cshape = scale_storage_shape(sch, M, Kd), scale_storage_shape(sch, Kd, M)
         self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
@@ -581,18 +593,29 @@ class BlockwisePlan:
 
 
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
+    plan = _blockwise_plan(x2, sch, rowwise, columnwise)
+    bufs = blockwise_buffers(plan, sch.format, x2.device, rowwise, columnwise)
+    _blockwise_launch(plan, x2, sch, rowwise, columnwise, bufs)
+    set_copies(qt, *bufs)
+
+
+def _blockwise_plan(x2, sch: Float8Blockwise, rowwise, columnwise) -> "BlockwisePlan":
     M, Kd = x2.shape
-    fmt, dev, bs = sch.format, x2.device, sch.block_size
-    two_d = sch.block_dim == 2
+    bs, two_d = sch.block_size, sch.block_dim == 2
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     # (the register-tile kernels' eligibility follows from the rest of the key, except the BF16-pair form's alignment)
     packed = packed_ok(x2)
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, packed)
     plan = _BLOCKWISE_PLANS.get(key)
-    if plan is None:
-        plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
-    bufs = blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
+    return BlockwisePlan(M, Kd, sch, rowwise, columnwise, x2.device, key) if plan is None else plan
+
+
+def _blockwise_launch(plan: "BlockwisePlan", x2, sch: Float8Blockwise, rowwise, columnwise, bufs) -> None:
+    """Fill ``bufs`` (blockwise_buffers' layout) from x2 with the plan's launch (tuned and bound on its first call)."""
+    M, Kd = x2.shape
+    bs, two_d = sch.block_size, sch.block_dim == 2
+    pers, packed = plan.key[-2:]
     args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
         # the plan fixes every other argument's specialization (the buffers are fresh allocations, except an arena
@@ -618,8 +641,26 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
         c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         plan.launch = SpecializedLaunch(plan.fn)
-        _BLOCKWISE_PLANS[key] = plan
-    set_copies(qt, *bufs)
+        _BLOCKWISE_PLANS[plan.key] = plan
+
+
+def quantize_fp8_flat(x2: torch.Tensor, scheme, rowwise: bool, columnwise: bool,
+                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float8Tensorwise or Float8Blockwise copies of the 2D CUDA tensor ``x2`` as three fresh tensors, for an
+    operator to return (none aliases another): (rowwise data, columnwise data, float32 buffer). A copy not asked for
+    is an empty tensor. The buffer holds, tensorwise, the amax at [0] and scale_inv at [4] (8 elements); blockwise,
+    the rowwise scale grid, then the columnwise one (each in its storage layout, only where asked for), then the
+    amax. ``scale``: Float8Tensorwise only, a given (delayed) scale. Same bits as :func:`quantize_triton`."""
+    x2 = x2.contiguous()
+    if isinstance(scheme, Float8Tensorwise):
+        rq, cq, buf = _tensorwise_run(x2, scheme, rowwise, columnwise, scale)
+    else:
+        plan = _blockwise_plan(x2, scheme, rowwise, columnwise)
+        bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
+        _blockwise_launch(plan, x2, scheme, rowwise, columnwise, bufs)
+        rq, cq = bufs[0], bufs[2]
+    empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
+    return (empty if rq is None else rq), (empty if cq is None else cq), buf
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
