@@ -60,6 +60,7 @@ def _check(x, sch, got, rowwise=True, columnwise=True, scale=None):
 def test_traceable_equals_reference(sch, dtype, copies):
     x = _data(384, 256, dtype, seed=hash((repr(sch), str(dtype))) % 1000)
     _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
+    _check(x.t(), sch, quantize_traceable(x.t(), sch, rowwise=copies[0], columnwise=copies[1]), *copies)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -119,6 +120,8 @@ def test_gpu_traceable_kernels_equal_reference(sch, dtype, copies):
                        fullgraph=True)
     _check(x, sch, fn(x), *copies)
     _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
+    xt = x.t()  # strided, as a gradient may reach the operator: the kernels' bits, not the reference's path
+    _check(xt, sch, quantize_traceable(xt, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
     if isinstance(sch, Float8Tensorwise):
         s = torch.tensor([0.37], device="cuda")
         _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1], scale=s), *copies,

@@ -14,6 +14,7 @@ blocks); :func:`traceable_fits` says which.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -41,6 +42,7 @@ class TracedCopies(NamedTuple):
     amax: torch.Tensor
 
 
+@functools.lru_cache(maxsize=64)
 def _scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float):
     return Float8Tensorwise(fmt) if block_dim == 0 else Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
@@ -65,6 +67,8 @@ def quantize_fp8_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int,
     from .reference import quantize_reference
 
     sch = _scheme(fmt, block_dim, block_size, pow2, eps)
+    if x2.is_cuda:  # (a gradient may come strided: the kernels read contiguous rows, as lowbit.quantize gives them)
+        x2 = x2.contiguous()
     if backend_for(x2, sch, rowwise, columnwise) == "triton":
         from .triton_backend import quantize_fp8_flat
 
