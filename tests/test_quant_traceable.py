@@ -1,13 +1,15 @@
-"""lowbit.quant.traceable (the operator a compiled graph holds for FP8 quantization) against the reference, bit for
-bit: called, compiled, and through torch.library.opcheck, over random data with the edge cases the scale rules name;
-on CUDA through lowbit's Triton kernels."""
+"""lowbit.quant.traceable (FP8 quantization in the form a compiled graph holds: tensorwise as torch operations,
+blockwise as an operator over lowbit's kernels) against the reference, bit for bit: called, compiled, and through
+torch.library.opcheck, over random data with the edge cases the scale rules name; on CUDA through Inductor's and
+lowbit's Triton kernels."""
 
 import pytest
 import torch
 
 from lowbit.quant import quantize_reference
+from lowbit.quant.reference import compute_scale
 from lowbit.quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from lowbit.quant.traceable import quantize_fp8_op, quantize_traceable, traceable_fits
+from lowbit.quant.traceable import current_scale, quantize_blockwise_op, quantize_traceable, traceable_fits
 
 SCHEMES = [
     Float8Tensorwise("e4m3"),
@@ -41,9 +43,9 @@ def _same(a, b, what):
 COPIES = [(True, True), (True, False), (False, True)]
 
 
-def _check(x, sch, got, rowwise=True, columnwise=True, scale=None):
+def _check(x, sch, got, rowwise=True, columnwise=True):
     """The copies asked for, their scale grids and the amax of ``got`` against the reference's quantization of x."""
-    ref = quantize_reference(x, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
+    ref = quantize_reference(x, sch, rowwise=rowwise, columnwise=columnwise)
     for which, data, si in (("rowwise", got.rowwise, got.row_scale_inv),
                             ("columnwise", got.columnwise, got.col_scale_inv)):
         if getattr(ref, which) is None:
@@ -63,34 +65,32 @@ def test_traceable_equals_reference(sch, dtype, copies):
     _check(x.t(), sch, quantize_traceable(x.t(), sch, rowwise=copies[0], columnwise=copies[1]), *copies)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_traceable_given_scale(fmt):
-    """Delayed scaling's given scale casts the copies; the amax is still measured."""
-    sch = Float8Tensorwise(fmt)
-    x = _data(256, 384, torch.bfloat16, seed=11)
-    for s in (torch.tensor([2.0**-20]), torch.tensor([0.37])):
-        _check(x, sch, quantize_traceable(x, sch, rowwise=True, columnwise=True, scale=s), scale=s)
-
-
 @pytest.mark.parametrize("sch", [SCHEMES[0], SCHEMES[2], SCHEMES[4]], ids=repr)
 def test_traceable_compiled_equals_reference(sch):
-    """Inside an Inductor graph (fullgraph: the operator and the views of its buffer) the same bits."""
+    """Compiled by Inductor (fullgraph; blockwise: the operator and the views of its buffer) the same bits."""
     torch.compiler.reset()
     x = _data(256, 384, torch.bfloat16, seed=7)
     fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
     _check(x, sch, fn(x))
 
 
-@pytest.mark.parametrize("sch", [SCHEMES[1], SCHEMES[3], SCHEMES[4]], ids=repr)
-def test_quantize_fp8_op_opcheck(sch):
+@pytest.mark.parametrize("sch", [SCHEMES[3], SCHEMES[4], SCHEMES[6]], ids=repr)
+def test_quantize_blockwise_op_opcheck(sch):
     """The operator's registration: the fake implementation's shapes, dtypes and strides, schema and aliasing."""
     x = _data(256, 384, torch.float32, seed=5)
-    args = (sch.fmt, 0, 0, False, 0.0) if isinstance(sch, Float8Tensorwise) else \
-        (sch.fmt, sch.block_dim, sch.block_size, sch.pow2, float(sch.eps))
     for rowwise, columnwise in COPIES:
-        torch.library.opcheck(quantize_fp8_op, (x, *args, rowwise, columnwise, None))
-    if isinstance(sch, Float8Tensorwise):
-        torch.library.opcheck(quantize_fp8_op, (x, *args, True, True, torch.tensor([0.5])))
+        torch.library.opcheck(quantize_blockwise_op, (x, sch.fmt, sch.block_dim, sch.block_size, sch.pow2,
+                                                      float(sch.eps), rowwise, columnwise))
+
+
+def test_current_scale_edge_values():
+    """NaN, Inf, 0, subnormal and FP32-max amaxes."""
+    a = torch.tensor([0.0, 1e-45, 1e-38, 1e-30, 0.37, 1.0, 448.0, 449.0, 1e30, 3.4e38, float("inf"), float("nan")])
+    a = torch.cat([a, torch.rand(1000) * torch.exp2(torch.randint(-126, 127, (1000,)).float())])
+    for fmax in (448.0, 57344.0):
+        got, ref = current_scale(a, fmax), compute_scale(a, fmax)
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got[~got.isnan()], ref[~ref.isnan()]), fmax
 
 
 def test_traceable_covers_and_refuses():
@@ -104,8 +104,6 @@ def test_traceable_covers_and_refuses():
         quantize_traceable(torch.zeros(2, 256, 256), Float8Blockwise())
     with pytest.raises(ValueError, match="at least one copy"):
         quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), rowwise=False)
-    with pytest.raises(ValueError, match="scale: a given scale is for Float8Tensorwise"):
-        quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), scale=torch.ones(1))
 
 
 @pytest.mark.gpu
@@ -113,7 +111,8 @@ def test_traceable_covers_and_refuses():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sch", SCHEMES[:5], ids=repr)
 def test_gpu_traceable_kernels_equal_reference(sch, dtype, copies):
-    """On CUDA the operator runs lowbit's Triton kernels: called and compiled, the reference's bits."""
+    """On CUDA (tensorwise: Inductor's Triton kernels; blockwise: lowbit's), called and compiled: the reference's
+    bits, for a strided input too."""
     torch.compiler.reset()
     x = _data(1024, 768, dtype, seed=3).cuda()
     fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=copies[0], columnwise=copies[1]),
@@ -122,7 +121,3 @@ def test_gpu_traceable_kernels_equal_reference(sch, dtype, copies):
     _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
     xt = x.t()  # strided, as a gradient may reach the operator: the kernels' bits, not the reference's path
     _check(xt, sch, quantize_traceable(xt, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
-    if isinstance(sch, Float8Tensorwise):
-        s = torch.tensor([0.37], device="cuda")
-        _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1], scale=s), *copies,
-               scale=s)

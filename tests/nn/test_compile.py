@@ -400,8 +400,8 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed"])
 def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
-    """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizer
-    operator per tensor, the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator."""
+    """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizers,
+    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator."""
     codes = []
 
     def backend(gm, inputs):
@@ -416,7 +416,21 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     code = "\n".join(codes)
     record = "lowbit.delayed_scales" if recipe == "fp8-delayed" else "lowbit.sentry_pass"
     assert "lowbit.quantized_linear" not in code and record in code, code[:2000]
-    assert "lowbit.quantize_fp8" in code, code[:2000]
+    if recipe == "fp8-block":  # (one operator per tensor quantizes and records)
+        record = "lowbit.quantize_fp8_blockwise_recorded"
+    assert "lowbit.quantized_linear" not in code and record in code, code[:2000]
+
+
+def test_opcheck_quantize_blockwise_recorded():
+    from lowbit.nn.functional import quantize_blockwise_recorded_op
+
+    m = lowbit.nn.Linear(256, 128)
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        key = ac.get_state().key
+        for rowwise, columnwise in ((True, True), (False, True)):
+            torch.library.opcheck(quantize_blockwise_recorded_op, (torch.randn(256, 384), "e4m3", 1, 128, True, 0.0,
+                                                                   rowwise, columnwise, m.weight.detach(), key,
+                                                                   "input", "forward"))
 
 
 def test_opcheck_sentry_pass():

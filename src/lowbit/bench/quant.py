@@ -4,7 +4,8 @@ device-to-device copy of the same input, measured in the same run.
 Per input (M, K) in BF16: copy (``y.copy_(x)``: 2 × bytes); lowbit Triton 1x128 rowwise, 1x128
 rowwise+columnwise (fused cast + transpose), 128x128 (both copies), per-tensor current scaling
 (amax pass + cast), MXFP8 both copies, NVFP4 1x16 rowwise; torchao's 1x128 quantizer when importable; the
-quantizer operator a ``torch.compile``'d fp8-current / fp8-block linear holds, compiled alone.
+quantizers a ``torch.compile``'d fp8-current / fp8-block linear holds (tensorwise: Inductor's kernels; blockwise:
+the operator over lowbit's), compiled alone.
 The same input in FP32 (as LayerNorm outputs and FP32 master weights reach the quantizer in training): copy,
 1x128 rowwise+columnwise, 128x128 both copies; their fraction is of the FP32 copy.
 Bytes moved count the input read once per pass plus every output written (data + scales).
@@ -98,7 +99,7 @@ def _run_shape(M, K, rep, rows):
 
 
 def _traced_cases(x, x32) -> tuple[list, list]:
-    """The quantizer a compiled graph holds (:mod:`lowbit.quant.traceable`'s operator), each compiled alone: what a
+    """The quantizers a compiled graph holds (:mod:`lowbit.quant.traceable`), each compiled alone: what a
     ``torch.compile``'d fp8-current / fp8-block linear pays per quantization, host time included, next to lowbit's
     direct calls (bytes counted as for lowbit's row of the same scheme, so the GB/s compare the times)."""
     from lowbit.quant import Float8Blockwise, Float8Tensorwise
@@ -110,7 +111,7 @@ def _traced_cases(x, x32) -> tuple[list, list]:
 
     return ([("compiled 1x128 rowwise+columnwise", compiled(x, Float8Blockwise()), None),
              ("compiled 128x128 rowwise+columnwise", compiled(x, Float8Blockwise(block_dim=2)), None),
-             ("compiled tensorwise row+col", compiled(x, Float8Tensorwise()), 2)],
+             ("compiled (Inductor) tensorwise row+col", compiled(x, Float8Tensorwise()), 2)],
             [("fp32 compiled 1x128 rowwise+columnwise", compiled(x32, Float8Blockwise()), None),
              ("fp32 compiled 128x128 rowwise+columnwise", compiled(x32, Float8Blockwise(block_dim=2)), None)])
 

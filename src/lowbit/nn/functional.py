@@ -961,13 +961,13 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # ------------------------------------------------------------------------------------------------
 # Where the recipe quantizes every role under Float8Tensorwise or Float8Blockwise with current scaling (fp8-current,
 # fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
-# the layer itself instead of one opaque operator: each tensor's copies from the quantizer operator
-# (lowbit.quant.traceable, lowbit's kernels), the GEMMs as the aten calls eager makes
-# (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the reshapes and casts around them Inductor's. Per call no lowbit
-# Python runs but the quantizer's launches and the NaN sentry's record (delayed scaling: the scales handed out and the
-# amaxes recorded, one operator a pass); the bits are eager's. Not traced (the operators above run): a GELU or RMSNorm
-# fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims the GEMMs or
-# blocks do not divide.
+# the layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
+# blockwise tensor's copies from one operator over lowbit's kernels that also records the amax (lowbit.quant.traceable
+# has both), the GEMMs as the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no
+# lowbit Python runs but those operators and the per-tensor NaN sentry record (delayed scaling: the scales handed out
+# and the amaxes recorded, one operator a pass); the bits are eager's. Not traced (the operators above run): a GELU
+# or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
+# the GEMMs or blocks do not divide.
 @torch.library.custom_op("lowbit::sentry_pass", mutates_args=())
 def sentry_pass_op(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
                    roles: str, phase: str) -> list[torch.Tensor]:
@@ -1057,20 +1057,20 @@ class _TracedLinearFn(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
-        from ..quant.traceable import quantize_traceable
+        from ..quant.traceable import tensorwise_copies
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
         if recipe.role("input").delayed:
             ax, aw = amax_of(x2), amax_of(weight)
             s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
-            qx = _delayed_copies(x2, sin, s_x, sx, True, need_wgrad)
-            qw = _delayed_copies(weight, sw, s_w, swr, True, need_dgrad)
+            qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
+            qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
+            sx, swr = qx.row_scale_inv, qw.row_scale_inv
         else:
-            qx = quantize_traceable(x2, sin, rowwise=True, columnwise=need_wgrad)
-            qw = quantize_traceable(weight, sw, rowwise=True, columnwise=need_dgrad)
-            sx, swr = sentry_pass_op([qx.row_scale_inv, qw.row_scale_inv], [qx.amax, qw.amax], weight, key,
-                                     "input,weight", "forward")
+            qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
+                                      weight, key, "forward")
+            sx, swr = qx.row_scale_inv, qw.row_scale_inv
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, sx, swr, a_scheme=sin, b_scheme=sw, out_dtype=out_dtype,
                                        bias=bias)
         ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
@@ -1082,7 +1082,7 @@ class _TracedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
-        from ..quant.traceable import quantize_traceable
+        from ..quant.traceable import tensorwise_copies
 
         xc, xcs, wc, wcs, weight = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
@@ -1094,32 +1094,67 @@ class _TracedLinearFn(torch.autograd.Function):
             if recipe.role("grad_output").delayed:
                 a = amax_of(dy)
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
-                q = _delayed_copies(dy, sg, s, si, need_dgrad, need_wgrad)
-                scales = [q.row_scale_inv, q.col_scale_inv]
+                q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
             else:
-                q = quantize_traceable(dy, sg, rowwise=need_dgrad, columnwise=need_wgrad)
-                scales = [s for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
-                scales = sentry_pass_op(scales, [q.amax], weight, ctx.key, "grad_output", "backward")
+                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key, "backward")
+            scales = [q.row_scale_inv, q.col_scale_inv]
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, scales[0], wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype)
             if need_wgrad:
-                dw = scaled_mm_cublas_traceable(q.columnwise, xc, scales[-1], xcs, a_scheme=sg, b_scheme=sin,
+                dw = scaled_mm_cublas_traceable(q.columnwise, xc, scales[1], xcs, a_scheme=sg, b_scheme=sin,
                                                 out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None
 
 
-def _delayed_copies(x2: torch.Tensor, sch, scale: torch.Tensor, scale_inv: torch.Tensor, rowwise: bool,
-                    columnwise: bool):
-    """x2's tensorwise copies cast with a delayed ``scale``, which dequantize by the ``scale_inv`` handed out with it
-    (:func:`delayed_scales_op`, as eager's :meth:`GemmLayer.quantize` stores it)."""
-    from ..quant.traceable import quantize_traceable
+@torch.library.custom_op("lowbit::quantize_fp8_blockwise_recorded", mutates_args=())
+def quantize_blockwise_recorded_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool,
+                                   eps: float, rowwise: bool, columnwise: bool, weight: torch.Tensor, key: str,
+                                   role: str, phase: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`lowbit.quant.traceable.quantize_blockwise_op` that also records the amax, as the ``role`` tensor of the
+    layer owning ``weight`` in ``phase``, for the NaN sentry under the autocast state ``key`` (one operator per
+    tensor instead of two)."""
+    from ..quant.traceable import blockwise_buffers, blockwise_scheme
 
-    q = quantize_traceable(x2, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
-    si = scale_inv.reshape(1, 1)
-    return q._replace(row_scale_inv=si if rowwise else None, col_scale_inv=si if columnwise else None)
+    out = blockwise_buffers(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+    _, policy = _op_state(key, weight)
+    _ac.sentry(out[2][-1:], layer=layer_of(weight), role=role, phase=phase, policy=policy)
+    return out
+
+
+@quantize_blockwise_recorded_op.register_fake
+def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise, weight, key, role, phase):
+    from ..quant.traceable import blockwise_buffers_fake, blockwise_scheme
+
+    return blockwise_buffers_fake(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+
+
+def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
+    """The current-scaling copies of each ``(tensor, scheme, rowwise, columnwise, role)`` in ``items``, every amax
+    recorded for the NaN sentry: a blockwise tensor by its quantizer operator, the tensorwise ones (torch
+    operations) by one :func:`sentry_pass_op`, whose returned scales the GEMMs then read."""
+    from ..quant.traceable import blockwise_copies, quantize_traceable
+
+    out, pending = [], []
+    for t, sch, rowwise, columnwise, role in items:
+        if isinstance(sch, Float8Blockwise):
+            bufs = quantize_blockwise_recorded_op(t.detach(), sch.fmt, sch.block_dim, sch.block_size, sch.pow2,
+                                                  float(sch.eps), rowwise, columnwise, weight, key, role, phase)
+            out.append(blockwise_copies(sch, *t.shape, rowwise, columnwise, *bufs))
+        else:
+            pending.append(len(out))
+            out.append(quantize_traceable(t, sch, rowwise=rowwise, columnwise=columnwise))
+    if pending:
+        scales = [s for i in pending for s in (out[i].row_scale_inv, out[i].col_scale_inv) if s is not None]
+        scales = iter(sentry_pass_op(scales, [out[i].amax for i in pending], weight, key,
+                                     ",".join(items[i][4] for i in pending), phase))
+        for i in pending:
+            q = out[i]
+            out[i] = q._replace(row_scale_inv=None if q.row_scale_inv is None else next(scales),
+                                col_scale_inv=None if q.col_scale_inv is None else next(scales))
+    return out
 
 
 def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:

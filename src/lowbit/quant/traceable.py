@@ -1,15 +1,16 @@
-"""FP8 quantization as one registered operator, for torch.compile to hold in a graph.
+"""FP8 quantization in a form torch.compile holds in a graph, for lowbit's quantized linear.
 
-Inside a compiled graph, lowbit's quantized linear quantizes with :func:`quantize_traceable`: the operator
-``lowbit::quantize_fp8`` runs lowbit's Triton kernels on CUDA (both copies of a tensor from one read; the reference
-elsewhere) and hands the copies, their scales and the amax back as plain tensors, with a fake implementation for
-tracing. Inductor's own kernels for the same arithmetic were measured 1.1-7x slower at the Llama client's shapes
-(``lowbit bench quant``), so the graph calls the kernels instead of fusing the quantizers with their neighbours.
-The bits are :func:`lowbit.quant.quantize`'s (tested).
+* :class:`Float8Tensorwise` (current scaling, or a given scale: :func:`tensorwise_copies`, for delayed scaling) as
+  torch operations: Inductor compiles them and fuses the amax and the cast with the work around them. They are the
+  reference's arithmetic (NUMERICS §2–§3) step for step: the amax is exact, the scale is a correctly rounded
+  ``fmax / amax`` (divided in float64 and rounded once), the saturating cast rounds to nearest even.
+* :class:`Float8Blockwise` (1x128 segments, 128x128 tiles; dims multiples of the block) as one registered operator,
+  ``lowbit::quantize_fp8_blockwise``, over lowbit's Triton kernels on CUDA (both copies from one read; the
+  reference elsewhere), with a fake implementation for tracing: Inductor's kernels for the same arithmetic were
+  measured 1.4-7x slower at the Llama client's shapes (``lowbit bench quant``).
 
-They cover what the compiled linear needs: :class:`Float8Tensorwise` (current scaling, or a given scale, for
-delayed scaling), and :class:`Float8Blockwise` where the copy's dims are multiples of the block (no ragged
-blocks); :func:`traceable_fits` says which.
+Each copy is bit-identical to :func:`lowbit.quant.quantize_reference` (tested); :func:`traceable_fits` says what is
+covered.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "quantize_fp8_op", "quantize_traceable", "traceable_fits"]
-
+__all__ = ["TracedCopies", "blockwise_buffers", "blockwise_buffers_fake", "blockwise_copies", "blockwise_scheme",
+           "current_scale",
+           "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies", "traceable_fits"]
 
 class TracedCopies(NamedTuple):
     """The FP8 copies of one 2D tensor (rows, cols), with their scales in the logical (rows, blocks) layout of
@@ -42,59 +45,103 @@ class TracedCopies(NamedTuple):
     amax: torch.Tensor
 
 
+def current_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """:func:`lowbit.quant.reference.compute_scale` (no power-of-two rounding, no eps) in operations Inductor
+    compiles; the same bits for every amax, NaN and Inf included."""
+    a = amax.to(torch.float32)
+    # float64 quotients rounded once to float32 are the correctly rounded float32 quotients (53 >= 2 * 24 + 2 bits),
+    # which Triton's float32 division is not for every divisor
+    s = (torch.full_like(a, fmax, dtype=torch.float64) / a.double()).float()
+    s = torch.where(a == 0, torch.ones_like(s), s)
+    return torch.where(torch.isinf(s), torch.full_like(s, FP32_MAX), s)
+
+
+def _cast(v: torch.Tensor, fmt) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast of float32 ``v`` to the FP8 format (NaN stays NaN)."""
+    return torch.clamp(v, -fmt.max, fmt.max).to(fmt.torch_dtype)
+
+
+def _reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 ``1 / s`` (see :func:`current_scale`)."""
+    return (1.0 / s.double()).float()
+
+
+def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tensor, scale: torch.Tensor,
+                      scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> TracedCopies:
+    """The Float8Tensorwise copies of x2 cast with a given ``scale`` (current, or a delayed one), which dequantize by
+    ``scale_inv``; ``amax`` is x2's (:func:`lowbit.quant.reference.amax_of`), carried along."""
+    data = _cast(x2.float() * scale, sch.format).contiguous()
+    si = scale_inv.reshape(1, 1)
+    return TracedCopies(data if rowwise else None, si if rowwise else None,
+                        data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
+
+
+def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
+    amax = amax_of(x2)
+    s = current_scale(amax, sch.format.max)
+    return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise)
+
+
 @functools.lru_cache(maxsize=64)
-def _scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float):
-    return Float8Tensorwise(fmt) if block_dim == 0 else Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
+def blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float) -> Float8Blockwise:
+    """The Float8Blockwise an operator's plain arguments spell (built once per spelling)."""
+    return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
-def _buffer_size(sch, rows: int, cols: int, rowwise: bool, columnwise: bool) -> int:
-    """Elements of the operator's float32 buffer (see :func:`lowbit.quant.triton_backend.quantize_fp8_flat`)."""
-    if isinstance(sch, Float8Tensorwise):
-        return 8
-    return ((math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0)
-            + (math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0) + 1)
-
-
-@torch.library.custom_op("lowbit::quantize_fp8", mutates_args=())
-def quantize_fp8_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
-                    rowwise: bool, columnwise: bool,
-                    scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FP8 copies of the 2D tensor ``x2`` under Float8Tensorwise (``block_dim`` 0; ``scale``: a given one) or
-    Float8Blockwise(fmt, block_dim, block_size, pow2, eps): (rowwise data, columnwise data, float32 buffer) as
-    :func:`lowbit.quant.triton_backend.quantize_fp8_flat` lays them out (an empty tensor for a copy not asked
-    for). Lowbit's Triton kernels where they run, the reference elsewhere: the same bits."""
+def blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x2's blockwise copies as :func:`lowbit.quant.triton_backend.quantize_blockwise_flat` lays them out (rowwise
+    data, columnwise data, float32 buffer of the scale grids and the amax): lowbit's Triton kernels where they run,
+    the reference elsewhere, the same bits. What an operator returns (no output aliases another)."""
     from . import backend_for
     from .reference import quantize_reference
 
-    sch = _scheme(fmt, block_dim, block_size, pow2, eps)
     if x2.is_cuda:  # (a gradient may come strided: the kernels read contiguous rows, as lowbit.quantize gives them)
         x2 = x2.contiguous()
     if backend_for(x2, sch, rowwise, columnwise) == "triton":
-        from .triton_backend import quantize_fp8_flat
+        from .triton_backend import quantize_blockwise_flat
 
-        return quantize_fp8_flat(x2, sch, rowwise, columnwise, scale)
-    q = quantize_reference(x2, sch, rowwise=rowwise, columnwise=columnwise, scale=scale)
+        return quantize_blockwise_flat(x2, sch, rowwise, columnwise)
+    q = quantize_reference(x2, sch, rowwise=rowwise, columnwise=columnwise)
     empty = torch.empty(0, dtype=sch.format.torch_dtype, device=x2.device)
-    rq = q.rowwise.data if rowwise else empty
-    cq = q.columnwise.data if columnwise else empty
-    if block_dim == 0:
-        buf = torch.zeros(8, dtype=torch.float32, device=x2.device)
-        buf[0:1] = q.amax
-        buf[4:5] = (q.rowwise or q.columnwise).scale_inv.reshape(1)
-    else:
-        grids = [c.scale_inv.reshape(-1) for c in (q.rowwise, q.columnwise) if c is not None]
-        buf = torch.cat(grids + [q.amax.reshape(1).float()])
-    return rq.contiguous(), cq.contiguous(), buf
+    grids = [c.scale_inv.reshape(-1) for c in (q.rowwise, q.columnwise) if c is not None]
+    return ((q.rowwise.data.contiguous() if rowwise else empty), (q.columnwise.data.contiguous() if columnwise
+                                                                  else empty), torch.cat(grids + [q.amax.reshape(1)]))
 
 
-@quantize_fp8_op.register_fake
-def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise, scale):
-    sch = _scheme(fmt, block_dim, block_size, pow2, eps)
+def blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+                           columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`blockwise_buffers`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
     rows, cols = x2.shape
     dt = sch.format.torch_dtype
-    rq = x2.new_empty((rows, cols) if rowwise else (0,), dtype=dt)
-    cq = x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt)
-    return rq, cq, x2.new_empty(_buffer_size(sch, rows, cols, rowwise, columnwise), dtype=torch.float32)
+    n = ((math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0)
+         + (math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0) + 1)
+    return (x2.new_empty((rows, cols) if rowwise else (0,), dtype=dt),
+            x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt), x2.new_empty(n, dtype=torch.float32))
+
+
+def blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
+                     cq: torch.Tensor, buf: torch.Tensor) -> TracedCopies:
+    """:class:`TracedCopies` over :func:`blockwise_buffers`' outputs for a (rows, cols) tensor: views, no copy."""
+    rshape, cshape = scale_storage_shape(sch, rows, cols), scale_storage_shape(sch, cols, rows)
+    nr = math.prod(rshape) if rowwise else 0
+    nc = math.prod(cshape) if columnwise else 0
+    rs = scale_logical(sch, buf[:nr].view(rshape), rows, cols) if rowwise else None
+    cs = scale_logical(sch, buf[nr:nr + nc].view(cshape), cols, rows) if columnwise else None
+    return TracedCopies(rq if rowwise else None, rs, cq if columnwise else None, cs, buf[nr + nc:])
+
+
+@torch.library.custom_op("lowbit::quantize_fp8_blockwise", mutates_args=())
+def quantize_blockwise_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                          rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
+    eps), as a registered operator."""
+    return blockwise_buffers(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+
+
+@quantize_blockwise_op.register_fake
+def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
+    return blockwise_buffers_fake(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
@@ -108,18 +155,13 @@ def traceable_fits(scheme, rows: int, cols: int) -> bool:
     return False
 
 
-def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
-                       scale: torch.Tensor | None = None) -> TracedCopies:
-    """The FP8 copies of the 2D tensor ``x2`` under ``scheme`` through :func:`quantize_fp8_op` (one operator in a
-    compiled graph), with their logical scale grids: :func:`lowbit.quant.quantize`'s bits.
-
-    Args:
-        scale: Float8Tensorwise only: a given float32 scale of one element (delayed scaling) to cast with; the
-            copies' ``scale_inv`` is then the reciprocal the kernel stores, and the amax is still measured.
+def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False) -> TracedCopies:
+    """The current-scaling FP8 copies of the 2D tensor ``x2`` under ``scheme``, in a form a compiled graph holds
+    (tensorwise: torch operations; blockwise: :func:`quantize_blockwise_op`), with their logical scale grids.
 
     Raises:
         NotImplementedError: ``scheme`` and the shape are not covered (:func:`traceable_fits`).
-        ValueError: ``x2`` is not 2D, neither copy is asked for, or a scale is given to a blockwise scheme.
+        ValueError: ``x2`` is not 2D, or neither copy is asked for.
     """
     if x2.dim() != 2:
         raise ValueError(f"x2: expected a 2D tensor, got shape {tuple(x2.shape)}")
@@ -128,19 +170,8 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
     if not traceable_fits(scheme, *x2.shape):
         raise NotImplementedError(f"scheme: quantize_traceable covers Float8Tensorwise and Float8Blockwise with dims "
                                   f"that are multiples of the block, got {scheme!r} for shape {tuple(x2.shape)}")
-    rows, cols = x2.shape
     if isinstance(scheme, Float8Tensorwise):
-        rq, cq, buf = quantize_fp8_op(x2.detach(), scheme.fmt, 0, 0, False, 0.0, rowwise, columnwise, scale)
-        si = buf[4:5].reshape(1, 1)
-        return TracedCopies(rq if rowwise else None, si if rowwise else None, cq if columnwise else None,
-                            si if columnwise else None, buf[0:1])
-    if scale is not None:
-        raise ValueError(f"scale: a given scale is for Float8Tensorwise, got scheme {scheme!r}")
-    rq, cq, buf = quantize_fp8_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
-                                  float(scheme.eps), rowwise, columnwise, None)
-    rshape, cshape = scale_storage_shape(scheme, rows, cols), scale_storage_shape(scheme, cols, rows)
-    nr = math.prod(rshape) if rowwise else 0
-    nc = math.prod(cshape) if columnwise else 0
-    rs = scale_logical(scheme, buf[:nr].view(rshape), rows, cols) if rowwise else None
-    cs = scale_logical(scheme, buf[nr:nr + nc].view(cshape), cols, rows) if columnwise else None
-    return TracedCopies(rq if rowwise else None, rs, cq if columnwise else None, cs, buf[nr + nc:])
+        return _tensorwise(x2, scheme, rowwise, columnwise)
+    rq, cq, buf = quantize_blockwise_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
+                                        float(scheme.eps), rowwise, columnwise)
+    return blockwise_copies(scheme, *x2.shape, rowwise, columnwise, rq, cq, buf)

@@ -52,7 +52,7 @@ from .reference import resolve_seed, validate_quantize_args
 from .schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton", "quantize_fp8_flat",
+__all__ = ["supports", "quantize_triton", "quantize_blockwise_flat",
            # fused-prologue API
            "BlockwisePlan", "blockwise_buffers", "blockwise_args", "set_copies", "regs_ok", "packed_ok", "REGS_CONFIGS",
            "rowcol_regs_prologue", "bf16_pack_candidates"]
@@ -186,16 +186,6 @@ _TENSORWISE_LAUNCH = CachedLaunch(K.tensorwise_kernel)
 
 
 def _tensorwise(qt, x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
-    rq, cq, buf = _tensorwise_run(x2, sch, rowwise, columnwise, scale)
-    amax, si = buf[0:1], buf[4:5]
-    if rowwise:
-        qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
-    if columnwise:
-        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si, amax=amax)  # one scale, one amax: shared
-
-
-def _tensorwise_run(x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
-    """The tensorwise launches: (rq, cq, buf), buf float32 (8,) with the amax at 0 and scale_inv at 4."""
     M, Kd = x2.shape
     fmt, dev = sch.format, x2.device
     # the amax and scale_inv bits, zeroed by one fill (scale_inv 16 bytes in, aligned as a fresh allocation): the
@@ -234,7 +224,11 @@ def _tensorwise_run(x2, sch: Float8Tensorwise, rowwise, columnwise, scale):
 
         _TENSORWISE_PLANS[pkey] = tuned_launch(
             "tensorwise", (delayed, rowwise, columnwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
-    return rq, cq, buf.view(torch.float32)
+    amax, si = amax_i.view(torch.float32), si.view(torch.float32)
+    if rowwise:
+        qt.rowwise = QuantizedCopy(data=rq, scale_inv=si, amax=amax)
+    if columnwise:
+        qt.columnwise = QuantizedCopy(data=cq, scale_inv=si, amax=amax)  # one scale, one amax: shared
 
 
 def _rowwise(qt, x2, sch: Float8Rowwise, rowwise, columnwise):
@@ -644,23 +638,18 @@ def _blockwise_launch(plan: "BlockwisePlan", x2, sch: Float8Blockwise, rowwise, 
         _BLOCKWISE_PLANS[plan.key] = plan
 
 
-def quantize_fp8_flat(x2: torch.Tensor, scheme, rowwise: bool, columnwise: bool,
-                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float8Tensorwise or Float8Blockwise copies of the 2D CUDA tensor ``x2`` as three fresh tensors, for an
-    operator to return (none aliases another): (rowwise data, columnwise data, float32 buffer). A copy not asked for
-    is an empty tensor. The buffer holds, tensorwise, the amax at [0] and scale_inv at [4] (8 elements); blockwise,
-    the rowwise scale grid, then the columnwise one (each in its storage layout, only where asked for), then the
-    amax. ``scale``: Float8Tensorwise only, a given (delayed) scale. Same bits as :func:`quantize_triton`."""
+def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool,
+                           columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float8Blockwise copies of the 2D CUDA tensor ``x2`` as three fresh tensors, for an operator to return (none
+    aliases another): (rowwise data, columnwise data, float32 buffer), a copy not asked for an empty tensor. The
+    buffer holds the rowwise scale grid, then the columnwise one (each in its storage layout, only where asked for),
+    then the amax. Same bits as :func:`quantize_triton`."""
     x2 = x2.contiguous()
-    if isinstance(scheme, Float8Tensorwise):
-        rq, cq, buf = _tensorwise_run(x2, scheme, rowwise, columnwise, scale)
-    else:
-        plan = _blockwise_plan(x2, scheme, rowwise, columnwise)
-        bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
-        _blockwise_launch(plan, x2, scheme, rowwise, columnwise, bufs)
-        rq, cq = bufs[0], bufs[2]
+    plan = _blockwise_plan(x2, scheme, rowwise, columnwise)
+    bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
+    _blockwise_launch(plan, x2, scheme, rowwise, columnwise, bufs)
     empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
-    return (empty if rq is None else rq), (empty if cq is None else cq), buf
+    return (empty if bufs[0] is None else bufs[0]), (empty if bufs[2] is None else bufs[2]), buf
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
