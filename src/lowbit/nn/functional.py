@@ -962,10 +962,10 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # Where the recipe quantizes every role under Float8Tensorwise or Float8Blockwise with current scaling (fp8-current,
 # fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
 # the layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
-# blockwise tensor's copies from one operator over lowbit's kernels that also records the amax (lowbit.quant.traceable
-# has both), the GEMMs as the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no
-# lowbit Python runs but those operators and the per-tensor NaN sentry record (delayed scaling: the scales handed out
-# and the amaxes recorded, one operator a pass); the bits are eager's. Not traced (the operators above run): a GELU
+# blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
+# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no lowbit Python runs but the
+# blockwise quantizers and the NaN sentry's record (delayed scaling: the scales handed out and the amaxes recorded),
+# one operator a pass; the bits are eager's. Not traced (the operators above run): a GELU
 # or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
 # the GEMMs or blocks do not divide.
 @torch.library.custom_op("lowbit::sentry_pass", mutates_args=())
@@ -1069,7 +1069,7 @@ class _TracedLinearFn(torch.autograd.Function):
             sx, swr = qx.row_scale_inv, qw.row_scale_inv
         else:
             qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
-                                      weight, key, "forward")
+                                      weight, key, "forward", columnwise_now=False)
             sx, swr = qx.row_scale_inv, qw.row_scale_inv
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, sx, swr, a_scheme=sin, b_scheme=sw, out_dtype=out_dtype,
                                        bias=bias)
@@ -1096,7 +1096,8 @@ class _TracedLinearFn(torch.autograd.Function):
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
                 q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
             else:
-                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key, "backward")
+                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key, "backward",
+                                        columnwise_now=True)
             scales = [q.row_scale_inv, q.col_scale_inv]
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, scales[0], wcs, a_scheme=sg, b_scheme=sw,
@@ -1109,52 +1110,19 @@ class _TracedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-@torch.library.custom_op("lowbit::quantize_fp8_blockwise_recorded", mutates_args=())
-def quantize_blockwise_recorded_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool,
-                                   eps: float, rowwise: bool, columnwise: bool, weight: torch.Tensor, key: str,
-                                   role: str, phase: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`lowbit.quant.traceable.quantize_blockwise_op` that also records the amax, as the ``role`` tensor of the
-    layer owning ``weight`` in ``phase``, for the NaN sentry under the autocast state ``key`` (one operator per
-    tensor instead of two)."""
-    from ..quant.traceable import blockwise_buffers, blockwise_scheme
+def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str, *, columnwise_now: bool) -> list:
+    """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
+    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one :func:`sentry_pass_op`,
+    whose returned scales the GEMMs then read (the data dependence keeps the record before them): the rowwise
+    copies' scales, and the columnwise ones where ``columnwise_now`` (a forward saves those for its backward)."""
+    from ..quant.traceable import quantize_traceable
 
-    out = blockwise_buffers(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
-    _, policy = _op_state(key, weight)
-    _ac.sentry(out[2][-1:], layer=layer_of(weight), role=role, phase=phase, policy=policy)
-    return out
-
-
-@quantize_blockwise_recorded_op.register_fake
-def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise, weight, key, role, phase):
-    from ..quant.traceable import blockwise_buffers_fake, blockwise_scheme
-
-    return blockwise_buffers_fake(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
-
-
-def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
-    """The current-scaling copies of each ``(tensor, scheme, rowwise, columnwise, role)`` in ``items``, every amax
-    recorded for the NaN sentry: a blockwise tensor by its quantizer operator, the tensorwise ones (torch
-    operations) by one :func:`sentry_pass_op`, whose returned scales the GEMMs then read."""
-    from ..quant.traceable import blockwise_copies, quantize_traceable
-
-    out, pending = [], []
-    for t, sch, rowwise, columnwise, role in items:
-        if isinstance(sch, Float8Blockwise):
-            bufs = quantize_blockwise_recorded_op(t.detach(), sch.fmt, sch.block_dim, sch.block_size, sch.pow2,
-                                                  float(sch.eps), rowwise, columnwise, weight, key, role, phase)
-            out.append(blockwise_copies(sch, *t.shape, rowwise, columnwise, *bufs))
-        else:
-            pending.append(len(out))
-            out.append(quantize_traceable(t, sch, rowwise=rowwise, columnwise=columnwise))
-    if pending:
-        scales = [s for i in pending for s in (out[i].row_scale_inv, out[i].col_scale_inv) if s is not None]
-        scales = iter(sentry_pass_op(scales, [out[i].amax for i in pending], weight, key,
-                                     ",".join(items[i][4] for i in pending), phase))
-        for i in pending:
-            q = out[i]
-            out[i] = q._replace(row_scale_inv=None if q.row_scale_inv is None else next(scales),
-                                col_scale_inv=None if q.col_scale_inv is None else next(scales))
-    return out
+    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
+    scales = [s for q in out for s in (q.row_scale_inv, q.col_scale_inv if columnwise_now else None) if s is not None]
+    scales = iter(sentry_pass_op(scales, [q.amax for q in out], weight, key, ",".join(i[4] for i in items), phase))
+    return [q._replace(row_scale_inv=None if q.row_scale_inv is None else next(scales),
+                       col_scale_inv=q.col_scale_inv if q.col_scale_inv is None or not columnwise_now
+                       else next(scales)) for q in out]
 
 
 def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:
