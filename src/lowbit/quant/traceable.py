@@ -25,9 +25,9 @@ from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "blockwise_buffers", "blockwise_buffers_fake", "blockwise_copies", "blockwise_scheme",
-           "current_scale",
-           "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies", "traceable_fits"]
+__all__ = ["TracedCopies", "current_scale", "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies",
+           "traceable_fits"]
+
 
 class TracedCopies(NamedTuple):
     """The FP8 copies of one 2D tensor (rows, cols), with their scales in the logical (rows, blocks) layout of
@@ -83,12 +83,12 @@ def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwi
 
 
 @functools.lru_cache(maxsize=64)
-def blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float) -> Float8Blockwise:
+def _blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float) -> Float8Blockwise:
     """The Float8Blockwise an operator's plain arguments spell (built once per spelling)."""
     return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
-def blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2's blockwise copies as :func:`lowbit.quant.triton_backend.quantize_blockwise_flat` lays them out (rowwise
     data, columnwise data, float32 buffer of the scale grids and the amax): lowbit's Triton kernels where they run,
@@ -105,13 +105,14 @@ def blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
     q = quantize_reference(x2, sch, rowwise=rowwise, columnwise=columnwise)
     empty = torch.empty(0, dtype=sch.format.torch_dtype, device=x2.device)
     grids = [c.scale_inv.reshape(-1) for c in (q.rowwise, q.columnwise) if c is not None]
-    return ((q.rowwise.data.contiguous() if rowwise else empty), (q.columnwise.data.contiguous() if columnwise
-                                                                  else empty), torch.cat(grids + [q.amax.reshape(1)]))
+    rq = q.rowwise.data.contiguous() if rowwise else empty
+    cq = q.columnwise.data.contiguous() if columnwise else empty
+    return rq, cq, torch.cat(grids + [q.amax.reshape(1)])
 
 
-def blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+def _blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                            columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`blockwise_buffers`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
+    """:func:`_blockwise_buffers`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
     rows, cols = x2.shape
     dt = sch.format.torch_dtype
     n = ((math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0)
@@ -120,9 +121,9 @@ def blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool
             x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt), x2.new_empty(n, dtype=torch.float32))
 
 
-def blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
+def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
                      cq: torch.Tensor, buf: torch.Tensor) -> TracedCopies:
-    """:class:`TracedCopies` over :func:`blockwise_buffers`' outputs for a (rows, cols) tensor: views, no copy."""
+    """:class:`TracedCopies` over :func:`_blockwise_buffers`' outputs for a (rows, cols) tensor: views, no copy."""
     rshape, cshape = scale_storage_shape(sch, rows, cols), scale_storage_shape(sch, cols, rows)
     nr = math.prod(rshape) if rowwise else 0
     nc = math.prod(cshape) if columnwise else 0
@@ -134,14 +135,14 @@ def blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, 
 @torch.library.custom_op("lowbit::quantize_fp8_blockwise", mutates_args=())
 def quantize_blockwise_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
                           rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
+    """:func:`_blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
     eps), as a registered operator."""
-    return blockwise_buffers(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+    return _blockwise_buffers(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
 @quantize_blockwise_op.register_fake
 def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
-    return blockwise_buffers_fake(x2, blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+    return _blockwise_buffers_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
@@ -174,4 +175,4 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
         return _tensorwise(x2, scheme, rowwise, columnwise)
     rq, cq, buf = quantize_blockwise_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
                                         float(scheme.eps), rowwise, columnwise)
-    return blockwise_copies(scheme, *x2.shape, rowwise, columnwise, rq, cq, buf)
+    return _blockwise_copies(scheme, *x2.shape, rowwise, columnwise, rq, cq, buf)
