@@ -291,3 +291,16 @@ def test_train_compiled_blocks_equal_eager(tmp_path, small_text, cache_dir):
         assert s["compile"] is comp
     torch.compiler.reset()
     assert runs[True] == pytest.approx(runs[False], rel=1e-4), runs
+
+
+def test_a_run_inherits_no_fault_of_one_that_raised(tmp_path, small_text, cache_dir):
+    """A run that raised on an injected inf leaves sentry records behind in the process; the next run in the same
+    process starts with none of them (its first step is not skipped for the other run's fault)."""
+    base = dict(recipe="fp8-block", batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir, eval_windows=4,
+                progress=False, verbose=False)
+    with pytest.raises(FloatingPointError, match="step 1"):
+        train(TrainConfig(out_dir=str(tmp_path / "raise"), steps=3, eval_every=3, on_nonfinite="raise",
+                          fault_steps=(1,), **base))
+    s = train(TrainConfig(out_dir=str(tmp_path / "next"), steps=2, eval_every=2, on_nonfinite="skip", **base))
+    assert not s["events"], s["events"]
+    assert [st for st, _ in s["history"]["train"]] == [1, 2]

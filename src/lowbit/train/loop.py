@@ -831,6 +831,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
 
     history = {"train": [], "val": [], "lr": []}
     events: list[dict] = []
+    if recipe is not None:  # (what code before this run left to the NaN sentry, a run that raised, is not this run's)
+        lnn.nonfinite_events()
     start = 0
     own_ckpt = [bool(c.resume)]  # rollback only to a checkpoint of this run (not one --overwrite replaces)
     if (not c.resume and not c.overwrite and (c.ckpt_every or c.save_final)
