@@ -104,6 +104,10 @@ def test_traceable_covers_and_refuses():
         quantize_traceable(torch.zeros(2, 256, 256), Float8Blockwise())
     with pytest.raises(ValueError, match="at least one copy"):
         quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), rowwise=False)
+    for bad, what in ((torch.zeros(256, 256, dtype=torch.int32), "torch.int32"), ([1.0], "list")):
+        for sch in (Float8Tensorwise(), Float8Blockwise()):
+            with pytest.raises(TypeError, match=f"x2: expected a float32, .* got {what}"):
+                quantize_traceable(bad, sch)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,9 @@ __all__ = ["TracedCopies", "current_scale", "quantize_blockwise_op", "quantize_t
            "traceable_fits"]
 
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 class TracedCopies(NamedTuple):
     """The FP8 copies of one 2D tensor (rows, cols), with their scales in the logical (rows, blocks) layout of
     :meth:`lowbit.quant.QuantizedTensor.logical_scales` (tensorwise: (1, 1)).
@@ -161,9 +164,13 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
     (tensorwise: torch operations; blockwise: :func:`quantize_blockwise_op`), with their logical scale grids.
 
     Raises:
+        TypeError: ``x2`` is not a floating-point tensor (float32, bfloat16, float16, float64).
         NotImplementedError: ``scheme`` and the shape are not covered (:func:`traceable_fits`).
         ValueError: ``x2`` is not 2D, or neither copy is asked for.
     """
+    if not isinstance(x2, torch.Tensor) or x2.dtype not in _FLOAT_DTYPES:
+        what = x2.dtype if isinstance(x2, torch.Tensor) else type(x2).__name__
+        raise TypeError(f"x2: expected a float32, bfloat16, float16 or float64 tensor, got {what}")
     if x2.dim() != 2:
         raise ValueError(f"x2: expected a 2D tensor, got shape {tuple(x2.shape)}")
     if not (rowwise or columnwise):
