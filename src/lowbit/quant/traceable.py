@@ -135,17 +135,31 @@ def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool,
     return TracedCopies(rq if rowwise else None, rs, cq if columnwise else None, cs, buf[nr + nc:])
 
 
-@torch.library.custom_op("lowbit::quantize_fp8_blockwise", mutates_args=())
-def quantize_blockwise_op(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
-                          rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Defined with torch.library.Library, not torch.library.custom_op: called once per quantized tensor and pass, and a
+# Library kernel is reached without custom_op's Python autograd and backend wrappers (about 9 us of host time a call
+# less). It takes no gradient (callers pass a detached x2).
+_LIB = torch.library.Library("lowbit", "FRAGMENT")
+_LIB.define("quantize_fp8_blockwise(Tensor x2, str fmt, int block_dim, int block_size, bool pow2, float eps, "
+            "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)")
+
+
+def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                        rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
-    eps), as a registered operator."""
+    eps): the kernel of ``lowbit::quantize_fp8_blockwise``."""
     return _blockwise_buffers(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
-@quantize_blockwise_op.register_fake
+_LIB.impl("quantize_fp8_blockwise", _quantize_blockwise, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lowbit::quantize_fp8_blockwise", lib=_LIB)
 def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
     return _blockwise_buffers_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+
+
+quantize_blockwise_op = torch.ops.lowbit.quantize_fp8_blockwise.default
+"""The registered operator ``lowbit::quantize_fp8_blockwise`` (see :func:`_quantize_blockwise`)."""
 
 
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
