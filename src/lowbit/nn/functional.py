@@ -973,8 +973,10 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # whose call reaches the Python kernel directly, not through torch.library.custom_op's Python autograd and backend
 # wrappers (about 9 us of host time a call less; they take no gradient: called inside the Function's passes).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
-_LIB.define("sentry_pass(Tensor[] scales, Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]")
-_LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]")
+_LIB.define("sentry_pass(Tensor[] scales, Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
+            tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,

@@ -140,7 +140,7 @@ def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool,
 # less). It takes no gradient (callers pass a detached x2).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _LIB.define("quantize_fp8_blockwise(Tensor x2, str fmt, int block_dim, int block_size, bool pow2, float eps, "
-            "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)")
+            "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
