@@ -7,7 +7,8 @@
 * :class:`Float8Blockwise` (1x128 segments, 128x128 tiles; dims multiples of the block) as one registered operator,
   ``lowbit::quantize_fp8_blockwise``, over lowbit's Triton kernels on CUDA (both copies from one read; the
   reference elsewhere), with a fake implementation for tracing: Inductor's kernels for the same arithmetic were
-  measured 1.4-7x slower at the Llama client's shapes (``lowbit bench quant``).
+  measured up to 7x slower at the Llama client's shapes (BF16 activations; FP32 weight tiles about even), with
+  ``lowbit bench quant``.
 
 Each copy is bit-identical to :func:`lowbit.quant.quantize_reference` (tested); :func:`traceable_fits` says what is
 covered.
