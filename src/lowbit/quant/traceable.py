@@ -92,6 +92,9 @@ def _blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps
     return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
+_KERNELS: dict = {}  # (device type, dtype, shape, contiguous, scheme, rowwise, columnwise) -> the Triton kernels run
+
+
 def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2's blockwise copies as :func:`lowbit.quant.triton_backend.quantize_blockwise_flat` lays them out (rowwise
@@ -102,7 +105,13 @@ def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
 
     if x2.is_cuda:  # (a gradient may come strided: the kernels read contiguous rows, as lowbit.quantize gives them)
         x2 = x2.contiguous()
-    if backend_for(x2, sch, rowwise, columnwise) == "triton":
+    key = (x2.device.type, x2.dtype, tuple(x2.shape), x2.is_contiguous(), sch, rowwise, columnwise)
+    kernels = _KERNELS.get(key)
+    if kernels is None:  # (once per key: every quantized tensor of every step comes here)
+        if len(_KERNELS) > 4096:
+            _KERNELS.clear()
+        kernels = _KERNELS[key] = backend_for(x2, sch, rowwise, columnwise) == "triton"
+    if kernels:
         from .triton_backend import quantize_blockwise_flat
 
         return quantize_blockwise_flat(x2, sch, rowwise, columnwise)

@@ -648,8 +648,11 @@ def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: 
     plan = _blockwise_plan(x2, scheme, rowwise, columnwise)
     bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
     _blockwise_launch(plan, x2, scheme, rowwise, columnwise, bufs)
-    empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
-    return (empty if bufs[0] is None else bufs[0]), (empty if bufs[2] is None else bufs[2]), buf
+    rq, cq = bufs[0], bufs[2]
+    if rq is None or cq is None:
+        empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
+        rq, cq = (empty if rq is None else rq), (empty if cq is None else cq)
+    return rq, cq, buf
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
