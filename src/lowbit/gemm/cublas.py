@@ -230,7 +230,7 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
             acc = torch._scaled_mm(A, B.t(), scale_a=la, scale_b=lb.t(), out_dtype=mm_dtype)
     if plain and acc.dtype == out_dtype:
         return acc
-    return (acc.float() if plain else acc.float() + bias.float()).to(out_dtype)
+    return apply_epilogue(acc.float(), out_dtype=out_dtype, bias=None if plain else bias.float())[0]
 
 
 register_backend("cublas", supports, scaled_mm_cublas)

@@ -1087,13 +1087,11 @@ class _TracedLinearFn(torch.autograd.Function):
             s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
             qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
             qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
-            sx, swr = qx.row_scale_inv, qw.row_scale_inv
         else:
             qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
                                       weight, key, "forward", columnwise_now=False)
-            sx, swr = qx.row_scale_inv, qw.row_scale_inv
-        y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, sx, swr, a_scheme=sin, b_scheme=sw, out_dtype=out_dtype,
-                                       bias=bias)
+        y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
+                                       b_scheme=sw, out_dtype=out_dtype, bias=bias)
         ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
         ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
         ctx.x_dtype, ctx.bias_dtype = x2.dtype, None if bias is None else bias.dtype
@@ -1119,12 +1117,11 @@ class _TracedLinearFn(torch.autograd.Function):
             else:
                 (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key, "backward",
                                         columnwise_now=True)
-            scales = [q.row_scale_inv, q.col_scale_inv]
             if need_dgrad:
-                dx = scaled_mm_cublas_traceable(q.rowwise, wc, scales[0], wcs, a_scheme=sg, b_scheme=sw,
+                dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype)
             if need_wgrad:
-                dw = scaled_mm_cublas_traceable(q.columnwise, xc, scales[1], xcs, a_scheme=sg, b_scheme=sin,
+                dw = scaled_mm_cublas_traceable(q.columnwise, xc, q.col_scale_inv, xcs, a_scheme=sg, b_scheme=sin,
                                                 out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy, ctx.bias_dtype)

@@ -22,15 +22,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..runtime.checks import PARAM_DTYPES
 from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
 __all__ = ["TracedCopies", "current_scale", "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies",
            "traceable_fits"]
-
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class TracedCopies(NamedTuple):
@@ -92,9 +90,6 @@ def _blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps
     return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
-_KERNELS: dict = {}  # (device type, dtype, shape, contiguous, scheme, rowwise, columnwise) -> the Triton kernels run
-
-
 def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2's blockwise copies as :func:`lowbit.quant.triton_backend.quantize_blockwise_flat` lays them out (rowwise
@@ -105,13 +100,7 @@ def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
 
     if x2.is_cuda:  # (a gradient may come strided: the kernels read contiguous rows, as lowbit.quantize gives them)
         x2 = x2.contiguous()
-    key = (x2.device.type, x2.dtype, tuple(x2.shape), x2.is_contiguous(), sch, rowwise, columnwise)
-    kernels = _KERNELS.get(key)
-    if kernels is None:  # (once per key: every quantized tensor of every step comes here)
-        if len(_KERNELS) > 4096:
-            _KERNELS.clear()
-        kernels = _KERNELS[key] = backend_for(x2, sch, rowwise, columnwise) == "triton"
-    if kernels:
+    if backend_for(x2, sch, rowwise, columnwise) == "triton":
         from .triton_backend import quantize_blockwise_flat
 
         return quantize_blockwise_flat(x2, sch, rowwise, columnwise)
@@ -192,7 +181,7 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
         NotImplementedError: ``scheme`` and the shape are not covered (:func:`traceable_fits`).
         ValueError: ``x2`` is not 2D, or neither copy is asked for.
     """
-    if not isinstance(x2, torch.Tensor) or x2.dtype not in _FLOAT_DTYPES:
+    if not isinstance(x2, torch.Tensor) or x2.dtype not in PARAM_DTYPES:
         what = x2.dtype if isinstance(x2, torch.Tensor) else type(x2).__name__
         raise TypeError(f"x2: expected a float32, bfloat16, float16 or float64 tensor, got {what}")
     if x2.dim() != 2:

@@ -532,11 +532,9 @@ class BlockwisePlan:
     matters: this runs for every quantized GEMM operand of every step)."""
 
     __slots__ = ("rshape", "cshape", "nr", "nc", "grid", "kw", "cfg", "M", "K", "bs", "fn", "nsm", "extra", "padded",
-                 "launch", "key")
+                 "launch")
 
-    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device, key: tuple = ()):
-        """``key``: the plan cache's key, where the plan is cached by its caller (kept for that caller)."""
-        self.key = key
+    def __init__(self, M, Kd, sch: Float8Blockwise, rowwise, columnwise, device):
         bs = sch.block_size
         self.rshape, self.cshape = scale_storage_shape(sch, M, Kd), scale_storage_shape(sch, Kd, M)
         self.nr = self.rshape[0] * self.rshape[1] if rowwise else 0
@@ -587,13 +585,14 @@ class BlockwisePlan:
 
 
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
-    plan = _blockwise_plan(x2, sch, rowwise, columnwise)
+    plan, key = _blockwise_plan(x2, sch, rowwise, columnwise)
     bufs = blockwise_buffers(plan, sch.format, x2.device, rowwise, columnwise)
-    _blockwise_launch(plan, x2, sch, rowwise, columnwise, bufs)
+    _blockwise_launch(plan, key, x2, bufs)
     set_copies(qt, *bufs)
 
 
-def _blockwise_plan(x2, sch: Float8Blockwise, rowwise, columnwise) -> "BlockwisePlan":
+def _blockwise_plan(x2, sch: Float8Blockwise, rowwise, columnwise) -> tuple["BlockwisePlan", tuple]:
+    """(the cached or a new plan for x2, its key in _BLOCKWISE_PLANS)."""
     M, Kd = x2.shape
     bs, two_d = sch.block_size, sch.block_dim == 2
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
@@ -602,14 +601,14 @@ def _blockwise_plan(x2, sch: Float8Blockwise, rowwise, columnwise) -> "Blockwise
     packed = packed_ok(x2)
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, packed)
     plan = _BLOCKWISE_PLANS.get(key)
-    return BlockwisePlan(M, Kd, sch, rowwise, columnwise, x2.device, key) if plan is None else plan
+    return (BlockwisePlan(M, Kd, sch, rowwise, columnwise, x2.device) if plan is None else plan), key
 
 
-def _blockwise_launch(plan: "BlockwisePlan", x2, sch: Float8Blockwise, rowwise, columnwise, bufs) -> None:
-    """Fill ``bufs`` (blockwise_buffers' layout) from x2 with the plan's launch (tuned and bound on its first call)."""
-    M, Kd = x2.shape
+def _blockwise_launch(plan: "BlockwisePlan", key: tuple, x2, bufs) -> None:
+    """Fill ``bufs`` (blockwise_buffers' layout) from x2 with the plan's launch (tuned and bound on its first call,
+    then cached under ``key``, _blockwise_plan's)."""
+    M, Kd, _, sch, rowwise, columnwise, _, pers, packed = key
     bs, two_d = sch.block_size, sch.block_dim == 2
-    pers, packed = plan.key[-2:]
     args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
         # the plan fixes every other argument's specialization (the buffers are fresh allocations, except an arena
@@ -635,7 +634,7 @@ def _blockwise_launch(plan: "BlockwisePlan", x2, sch: Float8Blockwise, rowwise, 
         c = tuned_launch("blockwise", tkey, cands, launch)
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         plan.launch = SpecializedLaunch(plan.fn)
-        _BLOCKWISE_PLANS[plan.key] = plan
+        _BLOCKWISE_PLANS[key] = plan
 
 
 def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool,
@@ -645,9 +644,9 @@ def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: 
     buffer holds the rowwise scale grid, then the columnwise one (each in its storage layout, only where asked for),
     then the amax. Same bits as :func:`quantize_triton`."""
     x2 = x2.contiguous()
-    plan = _blockwise_plan(x2, scheme, rowwise, columnwise)
+    plan, key = _blockwise_plan(x2, scheme, rowwise, columnwise)
     bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
-    _blockwise_launch(plan, x2, scheme, rowwise, columnwise, bufs)
+    _blockwise_launch(plan, key, x2, bufs)
     rq, cq = bufs[0], bufs[2]
     if rq is None or cq is None:
         empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
