@@ -113,15 +113,31 @@ def test_traceable_covers_and_refuses():
 @pytest.mark.gpu
 @pytest.mark.parametrize("copies", COPIES, ids=["both", "rowwise", "columnwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sch", SCHEMES[:5], ids=repr)
+@pytest.mark.parametrize("sch", SCHEMES, ids=repr)
 def test_gpu_traceable_kernels_equal_reference(sch, dtype, copies):
-    """On CUDA (tensorwise: Inductor's Triton kernels; blockwise: lowbit's), called and compiled: the reference's
-    bits, for a strided input too."""
+    """On CUDA (tensorwise: Inductor's Triton kernels; blockwise: lowbit's, launched by Inductor), called and
+    compiled: the reference's bits, for a strided input too."""
     torch.compiler.reset()
-    x = _data(1024, 768, dtype, seed=3).cuda()
+    x = _data(1024, 1152, dtype, seed=3).cuda()
     fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=copies[0], columnwise=copies[1]),
                        fullgraph=True)
     _check(x, sch, fn(x), *copies)
     _check(x, sch, quantize_traceable(x, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
     xt = x.t()  # strided, as a gradient may reach the operator: the kernels' bits, not the reference's path
     _check(xt, sch, quantize_traceable(xt, sch, rowwise=copies[0], columnwise=copies[1]), *copies)
+    _check(xt, sch, fn(xt), *copies)
+
+
+@pytest.mark.gpu
+def test_gpu_blockwise_kernel_launched_by_inductor():
+    """Compiled, the blockwise operator's kernel is launched from Inductor's own code (no opaque operator, no lowbit
+    Python a call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.compiler.reset()
+    x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(lambda t: quantize_traceable(t, SCHEMES[2], rowwise=True, columnwise=True), fullgraph=True)
+    got, codes = run_and_get_code(fn, x)
+    code = "\n".join(codes)
+    assert "blockwise_kernel" in code and "quantize_fp8_blockwise_opaque" not in code, code[:3000]
+    _check(x, SCHEMES[2], got)

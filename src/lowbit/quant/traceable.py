@@ -124,37 +124,67 @@ def _blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: boo
 
 
 def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
-                     cq: torch.Tensor, buf: torch.Tensor) -> TracedCopies:
-    """:class:`TracedCopies` over :func:`_blockwise_buffers`' outputs for a (rows, cols) tensor: views, no copy."""
-    rshape, cshape = scale_storage_shape(sch, rows, cols), scale_storage_shape(sch, cols, rows)
-    nr = math.prod(rshape) if rowwise else 0
-    nc = math.prod(cshape) if columnwise else 0
-    rs = scale_logical(sch, buf[:nr].view(rshape), rows, cols) if rowwise else None
-    cs = scale_logical(sch, buf[nr:nr + nc].view(cshape), cols, rows) if columnwise else None
-    return TracedCopies(rq if rowwise else None, rs, cq if columnwise else None, cs, buf[nr + nc:])
+                     cq: torch.Tensor, rs: torch.Tensor, cs: torch.Tensor, amax_i: torch.Tensor) -> TracedCopies:
+    """:class:`TracedCopies` over :func:`quantize_blockwise_op`'s outputs for a (rows, cols) tensor: views, no copy."""
+    return TracedCopies(rq if rowwise else None, scale_logical(sch, rs, rows, cols) if rowwise else None,
+                        cq if columnwise else None, scale_logical(sch, cs, cols, rows) if columnwise else None,
+                        amax_i.view(torch.float32))
 
 
-# Defined with torch.library.Library, not torch.library.custom_op: called once per quantized tensor and pass, and a
-# Library kernel is reached without custom_op's Python autograd and backend wrappers (about 9 us of host time a call
-# less). It takes no gradient (callers pass a detached x2).
+# The opaque form, for what the wrapped launch does not cover (off CUDA; Triton's interpreter): defined with
+# torch.library.Library, whose kernel is reached without custom_op's Python autograd and backend wrappers. It takes
+# no gradient (callers pass a detached x2).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
-_LIB.define("quantize_fp8_blockwise(Tensor x2, str fmt, int block_dim, int block_size, bool pow2, float eps, "
+_LIB.define("quantize_fp8_blockwise_opaque(Tensor x2, str fmt, int block_dim, int block_size, bool pow2, float eps, "
             "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
-                        rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_blockwise_opaque(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                               rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
-    eps): the kernel of ``lowbit::quantize_fp8_blockwise``."""
+    eps): the kernel of ``lowbit::quantize_fp8_blockwise_opaque``."""
     return _blockwise_buffers(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
-_LIB.impl("quantize_fp8_blockwise", _quantize_blockwise, "CompositeExplicitAutograd")
+_LIB.impl("quantize_fp8_blockwise_opaque", _quantize_blockwise_opaque, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("lowbit::quantize_fp8_blockwise", lib=_LIB)
+@torch.library.register_fake("lowbit::quantize_fp8_blockwise_opaque", lib=_LIB)
 def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
     return _blockwise_buffers_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+
+
+def _wrapped(x2: torch.Tensor) -> bool:
+    """Whether lowbit::quantize_fp8_blockwise launches its kernel through wrap_triton for ``x2`` (a CUDA tensor,
+    compiled kernels: not Triton's interpreter)."""
+    from ..runtime.device import INTERPRET
+
+    return x2.is_cuda and not INTERPRET
+
+
+@torch.library.triton_op("lowbit::quantize_fp8_blockwise", mutates_args=())
+def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                        rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor]:
+    """The Float8Blockwise(fmt, block_dim, block_size, pow2, eps) copies of the 2D tensor ``x2``: (rowwise data,
+    columnwise data, rowwise scale storage, columnwise scale storage, amax (1,) as int32 bits), a copy not asked for
+    as empty tensors. A ``triton_op``: on CUDA torch.compile sees its kernel launch
+    (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor makes it; elsewhere it calls the
+    opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels)."""
+    if _wrapped(x2):
+        from .triton_backend import quantize_blockwise_wrapped
+
+        return quantize_blockwise_wrapped(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise,
+                                          columnwise)
+    rq, cq, buf = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
+                                                                 columnwise)
+    rows, cols = x2.shape
+    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
+    nr = math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0
+    nc = math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0
+    rs = buf[:nr].view(scale_storage_shape(sch, rows, cols)).clone() if rowwise else buf.new_empty(0)
+    cs = buf[nr:nr + nc].view(scale_storage_shape(sch, cols, rows)).clone() if columnwise else buf.new_empty(0)
+    return rq, cq, rs, cs, buf[nr + nc:].view(torch.int32).clone()
 
 
 quantize_blockwise_op = torch.ops.lowbit.quantize_fp8_blockwise.default
@@ -193,6 +223,6 @@ def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, column
                                   f"that are multiples of the block, got {scheme!r} for shape {tuple(x2.shape)}")
     if isinstance(scheme, Float8Tensorwise):
         return _tensorwise(x2, scheme, rowwise, columnwise)
-    rq, cq, buf = quantize_blockwise_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
-                                        float(scheme.eps), rowwise, columnwise)
-    return _blockwise_copies(scheme, *x2.shape, rowwise, columnwise, rq, cq, buf)
+    outs = quantize_blockwise_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
+                                 float(scheme.eps), rowwise, columnwise)
+    return _blockwise_copies(scheme, *x2.shape, rowwise, columnwise, *outs)

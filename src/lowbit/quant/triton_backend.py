@@ -654,6 +654,48 @@ def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: 
     return rq, cq, buf
 
 
+@functools.lru_cache(maxsize=256)
+def _wrapped_launch(M: int, Kd: int, dtype: torch.dtype, sch: Float8Blockwise, rowwise: bool, columnwise: bool,
+                    device: torch.device) -> tuple:
+    """(plan, kernel, grid, every argument after the tensors and sizes by name) of blockwise_kernel's launch for
+    :func:`quantize_blockwise_wrapped`: the first of :func:`blockwise_configs` (the untuned default), every parameter
+    given (Inductor's launch fills no default)."""
+    plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, device)
+    fn, grid, extra, kw = plan.launch_args(blockwise_configs(M, Kd, plan.bs, sch.block_dim == 2, rowwise, columnwise,
+                                                             dtype)[0])
+    names = [p.name for p in fn.params][10 + len(extra):]
+    tail = {n: kw.get(n, p.default) for n, p in zip(names, fn.params[10 + len(extra):])}
+    tail.update((k, v) for k, v in kw.items() if k not in tail)  # (launch options: num_warps)
+    return plan, fn, grid, extra, tail
+
+
+def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool,
+                               columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """Float8Blockwise copies of the 2D CUDA tensor ``x2`` from one ``blockwise_kernel`` launch made through
+    ``torch.library.wrap_triton``, for a ``torch.library.triton_op`` body: under torch.compile Inductor allocates
+    the outputs and launches the kernel from its own wrapper (no lowbit Python per call); the configuration is fixed
+    when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped). Returns fresh tensors
+    (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not
+    asked for as empty tensors. The same bits as :func:`quantize_triton`."""
+    from torch.library import wrap_triton
+
+    x2 = x2.contiguous()
+    M, Kd = x2.shape
+    plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device)
+    dt, dev = scheme.format.torch_dtype, x2.device
+    grids = torch.zeros if plan.padded else torch.empty  # (padding columns no kernel writes are zeros, as eager's)
+    empty = functools.partial(torch.empty, 0, device=dev)
+    rq = torch.empty(M, Kd, dtype=dt, device=dev) if rowwise else empty(dtype=dt)
+    rs = grids(plan.rshape, dtype=torch.float32, device=dev) if rowwise else empty(dtype=torch.float32)
+    cq = torch.empty(Kd, M, dtype=dt, device=dev) if columnwise else empty(dtype=dt)
+    cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else empty(dtype=torch.float32)
+    amax_i = torch.zeros(1, dtype=torch.int32, device=dev)
+    args = blockwise_args(plan, rq if rowwise else None, rs if rowwise else None, cq if columnwise else None,
+                          cs if columnwise else None, amax_i)
+    wrap_triton(fn)[grid](x2, *args, *extra, **tail)
+    return rq, cq, rs, cs, amax_i
+
+
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
     M, Kd = x2.shape
     fmt, dev = sch.format, x2.device
