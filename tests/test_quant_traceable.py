@@ -141,3 +141,15 @@ def test_gpu_blockwise_kernel_launched_by_inductor():
     code = "\n".join(codes)
     assert "blockwise_kernel" in code and "quantize_fp8_blockwise_opaque" not in code, code[:3000]
     _check(x, SCHEMES[2], got)
+
+
+@pytest.mark.gpu
+def test_gpu_blockwise_operator_dynamic_shapes():
+    """Compiled with dynamic dims (as Dynamo turns them on by itself at a second shape): the operator specializes
+    each shape and keeps the reference's bits."""
+    torch.compiler.reset()
+    for sch in (SCHEMES[2], SCHEMES[4]):
+        fn = torch.compile(lambda t, s=sch: quantize_traceable(t, s, rowwise=True, columnwise=True), dynamic=True)
+        for i, (rows, cols) in enumerate(((256, 384), (384, 1152), (640, 256))):
+            x = _data(rows, cols, torch.bfloat16, seed=i).cuda()
+            _check(x, sch, fn(x))

@@ -674,13 +674,15 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     """Float8Blockwise copies of the 2D CUDA tensor ``x2`` from one ``blockwise_kernel`` launch made through
     ``torch.library.wrap_triton``, for a ``torch.library.triton_op`` body: under torch.compile Inductor allocates
     the outputs and launches the kernel from its own wrapper (no lowbit Python per call); the configuration is fixed
-    when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped). Returns fresh tensors
+    when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped), for static dims
+    (a compiled graph is specialized on x2's shape). Returns fresh tensors
     (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not
     asked for as empty tensors. The same bits as :func:`quantize_triton`."""
     from torch.library import wrap_triton
 
     x2 = x2.contiguous()
-    M, Kd = x2.shape
+    # (a dynamic dim is specialized, a guard on its value: the configuration, grid and flags are fixed per shape)
+    M, Kd = (int(d) for d in x2.shape)
     plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device)
     dt, dev = scheme.format.torch_dtype, x2.device
     grids = torch.zeros if plan.padded else torch.empty  # (padding columns no kernel writes are zeros, as eager's)
