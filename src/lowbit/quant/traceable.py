@@ -171,15 +171,17 @@ def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: 
     as empty tensors. A ``triton_op``: on CUDA torch.compile sees its kernel launch
     (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor makes it; elsewhere it calls the
     opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels)."""
+    # (an int or float a compiled caller passes as an input may come symbolic: specialized, a guard on its value)
+    block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
+    rowwise, columnwise = bool(rowwise), bool(columnwise)
+    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
     if _wrapped(x2):
         from .triton_backend import quantize_blockwise_wrapped
 
-        return quantize_blockwise_wrapped(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise,
-                                          columnwise)
+        return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise)
     rq, cq, buf = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
                                                                  columnwise)
     rows, cols = x2.shape
-    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
     nr = math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0
     nc = math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0
     rs = buf[:nr].view(scale_storage_shape(sch, rows, cols)).clone() if rowwise else buf.new_empty(0)
