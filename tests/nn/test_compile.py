@@ -425,8 +425,7 @@ def test_opcheck_sentry_pass():
     m = lowbit.nn.Linear(64, 96)
     with lowbit.autocast(recipe=from_name("fp8-current")):
         key = ac.get_state().key
-        scales = [torch.rand(1, 1), torch.rand(4, 2).t()]
-        torch.library.opcheck(sentry_pass_op, (scales, [torch.rand(1)], m.weight.detach(), key, "input", "forward"))
+        torch.library.opcheck(sentry_pass_op, ([torch.rand(1)], m.weight.detach(), key, "input", "forward"))
 
 
 def _fits(recipe, M, N, K, **cfg):
@@ -492,6 +491,50 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
     with pytest.raises(ac.NonFiniteAmaxError, match="input"):
         with lowbit.autocast(recipe=from_name("fp8-current")):
             m(bad)
+
+
+def _sentry_kept(recipe, device):
+    """A compiled (Inductor) traced linear: a NaN input raises naming the input, an Inf output gradient naming
+    grad_output, and finite steps between them run clean."""
+    lin = lowbit.nn.Linear(512, 512, device=device)
+    m = torch.compile(lin, fullgraph=True)
+    rec = from_name(recipe)
+    x = torch.randn(256, 512, device=device, requires_grad=True)
+    g = torch.randn(256, 512, device=device)
+
+    def step(inp, dy):
+        with lowbit.autocast(recipe=rec):
+            y = m(inp)
+        y.backward(dy.to(y.dtype))
+        ac.check_nonfinite(wait=True)
+
+    step(x, g)
+    bad = x.detach().clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        step(bad.requires_grad_(), g)
+    step(x, g)
+    bad_g = g.clone()
+    bad_g[7, 9] = float("inf")
+    with pytest.raises(ac.NonFiniteAmaxError, match="grad_output"):
+        step(x, bad_g)
+    step(x, g)
+
+
+def test_traced_linear_sentry_kept_by_inductor_on_cpu(monkeypatch):
+    """Compiled by Inductor (whose partitioner drops calls nothing reads), the sentry's record, which returns
+    nothing, still runs every call, in both passes (fp8-current: torch's CPU _scaled_mm takes no blockwise scales)."""
+    _trace_on_cpu(monkeypatch)
+    assert _fits("fp8-current", 256, 512, 512)
+    _sentry_kept("fp8-current", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_gpu_traced_linear_sentry_kept_by_inductor(recipe):
+    """As on the CPU, on CUDA in the default mode, blockwise included."""
+    assert _fits(recipe, 256, 512, 512)
+    _sentry_kept(recipe, "cuda")
 
 
 def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):

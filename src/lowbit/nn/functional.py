@@ -39,6 +39,7 @@ from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
 from ..runtime.device import in_graph_tree, num_sms
+from ..runtime.effects import register_ordered
 from . import state as _ac
 
 # Every operand this module hands the GEMMs is one lowbit built (its quantizer, the optimizer's fused update, FSDP2's
@@ -973,32 +974,34 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # whose call reaches the Python kernel directly, not through torch.library.custom_op's Python autograd and backend
 # wrappers (about 9 us of host time a call less; they take no gradient: called inside the Function's passes).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
-_LIB.define("sentry_pass(Tensor[] scales, Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
+_LIB.define("sentry_pass(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> ()",
             tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
-                 roles: str, phase: str) -> list[torch.Tensor]:
+def _sentry_pass(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str, phase: str) -> None:
     """Record ``amaxes`` (one per comma-separated role in ``roles``) of the layer that owns ``weight`` for the NaN
-    sentry, under the policy of the autocast state ``key``; returns copies of ``scales``, which the GEMMs read: the
-    data dependence keeps the record in the graph, before them."""
+    sentry, under the policy of the autocast state ``key``. No device work: an ordered effect (below) keeps the call
+    in a compiled graph, which returns nothing from it."""
     _, policy = _op_state(key, weight)
     layer = layer_of(weight)
     for role, a in zip(roles.split(","), amaxes):
         _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
-    return [s.clone() for s in scales]
 
 
 _LIB.impl("sentry_pass", _sentry_pass, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("lowbit::sentry_pass", lib=_LIB)
-def _(scales, amaxes, weight, key, roles, phase):
-    return [torch.empty_like(s) for s in scales]
+def _(amaxes, weight, key, roles, phase):
+    return None
 
 
+# An operator that returns nothing is dropped from a compiled graph unless it is registered as having an effect:
+# then AOTAutograd threads an ordering token through it (returning copies of the GEMMs' scales instead, to give the
+# record a consumer, cost two device copies a call).
+register_ordered(torch.ops.lowbit.sentry_pass.default)
 sentry_pass_op = torch.ops.lowbit.sentry_pass.default
 
 
@@ -1089,7 +1092,7 @@ class _TracedLinearFn(torch.autograd.Function):
             qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
         else:
             qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
-                                      weight, key, "forward", columnwise_now=False)
+                                      weight, key, "forward")
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
                                        b_scheme=sw, out_dtype=out_dtype, bias=bias)
         ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
@@ -1115,8 +1118,8 @@ class _TracedLinearFn(torch.autograd.Function):
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
                 q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
             else:
-                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key, "backward",
-                                        columnwise_now=True)
+                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key,
+                                        "backward")
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype)
@@ -1128,19 +1131,14 @@ class _TracedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str, *, columnwise_now: bool) -> list:
+def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
-    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one :func:`sentry_pass_op`,
-    whose returned scales the GEMMs then read (the data dependence keeps the record before them): the rowwise
-    copies' scales, and the columnwise ones where ``columnwise_now`` (a forward saves those for its backward)."""
+    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one :func:`sentry_pass_op`."""
     from ..quant.traceable import quantize_traceable
 
     out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
-    scales = [s for q in out for s in (q.row_scale_inv, q.col_scale_inv if columnwise_now else None) if s is not None]
-    scales = iter(sentry_pass_op(scales, [q.amax for q in out], weight, key, ",".join(i[4] for i in items), phase))
-    return [q._replace(row_scale_inv=None if q.row_scale_inv is None else next(scales),
-                       col_scale_inv=q.col_scale_inv if q.col_scale_inv is None or not columnwise_now
-                       else next(scales)) for q in out]
+    sentry_pass_op([q.amax for q in out], weight, key, ",".join(i[4] for i in items), phase)
+    return out
 
 
 def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:
