@@ -414,18 +414,21 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
         y = torch.compile(lin, backend=backend, fullgraph=True)(x)
     y.float().sum().backward()
     code = "\n".join(codes)
-    record = "lowbit.delayed_scales" if recipe == "fp8-delayed" else "lowbit.sentry_pass"
-    assert "lowbit.quantized_linear" not in code and record in code, code[:2000]
+    records = ["lowbit.delayed_scales"] if recipe == "fp8-delayed" else ["lowbit.sentry_record", "lowbit.sentry_pass"]
+    assert "lowbit.quantized_linear" not in code and all(r in code for r in records), code[:2000]
     assert ("lowbit.quantize_fp8_blockwise" in code) == (recipe == "fp8-block"), code[:2000]
 
 
 def test_opcheck_sentry_pass():
-    from lowbit.nn.functional import sentry_pass_op
+    from lowbit.nn.functional import sentry_pass_op, sentry_record_op
 
     m = lowbit.nn.Linear(64, 96)
     with lowbit.autocast(recipe=from_name("fp8-current")):
         key = ac.get_state().key
-        torch.library.opcheck(sentry_pass_op, ([torch.rand(1)], m.weight.detach(), key, "input", "forward"))
+        scales = [torch.rand(1, 1), torch.rand(4, 2).t()]
+        torch.library.opcheck(sentry_pass_op, (scales, [torch.rand(1)], m.weight.detach(), key, "grad_output",
+                                               "backward"))
+        torch.library.opcheck(sentry_record_op, ([torch.rand(1)], m.weight.detach(), key, "input", "forward"))
 
 
 def _fits(recipe, M, N, K, **cfg):
@@ -483,7 +486,7 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
         y = m(x)
     y.float().square().sum().backward()
     code = "\n".join(codes)
-    assert "lowbit.quantized_linear" not in code and "lowbit.sentry_pass" in code
+    assert "lowbit.quantized_linear" not in code and "lowbit.sentry_record" in code and "lowbit.sentry_pass" in code
     assert y.shape == (2, 32, 96) and x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
     assert lin.bias.grad is not None and torch.isfinite(y).all()
     bad = x.detach().clone()

@@ -970,38 +970,53 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
 # the GEMMs or blocks do not divide.
 #
-# sentry_pass and delayed_scales run once or twice per layer and pass: they are defined with torch.library.Library,
-# whose call reaches the Python kernel directly, not through torch.library.custom_op's Python autograd and backend
-# wrappers (about 9 us of host time a call less; they take no gradient: called inside the Function's passes).
+# The sentry's records and delayed_scales run once or twice per layer and pass: they are defined with
+# torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
+# autograd and backend wrappers (about 9 us of host time a call less; they take no gradient: called inside the
+# Function's passes). The forward's record returns nothing and is kept in the graph by an ordered effect; the
+# backward's returns copies of the GEMMs' scales, which keep it there by data dependence (torch's effect tokens do
+# not reach the backward graph in every release this library supports).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
-_LIB.define("sentry_pass(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> ()",
+_LIB.define("sentry_record(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> ()",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("sentry_pass(Tensor[] scales, Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
             tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _sentry_pass(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str, phase: str) -> None:
+def _sentry_record(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str, phase: str) -> None:
     """Record ``amaxes`` (one per comma-separated role in ``roles``) of the layer that owns ``weight`` for the NaN
-    sentry, under the policy of the autocast state ``key``. No device work: an ordered effect (below) keeps the call
-    in a compiled graph, which returns nothing from it."""
+    sentry, under the policy of the autocast state ``key``. No device work."""
     _, policy = _op_state(key, weight)
     layer = layer_of(weight)
     for role, a in zip(roles.split(","), amaxes):
         _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
 
 
+def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
+                 roles: str, phase: str) -> list[torch.Tensor]:
+    """:func:`_sentry_record`, returning copies of ``scales``, which the GEMMs then read."""
+    _sentry_record(amaxes, weight, key, roles, phase)
+    return [s.clone() for s in scales]
+
+
+_LIB.impl("sentry_record", _sentry_record, "CompositeExplicitAutograd")
 _LIB.impl("sentry_pass", _sentry_pass, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("lowbit::sentry_pass", lib=_LIB)
+@torch.library.register_fake("lowbit::sentry_record", lib=_LIB)
 def _(amaxes, weight, key, roles, phase):
     return None
 
 
-# An operator that returns nothing is dropped from a compiled graph unless it is registered as having an effect:
-# then AOTAutograd threads an ordering token through it (returning copies of the GEMMs' scales instead, to give the
-# record a consumer, cost two device copies a call).
-register_ordered(torch.ops.lowbit.sentry_pass.default)
+@torch.library.register_fake("lowbit::sentry_pass", lib=_LIB)
+def _(scales, amaxes, weight, key, roles, phase):
+    return [torch.empty_like(s) for s in scales]
+
+
+register_ordered(torch.ops.lowbit.sentry_record.default)
+sentry_record_op = torch.ops.lowbit.sentry_record.default
 sentry_pass_op = torch.ops.lowbit.sentry_pass.default
 
 
@@ -1133,12 +1148,20 @@ class _TracedLinearFn(torch.autograd.Function):
 
 def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
-    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one :func:`sentry_pass_op`."""
+    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one operator: in the forward
+    :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the scales the GEMMs then
+    read."""
     from ..quant.traceable import quantize_traceable
 
     out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
-    sentry_pass_op([q.amax for q in out], weight, key, ",".join(i[4] for i in items), phase)
-    return out
+    amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
+    if phase == "forward":
+        sentry_record_op(amaxes, weight, key, roles, phase)
+        return out
+    scales = [s for q in out for s in (q.row_scale_inv, q.col_scale_inv) if s is not None]
+    scales = iter(sentry_pass_op(scales, amaxes, weight, key, roles, phase))
+    return [q._replace(row_scale_inv=None if q.row_scale_inv is None else next(scales),
+                       col_scale_inv=None if q.col_scale_inv is None else next(scales)) for q in out]
 
 
 def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: str) -> torch.Tensor:
