@@ -431,6 +431,31 @@ def test_opcheck_sentry_pass():
         torch.library.opcheck(sentry_record_op, ([torch.rand(1)], m.weight.detach(), key, "input", "forward"))
 
 
+@pytest.mark.parametrize("op", ["sentry_record", "sentry_pass", "delayed_scales"])
+def test_sentry_records_survive_reuse_of_their_inputs(op):
+    """A compiled graph reuses an operator's input buffers once the call returns: the sentry checks the amaxes as
+    they were at the call (an Inf overwritten with 1 afterwards still raises; a 1 overwritten with Inf does not)."""
+    from lowbit.nn import functional as fn
+
+    m = lowbit.nn.Linear(64, 96)
+    lowbit.nn.name_modules(torch.nn.Sequential(m))
+    recipe = "fp8-delayed" if op == "delayed_scales" else "fp8-current"
+    def call(first, later):
+        a = torch.full((1,), first)
+        with lowbit.autocast(recipe=from_name(recipe)):  # (the forward's records are checked at its exit)
+            key = ac.get_state().key
+            args = ([a], m.weight.detach(), key, "input", "forward")
+            if op == "sentry_pass":
+                args = ([torch.ones(1)], *args)
+            getattr(fn, f"{op}_op")(*args)
+            a.fill_(later)
+        ac.check_nonfinite(wait=True)
+
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        call(float("inf"), 1.0)
+    call(1.0, float("inf"))
+
+
 def _fits(recipe, M, N, K, **cfg):
     """The traced linear's rules for x (M, K) BF16 and an FP32 weight (N, K)."""
     from lowbit.nn.functional import _Cfg, traced_linear_rules

@@ -985,12 +985,22 @@ _LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, 
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
+def _kept(amaxes: list[torch.Tensor], policy: str) -> list[torch.Tensor]:
+    """``amaxes`` as an operator may keep them for the sentry's later check: a copy in one launch. A compiled graph
+    owns its operators' inputs and reuses their memory for later buffers once the call returns (a kept input would
+    be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once."""
+    if policy.startswith(_ac.GRAPH_PREFIX) or not amaxes:
+        return amaxes
+    flat = torch.cat([a.detach().reshape(1) for a in amaxes])
+    return [flat[i:i + 1] for i in range(len(amaxes))]
+
+
 def _sentry_record(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str, phase: str) -> None:
     """Record ``amaxes`` (one per comma-separated role in ``roles``) of the layer that owns ``weight`` for the NaN
-    sentry, under the policy of the autocast state ``key``. No device work."""
+    sentry, under the policy of the autocast state ``key`` (a copy of them: :func:`_kept`)."""
     _, policy = _op_state(key, weight)
     layer = layer_of(weight)
-    for role, a in zip(roles.split(","), amaxes):
+    for role, a in zip(roles.split(","), _kept(amaxes, policy)):
         _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
 
 
@@ -1031,7 +1041,7 @@ def _delayed_scales(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, 
     recipe, policy = _op_state(key, weight)
     layer = layer_of(weight)
     out = []
-    for role, a in zip(roles.split(","), amaxes):
+    for role, a, kept in zip(roles.split(","), amaxes, _kept(amaxes, policy)):
         st = layer.delayed_state(recipe, a.device)
         scale = st.scale(role, a.device)
         if scale is None:  # warm-up: current scaling
@@ -1039,7 +1049,7 @@ def _delayed_scales(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, 
             scale_inv = 1.0 / scale
         else:
             scale_inv = delayed_scale_inv(scale, a)
-        _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
+        _ac.sentry(kept, layer=layer, role=role, phase=phase, policy=policy)
         st.observe(role, a)
         out += [scale.reshape(1).clone(), scale_inv.reshape(1).clone()]  # (never the history's own tensor)
     return out
