@@ -974,8 +974,8 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
 # autograd and backend wrappers (about 9 us of host time a call less; they take no gradient: called inside the
 # Function's passes). The forward's record returns nothing and is kept in the graph by an ordered effect; the
-# backward's returns copies of the GEMMs' scales, which keep it there by data dependence (torch's effect tokens do
-# not reach the backward graph in every release this library supports).
+# backward's returns copies of the GEMMs' scales, which keep it there by data dependence (an effectful operator in a
+# backward graph breaks the partitioner in some torch releases: pytorch/pytorch#172248).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _LIB.define("sentry_record(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> ()",
             tags=(torch.Tag.pt2_compliant_tag,))
