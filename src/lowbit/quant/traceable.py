@@ -5,8 +5,9 @@
   reference's arithmetic (NUMERICS §2–§3) step for step: the amax is exact, the scale is a correctly rounded
   ``fmax / amax`` (divided in float64 and rounded once), the saturating cast rounds to nearest even.
 * :class:`Float8Blockwise` (1x128 segments, 128x128 tiles; dims multiples of the block) as one registered operator,
-  ``lowbit::quantize_fp8_blockwise``, over lowbit's Triton kernels on CUDA (both copies from one read; the
-  reference elsewhere), with a fake implementation for tracing: Inductor's kernels for the same arithmetic were
+  ``lowbit::quantize_fp8_blockwise``, a ``torch.library.triton_op``: on CUDA Inductor allocates its outputs and
+  launches lowbit's ``blockwise_kernel`` (both copies from one read) from its own code, with no lowbit Python per
+  call; elsewhere it calls an opaque operator over the reference. Inductor's kernels for the same arithmetic were
   measured up to 7x slower at the Llama client's shapes (BF16 activations; FP32 weight tiles about even), with
   ``lowbit bench quant``.
 
