@@ -153,3 +153,21 @@ def test_gpu_blockwise_operator_dynamic_shapes():
         for i, (rows, cols) in enumerate(((256, 384), (384, 1152), (640, 256))):
             x = _data(rows, cols, torch.bfloat16, seed=i).cuda()
             _check(x, sch, fn(x))
+
+
+@pytest.mark.parametrize("sch", [SCHEMES[2], SCHEMES[4], SCHEMES[7]], ids=repr)
+def test_wrapped_launch_names_every_kernel_parameter(sch):
+    """Inductor launches the wrapped blockwise kernel with exactly the arguments given (it fills no default): the
+    launch names every parameter after the tensors and sizes, and nothing else but launch options."""
+    from lowbit.quant import triton_backend as TB
+
+    fn = TB.K.blockwise_kernel
+    if not hasattr(fn, "params"):
+        pytest.skip("an interpreted kernel lists no parameters")
+    for rowwise, columnwise in COPIES:
+        plan, kern, grid, extra, tail = TB._wrapped_launch(1024, 1152, torch.bfloat16, sch, rowwise, columnwise,
+                                                           torch.device("cpu"))
+        names = [p.name for p in kern.params]
+        assert set(tail) - set(names) <= {"num_warps", "num_stages"}
+        assert [n for n in names if n in tail] == names[10 + len(extra):]
+        assert len(grid) == 2 and all(isinstance(g, int) and g > 0 for g in grid)

@@ -663,8 +663,7 @@ def _wrapped_launch(M: int, Kd: int, dtype: torch.dtype, sch: Float8Blockwise, r
     plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, device)
     fn, grid, extra, kw = plan.launch_args(blockwise_configs(M, Kd, plan.bs, sch.block_dim == 2, rowwise, columnwise,
                                                              dtype)[0])
-    names = [p.name for p in fn.params][10 + len(extra):]
-    tail = {n: kw.get(n, p.default) for n, p in zip(names, fn.params[10 + len(extra):])}
+    tail = {p.name: kw.get(p.name, p.default) for p in fn.params[10 + len(extra):]}
     tail.update((k, v) for k, v in kw.items() if k not in tail)  # (launch options: num_warps)
     return plan, fn, grid, extra, tail
 
@@ -675,9 +674,9 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     ``torch.library.wrap_triton``, for a ``torch.library.triton_op`` body: under torch.compile Inductor allocates
     the outputs and launches the kernel from its own wrapper (no lowbit Python per call); the configuration is fixed
     when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped), for static dims
-    (a compiled graph is specialized on x2's shape). Returns fresh tensors
-    (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not
-    asked for as empty tensors. The same bits as :func:`quantize_triton`."""
+    (a compiled graph is specialized on x2's shape). Returns fresh tensors (rowwise data, columnwise data, rowwise
+    scale storage, columnwise scale storage, amax as int32 bits), a copy not asked for as empty tensors. The same
+    bits as :func:`quantize_triton`."""
     from torch.library import wrap_triton
 
     x2 = x2.contiguous()
