@@ -521,9 +521,18 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
             m(bad)
 
 
-def _sentry_kept(recipe, device):
-    """A compiled (Inductor) traced linear: a NaN input raises naming the input, an Inf output gradient naming
-    grad_output, and finite steps between them run clean."""
+def _sentry_kept(recipe, device, monkeypatch):
+    """A compiled (Inductor) traced linear records every pass's amaxes (the records counted), and checks them: a NaN
+    input raises naming the input, an Inf output gradient naming grad_output, and finite steps between them run
+    clean."""
+    seen = []
+    record = ac.sentry
+
+    def counted(amax, **kw):
+        seen.append((kw["role"], kw["phase"]))
+        return record(amax, **kw)
+
+    monkeypatch.setattr(ac, "sentry", counted)
     lin = lowbit.nn.Linear(512, 512, device=device)
     m = torch.compile(lin, fullgraph=True)
     rec = from_name(recipe)
@@ -537,15 +546,20 @@ def _sentry_kept(recipe, device):
         ac.check_nonfinite(wait=True)
 
     step(x, g)
+    assert sorted(set(seen)) == [("grad_output", "backward"), ("input", "forward"), ("weight", "forward")], seen
     bad = x.detach().clone()
     bad[3, 5] = float("nan")
     with pytest.raises(ac.NonFiniteAmaxError, match="input"):
         step(bad.requires_grad_(), g)
     step(x, g)
+    seen.clear()
     bad_g = g.clone()
     bad_g[7, 9] = float("inf")
     with pytest.raises(ac.NonFiniteAmaxError, match="grad_output"):
-        step(x, bad_g)
+        try:
+            step(x, bad_g)
+        finally:
+            assert ("grad_output", "backward") in seen, seen  # (the record ran: else the graph dropped it)
     step(x, g)
 
 
@@ -554,15 +568,15 @@ def test_traced_linear_sentry_kept_by_inductor_on_cpu(monkeypatch):
     nothing, still runs every call, in both passes (fp8-current: torch's CPU _scaled_mm takes no blockwise scales)."""
     _trace_on_cpu(monkeypatch)
     assert _fits("fp8-current", 256, 512, 512)
-    _sentry_kept("fp8-current", "cpu")
+    _sentry_kept("fp8-current", "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
-def test_gpu_traced_linear_sentry_kept_by_inductor(recipe):
+def test_gpu_traced_linear_sentry_kept_by_inductor(recipe, monkeypatch):
     """As on the CPU, on CUDA in the default mode, blockwise included."""
     assert _fits(recipe, 256, 512, 512)
-    _sentry_kept(recipe, "cuda")
+    _sentry_kept(recipe, "cuda", monkeypatch)
 
 
 def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
