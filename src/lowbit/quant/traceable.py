@@ -18,12 +18,12 @@ covered.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..runtime.checks import PARAM_DTYPES
+from ..runtime.device import INTERPRET
 from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
@@ -91,37 +91,37 @@ def _blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps
     return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
-def _blockwise_buffers(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
-                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x2's blockwise copies as :func:`lowbit.quant.triton_backend.quantize_blockwise_flat` lays them out (rowwise
-    data, columnwise data, float32 buffer of the scale grids and the amax): lowbit's Triton kernels where they run,
-    the reference elsewhere, the same bits. What an operator returns (no output aliases another)."""
-    from . import backend_for
-    from .reference import quantize_reference
+def _blockwise_outputs(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+                       columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """x2's blockwise copies from :func:`lowbit.quant.quantize` (lowbit's kernels where they run, the reference
+    elsewhere: the same bits) as an operator returns them, each output its own contiguous tensor: (rowwise data,
+    columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not asked for as
+    empty tensors."""
+    from . import quantize
 
-    if x2.is_cuda:  # (a gradient may come strided: the kernels read contiguous rows, as lowbit.quantize gives them)
-        x2 = x2.contiguous()
-    if backend_for(x2, sch, rowwise, columnwise) == "triton":
-        from .triton_backend import quantize_blockwise_flat
+    q = quantize(x2, sch, rowwise=rowwise, columnwise=columnwise)
+    rows, cols = x2.shape
+    out = []
+    for c, shape in ((q.rowwise, (rows, cols)), (q.columnwise, (cols, rows))):
+        if c is None:
+            out.append((x2.new_empty(0, dtype=sch.format.torch_dtype), x2.new_empty(0, dtype=torch.float32)))
+        else:  # (the scale grids may be views of one buffer: outputs must not alias)
+            grid = c.scale_inv.reshape(scale_storage_shape(sch, *shape))
+            out.append((c.data.contiguous(), grid.clone(memory_format=torch.contiguous_format)))
+    (rq, rs), (cq, cs) = out
+    return rq, cq, rs, cs, q.amax.reshape(1).view(torch.int32).clone()
 
-        return quantize_blockwise_flat(x2, sch, rowwise, columnwise)
-    q = quantize_reference(x2, sch, rowwise=rowwise, columnwise=columnwise)
-    empty = torch.empty(0, dtype=sch.format.torch_dtype, device=x2.device)
-    grids = [c.scale_inv.reshape(-1) for c in (q.rowwise, q.columnwise) if c is not None]
-    rq = q.rowwise.data.contiguous() if rowwise else empty
-    cq = q.columnwise.data.contiguous() if columnwise else empty
-    return rq, cq, torch.cat(grids + [q.amax.reshape(1)])
 
-
-def _blockwise_buffers_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
-                           columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_blockwise_buffers`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
+def _blockwise_outputs_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
+                            columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`_blockwise_outputs`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
     rows, cols = x2.shape
     dt = sch.format.torch_dtype
-    n = ((math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0)
-         + (math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0) + 1)
     return (x2.new_empty((rows, cols) if rowwise else (0,), dtype=dt),
-            x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt), x2.new_empty(n, dtype=torch.float32))
+            x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt),
+            x2.new_empty(scale_storage_shape(sch, rows, cols) if rowwise else (0,), dtype=torch.float32),
+            x2.new_empty(scale_storage_shape(sch, cols, rows) if columnwise else (0,), dtype=torch.float32),
+            x2.new_empty(1, dtype=torch.int32))
 
 
 def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
@@ -137,14 +137,15 @@ def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool,
 # no gradient (callers pass a detached x2).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _LIB.define("quantize_fp8_blockwise_opaque(Tensor x2, str fmt, int block_dim, int block_size, bool pow2, float eps, "
-            "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+            "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _quantize_blockwise_opaque(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
-                               rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_blockwise_buffers` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
+                               rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`_blockwise_outputs` of the 2D tensor ``x2`` under Float8Blockwise(fmt, block_dim, block_size, pow2,
     eps): the kernel of ``lowbit::quantize_fp8_blockwise_opaque``."""
-    return _blockwise_buffers(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+    return _blockwise_outputs(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
 _LIB.impl("quantize_fp8_blockwise_opaque", _quantize_blockwise_opaque, "CompositeExplicitAutograd")
@@ -152,14 +153,12 @@ _LIB.impl("quantize_fp8_blockwise_opaque", _quantize_blockwise_opaque, "Composit
 
 @torch.library.register_fake("lowbit::quantize_fp8_blockwise_opaque", lib=_LIB)
 def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
-    return _blockwise_buffers_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
+    return _blockwise_outputs_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
 def _wrapped(x2: torch.Tensor) -> bool:
     """Whether lowbit::quantize_fp8_blockwise launches its kernel through wrap_triton for ``x2`` (a CUDA tensor,
     compiled kernels: not Triton's interpreter)."""
-    from ..runtime.device import INTERPRET
-
     return x2.is_cuda and not INTERPRET
 
 
@@ -180,14 +179,8 @@ def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: 
         from .triton_backend import quantize_blockwise_wrapped
 
         return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise)
-    rq, cq, buf = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
-                                                                 columnwise)
-    rows, cols = x2.shape
-    nr = math.prod(scale_storage_shape(sch, rows, cols)) if rowwise else 0
-    nc = math.prod(scale_storage_shape(sch, cols, rows)) if columnwise else 0
-    rs = buf[:nr].view(scale_storage_shape(sch, rows, cols)).clone() if rowwise else buf.new_empty(0)
-    cs = buf[nr:nr + nc].view(scale_storage_shape(sch, cols, rows)).clone() if columnwise else buf.new_empty(0)
-    return rq, cq, rs, cs, buf[nr + nc:].view(torch.int32).clone()
+    return torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
+                                                          columnwise)
 
 
 quantize_blockwise_op = torch.ops.lowbit.quantize_fp8_blockwise.default

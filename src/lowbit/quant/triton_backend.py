@@ -52,7 +52,7 @@ from .reference import resolve_seed, validate_quantize_args
 from .schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from .tensor import QuantizedCopy, QuantizedTensor, cdiv, scale_storage_shape
 
-__all__ = ["supports", "quantize_triton", "quantize_blockwise_flat",
+__all__ = ["supports", "quantize_triton",
            # fused-prologue API
            "BlockwisePlan", "blockwise_buffers", "blockwise_args", "set_copies", "regs_ok", "packed_ok", "REGS_CONFIGS",
            "rowcol_regs_prologue", "bf16_pack_candidates"]
@@ -421,14 +421,10 @@ def blockwise_buffers(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: boo
     both scale grids (pads must read 0) and the amax at the end; every grid starts 16-byte aligned (sizes are
     multiples of 4 floats). Under :func:`amax_arena` in a CUDA-graph capture, grids without padding (every element
     written by the kernel) are not filled, and the amax is an arena slot (zeroed by the arena's one fill)."""
-    return _blockwise_views(plan, fmt, dev, rowwise, columnwise, None if plan.padded else arena_slot(dev))[0]
-
-
-def _blockwise_views(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool, columnwise: bool, slot):
-    """(blockwise_buffers' outputs, the float32 buffer that holds the grids and, without an arena slot, the amax)."""
     rq = torch.empty(plan.M, plan.K, dtype=fmt.torch_dtype, device=dev) if rowwise else None
     cq = torch.empty(plan.K, plan.M, dtype=fmt.torch_dtype, device=dev) if columnwise else None
     nr, nc = plan.nr, plan.nc
+    slot = None if plan.padded else arena_slot(dev)
     if slot is not None:
         buf = torch.empty(nr + nc, dtype=torch.float32, device=dev)
         amax_i = slot
@@ -437,7 +433,7 @@ def _blockwise_views(plan: "BlockwisePlan", fmt: FloatFormat, dev, rowwise: bool
         amax_i = buf[nr + nc:].view(torch.int32)
     rs = buf[:nr].view(plan.rshape) if rowwise else None
     cs = buf[nr:nr + nc].view(plan.cshape) if columnwise else None
-    return (rq, rs, cq, cs, amax_i), buf
+    return rq, rs, cq, cs, amax_i
 
 
 def blockwise_args(plan: "BlockwisePlan", rq, rs, cq, cs, amax_i) -> tuple:
@@ -585,30 +581,18 @@ class BlockwisePlan:
 
 
 def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
-    plan, key = _blockwise_plan(x2, sch, rowwise, columnwise)
-    bufs = blockwise_buffers(plan, sch.format, x2.device, rowwise, columnwise)
-    _blockwise_launch(plan, key, x2, bufs)
-    set_copies(qt, *bufs)
-
-
-def _blockwise_plan(x2, sch: Float8Blockwise, rowwise, columnwise) -> tuple["BlockwisePlan", tuple]:
-    """(the cached or a new plan for x2, its key in _BLOCKWISE_PLANS)."""
     M, Kd = x2.shape
-    bs, two_d = sch.block_size, sch.block_dim == 2
+    fmt, dev, bs = sch.format, x2.device, sch.block_size
+    two_d = sch.block_dim == 2
     # (the plan's kernel arguments include SW; whether the persistent kernel may run depends on x's alignment)
     pers = _persistent_ok(x2, bs, two_d, rowwise, columnwise)
     # (the register-tile kernels' eligibility follows from the rest of the key, except the BF16-pair form's alignment)
     packed = packed_ok(x2)
     key = (M, Kd, x2.dtype, sch, rowwise, columnwise, SW_ROUND, pers, packed)
     plan = _BLOCKWISE_PLANS.get(key)
-    return (BlockwisePlan(M, Kd, sch, rowwise, columnwise, x2.device) if plan is None else plan), key
-
-
-def _blockwise_launch(plan: "BlockwisePlan", key: tuple, x2, bufs) -> None:
-    """Fill ``bufs`` (blockwise_buffers' layout) from x2 with the plan's launch (tuned and bound on its first call,
-    then cached under ``key``, _blockwise_plan's)."""
-    M, Kd, _, sch, rowwise, columnwise, _, pers, packed = key
-    bs, two_d = sch.block_size, sch.block_dim == 2
+    if plan is None:
+        plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, dev)
+    bufs = blockwise_buffers(plan, fmt, dev, rowwise, columnwise)
     args = blockwise_args(plan, *bufs)
     if plan.cfg is not None:
         # the plan fixes every other argument's specialization (the buffers are fresh allocations, except an arena
@@ -635,23 +619,7 @@ def _blockwise_launch(plan: "BlockwisePlan", key: tuple, x2, bufs) -> None:
         plan.fn, plan.grid, plan.extra, plan.cfg = plan.launch_args(c)
         plan.launch = SpecializedLaunch(plan.fn)
         _BLOCKWISE_PLANS[key] = plan
-
-
-def quantize_blockwise_flat(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool,
-                           columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float8Blockwise copies of the 2D CUDA tensor ``x2`` as three fresh tensors, for an operator to return (none
-    aliases another): (rowwise data, columnwise data, float32 buffer), a copy not asked for an empty tensor. The
-    buffer holds the rowwise scale grid, then the columnwise one (each in its storage layout, only where asked for),
-    then the amax. Same bits as :func:`quantize_triton`."""
-    x2 = x2.contiguous()
-    plan, key = _blockwise_plan(x2, scheme, rowwise, columnwise)
-    bufs, buf = _blockwise_views(plan, scheme.format, x2.device, rowwise, columnwise, None)
-    _blockwise_launch(plan, key, x2, bufs)
-    rq, cq = bufs[0], bufs[2]
-    if rq is None or cq is None:
-        empty = torch.empty(0, dtype=scheme.format.torch_dtype, device=x2.device)
-        rq, cq = (empty if rq is None else rq), (empty if cq is None else cq)
-    return rq, cq, buf
+    set_copies(qt, *bufs)
 
 
 @functools.lru_cache(maxsize=256)
