@@ -67,7 +67,7 @@ def test_traceable_equals_reference(sch, dtype, copies):
 
 @pytest.mark.parametrize("sch", [SCHEMES[0], SCHEMES[2], SCHEMES[4]], ids=repr)
 def test_traceable_compiled_equals_reference(sch):
-    """Compiled by Inductor (fullgraph; blockwise: the operator and the views of its buffer) the same bits."""
+    """Compiled by Inductor (fullgraph; blockwise: the operator and views of its scale grids) the same bits."""
     torch.compiler.reset()
     x = _data(256, 384, torch.bfloat16, seed=7)
     fn = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
