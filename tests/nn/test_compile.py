@@ -280,6 +280,21 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_gpu_traced_linear_fp32_matches_eager(recipe):
+    """FP32 activations without torch.autocast (an FP32 output, the bias added in the epilogue): Inductor's three
+    steps equal eager's bit for bit, gradients included."""
+    torch.manual_seed(0)
+    base = GPU_MODULES["linear_traced"]()
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    rec = from_name(recipe)
+    eager = _run(copy.deepcopy(base), x, rec, steps=3)
+    compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=True), x, rec, steps=3)
+    assert all(t.abs().sum() > 0 for step in compiled for t in step)
+    _check_same(eager, compiled)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe,microbatch,match", [
     ("fp8-delayed", None, "reduce-overhead"),
     ("fp8-block", True, "is_first_microbatch: True caches the quantized weight")])
@@ -577,6 +592,25 @@ def test_gpu_traced_linear_sentry_kept_by_inductor(recipe, monkeypatch):
     """As on the CPU, on CUDA in the default mode, blockwise included."""
     assert _fits(recipe, 256, 512, 512)
     _sentry_kept(recipe, "cuda", monkeypatch)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_linear_compiled_gradients_equal_its_eager_run_on_cpu(monkeypatch, backend, bias, dtype):
+    """The traced Function compiled gives the outputs and gradients of the same Function run eagerly, bit for bit,
+    for an FP32 or BF16 input (and output), with or without bias (torch 2.11's Dynamo zeroed every gradient of a
+    Function whose output came from a no-op dtype cast: FP32 output with bias)."""
+    _trace_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    base = lowbit.nn.Linear(128, 96, bias=bias)
+    x = torch.randn(2, 64, 128, dtype=dtype, requires_grad=True)
+    rec = from_name("fp8-current")
+    compiled = _run(torch.compile(copy.deepcopy(base), backend=backend, fullgraph=True), x, rec)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced Function, run eagerly
+    eager = _run(copy.deepcopy(base), x, rec)
+    assert all(t.abs().sum() > 0 for step in eager for t in step)
+    _check_same(eager, compiled)
 
 
 def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):

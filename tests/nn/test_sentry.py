@@ -227,6 +227,28 @@ def test_board_slots_do_not_keep_layers_alive_and_are_reused(monkeypatch):
     assert [(e.layer, e.role) for e in nonfinite_events()] == [("c", "input")]
 
 
+def test_board_check_with_every_slot_layer_gone(monkeypatch):
+    """A board check that finds only layers collected since its purge (a collection can run between the purge and the
+    records' walk) checks nothing and raises nothing."""
+    import weakref
+
+    st = lowbit.nn.state
+
+    class Layer:
+        name = "a"
+
+    a = Layer()
+    ref = weakref.ref(a)  # (no callback: the slot is not queued for the purge)
+    del a
+    for name, value in (("_boards", {None: torch.zeros(st.BOARD_SLOTS)}), ("_board_free", {}), ("_board_next", {}),
+                        ("_board_dead", []), ("_board_parts", [None]),
+                        ("_board_slots", {(None, 0, "input", "forward"): (0, ref, "raise", 1)})):
+        monkeypatch.setattr(st, name, value)
+    st._board_check()
+    st.check_nonfinite()
+    assert nonfinite_events() == []
+
+
 @pytest.mark.parametrize("policy", ["ignore", "skip"])
 def test_ignore_hides_no_value_under_delayed_scaling(policy):
     """Delayed scaling with an Inf in the input: the cast alone would saturate it to 448 · scale_inv and the output

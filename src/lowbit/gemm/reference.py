@@ -40,7 +40,8 @@ def apply_epilogue(acc: torch.Tensor, *, out_dtype, bias=None, gelu=False, accum
     if accumulate:
         out.add_(y.to(out.dtype))
         return out, pre
-    y = y.to(out_dtype)
+    if y.dtype != out_dtype:  # (no no-op .to: torch 2.11's Dynamo zeroes the gradient of a Function returning one)
+        y = y.to(out_dtype)
     if out is not None:
         out.copy_(y)
         return out, pre

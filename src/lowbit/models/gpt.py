@@ -135,8 +135,9 @@ def using_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16"):
 
 
 def _lowbit_attention():
-    """lowbit.attention.attention (imported on first use: the model module stays light to import)."""
-    from ..attention import attention
+    """lowbit.attention.attention (imported on first use: the model module stays light to import; from the plain
+    submodule, which torch 2.11's Dynamo can trace an import of)."""
+    from ..attention.api import attention
 
     return attention
 

@@ -88,7 +88,9 @@ class MultiheadAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None, rotary_pos_emb=None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected (batch, seq, {self.hidden_size}), got shape {tuple(x.shape)}")
-        from ..attention import attention  # lower layer; imported late to keep `import lowbit.nn` light
+        # lower layer, imported late to keep `import lowbit.nn` light; from the plain submodule (torch 2.11's Dynamo
+        # cannot trace an import of the callable package module)
+        from ..attention.api import attention
 
         B, S, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

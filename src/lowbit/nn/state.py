@@ -789,6 +789,8 @@ def _board_check() -> None:
                              tuple(b[at + i:at + i + 1] for i in range(n))))
             parts = _board_parts[0] = (recs, _Gather([a for r in recs for a in r[4]]))
     recs, gather = parts
+    if not recs:  # (every slot's layer is gone: nothing to check)
+        return
     _launch_check([(layer, role, phase, _step, policy, a) for layer, role, phase, policy, a in recs], gather)
     for b in _boards.values():
         b.zero_()  # (after the check's snapshot, in stream order)
