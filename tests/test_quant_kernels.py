@@ -669,17 +669,19 @@ def test_blockwise_regs_compiles_for_sm90():
     got = sm90_sass(k, "3.6")
     if got is not None:
         assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128, got[1]
-    # the MXFP8 one at its first candidate's register cap (triton_backend._MX_REGS_CONFIGS)
+    # the MXFP8 one at its two candidates (triton_backend._MX_REGS_CONFIGS): capped at 128 registers, and uncapped
+    # without spills (Triton 3.6: 148 registers; at the cap ptxas spills a few values)
     sig = dict(x_ptr="*bf16", rq_ptr="*fp8e4nv", rs_ptr="*u8", cq_ptr="*fp8e4nv", cs_ptr="*u8", amax_ptr="*i32",
                M="i32", K="i32", EMAX="constexpr", A="constexpr", B="constexpr", T="constexpr", abs_mask="i32")
     layouts = dict(zip("ABT", QG.rowcol_regs_layouts(8)))
-    k = compile_gluon_sm90(QG.mxfp8_rowcol_regs, sig, dict(EMAX=8, **layouts), divisible=("M", "K"), num_warps=8,
-                           maxnreg=128)
-    ptx = k.asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global.v2.b32") == 16
-    got = sm90_sass(k, "3.6")
-    if got is not None:
-        assert "STL" not in got[0] and "LDL" not in got[0] and got[1] <= 128
+    for cap in (128, None):
+        k = compile_gluon_sm90(QG.mxfp8_rowcol_regs, sig, dict(EMAX=8, **layouts), divisible=("M", "K"), num_warps=8,
+                               maxnreg=cap)
+        ptx = k.asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global.v2.b32") == 16
+        got = sm90_sass(k, "3.6")
+        if got is not None:
+            assert got[1] <= 128 if cap else ("STL" not in got[0] and "LDL" not in got[0]), (cap, got[1])
 
 
 @pytest.mark.gpu

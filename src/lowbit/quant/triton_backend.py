@@ -309,7 +309,7 @@ _PACKED_CONFIGS = [dict(KIND="packed", LC=8, num_warps=8, maxnreg=80)]
 
 
 # Candidates of the MXFP8 register-tile kernel (quant_gluon.mxfp8_rowcol_regs), 8 warps: at most 128 registers
-# a thread (two CTAs an SM; no spills under Triton 3.6), or what ptxas picks (144: one CTA an SM).
+# a thread (two CTAs an SM; a few spills under Triton 3.6), or what ptxas picks (148 there, no spills: one CTA an SM).
 _MX_REGS_CONFIGS = [dict(KIND="regs", maxnreg=128), dict(KIND="regs", maxnreg=None)]
 
 _REGS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
