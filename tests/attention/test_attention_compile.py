@@ -319,12 +319,43 @@ GPU_CASES = {
 }
 
 
+class _NoCudnnSdp:
+    """cuDNN's SDPA off for a block (lowbit's backward then runs its Triton kernels): cuDNN's attention backward sums
+    dQ in an order that changes from run to run, so two runs of it are not bit-identical."""
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.enable_cudnn_sdp(self.was)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_compiled_attention_inductor_cuda(name):
     shape, kw = _split(GPU_CASES[name])
     ins = qkv(Sq=200, Sk=333, D=64, device="cuda", **shape)
-    compiled_matches_eager(lambda q, k, v: attention(q, k, v, **kw), ins, "inductor")
+    with _NoCudnnSdp():
+        compiled_matches_eager(lambda q, k, v: attention(q, k, v, **kw), ins, "inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk", ["bf16", "int8"])
+def test_compiled_attention_cudnn_backward_cuda(qk):
+    """Where the backward is cuDNN's (non-causal, dense, 16-bit gradients), compiled equals eager bit for bit in O, dK
+    and dV; dQ, which cuDNN sums in a run-dependent order, within two BF16 rounding steps of eager's."""
+    from lowbit.attention.backward import backward_backend
+
+    q, k, v = qkv(Sq=200, Sk=333, D=64, device="cuda")
+    assert backward_backend(q.device, q.dtype, batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=333,
+                            head_dim=64) == "cudnn"
+    fn = lambda q, k, v: attention(q, k, v, qk=qk)  # noqa: E731
+    torch._dynamo.reset()
+    exp = run(fn, (q, k, v))
+    got = run(torch.compile(fn, fullgraph=True), (q, k, v))
+    assert_bits([got[0], got[2], got[3]], [exp[0], exp[2], exp[3]])
+    torch.testing.assert_close(got[1], exp[1], rtol=2**-7, atol=2**-12 * exp[1].abs().max().item())
 
 
 @pytest.mark.gpu
