@@ -571,21 +571,26 @@ def test_nonfinite_operands_give_the_references_nan(core, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_padded_128x128_scale_grids_go_to_triton(cuda):
-    """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks, stored padded to 24): cuBLAS on torch
-    2.11 rejects the grid (measured, as the padded view and as a dense copy), so supports() declines it and the
-    Triton GEMM answers — without a failed cuBLAS call (rejection measured for K = 2816; the rule covers every K/128
-    not divisible by 4); K/128 divisible by 4 stays on cuBLAS. Both exact to the
-    reference's tolerance."""
+def test_128x128_grids_with_k_blocks_not_divisible_by_4_run_padded_on_cublas(cuda):
+    """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks): cuBLAS rejects that 128x128 grid,
+    so the backend zero-pads K to a multiple of 512 and cuBLAS takes the call, without a rejection; the padded
+    blocks add exact zeros: within the reference's tolerance, and bit-identical to cuBLAS on operands quantized from
+    inputs zero-padded the same way."""
     from lowbit.gemm import backend_for, cublas
 
-    for K, want in ((2816, "triton"), (1152, "triton"), (4096, "cublas")):
-        a, b = _operands(256, 384, K, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", cuda,
-                         seed=K)
-        assert backend_for(a, b, out_dtype=torch.bfloat16) == want, K
+    for K in (2816, 1152, 640):
+        x = torch.randn(256, K, device=cuda, generator=torch.Generator(cuda).manual_seed(K))
+        w = torch.randn(384, K, device=cuda, generator=torch.Generator(cuda).manual_seed(K + 1))
+        a, b = quantize(x, Float8Blockwise()), quantize(w, Float8Blockwise(block_dim=2))
+        assert backend_for(a, b, out_dtype=torch.bfloat16) == "cublas", K
         before = set(cublas.REJECTED)
-        _check(a, b, "rowwise", "rowwise", None, out_dtype=torch.bfloat16)
+        _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=torch.bfloat16)
         assert cublas.REJECTED == before, (K, cublas.REJECTED_WHY)
+        pad = lambda t: torch.nn.functional.pad(t, (0, -K % 512))  # noqa: E731
+        ap, bp = quantize(pad(x), Float8Blockwise()), quantize(pad(w), Float8Blockwise(block_dim=2))
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got = scaled_mm(a, b, out_dtype=out_dtype, backend="cublas")
+            assert torch.equal(got, scaled_mm(ap, bp, out_dtype=out_dtype, backend="cublas")), (K, out_dtype)
 
 
 @pytest.mark.parametrize("variant", ["fp8", "bf16"])

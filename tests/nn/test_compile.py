@@ -221,6 +221,8 @@ GPU_MODULES = {
     "linear": lambda: lowbit.nn.Linear(1024, 768, device="cuda"),
     # (every dim a multiple of 512: fp8-block's layers are traced as torch operations, see functional.py)
     "linear_traced": lambda: lowbit.nn.Linear(1024, 1536, device="cuda"),
+    # (fprop K / 128 = 9, dgrad's 5: cuBLAS runs both with K zero-padded to a multiple of 512)
+    "linear_traced_k_padded": lambda: lowbit.nn.Linear(1152, 640, device="cuda"),
     "rmsnorm_linear": lambda: lowbit.nn.LayerNormLinear(1024, 768, normalization="RMSNorm", device="cuda"),
     "mlp_swiglu": lambda: lowbit.nn.LayerNormMLP(1024, 1536, normalization="RMSNorm", activation="swiglu", bias=False,
                                                  device="cuda"),
@@ -236,7 +238,7 @@ def test_gpu_compiled_matches_eager(module, recipe):
     with FP32 parameters: the outputs and gradients of two steps equal eager's bit for bit."""
     torch.manual_seed(0)
     base = GPU_MODULES[module]()
-    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(4, 512, getattr(base, "in_features", 1024), device="cuda", requires_grad=True)
     rec = from_name(recipe)
     eager = _run(copy.deepcopy(base), x, rec, autocast_dtype=torch.bfloat16)
     compiled = _run(torch.compile(copy.deepcopy(base), backend="aot_eager", fullgraph=True), x, rec,
@@ -248,6 +250,7 @@ def test_gpu_compiled_matches_eager(module, recipe):
 # lowbit's operators are all there is, its results equal eager's bit for bit.
 INDUCTOR_CASES = [("linear", r) for r in ("fp8-current", "fp8-block", "fp8-delayed", "mxfp8", "nvfp4")] + [
     ("linear_traced", "fp8-block"), ("linear_traced", "fp8-current"), ("linear_traced", "fp8-delayed"),
+    ("linear_traced_k_padded", "fp8-block"),
     ("mlp_swiglu", "fp8-block"), ("rmsnorm_linear", "fp8-block")]
 
 
@@ -262,7 +265,7 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
         pytest.skip("delayed scaling raises under CUDA graphs (test_gpu_reduce_overhead_refuses_state_across_calls)")
     torch.manual_seed(0)
     base = GPU_MODULES[module]()
-    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(4, 512, getattr(base, "in_features", 1024), device="cuda", requires_grad=True)
     rec = from_name(recipe)
     eager = _run(copy.deepcopy(base), x, rec, steps=3, autocast_dtype=torch.bfloat16)
     compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=mode != "reduce-overhead", mode=mode), x, rec,
@@ -483,14 +486,16 @@ def _fits(recipe, M, N, K, **cfg):
 
 def test_traced_linear_rules():
     """Which compiled linears are traced as torch operations: fp8-current where cuBLAS takes the dims (multiples of
-    16), fp8-delayed alike, fp8-block where the blocks and cuBLAS's 128x128 grids divide them (multiples of 512 for N
-    and K); never with MXFP8 / NVFP4, a GELU, a fused norm or a weight cached across micro-batches."""
+    16), fp8-delayed alike, fp8-block where the blocks divide them (multiples of 128; a 128x128 grid whose K/128 is not
+    divisible by 4 runs K-padded); never with MXFP8 / NVFP4, a GELU, a fused norm or a weight cached across
+    micro-batches."""
     assert _fits("fp8-current", 2048, 1536, 1024)
     assert not _fits("fp8-current", 2048, 1000, 1024)
     assert _fits("fp8-block", 2048, 1536, 1024)
     assert _fits("fp8-block", 8192, 5632, 2048) and _fits("fp8-block", 8192, 2048, 5632)
-    assert not _fits("fp8-block", 2048, 768, 1024)  # dgrad: N / 128 = 6 grid columns, not a multiple of 4
-    assert not _fits("fp8-block", 2048, 1024, 2816)  # fprop: K / 128 = 22
+    assert _fits("fp8-block", 2048, 768, 1024)  # dgrad: N / 128 = 6 grid columns, padded to 8
+    assert _fits("fp8-block", 8192, 2816, 1024) and _fits("fp8-block", 8192, 1024, 2816)  # K / 128 = 22, padded
+    assert not _fits("fp8-block", 2048, 1000, 1024)  # N not whole blocks
     assert not _fits("fp8-block", 2000, 1024, 1024)  # tokens not whole blocks
     assert _fits("fp8-delayed", 2048, 1024, 1024)  # (per-tensor delayed scaling: lowbit::delayed_scales)
     for r in ("mxfp8", "nvfp4"):

@@ -5,7 +5,8 @@ Registered as ``"cublas"``, ahead of the Triton backends (it is the fastest wher
 What it takes (``supports``): CUDA, E4M3/E5M2 pairs (blockwise and rowwise: E4M3 only), M, N, K
 multiples of 16 (blockwise: K multiple of 128 and 128-element blocks, and M / N multiples of 4 so
 the stored 1x128 scales — (n_blocks, pad4(rows)) — are exactly the outer-dim-major (rows, n_blocks)
-view cuBLAS checks for; a 128x128 operand needs K/128 divisible by 4). Epilogues: cuBLAS produces the FP32 (tensorwise)
+view cuBLAS checks for; a 128x128 B whose K/128 is not divisible by 4, a grid cuBLAS rejects, runs with K zero-padded
+to a multiple of 512). Epilogues: cuBLAS produces the FP32 (tensorwise)
 or BF16 product and
 :func:`lowbit.gemm.reference.apply_epilogue` applies bias / GELU / accumulate in torch.
 
@@ -79,11 +80,6 @@ def schemes_supported(sa, sb, M: int, N: int, K: int, out_dtype) -> bool:
     if ka.startswith("block") and kb.startswith("block"):
         if sa.block_size != BLOCK_SIZE or sb.block_size != BLOCK_SIZE or K % BLOCK_SIZE:
             return False
-        if kb == "block2d" and (K // BLOCK_SIZE) % 4:
-            # measured on the H200 (torch 2.11) for K = 2816 (an MLP fc2: 22 blocks, stored padded to 24): the
-            # grid is rejected both as the padded stored view and as a dense copy; assumed for every K/128 not
-            # divisible by 4. Declined up front, so the Triton GEMM answers without a failed cuBLAS call first
-            return False
         # 2D x 1D: F.scaled_mm on torch 2.11 wants another scale layout for A; the Triton GEMM takes it
         return (ka, kb) in (("block1d", "block2d"), ("block1d", "block1d"))
     return False
@@ -145,6 +141,26 @@ def _mm_dtype(tensorwise: bool, plain: bool, out_dtype: torch.dtype) -> torch.dt
     return torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
 
 
+def _k_pad(b_scheme, K: int) -> bool:
+    """Whether the call runs with K zero-padded (:func:`_pad_k`): a 128x128 B whose K/128 is not divisible by 4.
+    cuBLAS on torch 2.11 rejects that scale grid (measured for K = 2816, an MLP's fc2: 22 blocks; both as the padded
+    stored view and as a dense copy)."""
+    return isinstance(b_scheme, Float8Blockwise) and b_scheme.block_dim == 2 and bool((K // BLOCK_SIZE) % 4)
+
+
+def _pad_k(A, B, sa, sb, a_scheme, b_scheme):
+    """``A`` (M, K), ``B`` (N, K) and their logical scale grids (rows, K/128) with K zero-padded to a multiple of 512,
+    the grids in the layouts cuBLAS reads (:func:`_stored_layout`). The padded blocks hold zeros (their scales one):
+    each adds an exact zero to every sum, so the product is the unpadded one's."""
+    K = A.shape[1]
+    pad = -K % 512
+    A = torch.cat([A, A.new_zeros(A.shape[0], pad)], 1)
+    B = torch.cat([B, B.new_zeros(B.shape[0], pad)], 1)
+    sa = torch.cat([sa, sa.new_ones(sa.shape[0], pad // BLOCK_SIZE)], 1)
+    sb = torch.cat([sb, sb.new_ones(sb.shape[0], pad // BLOCK_SIZE)], 1)
+    return A, B, _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)
+
+
 def _triton(a, b, **kw):
     from .triton_backend import scaled_mm_triton
 
@@ -174,6 +190,8 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         else:
             sa = _scales(a, a_copy, M)
             sb = _scales(b, b_copy, N)
+            if _k_pad(b.scheme, K):
+                A, B, sa, sb = _pad_k(A, B, sa, sb, a.scheme, b.scheme)
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
                 # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
                 sb = sb.t()
@@ -195,8 +213,8 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
 
 def _stored_layout(s: torch.Tensor, sch) -> torch.Tensor:
     """A logical (rows, blocks) scale grid in the layout :func:`lowbit.quant.tensor.scale_storage` gives cuBLAS: 1x128
-    outer-dim-major; 128x128 row-major (its rows are whole multiples of 4 blocks wherever :func:`schemes_supported`
-    takes the pair: no padding); tensorwise a 0-dim tensor."""
+    outer-dim-major; 128x128 row-major (whole multiples of 4 blocks a row: :func:`_pad_k` pads K where not);
+    tensorwise a 0-dim tensor."""
     if isinstance(sch, Float8Tensorwise):
         return s.reshape(())
     return s.t().contiguous().t() if sch.block_dim == 1 else s.contiguous()
@@ -219,7 +237,10 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
     if tensorwise:
         acc = torch._scaled_mm(A, B.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=mm_dtype)
     else:
-        la, lb = _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)
+        if _k_pad(b_scheme, A.shape[1]):
+            A, B, la, lb = _pad_k(A, B, sa, sb, a_scheme, b_scheme)
+        else:
+            la, lb = _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)
         if b_scheme.block_dim == 1:
             # 1x128 . 1x128: torch._scaled_mm declines the pairing on the torch this was measured with and
             # scaled_mm_cublas answers with F.scaled_mm (V1_DECLINED); both are the same cuBLAS kernel
