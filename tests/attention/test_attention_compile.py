@@ -319,16 +319,12 @@ GPU_CASES = {
 }
 
 
-class _NoCudnnSdp:
+def _no_cudnn_sdp():
     """cuDNN's SDPA off for a block (lowbit's backward then runs its Triton kernels): cuDNN's attention backward sums
     dQ in an order that changes from run to run, so two runs of it are not bit-identical."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def __enter__(self):
-        self.was = torch.backends.cuda.cudnn_sdp_enabled()
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.enable_cudnn_sdp(self.was)
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @pytest.mark.gpu
@@ -336,7 +332,7 @@ class _NoCudnnSdp:
 def test_compiled_attention_inductor_cuda(name):
     shape, kw = _split(GPU_CASES[name])
     ins = qkv(Sq=200, Sk=333, D=64, device="cuda", **shape)
-    with _NoCudnnSdp():
+    with _no_cudnn_sdp():
         compiled_matches_eager(lambda q, k, v: attention(q, k, v, **kw), ins, "inductor")
 
 

@@ -141,7 +141,7 @@ def _mm_dtype(tensorwise: bool, plain: bool, out_dtype: torch.dtype) -> torch.dt
     return torch.bfloat16 if plain and out_dtype == torch.bfloat16 else torch.float32
 
 
-def _k_pad(b_scheme, K: int) -> bool:
+def _needs_k_pad(b_scheme, K: int) -> bool:
     """Whether the call runs with K zero-padded (:func:`_pad_k`): a 128x128 B whose K/128 is not divisible by 4.
     cuBLAS on torch 2.11 rejects that scale grid (measured for K = 2816, an MLP's fc2: 22 blocks; both as the padded
     stored view and as a dense copy)."""
@@ -190,7 +190,7 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         else:
             sa = _scales(a, a_copy, M)
             sb = _scales(b, b_copy, N)
-            if _k_pad(b.scheme, K):
+            if _needs_k_pad(b.scheme, K):
                 A, B, sa, sb = _pad_k(A, B, sa, sb, a.scheme, b.scheme)
             if not (isinstance(b.scheme, Float8Blockwise) and b.scheme.block_dim == 1):
                 # rowwise: (1, N); 128x128: the grid of Bᵀ. A 1x128 B takes (N, K/128) outer-dim-major as stored
@@ -237,7 +237,7 @@ def scaled_mm_cublas_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tenso
     if tensorwise:
         acc = torch._scaled_mm(A, B.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=mm_dtype)
     else:
-        if _k_pad(b_scheme, A.shape[1]):
+        if _needs_k_pad(b_scheme, A.shape[1]):
             A, B, la, lb = _pad_k(A, B, sa, sb, a_scheme, b_scheme)
         else:
             la, lb = _stored_layout(sa, a_scheme), _stored_layout(sb, b_scheme)

@@ -156,12 +156,6 @@ def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
     return _blockwise_outputs_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
-def _wrapped(x2: torch.Tensor) -> bool:
-    """Whether lowbit::quantize_fp8_blockwise launches its kernel through wrap_triton for ``x2`` (a CUDA tensor,
-    compiled kernels: not Triton's interpreter)."""
-    return x2.is_cuda and not INTERPRET
-
-
 @torch.library.triton_op("lowbit::quantize_fp8_blockwise", mutates_args=())
 def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
                         rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -175,7 +169,7 @@ def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: 
     block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
     rowwise, columnwise = bool(rowwise), bool(columnwise)
     sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
-    if _wrapped(x2):
+    if x2.is_cuda and not INTERPRET:  # (compiled kernels: Triton's interpreter cannot be wrapped)
         from .triton_backend import quantize_blockwise_wrapped
 
         return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise)

@@ -653,16 +653,14 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device)
     dt, dev = scheme.format.torch_dtype, x2.device
     grids = torch.zeros if plan.padded else torch.empty  # (padding columns no kernel writes are zeros, as eager's)
-    empty = functools.partial(torch.empty, 0, device=dev)
-    rq = torch.empty(M, Kd, dtype=dt, device=dev) if rowwise else empty(dtype=dt)
-    rs = grids(plan.rshape, dtype=torch.float32, device=dev) if rowwise else empty(dtype=torch.float32)
-    cq = torch.empty(Kd, M, dtype=dt, device=dev) if columnwise else empty(dtype=dt)
-    cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else empty(dtype=torch.float32)
+    rq = torch.empty(M, Kd, dtype=dt, device=dev) if rowwise else None
+    rs = grids(plan.rshape, dtype=torch.float32, device=dev) if rowwise else None
+    cq = torch.empty(Kd, M, dtype=dt, device=dev) if columnwise else None
+    cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else None
     amax_i = torch.zeros(1, dtype=torch.int32, device=dev)
-    args = blockwise_args(plan, rq if rowwise else None, rs if rowwise else None, cq if columnwise else None,
-                          cs if columnwise else None, amax_i)
-    wrap_triton(fn)[grid](x2, *args, *extra, **tail)
-    return rq, cq, rs, cs, amax_i
+    wrap_triton(fn)[grid](x2, *blockwise_args(plan, rq, rs, cq, cs, amax_i), *extra, **tail)
+    out = lambda t, dtype: torch.empty(0, dtype=dtype, device=dev) if t is None else t  # noqa: E731
+    return out(rq, dt), out(cq, dt), out(rs, torch.float32), out(cs, torch.float32), amax_i
 
 
 def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
