@@ -9,7 +9,7 @@ import torch
 from lowbit.quant import quantize_reference
 from lowbit.quant.reference import compute_scale
 from lowbit.quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from lowbit.quant.traceable import current_scale, quantize_blockwise_op, quantize_traceable, traceable_fits
+from lowbit.quant.traceable import amax_value, current_scale, quantize_blockwise_op, quantize_traceable, traceable_fits
 
 SCHEMES = [
     Float8Tensorwise("e4m3"),
@@ -53,7 +53,8 @@ def _check(x, sch, got, rowwise=True, columnwise=True):
             continue
         _same(data, getattr(ref, which).data, f"{which} data")
         _same(si, ref.logical_scales(which).to(si.device), f"{which} scales")
-    _same(got.amax, ref.amax.reshape(1), "amax")
+    assert got.amax.dim() == 1 and got.amax.dtype == torch.float32
+    _same(amax_value(got.amax), ref.amax.reshape(1).to(got.amax.device), "amax")
 
 
 @pytest.mark.parametrize("copies", COPIES, ids=["both", "rowwise", "columnwise"])
@@ -141,6 +142,25 @@ def test_gpu_blockwise_kernel_launched_by_inductor():
     code = "\n".join(codes)
     assert "blockwise_kernel" in code and "quantize_fp8_blockwise_opaque" not in code, code[:3000]
     _check(x, SCHEMES[2], got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_gpu_blockwise_operator_amax_of_each_program_orders_nonfinite(bad):
+    """Compiled, the kernel leaves one amax a program (no zero-filled accumulator); their reduced value is the
+    tensor's, NaN above Inf above finite, wherever the bad value sits (first, middle and last tile)."""
+    torch.compiler.reset()
+    fn = torch.compile(lambda t: quantize_traceable(t, SCHEMES[2], rowwise=True, columnwise=True), fullgraph=True)
+    for at in ((0, 0), (300, 700), (-1, -1)):
+        x = _data(1024, 1152, torch.bfloat16, seed=11).cuda()
+        x[at] = bad
+        got = fn(x)
+        assert got.amax.numel() == (1024 // 128) * (1152 // 128)
+        v = amax_value(got.amax)
+        assert (v.isnan() if bad != bad else v.isinf() & ~v.isnan()).item(), (at, v)
+    x[at] = float("inf")
+    x[0, 5] = float("nan")
+    assert amax_value(fn(x).amax).isnan().item()
 
 
 @pytest.mark.gpu

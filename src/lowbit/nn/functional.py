@@ -985,30 +985,47 @@ _LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, 
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
+def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh copies of the tensors ``ts`` (float32, one device; as ``clone`` makes them), made by one launch."""
+    out = [torch.empty_like(t) for t in ts]
+    if out:
+        torch._foreach_copy_(out, ts)
+    return out
+
+
 def _kept(amaxes: list[torch.Tensor], policy: str) -> list[torch.Tensor]:
     """``amaxes`` as an operator may keep them for the sentry's later check: a copy in one launch. A compiled graph
     owns its operators' inputs and reuses their memory for later buffers once the call returns (a kept input would
     be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once."""
-    if policy.startswith(_ac.GRAPH_PREFIX) or not amaxes:
+    if policy.startswith(_ac.GRAPH_PREFIX):
         return amaxes
-    flat = torch.cat([a.detach().reshape(1) for a in amaxes])
-    return [flat[i:i + 1] for i in range(len(amaxes))]
+    return _copies([a.detach() for a in amaxes])
+
+
+def _record(kept: list[torch.Tensor], weight: torch.Tensor, roles: str, phase: str, policy: str) -> None:
+    layer = layer_of(weight)
+    for role, a in zip(roles.split(","), kept):
+        _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
 
 
 def _sentry_record(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str, phase: str) -> None:
-    """Record ``amaxes`` (one per comma-separated role in ``roles``) of the layer that owns ``weight`` for the NaN
-    sentry, under the policy of the autocast state ``key`` (a copy of them: :func:`_kept`)."""
+    """Record ``amaxes`` (one 1-D tensor of maxima per comma-separated role in ``roles``) of the layer that owns
+    ``weight`` for the NaN sentry, under the policy of the autocast state ``key`` (a copy of them: :func:`_kept`)."""
     _, policy = _op_state(key, weight)
-    layer = layer_of(weight)
-    for role, a in zip(roles.split(","), _kept(amaxes, policy)):
-        _ac.sentry(a, layer=layer, role=role, phase=phase, policy=policy)
+    _record(_kept(amaxes, policy), weight, roles, phase, policy)
 
 
 def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight: torch.Tensor, key: str,
                  roles: str, phase: str) -> list[torch.Tensor]:
-    """:func:`_sentry_record`, returning copies of ``scales``, which the GEMMs then read."""
-    _sentry_record(amaxes, weight, key, roles, phase)
-    return [s.clone() for s in scales]
+    """:func:`_sentry_record`, returning copies of ``scales``, which the GEMMs then read (the kept amaxes and the
+    scales copied by one launch)."""
+    _, policy = _op_state(key, weight)
+    if policy.startswith(_ac.GRAPH_PREFIX):
+        _record(amaxes, weight, roles, phase, policy)
+        return _copies(scales)
+    both = _copies(list(scales) + [a.detach() for a in amaxes])
+    _record(both[len(scales):], weight, roles, phase, policy)
+    return both[:len(scales)]
 
 
 _LIB.impl("sentry_record", _sentry_record, "CompositeExplicitAutograd")

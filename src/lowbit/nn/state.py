@@ -769,8 +769,8 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
                    "amaxes): the layers recorded after that are not checked")
         return
     at = ent[0]
-    for i, a in enumerate(amaxes):
-        board[at + i:at + i + 1].copy_(a.reshape(1))
+    for i, a in enumerate(amaxes):  # (1-D maxima, e.g. one a kernel program: their max, NaN propagating)
+        board[at + i:at + i + 1].copy_(a.reshape(1) if a.numel() == 1 else a.detach().amax().reshape(1))
 
 
 def _board_check() -> None:

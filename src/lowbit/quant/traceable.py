@@ -28,8 +28,8 @@ from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "current_scale", "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies",
-           "traceable_fits"]
+__all__ = ["TracedCopies", "amax_value", "current_scale", "quantize_blockwise_op", "quantize_traceable",
+           "tensorwise_copies", "traceable_fits"]
 
 
 class TracedCopies(NamedTuple):
@@ -38,7 +38,8 @@ class TracedCopies(NamedTuple):
 
     rowwise, row_scale_inv: the (rows, cols) copy and its dequantization scales (None where not asked for).
     columnwise, col_scale_inv: the (cols, rows) copy (scaled along the rows) and its scales (None where not asked).
-    amax: float32 (1,) max |x| of the whole tensor (what the NaN sentry reads).
+    amax: float32 1-D, maxima whose max is max |x| of the whole tensor (what the NaN sentry reads): (1,), or one a
+        program of the blockwise kernel's compiled launch (:func:`amax_value` reduces it).
     """
 
     rowwise: Optional[torch.Tensor]
@@ -124,6 +125,12 @@ def _blockwise_outputs_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: boo
             x2.new_empty(1, dtype=torch.int32))
 
 
+def amax_value(amax: torch.Tensor) -> torch.Tensor:
+    """(1,) float32: the amax of a :class:`TracedCopies` (maxima of non-negative floats as float32 bits) reduced to one
+    value, NaN above Inf above every finite one, as the sentry's check orders them."""
+    return amax.view(torch.int32).amax().reshape(1).view(torch.float32)
+
+
 def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
                      cq: torch.Tensor, rs: torch.Tensor, cs: torch.Tensor, amax_i: torch.Tensor) -> TracedCopies:
     """:class:`TracedCopies` over :func:`quantize_blockwise_op`'s outputs for a (rows, cols) tensor: views, no copy."""
@@ -161,10 +168,11 @@ def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: 
                         rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor, torch.Tensor]:
     """The Float8Blockwise(fmt, block_dim, block_size, pow2, eps) copies of the 2D tensor ``x2``: (rowwise data,
-    columnwise data, rowwise scale storage, columnwise scale storage, amax (1,) as int32 bits), a copy not asked for
-    as empty tensors. A ``triton_op``: on CUDA torch.compile sees its kernel launch
-    (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor makes it; elsewhere it calls the
-    opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels)."""
+    columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits: (1,), or one a kernel
+    program on CUDA, whose max is x2's), a copy not asked for as empty tensors. A ``triton_op``: on CUDA
+    torch.compile sees its kernel launch (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor
+    makes it; elsewhere it calls the opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the
+    interpreted kernels)."""
     # (an int or float a compiled caller passes as an input may come symbolic: specialized, a guard on its value)
     block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
     rowwise, columnwise = bool(rowwise), bool(columnwise)

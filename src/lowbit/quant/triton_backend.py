@@ -631,6 +631,7 @@ def _wrapped_launch(M: int, Kd: int, dtype: torch.dtype, sch: Float8Blockwise, r
     plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, device)
     fn, grid, extra, kw = plan.launch_args(blockwise_configs(M, Kd, plan.bs, sch.block_dim == 2, rowwise, columnwise,
                                                              dtype)[0])
+    kw["AMAX_EACH"] = True  # (an amax a program: no zero-filled accumulator, one launch less a call)
     tail = {p.name: kw.get(p.name, p.default) for p in fn.params[10 + len(extra):]}
     tail.update((k, v) for k, v in kw.items() if k not in tail)  # (launch options: num_warps)
     return plan, fn, grid, extra, tail
@@ -643,8 +644,8 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     the outputs and launches the kernel from its own wrapper (no lowbit Python per call); the configuration is fixed
     when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped), for static dims
     (a compiled graph is specialized on x2's shape). Returns fresh tensors (rowwise data, columnwise data, rowwise
-    scale storage, columnwise scale storage, amax as int32 bits), a copy not asked for as empty tensors. The same
-    bits as :func:`quantize_triton`."""
+    scale storage, columnwise scale storage, the amax bits of each program as int32: their max is the tensor's), a
+    copy not asked for as empty tensors. The same bits as :func:`quantize_triton`."""
     from torch.library import wrap_triton
 
     x2 = x2.contiguous()
@@ -657,7 +658,7 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     rs = grids(plan.rshape, dtype=torch.float32, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=dt, device=dev) if columnwise else None
     cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else None
-    amax_i = torch.zeros(1, dtype=torch.int32, device=dev)
+    amax_i = torch.empty(math.prod(grid), dtype=torch.int32, device=dev)
     wrap_triton(fn)[grid](x2, *blockwise_args(plan, rq, rs, cq, cs, amax_i), *extra, **tail)
     out = lambda t, dtype: torch.empty(0, dtype=dtype, device=dev) if t is None else t  # noqa: E731
     return out(rq, dt), out(cq, dt), out(rs, torch.float32), out(cs, torch.float32), amax_i

@@ -446,6 +446,16 @@ def _rows_1d(x, row_max, rsb, rqb, r, ck, K, nm, nk, FMAX: tl.constexpr, EMIN: t
 
 
 @triton.jit
+def _amax_out(amax_ptr, a, EACH: tl.constexpr):
+    """A program's amax bits ``a``: max-accumulated at amax_ptr, or (EACH) stored at amax_ptr[linear program id]."""
+    if EACH:
+        pid = tl.program_id(0).to(tl.int64) + tl.program_id(1).to(tl.int64) * tl.num_programs(0)
+        tl.store(amax_ptr + pid, a)
+    else:
+        tl.atomic_max(amax_ptr, a, sem="relaxed")
+
+
+@triton.jit
 def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_ld, cs_ld,
                      FMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, POW2: tl.constexpr,
                      EPS: tl.constexpr, TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
@@ -453,7 +463,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
                      SLAB: tl.constexpr = 0, EVEN: tl.constexpr = False, WIDE: tl.constexpr = True,
                      SATCVT: tl.constexpr = False, SCR: tl.constexpr = False, UNROLL: tl.constexpr = 1,
                      KMAJOR: tl.constexpr = False, NORM: tl.constexpr = False, SLAB2: tl.constexpr = 0,
-                     ROW2: tl.constexpr = False, abs_mask=0x7FFFFFFF, rstd_ptr=None, nw_ptr=None):
+                     ROW2: tl.constexpr = False, AMAX_EACH: tl.constexpr = False, abs_mask=0x7FFFFFFF,
+                     rstd_ptr=None, nw_ptr=None):
     """x (M, K) contiguous; a tile is BM rows x BS cols (BM == BS for the columnwise copy and for 2D tiles).
 
     1D rowwise scales: rs[kb, m] (ld rs_ld = pad4(M)); 1D columnwise: cs[mb, k] (ld pad4(K)).
@@ -485,6 +496,8 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
     columnwise one, so that walk 1 only loads and takes maxima.
     NORM (slab walk only): quantize the RMSNorm output y = (x * rstd[m]) * w[k] (FP32, the same two products in
     both walks) instead of x: rstd_ptr (M,) FP32, nw_ptr (K,) FP32 norm weight (lowbit.ops.norm_quant).
+    AMAX_EACH: each program stores its tile's amax bits at amax_ptr[its linear program id] (no pre-zeroed
+    accumulator, so no fill launch before the kernel; the tensor amax is their max) instead of an atomic max.
     """
     tl.static_assert(not NORM or SLAB > 0, "NORM needs the slab walk")
     S2: tl.constexpr = SLAB2 if SLAB2 > 0 else SLAB
@@ -511,7 +524,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
         x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         ab = abs_bits(x)
         row_max = tl.max(ab, axis=1)
-        tl.atomic_max(amax_ptr, tl.max(row_max, axis=0), sem="relaxed")
+        _amax_out(amax_ptr, tl.max(row_max, axis=0), AMAX_EACH)
         if TWO_D:
             s = compute_scale(bits_to_f32(tl.max(row_max, axis=0)), FMAX, POW2, EPS)
             si = recip(s, POW2, FMAX)
@@ -566,7 +579,7 @@ def blockwise_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, amax_ptr, M, K, rs_l
             a = tl.max(col_max, axis=0)
         else:
             a = tl.max(tmax, axis=0)
-        tl.atomic_max(amax_ptr, a, sem="relaxed")
+        _amax_out(amax_ptr, a, AMAX_EACH)
         # the scales of walk 2: the tile's (2D) or one a column (1D)
         if TWO_D:
             mult = compute_scale(bits_to_f32(a), FMAX, POW2, EPS)
