@@ -1,0 +1,184 @@
+"""What bounds lowbit's compiled ratio against torchao in the user's own loop: the GPU time of one compiled training
+step of the ``lowbit bench model`` client, split by what the kernels do, and the best step each FP8 variant could
+reach if its quantization cost nothing.
+
+For each variant (``bf16-compile``, ``torchao-compile``, ``<recipe>-compile``) it builds the client of
+``lowbit bench model`` (HF Llama, random init, FP32 parameters, ``torch.autocast`` bf16, fused AdamW), compiles it
+with ``torch.compile(model)``, runs ``--warmup`` steps, then profiles ``--steps`` steps with ``torch.profiler`` and
+sums the device time of every kernel by the operator that launched it:
+
+- ``fp8 gemm``: ``aten::_scaled_mm`` / ``aten::_scaled_mm_v2`` (cuBLAS FP8, tensorwise or blockwise scales);
+- ``16-bit gemm``: ``aten::mm`` / ``addmm`` / ``bmm`` (the LM head, which every variant keeps in BF16);
+- ``attention``: SDPA's kernels (cuDNN / flash / efficient);
+- ``optimizer``: the fused AdamW step;
+- ``other``: everything else: norms, RoPE, SwiGLU, residual adds, the loss, casts, and the FP8 variants'
+  quantization (amaxes, scales, casts, lowbit's quantizer kernels) and the NaN sentry's copies.
+
+The bound: an FP8 variant's step cannot take less GPU time than its own GEMMs, attention and optimizer plus the
+least ``other`` time of any row measured (``bf16-compile``'s is the same model's norms, RoPE, SwiGLU and loss with
+no quantization at all; a peer that fuses its casts may need less): that is its step with quantization free (fused
+into its neighbours at zero cost). ``best x torchao`` = torchao's
+measured step / that bound: the most the variant could gain over torchao with the GEMM kernels it runs. A target
+above it needs faster GEMMs (or fewer), not less quantization overhead.
+
+    PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
+        [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 3] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+CLASSES = ("fp8 gemm", "16-bit gemm", "attention", "optimizer", "other")
+
+
+def classify(op_name: str) -> str:
+    """The class of a kernel launched by the operator (or Inductor kernel) named ``op_name``."""
+    n = op_name.lower()
+    if "_scaled_mm" in n:
+        return "fp8 gemm"
+    if n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul"):
+        return "16-bit gemm"
+    if "attention" in n or "flash" in n or "cudnn" in n or "fmha" in n:
+        return "attention"
+    if "adam" in n or "multi_tensor" in n or "optimizer" in n:
+        return "optimizer"
+    return "other"
+
+
+def kernel_split(prof, steps: int) -> dict[str, float]:
+    """Device milliseconds a step of each class, from a finished ``torch.profiler.profile``."""
+    out = dict.fromkeys(CLASSES, 0.0)
+    for evt in prof.events():
+        kernels = getattr(evt, "kernels", None) or []
+        for k in kernels:
+            out[classify(evt.name)] += k.duration / 1e3  # (us -> ms)
+    return {c: v / steps for c, v in out.items()}
+
+
+def build(variant: str, size: int, layers: int | None):
+    """(compiled model, its recipe or None, optimizer) of ``variant`` on CUDA."""
+    import torch
+
+    import lowbit
+    from lowbit.bench import model as bench_model
+    from lowbit.recipes import from_name
+
+    args = ["--size", str(size)] + (["--layers", str(layers)] if layers else [])
+    cfg = bench_model.resolve(bench_model.parse_args(args))
+    model = bench_model.build_model(cfg["model"], cfg["seq"], "cuda")
+    base = variant.removesuffix("-compile")
+    recipe = None
+    if base == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, name: name != "lm_head")
+    elif base != "bf16":
+        recipe = from_name(base)
+        lowbit.convert(model, recipe=recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    return torch.compile(model), recipe, opt, cfg
+
+
+def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log) -> dict:
+    """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import lowbit
+
+    torch.compiler.reset()
+    fwd, recipe, opt, cfg = build(variant, size, layers)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).cuda()
+
+    def step():
+        quant = lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with torch.autocast("cuda", dtype=torch.bfloat16), quant:
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+        log(f"[compiled_bound] {variant}: step {i + 1}/{warmup + steps} {times[-1]:.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    split = kernel_split(prof, steps)
+    return dict(variant=variant, step_ms=statistics.median(times[warmup:]), gpu_ms=sum(split.values()), **split)
+
+
+def bounds(rows: list[dict]) -> list[dict]:
+    """Each FP8 row with ``bound_ms`` (its step with free quantization, see the module docstring) and
+    ``best_x_torchao``; needs the bf16-compile and torchao-compile rows."""
+    by = {r["variant"]: r for r in rows}
+    ao = by.get("torchao-compile")
+    if "bf16-compile" not in by or ao is None:
+        raise ValueError("--variants: the bound needs bf16-compile and torchao-compile")
+    least_other = min(r["other"] for r in rows)
+    for r in rows:
+        if r["variant"] == "bf16-compile":
+            continue
+        r["bound_ms"] = r["fp8 gemm"] + r["16-bit gemm"] + r["attention"] + r["optimizer"] + least_other
+        r["best_x_torchao"] = ao["step_ms"] / r["bound_ms"]
+        r["x_torchao"] = ao["step_ms"] / r["step_ms"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| variant | step ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | best x torchao |\n"
+            "|---|" + "---:|" * (len(CLASSES) + 5) + "\n")
+    lines = []
+    for r in rows:
+        cells = [f"{r['step_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
+        cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else "", f"{r['x_torchao']:.2f}" if "x_torchao" in r
+                  else "", f"{r['best_x_torchao']:.2f}" if "best_x_torchao" in r else ""]
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=2048, help="the bench-model preset (hidden size; default 2048)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--variants", default="bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile",
+                   help="comma-separated compiled variants; bf16-compile and torchao-compile are needed")
+    p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps, then as many profiled")
+    p.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("compiled_bound: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if not v.endswith("-compile")]
+    if bad:
+        raise ValueError(f"--variants: expected compiled variants (<name>-compile), got {bad}")
+    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True))
+            for v in variants]
+    rows = bounds(rows)
+    print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}")
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers, rows=rows), f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
