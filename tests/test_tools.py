@@ -133,3 +133,30 @@ def test_python_tool_help_without_gpu(path):
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
+
+
+def test_compiled_bound_arithmetic():
+    """tools/compiled_bound.py: an FP8 variant's bound is its GEMMs, attention and optimizer plus the least "other"
+    time of the run; best x torchao is torchao's step over it; the peers it needs are named when missing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compiled_bound", TOOLS / "compiled_bound.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    assert [cb.classify(n) for n in ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::mm", "aten::_fused_adamw_",
+                                     "aten::_scaled_dot_product_cudnn_attention", "triton_poi_fused_1")] == [
+        "fp8 gemm", "fp8 gemm", "16-bit gemm", "optimizer", "attention", "other"]
+
+    def row(v, step, fp8, b16, other):
+        return {"variant": v, "step_ms": step, "host_ms": 1.0, "gpu_ms": fp8 + b16 + 12 + 5 + other, "fp8 gemm": fp8,
+                "16-bit gemm": b16, "attention": 12.0, "optimizer": 5.0, "other": other}
+
+    rows = cb.bounds([row("bf16-compile", 66.0, 0.0, 30.0, 16.0), row("torchao-compile", 60.0, 22.0, 4.0, 11.5),
+                      row("fp8-block-compile", 63.0, 19.0, 4.0, 18.5)])
+    blk = rows[2]
+    assert blk["bound_ms"] == 19.0 + 4.0 + 12.0 + 5.0 + 11.5  # (torchao's "other" is the least)
+    assert blk["best_x_torchao"] == 60.0 / blk["bound_ms"] and blk["x_torchao"] == 60.0 / 63.0
+    assert "bound_ms" not in rows[0]
+    assert "| fp8-block-compile | 63.0 |" in cb.table(rows)
+    with pytest.raises(ValueError, match="bf16-compile and torchao-compile"):
+        cb.bounds([row("torchao-compile", 60.0, 22.0, 4.0, 11.5)])

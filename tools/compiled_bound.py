@@ -4,8 +4,9 @@ reach if its quantization cost nothing.
 
 For each variant (``bf16-compile``, ``torchao-compile``, ``<recipe>-compile``) it builds the client of
 ``lowbit bench model`` (HF Llama, random init, FP32 parameters, ``torch.autocast`` bf16, fused AdamW), compiles it
-with ``torch.compile(model)``, runs ``--warmup`` steps, then profiles ``--steps`` steps with ``torch.profiler`` and
-sums the device time of every kernel by the operator that launched it:
+with ``torch.compile(model)``, runs ``--warmup`` steps and ``--steps`` timed ones (step ms: their median, with a
+synchronize around each; host ms: until the step is enqueued, as ``lowbit bench model`` measures), then profiles
+``--steps`` more with ``torch.profiler`` and sums the device time of every kernel by the operator that launched it:
 
 - ``fp8 gemm``: ``aten::_scaled_mm`` / ``aten::_scaled_mm_v2`` (cuBLAS FP8, tensorwise or blockwise scales);
 - ``16-bit gemm``: ``aten::mm`` / ``addmm`` / ``bmm`` (the LM head, which every variant keeps in BF16);
@@ -22,7 +23,7 @@ measured step / that bound: the most the variant could gain over torchao with th
 above it needs faster GEMMs (or fewer), not less quantization overhead.
 
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
-        [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 3] [--out FILE]
+        [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--out FILE]
 """
 from __future__ import annotations
 
@@ -104,20 +105,22 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = []
+    times, host = [], []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
+        host.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
-        log(f"[compiled_bound] {variant}: step {i + 1}/{warmup + steps} {times[-1]:.1f} ms")
+        log(f"[compiled_bound] {variant}: step {i + 1}/{warmup + steps} {times[-1]:.1f} ms (host {host[-1]:.1f} ms)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     split = kernel_split(prof, steps)
-    return dict(variant=variant, step_ms=statistics.median(times[warmup:]), gpu_ms=sum(split.values()), **split)
+    return dict(variant=variant, step_ms=statistics.median(times[warmup:]), host_ms=statistics.median(host[warmup:]),
+                gpu_ms=sum(split.values()), **split)
 
 
 def bounds(rows: list[dict]) -> list[dict]:
@@ -138,11 +141,11 @@ def bounds(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| variant | step ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | best x torchao |\n"
-            "|---|" + "---:|" * (len(CLASSES) + 5) + "\n")
+    head = ("| variant | step ms | host ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | "
+            "best x torchao |\n|---|" + "---:|" * (len(CLASSES) + 6) + "\n")
     lines = []
     for r in rows:
-        cells = [f"{r['step_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
+        cells = [f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
         cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else "", f"{r['x_torchao']:.2f}" if "x_torchao" in r
                   else "", f"{r['best_x_torchao']:.2f}" if "best_x_torchao" in r else ""]
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile",
                    help="comma-separated compiled variants; bf16-compile and torchao-compile are needed")
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps, then as many profiled")
+    p.add_argument("--steps", type=int, default=6, help="timed steps (their median), then as many profiled")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     import torch
