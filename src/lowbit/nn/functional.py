@@ -986,7 +986,7 @@ _LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, 
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Fresh copies of the tensors ``ts`` (float32, one device; as ``clone`` makes them), made by one launch."""
+    """Fresh copies of the tensors ``ts`` (one device; as ``clone`` makes them), made by one launch."""
     out = [torch.empty_like(t) for t in ts]
     if out:
         torch._foreach_copy_(out, ts)
@@ -1020,12 +1020,10 @@ def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight:
     """:func:`_sentry_record`, returning copies of ``scales``, which the GEMMs then read (the kept amaxes and the
     scales copied by one launch)."""
     _, policy = _op_state(key, weight)
-    if policy.startswith(_ac.GRAPH_PREFIX):
-        _record(amaxes, weight, roles, phase, policy)
-        return _copies(scales)
-    both = _copies(list(scales) + [a.detach() for a in amaxes])
-    _record(both[len(scales):], weight, roles, phase, policy)
-    return both[:len(scales)]
+    graph = policy.startswith(_ac.GRAPH_PREFIX)  # (the board copies the amaxes itself: see _kept)
+    out = _copies(list(scales) + ([] if graph else [a.detach() for a in amaxes]))
+    _record(amaxes if graph else out[len(scales):], weight, roles, phase, policy)
+    return out[:len(scales)]
 
 
 _LIB.impl("sentry_record", _sentry_record, "CompositeExplicitAutograd")
