@@ -160,3 +160,6 @@ def test_compiled_bound_arithmetic():
     assert "| fp8-block-compile | 63.0 |" in cb.table(rows)
     with pytest.raises(ValueError, match="bf16-compile and torchao-compile"):
         cb.bounds([row("torchao-compile", 60.0, 22.0, 4.0, 11.5)])
+    per_kernel = {("other", "a"): [1.0, 2.0], ("other", "b"): [3.0, 1.0], ("attention", "c"): [9.0, 1.0]}
+    assert [r["kernel"] for r in cb.top_kernels(per_kernel, "other", 5)] == ["b", "a"]
+    assert cb.top_kernels(per_kernel, "other", 1) == [{"kernel": "b", "ms": 3.0, "launches": 1.0}]

@@ -23,7 +23,8 @@ measured step / that bound: the most the variant could gain over torchao with th
 above it needs faster GEMMs (or fewer), not less quantization overhead.
 
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
-        [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--out FILE]
+        [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--top N]
+        [--out FILE]
 """
 from __future__ import annotations
 
@@ -51,14 +52,27 @@ def classify(op_name: str) -> str:
     return "other"
 
 
-def kernel_split(prof, steps: int) -> dict[str, float]:
-    """Device milliseconds a step of each class, from a finished ``torch.profiler.profile``."""
+def kernel_split(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], list]]:
+    """(device milliseconds a step of each class, ``{(class, kernel name): [ms a step, launches a step]}``) from a
+    finished ``torch.profiler.profile``."""
     out = dict.fromkeys(CLASSES, 0.0)
+    per_kernel: dict[tuple[str, str], list] = {}
     for evt in prof.events():
         kernels = getattr(evt, "kernels", None) or []
         for k in kernels:
-            out[classify(evt.name)] += k.duration / 1e3  # (us -> ms)
-    return {c: v / steps for c, v in out.items()}
+            c = classify(evt.name)
+            out[c] += k.duration / 1e3  # (us -> ms)
+            acc = per_kernel.setdefault((c, k.name), [0.0, 0])
+            acc[0] += k.duration / 1e3 / steps
+            acc[1] += 1 / steps
+    return {c: v / steps for c, v in out.items()}, per_kernel
+
+
+def top_kernels(per_kernel: dict[tuple[str, str], list], cls: str, n: int) -> list[dict]:
+    """The ``n`` kernels of class ``cls`` with the most device time a step, largest first."""
+    rows = [dict(kernel=name, ms=ms, launches=launches) for (c, name), (ms, launches) in per_kernel.items()
+            if c == cls]
+    return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
 def build(variant: str, size: int, layers: int | None):
@@ -85,8 +99,9 @@ def build(variant: str, size: int, layers: int | None):
     return torch.compile(model), recipe, opt, cfg
 
 
-def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log) -> dict:
-    """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split."""
+def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log, top: int = 0) -> dict:
+    """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split (with ``top``: its
+    ``top`` largest "other" kernels under ``other_top``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,9 +133,12 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    split = kernel_split(prof, steps)
-    return dict(variant=variant, step_ms=statistics.median(times[warmup:]), host_ms=statistics.median(host[warmup:]),
-                gpu_ms=sum(split.values()), **split)
+    split, per_kernel = kernel_split(prof, steps)
+    row = dict(variant=variant, step_ms=statistics.median(times[warmup:]), host_ms=statistics.median(host[warmup:]),
+               gpu_ms=sum(split.values()), **split)
+    if top:
+        row["other_top"] = top_kernels(per_kernel, "other", top)
+    return row
 
 
 def bounds(rows: list[dict]) -> list[dict]:
@@ -160,6 +178,7 @@ def main(argv=None) -> int:
                    help="comma-separated compiled variants; bf16-compile and torchao-compile are needed")
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (their median), then as many profiled")
+    p.add_argument("--top", type=int, default=0, help="also list each variant's N largest \"other\" kernels")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     import torch
@@ -171,11 +190,14 @@ def main(argv=None) -> int:
     bad = [v for v in variants if not v.endswith("-compile")]
     if bad:
         raise ValueError(f"--variants: expected compiled variants (<name>-compile), got {bad}")
-    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True))
+    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top)
             for v in variants]
     rows = bounds(rows)
     print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}")
     print(table(rows))
+    for r in rows:
+        for k in r.get("other_top", []):
+            print(f"{r['variant']}: other {k['ms']:7.3f} ms {k['launches']:6.1f} launches  {k['kernel'][:110]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers, rows=rows), f,
