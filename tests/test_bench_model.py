@@ -51,6 +51,25 @@ def test_failed_variant_is_a_row_not_a_crash(capsys, monkeypatch):
     assert "second line" not in text
 
 
+def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
+    """--on-nonfinite is the policy the lowbit variants' autocast gets, and the table's header names it."""
+    import lowbit.nn
+
+    policies = []
+    real = lowbit.nn.autocast
+
+    def spy(*a, **k):
+        policies.append(k.get("on_nonfinite"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(lowbit.nn, "autocast", spy)
+    rc = main(["bench", "model", "--device", "cpu", "--variants", "bf16,fp8-current", "--steps", "2",
+               "--on-nonfinite", "off"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "| fp8-current |" in text and "on_nonfinite='off'" in text
+    assert policies == ["off", "off"]  # (one autocast a step of the lowbit variant; none for bf16)
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--variants", "bf16,fp9"], "unknown variant 'fp9'"),
     (["--recipes", "fp8-nope"], "unknown recipe 'fp8-nope'"),
@@ -58,6 +77,7 @@ def test_failed_variant_is_a_row_not_a_crash(capsys, monkeypatch):
     (["--seq", "-4"], "--seq: expected an integer >= 1"),
     (["--layers", "0"], "--layers: expected an integer >= 1"),
     (["--steps", "3", "--warmup", "3"], "--warmup"),
+    (["--on-nonfinite", "warn"], "--on-nonfinite: expected one of raise, skip, ignore, off, got 'warn'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, msg, capsys):
     rc = main(["bench", "model", "--device", "cpu", *args])

@@ -541,6 +541,50 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
             m(bad)
 
 
+def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
+    """on_nonfinite="off": the compiled traced linear holds no sentry operator (forward or backward graph), gives
+    the same bits as under "raise" (outputs and gradients), and a NaN input raises nothing and reports nothing: it
+    shows in the output."""
+    _trace_on_cpu(monkeypatch)
+    codes = []
+
+    def backend(gm, inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def keep(g, _):
+            codes.append(g.print_readable(print_output=False))
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch.manual_seed(0)
+    lin = lowbit.nn.Linear(64, 96)
+    x = torch.randn(2, 32, 64)
+    out = {}
+    for policy in ("raise", "off"):
+        codes.clear()
+        torch.compiler.reset()
+        m = torch.compile(lin, backend=backend, fullgraph=True)
+        xi = x.clone().requires_grad_(True)
+        lin.zero_grad(set_to_none=True)
+        with lowbit.autocast(recipe=from_name("fp8-current"), on_nonfinite=policy):
+            y = m(xi)
+        y.float().square().sum().backward()
+        code = "\n".join(codes)
+        assert len(codes) == 2 and "lowbit.quantized_linear" not in code
+        assert ("lowbit.sentry" in code) == (policy == "raise"), policy
+        out[policy] = (y, xi.grad, lin.weight.grad, lin.bias.grad)
+    for a, b in zip(out["raise"], out["off"]):
+        assert torch.equal(a, b)
+    bad = x.clone()
+    bad[1, 3, 5] = float("nan")
+    ac.nonfinite_events()
+    with lowbit.autocast(recipe=from_name("fp8-current"), on_nonfinite="off"):
+        y = m(bad)
+    assert not torch.isfinite(y).all() and ac.nonfinite_events() == []
+
+
 def _sentry_kept(recipe, device, monkeypatch):
     """A compiled (Inductor) traced linear records every pass's amaxes (the records counted), and checks them: a NaN
     input raises naming the input, an Inf output gradient naming grad_output, and finite steps between them run

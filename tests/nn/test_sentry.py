@@ -173,6 +173,47 @@ def test_ignore_records_events_and_never_stops():
     assert nonfinite_events() == []  # a clean step records nothing
 
 
+@pytest.mark.parametrize("recipe", [recipes.Float8CurrentScaling(), recipes.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_off_records_nothing_and_hides_no_value(recipe, monkeypatch):
+    """"off": no amax reaches the sentry (forward, backward), nothing raises or is reported, the NaN stays visible in
+    the outputs, and under delayed scaling the non-finite amax still never enters a history."""
+    st = lowbit.nn.state
+    seen = []
+    monkeypatch.setattr(st, "_unchecked", _Recording(seen))
+    m = lowbit.nn.Linear(32, 16)
+    nonfinite_events()
+    x = torch.randn(8, 32)
+    with lowbit.autocast(recipe=recipe, on_nonfinite="off"):
+        m(x)
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    bad.requires_grad_(True)
+    with lowbit.autocast(recipe=recipe, on_nonfinite="off"):
+        y = m(bad)
+    y.backward(y.detach())
+    assert seen == [] and nonfinite_events() == []
+    assert not torch.isfinite(y).all() and not torch.isfinite(m.weight.grad).all()
+    if isinstance(recipe, recipes.DelayedScaling):
+        h = m._gemms[""].delayed.histories["input"]
+        assert torch.isfinite(h.history).all() and torch.isfinite(h.scale).all()
+    with lowbit.autocast(recipe=recipe, on_nonfinite="raise"):
+        m(x)
+    assert len(seen) > 0  # (the recording stand-in does see the other policies' records)
+
+
+class _Recording(list):
+    """A stand-in for the sentry's record list that also notes every record appended."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def append(self, rec):
+        self.seen.append(rec)
+        super().append(rec)
+
+
 def test_graph_policy_goes_to_the_board_not_the_eager_records():
     """An operator inside torch.compile's CUDA graphs (graph_policy) records into the device's board, never into the
     eager records (which would keep graph-pool tensors alive); with no board for the device it says so once."""

@@ -18,6 +18,9 @@ Variants:
   default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``;
 * ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs.
 
+The lowbit variants run with lowbit's NaN sentry as a user gets it (``on_nonfinite="raise"``); ``--on-nonfinite
+off`` measures them without it (torchao has none).
+
 A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
 How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
@@ -45,6 +48,7 @@ import time
 
 import torch
 
+from ..nn.state import ON_NONFINITE
 from ..recipes import QUANTIZED_NAMES, from_name
 from ..train.cli import exit_status
 from . import git_commit
@@ -101,6 +105,9 @@ def parse_args(argv):
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (the benchmark; default when present) or cpu (a smoke test on a tiny model)")
     p.add_argument("--compile-on-cpu", action="store_true", help="run the compile variants on --device cpu too")
+    p.add_argument("--on-nonfinite", default="raise", metavar="{raise,skip,ignore,off}",
+                   help="the lowbit variants' NaN-sentry policy (lowbit.autocast's on_nonfinite; default raise, "
+                        "lowbit's default; off: no sentry, nothing recorded or checked)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the table (markdown) to FILE and the rows (JSON) to FILE.json")
     return p.parse_args(argv)
@@ -131,6 +138,8 @@ def resolve(args) -> dict:
         raise ValueError(f"--warmup: expected 0 <= warmup < steps ({run['steps']}), got {run['warmup']}")
     if not (run["lr"] > 0 and math.isfinite(run["lr"])):
         raise ValueError(f"--lr: expected a positive number, got {run['lr']}")
+    if args.on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"--on-nonfinite: expected one of {', '.join(ON_NONFINITE)}, got {args.on_nonfinite!r}")
     known = QUANTIZED_NAMES
     recipe_names = _split(args.recipes)
     for r in recipe_names:
@@ -145,7 +154,7 @@ def resolve(args) -> dict:
             raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
     variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
     return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
-                size=None if device == "cpu" else args.size, **run)
+                size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, **run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,7 +213,8 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         for i in range(n):
             _sync(device)
             t0 = time.perf_counter()
-            quant = lowbit.nn.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+            quant = (lowbit.nn.autocast(recipe=recipe, on_nonfinite=cfg["on_nonfinite"])
+                     if recipe is not None else contextlib.nullcontext())
             with torch.autocast(device, dtype=torch.bfloat16), quant:
                 loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -289,7 +299,8 @@ def header(cfg: dict) -> str:
             f"{git_commit()}\n\nLlamaForCausalLM {size}: hidden {m['hidden']}, intermediate {m['intermediate']}, "
             f"{m['layers']} layers, {m['heads']} heads, vocab {m['vocab']} ({n_params(m) / 1e6:.1f}M parameters); "
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
-            f"{cfg['steps'] - cfg['warmup']}; FP32 params, bf16 autocast, AdamW lr {cfg['lr']:g}")
+            f"{cfg['steps'] - cfg['warmup']}; FP32 params, bf16 autocast, AdamW lr {cfg['lr']:g}; lowbit's NaN "
+            f"sentry: on_nonfinite={cfg['on_nonfinite']!r}")
 
 
 def markdown(cfg: dict, rows: list[dict]) -> str:

@@ -996,8 +996,9 @@ def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 def _kept(amaxes: list[torch.Tensor], policy: str) -> list[torch.Tensor]:
     """``amaxes`` as an operator may keep them for the sentry's later check: a copy in one launch. A compiled graph
     owns its operators' inputs and reuses their memory for later buffers once the call returns (a kept input would
-    be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once."""
-    if policy.startswith(_ac.GRAPH_PREFIX):
+    be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once;
+    with the sentry off nothing keeps them."""
+    if policy.startswith(_ac.GRAPH_PREFIX) or _ac.sentry_off(policy):
         return amaxes
     return _copies([a.detach() for a in amaxes])
 
@@ -1175,10 +1176,12 @@ def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
     rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one operator: in the forward
     :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the scales the GEMMs then
-    read."""
+    read; none with ``on_nonfinite="off"``."""
     from ..quant.traceable import quantize_traceable
 
     out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
+    if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no operator at all)
+        return out
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":
         sentry_record_op(amaxes, weight, key, roles, phase)

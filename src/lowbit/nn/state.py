@@ -64,9 +64,12 @@ __all__ = [
     "DelayedScalingState",
     "state_key",
     "from_key",
+    "sentry_off",
+    "ON_NONFINITE",
 ]
 
-_ON_NONFINITE = ("raise", "skip", "ignore")
+ON_NONFINITE = ("raise", "skip", "ignore", "off")
+"""The NaN sentry's policies: what ``autocast(on_nonfinite=...)`` takes."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,7 +84,8 @@ class AutocastState:
         recipe: the active :class:`lowbit.recipes.Recipe` (None when disabled).
         amax_reduction_group: process group for the delayed-scaling amax reduction (None: world).
         on_nonfinite: ``"raise"`` (NonFiniteAmaxError), ``"skip"`` (record a :class:`NonFiniteEvent` for the loop
-            to skip the step) or ``"ignore"`` (record the event too, and go on).
+            to skip the step), ``"ignore"`` (record the event too, and go on) or ``"off"`` (no sentry: nothing
+            recorded or checked).
         support: ``"native"``, ``"emulated"`` or ``"reference"`` (see :func:`check_recipe_support`).
         key: a string naming (recipe, on_nonfinite) (:func:`state_key`; ``""`` when disabled): what a compiled
             graph passes to lowbit's operators, and what ``torch.compile`` guards on, so another recipe recompiles.
@@ -383,8 +387,10 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     ``layer``: the layer's name, or an object with a ``.name`` (read only if a fault is found).
     ``policy``: ``"raise"``, ``"skip"``, ``"ignore"`` (all three recorded and checked alike; only the outcome
     differs), or one of them under :func:`graph_policy` (an operator inside torch.compile's CUDA graphs: the amaxes
-    go to the device's board).
+    go to the device's board); ``"off"`` records nothing (:func:`sentry_off`).
     """
+    if policy in _OFF:
+        return
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
     if policy.startswith(GRAPH_PREFIX):  # (an operator inside torch.compile's CUDA graphs: graph_policy)
         _board_record(amaxes, layer, role, phase, policy[len(GRAPH_PREFIX):])
@@ -686,6 +692,12 @@ _board_free: dict = {}  # device index -> [[first slot, count], ...]: ranges of 
 _board_next: dict = {}  # device index -> the first slot no layer has taken yet
 _board_dead: list = []  # keys of layers garbage-collected since (appended by their weakref callbacks)
 GRAPH_PREFIX = "graph-"
+_OFF = ("off", GRAPH_PREFIX + "off")
+
+
+def sentry_off(policy: str) -> bool:
+    """Whether ``policy`` (an ``on_nonfinite``, or one under :func:`graph_policy`) records nothing: ``"off"``."""
+    return policy in _OFF
 
 
 def graph_policy(policy: str) -> str:
@@ -959,6 +971,10 @@ class autocast(contextlib.ContextDecorator):
             :func:`nonfinite_events`; nothing raises and nothing asks the loop to skip. Non-finite amaxes
             still never enter a delayed-scaling history, and no value is hidden: a quantized NaN / Inf
             dequantizes to NaN under every recipe (NUMERICS §3), so the step's outputs and loss show it.
+            ``"off"``: no sentry at all: no amax is recorded or checked and no event is reported (a compiled graph
+            holds no sentry operator: the sentry's own host time, about half of a compiled fp8-block step's, is
+            gone). Non-finite values still show in the outputs and the loss, as under ``"ignore"``, and never
+            enter a delayed-scaling history; only the report naming the layer, role and step is lost.
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
@@ -980,8 +996,8 @@ class autocast(contextlib.ContextDecorator):
             kinds = ", ".join(c.__name__ for c in NAMES.values() if c is not None)
             raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}{hint}; the recipes: "
                             f"{kinds}")
-        if on_nonfinite is not None and on_nonfinite not in _ON_NONFINITE:
-            raise ValueError(f"on_nonfinite: expected one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+        if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite: expected one of {ON_NONFINITE}, got {on_nonfinite!r}")
         if not isinstance(allow_emulation, bool):
             raise TypeError(f"allow_emulation: expected a bool, got {allow_emulation!r}")
         _check_group(amax_reduction_group)
