@@ -24,7 +24,7 @@ above it needs faster GEMMs (or fewer), not less quantization overhead.
 
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
         [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--top N]
-        [--out FILE]
+        [--on-nonfinite raise|skip|ignore|off] [--out FILE]
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def build(variant: str, size: int, layers: int | None):
     return torch.compile(model), recipe, opt, cfg
 
 
-def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log, top: int = 0) -> dict:
+def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log, top: int = 0,
+            on_nonfinite: str = "raise") -> dict:
     """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split (with ``top``: its
     ``top`` largest "other" kernels under ``other_top``)."""
     import torch
@@ -113,7 +114,8 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
     ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).cuda()
 
     def step():
-        quant = lowbit.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        quant = (lowbit.autocast(recipe=recipe, on_nonfinite=on_nonfinite) if recipe is not None
+                 else contextlib.nullcontext())
         with torch.autocast("cuda", dtype=torch.bfloat16), quant:
             loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -179,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (their median), then as many profiled")
     p.add_argument("--top", type=int, default=0, help="also list each variant's N largest \"other\" kernels")
+    p.add_argument("--on-nonfinite", default="raise", choices=("raise", "skip", "ignore", "off"),
+                   help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     import torch
@@ -190,18 +194,19 @@ def main(argv=None) -> int:
     bad = [v for v in variants if not v.endswith("-compile")]
     if bad:
         raise ValueError(f"--variants: expected compiled variants (<name>-compile), got {bad}")
-    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top)
-            for v in variants]
+    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top,
+                    args.on_nonfinite) for v in variants]
     rows = bounds(rows)
-    print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}")
+    print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}, lowbit "
+          f"on_nonfinite={args.on_nonfinite!r}")
     print(table(rows))
     for r in rows:
         for k in r.get("other_top", []):
             print(f"{r['variant']}: other {k['ms']:7.3f} ms {k['launches']:6.1f} launches  {k['kernel'][:110]}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers, rows=rows), f,
-                      indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers,
+                           on_nonfinite=args.on_nonfinite, rows=rows), f, indent=1)
     return 0
 
 
