@@ -148,7 +148,7 @@ class GemmLayer:
         self._offered_dy: QuantizedTensor | None = None
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
-        self.sentry_slots: torch.Tensor | None = None
+        self.sentry_slots: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sentry_armed = ""
         _ac.register_slot_holder(self)
 

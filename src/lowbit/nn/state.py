@@ -883,35 +883,41 @@ class _HolderName:
         return "<a layer since garbage-collected>" if h is None else h.name
 
 
-_slots_plan: list = [None]  # (holders' weak references, their policies, their slot tuples, records without their
-#   step, _Gather, the slots' .data): rebuilt when the armed holders, their policies or their slot tensors change
+_slots_plan: list = [None]  # (holders' weak references, their policies, their slot tuples, [(records without their
+#   step, _Gather, the slots' .data) per device]): rebuilt when the armed holders, their policies or their slot
+#   tensors change
 
 
-def _slots_plan_for(armed: list) -> tuple:
+def _slots_plan_for(armed: list) -> list:
     plan = _slots_plan[0]
     if plan is not None and len(plan[0]) == len(armed) and all(
             r() is h and p == h.sentry_armed and t is h.sentry_slots
             for r, p, t, h in zip(plan[0], plan[1], plan[2], armed)):
-        return plan
-    recs = [(_HolderName(h), role, phase, h.sentry_armed, (t[i:i + 1],))
-            for h in armed for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
-            enumerate(roles)]
-    # (.data: its own version counter. A graph saves the backward's slots for its backward, which only overwrites
-    # them; zeroing them through the tensor itself would bump the version that backward checks)
-    plan = _slots_plan[0] = ([weakref.ref(h) for h in armed], [h.sentry_armed for h in armed],
-                             [h.sentry_slots for h in armed], recs, _Gather([r[4][0] for r in recs]),
-                             [t.data for h in armed for t in h.sentry_slots])
-    return plan
+        return plan[3]
+    by_device: dict = {}
+    for h in armed:
+        by_device.setdefault(h.sentry_slots[0].device, []).append(h)
+    groups = []
+    for hs in by_device.values():  # (one check a device: a snapshot is one cat)
+        recs = [(_HolderName(h), role, phase, h.sentry_armed, (t[i:i + 1],))
+                for h in hs for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
+                enumerate(roles)]
+        # (.data: its own version counter. A graph saves the backward's slots for its backward, which only
+        # overwrites them; zeroing them through the tensor itself would bump the version that backward checks)
+        groups.append((recs, _Gather([r[4][0] for r in recs]), [t.data for h in hs for t in h.sentry_slots]))
+    _slots_plan[0] = ([weakref.ref(h) for h in armed], [h.sentry_armed for h in armed],
+                      [h.sentry_slots for h in armed], groups)
+    return groups
 
 
 def _slots_check() -> None:
-    """Queue one check of the armed holders' slots (records with the current step), then zero them."""
+    """Queue one check of the armed holders' slots a device (records with the current step), then zero them."""
     armed = [h for h in list(_slot_holders) if h.sentry_armed and h.sentry_slots is not None]
     if not armed:
         return
-    *_, recs, gather, data = _slots_plan_for(armed)
-    _launch_check([(h, role, phase, _step, policy, a) for h, role, phase, policy, a in recs], gather)
-    torch._foreach_zero_(data)  # (after the check's snapshot, in stream order)
+    for recs, gather, data in _slots_plan_for(armed):
+        _launch_check([(h, role, phase, _step, policy, a) for h, role, phase, policy, a in recs], gather)
+        torch._foreach_zero_(data)  # (after the check's snapshot, in stream order)
 
 
 # ------------------------------------------------------------------------------------------------
