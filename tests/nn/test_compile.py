@@ -624,6 +624,23 @@ def test_traced_linear_slots_skip_policy_reports_each_event_once_on_cpu(monkeypa
     assert step(x.clone(), g) == []
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_traced_linear_slots_without_grad_on_cpu(mode, monkeypatch):
+    """A compiled traced linear run without autograd (no_grad, inference_mode) still records its forward's amaxes
+    in its slots: a NaN input raises at the autocast exit, a finite one does not."""
+    _trace_on_cpu(monkeypatch)
+    lin = lowbit.nn.Linear(64, 96)
+    m = torch.compile(lin, fullgraph=True)
+    x = torch.randn(2, 32, 64)
+    with mode(), lowbit.autocast(recipe=from_name("fp8-current")):
+        m(x)
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        with mode(), lowbit.autocast(recipe=from_name("fp8-current")):
+            m(bad)
+
+
 def test_sentry_slots_follow_the_module(monkeypatch):
     """A layer's slots are allocated at the outermost autocast entry on its weight's device (none while the weight
     is on the meta device), again after the module moves, and a deep copy of the module gets slots of its own."""
