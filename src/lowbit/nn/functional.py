@@ -1004,14 +1004,18 @@ def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _kept(amaxes: list[torch.Tensor], policy: str) -> list[torch.Tensor]:
-    """``amaxes`` as an operator may keep them for the sentry's later check: a copy in one launch. A compiled graph
-    owns its operators' inputs and reuses their memory for later buffers once the call returns (a kept input would
-    be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once;
+def _copies_kept(policy: str) -> bool:
+    """Whether an operator records copies of its amaxes for the sentry's later check (:func:`_kept`). A compiled
+    graph owns its operators' inputs and reuses their memory for later buffers once the call returns (a kept input
+    would be read back overwritten). Under torch.compile's CUDA graphs the sentry copies them into its board at once;
     with the sentry off nothing keeps them."""
-    if policy.startswith(_ac.GRAPH_PREFIX) or _ac.sentry_off(policy):
-        return amaxes
-    return _copies([a.detach() for a in amaxes])
+    return not (policy.startswith(_ac.GRAPH_PREFIX) or _ac.sentry_off(policy))
+
+
+def _kept(amaxes: list[torch.Tensor], policy: str) -> list[torch.Tensor]:
+    """``amaxes`` as an operator may keep them for the sentry's later check: a copy in one launch where
+    :func:`_copies_kept`, else as they are."""
+    return _copies([a.detach() for a in amaxes]) if _copies_kept(policy) else amaxes
 
 
 def _record(kept: list[torch.Tensor], weight: torch.Tensor, roles: str, phase: str, policy: str) -> None:
@@ -1032,9 +1036,9 @@ def _sentry_pass(scales: list[torch.Tensor], amaxes: list[torch.Tensor], weight:
     """:func:`_sentry_record`, returning copies of ``scales``, which the GEMMs then read (the kept amaxes and the
     scales copied by one launch)."""
     _, policy = _op_state(key, weight)
-    graph = policy.startswith(_ac.GRAPH_PREFIX)  # (the board copies the amaxes itself: see _kept)
-    out = _copies(list(scales) + ([] if graph else [a.detach() for a in amaxes]))
-    _record(amaxes if graph else out[len(scales):], weight, roles, phase, policy)
+    own = _copies_kept(policy)
+    out = _copies(list(scales) + ([a.detach() for a in amaxes] if own else []))
+    _record(out[len(scales):] if own else amaxes, weight, roles, phase, policy)
     return out[:len(scales)]
 
 

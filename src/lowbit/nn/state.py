@@ -40,6 +40,7 @@ import torch
 
 from .. import distributed
 from ..quant.scaling import AmaxHistory
+from ..quant.traceable import amax_value
 from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import capability as _device_capability
@@ -393,7 +394,7 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     differs), or one of them under :func:`graph_policy` (an operator inside torch.compile's CUDA graphs: the amaxes
     go to the device's board); ``"off"`` records nothing (:func:`sentry_off`).
     """
-    if policy in _OFF:
+    if sentry_off(policy):
         return
     amaxes = tuple(amax) if isinstance(amax, (list, tuple)) else (amax,)
     if policy.startswith(GRAPH_PREFIX):  # (an operator inside torch.compile's CUDA graphs: graph_policy)
@@ -786,8 +787,8 @@ def _board_record(amaxes, layer, role: str, phase: str, policy: str) -> None:
                    "amaxes): the layers recorded after that are not checked")
         return
     at = ent[0]
-    for i, a in enumerate(amaxes):  # (1-D maxima, e.g. one a kernel program: their max, NaN propagating)
-        board[at + i:at + i + 1].copy_(a.reshape(1) if a.numel() == 1 else a.detach().amax().reshape(1))
+    for i, a in enumerate(amaxes):  # (1-D maxima, e.g. one a kernel program: their max, NaN above Inf)
+        board[at + i:at + i + 1].copy_(a.reshape(1) if a.numel() == 1 else amax_value(a.detach()))
 
 
 def _board_check() -> None:

@@ -660,7 +660,10 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else None
     amax_i = torch.empty(math.prod(grid), dtype=torch.int32, device=dev)
     wrap_triton(fn)[grid](x2, *blockwise_args(plan, rq, rs, cq, cs, amax_i), *extra, **tail)
-    out = lambda t, dtype: torch.empty(0, dtype=dtype, device=dev) if t is None else t  # noqa: E731
+
+    def out(t, dtype):  # (a copy not asked for: an empty tensor, as the operator's schema returns one)
+        return torch.empty(0, dtype=dtype, device=dev) if t is None else t
+
     return out(rq, dt), out(cq, dt), out(rs, torch.float32), out(cs, torch.float32), amax_i
 
 
