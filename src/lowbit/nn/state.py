@@ -869,21 +869,6 @@ def _prepare_slots() -> None:
             _slots_new.discard(h)
 
 
-class _HolderName:
-    """What a slot record keeps of its holder: a weak reference, read for its ``name`` only when a fault is found (a
-    check plan that kept the layer would keep its module, and the module's weights, alive)."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, holder):
-        self.ref = weakref.ref(holder)
-
-    @property
-    def name(self) -> str:
-        h = self.ref()
-        return "<a layer since garbage-collected>" if h is None else h.name
-
-
 _slots_plan: list = [None]  # (holders' weak references, their policies, their slot tuples, [(records without their
 #   step, _Gather, the slots' .data) per device]): rebuilt when the armed holders, their policies or their slot
 #   tensors change
@@ -900,7 +885,7 @@ def _slots_plan_for(armed: list) -> list:
         by_device.setdefault(h.sentry_slots[0].device, []).append(h)
     groups = []
     for hs in by_device.values():  # (one check a device: a snapshot is one cat)
-        recs = [(_HolderName(h), role, phase, h.sentry_armed, (t[i:i + 1],))
+        recs = [(h.name, role, phase, h.sentry_armed, (t[i:i + 1],))  # (names, as the board's: no layer kept)
                 for h in hs for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
                 enumerate(roles)]
         # (.data: its own version counter. A graph saves the backward's slots for its backward, which only
