@@ -860,7 +860,8 @@ def _prepare_slots() -> None:
             continue
         slots = h.sentry_slots
         if slots is None or slots[0].device != w.device:
-            slots = tuple(torch.zeros(len(r), dtype=torch.float32, device=w.device) for r in SENTRY_SLOT_ROLES)
+            with torch.inference_mode(False):  # (an entry under inference_mode: the checks zero them outside it)
+                slots = tuple(torch.zeros(len(r), dtype=torch.float32, device=w.device) for r in SENTRY_SLOT_ROLES)
             if w.is_cuda:  # (a graph that writes them keeps its CUDA graphs: inputs at fixed addresses)
                 for t in slots:
                     torch._dynamo.mark_static_address(t)
