@@ -419,7 +419,8 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed"])
 def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizers,
-    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator."""
+    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator. Current scaling records into
+    the layer's slot tensors (graph inputs, no sentry operator); delayed scaling keeps its delayed_scales operator."""
     codes = []
 
     def backend(gm, inputs):
@@ -432,8 +433,10 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
         y = torch.compile(lin, backend=backend, fullgraph=True)(x)
     y.float().sum().backward()
     code = "\n".join(codes)
-    records = ["lowbit.delayed_scales"] if recipe == "fp8-delayed" else ["lowbit.sentry_record", "lowbit.sentry_pass"]
+    delayed = recipe == "fp8-delayed"
+    records = ["lowbit.delayed_scales"] if delayed else ["sentry_slots_0_", "sentry_slots_1_"]
     assert "lowbit.quantized_linear" not in code and all(r in code for r in records), code[:2000]
+    assert delayed or ("lowbit.sentry_record" not in code and "lowbit.sentry_pass" not in code), code[:2000]
     assert ("lowbit.quantize_fp8_blockwise" in code) == (recipe == "fp8-block"), code[:2000]
 
 
