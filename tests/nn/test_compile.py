@@ -419,7 +419,8 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed"])
 def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizers,
-    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator."""
+    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator. Current scaling records into
+    the layer's slot tensors (graph inputs, no sentry operator); delayed scaling keeps its delayed_scales operator."""
     codes = []
 
     def backend(gm, inputs):
@@ -432,8 +433,10 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
         y = torch.compile(lin, backend=backend, fullgraph=True)(x)
     y.float().sum().backward()
     code = "\n".join(codes)
-    records = ["lowbit.delayed_scales"] if recipe == "fp8-delayed" else ["lowbit.sentry_record", "lowbit.sentry_pass"]
+    delayed = recipe == "fp8-delayed"
+    records = ["lowbit.delayed_scales"] if delayed else ["sentry_slots_0_", "sentry_slots_1_"]
     assert "lowbit.quantized_linear" not in code and all(r in code for r in records), code[:2000]
+    assert delayed or ("lowbit.sentry_record" not in code and "lowbit.sentry_pass" not in code), code[:2000]
     assert ("lowbit.quantize_fp8_blockwise" in code) == (recipe == "fp8-block"), code[:2000]
 
 
@@ -515,8 +518,9 @@ def _trace_on_cpu(monkeypatch):
 
 def test_traced_linear_traces_on_cpu(monkeypatch):
     """The traced Function (tensorwise: torch's CPU _scaled_mm runs it) compiles with fullgraph=True and no
-    lowbit::quantized_linear operator, gives gradients of the right shapes, and its sentry record still raises on a
-    NaN input. (Its bits against eager are the GPU tests': on the CPU eager runs the float64 reference GEMM.)"""
+    lowbit::quantized_linear operator, gives gradients of the right shapes, records its amaxes in the layer's slots
+    inside the graph (no sentry operator), and the sentry still raises on a NaN input. (Its bits against eager are the
+    GPU tests': on the CPU eager runs the float64 reference GEMM.)"""
     _trace_on_cpu(monkeypatch)
     codes = []
 
@@ -531,7 +535,7 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
         y = m(x)
     y.float().square().sum().backward()
     code = "\n".join(codes)
-    assert "lowbit.quantized_linear" not in code and "lowbit.sentry_record" in code and "lowbit.sentry_pass" in code
+    assert "lowbit.quantized_linear" not in code and "lowbit.sentry" not in code and "copy_" in code
     assert y.shape == (2, 32, 96) and x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
     assert lin.bias.grad is not None and torch.isfinite(y).all()
     bad = x.detach().clone()
@@ -542,9 +546,9 @@ def test_traced_linear_traces_on_cpu(monkeypatch):
 
 
 def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
-    """on_nonfinite="off": the compiled traced linear holds no sentry operator (forward or backward graph), gives
-    the same bits as under "raise" (outputs and gradients), and a NaN input raises nothing and reports nothing: it
-    shows in the output."""
+    """on_nonfinite="off": the compiled traced linear records nothing (no slot copies, no sentry operator, forward or
+    backward graph), gives the same bits as under "raise" (outputs and gradients), and a NaN input raises nothing and
+    reports nothing: it shows in the output."""
     _trace_on_cpu(monkeypatch)
     codes = []
 
@@ -561,7 +565,7 @@ def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
     torch.manual_seed(0)
     lin = lowbit.nn.Linear(64, 96)
     x = torch.randn(2, 32, 64)
-    out = {}
+    out, copies = {}, {}
     for policy in ("raise", "off"):
         codes.clear()
         torch.compiler.reset()
@@ -572,9 +576,13 @@ def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
             y = m(xi)
         y.float().square().sum().backward()
         code = "\n".join(codes)
-        assert len(codes) == 2 and "lowbit.quantized_linear" not in code
-        assert ("lowbit.sentry" in code) == (policy == "raise"), policy
+        assert len(codes) == 2 and "lowbit.quantized_linear" not in code and "lowbit.sentry" not in code
+        copies[policy] = code.count("copy_")
         out[policy] = (y, xi.grad, lin.weight.grad, lin.bias.grad)
+        if policy == "raise":  # the forward's slots checked (and zeroed) at the exit; the backward's hold max |dy|
+            fwd, bwd = lin._gemms[""].sentry_slots
+            assert torch.equal(fwd, torch.zeros(2)) and torch.equal(bwd, (2 * y.detach()).abs().amax().reshape(1))
+    assert copies["raise"] > copies["off"]  # (the slots' copies)
     for a, b in zip(out["raise"], out["off"]):
         assert torch.equal(a, b)
     bad = x.clone()
@@ -585,10 +593,84 @@ def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
     assert not torch.isfinite(y).all() and ac.nonfinite_events() == []
 
 
+def test_traced_linear_slots_skip_policy_reports_each_event_once_on_cpu(monkeypatch):
+    """Under "skip", an Inf output gradient recorded in the compiled layer's backward slot is reported by
+    nonfinite_events() after the backward (named, with its step, once: the next steps report nothing), and so is a
+    NaN input at the forward's exit."""
+    _trace_on_cpu(monkeypatch)
+    lin = lowbit.nn.Linear(64, 64)
+    lowbit.nn.name_modules(torch.nn.ModuleDict({"proj": lin}))
+    m = torch.compile(lin, fullgraph=True)
+    rec = from_name("fp8-current")
+    x = torch.randn(128, 64)
+    g = torch.randn(128, 64)
+    ac.nonfinite_events()
+
+    def step(inp, dy):
+        with lowbit.autocast(recipe=rec, on_nonfinite="skip"):
+            y = m(inp.requires_grad_())
+        y.backward(dy)
+        return ac.nonfinite_events()
+
+    assert step(x.clone(), g) == []
+    bad_g = g.clone()
+    bad_g[3, 4] = float("inf")
+    s = ac.step()
+    ev = step(x.clone(), bad_g)
+    assert [(e.layer, e.role, e.phase, e.step, e.policy) for e in ev] == [("proj", "grad_output", "backward", s + 1,
+                                                                           "skip")]
+    assert step(x.clone(), g) == [] and step(x.clone(), g) == []
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    ev = step(bad, g)
+    assert ("proj", "input", "forward") in {(e.layer, e.role, e.phase) for e in ev}
+    assert step(x.clone(), g) == []
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_traced_linear_slots_without_grad_on_cpu(mode, monkeypatch):
+    """A compiled traced linear run without autograd (no_grad, inference_mode) still records its forward's amaxes
+    in its slots: a NaN input raises at the autocast exit, a finite one does not."""
+    _trace_on_cpu(monkeypatch)
+    lin = lowbit.nn.Linear(64, 96)
+    m = torch.compile(lin, fullgraph=True)
+    x = torch.randn(2, 32, 64)
+    with mode(), lowbit.autocast(recipe=from_name("fp8-current")):
+        m(x)
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        with mode(), lowbit.autocast(recipe=from_name("fp8-current")):
+            m(bad)
+
+
+def test_sentry_slots_follow_the_module(monkeypatch):
+    """A layer's slots are allocated at the outermost autocast entry on its weight's device (none while the weight
+    is on the meta device), again after the module moves, and a deep copy of the module gets slots of its own."""
+    import copy
+
+    lin = lowbit.nn.Linear(64, 64, device="meta")
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        pass
+    layer = lin._gemms[""]
+    assert layer.sentry_slots is None
+    lin.to_empty(device="cpu")
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        pass
+    fwd, bwd = layer.sentry_slots
+    assert fwd.shape == (2,) and bwd.shape == (1,) and fwd.device.type == "cpu" and fwd.dtype == torch.float32
+    twin = copy.deepcopy(lin)
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        pass
+    assert twin._gemms[""].sentry_slots is not None
+    assert twin._gemms[""].sentry_slots[0].data_ptr() != fwd.data_ptr()
+
+
 def _sentry_kept(recipe, device, monkeypatch):
-    """A compiled (Inductor) traced linear records every pass's amaxes (the records counted), and checks them: a NaN
-    input raises naming the input, an Inf output gradient naming grad_output, and finite steps between them run
-    clean."""
+    """A compiled (Inductor) traced linear records every pass's amaxes in its layer's slots (no sentry operator) and
+    the sentry checks them: a NaN input raises naming the input (at the autocast exit), an Inf output gradient naming
+    grad_output (at the check after the backward), finite steps between them run clean, and the eager sentry's
+    records are not used."""
     seen = []
     record = ac.sentry
 
@@ -610,26 +692,24 @@ def _sentry_kept(recipe, device, monkeypatch):
         ac.check_nonfinite(wait=True)
 
     step(x, g)
-    assert sorted(set(seen)) == [("grad_output", "backward"), ("input", "forward"), ("weight", "forward")], seen
+    layer = lin._gemms[""]
+    assert seen == [] and layer.sentry_armed == "raise" and layer.sentry_slots[0].device == x.device
     bad = x.detach().clone()
     bad[3, 5] = float("nan")
     with pytest.raises(ac.NonFiniteAmaxError, match="input"):
         step(bad.requires_grad_(), g)
     step(x, g)
-    seen.clear()
     bad_g = g.clone()
     bad_g[7, 9] = float("inf")
     with pytest.raises(ac.NonFiniteAmaxError, match="grad_output"):
-        try:
-            step(x, bad_g)
-        finally:
-            assert ("grad_output", "backward") in seen, seen  # (the record ran: else the graph dropped it)
+        step(x, bad_g)
     step(x, g)
+    assert seen == []
 
 
 def test_traced_linear_sentry_kept_by_inductor_on_cpu(monkeypatch):
-    """Compiled by Inductor (whose partitioner drops calls nothing reads), the sentry's record, which returns
-    nothing, still runs every call, in both passes (fp8-current: torch's CPU _scaled_mm takes no blockwise scales)."""
+    """Compiled by Inductor, the traced linear's records (copies into its slots, which nothing in the graph reads)
+    still happen every call, in both passes (fp8-current: torch's CPU _scaled_mm takes no blockwise scales)."""
     _trace_on_cpu(monkeypatch)
     assert _fits("fp8-current", 256, 512, 512)
     _sentry_kept("fp8-current", "cpu", monkeypatch)

@@ -202,6 +202,48 @@ def test_off_records_nothing_and_hides_no_value(recipe, monkeypatch):
     assert len(seen) > 0  # (the recording stand-in does see the other policies' records)
 
 
+class _SlotHolder:
+    """A layer as the sentry's slots see it (what lowbit.nn.functional's GemmLayer provides)."""
+
+    def __init__(self, name):
+        self.name, self.sentry_slots, self.sentry_armed = name, None, ""
+        self.w = torch.zeros(4)
+
+    def weight(self):
+        return self.w
+
+
+def test_slot_holders_are_checked_once_and_not_kept_alive():
+    """An armed holder's slots are allocated at the outermost entry, checked at the checks (a non-finite one named
+    with its role and phase, once: the check zeroes them), and the sentry keeps no holder alive."""
+    import gc
+    import weakref
+
+    st = lowbit.nn.state
+    nonfinite_events()
+    h = _SlotHolder("fake")
+    st.register_slot_holder(h)
+    with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
+        pass
+    fwd, bwd = h.sentry_slots
+    h.sentry_armed = "skip"
+    bwd.fill_(float("inf"))
+    fwd[1] = 3.0
+    assert [(e.layer, e.role, e.phase, e.amax) for e in nonfinite_events()] == [
+        ("fake", "grad_output", "backward", float("inf"))]
+    assert torch.equal(fwd, torch.zeros(2)) and torch.equal(bwd, torch.zeros(1)) and nonfinite_events() == []
+    fwd[0] = float("nan")
+    h.sentry_armed = "raise"  # (the policy the graph armed it with)
+    with pytest.raises(NonFiniteAmaxError, match="fake"):
+        st.check_nonfinite()
+    ref = weakref.ref(h)
+    del h, fwd, bwd
+    gc.collect()
+    assert ref() is None
+    st.check_nonfinite()  # (a plan of a holder that is gone is not used)
+    assert nonfinite_events() == []
+
+
 class _Recording(list):
     """A stand-in for the sentry's record list that also notes every record appended."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import state as _ac
 from .functional import GemmLayer
 
 __all__ = ["LowbitModule", "name_modules"]
@@ -27,6 +28,12 @@ class LowbitModule:
 
     def _init_gemms(self, *suffixes: str) -> None:
         self._gemms = {s: GemmLayer(self, s) for s in suffixes}
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for g in getattr(self, "_gemms", {}).values():  # (the weight may have moved: slots follow at next entry)
+            _ac.slots_stale(g)
+        return out
 
     def get_extra_state(self) -> dict:
         out = {}

@@ -129,6 +129,10 @@ class GemmLayer:
             quantized with ``is_first_microbatch=True``.
         fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
         fresh_uses: how many forwards took them.
+        sentry_slots: (forward's float32 (2,), backward's (1,)) on the weight's device, the amaxes (input, weight;
+            grad_output) a compiled traced call records inside its graph for the NaN sentry (None until the first
+            outermost autocast entry; :mod:`lowbit.nn.state` allocates and checks them).
+        sentry_armed: the NaN-sentry policy of the compiled call that writes the slots ("" before any).
     """
 
     def __init__(self, owner, suffix: str = ""):
@@ -144,12 +148,17 @@ class GemmLayer:
         self._offered_dy: QuantizedTensor | None = None
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
+        self.sentry_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sentry_armed = ""
+        _ac.register_slot_holder(self)
 
     def __setstate__(self, state: dict) -> None:
         # a copy (copy.deepcopy of its module, unpickling) is a layer of its own: layer_of must find it, or a compiled
         # graph's operators would keep its delayed-scaling state and NaN-sentry name on an anonymous layer
         self.__dict__.update(state)
         _LAYERS.add(self)
+        self.sentry_slots, self.sentry_armed = None, ""  # (its own, allocated at the next entry)
+        _ac.register_slot_holder(self)
 
     # -- FP8 grad_output hand-off -----------------------------------------------------------------
     def offer_grad_output(self, q: QuantizedTensor, stand_in: torch.Tensor | None = None) -> None:
@@ -964,13 +973,15 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
 # the layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
-# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable). Per call no lowbit Python runs but the
-# blockwise quantizers and the NaN sentry's record (delayed scaling: the scales handed out and the amaxes recorded),
-# one operator a pass; the bits are eager's. Not traced (the operators above run): a GELU
+# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes copied into
+# the layer's slot tensors inside the graph (GemmLayer.sentry_slots; lowbit.nn.state checks them). Per call no lowbit
+# Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one operator a pass) or for a
+# layer whose slots are not allocated yet (the sentry's record operators); the bits are eager's. Not traced (the
+# operators above run): a GELU
 # or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
 # the GEMMs or blocks do not divide.
 #
-# The sentry's records and delayed_scales run once or twice per layer and pass: they are defined with
+# Where they run, the sentry's records and delayed_scales run once per layer and pass: they are defined with
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
 # autograd and backend wrappers (about 9 us of host time a call less; they take no gradient: called inside the
 # Function's passes). The forward's record returns nothing and is kept in the graph by an ordered effect; the
@@ -1123,7 +1134,8 @@ class _TracedLinearFn(torch.autograd.Function):
     """:func:`quantized_linear` on 2D x as torch operations (see above); the autocast state crosses as its key."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
+    def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
+                fwd_slots: torch.Tensor | None, bwd_slots: torch.Tensor | None):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
         from ..quant.traceable import tensorwise_copies
@@ -1137,10 +1149,10 @@ class _TracedLinearFn(torch.autograd.Function):
             qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
         else:
             qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
-                                      weight, key, "forward")
+                                      weight, key, "forward", fwd_slots)
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
                                        b_scheme=sw, out_dtype=out_dtype, bias=bias)
-        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight)
+        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, bwd_slots)
         ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
         ctx.x_dtype, ctx.bias_dtype = x2.dtype, None if bias is None else bias.dtype
         return y
@@ -1151,7 +1163,7 @@ class _TracedLinearFn(torch.autograd.Function):
         from ..quant.reference import amax_of
         from ..quant.traceable import tensorwise_copies
 
-        xc, xcs, wc, wcs, weight = ctx.saved_tensors
+        xc, xcs, wc, wcs, weight, slots = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
         sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
         need_dgrad, need_wgrad = ctx.need
@@ -1164,7 +1176,7 @@ class _TracedLinearFn(torch.autograd.Function):
                 q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
             else:
                 (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key,
-                                        "backward")
+                                        "backward", slots)
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype)
@@ -1173,18 +1185,22 @@ class _TracedLinearFn(torch.autograd.Function):
                                                 out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
-def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
+def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str, slots: torch.Tensor | None = None) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
     rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one operator: in the forward
     :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the scales the GEMMs then
-    read; none with ``on_nonfinite="off"``."""
-    from ..quant.traceable import quantize_traceable
+    read; none with ``on_nonfinite="off"``. Given ``slots`` (the pass's tensor of :attr:`GemmLayer.sentry_slots`),
+    no operator either: each amax's max is copied into its role's slot inside the graph."""
+    from ..quant.traceable import amax_value, quantize_traceable
 
     out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
     if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no operator at all)
+        return out
+    if slots is not None:  # (the pass's own slot tensor, overwritten whole: one element a role, in order)
+        slots.copy_(torch.cat([amax_value(q.amax) for q in out]))
         return out
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":
@@ -1200,8 +1216,14 @@ def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: 
     """:func:`quantized_linear` through :class:`_TracedLinearFn` (inside torch.compile)."""
     K = x.shape[-1]
     grad = torch.is_grad_enabled()
+    layer, slots = cfg.layer, cfg.layer.sentry_slots
+    if (slots is None or slots[0].device != x.device or _ac.sentry_off(cfg.policy)
+            or cfg.recipe.role("input").delayed):
+        slots = (None, None)  # (the sentry's operators record instead; delayed scaling's hands out its scales too)
+    else:
+        layer.sentry_armed = cfg.policy  # (Dynamo replays the assignment at every call of the graph)
     y = _TracedLinearFn.apply(x.reshape(-1, K), weight, bias, key, cfg.out_dtype, grad and x.requires_grad,
-                              grad and weight.requires_grad)
+                              grad and weight.requires_grad, *slots)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

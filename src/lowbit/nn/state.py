@@ -67,6 +67,9 @@ __all__ = [
     "from_key",
     "sentry_off",
     "ON_NONFINITE",
+    "SENTRY_SLOT_ROLES",
+    "register_slot_holder",
+    "slots_stale",
 ]
 
 ON_NONFINITE = ("raise", "skip", "ignore", "off")
@@ -342,6 +345,7 @@ def take_checks() -> StepChecks:
     recs = _take_unchecked()
     if recs:
         _launch_check(recs)
+    _slots_check()
     with _lock:
         queue, events, maxes = list(_inflight), list(_events), list(_maxes)
         _inflight.clear()
@@ -626,6 +630,7 @@ def check_nonfinite(wait: bool = True) -> None:
         return
     if recs:
         _launch_check(recs)
+    _slots_check()
     _drain(wait)
 
 
@@ -810,6 +815,99 @@ def _board_check() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# slots: the amaxes a compiled graph records in itself
+# ------------------------------------------------------------------------------------------------
+# A layer that torch.compile traces (lowbit.nn.functional's traced linear) records its amaxes inside the graph: the
+# max of each role's amax copied into the layer's own float32 slot tensors, no Python per call: the forward's
+# (input, weight) in one, the backward's (grad_output) in another, each overwritten whole by its pass (a graph that
+# wrote part of a tensor could write the rest back as it was when traced). A holder (the layer's GemmLayer) registers
+# once; its slots are allocated at the next outermost autocast entry on its weight's device (before any graph is
+# traced: a graph must find them there) and again after its module moves (:func:`slots_stale`). The traced code sets
+# the holder's ``sentry_armed`` to its policy (Dynamo replays that assignment every call); every check (the
+# outermost exit, the end of a backward, ``nonfinite_events``, ``take_checks``) snapshots the armed holders' slots in
+# one cat and zeroes them, so each amax is checked once: the forward's at the exit, the backward's at the next check
+# after it.
+SENTRY_SLOT_ROLES = ((("input", "forward"), ("weight", "forward")), (("grad_output", "backward"),))
+"""(role, phase) of each element of a holder's slot tensors ``sentry_slots`` (forward's, backward's)."""
+_slot_holders: "weakref.WeakSet" = weakref.WeakSet()
+_slots_new: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_slot_holder(holder) -> None:
+    """Register ``holder`` (an object with ``sentry_slots`` (None, or a tensor per :data:`SENTRY_SLOT_ROLES` entry),
+    ``sentry_armed``, ``name`` and ``weight()``): its slots are allocated at the next outermost autocast entry."""
+    with _lock:
+        _slot_holders.add(holder)
+        _slots_new.add(holder)
+
+
+def slots_stale(holder) -> None:
+    """``holder``'s weight may have moved (its module's ``.to()``): allocate its slots again at the next entry."""
+    with _lock:
+        if holder in _slot_holders:
+            _slots_new.add(holder)
+
+
+def _prepare_slots() -> None:
+    """Allocate the slots of the holders registered or moved since the last entry, on their weights' devices."""
+    if not _slots_new:
+        return
+    with _lock:
+        todo = list(_slots_new)
+    for h in todo:
+        w = h.weight()
+        if not isinstance(w, torch.Tensor) or w.device.type == "meta" or in_graph_pool(w.device):
+            continue
+        slots = h.sentry_slots
+        if slots is None or slots[0].device != w.device:
+            with torch.inference_mode(False):  # (an entry under inference_mode: the checks zero them outside it)
+                slots = tuple(torch.zeros(len(r), dtype=torch.float32, device=w.device) for r in SENTRY_SLOT_ROLES)
+            if w.is_cuda:  # (a graph that writes them keeps its CUDA graphs: inputs at fixed addresses)
+                for t in slots:
+                    torch._dynamo.mark_static_address(t)
+            h.sentry_slots = slots
+        with _lock:
+            _slots_new.discard(h)
+
+
+_slots_plan: list = [None]  # (holders' weak references, their policies, their slot tuples, [(records without their
+#   step, _Gather, the slots' .data) per device]): rebuilt when the armed holders, their policies or their slot
+#   tensors change
+
+
+def _slots_plan_for(armed: list) -> list:
+    plan = _slots_plan[0]
+    if plan is not None and len(plan[0]) == len(armed) and all(
+            r() is h and p == h.sentry_armed and t is h.sentry_slots
+            for r, p, t, h in zip(plan[0], plan[1], plan[2], armed)):
+        return plan[3]
+    by_device: dict = {}
+    for h in armed:
+        by_device.setdefault(h.sentry_slots[0].device, []).append(h)
+    groups = []
+    for hs in by_device.values():  # (one check a device: a snapshot is one cat)
+        recs = [(h.name, role, phase, h.sentry_armed, (t[i:i + 1],))  # (names, as the board's: no layer kept)
+                for h in hs for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
+                enumerate(roles)]
+        # (.data: its own version counter. A graph saves the backward's slots for its backward, which only
+        # overwrites them; zeroing them through the tensor itself would bump the version that backward checks)
+        groups.append((recs, _Gather([r[4][0] for r in recs]), [t.data for h in hs for t in h.sentry_slots]))
+    _slots_plan[0] = ([weakref.ref(h) for h in armed], [h.sentry_armed for h in armed],
+                      [h.sentry_slots for h in armed], groups)
+    return groups
+
+
+def _slots_check() -> None:
+    """Queue one check of the armed holders' slots a device (records with the current step), then zero them."""
+    armed = [h for h in list(_slot_holders) if h.sentry_armed and h.sentry_slots is not None]
+    if not armed:
+        return
+    for recs, gather, data in _slots_plan_for(armed):
+        _launch_check([(h, role, phase, _step, policy, a) for h, role, phase, policy, a in recs], gather)
+        torch._foreach_zero_(data)  # (after the check's snapshot, in stream order)
+
+
+# ------------------------------------------------------------------------------------------------
 # delayed scaling state
 # ------------------------------------------------------------------------------------------------
 class DelayedScalingState:
@@ -973,9 +1071,13 @@ class autocast(contextlib.ContextDecorator):
             still never enter a delayed-scaling history, and no value is hidden: a quantized NaN / Inf
             dequantizes to NaN under every recipe (NUMERICS §3), so the step's outputs and loss show it.
             ``"off"``: no sentry at all: no amax is recorded or checked and no event is reported (a compiled graph
-            holds no sentry operator: the sentry's own host time, about half of a compiled fp8-block step's, is
-            gone). Non-finite values still show in the outputs and the loss, as under ``"ignore"``, and never
-            enter a delayed-scaling history; only the report naming the layer, role and step is lost.
+            holds no record of them). Non-finite values still show in the outputs and the loss, as under
+            ``"ignore"``, and never enter a delayed-scaling history; only the report naming the layer, role and step
+            is lost.
+            Under ``torch.compile`` a traced current-scaling linear records its amaxes inside the graph (no Python
+            per call): its forward's are checked at the outermost exit as above, its backward's at the next check
+            after the backward (:func:`nonfinite_events`, :func:`take_checks`, :func:`check_nonfinite` or the next
+            step's exit), so a ``"raise"`` fault of a backward raises there, not from ``backward()``.
         allow_emulation: allow recipes the device runs only emulated (see :func:`check_recipe_support`).
 
     Contexts nest: each one saves the state it found and restores it on exit, also on exceptions.
@@ -1030,6 +1132,7 @@ class autocast(contextlib.ContextDecorator):
             _carried = _snapshot_pending()
             if self.enabled:
                 prepare_board()
+                _prepare_slots()
         _depth += 1
         return self
 
