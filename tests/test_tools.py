@@ -163,3 +163,12 @@ def test_compiled_bound_arithmetic():
     per_kernel = {("other", "a"): [1.0, 2.0], ("other", "b"): [3.0, 1.0], ("attention", "c"): [9.0, 1.0]}
     assert [r["kernel"] for r in cb.top_kernels(per_kernel, "other", 5)] == ["b", "a"]
     assert cb.top_kernels(per_kernel, "other", 1) == [{"kernel": "b", "ms": 3.0, "launches": 1.0}]
+
+    class Avg:  # (what torch.profiler's key_averages() yields: a name, self CPU us over the run, calls)
+        def __init__(self, key, us, count):
+            self.key, self.self_cpu_time_total, self.count = key, us, count
+
+    got = cb.host_top([Avg("aten::_scaled_mm", 3000.0, 30), Avg("cuLaunchKernel", 6000.0, 300),
+                       Avg("aten::t", 30.0, 60)], steps=3, n=2)
+    assert got == [{"name": "cuLaunchKernel", "ms": 2.0, "calls": 100.0},
+                   {"name": "aten::_scaled_mm", "ms": 1.0, "calls": 10.0}]

@@ -24,7 +24,10 @@ above it needs faster GEMMs (or fewer), not less quantization overhead.
 
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
         [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--top N]
-        [--on-nonfinite raise|skip|ignore|off] [--out FILE]
+        [--host N] [--on-nonfinite raise|skip|ignore|off] [--out FILE]
+
+``--host N`` also lists each variant's N largest host costs a step (self CPU time under the profiler, by operator,
+Inductor kernel launcher or driver call): where a host-bound compiled step spends its time.
 """
 from __future__ import annotations
 
@@ -75,6 +78,14 @@ def top_kernels(per_kernel: dict[tuple[str, str], list], cls: str, n: int) -> li
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
+def host_top(averages, steps: int, n: int) -> list[dict]:
+    """The ``n`` host (CPU) costs of a profiled step with the most self time, largest first: ``{name, ms, calls}`` a
+    step, from ``torch.profiler``'s ``key_averages()`` (operators, Inductor's kernel launchers, the CUDA driver's
+    launch calls, Dynamo's guard evaluation; self time: a caller's line leaves out what its callees' lines show)."""
+    rows = [dict(name=e.key, ms=e.self_cpu_time_total / 1e3 / steps, calls=e.count / steps) for e in averages]
+    return sorted(rows, key=lambda r: -r["ms"])[:n]
+
+
 def build(variant: str, size: int, layers: int | None):
     """(compiled model, its recipe or None, optimizer) of ``variant`` on CUDA."""
     import torch
@@ -100,9 +111,10 @@ def build(variant: str, size: int, layers: int | None):
 
 
 def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log, top: int = 0,
-            on_nonfinite: str = "raise") -> dict:
+            on_nonfinite: str = "raise", host: int = 0) -> dict:
     """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split (with ``top``: its
-    ``top`` largest "other" kernels under ``other_top``)."""
+    ``top`` largest "other" kernels under ``other_top``; with ``host``: its ``host`` largest host costs under
+    ``host_top``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -140,6 +152,8 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
                gpu_ms=sum(split.values()), **split)
     if top:
         row["other_top"] = top_kernels(per_kernel, "other", top)
+    if host:
+        row["host_top"] = host_top(prof.key_averages(), steps, host)
     return row
 
 
@@ -181,6 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (their median), then as many profiled")
     p.add_argument("--top", type=int, default=0, help="also list each variant's N largest \"other\" kernels")
+    p.add_argument("--host", type=int, default=0, help="also list each variant's N largest host (CPU) costs a step "
+                   "(self time by operator or call; under the profiler, which adds its own)")
     p.add_argument("--on-nonfinite", default="raise", choices=("raise", "skip", "ignore", "off"),
                    help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
@@ -195,7 +211,7 @@ def main(argv=None) -> int:
     if bad:
         raise ValueError(f"--variants: expected compiled variants (<name>-compile), got {bad}")
     rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top,
-                    args.on_nonfinite) for v in variants]
+                    args.on_nonfinite, args.host) for v in variants]
     rows = bounds(rows)
     print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}, lowbit "
           f"on_nonfinite={args.on_nonfinite!r}")
@@ -203,6 +219,9 @@ def main(argv=None) -> int:
     for r in rows:
         for k in r.get("other_top", []):
             print(f"{r['variant']}: other {k['ms']:7.3f} ms {k['launches']:6.1f} launches  {k['kernel'][:110]}")
+    for r in rows:
+        for h in r.get("host_top", []):
+            print(f"{r['variant']}: host {h['ms']:7.3f} ms {h['calls']:6.1f} calls  {h['name'][:110]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers,
