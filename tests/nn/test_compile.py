@@ -644,6 +644,48 @@ def test_traced_linear_slots_without_grad_on_cpu(mode, monkeypatch):
             m(bad)
 
 
+def test_traced_linear_slots_keep_every_call_since_the_check_on_cpu(monkeypatch):
+    """The slots hold the running max of every call since the last check: a layer called twice inside one autocast
+    region raises at the exit for a NaN in the first call's input, though the second call's is finite."""
+    _trace_on_cpu(monkeypatch)
+    lin = lowbit.nn.Linear(64, 64)
+    lowbit.nn.name_modules(torch.nn.ModuleDict({"proj": lin}))
+    m = torch.compile(lin, fullgraph=True)
+    x = torch.randn(16, 64)
+    bad = x.clone()
+    bad[2, 3] = float("nan")
+    with torch.no_grad(), lowbit.autocast(recipe=from_name("fp8-current")):
+        m(x), m(x)
+    with pytest.raises(ac.NonFiniteAmaxError, match="input"):
+        with torch.no_grad(), lowbit.autocast(recipe=from_name("fp8-current")):
+            m(bad)
+            m(x)
+    with torch.no_grad(), lowbit.autocast(recipe=from_name("fp8-current")):
+        m(x)
+
+
+def test_traced_linear_slots_keep_a_nonfinite_gradient_of_an_earlier_backward_on_cpu(monkeypatch):
+    """Two forwards, then two backwards before the next check (as gradient accumulation over kept graphs runs): an
+    Inf in the first backward's output gradient still raises at the check after the second, clean one."""
+    _trace_on_cpu(monkeypatch)
+    lin = lowbit.nn.Linear(256, 256)
+    lowbit.nn.name_modules(torch.nn.ModuleDict({"proj": lin}))
+    m = torch.compile(lin, fullgraph=True)
+    x1, x2 = torch.randn(128, 256, requires_grad=True), torch.randn(128, 256, requires_grad=True)
+    for bad in (False, True):
+        with lowbit.autocast(recipe=from_name("fp8-current")):
+            y1, y2 = m(x1), m(x2)
+        g = torch.ones_like(y1)
+        if bad:
+            g[3, 3] = float("inf")
+        y1.backward(g)
+        y2.sum().backward()
+        if not bad:
+            ac.check_nonfinite(wait=True)
+    with pytest.raises(ac.NonFiniteAmaxError, match="grad_output"):
+        ac.check_nonfinite(wait=True)
+
+
 def test_sentry_slots_follow_the_module(monkeypatch):
     """A layer's slots are allocated at the outermost autocast entry on its weight's device (none while the weight
     is on the meta device), again after the module moves, and a deep copy of the module gets slots of its own."""

@@ -1193,14 +1193,15 @@ def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str, slots: t
     rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one operator: in the forward
     :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the scales the GEMMs then
     read; none with ``on_nonfinite="off"``. Given ``slots`` (the pass's tensor of :attr:`GemmLayer.sentry_slots`),
-    no operator either: each amax's max is copied into its role's slot inside the graph."""
+    no operator either: each amax's max is max-accumulated into its role's slot inside the graph."""
     from ..quant.traceable import amax_value, quantize_traceable
 
     out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
     if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no operator at all)
         return out
-    if slots is not None:  # (the pass's own slot tensor, overwritten whole: one element a role, in order)
-        slots.copy_(torch.cat([amax_value(q.amax) for q in out]))
+    if slots is not None:  # (the pass's own slot tensor, written whole: one element a role, in order; a running max
+        # until the next check zeroes it, so every call since then is checked, two backwards before a check too)
+        slots.copy_(torch.maximum(slots, torch.cat([amax_value(q.amax) for q in out])))
         return out
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":

@@ -817,16 +817,16 @@ def _board_check() -> None:
 # ------------------------------------------------------------------------------------------------
 # slots: the amaxes a compiled graph records in itself
 # ------------------------------------------------------------------------------------------------
-# A layer that torch.compile traces (lowbit.nn.functional's traced linear) records its amaxes inside the graph: the
-# max of each role's amax copied into the layer's own float32 slot tensors, no Python per call: the forward's
-# (input, weight) in one, the backward's (grad_output) in another, each overwritten whole by its pass (a graph that
-# wrote part of a tensor could write the rest back as it was when traced). A holder (the layer's GemmLayer) registers
-# once; its slots are allocated at the next outermost autocast entry on its weight's device (before any graph is
-# traced: a graph must find them there) and again after its module moves (:func:`slots_stale`). The traced code sets
-# the holder's ``sentry_armed`` to its policy (Dynamo replays that assignment every call); every check (the
-# outermost exit, the end of a backward, ``nonfinite_events``, ``take_checks``) snapshots the armed holders' slots in
-# one cat and zeroes them, so each amax is checked once: the forward's at the exit, the backward's at the next check
-# after it.
+# A layer that torch.compile traces (lowbit.nn.functional's traced linear) records its amaxes inside the graph: the max
+# of each role's amax max-accumulated into the layer's own float32 slot tensors, no Python per call: the forward's
+# (input, weight) in one, the backward's (grad_output) in another, each written whole by its pass (a graph that wrote
+# part of a tensor could write the rest back as it was when traced), a running max until a check zeroes it (a layer
+# called twice, or two backwards, before a check: every call is checked). A holder (the layer's GemmLayer) registers
+# once; its slots are allocated at the next outermost autocast entry on its weight's device (before any graph is traced:
+# a graph must find them there) and again after its module moves (:func:`slots_stale`). The traced code sets the
+# holder's ``sentry_armed`` to its policy (Dynamo replays that assignment every call); every check (the outermost exit,
+# the end of a backward, ``nonfinite_events``, ``take_checks``) snapshots the armed holders' slots in one cat and zeroes
+# them, so each amax is checked once: the forward's at the exit, the backward's at the next check after it.
 SENTRY_SLOT_ROLES = ((("input", "forward"), ("weight", "forward")), (("grad_output", "backward"),))
 """(role, phase) of each element of a holder's slot tensors ``sentry_slots`` (forward's, backward's)."""
 _slot_holders: "weakref.WeakSet" = weakref.WeakSet()
@@ -890,7 +890,7 @@ def _slots_plan_for(armed: list) -> list:
                 for h in hs for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
                 enumerate(roles)]
         # (.data: its own version counter. A graph saves the backward's slots for its backward, which only
-        # overwrites them; zeroing them through the tensor itself would bump the version that backward checks)
+        # updates them in place; zeroing them through the tensor itself would bump the version that backward checks)
         groups.append((recs, _Gather([r[4][0] for r in recs]), [t.data for h in hs for t in h.sentry_slots]))
     _slots_plan[0] = ([weakref.ref(h) for h in armed], [h.sentry_armed for h in armed],
                       [h.sentry_slots for h in armed], groups)
