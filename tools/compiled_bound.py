@@ -38,6 +38,8 @@ import statistics
 import sys
 import time
 
+from lowbit.nn.state import ON_NONFINITE
+
 CLASSES = ("fp8 gemm", "16-bit gemm", "attention", "optimizer", "other")
 
 
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=0, help="also list each variant's N largest \"other\" kernels")
     p.add_argument("--host", type=int, default=0, help="also list each variant's N largest host (CPU) costs a step "
                    "(self time by operator or call; under the profiler, which adds its own)")
-    p.add_argument("--on-nonfinite", default="raise", choices=("raise", "skip", "ignore", "off"),
+    p.add_argument("--on-nonfinite", default="raise", choices=ON_NONFINITE,
                    help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
