@@ -9,7 +9,14 @@ import torch
 from lowbit.quant import quantize_reference
 from lowbit.quant.reference import compute_scale
 from lowbit.quant.schemes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
-from lowbit.quant.traceable import amax_value, current_scale, quantize_blockwise_op, quantize_traceable, traceable_fits
+from lowbit.quant.traceable import (
+    amax_value,
+    current_scale,
+    quantize_blockwise_into_op,
+    quantize_blockwise_op,
+    quantize_traceable,
+    traceable_fits,
+)
 
 SCHEMES = [
     Float8Tensorwise("e4m3"),
@@ -77,11 +84,14 @@ def test_traceable_compiled_equals_reference(sch):
 
 @pytest.mark.parametrize("sch", [SCHEMES[3], SCHEMES[4], SCHEMES[6]], ids=repr)
 def test_quantize_blockwise_op_opcheck(sch):
-    """The operator's registration: the fake implementation's shapes, dtypes and strides, schema and aliasing."""
+    """The operators' registrations: the fake implementations' shapes, dtypes and strides, schemas, aliasing and the
+    declared mutation of ``amax_into``; 2D and 3D inputs."""
     x = _data(256, 384, torch.float32, seed=5)
     for rowwise, columnwise in COPIES:
-        torch.library.opcheck(quantize_blockwise_op, (x, sch.fmt, sch.block_dim, sch.block_size, sch.pow2,
-                                                      float(sch.eps), rowwise, columnwise))
+        for t in (x, x.reshape(2, 128, 384)):
+            args = (t, sch.fmt, sch.block_dim, sch.block_size, sch.pow2, float(sch.eps), rowwise, columnwise)
+            torch.library.opcheck(quantize_blockwise_op, args)
+            torch.library.opcheck(quantize_blockwise_into_op, (*args, torch.zeros(1, dtype=torch.int32)))
 
 
 def test_current_scale_edge_values():
@@ -101,14 +111,62 @@ def test_traceable_covers_and_refuses():
     assert not traceable_fits(Float8Rowwise(), 256, 256)
     with pytest.raises(NotImplementedError, match="scheme: quantize_traceable covers"):
         quantize_traceable(torch.zeros(256, 200), Float8Blockwise())
-    with pytest.raises(ValueError, match="x2: expected a 2D tensor"):
-        quantize_traceable(torch.zeros(2, 256, 256), Float8Blockwise())
+    with pytest.raises(ValueError, match="x: expected a tensor of at least 2 dims"):
+        quantize_traceable(torch.zeros(256), Float8Blockwise())
+    with pytest.raises(NotImplementedError, match=r"for shape \(6, 128\)"):  # (read as 2D: 6 rows)
+        quantize_traceable(torch.zeros(2, 3, 128), Float8Blockwise())
     with pytest.raises(ValueError, match="at least one copy"):
         quantize_traceable(torch.zeros(256, 256), Float8Blockwise(), rowwise=False)
     for bad, what in ((torch.zeros(256, 256, dtype=torch.int32), "torch.int32"), ([1.0], "list")):
         for sch in (Float8Tensorwise(), Float8Blockwise()):
-            with pytest.raises(TypeError, match=f"x2: expected a float32, .* got {what}"):
+            with pytest.raises(TypeError, match=f"x: expected a float32, .* got {what}"):
                 quantize_traceable(bad, sch)
+    x = torch.zeros(256, 256)
+    for bad, err, what in ((torch.zeros(1), ValueError, "int32 tensor of shape \\(1,\\)"),
+                           (torch.zeros(2, dtype=torch.int32), ValueError, "got torch.int32 \\(2,\\)"),
+                           (torch.zeros(1, dtype=torch.int32, device="meta"), ValueError, "on x's device"),
+                           (1.0, TypeError, "expected a tensor or None")):
+        with pytest.raises(err, match=f"amax_into: .*{what}"):
+            quantize_traceable(x, Float8Blockwise(), amax_into=bad)
+
+
+@pytest.mark.parametrize("sch", SCHEMES, ids=repr)
+def test_nd_input_is_read_as_2d(sch):
+    """An N-D tensor's copies are those of its (product of leading dims, last dim) reshape, bit for bit."""
+    x = _data(384, 256, torch.bfloat16, seed=13)
+    got = quantize_traceable(x.reshape(3, 128, 256), sch, rowwise=True, columnwise=True)
+    _check(x, sch, got)
+
+
+@pytest.mark.parametrize("sch", [SCHEMES[0], SCHEMES[2], SCHEMES[4]], ids=repr)
+def test_amax_into_keeps_a_running_max(sch):
+    """With ``amax_into`` the copies are the same bits, the returned amax is None and the slot holds the running max
+    of the amaxes of every call since it was zeroed (NaN above Inf above finite; a smaller amax later does not lower
+    it), called and compiled."""
+    fn = torch.compile(lambda t, s: quantize_traceable(t, sch, rowwise=True, columnwise=True, amax_into=s),
+                       fullgraph=True)
+    for call in (lambda t, s: quantize_traceable(t, sch, rowwise=True, columnwise=True, amax_into=s), fn):
+        slot = torch.zeros(1, dtype=torch.int32)
+        big, small = _data(256, 384, torch.float32, seed=7), _data(256, 384, torch.float32, seed=8) * 1e-3
+        got = call(big, slot)
+        assert got.amax is None
+        plain = quantize_traceable(big, sch, rowwise=True, columnwise=True)
+        for a, b in ((got.rowwise, plain.rowwise), (got.columnwise, plain.columnwise),
+                     (got.row_scale_inv, plain.row_scale_inv), (got.col_scale_inv, plain.col_scale_inv)):
+            _same(a, b, "copies")
+        want = big.abs().amax().reshape(1)
+        assert torch.equal(slot.view(torch.float32), want)
+        call(small, slot)
+        assert torch.equal(slot.view(torch.float32), want)
+        inf = small.clone()
+        inf[5, 7] = -float("inf")
+        call(inf, slot)
+        assert slot.view(torch.float32).isinf().item()
+        nan = small.clone()
+        nan[9, 3] = float("nan")
+        call(nan, slot)
+        call(inf, slot)
+        assert slot.view(torch.float32).isnan().item()
 
 
 @pytest.mark.gpu
@@ -161,6 +219,43 @@ def test_gpu_blockwise_operator_amax_of_each_program_orders_nonfinite(bad):
     x[at] = float("inf")
     x[0, 5] = float("nan")
     assert amax_value(fn(x).amax).isnan().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sch", [SCHEMES[2], SCHEMES[4]], ids=repr)
+def test_gpu_blockwise_into_kernel_accumulates_in_place(sch):
+    """Compiled, ``amax_into`` is the kernel's own accumulator (Inductor reinplaces the slot: as many launches as
+    without it, and no copy of the slot); called and compiled it holds the running max, NaN above Inf above
+    finite."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.compiler.reset()
+    x = _data(1024, 1152, torch.bfloat16, seed=17).cuda()
+    plain = torch.compile(lambda t: quantize_traceable(t, sch, rowwise=True, columnwise=True), fullgraph=True)
+    into = torch.compile(lambda t, s: quantize_traceable(t, sch, rowwise=True, columnwise=True, amax_into=s),
+                         fullgraph=True)
+    _, plain_codes = run_and_get_code(plain, x)
+    slot = torch.zeros(1, dtype=torch.int32, device="cuda")
+    got, codes = run_and_get_code(into, x, slot)
+    code = "\n".join(codes)
+    launches = len(re.findall(r"\.run\(", code))
+    assert launches == len(re.findall(r"\.run\(", "\n".join(plain_codes))) and "copy_" not in code, code[:4000]
+    _check(x, sch, got._replace(amax=slot.view(torch.float32)))
+    for call in (into, lambda t, s: quantize_traceable(t, sch, rowwise=True, columnwise=True, amax_into=s)):
+        slot.zero_()
+        call(x, slot)
+        call(x * 1e-3, slot)
+        assert torch.equal(slot.view(torch.float32).cpu(), x.float().abs().amax().reshape(1).cpu())
+        bad = x.clone()
+        bad[700, 3] = -float("inf")
+        call(bad, slot)
+        assert slot.view(torch.float32).isinf().item()
+        bad[5, 1000] = float("nan")
+        call(bad, slot)
+        call(x, slot)
+        assert slot.view(torch.float32).isnan().item()
 
 
 @pytest.mark.gpu

@@ -434,10 +434,42 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     y.float().sum().backward()
     code = "\n".join(codes)
     delayed = recipe == "fp8-delayed"
-    records = ["lowbit.delayed_scales"] if delayed else ["sentry_slots_0_", "sentry_slots_1_"]
+    records = ["lowbit.delayed_scales"] if delayed else ["sentry_slots_0_", "sentry_slots_1_", "sentry_slots_2_"]
     assert "lowbit.quantized_linear" not in code and all(r in code for r in records), code[:2000]
     assert delayed or ("lowbit.sentry_record" not in code and "lowbit.sentry_pass" not in code), code[:2000]
     assert ("lowbit.quantize_fp8_blockwise" in code) == (recipe == "fp8-block"), code[:2000]
+
+
+@pytest.mark.gpu
+def test_gpu_traced_linears_of_one_input_share_it():
+    """Under fp8-block, three traced linears reading one normed input (q, k, v) quantize one buffer Inductor writes
+    once: the forward's six blockwise launches read four buffers (the input and three weights), and the sentry's
+    slots take no launch of their own (no other kernel reads a slot)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(1024, device="cuda")
+            self.q, self.k, self.v = (lowbit.nn.Linear(1024, 1024, bias=False, device="cuda") for _ in range(3))
+
+        def forward(self, x):
+            h = self.norm(x)
+            return self.q(h) + self.k(h) + self.v(h)
+
+    torch.compiler.reset()
+    m = torch.compile(QKV(), fullgraph=True)
+    x = torch.randn(4, 512, 1024, device="cuda")
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        m(x)  # (allocates the slots; the next call compiles with them)
+        torch.compiler.reset()
+        _, codes = run_and_get_code(m, x)
+    code = "\n".join(codes)
+    firsts = re.findall(r"blockwise_kernel\w*\.run\((\w+),", code)
+    assert len(firsts) == 6 and len(set(firsts)) == 4, (firsts, code[:4000])
+    assert not re.search(r"triton_\w+\.run\([^\n]*sentry_slots", code), code[:4000]
 
 
 def test_opcheck_sentry_pass():
@@ -580,8 +612,9 @@ def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
         copies[policy] = code.count("copy_")
         out[policy] = (y, xi.grad, lin.weight.grad, lin.bias.grad)
         if policy == "raise":  # the forward's slots checked (and zeroed) at the exit; the backward's hold max |dy|
-            fwd, bwd = lin._gemms[""].sentry_slots
-            assert torch.equal(fwd, torch.zeros(2)) and torch.equal(bwd, (2 * y.detach()).abs().amax().reshape(1))
+            sx, sw, sdy = (t.view(torch.float32) for t in lin._gemms[""].sentry_slots)
+            assert torch.equal(torch.cat([sx, sw]), torch.zeros(2))
+            assert torch.equal(sdy, (2 * y.detach()).abs().amax().reshape(1))
     assert copies["raise"] > copies["off"]  # (the slots' copies)
     for a, b in zip(out["raise"], out["off"]):
         assert torch.equal(a, b)
@@ -699,8 +732,8 @@ def test_sentry_slots_follow_the_module(monkeypatch):
     lin.to_empty(device="cpu")
     with lowbit.autocast(recipe=from_name("fp8-current")):
         pass
-    fwd, bwd = layer.sentry_slots
-    assert fwd.shape == (2,) and bwd.shape == (1,) and fwd.device.type == "cpu" and fwd.dtype == torch.float32
+    fwd, _, bwd = layer.sentry_slots
+    assert all(t.shape == (1,) and t.device.type == "cpu" and t.dtype == torch.int32 for t in layer.sentry_slots)
     twin = copy.deepcopy(lin)
     with lowbit.autocast(recipe=from_name("fp8-current")):
         pass

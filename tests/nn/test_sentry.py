@@ -225,19 +225,20 @@ def test_slot_holders_are_checked_once_and_not_kept_alive():
     st.register_slot_holder(h)
     with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
         pass
-    fwd, bwd = h.sentry_slots
+    assert [(t.shape, t.dtype) for t in h.sentry_slots] == [((1,), torch.int32)] * 3
+    fwd, wgt, bwd = (t.view(torch.float32) for t in h.sentry_slots)  # (float32 bits)
     h.sentry_armed = "skip"
     bwd.fill_(float("inf"))
-    fwd[1] = 3.0
+    wgt.fill_(3.0)
     assert [(e.layer, e.role, e.phase, e.amax) for e in nonfinite_events()] == [
         ("fake", "grad_output", "backward", float("inf"))]
-    assert torch.equal(fwd, torch.zeros(2)) and torch.equal(bwd, torch.zeros(1)) and nonfinite_events() == []
-    fwd[0] = float("nan")
+    assert all(torch.equal(t, torch.zeros(1, dtype=torch.int32)) for t in h.sentry_slots) and nonfinite_events() == []
+    fwd.fill_(float("nan"))
     h.sentry_armed = "raise"  # (the policy the graph armed it with)
     with pytest.raises(NonFiniteAmaxError, match="fake"):
         st.check_nonfinite()
     ref = weakref.ref(h)
-    del h, fwd, bwd
+    del h, fwd, wgt, bwd
     gc.collect()
     assert ref() is None
     st.check_nonfinite()  # (a plan of a holder that is gone is not used)

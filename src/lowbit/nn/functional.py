@@ -129,9 +129,9 @@ class GemmLayer:
             quantized with ``is_first_microbatch=True``.
         fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
         fresh_uses: how many forwards took them.
-        sentry_slots: (forward's float32 (2,), backward's (1,)) on the weight's device, the amaxes (input, weight;
-            grad_output) a compiled traced call records inside its graph for the NaN sentry (None until the first
-            outermost autocast entry; :mod:`lowbit.nn.state` allocates and checks them).
+        sentry_slots: (input's, weight's, grad_output's) int32 (1,) tensors on the weight's device, the amaxes (as
+            float32 bits) a compiled traced call max-accumulates inside its graph for the NaN sentry (None until the
+            first outermost autocast entry; :mod:`lowbit.nn.state` allocates, checks and zeroes them).
         sentry_armed: the NaN-sentry policy of the compiled call that writes the slots ("" before any).
     """
 
@@ -148,7 +148,7 @@ class GemmLayer:
         self._offered_dy: QuantizedTensor | None = None
         self._stand_in: torch.Tensor | None = None  # what autograd delivers in its place, where it replaces dy
         self.handoffs = 0  # how many backward passes used a handed-over FP8 grad_output
-        self.sentry_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sentry_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.sentry_armed = ""
         _ac.register_slot_holder(self)
 
@@ -973,8 +973,10 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
 # the layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
-# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes copied into
-# the layer's slot tensors inside the graph (GemmLayer.sentry_slots; lowbit.nn.state checks them). Per call no lowbit
+# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes max-accumulated
+# into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
+# lowbit.nn.state checks them). The input goes to the quantizers as it came (N-D, no reshape or detach between): the
+# layers that read one normed input (q, k, v) read one buffer Inductor writes once. Per call no lowbit
 # Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one operator a pass) or for a
 # layer whose slots are not allocated yet (the sentry's record operators); the bits are eager's. Not traced (the
 # operators above run): a GELU
@@ -1131,11 +1133,12 @@ def traced_linear_rules(recipe: Recipe, cfg: _Cfg, M: int, N: int, K: int, x_dty
 
 
 class _TracedLinearFn(torch.autograd.Function):
-    """:func:`quantized_linear` on 2D x as torch operations (see above); the autocast state crosses as its key."""
+    """:func:`quantized_linear` as torch operations (see above), x (..., K) read as 2D; the autocast state crosses as
+    its key; x_slot, w_slot, dy_slot: the layer's sentry slots (None: the sentry's operators record)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
-                fwd_slots: torch.Tensor | None, bwd_slots: torch.Tensor | None):
+    def forward(ctx, x, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
+                x_slot: torch.Tensor | None, w_slot: torch.Tensor | None, dy_slot: torch.Tensor | None):
         from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..quant.reference import amax_of
         from ..quant.traceable import tensorwise_copies
@@ -1143,19 +1146,20 @@ class _TracedLinearFn(torch.autograd.Function):
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
         if recipe.role("input").delayed:
+            x2 = x.reshape(-1, x.shape[-1])
             ax, aw = amax_of(x2), amax_of(weight)
             s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
             qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
             qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
         else:
-            qx, qw = _recorded_copies([(x2, sin, True, need_wgrad, "input"), (weight, sw, True, need_dgrad, "weight")],
-                                      weight, key, "forward", fwd_slots)
+            qx, qw = _recorded_copies([(x, sin, True, need_wgrad, "input", x_slot),
+                                       (weight, sw, True, need_dgrad, "weight", w_slot)], weight, key, "forward")
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
                                        b_scheme=sw, out_dtype=out_dtype, bias=bias)
-        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, bwd_slots)
+        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, dy_slot)
         ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
-        ctx.x_dtype, ctx.bias_dtype = x2.dtype, None if bias is None else bias.dtype
-        return y
+        ctx.x_dtype, ctx.x_shape, ctx.bias_dtype = x.dtype, x.shape, None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -1163,7 +1167,7 @@ class _TracedLinearFn(torch.autograd.Function):
         from ..quant.reference import amax_of
         from ..quant.traceable import tensorwise_copies
 
-        xc, xcs, wc, wcs, weight, slots = ctx.saved_tensors
+        xc, xcs, wc, wcs, weight, slot = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
         sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
         need_dgrad, need_wgrad = ctx.need
@@ -1171,38 +1175,38 @@ class _TracedLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if need_dgrad or need_wgrad:
             if recipe.role("grad_output").delayed:
-                a = amax_of(dy)
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                a = amax_of(dy2)
                 s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
-                q = tensorwise_copies(dy, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
+                q = tensorwise_copies(dy2, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
             else:
-                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output")], weight, ctx.key,
-                                        "backward", slots)
+                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output", slot)], weight, ctx.key,
+                                        "backward")
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
-                                                out_dtype=ctx.x_dtype)
+                                                out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
             if need_wgrad:
                 dw = scaled_mm_cublas_traceable(q.columnwise, xc, q.col_scale_inv, xcs, a_scheme=sg, b_scheme=sin,
                                                 out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
-            db = column_sum_op(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+            db = column_sum_op(dy.reshape(-1, dy.shape[-1]), ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
-def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str, slots: torch.Tensor | None = None) -> list:
+def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
-    rowwise, columnwise, role)`` in ``items``, every amax recorded for the NaN sentry by one operator: in the forward
-    :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the scales the GEMMs then
-    read; none with ``on_nonfinite="off"``. Given ``slots`` (the pass's tensor of :attr:`GemmLayer.sentry_slots`),
-    no operator either: each amax's max is max-accumulated into its role's slot inside the graph."""
-    from ..quant.traceable import amax_value, quantize_traceable
+    rowwise, columnwise, role, slot)`` in ``items``, every amax recorded for the NaN sentry: given the role's
+    ``slot`` (of :attr:`GemmLayer.sentry_slots`), max-accumulated into it inside the graph, a running max until the
+    next check zeroes it (so every call since then is checked, two backwards before a check too); else by one
+    operator: in the forward :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the
+    scales the GEMMs then read. None with ``on_nonfinite="off"``."""
+    from ..quant.traceable import quantize_traceable
 
-    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _ in items]
-    if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no operator at all)
-        return out
-    if slots is not None:  # (the pass's own slot tensor, written whole: one element a role, in order; a running max
-        # until the next check zeroes it, so every call since then is checked, two backwards before a check too)
-        slots.copy_(torch.maximum(slots, torch.cat([amax_value(q.amax) for q in out])))
-        return out
+    if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no record at all)
+        return [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _, _ in items]
+    if all(i[5] is not None for i in items):
+        return [quantize_traceable(t, sch, rowwise=r, columnwise=c, amax_into=slot) for t, sch, r, c, _, slot in items]
+    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _, _ in items]
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":
         sentry_record_op(amaxes, weight, key, roles, phase)
@@ -1220,12 +1224,13 @@ def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: 
     layer, slots = cfg.layer, cfg.layer.sentry_slots
     if (slots is None or slots[0].device != x.device or _ac.sentry_off(cfg.policy)
             or cfg.recipe.role("input").delayed):
-        slots = (None, None)  # (the sentry's operators record instead; delayed scaling's hands out its scales too)
+        slots = (None, None, None)  # (the sentry's operators record instead; delayed scaling's hands out its scales)
     else:
         layer.sentry_armed = cfg.policy  # (Dynamo replays the assignment at every call of the graph)
-    y = _TracedLinearFn.apply(x.reshape(-1, K), weight, bias, key, cfg.out_dtype, grad and x.requires_grad,
+    x_nd = x.reshape(1, K) if x.dim() == 1 else x  # (read as 2D by the quantizers; N-D as it came)
+    y = _TracedLinearFn.apply(x_nd, weight, bias, key, cfg.out_dtype, grad and x.requires_grad,
                               grad and weight.requires_grad, *slots)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return y.reshape(-1) if x.dim() == 1 else y
 
 
 def _no_link_when_compiling(norm_link) -> None:

@@ -817,18 +817,18 @@ def _board_check() -> None:
 # ------------------------------------------------------------------------------------------------
 # slots: the amaxes a compiled graph records in itself
 # ------------------------------------------------------------------------------------------------
-# A layer that torch.compile traces (lowbit.nn.functional's traced linear) records its amaxes inside the graph: the max
-# of each role's amax max-accumulated into the layer's own float32 slot tensors, no Python per call: the forward's
-# (input, weight) in one, the backward's (grad_output) in another, each written whole by its pass (a graph that wrote
-# part of a tensor could write the rest back as it was when traced), a running max until a check zeroes it (a layer
-# called twice, or two backwards, before a check: every call is checked). A holder (the layer's GemmLayer) registers
-# once; its slots are allocated at the next outermost autocast entry on its weight's device (before any graph is traced:
-# a graph must find them there) and again after its module moves (:func:`slots_stale`). The traced code sets the
-# holder's ``sentry_armed`` to its policy (Dynamo replays that assignment every call); every check (the outermost exit,
-# the end of a backward, ``nonfinite_events``, ``take_checks``) snapshots the armed holders' slots in one cat and zeroes
-# them, so each amax is checked once: the forward's at the exit, the backward's at the next check after it.
-SENTRY_SLOT_ROLES = ((("input", "forward"), ("weight", "forward")), (("grad_output", "backward"),))
-"""(role, phase) of each element of a holder's slot tensors ``sentry_slots`` (forward's, backward's)."""
+# A layer that torch.compile traces (lowbit.nn.functional's traced linear) records its amaxes inside the graph: each
+# role's amax max-accumulated into the layer's own int32 (1,) slot for that role (float32 bits; blockwise: by the
+# quantize kernel's own atomic max, no launch of its own), no Python per call, a running max until a check zeroes it
+# (a layer called twice, or two backwards, before a check: every call is checked). A holder (the layer's GemmLayer)
+# registers once; its slots are allocated at the next outermost autocast entry on its weight's device (before any
+# graph is traced: a graph must find them there) and again after its module moves (:func:`slots_stale`). The traced
+# code sets the holder's ``sentry_armed`` to its policy (Dynamo replays that assignment every call); every check (the
+# outermost exit, the end of a backward, ``nonfinite_events``, ``take_checks``) snapshots the armed holders' slots in
+# one cat and zeroes them, so each amax is checked once: the forward's at the exit, the backward's at the next check
+# after it.
+SENTRY_SLOT_ROLES = (("input", "forward"), ("weight", "forward"), ("grad_output", "backward"))
+"""(role, phase) of each of a holder's slot tensors ``sentry_slots`` (int32 (1,) each: float32 bits)."""
 _slot_holders: "weakref.WeakSet" = weakref.WeakSet()
 _slots_new: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -861,7 +861,7 @@ def _prepare_slots() -> None:
         slots = h.sentry_slots
         if slots is None or slots[0].device != w.device:
             with torch.inference_mode(False):  # (an entry under inference_mode: the checks zero them outside it)
-                slots = tuple(torch.zeros(len(r), dtype=torch.float32, device=w.device) for r in SENTRY_SLOT_ROLES)
+                slots = tuple(torch.zeros(1, dtype=torch.int32, device=w.device) for _ in SENTRY_SLOT_ROLES)
             if w.is_cuda:  # (a graph that writes them keeps its CUDA graphs: inputs at fixed addresses)
                 for t in slots:
                     torch._dynamo.mark_static_address(t)
@@ -886,9 +886,8 @@ def _slots_plan_for(armed: list) -> list:
         by_device.setdefault(h.sentry_slots[0].device, []).append(h)
     groups = []
     for hs in by_device.values():  # (one check a device: a snapshot is one cat)
-        recs = [(h.name, role, phase, h.sentry_armed, (t[i:i + 1],))  # (names, as the board's: no layer kept)
-                for h in hs for t, roles in zip(h.sentry_slots, SENTRY_SLOT_ROLES) for i, (role, phase) in
-                enumerate(roles)]
+        recs = [(h.name, role, phase, h.sentry_armed, (t.view(torch.float32),))  # (names, as the board's: no layer
+                for h in hs for t, (role, phase) in zip(h.sentry_slots, SENTRY_SLOT_ROLES)]  # kept)
         # (.data: its own version counter. A graph saves the backward's slots for its backward, which only
         # updates them in place; zeroing them through the tensor itself would bump the version that backward checks)
         groups.append((recs, _Gather([r[4][0] for r in recs]), [t.data for h in hs for t in h.sentry_slots]))

@@ -12,7 +12,8 @@
   ``lowbit bench quant``.
 
 Each copy is bit-identical to :func:`lowbit.quant.quantize_reference` (tested); :func:`traceable_fits` says what is
-covered.
+covered. Given ``amax_into`` (an int32 (1,) slot, the NaN sentry's), the amax is max-accumulated into it in place
+(blockwise: the kernel's own atomic max, ``lowbit::quantize_fp8_blockwise_into``), with no launch of its own.
 """
 
 from __future__ import annotations
@@ -28,25 +29,26 @@ from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "amax_value", "current_scale", "quantize_blockwise_op", "quantize_traceable",
-           "tensorwise_copies", "traceable_fits"]
+__all__ = ["TracedCopies", "amax_value", "current_scale", "quantize_blockwise_into_op", "quantize_blockwise_op",
+           "quantize_traceable", "tensorwise_copies", "traceable_fits"]
 
 
 class TracedCopies(NamedTuple):
-    """The FP8 copies of one 2D tensor (rows, cols), with their scales in the logical (rows, blocks) layout of
+    """The FP8 copies of one tensor read as 2D (rows, cols), with their scales in the logical (rows, blocks) layout of
     :meth:`lowbit.quant.QuantizedTensor.logical_scales` (tensorwise: (1, 1)).
 
     rowwise, row_scale_inv: the (rows, cols) copy and its dequantization scales (None where not asked for).
     columnwise, col_scale_inv: the (cols, rows) copy (scaled along the rows) and its scales (None where not asked).
     amax: float32 1-D, maxima whose max is max |x| of the whole tensor (what the NaN sentry reads): (1,), or one a
-        program of the blockwise kernel's compiled launch (:func:`amax_value` reduces it).
+        program of the blockwise kernel's compiled launch (:func:`amax_value` reduces it); None where the amax went
+        into a caller's slot (``amax_into``).
     """
 
     rowwise: Optional[torch.Tensor]
     row_scale_inv: Optional[torch.Tensor]
     columnwise: Optional[torch.Tensor]
     col_scale_inv: Optional[torch.Tensor]
-    amax: torch.Tensor
+    amax: Optional[torch.Tensor]
 
 
 def current_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -92,14 +94,26 @@ def _blockwise_scheme(fmt: str, block_dim: int, block_size: int, pow2: bool, eps
     return Float8Blockwise(fmt, block_dim, block_size, pow2, eps)
 
 
+def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, cols) of ``x`` read as 2D: the product of its leading dims, its last dim."""
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` read as 2D (rows, cols) (a view where the layout allows)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
 def _blockwise_outputs(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                        columnwise: bool) -> tuple[torch.Tensor, ...]:
-    """x2's blockwise copies from :func:`lowbit.quant.quantize` (lowbit's kernels where they run, the reference
-    elsewhere: the same bits) as an operator returns them, each output its own contiguous tensor: (rowwise data,
-    columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not asked for as
-    empty tensors."""
+    """x2's (read as 2D) blockwise copies from :func:`lowbit.quant.quantize` (lowbit's kernels where they run, the
+    reference elsewhere: the same bits) as an operator returns them, each output its own contiguous tensor: (rowwise
+    data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits), a copy not asked for
+    as empty tensors."""
     from . import quantize
 
+    x2 = _as_2d(x2)
     q = quantize(x2, sch, rowwise=rowwise, columnwise=columnwise)
     rows, cols = x2.shape
     out = []
@@ -116,7 +130,7 @@ def _blockwise_outputs(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
 def _blockwise_outputs_fake(x2: torch.Tensor, sch: Float8Blockwise, rowwise: bool,
                             columnwise: bool) -> tuple[torch.Tensor, ...]:
     """:func:`_blockwise_outputs`' outputs as empty tensors of the same shapes, dtypes and strides (for fakes)."""
-    rows, cols = x2.shape
+    rows, cols = _rows_cols(x2)
     dt = sch.format.torch_dtype
     return (x2.new_empty((rows, cols) if rowwise else (0,), dtype=dt),
             x2.new_empty((cols, rows) if columnwise else (0,), dtype=dt),
@@ -132,11 +146,12 @@ def amax_value(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _blockwise_copies(sch: Float8Blockwise, rows: int, cols: int, rowwise: bool, columnwise: bool, rq: torch.Tensor,
-                     cq: torch.Tensor, rs: torch.Tensor, cs: torch.Tensor, amax_i: torch.Tensor) -> TracedCopies:
+                      cq: torch.Tensor, rs: torch.Tensor, cs: torch.Tensor,
+                      amax_i: Optional[torch.Tensor]) -> TracedCopies:
     """:class:`TracedCopies` over :func:`quantize_blockwise_op`'s outputs for a (rows, cols) tensor: views, no copy."""
     return TracedCopies(rq if rowwise else None, scale_logical(sch, rs, rows, cols) if rowwise else None,
                         cq if columnwise else None, scale_logical(sch, cs, cols, rows) if columnwise else None,
-                        amax_i.view(torch.float32))
+                        None if amax_i is None else amax_i.view(torch.float32))
 
 
 # The opaque form, for what the wrapped launch does not cover (off CUDA; Triton's interpreter): defined with
@@ -167,12 +182,12 @@ def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
 def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
                         rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor, torch.Tensor]:
-    """The Float8Blockwise(fmt, block_dim, block_size, pow2, eps) copies of the 2D tensor ``x2``: (rowwise data,
-    columnwise data, rowwise scale storage, columnwise scale storage, amax as int32 bits: (1,), or one a kernel
-    program on CUDA, whose max is x2's), a copy not asked for as empty tensors. A ``triton_op``: on CUDA
-    torch.compile sees its kernel launch (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor
-    makes it; elsewhere it calls the opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the
-    interpreted kernels)."""
+    """The Float8Blockwise(fmt, block_dim, block_size, pow2, eps) copies of ``x2`` read as 2D (rows: the product of
+    its leading dims): (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32
+    bits: (1,), or one a kernel program on CUDA, whose max is x2's), a copy not asked for as empty tensors. A
+    ``triton_op``: on CUDA torch.compile sees its kernel launch
+    (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor makes it; elsewhere it calls the
+    opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels)."""
     # (an int or float a compiled caller passes as an input may come symbolic: specialized, a guard on its value)
     block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
     rowwise, columnwise = bool(rowwise), bool(columnwise)
@@ -189,6 +204,37 @@ quantize_blockwise_op = torch.ops.lowbit.quantize_fp8_blockwise.default
 """The registered operator ``lowbit::quantize_fp8_blockwise`` (see :func:`_quantize_blockwise`)."""
 
 
+def _max_into(amax_into: torch.Tensor, amax_bits: torch.Tensor) -> None:
+    """amax_into (int32 (1,)) = max(amax_into, the max of ``amax_bits``), both float32 bits of non-negative values
+    (sign bits cleared: NaN above Inf above every finite one, as :func:`amax_value` orders them)."""
+    a = amax_bits.reshape(-1).view(torch.int32) & 0x7FFFFFFF
+    amax_into.copy_(torch.maximum(amax_into, a.amax().reshape(1)))
+
+
+@torch.library.triton_op("lowbit::quantize_fp8_blockwise_into", mutates_args=("amax_into",))
+def _quantize_blockwise_into(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                             rowwise: bool, columnwise: bool, amax_into: torch.Tensor) -> tuple[
+                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowbit::quantize_fp8_blockwise``'s first four outputs; x2's amax bits are max-accumulated into the int32
+    (1,) ``amax_into`` in place (on CUDA by the kernel's programs, an atomic max each: no launch and no buffer of
+    their own)."""
+    block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
+    rowwise, columnwise = bool(rowwise), bool(columnwise)
+    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
+    if x2.is_cuda and not INTERPRET:
+        from .triton_backend import quantize_blockwise_wrapped
+
+        return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise, amax_into=amax_into)[:4]
+    *outs, amax = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
+                                                                 columnwise)
+    _max_into(amax_into, amax)
+    return tuple(outs)
+
+
+quantize_blockwise_into_op = torch.ops.lowbit.quantize_fp8_blockwise_into.default
+"""The registered operator ``lowbit::quantize_fp8_blockwise_into`` (see :func:`_quantize_blockwise_into`)."""
+
+
 def traceable_fits(scheme, rows: int, cols: int) -> bool:
     """Whether :func:`quantize_traceable` covers ``scheme`` for a (rows, cols) tensor: Float8Tensorwise, or
     Float8Blockwise with both dims multiples of the block size."""
@@ -200,27 +246,54 @@ def traceable_fits(scheme, rows: int, cols: int) -> bool:
     return False
 
 
-def quantize_traceable(x2: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False) -> TracedCopies:
-    """The current-scaling FP8 copies of the 2D tensor ``x2`` under ``scheme``, in a form a compiled graph holds
+def _check_amax_into(amax_into, x: torch.Tensor) -> None:
+    if not isinstance(amax_into, torch.Tensor):
+        raise TypeError(f"amax_into: expected a tensor or None, got {type(amax_into).__name__}")
+    if amax_into.dtype != torch.int32 or tuple(amax_into.shape) != (1,):
+        raise ValueError(f"amax_into: expected an int32 tensor of shape (1,) (float32 bits), got "
+                         f"{amax_into.dtype} {tuple(amax_into.shape)}")
+    if amax_into.device != x.device:
+        raise ValueError(f"amax_into: expected a tensor on x's device {x.device}, got {amax_into.device}")
+
+
+def quantize_traceable(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
+                       amax_into: Optional[torch.Tensor] = None) -> TracedCopies:
+    """The current-scaling FP8 copies of ``x`` read as 2D (rows: the product of its leading dims, so a compiled graph
+    hands every caller the same buffer; cols: its last dim) under ``scheme``, in a form a compiled graph holds
     (tensorwise: torch operations; blockwise: :func:`quantize_blockwise_op`), with their logical scale grids.
+    Given ``amax_into`` (int32 (1,), float32 bits, on x's device), x's amax is max-accumulated into it in place
+    (:func:`quantize_blockwise_into_op` for blockwise) and the returned amax is None.
 
     Raises:
-        TypeError: ``x2`` is not a floating-point tensor (float32, bfloat16, float16, float64).
+        TypeError: ``x`` is not a floating-point tensor (float32, bfloat16, float16, float64); ``amax_into`` is
+            not a tensor.
         NotImplementedError: ``scheme`` and the shape are not covered (:func:`traceable_fits`).
-        ValueError: ``x2`` is not 2D, or neither copy is asked for.
+        ValueError: ``x`` has fewer than 2 dims, neither copy is asked for, or ``amax_into`` is not an int32 (1,)
+            tensor on x's device.
     """
-    if not isinstance(x2, torch.Tensor) or x2.dtype not in PARAM_DTYPES:
-        what = x2.dtype if isinstance(x2, torch.Tensor) else type(x2).__name__
-        raise TypeError(f"x2: expected a float32, bfloat16, float16 or float64 tensor, got {what}")
-    if x2.dim() != 2:
-        raise ValueError(f"x2: expected a 2D tensor, got shape {tuple(x2.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in PARAM_DTYPES:
+        what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x: expected a float32, bfloat16, float16 or float64 tensor, got {what}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected a tensor of at least 2 dims (read as 2D), got shape {tuple(x.shape)}")
     if not (rowwise or columnwise):
         raise ValueError("rowwise, columnwise: ask for at least one copy")
-    if not traceable_fits(scheme, *x2.shape):
+    rows, cols = _rows_cols(x)
+    if not traceable_fits(scheme, rows, cols):
         raise NotImplementedError(f"scheme: quantize_traceable covers Float8Tensorwise and Float8Blockwise with dims "
-                                  f"that are multiples of the block, got {scheme!r} for shape {tuple(x2.shape)}")
+                                  f"that are multiples of the block, got {scheme!r} for shape {(rows, cols)}")
+    if amax_into is not None:
+        _check_amax_into(amax_into, x)
+    if torch.is_grad_enabled() and x.requires_grad:  # (no gradient flows through the copies; inside an autograd
+        x = x.detach()  # Function's forward grad is off: no view between the caller's tensor and the kernel)
     if isinstance(scheme, Float8Tensorwise):
-        return _tensorwise(x2, scheme, rowwise, columnwise)
-    outs = quantize_blockwise_op(x2.detach(), scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2,
-                                 float(scheme.eps), rowwise, columnwise)
-    return _blockwise_copies(scheme, *x2.shape, rowwise, columnwise, *outs)
+        q = _tensorwise(_as_2d(x), scheme, rowwise, columnwise)
+        if amax_into is None:
+            return q
+        _max_into(amax_into, q.amax)
+        return q._replace(amax=None)
+    args = (scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2, float(scheme.eps), rowwise, columnwise)
+    if amax_into is None:
+        return _blockwise_copies(scheme, rows, cols, rowwise, columnwise, *quantize_blockwise_op(x, *args))
+    rq, cq, rs, cs = quantize_blockwise_into_op(x, *args, amax_into)
+    return _blockwise_copies(scheme, rows, cols, rowwise, columnwise, rq, cq, rs, cs, None)

@@ -624,41 +624,45 @@ def _blockwise(qt, x2, sch: Float8Blockwise, rowwise, columnwise):
 
 @functools.lru_cache(maxsize=256)
 def _wrapped_launch(M: int, Kd: int, dtype: torch.dtype, sch: Float8Blockwise, rowwise: bool, columnwise: bool,
-                    device: torch.device) -> tuple:
+                    device: torch.device, amax_each: bool = True) -> tuple:
     """(plan, kernel, grid, every argument after the tensors and sizes by name) of blockwise_kernel's launch for
     :func:`quantize_blockwise_wrapped`: the first of :func:`blockwise_configs` (the untuned default), every parameter
-    given (Inductor's launch fills no default)."""
+    given (Inductor's launch fills no default). ``amax_each``: each program stores its amax (no zero-filled
+    accumulator, one launch less a call); else each max-accumulates it into one given int32."""
     plan = BlockwisePlan(M, Kd, sch, rowwise, columnwise, device)
     fn, grid, extra, kw = plan.launch_args(blockwise_configs(M, Kd, plan.bs, sch.block_dim == 2, rowwise, columnwise,
                                                              dtype)[0])
-    kw["AMAX_EACH"] = True  # (an amax a program: no zero-filled accumulator, one launch less a call)
+    kw["AMAX_EACH"] = amax_each
     tail = {p.name: kw.get(p.name, p.default) for p in fn.params[10 + len(extra):]}
     tail.update((k, v) for k, v in kw.items() if k not in tail)  # (launch options: num_warps)
     return plan, fn, grid, extra, tail
 
 
-def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool,
-                               columnwise: bool) -> tuple[torch.Tensor, ...]:
-    """Float8Blockwise copies of the 2D CUDA tensor ``x2`` from one ``blockwise_kernel`` launch made through
-    ``torch.library.wrap_triton``, for a ``torch.library.triton_op`` body: under torch.compile Inductor allocates
-    the outputs and launches the kernel from its own wrapper (no lowbit Python per call); the configuration is fixed
-    when traced (the untuned default; lowbit's Gluon register-tile kernels cannot be wrapped), for static dims
-    (a compiled graph is specialized on x2's shape). Returns fresh tensors (rowwise data, columnwise data, rowwise
-    scale storage, columnwise scale storage, the amax bits of each program as int32: their max is the tensor's), a
-    copy not asked for as empty tensors. The same bits as :func:`quantize_triton`."""
+def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwise: bool, columnwise: bool, *,
+                               amax_into: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Float8Blockwise copies of the CUDA tensor ``x2`` read as 2D (rows: the product of its leading dims) from one
+    ``blockwise_kernel`` launch made through ``torch.library.wrap_triton``, for a ``torch.library.triton_op`` body:
+    under torch.compile Inductor allocates the outputs and launches the kernel from its own wrapper (no lowbit Python
+    per call); the configuration is fixed when traced (the untuned default; lowbit's Gluon register-tile kernels
+    cannot be wrapped), for static dims (a compiled graph is specialized on x2's shape). Returns fresh tensors
+    (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, the amax bits of each program as
+    int32: their max is the tensor's), a copy not asked for as empty tensors. Given ``amax_into`` (int32 (1,)), the
+    programs max-accumulate their amax bits into it instead (atomically) and the last output is ``amax_into``. The
+    same bits as :func:`quantize_triton`."""
     from torch.library import wrap_triton
 
-    x2 = x2.contiguous()
+    x2 = x2.reshape(-1, x2.shape[-1]).contiguous()
     # (a dynamic dim is specialized, a guard on its value: the configuration, grid and flags are fixed per shape)
     M, Kd = (int(d) for d in x2.shape)
-    plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device)
+    plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device,
+                                                  amax_into is None)
     dt, dev = scheme.format.torch_dtype, x2.device
     grids = torch.zeros if plan.padded else torch.empty  # (padding columns no kernel writes are zeros, as eager's)
     rq = torch.empty(M, Kd, dtype=dt, device=dev) if rowwise else None
     rs = grids(plan.rshape, dtype=torch.float32, device=dev) if rowwise else None
     cq = torch.empty(Kd, M, dtype=dt, device=dev) if columnwise else None
     cs = grids(plan.cshape, dtype=torch.float32, device=dev) if columnwise else None
-    amax_i = torch.empty(math.prod(grid), dtype=torch.int32, device=dev)
+    amax_i = torch.empty(math.prod(grid), dtype=torch.int32, device=dev) if amax_into is None else amax_into
     wrap_triton(fn)[grid](x2, *blockwise_args(plan, rq, rs, cq, cs, amax_i), *extra, **tail)
 
     def out(t, dtype):  # (a copy not asked for: an empty tensor, as the operator's schema returns one)
