@@ -975,8 +975,8 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
 # the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes max-accumulated
 # into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
-# lowbit.nn.state checks them). The input goes to the quantizers as it came (N-D, no reshape or detach between): the
-# layers that read one normed input (q, k, v) read one buffer Inductor writes once. Per call no lowbit
+# lowbit.nn.state checks them; no launch of their own under fp8-block). The input reaches the quantizers N-D, as it
+# came. Per call no lowbit
 # Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one operator a pass) or for a
 # layer whose slots are not allocated yet (the sentry's record operators); the bits are eager's. Not traced (the
 # operators above run): a GELU

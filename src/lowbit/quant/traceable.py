@@ -258,9 +258,9 @@ def _check_amax_into(amax_into, x: torch.Tensor) -> None:
 
 def quantize_traceable(x: torch.Tensor, scheme, *, rowwise: bool = True, columnwise: bool = False,
                        amax_into: Optional[torch.Tensor] = None) -> TracedCopies:
-    """The current-scaling FP8 copies of ``x`` read as 2D (rows: the product of its leading dims, so a compiled graph
-    hands every caller the same buffer; cols: its last dim) under ``scheme``, in a form a compiled graph holds
-    (tensorwise: torch operations; blockwise: :func:`quantize_blockwise_op`), with their logical scale grids.
+    """The current-scaling FP8 copies of ``x`` read as 2D (rows: the product of its leading dims; cols: its last
+    dim) under ``scheme``, in a form a compiled graph holds (tensorwise: torch operations; blockwise:
+    :func:`quantize_blockwise_op`), with their logical scale grids.
     Given ``amax_into`` (int32 (1,), float32 bits, on x's device), x's amax is max-accumulated into it in place
     (:func:`quantize_blockwise_into_op` for blockwise) and the returned amax is None.
 

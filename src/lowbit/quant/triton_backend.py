@@ -651,9 +651,10 @@ def quantize_blockwise_wrapped(x2: torch.Tensor, scheme: Float8Blockwise, rowwis
     same bits as :func:`quantize_triton`."""
     from torch.library import wrap_triton
 
-    x2 = x2.reshape(-1, x2.shape[-1]).contiguous()
+    x2 = x2.contiguous()  # (N-D as it came: the kernel reads rows of the last dim)
     # (a dynamic dim is specialized, a guard on its value: the configuration, grid and flags are fixed per shape)
-    M, Kd = (int(d) for d in x2.shape)
+    Kd = int(x2.shape[-1])
+    M = int(x2.numel()) // Kd if Kd else 0
     plan, fn, grid, extra, tail = _wrapped_launch(M, Kd, x2.dtype, scheme, rowwise, columnwise, x2.device,
                                                   amax_into is None)
     dt, dev = scheme.format.torch_dtype, x2.device
