@@ -279,10 +279,11 @@ def test_wrapped_launch_names_every_kernel_parameter(sch):
     fn = TB.K.blockwise_kernel
     if not hasattr(fn, "params"):
         pytest.skip("an interpreted kernel lists no parameters")
-    for rowwise, columnwise in COPIES:
+    for (rowwise, columnwise), each in ((c, e) for c in COPIES for e in (True, False)):
         plan, kern, grid, extra, tail = TB._wrapped_launch(1024, 1152, torch.bfloat16, sch, rowwise, columnwise,
-                                                           torch.device("cpu"))
+                                                           torch.device("cpu"), each)
         names = [p.name for p in kern.params]
         assert set(tail) - set(names) <= {"num_warps", "num_stages"}
         assert [n for n in names if n in tail] == names[10 + len(extra):]
         assert len(grid) == 2 and all(isinstance(g, int) and g > 0 for g in grid)
+        assert tail["AMAX_EACH"] is each  # (False: the programs max-accumulate into one given int32)
