@@ -70,6 +70,20 @@ def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
     assert policies == ["off", "off"]  # (one autocast a step of the lowbit variant; none for bf16)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_header_names_inductors_launcher_for_user_kernels(static):
+    """The header says whether Inductor launches lowbit's quantizer kernel statically (it moves the compiled rows'
+    host time)."""
+    from torch._inductor import config
+
+    import lowbit.bench.model as bm
+
+    cfg = bm.resolve(bm.parse_args(["--device", "cpu", "--variants", "bf16"]))
+    with config.patch(use_static_cuda_launcher=True, static_launch_user_defined_triton_kernels=static):
+        text = bm.header(cfg)
+    assert text.endswith(f"Inductor's static launcher for user Triton kernels: {'on' if static else 'off'}")
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--variants", "bf16,fp9"], "unknown variant 'fp9'"),
     (["--recipes", "fp8-nope"], "unknown recipe 'fp8-nope'"),

@@ -300,7 +300,17 @@ def header(cfg: dict) -> str:
             f"{m['layers']} layers, {m['heads']} heads, vocab {m['vocab']} ({n_params(m) / 1e6:.1f}M parameters); "
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
             f"{cfg['steps'] - cfg['warmup']}; FP32 params, bf16 autocast, AdamW lr {cfg['lr']:g}; lowbit's NaN "
-            f"sentry: on_nonfinite={cfg['on_nonfinite']!r}")
+            f"sentry: on_nonfinite={cfg['on_nonfinite']!r}; {_inductor_launcher()}")
+
+
+def _inductor_launcher() -> str:
+    """How Inductor launches user-defined Triton kernels (lowbit's blockwise quantizer under torch.compile): its
+    static launcher takes less host time a launch than Triton's own, so the compiled rows depend on it."""
+    from torch._inductor import config
+
+    static = bool(getattr(config, "use_static_cuda_launcher", False)
+                  and getattr(config, "static_launch_user_defined_triton_kernels", False))
+    return f"Inductor's static launcher for user Triton kernels: {'on' if static else 'off'}"
 
 
 def markdown(cfg: dict, rows: list[dict]) -> str:
