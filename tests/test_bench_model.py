@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -70,6 +71,19 @@ def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
     assert policies == ["off", "off"]  # (one autocast a step of the lowbit variant; none for bf16)
 
 
+def test_rounds_alternate_the_variants(capsys):
+    """--rounds: every variant warms up first, then the timed steps alternate between them round by round; every
+    variant still times all of its steps, and the header says so."""
+    rc = main(["bench", "model", "--device", "cpu", "--variants", "bf16,fp8-current", "--steps", "4", "--warmup", "1",
+               "--rounds", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "| bf16 |" in text and "| fp8-current |" in text and "failed" not in text
+    order = [(m.group(1), int(m.group(2))) for m in re.finditer(r"\] (\S+): step (\d+)/4", text)]
+    assert order == [("bf16", 1), ("fp8-current", 1), ("bf16", 2), ("bf16", 3), ("fp8-current", 2),
+                     ("fp8-current", 3), ("bf16", 4), ("fp8-current", 4)], order
+    assert "(timed in 2 rounds alternating between the variants)" in text
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_header_names_inductors_launcher_for_user_kernels(static):
     """The header says whether Inductor launches lowbit's quantizer kernel statically (it moves the compiled rows'
@@ -92,6 +106,8 @@ def test_header_names_inductors_launcher_for_user_kernels(static):
     (["--layers", "0"], "--layers: expected an integer >= 1"),
     (["--steps", "3", "--warmup", "3"], "--warmup"),
     (["--on-nonfinite", "warn"], "--on-nonfinite: expected one of raise, skip, ignore, off, got 'warn'"),
+    (["--rounds", "0"], "--rounds: expected 1 <= rounds <= the timed steps"),
+    (["--steps", "3", "--warmup", "1", "--rounds", "3"], "--rounds: expected 1 <= rounds <= the timed steps (2)"),
 ])
 def test_bad_input_exits_2_with_one_line(args, msg, capsys):
     rc = main(["bench", "model", "--device", "cpu", *args])

@@ -23,6 +23,11 @@ off`` measures them without it (torchao has none).
 
 A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
+``--rounds R`` compares variants whose difference is near the run-to-run spread (host-bound steps move by 5-20%
+between runs): every variant is built and warmed up first, then their timed steps alternate in R rounds, so a drift
+of the machine lands on all of them alike (all live at once: no peak memory reported; they share one compile cache,
+so a compiled call may first check the guards of another variant's graphs).
+
 How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
 median step time of the steps after the warm-up (the first steps compile and autotune). **host ms** is the time from
 the step's start until Python has enqueued all of it (before the synchronize): when it is close to the step time the
@@ -108,6 +113,10 @@ def parse_args(argv):
     p.add_argument("--on-nonfinite", default="raise", metavar="{raise,skip,ignore,off}",
                    help="the lowbit variants' NaN-sentry policy (lowbit.autocast's on_nonfinite; default raise, "
                         "lowbit's default; off: no sentry, nothing recorded or checked)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split each variant's timed steps into this many rounds that alternate between the variants "
+                        "(all built and warmed up first, all live at once: no peak memory); default 1: one variant "
+                        "after another")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the table (markdown) to FILE and the rows (JSON) to FILE.json")
     return p.parse_args(argv)
@@ -136,6 +145,9 @@ def resolve(args) -> dict:
             raise ValueError(f"--{k}: expected an integer >= 1, got {v}")
     if run["warmup"] < 0 or run["warmup"] >= run["steps"]:
         raise ValueError(f"--warmup: expected 0 <= warmup < steps ({run['steps']}), got {run['warmup']}")
+    if not 1 <= args.rounds <= run["steps"] - run["warmup"]:
+        raise ValueError(f"--rounds: expected 1 <= rounds <= the timed steps ({run['steps'] - run['warmup']}), got "
+                         f"{args.rounds}")
     if not (run["lr"] > 0 and math.isfinite(run["lr"])):
         raise ValueError(f"--lr: expected a positive number, got {run['lr']}")
     if args.on_nonfinite not in ON_NONFINITE:
@@ -154,7 +166,7 @@ def resolve(args) -> dict:
             raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
     variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
     return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
-                size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, **run)
+                size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, rounds=args.rounds, **run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,71 +197,116 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
-    """Train a fresh model ``cfg["steps"]`` steps under variant ``name``; the row of measurements (or why not)."""
-    import lowbit.nn
+class _VariantRun:
+    """One variant's model, optimizer and step times: :meth:`start` builds it and runs its warm-up steps,
+    :meth:`steps` times more, :meth:`row` gives the measurements (or why not), :meth:`close` frees it. A failure in
+    any of them is kept as the row's status (the benchmark goes on)."""
 
-    device = cfg["device"]
-    graphs = name.endswith("-compile-graphs")
-    compiled = graphs or name.endswith("-compile")
-    base = name.split("-compile")[0] if compiled else name
-    recipe = from_name(base) if base not in ("bf16", "torchao") else None
-    model = opt = loss = None
-    try:
+    def __init__(self, name: str, cfg: dict, ids: torch.Tensor, log):
+        self.name, self.cfg, self.ids, self.log = name, cfg, ids, log
+        graphs = name.endswith("-compile-graphs")
+        self.compiled = graphs or name.endswith("-compile")
+        self.graphs = graphs
+        self.base = name.split("-compile")[0] if self.compiled else name
+        self.recipe = from_name(self.base) if self.base not in ("bf16", "torchao") else None
+        self.model = self.opt = self.fwd = self.loss = None
+        self.step_s, self.host_s, self.failed, self.peak = [], [], None, None
+
+    def _guard(self, fn, *a):
+        if self.failed is not None:
+            return
+        try:
+            fn(*a)
+        except Exception as e:  # report the variant, never stop the benchmark
+            msg = (str(e).strip().splitlines() or [""])[0].strip()
+            self.failed = f"failed: {type(e).__name__}: {msg}"[:300]
+            self.log(f"[bench model] {self.name}: {self.failed}")
+            self.close()
+
+    def start(self, reset: bool) -> None:
+        """Build the variant (``reset``: from a clean torch.compile cache) and run its warm-up steps."""
+        self._guard(self._start, reset)
+
+    def _start(self, reset: bool) -> None:
+        import lowbit.nn
+
+        device = self.cfg["device"]
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        if compiled:
+        if self.compiled and reset:
             torch.compiler.reset()  # each variant compiles its own fresh model, from a clean cache
-        model = build_model(cfg["model"], cfg["seq"], device)
-        if recipe is not None:
-            lowbit.nn.convert(model, recipe=recipe)  # (lowbit.convert)
-        if base == "torchao":
-            _torchao_convert(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], fused=device == "cuda")
-        fwd = torch.compile(model, mode="reduce-overhead" if graphs else None) if compiled else model
-        step_s, host_s = [], []
-        n = cfg["steps"]
-        for i in range(n):
+        self.model = build_model(self.cfg["model"], self.cfg["seq"], device)
+        if self.recipe is not None:
+            lowbit.nn.convert(self.model, recipe=self.recipe)  # (lowbit.convert)
+        if self.base == "torchao":
+            _torchao_convert(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg["lr"], fused=device == "cuda")
+        self.fwd = (torch.compile(self.model, mode="reduce-overhead" if self.graphs else None) if self.compiled
+                    else self.model)
+        self._steps(self.cfg["warmup"])
+
+    def steps(self, n: int) -> None:
+        """Time ``n`` more steps."""
+        self._guard(self._steps, n)
+
+    def _steps(self, n: int) -> None:
+        import lowbit.nn
+
+        cfg, device = self.cfg, self.cfg["device"]
+        for _ in range(n):
+            i = len(self.step_s)
             _sync(device)
             t0 = time.perf_counter()
-            quant = (lowbit.nn.autocast(recipe=recipe, on_nonfinite=cfg["on_nonfinite"])
-                     if recipe is not None else contextlib.nullcontext())
+            quant = (lowbit.nn.autocast(recipe=self.recipe, on_nonfinite=cfg["on_nonfinite"])
+                     if self.recipe is not None else contextlib.nullcontext())
             with torch.autocast(device, dtype=torch.bfloat16), quant:
-                loss = fwd(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+                self.loss = self.fwd(input_ids=self.ids, labels=self.ids).loss
+            self.loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()
             _sync(device)
             t2 = time.perf_counter()
-            step_s.append(t2 - t0)
-            host_s.append(t1 - t0)
-            log(f"[bench model] {name}: step {i + 1}/{n} {1e3 * (t2 - t0):.1f} ms (host {1e3 * (t1 - t0):.1f} ms)"
-                f"{' (warm-up)' if i < cfg['warmup'] else ''}")
-        final = float(loss.detach().float().item())
-        med = statistics.median(step_s[cfg["warmup"]:])
-        row = dict(variant=name, status="ok", tokens_per_s=cfg["batch"] * cfg["seq"] / med, step_ms=1e3 * med,
-                   host_ms=1e3 * statistics.median(host_s[cfg["warmup"]:]), first_step_s=step_s[0], loss=final,
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
-    except Exception as e:  # report the variant, never stop the benchmark
-        msg = (str(e).strip().splitlines() or [""])[0].strip()
-        row = dict(variant=name, status=f"failed: {type(e).__name__}: {msg}"[:300])
-        log(f"[bench model] {name}: {row['status']}")
-    finally:
-        del model, opt, loss
-        gc.collect()
+            self.step_s.append(t2 - t0)
+            self.host_s.append(t1 - t0)
+            self.log(f"[bench model] {self.name}: step {i + 1}/{cfg['steps']} {1e3 * (t2 - t0):.1f} ms (host "
+                     f"{1e3 * (t1 - t0):.1f} ms){' (warm-up)' if i < cfg['warmup'] else ''}")
         if device == "cuda":
+            self.peak = max(self.peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
+
+    def row(self, peak: bool = True) -> dict:
+        """The measurements (``peak``: with the peak memory, which other live variants would inflate)."""
+        if self.failed is not None:
+            return dict(variant=self.name, status=self.failed)
+        cfg, timed = self.cfg, self.step_s[self.cfg["warmup"]:]
+        med = statistics.median(timed)
+        return dict(variant=self.name, status="ok", tokens_per_s=cfg["batch"] * cfg["seq"] / med, step_ms=1e3 * med,
+                    host_ms=1e3 * statistics.median(self.host_s[cfg["warmup"]:]), first_step_s=self.step_s[0],
+                    loss=float(self.loss.detach().float().item()), peak_gib=self.peak if peak else None)
+
+    def close(self) -> None:
+        self.model = self.opt = self.fwd = self.loss = None
+        gc.collect()
+        if self.cfg["device"] == "cuda":
             torch.cuda.empty_cache()
-    return row
+
+
+def _rounds(timed: int, rounds: int) -> list[int]:
+    """``timed`` steps split into ``rounds`` near-equal parts (the earlier parts one longer)."""
+    return [timed // rounds + (k < timed % rounds) for k in range(rounds)]
 
 
 def run(cfg: dict, log=print) -> list[dict]:
-    """Every variant of ``cfg`` (from :func:`resolve`) in order; rows with the ratios filled in."""
+    """Every variant of ``cfg`` (from :func:`resolve`) in order; rows with the ratios filled in. With
+    ``cfg["rounds"]`` > 1 every variant is built and warmed up first, then their timed steps alternate in that many
+    rounds (all variants live at once, so no peak memory is reported): drifts of the machine then land on every
+    variant alike."""
     device = cfg["device"]
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
-    rows = []
+    rounds = cfg.get("rounds", 1)
+    rows, runs = {}, []
     for name in cfg["variants"]:
         skip = None
         if name == "torchao-compile":
@@ -262,22 +319,43 @@ def run(cfg: dict, log=print) -> list[dict]:
         if skip is None and name.endswith("-compile") and device == "cpu" and not cfg["compile_on_cpu"]:
             skip = "compile variants off on CPU (--compile-on-cpu runs them)"
         if skip is not None:
-            rows.append(dict(variant=name, status=f"skipped: {skip}"))
+            rows[name] = dict(variant=name, status=f"skipped: {skip}")
             log(f"[bench model] {name}: skipped: {skip}")
             continue
         log(f"[bench model] {name}: start")
-        row = run_variant(name, cfg, ids, log)
-        if row["status"] == "ok":
-            log(f"[bench model] {name}: {row['tokens_per_s']:,.0f} tokens/s, step {row['step_ms']:.1f} ms, host "
-                f"{row['host_ms']:.1f} ms, loss {row['loss']:.4f}"
-                + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))
-        rows.append(row)
+        r = _VariantRun(name, cfg, ids, log)
+        if rounds == 1:  # (one variant at a time: each from a clean compile cache, its memory freed after it)
+            r.start(reset=True)
+            r.steps(cfg["steps"] - cfg["warmup"])
+            rows[name] = _logged(r.row(), log)
+            r.close()
+        else:  # (one compile cache for all: a reset would drop the graphs of the variants built before)
+            if not runs:
+                torch.compiler.reset()
+            r.start(reset=False)
+            runs.append(r)
+    for k, n in enumerate(_rounds(cfg["steps"] - cfg["warmup"], rounds) if runs else []):
+        log(f"[bench model] round {k + 1}/{rounds}: {n} steps a variant")
+        for r in runs:
+            r.steps(n)
+    for r in runs:
+        rows[r.name] = _logged(r.row(peak=False), log)
+        r.close()
+    rows = [rows[name] for name in cfg["variants"]]
     refs = {r["variant"]: r["tokens_per_s"] for r in rows if r["status"] == "ok"}
     for r in rows:
         for ref in ("bf16", "bf16-compile", "torchao-compile"):
             if r["status"] == "ok" and ref in refs:
                 r[f"x_{ref}"] = r["tokens_per_s"] / refs[ref]
     return rows
+
+
+def _logged(row: dict, log) -> dict:
+    if row["status"] == "ok":
+        log(f"[bench model] {row['variant']}: {row['tokens_per_s']:,.0f} tokens/s, step {row['step_ms']:.1f} ms, "
+            f"host {row['host_ms']:.1f} ms, loss {row['loss']:.4f}"
+            + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))
+    return row
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,8 +377,13 @@ def header(cfg: dict) -> str:
             f"{git_commit()}\n\nLlamaForCausalLM {size}: hidden {m['hidden']}, intermediate {m['intermediate']}, "
             f"{m['layers']} layers, {m['heads']} heads, vocab {m['vocab']} ({n_params(m) / 1e6:.1f}M parameters); "
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
-            f"{cfg['steps'] - cfg['warmup']}; FP32 params, bf16 autocast, AdamW lr {cfg['lr']:g}; lowbit's NaN "
-            f"sentry: on_nonfinite={cfg['on_nonfinite']!r}; {_inductor_launcher()}")
+            f"{cfg['steps'] - cfg['warmup']}{_rounds_note(cfg)}; FP32 params, bf16 autocast, AdamW lr "
+            f"{cfg['lr']:g}; lowbit's NaN sentry: on_nonfinite={cfg['on_nonfinite']!r}; {_inductor_launcher()}")
+
+
+def _rounds_note(cfg: dict) -> str:
+    r = cfg.get("rounds", 1)
+    return f" (timed in {r} rounds alternating between the variants)" if r > 1 else ""
 
 
 def _inductor_launcher() -> str:
