@@ -55,9 +55,22 @@ def reduce_amax(tensors: Sequence[torch.Tensor], group=None) -> list[torch.Tenso
 
 
 def any_rank(flag: bool, group=None, device=None) -> bool:
-    """True if ``flag`` is true on any rank of ``group`` (e.g. "a non-finite amax was seen: skip the step")."""
+    """True if ``flag`` is true on any rank of ``group`` (e.g. "a non-finite amax was seen: skip the step"). One
+    all-reduce and one read on the host. ``device``: where the flag travels; None: the current CUDA device where the
+    group's backend is NCCL alone (it has no CPU transport), else the CPU.
+
+    Under DDP or FSDP2 every rank's NaN sentry sees only its own tensors, so a loop that skips steps must agree on
+    it, or the ranks that did not see the fault apply the update the others skip::
+
+        if lowbit.distributed.any_rank(bool(lowbit.nn.nonfinite_events())):
+            opt.zero_grad(set_to_none=True)  # every rank skips the step
+    """
     if not is_active(group):
         return bool(flag)
+    if device is None:
+        backend = str(torch.distributed.get_backend(group))
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if "nccl" in backend and "cpu:" not in backend and "gloo" not in backend else "cpu")
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)

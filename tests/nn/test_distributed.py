@@ -52,6 +52,18 @@ def _worker(rank, tmp):
                     m3(x)
             sd[f"{name}.input.history"] = m3.get_extra_state()["input.history"]
         sd["local.own.input.history"] = sd.pop("own.input.history")
+        # the skip agreement of a user's loop: an Inf only on rank 1's input, "skip" on both; each rank's sentry
+        # sees its own tensors, any_rank makes both skip
+        lowbit.nn.nonfinite_events()
+        bad = x.clone()
+        if rank == 1:
+            bad[2, 3] = float("inf")
+        with lowbit.autocast(recipe=recipes.Float8CurrentScaling(), on_nonfinite="skip"):
+            lowbit.nn.Linear(32, 24)(bad)
+        local = lowbit.nn.nonfinite_events()
+        sd["events"] = torch.tensor([len(local)])
+        sd["skip"] = torch.tensor([lowbit.distributed.any_rank(bool(local))])
+        sd["clean"] = torch.tensor([lowbit.distributed.any_rank(False)])
         # the helper itself, NaN on one rank -> inf on all
         t = [torch.tensor([float("nan") if rank == 0 else 1.0]), torch.tensor([2.0 + rank])]
         lowbit.distributed.reduce_amax(t)
@@ -65,8 +77,10 @@ def _worker(rank, tmp):
 def test_amax_reduction_two_ranks(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
     sds = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert [int(sd["events"]) for sd in sds] == [0, 1]  # (each rank's own sentry)
+    assert all(bool(sd["skip"]) and not bool(sd["clean"]) for sd in sds)  # (agreed: both skip; nothing: neither)
     for k in sds[0]:
-        if not k.startswith("local"):
+        if not k.startswith("local") and k != "events":
             assert torch.equal(sds[0][k], sds[1][k]), f"{k} differs between ranks"
     xs, Gs = zip(*(_data(r) for r in range(WORLD)))
     torch.manual_seed(0)
