@@ -229,3 +229,47 @@ def test_fp8_all_gather_unsharded_model_is_unchanged():
     outs, losses, grads = _run(m, "fp8-block")
     assert all(torch.equal(a, b) for a, b in zip(ref_outs + ref_losses, outs + losses))
     assert all(torch.equal(ref_grads[n], grads[n]) for n in ref_grads)
+
+
+def _compile_worker(rank, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
+    try:
+        import torch._dynamo.utils as dynamo_utils
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+        got = {}
+        for mode in ("eager", "compile"):
+            model = _model((256, 256))
+            lowbit.nn.fp8_all_gather(model, from_name("fp8-current"), mesh)
+            for layer in model:
+                if isinstance(layer, lowbit.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            dynamo_utils.counters.clear()
+            with lowbit.autocast(recipe=from_name("fp8-current")):
+                y = (torch.compile(model) if mode == "compile" else model)(x)
+            y.float().sum().backward()
+            breaks = [str(k) for k in dynamo_utils.counters["graph_break"]]
+            got[mode] = (y.detach(), model[0].weight.grad.full_tensor(), model[2].weight.grad.full_tensor(), breaks)
+        torch.save(got, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_compiled_model_runs_gathered_layers_eager(tmp_path):
+    """torch.compile over layers whose weights FSDP2 gathers as FP8 copies (a tensor subclass Dynamo cannot trace):
+    the graph breaks at one disabled call that runs the layer eager, named in Dynamo's graph-break reasons, and
+    nothing inside lowbit breaks it elsewhere; outputs and gradients equal the uncompiled run's."""
+    mp.spawn(_compile_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        for a, b in zip(got["eager"][:3], got["compile"][:3]):
+            assert torch.equal(a, b), f"rank {r}: compiled differs from eager"
+        breaks = got["compile"][3]
+        ours = [b for b in breaks if "_gathered_fp8_weight_runs_eager" in b]
+        fsdp = [b for b in breaks if "qualname: disable" in b]  # (FSDP2's own hooks: torch._dynamo.disable)
+        assert len(ours) == 1 and len(ours) + len(fsdp) == len(breaks), breaks

@@ -27,7 +27,8 @@ Everything else gathers in high precision, as FSDP2 does without this module, an
 columnwise copy is not the rowwise one transposed), MXFP8, NVFP4, BF16, weights shared by two
 modules. Gradients reduce-scatter in high precision, as FSDP2 does. The gathered weight holds no high-precision
 values: only a lowbit layer under ``lowbit.autocast`` with the same recipe can use it (anything else raises).
-torch.compile over layers holding these weights is not supported.
+Under torch.compile a layer holding such a weight runs eager (the subclass holds no values for Dynamo to trace):
+the graph breaks at the layer's call, once per layer, and lowbit's log says why (:func:`lowbit.runtime.log.declined`).
 """
 
 from __future__ import annotations
@@ -320,6 +321,8 @@ class GatheredFloat8Weight(torch.Tensor):
     copy) a lowbit layer multiplies by; other ops (``F.linear`` outside autocast, reading the values) raise."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    lowbit_fp8_gathered = True
+    """Marks the class for lowbit's layers (which do not import this module): a compiled layer refuses it."""
 
     @staticmethod
     def __new__(cls, box: list):

@@ -754,6 +754,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
         _no_link_when_compiling(norm_link)
+        if getattr(type(weight), "lowbit_fp8_gathered", False):
+            return _gathered_fp8_weight_runs_eager(x, weight, bias, norm_weight, cfg)
         if _traced_linear_fits(x, weight, recipe, cfg):
             return _traced_linear(x, weight, bias, cfg, st.key)
         return _compiled_linear(x, weight, bias, norm_weight, cfg, st.key)
@@ -1239,6 +1241,18 @@ def _no_link_when_compiling(norm_link) -> None:
     if norm_link is not None:
         raise NotImplementedError("norm_link: a NormGradLink cannot cross torch.compile's operators; under "
                                   "torch.compile call without it (lowbit.ops.residual_add returns none there)")
+
+
+@torch.compiler.disable
+def _gathered_fp8_weight_runs_eager(x, weight, bias, norm_weight, cfg):
+    """The eager linear, for a layer inside a compiled region whose weight FSDP2 gathered as FP8 copies
+    (``lowbit.nn.fp8_all_gather``): a tensor subclass holding no values, which Dynamo cannot trace. Disabled for
+    torch.compile: Dynamo breaks the graph at the call and runs it (and what it calls) eager."""
+    from ..runtime.log import declined
+
+    declined("torch.compile", "a weight gathered by FSDP2 as FP8 copies (lowbit.nn.fp8_all_gather): the layer runs "
+             "eager")
+    return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
 
 
 def _linked_rstd(norm_eps, norm_rstd, norm_link):
