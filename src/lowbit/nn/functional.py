@@ -754,8 +754,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = _Cfg(layer, recipe, is_first_microbatch, gelu, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
         _no_link_when_compiling(norm_link)
-        if getattr(type(weight), "lowbit_fp8_gathered", False):
-            return _gathered_fp8_weight_runs_eager(x, weight, bias, norm_weight, cfg)
+        if _fp8_gathered(weight):
+            return _gathered_fp8_weight_runs_eager(_QuantizedLinearFn, x, weight, bias, norm_weight, cfg)
         if _traced_linear_fits(x, weight, recipe, cfg):
             return _traced_linear(x, weight, bias, cfg, st.key)
         return _compiled_linear(x, weight, bias, norm_weight, cfg, st.key)
@@ -1243,16 +1243,22 @@ def _no_link_when_compiling(norm_link) -> None:
                                   "torch.compile call without it (lowbit.ops.residual_add returns none there)")
 
 
+def _fp8_gathered(*weights) -> bool:
+    """Whether a weight is one FSDP2 gathered as FP8 copies (``lowbit.nn.fp8_all_gather``'s tensor subclass, marked
+    by a class attribute: this module does not import that one)."""
+    return any(getattr(type(w), "lowbit_fp8_gathered", False) for w in weights)
+
+
 @torch.compiler.disable
-def _gathered_fp8_weight_runs_eager(x, weight, bias, norm_weight, cfg):
-    """The eager linear, for a layer inside a compiled region whose weight FSDP2 gathered as FP8 copies
-    (``lowbit.nn.fp8_all_gather``): a tensor subclass holding no values, which Dynamo cannot trace. Disabled for
+def _gathered_fp8_weight_runs_eager(fn, *args):
+    """``fn.apply(*args)``: the eager layer (autograd Function ``fn``), for a layer inside a compiled region whose
+    weight FSDP2 gathered as FP8 copies, a tensor subclass holding no values, which Dynamo cannot trace. Disabled for
     torch.compile: Dynamo breaks the graph at the call and runs it (and what it calls) eager."""
     from ..runtime.log import declined
 
     declined("torch.compile", "a weight gathered by FSDP2 as FP8 copies (lowbit.nn.fp8_all_gather): the layer runs "
              "eager")
-    return _QuantizedLinearFn.apply(x, weight, bias, norm_weight, cfg)
+    return fn.apply(*args)
 
 
 def _linked_rstd(norm_eps, norm_rstd, norm_link):
@@ -1407,8 +1413,11 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
     cfg1 = _Cfg(layer1, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype, norm_eps, norm_rstd, norm_link)
     if torch.compiler.is_compiling():
         _no_link_when_compiling(norm_link)
-        return _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1, st.key)
+        if not _fp8_gathered(w1, w2):
+            return _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1, st.key)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
+    if torch.compiler.is_compiling():
+        return _gathered_fp8_weight_runs_eager(_SwiGLUMLPFn, x, w1, w2, b2, norm_weight, cfg1, cfg2)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
 
 
