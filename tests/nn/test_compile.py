@@ -634,6 +634,34 @@ def test_traced_linear_sentry_off_holds_no_operator_on_cpu(monkeypatch):
     assert not torch.isfinite(y).all() and ac.nonfinite_events() == []
 
 
+def test_traced_linear_takes_any_leading_dims_on_cpu(monkeypatch):
+    """The traced linear reads its input N-D as it comes (no reshape before the quantizers): a 1-D, 2-D and 3-D
+    input give the 2-D call's outputs and input gradients, bit for bit, in their own shapes."""
+    _trace_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    lin = lowbit.nn.Linear(64, 32)
+    m = torch.compile(lin, fullgraph=True)
+    x = torch.randn(6, 64)
+    g = torch.randn(6, 32)
+
+    def run(shape_x, shape_g):
+        xi = x.reshape(shape_x).clone().requires_grad_(True)
+        with lowbit.autocast(recipe=from_name("fp8-current")):
+            y = m(xi)
+        y.backward(g.reshape(shape_g))
+        return y, xi.grad
+
+    y2, dx2 = run((6, 64), (6, 32))
+    y3, dx3 = run((2, 3, 64), (2, 3, 32))
+    assert y3.shape == (2, 3, 32) and dx3.shape == (2, 3, 64)
+    assert torch.equal(y3.reshape(6, 32), y2) and torch.equal(dx3.reshape(6, 64), dx2)
+    x, g = x[:1], g[:1]
+    y2, dx2 = run((1, 64), (1, 32))
+    y1, dx1 = run((64,), (32,))
+    assert y1.shape == (32,) and dx1.shape == (64,)
+    assert torch.equal(y1, y2[0]) and torch.equal(dx1, dx2[0])
+
+
 def test_traced_linear_slots_skip_policy_reports_each_event_once_on_cpu(monkeypatch):
     """Under "skip", an Inf output gradient recorded in the compiled layer's backward slot is reported by
     nonfinite_events() after the backward (named, with its step, once: the next steps report nothing), and so is a
