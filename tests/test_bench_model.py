@@ -84,24 +84,6 @@ def test_rounds_alternate_the_variants(capsys):
     assert "(timed in 2 rounds alternating between the variants)" in text
 
 
-def test_static_launch_variants(capsys):
-    """``<any>-compile-static`` is a known variant (CUDA only: a skipped row on the CPU), and its warm-up runs under
-    Inductor's strict static launcher for user kernels, set only inside the context."""
-    from torch._inductor import config
-
-    import lowbit.bench.model as bm
-
-    assert "fp8-block-compile-static" in bm.all_variant_names(["fp8-block"])
-    assert "fp8-block-compile-static" not in bm.variant_names(["fp8-block"])
-    rc = main(["bench", "model", "--device", "cpu", "--variants", "bf16,fp8-block-compile-static", "--steps", "2"])
-    text = capsys.readouterr().out
-    assert rc == 0 and "| fp8-block-compile-static | skipped: CUDA graphs and Inductor's static launcher" in text
-    before = config.static_launch_user_defined_triton_kernels
-    with bm._static_launch():
-        assert config.static_launch_user_defined_triton_kernels and config.strict_static_cuda_launcher
-    assert config.static_launch_user_defined_triton_kernels == before
-
-
 @pytest.mark.parametrize("static", [False, True])
 def test_header_names_inductors_launcher_for_user_kernels(static):
     """The header says whether Inductor launches lowbit's quantizer kernel statically (it moves the compiled rows'

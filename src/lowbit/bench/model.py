@@ -16,10 +16,7 @@ Variants:
   ``<recipe>-compile``: the same plus ``torch.compile(model)``;
 * ``torchao-compile`` (when torchao imports): ``torchao.float8.convert_to_float8_training`` (tensorwise, the
   default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``;
-* ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs;
-* ``<any>-compile-static`` (not run by default): ``<any>-compile`` with Inductor's static launcher for user-defined
-  Triton kernels (lowbit's blockwise quantizer; strict: a kernel it cannot launch raises) while the warm-up steps
-  compile. With ``--rounds`` it compares against ``<any>-compile`` in one run.
+* ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs.
 
 The lowbit variants run with lowbit's NaN sentry as a user gets it (``on_nonfinite="raise"``); ``--on-nonfinite
 off`` measures them without it (torchao has none).
@@ -88,11 +85,9 @@ def variant_names(recipe_names) -> list[str]:
 
 
 def all_variant_names(recipe_names) -> list[str]:
-    """Every variant for these recipes: the defaults, each compiled one with CUDA graphs (``-compile-graphs``) and
-    each compiled one with Inductor's static launcher for user Triton kernels (``-compile-static``)."""
+    """Every variant for these recipes: the defaults and each compiled one with CUDA graphs (``-compile-graphs``)."""
     out = variant_names(recipe_names)
-    compiled = [v for v in out if v.endswith("-compile")]
-    return out + [f"{v}-graphs" for v in compiled] + [f"{v}-static" for v in compiled]
+    return out + [f"{v}-graphs" for v in out if v.endswith("-compile")]
 
 
 def parse_args(argv):
@@ -210,8 +205,7 @@ class _VariantRun:
     def __init__(self, name: str, cfg: dict, ids: torch.Tensor, log):
         self.name, self.cfg, self.ids, self.log = name, cfg, ids, log
         graphs = name.endswith("-compile-graphs")
-        self.static = name.endswith("-compile-static")
-        self.compiled = graphs or self.static or name.endswith("-compile")
+        self.compiled = graphs or name.endswith("-compile")
         self.graphs = graphs
         self.base = name.split("-compile")[0] if self.compiled else name
         self.recipe = from_name(self.base) if self.base not in ("bf16", "torchao") else None
@@ -250,8 +244,7 @@ class _VariantRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg["lr"], fused=device == "cuda")
         self.fwd = (torch.compile(self.model, mode="reduce-overhead" if self.graphs else None) if self.compiled
                     else self.model)
-        with _static_launch() if self.static else contextlib.nullcontext():  # (the warm-up compiles)
-            self._steps(self.cfg["warmup"])
+        self._steps(self.cfg["warmup"])
 
     def steps(self, n: int) -> None:
         """Time ``n`` more steps."""
@@ -299,15 +292,6 @@ class _VariantRun:
             torch.cuda.empty_cache()
 
 
-def _static_launch():
-    """Inductor's static launcher for user-defined Triton kernels (lowbit's blockwise quantizer), strict: a kernel it
-    cannot launch statically raises instead of falling back to Triton's launcher."""
-    from torch._inductor import config
-
-    return config.patch(use_static_cuda_launcher=True, static_launch_user_defined_triton_kernels=True,
-                        strict_static_cuda_launcher=True)
-
-
 def _rounds(timed: int, rounds: int) -> list[int]:
     """``timed`` steps split into ``rounds`` near-equal parts (the earlier parts one longer)."""
     return [timed // rounds + (k < timed % rounds) for k in range(rounds)]
@@ -332,8 +316,6 @@ def run(cfg: dict, log=print) -> list[dict]:
                 skip = f"torchao not importable ({type(e).__name__})"
             if device == "cpu":
                 skip = "torchao float8 is CUDA only"
-        if skip is None and device == "cpu" and name.endswith(("-compile-graphs", "-compile-static")):
-            skip = "CUDA graphs and Inductor's static launcher are CUDA only"
         if skip is None and name.endswith("-compile") and device == "cpu" and not cfg["compile_on_cpu"]:
             skip = "compile variants off on CPU (--compile-on-cpu runs them)"
         if skip is not None:
