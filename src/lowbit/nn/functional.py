@@ -978,12 +978,11 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes max-accumulated
 # into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
 # lowbit.nn.state checks them; no launch of their own under fp8-block). The input reaches the quantizers N-D, as it
-# came. Per call no lowbit
-# Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one operator a pass) or for a
-# layer whose slots are not allocated yet (the sentry's record operators); the bits are eager's. Not traced (the
-# operators above run): a GELU
-# or RMSNorm fused into the layer, a weight cached across micro-batches, a weight FSDP2 gathers as FP8 copies, dims
-# the GEMMs or blocks do not divide.
+# came. Per call no lowbit Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one
+# operator a pass) or for a layer whose slots are not allocated yet (the sentry's record operators); the bits are
+# eager's. Not traced (the operators above run): a GELU or RMSNorm fused into the layer, a weight cached across
+# micro-batches, dims the GEMMs or blocks do not divide. A weight FSDP2 gathers as FP8 copies runs the layer eager
+# (a graph break: _gathered_fp8_weight_runs_eager).
 #
 # Where they run, the sentry's records and delayed_scales run once per layer and pass: they are defined with
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
