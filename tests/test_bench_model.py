@@ -52,6 +52,28 @@ def test_failed_variant_is_a_row_not_a_crash(capsys, monkeypatch):
     assert "second line" not in text
 
 
+def test_variant_failing_mid_rounds_is_a_row_and_the_others_finish(capsys, monkeypatch):
+    """--rounds: a variant that raises in its second round is a failed row (its model freed); the other variant
+    still times every step."""
+    import lowbit.nn
+
+    real, calls = lowbit.nn.autocast, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # (fp8-current's warm-up step, then its first round's step, then this)
+            raise RuntimeError("mid-run fault")
+        return real(*a, **k)
+
+    monkeypatch.setattr(lowbit.nn, "autocast", flaky)
+    rc = main(["bench", "model", "--device", "cpu", "--variants", "fp8-current,bf16", "--steps", "4", "--warmup", "1",
+               "--rounds", "3"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "| fp8-current | failed: RuntimeError: mid-run fault |" in text
+    assert re.search(r"\| bf16 \| [\d,]+ \|", text) and "bf16: step 4/4" in text
+    assert "fp8-current: step 3/4" not in text
+
+
 def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
     """--on-nonfinite is the policy the lowbit variants' autocast gets, and the table's header names it."""
     import lowbit.nn
