@@ -204,9 +204,8 @@ class _VariantRun:
 
     def __init__(self, name: str, cfg: dict, ids: torch.Tensor, log):
         self.name, self.cfg, self.ids, self.log = name, cfg, ids, log
-        graphs = name.endswith("-compile-graphs")
-        self.compiled = graphs or name.endswith("-compile")
-        self.graphs = graphs
+        self.graphs = name.endswith("-compile-graphs")
+        self.compiled = self.graphs or name.endswith("-compile")
         self.base = name.split("-compile")[0] if self.compiled else name
         self.recipe = from_name(self.base) if self.base not in ("bf16", "torchao") else None
         self.model = self.opt = self.fwd = self.loss = None

@@ -1197,17 +1197,15 @@ class _TracedLinearFn(torch.autograd.Function):
 def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
     rowwise, columnwise, role, slot)`` in ``items``, every amax recorded for the NaN sentry: given the role's
-    ``slot`` (of :attr:`GemmLayer.sentry_slots`), max-accumulated into it inside the graph, a running max until the
-    next check zeroes it (so every call since then is checked, two backwards before a check too); else by one
-    operator: in the forward :func:`sentry_record_op`, in the backward :func:`sentry_pass_op`, whose copies of the
-    scales the GEMMs then read. None with ``on_nonfinite="off"``."""
+    ``slot`` (of :attr:`GemmLayer.sentry_slots`; every item has one, or none does), max-accumulated into it inside
+    the graph, a running max until the next check zeroes it (so every call since then is checked, two backwards
+    before a check too); else by one operator: in the forward :func:`sentry_record_op`, in the backward
+    :func:`sentry_pass_op`, whose copies of the scales the GEMMs then read. None with ``on_nonfinite="off"``."""
     from ..quant.traceable import quantize_traceable
 
-    if _ac.sentry_off(_ac.from_key(key)[1]):  # (on_nonfinite="off": no record at all)
-        return [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _, _ in items]
-    if all(i[5] is not None for i in items):
-        return [quantize_traceable(t, sch, rowwise=r, columnwise=c, amax_into=slot) for t, sch, r, c, _, slot in items]
-    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c) for t, sch, r, c, _, _ in items]
+    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c, amax_into=slot) for t, sch, r, c, _, slot in items]
+    if items[0][5] is not None or _ac.sentry_off(_ac.from_key(key)[1]):  # (slots, or on_nonfinite="off": no record)
+        return out
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":
         sentry_record_op(amaxes, weight, key, roles, phase)
@@ -1415,7 +1413,7 @@ def quantized_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2
         if not _fp8_gathered(w1, w2):
             return _compiled_swiglu_mlp(x, w1, w2, b2, norm_weight, cfg1, st.key)
     cfg2 = _Cfg(layer2, recipe, is_first_microbatch, False, st.on_nonfinite, out_dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (a weight gathered as FP8 copies: eager, behind a graph break)
         return _gathered_fp8_weight_runs_eager(_SwiGLUMLPFn, x, w1, w2, b2, norm_weight, cfg1, cfg2)
     return _SwiGLUMLPFn.apply(x, w1, w2, b2, norm_weight, cfg1, cfg2)
 

@@ -178,6 +178,34 @@ def _(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise):
     return _blockwise_outputs_fake(x2, _blockwise_scheme(fmt, block_dim, block_size, pow2, eps), rowwise, columnwise)
 
 
+def _max_into(amax_into: torch.Tensor, amax_bits: torch.Tensor) -> None:
+    """amax_into (int32 (1,)) = max(amax_into, the max of ``amax_bits``), both float32 bits of non-negative values
+    (sign bits cleared: NaN above Inf above every finite one, as :func:`amax_value` orders them)."""
+    a = amax_bits.reshape(-1).view(torch.int32) & 0x7FFFFFFF
+    amax_into.copy_(torch.maximum(amax_into, a.amax().reshape(1)))
+
+
+def _blockwise_body(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
+                    rowwise: bool, columnwise: bool, amax_into: Optional[torch.Tensor] = None) -> tuple:
+    """Both operators' body: on CUDA the wrapped kernel launch Inductor makes
+    (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`), elsewhere the opaque
+    ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels); given ``amax_into``, the
+    amax is max-accumulated into it (the last output is then ``amax_into`` on CUDA, the opaque amax elsewhere)."""
+    # (an int or float a compiled caller passes as an input may come symbolic: specialized, a guard on its value)
+    block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
+    rowwise, columnwise = bool(rowwise), bool(columnwise)
+    if x2.is_cuda and not INTERPRET:  # (compiled kernels: Triton's interpreter cannot be wrapped)
+        from .triton_backend import quantize_blockwise_wrapped
+
+        sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
+        return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise, amax_into=amax_into)
+    outs = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
+                                                          columnwise)
+    if amax_into is not None:
+        _max_into(amax_into, outs[4])
+    return outs
+
+
 @torch.library.triton_op("lowbit::quantize_fp8_blockwise", mutates_args=())
 def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: int, pow2: bool, eps: float,
                         rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -185,30 +213,12 @@ def _quantize_blockwise(x2: torch.Tensor, fmt: str, block_dim: int, block_size: 
     """The Float8Blockwise(fmt, block_dim, block_size, pow2, eps) copies of ``x2`` read as 2D (rows: the product of
     its leading dims): (rowwise data, columnwise data, rowwise scale storage, columnwise scale storage, amax as int32
     bits: (1,), or one a kernel program on CUDA, whose max is x2's), a copy not asked for as empty tensors. A
-    ``triton_op``: on CUDA torch.compile sees its kernel launch
-    (:func:`lowbit.quant.triton_backend.quantize_blockwise_wrapped`) and Inductor makes it; elsewhere it calls the
-    opaque ``lowbit::quantize_fp8_blockwise_opaque`` (the reference, or the interpreted kernels)."""
-    # (an int or float a compiled caller passes as an input may come symbolic: specialized, a guard on its value)
-    block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
-    rowwise, columnwise = bool(rowwise), bool(columnwise)
-    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
-    if x2.is_cuda and not INTERPRET:  # (compiled kernels: Triton's interpreter cannot be wrapped)
-        from .triton_backend import quantize_blockwise_wrapped
-
-        return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise)
-    return torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
-                                                          columnwise)
+    ``triton_op``: on CUDA torch.compile sees its kernel launch and Inductor makes it (:func:`_blockwise_body`)."""
+    return tuple(_blockwise_body(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise))
 
 
 quantize_blockwise_op = torch.ops.lowbit.quantize_fp8_blockwise.default
 """The registered operator ``lowbit::quantize_fp8_blockwise`` (see :func:`_quantize_blockwise`)."""
-
-
-def _max_into(amax_into: torch.Tensor, amax_bits: torch.Tensor) -> None:
-    """amax_into (int32 (1,)) = max(amax_into, the max of ``amax_bits``), both float32 bits of non-negative values
-    (sign bits cleared: NaN above Inf above every finite one, as :func:`amax_value` orders them)."""
-    a = amax_bits.reshape(-1).view(torch.int32) & 0x7FFFFFFF
-    amax_into.copy_(torch.maximum(amax_into, a.amax().reshape(1)))
 
 
 @torch.library.triton_op("lowbit::quantize_fp8_blockwise_into", mutates_args=("amax_into",))
@@ -218,17 +228,7 @@ def _quantize_blockwise_into(x2: torch.Tensor, fmt: str, block_dim: int, block_s
     """``lowbit::quantize_fp8_blockwise``'s first four outputs; x2's amax bits are max-accumulated into the int32
     (1,) ``amax_into`` in place (on CUDA by the kernel's programs, an atomic max each: no launch and no buffer of
     their own)."""
-    block_dim, block_size, pow2, eps = int(block_dim), int(block_size), bool(pow2), float(eps)
-    rowwise, columnwise = bool(rowwise), bool(columnwise)
-    sch = _blockwise_scheme(fmt, block_dim, block_size, pow2, eps)
-    if x2.is_cuda and not INTERPRET:
-        from .triton_backend import quantize_blockwise_wrapped
-
-        return quantize_blockwise_wrapped(x2, sch, rowwise, columnwise, amax_into=amax_into)[:4]
-    *outs, amax = torch.ops.lowbit.quantize_fp8_blockwise_opaque(x2, fmt, block_dim, block_size, pow2, eps, rowwise,
-                                                                 columnwise)
-    _max_into(amax_into, amax)
-    return tuple(outs)
+    return tuple(_blockwise_body(x2, fmt, block_dim, block_size, pow2, eps, rowwise, columnwise, amax_into)[:4])
 
 
 quantize_blockwise_into_op = torch.ops.lowbit.quantize_fp8_blockwise_into.default
