@@ -410,3 +410,26 @@ def test_amax_history_scales_are_always_finite_and_positive():
     h2 = AmaxHistory(length=1)
     h2.load_state_dict(sd)
     assert h2.scale.item() == s.item() and h2.scale.shape == (1,) and h2.scale.dtype == torch.float32
+
+
+def test_amax_history_record_pending_is_record_where_an_amax_is_pending():
+    """record_pending (the device-side commit of what a compiled graph observed) equals record + update_scale where an
+    amax is pending (a NaN one recorded as 0), changes nothing where none is, and updates the state in place."""
+    seq = [3.0, None, float("nan"), 0.5, None, 7.0, float("inf")]
+    for algo in ("max", "most_recent"):
+        ref, dev = AmaxHistory(length=3, algo=algo, margin=1), AmaxHistory(length=3, algo=algo, margin=1)
+        ptrs = (dev.history.data_ptr(), dev.device_state.data_ptr())
+        for a in seq:
+            if a is not None:
+                ref.record(torch.nan_to_num(torch.tensor([a]), nan=0.0, posinf=0.0, neginf=0.0))
+                ref.update_scale()
+                dev.observe(torch.tensor([a / 2]))
+                dev.observe(torch.tensor([a]))
+            dev.record_pending()
+            assert torch.equal(ref.history, dev.history) and torch.equal(ref.scale, dev.scale), (algo, a)
+            assert dev.steps == ref.steps and float(dev.device_state[2]) == -1.0
+        assert (dev.history.data_ptr(), dev.device_state.data_ptr()) == ptrs
+        eager = AmaxHistory(length=3, algo=algo)
+        eager.observe(torch.tensor([2.0]))
+        eager.record_pending(torch.tensor([5.0]))  # (an eager observation folded in)
+        assert eager.history[0] == 5.0 and eager.steps == 1

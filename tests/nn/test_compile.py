@@ -261,8 +261,6 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
     """Inductor (default, autotuned, CUDA-graphed) on CUDA: three steps equal eager's bit for bit."""
     if mode is not None and recipe != "fp8-block" and module != "linear_traced":
         pytest.skip("the other modes on the blockwise recipe and the traced linear")
-    if mode == "reduce-overhead" and recipe == "fp8-delayed":
-        pytest.skip("delayed scaling raises under CUDA graphs (test_gpu_reduce_overhead_refuses_state_across_calls)")
     torch.manual_seed(0)
     base = GPU_MODULES[module]()
     x = torch.randn(4, 512, getattr(base, "in_features", 1024), device="cuda", requires_grad=True)
@@ -298,13 +296,43 @@ def test_gpu_traced_linear_fp32_matches_eager(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe,microbatch,match", [
-    ("fp8-delayed", None, "reduce-overhead"),
-    ("fp8-block", True, "is_first_microbatch: True caches the quantized weight")])
-def test_gpu_reduce_overhead_refuses_state_across_calls(recipe, microbatch, match):
-    """What lives across calls cannot live in torch.compile's CUDA graphs: delayed scaling's amax histories and a
-    weight cached by is_first_microbatch=True get a clear error, not wrong bits."""
-    lin = GPU_MODULES["linear"]()
+def test_gpu_reduce_overhead_delayed_scaling_matches_eager():
+    """Delayed scaling under torch.compile's CUDA graphs (the traced linear: its histories' device state read and
+    updated by the replayed graphs, committed on the device at each exit): four steps across the end of the warm-up,
+    outputs, gradients, histories, scales and step counts equal eager's bit for bit; a step that fails inside autocast
+    leaves the state as eager's does."""
+    from lowbit.recipes import DelayedScaling
+
+    torch.manual_seed(0)
+    base = GPU_MODULES["linear_traced"]()
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    rec = DelayedScaling(amax_history_len=4, warmup_steps=2)
+    eager, comp = copy.deepcopy(base), copy.deepcopy(base)
+    m = torch.compile(comp, mode="reduce-overhead")
+    outs, states = [], []
+    for mod, layer in ((eager, eager), (m, comp)):
+        outs.append(_run(mod, x, rec, steps=4, autocast_dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match="user error"):
+            with lowbit.autocast(recipe=rec):
+                with torch.autocast("cuda", torch.bfloat16):
+                    mod(x * 3)
+                raise RuntimeError("user error")
+        states.append({k: v.clone() for k, v in layer.get_extra_state().items()})
+    _check_same(*outs)
+    assert states[0].keys() == states[1].keys() and int(states[0]["input.steps"]) == 4
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), (k, states[0][k], states[1][k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,module,microbatch,match", [
+    ("fp8-delayed", "mlp_gelu", None, "reduce-overhead"),
+    ("fp8-block", "linear", True, "is_first_microbatch: True caches the quantized weight")])
+def test_gpu_reduce_overhead_refuses_state_across_calls(recipe, module, microbatch, match):
+    """What lives across calls cannot live in torch.compile's CUDA graphs where lowbit's Python keeps it: delayed
+    scaling in a layer the graph holds as an operator (a GELU MLP) and a weight cached by is_first_microbatch=True get
+    a clear error, not wrong bits."""
+    lin = GPU_MODULES[module]()
     m = torch.compile(lambda x: lin(x, is_first_microbatch=microbatch), mode="reduce-overhead")
     x = torch.randn(512, 1024, device="cuda", requires_grad=True)
     with pytest.raises(Exception, match=match):
@@ -419,8 +447,9 @@ def test_anonymous_layer_not_inherited_at_a_reused_address():
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-delayed"])
 def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
     """Under fp8-current, fp8-block and fp8-delayed the compiled graph holds the layer itself (the quantizers,
-    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator. Current scaling records into
-    the layer's slot tensors (graph inputs, no sentry operator); delayed scaling keeps its delayed_scales operator."""
+    the cuBLAS calls, the sentry's record), not the lowbit::quantized_linear operator: every recipe records into the
+    layer's slot tensors (graph inputs, no sentry operator); delayed scaling reads its histories' device state (graph
+    inputs) and calls no operator of its own."""
     codes = []
 
     def backend(gm, inputs):
@@ -433,10 +462,11 @@ def test_gpu_traced_linear_holds_no_opaque_operator(recipe):
         y = torch.compile(lin, backend=backend, fullgraph=True)(x)
     y.float().sum().backward()
     code = "\n".join(codes)
-    delayed = recipe == "fp8-delayed"
-    records = ["lowbit.delayed_scales"] if delayed else ["sentry_slots_0_", "sentry_slots_1_", "sentry_slots_2_"]
+    records = ["sentry_slots_0_", "sentry_slots_1_", "sentry_slots_2_"]
+    if recipe == "fp8-delayed":
+        records.append("device_state")
     assert "lowbit.quantized_linear" not in code and all(r in code for r in records), code[:2000]
-    assert delayed or ("lowbit.sentry_record" not in code and "lowbit.sentry_pass" not in code), code[:2000]
+    assert "lowbit.sentry_record" not in code and "lowbit.sentry_pass" not in code, code[:2000]
     assert ("lowbit.quantize_fp8_blockwise" in code) == (recipe == "fp8-block"), code[:2000]
 
 
@@ -492,7 +522,7 @@ def test_opcheck_sentry_pass():
         torch.library.opcheck(sentry_record_op, ([torch.rand(1)], m.weight.detach(), key, "input", "forward"))
 
 
-@pytest.mark.parametrize("op", ["sentry_record", "sentry_pass", "delayed_scales"])
+@pytest.mark.parametrize("op", ["sentry_record", "sentry_pass"])
 def test_sentry_records_survive_reuse_of_their_inputs(op):
     """A compiled graph reuses an operator's input buffers once the call returns: the sentry checks the amaxes as
     they were at the call (an Inf overwritten with 1 afterwards still raises; a 1 overwritten with Inf does not)."""
@@ -500,7 +530,7 @@ def test_sentry_records_survive_reuse_of_their_inputs(op):
 
     m = lowbit.nn.Linear(64, 96)
     lowbit.nn.name_modules(torch.nn.Sequential(m))
-    recipe = "fp8-delayed" if op == "delayed_scales" else "fp8-current"
+    recipe = "fp8-current"
     def call(first, later):
         a = torch.full((1,), first)
         with lowbit.autocast(recipe=from_name(recipe)):  # (the forward's records are checked at its exit)
@@ -540,7 +570,7 @@ def test_traced_linear_rules():
     assert _fits("fp8-block", 8192, 2816, 1024) and _fits("fp8-block", 8192, 1024, 2816)  # K / 128 = 22, padded
     assert not _fits("fp8-block", 2048, 1000, 1024)  # N not whole blocks
     assert not _fits("fp8-block", 2000, 1024, 1024)  # tokens not whole blocks
-    assert _fits("fp8-delayed", 2048, 1024, 1024)  # (per-tensor delayed scaling: lowbit::delayed_scales)
+    assert _fits("fp8-delayed", 2048, 1024, 1024)  # (per-tensor delayed scaling, its state graph inputs)
     for r in ("mxfp8", "nvfp4"):
         assert not _fits(r, 2048, 1024, 1024), r
     assert not _fits("fp8-current", 2048, 1024, 1024, gelu=True)
@@ -868,11 +898,42 @@ def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
         assert torch.equal(a, b), tokens
 
 
+def test_traced_linear_delayed_scaling_failed_step_on_cpu(monkeypatch):
+    """A step that fails inside autocast drops the amaxes the compiled graph folded into the histories' device
+    pending (restored from the entry's snapshot) and keeps the previous backward's, as eager drops its pending
+    amaxes: the states after a failed step and a clean one equal eager's bit for bit."""
+    from lowbit.recipes import DelayedScaling
+
+    _trace_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    base = lowbit.nn.Linear(64, 96)
+    rec = DelayedScaling(amax_history_len=4, warmup_steps=1)
+    states = []
+    for compiled in (False, True):
+        lin = copy.deepcopy(base)
+        mod = torch.compile(lin, backend="aot_eager", fullgraph=True) if compiled else lin
+        for step in range(3):
+            x = torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1)
+            try:
+                with lowbit.autocast(recipe=rec):
+                    y = mod(x * (50 if step == 1 else 1))
+                    if step == 1:
+                        raise RuntimeError("user error")
+            except RuntimeError:
+                continue
+            y.sum().backward()
+        states.append({k: v.clone() for k, v in lin.get_extra_state().items()})
+        assert lin._gemms[""].delayed.compiled == compiled
+    assert int(states[0]["input.steps"]) == 2 and float(states[0]["grad_output.pending"]) > 0
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), (k, states[0][k], states[1][k])
+
+
 def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
-    """DelayedScaling in the traced Function (its scales from lowbit::delayed_scales, which records the amaxes as
-    eager does): over three steps, warm-up included, every layer's amax histories, scales, step counts and pending
-    amaxes equal eager's bit for bit (the layers' output gradients are all ones, so every amax is the same in both
-    runs), and the state is the modules' own (a deep copy's layers are found by the operators)."""
+    """DelayedScaling in the traced Function (its scales chosen and its amaxes folded into the histories' device state
+    inside the graph, committed on the device at each exit): over three steps, warm-up included, every layer's amax
+    histories, scales, step counts and pending amaxes equal eager's bit for bit (the layers' output gradients are all
+    ones, so every amax is the same in both runs), and the state is the modules' own."""
     from lowbit.recipes import DelayedScaling
 
     _trace_on_cpu(monkeypatch)
@@ -898,19 +959,8 @@ def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
                 y = mod(torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1))
             y.sum().backward()
         states.append([{k: v.clone() for k, v in layer.get_extra_state().items()} for layer in layers])
-    assert "lowbit.delayed_scales" in "\n".join(codes) and "lowbit.quantized_linear" not in "\n".join(codes)
+    assert "device_state" in "\n".join(codes) and "lowbit.quantized_linear" not in "\n".join(codes)
     for sa, sb in zip(*states):
         assert sa.keys() == sb.keys() and sa
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k
-
-
-def test_opcheck_delayed_scales():
-    from lowbit.nn.functional import delayed_scales_op
-    from lowbit.recipes import DelayedScaling
-
-    m = lowbit.nn.Linear(64, 96)
-    with lowbit.autocast(recipe=DelayedScaling()):
-        key = ac.get_state().key
-        torch.library.opcheck(delayed_scales_op, ([torch.rand(1), torch.rand(1)], m.weight.detach(), key,
-                                                  "input,weight", "forward"))

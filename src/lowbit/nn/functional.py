@@ -797,9 +797,10 @@ def _microbatch_code(is_first_microbatch) -> int:
 
 def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Recipe, str]:
     """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
-    the call runs from the graph's private memory pool, where nothing allocated may outlive the call: delayed
-    scaling's pending amaxes and a weight cached across calls (``is_first_microbatch``) raise; the sentry copies its
-    amaxes into a board outside the graph (:mod:`lowbit.nn.state`)."""
+    the call runs from the graph's private memory pool, where nothing allocated may outlive the call, and its Python
+    runs only while the graph is recorded: delayed scaling's eager bookkeeping (the traced linear keeps it on the
+    device instead) and a weight cached across calls (``is_first_microbatch``) raise; the sentry copies its amaxes
+    into a board outside the graph (:mod:`lowbit.nn.state`)."""
     recipe, policy = _ac.from_key(key)
     if not weight.is_cuda:
         return recipe, policy
@@ -808,7 +809,8 @@ def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Rec
         if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
             raise NotImplementedError(
                 f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
-                "(mode='reduce-overhead') cannot carry; use a current-scaling recipe (fp8-current, fp8-block, mxfp8, "
+                "(mode='reduce-overhead') carry only for a plain per-tensor linear (no GELU or fused norm, dims "
+                "multiples of 16); this layer is not one: use a current-scaling recipe (fp8-current, fp8-block, mxfp8, "
                 "nvfp4) there, or compile without CUDA graphs")
         if microbatch != -1:
             raise NotImplementedError(
@@ -977,14 +979,15 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
 # the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes max-accumulated
 # into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
-# lowbit.nn.state checks them; no launch of their own under fp8-block). The input reaches the quantizers N-D, as it
-# came. Per call no lowbit Python runs but under delayed scaling (its scales handed out and its amaxes recorded, one
-# operator a pass) or for a layer whose slots are not allocated yet (the sentry's record operators); the bits are
-# eager's. Not traced (the operators above run): a GELU or RMSNorm fused into the layer, a weight cached across
-# micro-batches, dims the GEMMs or blocks do not divide. A weight FSDP2 gathers as FP8 copies runs the layer eager
-# (a graph break: _gathered_fp8_weight_runs_eager).
+# lowbit.nn.state checks them; no launch of their own under fp8-block). Delayed scaling reads each role's scale and
+# record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and
+# folds the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The
+# input reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not
+# allocated yet (the sentry's record operators); the bits are eager's. Not traced (the operators above run): a GELU
+# or RMSNorm fused into the layer, a weight cached across micro-batches, dims the GEMMs or blocks do not divide. A
+# weight FSDP2 gathers as FP8 copies runs the layer eager (a graph break: _gathered_fp8_weight_runs_eager).
 #
-# Where they run, the sentry's records and delayed_scales run once per layer and pass: they are defined with
+# Where they run, the sentry's records run once per layer and pass: they are defined with
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
 # autograd and backend wrappers (about 9 us of host time a call less; they take no gradient: called inside the
 # Function's passes). The forward's record returns nothing and is kept in the graph by an ordered effect; the
@@ -994,8 +997,6 @@ _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _LIB.define("sentry_record(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> ()",
             tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("sentry_pass(Tensor[] scales, Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
-            tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.define("delayed_scales(Tensor[] amaxes, Tensor weight, str key, str roles, str phase) -> Tensor[]",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
@@ -1064,40 +1065,6 @@ sentry_record_op = torch.ops.lowbit.sentry_record.default
 sentry_pass_op = torch.ops.lowbit.sentry_pass.default
 
 
-def _delayed_scales(amaxes: list[torch.Tensor], weight: torch.Tensor, key: str, roles: str,
-                    phase: str) -> list[torch.Tensor]:
-    """Delayed scaling inside a compiled graph, for each comma-separated role of ``roles`` with its tensor's amax in
-    ``amaxes``: ``[scale, scale_inv]`` to cast with and to store, as :meth:`GemmLayer.quantize` takes them (the
-    layer's delayed scale; during the recipe's warm-up the current one from the amax). Records each amax for the NaN
-    sentry and in the layer's pending amaxes (committed at the outermost autocast exit, as eager)."""
-    from ..quant.reference import compute_scale, delayed_scale_inv
-
-    recipe, policy = _op_state(key, weight)
-    layer = layer_of(weight)
-    out = []
-    for role, a, kept in zip(roles.split(","), amaxes, _kept(amaxes, policy)):
-        st = layer.delayed_state(recipe, a.device)
-        scale = st.scale(role, a.device)
-        if scale is None:  # warm-up: current scaling
-            scale = compute_scale(a, recipe.role(role).scheme.format.max)
-            scale_inv = 1.0 / scale
-        else:
-            scale_inv = delayed_scale_inv(scale, a)
-        _ac.sentry(kept, layer=layer, role=role, phase=phase, policy=policy)
-        st.observe(role, a)
-        out += [scale.reshape(1).clone(), scale_inv.reshape(1).clone()]  # (never the history's own tensor)
-    return out
-
-
-_LIB.impl("delayed_scales", _delayed_scales, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("lowbit::delayed_scales", lib=_LIB)
-def _(amaxes, weight, key, roles, phase):
-    return [torch.empty(1, dtype=torch.float32, device=a.device) for a in amaxes for _ in range(2)]
-
-
-delayed_scales_op = torch.ops.lowbit.delayed_scales.default
 
 
 _ROLES = ("input", "weight", "grad_output")
@@ -1139,25 +1106,19 @@ class _TracedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
-                x_slot: torch.Tensor | None, w_slot: torch.Tensor | None, dy_slot: torch.Tensor | None):
+                x_slot: torch.Tensor | None, w_slot: torch.Tensor | None, dy_slot: torch.Tensor | None,
+                x_state: torch.Tensor | None, w_state: torch.Tensor | None, dy_state: torch.Tensor | None):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.reference import amax_of
-        from ..quant.traceable import tensorwise_copies
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
-        if recipe.role("input").delayed:
-            x2 = x.reshape(-1, x.shape[-1])
-            ax, aw = amax_of(x2), amax_of(weight)
-            s_x, sx, s_w, swr = delayed_scales_op([ax, aw], weight, key, "input,weight", "forward")
-            qx = tensorwise_copies(x2, sin, ax, s_x, sx, rowwise=True, columnwise=need_wgrad)
-            qw = tensorwise_copies(weight, sw, aw, s_w, swr, rowwise=True, columnwise=need_dgrad)
-        else:
-            qx, qw = _recorded_copies([(x, sin, True, need_wgrad, "input", x_slot),
-                                       (weight, sw, True, need_dgrad, "weight", w_slot)], weight, key, "forward")
+        items = [(x, sin, True, need_wgrad, "input", x_slot, x_state),
+                 (weight, sw, True, need_dgrad, "weight", w_slot, w_state)]
+        qx, qw = _recorded_copies(items, weight, key, "forward")
         y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
                                        b_scheme=sw, out_dtype=out_dtype, bias=bias)
-        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, dy_slot)
+        ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, dy_slot,
+                              dy_state)
         ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
         ctx.x_dtype, ctx.x_shape, ctx.bias_dtype = x.dtype, x.shape, None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -1165,24 +1126,16 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
-        from ..quant.reference import amax_of
-        from ..quant.traceable import tensorwise_copies
 
-        xc, xcs, wc, wcs, weight, slot = ctx.saved_tensors
+        xc, xcs, wc, wcs, weight, slot, state = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
         sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
         need_dgrad, need_wgrad = ctx.need
         need_dgrad, need_wgrad = need_dgrad and ctx.needs_input_grad[0], need_wgrad and ctx.needs_input_grad[1]
         dx = dw = db = None
         if need_dgrad or need_wgrad:
-            if recipe.role("grad_output").delayed:
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                a = amax_of(dy2)
-                s, si = delayed_scales_op([a], weight, ctx.key, "grad_output", "backward")
-                q = tensorwise_copies(dy2, sg, a, s, si, rowwise=need_dgrad, columnwise=need_wgrad)
-            else:
-                (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output", slot)], weight, ctx.key,
-                                        "backward")
+            (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output", slot, state)], weight, ctx.key,
+                                    "backward")
             if need_dgrad:
                 dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
                                                 out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
@@ -1191,20 +1144,45 @@ class _TracedLinearFn(torch.autograd.Function):
                                                 out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy.reshape(-1, dy.shape[-1]), ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+
+
+def _delayed_copies(t: torch.Tensor, sch, rowwise: bool, columnwise: bool, slot, state: torch.Tensor, warmup: int):
+    """The per-tensor copies of ``t`` (read as 2D) under delayed scaling, inside the graph: the scale from the role's
+    history (``state``, :attr:`lowbit.AmaxHistory.device_state`; the current scale during warm-up,
+    :func:`lowbit.quant.traceable.delayed_scale`), the amax folded into the history's pending max in place and, given
+    ``slot``, into the sentry's slot."""
+    from ..quant.reference import amax_of
+    from ..quant.traceable import delayed_scale, tensorwise_copies
+
+    t2 = t.reshape(-1, t.shape[-1])
+    if torch.is_grad_enabled() and t2.requires_grad:
+        t2 = t2.detach()
+    a = amax_of(t2)
+    s, si = delayed_scale(a, state[0:1], state[1:2], warmup, sch.format.max)
+    state[2:3].copy_(torch.maximum(state[2:3], a.reshape(1)))  # (AmaxHistory.observe, on the graph's input)
+    return tensorwise_copies(t2, sch, a, s, si, rowwise=rowwise, columnwise=columnwise, amax_into=slot)
 
 
 def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
-    """The current-scaling copies (:func:`lowbit.quant.traceable.quantize_traceable`) of each ``(tensor, scheme,
-    rowwise, columnwise, role, slot)`` in ``items``, every amax recorded for the NaN sentry: given the role's
+    """The copies of each ``(tensor, scheme, rowwise, columnwise, role, slot, state)`` in ``items``: current scaling
+    (:func:`lowbit.quant.traceable.quantize_traceable`), or delayed from the role's history ``state``
+    (:func:`_delayed_copies`; every item has one, or none does); every amax recorded for the NaN sentry: given the
+    role's
     ``slot`` (of :attr:`GemmLayer.sentry_slots`; every item has one, or none does), max-accumulated into it inside
     the graph, a running max until the next check zeroes it (so every call since then is checked, two backwards
     before a check too); else by one operator: in the forward :func:`sentry_record_op`, in the backward
     :func:`sentry_pass_op`, whose copies of the scales the GEMMs then read. None with ``on_nonfinite="off"``."""
     from ..quant.traceable import quantize_traceable
 
-    out = [quantize_traceable(t, sch, rowwise=r, columnwise=c, amax_into=slot) for t, sch, r, c, _, slot in items]
-    if items[0][5] is not None or _ac.sentry_off(_ac.from_key(key)[1]):  # (slots, or on_nonfinite="off": no record)
+    recipe, policy = _ac.from_key(key)
+    if items[0][6] is not None:
+        warmup = recipe.warmup_steps
+        out = [_delayed_copies(t, sch, r, c, slot, state, warmup) for t, sch, r, c, _, slot, state in items]
+    else:
+        out = [quantize_traceable(t, sch, rowwise=r, columnwise=c, amax_into=slot)
+               for t, sch, r, c, _, slot, _ in items]
+    if items[0][5] is not None or _ac.sentry_off(policy):  # (slots, or on_nonfinite="off": no record)
         return out
     amaxes, roles = [q.amax for q in out], ",".join(i[4] for i in items)
     if phase == "forward":
@@ -1221,14 +1199,22 @@ def _traced_linear(x: torch.Tensor, weight: torch.Tensor, bias, cfg: _Cfg, key: 
     K = x.shape[-1]
     grad = torch.is_grad_enabled()
     layer, slots = cfg.layer, cfg.layer.sentry_slots
-    if (slots is None or slots[0].device != x.device or _ac.sentry_off(cfg.policy)
-            or cfg.recipe.role("input").delayed):
-        slots = (None, None, None)  # (the sentry's operators record instead; delayed scaling's hands out its scales)
+    states = (None, None, None)
+    if cfg.recipe.role("input").delayed:
+        st = layer.delayed
+        if st is None or not st.compatible(cfg.recipe) or st.device != x.device:
+            # (its state is made at the outermost autocast entry, outside the graph: a layer first seen inside it,
+            # or one whose state does not fit this recipe, runs the operator, which raises the error eager raises)
+            return _compiled_linear(x, weight, bias, None, cfg, key)
+        st.compiled = True  # (as below: replayed at every call; the state's pending amaxes commit on the device)
+        states = tuple(st.histories[r].device_state for r in _ROLES)
+    if slots is None or slots[0].device != x.device or _ac.sentry_off(cfg.policy):
+        slots = (None, None, None)  # (the sentry's operators record instead)
     else:
         layer.sentry_armed = cfg.policy  # (Dynamo replays the assignment at every call of the graph)
     x_nd = x.reshape(1, K) if x.dim() == 1 else x  # (read as 2D by the quantizers; N-D as it came)
     y = _TracedLinearFn.apply(x_nd, weight, bias, key, cfg.out_dtype, grad and x.requires_grad,
-                              grad and weight.requires_grad, *slots)
+                              grad and weight.requires_grad, *slots, *states)
     return y.reshape(-1) if x.dim() == 1 else y
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import threading
 import warnings
@@ -111,6 +112,7 @@ _pending: dict[int, "DelayedScalingState"] = {}  # states with pending amaxes, i
 # What was pending when the outermost autocast was entered (the previous backward's gradient amaxes), as
 # {id: (state, {role: amax or None})}: a step that fails is rolled back to it. None outside autocast.
 _carried: dict[int, tuple] | None = None
+_carried_compiled: list = [None]  # the compiled states' device pending amaxes at that entry (_snapshot_compiled)
 _notices: set[str] = set()
 
 
@@ -831,6 +833,8 @@ SENTRY_SLOT_ROLES = (("input", "forward"), ("weight", "forward"), ("grad_output"
 """(role, phase) of each of a holder's slot tensors ``sentry_slots`` (int32 (1,) each: float32 bits)."""
 _slot_holders: "weakref.WeakSet" = weakref.WeakSet()
 _slots_new: "weakref.WeakSet" = weakref.WeakSet()
+_delayed_new: "weakref.WeakSet" = weakref.WeakSet()  # holders whose delayed-scaling state may be missing or moved
+_holder_seq: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # holder -> registration order
 
 
 def register_slot_holder(holder) -> None:
@@ -839,6 +843,8 @@ def register_slot_holder(holder) -> None:
     with _lock:
         _slot_holders.add(holder)
         _slots_new.add(holder)
+        _delayed_new.add(holder)
+        _holder_seq[holder] = next(_delayed_seq)
 
 
 def slots_stale(holder) -> None:
@@ -846,6 +852,7 @@ def slots_stale(holder) -> None:
     with _lock:
         if holder in _slot_holders:
             _slots_new.add(holder)
+            _delayed_new.add(holder)
 
 
 def _prepare_slots() -> None:
@@ -868,6 +875,28 @@ def _prepare_slots() -> None:
             h.sentry_slots = slots
         with _lock:
             _slots_new.discard(h)
+
+
+def _prepare_delayed(recipe: DelayedScaling) -> None:
+    """Give each holder registered or moved since the last DelayedScaling entry its delayed-scaling state on its
+    weight's device (``holder.delayed_state``), in registration order: a compiled graph reads the state's tensors and
+    cannot allocate them."""
+    if not _delayed_new:
+        return
+    with _lock:
+        todo = sorted(_delayed_new, key=lambda h: _holder_seq.get(h, 0))
+    for h in todo:
+        w = h.weight()
+        if not isinstance(w, torch.Tensor) or w.device.type == "meta" or in_graph_pool(w.device):
+            continue
+        st = h.delayed
+        if st is None:
+            with torch.inference_mode(False):
+                h.delayed_state(recipe, w.device)
+        elif st.device != w.device:
+            st._to(w.device)
+        with _lock:
+            _delayed_new.discard(h)
 
 
 _slots_plan: list = [None]  # (holders' weak references, their policies, their slot tuples, [(records without their
@@ -912,8 +941,11 @@ def _slots_check() -> None:
 class DelayedScalingState:
     """Amax histories of the three roles of one GEMM layer under :class:`DelayedScaling`.
 
-    ``histories[role]`` is an :class:`lowbit.AmaxHistory` (float32 ``history`` (L,), ``scale`` (1,));
-    ``pending[role]`` the max amax observed since the last commit (float32 (1,)) or None.
+    ``histories[role]`` is an :class:`lowbit.AmaxHistory` (float32 ``history`` (L,), ``device_state`` (3,) =
+    [scale, steps, pending], updated in place); ``pending[role]`` the max amax observed eagerly since the last commit
+    (float32 (1,)) or None. ``compiled``: a compiled graph (the traced linear) reads the scales and folds its amaxes
+    into the histories' device ``pending`` itself, with no Python per call; from then on every outermost autocast
+    exit commits them on the device, where there are any (:meth:`AmaxHistory.record_pending`).
     """
 
     def __init__(self, recipe: DelayedScaling, device=None):
@@ -924,6 +956,20 @@ class DelayedScalingState:
             for role, rq in recipe.roles().items()
         }
         self.pending: dict[str, torch.Tensor | None] = {r: None for r in self.histories}
+        self.compiled = False
+        self.seq = next(_delayed_seq)
+        _delayed_states.add(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy`` of its module, unpickling) is a state of its own: registered, with its own place
+        in the commit order."""
+        self.__dict__.update(state)
+        self.seq = next(_delayed_seq)
+        _delayed_states.add(self)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.histories.values())).history.device
 
     def compatible(self, recipe: DelayedScaling) -> bool:
         r = self.recipe
@@ -937,7 +983,7 @@ class DelayedScalingState:
     def _to(self, device) -> None:
         for h in self.histories.values():
             if h.history.device != device:
-                h.history, h.scale = h.history.to(device), h.scale.to(device)
+                h.to(device)
 
     def scale(self, role: str, device) -> torch.Tensor | None:
         """The delayed scale for ``role`` (float32 (1,)), or None while warming up (use current scaling)."""
@@ -960,11 +1006,15 @@ class DelayedScalingState:
 
     def commit(self, amaxes: dict[str, torch.Tensor]) -> None:
         """Push one amax per role to the histories and recompute the scales. A non-finite amax is recorded as 0
-        (it does not enter the history; the scale stays where it was)."""
-        for role, a in amaxes.items():
-            h = self.histories[role]
-            h.record(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0))
-            h.update_scale()
+        (it does not enter the history; the scale stays where it was). A compiled state also records its device
+        pending amaxes (folded with the eager ones), where there are any."""
+        for role, h in self.histories.items():
+            a = amaxes.get(role)
+            if self.compiled:
+                h.record_pending(a)
+            elif a is not None:
+                h.record(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0))
+                h.update_scale()
             self.pending[role] = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -974,8 +1024,10 @@ class DelayedScalingState:
         for role, h in self.histories.items():
             for k, v in h.state_dict().items():
                 out[f"{role}.{k}"] = v
-            p = self.pending[role]
-            out[f"{role}.pending"] = torch.full((1,), -1.0) if p is None else p.detach().cpu().clone()
+            p = h.device_state[2:3]
+            if self.pending[role] is not None:
+                p = torch.maximum(p, self.pending[role].to(p.device))
+            out[f"{role}.pending"] = p.detach().cpu().clone()
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -994,6 +1046,27 @@ class DelayedScalingState:
                     # the load): the checkpoint's pending amaxes belong to the steps before, so they survive
                     # this step failing like any other carried amax.
                     _carried[id(self)] = (self, dict(self.pending))
+
+
+_delayed_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
+_delayed_seq = itertools.count()
+
+
+def _compiled_states() -> list[DelayedScalingState]:
+    """The compiled states in creation order (the same on every rank: they are made in the layers' order)."""
+    return sorted((st for st in list(_delayed_states) if st.compiled), key=lambda st: st.seq)
+
+
+def _snapshot_compiled() -> tuple | None:
+    """The compiled states' device pending amaxes now (one copy), to restore if the step fails."""
+    views = [h.device_state.data[2:3] for st in _compiled_states() for h in st.histories.values()]
+    return (views, torch.cat(views)) if views else None
+
+
+def _restore_compiled(snap: tuple | None) -> None:
+    if snap is not None:
+        views, saved = snap
+        torch._foreach_copy_(views, list(saved.split(1)))
 
 
 def _snapshot_pending() -> dict[int, tuple]:
@@ -1016,25 +1089,31 @@ def _drop_pending(keep: dict[int, tuple]) -> None:
 
 
 def _commit_pending(group) -> None:
-    """Outermost exit: reduce the pending amaxes across ``group`` (one collective) and update the histories."""
+    """Outermost exit: reduce the pending amaxes across ``group`` (one collective) and update the histories: the eager
+    ones observed since the last commit, and every compiled state's device pending amaxes (where there are any)."""
     with _lock:
         states = list(_pending.values())
         _pending.clear()
+    compiled = _compiled_states()
     entries = [(st, role) for st in states for role, p in st.pending.items() if p is not None]
-    if not entries:
+    if not entries and not compiled:
         return
     amaxes = [st.pending[role] for st, role in entries]  # (observe() made them fresh tensors; commit drops them)
-    reduce = [st.recipe.reduce_amax for st, _ in entries]
-    if any(reduce):
+    # (every rank reduces the same list in the same order: eager states in observation order, compiled ones in
+    # creation order, their pending amaxes in place, -1 where none)
+    reduced = [(st, a) for (st, _), a in zip(entries, amaxes)] + [
+        (st, h.device_state.data[2:3]) for st in compiled for h in st.histories.values()]
+    idx = [i for i, (st, _) in enumerate(reduced) if st.recipe.reduce_amax]
+    if idx:
         # States whose recipe opted out are left out of the collective (every rank runs the same layers).
-        idx = [i for i, r in enumerate(reduce) if r]
-        devs = {amaxes[i].device for i in idx}
-        if len(devs) > 1:  # pack on one device
-            dev = next(iter(devs))
-            for i in idx:
-                amaxes[i] = amaxes[i].to(dev)
-        distributed.reduce_amax([amaxes[i] for i in idx], group)
-    by_state: dict[int, tuple[DelayedScalingState, dict]] = {}
+        ts = [reduced[i][1] for i in idx]
+        dev = ts[0].device
+        moved = [t if t.device == dev else t.to(dev) for t in ts]  # pack on one device
+        distributed.reduce_amax(moved, group)
+        for t, m in zip(ts, moved):
+            if m is not t:
+                t.copy_(m)
+    by_state: dict[int, tuple[DelayedScalingState, dict]] = {id(st): (st, {}) for st in compiled}
     for (st, role), a in zip(entries, amaxes):
         by_state.setdefault(id(st), (st, {}))[1][role] = a
     for st, d in by_state.values():
@@ -1129,9 +1208,12 @@ class autocast(contextlib.ContextDecorator):
         _state = new
         if _depth == 0:
             _carried = _snapshot_pending()
+            _carried_compiled[0] = _snapshot_compiled()
             if self.enabled:
                 prepare_board()
                 _prepare_slots()
+                if isinstance(recipe, DelayedScaling):
+                    _prepare_delayed(recipe)
         _depth += 1
         return self
 
@@ -1149,6 +1231,7 @@ class autocast(contextlib.ContextDecorator):
         if _depth == 0:
             _state = AutocastState()
             carried, _carried = _carried or {}, None
+            compiled, _carried_compiled[0] = _carried_compiled[0], None
             if exc_type is None:
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this
@@ -1158,6 +1241,7 @@ class autocast(contextlib.ContextDecorator):
                     check_nonfinite(wait=env.get("LOWBIT_SENTRY_SYNC"))
                 except NonFiniteAmaxError:
                     _drop_pending(carried)  # else the NaN stays pending and masks the next step's amax
+                    _restore_compiled(compiled)
                     _step += 1
                     raise
                 _commit_pending(group)
@@ -1166,6 +1250,7 @@ class autocast(contextlib.ContextDecorator):
                 with _lock:  # the failed step's records are dropped with it
                     _unchecked.clear()
                 _drop_pending(carried)  # and its amaxes: the update happens only on a clean exit
+                _restore_compiled(compiled)
         return False
 
 

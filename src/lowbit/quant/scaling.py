@@ -17,8 +17,14 @@ class AmaxHistory:
     non-finite leaves the previous scale in place (so one bad step does not poison the scale; the
     NaN sentry reports it).
 
-    The state is plain float32 tensors (``history`` (length,), ``scale`` (1,)), so it lives in a
-    ``state_dict`` and loads with ``weights_only=True``.
+    The state is plain float32 tensors, so it lives in a ``state_dict`` and loads with ``weights_only=True``:
+    ``history`` (length,) and ``device_state`` (3,) = [scale, steps, pending], updated in place (a compiled graph,
+    CUDA graphs included, reads and writes them at fixed addresses). ``scale`` is a view of ``device_state[0]``;
+    ``steps`` counts the records (exact to 2**24); ``pending`` is the max amax a compiled graph observed since the
+    last record (:meth:`observe`), -1 for none. :meth:`record` is the eager path (the caller knows an amax is there);
+    :meth:`record_pending` records the pending amax where there is one, decided on the device with no sync. The
+    methods write through ``.data``: a compiled backward that saved ``device_state`` (its pending max is the
+    backward's to update) does not see its version move when a commit runs between the passes.
     """
 
     def __init__(self, length: int = 1024, algo: str = "max", margin: int = 0, fmt="e4m3", device=None):
@@ -30,23 +36,65 @@ class AmaxHistory:
             raise ValueError(f"margin: must be a non-negative int, got {margin!r}")
         self.length, self.algo, self.margin, self.fmt = length, algo, margin, get_format(fmt)
         self.history = torch.zeros(length, dtype=torch.float32, device=device)
-        self.scale = torch.ones(1, dtype=torch.float32, device=device)
-        self.steps = 0
+        self.device_state = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float32, device=device)
+        self._steps: int | None = 0  # (the host's count; None once the device counted records the host did not see)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current delayed scale, float32 (1,): a view of ``device_state``, updated in place."""
+        return self.device_state[0:1]
+
+    @property
+    def steps(self) -> int:
+        """Records so far (reads the device count, one sync, after :meth:`record_pending`)."""
+        if self._steps is None:
+            self._steps = int(self.device_state[1].item())
+        return self._steps
+
+    def to(self, device) -> None:
+        """Move the state to ``device`` (new tensors: a compiled graph reading the old ones is traced again)."""
+        self.history, self.device_state = self.history.to(device), self.device_state.to(device)
 
     def record(self, amax: torch.Tensor) -> None:
         """Push this step's amax (float32 tensor with one element) to the front of the history."""
         a = amax.detach().to(self.history.device, torch.float32).reshape(1)
-        self.history = torch.cat([a, self.history[:-1]])
-        self.steps += 1
+        self.history.data.copy_(torch.cat([a, self.history[:-1]]))
+        self.device_state.data[1:2].add_(1.0)
+        if self._steps is not None:
+            self._steps += 1
 
     def update_scale(self) -> torch.Tensor:
-        """Recompute ``scale`` from the history; returns it."""
+        """Recompute ``scale`` from the history (in place); returns it."""
+        self.device_state.data[0:1].copy_(self._new_scale(True))
+        return self.scale
+
+    def _new_scale(self, where) -> torch.Tensor:
         a = self.history.max().reshape(1) if self.algo == "max" else self.history[:1]
         new = a.new_full((1,), self.fmt.max) / a / (2.0**self.margin)  # (no host-to-device copy: no sync)
         # (new > 0: a huge amax divided by 2**margin can underflow to 0, which would zero the tensor)
-        ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new) & (new > 0)
-        self.scale = torch.where(ok, new, self.scale)
-        return self.scale
+        ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new) & (new > 0) & where
+        return torch.where(ok, new, self.scale)
+
+    def observe(self, amax: torch.Tensor) -> None:
+        """Fold ``amax`` (one element) into the pending max, in place (NaN propagates)."""
+        p = self.device_state.data[2:3]
+        p.copy_(torch.maximum(p, amax.detach().to(torch.float32).reshape(1)))
+
+    def record_pending(self, amax: torch.Tensor | None = None) -> None:
+        """Record the pending amax (folded with ``amax``, an eager observation, if given) where there is one, as
+        :meth:`record` then :meth:`update_scale` would, a non-finite amax as 0; then clear it. Decided on the device:
+        no sync."""
+        d = self.device_state.data
+        p = d[2:3]
+        if amax is not None:
+            p = torch.maximum(p, amax.detach().to(p.device, torch.float32).reshape(1))
+        present = ~(p < 0)  # (NaN is an observation)
+        a = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
+        self.history.data.copy_(torch.where(present, torch.cat([a, self.history[:-1]]), self.history))
+        d[1:2].add_(present.to(torch.float32))
+        d[0:1].copy_(self._new_scale(present))
+        d[2:3].fill_(-1.0)
+        self._steps = None
 
     def state_dict(self) -> dict:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": torch.tensor(self.steps)}
@@ -61,9 +109,10 @@ class AmaxHistory:
         v = float(s.detach().reshape(()).float())  # (once, at load: this reads the value)
         if not (v > 0.0 and v != float("inf")):
             raise ValueError(f"scale: the stored delayed scale must be finite and > 0, got {v}")
-        self.history = h.to(self.history.device, torch.float32).clone()
-        self.scale = s.detach().to(self.scale.device, torch.float32).reshape(1).clone()
-        self.steps = int(sd["steps"])
+        steps = int(sd["steps"])
+        self.history.data.copy_(h.detach().to(self.history.device, torch.float32))
+        self.device_state.data.copy_(torch.tensor([v, float(steps), -1.0], dtype=torch.float32))
+        self._steps = steps
 
     def __repr__(self):
         return f"AmaxHistory(length={self.length}, algo={self.algo!r}, margin={self.margin}, fmt={self.fmt})"

@@ -29,8 +29,8 @@ from .reference import FP32_MAX, amax_of
 from .schemes import Float8Blockwise, Float8Tensorwise
 from .tensor import scale_logical, scale_storage_shape
 
-__all__ = ["TracedCopies", "amax_value", "current_scale", "quantize_blockwise_into_op", "quantize_blockwise_op",
-           "quantize_traceable", "tensorwise_copies", "traceable_fits"]
+__all__ = ["TracedCopies", "amax_value", "current_scale", "delayed_scale", "quantize_blockwise_into_op",
+           "quantize_blockwise_op", "quantize_traceable", "tensorwise_copies", "traceable_fits"]
 
 
 class TracedCopies(NamedTuple):
@@ -72,12 +72,32 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
     return (1.0 / s.double()).float()
 
 
+def delayed_scale(amax: torch.Tensor, scale: torch.Tensor, steps: torch.Tensor, warmup_steps: int,
+                  fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv)`` (float32 (1,) each) to cast a tensor of amax ``amax`` with under delayed scaling, in
+    operations a compiled graph holds: the history's ``scale`` once its record count ``steps`` (float32 (1,)) reaches
+    ``warmup_steps``, with ``scale_inv`` = 1 / scale, NaN where ``amax`` is not finite
+    (:func:`lowbit.quant.reference.delayed_scale_inv`); before that the current scale of ``amax``
+    (:func:`current_scale`). The bits of eager's choice, made on the device."""
+    a = amax.reshape(1).to(torch.float32)
+    cur = current_scale(a, fmax)
+    ready = steps.reshape(1) >= warmup_steps
+    si_delayed = torch.where(torch.isfinite(a), _reciprocal(scale.reshape(1)), torch.full_like(a, float("nan")))
+    return torch.where(ready, scale.reshape(1), cur), torch.where(ready, si_delayed, _reciprocal(cur))
+
+
 def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tensor, scale: torch.Tensor,
-                      scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool) -> TracedCopies:
+                      scale_inv: torch.Tensor, *, rowwise: bool, columnwise: bool,
+                      amax_into: Optional[torch.Tensor] = None) -> TracedCopies:
     """The Float8Tensorwise copies of x2 cast with a given ``scale`` (current, or a delayed one), which dequantize by
-    ``scale_inv``; ``amax`` is x2's (:func:`lowbit.quant.reference.amax_of`), carried along."""
+    ``scale_inv``; ``amax`` is x2's (:func:`lowbit.quant.reference.amax_of`), carried along, or max-accumulated into
+    ``amax_into`` (as :func:`quantize_traceable` takes it; the copies' amax is then None)."""
     data = _cast(x2.float() * scale, sch.format).contiguous()
     si = scale_inv.reshape(1, 1)
+    if amax_into is not None:
+        _check_amax_into(amax_into, x2)
+        _max_into(amax_into, amax)
+        amax = None
     return TracedCopies(data if rowwise else None, si if rowwise else None,
                         data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
 
