@@ -433,3 +433,29 @@ def test_amax_history_record_pending_is_record_where_an_amax_is_pending():
         eager.observe(torch.tensor([2.0]))
         eager.record_pending(torch.tensor([5.0]))  # (an eager observation folded in)
         assert eager.history[0] == 5.0 and eager.steps == 1
+
+
+def test_record_pending_many_equals_one_at_a_time():
+    """The stacked commit of histories of several settings, eager amaxes and device pending ones mixed, equals each
+    history's own record_pending."""
+    from lowbit.quant.scaling import record_pending_many
+
+    def make():
+        hs = [AmaxHistory(length=n, algo=algo, margin=m) for n, algo, m in
+              [(3, "max", 0), (3, "max", 0), (5, "most_recent", 2), (3, "max", 0), (5, "most_recent", 2)]]
+        for i, h in enumerate(hs):
+            h.record(torch.tensor([float(i + 1)]))
+            h.update_scale()
+            if i % 2 == 0:
+                h.observe(torch.tensor([10.0 * (i + 1)]))
+        return hs
+
+    eager = [torch.tensor([7.0]), None, None, torch.tensor([float("nan")]), torch.tensor([0.25])]
+    one, many = make(), make()
+    for h, a in zip(one, eager):
+        h.record_pending(a)
+    record_pending_many(list(zip(many, eager)))
+    for a, b in zip(one, many):
+        assert torch.equal(a.history, b.history) and torch.equal(a.device_state, b.device_state)
+        assert a.steps == b.steps
+    assert [h.steps for h in many] == [2, 1, 2, 2, 2]  # (the second: nothing pending, nothing recorded)

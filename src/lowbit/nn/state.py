@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import distributed
-from ..quant.scaling import AmaxHistory
+from ..quant.scaling import AmaxHistory, record_pending_many
 from ..quant.traceable import amax_value
 from ..recipes import NAMES, DelayedScaling, Recipe
 from ..runtime import env
@@ -1008,14 +1008,14 @@ class DelayedScalingState:
         """Push one amax per role to the histories and recompute the scales. A non-finite amax is recorded as 0
         (it does not enter the history; the scale stays where it was). A compiled state also records its device
         pending amaxes (folded with the eager ones), where there are any."""
-        for role, h in self.histories.items():
-            a = amaxes.get(role)
-            if self.compiled:
-                h.record_pending(a)
-            elif a is not None:
-                h.record(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0))
-                h.update_scale()
-            self.pending[role] = None
+        record_pending_many(self._commits(amaxes))
+
+    def _commits(self, amaxes: dict[str, torch.Tensor]) -> list:
+        """``(history, amax or None)`` of each role to record (every role of a compiled state: its device pending
+        amaxes decide); the eager pending amaxes are dropped."""
+        out = [(h, amaxes.get(role)) for role, h in self.histories.items() if self.compiled or role in amaxes]
+        self.pending = dict.fromkeys(self.pending)
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain tensors: ``{role}.history``, ``{role}.scale``, ``{role}.steps``, ``{role}.pending`` (NaN-free; -1 =
@@ -1116,8 +1116,7 @@ def _commit_pending(group) -> None:
     by_state: dict[int, tuple[DelayedScalingState, dict]] = {id(st): (st, {}) for st in compiled}
     for (st, role), a in zip(entries, amaxes):
         by_state.setdefault(id(st), (st, {}))[1][role] = a
-    for st, d in by_state.values():
-        st.commit(d)
+    record_pending_many([c for st, d in by_state.values() for c in st._commits(d)])  # (one stacked update)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from ..formats import get_format
 
-__all__ = ["AmaxHistory"]
+__all__ = ["AmaxHistory", "record_pending_many"]
 
 
 class AmaxHistory:
@@ -83,18 +83,8 @@ class AmaxHistory:
     def record_pending(self, amax: torch.Tensor | None = None) -> None:
         """Record the pending amax (folded with ``amax``, an eager observation, if given) where there is one, as
         :meth:`record` then :meth:`update_scale` would, a non-finite amax as 0; then clear it. Decided on the device:
-        no sync."""
-        d = self.device_state.data
-        p = d[2:3]
-        if amax is not None:
-            p = torch.maximum(p, amax.detach().to(p.device, torch.float32).reshape(1))
-        present = ~(p < 0)  # (NaN is an observation)
-        a = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
-        self.history.data.copy_(torch.where(present, torch.cat([a, self.history[:-1]]), self.history))
-        d[1:2].add_(present.to(torch.float32))
-        d[0:1].copy_(self._new_scale(present))
-        d[2:3].fill_(-1.0)
-        self._steps = None
+        no sync. :func:`record_pending_many` does it for many histories in a few launches."""
+        record_pending_many([(self, amax)])
 
     def state_dict(self) -> dict:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": torch.tensor(self.steps)}
@@ -116,3 +106,34 @@ class AmaxHistory:
 
     def __repr__(self):
         return f"AmaxHistory(length={self.length}, algo={self.algo!r}, margin={self.margin}, fmt={self.fmt})"
+
+
+def record_pending_many(items) -> None:
+    """:meth:`AmaxHistory.record_pending` of each ``(history, amax or None)`` in ``items``, the histories of one
+    setting (length, algo, margin, format, device) stacked: about twenty launches a setting, however many histories
+    (a step's commit of every layer's three roles). Where ``amax`` is given an amax is there, and the host's step
+    count stays known; elsewhere the device decides."""
+    groups: dict = {}
+    for h, a in items:
+        groups.setdefault((h.length, h.algo, h.margin, h.fmt.max, h.history.device), []).append((h, a))
+    for (_, algo, margin, fmax, dev), group in groups.items():
+        hs = [h for h, _ in group]
+        ds = torch.stack([h.device_state for h in hs])  # (n, 3): scale, steps, pending
+        hist = torch.stack([h.history for h in hs])  # (n, L)
+        p = ds[:, 2]
+        if any(a is not None for _, a in group):
+            neg = p.new_full((1,), -1.0)
+            eager = torch.cat([neg if a is None else a.detach().to(dev, torch.float32).reshape(1) for _, a in group])
+            p = torch.maximum(p, eager)
+        present = ~(p < 0)  # (NaN is an observation)
+        a = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
+        hist = torch.where(present[:, None], torch.cat([a[:, None], hist[:, :-1]], dim=1), hist)
+        ah = hist.amax(dim=1) if algo == "max" else hist[:, 0]
+        new = torch.full_like(ah, fmax) / ah / (2.0**margin)  # (as update_scale, element for element)
+        ok = torch.isfinite(ah) & (ah > 0) & torch.isfinite(new) & (new > 0) & present
+        out = torch.stack([torch.where(ok, new, ds[:, 0]), ds[:, 1] + present.to(torch.float32),
+                           torch.full_like(p, -1.0)], dim=1)
+        torch._foreach_copy_([h.device_state.data for h in hs], list(out.unbind(0)))
+        torch._foreach_copy_([h.history.data for h in hs], list(hist.unbind(0)))
+        for h, e in group:
+            h._steps = h._steps + 1 if (e is not None and h._steps is not None) else None
