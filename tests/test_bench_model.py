@@ -93,6 +93,28 @@ def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
     assert policies == ["off", "off"]  # (one autocast a step of the lowbit variant; none for bf16)
 
 
+def test_fuse_mlp_reaches_convert(capsys, monkeypatch):
+    """--fuse-mlp converts the lowbit variants with fuse_mlp=True (their MLPs SwiGLUMLPs with the norm moved in), and
+    the header says so; without it convert's default."""
+    import lowbit.nn
+
+    seen = []
+    real = lowbit.nn.convert
+
+    def spy(model, *a, **k):
+        s = real(model, *a, **k)
+        seen.append((k.get("fuse_mlp"), sum(isinstance(m, lowbit.nn.SwiGLUMLP) and m.norm is not None
+                                            for m in model.modules())))
+        return s
+
+    monkeypatch.setattr(lowbit.nn, "convert", spy)
+    for flag in ([], ["--fuse-mlp"]):
+        rc = main(["bench", "model", "--device", "cpu", "--variants", "fp8-current", "--steps", "2", *flag])
+        text = capsys.readouterr().out
+        assert rc == 0 and f"fuse_mlp={bool(flag)}" in text and "| fp8-current |" in text
+    assert seen[0] == (False, 0) and seen[1][0] is True and seen[1][1] > 0
+
+
 def test_rounds_alternate_the_variants(capsys):
     """--rounds: every variant warms up first, then the timed steps alternate between them round by round; every
     variant still times all of its steps, and the header says so."""

@@ -172,21 +172,35 @@ def test_gated_mlp_fused_and_summary(name):
     model = _model(name)
     gate = model.model.layers[0].mlp.gate_proj.weight
     down = model.model.layers[0].mlp.down_proj.weight
+    norm_weight = model.model.layers[0].post_attention_layernorm.weight
     s = lowbit.convert(model, fuse_mlp=True)
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp, lowbit.nn.SwiGLUMLP) and mlp.lowbit_name == "model.layers.0.mlp"
     assert mlp.fc1_weight.shape == (256, 64) and torch.equal(mlp.fc1_weight[:128], gate)
     assert mlp.fc2_weight is down  # down shared, fc1 a copy
     fused, not_fused = dict(s.fused), s.not_fused
-    assert set(fused) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    norms = {f"model.layers.{i}.post_attention_layernorm" for i in (0, 1)}
+    assert set(fused) == {"model.layers.0.mlp", "model.layers.1.mlp"} | norms
+    assert "RMSNorm moved into model.layers.0.mlp" in fused["model.layers.0.post_attention_layernorm"]
     assert s.new_parameters == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    reasons = [r for n, r in not_fused if n == "model.layers.0.mlp"]
-    assert reasons == [NORM_NOT_FUSED] and "RMSNorm before it is not fused" in NORM_NOT_FUSED
+    assert [r for n, r in not_fused if n == "model.layers.0.mlp"] == []
+    deferred = model.model.layers[0].post_attention_layernorm
+    assert isinstance(deferred, lowbit.nn.DeferredRMSNorm) and mlp.norm is deferred
+    assert deferred.weight is norm_weight and deferred.variance_epsilon == 1e-6
+    assert "applied by the MLP after it" in repr(deferred) and "normalizes its input" in repr(mlp)
     assert dict(not_fused)["model.layers.0.self_attn"].startswith("QKV not fused")
     assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.nn.Linear)
-    assert "norm" in dict(s.kept)["model.layers.0.post_attention_layernorm"]
+    assert "model.layers.0.post_attention_layernorm" not in dict(s.kept)
+    assert "norm" in dict(s.kept)["model.layers.0.input_layernorm"]
     text = str(s)
-    assert "fused 2, not fused 4" in text and "* model.layers.1.mlp: gate_proj + up_proj" in text
+    assert "fused 4, not fused 2" in text and "* model.layers.1.mlp: gate_proj + up_proj" in text
+    # fuse_norms=False: the norm stays, and the summary says why
+    kept = _model(name)
+    s3 = lowbit.convert(kept, fuse_mlp=True, fuse_norms=False)
+    assert type(kept.model.layers[0].post_attention_layernorm).__name__.endswith("RMSNorm")
+    assert kept.model.layers[0].mlp.norm is None
+    assert [r for n, r in s3.not_fused if n == "model.layers.0.mlp"] == [NORM_NOT_FUSED]
+    assert "RMSNorm before it is not fused" in NORM_NOT_FUSED
     # without fuse_mlp: only Linears, nothing fused or reported
     plain = _model(name)
     s2 = lowbit.convert(plain)
@@ -303,3 +317,99 @@ def test_hf_rmsnorm_is_not_torch_rmsnorm_in_bf16():
     assert torch.equal(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
     norm, x = norm.bfloat16(), x.bfloat16()
     assert not torch.equal(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", GATED + ("qwen3",))
+def test_hf_rms_norm_is_the_classes_forward(name, dtype):
+    """lowbit's hf_rms_norm is each HF_RMSNORM_CLASSES forward bit for bit, values and gradients."""
+    import importlib
+
+    from lowbit.nn.hf_modules import HF_RMSNORM_CLASSES, hf_rms_norm
+
+    cls_name = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RMSNorm",
+                "qwen3": "Qwen3RMSNorm"}[name]
+    assert cls_name in HF_RMSNORM_CLASSES
+    cls = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls_name)
+    torch.manual_seed(0)
+    norm = cls(64, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = (torch.randn(3, 17, 64) * 5).to(dtype).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    w2 = norm.weight.detach().clone().requires_grad_()
+    a, b = norm(x), hf_rms_norm(x2, w2, 1e-5)
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    g = torch.randn(a.shape)
+    a.backward(g)
+    b.backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(norm.weight.grad, w2.grad)
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_moved_norm_trains_as_the_kept_norm(name):
+    """Inside autocast where the norm cannot run in the quantizer (here: the CPU), the MLP with its norm moved in
+    computes what the MLP after HF's norm computes, bit for bit: loss, logits and every gradient (the norm's weight
+    included, under its HF name); and a deep copy keeps the moved norm's weight in one Parameter."""
+    a, b = _model(name), _model(name)
+    lowbit.convert(a, fuse_mlp=True)
+    lowbit.convert(b, fuse_mlp=True, fuse_norms=False)
+    ids = _ids()
+    for recipe in ("fp8-block", "fp8-current"):
+        outs = []
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+            with lowbit.autocast(recipe=from_name(recipe)):
+                out = m(input_ids=ids, labels=ids)
+            out.loss.backward()
+            outs.append((out.loss, out.logits, _grads(m)))
+        (la, ga_logits, ga), (lb, gb_logits, gb) = outs
+        assert torch.equal(la, lb) and torch.equal(ga_logits, gb_logits), recipe
+        assert ga.keys() == gb.keys() and "model.layers.0.post_attention_layernorm.weight" in ga
+        for k in ga:
+            assert torch.equal(ga[k], gb[k]), (recipe, k)
+    c = copy.deepcopy(a)
+    layer = c.model.layers[1]
+    assert layer.mlp.norm is layer.post_attention_layernorm
+    assert layer.mlp.norm.weight is dict(c.named_parameters())["model.layers.1.post_attention_layernorm.weight"]
+
+
+def test_take_norm_errors():
+    mlp = lowbit.nn.SwiGLUMLP(64, 96)
+    with pytest.raises(TypeError, match="norm: expected one of .*LlamaRMSNorm.*, got LayerNorm"):
+        mlp.take_norm(torch.nn.LayerNorm(64))
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    with pytest.raises(ValueError, match=r"norm: expected weight \(64,\) and a float variance_epsilon, got \(32,\)"):
+        mlp.take_norm(LlamaRMSNorm(32))
+    assert mlp.norm is None
+
+
+@pytest.mark.gpu
+def test_gpu_moved_norm_runs_in_the_quantizer():
+    """On CUDA with an FP32 input under fp8-block the moved norm runs inside fc1's input quantizer: the MLP equals
+    lowbit's LayerNormMLP(RMSNorm, swiglu) with the same weights bit for bit (the same fused call), gradients too."""
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816)
+    hf_mlp, norm = LlamaMLP(cfg).cuda(), LlamaRMSNorm(1024, eps=1e-5).cuda()
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    mlp = lowbit.nn.SwiGLUMLP.from_gated(hf_mlp)
+    mlp.take_norm(norm)
+    ref = lowbit.nn.LayerNormMLP(1024, 2816, eps=1e-5, normalization="RMSNorm", activation="swiglu", bias=False,
+                                 device="cuda")
+    with torch.no_grad():
+        ref.layer_norm_weight.copy_(norm.weight)
+        ref.fc1_weight.copy_(mlp.fc1_weight)
+        ref.fc2_weight.copy_(mlp.fc2_weight)
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        assert ref.fuses_norm(x)
+        a, b = mlp(x), ref(x2)
+    assert torch.equal(a, b)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(norm.weight.grad, ref.layer_norm_weight.grad)
+    assert torch.equal(mlp.fc1_weight.grad, ref.fc1_weight.grad)

@@ -19,7 +19,8 @@ Variants:
 * ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs.
 
 The lowbit variants run with lowbit's NaN sentry as a user gets it (``on_nonfinite="raise"``); ``--on-nonfinite
-off`` measures them without it (torchao has none).
+off`` measures them without it (torchao has none). They convert with ``lowbit.convert``'s defaults; ``--fuse-mlp``
+converts each gated MLP into a ``lowbit.nn.SwiGLUMLP`` with the RMSNorm before it moved in.
 
 A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
@@ -113,6 +114,9 @@ def parse_args(argv):
     p.add_argument("--on-nonfinite", default="raise", metavar="{raise,skip,ignore,off}",
                    help="the lowbit variants' NaN-sentry policy (lowbit.autocast's on_nonfinite; default raise, "
                         "lowbit's default; off: no sentry, nothing recorded or checked)")
+    p.add_argument("--fuse-mlp", action="store_true",
+                   help="convert the lowbit variants with lowbit.convert(..., fuse_mlp=True): each gated MLP a "
+                        "SwiGLUMLP with its RMSNorm moved in (fused into fc1's quantizer under fp8-block)")
     p.add_argument("--rounds", type=int, default=1,
                    help="split each variant's timed steps into this many rounds that alternate between the variants "
                         "(all built and warmed up first, all live at once: no peak memory); default 1: one variant "
@@ -166,7 +170,8 @@ def resolve(args) -> dict:
             raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
     variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
     return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
-                size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, rounds=args.rounds, **run)
+                size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, rounds=args.rounds,
+                fuse_mlp=args.fuse_mlp, **run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ class _VariantRun:
             torch.compiler.reset()  # each variant compiles its own fresh model, from a clean cache
         self.model = build_model(self.cfg["model"], self.cfg["seq"], device)
         if self.recipe is not None:
-            lowbit.nn.convert(self.model, recipe=self.recipe)  # (lowbit.convert)
+            lowbit.nn.convert(self.model, recipe=self.recipe, fuse_mlp=self.cfg.get("fuse_mlp", False))
         if self.base == "torchao":
             _torchao_convert(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg["lr"], fused=device == "cuda")
@@ -377,7 +382,8 @@ def header(cfg: dict) -> str:
             f"{m['layers']} layers, {m['heads']} heads, vocab {m['vocab']} ({n_params(m) / 1e6:.1f}M parameters); "
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
             f"{cfg['steps'] - cfg['warmup']}{_rounds_note(cfg)}; FP32 params, bf16 autocast, AdamW lr "
-            f"{cfg['lr']:g}; lowbit's NaN sentry: on_nonfinite={cfg['on_nonfinite']!r}; {_inductor_launcher()}")
+            f"{cfg['lr']:g}; lowbit's NaN sentry: on_nonfinite={cfg['on_nonfinite']!r}; "
+            f"lowbit.convert fuse_mlp={cfg.get('fuse_mlp', False)}; {_inductor_launcher()}")
 
 
 def _rounds_note(cfg: dict) -> str:

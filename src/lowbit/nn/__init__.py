@@ -6,7 +6,8 @@
 * :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP` — fprop, dgrad and wgrad quantized
   per the recipe inside autocast; bit-identical to their torch counterparts outside.
 * :func:`convert` — swap a model's ``nn.Linear`` layers in place (and transformers' ``Conv1D`` for
-  :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`).
+  :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`, their RMSNorm moved in and a
+  :class:`DeferredRMSNorm` in its place).
 * :func:`fp8_all_gather` — FSDP2 gathers the FP8 copies of lowbit weights instead of their high-precision shards.
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
 """
@@ -16,7 +17,7 @@ from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
 from .fsdp import fp8_all_gather
 from .functional import quantized_linear
-from .hf_modules import Conv1DLinear, SwiGLUMLP
+from .hf_modules import Conv1DLinear, DeferredRMSNorm, SwiGLUMLP
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
@@ -45,6 +46,7 @@ __all__ = [
     "LayerNormMLP",
     "Conv1DLinear",
     "SwiGLUMLP",
+    "DeferredRMSNorm",
     "MultiheadAttention",
     "LowbitModule",
     "name_modules",

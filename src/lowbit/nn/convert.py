@@ -11,12 +11,12 @@ import torch
 
 from ..recipes import NVFP4BlockScaling, Recipe
 from .base import name_modules
-from .hf_modules import Conv1DLinear, SwiGLUMLP, is_hf_conv1d
+from .hf_modules import HF_RMSNORM_CLASSES, Conv1DLinear, DeferredRMSNorm, SwiGLUMLP, is_hf_conv1d
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
 __all__ = ["convert", "ConvertSummary", "DEFAULT_SKIP", "NVFP4_HIGH_PRECISION_TAIL", "GATED_MLP_CLASSES",
-           "NORM_NOT_FUSED", "QKV_NOT_FUSED"]
+           "DECODER_LAYER_CLASSES", "NORM_NOT_FUSED", "QKV_NOT_FUSED"]
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "output_head", "*.output_head")
 """Name patterns kept in high precision by default (the output head)."""
@@ -30,10 +30,14 @@ GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP
 """transformers MLP classes (by name) whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the ones
 ``fuse_mlp`` may fuse (where ``act_fn`` is SiLU)."""
 
+DECODER_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+"""transformers decoder layers (by name) whose ``post_attention_layernorm`` output is read by their ``mlp`` alone
+(``mlp(post_attention_layernorm(h))``): ``fuse_mlp`` with ``fuse_norms`` moves that norm into the fused MLP."""
+
 NORM_NOT_FUSED = (
-    "the RMSNorm before it is not fused: Hugging Face's RMSNorm rounds the normalized input to the input dtype before "
-    "multiplying by the weight (Gemma's: by 1 + weight), torch's / lowbit's RMSNorm rounds once, so in 16 bits the "
-    "two differ in the last bit"
+    "the RMSNorm before it is not fused: it is not a post_attention_layernorm of a DECODER_LAYER_CLASSES layer that "
+    "feeds this MLP alone, of one of HF_RMSNORM_CLASSES (whose forward lowbit computes bit for bit), or fuse_norms is "
+    "False"
 )
 """Why :func:`convert` leaves a Hugging Face RMSNorm out of the fused MLP (and QKV) modules."""
 
@@ -180,9 +184,14 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     * ``fuse_mlp=True`` (opt-in: it replaces Parameters) turns each gated MLP of :data:`GATED_MLP_CLASSES`
       (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose ``act_fn`` is exactly SiLU into a
       :class:`lowbit.nn.SwiGLUMLP` (fc1 = [gate; up], copied; down shared), which inside autocast runs lowbit's
-      fused SwiGLU path; its ``state_dict`` keeps the HF keys. Not fused, with the reason in ``summary.not_fused``:
-      Gemma's MLPs (GELU-tanh, not SiLU: lowbit's fused gate is silu(a)·b), MLPs with a part kept in high
-      precision, the RMSNorm before the MLP (:data:`NORM_NOT_FUSED`) and attention QKV (:data:`QKV_NOT_FUSED`).
+      fused SwiGLU path; its ``state_dict`` keeps the HF keys. With ``fuse_norms`` too, the decoder layer's
+      ``post_attention_layernorm`` before it (:data:`DECODER_LAYER_CLASSES`, an RMSNorm of
+      ``lowbit.nn.hf_modules.HF_RMSNORM_CLASSES``) moves into the SwiGLUMLP (:meth:`lowbit.nn.SwiGLUMLP.take_norm`:
+      outside autocast HF's arithmetic bit for bit; inside, where the recipe allows, in fc1's input quantizer, its
+      FP32 output never written) and a :class:`lowbit.nn.DeferredRMSNorm` holding its weight takes its place (the
+      state_dict keys stay). Not fused, with the reason in ``summary.not_fused``: Gemma's MLPs (GELU-tanh, not SiLU:
+      lowbit's fused gate is silu(a)·b), MLPs with a part kept in high precision, other norms
+      (:data:`NORM_NOT_FUSED`) and attention QKV (:data:`QKV_NOT_FUSED`).
 
     Kept in high precision (and listed in the summary with the reason):
 
@@ -290,7 +299,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
                     summary.converted.append((lname, f"LayerNormLinear (fused with {nname}, now Identity)"))
 
     if fuse_mlp:
-        fused |= _fuse_gated_mlps(model, summary, reason_to_keep, parent_of)
+        fused |= _fuse_gated_mlps(model, summary, reason_to_keep, parent_of, fuse_norms)
 
     for name, lin in linears:
         if name in fused:
@@ -311,7 +320,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Embedding):
             summary.kept.append((name, "embedding (high precision by default)"))
-        elif _is_norm(m):
+        elif _is_norm(m) and not isinstance(m, DeferredRMSNorm):
             summary.kept.append((name, "norm (high precision by default)"))
     name_modules(model)
     return summary
@@ -334,7 +343,7 @@ def _fuse(norm, lin: torch.nn.Linear) -> LayerNormLinear:
     return m
 
 
-def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of) -> set:
+def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, fuse_norms: bool) -> set:
     """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
     Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
     done = set()
@@ -365,6 +374,15 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of) 
         done.update(sub)
         summary.converted.append((name, f"SwiGLUMLP (fused from {cls})"))
         summary.fused.append((name, "gate_proj + up_proj -> fc1 of a SwiGLUMLP (fused SwiGLU inside autocast)"))
-        summary.not_fused.append((name, NORM_NOT_FUSED))
+        norm = getattr(parent, "post_attention_layernorm", None)
+        if (fuse_norms and child == "mlp" and type(parent).__name__ in DECODER_LAYER_CLASSES
+                and type(norm).__name__ in HF_RMSNORM_CLASSES):
+            parent.post_attention_layernorm = new.take_norm(norm)
+            pname = name.rpartition(".")[0]
+            summary.fused.append((f"{pname}.post_attention_layernorm" if pname else "post_attention_layernorm",
+                                  f"{type(norm).__name__} moved into {name} (inside autocast: fc1's input quantizer "
+                                  "where it can run there; the norm's place keeps its weight)"))
+        else:
+            summary.not_fused.append((name, NORM_NOT_FUSED))
         summary.new_parameters.append(name)
     return done

@@ -2,7 +2,9 @@
 
 * :class:`Conv1DLinear` — GPT-2's ``Conv1D`` (``y = x @ W + b``, W stored (in, out)).
 * :class:`SwiGLUMLP` — the Llama / Mistral / Qwen2 gated MLP ``down(silu(gate(x)) * up(x))`` with gate and up as one
-  fc1 = [gate; up], so the fused SwiGLU path of :class:`LayerNormMLP` applies inside autocast.
+  fc1 = [gate; up], so the fused SwiGLU path of :class:`LayerNormMLP` applies inside autocast; optionally with the
+  decoder layer's RMSNorm before it moved in (:meth:`SwiGLUMLP.take_norm`), its place held by a
+  :class:`DeferredRMSNorm`.
 
 Both keep the Hugging Face module's ``state_dict`` keys and shapes (a checkpoint of the original model loads into the
 converted one and back); transformers is never imported (the original classes are recognised by name).
@@ -15,12 +17,12 @@ import torch.nn.functional as F
 
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, quantized_linear
+from .functional import check_microbatch_arg, norm_fuses, quantized_linear
 from .layernorm_linear import check_module_args, check_norm_input
 from .layernorm_mlp import quantized_swiglu_branch
 from .linear import Linear
 
-__all__ = ["Conv1DLinear", "SwiGLUMLP", "is_hf_conv1d"]
+__all__ = ["Conv1DLinear", "DeferredRMSNorm", "HF_RMSNORM_CLASSES", "SwiGLUMLP", "hf_rms_norm", "is_hf_conv1d"]
 
 _EXTRA = "_extra_state"
 
@@ -148,6 +150,7 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
         check_module_args(dict(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size),
                           lambda: (3 * hidden_size + 2) * ffn_hidden_size + hidden_size, bias, device, dtype)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self._norm: tuple = ()
         fk = dict(device=device, dtype=dtype)
         lin = [torch.nn.Linear(hidden_size, ffn_hidden_size, bias=bias, **fk) for _ in range(2)]
         down = torch.nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **fk)
@@ -178,19 +181,52 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
                              "(hidden, ffn))")
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
-        m.hidden_size, m.ffn_hidden_size = h, f
+        m.hidden_size, m.ffn_hidden_size, m._norm = h, f, ()
         m._set(gate, up, down)
         m.train(mlp.training)
         return m
 
+    def take_norm(self, norm: torch.nn.Module) -> "DeferredRMSNorm":
+        """Move a Hugging Face RMSNorm (``weight`` (hidden_size,), ``variance_epsilon``; one of
+        :data:`HF_RMSNORM_CLASSES`) whose output only this MLP reads into it: the MLP then takes the norm's input and
+        normalizes it itself, by :func:`hf_rms_norm` (those classes' forward, bit for bit), or, inside autocast where
+        :func:`lowbit.nn.functional.norm_fuses` (a 1x128 blockwise recipe, an FP32 input on CUDA), inside fc1's input
+        quantizer, where the normalized input is never written (the same two FP32 products as HF's RMSNorm on an FP32
+        input; its row statistics rounded as the kernel's). Returns the :class:`DeferredRMSNorm` to put in the
+        norm's place: it owns the norm's Parameter, which this MLP reads from it at every call."""
+        if type(norm).__name__ not in HF_RMSNORM_CLASSES:
+            raise TypeError(f"norm: expected one of {HF_RMSNORM_CLASSES}, got {type(norm).__name__}")
+        w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+        if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (self.hidden_size,) or not isinstance(
+                eps, float):
+            raise ValueError(f"norm: expected weight ({self.hidden_size},) and a float variance_epsilon, got "
+                             f"{tuple(getattr(w, 'shape', ()))} and {eps!r}")
+        deferred = DeferredRMSNorm(w, eps, type(norm).__name__)
+        self._norm = (deferred,)  # (a tuple: not a submodule; the weight's state_dict key stays the norm's)
+        return deferred
+
+    @property
+    def norm(self) -> "DeferredRMSNorm | None":
+        """The place of the RMSNorm moved in by :meth:`take_norm` (its weight and epsilon), or None."""
+        return self._norm[0] if self._norm else None
+
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        """``input`` (..., hidden_size) -> (..., hidden_size); ``is_first_microbatch`` as :meth:`Linear.forward`."""
+        """``input`` (..., hidden_size) -> (..., hidden_size) (with a norm moved in: the norm's input);
+        ``is_first_microbatch`` as :meth:`Linear.forward`."""
         check_microbatch_arg(is_first_microbatch)
         check_norm_input(input, self.hidden_size, "hidden_size")
         st = _ac.get_state()
+        nkw = {}
+        if self._norm:
+            w, eps = self._norm[0].weight, self._norm[0].variance_epsilon
+            if st.enabled and norm_fuses(input, w, st.recipe):
+                nkw = dict(norm_weight=w, norm_eps=eps)
+            else:
+                input = hf_rms_norm(input, w, eps)
         if st.enabled:
             return quantized_swiglu_branch(input, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
-                                           self._gemms["fc1"], self._gemms["fc2"], is_first_microbatch, st, None)
+                                           self._gemms["fc1"], self._gemms["fc2"], is_first_microbatch, st, None,
+                                           **nkw)
         (wg, wu), (bg, bu) = self._halves(self.fc1_weight), self._halves(self.fc1_bias)
         return F.linear(F.silu(F.linear(input, wg, bg)) * F.linear(input, wu, bu), self.fc2_weight, self.fc2_bias)
 
@@ -229,5 +265,38 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
 
     def extra_repr(self) -> str:
+        moved = f", normalizes its input ({self.norm.norm_type})" if self._norm else ""
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"bias={self.fc1_bias is not None}, activation=swiglu (HF gate_proj/up_proj/down_proj state_dict)")
+                f"bias={self.fc1_bias is not None}, activation=swiglu (HF gate_proj/up_proj/down_proj state_dict)"
+                f"{moved}")
+
+
+class DeferredRMSNorm(torch.nn.Module):
+    """The place of a Hugging Face RMSNorm moved into the :class:`SwiGLUMLP` that alone reads its output
+    (:meth:`SwiGLUMLP.take_norm`): ``forward`` returns its input unchanged, for that MLP to normalize. It owns the
+    norm's ``weight`` (the same Parameter) and keeps its ``variance_epsilon``, so the model's ``state_dict`` keys, its
+    checkpoints, its optimizer and FSDP2's sharding of the weight are unchanged. Do not call it for a normalized
+    output: there is none here."""
+
+    def __init__(self, weight: torch.nn.Parameter, variance_epsilon: float, norm_type: str):
+        super().__init__()
+        self.weight, self.variance_epsilon, self.norm_type = weight, variance_epsilon, norm_type
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, {self.norm_type} applied by the MLP after it"
+
+
+HF_RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+"""transformers RMSNorm classes (by name) whose forward is :func:`hf_rms_norm`."""
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The forward of :data:`HF_RMSNORM_CLASSES`, operation for operation: normalized in FP32, rounded to the input's
+    dtype, then multiplied by the weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
