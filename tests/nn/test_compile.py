@@ -296,16 +296,18 @@ def test_gpu_traced_linear_fp32_matches_eager(recipe):
 
 
 @pytest.mark.gpu
-def test_gpu_reduce_overhead_delayed_scaling_matches_eager():
-    """Delayed scaling under torch.compile's CUDA graphs (the traced linear: its histories' device state read and
-    updated by the replayed graphs, committed on the device at each exit): four steps across the end of the warm-up,
-    outputs, gradients, histories, scales and step counts equal eager's bit for bit; a step that fails inside autocast
-    leaves the state as eager's does."""
+@pytest.mark.parametrize("module", ["linear_traced", "linear_operator"])
+def test_gpu_reduce_overhead_delayed_scaling_matches_eager(module):
+    """Delayed scaling under torch.compile's CUDA graphs, the traced linear (its histories' device state read and
+    updated by the replayed graphs) and a linear the graph holds as lowbit's operator (K = 1000: its scale chosen and
+    its amaxes folded on the device while the graph records), committed on the device at each exit: four steps across
+    the end of the warm-up, outputs, gradients, histories, scales and step counts equal eager's bit for bit; a step
+    that fails inside autocast leaves the state as eager's does."""
     from lowbit.recipes import DelayedScaling
 
     torch.manual_seed(0)
-    base = GPU_MODULES["linear_traced"]()
-    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    base = GPU_MODULES["linear_traced"]() if module == "linear_traced" else lowbit.nn.Linear(1000, 776, device="cuda")
+    x = torch.randn(4, 512, base.in_features, device="cuda", requires_grad=True)
     rec = DelayedScaling(amax_history_len=4, warmup_steps=2)
     eager, comp = copy.deepcopy(base), copy.deepcopy(base)
     m = torch.compile(comp, mode="reduce-overhead")
@@ -326,12 +328,10 @@ def test_gpu_reduce_overhead_delayed_scaling_matches_eager():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe,module,microbatch,match", [
-    ("fp8-delayed", "mlp_gelu", None, "reduce-overhead"),
     ("fp8-block", "linear", True, "is_first_microbatch: True caches the quantized weight")])
 def test_gpu_reduce_overhead_refuses_state_across_calls(recipe, module, microbatch, match):
-    """What lives across calls cannot live in torch.compile's CUDA graphs where lowbit's Python keeps it: delayed
-    scaling in a layer the graph holds as an operator (a GELU MLP) and a weight cached by is_first_microbatch=True get
-    a clear error, not wrong bits."""
+    """What lives across calls cannot live in torch.compile's CUDA graphs where lowbit's Python keeps it: a weight
+    cached by is_first_microbatch=True gets a clear error, not wrong bits."""
     lin = GPU_MODULES[module]()
     m = torch.compile(lambda x: lin(x, is_first_microbatch=microbatch), mode="reduce-overhead")
     x = torch.randn(512, 1024, device="cuda", requires_grad=True)
@@ -896,6 +896,45 @@ def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
         with lowbit.autocast(recipe=rec):
             a, b = dyn(x), static(x)
         assert torch.equal(a, b), tokens
+
+
+def test_delayed_scaling_while_a_graph_records_on_cpu(monkeypatch):
+    """The path a delayed-scaling layer takes while a CUDA graph records it (forced here on the CPU, where Python runs
+    every call): the scale chosen on the device from the history's record count, the amaxes folded into the device
+    pending max, the state committed on the device. Over five steps across the end of the warm-up, with a failed step
+    in between, outputs, gradients and the state equal the eager path's bit for bit."""
+    from lowbit.nn import functional as fn
+    from lowbit.recipes import DelayedScaling
+
+    torch.manual_seed(0)
+    base = lowbit.nn.Linear(64, 96)
+    rec = DelayedScaling(amax_history_len=4, warmup_steps=2)
+    results = []
+    for graph in (False, True):
+        if graph:
+            monkeypatch.setattr(fn, "in_graph_pool", lambda device: True)
+        lin = copy.deepcopy(base)
+        outs = []
+        for step in range(5):
+            x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1)).requires_grad_()
+            try:
+                with lowbit.autocast(recipe=rec):
+                    y = lin(x * (30 if step == 2 else 1))
+                    if step == 2:
+                        raise RuntimeError("user error")
+            except RuntimeError:
+                continue
+            (y * torch.linspace(-1, 1, 96)).sum().backward()
+            outs += [y.detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+            lin.zero_grad(set_to_none=True)
+        results.append((outs, {k: v.clone() for k, v in lin.get_extra_state().items()}))
+        assert lin._gemms[""].delayed.compiled == graph
+    (oa, sa), (ob, sb) = results
+    assert int(sa["input.steps"]) == 4 and len(oa) == len(ob) == 16
+    for i, (a, b) in enumerate(zip(oa, ob)):
+        assert torch.equal(a, b), i
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), (k, sa[k], sb[k])
 
 
 def test_traced_linear_delayed_scaling_failed_step_on_cpu(monkeypatch):

@@ -128,8 +128,8 @@ class MultiheadAttention(torch.nn.Module):
         scale = layer.delayed_state(st.recipe, x.device).scale("grad_output", x.device)
         if scale is None:  # delayed-scaling warm-up: current scaling, no scale known ahead
             return None
-        # (the history rebinds its scale tensor on update, never writes it in place: this one stays the forward's)
-        return layer, rq.scheme.fmt, scale.detach()
+        # (a copy: the history updates its scale in place at the outermost exit, before this backward runs)
+        return layer, rq.scheme.fmt, scale.detach().clone()
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -38,7 +38,7 @@ from ..quant.tensor import (
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
-from ..runtime.device import in_graph_tree, num_sms
+from ..runtime.device import in_graph_pool, in_graph_tree, num_sms
 from ..runtime.effects import register_ordered
 from . import state as _ac
 
@@ -203,7 +203,7 @@ class GemmLayer:
         if need_wgrad and q.columnwise is None:  # one scale per tensor: the columnwise copy is the transpose
             q.columnwise = columnwise_from_rowwise(q)
         _ac.sentry(q.amax.reshape(1), layer=self, role="grad_output", phase=phase, policy=policy)
-        self.delayed_state(recipe, dy2.device).observe("grad_output", q.amax)
+        self._observe(self.delayed_state(recipe, dy2.device), "grad_output", q.amax)
         self.handoffs += 1
         return q
 
@@ -225,6 +225,12 @@ class GemmLayer:
     # -- delayed scaling ------------------------------------------------------------------------
     def delayed_state(self, recipe: DelayedScaling, device) -> _ac.DelayedScalingState:
         st = self.delayed
+        if (st is None or not st.compatible(recipe) or st.device != device) and in_graph_pool(device):
+            raise NotImplementedError(
+                f"recipe: layer {self.name!r} has no delayed-scaling state for {type(recipe).__name__} on {device} "
+                "yet, and a CUDA graph being recorded cannot allocate it (it would live in the graph's pool); enter "
+                "lowbit.autocast with this recipe once with the model on its device before the graph records (the "
+                "outermost entry makes every layer's state)")
         if st is None or not st.compatible(recipe):
             if st is not None and any(h.steps for h in st.histories.values()):
                 raise ValueError(
@@ -265,14 +271,39 @@ class GemmLayer:
         st = None
         if rq.delayed:
             st = self.delayed_state(recipe, t.device)
-            scale = st.scale(role, t.device)
+            scale = (self._graph_delayed_scale(st, role, t, recipe) if in_graph_pool(t.device)
+                     else st.scale(role, t.device))
         q = quantize(t, rq.scheme, rowwise=rowwise, columnwise=columnwise, scale=scale)
         # every copy's amax (the RHT copy's is measured after the transform); NaN/Inf in any -> the sentry
         # fires (checked at the outermost autocast exit / the end of the backward, one sync for all)
         _ac.sentry([c.amax for c in q._copies()], layer=self, role=role, phase=phase, policy=policy)
         if st is not None:
-            st.observe(role, q.amax)
+            self._observe(st, role, q.amax)
         return q
+
+    @staticmethod
+    def _graph_delayed_scale(st: _ac.DelayedScalingState, role: str, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        """The scale to cast ``t`` with under delayed scaling while a CUDA graph records this call: chosen on the
+        device (:func:`lowbit.quant.traceable.delayed_scale`: the history's scale once its record count reaches the
+        warm-up, else ``t``'s current scale), since a replay runs no Python."""
+        from ..quant.reference import amax_of
+        from ..quant.traceable import delayed_scale
+
+        h = st.histories[role]
+        scale, _ = delayed_scale(amax_of(t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)), h.scale,
+                                 h.device_state[1:2], recipe.warmup_steps, recipe.role(role).scheme.format.max)
+        return scale
+
+    @staticmethod
+    def _observe(st: _ac.DelayedScalingState, role: str, amax: torch.Tensor) -> None:
+        """Fold ``amax`` into the role's pending amax: eagerly (:meth:`DelayedScalingState.observe`), or, while a
+        CUDA graph records, into the history's device pending max in place (a replay updates it; the state then
+        commits on the device)."""
+        if in_graph_pool(amax.device):
+            st.histories[role].observe(amax)
+            st.compiled = True
+        else:
+            st.observe(role, amax)
 
     def quantize_rmsnorm(self, x2: torch.Tensor, w: torch.Tensor, eps: float, recipe: Recipe, *, columnwise: bool,
                          policy: str, rstd: torch.Tensor | None = None) -> tuple[QuantizedTensor, torch.Tensor]:
@@ -360,7 +391,7 @@ class GemmLayer:
             q = QuantizedTensor(q.shape, q.dtype, q.scheme, rowwise=q.rowwise, columnwise=columnwise_from_rowwise(q))
         _ac.sentry([c.amax for c in q._copies()], layer=self, role="weight", phase="forward", policy=policy)
         if rq.delayed:  # (the whole weight's amax, all-reduced by the gather: what the unsharded forward records)
-            self.delayed_state(recipe, q.rowwise.data.device).observe("weight", q.amax)
+            self._observe(self.delayed_state(recipe, q.rowwise.data.device), "weight", q.amax)
         return q
 
 
@@ -798,20 +829,14 @@ def _microbatch_code(is_first_microbatch) -> int:
 def _op_state(key: str, weight: torch.Tensor, microbatch: int = -1) -> tuple[Recipe, str]:
     """(recipe, NaN-sentry policy) of an operator call. Under torch.compile's CUDA graphs (``mode="reduce-overhead"``)
     the call runs from the graph's private memory pool, where nothing allocated may outlive the call, and its Python
-    runs only while the graph is recorded: delayed scaling's eager bookkeeping (the traced linear keeps it on the
-    device instead) and a weight cached across calls (``is_first_microbatch``) raise; the sentry copies its amaxes
-    into a board outside the graph (:mod:`lowbit.nn.state`)."""
+    runs only while the graph is recorded: a weight cached across calls (``is_first_microbatch``) raises; delayed
+    scaling keeps its choice of scale and its pending amaxes on the device (:meth:`GemmLayer.quantize`); the sentry
+    copies its amaxes into a board outside the graph (:mod:`lowbit.nn.state`)."""
     recipe, policy = _ac.from_key(key)
     if not weight.is_cuda:
         return recipe, policy
     tree = in_graph_tree(weight.device)  # (asked once: it looks up torch's graph-tree manager)
     if tree or torch.cuda.is_current_stream_capturing():
-        if any(recipe.role(r).delayed for r in ("input", "weight", "grad_output")):
-            raise NotImplementedError(
-                f"recipe: {type(recipe).__name__} keeps amax histories across steps, which torch.compile's CUDA graphs "
-                "(mode='reduce-overhead') carry only for a plain per-tensor linear (no GELU or fused norm, dims "
-                "multiples of 16); this layer is not one: use a current-scaling recipe (fp8-current, fp8-block, mxfp8, "
-                "nvfp4) there, or compile without CUDA graphs")
         if microbatch != -1:
             raise NotImplementedError(
                 f"is_first_microbatch: {_MICROBATCH[microbatch]} caches the quantized weight across calls, which "
