@@ -898,6 +898,36 @@ def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
         assert torch.equal(a, b), tokens
 
 
+def _delayed_steps(mod, lin, rec, steps: int, fail_step: int) -> tuple[list, dict]:
+    """``steps`` steps of ``mod`` (``lin`` or its compiled self) under ``rec``; step ``fail_step`` raises inside
+    autocast after a forward on a 30x input. Returns every finished step's output and gradients, and the layer's
+    state (a weighted loss: the output gradient is not all ones)."""
+    outs = []
+    for step in range(steps):
+        x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1)).requires_grad_()
+        try:
+            with lowbit.autocast(recipe=rec):
+                y = mod(x * (30 if step == fail_step else 1))
+                if step == fail_step:
+                    raise RuntimeError("user error")
+        except RuntimeError:
+            continue
+        (y * torch.linspace(-1, 1, 96)).sum().backward()
+        outs += [y.detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+        lin.zero_grad(set_to_none=True)
+    return outs, {k: v.clone() for k, v in lin.get_extra_state().items()}
+
+
+def _check_delayed_runs(results, steps_recorded: int, outputs: bool = True):
+    (oa, sa), (ob, sb) = results
+    assert int(sa["input.steps"]) == steps_recorded and len(oa) == len(ob) == 4 * steps_recorded
+    assert float(sa["grad_output.pending"]) > 0  # (the last backward's, committed at the next exit)
+    for i, (a, b) in enumerate(zip(oa, ob) if outputs else ()):
+        assert torch.equal(a, b), i
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), (k, sa[k], sb[k])
+
+
 def test_delayed_scaling_while_a_graph_records_on_cpu(monkeypatch):
     """The path a delayed-scaling layer takes while a CUDA graph records it (forced here on the CPU, where Python runs
     every call): the scale chosen on the device from the history's record count, the amaxes folded into the device
@@ -914,58 +944,29 @@ def test_delayed_scaling_while_a_graph_records_on_cpu(monkeypatch):
         if graph:
             monkeypatch.setattr(fn, "in_graph_pool", lambda device: True)
         lin = copy.deepcopy(base)
-        outs = []
-        for step in range(5):
-            x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1)).requires_grad_()
-            try:
-                with lowbit.autocast(recipe=rec):
-                    y = lin(x * (30 if step == 2 else 1))
-                    if step == 2:
-                        raise RuntimeError("user error")
-            except RuntimeError:
-                continue
-            (y * torch.linspace(-1, 1, 96)).sum().backward()
-            outs += [y.detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
-            lin.zero_grad(set_to_none=True)
-        results.append((outs, {k: v.clone() for k, v in lin.get_extra_state().items()}))
+        results.append(_delayed_steps(lin, lin, rec, 5, fail_step=2))
         assert lin._gemms[""].delayed.compiled == graph
-    (oa, sa), (ob, sb) = results
-    assert int(sa["input.steps"]) == 4 and len(oa) == len(ob) == 16
-    for i, (a, b) in enumerate(zip(oa, ob)):
-        assert torch.equal(a, b), i
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), (k, sa[k], sb[k])
+    _check_delayed_runs(results, 4)
 
 
 def test_traced_linear_delayed_scaling_failed_step_on_cpu(monkeypatch):
     """A step that fails inside autocast drops the amaxes the compiled graph folded into the histories' device
     pending (restored from the entry's snapshot) and keeps the previous backward's, as eager drops its pending
-    amaxes: the states after a failed step and a clean one equal eager's bit for bit."""
+    amaxes: the state after a failed step and clean ones equals eager's bit for bit (the amaxes do not depend on the
+    GEMMs: on the CPU eager runs the float64 reference GEMM, the traced linear torch's _scaled_mm)."""
     from lowbit.recipes import DelayedScaling
 
     _trace_on_cpu(monkeypatch)
     torch.manual_seed(0)
     base = lowbit.nn.Linear(64, 96)
     rec = DelayedScaling(amax_history_len=4, warmup_steps=1)
-    states = []
+    results = []
     for compiled in (False, True):
         lin = copy.deepcopy(base)
         mod = torch.compile(lin, backend="aot_eager", fullgraph=True) if compiled else lin
-        for step in range(3):
-            x = torch.randn(48, 64, generator=torch.Generator().manual_seed(step)) * (step + 1)
-            try:
-                with lowbit.autocast(recipe=rec):
-                    y = mod(x * (50 if step == 1 else 1))
-                    if step == 1:
-                        raise RuntimeError("user error")
-            except RuntimeError:
-                continue
-            y.sum().backward()
-        states.append({k: v.clone() for k, v in lin.get_extra_state().items()})
+        results.append(_delayed_steps(mod, lin, rec, 3, fail_step=1))
         assert lin._gemms[""].delayed.compiled == compiled
-    assert int(states[0]["input.steps"]) == 2 and float(states[0]["grad_output.pending"]) > 0
-    for k in states[0]:
-        assert torch.equal(states[0][k], states[1][k]), (k, states[0][k], states[1][k])
+    _check_delayed_runs(results, 2, outputs=False)
 
 
 def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
