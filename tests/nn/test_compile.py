@@ -312,6 +312,8 @@ def test_gpu_reduce_overhead_delayed_scaling_matches_eager(module):
     eager, comp = copy.deepcopy(base), copy.deepcopy(base)
     m = torch.compile(comp, mode="reduce-overhead")
     outs, states = [], []
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     for mod, layer in ((eager, eager), (m, comp)):
         outs.append(_run(mod, x, rec, steps=4, autocast_dtype=torch.bfloat16))
         with pytest.raises(RuntimeError, match="user error"):
@@ -321,6 +323,7 @@ def test_gpu_reduce_overhead_delayed_scaling_matches_eager(module):
                 raise RuntimeError("user error")
         states.append({k: v.clone() for k, v in layer.get_extra_state().items()})
     _check_same(*outs)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])  # (the graphs did replay)
     assert states[0].keys() == states[1].keys() and int(states[0]["input.steps"]) == 4
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), (k, states[0][k], states[1][k])

@@ -892,9 +892,12 @@ def _prepare_delayed(recipe: DelayedScaling) -> None:
         st = h.delayed
         if st is None:
             with torch.inference_mode(False):
-                h.delayed_state(recipe, w.device)
+                st = h.delayed_state(recipe, w.device)
         elif st.device != w.device:
             st._to(w.device)
+        if w.is_cuda:  # (graph inputs a CUDA graph mutates: static, as the sentry's slots, or torch skips the graphs)
+            for hist in st.histories.values():
+                torch._dynamo.mark_static_address(hist.device_state)
         with _lock:
             _delayed_new.discard(h)
 
