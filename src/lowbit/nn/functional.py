@@ -290,8 +290,8 @@ class GemmLayer:
         from ..quant.traceable import delayed_scale
 
         h = st.histories[role]
-        scale, _ = delayed_scale(amax_of(t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)), h.scale,
-                                 h.device_state[1:2], recipe.warmup_steps, recipe.role(role).scheme.format.max)
+        scale, _ = delayed_scale(amax_of(t), h.scale, h.device_state[1:2], recipe.warmup_steps,
+                                 recipe.role(role).scheme.format.max)
         return scale
 
     @staticmethod
@@ -1180,9 +1180,7 @@ def _delayed_copies(t: torch.Tensor, sch, rowwise: bool, columnwise: bool, slot,
     from ..quant.reference import amax_of
     from ..quant.traceable import delayed_scale, tensorwise_copies
 
-    t2 = t.reshape(-1, t.shape[-1])
-    if torch.is_grad_enabled() and t2.requires_grad:
-        t2 = t2.detach()
+    t2 = t.reshape(-1, t.shape[-1])  # (inside the Function's passes: no autograd to detach from)
     a = amax_of(t2)
     s, si = delayed_scale(a, state[0:1], state[1:2], warmup, sch.format.max)
     state[2:3].copy_(torch.maximum(state[2:3], a.reshape(1)))  # (AmaxHistory.observe, on the graph's input)

@@ -112,7 +112,7 @@ _pending: dict[int, "DelayedScalingState"] = {}  # states with pending amaxes, i
 # What was pending when the outermost autocast was entered (the previous backward's gradient amaxes), as
 # {id: (state, {role: amax or None})}: a step that fails is rolled back to it. None outside autocast.
 _carried: dict[int, tuple] | None = None
-_carried_compiled: list = [None]  # the compiled states' device pending amaxes at that entry (_snapshot_compiled)
+_carried_compiled: tuple | None = None  # the compiled states' device pending amaxes then (_snapshot_compiled)
 _notices: set[str] = set()
 
 
@@ -1007,15 +1007,10 @@ class DelayedScalingState:
     def has_pending(self) -> bool:
         return any(p is not None for p in self.pending.values())
 
-    def commit(self, amaxes: dict[str, torch.Tensor]) -> None:
-        """Push one amax per role to the histories and recompute the scales. A non-finite amax is recorded as 0
-        (it does not enter the history; the scale stays where it was). A compiled state also records its device
-        pending amaxes (folded with the eager ones), where there are any."""
-        record_pending_many(self._commits(amaxes))
-
     def _commits(self, amaxes: dict[str, torch.Tensor]) -> list:
-        """``(history, amax or None)`` of each role to record (every role of a compiled state: its device pending
-        amaxes decide); the eager pending amaxes are dropped."""
+        """``(history, amax or None)`` of each role to record with :func:`lowbit.quant.scaling.record_pending_many`
+        (every role of a compiled state: its device pending amaxes decide; a non-finite amax is recorded as 0, the
+        scale staying where it was); the eager pending amaxes are dropped."""
         out = [(h, amaxes.get(role)) for role, h in self.histories.items() if self.compiled or role in amaxes]
         self.pending = dict.fromkeys(self.pending)
         return out
@@ -1189,7 +1184,7 @@ class autocast(contextlib.ContextDecorator):
         self._saved: list[tuple[AutocastState, AutocastState]] = []  # (the state found, the state installed)
 
     def __enter__(self):
-        global _state, _depth, _carried
+        global _state, _depth, _carried, _carried_compiled
         outer = _state
         recipe = self.recipe or (outer.recipe if outer.recipe is not None
                                  else (DelayedScaling() if self.enabled else None))
@@ -1210,7 +1205,7 @@ class autocast(contextlib.ContextDecorator):
         _state = new
         if _depth == 0:
             _carried = _snapshot_pending()
-            _carried_compiled[0] = _snapshot_compiled()
+            _carried_compiled = _snapshot_compiled()
             if self.enabled:
                 prepare_board()
                 _prepare_slots()
@@ -1220,7 +1215,7 @@ class autocast(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        global _state, _depth, _step, _carried
+        global _state, _depth, _step, _carried, _carried_compiled
         if not self._saved:
             raise RuntimeError("autocast: __exit__ without a matching __enter__ (this context is not active); use it "
                                "as `with lowbit.autocast(...):` or call __enter__ first")
@@ -1233,7 +1228,7 @@ class autocast(contextlib.ContextDecorator):
         if _depth == 0:
             _state = AutocastState()
             carried, _carried = _carried or {}, None
-            compiled, _carried_compiled[0] = _carried_compiled[0], None
+            compiled, _carried_compiled = _carried_compiled, None
             if exc_type is None:
                 try:
                     # may raise NonFiniteAmaxError (policy "raise"): the step is not committed. On CUDA this

@@ -70,10 +70,7 @@ class AmaxHistory:
 
     def _new_scale(self, where) -> torch.Tensor:
         a = self.history.max().reshape(1) if self.algo == "max" else self.history[:1]
-        new = a.new_full((1,), self.fmt.max) / a / (2.0**self.margin)  # (no host-to-device copy: no sync)
-        # (new > 0: a huge amax divided by 2**margin can underflow to 0, which would zero the tensor)
-        ok = torch.isfinite(a) & (a > 0) & torch.isfinite(new) & (new > 0) & where
-        return torch.where(ok, new, self.scale)
+        return _scale_from(a, self.scale, self.fmt.max, self.margin, where)
 
     def observe(self, amax: torch.Tensor) -> None:
         """Fold ``amax`` (one element) into the pending max, in place (NaN propagates)."""
@@ -129,11 +126,18 @@ def record_pending_many(items) -> None:
         a = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
         hist = torch.where(present[:, None], torch.cat([a[:, None], hist[:, :-1]], dim=1), hist)
         ah = hist.amax(dim=1) if algo == "max" else hist[:, 0]
-        new = torch.full_like(ah, fmax) / ah / (2.0**margin)  # (as update_scale, element for element)
-        ok = torch.isfinite(ah) & (ah > 0) & torch.isfinite(new) & (new > 0) & present
-        out = torch.stack([torch.where(ok, new, ds[:, 0]), ds[:, 1] + present.to(torch.float32),
+        out = torch.stack([_scale_from(ah, ds[:, 0], fmax, margin, present), ds[:, 1] + present.to(torch.float32),
                            torch.full_like(p, -1.0)], dim=1)
         torch._foreach_copy_([h.device_state.data for h in hs], list(out.unbind(0)))
         torch._foreach_copy_([h.history.data for h in hs], list(hist.unbind(0)))
         for h, e in group:
             h._steps = h._steps + 1 if (e is not None and h._steps is not None) else None
+
+
+def _scale_from(amax_h: torch.Tensor, old: torch.Tensor, fmax: float, margin: int, where) -> torch.Tensor:
+    """``fmax / amax_h / 2**margin`` element for element, ``old`` where that is not a finite positive scale from a
+    finite positive amax, or where ``where`` is False."""
+    new = torch.full_like(amax_h, fmax) / amax_h / (2.0**margin)  # (no host-to-device copy: no sync)
+    # (new > 0: a huge amax divided by 2**margin can underflow to 0, which would zero the tensor)
+    ok = torch.isfinite(amax_h) & (amax_h > 0) & torch.isfinite(new) & (new > 0) & where
+    return torch.where(ok, new, old)

@@ -102,10 +102,12 @@ def tensorwise_copies(x2: torch.Tensor, sch: Float8Tensorwise, amax: torch.Tenso
                         data.t().contiguous() if columnwise else None, si if columnwise else None, amax)
 
 
-def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool) -> TracedCopies:
+def _tensorwise(x2: torch.Tensor, sch: Float8Tensorwise, rowwise: bool, columnwise: bool,
+                amax_into: Optional[torch.Tensor]) -> TracedCopies:
     amax = amax_of(x2)
     s = current_scale(amax, sch.format.max)
-    return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise)
+    return tensorwise_copies(x2, sch, amax, s, _reciprocal(s), rowwise=rowwise, columnwise=columnwise,
+                             amax_into=amax_into)
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,11 +309,7 @@ def quantize_traceable(x: torch.Tensor, scheme, *, rowwise: bool = True, columnw
     if torch.is_grad_enabled() and x.requires_grad:  # (no gradient flows through the copies; inside an autograd
         x = x.detach()  # Function's forward grad is off: no view between the caller's tensor and the kernel)
     if isinstance(scheme, Float8Tensorwise):
-        q = _tensorwise(_as_2d(x), scheme, rowwise, columnwise)
-        if amax_into is None:
-            return q
-        _max_into(amax_into, q.amax)
-        return q._replace(amax=None)
+        return _tensorwise(_as_2d(x), scheme, rowwise, columnwise, amax_into)
     args = (scheme.fmt, scheme.block_dim, scheme.block_size, scheme.pow2, float(scheme.eps), rowwise, columnwise)
     if amax_into is None:
         return _blockwise_copies(scheme, rows, cols, rowwise, columnwise, *quantize_blockwise_op(x, *args))
