@@ -160,6 +160,11 @@ def test_compiled_bound_arithmetic():
     assert "| fp8-block-compile | 63.0 |" in cb.table(rows)
     with pytest.raises(ValueError, match="bf16-compile and torchao-compile"):
         cb.bounds([row("torchao-compile", 60.0, 22.0, 4.0, 11.5)])
+    eager = cb.bounds([row("bf16", 90.0, 0.0, 35.0, 30.0), row("fp8-block", 100.0, 19.0, 4.0, 40.0)])[1]
+    assert eager["best_x_bf16"] == 90.0 / (19.0 + 4.0 + 12 + 5 + 40.0) and eager["x_bf16"] == 90.0 / 100.0
+    assert "bound_ms" not in eager and "| fp8-block | 100.0 |" in cb.table([eager])
+    with pytest.raises(ValueError, match="eager variant's bound needs bf16"):
+        cb.bounds([row("fp8-block", 100.0, 19.0, 4.0, 40.0)])
     per_kernel = {("other", "a"): [1.0, 2.0], ("other", "b"): [3.0, 1.0], ("attention", "c"): [9.0, 1.0]}
     assert [r["kernel"] for r in cb.top_kernels(per_kernel, "other", 5)] == ["b", "a"]
     assert cb.top_kernels(per_kernel, "other", 1) == [{"kernel": "b", "ms": 3.0, "launches": 1.0}]

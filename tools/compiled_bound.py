@@ -2,11 +2,12 @@
 step of the ``lowbit bench model`` client, split by what the kernels do, and the best step each FP8 variant could
 reach if its quantization cost nothing.
 
-For each variant (``bf16-compile``, ``torchao-compile``, ``<recipe>-compile``) it builds the client of
-``lowbit bench model`` (HF Llama, random init, FP32 parameters, ``torch.autocast`` bf16, fused AdamW), compiles it
-with ``torch.compile(model)``, runs ``--warmup`` steps and ``--steps`` timed ones (step ms: their median, with a
-synchronize around each; host ms: until the step is enqueued, as ``lowbit bench model`` measures), then profiles
-``--steps`` more with ``torch.profiler`` and sums the device time of every kernel by the operator that launched it:
+For each variant (``bf16-compile``, ``torchao-compile``, ``<recipe>-compile``; or eager: ``bf16``, ``<recipe>``) it
+builds the client of ``lowbit bench model`` (HF Llama, random init, FP32 parameters, ``torch.autocast`` bf16, fused
+AdamW; ``--fuse-mlp`` as there), compiles it with ``torch.compile(model)`` (the ``-compile`` variants), runs
+``--warmup`` steps and ``--steps`` timed ones (step ms: their median, with a synchronize around each; host ms:
+until the step is enqueued, as ``lowbit bench model`` measures), then profiles ``--steps`` more with
+``torch.profiler`` and sums the device time of every kernel by the operator that launched it:
 
 - ``fp8 gemm``: ``aten::_scaled_mm`` / ``aten::_scaled_mm_v2`` (cuBLAS FP8, tensorwise or blockwise scales);
 - ``16-bit gemm``: ``aten::mm`` / ``addmm`` / ``bmm`` (the LM head, which every variant keeps in BF16);
@@ -22,9 +23,12 @@ into its neighbours at zero cost). ``best x torchao`` = torchao's
 measured step / that bound: the most the variant could gain over torchao with the GEMM kernels it runs. A target
 above it needs faster GEMMs (or fewer), not less quantization overhead.
 
+An eager variant's bound is its GPU time: with no host time at all its step could not be shorter. ``best x bf16`` =
+``bf16``'s measured step / that GPU time: the most the eager variant could gain over BF16 eager with its kernels.
+
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
         [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--top N]
-        [--host N] [--on-nonfinite raise|skip|ignore|off] [--out FILE]
+        [--host N] [--on-nonfinite raise|skip|ignore|off] [--fuse-mlp] [--out FILE]
 
 ``--host N`` also lists each variant's N largest host costs a step (self CPU time under the profiler, by operator,
 Inductor kernel launcher or driver call): where a host-bound compiled step spends its time.
@@ -39,6 +43,7 @@ import sys
 import time
 
 from lowbit.nn.state import ON_NONFINITE
+from lowbit.recipes import QUANTIZED_NAMES
 
 CLASSES = ("fp8 gemm", "16-bit gemm", "attention", "optimizer", "other")
 
@@ -88,8 +93,9 @@ def host_top(averages, steps: int, n: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
-def build(variant: str, size: int, layers: int | None):
-    """(compiled model, its recipe or None, optimizer) of ``variant`` on CUDA."""
+def build(variant: str, size: int, layers: int | None, fuse_mlp: bool = False):
+    """(model, compiled where ``variant`` ends in ``-compile``; its recipe or None; optimizer; bench config) of
+    ``variant`` on CUDA."""
     import torch
 
     import lowbit
@@ -107,13 +113,13 @@ def build(variant: str, size: int, layers: int | None):
         convert_to_float8_training(model, module_filter_fn=lambda m, name: name != "lm_head")
     elif base != "bf16":
         recipe = from_name(base)
-        lowbit.convert(model, recipe=recipe)
+        lowbit.convert(model, recipe=recipe, fuse_mlp=fuse_mlp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    return torch.compile(model), recipe, opt, cfg
+    return (torch.compile(model) if variant.endswith("-compile") else model), recipe, opt, cfg
 
 
 def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int, log, top: int = 0,
-            on_nonfinite: str = "raise", host: int = 0) -> dict:
+            on_nonfinite: str = "raise", host: int = 0, fuse_mlp: bool = False) -> dict:
     """The row of ``variant``: median step ms (warm, unprofiled) and the profiled GPU split (with ``top``: its
     ``top`` largest "other" kernels under ``other_top``; with ``host``: its ``host`` largest host costs under
     ``host_top``)."""
@@ -123,7 +129,7 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
     import lowbit
 
     torch.compiler.reset()
-    fwd, recipe, opt, cfg = build(variant, size, layers)
+    fwd, recipe, opt, cfg = build(variant, size, layers, fuse_mlp)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).cuda()
 
@@ -160,30 +166,43 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
 
 
 def bounds(rows: list[dict]) -> list[dict]:
-    """Each FP8 row with ``bound_ms`` (its step with free quantization, see the module docstring) and
-    ``best_x_torchao``; needs the bf16-compile and torchao-compile rows."""
+    """Each FP8 row with its bound. A compiled row: ``bound_ms`` (its step with free quantization, see the module
+    docstring) and ``best_x_torchao``, from the bf16-compile and torchao-compile rows. An eager row: ``best_x_bf16``,
+    the ``bf16`` row's step over the row's GPU time (the most it could gain over BF16 eager with no host time at
+    all), and ``x_bf16``."""
     by = {r["variant"]: r for r in rows}
+    compiled = [r for r in rows if r["variant"].endswith("-compile")]
     ao = by.get("torchao-compile")
-    if "bf16-compile" not in by or ao is None:
-        raise ValueError("--variants: the bound needs bf16-compile and torchao-compile")
-    least_other = min(r["other"] for r in rows)
-    for r in rows:
+    if compiled and ("bf16-compile" not in by or ao is None):
+        raise ValueError("--variants: the compiled bound needs bf16-compile and torchao-compile")
+    eager = [r for r in rows if not r["variant"].endswith("-compile") and r["variant"] != "bf16"]
+    if eager and "bf16" not in by:
+        raise ValueError("--variants: an eager variant's bound needs bf16")
+    least_other = min((r["other"] for r in compiled), default=0.0)
+    for r in compiled:
         if r["variant"] == "bf16-compile":
             continue
         r["bound_ms"] = r["fp8 gemm"] + r["16-bit gemm"] + r["attention"] + r["optimizer"] + least_other
         r["best_x_torchao"] = ao["step_ms"] / r["bound_ms"]
         r["x_torchao"] = ao["step_ms"] / r["step_ms"]
+    for r in eager:
+        r["best_x_bf16"] = by["bf16"]["step_ms"] / r["gpu_ms"]
+        r["x_bf16"] = by["bf16"]["step_ms"] / r["step_ms"]
     return rows
+
+
+def _cell(r: dict, key: str) -> str:
+    return f"{r[key]:.2f}" if key in r else ""
 
 
 def table(rows: list[dict]) -> str:
     head = ("| variant | step ms | host ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | "
-            "best x torchao |\n|---|" + "---:|" * (len(CLASSES) + 6) + "\n")
+            "best x torchao | x bf16 | best x bf16 |\n|---|" + "---:|" * (len(CLASSES) + 8) + "\n")
     lines = []
     for r in rows:
         cells = [f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
-        cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else "", f"{r['x_torchao']:.2f}" if "x_torchao" in r
-                  else "", f"{r['best_x_torchao']:.2f}" if "best_x_torchao" in r else ""]
+        cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else ""]
+        cells += [_cell(r, k) for k in ("x_torchao", "best_x_torchao", "x_bf16", "best_x_bf16")]
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
@@ -193,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=2048, help="the bench-model preset (hidden size; default 2048)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
     p.add_argument("--variants", default="bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile",
-                   help="comma-separated compiled variants; bf16-compile and torchao-compile are needed")
+                   help="comma-separated variants: <name>-compile (compiled; bf16-compile and torchao-compile are "
+                        "needed) or <name> (eager; bf16 is needed)")
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the first compiles)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (their median), then as many profiled")
     p.add_argument("--top", type=int, default=0, help="also list each variant's N largest \"other\" kernels")
@@ -201,6 +221,8 @@ def main(argv=None) -> int:
                    "(self time by operator or call; under the profiler, which adds its own)")
     p.add_argument("--on-nonfinite", default="raise", choices=ON_NONFINITE,
                    help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
+    p.add_argument("--fuse-mlp", action="store_true",
+                   help="convert the lowbit variants with lowbit.convert(..., fuse_mlp=True), as bench model does")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     import torch
@@ -209,14 +231,16 @@ def main(argv=None) -> int:
         print("compiled_bound: needs a CUDA GPU", file=sys.stderr)
         return 2
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in variants if not v.endswith("-compile")]
+    known = {"bf16", "torchao-compile"} | {n for r in QUANTIZED_NAMES for n in (r, f"{r}-compile")}
+    known.add("bf16-compile")
+    bad = [v for v in variants if v not in known]
     if bad:
-        raise ValueError(f"--variants: expected compiled variants (<name>-compile), got {bad}")
+        raise ValueError(f"--variants: unknown {bad}; expected some of {', '.join(sorted(known))}")
     rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top,
-                    args.on_nonfinite, args.host) for v in variants]
+                    args.on_nonfinite, args.host, args.fuse_mlp) for v in variants]
     rows = bounds(rows)
     print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}, lowbit "
-          f"on_nonfinite={args.on_nonfinite!r}")
+          f"on_nonfinite={args.on_nonfinite!r}, fuse_mlp={args.fuse_mlp}")
     print(table(rows))
     for r in rows:
         for k in r.get("other_top", []):
@@ -227,7 +251,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), size=args.size, layers=args.layers,
-                           on_nonfinite=args.on_nonfinite, rows=rows), f, indent=1)
+                           on_nonfinite=args.on_nonfinite, fuse_mlp=args.fuse_mlp, rows=rows), f, indent=1)
     return 0
 
 
