@@ -142,21 +142,22 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, host = [], []
+    times, enqueued = [], []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
-        host.append(1e3 * (time.perf_counter() - t0))
+        enqueued.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
-        log(f"[compiled_bound] {variant}: step {i + 1}/{warmup + steps} {times[-1]:.1f} ms (host {host[-1]:.1f} ms)")
+        log(f"[compiled_bound] {variant}: step {i + 1}/{warmup + steps} {times[-1]:.1f} ms "
+            f"(host {enqueued[-1]:.1f} ms)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     split, per_kernel = kernel_split(prof, steps)
-    row = dict(variant=variant, step_ms=statistics.median(times[warmup:]), host_ms=statistics.median(host[warmup:]),
+    row = dict(variant=variant, step_ms=statistics.median(times[warmup:]), host_ms=statistics.median(enqueued[warmup:]),
                gpu_ms=sum(split.values()), **split)
     if top:
         row["other_top"] = top_kernels(per_kernel, "other", top)
