@@ -159,3 +159,41 @@ def test_bad_input_exits_2_with_one_line(args, msg, capsys):
     assert rc == 2
     assert err.startswith("lowbit bench model: error: ") and msg in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_isolated_variants_run_in_their_own_processes(tmp_path, capsys):
+    """--isolate: each variant runs in a fresh process of its own; its progress comes through, its row is the table's
+    and the ratios are taken across the processes; the header says so. The same seed gives the same loss as in one
+    process."""
+    import lowbit.bench.model as bm
+
+    rc = main(["bench", "model", "--device", "cpu", "--variants", "bf16,fp8-current", "--steps", "2", "--isolate",
+               "--out", str(tmp_path / "m.md")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "each variant in its own process" in text
+    assert "[bench model] fp8-current: step 2/2" in text and bm.ROW_PREFIX not in text
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "m.md.json").read_text())["rows"]}
+    assert rows["bf16"]["status"] == "ok" and rows["fp8-current"]["status"] == "ok"
+    assert rows["fp8-current"]["x_bf16"] == pytest.approx(rows["fp8-current"]["tokens_per_s"] /
+                                                          rows["bf16"]["tokens_per_s"])
+    cfg = bm.resolve(bm.parse_args(["--device", "cpu", "--variants", "bf16", "--steps", "2"]))
+    assert not cfg["isolate"]  # (the CPU default)
+    assert bm.run(cfg, log=lambda s: None)[0]["loss"] == rows["bf16"]["loss"]
+
+
+def test_isolated_variant_whose_process_dies_is_a_failed_row():
+    """A variant process that ends without its row (here: a variant name its process cannot build) is a failed row
+    naming the exit status and the process's last line."""
+    import lowbit.bench.model as bm
+
+    cfg = bm.resolve(bm.parse_args(["--device", "cpu", "--variants", "bf16", "--steps", "2"]))
+    lines = []
+    row = bm._run_in_process(cfg, "fp9", lines.append)
+    assert row["variant"] == "fp9" and row["status"].startswith("failed: the variant's process exited with status 1:")
+    assert "fp9" in row["status"] and lines  # (its traceback came through the log)
+
+
+def test_isolate_with_rounds_is_bad_input(capsys):
+    rc = main(["bench", "model", "--device", "cpu", "--isolate", "--rounds", "2", "--steps", "4", "--warmup", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--isolate: the variants of --rounds 2 alternate in one process" in err

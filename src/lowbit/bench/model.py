@@ -24,6 +24,11 @@ converts each gated MLP into a ``lowbit.nn.SwiGLUMLP`` with the RMSNorm before i
 
 A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
+Each variant runs in a fresh Python process of its own on CUDA (``--isolate``, the default there), as a user's
+training script does: run one after another in one process, a compiled lowbit step took 13-35% more time
+(d_model 1024, 8 layers, H200) after another variant had run or torchao had only been imported, and the order of the
+variants then decided their ratios. ``--no-isolate`` (the default on the CPU) runs them in this process.
+
 ``--rounds R`` compares variants whose difference is near the run-to-run spread (host-bound steps move by 5-20%
 between runs): every variant is built and warmed up first, then their timed steps alternate in R rounds, so a drift
 of the machine lands on all of them alike (all live at once: no peak memory reported; they share one compile cache,
@@ -49,7 +54,10 @@ import datetime
 import gc
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -121,6 +129,9 @@ def parse_args(argv):
                    help="split each variant's timed steps into this many rounds that alternate between the variants "
                         "(all built and warmed up first, all live at once: no peak memory); default 1: one variant "
                         "after another")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each variant in a fresh Python process of its own (default: on CUDA without --rounds; "
+                        "off on the CPU)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the table (markdown) to FILE and the rows (JSON) to FILE.json")
     return p.parse_args(argv)
@@ -169,9 +180,13 @@ def resolve(args) -> dict:
         if v not in valid:
             raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
     variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
+    isolate = args.isolate if args.isolate is not None else device == "cuda" and args.rounds == 1
+    if isolate and args.rounds > 1:
+        raise ValueError(f"--isolate: the variants of --rounds {args.rounds} alternate in one process; pass "
+                         "--no-isolate or --rounds 1")
     return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
                 size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, rounds=args.rounds,
-                fuse_mlp=args.fuse_mlp, **run)
+                fuse_mlp=args.fuse_mlp, isolate=isolate, **run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,8 +322,7 @@ def run(cfg: dict, log=print) -> list[dict]:
     rounds (all variants live at once, so no peak memory is reported): drifts of the machine then land on every
     variant alike."""
     device = cfg["device"]
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+    ids = None if cfg.get("isolate") else _batch(cfg)
     rounds = cfg.get("rounds", 1)
     rows, runs = {}, []
     for name in cfg["variants"]:
@@ -327,6 +341,9 @@ def run(cfg: dict, log=print) -> list[dict]:
             log(f"[bench model] {name}: skipped: {skip}")
             continue
         log(f"[bench model] {name}: start")
+        if cfg.get("isolate"):
+            rows[name] = _run_in_process(cfg, name, log)  # (its process logs its row's line)
+            continue
         r = _VariantRun(name, cfg, ids, log)
         if rounds == 1:  # (one variant at a time: each from a clean compile cache, its memory freed after it)
             r.start(reset=True)
@@ -352,6 +369,51 @@ def run(cfg: dict, log=print) -> list[dict]:
             if r["status"] == "ok" and ref in refs:
                 r[f"x_{ref}"] = r["tokens_per_s"] / refs[ref]
     return rows
+
+
+def _batch(cfg: dict) -> torch.Tensor:
+    """The one seeded batch of token ids every step of every variant trains on."""
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, cfg["model"]["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(cfg["device"])
+
+
+ROW_PREFIX = "[bench model] row: "
+"""The line a variant's own process ends its output with: its row as JSON."""
+
+
+def _run_in_process(cfg: dict, name: str, log) -> dict:
+    """The row of variant ``name`` run in a fresh Python process (:func:`variant_process_main`): its progress lines
+    go to ``log`` as they come; a process that ends without its row is a failed row naming its exit status and its
+    last line."""
+    child = dict(cfg, variants=[name], isolate=False)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    cmd = [sys.executable, "-c", "import sys; from lowbit.bench.model import variant_process_main as m; "
+           "sys.exit(m())"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    proc.stdin.write(json.dumps(child))
+    proc.stdin.close()
+    row, last = None, ""
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(ROW_PREFIX):
+            row = json.loads(line[len(ROW_PREFIX):])
+        elif line.strip():
+            last = line.strip()
+            log(line)
+    rc = proc.wait()
+    if row is None:
+        row = dict(variant=name, status=f"failed: the variant's process exited with status {rc}: {last}"[:300])
+    return row
+
+
+def variant_process_main() -> int:
+    """The body of one variant's own process (:func:`_run_in_process`): reads the config (JSON, one variant) from
+    stdin, runs it, prints progress and then its row on a last line starting with :data:`ROW_PREFIX`."""
+    cfg = json.loads(sys.stdin.read())
+    row = run(cfg, log=lambda s: print(s, flush=True))[0]
+    print(ROW_PREFIX + json.dumps(row), flush=True)
+    return 0
 
 
 def _logged(row: dict, log) -> dict:
@@ -388,7 +450,9 @@ def header(cfg: dict) -> str:
 
 def _rounds_note(cfg: dict) -> str:
     r = cfg.get("rounds", 1)
-    return f" (timed in {r} rounds alternating between the variants)" if r > 1 else ""
+    if r > 1:
+        return f" (timed in {r} rounds alternating between the variants)"
+    return ", each variant in its own process" if cfg.get("isolate") else ", the variants in one process"
 
 
 def _inductor_launcher() -> str:
