@@ -165,6 +165,11 @@ def test_compiled_bound_arithmetic():
     assert "bound_ms" not in eager and "| fp8-block | 100.0 |" in cb.table([eager])
     with pytest.raises(ValueError, match="eager variant's bound needs bf16"):
         cb.bounds([row("fp8-block", 100.0, 19.0, 4.0, 40.0)])
+    import torch
+
+    if not torch.cuda.is_available():  # (a variant's own process runs this tool, which needs CUDA: status 2)
+        with pytest.raises(RuntimeError, match="process of variant 'bf16' exited with status 2"):
+            cb.row_in_process(["--size", "2048"], "bf16")
     per_kernel = {("other", "a"): [1.0, 2.0], ("other", "b"): [3.0, 1.0], ("attention", "c"): [9.0, 1.0]}
     assert [r["kernel"] for r in cb.top_kernels(per_kernel, "other", 5)] == ["b", "a"]
     assert cb.top_kernels(per_kernel, "other", 1) == [{"kernel": "b", "ms": 3.0, "launches": 1.0}]

@@ -32,14 +32,20 @@ An eager variant's bound is its GPU time: with no host time at all its step coul
 
 ``--host N`` also lists each variant's N largest host costs a step (self CPU time under the profiler, by operator,
 Inductor kernel launcher or driver call): where a host-bound compiled step spends its time.
+
+Each variant runs in a fresh Python process of its own (``--one-process``: all in this one), as in
+``lowbit bench model``: a compiled step measured after another variant in the same process runs slower.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 from lowbit.nn.state import ON_NONFINITE
@@ -208,6 +214,18 @@ def table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def row_in_process(argv: list[str], variant: str) -> dict:
+    """The row of ``variant`` measured by this tool in a fresh Python process (``argv`` with ``--variants variant``
+    and a temporary ``--out``); its progress lines pass through. Raises RuntimeError if the process fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--variants", variant, "--out", out])
+        if r.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"compiled_bound: the process of variant {variant!r} exited with status {r.returncode}")
+        with open(out) as f:
+            return json.load(f)["rows"][0]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2048, help="the bench-model preset (hidden size; default 2048)")
@@ -224,6 +242,9 @@ def main(argv=None) -> int:
                    help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
     p.add_argument("--fuse-mlp", action="store_true",
                    help="convert the lowbit variants with lowbit.convert(..., fuse_mlp=True), as bench model does")
+    p.add_argument("--one-process", action="store_true",
+                   help="measure every variant in this process (default: each in a fresh process of its own, as "
+                        "lowbit bench model does: a compiled step measured after another variant runs slower)")
     p.add_argument("--out", default=None, help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     import torch
@@ -237,9 +258,13 @@ def main(argv=None) -> int:
     bad = [v for v in variants if v not in known]
     if bad:
         raise ValueError(f"--variants: unknown {bad}; expected some of {', '.join(sorted(known))}")
-    rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True), args.top,
-                    args.on_nonfinite, args.host, args.fuse_mlp) for v in variants]
-    rows = bounds(rows)
+    if args.one_process or len(variants) == 1:
+        rows = [measure(v, args.size, args.layers, args.warmup, args.steps, lambda m: print(m, flush=True),
+                        args.top, args.on_nonfinite, args.host, args.fuse_mlp) for v in variants]
+    else:
+        rows = [row_in_process(argv if argv is not None else sys.argv[1:], v) for v in variants]
+    if len(variants) > 1:
+        rows = bounds(rows)
     print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}, lowbit "
           f"on_nonfinite={args.on_nonfinite!r}, fuse_mlp={args.fuse_mlp}")
     print(table(rows))
