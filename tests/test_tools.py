@@ -146,10 +146,15 @@ def test_compiled_bound_arithmetic():
     assert [cb.classify(n) for n in ("aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::mm", "aten::_fused_adamw_",
                                      "aten::_scaled_dot_product_cudnn_attention", "triton_poi_fused_1")] == [
         "fp8 gemm", "fp8 gemm", "16-bit gemm", "optimizer", "attention", "other"]
+    # lowbit's quantizer in a pass of its own (by kernel name; Inductor names the launch after the op) vs fused ones
+    assert [cb.classify("blockwise_kernel_0", k) for k in ("blockwise_kernel", "tensorwise_kernel",
+                                                           "rowcol_1x128_regs", "triton_per_fused_abs_max_1")] == [
+        "quantizer", "quantizer", "other", "other"]
 
-    def row(v, step, fp8, b16, other):
-        return {"variant": v, "step_ms": step, "host_ms": 1.0, "gpu_ms": fp8 + b16 + 12 + 5 + other, "fp8 gemm": fp8,
-                "16-bit gemm": b16, "attention": 12.0, "optimizer": 5.0, "other": other}
+    def row(v, step, fp8, b16, other, quantizer=0.0):
+        return {"variant": v, "step_ms": step, "host_ms": 1.0, "gpu_ms": fp8 + b16 + 12 + 5 + other + quantizer,
+                "fp8 gemm": fp8, "16-bit gemm": b16, "attention": 12.0, "optimizer": 5.0, "quantizer": quantizer,
+                "other": other}
 
     rows = cb.bounds([row("bf16-compile", 66.0, 0.0, 30.0, 16.0), row("torchao-compile", 60.0, 22.0, 4.0, 11.5),
                       row("fp8-block-compile", 63.0, 19.0, 4.0, 18.5)])
@@ -167,6 +172,28 @@ def test_compiled_bound_arithmetic():
         cb.bounds([row("fp8-block", 100.0, 19.0, 4.0, 40.0)])
     import torch
 
+    # the floors: the quantizer's least traffic added to the bound, only where the quantizer runs on its own
+    rows = cb.bounds([row("bf16-compile", 66.0, 0.0, 30.0, 16.0), row("torchao-compile", 60.0, 22.0, 4.0, 11.5),
+                      row("fp8-block-compile", 63.0, 19.0, 4.0, 12.0, 6.0)], floors_ms=(3.5, 2.0))
+    blk = rows[2]
+    assert blk["bound_ms"] == 19.0 + 4.0 + 12.0 + 5.0 + 11.5 and blk["floor_ms"] == blk["bound_ms"] + 3.5
+    assert blk["fused_floor_ms"] == blk["bound_ms"] + 2.0 and blk["fused_x_torchao"] == 60.0 / blk["fused_floor_ms"]
+    assert "floor_ms" not in rows[1]  # (torchao's casts are in its "other")
+    # the traffic: each distinct operand's two FP8 copies (+ its read unfused) at d_model 2048, 8 layers, 8192 tokens
+    from lowbit.bench import model as bm
+
+    m, t = bm.PRESETS[2048], 8192
+    h, f = m["hidden"], m["intermediate"]
+    writes = 2 * (3 * t * h + t * f + 5 * t * h + 2 * t * f + 4 * h * h + 3 * f * h)  # acts, grads, weights
+    reads_fused = 4 * (4 * h * h + 3 * f * h)  # the FP32 weights only
+    reads = reads_fused + 4 * 2 * t * h + 2 * (t * h + t * f) + 2 * (5 * t * h + 2 * t * f)
+    assert cb.quant_traffic_bytes(m, t, fused=True) == m["layers"] * (writes + reads_fused)
+    assert cb.quant_traffic_bytes(m, t, fused=False) == m["layers"] * (writes + reads)
+    un, fu = cb.floors(2048, None, None, "NVIDIA H100 80GB HBM3")
+    assert un == pytest.approx(cb.quant_traffic_bytes(m, t, False) / 3.35e9, rel=1e-12) and fu < un
+    two = cb.quant_traffic_bytes(dict(m, layers=2), t, False)
+    assert cb.floors(2048, 2, 1.0, "some GPU")[0] == pytest.approx(two / 1e9, rel=1e-12)
+    assert cb.floors(2048, None, None, "some GPU") is None
     if not torch.cuda.is_available():  # (a variant's own process runs this tool, which needs CUDA: status 2)
         with pytest.raises(RuntimeError, match="process of variant 'bf16' exited with status 2"):
             cb.row_in_process(["--size", "2048"], "bf16")

@@ -13,22 +13,33 @@ until the step is enqueued, as ``lowbit bench model`` measures), then profiles `
 - ``16-bit gemm``: ``aten::mm`` / ``addmm`` / ``bmm`` (the LM head, which every variant keeps in BF16);
 - ``attention``: SDPA's kernels (cuDNN / flash / efficient);
 - ``optimizer``: the fused AdamW step;
-- ``other``: everything else: norms, RoPE, SwiGLU, residual adds, the loss, casts, and the FP8 variants'
-  quantization (amaxes, scales, casts, lowbit's quantizer kernels) and the NaN sentry's copies.
+- ``quantizer``: lowbit's quantizer kernels that run in a pass of their own (:data:`QUANTIZER_KERNEL`);
+- ``other``: everything else: norms, RoPE, SwiGLU, residual adds, the loss, casts, and the FP8 variants' other
+  quantization (torchao's and per-tensor casts Inductor fuses, lowbit's quantizers fused into norms or SwiGLU).
 
 The bound: an FP8 variant's step cannot take less GPU time than its own GEMMs, attention and optimizer plus the
 least ``other`` time of any row measured (``bf16-compile``'s is the same model's norms, RoPE, SwiGLU and loss with
-no quantization at all; a peer that fuses its casts may need less): that is its step with quantization free (fused
-into its neighbours at zero cost). ``best x torchao`` = torchao's
-measured step / that bound: the most the variant could gain over torchao with the GEMM kernels it runs. A target
-above it needs faster GEMMs (or fewer), not less quantization overhead.
+no quantization at all; a peer that fuses its casts may need less; ``quantizer`` is not in it): that is its step with
+quantization free (fused into its neighbours at zero cost). ``best x torchao`` = torchao's measured step / that
+bound: the most the variant could gain over torchao with the GEMM kernels it runs. A target above it needs faster
+GEMMs (or fewer), not less quantization overhead.
+
+Quantization is not free: every GEMM operand must be written in FP8 at least once per layout its GEMMs read. The
+floors put that traffic back at the GPU's peak DRAM bandwidth (``--dram-tbps``; H100 3.35, H200 4.8 TB/s by
+default): **floor** with each distinct operand quantized once in a pass of its own (read in the dtype it comes in,
+two FP8 copies written: :func:`quant_traffic_bytes`), **fused floor** with the activations' and gradients' reads
+fused away (the quantization inside the kernel that produces them; the FP32 weights are still read). A target above
+``fused x torchao`` needs faster GEMMs, whatever the quantization does. The floors are given for the rows whose
+quantization runs in passes of its own (``quantizer`` > 0): a row whose casts are fused into ``other`` already
+counts them there.
 
 An eager variant's bound is its GPU time: with no host time at all its step could not be shorter. ``best x bf16`` =
 ``bf16``'s measured step / that GPU time: the most the eager variant could gain over BF16 eager with its kernels.
 
     PYTHONPATH=src python tools/compiled_bound.py [--size 2048] [--layers N]
         [--variants bf16-compile,torchao-compile,fp8-current-compile,fp8-block-compile] [--steps 6] [--top N]
-        [--host N] [--on-nonfinite raise|skip|ignore|off] [--fuse-mlp] [--out FILE]
+        [--host N] [--on-nonfinite raise|skip|ignore|off] [--fuse-mlp] [--dram-tbps T] [--one-process]
+        [--out FILE]
 
 ``--host N`` also lists each variant's N largest host costs a step (self CPU time under the profiler, by operator,
 Inductor kernel launcher or driver call): where a host-bound compiled step spends its time.
@@ -42,6 +53,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -51,11 +63,14 @@ import time
 from lowbit.nn.state import ON_NONFINITE
 from lowbit.recipes import QUANTIZED_NAMES
 
-CLASSES = ("fp8 gemm", "16-bit gemm", "attention", "optimizer", "other")
+CLASSES = ("fp8 gemm", "16-bit gemm", "attention", "optimizer", "quantizer", "other")
+QUANTIZER_KERNEL = re.compile(r"(amax|amax_rht|tensorwise|rowscale|blockwise|blockwise_persistent|mxfp8|nvfp4)_kernel")
+"""lowbit's quantizer kernels, in a pass of their own (a quantization fused into a norm's, SwiGLU's or RoPE's kernel,
+and Inductor's own casts, stay in ``other``)."""
 
 
-def classify(op_name: str) -> str:
-    """The class of a kernel launched by the operator (or Inductor kernel) named ``op_name``."""
+def classify(op_name: str, kernel_name: str = "") -> str:
+    """The class of the kernel ``kernel_name`` launched by the operator (or Inductor kernel) named ``op_name``."""
     n = op_name.lower()
     if "_scaled_mm" in n:
         return "fp8 gemm"
@@ -65,7 +80,7 @@ def classify(op_name: str) -> str:
         return "attention"
     if "adam" in n or "multi_tensor" in n or "optimizer" in n:
         return "optimizer"
-    return "other"
+    return "quantizer" if QUANTIZER_KERNEL.fullmatch(kernel_name) else "other"
 
 
 def kernel_split(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], list]]:
@@ -76,7 +91,7 @@ def kernel_split(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, st
     for evt in prof.events():
         kernels = getattr(evt, "kernels", None) or []
         for k in kernels:
-            c = classify(evt.name)
+            c = classify(evt.name, k.name)
             out[c] += k.duration / 1e3  # (us -> ms)
             acc = per_kernel.setdefault((c, k.name), [0.0, 0])
             acc[0] += k.duration / 1e3 / steps
@@ -172,9 +187,34 @@ def measure(variant: str, size: int, layers: int | None, warmup: int, steps: int
     return row
 
 
-def bounds(rows: list[dict]) -> list[dict]:
+PEAK_DRAM_TBPS = {"H100": 3.35, "H200": 4.8}
+"""Peak DRAM bandwidth in TB/s by GPU model (H100 SXM, HBM3; H200, HBM3e), matched in the device's name."""
+
+
+def quant_traffic_bytes(model: dict, tokens: int, fused: bool) -> int:
+    """The least DRAM traffic of one training step's FP8 quantization in the bench-model client (HF Llama, FP32
+    parameters under bf16 autocast), for a recipe that writes two FP8 copies of every GEMM operand (one per layout its
+    GEMMs read; 1 byte an element, scales left out). Each distinct operand is quantized once (q, k and v share their
+    input, gate and up theirs). ``fused=False`` adds one read of each operand in the dtype it comes in: the norms'
+    outputs and the weights FP32, attention's and SwiGLU's outputs and all output gradients BF16; ``fused=True``
+    leaves out the reads of the activations and gradients (quantized inside the kernels that produce them), the
+    weights' stay (the optimizer writes them in FP32)."""
+    h, f, t = model["hidden"], model["intermediate"], tokens
+    kv = h * model.get("kv_heads", model["heads"]) // model["heads"]
+    # (elements, bytes an element as it comes in)
+    acts = [(t * h, 4), (t * h, 2), (t * h, 4), (t * f, 2)]  # attention's norm, attention, the MLP's norm, SwiGLU
+    # the output gradients of q, k, v, o, gate, up, down
+    grads = [(t * h, 2), (t * kv, 2), (t * kv, 2), (t * h, 2), (t * f, 2), (t * f, 2), (t * h, 2)]
+    weights = [(h * h, 4), (kv * h, 4), (kv * h, 4), (h * h, 4), (f * h, 4), (f * h, 4), (h * f, 4)]
+    per_layer = sum(2 * n + (0 if fused else n * b) for n, b in acts + grads) + sum(2 * n + n * b for n, b in weights)
+    return model["layers"] * per_layer
+
+
+def bounds(rows: list[dict], floors_ms: tuple[float, float] | None = None) -> list[dict]:
     """Each FP8 row with its bound. A compiled row: ``bound_ms`` (its step with free quantization, see the module
-    docstring) and ``best_x_torchao``, from the bf16-compile and torchao-compile rows. An eager row: ``best_x_bf16``,
+    docstring) and ``best_x_torchao``, from the bf16-compile and torchao-compile rows; with ``floors_ms`` (the
+    quantization's traffic time unfused and fused, ms) a lowbit row also gets ``floor_ms`` / ``floor_x_torchao`` and
+    ``fused_floor_ms`` / ``fused_x_torchao``: its bound plus that time. An eager row: ``best_x_bf16``,
     the ``bf16`` row's step over the row's GPU time (the most it could gain over BF16 eager with no host time at
     all), and ``x_bf16``."""
     by = {r["variant"]: r for r in rows}
@@ -192,6 +232,11 @@ def bounds(rows: list[dict]) -> list[dict]:
         r["bound_ms"] = r["fp8 gemm"] + r["16-bit gemm"] + r["attention"] + r["optimizer"] + least_other
         r["best_x_torchao"] = ao["step_ms"] / r["bound_ms"]
         r["x_torchao"] = ao["step_ms"] / r["step_ms"]
+        if floors_ms is not None and r.get("quantizer", 0.0) > 0:
+            r["floor_ms"] = r["bound_ms"] + floors_ms[0]
+            r["floor_x_torchao"] = ao["step_ms"] / r["floor_ms"]
+            r["fused_floor_ms"] = r["bound_ms"] + floors_ms[1]
+            r["fused_x_torchao"] = ao["step_ms"] / r["fused_floor_ms"]
     for r in eager:
         r["best_x_bf16"] = by["bf16"]["step_ms"] / r["gpu_ms"]
         r["x_bf16"] = by["bf16"]["step_ms"] / r["step_ms"]
@@ -204,14 +249,29 @@ def _cell(r: dict, key: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| variant | step ms | host ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | "
-            "best x torchao | x bf16 | best x bf16 |\n|---|" + "---:|" * (len(CLASSES) + 8) + "\n")
+            "best x torchao | floor x torchao | fused x torchao | x bf16 | best x bf16 |\n|---|"
+            + "---:|" * (len(CLASSES) + 10) + "\n")
     lines = []
     for r in rows:
         cells = [f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
         cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else ""]
-        cells += [_cell(r, k) for k in ("x_torchao", "best_x_torchao", "x_bf16", "best_x_bf16")]
+        cells += [_cell(r, k) for k in ("x_torchao", "best_x_torchao", "floor_x_torchao", "fused_x_torchao", "x_bf16",
+                                        "best_x_bf16")]
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def floors(size: int, layers: int | None, tbps: float | None, device_name: str) -> tuple[float, float] | None:
+    """(unfused, fused) quantization traffic of one step of the bench-model client (``--size``, ``--layers``) in ms
+    at ``tbps`` TB/s (None: the GPU's peak by name), or None where that is not known."""
+    from lowbit.bench import model as bench_model
+
+    tbps = tbps or next((v for k, v in PEAK_DRAM_TBPS.items() if k in device_name), None)
+    if tbps is None:
+        return None
+    model = dict(bench_model.PRESETS[size], **({"layers": layers} if layers else {}))
+    tokens = bench_model.CUDA_RUN["batch"] * bench_model.CUDA_RUN["seq"]
+    return tuple(quant_traffic_bytes(model, tokens, fused) / (tbps * 1e12) * 1e3 for fused in (False, True))
 
 
 def row_in_process(argv: list[str], variant: str) -> dict:
@@ -242,6 +302,9 @@ def main(argv=None) -> int:
                    help="the lowbit variants' NaN-sentry policy (default raise, lowbit's default)")
     p.add_argument("--fuse-mlp", action="store_true",
                    help="convert the lowbit variants with lowbit.convert(..., fuse_mlp=True), as bench model does")
+    p.add_argument("--dram-tbps", type=float, default=None,
+                   help="the GPU's peak DRAM bandwidth in TB/s for the floors (default: by name, "
+                        + ", ".join(f"{k} {v}" for k, v in PEAK_DRAM_TBPS.items()) + "; else no floors)")
     p.add_argument("--one-process", action="store_true",
                    help="measure every variant in this process (default: each in a fresh process of its own, as "
                         "lowbit bench model does: a compiled step measured after another variant runs slower)")
@@ -264,7 +327,7 @@ def main(argv=None) -> int:
     else:
         rows = [row_in_process(argv if argv is not None else sys.argv[1:], v) for v in variants]
     if len(variants) > 1:
-        rows = bounds(rows)
+        rows = bounds(rows, floors(args.size, args.layers, args.dram_tbps, torch.cuda.get_device_name()))
     print(f"{torch.cuda.get_device_name()}, size {args.size}, layers {args.layers or 'preset'}, lowbit "
           f"on_nonfinite={args.on_nonfinite!r}, fuse_mlp={args.fuse_mlp}")
     print(table(rows))
