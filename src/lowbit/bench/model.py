@@ -32,7 +32,8 @@ variants then decided their ratios. ``--no-isolate`` (the default on the CPU) ru
 ``--rounds R`` compares variants whose difference is near the run-to-run spread (host-bound steps move by 5-20%
 between runs): every variant is built and warmed up first, then their timed steps alternate in R rounds, so a drift
 of the machine lands on all of them alike (all live at once: no peak memory reported; they share one compile cache,
-so a compiled call may first check the guards of another variant's graphs).
+so a compiled call may first check the guards of another variant's graphs; all in one process, so every variant but
+the first is measured after another, see above).
 
 How to read it: each step is timed with ``torch.cuda.synchronize()`` around it; **tokens/s** is batch x seq over the
 median step time of the steps after the warm-up (the first steps compile and autotune). **host ms** is the time from
