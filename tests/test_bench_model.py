@@ -197,3 +197,57 @@ def test_isolate_with_rounds_is_bad_input(capsys):
     rc = main(["bench", "model", "--device", "cpu", "--isolate", "--rounds", "2", "--steps", "4", "--warmup", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and "--isolate: the variants of --rounds 2 alternate in one process" in err
+
+
+def test_compile_static_variant_starts_its_process_with_the_static_launcher(monkeypatch):
+    """A -compile-static variant's own process starts with Inductor's static launcher for user Triton kernels in its
+    environment (read when Inductor is imported); other variants' processes do not; without --isolate it is bad
+    input, and the header names the variants that have it."""
+    import io
+    import os
+    import subprocess
+
+    import lowbit.bench.model as bm
+
+    envs = {}
+
+    class Stdin(io.StringIO):  # (on close: the variant's config is in; its process answers with a row at once)
+        def __init__(self, proc):
+            super().__init__()
+            self.proc = proc
+
+        def close(self):
+            name = json.loads(self.getvalue())["variants"][0]
+            envs[name] = self.proc.env
+            self.proc.stdout = iter([bm.ROW_PREFIX + json.dumps(dict(variant=name, status="skipped: fake")) + "\n"])
+            super().close()
+
+    class FakePopen:  # (records the environment a variant's process would start with)
+        def __init__(self, cmd, *, env, **kw):
+            self.env, self.stdin, self.stdout = env, Stdin(self), None
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    cfg = bm.resolve(bm.parse_args(["--device", "cpu", "--compile-on-cpu", "--isolate", "--steps", "2",
+                                    "--variants", "fp8-block-compile,fp8-block-compile-static"]))
+    rows = bm.run(cfg, log=lambda s: None)
+    assert [r["variant"] for r in rows] == ["fp8-block-compile", "fp8-block-compile-static"]
+    key = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+    assert envs["fp8-block-compile-static"][key] == "1"
+    assert envs["fp8-block-compile"].get(key) == os.environ.get(key)
+    assert "(on in the -compile-static variants' processes)" in bm.header(cfg)
+    with pytest.raises(ValueError, match="fp8-block-compile-static runs in a process of its own"):
+        bm.resolve(bm.parse_args(["--device", "cpu", "--variants", "fp8-block-compile-static"]))
+
+
+def test_static_launch_is_read_from_inductors_config():
+    from torch._inductor import config
+
+    import lowbit.bench.model as bm
+
+    with config.patch(use_static_cuda_launcher=True, static_launch_user_defined_triton_kernels=True):
+        assert bm.static_launch_on()
+    with config.patch(static_launch_user_defined_triton_kernels=False):
+        assert not bm.static_launch_on()

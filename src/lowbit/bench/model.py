@@ -16,7 +16,10 @@ Variants:
   ``<recipe>-compile``: the same plus ``torch.compile(model)``;
 * ``torchao-compile`` (when torchao imports): ``torchao.float8.convert_to_float8_training`` (tensorwise, the
   default config; ``lm_head`` kept in high precision as lowbit keeps it) plus ``torch.compile(model)``;
-* ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs.
+* ``<any>-compile-graphs`` (not run by default): ``torch.compile(model, mode="reduce-overhead")``, CUDA graphs;
+* ``<any>-compile-static`` (not run by default, ``--isolate`` only): ``<any>-compile`` in a process started with
+  ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1``: Inductor launches user-defined Triton kernels
+  (lowbit's blockwise quantizer) with its static launcher, which takes less host time a launch than Triton's own.
 
 The lowbit variants run with lowbit's NaN sentry as a user gets it (``on_nonfinite="raise"``); ``--on-nonfinite
 off`` measures them without it (torchao has none). They convert with ``lowbit.convert``'s defaults; ``--fuse-mlp``
@@ -94,10 +97,16 @@ def variant_names(recipe_names) -> list[str]:
     return out + ["torchao-compile"]
 
 
+STATIC_LAUNCH_ENV = {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}
+"""The environment a ``-compile-static`` variant's process starts with."""
+
+
 def all_variant_names(recipe_names) -> list[str]:
-    """Every variant for these recipes: the defaults and each compiled one with CUDA graphs (``-compile-graphs``)."""
+    """Every variant for these recipes: the defaults and each compiled one with CUDA graphs (``-compile-graphs``)
+    and with Inductor's static launcher for user Triton kernels (``-compile-static``)."""
     out = variant_names(recipe_names)
-    return out + [f"{v}-graphs" for v in out if v.endswith("-compile")]
+    compiled = [v for v in out if v.endswith("-compile")]
+    return out + [f"{v}-graphs" for v in compiled] + [f"{v}-static" for v in compiled]
 
 
 def parse_args(argv):
@@ -182,6 +191,10 @@ def resolve(args) -> dict:
             raise ValueError(f"--variants: unknown variant {v!r}; expected some of {', '.join(valid)}")
     variants = list(dict.fromkeys(variants))  # de-duplicated, order kept
     isolate = args.isolate if args.isolate is not None else device == "cuda" and args.rounds == 1
+    static = [v for v in variants if v.endswith("-compile-static")]
+    if static and not isolate:
+        raise ValueError(f"--variants: {static[0]} runs in a process of its own (Inductor reads its launcher setting "
+                         "from the environment when the process starts); pass --isolate")
     if isolate and args.rounds > 1:
         raise ValueError(f"--isolate: the variants of --rounds {args.rounds} alternate in one process; pass "
                          "--no-isolate or --rounds 1")
@@ -226,7 +239,7 @@ class _VariantRun:
     def __init__(self, name: str, cfg: dict, ids: torch.Tensor, log):
         self.name, self.cfg, self.ids, self.log = name, cfg, ids, log
         self.graphs = name.endswith("-compile-graphs")
-        self.compiled = self.graphs or name.endswith("-compile")
+        self.compiled = self.graphs or name.endswith(("-compile", "-compile-static"))
         self.base = name.split("-compile")[0] if self.compiled else name
         self.recipe = from_name(self.base) if self.base not in ("bf16", "torchao") else None
         self.model = self.opt = self.fwd = self.loss = None
@@ -303,7 +316,8 @@ class _VariantRun:
         med = statistics.median(timed)
         return dict(variant=self.name, status="ok", tokens_per_s=cfg["batch"] * cfg["seq"] / med, step_ms=1e3 * med,
                     host_ms=1e3 * statistics.median(self.host_s[cfg["warmup"]:]), first_step_s=self.step_s[0],
-                    loss=float(self.loss.detach().float().item()), peak_gib=self.peak if peak else None)
+                    loss=float(self.loss.detach().float().item()), peak_gib=self.peak if peak else None,
+                    static_launch=static_launch_on() if self.compiled else None)
 
     def close(self) -> None:
         self.model = self.opt = self.fwd = self.loss = None
@@ -387,7 +401,8 @@ def _run_in_process(cfg: dict, name: str, log) -> dict:
     go to ``log`` as they come; a process that ends without its row is a failed row naming its exit status and its
     last line."""
     child = dict(cfg, variants=[name], isolate=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               **(STATIC_LAUNCH_ENV if name.endswith("-compile-static") else {}))
     cmd = [sys.executable, "-c", "import sys; from lowbit.bench.model import variant_process_main as m; "
            "sys.exit(m())"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -446,7 +461,7 @@ def header(cfg: dict) -> str:
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
             f"{cfg['steps'] - cfg['warmup']}{_rounds_note(cfg)}; FP32 params, bf16 autocast, AdamW lr "
             f"{cfg['lr']:g}; lowbit's NaN sentry: on_nonfinite={cfg['on_nonfinite']!r}; "
-            f"lowbit.convert fuse_mlp={cfg.get('fuse_mlp', False)}; {_inductor_launcher()}")
+            f"lowbit.convert fuse_mlp={cfg.get('fuse_mlp', False)}; {_inductor_launcher(cfg)}")
 
 
 def _rounds_note(cfg: dict) -> str:
@@ -456,14 +471,20 @@ def _rounds_note(cfg: dict) -> str:
     return ", each variant in its own process" if cfg.get("isolate") else ", the variants in one process"
 
 
-def _inductor_launcher() -> str:
-    """How Inductor launches user-defined Triton kernels (lowbit's blockwise quantizer under torch.compile): its
-    static launcher takes less host time a launch than Triton's own, so the compiled rows depend on it."""
+def static_launch_on() -> bool:
+    """Whether Inductor launches user-defined Triton kernels (lowbit's blockwise quantizer under torch.compile) with
+    its static launcher in this process: it takes less host time a launch than Triton's own, so the compiled rows
+    depend on it."""
     from torch._inductor import config
 
-    static = bool(getattr(config, "use_static_cuda_launcher", False)
-                  and getattr(config, "static_launch_user_defined_triton_kernels", False))
-    return f"Inductor's static launcher for user Triton kernels: {'on' if static else 'off'}"
+    return bool(getattr(config, "use_static_cuda_launcher", False)
+                and getattr(config, "static_launch_user_defined_triton_kernels", False))
+
+
+def _inductor_launcher(cfg: dict) -> str:
+    static = [v for v in cfg["variants"] if v.endswith("-compile-static")]
+    return (f"Inductor's static launcher for user Triton kernels: {'on' if static_launch_on() else 'off'}"
+            + (" (on in the -compile-static variants' processes)" if static else ""))
 
 
 def markdown(cfg: dict, rows: list[dict]) -> str:
