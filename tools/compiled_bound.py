@@ -316,8 +316,7 @@ def main(argv=None) -> int:
         print("compiled_bound: needs a CUDA GPU", file=sys.stderr)
         return 2
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    known = {"bf16", "torchao-compile"} | {n for r in QUANTIZED_NAMES for n in (r, f"{r}-compile")}
-    known.add("bf16-compile")
+    known = {n for r in ("bf16", *QUANTIZED_NAMES) for n in (r, f"{r}-compile")} | {"torchao-compile"}
     bad = [v for v in variants if v not in known]
     if bad:
         raise ValueError(f"--variants: unknown {bad}; expected some of {', '.join(sorted(known))}")

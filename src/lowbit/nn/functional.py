@@ -1178,12 +1178,13 @@ def _delayed_copies(t: torch.Tensor, sch, rowwise: bool, columnwise: bool, slot,
     :func:`lowbit.quant.traceable.delayed_scale`), the amax folded into the history's pending max in place and, given
     ``slot``, into the sentry's slot."""
     from ..quant.reference import amax_of
+    from ..quant.scaling import fold_pending
     from ..quant.traceable import delayed_scale, tensorwise_copies
 
     t2 = t.reshape(-1, t.shape[-1])  # (inside the Function's passes: no autograd to detach from)
     a = amax_of(t2)
     s, si = delayed_scale(a, state[0:1], state[1:2], warmup, sch.format.max)
-    state[2:3].copy_(torch.maximum(state[2:3], a.reshape(1)))  # (AmaxHistory.observe, on the graph's input)
+    fold_pending(state, a)  # (AmaxHistory.observe, on the graph's input)
     return tensorwise_copies(t2, sch, a, s, si, rowwise=rowwise, columnwise=columnwise, amax_into=slot)
 
 
@@ -1191,10 +1192,9 @@ def _recorded_copies(items, weight: torch.Tensor, key: str, phase: str) -> list:
     """The copies of each ``(tensor, scheme, rowwise, columnwise, role, slot, state)`` in ``items``: current scaling
     (:func:`lowbit.quant.traceable.quantize_traceable`), or delayed from the role's history ``state``
     (:func:`_delayed_copies`; every item has one, or none does); every amax recorded for the NaN sentry: given the
-    role's
-    ``slot`` (of :attr:`GemmLayer.sentry_slots`; every item has one, or none does), max-accumulated into it inside
-    the graph, a running max until the next check zeroes it (so every call since then is checked, two backwards
-    before a check too); else by one operator: in the forward :func:`sentry_record_op`, in the backward
+    role's ``slot`` (of :attr:`GemmLayer.sentry_slots`; every item has one, or none does), max-accumulated into it
+    inside the graph, a running max until the next check zeroes it (so every call since then is checked, two
+    backwards before a check too); else by one operator: in the forward :func:`sentry_record_op`, in the backward
     :func:`sentry_pass_op`, whose copies of the scales the GEMMs then read. None with ``on_nonfinite="off"``."""
     from ..quant.traceable import quantize_traceable
 

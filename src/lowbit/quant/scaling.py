@@ -6,7 +6,7 @@ import torch
 
 from ..formats import get_format
 
-__all__ = ["AmaxHistory", "record_pending_many"]
+__all__ = ["AmaxHistory", "fold_pending", "record_pending_many"]
 
 
 class AmaxHistory:
@@ -74,8 +74,7 @@ class AmaxHistory:
 
     def observe(self, amax: torch.Tensor) -> None:
         """Fold ``amax`` (one element) into the pending max, in place (NaN propagates)."""
-        p = self.device_state.data[2:3]
-        p.copy_(torch.maximum(p, amax.detach().to(torch.float32).reshape(1)))
+        fold_pending(self.device_state.data, amax.detach())
 
     def record_pending(self, amax: torch.Tensor | None = None) -> None:
         """Record the pending amax (folded with ``amax``, an eager observation, if given) where there is one, as
@@ -103,6 +102,13 @@ class AmaxHistory:
 
     def __repr__(self):
         return f"AmaxHistory(length={self.length}, algo={self.algo!r}, margin={self.margin}, fmt={self.fmt})"
+
+
+def fold_pending(device_state: torch.Tensor, amax: torch.Tensor) -> None:
+    """``device_state[2]`` (an :attr:`AmaxHistory.device_state`'s pending amax) = max(itself, ``amax``), in place (NaN
+    propagates): :meth:`AmaxHistory.observe`, and a compiled graph's update of the state it takes as an input."""
+    p = device_state[2:3]
+    p.copy_(torch.maximum(p, amax.to(torch.float32).reshape(1)))
 
 
 def record_pending_many(items) -> None:
