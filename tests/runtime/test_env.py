@@ -59,6 +59,10 @@ def test_read_once_from_the_environment_and_unknown_names():
                          capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "LOWBIT_TMA": "2"})
     assert bad.returncode != 0 and "LOWBIT_TMA: expected 0/1" in bad.stderr
+    info = subprocess.run([sys.executable, "-m", "lowbit", "info"], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "LOWBIT_TMA": "2"})
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert "LOWBIT_TMA=invalid: LOWBIT_TMA: expected 0/1" in info.stdout
 
 
 def test_info_lists_every_switch(capsys):
@@ -82,3 +86,20 @@ def test_declined_logs_once_per_reason(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "lowbit"]
     assert msgs.count(f"{path} declined a call: reason a") == 1
     assert msgs.count(f"{path} declined a call: reason b") == 1
+
+
+def test_first_read_of_a_switch_does_not_recompile_a_graph():
+    """A fresh process: a compiled function that read one switch is not recompiled after another switch is read for
+    the first time elsewhere (every switch is read at import: the cache's keys never change)."""
+    code = ("import torch, torch._dynamo\n"
+            "from lowbit.runtime import env\n"
+            "torch._dynamo.config.error_on_recompile = True\n"
+            "f = torch.compile(lambda x: x + 1 if env.get('LOWBIT_TMA') else x - 1, backend='eager', fullgraph=True)\n"
+            "x = torch.ones(3)\n"
+            "f(x)\n"
+            "env.fused('norm_quant'); env.get('LOWBIT_LOG')\n"
+            "print(f(x).tolist())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[2.0, 2.0, 2.0]"

@@ -1,8 +1,9 @@
 """The environment switches users may set, declared once.
 
 Every ``LOWBIT_*`` variable the library reads is a :class:`Switch` in :data:`SWITCHES`: name, parser, default and
-what it does. A switch is read from the environment once, on first use, and parsed then, so a bad value raises a
-``ValueError`` naming the variable, the rule and the value. ``lowbit info`` lists every switch with its value.
+what it does. Every switch is read from the environment once, when lowbit is imported; a bad value raises a
+``ValueError`` naming the variable, the rule and the value where the switch is first used. ``lowbit info`` lists
+every switch with its value.
 
 Code reads a switch with :func:`get`. Tests (and callers that need a block with another value) use
 :func:`override`, which changes the value in this process only, never ``os.environ``.
@@ -129,24 +130,38 @@ SWITCHES: dict[str, Switch] = _switches(
            "Level of the 'lowbit' logger; debug says why a fast path declined a call."),
 )
 
+class _Invalid:
+    """A switch whose environment value did not parse: :func:`get` raises its error."""
+
+    def __init__(self, error: ValueError):
+        self.error = error
+
+
+def _read(name: str) -> Any:
+    sw = SWITCHES[name]
+    raw = os.environ.get(name, "")
+    try:
+        return sw.parse(name, raw) if raw != "" else sw.default
+    except ValueError as e:
+        return _Invalid(e)
+
+
 _lock = threading.Lock()
-_values: dict[str, Any] = {}
+# Every switch read and parsed once, at import: the dict's keys never change afterwards (only override() changes
+# values), so a compiled graph's guards on it hold whichever switch a later call reads first.
+_values: dict[str, Any] = {name: _read(name) for name in SWITCHES}
 
 
 def get(name: str) -> Any:
-    """The value of switch ``name``: read from the environment and parsed on first use, then cached."""
+    """The value of switch ``name``, read from the environment when lowbit was imported; a value that did not parse
+    raises here, naming its variable."""
     try:
-        return _values[name]
-    except KeyError:
-        pass
-    try:
-        sw = SWITCHES[name]
+        value = _values[name]
     except KeyError:
         raise KeyError(f"name: {name!r} is not a lowbit switch; known: {', '.join(SWITCHES)}") from None
-    raw = os.environ.get(name, "")
-    value = sw.parse(name, raw) if raw != "" else sw.default
-    # (dict.setdefault is atomic: no lock, which torch.compile could not trace)
-    return _values.setdefault(name, value)
+    if value.__class__ is _Invalid:
+        raise ValueError(str(value.error))
+    return value
 
 
 def fused(name: str) -> bool:
@@ -165,7 +180,7 @@ def override(**values: Any):
         if name not in SWITCHES:
             raise KeyError(f"{name!r} is not a lowbit switch; known: {', '.join(SWITCHES)}")
         new[name] = SWITCHES[name].parse(name, v) if isinstance(v, str) else v
-    saved = {name: get(name) for name in new}
+    saved = {name: _values[name] for name in new}
     with _lock:
         _values.update(new)
     try:
@@ -176,8 +191,13 @@ def override(**values: Any):
 
 
 def describe() -> list[tuple[str, Any, Any, str]]:
-    """(name, value, default, doc) for every switch, in declaration order (``lowbit info``)."""
-    return [(s.name, get(s.name), s.default, s.doc) for s in SWITCHES.values()]
+    """(name, value, default, doc) for every switch, in declaration order (``lowbit info``); a value that did not
+    parse is given as ``"invalid: <the error>"``."""
+    def shown(name):
+        v = _values[name]
+        return f"invalid: {v.error}" if v.__class__ is _Invalid else v
+
+    return [(s.name, shown(s.name), s.default, s.doc) for s in SWITCHES.values()]
 
 
 def unknown() -> list[str]:
