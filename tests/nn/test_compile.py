@@ -51,6 +51,37 @@ def _check_same(eager, compiled):
             assert torch.equal(a, b), f"step {step}, tensor {i}: max diff {(a.float() - b.float()).abs().max()}"
 
 
+class WrittenOut(torch.nn.Module):
+    """An RMSNorm ``LayerNormLinear`` or SwiGLU ``LayerNormMLP`` (no biases in the MLP) written out with its own
+    Parameters: torch's RMSNorm, then ``lowbit.nn.Linear`` (and ``lowbit.ops.swiglu``, fc2): what the fused module
+    computes inside torch.compile where its linears trace (:func:`lowbit.nn.functional.linear_traces`). Parameters
+    in the fused module's order."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.norm_weight, self.eps, self.mlp = fused.layer_norm_weight, fused.eps, hasattr(fused, "fc1_weight")
+        if self.mlp:
+            w1, w2 = fused.fc1_weight, fused.fc2_weight
+            self.fc1 = lowbit.nn.Linear(w1.shape[1], w1.shape[0], bias=False, device=w1.device)
+            self.fc2 = lowbit.nn.Linear(w2.shape[1], w2.shape[0], bias=False, device=w2.device)
+            self.fc1.weight, self.fc2.weight = w1, w2
+        else:
+            w = fused.weight
+            self.fc1 = lowbit.nn.Linear(w.shape[1], w.shape[0], bias=fused.bias is not None, device=w.device)
+            self.fc1.weight, self.fc1.bias = w, fused.bias
+
+    def forward(self, x):
+        from lowbit.ops.swiglu import swiglu
+
+        h = self.fc1(torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norm_weight, self.eps))
+        return self.fc2(swiglu(h)) if self.mlp else h
+
+
+# the fused modules whose linears trace inside torch.compile under these recipes (their norm then torch's)
+def _traces_fused(module: str, recipe: str) -> bool:
+    return module in ("rmsnorm_linear", "mlp_swiglu") and recipe == "fp8-block"
+
+
 MODULES = {
     "linear": lambda: lowbit.nn.Linear(64, 96),
     "layernorm_linear": lambda: lowbit.nn.LayerNormLinear(64, 96),
@@ -240,7 +271,9 @@ def test_gpu_compiled_matches_eager(module, recipe):
     base = GPU_MODULES[module]()
     x = torch.randn(4, 512, getattr(base, "in_features", 1024), device="cuda", requires_grad=True)
     rec = from_name(recipe)
-    eager = _run(copy.deepcopy(base), x, rec, autocast_dtype=torch.bfloat16)
+    # (a fused module whose linears trace: eager runs it written out, as the compiled graph does)
+    ref = WrittenOut(copy.deepcopy(base)) if _traces_fused(module, recipe) else copy.deepcopy(base)
+    eager = _run(ref, x, rec, autocast_dtype=torch.bfloat16)
     compiled = _run(torch.compile(copy.deepcopy(base), backend="aot_eager", fullgraph=True), x, rec,
                     autocast_dtype=torch.bfloat16)
     _check_same(eager, compiled)
@@ -265,7 +298,12 @@ def test_gpu_inductor_matches_eager(module, recipe, mode):
     base = GPU_MODULES[module]()
     x = torch.randn(4, 512, getattr(base, "in_features", 1024), device="cuda", requires_grad=True)
     rec = from_name(recipe)
-    eager = _run(copy.deepcopy(base), x, rec, steps=3, autocast_dtype=torch.bfloat16)
+    if _traces_fused(module, recipe):
+        # (its norm is Inductor's there: the same module written out, compiled alike, is what it equals)
+        eager = _run(torch.compile(WrittenOut(copy.deepcopy(base)), fullgraph=mode != "reduce-overhead", mode=mode),
+                     x, rec, steps=3, autocast_dtype=torch.bfloat16)
+    else:
+        eager = _run(copy.deepcopy(base), x, rec, steps=3, autocast_dtype=torch.bfloat16)
     compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=mode != "reduce-overhead", mode=mode), x, rec,
                     steps=3, autocast_dtype=torch.bfloat16)
     if mode == "max-autotune-no-cudagraphs" and module == "linear_traced" and recipe != "fp8-block":
@@ -1005,3 +1043,69 @@ def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
         assert sa.keys() == sb.keys() and sa
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k
+
+
+def _lowbit_ops(codes: list[str]) -> set[str]:
+    import re
+
+    return set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
+
+
+def _recording(codes):
+    def backend(gm, inputs):
+        codes.append(gm.print_readable(print_output=False))
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("module", ["rmsnorm_linear", "mlp_swiglu"])
+def test_fused_module_traces_where_its_linear_does_on_cpu(module, monkeypatch):
+    """Inside torch.compile, where the plain linear traces as torch operations, an RMSNorm module whose norm would
+    run inside its input quantizer (and the SwiGLU MLP) leaves the norm to torch and traces its linears: its graph
+    holds no lowbit::quantized_linear / quantized_swiglu_mlp operator (whose Python runs every call), and its results
+    equal the same module written out (torch's RMSNorm, lowbit.nn.Linear, lowbit.ops.swiglu) compiled alike, bit for
+    bit. Eager keeps the fused form."""
+    from lowbit.nn import functional as fn
+    from lowbit.nn import layernorm_linear, layernorm_mlp
+
+    _trace_on_cpu(monkeypatch)
+    for mod in (fn, layernorm_linear, layernorm_mlp):  # (the fused norm runs on CUDA only: asked for here)
+        monkeypatch.setattr(mod, "norm_fuses", lambda x, w, r: True)
+    monkeypatch.setattr(layernorm_mlp, "swiglu_mlp_fusable", lambda *a, **k: True)
+    torch.manual_seed(0)
+    fused = MODULES[module]()
+    rec = from_name("fp8-current")
+    x = torch.randn(3, 32, 64, requires_grad=True)
+    with lowbit.autocast(recipe=rec):
+        assert fused.fuses_norm(x)  # (eager: the fused form)
+
+    codes = []
+    got = _run(torch.compile(fused, backend=_recording(codes), fullgraph=True), x, rec)
+    ops = _lowbit_ops(codes)
+    assert not ops & {"quantized_linear", "quantized_swiglu_mlp"}, sorted(ops)
+    assert "_scaled_mm" in "\n".join(codes)  # (the traced linear's GEMMs)
+    fused.zero_grad(set_to_none=True)
+    x.grad = None
+    want = _run(torch.compile(WrittenOut(fused), backend="aot_eager", fullgraph=True), x, rec)
+    _check_same(want, got)
+
+
+def test_linear_traces_only_inside_compile(monkeypatch):
+    """linear_traces: False outside torch.compile, and for a weight the traced rules refuse; True inside for one
+    they take."""
+    from lowbit.nn import functional as fn
+
+    _trace_on_cpu(monkeypatch)
+    rec, mx = from_name("fp8-current"), from_name("mxfp8")
+    x, w = torch.randn(32, 64), torch.randn(96, 64)
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def inside(x, w):
+        seen.append((fn.linear_traces(x, w, rec), fn.linear_traces(x, w, mx),
+                     fn.linear_traces(x, w, rec, is_first_microbatch=True)))
+        return x + 1
+
+    assert not fn.linear_traces(x, w, rec)
+    inside(x, w)
+    assert seen == [(True, False, False)]

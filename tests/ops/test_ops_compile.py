@@ -2,7 +2,8 @@
 lowbit::residual_add operators and their backwards (schema, fake implementation and autograd via
 torch.library.opcheck; outputs that are whole allocations sharing no storage), each op compiled with fullgraph=True
 against eager bit for bit, and the GPT compiled against eager bit for bit (loss and every gradient) with the two
-fusions a compiled graph cannot make turned off in eager (LOWBIT_UNFUSE=norm_backward,rope_bwd_quant).
+fusions a compiled graph cannot make turned off in eager (LOWBIT_UNFUSE=norm_backward,rope_bwd_quant; and norm_quant
+where the linears trace, whose norms are torch's inside the graph).
 
 On the CPU the operators run their references; the kernels run under Triton's interpreter in a child process
 (``*interpret*`` tests) and on the GPU (``gpu`` tests: aot_eager, Inductor and Inductor's CUDA graphs)."""
@@ -158,10 +159,10 @@ def _gpt_step(model, ids, recipe, autocast_dtype=None):
 
 
 def check_gpt(device, recipes=("fp8-block", "fp8-current"), backend="aot_eager", expect_ops=None, steps=1,
-              autocast_dtype=None, cfg=None, seq=32, per_block=False):
+              autocast_dtype=None, cfg=None, seq=32, per_block=False, unfuse=NOT_COMPILED, rel=None):
     """The GPT compiled (fullgraph; ``per_block``: each block compiled on its own) against eager with
-    LOWBIT_UNFUSE=norm_backward,rope_bwd_quant: loss and every gradient bit for bit, ``steps`` steps; with
-    ``expect_ops`` (aot_eager only) the lowbit operators its graphs must hold (at least)."""
+    LOWBIT_UNFUSE=``unfuse``: loss and every gradient bit for bit (``rel``: each within that relative L2 distance),
+    ``steps`` steps; with ``expect_ops`` (aot_eager only) the lowbit operators its graphs must hold (at least)."""
     torch.manual_seed(0)
     base = GPT(cfg or config_from_preset("tiny")).to(device)
     ids = torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
@@ -177,13 +178,18 @@ def check_gpt(device, recipes=("fp8-block", "fp8-current"), backend="aot_eager",
         else:
             compiled = torch.compile(compiled, backend=be, fullgraph=True)
         eager = copy.deepcopy(base)
-        with env.override(LOWBIT_UNFUSE=NOT_COMPILED):
+        with env.override(LOWBIT_UNFUSE=unfuse):
             for s in range(steps):
                 e = _gpt_step(eager, ids, rec, autocast_dtype)
                 eager.zero_grad(set_to_none=True)
                 c = _gpt_step(compiled, ids, rec, autocast_dtype)
                 compiled.zero_grad(set_to_none=True)
-                _same(e, c, (name, backend, s))
+                if rel is None:
+                    _same(e, c, (name, backend, s))
+                    continue
+                for i, (a, b) in enumerate(zip(e, c)):
+                    d = float((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30))
+                    assert d <= rel, (name, backend, s, i, d)
         if expect_ops is not None:
             assert set(expect_ops) <= seen, (name, sorted(seen))
     print("ok")
@@ -325,20 +331,22 @@ GPU_GPT = dict(n_layer=2, n_head=4, d_model=256, ffn_hidden=512, max_seq_len=256
 @pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current", "mxfp8", "fp8-delayed", "nvfp4"])
 def test_gpu_gpt_compiled_matches_eager(cuda, recipe):
     """The GPT under torch.autocast(bfloat16), fullgraph through AOTAutograd: two steps, loss and every gradient
-    bit for bit against eager without the two cross-operator fusions; the fused ops ran as operators."""
+    bit for bit against eager without the two cross-operator fusions; the fused ops ran as operators. Under
+    fp8-block its linears trace as torch operations at these shapes, so its RMSNorms are torch's there: eager runs
+    them unfused too (norm_quant)."""
     from lowbit.models import GPTConfig
 
+    unfuse = NOT_COMPILED + (",norm_quant" if recipe == "fp8-block" else "")
     check_gpt(cuda, (recipe,), expect_ops={"rope_qkv", "rope_qkv_backward", "residual_add"}, steps=2,
-              autocast_dtype=torch.bfloat16, cfg=GPTConfig(**GPU_GPT), seq=256)
+              autocast_dtype=torch.bfloat16, cfg=GPTConfig(**GPU_GPT), seq=256, unfuse=unfuse)
 
 
 @pytest.mark.gpu
 def test_gpu_gpt_blocks_inductor_match_eager(cuda):
-    """Each block compiled by Inductor on its own under fp8-block: the blocks hold only lowbit's operators (the
-    RMSNorms inside the quantizers), SDPA and layout ops, so two steps match eager bit for bit. (The embedding, final
-    norm, head and loss stay eager, and under a recipe whose norms run outside the quantizer Inductor would compile
-    those norms: its reductions round their own way.)"""
+    """Each block compiled by Inductor on its own under fp8-block: its linears trace as torch operations and its
+    RMSNorms are Inductor's, whose reductions round their own way, so two steps match eager (the norms unfused) to
+    FP8 rounding: loss and every gradient within 2% relative L2 distance."""
     from lowbit.models import GPTConfig
 
     check_gpt(cuda, ("fp8-block",), backend="inductor", steps=2, autocast_dtype=torch.bfloat16,
-              cfg=GPTConfig(**GPU_GPT), seq=256, per_block=True)
+              cfg=GPTConfig(**GPU_GPT), seq=256, per_block=True, unfuse=NOT_COMPILED + ",norm_quant", rel=2e-2)

@@ -49,7 +49,7 @@ scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
 wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
-           "check_microbatch_arg", "weight_layer", "wgrad_on_side_stream", "wgrad_side_stream"]
+           "check_microbatch_arg", "linear_traces", "weight_layer", "wgrad_on_side_stream", "wgrad_side_stream"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -1093,6 +1093,18 @@ sentry_pass_op = torch.ops.lowbit.sentry_pass.default
 
 
 _ROLES = ("input", "weight", "grad_output")
+
+
+def linear_traces(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, is_first_microbatch=None) -> bool:
+    """Whether :func:`quantized_linear` of ``x`` by ``weight`` under ``recipe`` (no fused norm, no GELU), called now,
+    runs as torch operations in the compiled graph (the traced Function; no lowbit Python per call): inside
+    torch.compile, on plain CUDA tensors, within :func:`traced_linear_rules`. A fused module (a norm inside the input
+    quantizer, the SwiGLU MLP) asks this to leave its fusions to Inductor where the plain linear traces: its fused
+    form is an operator whose Python runs every call."""
+    if not torch.compiler.is_compiling() or _fp8_gathered(weight):
+        return False
+    cfg = _Cfg(None, recipe, is_first_microbatch, False, "raise", _out_dtype(x))
+    return _traced_linear_fits(x, weight, recipe, cfg)
 
 
 def _traced_linear_fits(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, cfg: _Cfg) -> bool:

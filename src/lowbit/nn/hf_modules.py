@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, norm_fuses, quantized_linear
+from .functional import check_microbatch_arg, linear_traces, norm_fuses, quantized_linear
 from .layernorm_linear import check_module_args, check_norm_input
 from .layernorm_mlp import quantized_swiglu_branch
 from .linear import Linear
@@ -219,7 +219,9 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
         nkw = {}
         if self._norm:
             w, eps = self._norm[0].weight, self._norm[0].variance_epsilon
-            if st.enabled and norm_fuses(input, w, st.recipe):
+            # (not inside torch.compile where fc1 traces: HF's norm is then torch's, which Inductor compiles)
+            if (st.enabled and norm_fuses(input, w, st.recipe)
+                    and not linear_traces(input, self.fc1_weight, st.recipe, is_first_microbatch)):
                 nkw = dict(norm_weight=w, norm_eps=eps)
             else:
                 input = hf_rms_norm(input, w, eps)

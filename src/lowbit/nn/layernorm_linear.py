@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..runtime.checks import check_bool, check_device, check_float_dtype, check_param_memory, check_positive_int
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, norm_fuses, quantized_linear
+from .functional import check_microbatch_arg, linear_traces, norm_fuses, quantized_linear
 
 __all__ = ["LayerNormLinear", "check_norm_args", "check_norm_input", "apply_norm", "check_input_rstd",
            "check_norm_link", "check_features", "check_module_args"]
@@ -143,12 +143,16 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
             torch.nn.init.zeros_(self.layer_norm_bias)
         torch.nn.Linear.reset_parameters(self)  # uses self.weight / self.bias only
 
-    def fuses_norm(self, input: torch.Tensor) -> bool:
+    def fuses_norm(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> bool:
         """Whether a forward on ``input`` now would run the norm inside the input quantizer (and so use an
-        ``input_rstd``): the active recipe, the norm and the input's dtype / device decide."""
+        ``input_rstd``): the active recipe, the norm and the input's dtype / device decide. Not inside torch.compile
+        where the plain linear traces (:func:`lowbit.nn.functional.linear_traces`): there the norm is torch's, which
+        Inductor compiles, and the linear is torch operations (the fused form is an operator whose Python runs every
+        call)."""
         st = _ac.get_state()
         return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
-                and norm_fuses(input, self.layer_norm_weight, st.recipe))
+                and norm_fuses(input, self.layer_norm_weight, st.recipe)
+                and not linear_traces(input, self.weight, st.recipe, is_first_microbatch))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
                 input_rstd: torch.Tensor | None = None,
@@ -164,7 +168,7 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         check_input_rstd(input_rstd, input)
         check_norm_link(input_norm_link, self.normalization, input, self.layer_norm_weight, self.eps)
         st = _ac.get_state()
-        if self.fuses_norm(input):  # the norm inside the input quantizer: its output is never written
+        if self.fuses_norm(input, is_first_microbatch):  # the norm inside the input quantizer: never written
             return quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st,
                                     norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
                                     norm_link=input_norm_link)

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from ..ops.swiglu import swiglu
 from . import state as _ac
 from .base import LowbitModule
-from .functional import check_microbatch_arg, norm_fuses, quantized_linear, quantized_swiglu_mlp, swiglu_mlp_fusable
+from .functional import (
+    check_microbatch_arg,
+    linear_traces,
+    norm_fuses,
+    quantized_linear,
+    quantized_swiglu_mlp,
+    swiglu_mlp_fusable,
+)
 from .layernorm_linear import (
     apply_norm,
     check_input_rstd,
@@ -48,7 +55,10 @@ def quantized_swiglu_branch(ln: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, 
     ``g2``: the GemmLayers; ``nkw``: the fused-norm arguments of fc1's input, if any). Under a 1x128 blockwise recipe
     with no fc1 bias (and ``fused_swiglu`` not False) the SwiGLU runs inside fc2's input quantizer (same bits)."""
     # (an empty input takes the unfused path, whose quantized_linear says what is wrong)
-    if fused_swiglu is not False and ln.numel() > 0 and swiglu_mlp_fusable(ln, fc1_weight, fc1_bias, st.recipe):
+    # (inside torch.compile, where fc1 traces as torch operations, fc1, the SwiGLU and fc2 each stay in the graph:
+    # the fused MLP is an operator whose Python runs every call)
+    if (fused_swiglu is not False and ln.numel() > 0 and swiglu_mlp_fusable(ln, fc1_weight, fc1_bias, st.recipe)
+            and not linear_traces(ln, fc1_weight, st.recipe, is_first_microbatch)):
         return quantized_swiglu_mlp(ln, fc1_weight, fc2_weight, fc2_bias, g1, g2, is_first_microbatch, state=st, **nkw)
     h = quantized_linear(ln, fc1_weight, fc1_bias, g1, is_first_microbatch, state=st, **nkw)
     h = swiglu_act(h, fused_swiglu, fused_default=True)
@@ -118,11 +128,13 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         _linear_init(self.fc1_weight, self.fc1_bias)
         _linear_init(self.fc2_weight, self.fc2_bias)
 
-    def fuses_norm(self, input: torch.Tensor) -> bool:
+    def fuses_norm(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> bool:
         """Whether a forward on ``input`` now would run the norm inside fc1's input quantizer (and so use an
-        ``input_rstd``)."""
+        ``input_rstd``); not inside torch.compile where fc1 traces (as :meth:`LayerNormLinear.fuses_norm`)."""
         st = _ac.get_state()
-        return st.enabled and self.normalization == "RMSNorm" and norm_fuses(input, self.layer_norm_weight, st.recipe)
+        return (st.enabled and self.normalization == "RMSNorm" and norm_fuses(input, self.layer_norm_weight, st.recipe)
+                and not (self.activation == "swiglu"
+                         and linear_traces(input, self.fc1_weight, st.recipe, is_first_microbatch)))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
                 input_rstd: torch.Tensor | None = None, input_norm_link=None) -> torch.Tensor:
@@ -141,7 +153,7 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
             return F.linear(h, self.fc2_weight, self.fc2_bias)
         g1, g2 = self._gemms["fc1"], self._gemms["fc2"]
         # the norm inside fc1's input quantizer where it can be (its output never written), else on its own
-        if self.fuses_norm(input):
+        if self.fuses_norm(input, is_first_microbatch):
             ln, nkw = input, dict(norm_weight=self.layer_norm_weight, norm_eps=self.eps, norm_rstd=input_rstd,
                                   norm_link=input_norm_link)
         else:
