@@ -305,6 +305,41 @@ def test_fused_llama_compiles():
     torch.compiler.reset()
 
 
+def test_fused_llama_traces_its_mlp_where_its_linears_trace(monkeypatch):
+    """Inside torch.compile, where the plain linear traces as torch operations (forced on the CPU) and the moved
+    norm would run inside fc1's quantizer (asked for: a CUDA path), the converted MLP leaves the norm to torch and
+    traces its linears: no lowbit::quantized_linear / quantized_swiglu_mlp operator in the graphs."""
+    import re
+
+    from lowbit.nn import functional as fn
+    from lowbit.nn import hf_modules, layernorm_mlp
+
+    monkeypatch.setattr(fn, "_traced_linear_fits", lambda x, w, r, c: fn.traced_linear_rules(
+        r, c, x.numel() // x.shape[-1], w.shape[0], w.shape[1], x.dtype, w.dtype))
+    for mod in (fn, hf_modules):
+        monkeypatch.setattr(mod, "norm_fuses", lambda x, w, r: True)
+    monkeypatch.setattr(layernorm_mlp, "swiglu_mlp_fusable", lambda *a, **k: True)
+    torch.compiler.reset()
+    model = _model("llama")
+    lowbit.convert(model, fuse_mlp=True)
+    codes = []
+
+    def backend(gm, inputs):
+        codes.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids = _ids()
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        out = compiled(input_ids=ids, labels=ids)
+    out.loss.backward()
+    torch.compiler.reset()
+    ops = set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
+    assert not ops & {"quantized_linear", "quantized_swiglu_mlp"}, sorted(ops)
+    assert "_scaled_mm" in "\n".join(codes) and torch.isfinite(out.loss)
+    assert model.model.layers[0].post_attention_layernorm.weight.grad is not None
+
+
 def test_hf_rmsnorm_is_not_torch_rmsnorm_in_bf16():
     """Why fuse_mlp leaves the RMSNorm out: HF's LlamaRMSNorm rounds the normalized input to bfloat16, then
     multiplies by the weight (a second rounding); F.rms_norm (what lowbit's norms run) rounds once. FP32 agrees."""
