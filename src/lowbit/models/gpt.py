@@ -178,8 +178,11 @@ def _residual(x: torch.Tensor, y: torch.Tensor, norm):
     :class:`~lowbit.ops.residual.NormGradLink` that moves the norm's backward into the add's (None where the fused
     add does not run or ``LOWBIT_UNFUSE=norm_backward``)."""
     if norm is not None and norm.normalization == "RMSNorm":
-        out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
-        return out, (rstd if norm.fuses_norm(x) else None), link
+        fuses = norm.fuses_norm(x)
+        # (inside torch.compile no link crosses operators: statistics no fused norm reads are not computed there)
+        if fuses or not torch.compiler.is_compiling():
+            out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
+            return out, (rstd if fuses else None), link
     return residual_add(x, y), None, None
 
 

@@ -471,8 +471,9 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
 
     Returns:
         ``out`` (x's shape, float32); ``(out, rstd)`` with ``rms_eps``; ``(out, rstd, link)`` with ``norm_weight``.
-        One Triton kernel where :func:`residual_add_supported` (inside torch.compile, the ``lowbit::residual_add``
-        operator, the same kernel); else torch's ``x + y``, and rstd and link None (a
+        One Triton kernel where :func:`residual_add_supported` (inside torch.compile: with ``rms_eps`` the
+        ``lowbit::residual_add`` operator, the same kernel; without, torch's ``x + y``, the same bits, which Inductor
+        fuses with its neighbours); else torch's ``x + y``, and rstd and link None (a
         following fused norm then computes its statistics itself: nothing is gained by computing them here apart
         from the sum).
     """
@@ -491,7 +492,9 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
             return x + y
         return (x + y, None) if norm_weight is None else (x + y, None, None)
     if torch.compiler.is_compiling():  # (no link: it cannot cross between operators; the norm runs its backward)
-        out, rstd = residual_add_op(x, y, None if rms_eps is None else float(rms_eps))
+        if rms_eps is None:  # (the kernel's bits: one FP32 add of x and y read exactly; Inductor fuses it)
+            return x + y
+        out, rstd = residual_add_op(x, y, float(rms_eps))
         if rms_eps is None:
             return out
         return (out, rstd) if norm_weight is None else (out, rstd, None)
