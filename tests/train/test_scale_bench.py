@@ -121,3 +121,23 @@ def test_table_takes_non_finite_losses():
 def test_bad_input(args, msg, capsys):
     assert main(["bench", "scale", "--device", "cpu", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():
+    """A compile mode (CUDA-graphed ones included) adds the one-GPU compiled reference by default, and each mode's
+    flags are a valid lowbit train configuration (FSDP2 with reduce-overhead blocks included)."""
+    import argparse
+
+    from lowbit.train.cli import add_train_args, config_from_args
+
+    def config(flags):
+        c = config_from_args(add_train_args(argparse.ArgumentParser()).parse_args(["--recipe", "fp8-block", *flags]))
+        c.validate()
+        return c
+
+    cfg = scale.resolve(scale.parse_args(["--device", "cpu", "--modes", "fsdp-compile-graphs", "--gpus", "2"]))
+    assert cfg["refs"] == ["eager", "compile"]
+    for mode, flags in scale.MODES.items():
+        c = config(flags)
+        assert c.fsdp == ("--fsdp" in flags) and c.compile == ("--compile" in flags), mode
+    assert config(scale.MODES["fsdp-compile-graphs"]).compile_mode == "reduce-overhead"
