@@ -29,9 +29,10 @@ floors put that traffic back at the GPU's peak DRAM bandwidth (``--dram-tbps``; 
 default): **floor** with each distinct operand quantized once in a pass of its own (read in the dtype it comes in,
 two FP8 copies written: :func:`quant_traffic_bytes`), **fused floor** with the activations' and gradients' reads
 fused away (the quantization inside the kernel that produces them; the FP32 weights are still read). A target above
-``fused x torchao`` needs faster GEMMs, whatever the quantization does. The floors are given for the rows whose
-quantization runs in passes of its own (``quantizer`` > 0): a row whose casts are fused into ``other`` already
-counts them there.
+``fused x torchao`` needs faster GEMMs, whatever the quantization does. ``floor x torchao GPU`` and ``fused x torchao
+GPU`` divide torchao's GPU time instead of its step: the bounds where neither step waits on the host (CUDA graphs,
+``mode="reduce-overhead"``). The floors are given for the rows whose quantization runs in passes of its own
+(``quantizer`` > 0): a row whose casts are fused into ``other`` already counts them there.
 
 An eager variant's bound is its GPU time: with no host time at all its step could not be shorter. ``best x bf16`` =
 ``bf16``'s measured step / that GPU time: the most the eager variant could gain over BF16 eager with its kernels.
@@ -214,7 +215,9 @@ def bounds(rows: list[dict], floors_ms: tuple[float, float] | None = None) -> li
     """Each FP8 row with its bound. A compiled row: ``bound_ms`` (its step with free quantization, see the module
     docstring) and ``best_x_torchao``, from the bf16-compile and torchao-compile rows; with ``floors_ms`` (the
     quantization's traffic time unfused and fused, ms) a lowbit row also gets ``floor_ms`` / ``floor_x_torchao`` and
-    ``fused_floor_ms`` / ``fused_x_torchao``: its bound plus that time. An eager row: ``best_x_bf16``,
+    ``fused_floor_ms`` / ``fused_x_torchao``: its bound plus that time, against torchao's step; and
+    ``floor_x_torchao_gpu`` / ``fused_x_torchao_gpu``, against torchao's GPU time: the most it could gain where
+    neither step waits on the host (CUDA graphs). An eager row: ``best_x_bf16``,
     the ``bf16`` row's step over the row's GPU time (the most it could gain over BF16 eager with no host time at
     all), and ``x_bf16``."""
     by = {r["variant"]: r for r in rows}
@@ -237,6 +240,8 @@ def bounds(rows: list[dict], floors_ms: tuple[float, float] | None = None) -> li
             r["floor_x_torchao"] = ao["step_ms"] / r["floor_ms"]
             r["fused_floor_ms"] = r["bound_ms"] + floors_ms[1]
             r["fused_x_torchao"] = ao["step_ms"] / r["fused_floor_ms"]
+            r["floor_x_torchao_gpu"] = ao["gpu_ms"] / r["floor_ms"]
+            r["fused_x_torchao_gpu"] = ao["gpu_ms"] / r["fused_floor_ms"]
     for r in eager:
         r["best_x_bf16"] = by["bf16"]["step_ms"] / r["gpu_ms"]
         r["x_bf16"] = by["bf16"]["step_ms"] / r["step_ms"]
@@ -249,14 +254,14 @@ def _cell(r: dict, key: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| variant | step ms | host ms | GPU ms | " + " | ".join(CLASSES) + " | bound ms | x torchao | "
-            "best x torchao | floor x torchao | fused x torchao | x bf16 | best x bf16 |\n|---|"
-            + "---:|" * (len(CLASSES) + 10) + "\n")
+            "best x torchao | floor x torchao | fused x torchao | floor x torchao GPU | fused x torchao GPU | x bf16 | "
+            "best x bf16 |\n|---|" + "---:|" * (len(CLASSES) + 12) + "\n")
     lines = []
     for r in rows:
         cells = [f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['gpu_ms']:.1f}"] + [f"{r[c]:.1f}" for c in CLASSES]
         cells += [f"{r['bound_ms']:.1f}" if "bound_ms" in r else ""]
-        cells += [_cell(r, k) for k in ("x_torchao", "best_x_torchao", "floor_x_torchao", "fused_x_torchao", "x_bf16",
-                                        "best_x_bf16")]
+        cells += [_cell(r, k) for k in ("x_torchao", "best_x_torchao", "floor_x_torchao", "fused_x_torchao",
+                                        "floor_x_torchao_gpu", "fused_x_torchao_gpu", "x_bf16", "best_x_bf16")]
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
