@@ -1,6 +1,8 @@
-"""Shared helpers for the lowbit.nn tests: recipes, reference torch modules, SQNR."""
+"""Shared helpers for the lowbit.nn tests: recipes, reference torch modules, SQNR, compiled-graph recording."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -87,3 +89,16 @@ class _TorchMLP(torch.nn.Module):
 
 def grads_of(m):
     return [p.grad.detach().clone() for p in m.parameters()]
+
+
+def recording_backend(codes: list):
+    """A torch.compile backend that appends each Dynamo graph's readable code to ``codes`` and runs it as is."""
+    def backend(gm, inputs):
+        codes.append(gm.print_readable(print_output=False))
+        return gm.forward
+    return backend
+
+
+def lowbit_ops(codes: list) -> set:
+    """The ``torch.ops.lowbit`` operators named in recorded graph code."""
+    return set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))

@@ -6,9 +6,11 @@ import copy
 
 import pytest
 import torch
+from nn_helpers import lowbit_ops, recording_backend
 
 import lowbit
 from lowbit.nn import state as ac
+from lowbit.ops.swiglu import swiglu
 from lowbit.recipes import QUANTIZED_NAMES, from_name
 
 RECIPES = list(QUANTIZED_NAMES)
@@ -71,8 +73,6 @@ class WrittenOut(torch.nn.Module):
             self.fc1.weight, self.fc1.bias = w, fused.bias
 
     def forward(self, x):
-        from lowbit.ops.swiglu import swiglu
-
         h = self.fc1(torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norm_weight, self.eps))
         return self.fc2(swiglu(h)) if self.mlp else h
 
@@ -1045,19 +1045,6 @@ def test_traced_linear_delayed_scaling_state_on_cpu(monkeypatch):
             assert torch.equal(sa[k], sb[k]), k
 
 
-def _lowbit_ops(codes: list[str]) -> set[str]:
-    import re
-
-    return set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
-
-
-def _recording(codes):
-    def backend(gm, inputs):
-        codes.append(gm.print_readable(print_output=False))
-        return gm.forward
-    return backend
-
-
 @pytest.mark.parametrize("module", ["rmsnorm_linear", "mlp_swiglu"])
 def test_fused_module_traces_where_its_linear_does_on_cpu(module, monkeypatch):
     """Inside torch.compile, where the plain linear traces as torch operations, an RMSNorm module whose norm would
@@ -1080,8 +1067,8 @@ def test_fused_module_traces_where_its_linear_does_on_cpu(module, monkeypatch):
         assert fused.fuses_norm(x)  # (eager: the fused form)
 
     codes = []
-    got = _run(torch.compile(fused, backend=_recording(codes), fullgraph=True), x, rec)
-    ops = _lowbit_ops(codes)
+    got = _run(torch.compile(fused, backend=recording_backend(codes), fullgraph=True), x, rec)
+    ops = lowbit_ops(codes)
     assert not ops & {"quantized_linear", "quantized_swiglu_mlp"}, sorted(ops)
     assert "_scaled_mm" in "\n".join(codes)  # (the traced linear's GEMMs)
     fused.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from nn_helpers import lowbit_ops, recording_backend
 
 import lowbit
 from lowbit.nn.convert import NORM_NOT_FUSED
@@ -309,8 +310,6 @@ def test_fused_llama_traces_its_mlp_where_its_linears_trace(monkeypatch):
     """Inside torch.compile, where the plain linear traces as torch operations (forced on the CPU) and the moved
     norm would run inside fc1's quantizer (asked for: a CUDA path), the converted MLP leaves the norm to torch and
     traces its linears: no lowbit::quantized_linear / quantized_swiglu_mlp operator in the graphs."""
-    import re
-
     from lowbit.nn import functional as fn
     from lowbit.nn import hf_modules, layernorm_mlp
 
@@ -323,18 +322,13 @@ def test_fused_llama_traces_its_mlp_where_its_linears_trace(monkeypatch):
     model = _model("llama")
     lowbit.convert(model, fuse_mlp=True)
     codes = []
-
-    def backend(gm, inputs):
-        codes.append(gm.print_readable(print_output=False))
-        return gm.forward
-
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = torch.compile(model, backend=recording_backend(codes), fullgraph=True)
     ids = _ids()
     with lowbit.autocast(recipe=from_name("fp8-current")):
         out = compiled(input_ids=ids, labels=ids)
     out.loss.backward()
     torch.compiler.reset()
-    ops = set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
+    ops = lowbit_ops(codes)
     assert not ops & {"quantized_linear", "quantized_swiglu_mlp"}, sorted(ops)
     assert "_scaled_mm" in "\n".join(codes) and torch.isfinite(out.loss)
     assert model.model.layers[0].post_attention_layernorm.weight.grad is not None

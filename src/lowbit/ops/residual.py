@@ -495,8 +495,6 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
         if rms_eps is None:  # (the kernel's bits: one FP32 add of x and y read exactly; Inductor fuses it)
             return x + y
         out, rstd = residual_add_op(x, y, float(rms_eps))
-        if rms_eps is None:
-            return out
         return (out, rstd) if norm_weight is None else (out, rstd, None)
     if rms_eps is None:
         return _ResidualAdd.apply(x, y, None, None, None)
