@@ -16,7 +16,6 @@ def test_auto_uses_graphs_for_stateless_recipes_on_one_gpu(recipe):
 
 @pytest.mark.parametrize("cfg,dist,why", [
     (dict(recipe="fp8-delayed"), _d(), "keeps per-step host state"),
-    (dict(recipe="bf16", fsdp=True), _d(world=2), "FSDP2"),
     (dict(recipe="bf16"), _d("cpu"), "not on CUDA"),
 ])
 def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
@@ -26,18 +25,23 @@ def test_auto_declines_with_a_reason_and_on_raises(cfg, dist, why):
         _graph_decision(TrainConfig(cuda_graph="on", **cfg), dist)
 
 
-def test_ddp_is_captured(monkeypatch):
-    """DDP (several processes, no FSDP2) runs under graphs: the gradient all-reduces are captured with the step; an
-    NCCL too old to capture collectives (or none) declines with the versions."""
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_ddp_and_fsdp_are_captured(monkeypatch, fsdp):
+    """DDP and FSDP2 (several processes) run under graphs: their collectives are captured with the step; an NCCL too
+    old to capture collectives (or none) declines with the versions, and "on" then raises."""
     from lowbit.train import loop
 
     monkeypatch.setattr(loop, "_nccl_version", lambda: (2, 27, 3))
-    assert _graph_decision(TrainConfig(recipe="fp8-block"), _d(world=2)) == (True, "")
+    assert _graph_decision(TrainConfig(recipe="fp8-block", fsdp=fsdp), _d(world=2)) == (True, "")
+    who = "FSDP2" if fsdp else "DDP"
     for old, shown in (((2, 9, 5), "2.9.5"), ((), "none")):
         monkeypatch.setattr(loop, "_nccl_version", lambda v=old: v)
-        use, why = _graph_decision(TrainConfig(recipe="fp8-block"), _d(world=2))
-        assert not use and f"NCCL >= 2.9.6 to capture its all-reduces, this torch has {shown}" in why, why
-    assert _graph_decision(TrainConfig(recipe="fp8-block"), _d()) == (True, "")  # (one process: no NCCL needed)
+        use, why = _graph_decision(TrainConfig(recipe="fp8-block", fsdp=fsdp), _d(world=2))
+        assert not use and why == f"{who} needs NCCL >= 2.9.6 to capture its collectives, this torch has {shown}", why
+        with pytest.raises(ValueError, match=f"cuda_graph: 'on' but CUDA graphs cannot be used here: {who} needs"):
+            _graph_decision(TrainConfig(recipe="fp8-block", fsdp=fsdp, cuda_graph="on"), _d(world=2))
+    # (one process: no NCCL needed; --fsdp alone there runs unsharded)
+    assert _graph_decision(TrainConfig(recipe="fp8-block", fsdp=fsdp), _d()) == (True, "")
 
 
 def test_off_and_bad_value():
@@ -93,7 +97,9 @@ def test_compile_mode_reaches_the_blocks_and_is_validated(monkeypatch):
     for kw, msg in ((dict(compile_mode="fast"), "compile_mode: expected one of default, reduce-overhead"),
                     (dict(compile_mode="reduce-overhead"), "needs compile=True"),
                     (dict(compile=True, compile_mode="reduce-overhead", recipe="fp8-delayed"), "fp8-delayed"),
-                    (dict(compile=True, compile_mode="reduce-overhead", grad_accum=2), "needs grad_accum 1")):
+                    (dict(compile=True, compile_mode="reduce-overhead", grad_accum=2), "needs grad_accum 1"),
+                    (dict(compile=True, compile_mode="reduce-overhead", fsdp=True),
+                     "'reduce-overhead' with fsdp=True: .* record again when a weight's address changes")):
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw).validate()
 

@@ -124,8 +124,8 @@ def test_bad_input(args, msg, capsys):
 
 
 def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():
-    """A compile mode (CUDA-graphed ones included) adds the one-GPU compiled reference by default, and each mode's
-    flags are a valid lowbit train configuration (FSDP2 with reduce-overhead blocks included)."""
+    """A compile mode adds the one-GPU compiled reference by default, and each mode's flags are a valid lowbit train
+    configuration."""
     import argparse
 
     from lowbit.train.cli import add_train_args, config_from_args
@@ -135,9 +135,9 @@ def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():
         c.validate()
         return c
 
-    cfg = scale.resolve(scale.parse_args(["--device", "cpu", "--modes", "fsdp-compile-graphs", "--gpus", "2"]))
+    cfg = scale.resolve(scale.parse_args(["--device", "cpu", "--modes", "fsdp-compile", "--gpus", "2"]))
     assert cfg["refs"] == ["eager", "compile"]
     for mode, flags in scale.MODES.items():
         c = config(flags)
         assert c.fsdp == ("--fsdp" in flags) and c.compile == ("--compile" in flags), mode
-    assert config(scale.MODES["fsdp-compile-graphs"]).compile_mode == "reduce-overhead"
+    assert config(scale.MODES["fsdp-eager"]).cuda_graph == config(scale.MODES["ddp-eager"]).cuda_graph == "off"

@@ -4,10 +4,9 @@ per-GPU batch.
 For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.run`` for more than one) on one GPU
 (CUDA-graphed, eager, and compiled where a compile mode is asked for: the references), then on each GPU count of
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
-``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d, ``fsdp-compile-graphs`` with
-``mode="reduce-overhead"`` (each block's compute in torch's CUDA graphs, FSDP2's collectives between them); ``ddp``
-runs inside CUDA graphs on CUDA, ``ddp-eager`` with torch's DDP), every run with the same per-GPU batch; and, for the
-loss check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
+``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag`` and ``ddp`` run inside
+``lowbit train``'s CUDA graphs on CUDA, their collectives captured with the step, ``fsdp-eager`` and ``ddp-eager``
+without), every run with the same per-GPU batch; and, for the loss check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
 each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
 
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
@@ -51,7 +50,7 @@ MODES = {
     "fsdp": ["--fsdp"],
     "fsdp-fp8ag": ["--fsdp", "--fp8-all-gather"],
     "fsdp-compile": ["--fsdp", "--compile"],
-    "fsdp-compile-graphs": ["--fsdp", "--compile", "--compile-mode", "reduce-overhead"],
+    "fsdp-eager": ["--fsdp", "--cuda-graph", "off"],
     "ddp": [],
     "ddp-eager": ["--cuda-graph", "off"],
     "ddp-compile": ["--compile"],

@@ -98,9 +98,10 @@ class TrainConfig:
     FP32). Recipes fp8-block and fp8-current only; not with ``compile``."""
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
-    ``"auto"`` where it is safe (one CUDA process; recipes bf16, fp8-current, fp8-block, mxfp8, nvfp4 —
-    whose stochastic-rounding keys are drawn on the device, fresh at every replay — but not fp8-delayed,
-    whose amax histories live in host objects), ``"on"`` (error if it cannot be used), ``"off"``."""
+    ``"auto"`` where it is safe (on CUDA: one process, or DDP or FSDP2 with an NCCL that captures collectives, the
+    collectives captured with the step; recipes bf16, fp8-current, fp8-block, mxfp8, nvfp4 — whose
+    stochastic-rounding keys are drawn on the device, fresh at every replay — but not fp8-delayed, whose amax
+    histories live in host objects), ``"on"`` (error if it cannot be used), ``"off"``."""
     compile: bool = False
     """``torch.compile`` each transformer block (the torchtitan pattern: one graph shared by every block, before any
     FSDP2 sharding), in place of ``lowbit train``'s own CUDA graphs (``cuda_graph`` must not be ``"on"``)."""
@@ -215,6 +216,12 @@ class TrainConfig:
                     raise ValueError(f"compile_mode: 'reduce-overhead' needs grad_accum 1 (the weight quantized once "
                                      f"and reused across micro-batches cannot live in its CUDA graphs), got "
                                      f"{self.grad_accum}")
+                if self.fsdp:
+                    raise ValueError("compile_mode: 'reduce-overhead' with fsdp=True: FSDP2 gathers each block's "
+                                     "weights into memory of its own every step, and torch's CUDA graphs record again "
+                                     "when a weight's address changes (0.05x one CUDA-graphed GPU measured); run "
+                                     "FSDP2 in lowbit train's own CUDA graphs (--fsdp without --compile) or compile "
+                                     "in the default mode")
         if self.compile and self.cuda_graph == "on":
             raise ValueError("cuda_graph: 'on' together with compile; torch.compile'd blocks run without lowbit's "
                              "own step graphs (use --cuda-graph auto or off with --compile)")
@@ -503,7 +510,8 @@ GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _re
 
 
 NCCL_CAPTURE = (2, 9, 6)
-"""The NCCL that CUDA graphs can capture collectives with (DDP's all-reduces inside ``lowbit train``'s graphs)."""
+"""The NCCL that CUDA graphs can capture collectives with (DDP's all-reduces, FSDP2's all-gathers and reduce-scatters
+inside ``lowbit train``'s graphs)."""
 
 
 def _nccl_version() -> tuple:
@@ -523,10 +531,9 @@ def _graph_decision(c: TrainConfig, d: Dist) -> tuple[bool, str]:
     why = None
     if d.device.type != "cuda":
         why = "not on CUDA"
-    elif d.active and c.fsdp:
-        why = "FSDP2 (its all-gathers and reduce-scatters are scheduled on the host)"
     elif d.active and _nccl_version() < NCCL_CAPTURE:
-        why = (f"DDP needs NCCL >= {'.'.join(map(str, NCCL_CAPTURE))} to capture its all-reduces, this torch has "
+        what = "FSDP2 needs" if c.fsdp else "DDP needs"
+        why = (f"{what} NCCL >= {'.'.join(map(str, NCCL_CAPTURE))} to capture its collectives, this torch has "
                f"{'.'.join(map(str, _nccl_version())) or 'none'}")
     elif c.recipe not in GRAPH_RECIPES:
         why = f"recipe {c.recipe!r} keeps per-step host state (graph-safe: {', '.join(GRAPH_RECIPES)})"
@@ -599,17 +606,23 @@ class _GraphedStep:
     instead of a separate pass multiplying every gradient: the same clipped gradient to one rounding. The learning rate
     becomes a device tensor the loop refills each step.
 
-    Under DDP (``group`` given) ``run_micro`` averages the gradients and sums the loss across the ranks inside the
-    first graph (:class:`~lowbit.train.grad_sync.GradAllReduce`) and the update graph agrees on the skip by an
-    all-reduce MAX: every rank replays the same collectives.
+    With several ranks (``group`` given) ``run_micro`` sums the loss across them inside the first graph and makes
+    the gradients every rank's: DDP averages them (:class:`~lowbit.train.grad_sync.GradAllReduce`), FSDP2's own
+    hooks all-gather each block's weights and reduce-scatter its gradients as they run (captured with the step on
+    FSDP2's streams, which the graph keeps as parallel branches). The update graph agrees on the skip by an
+    all-reduce MAX: every rank replays the same collectives. ``side_wgrad``: weight gradients on a side stream
+    (:class:`lowbit.nn.functional.wgrad_on_side_stream`), where nothing reads a gradient before the backward ends
+    but hooks that wait for that stream (not under FSDP2, whose reduce-scatter reads each block's gradients as soon
+    as its backward is done).
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
-                 quantized: bool = True, prime=None, group=None):
+                 quantized: bool = True, prime=None, group=None, side_wgrad: bool = True):
         self.run_micro = run_micro
-        self.group = group  # DDP: the update graph's skip decision is agreed across it
-        # (DDP: the process group's watchdog thread queries CUDA events while this thread captures; "global" capture
-        # mode would fail those queries)
+        self.group = group  # several ranks: the update graph's skip decision is agreed across it
+        self.side_wgrad = side_wgrad
+        # (several ranks: the process group's watchdog thread queries CUDA events while this thread captures;
+        # "global" capture mode would fail those queries)
         self.capture_mode = "thread_local" if group is not None else "global"
         self.prime = prime  # called between the warm-up and the capture (lowbit.optim.AdamW.refresh_weight_copies)
         self.quantized = quantized  # the step quantizes (a recipe is active): its graph gets an amax arena
@@ -654,7 +667,7 @@ class _GraphedStep:
         # are None at capture; the one hook that reads them, DDP's all-reduce, waits for that stream)
         from lowbit.nn.functional import wgrad_on_side_stream
 
-        side = wgrad_on_side_stream(True)
+        side = wgrad_on_side_stream(self.side_wgrad)
         with torch.cuda.graph(g, capture_error_mode=self.capture_mode), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
@@ -693,6 +706,8 @@ class _GraphedStep:
             scale = None
             if grad_clip > 0:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
+                if hasattr(norm, "full_tensor"):  # (FSDP2's sharded gradients: the norm over every rank's shards)
+                    norm = norm.full_tensor()
                 bad = bad | ~torch.isfinite(norm)
                 scale = 1.0 / torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
             self.skip = distributed.any_rank_tensor(bad.float(), self.group)
@@ -912,23 +927,29 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         return loss.detach().double()
 
     # DDP under CUDA graphs: each gradient averaged across ranks as the last micro-batch's backward makes it, the
-    # loss summed, all inside the captured step (grad_sync.GradAllReduce)
+    # loss summed, all inside the captured step (grad_sync.GradAllReduce); FSDP2 under CUDA graphs: its hooks'
+    # all-gathers and reduce-scatters captured as they run, the loss summed at the end
     reducer = None
-    if use_graph and d.active:
+    fsdp = c.fsdp and d.active
+    if use_graph and d.active and not fsdp:
         from .grad_sync import GradAllReduce
 
         reducer = GradAllReduce(list(model.parameters()), d.group)
 
     def run_micro(xs, ys, loss_sum):
-        """The graph's body: every micro-batch's forward and backward from the static inputs (under DDP, the
-        gradients averaged and the loss summed across ranks)."""
+        """The graph's body: every micro-batch's forward and backward from the static inputs (with several ranks,
+        the gradients averaged (DDP) or reduce-scattered (FSDP2), and the loss summed across them)."""
         loss_sum.zero_()
         for m in range(c.grad_accum):
             if reducer is not None and m == c.grad_accum - 1:
                 reducer.arm()
+            if fsdp:  # (the earlier micro-batches accumulate unsharded gradients; the last one reduce-scatters)
+                model.set_requires_gradient_sync(m == c.grad_accum - 1)
             loss_sum += micro_step(xs[m], ys[m], m)
         if reducer is not None:
             reducer.finish(loss_sum)
+        elif fsdp:
+            _all_sum(loss_sum, d)
 
     graphed = None
     if use_graph:
@@ -936,10 +957,11 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                                [p for p in model.parameters() if p.requires_grad], d.device,
                                quantized=recipe is not None,
                                prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None,
-                               group=d.group if d.active else None)
+                               group=d.group if d.active else None, side_wgrad=not fsdp)
     _say(d, c,
          f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}"
-         + (" with the gradient all-reduce inside" if reducer is not None else ""),
+         + (" with the gradient all-reduce inside" if reducer is not None else "")
+         + (" with FSDP2's all-gathers and reduce-scatters inside" if use_graph and fsdp else ""),
          bar)
 
     # (testing) --fault-steps: the first block's input plus a device scalar, inf at those steps and 0 elsewhere
@@ -1065,9 +1087,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                         if isinstance(e, torch.OutOfMemoryError):
                             raise
                         raise RuntimeError(
-                            f"CUDA-graph capture of the {'DDP ' if d.active else ''}training step failed: {e}. "
-                            "Run with --cuda-graph off to train eagerly"
-                            + (" (torch's DDP)" if d.active else "")) from e
+                            f"CUDA-graph capture of the {('FSDP2 ' if fsdp else 'DDP ') if d.active else ''}training "
+                            f"step failed: {e}. Run with --cuda-graph off to train eagerly"
+                            + (" (torch's DDP)" if d.active and not fsdp else "")) from e
                     if graphed.arena is not None and step == start and graphed.arena.used + graphed.arena.missed:
                         a = graphed.arena
                         _say(d, c,
