@@ -21,20 +21,22 @@ from lowbit.train.loop import TrainConfig, train
 TOL_FIRST, TOL = 2e-5, 1e-3
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-accum"])
 def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mode):
+    """(fsdp-accum: each rank's 4 rows as 2 accumulated micro-batches: FSDP2 gathers the weights afresh for each)"""
     recipe = "fp8-block"
     common = ["--recipe", recipe, "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir,
               # (gloo, also on a GPU machine)
               "--eval-every", "4", "--eval-windows", "8", "--no-progress", "--device", "cpu"]
     env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lowbit.train.cli", *common, "--batch-size", "4", "--out-dir", str(tmp_path / "ddp"),
-           *(["--fsdp"] if mode == "fsdp" else [])]
+           "-m", "lowbit.train.cli", *common, "--out-dir", str(tmp_path / "ddp"),
+           *(["--batch-size", "2", "--grad-accum", "2"] if mode == "fsdp-accum" else ["--batch-size", "4"]),
+           *(["--fsdp"] if mode.startswith("fsdp") else [])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
-    assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["fsdp"] == (mode == "fsdp")
+    assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["fsdp"] == mode.startswith("fsdp")
 
     # one process, same global batch of 8: as one micro-batch, and as 2 accumulated micro-batches of 4
     base = dict(recipe=recipe, steps=4, seq_len=64, data=small_text, cache_dir=cache_dir, eval_every=4, eval_windows=8,

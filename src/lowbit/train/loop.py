@@ -917,12 +917,17 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                f"attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
+    fsdp = c.fsdp and d.active
+    # the weights quantized once a step and reused by its later micro-batches (is_first_microbatch); not under
+    # FSDP2, which gathers every weight afresh for each micro-batch
+    reuse_weights = c.grad_accum > 1 and not fsdp
+
     def micro_step(x, y, m: int) -> torch.Tensor:
         """Forward and backward of micro-batch ``m`` (gradients accumulate); returns its loss (float64, detached)."""
         if c.compile_mode == "reduce-overhead":  # (torch's graphs may overwrite the last replay's outputs from here)
             torch.compiler.cudagraph_mark_step_begin()
         with amp(), lowbit_ctx():
-            _, loss = model(x, y, is_first_microbatch=(m == 0) if c.grad_accum > 1 else None)
+            _, loss = model(x, y, is_first_microbatch=(m == 0) if reuse_weights else None)
         (loss / c.grad_accum).backward()
         return loss.detach().double()
 
@@ -930,7 +935,6 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     # loss summed, all inside the captured step (grad_sync.GradAllReduce); FSDP2 under CUDA graphs: its hooks'
     # all-gathers and reduce-scatters captured as they run, the loss summed at the end
     reducer = None
-    fsdp = c.fsdp and d.active
     if use_graph and d.active and not fsdp:
         from .grad_sync import GradAllReduce
 
