@@ -6,8 +6,9 @@ For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.r
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
 ``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag`` and ``ddp`` run inside
 ``lowbit train``'s CUDA graphs on CUDA, their collectives captured with the step, ``fsdp-eager`` and ``ddp-eager``
-without), every run with the same per-GPU batch; and, for the loss check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
-each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
+without), every run with the same per-GPU batch; and, for the loss check, one process with ``--grad-accum N``: the same
+global batch as N GPUs, micro-batch for micro-batch. It reads each run's ``summary.json`` and writes a table (markdown
+and JSON) and a plot (matplotlib, when installed).
 
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
 **x graphed** = tokens/s over one CUDA-graphed GPU's (the baseline of the scaling targets: 1.85 on 2 GPUs, 3.6 on 4),
