@@ -411,7 +411,20 @@ def validation_loss(model, corpus, offsets, seq_len: int, batch_size: int, d: Di
         if on_batch is not None:
             on_batch(i + 1, n_batches)
     _all_sum(tot, d)
+    _reshard(model)
     return float(tot[0] / tot[1])
+
+
+def _reshard(model) -> None:
+    """Free FSDP2's gathered weights of ``model`` (a no-op elsewhere). FSDP2 keeps the root's weights gathered after
+    a forward, for its backward, and gathers them again only once a backward has freed them; an evaluation has no
+    backward, and a replayed CUDA-graph step runs none of FSDP2's hooks, so without this the next evaluation would run
+    on the weights gathered for the last one, before the steps in between updated them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _say(d: Dist, c: TrainConfig, msg: str, bar=None) -> None:
