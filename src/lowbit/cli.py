@@ -20,6 +20,7 @@ BENCHES = {
     "attention": "lowbit.bench.attention",
     "optim": "lowbit.bench.optim",
     "model": "lowbit.bench.model",
+    "prefill": "lowbit.bench.prefill",
     "scale": "lowbit.bench.scale",
 }
 
@@ -203,8 +204,8 @@ COMMANDS = {
     "demo": (cmd_demo, "the embedded default: short training runs under BF16 / FP8 / NVFP4, with a report"),
     "train": (cmd_train, "train a GPT under a recipe (see `lowbit train --help`)"),
     "eval": (cmd_eval, "a checkpoint's validation loss with each attention variant (SDPA, INT8, FP8) and the gaps"),
-    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim, model; scale: lowbit "
-                         "train over GPUs"),
+    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim, model, prefill; "
+                         "scale: lowbit train over GPUs"),
     "quant-demo": (cmd_quant_demo, "per-format quantization error and memory tables"),
 }
 

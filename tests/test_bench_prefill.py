@@ -1,0 +1,46 @@
+"""``lowbit bench prefill`` on the CPU: the tiny model's variants run, lowbit's attention serves the calls, the
+quantized variants' logits differ from SDPA's (and SDPA's own row has no error), and the bound's arithmetic."""
+import json
+import math
+
+import pytest
+
+from lowbit.bench import prefill
+
+
+def test_cpu_run_writes_rows(tmp_path):
+    out = tmp_path / "prefill.md"
+    rc = prefill.main(["--device", "cpu", "--reps", "1", "--warmup", "1", "--seq-len", "48",
+                       "--variants", "sdpa,int8-bf16,fp8-block+sdpa", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((tmp_path / "prefill.md.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert all(r["status"] == "ok" and r["ttft_ms"] > 0 for r in rows.values()), rows
+    assert rows["sdpa"]["nrmse"] is None and "served" not in rows["sdpa"]
+    # tiny: 2 layers, one attention call each a forward; 1 timed call + 1 queued after the snapshot
+    assert rows["int8-bf16"]["served"] == rows["int8-bf16"]["attention_calls"] == 4
+    assert rows["fp8-block+sdpa"]["converted"] > 0
+    for v in ("int8-bf16", "fp8-block+sdpa"):
+        assert 0 < rows[v]["nrmse"] < 0.2, rows[v]
+    assert data["bounds"] == []  # (CUDA only)
+    assert "| int8-bf16 |" in out.read_text()
+
+
+@pytest.mark.parametrize("variant,msg", [("flash", "the attention must be one of sdpa, int8-fp8, int8-bf16, got 'flash'"),
+                                         ("fp9+sdpa", "the recipe must be one of .*got 'fp9'")])
+def test_bad_variant_names_the_rule(variant, msg):
+    with pytest.raises(ValueError, match=f"--variants: '{variant.replace('+', '[+]')}': {msg}"):
+        prefill.resolve(prefill.parse_args(["--device", "cpu", "--variants", variant]))
+
+
+def test_bad_numbers_and_exit_status(capsys):
+    assert prefill.main(["--device", "cpu", "--seq-len", "1"]) == 2
+    assert "--seq-len: must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_bound_is_amdahl():
+    """Attention at half SDPA's time, SDPA's attention 40% of the TTFT: the prefill can gain at most 1/(1-0.2)."""
+    rows = [{"variant": "sdpa", "status": "ok", "ttft_ms": 100.0}]
+    b = prefill.bound_rows(rows, {"sdpa": 2.0, "int8-fp8": 1.0}, layers=20)
+    assert len(b) == 1 and b[0]["x_sdpa"] == 2.0
+    assert math.isclose(b[0]["share"], 0.4) and math.isclose(b[0]["bound"], 1 / 0.8)
