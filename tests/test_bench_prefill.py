@@ -26,8 +26,9 @@ def test_cpu_run_writes_rows(tmp_path):
     assert "| int8-bf16 |" in out.read_text()
 
 
-@pytest.mark.parametrize("variant,msg", [("flash", "the attention must be one of sdpa, int8-fp8, int8-bf16, got 'flash'"),
-                                         ("fp9+sdpa", "the recipe must be one of .*got 'fp9'")])
+@pytest.mark.parametrize("variant,msg", [
+    ("flash", "the attention must be one of sdpa, int8-fp8, int8-bf16, got 'flash'"),
+    ("fp9+sdpa", "the recipe must be one of .*got 'fp9'")])
 def test_bad_variant_names_the_rule(variant, msg):
     with pytest.raises(ValueError, match=f"--variants: '{variant.replace('+', '[+]')}': {msg}"):
         prefill.resolve(prefill.parse_args(["--device", "cpu", "--variants", variant]))
