@@ -21,9 +21,10 @@ from lowbit.train.loop import TrainConfig, train
 TOL_FIRST, TOL = 2e-5, 1e-3
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-accum"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-accum", "fsdp-keep"])
 def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mode):
-    """(fsdp-accum: each rank's 4 rows as 2 accumulated micro-batches: FSDP2 gathers the weights afresh for each)"""
+    """(fsdp-accum: each rank's 4 rows as 2 accumulated micro-batches: FSDP2 gathers the weights afresh for each;
+    fsdp-keep: each block's gathered weights kept from its forward to its backward)"""
     recipe = "fp8-block"
     common = ["--recipe", recipe, "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir", cache_dir,
               # (gloo, also on a GPU machine)
@@ -32,11 +33,13 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "lowbit.train.cli", *common, "--out-dir", str(tmp_path / "ddp"),
            *(["--batch-size", "2", "--grad-accum", "2"] if mode == "fsdp-accum" else ["--batch-size", "4"]),
-           *(["--fsdp"] if mode.startswith("fsdp") else [])]
+           *(["--fsdp"] if mode.startswith("fsdp") else []),
+           *(["--fsdp-keep-gathered"] if mode == "fsdp-keep" else [])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["fsdp"] == mode.startswith("fsdp")
+    assert ddp["fsdp_reshard_after_forward"] == ({"fsdp-keep": False, "ddp": None}.get(mode, True))
 
     # one process, same global batch of 8: as one micro-batch, and as 2 accumulated micro-batches of 4
     base = dict(recipe=recipe, steps=4, seq_len=64, data=small_text, cache_dir=cache_dir, eval_every=4, eval_windows=8,
@@ -85,7 +88,9 @@ def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recip
     (dict(fp8_all_gather=True, fsdp=True, recipe="mxfp8"), "recipe 'mxfp8'"),
     (dict(fp8_all_gather=True, fsdp=True, compile=True), "compile=True"),
     (dict(fp8_all_gather=1, fsdp=True), "expected a bool"),
+    (dict(fsdp_reshard_after_forward=False), "fsdp_reshard_after_forward: False needs fsdp=True"),
+    (dict(fsdp_reshard_after_forward=0, fsdp=True), "fsdp_reshard_after_forward: expected a bool, got 0"),
 ])
-def test_fp8_all_gather_config_errors(kw, match):
+def test_fsdp_config_errors(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         TrainConfig(**{"recipe": "fp8-block", **kw}).validate()

@@ -4,7 +4,8 @@ per-GPU batch.
 For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.run`` for more than one) on one GPU
 (CUDA-graphed, eager, and compiled where a compile mode is asked for: the references), then on each GPU count of
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
-``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag`` and ``ddp`` run inside
+``fsdp-keep``: FSDP2 keeping each block's gathered weights from its forward to its backward, ``fsdp-compile`` /
+``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag``, ``fsdp-keep`` and ``ddp`` run inside
 ``lowbit train``'s CUDA graphs on CUDA, their collectives captured with the step, ``fsdp-eager`` and ``ddp-eager``
 without), every run with the same per-GPU batch; and, for the loss check, one process with ``--grad-accum N``: the same
 global batch as N GPUs, micro-batch for micro-batch. It reads each run's ``summary.json`` and writes a table (markdown
@@ -52,6 +53,7 @@ MODES = {
     "fsdp-fp8ag": ["--fsdp", "--fp8-all-gather"],
     "fsdp-compile": ["--fsdp", "--compile"],
     "fsdp-eager": ["--fsdp", "--cuda-graph", "off"],
+    "fsdp-keep": ["--fsdp", "--fsdp-keep-gathered"],
     "ddp": [],
     "ddp-eager": ["--cuda-graph", "off"],
     "ddp-compile": ["--compile"],

@@ -128,10 +128,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp: all-gather the FP8 weight copies (fp8-block: 128x128 tiles, fp8-current and "
                         "fp8-delayed: per-tensor) instead of FP32 shards, bit-identical to quantizing the whole weight")
+    g.add_argument("--fsdp-keep-gathered", action="store_true",
+                   help="with --fsdp: keep each block's gathered weights from its forward to its backward (one "
+                        "all-gather a block a step instead of two; the unsharded weights held through the step)")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="replay each step's forwards+backwards as one CUDA graph (auto: one GPU, recipes "
-                        "bf16/fp8-current/"
-                        "fp8-block/mxfp8; removes the per-kernel host cost of the eager path)")
+                   help="replay each step as CUDA graphs (auto: on CUDA, one GPU, DDP or FSDP2, their collectives "
+                        "captured; recipes bf16/fp8-current/fp8-block/mxfp8/nvfp4; removes the per-kernel host cost "
+                        "of the eager path)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (one shared graph; before FSDP2 sharding) instead of "
                         "lowbit's own CUDA graphs")
@@ -176,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save,
         overwrite=args.overwrite, on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device,
-        dtype=args.dtype, fsdp=args.fsdp, fp8_all_gather=args.fp8_all_gather, cuda_graph=args.cuda_graph,
+        dtype=args.dtype, fsdp=args.fsdp, fp8_all_gather=args.fp8_all_gather,
+        fsdp_reshard_after_forward=not args.fsdp_keep_gathered, cuda_graph=args.cuda_graph,
         compile=args.compile, compile_mode=args.compile_mode,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,

@@ -96,6 +96,10 @@ class TrainConfig:
     for fp8-block) instead of their FP32 shards, bit-identical to quantizing the whole weight
     (:func:`lowbit.nn.fp8_all_gather`; a weight whose shards are not whole 128-row tiles, or a tied one, gathers in
     FP32). Recipes fp8-block and fp8-current only; not with ``compile``."""
+    fsdp_reshard_after_forward: bool = True
+    """With ``fsdp``: free each block's gathered weights after its forward and gather them again for its backward
+    (FSDP2's default, the least memory); False keeps them from the forward to the backward (one all-gather a block a
+    step instead of two, the block's unsharded weights held through the step, as ZeRO-2 holds them)."""
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
     ``"auto"`` where it is safe (on CUDA: one process, or DDP or FSDP2 with an NCCL that captures collectives, the
@@ -203,6 +207,11 @@ class TrainConfig:
             if self.compile:
                 raise ValueError("fp8_all_gather: True with compile=True is not supported (torch.compile cannot trace "
                                  "the gathered FP8 weights); drop one of them")
+        if not isinstance(self.fsdp_reshard_after_forward, bool):
+            raise TypeError(f"fsdp_reshard_after_forward: expected a bool, got {self.fsdp_reshard_after_forward!r}")
+        if not self.fsdp_reshard_after_forward and not self.fsdp:
+            raise ValueError("fsdp_reshard_after_forward: False needs fsdp=True (it is FSDP2's setting); got "
+                             "fsdp=False")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.compile_mode != "default":
@@ -483,7 +492,7 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
             n_hp = sum(v is not None for v in plan.values())
             _say(d, c, f"[lowbit] --fp8-all-gather: {len(plan) - n_hp} weights gather in FP8, {n_hp} in FP32")
         for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
+            fully_shard(blk, mesh=mesh, reshard_after_forward=c.fsdp_reshard_after_forward)
         fully_shard(model, mesh=mesh)
         return model
     if use_graph:
@@ -1323,6 +1332,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "history": history, "events": events,
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": bool(c.fsdp and d.active),
+        "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if c.fsdp and d.active else None,
         "fp8_all_gather": bool(c.fp8_all_gather and c.fsdp and d.active), "compile": c.compile,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
