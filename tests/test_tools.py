@@ -1,4 +1,4 @@
-"""The maintainer tools in ``tools/``: few, documented, and using only lowbit's public names (issue 42).
+"""The maintainer tools in ``tools/``: few, documented, and using only lowbit's public names.
 
 Each Python tool has a module docstring, compiles, answers ``--help`` without a GPU, and imports nothing private
 from lowbit (no ``from lowbit.x import _name``, no ``lowbit.x._y`` module, no ``mod._name`` of a lowbit module);

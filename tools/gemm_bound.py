@@ -1,5 +1,5 @@
 """How fast can the GPT presets' twelve GEMMs a layer get in FP8? BF16 against FP8 tensorwise and FP8 blockwise
-(issue 7 diagnostic: the bound on the fp8-block / BF16 step ratio).
+(the bound on the fp8-block / BF16 step ratio).
 
 For each linear layer of a block (qkv, proj, fc1, fc2) it times the forward (Y = X·Wᵀ), data-gradient (dX = dY·W)
 and weight-gradient (dW = dYᵀ·X) GEMMs over the step's tokens, each from a CUDA graph:

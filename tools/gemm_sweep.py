@@ -1,4 +1,4 @@
-"""Every Gluon FP8 GEMM config forced alone, against cuBLAS and torchao (issue 3).
+"""Every Gluon FP8 GEMM config forced alone, against cuBLAS and torchao.
 
 FP8 1x128 · 128x128 blockwise GEMM: each Gluon candidate (the one-tile kernel and each entry of
 ``lowbit.gemm.triton_backend.WS_CONFIGS``) forced alone, against cuBLAS blockwise and torchao's Triton kernel; the

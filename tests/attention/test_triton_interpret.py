@@ -322,7 +322,7 @@ def _run_variant(tri, name):
 
 
 def test_kernel_variants_never_reused_across_ab_runs(tri):
-    """Issue 5: compiled-kernel caches are keyed on every dtype and quantization setting, so A/B runs never reuse
+    """Compiled-kernel caches are keyed on every dtype and quantization setting, so A/B runs never reuse
     the wrong variant. Variants are interleaved on the same shapes (A B A C A ... : int8/bf16 -> int8/fp8 ->
     int8/bf16 ...); every run must (1) give bit for bit what that variant gave on its first run and (2) match its
     own tiled quantized reference far more closely than any other variant's (the references of the two closest

@@ -1,4 +1,4 @@
-"""Checkpoint safety (issue 44): digests, field validation, kept checkpoints with fallback, the out-dir lock and
+"""Checkpoint safety: digests, field validation, kept checkpoints with fallback, the out-dir lock and
 Ctrl-C. CPU, the tiny preset, a few steps."""
 
 import os
