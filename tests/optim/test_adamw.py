@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lowbit.nn.functional import _WEIGHT_LAYERS, GemmLayer
+from lowbit.nn.functional import GemmLayer, record_weight_layer
 from lowbit.optim import AdamW
 from lowbit.optim.reference import adamw_step_reference
 from lowbit.quant.reference import quantize_reference
@@ -32,7 +32,7 @@ def _params(device, shapes, gen, sch=SCH):
     for i, s in enumerate(shapes):
         p = torch.nn.Parameter(torch.randn(*s, generator=gen).mul_(0.05 * (i + 1)).to(device))
         layer = GemmLayer(_Owner())
-        _WEIGHT_LAYERS[p] = (layer, sch)  # what a lowbit forward records
+        record_weight_layer(p, layer, sch)  # what a lowbit forward records
         ps.append(p)
         layers.append(layer)
     return ps, layers
@@ -330,3 +330,23 @@ def test_kernel_compiles_for_sm90():
     if got is not None:
         assert "STL" not in got[0] and "LDL" not in got[0]
         assert got[1] <= 128, f"{got[1]} registers"
+
+
+def test_weight_registry_keeps_no_model_alive():
+    """The weight -> layer record an optimizer reads (what an fp8-block forward makes for an FP32 CUDA weight) holds
+    neither: while the module lives, the record gives its layer; once the module is dropped, the module, its layer
+    and its weight are freed (a strong reference to the layer kept every such model alive for the whole process)."""
+    import gc
+    import weakref
+
+    import lowbit.nn as lnn
+    from lowbit.nn.functional import weight_layer
+
+    lin = lnn.Linear(256, 128)
+    layer = next(iter(lin._gemms.values()))
+    record_weight_layer(lin.weight, layer, SCH)
+    assert weight_layer(lin.weight) == (layer, SCH)
+    refs = [weakref.ref(o) for o in (lin, layer, lin.weight)]
+    del lin, layer
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]

@@ -43,11 +43,12 @@ def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: in
     n = sum(a * b for a, b in shapes)
     print(f"[optim] {preset}: {len(shapes)} weights, {n / 1e9:.3f}e9 elements", flush=True)
     gen = torch.Generator(device=dev).manual_seed(0)
-    ps = []
+    ps, layers = [], []  # (the registry holds the layers weakly: kept alive here)
     for a, b in shapes:
         p = torch.nn.Parameter(torch.randn(a, b, device=dev, generator=gen) * 0.02)
         p.grad = torch.randn(a, b, device=dev, generator=gen) * 1e-3
-        record_weight_layer(p, GemmLayer(object()), sch)
+        layers.append(GemmLayer(object()))
+        record_weight_layer(p, layers[-1], sch)
         ps.append(p)
     big = torch.empty(2**28, device=dev)  # 1 GiB FP32
     big2 = torch.empty_like(big)

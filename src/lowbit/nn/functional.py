@@ -73,23 +73,29 @@ def fresh_weight_scheme(w: torch.Tensor, recipe: Recipe):
     return sch
 
 
-# weight tensor -> (the GemmLayer that quantizes it, the scheme), recorded by the forward where fresh_weight_scheme
-# allows; lowbit.optim.AdamW looks its parameters up here. Keyed by identity, held weakly.
+# weight tensor -> (a weak reference to the GemmLayer that quantizes it, the scheme), recorded by the forward where
+# fresh_weight_scheme allows; lowbit.optim.AdamW looks its parameters up here. Keyed by identity, held weakly, and the
+# layer held weakly too: its module holds the weight, so a strong reference from the value would keep the key, the
+# layer and the whole module alive for the life of the process (every model trained under fp8-block leaked).
 _WEIGHT_LAYERS = WeakIdKeyDictionary()
 
 
 def weight_layer(w: torch.Tensor):
     """``(GemmLayer, scheme)`` of a weight a lowbit forward quantized with a scheme an optimizer may write itself
-    (:func:`fresh_weight_scheme`), or None."""
-    return _WEIGHT_LAYERS.get(w)
+    (:func:`fresh_weight_scheme`), or None (never recorded, or its layer is gone)."""
+    e = _WEIGHT_LAYERS.get(w)
+    if e is None:
+        return None
+    layer = e[0]()
+    return None if layer is None else (layer, e[1])
 
 
 def record_weight_layer(w: torch.Tensor, layer: "GemmLayer", scheme) -> None:
     """Record that ``layer`` quantizes weight ``w`` with ``scheme`` (what a forward does; for benchmarks that step an
-    optimizer over weights no forward has seen)."""
+    optimizer over weights no forward has seen). The record holds neither: it lasts while both are alive."""
     if not (isinstance(scheme, Float8Blockwise) and scheme.block_dim == 2):
         raise ValueError(f"scheme: an optimizer writes 128x128 blockwise FP8 copies only, got {scheme!r}")
-    _WEIGHT_LAYERS[w] = (layer, scheme)
+    _WEIGHT_LAYERS[w] = (weakref.ref(layer), scheme)
 
 
 class FreshWeight:
@@ -359,7 +365,7 @@ class GemmLayer:
         if sch is not None:
             e = weight_layer(w)
             if e is None or e[0] is not self or e[1] != sch:
-                _WEIGHT_LAYERS[w] = (self, sch)
+                record_weight_layer(w, self, sch)
             f = self.fresh
             if f is not None and f.valid_for(w, sch):
                 q = f.q
