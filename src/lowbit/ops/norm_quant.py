@@ -25,6 +25,7 @@ from ..quant.tensor import QuantizedTensor
 from ..runtime import env
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
+from ..runtime.launch import remember
 from ..runtime.log import declined
 
 __all__ = ["rmsnorm_quantize_1x128", "rmsnorm_quantize_reference", "rmsnorm_rstd_reference", "norm_quant_fusable",
@@ -173,7 +174,7 @@ def _quant_configs(rowwise: bool, columnwise: bool) -> list[dict]:
     return [dict(BM=128, SLAB=32, num_warps=4), dict(BM=128, SLAB=32, num_warps=4, UNROLL=4)]
 
 
-_PLANS: dict = {}
+_PLANS: dict = {}  # (M, K, scheme, rowwise, columnwise) -> (BlockwisePlan, regs_ok): bounded (runtime.launch.remember)
 
 
 def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme, *, rowwise: bool = True,
@@ -222,8 +223,9 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     key = (M, Kd, scheme, rowwise, columnwise)
     entry = _PLANS.get(key)
     if entry is None:  # (the plan, and whether the register-tile kernel may run: both follow from the key)
-        entry = _PLANS[key] = (BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device),
-                               regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise, columnwise))
+        entry = remember(_PLANS, key, (BlockwisePlan(M, Kd, scheme, rowwise, columnwise, x.device),
+                                       regs_ok(x.view(M, Kd), scheme.block_size, scheme.block_dim == 2, rowwise,
+                                               columnwise)))
     plan, regs = entry
     bufs = blockwise_buffers(plan, scheme.format, x.device, rowwise, columnwise)
     args = blockwise_args(plan, *bufs)

@@ -16,6 +16,7 @@ from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..quant.tensor import QuantizedTensor
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
+from ..runtime.launch import remember
 from ..runtime.log import declined
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_backward_reference", "swiglu_op",
@@ -365,7 +366,8 @@ if triton is not None:
         tl.atomic_max(amax_ptr, amax, sem="relaxed")
 
 
-# (M, F, dtype, scheme, rowwise, columnwise) -> (the quantizer's BlockwisePlan for h, whether _regs_runs)
+# (M, F, dtype, scheme, rowwise, columnwise) -> (the quantizer's BlockwisePlan for h, whether _regs_runs); bounded by
+# runtime.launch.remember (a server sees every length)
 _PLANS: dict = {}
 
 # slab rows, warps, unroll of the two walks (the first is the default without autotuning / in the interpreter)
@@ -441,7 +443,7 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         plan = BlockwisePlan(M, F, scheme, rowwise, columnwise, u.device)
         plan.kw = {k: v for k, v in plan.kw.items() if k not in ("TWO_D", "BS")}  # (1x128 here)
         plan.kw["DT"] = tl.bfloat16 if u.dtype == torch.bfloat16 else tl.float16
-        entry = _PLANS[key] = (plan, _regs_runs(u, rowwise, columnwise))
+        entry = remember(_PLANS, key, (plan, _regs_runs(u, rowwise, columnwise)))
     plan, regs = entry
     bufs = blockwise_buffers(plan, scheme.format, u.device, rowwise, columnwise)
     args = (u, *blockwise_args(plan, *bufs))
