@@ -5,6 +5,14 @@ blockwise 1x128·128x128 (``F.scaled_mm``, where this torch offers it); torchao'
 kernel (only if torchao is importable); lowbit's Triton blockwise GEMM (1x128 · 128x128, BF16 out);
 lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused per-tile unpack). Median time by
 ``triton.testing.do_bench``; TFLOP/s = 2·M·N·K / t; ratios against BF16 and cuBLAS blockwise.
+
+``--layers 350m,1.3b`` times instead the three GEMMs of each linear layer of those GPT presets over the tokens of one
+``lowbit train`` step (``--tokens``), as the fp8-block recipe pairs them: fprop Y = X·Wᵀ and dgrad dX = dY·W (1x128
+activations or gradients against the 128x128 weight, BF16 out), wgrad dW = dYᵀ·X (1x128 against 1x128 along the
+tokens, FP32 out). Each against BF16 ``torch.mm``, cuBLAS FP8 tensorwise, cuBLAS blockwise (lowbit's ``cublas``
+backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for wgrad) and lowbit's Triton backend;
+wgrad also as ``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
+call (the small layer GEMMs would otherwise show the host).
 """
 
 from __future__ import annotations
@@ -18,6 +26,27 @@ from ..runtime.env import override
 from . import git_commit, median_ms, table_main
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 4096)]
+LAYER_TOKENS = {"350m": 8 * 2048, "1.3b": 4 * 2048}
+"""Tokens of one ``lowbit train`` step of each preset (batch x 2048, as BENCHMARKS runs them)."""
+
+
+def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
+    """(layer, out features, in features) of the linear layers of one block of the GPT ``preset``."""
+    from lowbit.models.gpt import config_from_preset
+
+    c = config_from_preset(preset)
+    d, f = c.d_model, c.ffn_hidden
+    return [("qkv", 3 * d, d), ("proj", d, d), ("fc1", 2 * f, d), ("fc2", d, f)]
+
+
+def layer_gemms(preset: str, tokens: int) -> list[tuple[str, str, int, int, int]]:
+    """(layer, pairing, M, K, N) of the three GEMMs of each linear layer of one block of the GPT ``preset`` over
+    ``tokens``: fprop (tokens, in, out), dgrad (tokens, out, in), wgrad (out, tokens, in)."""
+    out = []
+    for name, n_out, k_in in layer_shapes(preset):
+        out += [(name, "fprop", tokens, k_in, n_out), (name, "dgrad", tokens, n_out, k_in),
+                (name, "wgrad", n_out, tokens, k_in)]
+    return out
 
 
 def time_ms(fn, rep=100) -> float | None:
@@ -87,13 +116,109 @@ def _run_shape(M, K, N, rep, rows):
                                                                 backend="triton_dequant"), rep)
     res["lowbit mxfp8 fused emulated"] = time_ms(lambda: scaled_mm(ma, mb, out_dtype=torch.bfloat16,
                                                                   backend="triton_emulated"), rep)
+    _append_rows(rows, f"{M}x{K}x{N}", flops, res)
+
+
+def _graph_ms(fn, rep) -> float | None:
+    """GPU time of ``fn`` replayed from a CUDA graph (None, with the reason printed, where it fails)."""
+    from . import capture
+
+    try:
+        g = capture(fn)
+        return median_ms(g.replay, rep=rep)
+    except Exception as e:  # noqa: BLE001 - report the peer as unavailable rather than abort the run
+        print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+        return None
+
+
+def _layer_calls(x, dy, w, qx, qdy, qw):
+    """{pairing: {kernel: fn}} for one linear layer's operands (codes and scales made here, outside the timing)."""
+    from lowbit.gemm import scaled_mm, wgrad_mm
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    one = torch.ones((), device=x.device)
+
+    def tensorwise(a, bt, out_dtype):  # (unit scales: the operands are randn, inside E4M3's range)
+        qa, qb = a.to(torch.float8_e4m3fn).contiguous(), bt.to(torch.float8_e4m3fn).contiguous()
+        return lambda: torch._scaled_mm(qa, qb.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+    calls = {
+        "fprop": {"bf16 torch.mm": lambda: torch.mm(x, w.t()),
+                  "cuBLAS fp8 tensorwise": tensorwise(x, w, bf16),
+                  "cuBLAS fp8 blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"),
+                  "lowbit triton blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="triton")},
+        "dgrad": {"bf16 torch.mm": lambda: torch.mm(dy, w),
+                  "cuBLAS fp8 tensorwise": tensorwise(dy, w.t(), bf16),
+                  "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
+                                                            backend="cublas"),
+                  "lowbit triton blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
+                                                               backend="triton")},
+        "wgrad": {"bf16 torch.mm": lambda: torch.mm(dy.t(), x),
+                  "cuBLAS fp8 tensorwise": tensorwise(dy.t(), x.t(), f32),
+                  "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
+                                                            out_dtype=f32, backend="cublas"),
+                  "lowbit triton blockwise": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
+                                                               out_dtype=f32, backend="triton"),
+                  "lowbit wgrad_mm": lambda: wgrad_mm(qdy, qx, out_dtype=f32)},
+    }
+    try:  # torchao's Triton kernels, in the layouts they assert (row-major A, column-major B, their scale layouts)
+        from torchao.prototype.blockwise_fp8_training.kernels import (  # type: ignore
+            triton_fp8_gemm_1x128_128x1,
+            triton_fp8_gemm_1x128_128x128,
+        )
+
+        def col_major(t):
+            return t.t().contiguous().t()
+
+        calls["fprop"]["torchao triton blockwise"] = lambda: triton_fp8_gemm_1x128_128x128(
+            qx.rowwise.data, qw.rowwise.data.t(), qx.logical_scales(), qw.logical_scales().t())
+        calls["dgrad"]["torchao triton blockwise"] = lambda: triton_fp8_gemm_1x128_128x128(
+            qdy.rowwise.data, qw.columnwise.data.t(), qdy.logical_scales(), qw.logical_scales("columnwise").t())
+        a_s = col_major(qdy.logical_scales("columnwise"))
+        b_s = qx.logical_scales("columnwise").t().contiguous()
+        calls["wgrad"]["torchao triton blockwise"] = lambda: triton_fp8_gemm_1x128_128x1(
+            qdy.columnwise.data, qx.columnwise.data.t(), a_s, b_s)
+    except Exception as e:  # noqa: BLE001 - any import problem means "no torchao rows"
+        print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
+    return calls
+
+
+def run_layers(presets, tokens, rep=100):
+    """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``."""
+    from lowbit.quant import Float8Blockwise, quantize
+
+    rows = []
+    dev = torch.device("cuda")
+    for preset in presets:
+        T = tokens or LAYER_TOKENS[preset]
+        gemms = {(layer, pairing): (M, K, N) for layer, pairing, M, K, N in layer_gemms(preset, T)}
+        for layer, n_out, k_in in layer_shapes(preset):
+            x = torch.randn(T, k_in, device=dev, dtype=torch.bfloat16)
+            dy = torch.randn(T, n_out, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16)
+            act = Float8Blockwise()
+            qx = quantize(x, act, rowwise=True, columnwise=True)
+            qdy = quantize(dy, act, rowwise=True, columnwise=True)
+            qw = quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
+            for pairing, fns in _layer_calls(x, dy, w, qx, qdy, qw).items():
+                M, K, N = gemms[(layer, pairing)]
+                label = f"{preset} {layer} {pairing} {M}x{K}x{N}"
+                print(f"[gemm] {label}", flush=True)
+                res = {k: _graph_ms(fn, rep) for k, fn in fns.items()}
+                _append_rows(rows, label, 2.0 * M * N * K, res)
+            del x, dy, w, qx, qdy, qw
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _append_rows(rows, label, flops, res):
     bf = res.get("bf16 torch.mm")
     cb = res.get("cuBLAS fp8 blockwise")
     for name, t in res.items():
         if t is None:
             continue
         tf = flops / t * 1e-9
-        rows.append((f"{M}x{K}x{N}", name, t, tf, bf / t if bf else None, cb / t if cb else None))
+        rows.append((label, name, t, tf, bf / t if bf else None, cb / t if cb else None))
         print(f"    {name:28s} {t * 1e3:9.1f} us {tf:8.1f} TFLOP/s  x{(bf / t) if bf else float('nan'):.2f} vs bf16"
               f"  x{(cb / t) if cb else float('nan'):.2f} vs cuBLAS blockwise", flush=True)
 
@@ -118,10 +243,43 @@ def markdown(rows) -> str:
     return "\n".join(out) + "\n"
 
 
+def parse_layers(argv=None):
+    """(the ``--layers`` presets or None, ``--tokens`` or None, the other arguments); ValueError naming a bad one."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--layers", default=None)
+    p.add_argument("--tokens", type=int, default=None)
+    args, rest = p.parse_known_args(argv)
+    presets = None
+    if args.layers is not None:
+        presets = [v.strip() for v in args.layers.split(",") if v.strip()]
+        bad = [v for v in presets if v not in LAYER_TOKENS]
+        if bad or not presets:
+            raise ValueError(f"--layers: expected presets from {', '.join(LAYER_TOKENS)}, got {args.layers!r}")
+    if args.tokens is not None:
+        if presets is None:
+            raise ValueError("--tokens: needs --layers (it is the GEMMs' token count there)")
+        if args.tokens < 128 or args.tokens % 128:
+            raise ValueError(f"--tokens: expected a positive multiple of 128 (the 1x128 blocks run along it in "
+                             f"wgrad), got {args.tokens}")
+    return presets, args.tokens, rest
+
+
 def main(argv=None) -> int:
-    return table_main(argv, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
-                      shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes)", run=run,
-                      markdown=markdown)
+    try:
+        presets, tokens, rest = parse_layers(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"lowbit bench gemm: error: {e}", file=sys.stderr)
+        return 2
+    if presets is not None:
+        return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=[None],
+                          shapes_help="(not with --layers)",
+                          run=lambda shapes, rep: run_layers(presets, tokens, rep), markdown=markdown)
+    return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
+                      shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes); --layers 350m,1.3b "
+                                  "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead",
+                      run=run, markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+"""``lowbit bench gemm --layers``: the presets' three GEMMs a linear layer, and its argument rules (CPU; the timing
+itself needs a GPU)."""
+import pytest
+
+from lowbit.bench import gemm
+
+
+def test_layer_gemms_are_the_three_pairings_of_each_layer():
+    """350m (d_model 1024, ffn 2816): fprop (tokens, in, out), dgrad (tokens, out, in), wgrad (out, tokens, in)."""
+    g = gemm.layer_gemms("350m", 16384)
+    assert len(g) == 12
+    by = {(layer, pairing): (M, K, N) for layer, pairing, M, K, N in g}
+    assert by[("qkv", "fprop")] == (16384, 1024, 3072)
+    assert by[("qkv", "dgrad")] == (16384, 3072, 1024)
+    assert by[("qkv", "wgrad")] == (3072, 16384, 1024)
+    assert by[("fc1", "fprop")] == (16384, 1024, 5632)
+    assert by[("fc2", "wgrad")] == (1024, 16384, 2816)
+    # every pairing of a layer does the same work: tokens x out x in
+    shapes = {layer: n_out * k_in for layer, n_out, k_in in gemm.layer_shapes("1.3b")}
+    for layer, _, M, K, N in gemm.layer_gemms("1.3b", 8192):
+        assert M * K * N == 8192 * shapes[layer], layer
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--layers", "7b"], "--layers: expected presets from 350m, 1.3b, got '7b'"),
+    (["--layers", ""], "--layers: expected presets from 350m, 1.3b, got ''"),
+    (["--tokens", "8192"], "--tokens: needs --layers"),
+    (["--layers", "350m", "--tokens", "1000"], "--tokens: expected a positive multiple of 128 .* got 1000"),
+])
+def test_bad_layer_arguments_name_the_rule(argv, msg, capsys):
+    with pytest.raises(ValueError, match=msg):
+        gemm.parse_layers(argv)
+    assert gemm.main(argv) == 2
+    assert "lowbit bench gemm: error: --" in capsys.readouterr().err
+
+
+def test_layer_arguments_pass_the_rest_on():
+    assert gemm.parse_layers(["--layers", "350m,1.3b", "--rep", "20"]) == (["350m", "1.3b"], None, ["--rep", "20"])
+    assert gemm.parse_layers(["--shapes", "128x128x128"]) == (None, None, ["--shapes", "128x128x128"])
