@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -122,8 +123,9 @@ def _sync(device: str) -> None:
 
 def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     """Build, warm up and time one variant; its row (``status`` "ok", or why it failed) and last-token logits."""
-    import lowbit
-    import lowbit.integrations.transformers as lbt
+    from ..integrations import transformers as lbt
+    from ..nn import autocast, convert
+    from ..recipes import from_name
 
     recipe, attn = parse_variant(name)
     dev = cfg["device"]
@@ -133,10 +135,9 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         model = build_model(cfg["model"], cfg["seq"], dev)
         ctx = contextlib.nullcontext
         if recipe is not None:
-            summary = lowbit.convert(model)
+            summary = convert(model)
             row["converted"] = len(summary.converted)
-            rec = lowbit.recipes.from_name(recipe)
-            ctx = lambda: lowbit.autocast(recipe=rec)  # noqa: E731
+            ctx = functools.partial(autocast, recipe=from_name(recipe))
         stats = None
         if ATTENTIONS[attn] is not None:
             qk, pv = ATTENTIONS[attn]
@@ -189,7 +190,7 @@ def attention_alone(cfg: dict) -> dict:
     """One layer's attention at the model's shape on CUDA, ms: SDPA (``enable_gqa``) and each lowbit arithmetic."""
     import torch.nn.functional as F
 
-    import lowbit
+    from ..attention.api import attention
 
     m, b, s = cfg["model"], cfg["batch"], cfg["seq"]
     d = m["hidden"] // m["heads"]
@@ -199,7 +200,7 @@ def attention_alone(cfg: dict) -> dict:
     out = {"sdpa": median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))}
     for name, arith in ATTENTIONS.items():
         if arith is not None:
-            out[name] = median_ms(lambda a=arith: lowbit.attention(q, k, v, causal=True, qk=a[0], pv=a[1]))
+            out[name] = median_ms(lambda a=arith: attention(q, k, v, causal=True, qk=a[0], pv=a[1]))
     return out
 
 
