@@ -98,6 +98,19 @@ def test_nonfinite_skip_and_rollback_report_layer_and_step(tmp_path, small_text,
         train(TrainConfig(out_dir=str(tmp_path / "raise"), on_nonfinite="raise", **base))
 
 
+def test_cli_raise_on_nonfinite_ends_with_one_line(tmp_path, small_text, cache_dir, capsys):
+    """``lowbit train --on-nonfinite raise``: the fault ends the command with one line naming the step, exit 3."""
+    from lowbit.train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", "--recipe", "fp8-current", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+              "--data", small_text, "--cache-dir", cache_dir, "--eval-windows", "2", "--no-progress", "--no-save",
+              "--device", "cpu", "--fault-steps", "1", "--on-nonfinite", "raise", "--out-dir", str(tmp_path)])
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert "lowbit train: stopped: step 1: non-finite" in err and "Traceback" not in err, err
+
+
 def test_nonfinite_gradient_norm_skips_the_step(tmp_path, small_text, cache_dir, monkeypatch):
     """A non-finite gradient norm with a finite loss (BF16: no amax sentry) skips the step instead of writing NaN
     into the weights, reported as gradients/grad_norm (the update graph decides the same on the device)."""

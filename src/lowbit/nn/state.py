@@ -244,7 +244,8 @@ class NonFiniteEvent:
     policy: str = "skip"
 
     def __str__(self):
-        return f"non-finite amax ({self.amax}) of {self.role} in layer {self.layer!r} ({self.phase}, step {self.step})"
+        return (f"non-finite amax ({self.amax}) of {self.role} in layer {self.layer!r} ({self.phase}, autocast step "
+                f"{self.step})")
 
 
 class NonFiniteAmaxError(FloatingPointError):

@@ -65,11 +65,14 @@ def exit_status(prog: str, body) -> int:
 @contextlib.contextmanager
 def command_errors(parser: argparse.ArgumentParser):
     """A command's top level: bad input (ValueError) and file-system errors (OSError) end it with one error line
-    (exit status 2), Ctrl-C with one line (130), all named by ``parser.prog``."""
+    (exit status 2), a non-finite value under ``--on-nonfinite raise`` with one line (3), Ctrl-C with one line
+    (130), all named by ``parser.prog``."""
     try:
         yield
     except KeyboardInterrupt:
         parser.exit(130, f"{parser.prog}: interrupted (Ctrl-C)\n")
+    except FloatingPointError as e:
+        parser.exit(3, f"{parser.prog}: stopped: {e} (--on-nonfinite raise; skip or rollback would go on)\n")
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except OSError as e:
