@@ -394,7 +394,8 @@ def test_async_check_reports_once_the_gpu_has_passed_it():
     state.check_nonfinite(wait=False)  # the GPU has not passed the event: nothing read, nothing raised
     assert state.pending_checks() == 1 and not ev.waited
     ev.done = True
-    with pytest.raises(NonFiniteAmaxError, match=r"of grad_output in layer 'blocks.3.qkv' \(backward, autocast step 41\)"):
+    with pytest.raises(NonFiniteAmaxError,
+                       match=r"of grad_output in layer 'blocks.3.qkv' \(backward, autocast step 41\)"):
         state.check_nonfinite(wait=False)
     assert state.pending_checks() == 0
     # "skip" records become events; nonfinite_events() waits for the event
