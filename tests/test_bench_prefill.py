@@ -37,6 +37,8 @@ def test_bad_variant_names_the_rule(variant, msg):
 def test_bad_numbers_and_exit_status(capsys):
     assert prefill.main(["--device", "cpu", "--seq-len", "1"]) == 2
     assert "--seq-len: must be at least 2, got 1" in capsys.readouterr().err
+    assert prefill.main(["--device", "cpu", "--size", "8b"]) == 2
+    assert "--size: on the CPU only 'tiny' runs" in capsys.readouterr().err
 
 
 def test_bound_is_amdahl():

@@ -88,6 +88,9 @@ def resolve(args: argparse.Namespace) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda asked for, but torch sees no CUDA GPU")
     size = args.size or ("1b" if device == "cuda" else "tiny")
+    if device == "cpu" and size != "tiny":
+        raise ValueError(f"--size: on the CPU only 'tiny' runs (a smoke test of the path: a {size} model's FP32 "
+                         f"initialisation alone would take minutes and GiBs), got {size!r}")
     seq = args.seq_len or (8192 if device == "cuda" else 64)
     for name, v, lo in (("--seq-len", seq, 2), ("--batch", args.batch, 1), ("--reps", args.reps, 1),
                         ("--warmup", args.warmup, 0)):
