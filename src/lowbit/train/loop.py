@@ -429,6 +429,8 @@ def _reshard(model) -> None:
     a forward, for its backward, and gathers them again only once a backward has freed them; an evaluation has no
     backward, and a replayed CUDA-graph step runs none of FSDP2's hooks, so without this the next evaluation would run
     on the weights gathered for the last one, before the steps in between updated them."""
+    if not torch.distributed.is_available():  # (a torch built without distributed has no FSDP2 either)
+        return
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
