@@ -25,35 +25,6 @@ import sys
 
 COLUMNS = ("bf16", "fp8 tensor", "fp8 block")
 
-# tokens a step: batch x seq of the training pairs in BENCHMARKS.md
-TOKENS = {"1.3b": 4 * 2048, "350m": 8 * 2048}
-
-
-def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
-    """(name, out features, in features) of the linear layers of one block of the GPT ``preset``."""
-    from lowbit.models.gpt import config_from_preset
-
-    c = config_from_preset(preset)
-    d, f = c.d_model, c.ffn_hidden
-    return [("qkv", 3 * d, d), ("proj", d, d), ("fc1", 2 * f, d), ("fc2", d, f)]
-
-
-def layer_operands(T: int, N: int, K: int, dev):
-    """(x, dy, w, qx, qdy, qw) for a linear layer of N outputs, K inputs over T tokens: random BF16 X (T, K),
-    dY (T, N) and W (N, K), and their fp8-block copies (1x128 activations, 128x128 weight; both copies each)."""
-    import torch
-
-    from lowbit import quantize
-    from lowbit.quant import Float8Blockwise
-
-    act = Float8Blockwise()
-    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16) * 1e-3
-    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-    return (x, dy, w, quantize(x, act, rowwise=True, columnwise=True), quantize(dy, act, rowwise=True, columnwise=True),
-            quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True))
-
-
 def _e4m3(t):
     """(E4M3 codes of t, contiguous; the FP32 scale-inverse) with one scale for the tensor."""
     import torch
@@ -89,10 +60,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     common = _parse_common(args.common_us)
     presets = args.preset.split(",")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    # (tokens a step: batch x seq of the training pairs in BENCHMARKS.md; the presets' layers and their operands)
+    from lowbit.bench.gemm import LAYER_TOKENS as TOKENS
+    from lowbit.bench.gemm import layer_operands, layer_shapes
+
     for preset in presets:
         if preset not in TOKENS:
             raise ValueError(f"--preset: expected names from {sorted(TOKENS)}, got {preset!r}")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import torch
 
     from lowbit import scaled_mm

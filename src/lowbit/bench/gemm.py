@@ -39,14 +39,36 @@ def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
     return [("qkv", 3 * d, d), ("proj", d, d), ("fc1", 2 * f, d), ("fc2", d, f)]
 
 
+def gemm_dims(pairing: str, tokens: int, n_out: int, k_in: int) -> tuple[int, int, int]:
+    """(M, K, N) of one GEMM of a linear layer of ``n_out`` outputs and ``k_in`` inputs over ``tokens``: fprop
+    (tokens, in, out), dgrad (tokens, out, in), wgrad (out, tokens, in)."""
+    return {"fprop": (tokens, k_in, n_out), "dgrad": (tokens, n_out, k_in), "wgrad": (n_out, tokens, k_in)}[pairing]
+
+
 def layer_gemms(preset: str, tokens: int) -> list[tuple[str, str, int, int, int]]:
-    """(layer, pairing, M, K, N) of the three GEMMs of each linear layer of one block of the GPT ``preset`` over
-    ``tokens``: fprop (tokens, in, out), dgrad (tokens, out, in), wgrad (out, tokens, in)."""
-    out = []
-    for name, n_out, k_in in layer_shapes(preset):
-        out += [(name, "fprop", tokens, k_in, n_out), (name, "dgrad", tokens, n_out, k_in),
-                (name, "wgrad", n_out, tokens, k_in)]
-    return out
+    """(layer, pairing, M, K, N) of the three GEMMs (:func:`gemm_dims`) of each linear layer of one block of the GPT
+    ``preset`` over ``tokens``."""
+    return [(name, pairing, *gemm_dims(pairing, tokens, n_out, k_in))
+            for name, n_out, k_in in layer_shapes(preset) for pairing in ("fprop", "dgrad", "wgrad")]
+
+
+def layer_operands(tokens: int, n_out: int, k_in: int, dev):
+    """(x, dy, w, qx, qdy, qw) for a linear layer of ``n_out`` outputs and ``k_in`` inputs over ``tokens``: random
+    BF16 X (tokens, in), dY (tokens, out) and W (out, in), and their fp8-block copies (1x128 activations, 128x128
+    weight; both copies each)."""
+    from lowbit.quant import Float8Blockwise, quantize
+
+    act = Float8Blockwise()
+    x = torch.randn(tokens, k_in, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n_out, device=dev, dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16)
+    return (x, dy, w, quantize(x, act, rowwise=True, columnwise=True), quantize(dy, act, rowwise=True, columnwise=True),
+            quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True))
+
+
+def _skipped(e: Exception) -> None:
+    """Report a kernel that could not be timed (the peer is then unavailable; the run goes on)."""
+    print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
 
 
 def time_ms(fn, rep=100) -> float | None:
@@ -54,8 +76,8 @@ def time_ms(fn, rep=100) -> float | None:
         fn()
         torch.cuda.synchronize()
         return median_ms(fn, rep=rep)
-    except Exception as e:  # report the peer as unavailable rather than abort the run
-        print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    except Exception as e:  # noqa: BLE001 - report the peer as unavailable rather than abort the run
+        _skipped(e)
         return None
 
 
@@ -127,7 +149,7 @@ def _graph_ms(fn, rep) -> float | None:
         g = capture(fn)
         return median_ms(g.replay, rep=rep)
     except Exception as e:  # noqa: BLE001 - report the peer as unavailable rather than abort the run
-        print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+        _skipped(e)
         return None
 
 
@@ -138,7 +160,7 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
     bf16, f32 = torch.bfloat16, torch.float32
     one = torch.ones((), device=x.device)
 
-    def tensorwise(a, bt, out_dtype):  # (unit scales: the operands are randn, inside E4M3's range)
+    def tensorwise(a, bt, out_dtype):  # (unit scales: the time does not depend on the values)
         qa, qb = a.to(torch.float8_e4m3fn).contiguous(), bt.to(torch.float8_e4m3fn).contiguous()
         return lambda: torch._scaled_mm(qa, qb.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
 
@@ -185,29 +207,18 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
 
 def run_layers(presets, tokens, rep=100):
     """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``."""
-    from lowbit.quant import Float8Blockwise, quantize
-
     rows = []
     dev = torch.device("cuda")
     for preset in presets:
         T = tokens or LAYER_TOKENS[preset]
-        gemms = {(layer, pairing): (M, K, N) for layer, pairing, M, K, N in layer_gemms(preset, T)}
         for layer, n_out, k_in in layer_shapes(preset):
-            x = torch.randn(T, k_in, device=dev, dtype=torch.bfloat16)
-            dy = torch.randn(T, n_out, device=dev, dtype=torch.bfloat16)
-            w = torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16)
-            act = Float8Blockwise()
-            qx = quantize(x, act, rowwise=True, columnwise=True)
-            qdy = quantize(dy, act, rowwise=True, columnwise=True)
-            qw = quantize(w, Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
-            for pairing, fns in _layer_calls(x, dy, w, qx, qdy, qw).items():
-                M, K, N = gemms[(layer, pairing)]
+            for pairing, fns in _layer_calls(*layer_operands(T, n_out, k_in, dev)).items():
+                M, K, N = gemm_dims(pairing, T, n_out, k_in)
                 label = f"{preset} {layer} {pairing} {M}x{K}x{N}"
                 print(f"[gemm] {label}", flush=True)
                 res = {k: _graph_ms(fn, rep) for k, fn in fns.items()}
                 _append_rows(rows, label, 2.0 * M * N * K, res)
-            del x, dy, w, qx, qdy, qw
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (the layer's operands died with its calls)
     return rows
 
 

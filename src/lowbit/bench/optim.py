@@ -22,12 +22,13 @@ from . import capture, git_commit, median_ms
 
 
 def weight_shapes(preset: str, layers: int | None = None) -> list[tuple[int, int]]:
-    """The 2D GEMM weights of a GPT preset (SwiGLU MLP): QKV, output projection, fc1 (both halves), fc2 per layer."""
+    """The 2D GEMM weights of a GPT preset (SwiGLU MLP): QKV, output projection, fc1 (both halves), fc2
+    (:func:`lowbit.bench.gemm.layer_shapes`) per layer."""
     from lowbit.models.gpt import config_from_preset
 
-    c = config_from_preset(preset)
-    d, f = c.d_model, c.ffn_hidden
-    return [(3 * d, d), (d, d), (2 * f, d), (d, f)] * (layers or c.n_layer)
+    from .gemm import layer_shapes
+
+    return [(n_out, k_in) for _, n_out, k_in in layer_shapes(preset)] * (layers or config_from_preset(preset).n_layer)
 
 
 def run(preset: str, layers: int | None, configs: list[tuple[int, ...]], rep: int = 20) -> list[dict]:
