@@ -172,13 +172,13 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     return ang.cos().float(), ang.sin().float()
 
 
-def _residual(x: torch.Tensor, y: torch.Tensor, norm):
+def _residual(x: torch.Tensor, y: torch.Tensor, norm, is_first_microbatch=None):
     """(x + y, rstd, link) for ``norm``, the module whose RMSNorm reads the sum next (or None): rstd the sum's RMSNorm
     statistics where that norm runs inside its quantizer (else None), link the
     :class:`~lowbit.ops.residual.NormGradLink` that moves the norm's backward into the add's (None where the fused
     add does not run or ``LOWBIT_UNFUSE=norm_backward``)."""
     if norm is not None and norm.normalization == "RMSNorm":
-        fuses = norm.fuses_norm(x)
+        fuses = norm.fuses_norm(x, is_first_microbatch)  # (what the norm's own forward will decide)
         # (inside torch.compile no link crosses operators: statistics no fused norm reads are not computed there)
         if fuses or not torch.compiler.is_compiling():
             out, rstd, link = residual_add(x, y, rms_eps=norm.eps, norm_weight=norm.layer_norm_weight)
@@ -217,9 +217,9 @@ class Block(nn.Module):
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
-        x, rstd, link = _residual(x, self.proj(y, is_first_microbatch=is_first_microbatch), self.mlp)
-        return _residual(x, self.mlp(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link),
-                         next_norm)
+        fm = is_first_microbatch
+        x, rstd, link = _residual(x, self.proj(y, is_first_microbatch=fm), self.mlp, fm)
+        return _residual(x, self.mlp(x, is_first_microbatch=fm, input_rstd=rstd, input_norm_link=link), next_norm, fm)
 
 
 class GPT(nn.Module):

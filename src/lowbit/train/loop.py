@@ -841,6 +841,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
 
     recipe = lrec.from_name(c.recipe)
     d = setup_distributed(c.device)
+    fsdp = c.fsdp and d.active  # (FSDP2 shards only across several processes)
     if c.fsdp and not d.active:
         _say(d, c, "[lowbit] --fsdp: a single process has nothing to shard; running unsharded")
     set_attention(c.attention, c.attn_qk, c.attn_pv)
@@ -937,11 +938,10 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
 
         bar = Progress(total=c.steps, initial=start, desc=f"{c.model}/{c.recipe}")
     _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
-               f"device={d.device} world={d.world}{' fsdp' if c.fsdp and d.active else ''} "
+               f"device={d.device} world={d.world}{' fsdp' if fsdp else ''} "
                f"attention={attention_backend()} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
-    fsdp = c.fsdp and d.active
     # the weights quantized once a step and reused by its later micro-batches (is_first_microbatch); not under
     # FSDP2, which gathers every weight afresh for each micro-batch
     reuse_weights = c.grad_accum > 1 and not fsdp
@@ -1152,9 +1152,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                     x, y = corpus.train_batch(c.seed, step, slice(r0, r0 + c.batch_size), global_batch, c.seq_len,
                                               d.device)
                     sync = contextlib.nullcontext()
-                    if d.active and not c.fsdp and m < c.grad_accum - 1:
+                    if d.active and not fsdp and m < c.grad_accum - 1:
                         sync = model.no_sync()
-                    elif d.active and c.fsdp:
+                    elif fsdp:
                         model.set_requires_gradient_sync(m == c.grad_accum - 1)
                     with sync:
                         loss_sum += micro_step(x, y, m)
@@ -1333,9 +1333,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "weight_bytes_quantized": qbytes, "weight_bytes_bf16": bfbytes,
         "history": history, "events": events,
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
-        "world_size": d.world, "fsdp": bool(c.fsdp and d.active),
-        "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if c.fsdp and d.active else None,
-        "fp8_all_gather": bool(c.fp8_all_gather and c.fsdp and d.active), "compile": c.compile,
+        "world_size": d.world, "fsdp": fsdp,
+        "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if fsdp else None,
+        "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
