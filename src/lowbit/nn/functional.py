@@ -363,8 +363,8 @@ class GemmLayer:
         cache = is_first_microbatch is True
         sch = fresh_weight_scheme(w, recipe)
         if sch is not None:
-            e = weight_layer(w)
-            if e is None or e[0] is not self or e[1] != sch:
+            e = _WEIGHT_LAYERS.get(w)  # (every forward: the record read as stored, no tuple made)
+            if e is None or e[0]() is not self or e[1] != sch:
                 record_weight_layer(w, self, sch)
             f = self.fresh
             if f is not None and f.valid_for(w, sch):
