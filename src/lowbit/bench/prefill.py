@@ -207,10 +207,15 @@ def attention_alone(cfg: dict) -> dict:
     return out
 
 
+def sdpa_row(rows: list[dict]) -> dict | None:
+    """The ``sdpa`` variant's row where it ran (every ratio's baseline), else None."""
+    return next((r for r in rows if r["variant"] == "sdpa" and r["status"] == "ok"), None)
+
+
 def bound_rows(rows: list[dict], alone: dict, layers: int) -> list[dict]:
     """Per lowbit attention: its time alone against SDPA's, SDPA's share of the ``sdpa`` variant's TTFT, and the
     best TTFT ratio that attention can give there (everything else unchanged)."""
-    base = next((r for r in rows if r["variant"] == "sdpa" and r["status"] == "ok"), None)
+    base = sdpa_row(rows)
     out = []
     for name, t in alone.items():
         if name == "sdpa":
@@ -234,7 +239,7 @@ def header(cfg: dict) -> str:
 
 
 def markdown(cfg: dict, rows: list[dict], bounds: list[dict]) -> str:
-    base = next((r for r in rows if r["variant"] == "sdpa" and r["status"] == "ok"), None)
+    base = sdpa_row(rows)
     lines = [header(cfg), "",
              "| variant | TTFT ms | x sdpa | queued ms | host ms | served | logits NRMSE | peak GiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -267,7 +272,7 @@ def run(cfg: dict, log=print) -> tuple[list[dict], list[dict]]:
     log(f"[bench prefill] {len(cfg['variants'])} variants, {cfg['size']}, {cfg['batch']} x {cfg['seq']} tokens, "
         f"on {cfg['device']}")
     rows = [run_variant(v, cfg, ids, log) for v in cfg["variants"]]
-    base = next((r for r in rows if r["variant"] == "sdpa" and r["status"] == "ok"), None)
+    base = sdpa_row(rows)
     ref = base["logits"] if base is not None else None
     for r in rows:
         lg = r.pop("logits", None)
