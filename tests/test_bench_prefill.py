@@ -20,8 +20,9 @@ def test_cpu_run_writes_rows(tmp_path):
     # tiny: 2 layers, one attention call each a forward; 1 timed call + 1 queued after the snapshot
     assert rows["int8-bf16"]["served"] == rows["int8-bf16"]["attention_calls"] == 4
     assert rows["fp8-block+sdpa"]["converted"] > 0
-    for v in ("int8-bf16", "fp8-block+sdpa"):
-        assert 0 < rows[v]["nrmse"] < 0.2, rows[v]
+    # (the last token's logits against SDPA's: INT8 Q·Kᵀ measures 5e-3 here, FP8 linears 5.5e-2)
+    for v, most in (("int8-bf16", 2e-2), ("fp8-block+sdpa", 0.15)):
+        assert 0 < rows[v]["nrmse"] < most, rows[v]
     assert data["bounds"] == []  # (CUDA only)
     assert "| int8-bf16 |" in out.read_text()
 

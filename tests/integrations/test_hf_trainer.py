@@ -1,8 +1,8 @@
 """lowbit in HF Trainer's loop, as the GUIDE gives it: a converted tiny random-init Llama trained by a
 ``transformers.Trainer`` whose ``compute_loss`` runs inside ``lowbit.autocast`` (the backward after it, as in a loop
 written by hand). The quantized layers run (one outermost autocast exit a micro-batch), the logged losses are finite
-and differ from the same Trainer without lowbit by the quantization's error only (under 5% relative; they measure
-~1e-3 here): without the autocast a converted model computes exactly what torch does, so equal losses would mean
+and differ from the same Trainer without lowbit by the quantization's error only (under 5e-3 relative; they measure
+2-4e-4 here): without the autocast a converted model computes exactly what torch does, so equal losses would mean
 lowbit never ran."""
 
 from __future__ import annotations
@@ -61,4 +61,4 @@ def test_trainer_with_lowbit_autocast(tmp_path, accum):
     assert exits == 3 * accum and none == 0
     assert len(quant) == len(plain) == 3 and all(math.isfinite(v) for v in quant)
     assert quant != plain
-    assert max(abs(a - b) / abs(b) for a, b in zip(quant, plain)) < 0.05, (quant, plain)
+    assert max(abs(a - b) / abs(b) for a, b in zip(quant, plain)) < 5e-3, (quant, plain)
