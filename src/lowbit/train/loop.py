@@ -404,6 +404,7 @@ def validation_loss(model, corpus, offsets, seq_len: int, batch_size: int, d: Di
     ranks takes every world-th window in batches of ``batch_size`` and the sums are reduced over the ranks; every rank
     runs the same number of batches (FSDP's collectives need it), a rank out of windows a padding batch that does not
     count. ``on_batch(i, n)``: called after the i-th of the n batches (progress)."""
+    _reshard(model)  # (the first forward gathers the weights as they are now: see _reshard)
     mine = offsets[d.rank::d.world]
     n_batches = -(-len(offsets) // (d.world * batch_size))
     tot = torch.zeros(2, dtype=torch.float64, device=d.device)
@@ -428,7 +429,8 @@ def _reshard(model) -> None:
     """Free FSDP2's gathered weights of ``model`` (a no-op elsewhere). FSDP2 keeps the root's weights gathered after
     a forward, for its backward, and gathers them again only once a backward has freed them; an evaluation has no
     backward, and a replayed CUDA-graph step runs none of FSDP2's hooks, so without this the next evaluation would run
-    on the weights gathered for the last one, before the steps in between updated them."""
+    on the weights gathered for the last one, before the steps in between updated them. An evaluation also starts
+    with it: weights a captured step left marked gathered live in the graph's memory, which later replays reuse."""
     if not torch.distributed.is_available():  # (a torch built without distributed has no FSDP2 either)
         return
     from torch.distributed.fsdp import FSDPModule
