@@ -161,18 +161,15 @@ def test_wgrad_mm_is_dyT_x_cpu():
 @pytest.mark.gpu
 def test_wgrad_mm_both_orders_bit_identical(cuda, monkeypatch):
     """wgrad_mm's two operand orders (dYᵀX, and (XᵀdY)ᵀ copied back) give the same bits on cuBLAS's 1x128 · 1x128
-    kernels, each forced alone, on the 350m GPT's fc2 shape (where the order matters most), a 1.3b one and ragged
-    ones; its Triton candidate gives the Triton backend's bits; the tuner's pick is one of them; all stay within
-    the module's bound of the reference."""
+    kernels, each forced alone and with the tuner's pick, on the 350m GPT's fc2 shape (where the order matters
+    most), a 1.3b one and ragged ones; and they stay within the module's bound of the reference."""
     import lowbit.gemm as G
 
-    assert [c.get("BACKEND") for c in G._WGRAD_ORDERS] == [None, None, "triton"]
     for (M, N, K) in [(16384, 1024, 2816), (8192, 2048, 5632), (1152, 384, 640), (384, 136, 264)]:
         qdy, qx = _wgrad_operands(M, N, K, cuda, M + N)
         direct = scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32)
-        own = scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise", out_dtype=torch.float32, backend="triton")
         outs = []
-        for cands in [[c] for c in G._WGRAD_ORDERS] + [list(G._WGRAD_ORDERS)]:
+        for cands in ([G._WGRAD_ORDERS[0]], [G._WGRAD_ORDERS[1]], list(G._WGRAD_ORDERS)):
             monkeypatch.setattr(G, "_WGRAD_ORDERS", cands)
             forget_tuned()
             with env.override(LOWBIT_AUTOTUNE=True):
@@ -180,14 +177,10 @@ def test_wgrad_mm_both_orders_bit_identical(cuda, monkeypatch):
             assert y.shape == (N, K) and y.is_contiguous() and y.dtype == torch.float32
             outs.append(y)
             monkeypatch.undo()
-        shape = (M, N, K)
-        assert torch.equal(outs[0], direct), (shape, (outs[0] - direct).abs().max().item())
-        assert torch.equal(outs[1], direct), (shape, (outs[1] - direct).abs().max().item())
-        assert torch.equal(outs[2], own), (shape, (outs[2] - own).abs().max().item())
-        assert torch.equal(outs[3], direct) or torch.equal(outs[3], own), shape
+        for y in outs:
+            assert torch.equal(y, direct), ((M, N, K), (y - direct).abs().max().item())
         if M <= 1152:
             _check(qdy, qx, "columnwise", "columnwise", None)
-            _check(qdy, qx, "columnwise", "columnwise", "triton")
 
 
 # Power-of-two scales for the per-tensor and per-row schemes, so their GEMMs get the exact check too: a tensorwise
@@ -389,43 +382,24 @@ def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, switches, mode):
         _gluon_cases(tb, cuda)
 
 
-def _gluon_cases(tb, cuda, b_dim=2, copy="rowwise"):
-    """b_dim 2: 1x128 x 128x128; b_dim 1: 1x128 x 1x128 (the weight gradient), read from the ``copy`` copies."""
-    sa, sb = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=b_dim, pow2=True)
+def _gluon_cases(tb, cuda):
+    sa, sb = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
     for (M, N, K) in [(129, 257, 1000), (1, 17, 129), (300, 64, 4096), (1000, 384, 640), (1025, 2304, 1152),
                       (1536, 1664, 256)]:  # the last two: 162 and 156 tiles, more than the H100/H200's 132 SMs
-        a, b = _operands(M, N, K, sa, sb, copy, copy, cuda, seed=M + N)
-        assert tb._gluon_ok(2, 4 - b_dim, 128, getattr(a, copy).data.device)
-        print(f"{M}x{N}x{K}: max err / S = {_check(a, b, copy, copy, 'triton') / 2**-13:.3f} * 2**-13")
-        _check(a, b, copy, copy, "triton", out_dtype=torch.bfloat16)
-        a, b = _operands(M, N, K, sa, sb, copy, copy, cuda, seed=M + N, ints=True)
-        _check(a, b, copy, copy, "triton", exact=True)
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N)
+        assert tb._gluon_ok(2, 3, 128, a.rowwise.data.device)
+        print(f"{M}x{N}x{K}: max err / S = {_check(a, b, 'rowwise', 'rowwise', 'triton') / 2**-13:.3f} * 2**-13")
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=torch.bfloat16)
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N, ints=True)
+        _check(a, b, "rowwise", "rowwise", "triton", exact=True)
     M, N, K = 129, 200, 384
-    a, b = _operands(M, N, K, sa, sb, copy, copy, cuda, seed=9)
+    a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=9)
     bias = torch.randn(N, device=cuda)
     for out_dtype in (torch.float32, torch.bfloat16):
-        _check(a, b, copy, copy, "triton", out_dtype=out_dtype, bias=bias.to(out_dtype))
-        _check(a, b, copy, copy, "triton", out_dtype=out_dtype, bias=bias, gelu=True)
-        _check(a, b, copy, copy, "triton", out_dtype=out_dtype, accumulate=True,
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, bias=bias.to(out_dtype))
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, bias=bias, gelu=True)
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=out_dtype, accumulate=True,
                out=torch.randn(M, N, device=cuda).to(out_dtype))
-
-
-@pytest.mark.gpu
-def test_triton_gemm_gluon_1x128_1x128_vs_reference(cuda, monkeypatch, switches):
-    """The persistent warp-specialized Gluon kernel on 1x128 x 1x128 operands (the weight gradient; B's scales
-    TMA'd into each stage with the operands), each of its configs alone: the cases of the 1x128 x 128x128 test on
-    the columnwise copies (as wgrad_mm reads them) and on the rowwise ones, ragged M/N/K (TMA's zero fill of B's
-    scales past N and K), exact on small-integer inputs, every epilogue."""
-    import lowbit.gemm.triton_backend as tb
-
-    if not (tb.G.GLUON_WS and torch.cuda.get_device_capability(cuda) == (9, 0)):
-        pytest.skip("needs Gluon's warp_specialize and an sm_90 GPU")
-    switches(LOWBIT_GEMM_GLUON="ws")
-    for cfg in tb.WS_CONFIGS:
-        monkeypatch.setattr(tb, "WS_CONFIGS", [cfg])
-        forget_tuned()
-        for copy in ("columnwise", "rowwise"):
-            _gluon_cases(tb, cuda, b_dim=1, copy=copy)
 
 
 @pytest.mark.gpu
@@ -619,28 +593,27 @@ def test_128x128_grids_with_k_blocks_not_divisible_by_4_run_padded_on_cublas(cud
             assert torch.equal(got, scaled_mm(ap, bp, out_dtype=out_dtype, backend="cublas")), (K, out_dtype)
 
 
-@pytest.mark.parametrize("variant", ["fp8", "fp8-1x128-1x128", "bf16"])
+@pytest.mark.parametrize("variant", ["fp8", "bf16"])
 def test_gluon_ws_compiles_for_sm90(variant):
     """The persistent warp-specialized Gluon GEMM compiles for Hopper (sm_90) with the installed Triton on any
     machine (Triton's own toolchain, no GPU), in the configs the backend launches first: FP8 1x128 x 128x128 with two
-    math partitions, FP8 1x128 x 1x128 (the weight gradient: B's scales TMA'd into each stage, a multiply and an FMA
-    per element and K block), and BF16 (the dequantized NVFP4 path) with 128x256 tiles. Checked: the partitions'
-    register split (setmaxnreg), TMA loads and wgmma, the smem of the stages within the H100/H200's 227 KB, no
-    register spills in the SASS."""
+    math partitions, and BF16 (the dequantized NVFP4 path) with 128x256 tiles. Checked: the partitions' register
+    split (setmaxnreg), TMA loads and wgmma, the smem of the stages within the H100/H200's 227 KB, no register
+    spills in the SASS."""
     pytest.importorskip("triton")
     import lowbit.gemm.triton_backend as tb
 
     if not tb.G.GLUON_WS:
         pytest.skip("this Triton's Gluon has no warp_specialize")
 
-    fp8 = variant.startswith("fp8")
+    fp8 = variant == "fp8"
     cfg = tb.WS_CONFIGS[0] if fp8 else tb.WS_BF16_CONFIGS[0]
     et = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(a_ptr=et, b_ptr=et, sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16", bias_ptr="*bf16",
                M="i32", N="i32", K="i32", lda_s="i32", ldb_s="i32")
     launch = dict(tb._WS_LAUNCH)
     opts = dict(num_warps=launch.pop("num_warps"), maxnreg=launch.pop("maxnreg"))
-    const = dict(SA=2 if fp8 else 0, SB={"fp8": 3, "bf16": 1}.get(variant, 2), BS=128 if fp8 else 64, HAS_BIAS=False, GELU=False,
+    const = dict(SA=2 if fp8 else 0, SB=3 if fp8 else 1, BS=128 if fp8 else 64, HAS_BIAS=False, GELU=False,
                  ACCUM=False, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], **launch)
     sig.update({k: "constexpr" for k in const})
     k = compile_gluon_sm90(tb.G.gemm_gluon_ws, sig, const, divisible=("M", "N", "K"), **opts)
@@ -652,5 +625,3 @@ def test_gluon_ws_compiles_for_sm90(variant):
     got = sm90_sass(k)
     if got is not None:
         assert "STL" not in got[0] and "LDL" not in got[0]  # nothing spilled to local memory
-        if variant == "fp8-1x128-1x128":  # per math thread and K block: 64 x (part * A's scale, FMA with B's)
-            assert got[0].count("FMUL") >= 512 and got[0].count("FFMA") >= 512

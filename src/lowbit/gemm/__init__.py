@@ -226,9 +226,8 @@ def scaled_mm(
     return (y, pre) if return_pre_gelu else y
 
 
-# wgrad_mm's candidates: dYᵀX as asked (the first: what runs without tuning), (XᵀdY)ᵀ copied back, and dYᵀX on the
-# Triton backend (on sm_90 its persistent warp-specialized 1x128 x 1x128 kernel)
-_WGRAD_ORDERS = [dict(ORDER="dy_x"), dict(ORDER="x_dy"), dict(ORDER="dy_x", BACKEND="triton")]
+# wgrad_mm's candidates: dYᵀX as asked (the first: what runs without tuning), or (XᵀdY)ᵀ copied back
+_WGRAD_ORDERS = [dict(ORDER="dy_x"), dict(ORDER="x_dy")]
 
 
 def _order_tunable(dy: QuantizedTensor, x: QuantizedTensor) -> bool:
@@ -259,14 +258,13 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
     For 1x128 blockwise copies on CUDA, with the autotuner on, the first call of each shape also times the other
     operand order, ``scaled_mm(x, dy, ...)`` (dWᵀ, K x N) followed by a transposing copy
-    (:func:`lowbit.ops.transpose.transpose_2d`, a tiled kernel: torch's own ran at a quarter of copy speed), and
-    ``scaled_mm(dy, x, ..., backend="triton")`` (lowbit's own kernel instead of cuBLAS's), and keeps the fastest.
+    (:func:`lowbit.ops.transpose.transpose_2d`, a tiled kernel: torch's own ran at a quarter of copy speed), and keeps
+    the faster.
     cuBLAS picks its kernel by the operand shapes, and the order alone can cost 1.4x: the 350m GPT's fc2 weight
     gradient (1024 x 2816 over 16,384 tokens) takes 168 us as dYᵀX, 117 us as XᵀdY and 138 us with the copy back
     (H200, GPU time from CUDA graphs, BENCHMARKS.md); on the other GPT shapes the first order wins or
     the copy costs more than the order saves. Both orders form the same block products and per-block promotions;
-    the GPU test checks they are bit-identical on the shapes it runs; the Triton kernel forms the same block products
-    and promotions, summed in its own FP32 order. ``LOWBIT_AUTOTUNE=0`` keeps the first order.
+    the GPU test checks they are bit-identical on the shapes it runs. ``LOWBIT_AUTOTUNE=0`` keeps the first order.
     """
     def direct():
         return scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype,
@@ -281,10 +279,7 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
     def launch(c):
         res.clear()
-        if c.get("BACKEND"):
-            res.append(scaled_mm(dy, x, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype,
-                                 check_operands=check_operands, backend=c["BACKEND"]))
-        elif c["ORDER"] == "dy_x":
+        if c["ORDER"] == "dy_x":
             res.append(direct())
         else:
             res.append(transpose_2d(scaled_mm(x, dy, a_copy="columnwise", b_copy="columnwise", out_dtype=out_dtype,
@@ -292,9 +287,7 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
     key = (tuple(dy.columnwise.data.shape), tuple(x.columnwise.data.shape), dy.scheme, x.scheme, out_dtype,
            dy.columnwise.data.device)
-    names = dict(_all())
-    tuned_launch("wgrad_order", key, lambda: [c for c in _WGRAD_ORDERS if c.get("BACKEND", "reference") in names],
-                 launch)
+    tuned_launch("wgrad_order", key, lambda: list(_WGRAD_ORDERS), launch)
     return res[0]
 
 

@@ -123,11 +123,11 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     """The Gluon kernels (:func:`~lowbit.gemm.kernels.gemm.fp8_gemm_gluon`: wgmma of K block j+1 overlapping block j's
     promotion; :func:`~lowbit.gemm.kernels.gemm.gemm_gluon_ws`: persistent and warp-specialized) as autotune
     candidates (``LOWBIT_GEMM_GLUON``: 1 default, 0 off, ``force`` / ``ws`` the one-tile / warp-specialized configs
-    only, for tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block), or
-    both 1x128 (the weight gradient; the warp-specialized kernel only). Measured 1.5-1.6x torchao's Triton blockwise
-    kernel on large shapes on the H200. Where a 1x128 x 128x128 or 1x128 x 1x128 call does not fit, says why."""
-    if sa_mode != 2 or sb_mode not in (2, 3):
-        return False  # (not 1x128 x 128x128 / 1x128 blockwise: not one of its uses)
+    only, for tests): Hopper (sm_90), TMA tiles, A 1x128 and B 128x128 blocks (one B scale per tile and block).
+    Measured 1.5-1.6x torchao's Triton blockwise kernel on large shapes on the H200. Where a 1x128 x 128x128 call
+    does not fit, says why."""
+    if sb_mode != 3 or sa_mode != 2:
+        return False  # (not 1x128 x 128x128 blockwise: not one of its uses)
     mode = env.get("LOWBIT_GEMM_GLUON")
     if mode != "0" and not INTERPRET and G.GLUON and bs == BLOCK_SIZE and capability(dev) == (9, 0):
         return True
@@ -159,15 +159,6 @@ def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, **consts):
                                                    STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
 
 
-def _scales_tma_ok(s, ld) -> bool:
-    """Whether the warp-specialized kernel can TMA B's 1x128 scales (1x128 x 1x128: a row of them per stage): rows
-    of ``ld`` FP32 scales 16-byte aligned (ld % 4 == 0, as quantize pads them) and aligned data. Where not, says why."""
-    if ld % 4 == 0 and s.data_ptr() % 16 == 0:
-        return True
-    declined("gemm.gluon", f"B's 1x128 scales in rows of {ld} (TMA needs a multiple of 4) or not 16-byte aligned")
-    return False
-
-
 def _check_bias(bias):
     if bias is not None and not bias.is_contiguous():
         raise ValueError(f"bias: must be contiguous, got strides {tuple(bias.stride())}")
@@ -187,7 +178,7 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     c, pre = _out_tensors(M, N, dev, out_dtype, gelu, accumulate, out)
 
     tma = _tma_ok(A, B, K)
-    gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev) and (sb_mode == 3 or _scales_tma_ok(sb, ldb))
+    gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev)
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
         if cfg.get("WS"):
@@ -208,19 +199,14 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         out = _candidates(M, N, False)
         if gluon:  # (128x128 / 8 warps / 4 stages: faster than the tl kernel on large shapes)
             g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st)
-                 for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3))
-                 if bm <= max(bucket(M), 64) and sb_mode == 3]  # (the one-tile kernel: 1x128 x 128x128 only)
+                 for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3)) if bm <= max(bucket(M), 64)]
             ws = list(WS_CONFIGS) if G.GLUON_WS else []
             mode = env.get("LOWBIT_GEMM_GLUON")
             if ws and mode not in ("force", "ws") and cdiv(M, 128) * cdiv(N, 128) >= num_sms(dev):
                 # at least a tile per SM: the warp-specialized kernel alone (1.04-1.25x every other candidate on the
                 # H200; timing them all let noise pick a slower one)
                 return ws
-            if ws and mode not in ("force", "ws") and sb_mode == 2:
-                # 1x128 x 1x128 (wgrad_mm's Triton candidate): the warp-specialized kernel first, the config a call
-                # runs untuned (inside wgrad_mm's timing capture)
-                return ws + out
-            out = {"force": g or out, "ws": ws}.get(mode, out + g + ws)
+            out = {"force": g, "ws": ws}.get(mode, out + g + ws)
         return out
 
     # (the Gluon mode in the key: a forced-Gluon call must not reuse a config tuned without it, and vice versa)

@@ -296,9 +296,7 @@ if GLUON:
             r = gl.load(sa_ptr + kb * lda_s + offs_m, mask=mmask & (kb < nkb), other=0.0)
         else:
             r = gl.load(sa_ptr + (off_m // BS) * lda_s + kb, mask=kb < nkb, other=0.0)
-        if SA == 2 and SB == 2:
-            c = 0.0  # (both vectors: B's comes through shared memory, see _ws_release_fold)
-        elif SB == 2:
+        if SB == 2:
             c = gl.load(sb_ptr + kb * ldb_s + offs_n, mask=nmask & (kb < nkb), other=0.0)
         else:
             c = gl.load(sb_ptr + (off_n // BS) * ldb_s + kb, mask=kb < nkb, other=0.0)
@@ -307,14 +305,10 @@ if GLUON:
 
     @gluon.jit
     def _g_fold(acc, part, r, c, SA: gl.constexpr, SB: gl.constexpr):
-        """acc + part * (scale factor), one FMA per element; SA / SB: which factor is a vector (2) or scalar (3);
-        both vectors (1x128 x 1x128): ``fma(part * r, c, acc)``, _fold's rounding order. The FMA is a non-pure
-        inline asm so that the compiler keeps it between the wgmma wait that produces part and the next wgmma issue
-        (sunk below them, all partials would be live at once and ptxas serializes the wgmmas)."""
-        if SA == 2 and SB == 2:
-            part = part * gl.broadcast(r[:, None], part)[0]
-            f = gl.broadcast(c, part)[0]  # (c: the (1, BN) row _ws_release_fold read, in part's layout)
-        elif SA == 2:
+        """acc + part * (scale factor), one FMA per element; SA / SB: which factor is a vector (2) or scalar (3).
+        The FMA is a non-pure inline asm so that the compiler keeps it between the wgmma wait that produces part and
+        the next wgmma issue (sunk below them, all partials would be live at once and ptxas serializes the wgmmas)."""
+        if SA == 2:
             f = gl.broadcast((r * c)[:, None], part)[0]
         elif SB == 2:
             f = gl.broadcast((c * r)[None, :], part)[0]
@@ -322,22 +316,6 @@ if GLUON:
             f = gl.full(part.shape, r * c, gl.float32, part.type.layout)
         return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, f, acc], dtype=gl.float32,
                                          is_pure=False, pack=1)
-
-
-    @gluon.jit
-    def _ws_release_fold(acc, part, r, c, c_s, empty, it, SA: gl.constexpr, SB: gl.constexpr, STAGES: gl.constexpr):
-        """Hand pipeline step `it`'s stage back to the loader and fold its partial into acc. 1x128 x 1x128: B's
-        scales of the step are read from the stage (the loader TMAs them with the operands; held in registers from a
-        global load ahead of the wgmma, their 32 values and pointers a thread spilled the math partitions), and the
-        stage goes back only after the fold that uses them: released right after the read, the loader's next TMA
-        raced the shared-memory load, which the compiler is free to sink to its use."""
-        s = it % STAGES
-        if SA == 2 and SB == 2:
-            acc = _g_fold(acc, part, r, c_s.index(s).load(part.type.layout), SA, SB)
-            mbarrier.arrive(empty.index(s), count=1)
-            return acc
-        mbarrier.arrive(empty.index(s), count=1)
-        return _g_fold(acc, part, r, c, SA, SB)
 
 
     @gluon.jit
@@ -469,7 +447,7 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_loader(ad, bd, sd, a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_loader(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                    SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                    HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -485,11 +463,7 @@ if GLUON:
             for kb in range(nkbu):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-                if SA == 2 and SB == 2:  # (B's scales of the K block too: zero fill past N and K)
-                    mbarrier.expect(ready.index(s), ad.block_type.nbytes + bd.block_type.nbytes + sd.block_type.nbytes)
-                    _tma_load(sd, [kb, pid_n * BN], ready.index(s), c_s.index(s))
-                else:
-                    mbarrier.expect(ready.index(s), ad.block_type.nbytes + bd.block_type.nbytes)
+                mbarrier.expect(ready.index(s), ad.block_type.nbytes + bd.block_type.nbytes)
                 _tma_load(ad, [pid_m * BM, kb * BS], ready.index(s), a_s.index(s))
                 _tma_load(bd, [pid_n * BN, kb * BS], ready.index(s), b_s.index(s))
                 it += 1
@@ -509,7 +483,7 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_fp8(a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                 SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                 HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                 BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
@@ -546,19 +520,23 @@ if GLUON:
                 r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 1, nkb, lda_s,
                                    ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
-                acc = _ws_release_fold(acc, p0, r0, c0, c_s, empty, it, SA, SB, STAGES)
+                mbarrier.arrive(empty.index(it % STAGES), count=1)
+                acc = _g_fold(acc, p0, r0, c0, SA, SB)
                 t0 = _ws_mma(a_s, b_s, ready, it + 2, zero, R0, ROWS, STAGES, False)
                 r0, c0 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 2, nkb, lda_s,
                                    ldb_s, SA, SB, BS)
                 p1 = warpgroup_mma_wait(num_outstanding=1, deps=(t1,))
-                acc = _ws_release_fold(acc, p1, r1, c1, c_s, empty, it + 1, SA, SB, STAGES)
+                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
+                acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 t1 = _ws_mma(a_s, b_s, ready, it + 3, zero, R0, ROWS, STAGES, False)
                 r1, c1 = _g_scales(sa_ptr, sb_ptr, offs_m, offs_n, mmask, nmask, off_m, off_n, kb + 3, nkb, lda_s,
                                    ldb_s, SA, SB, BS)
                 p0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0,))
-                acc = _ws_release_fold(acc, p0, r0, c0, c_s, empty, it + 2, SA, SB, STAGES)
+                mbarrier.arrive(empty.index((it + 2) % STAGES), count=1)
+                acc = _g_fold(acc, p0, r0, c0, SA, SB)
                 p1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1,))
-                acc = _ws_release_fold(acc, p1, r1, c1, c_s, empty, it + 3, SA, SB, STAGES)
+                mbarrier.arrive(empty.index((it + 3) % STAGES), count=1)
+                acc = _g_fold(acc, p1, r1, c1, SA, SB)
                 it += 4
             _g_epilogue(gl.convert_layout(acc, out_l), off_m, off_n, c_ptr, pre_ptr, bias_ptr, M, N, HAS_BIAS, GELU,
                         ACCUM)
@@ -597,7 +575,7 @@ if GLUON:
 
 
     @gluon.jit
-    def _ws_math(ad, bd, sd, a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+    def _ws_math(ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                  SA: gl.constexpr, SB: gl.constexpr, BS: gl.constexpr,
                  HAS_BIAS: gl.constexpr, GELU: gl.constexpr, ACCUM: gl.constexpr,
                  BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NMATH: gl.constexpr,
@@ -607,7 +585,7 @@ if GLUON:
             _ws_bf16(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K,
                      SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
         else:
-            _ws_fp8(a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+            _ws_fp8(a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
                     SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH, PART)
 
 
@@ -627,15 +605,6 @@ if GLUON:
         SA, SB > 0: fp8_gemm_gluon's FP8 blockwise numbers (BS = the 128 scale block = the K step). SA == 0: BF16
         A and B (BS = the K step, 64), plain FP32 accumulation, SB == 1 dividing the NVFP4 global scales out."""
         ad, bd, a_s, b_s = _g_operands(a_ptr, b_ptr, M, N, K, BM, BN, BS, STAGES)
-        if SA == 2 and SB == 2:
-            # 1x128 x 1x128: B's scales (K blocks, ldb_s) row-major, a (1, BN) row of them in every stage
-            c_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            sd = tma.make_tensor_descriptor(sb_ptr, shape=[gl.cdiv(K, BS), N], strides=[ldb_s, 1],
-                                            block_shape=[1, BN], layout=c_layout)
-            c_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], c_layout)
-        else:
-            sd: gl.constexpr = None
-            c_s: gl.constexpr = None
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -643,14 +612,14 @@ if GLUON:
             mbarrier.init(empty.index(i), count=NMATH)  # every math partition hands the stage back
         # (the argument tuples are written out in the call: a tuple bound to a name first turns its constexprs
         # into tensors; the math partition index is a gl.constexpr, as a plain literal would arrive as a tensor)
-        gl.warp_specialize([(_ws_math, (ad, bd, sd, a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
+        gl.warp_specialize([(_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
                                         K, lda_s, ldb_s,
                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH,
                                         gl.constexpr(0))),
-                            (_ws_loader, (ad, bd, sd, a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M,
+                            (_ws_loader, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M,
                                           N, K, lda_s, ldb_s,
                                           SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH)),
-                            (_ws_math, (ad, bd, sd, a_s, b_s, c_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
+                            (_ws_math, (ad, bd, a_s, b_s, ready, empty, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N,
                                         K, lda_s, ldb_s,
                                         SA, SB, BS, HAS_BIAS, GELU, ACCUM, BM, BN, GROUP_M, STAGES, NMATH,
                                         gl.constexpr(1)))],
