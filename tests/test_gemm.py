@@ -575,14 +575,19 @@ def test_128x128_grids_with_k_blocks_not_divisible_by_4_run_padded_on_cublas(cud
     """K/128 not a multiple of 4 (e.g. an MLP's fc2 with K = 2816 -> 22 blocks): cuBLAS rejects that 128x128 grid,
     so the backend zero-pads K to a multiple of 512 and cuBLAS takes the call, without a rejection; the padded
     blocks add exact zeros: within the reference's tolerance, and bit-identical to cuBLAS on operands quantized from
-    inputs zero-padded the same way."""
+    inputs zero-padded the same way. Undirected, such a call goes to the Triton backend where its Gluon kernel takes
+    it (sm_90), else to cuBLAS; a K/128 divisible by 4 goes to cuBLAS."""
     from lowbit.gemm import backend_for, cublas
+    from lowbit.gemm.triton_backend import gluon_takes
 
-    for K in (2816, 1152, 640):
+    for K in (2816, 1152, 640, 1024):
         x = torch.randn(256, K, device=cuda, generator=torch.Generator(cuda).manual_seed(K))
         w = torch.randn(384, K, device=cuda, generator=torch.Generator(cuda).manual_seed(K + 1))
         a, b = quantize(x, Float8Blockwise()), quantize(w, Float8Blockwise(block_dim=2))
-        assert backend_for(a, b, out_dtype=torch.bfloat16) == "cublas", K
+        gluon = gluon_takes(a, b, "rowwise", "rowwise")
+        assert gluon == (torch.cuda.get_device_capability(cuda) == (9, 0))
+        want = "triton" if gluon and K != 1024 else "cublas"
+        assert backend_for(a, b, out_dtype=torch.bfloat16) == want, K
         before = set(cublas.REJECTED)
         _check(a, b, "rowwise", "rowwise", "cublas", out_dtype=torch.bfloat16)
         assert cublas.REJECTED == before, (K, cublas.REJECTED_WHY)

@@ -23,7 +23,7 @@ from . import check_k_contiguous, gemm_dims, register_backend
 from .kernels import gemm as G
 
 __all__ = ["supports_fp8", "supports_emulated", "supports_dequant", "scaled_mm_triton", "scaled_mm_emulated",
-           "scaled_mm_dequant", "dequantize_bf16"]
+           "scaled_mm_dequant", "dequantize_bf16", "gluon_takes"]
 
 _FP8 = (Float8Tensorwise, Float8Rowwise, Float8Blockwise)
 
@@ -140,6 +140,18 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
     else:
         declined("gemm.gluon", f"compute capability {capability(dev)} (sm_90 only)")
     return False
+
+
+def gluon_takes(a, b, a_copy, b_copy) -> bool:
+    """Whether :func:`scaled_mm_triton` runs this call on its Gluon kernels: FP8 1x128 x 128x128 blockwise operands on
+    an sm_90 GPU, Gluon on, operands TMA can read (16-byte aligned data and rows). The cuBLAS backend leaves it the
+    calls cuBLAS could take only with K zero-padded (:func:`lowbit.gemm.cublas.supports`)."""
+    sa, sb = a.scheme, b.scheme
+    if not (_on_device(a, b) and isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise)):
+        return False
+    A, B = getattr(a, a_copy).data, getattr(b, b_copy).data
+    return (sa.block_dim == 1 and sb.block_dim == 2 and env.get("LOWBIT_TMA") and not A.shape[1] % 16
+            and not (A.data_ptr() % 16 or B.data_ptr() % 16) and _gluon_ok(2, 3, _block_size(sa, sb), A.device))
 
 
 WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
