@@ -36,3 +36,31 @@ def test_bad_layer_arguments_name_the_rule(argv, msg, capsys):
 def test_layer_arguments_pass_the_rest_on():
     assert gemm.parse_layers(["--layers", "350m,1.3b", "--rep", "20"]) == (["350m", "1.3b"], None, ["--rep", "20"])
     assert gemm.parse_layers(["--shapes", "128x128x128"]) == (None, None, ["--shapes", "128x128x128"])
+
+
+@pytest.mark.parametrize("flag", ["--markdown", "--out"])
+def test_table_is_written_after_each_shape(tmp_path, monkeypatch, flag):
+    """The table benchmarks (gemm, quant) rewrite their --markdown / --out file after each shape: a run cut short
+    keeps the rows it finished, and a finished run's file is the table it prints."""
+    import torch
+
+    from lowbit.bench import table_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "t.md"
+    markdown = lambda rows: "".join(f"| {r} |\n" for r in rows)  # noqa: E731
+
+    def run(shapes, rep, rows, done):
+        for s in shapes:
+            if s == (3, 3):
+                raise KeyboardInterrupt  # (a time limit or Ctrl-C in the third shape)
+            rows.append(s)
+            done()
+
+    with pytest.raises(KeyboardInterrupt):
+        table_main([flag, str(out), "--shapes", "1x1,2x2,3x3"], prog="t", description="t", default_shapes=[],
+                   shapes_help="", run=run, markdown=markdown)
+    assert out.read_text() == "| (1, 1) |\n| (2, 2) |\n"
+    assert table_main([flag, str(out), "--shapes", "4x4"], prog="t", description="t", default_shapes=[],
+                      shapes_help="", run=run, markdown=markdown) == 0
+    assert out.read_text() == "| (4, 4) |\n"

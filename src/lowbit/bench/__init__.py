@@ -58,7 +58,9 @@ def host_us(fn, n: int = 300, warmup: int = 20) -> float:
 
 def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help: str, run, markdown) -> int:
     """The command line shared by the table benchmarks (gemm, quant): ``--shapes AxB[xC],...``, ``--rep``,
-    ``--markdown FILE``; ``run(shapes, rep)`` -> rows, ``markdown(rows)`` -> the table printed (and written)."""
+    ``--markdown FILE`` (or ``--out FILE``, as the other benchmarks name it); ``run(shapes, rep, rows, done)`` appends
+    rows to ``rows`` and calls ``done()`` after each shape, ``markdown(rows)`` -> the table printed at the end. The file
+    is rewritten after each shape, so a run cut short (a time limit, Ctrl-C) keeps the rows it finished."""
     import argparse
 
     import torch
@@ -66,7 +68,8 @@ def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--shapes", default=None, help=shapes_help)
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
-    p.add_argument("--markdown", default=None, help="write the result table (markdown) to this file")
+    p.add_argument("--markdown", "--out", dest="markdown", default=None, metavar="FILE",
+                   help="write the result table (markdown) to this file, rewritten after each shape")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA GPU")
@@ -76,9 +79,14 @@ def table_main(argv, *, prog: str, description: str, default_shapes, shapes_help
                                                          for s in args.shapes.split(",")]
     except ValueError:
         p.error(f"--shapes: expected a comma-separated list of x-separated integers, got {args.shapes!r}")
-    md = markdown(run(shapes, args.rep))
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    rows = []
+
+    def done():
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(rows))
+
+    run(shapes, args.rep, rows, done)
+    done()
+    print(markdown(rows))
     return 0

@@ -205,9 +205,10 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
     return calls
 
 
-def run_layers(presets, tokens, rep=100):
-    """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``."""
-    rows = []
+def run_layers(presets, tokens, rep=100, rows=None, done=None):
+    """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``, appended to ``rows``;
+    ``done()`` after each GEMM."""
+    rows = [] if rows is None else rows
     dev = torch.device("cuda")
     for preset in presets:
         T = tokens or LAYER_TOKENS[preset]
@@ -218,6 +219,8 @@ def run_layers(presets, tokens, rep=100):
                 print(f"[gemm] {label}", flush=True)
                 res = {k: _graph_ms(fn, rep) for k, fn in fns.items()}
                 _append_rows(rows, label, 2.0 * M * N * K, res)
+                if done is not None:
+                    done()
             torch.cuda.empty_cache()  # (the layer's operands died with its calls)
     return rows
 
@@ -234,11 +237,14 @@ def _append_rows(rows, label, flops, res):
               f"  x{(cb / t) if cb else float('nan'):.2f} vs cuBLAS blockwise", flush=True)
 
 
-def run(shapes, rep=100):
-    rows = []
+def run(shapes, rep=100, rows=None, done=None):
+    """Rows of :func:`markdown` for ``shapes``, appended to ``rows``; ``done()`` after each shape."""
+    rows = [] if rows is None else rows
     for M, K, N in shapes:
         _run_shape(M, K, N, rep, rows)
         torch.cuda.empty_cache()
+        if done is not None:
+            done()
     return rows
 
 
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
     if presets is not None:
         return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=[None],
                           shapes_help="(not with --layers)",
-                          run=lambda shapes, rep: run_layers(presets, tokens, rep), markdown=markdown)
+                          run=lambda shapes, rep, rows, done: run_layers(presets, tokens, rep, rows, done),
+                          markdown=markdown)
     return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
                       shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes); --layers 350m,1.3b "
                                   "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead",

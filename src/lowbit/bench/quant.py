@@ -116,11 +116,14 @@ def _traced_cases(x, x32) -> tuple[list, list]:
              ("fp32 compiled 128x128 rowwise+columnwise", compiled(x32, Float8Blockwise(block_dim=2)), None)])
 
 
-def run(shapes, rep=100):
-    rows = []
+def run(shapes, rep=100, rows=None, done=None):
+    """Rows of :func:`markdown` for ``shapes``, appended to ``rows``; ``done()`` after each shape."""
+    rows = [] if rows is None else rows
     for M, K in shapes:
         _run_shape(M, K, rep, rows)
         torch.cuda.empty_cache()
+        if done is not None:
+            done()
     return rows
 
 
