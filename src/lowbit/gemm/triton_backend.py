@@ -143,15 +143,15 @@ def _gluon_ok(sa_mode, sb_mode, bs, dev) -> bool:
 
 
 def gluon_takes(a, b, a_copy, b_copy) -> bool:
-    """Whether :func:`scaled_mm_triton` runs this call on its Gluon kernels: FP8 1x128 x 128x128 blockwise operands on
-    an sm_90 GPU, Gluon on, operands TMA can read (16-byte aligned data and rows). The cuBLAS backend leaves it the
-    calls cuBLAS could take only with K zero-padded (:func:`lowbit.gemm.cublas.supports`)."""
+    """Whether :func:`scaled_mm_triton` runs this call on its Gluon kernels (its own two tests: :func:`_tma_ok` and
+    :func:`_gluon_ok`): FP8 1x128 x 128x128 blockwise operands TMA can read, on an sm_90 GPU, Gluon on. The cuBLAS
+    backend leaves it the calls cuBLAS could take only with K zero-padded (:func:`lowbit.gemm.cublas.supports`)."""
     sa, sb = a.scheme, b.scheme
-    if not (_on_device(a, b) and isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise)):
+    if not (_on_device(a, b) and isinstance(sa, Float8Blockwise) and isinstance(sb, Float8Blockwise)
+            and sa.block_dim == 1 and sb.block_dim == 2):
         return False
     A, B = getattr(a, a_copy).data, getattr(b, b_copy).data
-    return (sa.block_dim == 1 and sb.block_dim == 2 and env.get("LOWBIT_TMA") and not A.shape[1] % 16
-            and not (A.data_ptr() % 16 or B.data_ptr() % 16) and _gluon_ok(2, 3, _block_size(sa, sb), A.device))
+    return _tma_ok(A, B, A.shape[1]) and _gluon_ok(2, 3, _block_size(sa, sb), A.device)
 
 
 WS_CONFIGS = [dict(GLUON=True, WS=True, BM=128, BN=128, STAGES=st) for st in (4, 5)]
