@@ -95,6 +95,28 @@ def test_table_arithmetic():
     md = scale.markdown(cfg, table)
     assert "| bf16 | fsdp | 2 | 190 | 95 | 1.90 (met) | 95% | 3.80 | 190% | - | - | 1.00 |" in md
     assert "| 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target)" in md
+    assert "grew" not in md  # (no run profiled its kernels)
+
+
+def test_kernel_growth_over_one_gpu():
+    cfg = dict(device="cuda", gpus=[1, 2], recipes=["fp8-block"], modes=["fsdp", "ddp"], refs=["graph"],
+               loss_check=False, step_profile=2, model="350m", steps=50, batch_size=4, seq_len=2048)
+    runs = scale.plan(cfg)
+
+    def prof(kernels):
+        return dict(wall_ms=10.0, compute_ms=6.0, comm_ms=0.0, exposed_comm_ms=0.0, host_ms=4.0, overlap_pct=None,
+                    comm_kinds_ms={}, kernels_ms=kernels)
+
+    res = {"fp8-block/1gpu-graph": _summary(100.0, [2.0, 1.0], 1, prof({"gemm": 5.0, "quantize": 1.0, "rope": 0.5})),
+           "fp8-block/fsdp-2gpu": _summary(150.0, [2.0, 1.0], 2, prof(
+               {"gemm": 5.5, "quantize": 2.25, "ncclDevKernel_AllGather": 3.0, "copy": 0.25})),
+           "fp8-block/ddp-2gpu": _summary(190.0, [2.0, 1.0], 2)}  # (no kernels: no line)
+    table = scale.rows(cfg, runs, res)
+    ((row, items),) = scale.kernel_growth(table, top=3)
+    assert row["mode"] == "fsdp"
+    assert items == [("ncclDevKernel_AllGather", 3.0), ("quantize", 1.25), ("gemm", 0.5)]
+    md = scale.markdown(cfg, table)
+    assert "- fp8-block fsdp (2 GPUs): `ncclDevKernel_AllGather` +3.00, `quantize` +1.25, `gemm` +0.50" in md
 
 
 def test_table_takes_non_finite_losses():

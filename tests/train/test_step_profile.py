@@ -4,7 +4,16 @@ synthetic chrome-trace events (CUDA kernels; the CPU's ATen ops and gloo work), 
 import pytest
 
 from lowbit.train.loop import TrainConfig, train
-from lowbit.train.step_profile import MARKER, collective_kind, merge, split_step, split_trace, uncovered
+from lowbit.train.step_profile import (
+    MARKER,
+    TOP_KERNELS,
+    collective_kind,
+    kernel_family,
+    merge,
+    split_step,
+    split_trace,
+    uncovered,
+)
 
 
 def _ev(name, ts, dur, cat="kernel", tid=1):
@@ -49,6 +58,40 @@ def test_split_cuda_step():
     assert r["host_ms"] == pytest.approx(0.040)  # [0, 10), [60, 70), [80, 100)
     assert r["wall_ms"] == pytest.approx(r["compute_ms"] + r["exposed_comm_ms"] + r["host_ms"])
     assert r["comm_kinds_ms"] == pytest.approx({"all_gather": 0.025, "reduce_scatter": 0.010})
+    # per kernel family, inside the step only (the second gemm is outside), most time first
+    assert list(r["kernels_ms"]) == ["gemm", "ncclDevKernel_AllGather_RING_LL", "quantize",
+                                     "ncclDevKernel_ReduceScatter_Sum"]
+    assert r["kernels_ms"]["gemm"] == pytest.approx(0.030) and r["kernels_ms"]["quantize"] == pytest.approx(0.010)
+
+
+def test_kernels_per_family_sum_overlaps_and_keep_the_top():
+    # two instances of one template on concurrent streams both count; a kernel clipped by the step's end counts its
+    # part inside; only the TOP_KERNELS most expensive families are kept
+    events = [_ev(MARKER, 0, 1000, cat="user_annotation"),
+              _ev("void at::native::elementwise_kernel<128, 2, Lambda<float>>(int, Lambda<float>)", 0, 40),
+              _ev("void at::native::elementwise_kernel<128, 4, Lambda<c10::BFloat16>>(int)", 20, 40, tid=2),
+              _ev("nvjet_tst_128x256", 980, 50)]
+    events += [_ev(f"k{i}", 100 + i, 1) for i in range(TOP_KERNELS + 5)]
+    (r,) = split_trace(events, "cuda")
+    k = r["kernels_ms"]
+    assert len(k) == TOP_KERNELS
+    assert k["at::native::elementwise_kernel"] == pytest.approx(0.080)
+    assert k["nvjet_tst_128x256"] == pytest.approx(0.020)
+    assert r["compute_ms"] == pytest.approx(0.060 + 0.020 + 0.001 * (TOP_KERNELS + 5))
+
+
+LONG = "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_warpgroupsize2x1x1_execute_segment_k_off_kernel"
+
+
+@pytest.mark.parametrize("name, family", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>(int, float*)",
+     "at::native::vectorized_elementwise_kernel"),
+    ("_quantize_rowwise_kernel", "_quantize_rowwise_kernel"),
+    (LONG + "__5x_cublas", LONG[:100]),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ncclDevKernel_AllGather_RING_LL"),
+])
+def test_kernel_family(name, family):
+    assert kernel_family(name) == family
 
 
 def test_split_cpu_step():
@@ -74,6 +117,7 @@ def test_step_profile_in_summary(tmp_path, small_text, cache_dir):
     assert m["wall_ms"] > 0 and m["compute_ms"] > 0 and m["comm_ms"] == 0 and m["overlap_pct"] is None
     assert m["wall_ms"] == pytest.approx(m["compute_ms"] + m["exposed_comm_ms"] + m["host_ms"])
     assert len(sp["ranks"][0]["per_step"]) == 2
+    assert m["kernels_ms"] == {}  # (per kernel on CUDA only)
     assert s["tokens_per_s"] > 0  # (step 5 alone was timed: step 1 warms up, 2 the profiler)
     short = train(TrainConfig(recipe="bf16", steps=3, seq_len=64, batch_size=2, data=small_text, cache_dir=cache_dir,
                               eval_every=3, eval_windows=2, progress=False, verbose=False, device="cpu",

@@ -438,7 +438,36 @@ def markdown(cfg: dict, table: list[dict]) -> str:
                  _f(sp.get("compute_ms"), ".1f"), _f(sp.get("exposed_comm_ms"), ".1f"), _f(sp.get("host_ms"), ".1f"),
                  comm]
         lines.append("| " + " | ".join(cells) + " |")
+    growth = kernel_growth(table)
+    if growth:
+        lines += ["", f"Where the GPU time of a step grew over one graphed GPU (ms a step, each run's {GROWTH_TOP} "
+                      "kernel families that grew most; kernels on concurrent streams each count):", ""]
+        for r, items in growth:
+            lines.append(f"- {r['recipe']} {r['mode']} ({r['gpus']} GPUs): "
+                         + ", ".join(f"`{k}` {d:+.2f}" for k, d in items))
     return "\n".join(lines) + "\n"
+
+
+GROWTH_TOP = 6
+
+
+def kernel_growth(table: list[dict], top: int = GROWTH_TOP) -> list[tuple[dict, list[tuple[str, float]]]]:
+    """For each multi-GPU row with a step profile, the ``top`` kernel families whose GPU time a step grew most over
+    the same recipe's one-GPU graphed run (``lowbit train --step-profile``'s ``kernels_ms``): (row, [(family,
+    ms)])."""
+    out = []
+    for r in table:
+        mine = (r.get("step_profile") or {}).get("kernels_ms")
+        if r["gpus"] < 2 or not mine:
+            continue
+        ref = next((b for b in table if b["recipe"] == r["recipe"] and b["mode"] == "1 GPU graph"
+                    and (b.get("step_profile") or {}).get("kernels_ms")), None)
+        if ref is None:
+            continue
+        base = ref["step_profile"]["kernels_ms"]
+        diff = {k: mine.get(k, 0.0) - base.get(k, 0.0) for k in set(mine) | set(base)}
+        out.append((r, sorted(diff.items(), key=lambda kv: -kv[1])[:top]))
+    return out
 
 
 def plot(cfg: dict, table: list[dict], path: Path) -> Path | None:

@@ -10,6 +10,9 @@ synchronized) with :func:`split_step`:
 * **exposed comm**: the part of comm with no compute beside it, which overlap did not hide;
 * **host**: the time it runs nothing, waiting on the host (Python, launches, a ``.item()``).
 
+On CUDA each step also gets **kernels**: the GPU time of each kernel family (:func:`kernel_family`), summed (kernels
+on concurrent streams each count), the most expensive :data:`TOP_KERNELS` kept: what to compare between two runs.
+
 So wall = compute + exposed comm + host. On the CPU (gloo) the step's own thread is the device: compute is the
 time that thread spends in ATen operators, comm the time gloo's threads spend in collectives. Every rank profiles
 its own steps; :meth:`StepProfiler.gather` collects them on every rank.
@@ -23,10 +26,13 @@ import torch
 
 from .graph_profile import chrome_trace, merge
 
-__all__ = ["StepProfiler", "split_trace", "split_step", "merge", "uncovered", "collective_kind", "MARKER"]
+__all__ = ["StepProfiler", "split_trace", "split_step", "merge", "uncovered", "collective_kind", "kernel_family",
+           "MARKER", "TOP_KERNELS"]
 
 MARKER = "lowbit.step"
 """The ``torch.profiler.record_function`` name around each profiled step."""
+TOP_KERNELS = 40
+"""How many kernel families a step profile keeps (the most GPU time first)."""
 
 _KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
           ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("alltoall", "all_to_all"))
@@ -59,6 +65,26 @@ def collective_kind(name: str) -> str | None:
     return next((kind for key, kind in _KINDS if key in flat), "other")
 
 
+def kernel_family(name: str) -> str:
+    """A CUDA kernel's name without its return type, template arguments and parameter list, at most 100 characters:
+    ``"void at::native::vectorized_elementwise_kernel<4, ...>(int, ...)"`` ->
+    ``"at::native::vectorized_elementwise_kernel"``."""
+    name = name.strip()
+    if name.startswith("void "):
+        name = name[5:]
+    out, depth = [], 0
+    for ch in name:
+        if ch == "(" and depth == 0:
+            break
+        if ch == "<":
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return ("".join(out).strip() or name)[:100]
+
+
 def _length(merged: list) -> float:
     return sum(e - s for s, e in merged)
 
@@ -68,7 +94,7 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
     event: wall, compute, comm, exposed comm, host and the comm time of each collective kind."""
     lo = float(marker["ts"])
     hi = lo + float(marker.get("dur", 0.0))
-    compute, comm, kinds = [], [], {}
+    compute, comm, kinds, kernels = [], [], {}, {}
     for e in events:
         if "ts" not in e or e.get("ph") != "X":
             continue
@@ -83,6 +109,9 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
         elif not ((cat == "cpu_op" and e.get("tid") == marker.get("tid") and name.startswith("aten::"))
                   or (cat == "user_annotation" and name.startswith("gloo:"))):
             continue
+        if device_type == "cuda":
+            fam = kernel_family(name) if cat == "kernel" else cat
+            kernels[fam] = kernels.get(fam, 0.0) + (t - s) / 1e3
         kind = collective_kind(name)
         if kind is None:
             compute.append((s, t))
@@ -94,7 +123,12 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
     exposed = uncovered(comm, compute)
     return {"wall_ms": (hi - lo) / 1e3, "compute_ms": _length(compute) / 1e3, "comm_ms": _length(comm) / 1e3,
             "exposed_comm_ms": exposed / 1e3, "host_ms": max(0.0, hi - lo - busy) / 1e3,
-            "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())}}
+            "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())},
+            "kernels_ms": _top(kernels)}
+
+
+def _top(kernels: dict) -> dict:
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
 
 
 def split_trace(events: list[dict], device_type: str) -> list[dict]:
@@ -113,6 +147,8 @@ def _mean(parts: list[dict]) -> dict:
     kinds = sorted({k for p in parts for k in p["comm_kinds_ms"]})
     out["comm_kinds_ms"] = {k: sum(p["comm_kinds_ms"].get(k, 0.0) for p in parts) / n for k in kinds}
     out["overlap_pct"] = 100.0 * (1 - out["exposed_comm_ms"] / out["comm_ms"]) if out["comm_ms"] > 0 else None
+    names = {k for p in parts for k in p.get("kernels_ms", {})}
+    out["kernels_ms"] = _top({k: sum(p.get("kernels_ms", {}).get(k, 0.0) for p in parts) / n for k in names})
     return out
 
 
