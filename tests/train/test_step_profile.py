@@ -5,6 +5,7 @@ import pytest
 
 from lowbit.train.loop import TrainConfig, train
 from lowbit.train.step_profile import (
+    FAMILY_CHARS,
     MARKER,
     TOP_KERNELS,
     collective_kind,
@@ -65,7 +66,7 @@ def test_split_cuda_step():
 
 
 def test_kernels_per_family_sum_overlaps_and_keep_the_top():
-    # two instances of one template on concurrent streams both count; a kernel clipped by the step's end counts its
+    # two kernels on concurrent streams both count; a kernel clipped by the step's end counts its
     # part inside; only the TOP_KERNELS most expensive families are kept
     events = [_ev(MARKER, 0, 1000, cat="user_annotation"),
               _ev("void at::native::elementwise_kernel<128, 2, Lambda<float>>(int, Lambda<float>)", 0, 40),
@@ -75,19 +76,24 @@ def test_kernels_per_family_sum_overlaps_and_keep_the_top():
     (r,) = split_trace(events, "cuda")
     k = r["kernels_ms"]
     assert len(k) == TOP_KERNELS
-    assert k["at::native::elementwise_kernel"] == pytest.approx(0.080)
+    assert k["at::native::elementwise_kernel<128, 2, Lambda<float>>"] == pytest.approx(0.040)
+    assert k["at::native::elementwise_kernel<128, 4, Lambda<c10::BFloat16>>"] == pytest.approx(0.040)
     assert k["nvjet_tst_128x256"] == pytest.approx(0.020)
     assert r["compute_ms"] == pytest.approx(0.060 + 0.020 + 0.001 * (TOP_KERNELS + 5))
 
 
-LONG = "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_warpgroupsize2x1x1_execute_segment_k_off_kernel"
+LONG = "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_warpgroupsize2x1x1_execute_segment_k_off" * 2
 
 
 @pytest.mark.parametrize("name, family", [
     ("void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>(int, float*)",
-     "at::native::vectorized_elementwise_kernel"),
+     "at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>"),
     ("_quantize_rowwise_kernel", "_quantize_rowwise_kernel"),
-    (LONG + "__5x_cublas", LONG[:100]),
+    (LONG + "__5x_cublas", LONG[:FAMILY_CHARS]),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>(int, float)",
+     "at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, at::native::FusedAdamMathFunctor<float, "
+     "4>>"),
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ncclDevKernel_AllGather_RING_LL"),
 ])
 def test_kernel_family(name, family):

@@ -33,6 +33,8 @@ MARKER = "lowbit.step"
 """The ``torch.profiler.record_function`` name around each profiled step."""
 TOP_KERNELS = 40
 """How many kernel families a step profile keeps (the most GPU time first)."""
+FAMILY_CHARS = 160
+"""The longest kernel family name kept (:func:`kernel_family`)."""
 
 _KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
           ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("alltoall", "all_to_all"))
@@ -66,23 +68,23 @@ def collective_kind(name: str) -> str | None:
 
 
 def kernel_family(name: str) -> str:
-    """A CUDA kernel's name without its return type, template arguments and parameter list, at most 100 characters:
-    ``"void at::native::vectorized_elementwise_kernel<4, ...>(int, ...)"`` ->
-    ``"at::native::vectorized_elementwise_kernel"``."""
-    name = name.strip()
+    """A CUDA kernel's name without its return type, parameter list and ``(anonymous namespace)::``, at most
+    :data:`FAMILY_CHARS` characters: the template arguments that say what a launcher runs stay, e.g.
+    ``"void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>(int, ...)"`` ->
+    ``"at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>"``."""
+    name = name.strip().replace("(anonymous namespace)::", "")
     if name.startswith("void "):
         name = name[5:]
-    out, depth = [], 0
-    for ch in name:
-        if ch == "(" and depth == 0:
-            break
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):
         if ch == "<":
             depth += 1
         elif ch == ">" and depth:
             depth -= 1
-        elif depth == 0:
-            out.append(ch)
-    return ("".join(out).strip() or name)[:100]
+        elif ch == "(" and depth == 0:
+            cut = i
+            break
+    return (name[:cut].strip() or name)[:FAMILY_CHARS]
 
 
 def _length(merged: list) -> float:
