@@ -407,6 +407,49 @@ def test_async_check_reports_once_the_gpu_has_passed_it():
     assert ev2.waited and [(e.layer, e.role, e.step, e.amax) for e in got] == [("fc", "input", 7, float("inf"))]
 
 
+class _Named:
+    def __init__(self, name):
+        self.name = name
+        self.weight = torch.zeros(4, 4)  # (what a GemmLayer holds through its module)
+
+
+class _SlottedName:
+    __slots__ = ("name",)  # (no weak reference to it)
+
+    def __init__(self, name):
+        self.name = name
+
+
+def test_queued_checks_keep_no_layer_alive():
+    """A check queued on the GPU stays queued until a later check point reads it; its records must not keep the layer
+    (and so its module and weights) alive: a model dropped between two autocast regions is freed. A fault of a layer
+    freed since is still reported; a living layer is named."""
+    import gc
+    import weakref
+
+    from lowbit.nn import state
+
+    nonfinite_events()
+    gone, alive = _Named("blocks.0.fc1"), _Named("blocks.1.fc2")
+    state.sentry(torch.tensor([float("inf")]), layer=gone, role="input", phase="forward", policy="skip")
+    state.sentry(torch.tensor([float("nan")]), layer=alive, role="weight", phase="forward", policy="skip")
+    state.sentry(torch.tensor([float("nan")]), layer=_SlottedName("head"), role="input", phase="forward",
+                 policy="skip")
+    recs = state._take_unchecked()
+    ev = _FakeEvent()
+    flat = torch.cat([a for r in recs for a in r[5]])
+    with state._lock:  # (queued as the CUDA path queues it: read once the GPU has passed its event)
+        state._inflight.append((recs, flat.max().reshape(1), ev, None, flat))
+    ref = weakref.ref(gone)
+    del gone, recs
+    gc.collect()
+    assert ref() is None
+    ev.done = True
+    got = nonfinite_events()
+    assert [(e.layer, e.role) for e in got] == [("<a layer freed before its check was read>", "input"),
+                                                ("blocks.1.fc2", "weight"), ("head", "input")]
+
+
 def test_fault_is_attributed_from_the_values_checked_not_the_live_tensors():
     """A queued check names its layers from the amaxes as they were when it was queued: a CUDA graph's next replay
     rewrites the recorded tensors, possibly before the host reads the check."""
@@ -579,3 +622,25 @@ def test_dropped_step_checks_are_reported_not_lost():
     del read
     gc.collect()
     assert nonfinite_events() == [] and not state._TAKEN
+
+
+@pytest.mark.gpu
+def test_converted_model_is_freed_after_inference_on_cuda():
+    """On CUDA the sentry's last check of an autocast region stays queued until the next check point: the converted
+    model (its layers, modules and weights) must be freed as soon as the caller drops it, not at the next autocast
+    region (a benchmark building one model after another peaked with the previous one still held)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    model = model.to("cuda", torch.bfloat16)
+    lowbit.convert(model)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode(), lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        model(x)
+    refs = [weakref.ref(model), weakref.ref(model[0].weight)]
+    del model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    nonfinite_events()

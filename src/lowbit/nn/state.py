@@ -392,7 +392,8 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     """Record amaxes measured by quantization for the NaN sentry (checked later, see :func:`check_nonfinite`).
 
     ``amax``: a float32 tensor, or a list/tuple of them (e.g. one per quantized copy); not read here.
-    ``layer``: the layer's name, or an object with a ``.name`` (read only if a fault is found).
+    ``layer``: the layer's name, or an object with a ``.name`` (read only if a fault is found; the record holds a weak
+    reference to it, so a queued check keeps no layer, and no model, alive).
     ``policy``: ``"raise"``, ``"skip"``, ``"ignore"`` (all three recorded and checked alike; only the outcome
     differs), or one of them under :func:`graph_policy` (an operator inside torch.compile's CUDA graphs: the amaxes
     go to the device's board); ``"off"`` records nothing (:func:`sentry_off`).
@@ -403,6 +404,13 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
     if policy.startswith(GRAPH_PREFIX):  # (an operator inside torch.compile's CUDA graphs: graph_policy)
         _board_record(amaxes, layer, role, phase, policy[len(GRAPH_PREFIX):])
         return
+    if not isinstance(layer, str):
+        # (a check stays queued until a later check point reads it: a model freed before then must be freed; a
+        # GemmLayer holds its module, and the module its weights)
+        try:
+            layer = weakref.ref(layer)
+        except TypeError:  # (an object that takes no weak reference: its name now)
+            layer = layer.name
     with _lock:
         _unchecked.append((layer, role, phase, _step, policy, amaxes))
     global _boundary_queued
@@ -414,6 +422,14 @@ def sentry(amax, *, layer: str, role: str, phase: str, policy: str) -> None:
             _boundary_queued = True
         except RuntimeError:  # not inside a backward pass (a direct call): check now
             check_nonfinite()
+
+
+def _record_name(layer) -> str:
+    """The layer name of a record: a name as given, or the name of the layer its weak reference points to."""
+    if isinstance(layer, str):
+        return layer
+    obj = layer() if isinstance(layer, weakref.ref) else layer
+    return "<a layer freed before its check was read>" if obj is None else obj.name
 
 
 def _check_at_boundary() -> None:
@@ -607,7 +623,7 @@ def _read(queue: list, wait: bool) -> list[NonFiniteEvent]:
             vals = vals[~torch.isfinite(vals)]
             if not vals.numel():
                 continue
-            out.append(NonFiniteEvent(layer=layer if isinstance(layer, str) else layer.name, role=role,
+            out.append(NonFiniteEvent(layer=_record_name(layer), role=role,
                                       phase=phase, step=step_, amax=float(vals.abs().max()), policy=policy))
     return out
 
