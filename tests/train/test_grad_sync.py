@@ -1,5 +1,6 @@
 """GradAllReduce (DDP's gradient averaging inside ``lowbit train``'s captured step) against the mean of the ranks'
-own gradients: 2 gloo processes on the CPU, two accumulated micro-batches, a parameter the backward never reaches."""
+own gradients: 2 gloo processes on the CPU, two accumulated micro-batches, a parameter the backward never reaches,
+buckets of one gradient each and of all of them (one coalesced collective)."""
 
 import os
 
@@ -21,7 +22,7 @@ class _Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
+def _worker(rank: int, world: int, init: str, out: str, bucket_mb: float) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.manual_seed(100 + rank)  # different weights per rank: broadcast_parameters makes them rank 0's
@@ -30,7 +31,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         ref = _Net()
         ref.load_state_dict(net.state_dict())
         xs = [torch.randn(5, 13, generator=torch.Generator().manual_seed(7 * rank + m)) for m in range(2)]
-        red = GradAllReduce(list(net.parameters()))
+        red = GradAllReduce(list(net.parameters()), bucket_mb=bucket_mb)
         loss = torch.zeros((), dtype=torch.float64)
         for m, x in enumerate(xs):
             if m == 1:
@@ -53,15 +54,18 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             own += ref(x).square().mean().detach().double()
         torch.distributed.all_reduce(own)
         torch.save({"grads": {n: p.grad for n, p in net.named_parameters()}, "mean": mean, "loss": loss,
-                    "own_loss": own, "w0": net.a.weight.detach().clone()}, os.path.join(out, f"{rank}.pt"))
+                    "own_loss": own, "w0": net.a.weight.detach().clone(), "sent": red.buckets_sent},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_gradients_are_the_mean_over_ranks(tmp_path):
+@pytest.mark.parametrize("bucket_mb, sent", [(1e-9, 4), (25.0, 1)])
+def test_gradients_are_the_mean_over_ranks(tmp_path, bucket_mb, sent):
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, init, str(tmp_path), bucket_mb), nprocs=2, join=True)
     r = [torch.load(tmp_path / f"{i}.pt") for i in range(2)]
+    assert [res["sent"] for res in r] == [sent, sent]  # (the four gradients the backward reaches)
     assert torch.equal(r[0]["w0"], r[1]["w0"])  # rank 0's weights everywhere
     for res in r:
         assert res["grads"]["unused.weight"] is None and res["grads"]["unused.bias"] is None
@@ -76,6 +80,9 @@ def test_finish_without_arm_is_an_error():
     net = _Net()
     with pytest.raises(ValueError, match="params: no parameter requires a gradient"):
         GradAllReduce([p for p in net.parameters() if not p.requires_grad])
+    for bad in (0, -1.0, True, "25"):
+        with pytest.raises(ValueError, match="bucket_mb: expected a number of MiB > 0"):
+            GradAllReduce(list(net.parameters()), bucket_mb=bad)
     red = GradAllReduce(list(net.parameters()))
     with pytest.raises(RuntimeError, match="arm"):
         red.finish()
