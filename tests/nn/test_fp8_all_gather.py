@@ -29,10 +29,16 @@ def _model(shape):
                                lowbit.nn.Linear(n1, k, bias=False))
 
 
-def _run(model, recipe: str, n: int = 2, device="cpu"):
-    """n SGD steps on one batch: (outputs, losses, the first step's gradients by name), on the CPU as one batch of
-    32 tokens, on a GPU of 128 (the GEMM kernels' tile)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+def _run(model, recipe: str, n: int = 2, device="cpu", optimizer="sgd", after_first=None):
+    """n SGD (or lowbit AdamW) steps on one batch: (outputs, losses, the first step's gradients by name), on the CPU
+    as one batch of 32 tokens, on a GPU of 128 (the GEMM kernels' tile); ``after_first()`` runs after the first
+    update."""
+    if optimizer == "adamw":
+        from lowbit.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     torch.manual_seed(1)
     x = torch.randn(32 if device == "cpu" else 128, model[0].in_features).to(device)
     outs, losses, grads = [], [], None
@@ -45,6 +51,8 @@ def _run(model, recipe: str, n: int = 2, device="cpu"):
             grads = {name: _full(p.grad).cpu() for name, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
+        if step == 0 and after_first is not None:
+            after_first(opt)
         outs.append(y.detach().cpu())
         losses.append(loss.detach().cpu())
     return outs, losses, grads
@@ -84,7 +92,7 @@ class _Count:
             setattr(dist, name, fn)
 
 
-def _worker(rank, tmp, recipe, shape, device="cpu", units="layers"):
+def _worker(rank, tmp, recipe, shape, device="cpu", units="layers", optimizer="sgd"):
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
@@ -116,8 +124,22 @@ def _worker(rank, tmp, recipe, shape, device="cpu", units="layers"):
         # (FSDP2 keeps the root unit's weights gathered after a forward, for the backward; with no backward here,
         # reshard them, or the next step's update is lost: seen with plain torch.nn.Linear layers too)
         model.reshard()
+        # the shards FSDP2's gathers quantize after the first update (lowbit AdamW writes their copies instead)
+        quantized = {"on": False, "n": 0, "fused": None}
+        import lowbit.nn.fsdp as fsdp_mod
+
+        def counting(*a, _q=fsdp_mod.quantize, **k):
+            quantized["n"] += quantized["on"]
+            return _q(*a, **k)
+
+        def after_first(opt):
+            quantized["on"] = True
+            quantized["fused"] = getattr(opt, "fused_tensors", None)
+
+        fsdp_mod.quantize = counting
         with _Count() as steps:
-            outs, losses, grads = _run(model, recipe, device=device)
+            outs, losses, grads = _run(model, recipe, n=3 if optimizer == "adamw" else 2, device=device,
+                                       optimizer=optimizer, after_first=after_first)
         # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
         bf16 = _model(shape).to(device)
         for layer in bf16:
@@ -128,17 +150,19 @@ def _worker(rank, tmp, recipe, shape, device="cpu", units="layers"):
             bf16(torch.zeros(tokens, shape[0], device=device))
         torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
                         bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught], gathers=steps.calls,
-                        amax_reductions=steps.amax_calls), f"{tmp}/rank{rank}.pt")
+                        amax_reductions=steps.amax_calls, quantized_later=quantized["n"],
+                        fused=quantized["fused"]), f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn_and_compare(tmp_path, recipe, shape, device="cpu", units="layers"):
-    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device, units), nprocs=WORLD, join=True)
+def _spawn_and_compare(tmp_path, recipe, shape, device="cpu", units="layers", optimizer="sgd"):
+    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device, units, optimizer), nprocs=WORLD, join=True)
     ref = _model(shape).to(device)
     with lowbit.autocast(recipe=from_name(recipe)):  # the workers' probe forward (delayed scaling records it)
         ref(torch.zeros(32 if device == "cpu" else 128, shape[0], device=device))
-    ref_outs, ref_losses, ref_grads = _run(ref, recipe, device=device)
+    ref_outs, ref_losses, ref_grads = _run(ref, recipe, n=3 if optimizer == "adamw" else 2, device=device,
+                                           optimizer=optimizer)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(ref_outs, g["outs"])):
@@ -166,6 +190,18 @@ def _check_fp8_gather(tmp_path, recipe, device):
         # its histories' reduction at each of the two steps' autocast exits
         reductions = {"fp8-current": g["gathers"], "fp8-delayed": g["gathers"] + 2, "fp8-block": 0}[recipe]
         assert g["amax_reductions"] == reductions, g
+        if recipe == "fp8-block":  # (SGD writes no copies: every later gather quantizes its shards)
+            assert g["quantized_later"] > 0 and g["fused"] is None, g
+
+
+def _check_adamw_copies_gathered(tmp_path, device):
+    """lowbit AdamW on the FSDP2 shards: its kernel updates each shard and writes the shard's FP8 copies, which the
+    later gathers move instead of quantizing the shard; three steps equal the unsharded run with the same optimizer
+    (whose forward takes the copies it writes) bit for bit."""
+    got = _spawn_and_compare(tmp_path, "fp8-block", (256, 256), device, optimizer="adamw")
+    for g in got:
+        assert g["fused"] == 2, g  # (both weights' shards updated in the quantizing kernel)
+        assert g["quantized_later"] == 0, g
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -181,6 +217,30 @@ def test_fp8_all_gather_matches_unsharded(tmp_path, recipe):
 def test_fp8_all_gather_matches_unsharded_gpu(tmp_path, recipe):
     """The same over NCCL on 2 GPUs with lowbit's GPU quantizers and GEMMs (the reference run on cuda:0)."""
     _check_fp8_gather(tmp_path, recipe, "cuda")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_adamw_writes_the_shard_copies_the_gather_takes(tmp_path):
+    """On the CPU the quantizing AdamW kernel runs in Triton's interpreter: the check runs in a subprocess with
+    TRITON_INTERPRET=1 (its gloo workers inherit it)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = ("import sys, pathlib; sys.path.insert(0, %r); import test_fp8_all_gather as t; "
+            "t._check_adamw_copies_gathered(pathlib.Path(%r), 'cpu'); print('ok')"
+            % (os.path.dirname(__file__), str(tmp_path)))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs 2 CUDA GPUs and NCCL")
+def test_adamw_writes_the_shard_copies_the_gather_takes_gpu(tmp_path):
+    _check_adamw_copies_gathered(tmp_path, "cuda")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -285,3 +345,29 @@ def test_compiled_model_runs_gathered_layers_eager(tmp_path):
             ours = [b for b in breaks if "_gathered_fp8_weight_runs_eager" in b]
             fsdp = [b for b in breaks if "qualname: disable" in b]  # (FSDP2's own hooks: torch._dynamo.disable)
             assert len(ours) == 1 and len(ours) + len(fsdp) == len(breaks), (kind, breaks)
+
+
+def test_optimizer_copies_box_is_shared_by_views_and_cleared_by_writes():
+    """``Float8AllGatherWeight.lowbit_fresh``: the optimizer's copies and whether they hold the weight's values; views
+    (what FSDP2 and ``DTensor.to_local`` make) share it, new tensors (clone, new_zeros) start empty, and an in-place
+    write through torch clears ``valid`` for every view."""
+    from lowbit.nn.fsdp import Float8AllGatherWeight
+
+    sch = from_name("fp8-block").role("weight").scheme
+    w = Float8AllGatherWeight(torch.randn(256, 128), sch)
+    assert w.lowbit_fresh == [None, False]
+    w.lowbit_fresh[:] = ["copies", True]
+    v = w.view_as(w)
+    n = w.narrow(0, 0, 128)
+    assert v.lowbit_fresh is w.lowbit_fresh and n.lowbit_fresh is w.lowbit_fresh
+    assert w.detach().lowbit_fresh is w.lowbit_fresh
+    assert w.clone().lowbit_fresh == [None, False] and w.new_zeros(4, 4).lowbit_fresh == [None, False]
+    with torch.no_grad():
+        n.mul_(2.0)  # (a write through one view)
+    assert w.lowbit_fresh == ["copies", False]
+    w.lowbit_fresh[1] = True
+    w.sum()  # (reads leave it)
+    assert w.lowbit_fresh[1]
+    with torch.no_grad():
+        w.copy_(torch.zeros(256, 128))
+    assert not v.lowbit_fresh[1]

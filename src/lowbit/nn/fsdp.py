@@ -20,7 +20,10 @@ weight:
   unsharded forward does; during the recipe's warm-up the scale is the current one, as above.
 * ``Float8BlockScaling`` with 128x128 weight tiles (``w_block_scaling_dim=2``): FSDP2 shards dim 0, so where every
   rank's shard is a whole number of 128-row tiles (out_features divisible by 128 x the shard count) each tile lies
-  in one shard and needs no reduction; the FP8 data, the FP32 tile scales and each shard's amax are gathered.
+  in one shard and needs no reduction; the FP8 data, the FP32 tile scales and each shard's amax are gathered. Where
+  :class:`lowbit.optim.AdamW` updates the shard, its kernel also writes the shard's copies (``lowbit_fresh``), and the
+  gather takes those as long as they hold the shard's values (the same bits: the same tiles quantized alike), so
+  nothing quantizes the shard before it is gathered.
 
 Everything else gathers in high precision, as FSDP2 does without this module, and says so once (a warning and
 :func:`lowbit.runtime.log.declined`): a 128x128 weight whose shards are not whole tiles, 1x128 weight blocks (their
@@ -184,6 +187,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 _KEEP = {_aten.empty_like.default, _aten.new_zeros.default, _aten.new_empty.default, _aten.slice.Tensor,
          _aten.copy_.default, _aten.view.default, _aten.as_strided.default, _aten._to_copy.default,
          _aten.split.Tensor, _aten.clone.default, _aten.narrow.default, _aten.alias.default}
+# those whose outputs hold the same values as their first weight argument (views of it, or it written in place): they
+# share its optimizer-written copies (lowbit_fresh); the others' outputs are new tensors and start without
+_SAME_VALUES = {_aten.slice.Tensor, _aten.copy_.default, _aten.view.default, _aten.as_strided.default,
+                _aten.split.Tensor, _aten.narrow.default, _aten.alias.default}
 
 
 class Float8AllGatherWeight(torch.Tensor):
@@ -199,21 +206,29 @@ class Float8AllGatherWeight(torch.Tensor):
             None (one all-reduce of its own).
         lowbit_delayed: under ``DelayedScaling``, the weight's attribute on its module (whose
             :class:`~lowbit.nn.functional.GemmLayer` holds the scale every rank casts its shard with); else None.
+        lowbit_fresh: ``[FreshWeight or None, valid]``: the copies :class:`lowbit.optim.AdamW` writes for this
+            (sharded) weight (:class:`~lowbit.nn.functional.FreshWeight`) and whether they hold its values. Shared by
+            the weight's views (``DTensor.to_local`` may return one), so the optimizer and FSDP2's gather see the same.
+            The optimizer sets ``valid`` after writing them; any in-place write through torch (a checkpoint load,
+            another optimizer) clears it. (Versions cannot tell: a view made below autograd counts its own.)
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None):
+    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None,
+                fresh: list | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
                                                    storage_offset=hp.storage_offset(), dtype=hp.dtype,
                                                    layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
 
-    def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None):
+    def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None,
+                 fresh: list | None = None):
         self.lowbit_hp = hp
         self.lowbit_scheme = scheme
         self.lowbit_batch = batch
         self.lowbit_delayed = delayed
+        self.lowbit_fresh = fresh if fresh is not None else [None, False]
 
     def data_ptr(self) -> int:
         return self.lowbit_hp.data_ptr()
@@ -225,14 +240,19 @@ class Float8AllGatherWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is _aten.detach.default:
             me = args[0]
-            return cls(me.lowbit_hp.detach(), me.lowbit_scheme, me.lowbit_batch, me.lowbit_delayed)
+            return cls(me.lowbit_hp.detach(), me.lowbit_scheme, me.lowbit_batch, me.lowbit_delayed, me.lowbit_fresh)
         src = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        if func._schema.is_mutable:  # (an in-place or out= op: the copies of a weight it writes no longer hold)
+            for a, arg in zip(args, func._schema.arguments):
+                if isinstance(a, cls) and arg.alias_info is not None and arg.alias_info.is_write:
+                    a.lowbit_fresh[1] = False
         args, kwargs = pytree.tree_map_only(cls, _plain, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP:
             return out
+        fresh = src.lowbit_fresh if func in _SAME_VALUES else None
         return pytree.tree_map_only(
-            torch.Tensor, lambda t: cls(t, src.lowbit_scheme, src.lowbit_batch, src.lowbit_delayed), out)
+            torch.Tensor, lambda t: cls(t, src.lowbit_scheme, src.lowbit_batch, src.lowbit_delayed, fresh), out)
 
     def __tensor_flatten__(self):
         return ["lowbit_hp"], (self.lowbit_scheme, self.lowbit_delayed)
@@ -271,7 +291,11 @@ class Float8AllGatherWeight(torch.Tensor):
             else:
                 data = torch.zeros(hp.shape, dtype=torch.uint8, device=hp.device)
             return (_pad_rows(data, rows),), ("tensorwise", n, scale_inv, amax)
-        c = quantize(hp, sch, rowwise=True).rowwise
+        f, valid = self.lowbit_fresh
+        if valid and f is not None and hp is self.lowbit_hp and f.ptr == hp.data_ptr() and f.scheme == sch:
+            c = f.q.rowwise  # (written by the optimizer's update of this shard: what quantizing it gives)
+        else:
+            c = quantize(hp, sch, rowwise=True).rowwise
         return (c.data.view(torch.uint8), c.scale_inv, c.amax.reshape(1)), ("tiles", n)
 
     def _delayed_scale(self, module, device) -> torch.Tensor | None:

@@ -4,8 +4,11 @@ Under a recipe whose weights are 128 x 128 blockwise FP8 with current scaling (`
 quantizes every weight: one more read of the FP32 master weights (and a launch per weight) right after the optimizer
 wrote them. This optimizer updates those weights in a Triton kernel that quantizes each 128 x 128 tile while it is
 on chip (:mod:`lowbit.optim.kernels`) into buffers the layer keeps (:class:`lowbit.nn.functional.FreshWeight`); the
-forward takes them as long as the weight was not modified since. Everything else (other parameters, other recipes,
-AMSGrad / maximize groups, DTensor parameters) goes through ``torch.optim.AdamW`` unchanged.
+forward takes them as long as the weight was not modified since. Under FSDP2 with :func:`lowbit.nn.fp8_all_gather`
+the parameters are DTensor shards of such weights: the kernel updates each rank's shard and writes the shard's
+copies, which FSDP2's all-gather then moves instead of quantizing the shard (``Float8AllGatherWeight.lowbit_fresh``).
+Everything else (other parameters, other recipes, AMSGrad / maximize groups, other DTensor parameters) goes through
+``torch.optim.AdamW`` unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nn.fsdp import Float8AllGatherWeight, fp8_gather_plan
 from ..nn.functional import FreshWeight, weight_layer
+from ..quant.schemes import Float8Blockwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
 from ..runtime.device import INTERPRET, triton_installed
 
@@ -45,6 +50,63 @@ class KernelConfig:
 
 def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor holding ``t``'s values on this rank: a DTensor's local shard, a ``Float8AllGatherWeight``'s
+    high-precision tensor; ``t`` itself otherwise."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):  # (a DTensor)
+        t = t.to_local()
+    return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
+
+
+class _ShardHolder:
+    """Where the copies of a sharded weight live for the update: its ``Float8AllGatherWeight``'s ``lowbit_fresh``
+    box, which FSDP2's all-gather reads (a GemmLayer plays this part for an unsharded weight: ``.fresh``)."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: list):
+        self.box = box
+
+    @property
+    def fresh(self):
+        return self.box[0]
+
+    @fresh.setter
+    def fresh(self, f):
+        self.box[0], self.box[1] = f, False
+
+
+def _mark(holder, f: FreshWeight, w: torch.Tensor) -> None:
+    """``f`` now holds the copies of ``w`` as it is."""
+    f.mark(w)
+    if isinstance(holder, _ShardHolder):
+        holder.box[1] = True
+
+
+def _valid(holder, f: FreshWeight, w: torch.Tensor) -> bool:
+    """Whether ``f`` holds the copies of ``w`` as it is."""
+    if isinstance(holder, _ShardHolder):
+        return bool(holder.box[1]) and f.ptr == w.data_ptr()
+    return f.valid_for(w, f.scheme)
+
+
+def _sharded_target(p: torch.Tensor):
+    """``(holder, scheme)`` where ``p`` is FSDP2's DTensor shard of a weight it gathers as 128x128 blockwise FP8 copies
+    (:func:`lowbit.nn.fp8_all_gather`, current scaling, shards of whole tiles: the rule its all-gather applies), else
+    None."""
+    if not (hasattr(p, "to_local") and hasattr(p, "device_mesh")):
+        return None
+    local = p.to_local()
+    if not isinstance(local, Float8AllGatherWeight) or local.lowbit_delayed is not None:
+        return None
+    sch = local.lowbit_scheme
+    if not (isinstance(sch, Float8Blockwise) and sch.block_dim == 2):
+        return None
+    if fp8_gather_plan(sch, tuple(p.shape), p.device_mesh.size()) is not None:
+        return None
+    return _ShardHolder(local.lowbit_fresh), sch
 
 
 class _Bucket:
@@ -109,20 +171,25 @@ class AdamW(torch.optim.AdamW):
             and not g.get("differentiable") and all(isinstance(b, float) for b in g["betas"])
 
     def _targets(self, need_grad: bool = True) -> list[list]:
-        """Per param group, ``[(p, layer, scheme)]`` the kernel updates (or, need_grad=False, primes)."""
+        """Per param group, ``[(p, holder, scheme)]`` the kernel updates (or, need_grad=False, primes): ``holder`` keeps
+        the copies in ``.fresh`` (the weight's GemmLayer, or a FSDP2 shard's :class:`_ShardHolder`)."""
         out = []
         for g in self.param_groups:
             mine = []
             if self.quantized_weights and self._group_ok(g) and triton_installed():
                 for p in g["params"]:
-                    e = weight_layer(p)
-                    if e is None or type(p.data) is not torch.Tensor or p.dtype != torch.float32:
-                        continue
-                    if not (p.is_cuda or INTERPRET) or not p.is_contiguous() or not _aligned(p):
+                    e = _sharded_target(p)
+                    if e is None:
+                        e = weight_layer(p)
+                        if e is None or type(p.data) is not torch.Tensor:
+                            continue
+                    w = _local(p)
+                    if w.dtype != torch.float32 or not (w.is_cuda or INTERPRET) or not w.is_contiguous() \
+                            or not _aligned(w):
                         continue
                     if need_grad:
-                        gr = p.grad
-                        if gr is None or gr.dtype != torch.float32 or gr.shape != p.shape or not gr.is_contiguous() \
+                        gr = _local(p.grad)
+                        if gr is None or gr.dtype != torch.float32 or gr.shape != w.shape or not gr.is_contiguous() \
                                 or not _aligned(gr) or gr.is_sparse:
                             continue
                     mine.append((p, e[0], e[1]))
@@ -132,6 +199,7 @@ class AdamW(torch.optim.AdamW):
     # -- the FP8 buffers a layer keeps ----------------------------------------------------------------
     @staticmethod
     def _fresh(p: torch.Tensor, layer, sch) -> FreshWeight:
+        """The copies' buffers of ``p`` (the tensor the kernel updates) kept by ``layer`` (its holder), made once."""
         f = layer.fresh
         if f is not None and f.scheme == sch and f.q.shape == tuple(p.shape) and f.q.device == p.device:
             return f
@@ -155,15 +223,16 @@ class AdamW(torch.optim.AdamW):
         for p, f in items:
             st = self.state[p] if adam else None
             r, c = f.q.rowwise, f.q.columnwise
-            rows.append((p.data_ptr(), p.grad.data_ptr() if adam else 0, st["exp_avg"].data_ptr() if adam else 0,
-                         st["exp_avg_sq"].data_ptr() if adam else 0, r.data.data_ptr(), r.scale_inv.data_ptr(),
+            rows.append((_local(p).data_ptr(), _local(p.grad).data_ptr() if adam else 0,
+                         _local(st["exp_avg"]).data_ptr() if adam else 0,
+                         _local(st["exp_avg_sq"]).data_ptr() if adam else 0, r.data.data_ptr(), r.scale_inv.data_ptr(),
                          c.data.data_ptr(), c.scale_inv.data_ptr(), st["step"].data_ptr() if adam else 0))
         owners = tuple(id(f) for _, f in items)
         key = tuple(rows)
         b = self._buckets.get(bid)
         if b is not None and b.key == key and b.owners == owners:
             return b
-        dev = items[0][0].device
+        dev = _local(items[0][0]).device
         # the amax slots belong to the weights (the update and the priming launches share them, and other gradients
         # keep them): a captured forward reads them by address
         amax = self._amax.get(owners)
@@ -186,7 +255,7 @@ class AdamW(torch.optim.AdamW):
     def _launch(self, bid: tuple, g: dict, items: list, adam: bool) -> None:
         p0, f0 = items[0]
         sch = f0.scheme
-        M, Kd = p0.shape
+        M, Kd = _local(p0).shape
         b = self._bucket(bid, items, adam)
         gs = getattr(self, "grad_scale", None) if adam else None
         fi = getattr(self, "found_inf", None) if adam else None
@@ -216,9 +285,12 @@ class AdamW(torch.optim.AdamW):
         n = 0
         for gi, (g, mine) in enumerate(zip(self.param_groups, targets)):
             buckets: dict = {}
+            holders = {}
             for p, layer, sch in mine:
-                f = self._fresh(p, layer, sch)
-                buckets.setdefault((tuple(p.shape), sch, p.device), []).append((p, f))
+                w = _local(p)
+                f = self._fresh(w, layer, sch)
+                holders[id(f)] = layer
+                buckets.setdefault((tuple(w.shape), sch, w.device), []).append((p, f))
             for bi, items in enumerate(buckets.values()):
                 if adam:
                     for p, _ in items:
@@ -229,8 +301,8 @@ class AdamW(torch.optim.AdamW):
                             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     steps = [self.state[p]["step"] for p, _ in items]
                     torch._foreach_add_(steps, 1)
-                    if getattr(self, "found_inf", None) is not None and not all(f.valid_for(p, f.scheme)
-                                                                                for p, f in items):
+                    if getattr(self, "found_inf", None) is not None and not all(
+                            _valid(holders[id(f)], f, _local(p)) for p, f in items):
                         # a step skipped on the device writes no copies yet marks them valid: first write them from
                         # the weights as they are (new buffers, a weight changed since), which an update overwrites
                         self._launch((gi, bi, False), g, items, False)
@@ -240,9 +312,10 @@ class AdamW(torch.optim.AdamW):
                     if fi is not None:
                         torch._foreach_sub_(steps, [fi] * len(steps))
                 for p, f in items:
+                    w = _local(p)
                     if adam:  # an in-place update, as torch's would be: autograd's version check sees it
                         torch.autograd.graph.increment_version(p)
-                    f.mark(p)
+                    _mark(holders[id(f)], f, w)
                 n += len(items)
         self.fused_tensors = n
 

@@ -518,9 +518,10 @@ def _optimizer(model, c: TrainConfig):
     if next(model.parameters()).device.type != "cuda":
         return torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8)
     cls = torch.optim.AdamW
-    if env.fused("adamw_quant") and not c.fp8_all_gather:
+    if env.fused("adamw_quant"):
         # torch's fused AdamW, whose step also writes the FP8 copies of the 128x128 blockwise weights (fp8-block)
-        # that the next forward would otherwise quantize; any other recipe: torch's step unchanged
+        # that the next forward would otherwise quantize (under --fp8-all-gather: each shard's, which FSDP2 gathers);
+        # any other recipe: torch's step unchanged
         from lowbit.optim import AdamW as cls
     return cls(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=1e-8, fused=True)
 
