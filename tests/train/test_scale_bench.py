@@ -163,3 +163,8 @@ def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():
         c = config(flags)
         assert c.fsdp == ("--fsdp" in flags) and c.compile == ("--compile" in flags), mode
     assert config(scale.MODES["fsdp-eager"]).cuda_graph == config(scale.MODES["ddp-eager"]).cuda_graph == "off"
+    both = config(scale.MODES["fsdp-fp8ag-keep"])
+    assert both.fp8_all_gather and not both.fsdp_reshard_after_forward
+    bf16_runs = scale.plan(dict(cfg, recipes=["bf16"], modes=["fsdp-fp8ag-keep"], loss_check=False))
+    assert [r["skip"] for r in bf16_runs if r["kind"] == "mode"] == ["--fp8-all-gather takes fp8-block or fp8-current "
+                                                                      "or fp8-delayed"]

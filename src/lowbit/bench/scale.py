@@ -4,12 +4,12 @@ per-GPU batch.
 For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.run`` for more than one) on one GPU
 (CUDA-graphed, eager, and compiled where a compile mode is asked for: the references), then on each GPU count of
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
-``fsdp-keep``: FSDP2 keeping each block's gathered weights from its forward to its backward, ``fsdp-compile`` /
-``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag``, ``fsdp-keep`` and ``ddp`` run inside
-``lowbit train``'s CUDA graphs on CUDA, their collectives captured with the step, ``fsdp-eager`` and ``ddp-eager``
-without), every run with the same per-GPU batch; and, for the loss check, one process with ``--grad-accum N``: the same
-global batch as N GPUs, micro-batch for micro-batch. It reads each run's ``summary.json`` and writes a table (markdown
-and JSON) and a plot (matplotlib, when installed).
+``fsdp-keep``: FSDP2 keeping each block's gathered weights from its forward to its backward, ``fsdp-fp8ag-keep``: both,
+``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag``, ``fsdp-keep``,
+``fsdp-fp8ag-keep`` and ``ddp`` run inside ``lowbit train``'s CUDA graphs on CUDA, their collectives captured with
+the step, ``fsdp-eager`` and ``ddp-eager`` without), every run with the same per-GPU batch; and, for the loss
+check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
+each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
 
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
 **x graphed** = tokens/s over one CUDA-graphed GPU's (the baseline of the scaling targets: 1.85 on 2 GPUs, 3.6 on 4),
@@ -54,6 +54,7 @@ MODES = {
     "fsdp-compile": ["--fsdp", "--compile"],
     "fsdp-eager": ["--fsdp", "--cuda-graph", "off"],
     "fsdp-keep": ["--fsdp", "--fsdp-keep-gathered"],
+    "fsdp-fp8ag-keep": ["--fsdp", "--fp8-all-gather", "--fsdp-keep-gathered"],
     "ddp": [],
     "ddp-eager": ["--cuda-graph", "off"],
     "ddp-compile": ["--compile"],
@@ -190,7 +191,7 @@ def plan(cfg: dict) -> list[dict]:
                 continue
             for m in cfg["modes"]:
                 skip = None
-                if m == "fsdp-fp8ag" and r not in FP8_ALL_GATHER_RECIPES:
+                if m.startswith("fsdp-fp8ag") and r not in FP8_ALL_GATHER_RECIPES:
                     skip = f"--fp8-all-gather takes {' or '.join(FP8_ALL_GATHER_RECIPES)}"
                 runs.append(dict(recipe=r, kind="mode", mode=m, gpus=n, flags=MODES[m], dir=f"{r}/{m}-{n}gpu",
                                  skip=skip))
