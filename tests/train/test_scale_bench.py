@@ -103,13 +103,14 @@ def test_kernel_growth_over_one_gpu():
                loss_check=False, step_profile=2, model="350m", steps=50, batch_size=4, seq_len=2048)
     runs = scale.plan(cfg)
 
-    def prof(kernels):
+    def prof(kernels, idle=None):
         return dict(wall_ms=10.0, compute_ms=6.0, comm_ms=0.0, exposed_comm_ms=0.0, host_ms=4.0, overlap_pct=None,
-                    comm_kinds_ms={}, kernels_ms=kernels)
+                    comm_kinds_ms={}, kernels_ms=kernels, idle=idle or {})
 
     res = {"fp8-block/1gpu-graph": _summary(100.0, [2.0, 1.0], 1, prof({"gemm": 5.0, "quantize": 1.0, "rope": 0.5})),
            "fp8-block/fsdp-2gpu": _summary(150.0, [2.0, 1.0], 2, prof(
-               {"gemm": 5.5, "quantize": 2.25, "ncclDevKernel_AllGather": 3.0, "copy": 0.25})),
+               {"gemm": 5.5, "quantize": 2.25, "ncclDevKernel_AllGather": 3.0, "copy": 0.25},
+               {"nccl | nccl": [2.5, 14], "gemm | <step end>": [0.5, 1], "a | b": [0.25, 2], "c | d": [0.125, 1]})),
            "fp8-block/ddp-2gpu": _summary(190.0, [2.0, 1.0], 2)}  # (no kernels: no line)
     table = scale.rows(cfg, runs, res)
     ((row, items),) = scale.kernel_growth(table, top=3)
@@ -117,6 +118,9 @@ def test_kernel_growth_over_one_gpu():
     assert items == [("ncclDevKernel_AllGather", 3.0), ("quantize", 1.25), ("gemm", 0.5)]
     md = scale.markdown(cfg, table)
     assert "- fp8-block fsdp (2 GPUs): `ncclDevKernel_AllGather` +3.00, `quantize` +1.25, `gemm` +0.50" in md
+    # the idle time by the kernels around it: the largest IDLE_TOP pairs of each run that has them
+    assert "- fp8-block fsdp (2 GPUs): `nccl | nccl` 2.50 (14), `gemm | <step end>` 0.50 (1), `a | b` 0.25 (2)\n" in md
+    assert md.count("`nccl | nccl`") == 1 and "`c | d`" not in md
 
 
 def test_table_takes_non_finite_losses():

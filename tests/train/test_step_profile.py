@@ -7,6 +7,7 @@ from lowbit.train.loop import TrainConfig, train
 from lowbit.train.step_profile import (
     FAMILY_CHARS,
     MARKER,
+    TOP_GAPS,
     TOP_KERNELS,
     collective_kind,
     kernel_family,
@@ -63,6 +64,32 @@ def test_split_cuda_step():
     assert list(r["kernels_ms"]) == ["gemm", "ncclDevKernel_AllGather_RING_LL", "quantize",
                                      "ncclDevKernel_ReduceScatter_Sum"]
     assert r["kernels_ms"]["gemm"] == pytest.approx(0.030) and r["kernels_ms"]["quantize"] == pytest.approx(0.010)
+
+
+def test_idle_gaps_by_the_kernels_around_them():
+    # step [0, 100): gemm [10, 40), a concurrent kernel [20, 50), an all-reduce [60, 65), another [70, 75), gemm
+    # [90, 95): idle [0, 10), [50, 60) after the concurrent one, [65, 70) and [75, 90) between collectives and
+    # gemm, [95, 100) at the end
+    events = [_ev(MARKER, 0, 100, cat="user_annotation"), _ev("gemm", 10, 30), _ev("side", 20, 30, tid=2),
+              _ev("ncclDevKernel_AllReduce", 60, 5), _ev("ncclDevKernel_AllReduce", 70, 5), _ev("gemm", 90, 5)]
+    (r,) = split_trace(events, "cuda")
+    idle = {k: (round(v[0], 9), v[1]) for k, v in r["idle"].items()}
+    assert idle == {"ncclDevKernel_AllReduce | gemm": (0.015, 1), "<step start> | gemm": (0.010, 1),
+                    "side | ncclDevKernel_AllReduce": (0.010, 1),
+                    "ncclDevKernel_AllReduce | ncclDevKernel_AllReduce": (0.005, 1), "gemm | <step end>": (0.005, 1)}
+    assert list(idle)[0] == "ncclDevKernel_AllReduce | gemm"  # (the largest first)
+    assert sum(v[0] for v in idle.values()) == pytest.approx(r["host_ms"])
+    # the mean over steps: per step, pairs of either step
+    from lowbit.train.step_profile import _mean
+
+    other = dict(r, idle={"gemm | <step end>": (0.025, 3)})
+    m = _mean([r, other])
+    assert tuple(m["idle"]["gemm | <step end>"]) == pytest.approx((0.015, 2))
+    assert tuple(m["idle"]["<step start> | gemm"]) == pytest.approx((0.005, 0.5))
+    # a step of many gaps keeps the largest TOP_GAPS pairs
+    many = [_ev(MARKER, 0, 10_000, cat="user_annotation")] + [_ev(f"k{i}", 100 * i, 100 - i) for i in range(40)]
+    (r2,) = split_trace(many, "cuda")
+    assert len(r2["idle"]) == TOP_GAPS and next(iter(r2["idle"])) == "k39 | <step end>"
 
 
 def test_kernels_per_family_sum_overlaps_and_keep_the_top():
@@ -123,7 +150,7 @@ def test_step_profile_in_summary(tmp_path, small_text, cache_dir):
     assert m["wall_ms"] > 0 and m["compute_ms"] > 0 and m["comm_ms"] == 0 and m["overlap_pct"] is None
     assert m["wall_ms"] == pytest.approx(m["compute_ms"] + m["exposed_comm_ms"] + m["host_ms"])
     assert len(sp["ranks"][0]["per_step"]) == 2
-    assert m["kernels_ms"] == {}  # (per kernel on CUDA only)
+    assert m["kernels_ms"] == {} and m["idle"] == {}  # (per kernel on CUDA only)
     assert s["tokens_per_s"] > 0  # (step 5 alone was timed: step 1 warms up, 2 the profiler)
     short = train(TrainConfig(recipe="bf16", steps=3, seq_len=64, batch_size=2, data=small_text, cache_dir=cache_dir,
                               eval_every=3, eval_windows=2, progress=False, verbose=False, device="cpu",

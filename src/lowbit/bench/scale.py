@@ -446,7 +446,19 @@ def markdown(cfg: dict, table: list[dict]) -> str:
         for r, items in growth:
             lines.append(f"- {r['recipe']} {r['mode']} ({r['gpus']} GPUs): "
                          + ", ".join(f"`{k}` {d:+.2f}" for k, d in items))
+    idle = [(r, list((r.get("step_profile") or {}).get("idle", {}).items())[:IDLE_TOP]) for r in table
+            if r["status"] == "ok"]
+    idle = [(r, items) for r, items in idle if items]
+    if idle:
+        lines += ["", f"Where the device sat idle (ms a step and gaps a step, each run's {IDLE_TOP} largest, by the "
+                      "kernels before and after the gap):", ""]
+        for r, items in idle:
+            lines.append(f"- {r['recipe']} {r['mode']} ({r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}): "
+                         + ", ".join(f"`{k}` {ms:.2f} ({n:g})" for k, (ms, n) in items))
     return "\n".join(lines) + "\n"
+
+
+IDLE_TOP = 3
 
 
 GROWTH_TOP = 6

@@ -1316,7 +1316,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         _say(d, c, f"[lowbit] step profile (steps {step_profile['steps'][0]}-{step_profile['steps'][-1]}, "
                    f"mean of {d.world} rank(s)): wall {m['wall_ms']:.2f} ms = compute {m['compute_ms']:.2f} + exposed "
                    f"comm {m['exposed_comm_ms']:.2f} + host {m['host_ms']:.2f}; comm {m['comm_ms']:.2f} ms"
-                   + (f", {m['overlap_pct']:.0f}% hidden" if m["overlap_pct"] is not None else ""))
+                   + (f", {m['overlap_pct']:.0f}% hidden" if m["overlap_pct"] is not None else "")
+                   + "".join(f"; idle most between {k.replace(' | ', ' and ')}: {v[0]:.2f} ms"
+                             for k, v in list(m.get("idle", {}).items())[:1]))
     if graphed is not None:
         graphed.drop()
     stop.armed = False

@@ -11,7 +11,10 @@ synchronized) with :func:`split_step`:
 * **host**: the time it runs nothing, waiting on the host (Python, launches, a ``.item()``).
 
 On CUDA each step also gets **kernels**: the GPU time of each kernel family (:func:`kernel_family`), summed (kernels
-on concurrent streams each count), the most expensive :data:`TOP_KERNELS` kept: what to compare between two runs.
+on concurrent streams each count), the most expensive :data:`TOP_KERNELS` kept: what to compare between two runs;
+and **idle**: where the host time falls, the device's idle time summed by the pair of kernel families around each
+gap (the kernel that ran last before it, the one that starts it; ``<step start>`` / ``<step end>`` at the edges),
+the :data:`TOP_GAPS` largest pairs kept: what the device waited for.
 
 So wall = compute + exposed comm + host. On the CPU (gloo) the step's own thread is the device: compute is the
 time that thread spends in ATen operators, comm the time gloo's threads spend in collectives. Every rank profiles
@@ -27,7 +30,7 @@ import torch
 from .graph_profile import chrome_trace, merge
 
 __all__ = ["StepProfiler", "split_trace", "split_step", "merge", "uncovered", "collective_kind", "kernel_family",
-           "MARKER", "TOP_KERNELS"]
+           "idle_gaps", "MARKER", "TOP_KERNELS", "TOP_GAPS"]
 
 MARKER = "lowbit.step"
 """The ``torch.profiler.record_function`` name around each profiled step."""
@@ -35,6 +38,8 @@ TOP_KERNELS = 40
 """How many kernel families a step profile keeps (the most GPU time first)."""
 FAMILY_CHARS = 160
 """The longest kernel family name kept (:func:`kernel_family`)."""
+TOP_GAPS = 10
+"""How many (before, after) kernel pairs of idle time a step profile keeps (the most idle time first)."""
 
 _KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
           ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("alltoall", "all_to_all"))
@@ -91,12 +96,31 @@ def _length(merged: list) -> float:
     return sum(e - s for s, e in merged)
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], lo: float, hi: float) -> dict:
+    """The device's idle time in ``[lo, hi]`` (us) between ``spans`` ``(start, end, family)``, summed by the pair of
+    families around each gap: ``{"after | before": (ms, gaps)}``, the :data:`TOP_GAPS` largest."""
+    out: dict = {}
+    cur, last = lo, "<step start>"
+    for s, e, fam in sorted(spans):
+        if s > cur:
+            key = f"{last} | {fam}"
+            ms, n = out.get(key, (0.0, 0))
+            out[key] = (ms + (s - cur) / 1e3, n + 1)
+        if e > cur:
+            cur, last = e, fam
+    if hi > cur:
+        key = f"{last} | <step end>"
+        ms, n = out.get(key, (0.0, 0))
+        out[key] = (ms + (hi - cur) / 1e3, n + 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS])
+
+
 def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
     """One step's split (see the module docstring), in ms, from chrome-trace ``events`` and the step's ``marker``
     event: wall, compute, comm, exposed comm, host and the comm time of each collective kind."""
     lo = float(marker["ts"])
     hi = lo + float(marker.get("dur", 0.0))
-    compute, comm, kinds, kernels = [], [], {}, {}
+    compute, comm, kinds, kernels, spans = [], [], {}, {}, []
     for e in events:
         if "ts" not in e or e.get("ph") != "X":
             continue
@@ -114,6 +138,7 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
         if device_type == "cuda":
             fam = kernel_family(name) if cat == "kernel" else cat
             kernels[fam] = kernels.get(fam, 0.0) + (t - s) / 1e3
+            spans.append((s, t, fam))
         kind = collective_kind(name)
         if kind is None:
             compute.append((s, t))
@@ -126,7 +151,7 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
     return {"wall_ms": (hi - lo) / 1e3, "compute_ms": _length(compute) / 1e3, "comm_ms": _length(comm) / 1e3,
             "exposed_comm_ms": exposed / 1e3, "host_ms": max(0.0, hi - lo - busy) / 1e3,
             "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())},
-            "kernels_ms": _top(kernels)}
+            "kernels_ms": _top(kernels), "idle": idle_gaps(spans, lo, hi) if device_type == "cuda" else {}}
 
 
 def _top(kernels: dict) -> dict:
@@ -151,6 +176,10 @@ def _mean(parts: list[dict]) -> dict:
     out["overlap_pct"] = 100.0 * (1 - out["exposed_comm_ms"] / out["comm_ms"]) if out["comm_ms"] > 0 else None
     names = {k for p in parts for k in p.get("kernels_ms", {})}
     out["kernels_ms"] = _top({k: sum(p.get("kernels_ms", {}).get(k, 0.0) for p in parts) / n for k in names})
+    pairs = {k for p in parts for k in p.get("idle", {})}
+    idle = {k: (sum(p.get("idle", {}).get(k, (0.0, 0))[0] for p in parts) / n,
+                sum(p.get("idle", {}).get(k, (0.0, 0))[1] for p in parts) / n) for k in pairs}
+    out["idle"] = dict(sorted(idle.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS])
     return out
 
 
