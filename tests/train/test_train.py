@@ -317,3 +317,51 @@ def test_a_run_inherits_no_fault_of_one_that_raised(tmp_path, small_text, cache_
     s = train(TrainConfig(out_dir=str(tmp_path / "next"), steps=2, eval_every=2, on_nonfinite="skip", **base))
     assert not s["events"], s["events"]
     assert [st for st, _ in s["history"]["train"]] == [1, 2]
+
+
+def test_deterministic_mode_is_set_for_the_run_and_restored(tmp_path, small_text, cache_dir):
+    """--deterministic: torch's deterministic algorithms (strict), cuDNN deterministic, lowbit's autotuning off and
+    CUBLAS_WORKSPACE_CONFIG for the run, all restored after; two runs give the same losses to the last bit; the summary
+    says so; a bad value is refused."""
+    import os
+
+    from lowbit.runtime import env
+    from lowbit.train import loop
+
+    seen = {}
+    real = loop._train_run
+
+    def spy(c, stop):
+        seen.update(strict=torch.are_deterministic_algorithms_enabled()
+                    and not torch.is_deterministic_algorithms_warn_only_enabled(),
+                    cudnn=torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark,
+                    autotune=env.get("LOWBIT_AUTOTUNE"), cublas=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return real(c, stop)
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              env.get("LOWBIT_AUTOTUNE"), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    runs = []
+    for i in range(2):
+        cfg = TrainConfig(recipe="fp8-block", steps=3, batch_size=4, seq_len=64, data=small_text, cache_dir=cache_dir,
+                          eval_every=3, eval_windows=2, progress=False, verbose=False, device="cpu",
+                          out_dir=str(tmp_path / str(i)), save_final=False, deterministic=True)
+        loop._train_run = spy
+        try:
+            runs.append(train(cfg))
+        finally:
+            loop._train_run = real
+        assert seen == dict(strict=True, cudnn=True, autotune=False, cublas=before[3] or loop.CUBLAS_DETERMINISTIC)
+        assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                env.get("LOWBIT_AUTOTUNE"), os.environ.get("CUBLAS_WORKSPACE_CONFIG")) == before
+    assert runs[0]["deterministic"] is True and math.isfinite(runs[0]["final_val_loss"])
+    assert runs[0]["history"]["train"] == runs[1]["history"]["train"]
+    assert runs[0]["final_val_loss"] == runs[1]["final_val_loss"]
+    with pytest.raises(TypeError, match="deterministic: expected a bool"):
+        TrainConfig(deterministic=1).validate()
+    import argparse
+
+    from lowbit.train.cli import add_train_args, config_from_args
+
+    parse = add_train_args(argparse.ArgumentParser()).parse_args
+    assert config_from_args(parse(["--deterministic"])).deterministic
+    assert not config_from_args(parse([])).deterministic

@@ -163,6 +163,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run torch.profiler over N steps after warm-up (default 2) and split each one's time into "
                         "compute, communication (exposed and hidden) and host time, per rank, into summary.json "
                         "(those steps are left out of tokens/s)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bit-reproducible runs (loss checks, debugging; slower): torch's deterministic algorithms "
+                        "(an operation without one raises, naming it), cuDNN deterministic, lowbit's autotuning off, "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 where unset")
     g.add_argument("--no-lookahead", action="store_true",
                    help="read and wait for every step on the host before the next one (by default, with --on-nonfinite "
                         "skip, a step's skip is decided on the device and read one step later; the same results)")
@@ -189,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         norm=args.norm, tie_weights=args.tie_weights, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, fault_steps=tuple(args.fault_steps), step_phases=args.step_phases,
         profile_graphs=args.profile_graphs, step_profile=args.step_profile, lookahead=not args.no_lookahead,
+        deterministic=args.deterministic,
     )
 
 

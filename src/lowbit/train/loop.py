@@ -131,6 +131,13 @@ class TrainConfig:
     profile_graphs: str | None = None
     """Diagnostic: a folder; the fourth step's CUDA graphs are replayed under torch.profiler and their kernel times,
     gaps and trace written to ``<folder>/<recipe>/graph_profile.json``."""
+    deterministic: bool = False
+    """Bit-reproducible runs, for loss checks (1 against N GPUs) and debugging, slower: for the run,
+    ``torch.use_deterministic_algorithms(True)`` (strict: an operation without a deterministic kernel raises, naming
+    it; lowbit's 16-bit attention then runs its own backward, not cuDNN's), cuDNN deterministic without benchmarking,
+    lowbit's autotuning off (every run the same kernel configs) and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where unset
+    (it must be set before the process's first cuBLAS call; ``lowbit train`` sets it first). lowbit's own kernels
+    reduce only by max, which is order-free."""
     lookahead: bool = True
     """With ``on_nonfinite="skip"``: decide a step's skip on the device (CUDA graphs: in the update graph; eager steps,
     DDP and FSDP2 among them: the loss, the amaxes and the gradient norm reduced across ranks there and fed to the
@@ -207,6 +214,8 @@ class TrainConfig:
             if self.compile:
                 raise ValueError("fp8_all_gather: True with compile=True is not supported (torch.compile cannot trace "
                                  "the gathered FP8 weights); drop one of them")
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {self.deterministic!r}")
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise TypeError(f"fsdp_reshard_after_forward: expected a bool, got {self.fsdp_reshard_after_forward!r}")
         if not self.fsdp_reshard_after_forward and not self.fsdp:
@@ -831,11 +840,41 @@ def _train_one(c: TrainConfig) -> dict:
     stop = _StopRequest()
     try:
         stop.install()
-        return _train_run(c, stop)
+        with deterministic_mode(c.deterministic):
+            return _train_run(c, stop)
     finally:
         stop.restore()
         if lock is not None:
             lock.release()
+
+
+CUBLAS_DETERMINISTIC = ":4096:8"
+"""The ``CUBLAS_WORKSPACE_CONFIG`` :func:`deterministic_mode` sets where none is (cuBLAS's reproducible setting)."""
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool = True):
+    """Within the block (``on``): ``torch.use_deterministic_algorithms(True)``, ``torch.backends.cudnn.deterministic``
+    without ``benchmark``, lowbit's ``LOWBIT_AUTOTUNE`` off and ``CUBLAS_WORKSPACE_CONFIG`` set where it is not; every
+    one restored after (``TrainConfig.deterministic``). ``on=False``: nothing changes."""
+    if not on:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    set_env = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    if set_env:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with env.override(LOWBIT_AUTOTUNE=False):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        if set_env:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
@@ -1340,7 +1379,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": fsdp,
         "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if fsdp else None,
-        "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile,
+        "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
