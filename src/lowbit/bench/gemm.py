@@ -39,16 +39,16 @@ def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
     return [("qkv", 3 * d, d), ("proj", d, d), ("fc1", 2 * f, d), ("fc2", d, f)]
 
 
-def gemm_dims(pairing: str, tokens: int, n_out: int, k_in: int) -> tuple[int, int, int]:
+def layer_gemm_dims(pairing: str, tokens: int, n_out: int, k_in: int) -> tuple[int, int, int]:
     """(M, K, N) of one GEMM of a linear layer of ``n_out`` outputs and ``k_in`` inputs over ``tokens``: fprop
     (tokens, in, out), dgrad (tokens, out, in), wgrad (out, tokens, in)."""
     return {"fprop": (tokens, k_in, n_out), "dgrad": (tokens, n_out, k_in), "wgrad": (n_out, tokens, k_in)}[pairing]
 
 
 def layer_gemms(preset: str, tokens: int) -> list[tuple[str, str, int, int, int]]:
-    """(layer, pairing, M, K, N) of the three GEMMs (:func:`gemm_dims`) of each linear layer of one block of the GPT
-    ``preset`` over ``tokens``."""
-    return [(name, pairing, *gemm_dims(pairing, tokens, n_out, k_in))
+    """(layer, pairing, M, K, N) of the three GEMMs (:func:`layer_gemm_dims`) of each linear layer of one block of the
+    GPT ``preset`` over ``tokens``."""
+    return [(name, pairing, *layer_gemm_dims(pairing, tokens, n_out, k_in))
             for name, n_out, k_in in layer_shapes(preset) for pairing in ("fprop", "dgrad", "wgrad")]
 
 
@@ -214,7 +214,7 @@ def run_layers(presets, tokens, rep=100, rows=None, done=None):
         T = tokens or LAYER_TOKENS[preset]
         for layer, n_out, k_in in layer_shapes(preset):
             for pairing, fns in _layer_calls(*layer_operands(T, n_out, k_in, dev)).items():
-                M, K, N = gemm_dims(pairing, T, n_out, k_in)
+                M, K, N = layer_gemm_dims(pairing, T, n_out, k_in)
                 label = f"{preset} {layer} {pairing} {M}x{K}x{N}"
                 print(f"[gemm] {label}", flush=True)
                 res = {k: _graph_ms(fn, rep) for k, fn in fns.items()}

@@ -408,6 +408,12 @@ def header(cfg: dict, table: list[dict]) -> str:
               f"global batch (grad-accum N; target {100 * LOSS_TARGET:.1f}%)")
 
 
+GROWTH_TOP = 6
+"""Kernel families listed a multi-GPU run under the table (:func:`kernel_growth`)."""
+IDLE_TOP = 3
+"""Idle pairs (``lowbit train --step-profile``'s ``idle``) listed a run under the table."""
+
+
 def markdown(cfg: dict, table: list[dict]) -> str:
     cols = ["recipe", "mode", "GPUs", "tokens/s", "per GPU", "x graphed", "eff.", "x eager", "eff. eager",
             "x compile", "fp8/bf16", "peak GiB", "train loss", "val loss", "loss diff", "compute ms",
@@ -457,11 +463,6 @@ def markdown(cfg: dict, table: list[dict]) -> str:
                          + ", ".join(f"`{k}` {ms:.2f} ({n:g})" for k, (ms, n) in items))
     return "\n".join(lines) + "\n"
 
-
-IDLE_TOP = 3
-
-
-GROWTH_TOP = 6
 
 
 def kernel_growth(table: list[dict], top: int = GROWTH_TOP) -> list[tuple[dict, list[tuple[str, float]]]]:

@@ -233,6 +233,12 @@ class Float8AllGatherWeight(torch.Tensor):
     def data_ptr(self) -> int:
         return self.lowbit_hp.data_ptr()
 
+    def lowbit_optimizer_copies(self, scheme):
+        """The :class:`~lowbit.nn.functional.FreshWeight` ``lowbit_fresh`` holds where it is valid for this weight's
+        values (written for this storage, under ``scheme``), else None."""
+        f, valid = self.lowbit_fresh
+        return f if valid and f is not None and f.ptr == self.lowbit_hp.data_ptr() and f.scheme == scheme else None
+
     def __repr__(self):
         return f"Float8AllGatherWeight({self.lowbit_scheme}, {self.lowbit_hp!r})"
 
@@ -291,11 +297,9 @@ class Float8AllGatherWeight(torch.Tensor):
             else:
                 data = torch.zeros(hp.shape, dtype=torch.uint8, device=hp.device)
             return (_pad_rows(data, rows),), ("tensorwise", n, scale_inv, amax)
-        f, valid = self.lowbit_fresh
-        if valid and f is not None and hp is self.lowbit_hp and f.ptr == hp.data_ptr() and f.scheme == sch:
-            c = f.q.rowwise  # (written by the optimizer's update of this shard: what quantizing it gives)
-        else:
-            c = quantize(hp, sch, rowwise=True).rowwise
+        f = self.lowbit_optimizer_copies(sch) if hp is self.lowbit_hp else None
+        # (the optimizer's copies of this shard are what quantizing it gives)
+        c = f.q.rowwise if f is not None else quantize(hp, sch, rowwise=True).rowwise
         return (c.data.view(torch.uint8), c.scale_inv, c.amax.reshape(1)), ("tiles", n)
 
     def _delayed_scale(self, module, device) -> torch.Tensor | None:

@@ -428,7 +428,7 @@ def _record_name(layer) -> str:
     """The layer name of a record: a name as given, or the name of the layer its weak reference points to."""
     if isinstance(layer, str):
         return layer
-    obj = layer() if isinstance(layer, weakref.ref) else layer
+    obj = layer()
     return "<a layer freed before its check was read>" if obj is None else obj.name
 
 

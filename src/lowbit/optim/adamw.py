@@ -52,51 +52,55 @@ def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor holding ``t``'s values on this rank: a DTensor's local shard, a ``Float8AllGatherWeight``'s
     high-precision tensor; ``t`` itself otherwise."""
-    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):  # (a DTensor)
+    if t is not None and _is_dtensor(t):
         t = t.to_local()
     return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
 
 
 class _ShardHolder:
-    """Where the copies of a sharded weight live for the update: its ``Float8AllGatherWeight``'s ``lowbit_fresh``
-    box, which FSDP2's all-gather reads (a GemmLayer plays this part for an unsharded weight: ``.fresh``)."""
+    """Where the copies of a FSDP2 shard live for the update: its ``Float8AllGatherWeight``'s ``lowbit_fresh``, which
+    the all-gather reads (a GemmLayer plays this part for an unsharded weight: ``.fresh``)."""
 
-    __slots__ = ("box",)
+    __slots__ = ("local",)
 
-    def __init__(self, box: list):
-        self.box = box
+    def __init__(self, local: Float8AllGatherWeight):
+        self.local = local
 
     @property
     def fresh(self):
-        return self.box[0]
+        return self.local.lowbit_fresh[0]
 
     @fresh.setter
     def fresh(self, f):
-        self.box[0], self.box[1] = f, False
+        self.local.lowbit_fresh[:] = [f, False]
 
 
 def _mark(holder, f: FreshWeight, w: torch.Tensor) -> None:
     """``f`` now holds the copies of ``w`` as it is."""
     f.mark(w)
     if isinstance(holder, _ShardHolder):
-        holder.box[1] = True
+        holder.local.lowbit_fresh[1] = True
 
 
 def _valid(holder, f: FreshWeight, w: torch.Tensor) -> bool:
-    """Whether ``f`` holds the copies of ``w`` as it is."""
+    """Whether ``f`` holds the copies of ``w`` as it is (a shard's: the rule its all-gather applies)."""
     if isinstance(holder, _ShardHolder):
-        return bool(holder.box[1]) and f.ptr == w.data_ptr()
+        return holder.local.lowbit_optimizer_copies(f.scheme) is f
     return f.valid_for(w, f.scheme)
 
 
 def _sharded_target(p: torch.Tensor):
-    """``(holder, scheme)`` where ``p`` is FSDP2's DTensor shard of a weight it gathers as 128x128 blockwise FP8 copies
-    (:func:`lowbit.nn.fp8_all_gather`, current scaling, shards of whole tiles: the rule its all-gather applies), else
-    None."""
-    if not (hasattr(p, "to_local") and hasattr(p, "device_mesh")):
+    """``(holder, scheme, local tensor)`` where ``p`` is FSDP2's DTensor shard of a weight it gathers as 128x128
+    blockwise FP8 copies (:func:`lowbit.nn.fp8_all_gather`, current scaling, shards of whole tiles: the rule its
+    all-gather applies), else None."""
+    if not _is_dtensor(p):
         return None
     local = p.to_local()
     if not isinstance(local, Float8AllGatherWeight) or local.lowbit_delayed is not None:
@@ -106,7 +110,7 @@ def _sharded_target(p: torch.Tensor):
         return None
     if fp8_gather_plan(sch, tuple(p.shape), p.device_mesh.size()) is not None:
         return None
-    return _ShardHolder(local.lowbit_fresh), sch
+    return _ShardHolder(local), sch, local.lowbit_hp
 
 
 class _Bucket:
@@ -171,8 +175,9 @@ class AdamW(torch.optim.AdamW):
             and not g.get("differentiable") and all(isinstance(b, float) for b in g["betas"])
 
     def _targets(self, need_grad: bool = True) -> list[list]:
-        """Per param group, ``[(p, holder, scheme)]`` the kernel updates (or, need_grad=False, primes): ``holder`` keeps
-        the copies in ``.fresh`` (the weight's GemmLayer, or a FSDP2 shard's :class:`_ShardHolder`)."""
+        """Per param group, ``[(p, w, holder, scheme)]`` the kernel updates (or, need_grad=False, primes): ``w`` the
+        tensor it writes (``p``, or a FSDP2 shard's local values), ``holder`` keeps the copies in ``.fresh`` (the
+        weight's GemmLayer, or the shard's :class:`_ShardHolder`)."""
         out = []
         for g in self.param_groups:
             mine = []
@@ -183,7 +188,8 @@ class AdamW(torch.optim.AdamW):
                         e = weight_layer(p)
                         if e is None or type(p.data) is not torch.Tensor:
                             continue
-                    w = _local(p)
+                        e = (*e, p)
+                    holder, sch, w = e
                     if w.dtype != torch.float32 or not (w.is_cuda or INTERPRET) or not w.is_contiguous() \
                             or not _aligned(w):
                         continue
@@ -192,7 +198,7 @@ class AdamW(torch.optim.AdamW):
                         if gr is None or gr.dtype != torch.float32 or gr.shape != w.shape or not gr.is_contiguous() \
                                 or not _aligned(gr) or gr.is_sparse:
                             continue
-                    mine.append((p, e[0], e[1]))
+                    mine.append((p, w, holder, sch))
             out.append(mine)
         return out
 
@@ -218,21 +224,22 @@ class AdamW(torch.optim.AdamW):
         return f
 
     def _bucket(self, bid: tuple, items: list, adam: bool) -> _Bucket:
-        """The launch table of ``items`` [(p, FreshWeight)] (one shape and scheme), cached on every address in it."""
+        """The launch table of ``items`` [(p, w, FreshWeight, holder)] (one shape and scheme), cached on every address
+        in it."""
         rows = []  # one row per tensor, columns in kernels.TABLE_COLUMNS order (the amax slot appended below)
-        for p, f in items:
+        for p, w, f, _ in items:
             st = self.state[p] if adam else None
             r, c = f.q.rowwise, f.q.columnwise
-            rows.append((_local(p).data_ptr(), _local(p.grad).data_ptr() if adam else 0,
+            rows.append((w.data_ptr(), _local(p.grad).data_ptr() if adam else 0,
                          _local(st["exp_avg"]).data_ptr() if adam else 0,
                          _local(st["exp_avg_sq"]).data_ptr() if adam else 0, r.data.data_ptr(), r.scale_inv.data_ptr(),
                          c.data.data_ptr(), c.scale_inv.data_ptr(), st["step"].data_ptr() if adam else 0))
-        owners = tuple(id(f) for _, f in items)
+        owners = tuple(id(f) for _, _, f, _ in items)
         key = tuple(rows)
         b = self._buckets.get(bid)
         if b is not None and b.key == key and b.owners == owners:
             return b
-        dev = _local(items[0][0]).device
+        dev = items[0][1].device
         # the amax slots belong to the weights (the update and the priming launches share them, and other gradients
         # keep them): a captured forward reads them by address
         amax = self._amax.get(owners)
@@ -240,7 +247,7 @@ class AdamW(torch.optim.AdamW):
             amax = self._amax[owners] = torch.zeros(len(items), dtype=torch.int32, device=dev)
         # every copy's amax is this launch's slot; bound on every (re)build, so a FreshWeight that took the id of a
         # collected one (the key is ids) still gets its slot (rebinding to the same slot changes nothing)
-        for i, (p, f) in enumerate(items):
+        for i, (_, _, f, _) in enumerate(items):
             f.q.rowwise.amax = f.q.columnwise.amax = amax[i:i + 1].view(torch.float32)
         host = torch.tensor([r + (amax.data_ptr() + 4 * i,) for i, r in enumerate(rows)], dtype=torch.int64)
         if dev.type == "cuda":
@@ -253,9 +260,9 @@ class AdamW(torch.optim.AdamW):
         return b
 
     def _launch(self, bid: tuple, g: dict, items: list, adam: bool) -> None:
-        p0, f0 = items[0]
+        _, w0, f0, _ = items[0]
         sch = f0.scheme
-        M, Kd = _local(p0).shape
+        M, Kd = w0.shape
         b = self._bucket(bid, items, adam)
         gs = getattr(self, "grad_scale", None) if adam else None
         fi = getattr(self, "found_inf", None) if adam else None
@@ -285,24 +292,21 @@ class AdamW(torch.optim.AdamW):
         n = 0
         for gi, (g, mine) in enumerate(zip(self.param_groups, targets)):
             buckets: dict = {}
-            holders = {}
-            for p, layer, sch in mine:
-                w = _local(p)
-                f = self._fresh(w, layer, sch)
-                holders[id(f)] = layer
-                buckets.setdefault((tuple(w.shape), sch, w.device), []).append((p, f))
+            for p, w, holder, sch in mine:
+                f = self._fresh(w, holder, sch)
+                buckets.setdefault((tuple(w.shape), sch, w.device), []).append((p, w, f, holder))
             for bi, items in enumerate(buckets.values()):
                 if adam:
-                    for p, _ in items:
+                    for p, *_ in items:
                         st = self.state[p]
                         if len(st) == 0:  # torch's fused AdamW state: the step count on the device
                             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    steps = [self.state[p]["step"] for p, _ in items]
+                    steps = [self.state[p]["step"] for p, *_ in items]
                     torch._foreach_add_(steps, 1)
                     if getattr(self, "found_inf", None) is not None and not all(
-                            _valid(holders[id(f)], f, _local(p)) for p, f in items):
+                            _valid(holder, f, w) for _, w, f, holder in items):
                         # a step skipped on the device writes no copies yet marks them valid: first write them from
                         # the weights as they are (new buffers, a weight changed since), which an update overwrites
                         self._launch((gi, bi, False), g, items, False)
@@ -311,11 +315,10 @@ class AdamW(torch.optim.AdamW):
                     fi = getattr(self, "found_inf", None)
                     if fi is not None:
                         torch._foreach_sub_(steps, [fi] * len(steps))
-                for p, f in items:
-                    w = _local(p)
+                for p, w, f, holder in items:
                     if adam:  # an in-place update, as torch's would be: autograd's version check sees it
                         torch.autograd.graph.increment_version(p)
-                    _mark(holders[id(f)], f, w)
+                    _mark(holder, f, w)
                 n += len(items)
         self.fused_tensors = n
 
@@ -335,7 +338,7 @@ class AdamW(torch.optim.AdamW):
         try:
             for g, mine in zip(self.param_groups, targets):
                 if mine:
-                    ids = {id(p) for p, _, _ in mine}
+                    ids = {id(p) for p, *_ in mine}
                     g["params"] = [p for p in g["params"] if id(p) not in ids]
             super().step()
         finally:

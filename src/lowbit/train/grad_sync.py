@@ -11,8 +11,8 @@ host call.
 
 Gradients are reduced in buckets, as DDP does: each ready gradient joins the open bucket, and a bucket of at least
 ``bucket_mb`` MiB goes out as one coalesced collective (one NCCL launch for all its tensors, no copy into a flat
-buffer). One all-reduce per gradient left the 350m GPT's DDP step under graphs waiting on the device between its
-last collectives (host 6.2 against 2.4 ms a step bucketed, 2 H200s: BENCHMARKS.md).
+buffer). One all-reduce per gradient left the 350m GPT's DDP step under graphs idle between its last collectives,
+2.6x the bucketed step's host time (2 H200s: BENCHMARKS.md).
 
 The result is the same gradient DDP computes (the mean over ranks of each rank's gradient) up to the order of the
 floating-point additions inside NCCL.
