@@ -110,3 +110,123 @@ def test_side_stream_same_bits_eager_accumulated_and_captured(cuda):
     # the SM carveout asked of cuBLAS for the side-stream GEMMs (LOWBIT_WGRAD_SM_CARVEOUT) is undone after each one:
     # the main stream's GEMMs keep every SM
     assert torch._C._get_sm_carveout_experimental() is None
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2: each unit's post-backward waits for its weight gradients (fsdp_wgrad_joins)
+# ------------------------------------------------------------------------------------------------
+WORLD = 2
+
+
+def test_join_and_fsdp_joins_check_their_arguments():
+    from lowbit.nn.functional import fsdp_wgrad_joins, join_wgrad_side_stream
+
+    with pytest.raises(TypeError, match="x: expected a tensor, got list"):
+        join_wgrad_side_stream([1.0])
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got dict"):
+        fsdp_wgrad_joins({})
+    with pytest.raises(ValueError, match="no fully_shard unit"):
+        fsdp_wgrad_joins(torch.nn.Linear(4, 4))
+    x = torch.randn(3, 5, requires_grad=True)
+    y = join_wgrad_side_stream(x)
+    assert type(y.grad_fn).__name__ == "_JoinWgradSideBackward" and torch.equal(y, x)
+    (y * 2).sum().backward()  # (off CUDA, and with the side stream off, the backward passes the gradient on)
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    z = torch.randn(2)
+    assert join_wgrad_side_stream(z) is z  # (nothing to join where no gradient flows)
+
+
+def _fsdp_worker(rank, tmp, device, sleep_cycles):
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
+                            world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import lowbit.nn.functional as F
+
+        if sleep_cycles:  # every weight-gradient GEMM starts late: a post-backward not waiting for it reads garbage
+            orig = F.wgrad_mm
+
+            def late(*a, **k):
+                torch.cuda._sleep(sleep_cycles)
+                return orig(*a, **k)
+
+            F.wgrad_mm = late
+        mesh = init_device_mesh(device, (WORLD,))
+        recipe = recipes.from_name("fp8-block")
+        idx = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1 + rank)).to(device)
+        out = {}
+        for name, side, joins in (("ref", False, False), ("side", True, True), ("unjoined", True, False)):
+            if name == "unjoined" and not sleep_cycles:
+                continue
+            m = _model(device)
+            for blk in m.blocks:
+                fully_shard(blk, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            seen = {}
+            if joins:
+                F.fsdp_wgrad_joins(m)
+                # (registered after the joins: sees what the block's forward gets)
+                def probe(mod, args):
+                    seen.setdefault("grad_fn", type(args[0].grad_fn).__name__)
+                    # (the unsharded parameters FSDP2 has swapped in: the root's and this block's)
+                    seen.setdefault("here", sorted(
+                        f"{mn}.{pn}" for mn, sub in m.named_modules() for pn, p in sub.named_parameters(recurse=False)
+                        if getattr(p, "lowbit_wgrad_here", False)))
+
+                m.blocks[0].register_forward_pre_hook(probe)
+            for _ in range(2):
+                with wgrad_on_side_stream(side):
+                    _fwd_bwd(m, idx, recipe)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                grads = {k: p.grad.to_local().clone() for k, p in m.named_parameters()}
+                for p in m.parameters():
+                    p.grad = None
+            out[name] = dict(grads=grads, seen=seen,
+                             root_own=sorted(k for k, _ in m.named_parameters(remove_duplicate=False)
+                                            if not k.startswith("blocks.")))
+        torch.save(out, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_joins_check(tmp_path, device, sleep_cycles=0):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(str(tmp_path), device, sleep_cycles), nprocs=WORLD, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for g in got:
+        ref, side = g["ref"]["grads"], g["side"]["grads"]
+        assert ref.keys() == side.keys()
+        for k in ref:
+            assert torch.equal(ref[k], side[k]), k
+        assert g["side"]["seen"]["grad_fn"] == "_JoinWgradSideBackward"
+        assert g["side"]["seen"]["here"] == g["side"]["root_own"] and g["side"]["root_own"], g["side"]["seen"]
+    return got
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_fsdp_wgrad_joins_change_no_bits_on_cpu(tmp_path):
+    """FSDP2 (2 gloo processes), a GPT with each block and the root sharded: with the joins the gradients are those
+    without, bit for bit; each block's forward gets its input through the join; the root's own parameters (fed token
+    ids, it is reduced in FSDP2's final callback) are flagged to keep their weight gradients on the calling stream,
+    no block's are."""
+    _fsdp_joins_check(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs")
+def test_fsdp_post_backward_waits_for_side_stream_gradients_gpu(tmp_path):
+    """The same over NCCL on 2 GPUs with the weight gradients on the side stream, each GEMM delayed (~10 ms of
+    spinning first): FSDP2's reduce-scattered gradients equal the one-stream run's bit for bit with the joins, and
+    differ without them (its post-backward then reads gradients not yet written)."""
+    got = _fsdp_joins_check(tmp_path, "cuda", sleep_cycles=20_000_000)
+    for g in got:
+        ref, bad = g["ref"]["grads"], g["unjoined"]["grads"]
+        assert any(not torch.equal(ref[k], bad[k]) for k in ref), "the delayed GEMMs were waited for without joins"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import scaled_mm as _checked_scaled_mm
@@ -49,7 +50,8 @@ scaled_mm = functools.partial(_checked_scaled_mm, check_operands=False)
 wgrad_mm = functools.partial(_checked_wgrad_mm, check_operands=False)
 
 __all__ = ["GemmLayer", "FreshWeight", "quantized_linear", "quantized_swiglu_mlp", "swiglu_mlp_fusable",
-           "check_microbatch_arg", "linear_traces", "weight_layer", "wgrad_on_side_stream", "wgrad_side_stream"]
+           "check_microbatch_arg", "linear_traces", "weight_layer", "wgrad_on_side_stream", "wgrad_side_stream",
+           "join_wgrad_side_stream", "fsdp_wgrad_joins"]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -494,7 +496,7 @@ freed)."""
 # takes the tensor as it is, no kernel), and no gradient graph is being built. The streams join once, when the
 # backward pass ends. `lowbit train` captures its forward+backward graph this way (CUDA graphs keep the two
 # streams as parallel branches); elsewhere (hooks reading .grad during the backward, DDP's reducer) it is not safe,
-# so it is opt-in.
+# so it is opt-in. FSDP2 reads each unit's gradients in the backward: fsdp_wgrad_joins makes it wait for them.
 _SIDE = {"on": False, "streams": {}, "join": None}
 # The side stream's weight-gradient GEMMs are cuBLAS's persistent kernels: one CTA an SM holding its whole register
 # file, for the length of the GEMM. Launched beside the main stream's memory-bound kernels (the quantizers, the norm
@@ -545,7 +547,8 @@ class wgrad_on_side_stream:
     132 (:func:`side_carveout`), are left to the calling stream's kernels).
 
     Use it only where nothing reads a weight's gradient before the backward has returned (no DDP reducer, no
-    gradient hooks): ``lowbit train`` uses it for its captured step (one process, no hooks)."""
+    gradient hooks), or where what reads it waits for :func:`wgrad_side_stream` (FSDP2 after
+    :func:`fsdp_wgrad_joins`): ``lowbit train`` uses it for its captured step."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -577,10 +580,78 @@ def _join_side(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
     main.wait_stream(side)
 
 
+class _JoinWgradSide(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        side = wgrad_side_stream(g.device) if g.device.type == "cuda" else None
+        if side is not None:
+            torch.cuda.current_stream(g.device).wait_stream(side)
+        return g
+
+
+def join_wgrad_side_stream(x: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged. In the backward, once x's gradient is computed, the calling stream waits for the weight
+    gradients queued on the side stream so far (:class:`wgrad_on_side_stream`; nothing where it is off): whatever
+    autograd runs after x's gradient may read the ``.grad`` of every weight used after x in the forward."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
+    return _JoinWgradSide.apply(x) if x.requires_grad and torch.is_grad_enabled() else x
+
+
+def fsdp_wgrad_joins(model: torch.nn.Module) -> list:
+    """Makes FSDP2's units safe for :class:`wgrad_on_side_stream`. Call it after ``fully_shard``; returns the hooks'
+    handles.
+
+    FSDP2 reads a unit's gradients in the unit's post-backward (its reduce-scatter's copy-in, on the calling stream),
+    which autograd runs as soon as the gradients of the unit's inputs are computed. A forward pre-hook on every
+    ``fully_shard`` unit passes the unit's inputs through :func:`join_wgrad_side_stream` after FSDP2's own pre-hook
+    has registered the post-backward on them. The post-backward then runs after the unit's weight gradients, which
+    still overlap the rest of that unit's backward. A unit whose inputs need no gradient (the root, fed token ids) is
+    reduced in FSDP2's final callback instead, which runs before the side stream joins: its own lowbit layers (those
+    in no nested unit) compute their weight gradients on the calling stream (``lowbit_wgrad_here`` set on their
+    weights)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("model: no fully_shard unit in it (call fsdp_wgrad_joins after fully_shard)")
+
+    def own_modules(unit):
+        todo, out = [unit], []
+        while todo:
+            m = todo.pop()
+            out.append(m)
+            todo += [c for c in m.children() if not isinstance(c, FSDPModule)]
+        return out
+
+    def hook(unit, args, kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+            # (FSDP2 has swapped the unsharded parameters in: those are the tensors the layers' backward sees)
+            for m in own_modules(unit):
+                for p in m.parameters(recurse=False):
+                    p.lowbit_wgrad_here = True
+            return None
+        leaves = [join_wgrad_side_stream(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                  for t in leaves]
+        return pytree.tree_unflatten(leaves, spec)
+
+    return [u.register_forward_pre_hook(hook, with_kwargs=True) for u in units]
+
+
 def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
     """dW = dYᵀX (:func:`lowbit.gemm.wgrad_mm`), on the side stream where :class:`wgrad_on_side_stream` allows."""
     dev = qdy.device
-    if not (_SIDE["on"] and dev.type == "cuda" and weight.grad is None and not torch.is_grad_enabled()):
+    if not (_SIDE["on"] and dev.type == "cuda" and weight.grad is None and not torch.is_grad_enabled()
+            and not getattr(weight, "lowbit_wgrad_here", False)):
         return wgrad_mm(qdy, qx, out_dtype=out_dtype)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)

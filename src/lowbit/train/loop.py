@@ -507,6 +507,10 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh, reshard_after_forward=c.fsdp_reshard_after_forward)
         fully_shard(model, mesh=mesh)
+        # each block's post-backward waits for its weight gradients on the captured step's side stream
+        from lowbit.nn.functional import fsdp_wgrad_joins
+
+        fsdp_wgrad_joins(model)
         return model
     if use_graph:
         from .grad_sync import broadcast_parameters
@@ -646,17 +650,16 @@ class _GraphedStep:
     the gradients every rank's: DDP averages them (:class:`~lowbit.train.grad_sync.GradAllReduce`), FSDP2's own
     hooks all-gather each block's weights and reduce-scatter its gradients as they run (captured with the step on
     FSDP2's streams, which the graph keeps as parallel branches). The update graph agrees on the skip by an
-    all-reduce MAX: every rank replays the same collectives. ``side_wgrad``: weight gradients on a side stream
+    all-reduce MAX: every rank replays the same collectives. The weight gradients run on a side stream
     (:class:`lowbit.nn.functional.wgrad_on_side_stream`), where nothing reads a gradient before the backward ends
-    but hooks that wait for that stream (not under FSDP2, whose reduce-scatter reads each block's gradients as soon
-    as its backward is done).
+    but hooks that wait for that stream (DDP's all-reduce; FSDP2's post-backward, after
+    :func:`lowbit.nn.functional.fsdp_wgrad_joins`).
     """
 
     def __init__(self, run_micro, n_micro: int, batch: int, seq_len: int, params: list, device,
-                 quantized: bool = True, prime=None, group=None, side_wgrad: bool = True):
+                 quantized: bool = True, prime=None, group=None):
         self.run_micro = run_micro
         self.group = group  # several ranks: the update graph's skip decision is agreed across it
-        self.side_wgrad = side_wgrad
         # (several ranks: the process group's watchdog thread queries CUDA events while this thread captures;
         # "global" capture mode would fail those queries)
         self.capture_mode = "thread_local" if group is not None else "global"
@@ -703,7 +706,7 @@ class _GraphedStep:
         # are None at capture; the one hook that reads them, DDP's all-reduce, waits for that stream)
         from lowbit.nn.functional import wgrad_on_side_stream
 
-        side = wgrad_on_side_stream(self.side_wgrad)
+        side = wgrad_on_side_stream()
         with torch.cuda.graph(g, capture_error_mode=self.capture_mode), side:
             if arena is None:
                 self.run_micro(self.xs, self.ys, self.loss_sum)
@@ -1027,7 +1030,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
                                [p for p in model.parameters() if p.requires_grad], d.device,
                                quantized=recipe is not None,
                                prime=getattr(opt, "refresh_weight_copies", None) if recipe is not None else None,
-                               group=d.group if d.active else None, side_wgrad=not fsdp)
+                               group=d.group if d.active else None)
     _say(d, c,
          f"[lowbit] CUDA graphs: {'on (captured at the first step)' if use_graph else 'off (' + no_graph_why + ')'}"
          + (" with the gradient all-reduce inside" if reducer is not None else "")
