@@ -25,8 +25,9 @@ def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
         monkeypatch.setenv(k, v)
     assert main(argv) == 0
     text = capsys.readouterr().out
-    for line in ("[bench scale] 3 runs of lowbit train", "run 1/3: fp8-block eager on 1 process",
-                 "run 2/3: fp8-block fsdp on 2 processes", "run 3/3: fp8-block grad-accum 2 on 1 process",
+    for line in ("[bench scale] 4 runs of lowbit train", "run 1/4: fp8-block eager on 1 process",
+                 "run 2/4: fp8-block fsdp on 2 processes", "run 3/4: fp8-block grad-accum 2 on 1 process",
+                 "run 4/4: fp8-block batch 8 x grad-accum 1 on 1 process",
                  "[lowbit] step profile (steps 3-3, mean of 2 rank(s))", "| fp8-block | fsdp | 2 |"):
         assert line in text, line
     data = json.loads((out / "scaling.json").read_text())
@@ -41,10 +42,14 @@ def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
     assert two["eff_eager"] == pytest.approx(two["x_eager"] / 2)
     assert "x_graph" not in two  # (no CUDA graphs on the CPU)
     assert two["max_loss_diff"] is not None and two["max_loss_diff"] < 1e-3  # same global batch as grad-accum 2
+    assert two["loss_floor"] is not None and two["loss_floor"] < 1e-3  # (the same batch in one micro-batch)
     sp = two["step_profile"]
     assert sp["comm_ms"] > 0 and sp["compute_ms"] > 0 and "all_gather" in sp["comm_kinds_ms"]
     assert sp["wall_ms"] == pytest.approx(sp["compute_ms"] + sp["exposed_comm_ms"] + sp["host_ms"])
-    assert "--step-profile" not in data["commands"]["fp8-block/1gpu-accum2"]  # (the loss check is not profiled)
+    for d in ("fp8-block/1gpu-accum2", "fp8-block/1gpu-floor2"):  # (the loss check is not profiled)
+        assert "--step-profile" not in data["commands"][d]
+    floor = data["commands"]["fp8-block/1gpu-floor2"]
+    assert " --batch-size 8 --grad-accum 1 " in floor  # (after the per-GPU --batch-size 4: it wins)
     assert "--no-save" in data["commands"]["fp8-block/fsdp-2gpu"] and not list(out.rglob("checkpoint*.pt"))
     if data["plot"] is not None:
         assert (out / "scaling.png").stat().st_size > 0
@@ -52,7 +57,7 @@ def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
     # --reuse keeps the runs made with the same command lines; --report-only rebuilds the table from them
     assert main(argv + ["--reuse"]) == 0
     text = capsys.readouterr().out
-    assert text.count(": reused ") == 3 and "run 1/3" not in text
+    assert text.count(": reused ") == 4 and "run 1/4" not in text
     assert main(argv + ["--report-only"]) == 0
     again = json.loads((out / "scaling.json").read_text())
     assert [r["tokens_per_s"] for r in again["rows"]] == [r["tokens_per_s"] for r in data["rows"]]
@@ -78,12 +83,19 @@ def test_table_arithmetic():
            "bf16/fsdp-2gpu": _summary(190.0, [2.0, 1.001], 2, prof), "bf16/fsdp-4gpu": _summary(300.0, [2, 1], 4),
            "bf16/1gpu-accum2": _summary(1.0, [2.0, 1.0]), "bf16/1gpu-accum4": _summary(1.0, [2.0, 1.0]),
            "fp8-block/1gpu-graph": _summary(120.0, [2.0, 1.0]), "fp8-block/fsdp-2gpu": _summary(228.0, [2.1, 1.0], 2),
-           "fp8-block/1gpu-accum2": _summary(1.0, [2.0, 1.0])}
+           "fp8-block/1gpu-accum2": _summary(1.0, [2.0, 1.0]), "bf16/1gpu-floor2": _summary(1.0, [2.0, 1.02]),
+           "bf16/1gpu-floor4": _summary(1.0, [2.0, 1.0])}
+    floors = {r["dir"]: r["flags"] for r in runs if r["kind"] == "floor"}  # (per-GPU batch 4)
+    assert floors["bf16/1gpu-floor2"] == ["--batch-size", "8", "--grad-accum", "1"]
+    assert floors["bf16/1gpu-floor4"] == ["--batch-size", "8", "--grad-accum", "2"]
+    assert scale.plan({**cfg, "gpus": [3]})[-1]["flags"] == ["--batch-size", "12", "--grad-accum", "1"]
     table = scale.rows(cfg, runs, res)
     row = {(r["recipe"], r["mode"], r["gpus"]): r for r in table}
     b2 = row[("bf16", "fsdp", 2)]
     assert b2["x_graph"] == pytest.approx(1.9) and b2["eff_graph"] == pytest.approx(0.95) and b2["target_met"]
     assert b2["x_eager"] == pytest.approx(3.8) and b2["max_loss_diff"] == pytest.approx(0.001)
+    assert b2["loss_floor"] == pytest.approx(0.02) and row[("bf16", "fsdp", 4)]["loss_floor"] == 0
+    assert "loss_floor" not in row[("fp8-block", "fsdp", 2)]  # (its floor run did not run)
     b4 = row[("bf16", "fsdp", 4)]
     assert b4["x_graph"] == pytest.approx(3.0) and not b4["target_met"] and b4["target"] == 3.6
     f2 = row[("fp8-block", "fsdp", 2)]
@@ -94,7 +106,7 @@ def test_table_arithmetic():
     assert row[("fp8-block", "fsdp", 4)]["status"] == "skipped: not run"
     md = scale.markdown(cfg, table)
     assert "| bf16 | fsdp | 2 | 190 | 95 | 1.90 (met) | 95% | 3.80 | 190% | - | - | 1.00 |" in md
-    assert "| 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target)" in md
+    assert "| 0.100% | 2.000% | 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target) | - |" in md
     assert "grew" not in md  # (no run profiled its kernels)
 
 
@@ -147,6 +159,13 @@ def test_table_takes_non_finite_losses():
 def test_bad_input(args, msg, capsys):
     assert main(["bench", "scale", "--device", "cpu", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_train_args_take_a_lone_flag():
+    """``--train-args --deterministic`` (one flag, no space: argparse would take it for an option of its own)."""
+    assert scale.parse_args(["--train-args", "--deterministic", "--gpus", "2"]).train_args == "--deterministic"
+    assert scale.parse_args(["--train-args", "--attention sdpa"]).train_args == "--attention sdpa"
+    assert scale.parse_args(["--train-args=--compile"]).train_args == "--compile"
 
 
 def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():

@@ -8,7 +8,8 @@ For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.r
 ``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag``, ``fsdp-keep``,
 ``fsdp-fp8ag-keep`` and ``ddp`` run inside ``lowbit train``'s CUDA graphs on CUDA, their collectives captured with
 the step, ``fsdp-eager`` and ``ddp-eager`` without), every run with the same per-GPU batch; and, for the loss
-check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch. It reads
+check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch, and one
+with the global batch split in half as many micro-batches (the check's floor). It reads
 each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
 
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
@@ -18,6 +19,8 @@ those ratios over the GPU count; **fp8/bf16**: tokens/s over BF16's in the same 
 the largest relative difference of a step's training loss from the one-process run with the same global batch
 (target 0.3%; every run warms its learning rate up over all its steps, ``--warmup``: the default schedule's loss
 spikes in the first steps of a short run turn last-bit differences between the runs into different trajectories);
+**loss floor**: the same between the two one-process runs, whose steps differ only in the order of the FP32 sums (the
+difference the training trajectory itself grows from rounding, against which the loss diff is read);
 then the step profile (``lowbit train --step-profile``, mean over ranks, ms a step): **compute**,
 **exposed comm** (communication no compute hides), **host** (the device idle) and **comm** (with the share hidden).
 
@@ -97,7 +100,8 @@ def parse_args(argv):
     p.add_argument("--data", default=None, metavar="PATH", help="lowbit train --data (default: its own)")
     p.add_argument("--cache-dir", default=None, help="lowbit train --cache-dir")
     p.add_argument("--train-args", default="", metavar="ARGS",
-                   help="more lowbit train arguments for every run, one string (e.g. \"--attention sdpa\")")
+                   help="more lowbit train arguments for every run, one string (e.g. \"--attention sdpa\", "
+                        "--deterministic)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take (default 3600)")
     p.add_argument("--out", default="runs/scale", metavar="DIR",
                    help="the runs' folders and scaling.{md,json,png} (default runs/scale)")
@@ -106,6 +110,12 @@ def parse_args(argv):
                         "call, e.g. one GPU count at a time), run the rest")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the table and plot from the summaries already in --out")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # (argparse takes a lone "--flag" after --train-args for an option of its own: joined, it is the value)
+    for i in range(len(argv) - 1):
+        if argv[i] == "--train-args" and argv[i + 1].startswith("-"):
+            argv[i:i + 2] = [f"--train-args={argv[i + 1]}"]
+            break
     return p.parse_args(argv)
 
 
@@ -181,7 +191,8 @@ def resolve(args) -> dict:
 # the runs
 # ------------------------------------------------------------------------------------------------
 def plan(cfg: dict) -> list[dict]:
-    """Every run of ``cfg``, in order: ``{recipe, kind ("ref" | "mode" | "loss"), mode, gpus, flags, dir, skip}``."""
+    """Every run of ``cfg``, in order: ``{recipe, kind ("ref" | "mode" | "loss" | "floor"), mode, gpus, flags, dir,
+    skip}``."""
     runs = []
     for r in cfg["recipes"]:
         for ref in cfg["refs"]:
@@ -198,6 +209,10 @@ def plan(cfg: dict) -> list[dict]:
             if cfg["loss_check"]:  # one process, the global batch of n GPUs as n micro-batches
                 runs.append(dict(recipe=r, kind="loss", mode=f"grad-accum {n}", gpus=1,
                                  flags=["--grad-accum", str(n)], dir=f"{r}/1gpu-accum{n}"))
+                # and split in half as many micro-batches (all in one for an odd n): the same step to rounding
+                b, a = (2 * cfg["batch_size"], n // 2) if n % 2 == 0 else (n * cfg["batch_size"], 1)
+                runs.append(dict(recipe=r, kind="floor", mode=f"batch {b} x grad-accum {a}", gpus=1,
+                                 flags=["--batch-size", str(b), "--grad-accum", str(a)], dir=f"{r}/1gpu-floor{n}"))
     return runs
 
 
@@ -209,7 +224,7 @@ def command(cfg: dict, run: dict, out: Path) -> list[str]:
             str(cfg["steps"]), "--eval-windows", str(cfg["eval_windows"]), "--no-progress", "--overwrite",
             "--no-save", "--out-dir", str(out / run["dir"]), "--device", cfg["device"], "--warmup", str(cfg["steps"]),
             *run["flags"]]
-    if cfg["step_profile"] and run["kind"] != "loss":
+    if cfg["step_profile"] and run["kind"] not in ("loss", "floor"):
         args += ["--step-profile", str(cfg["step_profile"])]
     for k in ("data", "cache_dir"):
         if cfg[k]:
@@ -342,7 +357,7 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
     by = {(r["recipe"], r["kind"], r["mode"], r["gpus"]): results.get(r["dir"], {}) for r in runs}
     out = []
     for run in runs:
-        if run["kind"] == "loss":
+        if run["kind"] in ("loss", "floor"):
             continue
         s = results.get(run["dir"], {})
         row = dict(recipe=run["recipe"], mode=run["mode"] if run["kind"] == "mode" else f"1 GPU {run['mode']}",
@@ -373,6 +388,9 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
                 row["loss_ref"] = f"1 process, grad-accum {run['gpus']}"
                 row["loss_ref_val"] = ref.get("final_val_loss")
                 row["loss_ref_losses"] = _losses(ref)
+                floor = results.get(f"{run['recipe']}/1gpu-floor{run['gpus']}", {})
+                if floor.get("status") == "ok":
+                    row["loss_floor"] = max_rel_diff(_losses(floor), _losses(ref))
         sp = (s.get("step_profile") or {}).get("mean")
         if sp:
             row["step_profile"] = sp
@@ -405,7 +423,8 @@ def header(cfg: dict, table: list[dict]) -> str:
               "that over the GPU count; targets (x graphed): "
             + ", ".join(f"{t} on {n} GPUs" for n, t in TARGETS.items())
             + f"; loss diff: the largest per-step relative train-loss difference from one process with the same "
-              f"global batch (grad-accum N; target {100 * LOSS_TARGET:.1f}%)")
+              f"global batch (grad-accum N; target {100 * LOSS_TARGET:.1f}%); loss floor: the same between two "
+              f"such processes that split the global batch differently (the same step but for rounding)")
 
 
 GROWTH_TOP = 6
@@ -416,7 +435,7 @@ IDLE_TOP = 3
 
 def markdown(cfg: dict, table: list[dict]) -> str:
     cols = ["recipe", "mode", "GPUs", "tokens/s", "per GPU", "x graphed", "eff.", "x eager", "eff. eager",
-            "x compile", "fp8/bf16", "peak GiB", "train loss", "val loss", "loss diff", "compute ms",
+            "x compile", "fp8/bf16", "peak GiB", "train loss", "val loss", "loss diff", "loss floor", "compute ms",
             "exposed comm ms", "host ms", "comm ms (hidden)"]
     lines = [header(cfg, table), "", "| " + " | ".join(cols) + " |",
              "|" + "|".join(["---", "---", "---:"] + ["---:"] * (len(cols) - 3)) + "|"]
@@ -442,6 +461,7 @@ def markdown(cfg: dict, table: list[dict]) -> str:
                  _f(r.get("x_bf16"), ".2f"), _f(r.get("peak_gib"), ".2f"), _f(r.get("final_train_loss"), ".4f"),
                  _f(r.get("final_val_loss"), ".4f"),
                  "-" if diff is None else f"{100 * diff:.3f}%" + ("" if diff <= LOSS_TARGET else " (> target)"),
+                 "-" if r.get("loss_floor") is None else f"{100 * r['loss_floor']:.3f}%",
                  _f(sp.get("compute_ms"), ".1f"), _f(sp.get("exposed_comm_ms"), ".1f"), _f(sp.get("host_ms"), ".1f"),
                  comm]
         lines.append("| " + " | ".join(cells) + " |")
