@@ -188,6 +188,60 @@ def check_linked_autograd(device, recipe=None):
     print("ok")
 
 
+def check_norm_input_link(device):
+    """norm_input_link (the norm's backward at its input's node, for a norm no linked add feeds): against the
+    residual add's link on the same sum, x's and the norm weight's gradients bit for bit (the same kernel on the
+    same operands; y's on CUDA too, the interpreter truncating its cast); against no link, the same output and the
+    gradients to FP32 rounding; under fp8-block (the norm inside the quantizer) and autocast off (torch's norm)."""
+    torch.manual_seed(0)
+    B, T, C = 2, 65, 256
+    x0 = torch.randn(B, T, C, device=device) * 2
+    y0 = torch.randn(B, T, C, device=device).bfloat16()
+    lin = lowbit.nn.LayerNormLinear(C, 128, normalization="RMSNorm", eps=1e-5).to(device)
+    with torch.no_grad():
+        lin.layer_norm_weight.uniform_(0.5, 1.5)
+    for recipe in (recipes.Float8BlockScaling(), None):
+        res = {}
+        for how in ("add", "input", "none"):
+            x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+            lin.zero_grad()
+            with lowbit.autocast(enabled=recipe is not None, recipe=recipe or recipes.Float8BlockScaling()):
+                if how == "add":
+                    out, rstd, link = R.residual_add(x, y, rms_eps=lin.eps, norm_weight=lin.layer_norm_weight)
+                else:
+                    out, rstd = R.residual_add(x, y, rms_eps=lin.eps)
+                    link = None
+                    if how == "input":
+                        out, link = R.norm_input_link(out, lin.layer_norm_weight, lin.eps, rstd)
+                assert (link is None) == (how == "none")
+                o = lin(out, input_rstd=rstd if lin.fuses_norm(out) else None, input_norm_link=link)
+                loss = (o.float() * torch.linspace(-1, 1, o.shape[-1], device=device)).sum() + (out * 0.01).sum()
+            loss.backward()
+            assert link is None or link.take() is None  # (taken by the backward)
+            res[how] = (o.detach(), x.grad, y.grad, lin.layer_norm_weight.grad.clone())
+        a, i, n = res["add"], res["input"], res["none"]
+        assert torch.equal(a[0], i[0]) and torch.equal(a[0], n[0])
+        assert torch.equal(a[1], i[1]) and torch.equal(a[3], i[3]), recipe
+        if device != "cpu":
+            assert torch.equal(a[2], i[2])
+        for u, v in (i[1], n[1]), (i[3], n[3]):
+            rel = float((u.double() - v.double()).norm() / v.double().norm())
+            assert rel < 2e-5, rel
+    # where the fused backward does not run: no link, x as it was
+    x = x0.clone().requires_grad_()
+    with env.override(LOWBIT_UNFUSE="norm_backward"):
+        assert R.norm_input_link(x, lin.layer_norm_weight, 1e-5) == (x, None)
+    with torch.no_grad():
+        assert R.norm_input_link(x, lin.layer_norm_weight, 1e-5) == (x, None)
+    with pytest.raises(ValueError, match="rms_eps: expected a float > 0, got 0"):
+        R.norm_input_link(x, lin.layer_norm_weight, 0)
+    with pytest.raises(ValueError, match=r"norm_weight: expected a float32 tensor of shape \(256,\)"):
+        R.norm_input_link(x, lin.layer_norm_weight[:8], 1e-5)
+    with pytest.raises(TypeError, match="x, norm_weight: expected tensors"):
+        R.norm_input_link(x, None, 1e-5)
+    print("ok")
+
+
 def check_norm_backward_candidates(device):
 
     orig = R._bwd_configs
@@ -238,6 +292,22 @@ def test_norm_backward_interpreter_subprocess():
     run_interpreted(__file__, "check_norm_backward('cpu')")
 
 
+def test_norm_input_link_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_norm_input_link('cpu')")
+
+
+@pytest.mark.gpu
+def test_norm_input_link_gpu(cuda):
+    check_norm_input_link(cuda)
+
+
+def test_norm_input_link_without_kernel_cpu():
+    """On the CPU (no interpreter) the fused backward does not run: no link, the tensor returned as it was."""
+    x = torch.randn(3, 256, requires_grad=True)
+    assert R.norm_input_link(x, torch.ones(256), 1e-5) == (x, None)
+
+
 def test_linked_autograd_interpreter_subprocess():
     pytest.importorskip("triton")
     run_interpreted(__file__, "check_linked_autograd('cpu')")
@@ -272,8 +342,8 @@ def test_norm_backward_against_torch_gpu(cuda):
 def check_gpt_linked(device):
     """A GPT with the norms' backward fused into the residual adds (not in LOWBIT_UNFUSE, the default)
     against without: the same loss bit for bit (the forward does not change), every gradient to FP32 rounding; under
-    fp8-block (norm inside the quantizer) and with lowbit's autocast off (torch's RMSNorm forward). Every norm after
-    the first hands its gradient over (5 of 6 in 3 blocks)."""
+    fp8-block (norm inside the quantizer) and with lowbit's autocast off (torch's RMSNorm forward). Every norm hands
+    its gradient over (6 of 6 in 3 blocks: the first block's at its input, norm_input_link)."""
     from lowbit.models import GPT, config_from_preset
 
     torch.manual_seed(0)
@@ -296,7 +366,7 @@ def check_gpt_linked(device):
                 R.NormGradLink.take = take
                 unfuse.__exit__(None, None, None)
             res.append((loss.detach(), [p.grad.clone() for p in m.parameters()], len(used)))
-        assert res[0][2] == 5 and res[1][2] == 0, (res[0][2], res[1][2])
+        assert res[0][2] == 6 and res[1][2] == 0, (res[0][2], res[1][2])
         assert torch.equal(res[0][0], res[1][0])
         for a, b in zip(res[0][1], res[1][1]):
             rel = float((a - b).norm() / b.norm())

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.functional import rope_grad_sink
-from ..ops.residual import residual_add
+from ..ops.residual import norm_input_link, residual_add
 from ..ops.rope import rope_qkv
 
 __all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend", "using_attention"]
@@ -209,6 +209,10 @@ class Block(nn.Module):
         :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA, with the statistics and link when asked for;
         its backward then runs the following norm's backward too)."""
         B, T, C = x.shape
+        if link is None and self.qkv.normalization == "RMSNorm":
+            # (no add made x with the link: the first block, or FSDP2's unit boundary, where the previous add ran
+            # while this block's norm weight was still sharded) the norm's backward then runs at x's node
+            x, link = norm_input_link(x, self.qkv.layer_norm_weight, self.qkv.eps, rstd)
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, input_rstd=rstd, input_norm_link=link)
         qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head)
         if rope is not None:  # one fused kernel on CUDA (lowbit.ops.rope_qkv), the FP32 reference elsewhere

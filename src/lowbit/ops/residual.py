@@ -38,7 +38,7 @@ from ..runtime.log import declined
 from .norm_quant import rms_norm_backward, rmsnorm_rstd_reference, row_reduce_configs
 
 __all__ = ["residual_add", "residual_add_reference", "residual_add_supported", "residual_add_op", "NormGradLink",
-           "rms_norm_linked", "norm_residual_backward", "norm_residual_backward_reference"]
+           "norm_input_link", "rms_norm_linked", "norm_residual_backward", "norm_residual_backward_reference"]
 
 try:
     import triton
@@ -365,6 +365,52 @@ class _ResidualAdd(torch.autograd.Function):
         dn, rstd = p
         dx, dy, dw = norm_residual_backward(g, dn, out, rstd, w, ctx.y_dtype, need_dw=ctx.needs_input_grad[3])
         return dx, dy, None, dw, None
+
+
+class _NormInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_weight, link):
+        ctx.link = link
+        ctx.save_for_backward(x, norm_weight)
+        link.out_key = (x.data_ptr(), tuple(x.shape), x.dtype)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        p = ctx.link.take()
+        if p is None:  # no linked norm ran its backward
+            return g, None, None
+        x, w = ctx.saved_tensors
+        dn, rstd = p
+        dx, _, dw = norm_residual_backward(g, dn, x, rstd, w, torch.float32, need_dw=ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+def norm_input_link(x: torch.Tensor, norm_weight: torch.Tensor, rms_eps: float, rstd: torch.Tensor | None = None):
+    """``(x, link)``: ``x`` unchanged (for autograd, a new node) and a :class:`NormGradLink` for the RMSNorm that
+    reads it (``norm_weight``, ``rms_eps``), whose backward then runs in x's node: the gradient of x from its other
+    uses plus the norm's, and the norm weight's gradient, in one kernel (:func:`norm_residual_backward`, y's dtype
+    FP32: the same dx bits as the link of :func:`residual_add`). For a norm whose input no linked residual add
+    made: the first block's, or under FSDP2 every block's, where the add that made x belongs to the previous
+    ``fully_shard`` unit, which the norm weight's gradient must not wait for. ``rstd``: the statistics already
+    computed for this norm (the link's, as ``residual_add`` sets them), or None. Link None (x returned as is)
+    where the fused backward does not run: off (``LOWBIT_UNFUSE=norm_backward``), inside torch.compile, no
+    gradient, or x not float32 contiguous on CUDA (or Triton's interpreter)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(norm_weight, torch.Tensor)):
+        raise TypeError(f"x, norm_weight: expected tensors, got {type(x).__name__}, {type(norm_weight).__name__}")
+    if not (isinstance(rms_eps, (int, float)) and not isinstance(rms_eps, bool) and rms_eps > 0):
+        raise ValueError(f"rms_eps: expected a float > 0, got {rms_eps!r}")
+    if not (norm_weight.dtype == torch.float32 and tuple(norm_weight.shape) == (x.shape[-1],)):
+        raise ValueError(f"norm_weight: expected a float32 tensor of shape ({x.shape[-1]},), got {norm_weight.dtype} "
+                         f"{tuple(norm_weight.shape)}")
+    if (not _fused_norm_backward_on() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or not (x.requires_grad or norm_weight.requires_grad) or _is_dtensor(norm_weight) or triton is None
+            or x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0
+            or not (x.is_cuda or INTERPRET)):
+        return x, None
+    link = NormGradLink(norm_weight, float(rms_eps))
+    link.rstd = rstd
+    return _NormInput.apply(x, norm_weight, link), link
 
 
 class _LinkedRMSNorm(torch.autograd.Function):
