@@ -31,7 +31,7 @@ def test_smoke_run_end_to_end(smoke, capsys, monkeypatch):
                  "[lowbit] step profile (steps 3-3, mean of 2 rank(s))", "| fp8-block | fsdp | 2 |"):
         assert line in text, line
     data = json.loads((out / "scaling.json").read_text())
-    assert (out / "scaling.md").read_text().startswith("## lowbit bench scale")
+    assert (out / "scaling.md").read_text().startswith("## lowbit bench scale") and data["complete"] is True
     rows = {(r["mode"], r["gpus"]): r for r in data["rows"]}
     assert set(rows) == {("1 GPU eager", 1), ("fsdp", 2)}
     one, two = rows[("1 GPU eager", 1)], rows[("fsdp", 2)]
@@ -159,6 +159,30 @@ def test_table_takes_non_finite_losses():
 def test_bad_input(args, msg, capsys):
     assert main(["bench", "scale", "--device", "cpu", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_table_written_after_each_run(tmp_path, monkeypatch, capsys):
+    """A sweep cut short keeps the table of the runs that finished: it is rewritten after each run (marked
+    incomplete until the end)."""
+    calls = []
+
+    def fake_launch(cmd, run_dir, timeout, log):
+        calls.append(run_dir)
+        if len(calls) == 2:
+            raise ValueError("stopped here")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps(_summary(123.0, [2.0, 1.0])))
+        return 0, ""
+
+    monkeypatch.setattr(scale, "launch", fake_launch)
+    argv = ["bench", "scale", "--device", "cpu", "--recipes", "fp8-block", "--modes", "fsdp", "--gpus", "2",
+            "--no-loss-check", "--out", str(tmp_path)]
+    assert main(argv) == 2 and "stopped here" in capsys.readouterr().err
+    assert len(calls) == 2
+    assert "| fp8-block | 1 GPU eager | 1 | 123 | 123 |" in (tmp_path / "scaling.md").read_text()
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    assert data["complete"] is False and data["plot"] is None
+    assert [r["status"] for r in data["rows"]] == ["ok", "skipped: not run"]
 
 
 def test_train_args_take_a_lone_flag():

@@ -10,7 +10,8 @@ For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.r
 the step, ``fsdp-eager`` and ``ddp-eager`` without), every run with the same per-GPU batch; and, for the loss
 check, one process with ``--grad-accum N``: the same global batch as N GPUs, micro-batch for micro-batch, and one
 with the global batch split in half as many micro-batches (the check's floor). It reads
-each run's ``summary.json`` and writes a table (markdown and JSON) and a plot (matplotlib, when installed).
+each run's ``summary.json`` and writes a table (markdown and JSON; rewritten after each run, so a sweep cut short
+keeps what finished, ``"complete": false`` in the JSON until the end) and a plot (matplotlib, when installed).
 
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
 **x graphed** = tokens/s over one CUDA-graphed GPU's (the baseline of the scaling targets: 1.85 on 2 GPUs, 3.6 on 4),
@@ -297,8 +298,9 @@ def launch(cmd: list[str], run_dir: Path, timeout: float, log) -> tuple[int | No
             return None, path.read_text(errors="replace")
 
 
-def run_all(cfg: dict, runs: list[dict], log=print) -> dict:
-    """Run every planned run (or, with ``report_only``, run nothing); ``{dir: summary or {"status": why not}}``."""
+def run_all(cfg: dict, runs: list[dict], log=print, after_each=None) -> dict:
+    """Run every planned run (or, with ``report_only``, run nothing); ``{dir: summary or {"status": why not}}``.
+    ``after_each(results)`` is called after each run that ran, with the results so far."""
     out = Path(cfg["out"])
     results = {}
     todo = [r for r in runs if not r.get("skip")]
@@ -325,6 +327,8 @@ def run_all(cfg: dict, runs: list[dict], log=print) -> dict:
                 why = f"timed out after {cfg['timeout']:.0f} s" if rc is None else _last_error(text)
                 results[run["dir"]] = {"status": f"failed: {why}"}
                 log(f"[bench scale] {label}: failed ({why}); log: {where / 'log.txt'}")
+                if after_each is not None:
+                    after_each(results)
                 continue
             log(f"[bench scale] {label}: done in {time.monotonic() - t0:.0f} s")
         if not summary_path.exists():
@@ -336,6 +340,8 @@ def run_all(cfg: dict, runs: list[dict], log=print) -> dict:
         if s.get("tokens_per_s"):
             log(f"[bench scale] {label}: {s['tokens_per_s']:,.0f} tokens/s, final train loss "
                 f"{_f(s.get('final_train_loss'), '.4f')}")
+        if after_each is not None and not cfg["report_only"]:
+            after_each(results)
     return results
 
 
@@ -560,16 +566,23 @@ def main(argv=None) -> int:
             f"{cfg['batch_size']} x {cfg['seq_len']}) on {cfg['device']}: recipes {', '.join(cfg['recipes'])}; "
             f"modes {', '.join(cfg['modes']) or 'none'} on {', '.join(map(str, cfg['gpus']))} GPU(s)"
             + (" (report only)" if args.report_only else ""))
-        results = run_all(cfg, runs, log)
-        table = rows(cfg, runs, results)
-        md = markdown(cfg, table)
         out = Path(cfg["out"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "scaling.md").write_text(md)
-        png = plot(cfg, table, out / "scaling.png")
-        write_json(out / "scaling.json", dict(header=header(cfg, table), config=cfg, rows=table,
-                                              commands={r["dir"]: shlex.join(command(cfg, r, out)) for r in runs},
-                                              plot=None if png is None else str(png)))
+
+        def write(results, final=False):
+            """The table of what has finished: rewritten after each run (a sweep cut short keeps its table),
+            with the plot at the end."""
+            table = rows(cfg, runs, results)
+            md = markdown(cfg, table)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "scaling.md").write_text(md)
+            png = plot(cfg, table, out / "scaling.png") if final else None
+            write_json(out / "scaling.json", dict(header=header(cfg, table), config=cfg, rows=table,
+                                                  commands={r["dir"]: shlex.join(command(cfg, r, out)) for r in runs},
+                                                  plot=None if png is None else str(png), complete=final))
+            return md, png
+
+        results = run_all(cfg, runs, log, after_each=write)
+        md, png = write(results, final=True)
         print("\n" + md, flush=True)
         log(f"[bench scale] wrote {out / 'scaling.md'}, {out / 'scaling.json'}"
             + (f", {png}" if png else " (no plot: matplotlib is not installed)"))
