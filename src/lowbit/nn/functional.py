@@ -630,6 +630,7 @@ def fsdp_wgrad_joins(model: torch.nn.Module) -> list:
             todo += [c for c in m.children() if not isinstance(c, FSDPModule)]
         return out
 
+    @torch.compiler.disable  # (as FSDP2's own hooks: a compiled unit breaks its graph here, the hook runs eager)
     def hook(unit, args, kwargs):
         if not torch.is_grad_enabled():
             return None
