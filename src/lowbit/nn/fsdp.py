@@ -48,6 +48,7 @@ from ..quant.reference import amax_of, compute_scale, delayed_scale_inv
 from ..quant.schemes import Float8Blockwise, Float8Tensorwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
 from ..recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
+from ..runtime.device import is_dtensor
 from ..runtime.log import declined, warn_once
 from . import state as _ac
 from .base import LowbitModule
@@ -160,12 +161,11 @@ class AmaxBatches:
             return got[0]
         if self._units is None:
             self._units = self._resolve()
-        dtensor = _dtensor_type()
         keys, amaxes, waiting = [key], [amax_of(hp)], []
         for ref, a in self._units.get(key, ()):
             m = ref()
             p = getattr(m, a, None) if m is not None else None
-            if (id(m), a) == key or dtensor is None or not isinstance(p, dtensor):
+            if (id(m), a) == key or not is_dtensor(p):
                 continue
             with torch.no_grad():
                 shard = p.to_local()
@@ -419,7 +419,6 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
         world = 1
     if world < 1:
         raise ValueError(f"mesh: the shard count must be >= 1, got {world}")
-    dtensor = _dtensor_type()
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -435,7 +434,7 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
             if not isinstance(p, torch.nn.Parameter):
                 continue
             name = f"{mname}.{attr}" if mname else attr
-            if dtensor is not None and isinstance(p, dtensor):
+            if is_dtensor(p):
                 raise ValueError(f"model: {name} is sharded already; call fp8_all_gather before fully_shard")
             if isinstance(p, Float8AllGatherWeight):
                 if p.lowbit_scheme != scheme or (p.lowbit_delayed is None) != (not isinstance(recipe, DelayedScaling)):
@@ -463,14 +462,6 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
             if why is not None:
                 _say_fallback(why)
     return plan
-
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # (a torch without torch.distributed)
-        return None
-    return DTensor
 
 
 def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:

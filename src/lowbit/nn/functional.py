@@ -587,7 +587,7 @@ class _JoinWgradSide(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        side = wgrad_side_stream(g.device) if g.device.type == "cuda" else None
+        side = wgrad_side_stream(g.device)  # (None off CUDA: no side stream ran there)
         if side is not None:
             torch.cuda.current_stream(g.device).wait_stream(side)
         return g
@@ -622,7 +622,7 @@ def fsdp_wgrad_joins(model: torch.nn.Module) -> list:
     if not units:
         raise ValueError("model: no fully_shard unit in it (call fsdp_wgrad_joins after fully_shard)")
 
-    def own_modules(unit):
+    def own_modules(unit):  # the unit and its submodules outside nested units
         todo, out = [unit], []
         while todo:
             m = todo.pop()
@@ -637,7 +637,7 @@ def fsdp_wgrad_joins(model: torch.nn.Module) -> list:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
             # (FSDP2 has swapped the unsharded parameters in: those are the tensors the layers' backward sees)
-            for m in own_modules(unit):
+            for m in own_modules(unit):  # (walked here: a list held by the hook would keep the modules alive)
                 for p in m.parameters(recurse=False):
                     p.lowbit_wgrad_here = True
             return None

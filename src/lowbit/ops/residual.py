@@ -33,7 +33,7 @@ import torch
 
 from ..runtime import env
 from ..runtime.autotune import bucket, tuned_launch
-from ..runtime.device import INTERPRET, num_sms
+from ..runtime.device import INTERPRET, is_dtensor, num_sms
 from ..runtime.log import declined
 from .norm_quant import rms_norm_backward, rmsnorm_rstd_reference, row_reduce_configs
 
@@ -71,15 +71,6 @@ def norm_residual_backward_reference(g: torch.Tensor | None, dn: torch.Tensor, o
         d = d + g.reshape(-1, K).double()
     dx = d.float().reshape(out.shape)
     return dx, dx.to(y_dtype), (dn2 * xh).sum(0).float()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (how FSDP2 holds a parameter outside its module's forward)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def residual_add_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -404,7 +395,7 @@ def norm_input_link(x: torch.Tensor, norm_weight: torch.Tensor, rms_eps: float, 
         raise ValueError(f"norm_weight: expected a float32 tensor of shape ({x.shape[-1]},), got {norm_weight.dtype} "
                          f"{tuple(norm_weight.shape)}")
     if (not _fused_norm_backward_on() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or not (x.requires_grad or norm_weight.requires_grad) or _is_dtensor(norm_weight) or triton is None
+            or not (x.requires_grad or norm_weight.requires_grad) or is_dtensor(norm_weight) or triton is None
             or x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0
             or not (x.is_cuda or INTERPRET)):
         return x, None
@@ -547,6 +538,6 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, *, rms_eps: float | None = No
     # (no link to a DTensor: FSDP2 holds a module's weight sharded until that module's forward gathers it, and the
     # gathered tensor is another object, which the link's check would refuse; that norm runs its own backward)
     link = NormGradLink(norm_weight, float(rms_eps)) if (norm_weight is not None and _fused_norm_backward_on()
-                                                         and not _is_dtensor(norm_weight)) else None
+                                                         and not is_dtensor(norm_weight)) else None
     out, rstd = _ResidualAdd.apply(x, y, float(rms_eps), norm_weight if link is not None else None, link)
     return (out, rstd) if norm_weight is None else (out, rstd, link)

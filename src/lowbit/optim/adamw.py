@@ -22,7 +22,7 @@ from ..nn.fsdp import Float8AllGatherWeight, fp8_gather_plan
 from ..nn.functional import FreshWeight, weight_layer
 from ..quant.schemes import Float8Blockwise
 from ..quant.tensor import QuantizedCopy, QuantizedTensor, scale_storage_shape
-from ..runtime.device import INTERPRET, triton_installed
+from ..runtime.device import INTERPRET, is_dtensor, triton_installed
 
 __all__ = ["AdamW"]
 
@@ -52,14 +52,10 @@ def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor holding ``t``'s values on this rank: a DTensor's local shard, a ``Float8AllGatherWeight``'s
     high-precision tensor; ``t`` itself otherwise."""
-    if t is not None and _is_dtensor(t):
+    if t is not None and is_dtensor(t):
         t = t.to_local()
     return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
 
@@ -100,7 +96,7 @@ def _sharded_target(p: torch.Tensor):
     """``(holder, scheme, local tensor)`` where ``p`` is FSDP2's DTensor shard of a weight it gathers as 128x128
     blockwise FP8 copies (:func:`lowbit.nn.fp8_all_gather`, current scaling, shards of whole tiles: the rule its
     all-gather applies), else None."""
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         return None
     local = p.to_local()
     if not isinstance(local, Float8AllGatherWeight) or local.lowbit_delayed is not None:

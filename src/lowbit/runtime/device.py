@@ -15,7 +15,7 @@ import os
 import torch
 
 __all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool", "in_graph_tree",
-           "triton_installed", "TRITON_MISSING"]
+           "triton_installed", "TRITON_MISSING", "is_dtensor"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
@@ -23,6 +23,21 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 TRITON_MISSING = "backend: 'triton' needs the triton package, which is not installed (pip install lowbit[gpu])"
 """The start of the error a Triton backend asked for without triton gives (each caller adds what to use instead)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch without torch.distributed)
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (how FSDP2 holds a parameter shard outside its module's forward)."""
+    dt = _dtensor_type()
+    return dt is not None and isinstance(t, dt)
 
 
 @functools.lru_cache(maxsize=None)

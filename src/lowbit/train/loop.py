@@ -703,7 +703,7 @@ class _GraphedStep:
         g = torch.cuda.CUDAGraph()
         arena = _amax_arena(self.device) if self.quantized else None
         # the weight gradients as a parallel branch of the graph (nn.functional.wgrad_on_side_stream: the gradients
-        # are None at capture; the one hook that reads them, DDP's all-reduce, waits for that stream)
+        # are None at capture; what reads them waits for that stream: DDP's all-reduce, FSDP2's post-backward)
         from lowbit.nn.functional import wgrad_on_side_stream
 
         side = wgrad_on_side_stream()

@@ -97,21 +97,18 @@ def _length(merged: list) -> float:
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], lo: float, hi: float) -> dict:
-    """The device's idle time in ``[lo, hi]`` (us) between ``spans`` ``(start, end, family)``, summed by the pair of
-    families around each gap: ``{"after | before": (ms, gaps)}``, the :data:`TOP_GAPS` largest."""
+    """The device's idle time in ``[lo, hi]`` (us) between ``spans`` ``(start, end, family)`` (inside ``[lo, hi]``),
+    summed by the pair of families around each gap: ``{"before | after": (ms, gaps)}``, the :data:`TOP_GAPS`
+    largest."""
     out: dict = {}
     cur, last = lo, "<step start>"
-    for s, e, fam in sorted(spans):
+    for s, e, fam in sorted(spans) + [(hi, hi, "<step end>")]:
         if s > cur:
             key = f"{last} | {fam}"
             ms, n = out.get(key, (0.0, 0))
             out[key] = (ms + (s - cur) / 1e3, n + 1)
         if e > cur:
             cur, last = e, fam
-    if hi > cur:
-        key = f"{last} | <step end>"
-        ms, n = out.get(key, (0.0, 0))
-        out[key] = (ms + (hi - cur) / 1e3, n + 1)
     return dict(sorted(out.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS])
 
 
