@@ -302,6 +302,51 @@ def test_norm_input_link_gpu(cuda):
     check_norm_input_link(cuda)
 
 
+def check_one_tuning(device):
+    """The residual add's fused backward (dy stored in y's dtype) and the norm input's (dx only, y float32) take one
+    launch key, so one tuning serves both: a second tuning, timed inside the captured step's warm-up backward, cost
+    that step its side-stream overlap. On CUDA, with tuning on: one tuned config after both calls."""
+    from lowbit.runtime.autotune import tuned_configs
+
+    keys, real = [], R.tuned_launch
+
+    def spy(name, key, candidates, launch):
+        keys.append((name, key))
+        return real(name, key, candidates, launch)
+
+    forget_tuned("norm_residual_bwd")
+    R.tuned_launch = spy
+    tuning = env.override(LOWBIT_AUTOTUNE="1")
+    tuning.__enter__()
+    try:
+        g = torch.Generator().manual_seed(3)
+        out = torch.randn(300, 512, generator=g).to(device)
+        dn, gx = torch.randn(300, 512, generator=g).to(device, torch.bfloat16), torch.randn(300, 512).to(device)
+        w = torch.randn(512, generator=g).to(device)
+        rstd = NQ.rmsnorm_rstd_reference(out, 1e-5).float()
+        for y_dtype in (torch.bfloat16, torch.float32):
+            dx, dy, dw = R.norm_residual_backward(gx, dn, out, rstd, w, y_dtype)
+            ref = R.norm_residual_backward_reference(gx, dn, out, rstd, w, y_dtype)
+            assert dy.dtype == y_dtype and torch.allclose(dx, ref[0].to(device), rtol=1e-5, atol=1e-5)
+    finally:
+        R.tuned_launch = real
+        tuning.__exit__(None, None, None)
+    assert len(keys) == 2 and keys[0] == keys[1], keys
+    if out.is_cuda:
+        assert len(tuned_configs("norm_residual_bwd")) == 1, tuned_configs("norm_residual_bwd")
+    print("ok")
+
+
+def test_one_tuning_interpreter_subprocess():
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "check_one_tuning('cpu')")
+
+
+@pytest.mark.gpu
+def test_one_tuning_gpu(cuda):
+    check_one_tuning(cuda)
+
+
 def test_norm_input_link_without_kernel_cpu():
     """On the CPU (no interpreter) the fused backward does not run: no link, the tensor returned as it was."""
     x = torch.randn(3, 256, requires_grad=True)
