@@ -8,7 +8,8 @@ import torch
 
 import lowbit
 from lowbit import recipes
-from lowbit.nn.functional import _SIDE, wgrad_on_side_stream
+from lowbit.nn.functional import _SIDE, _side_stream, wgrad_on_side_stream
+from lowbit.runtime.device import stream_apart
 
 
 def _model(device):
@@ -61,6 +62,83 @@ def test_side_carveout_default_and_setting(switches):
     for bad in ("-1", "many", "1.5"):
         with pytest.raises(ValueError, match="LOWBIT_WGRAD_SM_CARVEOUT: expected a number of SMs"):
             switches(LOWBIT_WGRAD_SM_CARVEOUT=bad)
+
+
+class _PoolStream:
+    """torch.cuda.Stream faked as torch's pool: ``size`` streams handed out in turn, equal where their slot is."""
+
+    size, drawn = 32, 0
+
+    def __init__(self, device=None):
+        self.slot = _PoolStream.drawn % _PoolStream.size
+        _PoolStream.drawn += 1
+
+    def __eq__(self, other):
+        return isinstance(other, _PoolStream) and other.slot == self.slot
+
+    __hash__ = None
+
+
+def test_side_stream_is_never_the_calling_stream(monkeypatch):
+    """torch.cuda.Stream() hands out its pool's 32 streams in turn, so a stream drawn for the weight gradients can be
+    the one the backward runs on (torch.cuda.graph's capture stream comes from the same pool), and the gradients then
+    run after its work instead of beside it. With the pool faked: stream_apart draws past the streams to avoid; the
+    cached side stream is drawn again where it is the calling stream; a pool of one stream raises."""
+    monkeypatch.setattr(torch.cuda, "Stream", _PoolStream)
+    monkeypatch.setattr(_PoolStream, "drawn", 5)
+    main = _PoolStream()  # slot 5
+    monkeypatch.setattr(_PoolStream, "drawn", 5 + 32)  # the pool's next stream is main again
+    assert stream_apart("cuda:0", main).slot == 6
+    monkeypatch.setattr(_PoolStream, "drawn", 6)
+    a, b = _PoolStream(), _PoolStream()  # slots 6 and 7
+    monkeypatch.setattr(_PoolStream, "drawn", 6 + 32)  # the next two are a and b
+    assert stream_apart("cuda:0", a, b).slot == 8
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(_SIDE["streams"], dev, main)
+    monkeypatch.setattr(_PoolStream, "drawn", 5)
+    side = _side_stream(dev, main)
+    assert side != main and _SIDE["streams"][dev] is side
+    assert _side_stream(dev, _PoolStream()) is side  # (cached while it is not the calling stream)
+    monkeypatch.setattr(_PoolStream, "size", 1)
+    with pytest.raises(RuntimeError, match="stream_apart: 2 streams drawn from torch's pool"):
+        stream_apart("cuda:0", _PoolStream())
+
+
+@pytest.mark.gpu
+def test_stream_pool_wraps_and_the_side_stream_avoids_it(cuda):
+    """The premise on the GPU: the 33rd stream drawn from torch's pool is the first again, and stream_apart skips it.
+    A backward running on the very stream cached as the side stream puts its weight gradients on another one, with
+    the same gradients as one stream."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s0 = torch.cuda.Stream(dev)
+    for _ in range(31):
+        torch.cuda.Stream(dev)
+    assert torch.cuda.Stream(dev) == s0  # (torch's pool: 32 streams a priority, in turn)
+    for _ in range(31):
+        torch.cuda.Stream(dev)
+    assert stream_apart(dev, s0) != s0
+    recipe = recipes.from_name("fp8-block")
+    idx = torch.randint(0, 256, (2, 257), device=dev, generator=torch.Generator(dev).manual_seed(2))
+    grads = []
+    for side in (False, True):
+        m = _model(dev)
+        saved = _SIDE["streams"].get(dev)
+        _SIDE["streams"][dev] = s0
+        try:
+            s0.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s0), wgrad_on_side_stream(side):
+                _fwd_bwd(m, idx, recipe)
+            torch.cuda.synchronize()
+            assert (_SIDE["streams"][dev] != s0) == side
+        finally:
+            if saved is None:
+                _SIDE["streams"].pop(dev, None)
+            else:
+                _SIDE["streams"][dev] = saved
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    lowbit.nn.nonfinite_events()
 
 
 @pytest.mark.gpu

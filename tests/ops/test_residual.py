@@ -304,8 +304,8 @@ def test_norm_input_link_gpu(cuda):
 
 def check_one_tuning(device):
     """The residual add's fused backward (dy stored in y's dtype) and the norm input's (dx only, y float32) take one
-    launch key, so one tuning serves both: a second tuning, timed inside the captured step's warm-up backward, cost
-    that step its side-stream overlap. On CUDA, with tuning on: one tuned config after both calls."""
+    launch key, so one tuning serves both (a tuning compiles and times every candidate). On CUDA, with tuning on: one
+    tuned config after both calls."""
     from lowbit.runtime.autotune import tuned_configs
 
     keys, real = [], R.tuned_launch

@@ -39,7 +39,7 @@ from ..quant.tensor import (
 from ..recipes import DelayedScaling, Recipe
 from ..runtime import env
 from ..runtime.device import INTERPRET as _INTERPRET
-from ..runtime.device import in_graph_pool, in_graph_tree, num_sms
+from ..runtime.device import in_graph_pool, in_graph_tree, num_sms, stream_apart
 from ..runtime.effects import register_ordered
 from . import state as _ac
 
@@ -562,10 +562,12 @@ class wgrad_on_side_stream:
         return False
 
 
-def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+def _side_stream(dev: torch.device, main: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The side stream on ``dev``, never ``main``, the stream the backward runs on (a stream drawn from torch's pool
+    can be it: the weight gradients would then run after the main stream's work, not beside it)."""
     st = _SIDE["streams"].get(dev)
-    if st is None:
-        st = _SIDE["streams"][dev] = torch.cuda.Stream(dev)
+    if st is None or st == main:
+        st = _SIDE["streams"][dev] = stream_apart(dev, main)
     return st
 
 
@@ -655,7 +657,7 @@ def _wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, out_dtype: torch.dtype, we
             and not getattr(weight, "lowbit_wgrad_here", False)):
         return wgrad_mm(qdy, qx, out_dtype=out_dtype)
     main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev)
+    side = _side_stream(dev, main)
     side.wait_stream(main)
     # (cuBLAS leaves SMs to the main stream's kernels: see side_carveout)
     with torch.cuda.stream(side), _cublas_sm_carveout(side_carveout(num_sms(dev))):

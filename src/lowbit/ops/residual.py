@@ -270,8 +270,7 @@ def norm_residual_backward(g: torch.Tensor | None, dn: torch.Tensor, out: torch.
         part["dw"] = column_sum(dwp) if need_dw else None
 
     # (not keyed by y's dtype, which adds or drops one store: the residual add's backward and the norm input's
-    # share one tuning; a second one, timed inside the captured step's warm-up backward, cost the step its
-    # side-stream overlap)
+    # share one tuning)
     tuned_launch("norm_residual_bwd", (g is not None, dn.dtype, need_dw, bucket(M), bucket(K)),
                  lambda: _bwd_configs(K), launch)
     return dx, dy, part["dw"]

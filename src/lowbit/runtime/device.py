@@ -15,7 +15,7 @@ import os
 import torch
 
 __all__ = ["INTERPRET", "capability", "num_sms", "memory_bytes", "capture", "in_graph_pool", "in_graph_tree",
-           "triton_installed", "TRITON_MISSING", "is_dtensor"]
+           "triton_installed", "TRITON_MISSING", "is_dtensor", "stream_apart"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's interpreter runs the kernels (on CPU tensors too); the one place the library reads this variable."""
@@ -88,6 +88,20 @@ def memory_bytes(device) -> int | None:
         except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
             return None
     return None
+
+
+def stream_apart(device, *avoid) -> torch.cuda.Stream:
+    """A stream from torch's pool on CUDA ``device`` that is none of the streams ``avoid``, for work meant to run
+    beside theirs. ``torch.cuda.Stream()`` hands out the pool's 32 streams of a priority in turn, so a stream drawn
+    for concurrent work can be the very stream its caller runs on (``torch.cuda.graph``'s capture stream comes from
+    the same pool): work put on it would then run after the caller's, not beside it. Consecutive draws differ, so
+    ``len(avoid) + 1`` draws suffice."""
+    for _ in range(len(avoid) + 1):
+        s = torch.cuda.Stream(device)
+        if not any(s == a for a in avoid):
+            return s
+    raise RuntimeError(f"stream_apart: {len(avoid) + 1} streams drawn from torch's pool on {device}, each one of the "
+                       f"{len(avoid)} to avoid")
 
 
 def capture(fn, *, capture_error_mode: str = "global"):
