@@ -78,7 +78,7 @@ def test_table_arithmetic():
                                                                   "fp8-block/1gpu-graph", "fp8-block/1gpu-eager"}
     assert next(r for r in runs if r["dir"] == "bf16/fsdp-fp8ag-2gpu")["skip"]  # (bf16 gathers no FP8)
     prof = dict(wall_ms=10.0, compute_ms=6.0, comm_ms=4.0, exposed_comm_ms=1.0, host_ms=3.0, overlap_pct=75.0,
-                comm_kinds_ms={"all_gather": 4.0})
+                comm_kinds_ms={"all_gather": 4.0}, concurrent_ms=1.5)
     res = {"bf16/1gpu-graph": _summary(100.0, [2.0, 1.0]), "bf16/1gpu-eager": _summary(50.0, [2.0, 1.0]),
            "bf16/fsdp-2gpu": _summary(190.0, [2.0, 1.001], 2, prof), "bf16/fsdp-4gpu": _summary(300.0, [2, 1], 4),
            "bf16/1gpu-accum2": _summary(1.0, [2.0, 1.0]), "bf16/1gpu-accum4": _summary(1.0, [2.0, 1.0]),
@@ -106,7 +106,7 @@ def test_table_arithmetic():
     assert row[("fp8-block", "fsdp", 4)]["status"] == "skipped: not run"
     md = scale.markdown(cfg, table)
     assert "| bf16 | fsdp | 2 | 190 | 95 | 1.90 (met) | 95% | 3.80 | 190% | - | - | 1.00 |" in md
-    assert "| 0.100% | 2.000% | 6.0 | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target) | - |" in md
+    assert "| 0.100% | 2.000% | 6.0 (1.5) | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target) | - |" in md
     assert "grew" not in md  # (no run profiled its kernels)
 
 

@@ -55,6 +55,7 @@ def test_split_cuda_step():
     (r,) = split_trace(events, "cuda")
     assert r["wall_ms"] == pytest.approx(0.1)
     assert r["compute_ms"] == pytest.approx(0.040)
+    assert r["concurrent_ms"] == pytest.approx(0.0)  # (one compute kernel at a time)
     assert r["comm_ms"] == pytest.approx(0.035)
     assert r["exposed_comm_ms"] == pytest.approx(0.020)  # [40, 50) and [70, 80)
     assert r["host_ms"] == pytest.approx(0.040)  # [0, 10), [60, 70), [80, 100)
@@ -107,6 +108,25 @@ def test_kernels_per_family_sum_overlaps_and_keep_the_top():
     assert k["at::native::elementwise_kernel<128, 4, Lambda<c10::BFloat16>>"] == pytest.approx(0.040)
     assert k["nvjet_tst_128x256"] == pytest.approx(0.020)
     assert r["compute_ms"] == pytest.approx(0.060 + 0.020 + 0.001 * (TOP_KERNELS + 5))
+    # [20, 40): the two elementwise kernels ran beside each other
+    assert r["concurrent_ms"] == pytest.approx(0.020)
+
+
+def test_concurrent_time_and_its_mean():
+    """concurrent: compute kernels' summed time minus compute (three at once count twice over their shared time);
+    collectives beside compute are not counted (comm's hidden share says that); None on the CPU and in a mean with a
+    CPU step."""
+    from lowbit.train.step_profile import _mean
+
+    events = [_ev(MARKER, 0, 100, cat="user_annotation"), _ev("gemm", 0, 50), _ev("wgrad", 10, 20, tid=2),
+              _ev("q", 15, 10, tid=3), _ev("ncclDevKernel_ReduceScatter_Sum", 0, 60, tid=4)]
+    (r,) = split_trace(events, "cuda")
+    assert r["compute_ms"] == pytest.approx(0.050) and r["concurrent_ms"] == pytest.approx(0.030)
+    cpu = split_step([_ev(MARKER, 0, 10, cat="user_annotation"), _ev("aten::mm", 0, 5, "cpu_op")],
+                     _ev(MARKER, 0, 10, cat="user_annotation"), "cpu")
+    assert cpu["concurrent_ms"] is None
+    assert _mean([r, dict(r, concurrent_ms=0.010)])["concurrent_ms"] == pytest.approx(0.020)
+    assert _mean([r, cpu])["concurrent_ms"] is None
 
 
 LONG = "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_warpgroupsize2x1x1_execute_segment_k_off" * 2

@@ -22,8 +22,9 @@ the largest relative difference of a step's training loss from the one-process r
 spikes in the first steps of a short run turn last-bit differences between the runs into different trajectories);
 **loss floor**: the same between the two one-process runs, whose steps differ only in the order of the FP32 sums (the
 difference the training trajectory itself grows from rounding, against which the loss diff is read);
-then the step profile (``lowbit train --step-profile``, mean over ranks, ms a step): **compute**,
-**exposed comm** (communication no compute hides), **host** (the device idle) and **comm** (with the share hidden).
+then the step profile (``lowbit train --step-profile``, mean over ranks, ms a step): **compute** (with its
+**concurrent** part: kernels running beside each other, the side-stream weight gradients), **exposed comm**
+(communication no compute hides), **host** (the device idle) and **comm** (with the share hidden).
 
 ``--device cpu`` (the default without CUDA) runs the same on the CPU with gloo processes and the tiny preset: a smoke
 test of the path; its timings mean nothing. ``--reuse`` keeps each run whose summary came from the same command line
@@ -439,10 +440,14 @@ IDLE_TOP = 3
 """Idle pairs (``lowbit train --step-profile``'s ``idle``) listed a run under the table."""
 
 
+def _paren(v) -> str:
+    return "" if v is None else f" ({v:.1f})"
+
+
 def markdown(cfg: dict, table: list[dict]) -> str:
     cols = ["recipe", "mode", "GPUs", "tokens/s", "per GPU", "x graphed", "eff.", "x eager", "eff. eager",
-            "x compile", "fp8/bf16", "peak GiB", "train loss", "val loss", "loss diff", "loss floor", "compute ms",
-            "exposed comm ms", "host ms", "comm ms (hidden)"]
+            "x compile", "fp8/bf16", "peak GiB", "train loss", "val loss", "loss diff", "loss floor",
+            "compute ms (concurrent)", "exposed comm ms", "host ms", "comm ms (hidden)"]
     lines = [header(cfg, table), "", "| " + " | ".join(cols) + " |",
              "|" + "|".join(["---", "---", "---:"] + ["---:"] * (len(cols) - 3)) + "|"]
     for r in table:
@@ -468,7 +473,8 @@ def markdown(cfg: dict, table: list[dict]) -> str:
                  _f(r.get("final_val_loss"), ".4f"),
                  "-" if diff is None else f"{100 * diff:.3f}%" + ("" if diff <= LOSS_TARGET else " (> target)"),
                  "-" if r.get("loss_floor") is None else f"{100 * r['loss_floor']:.3f}%",
-                 _f(sp.get("compute_ms"), ".1f"), _f(sp.get("exposed_comm_ms"), ".1f"), _f(sp.get("host_ms"), ".1f"),
+                 _f(sp.get("compute_ms"), ".1f") + _paren(sp.get("concurrent_ms")),
+                 _f(sp.get("exposed_comm_ms"), ".1f"), _f(sp.get("host_ms"), ".1f"),
                  comm]
         lines.append("| " + " | ".join(cells) + " |")
     growth = kernel_growth(table)

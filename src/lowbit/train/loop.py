@@ -1356,8 +1356,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     if step_profile is not None and step_profile["mean"] is not None:
         m = step_profile["mean"]
         _say(d, c, f"[lowbit] step profile (steps {step_profile['steps'][0]}-{step_profile['steps'][-1]}, "
-                   f"mean of {d.world} rank(s)): wall {m['wall_ms']:.2f} ms = compute {m['compute_ms']:.2f} + exposed "
-                   f"comm {m['exposed_comm_ms']:.2f} + host {m['host_ms']:.2f}; comm {m['comm_ms']:.2f} ms"
+                   f"mean of {d.world} rank(s)): wall {m['wall_ms']:.2f} ms = compute {m['compute_ms']:.2f}"
+                   + (f" ({m['concurrent_ms']:.2f} of it concurrent)" if m.get("concurrent_ms") is not None else "")
+                   + f" + exposed comm {m['exposed_comm_ms']:.2f} + host {m['host_ms']:.2f}; comm {m['comm_ms']:.2f} ms"
                    + (f", {m['overlap_pct']:.0f}% hidden" if m["overlap_pct"] is not None else "")
                    + "".join(f"; idle most between {k.replace(' | ', ' and ')}: {v[0]:.2f} ms"
                              for k, v in list(m.get("idle", {}).items())[:1]))

@@ -6,6 +6,9 @@ up and is not counted) and splits each step's wall time (from its launch on the 
 synchronized) with :func:`split_step`:
 
 * **compute**: the time the device runs anything but a collective (the union of those kernels' intervals);
+  on CUDA with **concurrent**, the part of their GPU time that ran beside another of them (their summed times minus
+  compute): the work of a second stream hidden behind the first (``lowbit train``'s weight gradients on a side
+  stream); none means every kernel waited for the one before it;
 * **comm**: the time it runs a collective (NCCL kernels: all-gather, reduce-scatter, all-reduce ...);
 * **exposed comm**: the part of comm with no compute beside it, which overlap did not hide;
 * **host**: the time it runs nothing, waiting on the host (Python, launches, a ``.item()``).
@@ -114,7 +117,8 @@ def idle_gaps(spans: list[tuple[float, float, str]], lo: float, hi: float) -> di
 
 def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
     """One step's split (see the module docstring), in ms, from chrome-trace ``events`` and the step's ``marker``
-    event: wall, compute, comm, exposed comm, host and the comm time of each collective kind."""
+    event: wall, compute (and on CUDA concurrent), comm, exposed comm, host and the comm time of each collective
+    kind."""
     lo = float(marker["ts"])
     hi = lo + float(marker.get("dur", 0.0))
     compute, comm, kinds, kernels, spans = [], [], {}, {}, []
@@ -142,10 +146,12 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
         else:
             comm.append((s, t))
             kinds.setdefault(kind, []).append((s, t))
+    compute_sum = _length(compute)
     compute, comm = merge(compute), merge(comm)
     busy = _length(merge(compute + comm))
     exposed = uncovered(comm, compute)
     return {"wall_ms": (hi - lo) / 1e3, "compute_ms": _length(compute) / 1e3, "comm_ms": _length(comm) / 1e3,
+            "concurrent_ms": (compute_sum - _length(compute)) / 1e3 if device_type == "cuda" else None,
             "exposed_comm_ms": exposed / 1e3, "host_ms": max(0.0, hi - lo - busy) / 1e3,
             "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())},
             "kernels_ms": _top(kernels), "idle": idle_gaps(spans, lo, hi) if device_type == "cuda" else {}}
@@ -171,6 +177,8 @@ def _mean(parts: list[dict]) -> dict:
     kinds = sorted({k for p in parts for k in p["comm_kinds_ms"]})
     out["comm_kinds_ms"] = {k: sum(p["comm_kinds_ms"].get(k, 0.0) for p in parts) / n for k in kinds}
     out["overlap_pct"] = 100.0 * (1 - out["exposed_comm_ms"] / out["comm_ms"]) if out["comm_ms"] > 0 else None
+    conc = [p.get("concurrent_ms") for p in parts]
+    out["concurrent_ms"] = None if None in conc else sum(conc) / n
     names = {k for p in parts for k in p.get("kernels_ms", {})}
     out["kernels_ms"] = _top({k: sum(p.get("kernels_ms", {}).get(k, 0.0) for p in parts) / n for k in names})
     pairs = {k for p in parts for k in p.get("idle", {})}
