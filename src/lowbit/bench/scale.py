@@ -426,6 +426,7 @@ def header(cfg: dict, table: list[dict]) -> str:
             f"{git_commit()}\n\nmodel {cfg['model']}, per-GPU batch {cfg['batch_size']} x {cfg['seq_len']} tokens, "
             f"{cfg['steps']} steps a run, tokens/s over {timed}"
             + (f"; step profile over steps 3-{2 + sp} (ms a step, mean of the ranks)" if sp else "")
+            + (f"; every run with `{shlex.join(cfg['train_args'])}`" if cfg.get("train_args") else "")
             + ". x graphed / x eager / x compile: tokens/s over one GPU's (CUDA-graphed, eager, compiled), eff.: "
               "that over the GPU count; targets (x graphed): "
             + ", ".join(f"{t} on {n} GPUs" for n, t in TARGETS.items())

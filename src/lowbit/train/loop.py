@@ -100,6 +100,11 @@ class TrainConfig:
     """With ``fsdp``: free each block's gathered weights after its forward and gather them again for its backward
     (FSDP2's default, the least memory); False keeps them from the forward to the backward (one all-gather a block a
     step instead of two, the block's unsharded weights held through the step, as ZeRO-2 holds them)."""
+    fsdp_reduce_dtype: str = "float32"
+    """With ``fsdp``: the dtype FSDP2 reduce-scatters the gradients in (its ``MixedPrecisionPolicy.reduce_dtype``):
+    ``"float32"``, the gradients' own, or ``"bfloat16"``: half the bytes, each gradient rounded to BF16 before the
+    sum across ranks (and the sum kept in BF16 between the ring's hops), then cast back to FP32 for the optimizer.
+    With ``grad_accum`` > 1 FSDP2 also accumulates the micro-batches' gradients in BF16 (the run says so)."""
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
     ``"auto"`` where it is safe (on CUDA: one process, or DDP or FSDP2 with an NCCL that captures collectives, the
@@ -216,6 +221,12 @@ class TrainConfig:
                                  "the gathered FP8 weights); drop one of them")
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {self.deterministic!r}")
+        if self.fsdp_reduce_dtype not in FSDP_REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype: expected one of {', '.join(FSDP_REDUCE_DTYPES)}, got "
+                             f"{self.fsdp_reduce_dtype!r}")
+        if self.fsdp_reduce_dtype != "float32" and not self.fsdp:
+            raise ValueError(f"fsdp_reduce_dtype: {self.fsdp_reduce_dtype!r} needs fsdp=True (it is FSDP2's reduce "
+                             "dtype); got fsdp=False")
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise TypeError(f"fsdp_reshard_after_forward: expected a bool, got {self.fsdp_reshard_after_forward!r}")
         if not self.fsdp_reshard_after_forward and not self.fsdp:
@@ -504,9 +515,17 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
             plan = lnn.fp8_all_gather(model, _recipes.from_name(c.recipe), mesh)
             n_hp = sum(v is not None for v in plan.values())
             _say(d, c, f"[lowbit] --fp8-all-gather: {len(plan) - n_hp} weights gather in FP8, {n_hp} in FP32")
+        mp = {}
+        if c.fsdp_reduce_dtype != "float32":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, c.fsdp_reduce_dtype))
+            _say(d, c, f"[lowbit] --fsdp-reduce-dtype: gradients reduce-scattered in {c.fsdp_reduce_dtype}"
+                       + (f", and FSDP2 accumulates the {c.grad_accum} micro-batches' gradients in it too"
+                          if c.grad_accum > 1 else ""))
         for blk in model.blocks:
-            fully_shard(blk, mesh=mesh, reshard_after_forward=c.fsdp_reshard_after_forward)
-        fully_shard(model, mesh=mesh)
+            fully_shard(blk, mesh=mesh, reshard_after_forward=c.fsdp_reshard_after_forward, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         # each block's post-backward waits for its weight gradients on the captured step's side stream
         from lowbit.nn.functional import fsdp_wgrad_joins
 
@@ -544,6 +563,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current", "fp8-delayed")
 """The recipes whose weight copies FSDP2 can all-gather in FP8 (``TrainConfig.fp8_all_gather``)."""
+FSDP_REDUCE_DTYPES = ("float32", "bfloat16")
+"""The dtypes FSDP2 can reduce-scatter the gradients in (``TrainConfig.fsdp_reduce_dtype``)."""
 
 GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _recipes.from_name(n).delayed)
 """The recipes a step can be captured under: delayed scaling keeps per-step host state."""
@@ -1383,6 +1404,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": fsdp,
         "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if fsdp else None,
+        "fsdp_reduce_dtype": c.fsdp_reduce_dtype if fsdp else None,
         "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
