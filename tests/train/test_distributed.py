@@ -83,30 +83,39 @@ def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recip
     assert runs["fp8ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
 
 
-def test_fsdp_reduce_dtype_bfloat16(tmp_path, small_text, cache_dir):
-    """``--fsdp-reduce-dtype bfloat16``: the gradients are reduce-scattered in BF16. The first step's loss (before any
-    update) equals the FP32-reduce run's bit for bit; the later ones differ (each gradient rounded to BF16 before the
-    sum: the setting took effect) but stay within 2e-3 of them over 4 steps (4e-4 seen; the losses fall by 0.3-0.4 a
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_grad_reduce_dtype_bfloat16(tmp_path, small_text, cache_dir, mode):
+    """``--grad-reduce-dtype bfloat16``: the gradients are averaged across the ranks in BF16 (FSDP2's reduce dtype;
+    DDP, eager on the CPU: the DDP hook grad_sync.bf16_average_hook). The first step's loss (before any update)
+    equals the FP32 reduce's bit for bit; the later ones differ (each gradient rounded to BF16 before the sum: the
+    setting took effect) but stay within 2e-3 of them over 4 steps (4e-4 seen; the losses fall by 0.3-0.4 a
     step)."""
     common = ["--recipe", "fp8-block", "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir",
               cache_dir, "--eval-every", "4", "--eval-windows", "4", "--no-progress", "--device", "cpu",
-              "--batch-size", "4", "--fsdp", "--grad-accum", "2"]
+              "--batch-size", "4", "--grad-accum", "2", *(["--fsdp"] if mode == "fsdp" else [])]
     env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     runs = {}
     for name in ("float32", "bfloat16"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "lowbit.train.cli", *common, "--fsdp-reduce-dtype", name, "--out-dir", str(tmp_path / name)]
+               "-m", "lowbit.train.cli", *common, "--grad-reduce-dtype", name, "--out-dir", str(tmp_path / name)]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
         runs[name]["stdout"] = r.stdout
-    assert runs["bfloat16"]["fsdp_reduce_dtype"] == "bfloat16" and runs["float32"]["fsdp_reduce_dtype"] == "float32"
-    assert ("gradients reduce-scattered in bfloat16, and FSDP2 accumulates the 2 micro-batches' gradients in it too"
-            in runs["bfloat16"]["stdout"])
+    assert runs["bfloat16"]["grad_reduce_dtype"] == "bfloat16" and runs["float32"]["grad_reduce_dtype"] == "float32"
+    said = "--grad-reduce-dtype bfloat16: FSDP2 accumulates the 2 micro-batches' gradients in it too"
+    assert (said in runs["bfloat16"]["stdout"]) == (mode == "fsdp")
     a = [l for _, l in runs["float32"]["history"]["train"]]
     b = [l for _, l in runs["bfloat16"]["history"]["train"]]
     assert a[0] == b[0] and a[1:] != b[1:], (a, b)
     assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)
+
+
+def test_grad_reduce_dtype_one_process_says_so(tmp_path, small_text, cache_dir):
+    r = train(TrainConfig(recipe="bf16", steps=1, seq_len=32, batch_size=2, data=small_text, cache_dir=cache_dir,
+                          eval_every=1, eval_windows=1, progress=False, device="cpu", grad_reduce_dtype="bfloat16",
+                          out_dir=str(tmp_path / "one")))
+    assert r["grad_reduce_dtype"] is None and r["world_size"] == 1
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -116,8 +125,7 @@ def test_fsdp_reduce_dtype_bfloat16(tmp_path, small_text, cache_dir):
     (dict(fp8_all_gather=1, fsdp=True), "expected a bool"),
     (dict(fsdp_reshard_after_forward=False), "fsdp_reshard_after_forward: False needs fsdp=True"),
     (dict(fsdp_reshard_after_forward=0, fsdp=True), "fsdp_reshard_after_forward: expected a bool, got 0"),
-    (dict(fsdp_reduce_dtype="bfloat16"), "fsdp_reduce_dtype: 'bfloat16' needs fsdp=True"),
-    (dict(fsdp_reduce_dtype="bf16", fsdp=True), "fsdp_reduce_dtype: expected one of float32, bfloat16, got 'bf16'"),
+    (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype: expected one of float32, bfloat16, got 'bf16'"),
 ])
 def test_fsdp_config_errors(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -106,8 +106,8 @@ def test_table_arithmetic():
     assert row[("fp8-block", "fsdp", 4)]["status"] == "skipped: not run"
     md = scale.markdown(cfg, table)
     assert "every run with" not in md
-    assert "; every run with `--fsdp-reduce-dtype bfloat16`." in scale.markdown(
-        {**cfg, "train_args": ["--fsdp-reduce-dtype", "bfloat16"]}, table)
+    assert "; every run with `--grad-reduce-dtype bfloat16`." in scale.markdown(
+        {**cfg, "train_args": ["--grad-reduce-dtype", "bfloat16"]}, table)
     assert "| bf16 | fsdp | 2 | 190 | 95 | 1.90 (met) | 95% | 3.80 | 190% | - | - | 1.00 |" in md
     assert "| 0.100% | 2.000% | 6.0 (1.5) | 1.0 | 3.0 | 4.0 (75%) |" in md and "5.000% (> target) | - |" in md
     assert "grew" not in md  # (no run profiled its kernels)

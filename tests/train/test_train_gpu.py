@@ -256,14 +256,16 @@ def test_step_profile_on_two_gpus(tmp_path, small_text, cache_dir, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-keep", "fsdp-fp8ag"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-keep", "fsdp-fp8ag", "ddp-bf16", "fsdp-bf16"])
 def test_data_parallel_under_cuda_graphs_matches_eager(tmp_path, small_text, cache_dir, parallel):
     """DDP and FSDP2 on 2 GPUs with the step captured (DDP's gradient all-reduces, grad_sync.GradAllReduce; FSDP2's
     all-gathers and reduce-scatters, its own hooks) follow the eager run (torch's DDP; FSDP2), with gradient
     accumulation and a fault (an inf in the first block's input at step 5) that both skip on every rank: the
     tolerance of test_cuda_graph_matches_eager. fsdp-keep: --fsdp-keep-gathered, one micro-batch a step (its
     evaluation once ran on stale weights under graphs: 3.50 against 3.10 at 350m). fsdp-fp8ag: --fp8-all-gather,
-    whose gathers take the copies lowbit's AdamW writes on each shard (the skipped step keeps them)."""
+    whose gathers take the copies lowbit's AdamW writes on each shard (the skipped step keeps them). -bf16:
+    --grad-reduce-dtype bfloat16 (captured: GradAllReduce's BF16 buckets, FSDP2's reduce dtype; eager:
+    grad_sync.bf16_average_hook, FSDP2's)."""
     import json
     import subprocess
     import sys
@@ -282,12 +284,15 @@ def test_data_parallel_under_cuda_graphs_matches_eager(tmp_path, small_text, cac
                "--no-progress", "--no-save", "--device", "cuda", "--cuda-graph", mode, "--fault-steps", "5",
                "--out-dir", str(tmp_path / mode)]
         cmd += {"fsdp": ["--fsdp"], "fsdp-keep": ["--fsdp", "--fsdp-keep-gathered"],
-                "fsdp-fp8ag": ["--fsdp", "--fp8-all-gather"]}.get(parallel, [])
+                "fsdp-fp8ag": ["--fsdp", "--fp8-all-gather"], "fsdp-bf16": ["--fsdp"]}.get(parallel, [])
+        cmd += ["--grad-reduce-dtype", "bfloat16"] if parallel.endswith("-bf16") else []
         r = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[mode] = json.loads((tmp_path / mode / "summary.json").read_text())
     assert runs["on"]["cuda_graph"] and not runs["off"]["cuda_graph"] and runs["on"]["world_size"] == 2
-    assert all(r["fsdp"] == (parallel != "ddp") for r in runs.values())
+    assert all(r["fsdp"] == parallel.startswith("fsdp") for r in runs.values())
+    assert all(r["grad_reduce_dtype"] == ("bfloat16" if parallel.endswith("-bf16") else "float32")
+               for r in runs.values())
     assert all(r["fp8_all_gather"] == (parallel == "fsdp-fp8ag") for r in runs.values())
     _assert_same_trajectory(runs["off"], runs["on"], 7)
     for r in runs.values():

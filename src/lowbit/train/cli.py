@@ -134,9 +134,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="with --fsdp: keep each block's gathered weights from its forward to its backward (one "
                         "all-gather a block a step instead of two; the unsharded weights held through the step)")
-    g.add_argument("--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="with --fsdp: the dtype the gradients are reduce-scattered in (bfloat16: half the bytes, each "
-                        "gradient rounded to BF16 before the sum; default float32)")
+    g.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="several processes (FSDP2 or DDP): the dtype the gradients are averaged across ranks in "
+                        "(bfloat16: half the bytes, each gradient rounded to BF16 before the sum; default float32)")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="replay each step as CUDA graphs (auto: on CUDA, one GPU, DDP or FSDP2, their collectives "
                         "captured; recipes bf16/fp8-current/fp8-block/mxfp8/nvfp4; removes the per-kernel host cost "
@@ -190,7 +190,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save,
         overwrite=args.overwrite, on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device,
         dtype=args.dtype, fsdp=args.fsdp, fp8_all_gather=args.fp8_all_gather,
-        fsdp_reshard_after_forward=not args.fsdp_keep_gathered, fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+        fsdp_reshard_after_forward=not args.fsdp_keep_gathered, grad_reduce_dtype=args.grad_reduce_dtype,
         cuda_graph=args.cuda_graph,
         compile=args.compile, compile_mode=args.compile_mode,
         attention=args.attention, attn_qk=args.attn_qk, attn_pv=args.attn_pv, mlp=args.mlp, pos=args.pos,

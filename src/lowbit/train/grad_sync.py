@@ -24,13 +24,29 @@ import torch
 
 from lowbit.nn.functional import wgrad_side_stream
 
-__all__ = ["GradAllReduce", "broadcast_parameters"]
+__all__ = ["GradAllReduce", "broadcast_parameters", "bf16_average_hook"]
 
 
 def broadcast_parameters(module: torch.nn.Module, group=None) -> None:
     """Copy rank 0's parameters and buffers to every rank of ``group`` (what DDP's constructor does)."""
     for t in list(module.parameters()) + list(module.buffers()):
         torch.distributed.broadcast(t.data, src=0, group=group)
+
+
+def bf16_average_hook(group, bucket):
+    """A ``DistributedDataParallel`` communication hook (``ddp.register_comm_hook(group, bf16_average_hook)``):
+    each bucket's gradients rounded to BF16, summed across ``group`` (None: the default group) in BF16, divided by
+    its size and written back into the bucket's buffer: the numerics of :class:`GradAllReduce` with
+    ``reduce_dtype=torch.bfloat16``, on any backend (torch's ``bf16_compress_hook`` needs NCCL)."""
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16)
+    n = torch.distributed.get_world_size(group)
+    fut = torch.distributed.all_reduce(low, group=group, async_op=True).get_future()
+
+    def write_back(f):
+        return buf.copy_(f.value()[0].div_(n))
+
+    return fut.then(write_back)
 
 
 BUCKET_MB = 25.0
@@ -52,14 +68,22 @@ class GradAllReduce:
         params: the parameters whose gradients are averaged (those that require none are left out).
         group: the process group (None: the default one).
         bucket_mb: a bucket goes out once its gradients hold at least this many MiB (> 0; :data:`BUCKET_MB`).
+        reduce_dtype: the dtype the gradients are averaged in (None: their own). ``torch.bfloat16``: each bucket's
+            gradients are cast into one BF16 buffer (half the bytes of FP32), averaged, and cast back into the
+            gradients when the collective is done (each gradient rounded to BF16 before the sum).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = BUCKET_MB):
+    def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = BUCKET_MB,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("params: no parameter requires a gradient; there is nothing to average")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb: expected a number of MiB > 0, got {bucket_mb!r}")
+        if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"reduce_dtype: expected None, torch.float32 or torch.bfloat16, got {reduce_dtype!r}")
+        self.reduce_dtype = reduce_dtype
+        self.casts: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (reduced buffer, gradients it goes back to)
         self.bucket_bytes = float(bucket_mb) * 2**20
         self.bucket: list[torch.Tensor] = []
         self.bucket_size = 0
@@ -80,7 +104,7 @@ class GradAllReduce:
 
     def arm(self) -> None:
         """The next backward is the step's last: reduce each gradient once it is accumulated."""
-        self.armed, self.done, self.works = True, set(), []
+        self.armed, self.done, self.works, self.casts = True, set(), [], []
         self.bucket, self.bucket_size, self.buckets_sent = [], 0, 0
 
     def _all_reduce(self, ts: list[torch.Tensor], op) -> None:
@@ -97,6 +121,21 @@ class GradAllReduce:
         if self.stream is not None:
             self.works.append(work)
 
+    def _cast(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors to reduce for the gradients ``ts``: themselves, or (``reduce_dtype`` another dtype) one flat
+        buffer of their values in it, noted for :meth:`_cast_back`."""
+        if self.reduce_dtype is None or all(g.dtype == self.reduce_dtype for g in ts):
+            return ts
+        flat = torch.cat([g.reshape(-1) for g in ts]).to(self.reduce_dtype)
+        self.casts.append((flat, ts))
+        return [flat]
+
+    def _cast_back(self) -> None:
+        """Write the reduced buffers back into their gradients (each cast to the gradient's dtype)."""
+        for flat, ts in self.casts:
+            torch._foreach_copy_(ts, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in ts]), ts)])
+        self.casts = []
+
     def _send(self) -> None:
         """Average the open bucket's gradients across the group (one collective) and open a new bucket."""
         ts, self.bucket, self.bucket_size = self.bucket, [], 0
@@ -105,10 +144,12 @@ class GradAllReduce:
         self.buckets_sent += 1
         op = torch.distributed.ReduceOp
         if self.stream is None:  # (gloo has no AVG)
-            self._all_reduce(ts, op.SUM)
+            red = self._cast(ts)
+            self._all_reduce(red, op.SUM)
             n = torch.distributed.get_world_size(self.group)
-            for g in ts:
+            for g in red:
                 g.div_(n)
+            self._cast_back()
             return
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
@@ -118,7 +159,7 @@ class GradAllReduce:
         for g in ts:
             g.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
-            self._all_reduce(ts, op.AVG)
+            self._all_reduce(self._cast(ts), op.AVG)
 
     def _reduce_once(self, p: torch.nn.Parameter) -> None:
         g = p.grad
@@ -148,6 +189,7 @@ class GradAllReduce:
             with torch.cuda.stream(self.stream):
                 for w in self.works:
                     w.wait()  # (the side stream waits for the collective's own stream)
+                self._cast_back()
             main.wait_stream(self.stream)
         if loss is not None:
             torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM, group=self.group)

@@ -100,11 +100,13 @@ class TrainConfig:
     """With ``fsdp``: free each block's gathered weights after its forward and gather them again for its backward
     (FSDP2's default, the least memory); False keeps them from the forward to the backward (one all-gather a block a
     step instead of two, the block's unsharded weights held through the step, as ZeRO-2 holds them)."""
-    fsdp_reduce_dtype: str = "float32"
-    """With ``fsdp``: the dtype FSDP2 reduce-scatters the gradients in (its ``MixedPrecisionPolicy.reduce_dtype``):
-    ``"float32"``, the gradients' own, or ``"bfloat16"``: half the bytes, each gradient rounded to BF16 before the
-    sum across ranks (and the sum kept in BF16 between the ring's hops), then cast back to FP32 for the optimizer.
-    With ``grad_accum`` > 1 FSDP2 also accumulates the micro-batches' gradients in BF16 (the run says so)."""
+    grad_reduce_dtype: str = "float32"
+    """Several processes: the dtype the gradients are averaged across ranks in: ``"float32"``, the gradients' own,
+    or ``"bfloat16"``: half the bytes of the step's largest collective, each gradient rounded to BF16 before the sum
+    (kept in BF16 between the collective's hops), the mean cast back to FP32 for the optimizer. FSDP2's
+    ``MixedPrecisionPolicy.reduce_dtype`` (with ``grad_accum`` > 1 FSDP2 also accumulates the micro-batches in BF16:
+    the run says so); under DDP, lowbit's captured all-reduce (BF16 buckets) or, eager, a torch DDP communication
+    hook (:func:`lowbit.train.grad_sync.bf16_average_hook`)."""
     cuda_graph: str = "auto"
     """Replay each step's forward+backward as one captured CUDA graph (no per-kernel host cost):
     ``"auto"`` where it is safe (on CUDA: one process, or DDP or FSDP2 with an NCCL that captures collectives, the
@@ -221,12 +223,9 @@ class TrainConfig:
                                  "the gathered FP8 weights); drop one of them")
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {self.deterministic!r}")
-        if self.fsdp_reduce_dtype not in FSDP_REDUCE_DTYPES:
-            raise ValueError(f"fsdp_reduce_dtype: expected one of {', '.join(FSDP_REDUCE_DTYPES)}, got "
-                             f"{self.fsdp_reduce_dtype!r}")
-        if self.fsdp_reduce_dtype != "float32" and not self.fsdp:
-            raise ValueError(f"fsdp_reduce_dtype: {self.fsdp_reduce_dtype!r} needs fsdp=True (it is FSDP2's reduce "
-                             "dtype); got fsdp=False")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype: expected one of {', '.join(GRAD_REDUCE_DTYPES)}, got "
+                             f"{self.grad_reduce_dtype!r}")
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise TypeError(f"fsdp_reshard_after_forward: expected a bool, got {self.fsdp_reshard_after_forward!r}")
         if not self.fsdp_reshard_after_forward and not self.fsdp:
@@ -516,13 +515,13 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
             n_hp = sum(v is not None for v in plan.values())
             _say(d, c, f"[lowbit] --fp8-all-gather: {len(plan) - n_hp} weights gather in FP8, {n_hp} in FP32")
         mp = {}
-        if c.fsdp_reduce_dtype != "float32":
+        if c.grad_reduce_dtype != "float32":
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            mp["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, c.fsdp_reduce_dtype))
-            _say(d, c, f"[lowbit] --fsdp-reduce-dtype: gradients reduce-scattered in {c.fsdp_reduce_dtype}"
-                       + (f", and FSDP2 accumulates the {c.grad_accum} micro-batches' gradients in it too"
-                          if c.grad_accum > 1 else ""))
+            mp["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, c.grad_reduce_dtype))
+            if c.grad_accum > 1:
+                _say(d, c, f"[lowbit] --grad-reduce-dtype {c.grad_reduce_dtype}: FSDP2 accumulates the "
+                           f"{c.grad_accum} micro-batches' gradients in it too")
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh, reshard_after_forward=c.fsdp_reshard_after_forward, **mp)
         fully_shard(model, mesh=mesh, **mp)
@@ -538,7 +537,12 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if c.grad_reduce_dtype == "bfloat16":
+        from .grad_sync import bf16_average_hook
+
+        ddp.register_comm_hook(d.group, bf16_average_hook)
+    return ddp
 
 
 def _optimizer(model, c: TrainConfig):
@@ -563,8 +567,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 FP8_ALL_GATHER_RECIPES = ("fp8-block", "fp8-current", "fp8-delayed")
 """The recipes whose weight copies FSDP2 can all-gather in FP8 (``TrainConfig.fp8_all_gather``)."""
-FSDP_REDUCE_DTYPES = ("float32", "bfloat16")
-"""The dtypes FSDP2 can reduce-scatter the gradients in (``TrainConfig.fsdp_reduce_dtype``)."""
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+"""The dtypes the gradients can be averaged across ranks in (``TrainConfig.grad_reduce_dtype``)."""
 
 GRAPH_RECIPES = tuple(n for n in RECIPES if _recipes.NAMES[n] is None or not _recipes.from_name(n).delayed)
 """The recipes a step can be captured under: delayed scaling keeps per-step host state."""
@@ -910,6 +914,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     fsdp = c.fsdp and d.active  # (FSDP2 shards only across several processes)
     if c.fsdp and not d.active:
         _say(d, c, "[lowbit] --fsdp: a single process has nothing to shard; running unsharded")
+    if c.grad_reduce_dtype != "float32" and not d.active:
+        _say(d, c, "[lowbit] --grad-reduce-dtype: a single process averages no gradients across ranks")
     set_attention(c.attention, c.attn_qk, c.attn_pv)
     if c.ckpt_every or c.save_final:  # fail now, not after the run, when the checkpoint cannot be written
         check_writable_dir(c.out_dir, "out_dir")
@@ -1028,7 +1034,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     if use_graph and d.active and not fsdp:
         from .grad_sync import GradAllReduce
 
-        reducer = GradAllReduce(list(model.parameters()), d.group)
+        reducer = GradAllReduce(list(model.parameters()), d.group,
+                                reduce_dtype=None if c.grad_reduce_dtype == "float32" else getattr(torch,
+                                                                                                   c.grad_reduce_dtype))
 
     def run_micro(xs, ys, loss_sum):
         """The graph's body: every micro-batch's forward and backward from the static inputs (with several ranks,
@@ -1404,7 +1412,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "device": str(d.device) if d.device.type == "cpu" else torch.cuda.get_device_name(d.device),
         "world_size": d.world, "fsdp": fsdp,
         "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if fsdp else None,
-        "fsdp_reduce_dtype": c.fsdp_reduce_dtype if fsdp else None,
+        "grad_reduce_dtype": c.grad_reduce_dtype if d.active else None,
         "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
