@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .budget import check_activation_budget
-from .loop import COMPILE_MODES, PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
+from .loop import COMPILE_MODES, GRAD_REDUCE_DTYPES, PRESET_DEFAULTS, RECIPES, TrainConfig, TrainInterrupted, train
 from .report import PLOT_NOTE, format_table, table_rows, try_plot_losses, write_json
 
 __all__ = ["add_train_args", "run_train", "config_from_args", "main", "os_error_line", "exit_status", "resume_command",
@@ -134,7 +134,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="with --fsdp: keep each block's gathered weights from its forward to its backward (one "
                         "all-gather a block a step instead of two; the unsharded weights held through the step)")
-    g.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+    g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="float32",
                    help="several processes (FSDP2 or DDP): the dtype the gradients are averaged across ranks in "
                         "(bfloat16: half the bytes, each gradient rounded to BF16 before the sum; default float32)")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",

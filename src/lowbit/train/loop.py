@@ -1034,9 +1034,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     if use_graph and d.active and not fsdp:
         from .grad_sync import GradAllReduce
 
-        reducer = GradAllReduce(list(model.parameters()), d.group,
-                                reduce_dtype=None if c.grad_reduce_dtype == "float32" else getattr(torch,
-                                                                                                   c.grad_reduce_dtype))
+        reducer = GradAllReduce(list(model.parameters()), d.group, reduce_dtype=getattr(torch, c.grad_reduce_dtype))
 
     def run_micro(xs, ys, loss_sum):
         """The graph's body: every micro-batch's forward and backward from the static inputs (with several ranks,

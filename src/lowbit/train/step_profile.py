@@ -148,10 +148,11 @@ def split_step(events: list[dict], marker: dict, device_type: str) -> dict:
             kinds.setdefault(kind, []).append((s, t))
     compute_sum = _length(compute)
     compute, comm = merge(compute), merge(comm)
+    compute_union = _length(compute)
     busy = _length(merge(compute + comm))
     exposed = uncovered(comm, compute)
-    return {"wall_ms": (hi - lo) / 1e3, "compute_ms": _length(compute) / 1e3, "comm_ms": _length(comm) / 1e3,
-            "concurrent_ms": (compute_sum - _length(compute)) / 1e3 if device_type == "cuda" else None,
+    return {"wall_ms": (hi - lo) / 1e3, "compute_ms": compute_union / 1e3, "comm_ms": _length(comm) / 1e3,
+            "concurrent_ms": (compute_sum - compute_union) / 1e3 if device_type == "cuda" else None,
             "exposed_comm_ms": exposed / 1e3, "host_ms": max(0.0, hi - lo - busy) / 1e3,
             "comm_kinds_ms": {k: _length(merge(v)) / 1e3 for k, v in sorted(kinds.items())},
             "kernels_ms": _top(kernels), "idle": idle_gaps(spans, lo, hi) if device_type == "cuda" else {}}
