@@ -83,6 +83,39 @@ def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recip
     assert runs["fp8ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_fsdp_bf16_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, keep):
+    """``--bf16-all-gather`` (recipe bf16, BF16 autocast on the CPU) moves the linear weights' BF16 casts instead of
+    their FP32 shards and changes no bit of the run: the training and validation losses equal the plain FSDP2
+    run's exactly, with each block's weights gathered again for its backward or kept from its forward."""
+    common = ["--recipe", "bf16", "--dtype", "bf16", "--steps", "3", "--seq-len", "64", "--data", small_text,
+              "--cache-dir", cache_dir, "--eval-every", "3", "--eval-windows", "4", "--no-progress", "--device", "cpu",
+              "--batch-size", "4", "--fsdp", *(["--fsdp-keep-gathered"] if keep else [])]
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    runs = {}
+    for name, extra in (("fsdp", []), ("bf16ag", ["--bf16-all-gather"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lowbit.train.cli", *common, *extra, "--out-dir", str(tmp_path / name)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name]["stdout"] = r.stdout
+    assert runs["bf16ag"]["bf16_all_gather"] and not runs["fsdp"]["bf16_all_gather"]
+    m = re.search(r"--bf16-all-gather: (\d+) weights gather in BF16, (\d+) in FP32", runs["bf16ag"]["stdout"])
+    assert m and int(m.group(1)) > 0, runs["bf16ag"]["stdout"][-2000:]
+    assert runs["bf16ag"]["history"]["train"] == runs["fsdp"]["history"]["train"]
+    assert runs["bf16ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
+
+
+def test_bf16_all_gather_needs_bf16_compute(tmp_path, small_text, cache_dir):
+    """dtype 'auto' computes in FP32 on the CPU, where the gathered weights (their BF16 casts only) cannot serve:
+    refused before anything is built."""
+    with pytest.raises(ValueError, match="bf16_all_gather: True needs the BF16 compute dtype; dtype='auto'"):
+        train(TrainConfig(recipe="bf16", fsdp=True, bf16_all_gather=True, steps=1, seq_len=32, batch_size=2,
+                          data=small_text, cache_dir=cache_dir, progress=False, device="cpu",
+                          out_dir=str(tmp_path / "one")))
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_grad_reduce_dtype_bfloat16(tmp_path, small_text, cache_dir, mode):
     """``--grad-reduce-dtype bfloat16``: the gradients are averaged across the ranks in BF16 (FSDP2's reduce dtype;
@@ -123,6 +156,11 @@ def test_grad_reduce_dtype_one_process_says_so(tmp_path, small_text, cache_dir):
     (dict(fp8_all_gather=True, fsdp=True, recipe="mxfp8"), "recipe 'mxfp8'"),
     (dict(fp8_all_gather=True, fsdp=True, compile=True), "compile=True"),
     (dict(fp8_all_gather=1, fsdp=True), "expected a bool"),
+    (dict(bf16_all_gather=True, recipe="bf16"), "bf16_all_gather: True needs fsdp=True"),
+    (dict(bf16_all_gather=True, fsdp=True), "bf16_all_gather: True takes recipe 'bf16'"),
+    (dict(bf16_all_gather=True, fsdp=True, recipe="bf16", dtype="fp32"), "needs the BF16 compute dtype"),
+    (dict(bf16_all_gather=True, fsdp=True, recipe="bf16", compile=True), "bf16_all_gather: True with compile=True"),
+    (dict(bf16_all_gather="yes", fsdp=True, recipe="bf16"), "bf16_all_gather: expected a bool"),
     (dict(fsdp_reshard_after_forward=False), "fsdp_reshard_after_forward: False needs fsdp=True"),
     (dict(fsdp_reshard_after_forward=0, fsdp=True), "fsdp_reshard_after_forward: expected a bool, got 0"),
     (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype: expected one of float32, bfloat16, got 'bf16'"),

@@ -314,6 +314,37 @@ def test_data_parallel_under_cuda_graphs_matches_eager(tmp_path, small_text, cac
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keep", [True, False])
+def test_fsdp_bf16_all_gather_matches_fsdp_under_cuda_graphs(tmp_path, small_text, cache_dir, keep):
+    """--bf16-all-gather on 2 GPUs, the step captured with FSDP2's collectives: the BF16 gathers change no bit of the
+    run (the training losses, a skipped fault step and the validation loss equal plain FSDP2's), with each block's
+    weights kept from its forward (--fsdp-keep-gathered) or gathered again for its backward."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from testenv import child_env
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    runs = {}
+    for name, extra in (("fsdp", []), ("bf16ag", ["--bf16-all-gather"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "lowbit.train.cli", "--recipe", "bf16", "--steps", "6", "--batch-size", "4", "--seq-len", "128",
+               "--data", small_text, "--cache-dir", cache_dir, "--eval-windows", "8", "--no-progress", "--no-save",
+               "--device", "cuda", "--cuda-graph", "on", "--fault-steps", "4", "--fsdp", "--out-dir",
+               str(tmp_path / name), *(["--fsdp-keep-gathered"] if keep else []), *extra]
+        r = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    assert runs["bf16ag"]["bf16_all_gather"] and runs["bf16ag"]["cuda_graph"] and runs["fsdp"]["cuda_graph"]
+    assert runs["bf16ag"]["history"]["train"] == runs["fsdp"]["history"]["train"]
+    assert [s for s, _ in runs["fsdp"]["history"]["train"]] == [1, 2, 3, 4, 6]
+    assert runs["bf16ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-block"])
 def test_deterministic_runs_repeat_to_the_last_bit(tmp_path, small_text, cache_dir, recipe):
     """--deterministic on one GPU, CUDA-graphed: two runs give the same losses to the last bit."""

@@ -5,6 +5,7 @@ For each recipe it runs ``lowbit train`` (fresh processes; ``torch.distributed.r
 (CUDA-graphed, eager, and compiled where a compile mode is asked for: the references), then on each GPU count of
 ``--gpus`` in each mode of ``--modes`` (``fsdp``, ``fsdp-fp8ag``: FSDP2 with the FP8 weight all-gather, ``ddp``, and
 ``fsdp-keep``: FSDP2 keeping each block's gathered weights from its forward to its backward, ``fsdp-fp8ag-keep``: both,
+``fsdp-bf16ag`` / ``fsdp-bf16ag-keep``: the same with BF16's weight all-gather (recipe bf16 only),
 ``fsdp-compile`` / ``ddp-compile``: each block ``torch.compile``'d; ``fsdp``, ``fsdp-fp8ag``, ``fsdp-keep``,
 ``fsdp-fp8ag-keep`` and ``ddp`` run inside ``lowbit train``'s CUDA graphs on CUDA, their collectives captured with
 the step, ``fsdp-eager`` and ``ddp-eager`` without), every run with the same per-GPU batch; and, for the loss
@@ -16,7 +17,8 @@ keeps what finished, ``"complete": false`` in the JSON until the end) and a plot
 Columns: **tokens/s** of the timed steps (all but the first, and those under the step profiler) and **per GPU**;
 **x graphed** = tokens/s over one CUDA-graphed GPU's (the baseline of the scaling targets: 1.85 on 2 GPUs, 3.6 on 4),
 **x eager** (and **x compile** for compile modes) the same over one eager (compiled) GPU's; the **eff.** columns are
-those ratios over the GPU count; **fp8/bf16**: tokens/s over BF16's in the same mode on as many GPUs; **loss diff**:
+those ratios over the GPU count; **fp8/bf16**: tokens/s over the fastest BF16 run in the same mode on as many GPUs
+(for ``fsdp-fp8ag*``: BF16's ``fsdp-bf16ag*`` and ``fsdp*`` too); **loss diff**:
 the largest relative difference of a step's training loss from the one-process run with the same global batch
 (target 0.3%; every run warms its learning rate up over all its steps, ``--warmup``: the default schedule's loss
 spikes in the first steps of a short run turn last-bit differences between the runs into different trajectories);
@@ -60,6 +62,8 @@ MODES = {
     "fsdp-eager": ["--fsdp", "--cuda-graph", "off"],
     "fsdp-keep": ["--fsdp", "--fsdp-keep-gathered"],
     "fsdp-fp8ag-keep": ["--fsdp", "--fp8-all-gather", "--fsdp-keep-gathered"],
+    "fsdp-bf16ag": ["--fsdp", "--bf16-all-gather"],
+    "fsdp-bf16ag-keep": ["--fsdp", "--bf16-all-gather", "--fsdp-keep-gathered"],
     "ddp": [],
     "ddp-eager": ["--cuda-graph", "off"],
     "ddp-compile": ["--compile"],
@@ -206,6 +210,8 @@ def plan(cfg: dict) -> list[dict]:
                 skip = None
                 if m.startswith("fsdp-fp8ag") and r not in FP8_ALL_GATHER_RECIPES:
                     skip = f"--fp8-all-gather takes {' or '.join(FP8_ALL_GATHER_RECIPES)}"
+                if m.startswith("fsdp-bf16ag") and r != "bf16":
+                    skip = "--bf16-all-gather takes bf16"
                 runs.append(dict(recipe=r, kind="mode", mode=m, gpus=n, flags=MODES[m], dir=f"{r}/{m}-{n}gpu",
                                  skip=skip))
             if cfg["loss_check"]:  # one process, the global batch of n GPUs as n micro-batches
@@ -401,14 +407,21 @@ def rows(cfg: dict, runs: list[dict], results: dict) -> list[dict]:
         sp = (s.get("step_profile") or {}).get("mean")
         if sp:
             row["step_profile"] = sp
-    for row in out:  # fp8/bf16 in the same mode on as many GPUs
+    for row in out:  # fp8/bf16: over the fastest BF16 run of the same mode on as many GPUs
         if row["recipe"] == "bf16" or not row.get("tokens_per_s"):
             continue
-        base = next((b for b in out if b["recipe"] == "bf16" and b["mode"] == row["mode"] and b["gpus"] == row["gpus"]
-                     and b.get("tokens_per_s")), None)
+        peers = peer_modes(row["mode"])
+        base = max((b["tokens_per_s"] for b in out if b["recipe"] == "bf16" and b["mode"] in peers
+                    and b["gpus"] == row["gpus"] and b.get("tokens_per_s")), default=None)
         if base is not None:
-            row["x_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["x_bf16"] = row["tokens_per_s"] / base
     return out
+
+
+def peer_modes(mode: str) -> set[str]:
+    """The modes whose BF16 runs are the peers of ``mode``'s quantized runs: the mode itself and, for a low-precision
+    all-gather, BF16's own (``fsdp-fp8ag-keep``: ``fsdp-bf16ag-keep``) and FSDP2's plain gather (``fsdp-keep``)."""
+    return {mode, mode.replace("-fp8ag", "-bf16ag"), mode.replace("-fp8ag", "")}
 
 
 def _f(v, fmt: str, none: str = "-") -> str:

@@ -9,13 +9,14 @@
   :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`, their RMSNorm moved in and a
   :class:`DeferredRMSNorm` in its place).
 * :func:`fp8_all_gather` — FSDP2 gathers the FP8 copies of lowbit weights instead of their high-precision shards.
+* :func:`bf16_all_gather` — FSDP2 gathers lowbit weights in BF16 for a BF16-autocast forward (no recipe).
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
 """
 
 from .attention import MultiheadAttention
 from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
-from .fsdp import fp8_all_gather
+from .fsdp import bf16_all_gather, fp8_all_gather
 from .functional import quantized_linear
 from .hf_modules import Conv1DLinear, DeferredRMSNorm, SwiGLUMLP
 from .layernorm_linear import LayerNormLinear
@@ -54,6 +55,7 @@ __all__ = [
     "ConvertSummary",
     "quantized_linear",
     "fp8_all_gather",
+    "bf16_all_gather",
     "NonFiniteAmaxError",
     "NonFiniteEvent",
     "nonfinite_events",

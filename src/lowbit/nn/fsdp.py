@@ -32,6 +32,12 @@ modules. Gradients reduce-scatter in high precision, as FSDP2 does. The gathered
 values: only a lowbit layer under ``lowbit.autocast`` with the same recipe can use it (anything else raises).
 Under torch.compile a layer holding such a weight runs eager (the subclass holds no values for Dynamo to trace):
 the graph breaks at the layer's call, once per layer, and lowbit's log says why (:func:`lowbit.runtime.log.declined`).
+
+BF16 training (no lowbit recipe, the forward under ``torch.autocast(dtype=torch.bfloat16)``): :func:`bf16_all_gather`
+makes the lowbit layers' FP32 weights :class:`BF16AllGatherWeight`, whose gather moves each shard's BF16 cast; the
+gathered :class:`GatheredBF16Weight` (FP32 dtype, BF16 values) gives autocast's cast those values, bit-identical to
+casting the whole weight, and its gradient reaches FSDP2 in FP32. FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``
+would cast the FP32 norm weights the fused norms read as well.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from . import state as _ac
 from .base import LowbitModule
 
 __all__ = ["fp8_all_gather", "fp8_gather_plan", "all_gather_bytes", "Float8AllGatherWeight", "GatheredFloat8Weight",
-           "AmaxBatches"]
+           "AmaxBatches", "bf16_all_gather", "BF16AllGatherWeight", "GatheredBF16Weight"]
 
 _aten = torch.ops.aten
 _PATH = "fp8_all_gather"
@@ -479,3 +485,150 @@ def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:
     if isinstance(scheme, Float8Tensorwise):
         return world * rows * k
     return world * (rows * k + math.prod(scale_storage_shape(scheme, rows, k)) * 4 + 4)  # (the tile grid as stored)
+
+
+# -- BF16 weight all-gather (torch.autocast BF16, no lowbit recipe) -------------------------------------------------
+
+
+class BF16AllGatherWeight(torch.Tensor):
+    """A lowbit layer's FP32 weight (or FSDP2's shard of it) whose FSDP2 all-gather moves its BF16 cast
+    (:func:`bf16_all_gather`). Every op other than FSDP2's all-gather runs on the FP32 tensor (``lowbit_hp``) as on a
+    plain tensor (the optimizer updates it); views, copies and chunks stay this type."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
+                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
+                                                   layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
+
+    def __init__(self, hp: torch.Tensor):
+        self.lowbit_hp = hp
+
+    def data_ptr(self) -> int:
+        return self.lowbit_hp.data_ptr()
+
+    def __repr__(self):
+        return f"BF16AllGatherWeight({self.lowbit_hp!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func is _aten.detach.default:
+            return cls(args[0].lowbit_hp.detach())
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.lowbit_hp, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, cls, out) if func in _KEEP else out
+
+    def __tensor_flatten__(self):
+        return ["lowbit_hp"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return BF16AllGatherWeight(inner["lowbit_hp"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's all-gather input: its shard cast to BF16 (padded to FSDP2's shard rows), the cast
+        ``torch.autocast`` makes of the whole weight, element by element."""
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard rows
+        return (_pad_rows(self.lowbit_hp.to(torch.bfloat16), rows),), (outer_size[0],)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The whole weight: a :class:`GatheredBF16Weight` of the weight's dtype over the gathered BF16 values (a plain
+        BF16 tensor where FSDP2's ``param_dtype`` is BF16)."""
+        if out is not None:  # (FSDP2 gathers into the same buffer every time: the view already holds it)
+            return None
+        n = metadata[0]
+        t = all_gather_outputs[0]
+        t = t if t.shape[0] == n else t[:n]
+        if param_dtype == torch.bfloat16:
+            return t, ()
+        # (the values are views of FSDP2's all-gather buffers, which FSDP2 frees and refills itself)
+        return GatheredBF16Weight(t, param_dtype or self.dtype), ()
+
+
+class GatheredBF16Weight(torch.Tensor):
+    """The unsharded weight FSDP2 all-gathered in BF16 (:func:`bf16_all_gather`): a tensor of the weight's shape and
+    dtype (FP32) that holds only its BF16 cast (``lowbit_bf16``). ``torch.autocast``'s cast to BF16 takes those values
+    (the cast of the FP32 weight, bit for bit), and its backward returns the gradient in the weight's dtype, so FSDP2
+    reduces FP32 gradients as without the gather. Any other use of the values raises: they are not the FP32 ones."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, bf16: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, bf16.shape, dtype=dtype, device=bf16.device,
+                                                   requires_grad=False)
+
+    def __init__(self, bf16: torch.Tensor, dtype: torch.dtype):
+        self.lowbit_bf16 = bf16
+
+    def __repr__(self):
+        return f"GatheredBF16Weight({self.lowbit_bf16!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0]
+        if func in (_aten.detach.default, _aten.alias.default):
+            return cls(me.lowbit_bf16, me.dtype)
+        if func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(me.shape):
+            return cls(me.lowbit_bf16, me.dtype)
+        if func is _aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 and set(kwargs) <= {
+                "dtype", "device", "layout"} and kwargs.get("device", me.device) == me.device:
+            return me.lowbit_bf16.detach()  # (a new alias: autograd gives each cast its own node)
+        if func in (_aten.empty_like.default, _aten.zeros_like.default, _aten.new_zeros.default,
+                    _aten.new_empty.default):  # shape-only ops (FSDP2's zero gradients)
+            stand_in = torch.empty(me.shape, dtype=me.dtype, device=me.device)
+            return func(stand_in, *args[1:], **kwargs)
+        raise NotImplementedError(
+            f"{func}: this weight was all-gathered by FSDP2 in BF16 (lowbit.nn.bf16_all_gather) and holds no "
+            f"{me.dtype} values; only its cast to BF16 (torch.autocast(dtype=torch.bfloat16) around the forward) can "
+            "use it")
+
+
+def bf16_all_gather(model: torch.nn.Module) -> dict[str, str | None]:
+    """Make FSDP2 all-gather the lowbit layers' FP32 weights as BF16, for a forward under
+    ``torch.autocast(dtype=torch.bfloat16)`` without a lowbit recipe (the ``bf16`` training recipe): half the bytes
+    of the FP32 gather, and each rank casts only its shard. Bit-identical: autocast's cast to BF16 takes the gathered
+    values, which are the cast of the whole weight, element by element; the weight gradients reach FSDP2 in FP32 as
+    before (autocast's cast backward), so the reduce-scatter and the optimizer's FP32 update are unchanged. Norm
+    weights, biases, embeddings and tied weights gather as before (the fused norms read FP32 weights). Call it before
+    ``fully_shard`` and before building the optimizer: each weight becomes a new ``nn.Parameter`` holding a
+    :class:`BF16AllGatherWeight` (same values, same storage). A layer used outside BF16 autocast, or under
+    ``lowbit.autocast``, raises (the gathered weight holds no FP32 values).
+
+    Returns:
+        ``{weight name: None (gathered in BF16) or why it gathers as before}``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    plan: dict[str, str | None] = {}
+    for mname, m in model.named_modules():
+        if not isinstance(m, LowbitModule):
+            continue
+        for suffix in getattr(m, "_gemms", {}):
+            attr = f"{suffix}_weight" if suffix else "weight"
+            p = getattr(m, attr, None)
+            if not isinstance(p, torch.nn.Parameter):
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            if is_dtensor(p):
+                raise ValueError(f"model: {name} is sharded already; call bf16_all_gather before fully_shard")
+            if isinstance(p, Float8AllGatherWeight):
+                raise ValueError(f"model: {name} gathers FP8 copies already (fp8_all_gather); a weight takes one of "
+                                 "the two")
+            why = None
+            if isinstance(p, BF16AllGatherWeight):
+                pass
+            elif uses.get(id(p), 0) > 1:
+                why = f"{name} is shared by several modules (tied weights)"
+            elif p.dtype != torch.float32:
+                why = f"{name} is {p.dtype} (the BF16 gather takes FP32 weights)"
+            else:
+                setattr(m, attr, torch.nn.Parameter(BF16AllGatherWeight(p.detach()), requires_grad=p.requires_grad))
+            plan[name] = why
+    return plan

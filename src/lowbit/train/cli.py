@@ -131,6 +131,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fsdp: all-gather the FP8 weight copies (fp8-block: 128x128 tiles, fp8-current and "
                         "fp8-delayed: per-tensor) instead of FP32 shards, bit-identical to quantizing the whole weight")
+    g.add_argument("--bf16-all-gather", action="store_true",
+                   help="with --fsdp and --recipe bf16: all-gather the linear weights in BF16 instead of FP32 (half "
+                        "the bytes), bit-identical to autocast's cast of the whole weight")
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="with --fsdp: keep each block's gathered weights from its forward to its backward (one "
                         "all-gather a block a step instead of two; the unsharded weights held through the step)")
@@ -189,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_windows=args.eval_windows, ckpt_every=args.ckpt_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save,
         overwrite=args.overwrite, on_nonfinite=args.on_nonfinite, compare=args.compare, device=args.device,
-        dtype=args.dtype, fsdp=args.fsdp, fp8_all_gather=args.fp8_all_gather,
+        dtype=args.dtype, fsdp=args.fsdp, fp8_all_gather=args.fp8_all_gather, bf16_all_gather=args.bf16_all_gather,
         fsdp_reshard_after_forward=not args.fsdp_keep_gathered, grad_reduce_dtype=args.grad_reduce_dtype,
         cuda_graph=args.cuda_graph,
         compile=args.compile, compile_mode=args.compile_mode,

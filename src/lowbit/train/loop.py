@@ -96,6 +96,11 @@ class TrainConfig:
     for fp8-block) instead of their FP32 shards, bit-identical to quantizing the whole weight
     (:func:`lowbit.nn.fp8_all_gather`; a weight whose shards are not whole 128-row tiles, or a tied one, gathers in
     FP32). Recipes fp8-block and fp8-current only; not with ``compile``."""
+    bf16_all_gather: bool = False
+    """With ``fsdp`` and recipe ``bf16`` computing in BF16: FSDP2 all-gathers the lowbit layers' weights as BF16
+    instead of FP32 (half the bytes; each rank casts its shard), bit-identical to autocast's cast of the whole weight
+    (:func:`lowbit.nn.bf16_all_gather`; norm weights, biases, embeddings and tied weights gather in FP32). Not with
+    ``compile``."""
     fsdp_reshard_after_forward: bool = True
     """With ``fsdp``: free each block's gathered weights after its forward and gather them again for its backward
     (FSDP2's default, the least memory); False keeps them from the forward to the backward (one all-gather a block a
@@ -221,6 +226,21 @@ class TrainConfig:
             if self.compile:
                 raise ValueError("fp8_all_gather: True with compile=True is not supported (torch.compile cannot trace "
                                  "the gathered FP8 weights); drop one of them")
+        if not isinstance(self.bf16_all_gather, bool):
+            raise TypeError(f"bf16_all_gather: expected a bool, got {self.bf16_all_gather!r}")
+        if self.bf16_all_gather:
+            if not self.fsdp:
+                raise ValueError("bf16_all_gather: True needs fsdp=True (it changes what FSDP2's all-gather moves); "
+                                 "got fsdp=False")
+            if self.recipe != "bf16":
+                raise ValueError(f"bf16_all_gather: True takes recipe 'bf16' (a quantized recipe quantizes the FP32 "
+                                 f"weight, or gathers its FP8 copies: fp8_all_gather), got recipe {self.recipe!r}")
+            if self.dtype == "fp32":
+                raise ValueError("bf16_all_gather: True needs the BF16 compute dtype (the gathered weights hold only "
+                                 "their BF16 cast), got dtype='fp32'")
+            if self.compile:
+                raise ValueError("bf16_all_gather: True with compile=True is not supported (torch.compile cannot trace "
+                                 "the gathered BF16 weights); drop one of them")
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {self.deterministic!r}")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
@@ -514,6 +534,12 @@ def _wrap(model, c: TrainConfig, d: Dist, use_graph: bool = False):
             plan = lnn.fp8_all_gather(model, _recipes.from_name(c.recipe), mesh)
             n_hp = sum(v is not None for v in plan.values())
             _say(d, c, f"[lowbit] --fp8-all-gather: {len(plan) - n_hp} weights gather in FP8, {n_hp} in FP32")
+        if c.bf16_all_gather:  # (before fully_shard, as above)
+            import lowbit.nn as lnn
+
+            plan = lnn.bf16_all_gather(model)
+            n_hp = sum(v is not None for v in plan.values())
+            _say(d, c, f"[lowbit] --bf16-all-gather: {len(plan) - n_hp} weights gather in BF16, {n_hp} in FP32")
         mp = {}
         if c.grad_reduce_dtype != "float32":
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -916,6 +942,9 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         _say(d, c, "[lowbit] --fsdp: a single process has nothing to shard; running unsharded")
     if c.grad_reduce_dtype != "float32" and not d.active:
         _say(d, c, "[lowbit] --grad-reduce-dtype: a single process averages no gradients across ranks")
+    if c.bf16_all_gather and not computes_in_bf16(c.dtype, d.device):
+        raise ValueError(f"bf16_all_gather: True needs the BF16 compute dtype; dtype={c.dtype!r} computes in FP32 on "
+                         f"{d.device.type} (pass dtype='bf16')")
     set_attention(c.attention, c.attn_qk, c.attn_pv)
     if c.ckpt_every or c.save_final:  # fail now, not after the run, when the checkpoint cannot be written
         check_writable_dir(c.out_dir, "out_dir")
@@ -1411,7 +1440,8 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "world_size": d.world, "fsdp": fsdp,
         "fsdp_reshard_after_forward": c.fsdp_reshard_after_forward if fsdp else None,
         "grad_reduce_dtype": c.grad_reduce_dtype if d.active else None,
-        "fp8_all_gather": bool(c.fp8_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
+        "fp8_all_gather": bool(c.fp8_all_gather and fsdp),
+        "bf16_all_gather": bool(c.bf16_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
         "compile_mode": c.compile_mode,
         "attention": attention_backend(),
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
