@@ -107,6 +107,33 @@ def test_fsdp_bf16_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, keep
     assert runs["bf16ag"]["final_val_loss"] == runs["fsdp"]["final_val_loss"]
 
 
+def test_fsdp_bf16_all_gather_checkpoint_resumes(tmp_path, small_text, cache_dir):
+    """A --bf16-all-gather run stopped at step 2 (its checkpoint gathered from the BF16AllGatherWeight shards) and
+    resumed under FSDP2 again ends with the uninterrupted run's losses bit for bit; resumed in one process (batch 8:
+    the two ranks' batch in one mean), within the module's tolerance."""
+    common = ["--recipe", "bf16", "--dtype", "bf16", "--steps", "4", "--seq-len", "64", "--data", small_text,
+              "--cache-dir", cache_dir, "--eval-every", "4", "--eval-windows", "4", "--no-progress", "--device", "cpu",
+              "--warmup", "0", "--ckpt-every", "2"]
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "lowbit.train.cli", *common, "--batch-size", "4", "--fsdp", "--bf16-all-gather"]
+    for extra in (["--out-dir", str(tmp_path / "full")], ["--out-dir", str(tmp_path / "part"), "--stop-at-step", "2"],
+                  ["--out-dir", str(tmp_path / "part"), "--resume", "auto"]):
+        r = subprocess.run([*two, *extra], env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    part = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert part["history"]["train"] == full["history"]["train"] and part["final_val_loss"] == full["final_val_loss"]
+    one = train(TrainConfig(recipe="bf16", dtype="bf16", steps=4, seq_len=64, batch_size=8, data=small_text,
+                            cache_dir=cache_dir, eval_every=4, eval_windows=4, progress=False, device="cpu", warmup=0,
+                            out_dir=str(tmp_path / "one"), resume=str(tmp_path / "part" / "checkpoint-step2.pt")))
+    assert one["history"]["train"][:2] == full["history"]["train"][:2]  # (the checkpoint's)
+    assert [s for s, _ in one["history"]["train"]] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(one["history"]["train"][2:], full["history"]["train"][2:]):
+        assert abs(a - b) < TOL, (one["history"]["train"], full["history"]["train"])
+    assert abs(one["final_val_loss"] - full["final_val_loss"]) < TOL, (one["final_val_loss"], full["final_val_loss"])
+
+
 def test_bf16_all_gather_needs_bf16_compute(tmp_path, small_text, cache_dir):
     """dtype 'auto' computes in FP32 on the CPU, where the gathered weights (their BF16 casts only) cannot serve:
     refused before anything is built."""
