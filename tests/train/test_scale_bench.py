@@ -113,6 +113,27 @@ def test_table_arithmetic():
     assert "grew" not in md  # (no run profiled its kernels)
 
 
+def test_fp8_over_the_fastest_bf16_peer():
+    """fp8/bf16 of a low-precision-gather mode divides by the fastest BF16 run among that mode's peers (BF16's own
+    gather, FSDP2's plain one) on as many GPUs; other modes by BF16 in the same mode only."""
+    cfg = dict(device="cuda", gpus=[1, 2], recipes=["bf16", "fp8-block"],
+               modes=["fsdp-keep", "fsdp-bf16ag-keep", "fsdp-fp8ag-keep", "ddp"], refs=["graph"], loss_check=False,
+               step_profile=0, model="350m", steps=20, batch_size=4, seq_len=2048)
+    runs = scale.plan(cfg)
+    skipped = {r["dir"] for r in runs if r.get("skip")}
+    assert skipped == {"bf16/fsdp-fp8ag-keep-2gpu", "fp8-block/fsdp-bf16ag-keep-2gpu"}
+    res = {"bf16/1gpu-graph": _summary(100.0, [2.0, 1.0]), "bf16/fsdp-keep-2gpu": _summary(180.0, [2, 1], 2),
+           "bf16/fsdp-bf16ag-keep-2gpu": _summary(186.0, [2, 1], 2), "bf16/ddp-2gpu": _summary(185.0, [2, 1], 2),
+           "fp8-block/1gpu-graph": _summary(117.0, [2.0, 1.0]),
+           "fp8-block/fsdp-fp8ag-keep-2gpu": _summary(217.0, [2, 1], 2),
+           "fp8-block/fsdp-keep-2gpu": _summary(210.0, [2, 1], 2), "fp8-block/ddp-2gpu": _summary(222.0, [2, 1], 2)}
+    row = {(r["recipe"], r["mode"], r["gpus"]): r for r in scale.rows(cfg, runs, res)}
+    assert row[("fp8-block", "fsdp-fp8ag-keep", 2)]["x_bf16"] == pytest.approx(217 / 186)
+    assert row[("fp8-block", "fsdp-keep", 2)]["x_bf16"] == pytest.approx(210 / 180)
+    assert row[("fp8-block", "ddp", 2)]["x_bf16"] == pytest.approx(222 / 185)
+    assert scale.peer_modes("fsdp-fp8ag") == {"fsdp-fp8ag", "fsdp-bf16ag", "fsdp"}
+
+
 def test_kernel_growth_over_one_gpu():
     cfg = dict(device="cuda", gpus=[1, 2], recipes=["fp8-block"], modes=["fsdp", "ddp"], refs=["graph"],
                loss_check=False, step_profile=2, model="350m", steps=50, batch_size=4, seq_len=2048)
@@ -202,16 +223,20 @@ def test_compiled_modes_take_the_compiled_reference_and_valid_train_flags():
 
     from lowbit.train.cli import add_train_args, config_from_args
 
-    def config(flags):
-        c = config_from_args(add_train_args(argparse.ArgumentParser()).parse_args(["--recipe", "fp8-block", *flags]))
+    def config(flags, recipe="fp8-block"):
+        c = config_from_args(add_train_args(argparse.ArgumentParser()).parse_args(["--recipe", recipe, *flags]))
         c.validate()
         return c
 
     cfg = scale.resolve(scale.parse_args(["--device", "cpu", "--modes", "fsdp-compile", "--gpus", "2"]))
     assert cfg["refs"] == ["eager", "compile"]
     for mode, flags in scale.MODES.items():
-        c = config(flags)
+        c = config(flags, "bf16" if "bf16ag" in mode else "fp8-block")
         assert c.fsdp == ("--fsdp" in flags) and c.compile == ("--compile" in flags), mode
+    bf16ag = config(scale.MODES["fsdp-bf16ag-keep"], "bf16")
+    assert bf16ag.bf16_all_gather and not bf16ag.fsdp_reshard_after_forward
+    fp8_runs = scale.plan(dict(cfg, recipes=["fp8-block"], modes=["fsdp-bf16ag"], loss_check=False))
+    assert [r["skip"] for r in fp8_runs if r["kind"] == "mode"] == ["--bf16-all-gather takes bf16"]
     assert config(scale.MODES["fsdp-eager"]).cuda_graph == config(scale.MODES["ddp-eager"]).cuda_graph == "off"
     both = config(scale.MODES["fsdp-fp8ag-keep"])
     assert both.fp8_all_gather and not both.fsdp_reshard_after_forward
