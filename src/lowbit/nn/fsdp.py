@@ -248,6 +248,11 @@ class Float8AllGatherWeight(torch.Tensor):
     def __repr__(self):
         return f"Float8AllGatherWeight({self.lowbit_scheme}, {self.lowbit_hp!r})"
 
+    def __reduce_ex__(self, protocol):
+        # saved as the plain high-precision tensor (torch.save, torch.distributed.checkpoint): a wrapper has no
+        # storage of its own to write, and a loaded state dict needs only the values
+        return self.lowbit_hp.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is _aten.detach.default:
@@ -511,6 +516,9 @@ class BF16AllGatherWeight(torch.Tensor):
 
     def __repr__(self):
         return f"BF16AllGatherWeight({self.lowbit_hp!r})"
+
+    def __reduce_ex__(self, protocol):  # (saved as the plain FP32 tensor, as Float8AllGatherWeight is)
+        return self.lowbit_hp.__reduce_ex__(protocol)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
