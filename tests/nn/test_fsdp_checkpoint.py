@@ -1,9 +1,10 @@
 """Weights made FSDP2-gatherable by ``lowbit.nn.fp8_all_gather`` / ``bf16_all_gather`` save and load as plain tensors:
 ``torch.save`` of a state dict (one process) and ``torch.distributed.checkpoint`` of the sharded model (2 gloo
-processes) round-trip the values bit for bit into a fresh model of the same kind."""
+processes) round-trip the values bit for bit into a fresh model of the same kind; ``copy.deepcopy`` copies them."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -50,6 +51,21 @@ def test_state_dict_saves_as_plain_tensors(kind):
     b.load_state_dict(sd)
     assert all(torch.equal(x, y) for x, y in zip(_values(a), _values(b)))
     assert type(b[0].weight).__name__ in ("BF16AllGatherWeight", "Float8AllGatherWeight")  # (still gatherable)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_gives_independent_gatherable_parameters(kind):
+    a = _model(kind, 0)
+    b = copy.deepcopy(a)
+    assert [type(p) for p in b.parameters()] == [type(p) for p in a.parameters()]
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in b.parameters())
+    assert all(torch.equal(x, y) for x, y in zip(_values(a), _values(b)))
+    x = torch.randn(4, 256)
+    assert torch.equal(a(x), b(x))
+    with torch.no_grad():
+        b[0].weight.add_(1.0)  # (the copy's storage is its own)
+    assert not torch.equal(_values(a)[0], _values(b)[0])
+    assert b[0].weight.data_ptr() != a[0].weight.data_ptr()
 
 
 def _dcp_worker(rank, tmp, kind):

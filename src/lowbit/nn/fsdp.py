@@ -42,6 +42,7 @@ would cast the FP32 norm weights the fused norms read as well.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -184,6 +185,20 @@ class AmaxBatches:
         return amaxes[0]
 
 
+def _deepcopied(w: torch.Tensor, memo: dict, rewrap):
+    """``copy.deepcopy`` of a weight wrapper ``w`` (torch's own copies a storage the wrapper does not have): ``rewrap``
+    of a deep copy of its high-precision tensor, with ``w``'s ``requires_grad`` and, where ``w`` is a module's
+    parameter, the mark that makes it one."""
+    if id(w) in memo:
+        return memo[id(w)]
+    new = rewrap(copy.deepcopy(w.lowbit_hp, memo))
+    new.requires_grad_(w.requires_grad)
+    if getattr(w, "_is_param", False):
+        new._is_param = True
+    memo[id(w)] = new
+    return new
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t``'s high-precision tensor where it is a :class:`Float8AllGatherWeight`."""
     return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
@@ -252,6 +267,10 @@ class Float8AllGatherWeight(torch.Tensor):
         # saved as the plain high-precision tensor (torch.save, torch.distributed.checkpoint): a wrapper has no
         # storage of its own to write, and a loaded state dict needs only the values
         return self.lowbit_hp.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        # (a copied model is another tree: its weights reduce their amaxes one by one, and start without copies)
+        return _deepcopied(self, memo, lambda hp: type(self)(hp, self.lowbit_scheme, None, self.lowbit_delayed))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -519,6 +538,9 @@ class BF16AllGatherWeight(torch.Tensor):
 
     def __reduce_ex__(self, protocol):  # (saved as the plain FP32 tensor, as Float8AllGatherWeight is)
         return self.lowbit_hp.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return _deepcopied(self, memo, type(self))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
