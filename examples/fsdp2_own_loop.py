@@ -16,6 +16,7 @@ The model learns a fixed random teacher (a regression: the loss falls). The orde
 
 import argparse
 import contextlib
+import gc
 import os
 
 import torch
@@ -87,6 +88,10 @@ def main():
             dist.all_reduce(loss)  # (the sum over the ranks; gloo has no AVG)
             if rank == 0:
                 print(f"step {step + 1}: loss {loss.item() / world:.4f}", flush=True)
+    # free FSDP2's modules (they hold the process group through reference cycles) while the group is alive: left to
+    # the interpreter's exit, a gloo rank can abort after a good run ("terminate called without an active exception")
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
