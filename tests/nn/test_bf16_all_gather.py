@@ -6,6 +6,8 @@ unit gathers in FP32."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,41 +48,46 @@ def _run(model, n: int = 2):
     return outs, losses, grads
 
 
+def _worker_body(rank, tmp, gather_bf16):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    plan = lowbit.nn.bf16_all_gather(model) if gather_bf16 else {}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    kinds, sizes = {}, []
+
+    def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's all-gather)
+        kinds.setdefault(i, type(m.weight).__name__)
+
+    for i in (0, 2):
+        model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def counting(out, *a, _fn=None, **k):
+        sizes.append((out.dtype, out.numel() * out.element_size()))
+        return _fn(out, *a, **k)
+
+    for n in names:
+        setattr(dist, n, lambda out, *a, _fn=saved[n], **k: counting(out, *a, _fn=_fn, **k))
+    try:
+        outs, losses, grads = _run(model)
+    finally:
+        for n in names:
+            setattr(dist, n, saved[n])
+    torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, sizes=sizes),
+               f"{tmp}/rank{rank}.pt")
+
+
 def _worker(rank, tmp, gather_bf16):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = _model()
-        plan = lowbit.nn.bf16_all_gather(model) if gather_bf16 else {}
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        kinds, sizes = {}, []
-
-        def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's all-gather)
-            kinds.setdefault(i, type(m.weight).__name__)
-
-        for i in (0, 2):
-            model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
-        names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-        saved = {n: getattr(dist, n) for n in names}
-
-        def counting(out, *a, _fn=None, **k):
-            sizes.append((out.dtype, out.numel() * out.element_size()))
-            return _fn(out, *a, **k)
-
-        for n in names:
-            setattr(dist, n, lambda out, *a, _fn=saved[n], **k: counting(out, *a, _fn=_fn, **k))
-        try:
-            outs, losses, grads = _run(model)
-        finally:
-            for n in names:
-                setattr(dist, n, saved[n])
-        torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, sizes=sizes),
-                   f"{tmp}/rank{rank}.pt")
+        _worker_body(rank, tmp, gather_bf16)
+        gc.collect()  # (free the FSDP2 modules, which hold the group, while it is alive)
     finally:
         dist.destroy_process_group()
 

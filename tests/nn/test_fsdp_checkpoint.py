@@ -5,6 +5,7 @@ processes) round-trip the values bit for bit into a fresh model of the same kind
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import warnings
 
@@ -68,27 +69,32 @@ def test_deepcopy_gives_independent_gatherable_parameters(kind):
     assert b[0].weight.data_ptr() != a[0].weight.data_ptr()
 
 
+def _dcp_worker_body(rank, tmp, kind):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    models = []
+    for seed in (0, 1):
+        m = _model(kind, seed, mesh)
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        models.append(m)
+    a, b = models
+    dcp.save(a.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+    sd = b.state_dict()
+    dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
+    b.load_state_dict(sd)
+    torch.save(dict(a=_values(a), b=_values(b)), f"{tmp}/rank{rank}.pt")
+
+
 def _dcp_worker(rank, tmp, kind):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
     try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        models = []
-        for seed in (0, 1):
-            m = _model(kind, seed, mesh)
-            for layer in (m[0], m[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-            models.append(m)
-        a, b = models
-        dcp.save(a.state_dict(), checkpoint_id=f"{tmp}/ckpt")
-        sd = b.state_dict()
-        dcp.load(sd, checkpoint_id=f"{tmp}/ckpt")
-        b.load_state_dict(sd)
-        torch.save(dict(a=_values(a), b=_values(b)), f"{tmp}/rank{rank}.pt")
+        _dcp_worker_body(rank, tmp, kind)
+        gc.collect()  # (free the FSDP2 modules, which hold the group, while it is alive)
     finally:
         dist.destroy_process_group()
 
