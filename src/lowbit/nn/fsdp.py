@@ -185,23 +185,60 @@ class AmaxBatches:
         return amaxes[0]
 
 
-def _deepcopied(w: torch.Tensor, memo: dict, rewrap):
-    """``copy.deepcopy`` of a weight wrapper ``w`` (torch's own copies a storage the wrapper does not have): ``rewrap``
-    of a deep copy of its high-precision tensor, with ``w``'s ``requires_grad`` and, where ``w`` is a module's
-    parameter, the mark that makes it one."""
-    if id(w) in memo:
-        return memo[id(w)]
-    new = rewrap(copy.deepcopy(w.lowbit_hp, memo))
-    new.requires_grad_(w.requires_grad)
-    if getattr(w, "_is_param", False):
-        new._is_param = True
-    memo[id(w)] = new
-    return new
+class _ShardWrapper(torch.Tensor):
+    """A weight (or FSDP2's shard of it) whose FSDP2 all-gather moves a low-precision form of it: a wrapper with no
+    storage of its own around the high-precision tensor ``lowbit_hp``, which every op other than the gather runs on.
+    Saved (``torch.save``, ``torch.distributed.checkpoint``) as that plain tensor: a loaded state dict needs only the
+    values. Deep-copied as :meth:`_rewrap` of a copy of it (torch's own deep copy reaches for the missing storage)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, *args, **kwargs):
+        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
+                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
+                                                   layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
+
+    def data_ptr(self) -> int:
+        return self.lowbit_hp.data_ptr()
+
+    def _rewrap(self, hp: torch.Tensor) -> "_ShardWrapper":
+        """A wrapper of ``hp`` like this one, for a copied model."""
+        raise NotImplementedError
+
+    def __reduce_ex__(self, protocol):
+        return self.lowbit_hp.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = self._rewrap(copy.deepcopy(self.lowbit_hp, memo))
+        new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):  # (a module's parameter: the mark that makes the copy one too)
+            new._is_param = True
+        memo[id(self)] = new
+        return new
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s high-precision tensor where it is a :class:`Float8AllGatherWeight`."""
-    return t.lowbit_hp if isinstance(t, Float8AllGatherWeight) else t
+    """``t``'s high-precision tensor where it is a :class:`_ShardWrapper`."""
+    return t.lowbit_hp if isinstance(t, _ShardWrapper) else t
+
+
+_SHAPE_ONLY = {_aten.empty_like.default, _aten.zeros_like.default, _aten.new_zeros.default, _aten.new_empty.default}
+"""Ops a gathered weight answers from its shape alone (FSDP2's zero gradients)."""
+
+
+def _self_alias(func, me: torch.Tensor, args) -> bool:
+    """Whether ``func(*args)`` is ``me`` again (a detach, an alias, or a view / as_strided of its own shape): a gathered
+    weight answers those with itself over the same values."""
+    return func in (_aten.detach.default, _aten.alias.default) or (
+        func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(me.shape))
+
+
+def _on_stand_in(func, me: torch.Tensor, args, kwargs):
+    """``func`` (one of :data:`_SHAPE_ONLY`) on an empty tensor of ``me``'s shape, dtype and device."""
+    return func(torch.empty(me.shape, dtype=me.dtype, device=me.device), *args[1:], **kwargs)
 
 
 # ops whose outputs stay weights FSDP2 may gather (it pads, views, chunks and copies its shards with them)
@@ -214,7 +251,7 @@ _SAME_VALUES = {_aten.slice.Tensor, _aten.copy_.default, _aten.view.default, _at
                 _aten.split.Tensor, _aten.narrow.default, _aten.alias.default}
 
 
-class Float8AllGatherWeight(torch.Tensor):
+class Float8AllGatherWeight(_ShardWrapper):
     """A lowbit layer's high-precision weight (or FSDP2's shard of it) whose FSDP2 all-gather moves its quantized
     copies (:func:`fp8_all_gather`). Every op other than FSDP2's all-gather runs on the high-precision tensor
     (``lowbit_hp``) as on a plain tensor; views, copies and chunks stay this type.
@@ -234,15 +271,6 @@ class Float8AllGatherWeight(torch.Tensor):
             another optimizer) clears it. (Versions cannot tell: a view made below autograd counts its own.)
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None,
-                fresh: list | None = None):
-        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
-                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
-                                                   layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
-
     def __init__(self, hp: torch.Tensor, scheme, batch: tuple | None = None, delayed: str | None = None,
                  fresh: list | None = None):
         self.lowbit_hp = hp
@@ -250,9 +278,6 @@ class Float8AllGatherWeight(torch.Tensor):
         self.lowbit_batch = batch
         self.lowbit_delayed = delayed
         self.lowbit_fresh = fresh if fresh is not None else [None, False]
-
-    def data_ptr(self) -> int:
-        return self.lowbit_hp.data_ptr()
 
     def lowbit_optimizer_copies(self, scheme):
         """The :class:`~lowbit.nn.functional.FreshWeight` ``lowbit_fresh`` holds where it is valid for this weight's
@@ -263,14 +288,9 @@ class Float8AllGatherWeight(torch.Tensor):
     def __repr__(self):
         return f"Float8AllGatherWeight({self.lowbit_scheme}, {self.lowbit_hp!r})"
 
-    def __reduce_ex__(self, protocol):
-        # saved as the plain high-precision tensor (torch.save, torch.distributed.checkpoint): a wrapper has no
-        # storage of its own to write, and a loaded state dict needs only the values
-        return self.lowbit_hp.__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo):
+    def _rewrap(self, hp: torch.Tensor) -> "Float8AllGatherWeight":
         # (a copied model is another tree: its weights reduce their amaxes one by one, and start without copies)
-        return _deepcopied(self, memo, lambda hp: type(self)(hp, self.lowbit_scheme, None, self.lowbit_delayed))
+        return type(self)(hp, self.lowbit_scheme, None, self.lowbit_delayed)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -401,14 +421,10 @@ class GatheredFloat8Weight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         me = args[0]
-        if func in (_aten.detach.default, _aten.alias.default):
+        if _self_alias(func, me, args):
             return cls(me.lowbit_box)
-        if func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(me.shape):
-            return cls(me.lowbit_box)
-        if func in (_aten.empty_like.default, _aten.zeros_like.default, _aten.new_zeros.default,
-                    _aten.new_empty.default):  # shape-only ops (FSDP2's zero gradients)
-            stand_in = torch.empty(me.shape, dtype=me.dtype, device=me.device)
-            return func(stand_in, *args[1:], **kwargs)
+        if func in _SHAPE_ONLY:
+            return _on_stand_in(func, me, args, kwargs)
         raise NotImplementedError(
             f"{func}: this weight was all-gathered by FSDP2 as its {me.lowbit_box[0].scheme} FP8 copies "
             "(lowbit.nn.fp8_all_gather) and holds no high-precision values; only a lowbit layer under "
@@ -449,12 +465,45 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
         world = 1
     if world < 1:
         raise ValueError(f"mesh: the shard count must be >= 1, got {world}")
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
     scheme, why_not = recipe_weight_scheme(recipe)
     batches = AmaxBatches(model) if isinstance(scheme, Float8Tensorwise) else None
     plan: dict[str, str | None] = {}
+    for m, mname, attr, p, name, shared in _gemm_weights(model, "fp8_all_gather"):
+        if isinstance(p, Float8AllGatherWeight):
+            if p.lowbit_scheme != scheme or (p.lowbit_delayed is None) != (not isinstance(recipe, DelayedScaling)):
+                raise ValueError(f"recipe: {name} gathers {p.lowbit_scheme} copies already (an earlier "
+                                 f"fp8_all_gather), not {recipe}'s")
+            plan[name] = None
+            continue
+        why = why_not
+        if why is None and shared:
+            why = f"{name} is shared by several modules (tied weights)"
+        if why is None and p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"{name} is {p.dtype}"
+        if why is None and p.dim() != 2:
+            why = fp8_gather_plan(scheme, tuple(p.shape), world)
+        if why is None:  # (whether the shards are whole tiles, the hooks decide by the mesh they run on)
+            batch = None
+            if batches is not None:
+                batches.add(mname, attr)
+                batch = (batches, attr)
+            delayed = attr if isinstance(recipe, DelayedScaling) else None
+            setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme, batch, delayed),
+                                                requires_grad=p.requires_grad))
+            why = fp8_gather_plan(scheme, tuple(p.shape), world)
+        plan[name] = why
+        if why is not None:
+            _say_fallback(why)
+    return plan
+
+
+def _gemm_weights(model: torch.nn.Module, caller: str):
+    """``(module, module name, attribute, parameter, full name, shared)`` for each GEMM weight of ``model``'s lowbit
+    modules (``shared``: a tied weight, used by more than one module), the walk :func:`fp8_all_gather` and
+    :func:`bf16_all_gather` make; a weight FSDP2 sharded already raises, naming ``caller``."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for mname, m in model.named_modules():
         if not isinstance(m, LowbitModule):
             continue
@@ -465,33 +514,8 @@ def fp8_all_gather(model: torch.nn.Module, recipe: Recipe, mesh=None) -> dict[st
                 continue
             name = f"{mname}.{attr}" if mname else attr
             if is_dtensor(p):
-                raise ValueError(f"model: {name} is sharded already; call fp8_all_gather before fully_shard")
-            if isinstance(p, Float8AllGatherWeight):
-                if p.lowbit_scheme != scheme or (p.lowbit_delayed is None) != (not isinstance(recipe, DelayedScaling)):
-                    raise ValueError(f"recipe: {name} gathers {p.lowbit_scheme} copies already (an earlier "
-                                     f"fp8_all_gather), not {recipe}'s")
-                plan[name] = None
-                continue
-            why = why_not
-            if why is None and uses.get(id(p), 0) > 1:
-                why = f"{name} is shared by several modules (tied weights)"
-            if why is None and p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                why = f"{name} is {p.dtype}"
-            if why is None and p.dim() != 2:
-                why = fp8_gather_plan(scheme, tuple(p.shape), world)
-            if why is None:  # (whether the shards are whole tiles, the hooks decide by the mesh they run on)
-                batch = None
-                if batches is not None:
-                    batches.add(mname, attr)
-                    batch = (batches, attr)
-                delayed = attr if isinstance(recipe, DelayedScaling) else None
-                setattr(m, attr, torch.nn.Parameter(Float8AllGatherWeight(p.detach(), scheme, batch, delayed),
-                                                    requires_grad=p.requires_grad))
-                why = fp8_gather_plan(scheme, tuple(p.shape), world)
-            plan[name] = why
-            if why is not None:
-                _say_fallback(why)
-    return plan
+                raise ValueError(f"model: {name} is sharded already; call {caller} before fully_shard")
+            yield m, mname, attr, p, name, uses.get(id(p), 0) > 1
 
 
 def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:
@@ -514,39 +538,25 @@ def all_gather_bytes(shape, recipe: Recipe | None, world: int) -> int:
 # -- BF16 weight all-gather (torch.autocast BF16, no lowbit recipe) -------------------------------------------------
 
 
-class BF16AllGatherWeight(torch.Tensor):
+class BF16AllGatherWeight(_ShardWrapper):
     """A lowbit layer's FP32 weight (or FSDP2's shard of it) whose FSDP2 all-gather moves its BF16 cast
     (:func:`bf16_all_gather`). Every op other than FSDP2's all-gather runs on the FP32 tensor (``lowbit_hp``) as on a
     plain tensor (the optimizer updates it); views, copies and chunks stay this type."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
-                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
-                                                   layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad)
-
     def __init__(self, hp: torch.Tensor):
         self.lowbit_hp = hp
-
-    def data_ptr(self) -> int:
-        return self.lowbit_hp.data_ptr()
 
     def __repr__(self):
         return f"BF16AllGatherWeight({self.lowbit_hp!r})"
 
-    def __reduce_ex__(self, protocol):  # (saved as the plain FP32 tensor, as Float8AllGatherWeight is)
-        return self.lowbit_hp.__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo):
-        return _deepcopied(self, memo, type(self))
+    def _rewrap(self, hp: torch.Tensor) -> "BF16AllGatherWeight":
+        return type(self)(hp)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is _aten.detach.default:
             return cls(args[0].lowbit_hp.detach())
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t.lowbit_hp, (args, kwargs or {}))
+        args, kwargs = pytree.tree_map_only(cls, _plain, (args, kwargs or {}))
         out = func(*args, **kwargs)
         return pytree.tree_map_only(torch.Tensor, cls, out) if func in _KEEP else out
 
@@ -600,17 +610,13 @@ class GatheredBF16Weight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         me = args[0]
-        if func in (_aten.detach.default, _aten.alias.default):
-            return cls(me.lowbit_bf16, me.dtype)
-        if func in (_aten.as_strided.default, _aten.view.default) and tuple(args[1]) == tuple(me.shape):
+        if _self_alias(func, me, args):
             return cls(me.lowbit_bf16, me.dtype)
         if func is _aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 and set(kwargs) <= {
                 "dtype", "device", "layout"} and kwargs.get("device", me.device) == me.device:
             return me.lowbit_bf16.detach()  # (a new alias: autograd gives each cast its own node)
-        if func in (_aten.empty_like.default, _aten.zeros_like.default, _aten.new_zeros.default,
-                    _aten.new_empty.default):  # shape-only ops (FSDP2's zero gradients)
-            stand_in = torch.empty(me.shape, dtype=me.dtype, device=me.device)
-            return func(stand_in, *args[1:], **kwargs)
+        if func in _SHAPE_ONLY:
+            return _on_stand_in(func, me, args, kwargs)
         raise NotImplementedError(
             f"{func}: this weight was all-gathered by FSDP2 in BF16 (lowbit.nn.bf16_all_gather) and holds no "
             f"{me.dtype} values; only its cast to BF16 (torch.autocast(dtype=torch.bfloat16) around the forward) can "
@@ -633,32 +639,17 @@ def bf16_all_gather(model: torch.nn.Module) -> dict[str, str | None]:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
     plan: dict[str, str | None] = {}
-    for mname, m in model.named_modules():
-        if not isinstance(m, LowbitModule):
-            continue
-        for suffix in getattr(m, "_gemms", {}):
-            attr = f"{suffix}_weight" if suffix else "weight"
-            p = getattr(m, attr, None)
-            if not isinstance(p, torch.nn.Parameter):
-                continue
-            name = f"{mname}.{attr}" if mname else attr
-            if is_dtensor(p):
-                raise ValueError(f"model: {name} is sharded already; call bf16_all_gather before fully_shard")
-            if isinstance(p, Float8AllGatherWeight):
-                raise ValueError(f"model: {name} gathers FP8 copies already (fp8_all_gather); a weight takes one of "
-                                 "the two")
-            why = None
-            if isinstance(p, BF16AllGatherWeight):
-                pass
-            elif uses.get(id(p), 0) > 1:
-                why = f"{name} is shared by several modules (tied weights)"
-            elif p.dtype != torch.float32:
-                why = f"{name} is {p.dtype} (the BF16 gather takes FP32 weights)"
-            else:
-                setattr(m, attr, torch.nn.Parameter(BF16AllGatherWeight(p.detach()), requires_grad=p.requires_grad))
-            plan[name] = why
+    for m, _, attr, p, name, shared in _gemm_weights(model, "bf16_all_gather"):
+        if isinstance(p, Float8AllGatherWeight):
+            raise ValueError(f"model: {name} gathers FP8 copies already (fp8_all_gather); a weight takes one of the "
+                             "two")
+        why = None
+        if shared:
+            why = f"{name} is shared by several modules (tied weights)"
+        elif p.dtype != torch.float32:
+            why = f"{name} is {p.dtype} (the BF16 gather takes FP32 weights)"
+        elif not isinstance(p, BF16AllGatherWeight):  # (an earlier call's are kept)
+            setattr(m, attr, torch.nn.Parameter(BF16AllGatherWeight(p.detach()), requires_grad=p.requires_grad))
+        plan[name] = why
     return plan
