@@ -83,7 +83,7 @@ class GradAllReduce:
         if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"reduce_dtype: expected None, torch.float32 or torch.bfloat16, got {reduce_dtype!r}")
         self.reduce_dtype = reduce_dtype
-        self.casts: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (reduced buffer, gradients it goes back to)
+        self.casts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (views of a reduced buffer, gradients)
         self.bucket_bytes = float(bucket_mb) * 2**20
         self.bucket: list[torch.Tensor] = []
         self.bucket_size = 0
@@ -126,14 +126,16 @@ class GradAllReduce:
         buffer of their values in it, noted for :meth:`_cast_back`."""
         if self.reduce_dtype is None or all(g.dtype == self.reduce_dtype for g in ts):
             return ts
-        flat = torch.cat([g.reshape(-1) for g in ts]).to(self.reduce_dtype)
-        self.casts.append((flat, ts))
+        flat = torch.empty(sum(g.numel() for g in ts), dtype=self.reduce_dtype, device=ts[0].device)
+        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in ts]), ts)]
+        torch._foreach_copy_(views, ts)  # (the cast and the packing in one pass)
+        self.casts.append((views, ts))
         return [flat]
 
     def _cast_back(self) -> None:
         """Write the reduced buffers back into their gradients (each cast to the gradient's dtype)."""
-        for flat, ts in self.casts:
-            torch._foreach_copy_(ts, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in ts]), ts)])
+        for views, ts in self.casts:
+            torch._foreach_copy_(ts, views)
         self.casts = []
 
     def _send(self) -> None:
