@@ -102,3 +102,19 @@ def recording_backend(codes: list):
 def lowbit_ops(codes: list) -> set:
     """The ``torch.ops.lowbit`` operators named in recorded graph code."""
     return set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
+
+
+def gloo_process(rank: int, tmp: str, world: int, body, *args) -> None:
+    """An ``mp.spawn`` target: rank ``rank`` of a ``world``-process gloo group (initialized through a file in ``tmp``)
+    runs ``body(rank, tmp, *args)``. What the body made is freed before the group is destroyed: FSDP2's modules hold
+    the group through reference cycles, and left to the interpreter's exit a rank can abort after a good run."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    try:
+        body(rank, tmp, *args)
+        gc.collect()
+    finally:
+        dist.destroy_process_group()

@@ -6,12 +6,11 @@ unit gathers in FP32."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from nn_helpers import gloo_process
 
 import lowbit
 from lowbit.nn.fsdp import BF16AllGatherWeight, GatheredBF16Weight, all_gather_bytes
@@ -48,7 +47,7 @@ def _run(model, n: int = 2):
     return outs, losses, grads
 
 
-def _worker_body(rank, tmp, gather_bf16):
+def _worker(rank, tmp, gather_bf16):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -83,18 +82,9 @@ def _worker_body(rank, tmp, gather_bf16):
                f"{tmp}/rank{rank}.pt")
 
 
-def _worker(rank, tmp, gather_bf16):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
-    try:
-        _worker_body(rank, tmp, gather_bf16)
-        gc.collect()  # (free the FSDP2 modules, which hold the group, while it is alive)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_bf16_all_gather_matches_unsharded(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path), True), nprocs=WORLD, join=True)
+    mp.spawn(gloo_process, args=(str(tmp_path), WORLD, _worker, True), nprocs=WORLD, join=True)
     ref_outs, ref_losses, ref_grads = _run(_model())
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, g in enumerate(got):
@@ -119,7 +109,7 @@ def test_bf16_all_gather_matches_unsharded(tmp_path):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_fsdp_without_it_gathers_fp32_with_the_same_bits(tmp_path):
     """The control: FSDP2's FP32 gather of the same model gives the same outputs (what the BF16 gather must keep)."""
-    mp.spawn(_worker, args=(str(tmp_path), False), nprocs=WORLD, join=True)
+    mp.spawn(gloo_process, args=(str(tmp_path), WORLD, _worker, False), nprocs=WORLD, join=True)
     ref_outs, _, _ = _run(_model())
     g = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert g["kinds"] == {0: "Parameter", 2: "Parameter"}

@@ -5,7 +5,6 @@ processes) round-trip the values bit for bit into a fresh model of the same kind
 from __future__ import annotations
 
 import copy
-import gc
 import io
 import warnings
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from nn_helpers import gloo_process
 
 import lowbit
 
@@ -69,7 +69,7 @@ def test_deepcopy_gives_independent_gatherable_parameters(kind):
     assert b[0].weight.data_ptr() != a[0].weight.data_ptr()
 
 
-def _dcp_worker_body(rank, tmp, kind):
+def _dcp_worker(rank, tmp, kind):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -90,19 +90,10 @@ def _dcp_worker_body(rank, tmp, kind):
     torch.save(dict(a=_values(a), b=_values(b)), f"{tmp}/rank{rank}.pt")
 
 
-def _dcp_worker(rank, tmp, kind):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
-    try:
-        _dcp_worker_body(rank, tmp, kind)
-        gc.collect()  # (free the FSDP2 modules, which hold the group, while it is alive)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 @pytest.mark.parametrize("kind", KINDS)
 def test_distributed_checkpoint_round_trips(tmp_path, kind):
-    mp.spawn(_dcp_worker, args=(str(tmp_path), kind), nprocs=WORLD, join=True)
+    mp.spawn(gloo_process, args=(str(tmp_path), WORLD, _dcp_worker, kind), nprocs=WORLD, join=True)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
         assert len(got["a"]) == 2

@@ -59,6 +59,21 @@ def test_two_processes_match_single_process(tmp_path, small_text, cache_dir, mod
     assert res["history"]["train"] == ddp["history"]["train"]
 
 
+def _two_process_runs(tmp_path, common: list[str], variants: dict[str, list[str]]) -> dict[str, dict]:
+    """``lowbit train`` on 2 gloo processes (torchrun) with ``common`` and each variant's flags, out to
+    ``tmp_path / name``: {name: its summary.json, with its stdout under "stdout"}."""
+    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    runs = {}
+    for name, extra in variants.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lowbit.train.cli", *common, *extra, "--out-dir", str(tmp_path / name)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name]["stdout"] = r.stdout
+    return runs
+
+
 @pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current", "fp8-delayed"])
 def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recipe):
     """``--fp8-all-gather`` moves the FP8 copies instead of the FP32 shards and changes no bit of the run: the
@@ -67,15 +82,7 @@ def test_fsdp_fp8_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, recip
     common = ["--recipe", recipe, "--steps", "2", "--seq-len", "64", "--data", small_text, "--cache-dir",
               cache_dir, "--eval-every", "2", "--eval-windows", "4", "--no-progress", "--device", "cpu",
               "--batch-size", "4", "--fsdp"]
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    runs = {}
-    for name, extra in (("fsdp", []), ("fp8ag", ["--fp8-all-gather"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "lowbit.train.cli", *common, *extra, "--out-dir", str(tmp_path / name)]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
-        runs[name]["stdout"] = r.stdout
+    runs = _two_process_runs(tmp_path, common, {"fsdp": [], "fp8ag": ["--fp8-all-gather"]})
     assert runs["fp8ag"]["fp8_all_gather"] and not runs["fsdp"]["fp8_all_gather"]
     m = re.search(r"--fp8-all-gather: (\d+) weights gather in FP8", runs["fp8ag"]["stdout"])
     assert m and int(m.group(1)) > 0, runs["fp8ag"]["stdout"][-2000:]
@@ -91,15 +98,7 @@ def test_fsdp_bf16_all_gather_matches_fsdp(tmp_path, small_text, cache_dir, keep
     common = ["--recipe", "bf16", "--dtype", "bf16", "--steps", "3", "--seq-len", "64", "--data", small_text,
               "--cache-dir", cache_dir, "--eval-every", "3", "--eval-windows", "4", "--no-progress", "--device", "cpu",
               "--batch-size", "4", "--fsdp", *(["--fsdp-keep-gathered"] if keep else [])]
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    runs = {}
-    for name, extra in (("fsdp", []), ("bf16ag", ["--bf16-all-gather"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "lowbit.train.cli", *common, *extra, "--out-dir", str(tmp_path / name)]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
-        runs[name]["stdout"] = r.stdout
+    runs = _two_process_runs(tmp_path, common, {"fsdp": [], "bf16ag": ["--bf16-all-gather"]})
     assert runs["bf16ag"]["bf16_all_gather"] and not runs["fsdp"]["bf16_all_gather"]
     m = re.search(r"--bf16-all-gather: (\d+) weights gather in BF16, (\d+) in FP32", runs["bf16ag"]["stdout"])
     assert m and int(m.group(1)) > 0, runs["bf16ag"]["stdout"][-2000:]
@@ -153,15 +152,7 @@ def test_grad_reduce_dtype_bfloat16(tmp_path, small_text, cache_dir, mode):
     common = ["--recipe", "fp8-block", "--steps", "4", "--seq-len", "64", "--data", small_text, "--cache-dir",
               cache_dir, "--eval-every", "4", "--eval-windows", "4", "--no-progress", "--device", "cpu",
               "--batch-size", "4", "--grad-accum", "2", *(["--fsdp"] if mode == "fsdp" else [])]
-    env = child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    runs = {}
-    for name in ("float32", "bfloat16"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "lowbit.train.cli", *common, "--grad-reduce-dtype", name, "--out-dir", str(tmp_path / name)]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
-        runs[name]["stdout"] = r.stdout
+    runs = _two_process_runs(tmp_path, common, {n: ["--grad-reduce-dtype", n] for n in ("float32", "bfloat16")})
     assert runs["bfloat16"]["grad_reduce_dtype"] == "bfloat16" and runs["float32"]["grad_reduce_dtype"] == "float32"
     said = "--grad-reduce-dtype bfloat16: FSDP2 accumulates the 2 micro-batches' gradients in it too"
     assert (said in runs["bfloat16"]["stdout"]) == (mode == "fsdp")
