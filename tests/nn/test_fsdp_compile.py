@@ -4,6 +4,8 @@ batch, so the averaged gradient is the single-process one). Delayed scaling redu
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,6 +49,9 @@ def _worker(rank, tmp, recipe):
         losses = _steps(torch.compile(model, backend="aot_eager"), recipe)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         torch.save(dict(losses=losses, grads=grads), f"{tmp}/rank{rank}.pt")
+        del model, grads  # (FSDP2's modules hold the group through reference cycles: freed while it lives)
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

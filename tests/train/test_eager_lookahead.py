@@ -9,6 +9,7 @@ without it the CPU's for-loop AdamW reads the flag (on the CPU a read waits for 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -159,8 +160,12 @@ def _worker(rank, tmp, small_text, cache_dir, mode, fused, device="cpu"):
                             "reads": tr.reads_before_update()}
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
+        dist.barrier()  # (the ranks tear down together, as `lowbit train` does)
     finally:
         loop._optimizer, loop._build = plain, build
+        # FSDP2's modules hold the group through reference cycles: freed while it lives (left to the interpreter's
+        # exit, a rank aborted now and then with "terminate called without an active exception" under load)
+        gc.collect()
         dist.destroy_process_group()
 
 
