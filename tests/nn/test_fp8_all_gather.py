@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from nn_helpers import gloo_process, group_process
 
 import lowbit
 from lowbit.nn.fsdp import GatheredFloat8Weight, all_gather_bytes
@@ -93,71 +94,66 @@ class _Count:
 
 
 def _worker(rank, tmp, recipe, shape, device="cpu", units="layers", optimizer="sgd"):
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
-                            world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """One rank's run (under ``group_process``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device, (WORLD,))
-        model = _model(shape).to(device)
-        tokens = 32 if device == "cpu" else 128
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            plan = lowbit.nn.fp8_all_gather(model, from_name(recipe), mesh)
-        for layer in model:
-            if isinstance(layer, lowbit.nn.Linear) and units == "layers":
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # (units="root": one unit gathers both weights)
-        kinds = {}
+    mesh = init_device_mesh(device, (WORLD,))
+    model = _model(shape).to(device)
+    tokens = 32 if device == "cpu" else 128
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = lowbit.nn.fp8_all_gather(model, from_name(recipe), mesh)
+    for layer in model:
+        if isinstance(layer, lowbit.nn.Linear) and units == "layers":
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # (units="root": one unit gathers both weights)
+    kinds = {}
 
-        def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's pre-forward all-gather)
-            kinds.setdefault(i, type(m.weight).__name__)
+    def probe(m, args, i):  # what a layer's weight is inside its forward (after FSDP2's pre-forward all-gather)
+        kinds.setdefault(i, type(m.weight).__name__)
 
-        for i in (0, 2):
-            model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
-        with _Count() as fp8_bytes:
-            with lowbit.autocast(recipe=from_name(recipe)):
-                model(torch.zeros(tokens, shape[0], device=device))
-        # (FSDP2 keeps the root unit's weights gathered after a forward, for the backward; with no backward here,
-        # reshard them, or the next step's update is lost: seen with plain torch.nn.Linear layers too)
-        model.reshard()
-        # the shards FSDP2's gathers quantize after the first update (lowbit AdamW writes their copies instead)
-        quantized = {"on": False, "n": 0, "fused": None}
-        import lowbit.nn.fsdp as fsdp_mod
+    for i in (0, 2):
+        model[i].register_forward_pre_hook(lambda m, args, i=i: probe(m, args, i))
+    with _Count() as fp8_bytes:
+        with lowbit.autocast(recipe=from_name(recipe)):
+            model(torch.zeros(tokens, shape[0], device=device))
+    # (FSDP2 keeps the root unit's weights gathered after a forward, for the backward; with no backward here,
+    # reshard them, or the next step's update is lost: seen with plain torch.nn.Linear layers too)
+    model.reshard()
+    # the shards FSDP2's gathers quantize after the first update (lowbit AdamW writes their copies instead)
+    quantized = {"on": False, "n": 0, "fused": None}
+    import lowbit.nn.fsdp as fsdp_mod
 
-        def counting(*a, _q=fsdp_mod.quantize, **k):
-            quantized["n"] += quantized["on"]
-            return _q(*a, **k)
+    def counting(*a, _q=fsdp_mod.quantize, **k):
+        quantized["n"] += quantized["on"]
+        return _q(*a, **k)
 
-        def after_first(opt):
-            quantized["on"] = True
-            quantized["fused"] = getattr(opt, "fused_tensors", None)
+    def after_first(opt):
+        quantized["on"] = True
+        quantized["fused"] = getattr(opt, "fused_tensors", None)
 
-        fsdp_mod.quantize = counting
-        with _Count() as steps:
-            outs, losses, grads = _run(model, recipe, n=3 if optimizer == "adamw" else 2, device=device,
-                                       optimizer=optimizer, after_first=after_first)
-        # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
-        bf16 = _model(shape).to(device)
-        for layer in bf16:
-            if isinstance(layer, lowbit.nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        with _Count() as bf16_bytes, lowbit.autocast(recipe=from_name(recipe)):
-            bf16(torch.zeros(tokens, shape[0], device=device))
-        torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
-                        bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught], gathers=steps.calls,
-                        amax_reductions=steps.amax_calls, quantized_later=quantized["n"],
-                        fused=quantized["fused"]), f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    fsdp_mod.quantize = counting
+    with _Count() as steps:
+        outs, losses, grads = _run(model, recipe, n=3 if optimizer == "adamw" else 2, device=device,
+                                   optimizer=optimizer, after_first=after_first)
+    # the BF16 gather of the same weights (FSDP2's mixed precision), for the byte count
+    bf16 = _model(shape).to(device)
+    for layer in bf16:
+        if isinstance(layer, lowbit.nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with _Count() as bf16_bytes, lowbit.autocast(recipe=from_name(recipe)):
+        bf16(torch.zeros(tokens, shape[0], device=device))
+    torch.save(dict(outs=outs, losses=losses, grads=grads, plan=plan, kinds=kinds, fp8_bytes=fp8_bytes.n,
+                    bf16_bytes=bf16_bytes.n, warned=[str(w.message) for w in caught], gathers=steps.calls,
+                    amax_reductions=steps.amax_calls, quantized_later=quantized["n"],
+                    fused=quantized["fused"]), f"{tmp}/rank{rank}.pt")
 
 
 def _spawn_and_compare(tmp_path, recipe, shape, device="cpu", units="layers", optimizer="sgd"):
-    mp.spawn(_worker, args=(str(tmp_path), recipe, shape, device, units, optimizer), nprocs=WORLD, join=True)
+    mp.spawn(group_process, args=(str(tmp_path), WORLD, device, _worker, recipe, shape, device, units, optimizer),
+             nprocs=WORLD, join=True)
     ref = _model(shape).to(device)
     with lowbit.autocast(recipe=from_name(recipe)):  # the workers' probe forward (delayed scaling records it)
         ref(torch.zeros(32 if device == "cpu" else 128, shape[0], device=device))
@@ -292,41 +288,38 @@ def test_fp8_all_gather_unsharded_model_is_unchanged():
 
 
 def _compile_worker(rank, tmp):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
-    try:
-        import torch._dynamo.utils as dynamo_utils
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    """One rank's run (under ``gloo_process``)."""
+    import torch._dynamo.utils as dynamo_utils
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
 
-        def mlp():
-            torch.manual_seed(0)
-            return torch.nn.Sequential(lowbit.nn.LayerNormMLP(256, 256, normalization="RMSNorm", activation="swiglu",
-                                                              bias=False))
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(lowbit.nn.LayerNormMLP(256, 256, normalization="RMSNorm", activation="swiglu",
+                                                          bias=False))
 
-        got = {}
-        for kind, build in (("linear", lambda: _model((256, 256))), ("swiglu_mlp", mlp)):
-            for mode in ("eager", "compile"):
-                model = build()
-                lowbit.nn.fp8_all_gather(model, from_name("fp8-current"), mesh)
-                for layer in model:
-                    if isinstance(layer, lowbit.nn.base.LowbitModule):
-                        fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-                torch.compiler.reset()
-                dynamo_utils.counters.clear()
-                with lowbit.autocast(recipe=from_name("fp8-current")):
-                    y = (torch.compile(model) if mode == "compile" else model)(x)
-                y.float().sum().backward()
-                breaks = [str(k) for k in dynamo_utils.counters["graph_break"]]
-                # (the gathered weights' gradients; an unfused RMSNorm's weight is Inductor's arithmetic when compiled)
-                grads = [p.grad.full_tensor() for n, p in model.named_parameters() if "norm" not in n]
-                got[kind, mode] = (y.detach(), grads, breaks)
-        torch.save(got, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    got = {}
+    for kind, build in (("linear", lambda: _model((256, 256))), ("swiglu_mlp", mlp)):
+        for mode in ("eager", "compile"):
+            model = build()
+            lowbit.nn.fp8_all_gather(model, from_name("fp8-current"), mesh)
+            for layer in model:
+                if isinstance(layer, lowbit.nn.base.LowbitModule):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            torch.compiler.reset()
+            dynamo_utils.counters.clear()
+            with lowbit.autocast(recipe=from_name("fp8-current")):
+                y = (torch.compile(model) if mode == "compile" else model)(x)
+            y.float().sum().backward()
+            breaks = [str(k) for k in dynamo_utils.counters["graph_break"]]
+            # (the gathered weights' gradients; an unfused RMSNorm's weight is Inductor's arithmetic when compiled)
+            grads = [p.grad.full_tensor() for n, p in model.named_parameters() if "norm" not in n]
+            got[kind, mode] = (y.detach(), grads, breaks)
+    torch.save(got, f"{tmp}/rank{rank}.pt")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -335,7 +328,7 @@ def test_compiled_model_runs_gathered_layers_eager(tmp_path):
     Linear pair and a SwiGLU LayerNormMLP: the graph breaks at one disabled call that runs the layer eager, named in
     Dynamo's graph-break reasons, and nothing inside lowbit breaks it elsewhere; outputs and the gathered weights'
     gradients equal the uncompiled run's."""
-    mp.spawn(_compile_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    mp.spawn(gloo_process, args=(str(tmp_path), WORLD, _compile_worker), nprocs=WORLD, join=True)
     for r in range(WORLD):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         for kind in ("linear", "swiglu_mlp"):

@@ -4,12 +4,11 @@ batch, so the averaged gradient is the single-process one). Delayed scaling redu
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from nn_helpers import gloo_process
 
 import lowbit
 from lowbit.recipes import from_name
@@ -35,31 +34,25 @@ def _steps(model, recipe: str, n: int = 2) -> list[torch.Tensor]:
 
 
 def _worker(rank, tmp, recipe):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    """One rank's run (under ``gloo_process``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = _model()
-        for layer in model:
-            if isinstance(layer, lowbit.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        losses = _steps(torch.compile(model, backend="aot_eager"), recipe)
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        torch.save(dict(losses=losses, grads=grads), f"{tmp}/rank{rank}.pt")
-        del model, grads  # (FSDP2's modules hold the group through reference cycles: freed while it lives)
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    for layer in model:
+        if isinstance(layer, lowbit.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses = _steps(torch.compile(model, backend="aot_eager"), recipe)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    torch.save(dict(losses=losses, grads=grads), f"{tmp}/rank{rank}.pt")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 @pytest.mark.parametrize("recipe", ["fp8-block", "fp8-delayed"])
 def test_fsdp2_compiled_matches_one_process(tmp_path, recipe):
-    mp.spawn(_worker, args=(str(tmp_path), recipe), nprocs=WORLD, join=True)
+    mp.spawn(gloo_process, args=(str(tmp_path), WORLD, _worker, recipe), nprocs=WORLD, join=True)
     ref = _model()
     ref_losses = _steps(ref, recipe)
     for r in range(WORLD):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nn_helpers import group_process
 
 import lowbit
 from lowbit import recipes
@@ -215,69 +216,62 @@ def test_join_and_fsdp_joins_check_their_arguments():
 
 
 def _fsdp_worker(rank, tmp, device, sleep_cycles):
-    import torch.distributed as dist
+    """One rank's run (under ``group_process``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
-                            world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    import lowbit.nn.functional as F
 
-        import lowbit.nn.functional as F
+    if sleep_cycles:  # every weight-gradient GEMM starts late: a post-backward not waiting for it reads garbage
+        orig = F.wgrad_mm
 
-        if sleep_cycles:  # every weight-gradient GEMM starts late: a post-backward not waiting for it reads garbage
-            orig = F.wgrad_mm
+        def late(*a, **k):
+            torch.cuda._sleep(sleep_cycles)
+            return orig(*a, **k)
 
-            def late(*a, **k):
-                torch.cuda._sleep(sleep_cycles)
-                return orig(*a, **k)
+        F.wgrad_mm = late
+    mesh = init_device_mesh(device, (WORLD,))
+    recipe = recipes.from_name("fp8-block")
+    idx = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1 + rank)).to(device)
+    out = {}
+    for name, side, joins in (("ref", False, False), ("side", True, True), ("unjoined", True, False)):
+        if name == "unjoined" and not sleep_cycles:
+            continue
+        m = _model(device)
+        for blk in m.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        seen = {}
+        if joins:
+            F.fsdp_wgrad_joins(m)
+            # (registered after the joins: sees what the block's forward gets)
+            def probe(mod, args):
+                seen.setdefault("grad_fn", type(args[0].grad_fn).__name__)
+                # (the unsharded parameters FSDP2 has swapped in: the root's and this block's)
+                seen.setdefault("here", sorted(
+                    f"{mn}.{pn}" for mn, sub in m.named_modules() for pn, p in sub.named_parameters(recurse=False)
+                    if getattr(p, "lowbit_wgrad_here", False)))
 
-            F.wgrad_mm = late
-        mesh = init_device_mesh(device, (WORLD,))
-        recipe = recipes.from_name("fp8-block")
-        idx = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1 + rank)).to(device)
-        out = {}
-        for name, side, joins in (("ref", False, False), ("side", True, True), ("unjoined", True, False)):
-            if name == "unjoined" and not sleep_cycles:
-                continue
-            m = _model(device)
-            for blk in m.blocks:
-                fully_shard(blk, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-            seen = {}
-            if joins:
-                F.fsdp_wgrad_joins(m)
-                # (registered after the joins: sees what the block's forward gets)
-                def probe(mod, args):
-                    seen.setdefault("grad_fn", type(args[0].grad_fn).__name__)
-                    # (the unsharded parameters FSDP2 has swapped in: the root's and this block's)
-                    seen.setdefault("here", sorted(
-                        f"{mn}.{pn}" for mn, sub in m.named_modules() for pn, p in sub.named_parameters(recurse=False)
-                        if getattr(p, "lowbit_wgrad_here", False)))
-
-                m.blocks[0].register_forward_pre_hook(probe)
-            for _ in range(2):
-                with wgrad_on_side_stream(side):
-                    _fwd_bwd(m, idx, recipe)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                grads = {k: p.grad.to_local().clone() for k, p in m.named_parameters()}
-                for p in m.parameters():
-                    p.grad = None
-            out[name] = dict(grads=grads, seen=seen,
-                             root_own=sorted(k for k, _ in m.named_parameters(remove_duplicate=False)
-                                            if not k.startswith("blocks.")))
-        torch.save(out, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            m.blocks[0].register_forward_pre_hook(probe)
+        for _ in range(2):
+            with wgrad_on_side_stream(side):
+                _fwd_bwd(m, idx, recipe)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            grads = {k: p.grad.to_local().clone() for k, p in m.named_parameters()}
+            for p in m.parameters():
+                p.grad = None
+        out[name] = dict(grads=grads, seen=seen,
+                         root_own=sorted(k for k, _ in m.named_parameters(remove_duplicate=False)
+                                        if not k.startswith("blocks.")))
+    torch.save(out, f"{tmp}/rank{rank}.pt")
 
 
 def _fsdp_joins_check(tmp_path, device, sleep_cycles=0):
     import torch.multiprocessing as mp
 
-    mp.spawn(_fsdp_worker, args=(str(tmp_path), device, sleep_cycles), nprocs=WORLD, join=True)
+    mp.spawn(group_process, args=(str(tmp_path), WORLD, device, _fsdp_worker, device, sleep_cycles), nprocs=WORLD,
+             join=True)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for g in got:
         ref, side = g["ref"]["grads"], g["side"]["grads"]
