@@ -1,5 +1,5 @@
-"""Test-environment helpers: whether Triton's interpreter runs here, and the environment of a child process that
-runs lowbit from another working directory."""
+"""Test-environment helpers: whether Triton's interpreter runs here, the environment of a child process that runs
+lowbit from another working directory, and the process-group wrapper of the multi-process tests."""
 import functools
 import os
 import subprocess
@@ -55,3 +55,33 @@ def child_env(**extra) -> dict:
     paths = [src] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **extra}
 
+
+def gloo_process(rank: int, tmp: str, world: int, body, *args) -> None:
+    """An ``mp.spawn`` target: rank ``rank`` of a ``world``-process gloo group (initialized through a file in ``tmp``)
+    runs ``body(rank, tmp, *args)``: :func:`group_process` on the CPU."""
+    group_process(rank, tmp, world, "cpu", body, *args)
+
+
+def group_process(rank: int, tmp: str, world: int, device: str, body, *args) -> None:
+    """An ``mp.spawn`` target: rank ``rank`` of a ``world``-process group (gloo on ``device`` "cpu", NCCL on "cuda"
+    with the rank's GPU current; initialized through a file in ``tmp``) runs ``body(rank, tmp, *args)``. What the
+    body made is freed, and the ranks meet, before the group is destroyed: FSDP2's modules hold the group through
+    reference cycles, and left to the interpreter's exit a rank can abort after a good run ("terminate called
+    without an active exception", seen under load)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    try:
+        body(rank, tmp, *args)
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -102,31 +102,3 @@ def recording_backend(codes: list):
 def lowbit_ops(codes: list) -> set:
     """The ``torch.ops.lowbit`` operators named in recorded graph code."""
     return set(re.findall(r"torch\.ops\.lowbit\.(\w+)", "\n".join(codes)))
-
-
-def gloo_process(rank: int, tmp: str, world: int, body, *args) -> None:
-    """An ``mp.spawn`` target: rank ``rank`` of a ``world``-process gloo group (initialized through a file in ``tmp``)
-    runs ``body(rank, tmp, *args)``: :func:`group_process` on the CPU."""
-    group_process(rank, tmp, world, "cpu", body, *args)
-
-
-def group_process(rank: int, tmp: str, world: int, device: str, body, *args) -> None:
-    """An ``mp.spawn`` target: rank ``rank`` of a ``world``-process group (gloo on ``device`` "cpu", NCCL on "cuda"
-    with the rank's GPU current; initialized through a file in ``tmp``) runs ``body(rank, tmp, *args)``. What the
-    body made is freed, and the ranks meet, before the group is destroyed: FSDP2's modules hold the group through
-    reference cycles, and left to the interpreter's exit a rank can abort after a good run ("terminate called
-    without an active exception", seen under load)."""
-    import gc
-
-    import torch.distributed as dist
-
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp}/init", rank=rank,
-                            world_size=world)
-    try:
-        body(rank, tmp, *args)
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from nn_helpers import gloo_process, group_process
+from testenv import gloo_process, group_process
 
 import lowbit
 from lowbit.nn.fsdp import GatheredFloat8Weight, all_gather_bytes
@@ -224,9 +224,10 @@ def test_adamw_writes_the_shard_copies_the_gather_takes(tmp_path):
     import sys
 
     pytest.importorskip("triton")
-    code = ("import sys, pathlib; sys.path.insert(0, %r); import test_fp8_all_gather as t; "
+    here = os.path.dirname(__file__)  # (and tests/, for testenv)
+    code = ("import sys, pathlib; sys.path[:0] = [%r, %r]; import test_fp8_all_gather as t; "
             "t._check_adamw_copies_gathered(pathlib.Path(%r), 'cpu'); print('ok')"
-            % (os.path.dirname(__file__), str(tmp_path)))
+            % (here, os.path.dirname(here), str(tmp_path)))
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from nn_helpers import gloo_process
+from testenv import gloo_process
 
 import lowbit
 from lowbit.recipes import from_name

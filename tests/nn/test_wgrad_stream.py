@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nn_helpers import group_process
+from testenv import group_process
 
 import lowbit
 from lowbit import recipes

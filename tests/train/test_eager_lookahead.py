@@ -9,14 +9,13 @@ without it the CPU's for-loop AdamW reads the flag (on the CPU a read waits for 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from testenv import group_process
 
 from lowbit.train import checkpoint as ckpt
 from lowbit.train import loop
@@ -128,14 +127,9 @@ def _amax_fault_at(step: int, build):
 
 
 def _worker(rank, tmp, small_text, cache_dir, mode, fused, device="cpu"):
+    """One rank's runs (under ``group_process``)."""
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD,
-                                device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
     plain, build = loop._optimizer, loop._build
     classes = [torch.optim.AdamW]
     if device == "cuda":
@@ -160,13 +154,8 @@ def _worker(rank, tmp, small_text, cache_dir, mode, fused, device="cpu"):
                             "reads": tr.reads_before_update()}
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
-        dist.barrier()  # (the ranks tear down together, as `lowbit train` does)
     finally:
         loop._optimizer, loop._build = plain, build
-        # FSDP2's modules hold the group through reference cycles: freed while it lives (left to the interpreter's
-        # exit, a rank aborted now and then with "terminate called without an active exception" under load)
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def _equal(a, b) -> bool:
@@ -183,7 +172,8 @@ def _same_weights(a: str, b: str) -> bool:
 
 
 def _two_processes(tmp_path, small_text, cache_dir, mode, fused, device):
-    mp.spawn(_worker, args=(str(tmp_path), small_text, cache_dir, mode, fused, device), nprocs=WORLD, join=True)
+    mp.spawn(group_process, args=(str(tmp_path), WORLD, device, _worker, small_text, cache_dir, mode, fused, device),
+             nprocs=WORLD, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r, got in enumerate(ranks):
         on, off = got["True"], got["False"]
