@@ -140,6 +140,31 @@ def test_compiled_under_no_grad_and_dynamic_shapes():
             assert_bits(list(fn(*ins)), list(attention(*ins, qk="int8", pv="fp8", return_lse=True)))
 
 
+def model_views(**kw):
+    """q, k, v as a model's projections hand them over: (B, H, S, D) views of (B, S, H, D)-contiguous tensors."""
+    return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(**kw))
+
+
+@pytest.mark.parametrize("qk,pv", [("bf16", "auto"), ("int8", "fp8")])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_layout_views_keep_memory_order(qk, pv, backend):
+    """(B, H, S, D) views of (B, S, H, D) tensors and a dO of the same kind (the gradient of the model's transpose
+    back to (B, S, H·D)): the output and every gradient come back in their input's memory order, eager and compiled
+    (the operators' fakes agree with what runs), and compiled gives eager's bits."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v: attention(q, k, v, qk=qk, pv=pv, causal=True)  # noqa: E731
+    got = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+        ins = [t.clone().requires_grad_() for t in model_views(Sq=19)]
+        out = f(*ins)
+        do = rand(out.shape[0], out.shape[2], out.shape[1], out.shape[3], seed=99).transpose(1, 2)
+        grads = torch.autograd.grad(out, ins, do)
+        assert out.stride() == ins[0].stride()
+        assert [g.stride() for g in grads] == [t.stride() for t in ins]
+        got.append([out, *grads])
+    assert_bits(got[1], got[0])
+
+
 def test_compiled_inductor_cpu():
     compiled_matches_eager(lambda q, k, v: attention(q, k, v, qk="int8", pv="fp8", causal=True), qkv(), "inductor")
 
@@ -251,6 +276,7 @@ FWD_OPCHECK = {
     "bf16-causal-window": lambda: (qkv(Sq=7, Sk=9), dict(causal=True, window=[3, -1], softmax_scale=0.3)),
     "int8-per-warp": lambda: (qkv(Sq=7, Sk=9), dict(qk="int8", granularity="per_warp", blocks=(16, 16, 8))),
     "int8-fp8-bshd": lambda: (qkv(Sq=7, Sk=9, layout="bshd"), dict(qk="int8", pv="fp8", layout="bshd")),
+    "int8-fp8-model-views": lambda: (model_views(Sq=7, Sk=9), dict(qk="int8", pv="fp8", causal=True)),
     "fp8-fp16-no-lse": lambda: (qkv(Sq=7, Sk=9), dict(qk="fp8", pv="fp16", return_lse=False, causal=True)),
     "fp32": lambda: (qkv(Sq=5, Sk=3, dtype=torch.float32), dict(causal=True)),
     "varlen-int8": lambda: (_vl()[0], dict(_vl()[1], qk="int8", pv="fp8", max_seqlen=(12, 11))),
@@ -266,9 +292,10 @@ def test_opcheck_attention_fwd(name):
 
 @pytest.mark.parametrize("mask", [(True, True, True), (False, True, False)])
 @pytest.mark.parametrize("grad_format", [None, "e5m2"])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_opcheck_attention_bwd(mask, grad_format, varlen):
-    (q, k, v), kw = _vl() if varlen else (qkv(Sq=7, Sk=9), {})
+@pytest.mark.parametrize("inputs", ["bhsd", "varlen", "model-views"])
+def test_opcheck_attention_bwd(mask, grad_format, inputs):
+    (q, k, v), kw = {"bhsd": lambda: (qkv(Sq=7, Sk=9), {}), "varlen": _vl,
+                     "model-views": lambda: (model_views(Sq=7, Sk=9), {})}[inputs]()
     g = rand(*q.shape, seed=7)
     torch.library.opcheck(OPS.attention_bwd.default,
                           bwd_args(g, q, k, v, causal=True, grad_format=grad_format, mask=mask, **kw))

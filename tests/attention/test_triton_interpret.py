@@ -227,6 +227,21 @@ def test_forward_tma_descriptors_same_as_pointers(tri, qk, pv, Sq, Sk, causal, w
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
+@pytest.mark.parametrize("qk,pv", [("int8", "fp8"), ("bf16", "bf16")])
+def test_forward_out_like_writes_model_layout(tri, qk, pv):
+    """``out_like``: q, k, v as (B, H, S, D) views of (B, S, H, D) tensors (what a model's projections give) and the
+    output written in that memory order, with the bits of the contiguous call; a mismatched ``out_like`` is refused."""
+    q, k, v = (rand(2, 3, 29, 32, seed=s, offset=o) for s, o in ((21, None), (22, 0.5), (23, None)))
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    kw = dict(causal=True, return_lse=True, out_dtype=torch.bfloat16, config=CFG)
+    o0, l0 = tri.attention_fwd_triton(**_prepare(tri, q, k, v, qk, pv), **kw)
+    o1, l1 = tri.attention_fwd_triton(**_prepare(tri, *views, qk, pv), out_like=views[0], **kw)
+    assert o0.is_contiguous() and o1.stride() == views[0].stride()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    with pytest.raises(ValueError, match="out_like must have q's shape"):
+        tri.attention_fwd_triton(**_prepare(tri, q, k, v, qk, pv), out_like=q[:, :2], **kw)
+
+
 def test_tma_refused_where_its_rules_do_not_hold(tri, switches):
     switches(LOWBIT_TMA=True)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)

@@ -102,6 +102,27 @@ def test_backend_cudnn_refused_on_the_cpu_and_the_default_says_why():
     assert declines().get(key, 0) == before + 1
 
 
+def test_what_cudnn_is_handed_on_strides_alone():
+    """``_cudnn._bhsd``: (B, H, S, D) views dense in bhsd or bshd memory order pass as they are (no copy); a packed
+    projection's slice is copied into the dense order of its own strides, a tensor without a unit last stride
+    contiguous in its layout, a misaligned one to an aligned copy; the values never change."""
+    x = torch.randn(2, 40, 3, 16, dtype=torch.bfloat16)  # (B, S, H, D)
+    for t, lay in ((x, "bshd"), (x.transpose(1, 2), "bhsd"), (x.transpose(1, 2).contiguous(), "bhsd")):
+        got = _cudnn._bhsd(t, lay)
+        assert got.data_ptr() == t.data_ptr() and torch.equal(got, R.to_bhsd(t, lay))
+        assert _cudnn._back(got, lay).stride() == t.stride()
+    packed = torch.randn(2, 40, 3, 3, 16, dtype=torch.bfloat16).unbind(2)[0]  # (B, S, H, D), heads 48 apart
+    got = _cudnn._bhsd(packed, "bshd")
+    assert got.data_ptr() != packed.data_ptr() and got.transpose(1, 2).is_contiguous()
+    assert torch.equal(got, R.to_bhsd(packed, "bshd"))
+    dlast = x.transpose(1, 3).contiguous().transpose(1, 3)  # head_dim not unit-stride
+    got = _cudnn._bhsd(dlast, "bshd")
+    assert got.transpose(1, 2).is_contiguous() and torch.equal(got, R.to_bhsd(dlast, "bshd"))
+    off = torch.randn(2 * 40 * 3 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 40, 3, 16)  # 2 bytes past alignment
+    got = _cudnn._bhsd(off, "bshd")
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, R.to_bhsd(off, "bshd"))
+
+
 # ----------------------------------------------------------------------------- GPU
 def _cudnn_default_or_skip():
     why = _cudnn.cudnn_runtime_decline(torch.device("cuda"))
@@ -112,8 +133,9 @@ def _cudnn_default_or_skip():
 def _check_grads(g, gr, ins, what):
     errs = [nrmse(a, r) for a, r in zip(g, gr)]
     print(what, ["%.2e" % e for e in errs])
-    for a, x in zip(g, ins):
-        assert a.shape == x.shape and a.dtype == x.dtype and a.is_contiguous() and torch.isfinite(a).all()
+    for a, x in zip(g, ins):  # (each gradient in its input's memory order, as torch.empty_like gives it)
+        assert a.shape == x.shape and a.dtype == x.dtype and torch.isfinite(a).all()
+        assert a.stride() == torch.empty_like(x).stride(), (a.stride(), x.stride())
     assert max(errs) < BF16_TOL, errs
 
 
@@ -147,8 +169,8 @@ def test_cudnn_backward_vs_reference(b, h, sq, sk, d, causal, layout, dtype, sca
 
 @pytest.mark.gpu
 def test_cudnn_backward_strided_inputs():
-    """q, k, v as views of one packed (B, S, 3, H, D) projection (not contiguous), dO a transposed copy: the
-    gradients come back contiguous in the inputs' layout and equal those of contiguous inputs."""
+    """q, k, v as views of one packed (B, S, 3, H, D) projection (not dense), dO in another memory order than O: the
+    gradients come back contiguous in the inputs' layout (their dense order) and equal those of contiguous inputs."""
     g = torch.Generator(device="cuda").manual_seed(3)
     qkv = torch.randn(2, 300, 3, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
@@ -230,3 +252,41 @@ def test_compiled_cudnn_paths_inductor_cuda(kw):
     assert torch.equal(out_c, out_e)
     print("compiled grads bit for bit:", all(torch.equal(a, b) for a, b in zip(g_c, g_e)))
     assert max(nrmse(a, b) for a, b in zip(g_c, g_e)) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_model_layout_views_run_without_copies(compiled):
+    """INT8·FP8 attention with grad on what a model hands over: q, k, v (B, H, S, D) views of (B, S, H, D) tensors
+    and dO the gradient of the transpose back. No kernel copies a tensor for its strides (the profiler sees no copy
+    or clone kernel), eager and under torch.compile; the output and the gradients come back in the inputs' memory
+    order; the output equals the contiguous call's bit for bit, the gradients the FP32 reference's within BF16_TOL."""
+    _cudnn_default_or_skip()
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from lowbit.attention import attention
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, S, H, D = 2, 1024, 8, 128
+    base = [torch.randn(B, S, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    views, do = [t.transpose(1, 2) for t in base[:3]], base[3].transpose(1, 2)
+    fn = lambda q, k, v: attention(q, k, v, causal=True, qk="int8", pv="fp8")  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    ins = [t.detach().requires_grad_() for t in views]
+    torch.autograd.grad(fn(*ins), ins, do)  # (warm-up: autotuning, compiling)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn(*ins)
+        grads = torch.autograd.grad(out, ins, do)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert kernels and not [n for n in kernels if "copy" in n.lower() or "clone" in n.lower()], kernels
+    assert out.stride() == views[0].stride()
+    with torch.no_grad():
+        exp = attention(*(t.contiguous() for t in views), causal=True, qk="int8", pv="fp8")
+    assert torch.equal(out, exp)
+    gr = R.attention_backward_reference(do, *views, causal=True)
+    _check_grads(grads, gr, views, f"model-layout views, compiled={compiled}")

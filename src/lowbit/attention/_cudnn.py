@@ -4,10 +4,10 @@ and its backward from any forward's O and LSE.
 
 The backward needs only the forward's output and its natural-log LSE, which lowbit's forwards compute with the same
 values as cuDNN's, so it runs after lowbit's 16-bit forward as well as after cuDNN's. torch's dense path takes:
-(B, H, S, D) views of any strides with a unit last stride (bshd tensors pass as transposed views; dQ, dK, dV come back
-with their input's strides), the LSE as (B, H, Sq, 1) FP32, no bias, no cumulative lengths (dense), and a Philox
-seed and offset it reads only with dropout. ``is_causal`` is top-left aligned there, bottom-right in lowbit: the two
-agree where Sq == Sk.
+(B, H, S, D) views of any strides with a unit last stride (lowbit passes those dense in bhsd or bshd memory order as
+they are; O, dQ, dK, dV come back in their inputs' memory order, and dO must be in O's), the LSE as (B, H, Sq, 1) FP32,
+no bias, no cumulative lengths (dense), and a Philox seed and offset it reads only with dropout. ``is_causal`` is
+top-left aligned there, bottom-right in lowbit: the two agree where Sq == Sk.
 
 :func:`cudnn_decline` says why a call's math is not cuDNN's (argument, rule, value) or None where it is;
 :func:`cudnn_runtime_decline` why lowbit does not pick cuDNN by default on this machine (as torch's own SDPA
@@ -100,23 +100,34 @@ def cudnn_runtime_decline(device: torch.device) -> Optional[str]:
     return None
 
 
+def _cudnn_order(xb: Tensor) -> bool:
+    """Whether the (B, H, S, D) view ``xb`` is dense in bhsd or bshd memory order and 16-byte aligned."""
+    return (xb.is_contiguous() or xb.transpose(1, 2).is_contiguous()) and xb.data_ptr() % 16 == 0
+
+
 def _bhsd(x: Tensor, layout: str) -> Tensor:
-    """``x`` contiguous in its ``layout`` ("bhsd" / "bshd"), 16-byte aligned, as a (B, H, S, D) view."""
-    x = x.contiguous()
-    if x.data_ptr() % 16:
-        x = x.clone()
-    return to_bhsd(x, layout)
+    """``x`` in ``layout`` ("bhsd" / "bshd") as a (B, H, S, D) view cuDNN takes: as it is where it is dense in bhsd or
+    bshd memory order and aligned (a model's projections hand attention (B, H, S, D) views of (B, S, H, D) tensors),
+    else copied: into the dense order of its own strides (``torch.empty_like``, the order its gradient goes back in)
+    where that is one of the two, otherwise contiguous in ``layout``."""
+    xb = to_bhsd(x, layout)
+    if _cudnn_order(xb):
+        return xb
+    y = torch.empty_like(xb)
+    if _cudnn_order(y):
+        return y.copy_(xb)
+    return to_bhsd(x.contiguous(), layout)
 
 
 def _back(x: Tensor, layout: str) -> Tensor:
-    """A (B, H, S, D) result of cuDNN's as a contiguous tensor in ``layout`` (``to_bhsd``'s transpose undoes
-    itself)."""
-    return to_bhsd(x, layout).contiguous()
+    """A (B, H, S, D) result of cuDNN's in ``layout``, a view in the memory order cuDNN gave it (its O and dQ, dK, dV
+    take their inputs' order; ``to_bhsd``'s transpose undoes itself)."""
+    return to_bhsd(x, layout)
 
 
 def cudnn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float, layout: str):
-    """cuDNN's attention forward with its LSE (the call must pass :func:`cudnn_decline`): (out in q's layout,
-    contiguous; LSE FP32 natural log (B, H, Sq), a view of cuDNN's (B, H, Sq, 1))."""
+    """cuDNN's attention forward with its LSE (the call must pass :func:`cudnn_decline`): (out in q's layout and memory
+    order; LSE FP32 natural log (B, H, Sq), a view of cuDNN's (B, H, Sq, 1))."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout), None, True, 0.0, bool(causal), False,
         scale=float(softmax_scale))[:2]
@@ -126,8 +137,12 @@ def cudnn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scal
 def cudnn_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool,
                    softmax_scale: float, layout: str):
     """cuDNN's attention backward from the forward's ``o`` and FP32 natural-log ``lse`` (B, H, Sq) (the call must
-    pass :func:`cudnn_decline`): (dq, dk, dv), each contiguous in ``layout``, in q's dtype."""
-    dob, qb, kb, vb, ob = (_bhsd(x, layout) for x in (do, q, k, v, o))
+    pass :func:`cudnn_decline`): (dq, dk, dv) in ``layout``, each in its input's memory order, in q's dtype. cuDNN reads
+    dO in O's memory order: a dO in another is copied into it."""
+    qb, kb, vb, ob = (_bhsd(x, layout) for x in (q, k, v, o))
+    dob = to_bhsd(do, layout)
+    if dob.stride() != ob.stride():
+        dob = torch.empty_like(ob).copy_(dob)
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # (the Philox seed and offset: read with dropout)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dob, qb, kb, vb, ob, lse.contiguous().unsqueeze(-1), unused, unused, None, None, None, qb.shape[2],

@@ -890,7 +890,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                          q_scale_rows=128, k_scale_rows=64, softmax_scale=None, causal=False, window=None,
                          layout="bhsd", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                          max_seqlen_k=None, return_lse=False, out_dtype=None, config=None, v_key_order="natural",
-                         gluon_options: GluonOptions | None = None):
+                         gluon_options: GluonOptions | None = None, out_like=None):
     """Launch the forward kernel on already-prepared operands (no validation here: see api.py).
 
     q, k: 16-bit (QK_MODE 0), int8 (1) or float8_e4m3fn (2); v: 16-bit, float8_e4m3fn + v_scale, or float16
@@ -900,6 +900,8 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     (``quantize_v_fp8_triton``'s ``key_order``; ``fp8_v_key_order`` says which the call wants); a "wgmma32" V that
     the Gluon kernel cannot take is put back in natural order first (one extra pass over V). ``gluon_options``: how
     the Gluon kernel runs a dense INT8·FP8 call it takes (``_gluon.GluonOptions``; default: the measured choices).
+    ``out_like``: a tensor of q's shape whose memory order the output takes (``torch.empty_like``; e.g. the 16-bit Q
+    a quantized q was made from, a (B, H, S, D) view of a (B, S, H, D) tensor); None: contiguous.
     """
     options = gluon_options or DEFAULT_OPTIONS
     if v_key_order not in KEY_ORDERS:
@@ -911,7 +913,7 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
         gkey = (q.device.index, _signature(q), _signature(k), _signature(v), v.storage_offset(),
                 v.untyped_storage().nbytes(), _signature(q_scale), _signature(k_scale), _signature(v_scale),
                 _signature(k_mean), q_scale_rows, k_scale_rows, bool(causal), None if window is None else tuple(window),
-                bool(return_lse), out_dtype,
+                bool(return_lse), out_dtype, None if out_like is None else out_like.stride(),
                 layout, v_key_order, _gluon.mode(), options)
     if v_key_order != "natural" and gkey not in _WHY_NOT:
         if v.dtype != torch.float8_e4m3fn:
@@ -925,7 +927,13 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     pv_fp8 = v.dtype == torch.float8_e4m3fn
     if out_dtype is None:
         out_dtype = v.dtype if not pv_fp8 else torch.bfloat16
-    o = torch.empty(q.shape, device=q.device, dtype=out_dtype)
+    if out_like is None:
+        o = torch.empty(q.shape, device=q.device, dtype=out_dtype)
+    else:
+        if tuple(out_like.shape) != tuple(q.shape) or out_like.device != q.device:
+            raise ValueError(f"out_like must have q's shape {tuple(q.shape)} on {q.device}, got "
+                             f"{tuple(out_like.shape)} on {out_like.device}")
+        o = torch.empty_like(out_like, dtype=out_dtype)
     if varlen:
         lse = torch.empty(Hq, q.shape[0], device=q.device, dtype=torch.float32) if return_lse else o
         sl = (0, lse.stride(0), lse.stride(1)) if return_lse else (0, 0, 0)

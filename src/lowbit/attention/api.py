@@ -231,7 +231,7 @@ def _sdpa_call(q, k, v, *, causal, scale, layout):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(sq, sk), scale=scale, **kw)
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, **kw)
-    return o if layout == "bhsd" else o.transpose(1, 2).contiguous()
+    return o if layout == "bhsd" else o.transpose(1, 2)
 
 
 def triton_operands(q, k, v, *, qk, pv, granularity="per_block", smooth_k=True, block_q=128, block_k=64, warp_q=32,
@@ -254,8 +254,25 @@ def triton_operands(q, k, v, *, qk, pv, granularity="per_block", smooth_k=True, 
     return qa, ka, qs, ks, km, rows, (v if vq is None else vq), vs, order
 
 
-def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smooth_k, window, cu_q, cu_k, mq, mk,
-             return_lse, backend, block_q, block_k, warp_q):
+def _like(x: Tensor, ref: Tensor) -> Tensor:
+    """``x`` in the memory order ``torch.empty_like(ref)`` gives (``ref``'s own where it is dense): as it is where it
+    already has it, else copied. Attention's outputs and gradients follow their inputs' order this way, eager and
+    compiled (the operators' fakes are ``torch.empty_like``), so a model's (B, H, S, D) views of (B, S, H, D) tensors
+    get (B, S, H, D) memory back and its transpose to (B, S, H·D) stays a view."""
+    if x.stride() == ref.stride() or x.numel() <= 1:
+        return x
+    y = torch.empty_like(ref, dtype=x.dtype)
+    return x if y.stride() == x.stride() else y.copy_(x)
+
+
+def _forward(q, k, v, **opts):
+    """(out in q's memory order (``_like``), LSE or None) of ``attention`` for its checked options."""
+    out, lse = _run_forward(q, k, v, **opts)
+    return _like(out, q), lse
+
+
+def _run_forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smooth_k, window, cu_q, cu_k, mq, mk,
+                 return_lse, backend, block_q, block_k, warp_q):
     lay = "bhsd" if layout == "thd" else layout
     quant_qk = qk in ("int8", "fp8")
     out_dtype = q.dtype
@@ -291,7 +308,8 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, qk, pv, granularity, smo
     # the kernel's dequantized-q correction, which attention_qk_int8 uses since it has no q).
     res = _triton.attention_fwd_triton(qa, ka, va, q_scale=qs, k_scale=ks, v_scale=vs, k_mean=None, q_scale_rows=rows,
                                        k_scale_rows=block_k, softmax_scale=softmax_scale, causal=causal, window=window,
-                                       return_lse=return_lse, out_dtype=out_dtype, v_key_order=order, **kw)
+                                       return_lse=return_lse, out_dtype=out_dtype, v_key_order=order, out_like=q,
+                                       **kw)
     if not return_lse:
         return res, None
     out, lse = res
@@ -354,8 +372,14 @@ _AUTOGRAD_KEYS = functools.reduce(operator.or_, (torch._C.DispatchKeySet(k) for 
 
 
 def _backward(g_out, q, k, v, out, lse, o, needs):
-    """(dq, dk, dv) of ``_AttentionFn`` for the forward's options ``o``; None where ``needs`` (q, k, v) is False.
-    ``out``/``lse``: the forward's, where it kept them (``_keeps_out_lse``), else None."""
+    """(dq, dk, dv) of ``_AttentionFn`` for the forward's options ``o``, each in its input's memory order (``_like``);
+    None where ``needs`` (q, k, v) is False. ``out``/``lse``: the forward's, where it kept them (``_keeps_out_lse``),
+    else None."""
+    grads = _run_backward(g_out, q, k, v, out, lse, o, needs)
+    return [None if g is None else _like(g, t) for g, t in zip(grads, (q, k, v))]
+
+
+def _run_backward(g_out, q, k, v, out, lse, o, needs):
     fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if fused or o.get("grad") is not None:
         return _fused_backward(q, k, v, g_out, o, needs, out=out, lse=lse, backend=None if fused else "reference")
@@ -420,8 +444,9 @@ def _fused_backward(q, k, v, g_out, o, needs, *, out=None, lse=None, backend=Non
         else:
             out, lse = attention_forward(q, k, v, layout=o["layout"], **common)
     grad_format, scales, sink = o.get("grad") or (None, None, None)
-    grads = attention_backward(g_out.contiguous(), q, k, v, out, lse, layout=o["layout"], grad_format=grad_format,
-                          scales=scales, **common)  # ("thd" when varlen)
+    # (dO as it comes: the Triton backward reads any strides, cuDNN's is handed dO in O's memory order)
+    grads = attention_backward(g_out, q, k, v, out, lse, layout=o["layout"], grad_format=grad_format, scales=scales,
+                               **common)  # ("thd" when varlen)
     if grad_format is not None:
         if sink is not None:
             sink.update(dq=grads[0], dk=grads[1], dv=grads[2])
@@ -460,7 +485,8 @@ def attention_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      backend, return_lse, grad_format):
     """Attention forward with the Q·Kᵀ arithmetic ``qk`` and the resolved P·V arithmetic ``pv`` ("native" / "fp16" /
     "fp8") on ``backend`` ("reference" / "triton" / "sdpa"): (out in q's dtype and ``layout`` ("thd" when packed),
-    contiguous; LSE fp32 natural log, (B, Hq, Sq) / (Hq, Tq), or an empty tensor when ``return_lse`` is False).
+    in q's memory order (``_like``); LSE fp32 natural log, (B, Hq, Sq) / (Hq, Tq), or an empty tensor when
+    ``return_lse`` is False).
     softmax_scale None: 1/sqrt(D). ``scale_d*`` / ``grad_format``: the backward's FP8 gradient options (the forward
     only checks the scale values). Differentiable: the backward is ``lowbit::attention_bwd``."""
     o = _op_opts(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, layout)
@@ -468,7 +494,7 @@ def attention_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         check_grad_args(grad_format, _scales_of(scale_dq, scale_dk, scale_dv), None, q.device)
     out, lse = _forward(q, k, v, **o, qk=qk, pv=pv, granularity=granularity, smooth_k=smooth_k,
                         return_lse=return_lse, backend=backend, block_q=block_q, block_k=block_k, warp_q=warp_q)
-    return out.contiguous(), _lse_or_empty(lse, q, return_lse)
+    return out, _lse_or_empty(lse, q, return_lse)
 
 
 @attention_fwd_op.register_fake
@@ -476,7 +502,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq,
       softmax_scale, window, layout, qk, pv, granularity, smooth_k, block_q, block_k, warp_q, backend, return_lse,
       grad_format):
     lse = q.new_empty(lse_shape(q, layout) if return_lse else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), lse
+    return torch.empty_like(q), lse
 
 
 def _attention_fwd_setup(ctx, inputs, output):
@@ -508,7 +534,8 @@ _BWD_SCHEMA = (f"(Tensor g_out, Tensor q, Tensor k, Tensor v, Tensor? out, Tenso
 def attention_bwd_op(g_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq,
                      scale_dk, scale_dv, causal, softmax_scale, window, layout, grad_format, output_mask):
     """The gradient of 16-bit attention at q, k, v given dO = ``g_out`` (straight-through for a quantized forward):
-    (dq, dk, dv), each contiguous in its input's shape and dtype, or an empty tensor where ``output_mask`` is False.
+    (dq, dk, dv), each in its input's shape, dtype and memory order, or an empty tensor where ``output_mask`` is
+    False.
     ``out``/``lse``: the forward's when it kept them (else recomputed). CUDA float16/bfloat16 or ``grad_format``:
     the fused flash backward (FP8 gradients quantized, then dequantized); otherwise autograd through the FP32
     reference."""
@@ -516,13 +543,13 @@ def attention_bwd_op(g_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     if grad_format is not None:
         o["grad"] = (grad_format, _scales_of(scale_dq, scale_dk, scale_dv), None)
     grads = _backward(g_out, q, k, v, out, lse, o, tuple(output_mask))
-    return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
 
 
 @attention_bwd_op.register_fake
 def _(g_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale_dq, scale_dk, scale_dv,
       causal, softmax_scale, window, layout, grad_format, output_mask):
-    return tuple(t.new_empty(t.shape if n else (0,)) for t, n in zip((q, k, v), output_mask))
+    return tuple(torch.empty_like(t) if n else t.new_empty(0) for t, n in zip((q, k, v), output_mask))
 
 
 _QK_INT8_SCHEMA = ("(Tensor q_int8, Tensor k_int8, Tensor v, Tensor q_scale, Tensor k_scale, Tensor? k_mean, "
@@ -577,13 +604,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     window=(left, right) sliding window, -1 unbounded.
     backend: None (see ``select_backend``), "reference", "triton" or "sdpa" (16-bit, dense, no window/LSE; not
     with ``dropout_p > 0`` or ``grad_format``, which need lowbit's own forward).
-    Returns out (q's dtype and layout) and, with ``return_lse``, LSE fp32 natural-log (B, Hq, Sq) /
-    (Hq, Tq).  Differentiable for every variant; for INT8/FP8 forwards the backward is
-    straight-through: it computes the BF16/FP16 attention gradient from the saved high-precision
-    q, k, v (on CUDA cuDNN's backward where it computes the same math, else lowbit's fused Triton backward:
-    ``lowbit.attention.backward.backward_backend``; FP32 reference math elsewhere).  ``dropout_p > 0``
-    (16-bit only, no ``return_lse``) draws a Philox seed from torch's default generator and regenerates the same
-    mask in the backward (see ``lowbit.attention.backward``).
+    Returns out (q's dtype, layout and memory order: for (B, H, S, D) views of (B, S, H, D) tensors, a view of the
+    same kind; no input is copied for its strides on the Triton and cuDNN paths) and, with ``return_lse``, LSE fp32
+    natural-log (B, Hq, Sq) / (Hq, Tq).  Gradients come back in their inputs' memory order.  Differentiable for
+    every variant; for INT8/FP8 forwards the backward is straight-through: it computes the BF16/FP16 attention
+    gradient from the saved high-precision q, k, v (on CUDA cuDNN's backward where it computes the same math,
+    else lowbit's fused Triton backward: ``lowbit.attention.backward.backward_backend``; FP32 reference math
+    elsewhere).  ``dropout_p > 0`` (16-bit only, no ``return_lse``) draws a Philox seed from torch's default
+    generator and regenerates the same mask in the backward (see ``lowbit.attention.backward``).
 
     FP8 gradients (NUMERICS §7): ``grad_format="e4m3"|"e5m2"`` makes the backward quantize dQ, dK, dV to FP8 in its
     epilogue — ``scales=None``: one scale per row along head_dim computed there; ``scales=(scale_dq, scale_dk,

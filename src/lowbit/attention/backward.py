@@ -4,7 +4,8 @@ its LSE, autograd (the references: ``lowbit.attention.reference``).
 Conventions (shared with ``lowbit.attention.reference``):
 
 * Layouts: ``"bhsd"`` = (B, H, S, D), ``"bshd"`` = (B, S, H, D); varlen = packed (T, H, D) with
-  ``cu_seqlens_q/k`` int32 (B + 1,).  Gradients come back in the layout of their input, contiguous.
+  ``cu_seqlens_q/k`` int32 (B + 1,).  Gradients come back in the layout of their input: 16-bit ones in its memory
+  order (``torch.empty_like``), FP8 ones contiguous.
 * GQA/MQA: ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``; dK/dV of a kv head
   are the sum over the query heads of its group.
 * Causal / sliding window are bottom-right aligned; ``window=(left, right)``, -1 = unbounded.
@@ -231,7 +232,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             default autotuned (LOWBIT_AUTOTUNE=0: heuristic).
 
     Returns:
-        (dq, dk, dv) in the layout of q/k/v (contiguous), tensors or QuantizedTensors.
+        (dq, dk, dv) in the layout of q/k/v, tensors in their input's memory order (``torch.empty_like``; the
+        reference backend's contiguous) or QuantizedTensors (contiguous data).
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     check_dropout(dropout_p, seed)
@@ -317,9 +319,10 @@ def _backward_triton(do, q, k, v, o, lse, *, lay, varlen, dims, mq, mk, scale, l
     else:
         fmt_id, fmax, gdt = _FMT[grad_format]
         qmode = 1 if sc is not None else 2
-    dq = torch.empty(q.shape, device=dev, dtype=gdt)
-    dk = torch.empty(k.shape, device=dev, dtype=gdt)
-    dv = torch.empty(k.shape, device=dev, dtype=gdt)
+    if qmode == 0:  # (16-bit gradients in q's and k's memory order (dV takes dK's strides); FP8 data contiguous)
+        dq, dk, dv = (torch.empty_like(t, dtype=gdt) for t in (q, k, k))
+    else:
+        dq, dk, dv = (torch.empty(t.shape, device=dev, dtype=gdt) for t in (q, k, k))
     if qmode == 2:
         rsq = torch.empty(q.shape[:-1], device=dev, dtype=torch.float32)
         rsk = torch.empty(k.shape[:-1], device=dev, dtype=torch.float32)
@@ -406,7 +409,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
                       layout: str = "bhsd", cu_seqlens_q: Optional[Tensor] = None,
                       cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                       max_seqlen_k: Optional[int] = None, backend: Optional[str] = None, config=None):
-    """16-bit forward returning (out in q's dtype/layout, LSE FP32) for the backward.
+    """16-bit forward returning (out in q's dtype/layout, LSE FP32) for the backward; the Triton kernel's out in q's
+    memory order.
 
     backend: "triton" — without dropout the forward engineer's kernel
     (``lowbit.attention._triton.attention_fwd_triton``), with dropout this module's
@@ -447,7 +451,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
         return attention_fwd_triton(q, k, v, softmax_scale=softmax_scale, causal=causal, window=window,
                                     layout="bhsd" if varlen else layout, cu_seqlens_q=cu_seqlens_q,
                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk,
-                                    return_lse=True, out_dtype=q.dtype)
+                                    return_lse=True, out_dtype=q.dtype, out_like=q)
     import triton
 
     from . import backward_kernels as BK
