@@ -8,7 +8,6 @@ import re
 import pytest
 import torch
 
-from lowbit.models import attention_backend, set_attention, using_attention
 from lowbit.train.cli import add_train_args
 from lowbit.train.evaluate import DEFAULT_VARIANTS, evaluate_attention, main, parse_variants
 
@@ -63,7 +62,6 @@ def test_eval_api_adds_the_baseline_and_reads_a_named_file(run, small_text, cach
     assert [v["variant"] for v in r["variants"]] == ["sdpa", "int8-bf16"] and r["seq_len"] == 32
     assert r["checkpoint"].endswith("checkpoint-step2.pt") and r["windows"] == 1 and r["tokens"] == 32
     assert abs(r["variants"][1]["gap_pct"]) < 0.5
-    assert attention_backend() == "sdpa"  # the model's attention options are put back
     out = capsys.readouterr().out
     assert "[lowbit] eval sdpa: val loss" in out and "[lowbit] eval int8-bf16: val loss" in out
     assert "[lowbit] eval batch 2/2 (100%)  attention int8-bf16" in out  # progress (log lines: not a terminal)
@@ -113,15 +111,3 @@ def test_bad_input_is_one_error_line(run, small_text, cache_dir, tmp_path, capsy
     assert "argument --eval-windows: expected an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^eval_windows: must be an integer >= 1, got 0$"):
         evaluate_attention(ck, eval_windows=0)
-
-
-def test_using_attention_restores_the_options():
-    set_attention("auto", "bf16", "bf16")
-    with pytest.raises(RuntimeError), using_attention("lowbit", "int8", "fp8"):
-        assert attention_backend() == "lowbit"
-        raise RuntimeError
-    assert attention_backend() == "sdpa"
-    with pytest.raises(ValueError, match="backend: 'sdpa' cannot run quantized attention"):
-        with using_attention("sdpa", "int8", "bf16"):
-            pass
-    assert attention_backend() == "sdpa"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.models import GPT, GPTConfig, config_from_preset, set_attention
+from lowbit.models import GPT, AttentionChoice, GPTConfig, config_from_preset
 from lowbit.models import gpt as gpt_mod
 
 
@@ -60,17 +60,36 @@ def test_bad_config():
 
 
 def test_attention_swap_matches_sdpa():
+    """The model's attention is its own attribute: two models, one on SDPA and one on lowbit.attention, give the same
+    16-bit math; a bad choice is a ValueError naming the field."""
     torch.manual_seed(0)
     m = GPT(config_from_preset("tiny"))
     x = torch.randint(0, 256, (2, 64))
-    try:
-        set_attention("sdpa")
-        ref, _ = m(x)
-        set_attention("lowbit")
-        got, _ = m(x)
-        assert gpt_mod.attention_backend() == "lowbit"
-    finally:
-        set_attention("auto")
+    assert m.attention == AttentionChoice() and m.attention.runs == "sdpa"
+    ref, _ = m(x)
+    other = GPT(config_from_preset("tiny"), attention=AttentionChoice("lowbit"))
+    other.load_state_dict(m.state_dict())
+    assert other.attention.runs == "lowbit" and m.attention.runs == "sdpa"  # (no state shared between models)
+    got, _ = other(x)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert gpt_mod.attention_backend("auto", "int8", "fp8") == "lowbit"
     with pytest.raises(ValueError, match="'sdpa' cannot run quantized attention"):
-        set_attention("sdpa", qk="int8")
+        AttentionChoice("sdpa", qk="int8")
+    with pytest.raises(ValueError, match="backend: expected one of .*, got 'flash'"):
+        AttentionChoice("flash")
+    with pytest.raises(ValueError, match="qk: expected 'bf16', 'int8' or 'fp8', got 'int4'"):
+        AttentionChoice("lowbit", qk="int4")
+    with pytest.raises(ValueError, match="pv: expected 'bf16' or 'fp8', got 'fp4'"):
+        AttentionChoice(pv="fp4")
+
+
+def test_using_attention_restores_the_choice():
+    m = GPT(config_from_preset("tiny"))
+    with pytest.raises(RuntimeError), m.using_attention(AttentionChoice("lowbit", "int8", "fp8")):
+        assert m.attention.runs == "lowbit"
+        raise RuntimeError
+    assert m.attention == AttentionChoice()
+    with pytest.raises(TypeError, match="attention: expected an AttentionChoice, got tuple"):
+        with m.using_attention(("lowbit", "int8", "fp8")):
+            pass
+    assert m.attention == AttentionChoice()

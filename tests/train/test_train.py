@@ -365,3 +365,17 @@ def test_deterministic_mode_is_set_for_the_run_and_restored(tmp_path, small_text
     parse = add_train_args(argparse.ArgumentParser()).parse_args
     assert config_from_args(parse(["--deterministic"])).deterministic
     assert not config_from_args(parse([])).deterministic
+
+
+def test_train_with_quantized_attention_and_a_bad_choice(tmp_path, small_text, cache_dir):
+    """`attention="lowbit", attn_qk="int8"`: the run's model runs lowbit.attention (the summary says which) and its loss
+    goes down; a choice the model cannot run fails before any work with a ValueError naming the field."""
+    s = train(TrainConfig(steps=4, batch_size=2, seq_len=32, data=small_text, cache_dir=cache_dir,
+                          out_dir=str(tmp_path / "q"), eval_windows=1, progress=False, verbose=False, save_final=False,
+                          attention="lowbit", attn_qk="int8"))
+    assert s["attention"] == "lowbit"
+    ls = _losses(s)
+    assert all(math.isfinite(v) for v in ls) and ls[-1] < ls[0], ls
+    with pytest.raises(ValueError, match="backend: 'sdpa' cannot run quantized attention"):
+        train(TrainConfig(steps=1, data=small_text, cache_dir=cache_dir, out_dir=str(tmp_path / "bad"),
+                          progress=False, verbose=False, attention="sdpa", attn_qk="int8"))

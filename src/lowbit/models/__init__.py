@@ -3,13 +3,11 @@
 from .gpt import (
     GPT,
     PRESETS,
+    AttentionChoice,
     GPTConfig,
     attend,
     attention_backend,
     config_from_preset,
-    set_attention,
-    using_attention,
 )
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "config_from_preset", "attend", "attention_backend", "set_attention",
-           "using_attention"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "config_from_preset", "attend", "AttentionChoice", "attention_backend"]

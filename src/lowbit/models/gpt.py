@@ -32,7 +32,7 @@ from ..nn.functional import rope_grad_sink
 from ..ops.residual import norm_input_link, residual_add
 from ..ops.rope import rope_qkv
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend", "using_attention"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "config_from_preset", "attend", "AttentionChoice", "attention_backend"]
 
 
 @dataclass(frozen=True)
@@ -107,31 +107,44 @@ def config_from_preset(name: str, **overrides) -> GPTConfig:
 # ------------------------------------------------------------------------------------------------
 # Attention: one small function, so the kernel behind it is trivial to swap.
 # ------------------------------------------------------------------------------------------------
-_ATTENTION_OPTS = {"backend": "auto", "qk": "bf16", "pv": "bf16"}
+ATTENTION_BACKENDS = ("auto", "lowbit", "sdpa")
 
 
-def set_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> None:
-    """Choose the attention used by :func:`attend`: ``"lowbit"`` (lowbit.attention), ``"sdpa"`` (torch), or
-    ``"auto"``: lowbit.attention when ``qk``/``pv`` ask for quantized attention, else SDPA (the same 16-bit math).
-    ``qk``/``pv`` are passed to lowbit.attention."""
-    if (qk, pv) != ("bf16", "bf16") and backend == "sdpa":
-        raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={qk!r}, pv={pv!r}); use "
-                         "'auto' or 'lowbit'")
-    if backend not in ("auto", "lowbit", "sdpa"):
-        raise ValueError(f"backend: expected 'auto', 'lowbit' or 'sdpa', got {backend!r}")
-    _ATTENTION_OPTS.update(backend=backend, qk=qk, pv=pv)
+@dataclass(frozen=True)
+class AttentionChoice:
+    """Which attention a :class:`GPT` runs (its ``attention`` attribute; ``lowbit train --attention --attn-qk
+    --attn-pv``). A bad value is a ValueError naming the field."""
+
+    backend: str = "auto"
+    """``"lowbit"`` (lowbit.attention), ``"sdpa"`` (torch's), or ``"auto"``: lowbit.attention when ``qk``/``pv`` ask for
+    quantized attention, else SDPA (the same 16-bit math)."""
+    qk: str = "bf16"
+    """The Q·Kᵀ arithmetic lowbit.attention runs: ``"bf16"``, ``"int8"`` or ``"fp8"``."""
+    pv: str = "bf16"
+    """The P·V arithmetic lowbit.attention runs: ``"bf16"`` or ``"fp8"``."""
+
+    def __post_init__(self):
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"backend: expected one of {ATTENTION_BACKENDS}, got {self.backend!r}")
+        if self.qk not in ("bf16", "int8", "fp8"):
+            raise ValueError(f"qk: expected 'bf16', 'int8' or 'fp8', got {self.qk!r}")
+        if self.pv not in ("bf16", "fp8"):
+            raise ValueError(f"pv: expected 'bf16' or 'fp8', got {self.pv!r}")
+        if (self.qk, self.pv) != ("bf16", "bf16") and self.backend == "sdpa":
+            raise ValueError(f"backend: 'sdpa' cannot run quantized attention (qk={self.qk!r}, pv={self.pv!r}); use "
+                             "'auto' or 'lowbit'")
+
+    @property
+    def runs(self) -> str:
+        """The attention :func:`attend` runs for this choice: ``"lowbit"`` or ``"sdpa"``."""
+        if self.backend == "auto":  # 16-bit attention is the same math either way; SDPA has the fused backward
+            return "lowbit" if (self.qk, self.pv) != ("bf16", "bf16") else "sdpa"
+        return self.backend
 
 
-@contextlib.contextmanager
-def using_attention(backend: str = "auto", qk: str = "bf16", pv: str = "bf16"):
-    """:func:`set_attention` for the body of a ``with`` block; the options in force before are put back on exit,
-    exceptions included."""
-    before = dict(_ATTENTION_OPTS)
-    set_attention(backend, qk, pv)
-    try:
-        yield
-    finally:
-        _ATTENTION_OPTS.update(before)
+def attention_backend(backend: str = "auto", qk: str = "bf16", pv: str = "bf16") -> str:
+    """The attention :func:`attend` runs for these :class:`AttentionChoice` fields: ``"lowbit"`` or ``"sdpa"``."""
+    return AttentionChoice(backend, qk, pv).runs
 
 
 def _lowbit_attention():
@@ -142,24 +155,14 @@ def _lowbit_attention():
     return attention
 
 
-def attention_backend(backend: str | None = None, qk: str | None = None, pv: str | None = None) -> str:
-    """The attention :func:`attend` runs: ``"lowbit"`` or ``"sdpa"``; for the :func:`set_attention` options given, the
-    ones in force for those left None."""
-    b = _ATTENTION_OPTS["backend"] if backend is None else backend
-    qk = _ATTENTION_OPTS["qk"] if qk is None else qk
-    pv = _ATTENTION_OPTS["pv"] if pv is None else pv
-    if b == "auto":  # 16-bit attention is the same math either way; SDPA has the fused backward
-        return "lowbit" if qk != "bf16" or pv != "bf16" else "sdpa"
-    return b
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on (batch, heads, seq, head_dim) tensors."""
-    if attention_backend() == "lowbit":
-        fn = _lowbit_attention()
-        return fn(q, k, v, causal=True, layout="bhsd", qk=_ATTENTION_OPTS["qk"], pv=_ATTENTION_OPTS["pv"])
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, choice: AttentionChoice | None = None) -> torch.Tensor:
+    """Causal attention on (batch, heads, seq, head_dim) tensors, by ``choice`` (None: the default
+    :class:`AttentionChoice`, SDPA)."""
+    choice = choice or AttentionChoice()
+    if choice.runs == "lowbit":
+        return _lowbit_attention()(q, k, v, causal=True, layout="bhsd", qk=choice.qk, pv=choice.pv)
     # torch's own backend order (not lowbit.attention's explicit cuDNN-first one): on H100/H200 with cuDNN >= 9.9
-    # torch puts cuDNN first itself; see the models/gpt.py row of docs/ARCHITECTURE.md
+    # torch puts cuDNN first itself
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -202,10 +205,11 @@ class Block(nn.Module):
                                     activation=cfg.mlp,
                                     fused_swiglu=True)
 
-    def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None, link=None):
+    def forward(self, x, rope=None, is_first_microbatch=None, rstd=None, next_norm=None, link=None, attention=None):
         """x (B, T, C) -> (x', rstd', link'): ``rstd`` / ``link`` optional RMSNorm statistics of x and the norm-backward
         link for ``qkv``'s norm; ``next_norm``: the module whose norm reads x' next (the next block's ``qkv``), for
-        which rstd' and link' are made (see :func:`_residual`). The residual adds are
+        which rstd' and link' are made (see :func:`_residual`); ``attention``: the :class:`AttentionChoice` (None:
+        the default). The residual adds are
         :func:`lowbit.ops.residual.residual_add` (one kernel on CUDA, with the statistics and link when asked for;
         its backward then runs the following norm's backward too)."""
         B, T, C = x.shape
@@ -220,18 +224,22 @@ class Block(nn.Module):
             q, k, v = rope_qkv(qkv, *rope, grad_sink=rope_grad_sink(self.qkv))
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        y = attend(q, k, v).transpose(1, 2).reshape(B, T, C)
+        y = attend(q, k, v, attention).transpose(1, 2).reshape(B, T, C)
         fm = is_first_microbatch
         x, rstd, link = _residual(x, self.proj(y, is_first_microbatch=fm), self.mlp, fm)
         return _residual(x, self.mlp(x, is_first_microbatch=fm, input_rstd=rstd, input_norm_link=link), next_norm, fm)
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over bytes. ``forward(idx, targets=None)`` returns ``(logits, loss)``."""
+    """Decoder-only transformer over bytes. ``forward(idx, targets=None)`` returns ``(logits, loss)``.
 
-    def __init__(self, cfg: GPTConfig):
+    ``attention``: the :class:`AttentionChoice` every block runs (None: the default, SDPA); a plain attribute, set it
+    or use :meth:`using_attention` to swap it (not part of the weights or of ``config``)."""
+
+    def __init__(self, cfg: GPTConfig, attention: AttentionChoice | None = None):
         super().__init__()
         self.config = cfg
+        self.attention = attention or AttentionChoice()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -268,6 +276,19 @@ class GPT(nn.Module):
                 if p.dim() == 2 and tuple(p.shape) == (self.config.d_model, self.config.ffn_hidden):
                     nn.init.normal_(p, 0.0, out_std)
 
+    @contextlib.contextmanager
+    def using_attention(self, attention: AttentionChoice):
+        """``attention`` for the body of a ``with`` block; the choice in force before is put back on exit, exceptions
+        included."""
+        if not isinstance(attention, AttentionChoice):
+            raise TypeError(f"attention: expected an AttentionChoice, got {type(attention).__name__}")
+        before = self.attention
+        self.attention = attention
+        try:
+            yield
+        finally:
+            self.attention = before
+
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
@@ -287,7 +308,7 @@ class GPT(nn.Module):
         rstd = link = None
         for i, blk in enumerate(self.blocks):
             nxt = self.blocks[i + 1].qkv if i + 1 < len(self.blocks) else None
-            x, rstd, link = blk(x, rope, is_first_microbatch, rstd, nxt, link)
+            x, rstd, link = blk(x, rope, is_first_microbatch, rstd, nxt, link, self.attention)
         logits = self.head(self.norm_f(x))
         loss = None
         if targets is not None:

@@ -25,7 +25,7 @@ import torch
 
 from .. import recipes as lrecipes
 from ..attention import select_backend
-from ..models import GPT, GPTConfig, using_attention
+from ..models import GPT, AttentionChoice, GPTConfig
 from . import checkpoint as ckpt
 from .cli import command_errors, positive_int
 from .data import check_writable_dir, load_corpus
@@ -52,7 +52,7 @@ ATTENTION_VARIANTS = {
     "fp8-fp8": ("lowbit", "fp8", "fp8"),
     "bf16-fp8": ("lowbit", "bf16", "fp8"),
 }
-"""Variant name (``<qk>-<pv>``, or ``sdpa``) -> the ``(backend, qk, pv)`` of :func:`lowbit.models.set_attention`,
+"""Variant name (``<qk>-<pv>``, or ``sdpa``) -> the ``(backend, qk, pv)`` of :class:`lowbit.models.AttentionChoice`,
 which ``lowbit train --attention --attn-qk --attn-pv`` set."""
 
 BASELINE = "sdpa"
@@ -180,7 +180,7 @@ def evaluate_attention(checkpoint: str | os.PathLike, variants=DEFAULT_VARIANTS,
                     sync()  # (the bar shows finished batches, not queued ones)
                     bar.update(j * n + i, attention=name)
 
-            with using_attention(backend, qk, pv):
+            with model.using_attention(AttentionChoice(backend, qk, pv)):
                 validation_loss(model, corpus, offsets[:batch_size], seq_len, batch_size, d, amp, quantized)
                 ckpt.apply_state(model, None, ck["model"], None)
                 if recipe is not None:

@@ -24,7 +24,7 @@ import torch
 
 from .. import distributed
 from .. import recipes as _recipes
-from ..models import GPT, attention_backend, config_from_preset, set_attention
+from ..models import GPT, AttentionChoice, config_from_preset
 from ..runtime import env
 from . import checkpoint as ckpt
 from .data import check_writable_dir, load_corpus
@@ -504,11 +504,16 @@ def train(config: TrainConfig) -> dict:
     return summary
 
 
+def _attention_choice(c: TrainConfig) -> AttentionChoice:
+    """The model's attention from ``attention`` / ``attn_qk`` / ``attn_pv`` (a ValueError naming the bad one)."""
+    return AttentionChoice(c.attention, c.attn_qk, c.attn_pv)
+
+
 def _build(c: TrainConfig, d: Dist):
     mcfg = config_from_preset(c.model, max_seq_len=max(c.seq_len, config_from_preset(c.model).max_seq_len),
                               mlp=c.mlp, pos=c.pos, norm=c.norm, tie_weights=c.tie_weights)
     torch.manual_seed(c.seed)
-    model = GPT(mcfg).to(d.device)
+    model = GPT(mcfg, attention=_attention_choice(c)).to(d.device)
     return mcfg, model
 
 
@@ -945,7 +950,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
     if c.bf16_all_gather and not computes_in_bf16(c.dtype, d.device):
         raise ValueError(f"bf16_all_gather: True needs the BF16 compute dtype; dtype={c.dtype!r} computes in FP32 on "
                          f"{d.device.type} (pass dtype='bf16')")
-    set_attention(c.attention, c.attn_qk, c.attn_pv)
+    _attention_choice(c)  # (a bad choice fails here, before any work)
     if c.ckpt_every or c.save_final:  # fail now, not after the run, when the checkpoint cannot be written
         check_writable_dir(c.out_dir, "out_dir")
     corpus = load_corpus(c.data, c.cache_dir, verbose=c.verbose and d.main)
@@ -1040,7 +1045,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         bar = Progress(total=c.steps, initial=start, desc=f"{c.model}/{c.recipe}")
     _say(d, c, f"[lowbit] train {c.model} ({raw.num_params() / 1e6:.2f}M non-embedding params) recipe={c.recipe} "
                f"device={d.device} world={d.world}{' fsdp' if fsdp else ''} "
-               f"attention={attention_backend()} "
+               f"attention={raw.attention.runs} "
                f"tokens/step={tokens_per_step} steps={start}->{c.steps}", bar)
 
     # the weights quantized once a step and reused by its later micro-batches (is_first_microbatch); not under
@@ -1443,7 +1448,7 @@ def _train_run(c: TrainConfig, stop: _StopRequest) -> dict:
         "fp8_all_gather": bool(c.fp8_all_gather and fsdp),
         "bf16_all_gather": bool(c.bf16_all_gather and fsdp), "compile": c.compile, "deterministic": c.deterministic,
         "compile_mode": c.compile_mode,
-        "attention": attention_backend(),
+        "attention": raw.attention.runs,
         "compute_dtype": "bf16" if use_bf16 else "fp32", "cuda_graph": use_graph, "step_profile": step_profile,
         "checkpoint": str(ck_path) if ck_path.exists() else None, "out_dir": str(out),
         "data": corpus.meta,
