@@ -11,7 +11,7 @@ import torch
 from nn_helpers import lowbit_ops, recording_backend
 
 import lowbit
-from lowbit.nn.convert import NORM_NOT_FUSED
+from lowbit.nn.convert import NORM_NOT_FUSED, QKV_NOT_FUSED
 from lowbit.recipes import from_name
 
 transformers = pytest.importorskip("transformers")
@@ -36,18 +36,23 @@ def _gemma():
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL, head_dim=16))
 
 
+def _qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, head_dim=16))
+
+
 def _gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128,
                                                                  n_positions=64, bos_token_id=0, eos_token_id=0))
 
 
 MODELS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma": _gemma, "gpt2": _gpt2}
+QKV_MODELS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3}
 GATED = ("llama", "mistral", "qwen2")
 
 
 def _model(name):
     torch.manual_seed(0)
-    m = MODELS[name]()
+    m = {**MODELS, **QKV_MODELS}[name]()
     m.config.use_cache = False
     return m.eval()  # (no dropout: GPT-2's is 0.1 by default)
 
@@ -68,7 +73,7 @@ def _grads(model):
 def test_converted_equals_original_outside_autocast(name):
     ref = _model(name)
     model = copy.deepcopy(ref)
-    s = lowbit.convert(model, fuse_mlp=True)
+    s = lowbit.convert(model, fuse_mlp=True, fuse_qkv=True)
     ids = _ids()
     l_ref, l_new = _loss(ref, ids), _loss(model, ids)
     assert torch.equal(l_ref, l_new)
@@ -94,6 +99,16 @@ def _grads_in_hf_layout(model, grads):
             g1 = grads.pop(pre + "fc1_weight")
             out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = g1[:f], g1[f:]
             out[pre + "down_proj.weight"] = grads.pop(pre + "fc2_weight")
+        elif isinstance(m, lowbit.nn.QKVLinear):
+            g = grads.pop(pre + "weight")
+            out[pre + "weight"] = g[m.rows(0)]
+            par = mname.rpartition(".")[0]
+            for i, n in ((1, "k_proj"), (2, "v_proj")):
+                out[f"{par}.{n}.weight"] = g[m.rows(i)]
+            if m.bias is not None:
+                b = grads.pop(pre + "bias")
+                for i, n in enumerate(("q_proj", "k_proj", "v_proj")):
+                    out[f"{par}.{n}.bias"] = b[m.rows(i)]
         elif isinstance(m, lowbit.nn.Conv1DLinear):
             out[pre + "weight"] = grads.pop(pre + "weight").t()
     out.update(grads)
@@ -189,7 +204,7 @@ def test_gated_mlp_fused_and_summary(name):
     assert isinstance(deferred, lowbit.nn.DeferredRMSNorm) and mlp.norm is deferred
     assert deferred.weight is norm_weight and deferred.variance_epsilon == 1e-6
     assert "applied by the MLP after it" in repr(deferred) and "normalizes its input" in repr(mlp)
-    assert dict(not_fused)["model.layers.0.self_attn"].startswith("QKV not fused")
+    assert dict(not_fused)["model.layers.0.self_attn"] == QKV_NOT_FUSED
     assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.nn.Linear)
     assert "model.layers.0.post_attention_layernorm" not in dict(s.kept)
     assert "norm" in dict(s.kept)["model.layers.0.input_layernorm"]
@@ -442,3 +457,124 @@ def test_gpu_moved_norm_runs_in_the_quantizer():
     b.backward(g)
     assert torch.equal(x.grad, x2.grad) and torch.equal(norm.weight.grad, ref.layer_norm_weight.grad)
     assert torch.equal(mlp.fc1_weight.grad, ref.fc1_weight.grad)
+
+
+# ----------------------------------------------------------------------------- fuse_qkv
+@pytest.mark.parametrize("name", list(QKV_MODELS))
+def test_qkv_fused_equals_original_outside_autocast(name):
+    """``fuse_qkv``: outside autocast the three parts are the HF GEMMs (bit-identical logits and gradients, each
+    gradient in its rows of the fused weight); the state_dict keeps the HF keys both ways."""
+    ref = _model(name)
+    model = copy.deepcopy(ref)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    s = lowbit.convert(model, fuse_qkv=True)
+    at = model.model.layers[0].self_attn
+    assert isinstance(at.q_proj, lowbit.nn.QKVLinear) and isinstance(at.k_proj, lowbit.nn.QKVPart)
+    assert at.k_proj.fused is at.q_proj and at.q_proj.sizes == (64, 32, 32) and at.q_proj.weight is not q
+    assert ("model.layers.0.self_attn", "q_proj + k_proj + v_proj -> one QKVLinear (one GEMM inside autocast)") in (
+        s.fused)
+    assert "model.layers.0.self_attn.q_proj" in s.new_parameters and s.not_fused == []
+    ids = _ids()
+    l_ref, l_new = _loss(ref, ids), _loss(model, ids)
+    assert torch.equal(l_ref, l_new)
+    l_ref.backward()
+    l_new.backward()
+    g_ref, g_new = _grads(ref), _grads_in_hf_layout(model, _grads(model))
+    assert g_new.keys() == g_ref.keys()
+    for k, g in g_new.items():
+        assert torch.equal(g, g_ref[k]), k
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    assert {k for k in sd if not k.endswith("_extra_state")} == set(sd_ref)
+    for k, v in sd_ref.items():
+        assert torch.equal(sd[k], v), k
+    torch.manual_seed(7)
+    other = QKV_MODELS[name]().eval()
+    lowbit.convert(other, fuse_qkv=True)
+    other.load_state_dict(sd_ref, strict=False)  # an HF checkpoint into a fused model
+    back = QKV_MODELS[name]().eval()
+    back.load_state_dict({k: v for k, v in other.state_dict().items() if not k.endswith("_extra_state")})
+    assert torch.equal(back(input_ids=ids).logits, ref(input_ids=ids).logits)
+    bad = dict(sd_ref)
+    del bad["model.layers.0.self_attn.k_proj.weight"]
+    bad["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*self_attn\.k_proj\.weight(.|\n)*size mismatch for "
+                                           r"model\.layers\.0\.self_attn\.v_proj\.weight"):
+        other.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_qkv_fused_runs_one_gemm_inside_autocast(name, monkeypatch):
+    """Inside autocast the attention's three projections run as one quantized GEMM a layer (its input quantized once),
+    the parts take their columns of it, and nothing is held after the forward; it trains (finite gradients, logits
+    near the unconverted model's, as ``test_converted_trains_in_autocast`` bounds them)."""
+    from lowbit.nn import hf_modules
+
+    ref = _model(name)
+    model = copy.deepcopy(ref)
+    lowbit.convert(model, fuse_qkv=True)
+    calls = []
+    real = hf_modules.quantized_linear
+    monkeypatch.setattr(hf_modules, "quantized_linear", lambda x, w, *a, **k: calls.append(tuple(w.shape))
+                        or real(x, w, *a, **k))
+    ids = _ids()
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        out = model(input_ids=ids, labels=ids)
+    assert calls == [(128, 64)] * 2  # one [q; k; v] GEMM in each of the two layers
+    assert all(layer.self_attn.q_proj._pending is None for layer in model.model.layers)
+    out.loss.backward()
+    logits_ref = ref(input_ids=ids).logits
+    assert ((out.logits.float() - logits_ref).norm() / logits_ref.norm()).item() < 0.1
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    # a part called on another input, or twice, runs the GEMM again (never a stale output)
+    at = model.model.layers[0].self_attn
+    x, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    calls.clear()
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        q = at.q_proj(x)
+        k = at.k_proj(y)
+        k2 = at.k_proj(y)
+        v = at.v_proj(y)
+    assert len(calls) == 3 and at.q_proj._pending is not None  # (x's q taken; y's output still waits for its q)
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        fused_y = hf_modules.quantized_linear(y, at.q_proj.weight, at.q_proj.bias, at.q_proj._gemms[""])
+    assert q.shape == (2, 5, 64) and torch.equal(k, fused_y[..., 64:96]) and torch.equal(k2, k)
+    assert torch.equal(v, fused_y[..., 96:])
+
+
+def test_qkv_not_fused_reasons():
+    s = lowbit.convert(_model("gemma"), fuse_qkv=True)
+    assert dict(s.not_fused)["model.layers.0.self_attn"].startswith("QKV not fused: GemmaAttention is not one of "
+                                                                    "ATTENTION_CLASSES")
+    model = _model("llama")
+    s = lowbit.convert(model, fuse_qkv=True, skip="*.1.self_attn.k_proj")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.nn.QKVLinear)
+    assert type(model.model.layers[1].self_attn.k_proj) is torch.nn.Linear
+    assert isinstance(model.model.layers[1].self_attn.q_proj, lowbit.nn.Linear)
+    assert dict(s.not_fused)["model.layers.1.self_attn"] == ("QKV not fused: model.layers.1.self_attn.k_proj kept in "
+                                                             "high precision: skip pattern '*.1.self_attn.k_proj'")
+    assert lowbit.convert(_model("llama")).not_fused == []  # (nothing asked, nothing reported)
+    with pytest.raises(TypeError, match="fuse_qkv: expected a bool, got 1"):
+        lowbit.convert(_model("llama"), fuse_qkv=1)
+    lin = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match=r"q, k, v: expected one input width and a bias on all or none, got "
+                                         r"in_features \[8, 8, 6\]"):
+        lowbit.nn.QKVLinear.fuse(lin, lin, torch.nn.Linear(6, 4))
+    with pytest.raises(TypeError, match="q, k, v: expected three torch.nn.Linear"):
+        lowbit.nn.QKVLinear.fuse(lin, lin, torch.nn.ReLU())
+    with pytest.raises(ValueError, match="part: expected 1 \\(k_proj\\) or 2 \\(v_proj\\), got 0"):
+        lowbit.nn.QKVPart(lowbit.nn.QKVLinear.fuse(lin, lin, lin)[0], 0)
+
+
+def test_qkv_fused_llama_compiles():
+    torch.compiler.reset()
+    model = _model("llama")
+    lowbit.convert(model, fuse_mlp=True, fuse_qkv=True)
+    ids = _ids()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with lowbit.autocast(recipe=from_name("fp8-block")):
+        eager = model(input_ids=ids).logits
+        comp = compiled(input_ids=ids).logits
+    assert torch.equal(eager, comp)
+    assert all(layer.self_attn.q_proj._pending is None for layer in model.model.layers)
+    torch.compiler.reset()

@@ -6,12 +6,14 @@ The call timed is the prefill ``generate()`` makes: ``model(input_ids, use_cache
 ``torch.inference_mode()``, one batch of ``--batch`` prompts of ``--seq-len`` random tokens, on a random-init BF16
 model built from a fixed seed (nothing downloaded; Llama 3 shapes, GQA). Every variant builds its model afresh.
 
-Variants (``--variants``, comma-separated; each ``[<recipe>+]<attention>``):
+Variants (``--variants``, comma-separated; each ``[<recipe>[:fused]+]<attention>``):
 
 * attention ``sdpa``: transformers' SDPA (torch picks cuDNN or flash); ``int8-fp8`` / ``int8-bf16``: lowbit's
   attention with INT8 Q·Kᵀ and FP8 / BF16 P·V (:func:`lowbit.integrations.transformers.use`);
 * ``<recipe>+``: ``lowbit.convert(model)`` and the forward inside ``lowbit.autocast(recipe=<recipe>)`` (the linears'
-  GEMMs in FP8 or FP4; the weights are quantized at every call, as an inference user without cached copies has them).
+  GEMMs in FP8 or FP4; the weights are quantized at every call, as an inference user without cached copies has them);
+  ``<recipe>:fused+``: the same with ``lowbit.convert(model, fuse_mlp=True, fuse_qkv=True)`` (one GEMM for each
+  attention's Q, K, V and for each MLP's gate and up, lowbit's fused SwiGLU).
 
 Columns: **TTFT ms**: median over ``--reps`` calls, each waited for; **queued ms**: the mean of ``--reps`` calls back
 to back; **host ms**: the median time until Python has enqueued one call (before its wait); **x sdpa**: the ``sdpa``
@@ -56,16 +58,20 @@ ATTENTIONS = {"sdpa": None, "int8-fp8": ("int8", "fp8"), "int8-bf16": ("int8", "
 DEFAULT_VARIANTS = "sdpa,int8-fp8,int8-bf16,fp8-block+sdpa,fp8-block+int8-fp8"
 
 
-def parse_variant(v: str) -> tuple[str | None, str]:
-    """``"[<recipe>+]<attention>"`` -> (recipe or None, attention); ValueError naming the rule otherwise."""
+def parse_variant(v: str) -> tuple[str | None, str, bool]:
+    """``"[<recipe>[:fused]+]<attention>"`` -> (recipe or None, attention, fused); ValueError naming the rule
+    otherwise."""
     from ..recipes import QUANTIZED_NAMES
 
     recipe, _, attn = v.rpartition("+")
     if attn not in ATTENTIONS:
         raise ValueError(f"--variants: {v!r}: the attention must be one of {', '.join(ATTENTIONS)}, got {attn!r}")
-    if recipe and recipe not in QUANTIZED_NAMES:
+    recipe, colon, how = recipe.partition(":")
+    if colon and how != "fused":
+        raise ValueError(f"--variants: {v!r}: after the recipe only ':fused' may follow, got {colon + how!r}")
+    if (recipe or colon) and recipe not in QUANTIZED_NAMES:
         raise ValueError(f"--variants: {v!r}: the recipe must be one of {', '.join(QUANTIZED_NAMES)}, got {recipe!r}")
-    return recipe or None, attn
+    return recipe or None, attn, bool(colon)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,7 +136,7 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     from ..nn import autocast, convert
     from ..recipes import from_name
 
-    recipe, attn = parse_variant(name)
+    recipe, attn, fused = parse_variant(name)
     dev = cfg["device"]
     row = {"variant": name, "recipe": recipe, "attention": attn}
     model = None
@@ -138,8 +144,10 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         model = build_model(cfg["model"], cfg["seq"], dev)
         ctx = contextlib.nullcontext
         if recipe is not None:
-            summary = convert(model)
+            summary = convert(model, fuse_mlp=fused, fuse_qkv=fused)
             row["converted"] = len(summary.converted)
+            if fused:
+                row["fused"] = len(summary.fused)
             ctx = functools.partial(autocast, recipe=from_name(recipe))
         stats = None
         if ATTENTIONS[attn] is not None:

@@ -7,7 +7,8 @@
   per the recipe inside autocast; bit-identical to their torch counterparts outside.
 * :func:`convert` — swap a model's ``nn.Linear`` layers in place (and transformers' ``Conv1D`` for
   :class:`Conv1DLinear`; with ``fuse_mlp``, HF gated MLPs for :class:`SwiGLUMLP`, their RMSNorm moved in and a
-  :class:`DeferredRMSNorm` in its place).
+  :class:`DeferredRMSNorm` in its place; with ``fuse_qkv``, HF attentions' q/k/v projections for one
+  :class:`QKVLinear` and its :class:`QKVPart` s).
 * :func:`fp8_all_gather` — FSDP2 gathers the FP8 copies of lowbit weights instead of their high-precision shards.
 * :func:`bf16_all_gather` — FSDP2 gathers lowbit weights in BF16 for a BF16-autocast forward (no recipe).
 * :class:`NonFiniteAmaxError`, :func:`nonfinite_events` — the NaN sentry.
@@ -18,7 +19,7 @@ from .base import LowbitModule, name_modules
 from .convert import ConvertSummary, convert
 from .fsdp import bf16_all_gather, fp8_all_gather
 from .functional import quantized_linear
-from .hf_modules import Conv1DLinear, DeferredRMSNorm, SwiGLUMLP
+from .hf_modules import Conv1DLinear, DeferredRMSNorm, QKVLinear, QKVPart, SwiGLUMLP
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
@@ -47,6 +48,8 @@ __all__ = [
     "LayerNormMLP",
     "Conv1DLinear",
     "SwiGLUMLP",
+    "QKVLinear",
+    "QKVPart",
     "DeferredRMSNorm",
     "MultiheadAttention",
     "LowbitModule",

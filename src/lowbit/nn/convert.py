@@ -11,12 +11,12 @@ import torch
 
 from ..recipes import NVFP4BlockScaling, Recipe
 from .base import name_modules
-from .hf_modules import HF_RMSNORM_CLASSES, Conv1DLinear, DeferredRMSNorm, SwiGLUMLP, is_hf_conv1d
+from .hf_modules import HF_RMSNORM_CLASSES, Conv1DLinear, DeferredRMSNorm, QKVLinear, SwiGLUMLP, is_hf_conv1d
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
 __all__ = ["convert", "ConvertSummary", "DEFAULT_SKIP", "NVFP4_HIGH_PRECISION_TAIL", "GATED_MLP_CLASSES",
-           "DECODER_LAYER_CLASSES", "NORM_NOT_FUSED", "QKV_NOT_FUSED"]
+           "DECODER_LAYER_CLASSES", "ATTENTION_CLASSES", "NORM_NOT_FUSED", "QKV_NOT_FUSED"]
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "output_head", "*.output_head")
 """Name patterns kept in high precision by default (the output head)."""
@@ -41,12 +41,13 @@ NORM_NOT_FUSED = (
 )
 """Why :func:`convert` leaves a Hugging Face RMSNorm out of the fused MLP (and QKV) modules."""
 
-QKV_NOT_FUSED = (
-    "QKV not fused: the attention forward calls q_proj, k_proj and v_proj itself (RoPE, GQA, KV cache, the attention "
-    "interface); fusing them needs a new attention forward, not a module swap (each projection is converted as a "
-    "Linear)"
-)
-"""Why :func:`convert` does not fuse a Hugging Face attention's q/k/v projections."""
+ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+"""transformers attention classes (by name) whose forward calls ``q_proj``, ``k_proj`` and ``v_proj`` once each on
+one input, and reads nothing else of them: the ones ``fuse_qkv`` may fuse."""
+
+QKV_NOT_FUSED = "QKV not fused: fuse_qkv is False (opt-in: q_proj's Parameters become one [q; k; v] copy)"
+"""Why :func:`convert` leaves a Hugging Face attention's q/k/v projections apart without ``fuse_qkv`` (each is
+converted as a Linear)."""
 
 
 def _is_norm(m) -> bool:
@@ -168,7 +169,8 @@ def _matches(name: str, patterns) -> str | None:
 
 
 def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_high_precision_blocks="auto",
-            *, keep_output_head: bool = True, fuse_norms: bool = True, fuse_mlp: bool = False) -> ConvertSummary:
+            *, keep_output_head: bool = True, fuse_norms: bool = True, fuse_mlp: bool = False,
+            fuse_qkv: bool = False) -> ConvertSummary:
     """Swap the ``torch.nn.Linear`` layers of ``model`` for :class:`lowbit.nn.Linear`, in place.
 
     Parameters are *shared*, not copied (the optimizer, tied weights and the RNG are untouched), except where a
@@ -191,7 +193,14 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
       FP32 output never written) and a :class:`lowbit.nn.DeferredRMSNorm` holding its weight takes its place (the
       state_dict keys stay). Not fused, with the reason in ``summary.not_fused``: Gemma's MLPs (GELU-tanh, not SiLU:
       lowbit's fused gate is silu(a)·b), MLPs with a part kept in high precision, other norms
-      (:data:`NORM_NOT_FUSED`) and attention QKV (:data:`QKV_NOT_FUSED`).
+      (:data:`NORM_NOT_FUSED`).
+    * ``fuse_qkv=True`` (opt-in: it replaces Parameters) fuses the ``q_proj``, ``k_proj`` and ``v_proj`` of each
+      attention of :data:`ATTENTION_CLASSES` into one :class:`lowbit.nn.QKVLinear` (weight [q; k; v], copied; in
+      ``q_proj``'s place, ``k_proj`` and ``v_proj`` :class:`lowbit.nn.QKVPart` s reading its rows): inside autocast
+      the attention's three projections of one input run as one quantized GEMM, the input quantized once; outside,
+      bit-identical to the three; the ``state_dict`` keeps the HF keys. Not fused, with the reason in
+      ``summary.not_fused`` (with ``fuse_mlp`` or ``fuse_qkv``): other attention classes, a part kept in high
+      precision, or without ``fuse_qkv`` (:data:`QKV_NOT_FUSED`).
 
     Kept in high precision (and listed in the summary with the reason):
 
@@ -224,7 +233,8 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     for p in skip:
         if not isinstance(p, str):
             raise TypeError(f"skip: expected name patterns (str), got {p!r}")
-    for name, v in (("keep_output_head", keep_output_head), ("fuse_norms", fuse_norms), ("fuse_mlp", fuse_mlp)):
+    for name, v in (("keep_output_head", keep_output_head), ("fuse_norms", fuse_norms), ("fuse_mlp", fuse_mlp),
+                    ("fuse_qkv", fuse_qkv)):
         if not isinstance(v, bool):  # a truthy non-bool (e.g. "no") would silently mean True
             raise TypeError(f"{name}: expected a bool, got {v!r}")
     _check_keep(keep_high_precision_blocks)
@@ -300,6 +310,8 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
 
     if fuse_mlp:
         fused |= _fuse_gated_mlps(model, summary, reason_to_keep, parent_of, fuse_norms)
+    if fuse_mlp or fuse_qkv:
+        fused |= _fuse_qkvs(model, summary, reason_to_keep, fuse_qkv)
 
     for name, lin in linears:
         if name in fused:
@@ -343,19 +355,24 @@ def _fuse(norm, lin: torch.nn.Linear) -> LayerNormLinear:
     return m
 
 
+def _linear_group(name: str, m: torch.nn.Module, attrs: tuple) -> tuple[list, list]:
+    """(qualified names, modules) of ``m``'s children ``attrs`` where each is a plain ``nn.Linear``, else ([], [])."""
+    lins = [getattr(m, n, None) for n in attrs]
+    if not all(type(p) is torch.nn.Linear for p in lins):
+        return [], []
+    return [f"{name}.{n}" if name else n for n in attrs], lins
+
+
 def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, fuse_norms: bool) -> set:
     """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
     Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
     done = set()
     for name, m in list(model.named_modules()):
-        parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
-            summary.not_fused.append((name, QKV_NOT_FUSED))
-        if not all(type(p) is torch.nn.Linear for p in parts):
+        sub, parts = _linear_group(name, m, ("gate_proj", "up_proj", "down_proj"))
+        if not parts:
             continue
         cls = type(m).__name__
         act = getattr(m, "act_fn", None)
-        sub = [f"{name}.{n}" if name else n for n in ("gate_proj", "up_proj", "down_proj")]
         if cls not in GATED_MLP_CLASSES:
             why = f"{cls} is not one of GATED_MLP_CLASSES (forward not known to be down(act(gate(x)) * up(x)))"
         elif not _is_silu(act):
@@ -385,4 +402,39 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, 
         else:
             summary.not_fused.append((name, NORM_NOT_FUSED))
         summary.new_parameters.append(name)
+    return done
+
+
+def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, enabled: bool) -> set:
+    """Each HF attention with ``q_proj``, ``k_proj``, ``v_proj`` ``nn.Linear`` s: fused into a :class:`QKVLinear`
+    where ``enabled`` (``fuse_qkv``) and it can be, else the reason in ``summary.not_fused``; the qualified names of
+    the Linears fused (the others stay for the Linear pass)."""
+    done = set()
+    for name, m in list(model.named_modules()):
+        sub, lins = _linear_group(name, m, ("q_proj", "k_proj", "v_proj"))
+        if not lins:
+            continue
+        cls = type(m).__name__
+        keep = [(n, reason_to_keep(n, p)) for n, p in zip(sub, lins)]
+        keep = [(n, r) for n, r in keep if r]
+        if not enabled:
+            why = QKV_NOT_FUSED
+        elif cls not in ATTENTION_CLASSES:
+            why = (f"QKV not fused: {cls} is not one of ATTENTION_CLASSES (forward not known to call q_proj, k_proj "
+                   "and v_proj once each on one input)")
+        elif keep:
+            why = f"QKV not fused: {keep[0][0]} kept in high precision: {keep[0][1]}"
+        elif len({p.in_features for p in lins}) != 1 or len({p.bias is None for p in lins}) != 1:
+            why = "QKV not fused: q_proj, k_proj and v_proj differ in input width or in having a bias"
+        else:
+            why = None
+        if why:
+            summary.not_fused.append((name, why))
+            continue
+        m.q_proj, m.k_proj, m.v_proj = QKVLinear.fuse(*lins)
+        done.update(sub)
+        summary.converted.append((sub[0], "QKVLinear (q_proj with k_proj and v_proj fused in, a new Parameter)"))
+        summary.converted += [(n, "QKVPart (its rows of the QKVLinear)") for n in sub[1:]]
+        summary.fused.append((name, "q_proj + k_proj + v_proj -> one QKVLinear (one GEMM inside autocast)"))
+        summary.new_parameters.append(sub[0])
     return done

@@ -1,12 +1,15 @@
 """lowbit stand-ins for Hugging Face transformers layers that :func:`lowbit.convert` swaps in.
 
 * :class:`Conv1DLinear` — GPT-2's ``Conv1D`` (``y = x @ W + b``, W stored (in, out)).
+* :class:`QKVLinear` — a Llama / Mistral / Qwen2 / Qwen3 attention's ``q_proj`` with ``k_proj`` and ``v_proj`` fused
+  into it (one [q; k; v] GEMM inside autocast), ``k_proj`` / ``v_proj`` replaced by :class:`QKVPart` s that hand out
+  their columns of that one output.
 * :class:`SwiGLUMLP` — the Llama / Mistral / Qwen2 gated MLP ``down(silu(gate(x)) * up(x))`` with gate and up as one
   fc1 = [gate; up], so the fused SwiGLU path of :class:`LayerNormMLP` applies inside autocast; optionally with the
   decoder layer's RMSNorm before it moved in (:meth:`SwiGLUMLP.take_norm`), its place held by a
   :class:`DeferredRMSNorm`.
 
-Both keep the Hugging Face module's ``state_dict`` keys and shapes (a checkpoint of the original model loads into the
+All keep the Hugging Face modules' ``state_dict`` keys and shapes (a checkpoint of the original model loads into the
 converted one and back); transformers is never imported (the original classes are recognised by name).
 """
 
@@ -22,7 +25,8 @@ from .layernorm_linear import check_module_args, check_norm_input
 from .layernorm_mlp import quantized_swiglu_branch
 from .linear import Linear
 
-__all__ = ["Conv1DLinear", "DeferredRMSNorm", "HF_RMSNORM_CLASSES", "SwiGLUMLP", "hf_rms_norm", "is_hf_conv1d"]
+__all__ = ["Conv1DLinear", "DeferredRMSNorm", "HF_RMSNORM_CLASSES", "QKVLinear", "QKVPart", "SwiGLUMLP", "hf_rms_norm",
+           "is_hf_conv1d"]
 
 _EXTRA = "_extra_state"
 
@@ -122,6 +126,149 @@ class Conv1DLinear(Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", from Conv1D (state_dict weight (in, out))"
+
+
+class QKVLinear(Linear):
+    """:class:`lowbit.nn.Linear` standing in for a Hugging Face attention's ``q_proj``, with ``k_proj`` and ``v_proj``
+    fused into it: ``weight`` = [Wq; Wk; Wv] ((nq + nk + nv, hidden), a copy: a new Parameter), ``bias`` likewise.
+    The attention's ``k_proj`` and ``v_proj`` become :class:`QKVPart` s that read from it (:meth:`fuse`).
+
+    The attention forward calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on one ``x``. Inside autocast the first of
+    the three calls runs one quantized GEMM for all three (``x`` quantized once) and each call returns its columns
+    of that output (a view); the output is dropped once all three have taken theirs, and a call on another input (or
+    a second call of the same part) runs the GEMM again. Outside autocast each part is ``F.linear`` on its rows of the
+    weight (contiguous slices: the GEMMs of the Hugging Face modules, bit-identical values and gradients).
+
+    ``state_dict()`` keeps the Hugging Face keys and shapes: ``weight`` / ``bias`` here are q_proj's rows (plus
+    ``_extra_state``), the parts store theirs under their own names.
+    """
+
+    @classmethod
+    def fuse(cls, q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear):
+        """(QKVLinear, k part, v part) for three ``nn.Linear`` of one input width, all with bias or none: the weights
+        (and biases) copied into one, requires_grad kept; RNG untouched."""
+        lins = (q, k, v)
+        if not all(type(m) is torch.nn.Linear for m in lins):
+            raise TypeError(f"q, k, v: expected three torch.nn.Linear, got {[type(m).__name__ for m in lins]}")
+        if len({m.in_features for m in lins}) != 1 or len({m.bias is None for m in lins}) != 1:
+            raise ValueError(f"q, k, v: expected one input width and a bias on all or none, got in_features "
+                             f"{[m.in_features for m in lins]}, biases {[m.bias is not None for m in lins]}")
+        if len({(m.weight.dtype, m.weight.device) for m in lins}) != 1:
+            raise ValueError(f"q, k, v: expected one dtype and device, got "
+                             f"{[(str(m.weight.dtype), str(m.weight.device)) for m in lins]}")
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.sizes = tuple(x.out_features for x in lins)
+        m.in_features, m.out_features = q.in_features, sum(m.sizes)
+        with torch.no_grad():
+            m.weight = torch.nn.Parameter(torch.cat([x.weight for x in lins]), requires_grad=q.weight.requires_grad)
+            m.bias = None if q.bias is None else torch.nn.Parameter(torch.cat([x.bias for x in lins]),
+                                                                    requires_grad=q.bias.requires_grad)
+        m._pending = None
+        m.train(q.training)
+        m._init_gemms("")
+        return m, QKVPart(m, 1), QKVPart(m, 2)
+
+    def rows(self, part: int) -> slice:
+        """The rows of ``weight`` (and ``bias``) of part 0 (q), 1 (k) or 2 (v)."""
+        start = sum(self.sizes[:part])
+        return slice(start, start + self.sizes[part])
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """q_proj's output (see the class); ``is_first_microbatch`` as :meth:`Linear.forward`."""
+        return self.part(input, 0, is_first_microbatch)
+
+    def part(self, input: torch.Tensor, part: int, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """The output of part 0 (q), 1 (k) or 2 (v) for ``input`` (see the class)."""
+        check_microbatch_arg(is_first_microbatch)
+        st = _ac.get_state()
+        r = self.rows(part)
+        if not st.enabled:
+            return F.linear(input, self.weight[r], None if self.bias is None else self.bias[r])
+        pending = self._pending
+        if pending is None or pending[0] is not input or pending[2][part]:
+            y = quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
+            pending = (input, y, (False, False, False))
+        done = tuple(d or i == part for i, d in enumerate(pending[2]))
+        self._pending = None if all(done) else (pending[0], pending[1], done)
+        return pending[1][..., r]
+
+    def _hf_tensors(self, part: int) -> dict:
+        """HF state_dict key (relative to the part's module) -> the view of ``weight`` / ``bias`` it maps to."""
+        r = self.rows(part)
+        out = {"weight": self.weight[r]}
+        if self.bias is not None:
+            out["bias"] = self.bias[r]
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        save_views(self._hf_tensors(0), destination, prefix, keep_vars)
+        destination[prefix + _EXTRA] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        load_views(self._hf_tensors(0), state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+        if prefix + _EXTRA in state_dict:
+            self.set_extra_state(state_dict[prefix + _EXTRA])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, q/k/v out_features={self.sizes}, bias={self.bias is not None} "
+                "(q_proj with k_proj and v_proj fused in; HF state_dict)")
+
+
+class QKVPart(torch.nn.Module):
+    """``k_proj`` (part 1) or ``v_proj`` (part 2) of a :class:`QKVLinear`: calling it returns that part's columns of
+    the fused projection (see :class:`QKVLinear`). It holds no Parameter (its rows are the QKVLinear's); its
+    ``state_dict`` keeps the Hugging Face ``weight`` / ``bias`` keys and shapes, read from and written to those rows."""
+
+    def __init__(self, fused: QKVLinear, part: int):
+        super().__init__()
+        if part not in (1, 2):
+            raise ValueError(f"part: expected 1 (k_proj) or 2 (v_proj), got {part!r}")
+        self._fused = (fused,)  # (a tuple: not a submodule, so the Parameters have one owner)
+        self.part = part
+        self.in_features, self.out_features = fused.in_features, fused.sizes[part]
+
+    @property
+    def fused(self) -> QKVLinear:
+        """The :class:`QKVLinear` whose rows this part is."""
+        return self._fused[0]
+
+    def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return self.fused.part(input, self.part, is_first_microbatch)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        save_views(self.fused._hf_tensors(self.part), destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        load_views(self.fused._hf_tensors(self.part), state_dict, prefix, strict, missing_keys, unexpected_keys,
+                   error_msgs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{('k', 'v')[self.part - 1]} rows of the q_proj QKVLinear")
+
+
+def save_views(tensors: dict, destination, prefix: str, keep_vars: bool) -> None:
+    """``state_dict`` entries ``prefix + key`` for views of Parameters (detached unless ``keep_vars``)."""
+    for k, t in tensors.items():
+        destination[prefix + k] = t if keep_vars else t.detach()
+
+
+def load_views(tensors: dict, state_dict, prefix: str, strict: bool, missing_keys, unexpected_keys,
+               error_msgs) -> None:
+    """``load_state_dict`` into views of Parameters: each ``prefix + key`` copied in (shape mismatches reported as
+    torch reports its own), missing and (strict) unexpected keys under the module's prefix reported."""
+    for k, t in tensors.items():
+        key = prefix + k
+        if key in state_dict:
+            _copy_into(t, state_dict[key], key, error_msgs)
+        elif strict:
+            missing_keys.append(key)
+    if strict:  # (no child modules: every other key under the prefix is this module's, and unexpected)
+        known = set(tensors) | {_EXTRA}
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
 
 
 class SwiGLUMLP(LowbitModule, torch.nn.Module):
