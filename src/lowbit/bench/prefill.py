@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import json
 import statistics
 import sys
@@ -191,7 +192,8 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         log(f"[bench prefill] {name}: {row['status']}")
     finally:
-        model = None  # (freed before the next variant builds its own)
+        model = None
+        gc.collect()  # (lowbit modules and their GEMM state are reference cycles: freed here, each peak its own)
         if dev == "cuda":
             torch.cuda.empty_cache()
     return row

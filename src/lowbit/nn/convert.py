@@ -50,6 +50,20 @@ QKV_NOT_FUSED = "QKV not fused: fuse_qkv is False (opt-in: q_proj's Parameters b
 converted as a Linear)."""
 
 
+def _is_linear(m) -> bool:
+    return type(m) is torch.nn.Linear or is_hf_conv1d(m)
+
+
+def _modules(model: torch.nn.Module, names: list):
+    """(name, module) for each of ``names`` still in ``model``, looked up as it comes: a pass that replaces modules
+    holds no reference to the ones it replaced (their Parameters are freed as it goes, not when it ends)."""
+    for name in names:
+        try:
+            yield name, model.get_submodule(name)
+        except AttributeError:  # (inside a module replaced earlier in the pass)
+            continue
+
+
 def _is_norm(m) -> bool:
     return isinstance(m, _NORM_TYPES) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
 
@@ -256,11 +270,11 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
             f"of one type) to pick blocks from, got {keep_high_precision_blocks!r}"
         )
 
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear or is_hf_conv1d(m)]
+    names = [n for n, m in model.named_modules() if _is_linear(m)]  # (names only: fused modules are freed as they go)
     head = None
     if keep_output_head:
-        heads = [n for n, _ in linears if _matches(n, DEFAULT_SKIP)]
-        head = set(heads) if heads else ({linears[-1][0]} if linears else set())
+        heads = [n for n in names if _matches(n, DEFAULT_SKIP)]
+        head = set(heads) if heads else ({names[-1]} if names else set())
     else:
         head = set()
 
@@ -289,7 +303,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     # Norm -> Linear pairs inside Sequentials
     fused = set()
     if fuse_norms:
-        for sname, seq in list(model.named_modules()):
+        for sname, seq in _modules(model, [n for n, _ in model.named_modules()]):
             if not isinstance(seq, torch.nn.Sequential):
                 continue
             kids = list(seq._modules.items())
@@ -313,8 +327,8 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     if fuse_mlp or fuse_qkv:
         fused |= _fuse_qkvs(model, summary, reason_to_keep, fuse_qkv)
 
-    for name, lin in linears:
-        if name in fused:
+    for name, lin in _modules(model, names):
+        if name in fused or not _is_linear(lin):
             continue
         why = reason_to_keep(name, lin)
         if why:
@@ -367,7 +381,7 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, 
     """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
     Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
     done = set()
-    for name, m in list(model.named_modules()):
+    for name, m in _modules(model, [n for n, _ in model.named_modules()]):
         sub, parts = _linear_group(name, m, ("gate_proj", "up_proj", "down_proj"))
         if not parts:
             continue
@@ -410,7 +424,7 @@ def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, enabled: bool) ->
     where ``enabled`` (``fuse_qkv``) and it can be, else the reason in ``summary.not_fused``; the qualified names of
     the Linears fused (the others stay for the Linear pass)."""
     done = set()
-    for name, m in list(model.named_modules()):
+    for name, m in _modules(model, [n for n, _ in model.named_modules()]):
         sub, lins = _linear_group(name, m, ("q_proj", "k_proj", "v_proj"))
         if not lins:
             continue
