@@ -93,9 +93,10 @@ def test_on_nonfinite_reaches_the_lowbit_variants(capsys, monkeypatch):
     assert policies == ["off", "off"]  # (one autocast a step of the lowbit variant; none for bf16)
 
 
-def test_fuse_mlp_reaches_convert(capsys, monkeypatch):
-    """--fuse-mlp converts the lowbit variants with fuse_mlp=True (their MLPs SwiGLUMLPs with the norm moved in), and
-    the header says so; without it convert's default."""
+def test_fuse_flags_reach_convert(capsys, monkeypatch):
+    """--fuse-mlp / --fuse-qkv convert the lowbit variants with fuse_mlp / fuse_qkv (their MLPs SwiGLUMLPs with the
+    norm moved in, their attentions' projections QKVLinears), and the header says so; without them convert's
+    defaults."""
     import lowbit.nn
 
     seen = []
@@ -103,16 +104,20 @@ def test_fuse_mlp_reaches_convert(capsys, monkeypatch):
 
     def spy(model, *a, **k):
         s = real(model, *a, **k)
-        seen.append((k.get("fuse_mlp"), sum(isinstance(m, lowbit.nn.SwiGLUMLP) and m.norm is not None
-                                            for m in model.modules())))
+        seen.append((k.get("fuse_mlp"), k.get("fuse_qkv"),
+                     sum(isinstance(m, lowbit.nn.SwiGLUMLP) and m.norm is not None for m in model.modules()),
+                     sum(isinstance(m, lowbit.nn.QKVLinear) for m in model.modules())))
         return s
 
     monkeypatch.setattr(lowbit.nn, "convert", spy)
-    for flag in ([], ["--fuse-mlp"]):
-        rc = main(["bench", "model", "--device", "cpu", "--variants", "fp8-current", "--steps", "2", *flag])
+    for flags in ([], ["--fuse-mlp"], ["--fuse-qkv"]):
+        rc = main(["bench", "model", "--device", "cpu", "--variants", "fp8-current", "--steps", "2", *flags])
         text = capsys.readouterr().out
-        assert rc == 0 and f"fuse_mlp={bool(flag)}" in text and "| fp8-current |" in text
-    assert seen[0] == (False, 0) and seen[1][0] is True and seen[1][1] > 0
+        assert rc == 0 and "| fp8-current |" in text
+        assert f"fuse_mlp={'--fuse-mlp' in flags}, fuse_qkv={'--fuse-qkv' in flags}" in text
+    assert seen[0] == (False, False, 0, 0)
+    assert seen[1][:2] == (True, False) and seen[1][2] > 0 and seen[1][3] == 0
+    assert seen[2][:2] == (False, True) and seen[2][2] == 0 and seen[2][3] > 0
 
 
 def test_rounds_alternate_the_variants(capsys):

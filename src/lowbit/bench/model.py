@@ -23,7 +23,8 @@ Variants:
 
 The lowbit variants run with lowbit's NaN sentry as a user gets it (``on_nonfinite="raise"``); ``--on-nonfinite
 off`` measures them without it (torchao has none). They convert with ``lowbit.convert``'s defaults; ``--fuse-mlp``
-converts each gated MLP into a ``lowbit.nn.SwiGLUMLP`` with the RMSNorm before it moved in.
+converts each gated MLP into a ``lowbit.nn.SwiGLUMLP`` with the RMSNorm before it moved in, ``--fuse-qkv`` each
+attention's q, k, v projections into one ``lowbit.nn.QKVLinear``.
 
 A variant that raises is reported as ``failed: <type>: <message>`` and the benchmark goes on.
 
@@ -135,6 +136,9 @@ def parse_args(argv):
     p.add_argument("--fuse-mlp", action="store_true",
                    help="convert the lowbit variants with lowbit.convert(..., fuse_mlp=True): each gated MLP a "
                         "SwiGLUMLP with its RMSNorm moved in (fused into fc1's quantizer under fp8-block)")
+    p.add_argument("--fuse-qkv", action="store_true",
+                   help="convert the lowbit variants with lowbit.convert(..., fuse_qkv=True): each attention's q, k, "
+                        "v projections one QKVLinear (one GEMM inside autocast)")
     p.add_argument("--rounds", type=int, default=1,
                    help="split each variant's timed steps into this many rounds that alternate between the variants "
                         "(all built and warmed up first, all live at once: no peak memory); default 1: one variant "
@@ -200,7 +204,7 @@ def resolve(args) -> dict:
                          "--no-isolate or --rounds 1")
     return dict(device=device, model=model, variants=variants, compile_on_cpu=args.compile_on_cpu,
                 size=None if device == "cpu" else args.size, on_nonfinite=args.on_nonfinite, rounds=args.rounds,
-                fuse_mlp=args.fuse_mlp, isolate=isolate, **run)
+                fuse_mlp=args.fuse_mlp, fuse_qkv=args.fuse_qkv, isolate=isolate, **run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,7 +275,8 @@ class _VariantRun:
             torch.compiler.reset()  # each variant compiles its own fresh model, from a clean cache
         self.model = build_model(self.cfg["model"], self.cfg["seq"], device)
         if self.recipe is not None:
-            lowbit.nn.convert(self.model, recipe=self.recipe, fuse_mlp=self.cfg.get("fuse_mlp", False))
+            lowbit.nn.convert(self.model, recipe=self.recipe, fuse_mlp=self.cfg.get("fuse_mlp", False),
+                              fuse_qkv=self.cfg.get("fuse_qkv", False))
         if self.base == "torchao":
             _torchao_convert(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg["lr"], fused=device == "cuda")
@@ -461,7 +466,8 @@ def header(cfg: dict) -> str:
             f"batch {cfg['batch']} x seq {cfg['seq']}; {cfg['steps']} steps, median over the last "
             f"{cfg['steps'] - cfg['warmup']}{_rounds_note(cfg)}; FP32 params, bf16 autocast, AdamW lr "
             f"{cfg['lr']:g}; lowbit's NaN sentry: on_nonfinite={cfg['on_nonfinite']!r}; "
-            f"lowbit.convert fuse_mlp={cfg.get('fuse_mlp', False)}; {_inductor_launcher(cfg)}")
+            f"lowbit.convert fuse_mlp={cfg.get('fuse_mlp', False)}, fuse_qkv={cfg.get('fuse_qkv', False)}; "
+            f"{_inductor_launcher(cfg)}")
 
 
 def _rounds_note(cfg: dict) -> str:
