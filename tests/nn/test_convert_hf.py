@@ -562,6 +562,14 @@ def test_qkv_not_fused_reasons():
         lowbit.nn.QKVLinear.fuse(lin, lin, torch.nn.Linear(6, 4))
     with pytest.raises(TypeError, match="q, k, v: expected three torch.nn.Linear"):
         lowbit.nn.QKVLinear.fuse(lin, lin, torch.nn.ReLU())
+    fresh = lowbit.nn.QKVLinear(8, (4, 2, 2))
+    x = torch.randn(3, 8)
+    assert fresh.weight.shape == (8, 8) and fresh.sizes == (4, 2, 2)
+    assert torch.equal(lowbit.nn.QKVPart(fresh, 2)(x), torch.nn.functional.linear(x, fresh.weight[6:], fresh.bias[6:]))
+    with pytest.raises(ValueError, match=r"sizes: expected three positive ints \(nq, nk, nv\), got \(4, 0, 2\)"):
+        lowbit.nn.QKVLinear(8, (4, 0, 2))
+    with pytest.raises(TypeError, match="use QKVLinear.fuse"):
+        lowbit.nn.QKVLinear.from_linear(lin)
     with pytest.raises(ValueError, match="part: expected 1 \\(k_proj\\) or 2 \\(v_proj\\), got 0"):
         lowbit.nn.QKVPart(lowbit.nn.QKVLinear.fuse(lin, lin, lin)[0], 0)
 

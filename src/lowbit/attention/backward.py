@@ -5,7 +5,7 @@ Conventions (shared with ``lowbit.attention.reference``):
 
 * Layouts: ``"bhsd"`` = (B, H, S, D), ``"bshd"`` = (B, S, H, D); varlen = packed (T, H, D) with
   ``cu_seqlens_q/k`` int32 (B + 1,).  Gradients come back in the layout of their input: 16-bit ones in its memory
-  order (``torch.empty_like``), FP8 ones contiguous.
+  order (``torch.empty_like``; the Triton backward writes dV in K's), FP8 ones contiguous.
 * GQA/MQA: ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``; dK/dV of a kv head
   are the sum over the query heads of its group.
 * Causal / sliding window are bottom-right aligned; ``window=(left, right)``, -1 = unbounded.
@@ -233,7 +233,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 
     Returns:
         (dq, dk, dv) in the layout of q/k/v, tensors in their input's memory order (``torch.empty_like``; the
-        reference backend's contiguous) or QuantizedTensors (contiguous data).
+        Triton backend's dV in K's, the reference backend's contiguous) or QuantizedTensors (contiguous data).
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     check_dropout(dropout_p, seed)

@@ -143,6 +143,19 @@ class QKVLinear(Linear):
     ``_extra_state``), the parts store theirs under their own names.
     """
 
+    def __init__(self, in_features: int, sizes, bias: bool = True, device=None, dtype=None):
+        """A fresh one (``torch.nn.Linear``'s init) of ``in_features`` inputs and ``sizes`` = (nq, nk, nv) output
+        features; :meth:`fuse` builds one from three existing projections."""
+        if not (isinstance(sizes, (tuple, list)) and len(sizes) == 3
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
+            raise ValueError(f"sizes: expected three positive ints (nq, nk, nv), got {sizes!r}")
+        super().__init__(in_features, sum(sizes), bias=bias, device=device, dtype=dtype)
+        self.sizes, self._pending = tuple(sizes), None
+
+    @classmethod
+    def from_linear(cls, lin):
+        raise TypeError("QKVLinear.from_linear: a QKVLinear is made of three projections: use QKVLinear.fuse(q, k, v)")
+
     @classmethod
     def fuse(cls, q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear):
         """(QKVLinear, k part, v part) for three ``nn.Linear`` of one input width, all with bias or none: the weights
