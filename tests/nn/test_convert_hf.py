@@ -521,6 +521,15 @@ def test_qkv_fused_runs_one_gemm_inside_autocast(name, monkeypatch):
         out = model(input_ids=ids, labels=ids)
     assert calls == [(128, 64)] * 2  # one [q; k; v] GEMM in each of the two layers
     assert all(layer.self_attn.q_proj._pending is None for layer in model.model.layers)
+    nodes, todo = set(), [out.loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in nodes:
+            nodes.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+    # (the three parts' gradients meet in one split's backward a layer: one concatenation into dy, no zero-filled
+    # slices summed)
+    assert sum(type(fn).__name__ == "SplitWithSizesBackward0" for fn in nodes) == 2
     out.loss.backward()
     logits_ref = ref(input_ids=ids).logits
     assert ((out.logits.float() - logits_ref).norm() / logits_ref.norm()).item() < 0.1

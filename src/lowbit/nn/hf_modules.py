@@ -201,10 +201,11 @@ class QKVLinear(Linear):
         pending = self._pending
         if pending is None or pending[0] is not input or pending[2][part]:
             y = quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
-            pending = (input, y, (False, False, False))
+            # (one split: the three gradients meet in one backward node, concatenated once into dy)
+            pending = (input, y.split(self.sizes, dim=-1), (False, False, False))
         done = tuple(d or i == part for i, d in enumerate(pending[2]))
         self._pending = None if all(done) else (pending[0], pending[1], done)
-        return pending[1][..., r]
+        return pending[1][part]
 
     def _hf_tensors(self, part: int) -> dict:
         """HF state_dict key (relative to the part's module) -> the view of ``weight`` / ``bias`` it maps to."""
