@@ -216,14 +216,10 @@ class QKVLinear(Linear):
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        save_views(self._hf_tensors(0), destination, prefix, keep_vars)
-        destination[prefix + _EXTRA] = self.get_extra_state()
+        _save_views(self, self._hf_tensors(0), destination, prefix, keep_vars)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        load_views(self._hf_tensors(0), state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
-        if prefix + _EXTRA in state_dict:
-            self.set_extra_state(state_dict[prefix + _EXTRA])
+    def _load_from_state_dict(self, *args):
+        _load_views(self, self._hf_tensors(0), *args)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, q/k/v out_features={self.sizes}, bias={self.bias is not None} "
@@ -252,35 +248,42 @@ class QKVPart(torch.nn.Module):
         return self.fused.part(input, self.part, is_first_microbatch)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        save_views(self.fused._hf_tensors(self.part), destination, prefix, keep_vars)
+        _save_views(self, self.fused._hf_tensors(self.part), destination, prefix, keep_vars)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        load_views(self.fused._hf_tensors(self.part), state_dict, prefix, strict, missing_keys, unexpected_keys,
-                   error_msgs)
+    def _load_from_state_dict(self, *args):
+        _load_views(self, self.fused._hf_tensors(self.part), *args)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{('k', 'v')[self.part - 1]} rows of the q_proj QKVLinear")
 
 
-def save_views(tensors: dict, destination, prefix: str, keep_vars: bool) -> None:
-    """``state_dict`` entries ``prefix + key`` for views of Parameters (detached unless ``keep_vars``)."""
+def _save_views(module, tensors: dict, destination, prefix: str, keep_vars: bool) -> None:
+    """``module``'s ``state_dict`` entries: ``prefix + key`` for each view of its Parameters in ``tensors`` (detached
+    unless ``keep_vars``), and a lowbit module's ``_extra_state``."""
     for k, t in tensors.items():
         destination[prefix + k] = t if keep_vars else t.detach()
+    if isinstance(module, LowbitModule):
+        destination[prefix + _EXTRA] = module.get_extra_state()
 
 
-def load_views(tensors: dict, state_dict, prefix: str, strict: bool, missing_keys, unexpected_keys,
-               error_msgs) -> None:
-    """``load_state_dict`` into views of Parameters: each ``prefix + key`` copied in (shape mismatches reported as
-    torch reports its own), missing and (strict) unexpected keys under the module's prefix reported."""
+def _load_views(module, tensors: dict, state_dict, prefix: str, local_metadata, strict: bool, missing_keys,
+                unexpected_keys, error_msgs) -> None:
+    """``module._load_from_state_dict`` for a module whose state is ``tensors`` (views of Parameters, by relative
+    key): its load pre-hooks run, each ``prefix + key`` is copied in (shape mismatches reported as torch reports its
+    own), a lowbit module's ``_extra_state`` is set, and missing and (strict) unexpected keys under ``prefix`` are
+    reported (the module has no children: every other key there is its own)."""
+    for hook in module._load_state_dict_pre_hooks.values():
+        hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
     for k, t in tensors.items():
         key = prefix + k
         if key in state_dict:
             _copy_into(t, state_dict[key], key, error_msgs)
         elif strict:
             missing_keys.append(key)
-    if strict:  # (no child modules: every other key under the prefix is this module's, and unexpected)
+    if isinstance(module, LowbitModule) and prefix + _EXTRA in state_dict:
+        module.set_extra_state(state_dict[prefix + _EXTRA])
+    if strict:
         known = set(tensors) | {_EXTRA}
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
 
@@ -406,26 +409,10 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for k, t in self._hf_tensors().items():
-            destination[prefix + k] = t if keep_vars else t.detach()
-        destination[prefix + _EXTRA] = self.get_extra_state()
+        _save_views(self, self._hf_tensors(), destination, prefix, keep_vars)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        for hook in self._load_state_dict_pre_hooks.values():
-            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        known = {_EXTRA}
-        for k, t in self._hf_tensors().items():
-            key = prefix + k
-            known.add(k)
-            if key in state_dict:
-                _copy_into(t, state_dict[key], key, error_msgs)
-            elif strict:
-                missing_keys.append(key)
-        if prefix + _EXTRA in state_dict:
-            self.set_extra_state(state_dict[prefix + _EXTRA])
-        if strict:  # (no child modules: every other key under the prefix is this module's, and unexpected)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
+    def _load_from_state_dict(self, *args):
+        _load_views(self, self._hf_tensors(), *args)
 
     def extra_repr(self) -> str:
         moved = f", normalizes its input ({self.norm.norm_type})" if self._norm else ""
