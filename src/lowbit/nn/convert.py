@@ -54,10 +54,11 @@ def _is_linear(m) -> bool:
     return type(m) is torch.nn.Linear or is_hf_conv1d(m)
 
 
-def _modules(model: torch.nn.Module, names: list):
-    """(name, module) for each of ``names`` still in ``model``, looked up as it comes: a pass that replaces modules
-    holds no reference to the ones it replaced (their Parameters are freed as it goes, not when it ends)."""
-    for name in names:
+def _modules(model: torch.nn.Module, names: list | None = None):
+    """(name, module) for each of ``names`` (None: every module's) still in ``model``, looked up as it comes: a pass
+    that replaces modules holds no reference to the ones it replaced (their Parameters are freed as it goes, not when
+    it ends)."""
+    for name in [n for n, _ in model.named_modules()] if names is None else names:
         try:
             yield name, model.get_submodule(name)
         except AttributeError:  # (inside a module replaced earlier in the pass)
@@ -303,7 +304,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     # Norm -> Linear pairs inside Sequentials
     fused = set()
     if fuse_norms:
-        for sname, seq in _modules(model, [n for n, _ in model.named_modules()]):
+        for sname, seq in _modules(model):
             if not isinstance(seq, torch.nn.Sequential):
                 continue
             kids = list(seq._modules.items())
@@ -377,11 +378,21 @@ def _linear_group(name: str, m: torch.nn.Module, attrs: tuple) -> tuple[list, li
     return [f"{name}.{n}" if name else n for n in attrs], lins
 
 
+def _kept(sub: list, lins: list, reason_to_keep) -> str | None:
+    """"<name> kept in high precision: <reason>" for the first of the Linears ``lins`` (named ``sub``) convert keeps,
+    or None."""
+    for n, p in zip(sub, lins):
+        r = reason_to_keep(n, p)
+        if r:
+            return f"{n} kept in high precision: {r}"
+    return None
+
+
 def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, fuse_norms: bool) -> set:
     """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
     Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
     done = set()
-    for name, m in _modules(model, [n for n, _ in model.named_modules()]):
+    for name, m in _modules(model):
         sub, parts = _linear_group(name, m, ("gate_proj", "up_proj", "down_proj"))
         if not parts:
             continue
@@ -393,9 +404,7 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, 
             why = (f"activation {type(act).__name__} is not SiLU (lowbit's fused gate computes silu(a)·b; "
                    "Gemma uses GELU-tanh)")
         else:
-            keep = [(n, reason_to_keep(n, p)) for n, p in zip(sub, parts)]
-            keep = [(n, r) for n, r in keep if r]
-            why = f"{keep[0][0]} kept in high precision: {keep[0][1]}" if keep else None
+            why = _kept(sub, parts, reason_to_keep)
         if why:
             summary.not_fused.append((name, "gated MLP not fused: " + why))
             continue
@@ -424,20 +433,18 @@ def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, enabled: bool) ->
     where ``enabled`` (``fuse_qkv``) and it can be, else the reason in ``summary.not_fused``; the qualified names of
     the Linears fused (the others stay for the Linear pass)."""
     done = set()
-    for name, m in _modules(model, [n for n, _ in model.named_modules()]):
+    for name, m in _modules(model):
         sub, lins = _linear_group(name, m, ("q_proj", "k_proj", "v_proj"))
         if not lins:
             continue
         cls = type(m).__name__
-        keep = [(n, reason_to_keep(n, p)) for n, p in zip(sub, lins)]
-        keep = [(n, r) for n, r in keep if r]
         if not enabled:
             why = QKV_NOT_FUSED
         elif cls not in ATTENTION_CLASSES:
             why = (f"QKV not fused: {cls} is not one of ATTENTION_CLASSES (forward not known to call q_proj, k_proj "
                    "and v_proj once each on one input)")
-        elif keep:
-            why = f"QKV not fused: {keep[0][0]} kept in high precision: {keep[0][1]}"
+        elif kept := _kept(sub, lins, reason_to_keep):
+            why = f"QKV not fused: {kept}"
         elif len({p.in_features for p in lins}) != 1 or len({p.bias is None for p in lins}) != 1:
             why = "QKV not fused: q_proj, k_proj and v_proj differ in input width or in having a bias"
         else:
