@@ -118,6 +118,10 @@ def test_what_cudnn_is_handed_on_strides_alone():
     dlast = x.transpose(1, 3).contiguous().transpose(1, 3)  # head_dim not unit-stride
     got = _cudnn._bhsd(dlast, "bshd")
     assert got.transpose(1, 2).is_contiguous() and torch.equal(got, R.to_bhsd(dlast, "bshd"))
+    same, copied = _cudnn.cudnn_inputs(x, packed, layout="bshd")  # (what a caller hands both cuDNN calls)
+    assert same.data_ptr() == x.data_ptr() and same.stride() == x.stride()
+    assert copied.is_contiguous() and torch.equal(copied, packed)
+    assert _cudnn._bhsd(copied, "bshd").data_ptr() == copied.data_ptr()  # (no second copy)
     off = torch.randn(2 * 40 * 3 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 40, 3, 16)  # 2 bytes past alignment
     got = _cudnn._bhsd(off, "bshd")
     assert got.data_ptr() % 16 == 0 and torch.equal(got, R.to_bhsd(off, "bshd"))

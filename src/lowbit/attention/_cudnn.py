@@ -24,7 +24,7 @@ from ..runtime.device import capability
 from .reference import causal_window, to_bhsd
 
 __all__ = ["CUDNN_MAX_HEAD_DIM", "CUDNN_MAX_BATCH_HEADS", "CUDNN_MIN_VERSION", "cudnn_decline", "cudnn_runtime_decline",
-           "cudnn_forward", "cudnn_backward"]
+           "cudnn_inputs", "cudnn_forward", "cudnn_backward"]
 
 CUDNN_MAX_HEAD_DIM = 128
 """Largest head dim lowbit sends to cuDNN (torch's cuDNN SDPA: a multiple of 8, at most 128 for the backward on every
@@ -123,6 +123,12 @@ def _back(x: Tensor, layout: str) -> Tensor:
     """A (B, H, S, D) result of cuDNN's in ``layout``, a view in the memory order cuDNN gave it (its O and dQ, dK, dV
     take their inputs' order; ``to_bhsd``'s transpose undoes itself)."""
     return to_bhsd(x, layout)
+
+
+def cudnn_inputs(*xs: Tensor, layout: str) -> tuple:
+    """``xs`` in ``layout`` as cuDNN takes them (as they are where they already are; see ``_bhsd``): for a caller that
+    hands the same tensors to :func:`cudnn_forward` and :func:`cudnn_backward`, so any copy is made once."""
+    return tuple(_back(_bhsd(x, layout), layout) for x in xs)
 
 
 def cudnn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float, layout: str):

@@ -42,7 +42,7 @@ from ._checks import (
     shape4,
     triton_ok,
 )
-from ._cudnn import cudnn_decline, cudnn_forward
+from ._cudnn import cudnn_decline, cudnn_forward, cudnn_inputs
 from .backward import OP_SCHEMA_OPTIONS, attention_forward, attention_with_grad, backward_backend
 from .backward import backward as attention_backward
 from .reference import QKQuantized, n_q_groups
@@ -440,6 +440,7 @@ def _fused_backward(q, k, v, g_out, o, needs, *, out=None, lse=None, backend=Non
                   cu_seqlens_k=o["cu_k"], max_seqlen_q=o["mq"], max_seqlen_k=o["mk"], backend=backend)
     if out is None or lse is None:
         if backend is None and _opts_cudnn(q, k, o):
+            q, k, v = cudnn_inputs(q, k, v, layout=o["layout"])  # (copied, where at all, once for both calls)
             out, lse = cudnn_forward(q, k, v, causal=o["causal"], softmax_scale=o["softmax_scale"], layout=o["layout"])
         else:
             out, lse = attention_forward(q, k, v, layout=o["layout"], **common)
