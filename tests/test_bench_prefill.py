@@ -11,7 +11,8 @@ from lowbit.bench import prefill
 def test_cpu_run_writes_rows(tmp_path):
     out = tmp_path / "prefill.md"
     rc = prefill.main(["--device", "cpu", "--reps", "1", "--warmup", "1", "--seq-len", "48",
-                       "--variants", "sdpa,int8-bf16,fp8-block+sdpa,fp8-block:fused+sdpa", "--out", str(out)])
+                       "--variants", "sdpa,int8-bf16,fp8-block+sdpa,fp8-block:fused+sdpa,fp8-block:fused:cached+sdpa",
+                       "--out", str(out)])
     assert rc == 0
     data = json.loads((tmp_path / "prefill.md.json").read_text())
     rows = {r["variant"]: r for r in data["rows"]}
@@ -21,6 +22,9 @@ def test_cpu_run_writes_rows(tmp_path):
     assert rows["int8-bf16"]["served"] == rows["int8-bf16"]["attention_calls"] == 4
     assert rows["fp8-block+sdpa"]["converted"] > 0 and "fused" not in rows["fp8-block+sdpa"]
     assert rows["fp8-block:fused+sdpa"]["fused"] == 2 + 2 + 2  # each layer's QKV and MLP, and its norm moved in
+    # :cached: each layer's 4 GEMMs (QKV, O, gate/up, down) quantized in the warm-up call, kept for the 2 timed calls
+    assert rows["fp8-block:fused:cached+sdpa"]["weights_reused"] == 2 * 4 * 2
+    assert rows["fp8-block:fused:cached+sdpa"]["nrmse"] == rows["fp8-block:fused+sdpa"]["nrmse"]  # the same bits
     # (the last token's logits against SDPA's: INT8 Q·Kᵀ measures 5e-3 here, FP8 linears 5.5e-2)
     for v, most in (("int8-bf16", 2e-2), ("fp8-block+sdpa", 0.15), ("fp8-block:fused+sdpa", 0.15)):
         assert 0 < rows[v]["nrmse"] < most, rows[v]
@@ -32,7 +36,8 @@ def test_cpu_run_writes_rows(tmp_path):
     ("flash", "the attention must be one of sdpa, int8-fp8, int8-bf16, got 'flash'"),
     ("fp9+sdpa", "the recipe must be one of .*got 'fp9'"),
     (":fused+sdpa", "the recipe must be one of .*got ''"),
-    ("fp8-block:fast+sdpa", "after the recipe only ':fused' may follow, got ':fast'")])
+    ("fp8-block:fast+sdpa", "after the recipe only :fused, :cached may follow, each once, got ':fast'"),
+    ("fp8-block:fused:fused+sdpa", "after the recipe only :fused, :cached may follow, each once, got ':fused:fused'")])
 def test_bad_variant_names_the_rule(variant, msg):
     with pytest.raises(ValueError, match=f"--variants: '{variant.replace('+', '[+]')}': {msg}"):
         prefill.resolve(prefill.parse_args(["--device", "cpu", "--variants", variant]))

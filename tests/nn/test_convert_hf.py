@@ -595,3 +595,26 @@ def test_qkv_fused_llama_compiles():
     assert torch.equal(eager, comp)
     assert all(layer.self_attn.q_proj._pending is None for layer in model.model.layers)
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_generate_with_cached_weights(recipe):
+    """generate() of a converted, fused Llama under lowbit.nn.cached_weights: every weight quantized once for the
+    prompt and the decode steps, the same tokens and scores as without the block."""
+    model = _model("llama")
+    lowbit.convert(model, fuse_mlp=True, fuse_qkv=True)
+    ids = _ids()[:1, :12]
+    kw = dict(max_new_tokens=6, do_sample=False, use_cache=True, output_scores=True, return_dict_in_generate=True,
+              pad_token_id=0)
+
+    def gen():
+        with torch.inference_mode(), lowbit.autocast(recipe=from_name(recipe)):
+            return model.generate(ids, **kw)
+
+    plain = gen()
+    with lowbit.nn.cached_weights(model) as kept:
+        cached = gen()
+    layers = [g for m in model.modules() if isinstance(m, lowbit.nn.LowbitModule) for g in m._gemms.values()]
+    assert kept.reused == len(layers) * (kw["max_new_tokens"] - 1)  # each forward after the first
+    assert torch.equal(plain.sequences, cached.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, cached.scores))

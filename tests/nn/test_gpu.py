@@ -103,3 +103,28 @@ def test_bench_runs_on_cuda(cuda, capsys):
     assert linear.main(["--shapes", "256x256x512", "--rep", "5", "--warmup", "2", "--no-torchao"]) == 0
     out = capsys.readouterr().out
     assert "| lowbit fp8-block |" in out
+
+
+@pytest.mark.parametrize("rname", ["fp8-current", "fp8-block", "mxfp8"])
+def test_cuda_cached_weights(rname, cuda):
+    """lowbit.nn.cached_weights on the GPU path (Triton / cuBLAS): BF16 weights as an inference model has them,
+    kept copies give the bits of fresh ones; an in-place update is seen."""
+    torch.manual_seed(0)
+    m = lowbit.nn.LayerNormMLP(256, 384, activation="swiglu", normalization="RMSNorm", device=cuda,
+                               dtype=torch.bfloat16)
+    x = torch.randn(3, 32, 256, device=cuda, dtype=torch.bfloat16)  # (MXFP8: tokens a multiple of 32)
+    r = recipes.from_name(rname)
+
+    def run():
+        with torch.inference_mode(), lowbit.autocast(recipe=r):
+            return m(x)
+
+    fresh = run()
+    with lowbit.nn.cached_weights(m) as kept:
+        a, b = run(), run()
+        with torch.no_grad():
+            m.fc1_weight.mul_(0.5)
+        c = run()
+    assert kept.reused == 2 + 1  # both GEMMs on the second call; fc2 on the third
+    assert torch.equal(a, fresh) and torch.equal(b, fresh)
+    assert torch.equal(c, run()) and not torch.equal(c, fresh)

@@ -3,6 +3,8 @@ gradients (input, weights, biases, norm parameters) against the high-precision t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from nn_helpers import RECIPES, grads_of, make_module, sqnr
@@ -292,6 +294,77 @@ def test_weight_cache_misuse():
     with lowbit.autocast(recipe=r):
         with pytest.raises(ValueError, match="active recipe is"):
             m(x, is_first_microbatch=False)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_cached_weights_reuse_and_invalidation(recipe):
+    """Inside lowbit.nn.cached_weights a forward with is_first_microbatch=None quantizes each weight once and later
+    forwards take the kept copies, with the same bits as quantizing afresh; an in-place update, a weight replaced
+    through .data, another recipe and a forward that needs the columnwise copy each quantize again; the copies are
+    dropped when the outermost block exits."""
+    torch.manual_seed(1)
+    m = lowbit.nn.LayerNormMLP(160, 96, activation="swiglu", normalization="RMSNorm")
+    r = recipes.from_name(recipe)
+    xs = [torch.randn(2, 24, 160) for _ in range(3)]
+    def run(x, grad=False, mod=None):
+        with lowbit.autocast(recipe=r):
+            if grad:
+                return (mod or m)(x)
+            with torch.no_grad():
+                return (mod or m)(x)
+
+    def fresh(x):  # the same weights quantized afresh: a copy the block does not cover
+        return run(x, mod=copy.deepcopy(m))
+
+    gemms = list(m._gemms.values())
+    with lowbit.nn.cached_weights(m) as kept:
+        for x in xs:
+            assert torch.equal(run(x), fresh(x))
+        assert kept.reused == 2 * len(gemms)  # the second and third forward of each GEMM
+        assert all(g.wcache is not None for g in gemms)
+        with torch.no_grad():
+            m.fc2_weight.add_(0.5)  # an "optimizer step" on one weight: only its GEMM quantizes again
+        assert torch.equal(run(xs[0]), fresh(xs[0]))
+        assert kept.reused == 3 * len(gemms) - 1
+        m.fc1_weight.data = m.fc1_weight.data * 2  # new storage through .data
+        assert torch.equal(run(xs[0]), fresh(xs[0]))
+        assert kept.reused == 3 * len(gemms)  # fc2's copies (quantized again above) reused, fc1's not
+        with lowbit.autocast(recipe=recipes.from_name("fp8-current" if recipe == "fp8-block" else "fp8-block")):
+            with torch.no_grad():
+                m(xs[0])  # another recipe: quantized afresh (and kept under it)
+        assert kept.reused == 3 * len(gemms)
+        ref = copy.deepcopy(m)
+        run(xs[1], grad=True).square().sum().backward()  # needs the columnwise copies: quantized again
+        run(xs[1], grad=True, mod=ref).square().sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(grads_of(m), grads_of(ref)))
+        with lowbit.nn.cached_weights(m) as inner:  # nested: the outer block's copies stay
+            assert torch.equal(run(xs[1]), fresh(xs[1]))
+            assert inner.reused == len(gemms)
+        assert all(g.wcache is not None for g in gemms)
+    assert all(g.wcache is None and g.keep_weights == 0 for g in gemms)
+    assert kept.reused == 4 * len(gemms)
+
+
+def test_cached_weights_rejects_and_skips():
+    torch.manual_seed(0)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got list"):
+        lowbit.nn.cached_weights([])
+    with pytest.raises(ValueError, match="no lowbit modules.*lowbit.convert"):
+        lowbit.nn.cached_weights(torch.nn.Linear(4, 4))
+    m = lowbit.nn.Linear(32, 32)
+    block = lowbit.nn.cached_weights(m)
+    x = torch.randn(8, 32)
+    r = recipes.Float8CurrentScaling()
+    with block:
+        with pytest.raises(RuntimeError, match="already open"):
+            block.__enter__()
+        with torch.inference_mode():
+            w = m.weight.detach().clone()  # an inference tensor: no version counter, never kept
+        m.weight = torch.nn.Parameter(w, requires_grad=False)
+        with lowbit.autocast(recipe=r), torch.inference_mode():
+            a, b = m(x), m(x)
+        assert block.reused == 0 and m._gemms[""].wcache is None
+    assert torch.equal(a, b)
 
 
 def test_bad_inputs():

@@ -6,14 +6,16 @@ The call timed is the prefill ``generate()`` makes: ``model(input_ids, use_cache
 ``torch.inference_mode()``, one batch of ``--batch`` prompts of ``--seq-len`` random tokens, on a random-init BF16
 model built from a fixed seed (nothing downloaded; Llama 3 shapes, GQA). Every variant builds its model afresh.
 
-Variants (``--variants``, comma-separated; each ``[<recipe>[:fused]+]<attention>``):
+Variants (``--variants``, comma-separated; each ``[<recipe>[:fused][:cached]+]<attention>``):
 
 * attention ``sdpa``: transformers' SDPA (torch picks cuDNN or flash); ``int8-fp8`` / ``int8-bf16``: lowbit's
   attention with INT8 Q·Kᵀ and FP8 / BF16 P·V (:func:`lowbit.integrations.transformers.use`);
 * ``<recipe>+``: ``lowbit.convert(model)`` and the forward inside ``lowbit.autocast(recipe=<recipe>)`` (the linears'
   GEMMs in FP8 or FP4; the weights are quantized at every call, as an inference user without cached copies has them);
   ``<recipe>:fused+``: the same with ``lowbit.convert(model, fuse_mlp=True, fuse_qkv=True)`` (one GEMM for each
-  attention's Q, K, V and for each MLP's gate and up, lowbit's fused SwiGLU).
+  attention's Q, K, V and for each MLP's gate and up, lowbit's fused SwiGLU); ``:cached``: every call inside one
+  ``lowbit.nn.cached_weights(model)`` block (the weights quantized once, in the first untimed call, as a server that
+  keeps them between prompts).
 
 Columns: **TTFT ms**: median over ``--reps`` calls, each waited for; **queued ms**: the mean of ``--reps`` calls back
 to back; **host ms**: the median time until Python has enqueued one call (before its wait); **x sdpa**: the ``sdpa``
@@ -59,20 +61,26 @@ ATTENTIONS = {"sdpa": None, "int8-fp8": ("int8", "fp8"), "int8-bf16": ("int8", "
 DEFAULT_VARIANTS = "sdpa,int8-fp8,int8-bf16,fp8-block+sdpa,fp8-block+int8-fp8"
 
 
-def parse_variant(v: str) -> tuple[str | None, str, bool]:
-    """``"[<recipe>[:fused]+]<attention>"`` -> (recipe or None, attention, fused); ValueError naming the rule
-    otherwise."""
+VARIANT_OPTIONS = ("fused", "cached")
+"""What may follow a variant's recipe, each after a colon."""
+
+
+def parse_variant(v: str) -> tuple[str | None, str, bool, bool]:
+    """``"[<recipe>[:fused][:cached]+]<attention>"`` -> (recipe or None, attention, fused, cached); ValueError naming
+    the rule otherwise."""
     from ..recipes import QUANTIZED_NAMES
 
     recipe, _, attn = v.rpartition("+")
     if attn not in ATTENTIONS:
         raise ValueError(f"--variants: {v!r}: the attention must be one of {', '.join(ATTENTIONS)}, got {attn!r}")
-    recipe, colon, how = recipe.partition(":")
-    if colon and how != "fused":
-        raise ValueError(f"--variants: {v!r}: after the recipe only ':fused' may follow, got {colon + how!r}")
-    if (recipe or colon) and recipe not in QUANTIZED_NAMES:
+    recipe, *opts = recipe.split(":")
+    bad = [o for o in opts if o not in VARIANT_OPTIONS]
+    if bad or len(set(opts)) != len(opts):
+        raise ValueError(f"--variants: {v!r}: after the recipe only {', '.join(':' + o for o in VARIANT_OPTIONS)} "
+                         f"may follow, each once, got {':' + ':'.join(opts)!r}")
+    if (recipe or opts) and recipe not in QUANTIZED_NAMES:
         raise ValueError(f"--variants: {v!r}: the recipe must be one of {', '.join(QUANTIZED_NAMES)}, got {recipe!r}")
-    return recipe or None, attn, bool(colon)
+    return recipe or None, attn, "fused" in opts, "cached" in opts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -134,10 +142,10 @@ def _sync(device: str) -> None:
 def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
     """Build, warm up and time one variant; its row (``status`` "ok", or why it failed) and last-token logits."""
     from ..integrations import transformers as lbt
-    from ..nn import autocast, convert
+    from ..nn import autocast, cached_weights, convert
     from ..recipes import from_name
 
-    recipe, attn, fused = parse_variant(name)
+    recipe, attn, fused, cached = parse_variant(name)
     dev = cfg["device"]
     row = {"variant": name, "recipe": recipe, "attention": attn}
     model = None
@@ -160,25 +168,29 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
             with torch.inference_mode(), ctx():
                 return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
 
-        if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(cfg["warmup"]):
-            call()
-        _sync(dev)
-        before = (stats.served, stats.calls) if stats is not None else None
-        ttft, host = [], []
-        logits = None
-        for _ in range(cfg["reps"]):
-            t0 = time.perf_counter()
-            logits = call()
-            host.append(time.perf_counter() - t0)
+        keep = cached_weights(model) if cached else contextlib.nullcontext()
+        with keep:  # (:cached: the weights quantized in the first warm-up call, kept for the timed ones)
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(cfg["warmup"]):
+                call()
             _sync(dev)
-            ttft.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for _ in range(cfg["reps"]):
-            call()
-        _sync(dev)
-        queued = (time.perf_counter() - t0) / cfg["reps"]
+            before = (stats.served, stats.calls) if stats is not None else None
+            ttft, host = [], []
+            logits = None
+            for _ in range(cfg["reps"]):
+                t0 = time.perf_counter()
+                logits = call()
+                host.append(time.perf_counter() - t0)
+                _sync(dev)
+                ttft.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(cfg["reps"]):
+                call()
+            _sync(dev)
+            queued = (time.perf_counter() - t0) / cfg["reps"]
+        if cached:
+            row["weights_reused"] = keep.reused
         row.update(status="ok", ttft_ms=statistics.median(ttft) * 1e3, host_ms=statistics.median(host) * 1e3,
                    queued_ms=queued * 1e3)
         if stats is not None:

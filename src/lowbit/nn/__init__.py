@@ -15,7 +15,7 @@
 """
 
 from .attention import MultiheadAttention
-from .base import LowbitModule, name_modules
+from .base import LowbitModule, cached_weights, name_modules
 from .convert import ConvertSummary, convert
 from .fsdp import bf16_all_gather, fp8_all_gather
 from .functional import quantized_linear
@@ -54,6 +54,7 @@ __all__ = [
     "MultiheadAttention",
     "LowbitModule",
     "name_modules",
+    "cached_weights",
     "convert",
     "ConvertSummary",
     "quantized_linear",

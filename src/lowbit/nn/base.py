@@ -7,7 +7,7 @@ import torch
 from . import state as _ac
 from .functional import GemmLayer
 
-__all__ = ["LowbitModule", "name_modules"]
+__all__ = ["LowbitModule", "cached_weights", "name_modules"]
 
 _EXTRA = "_extra_state"
 
@@ -81,3 +81,59 @@ def name_modules(model: torch.nn.Module, prefix: str = "") -> int:
             m.lowbit_name = name or type(m).__name__
             n += 1
     return n
+
+
+class cached_weights:
+    """Reuse each lowbit layer's quantized weight between calls while the weight is unchanged (eager inference,
+    ``generate()``, several forwards between optimizer steps)::
+
+        with torch.inference_mode(), lowbit.autocast(recipe), lowbit.nn.cached_weights(model) as kept:
+            out = model.generate(ids, max_new_tokens=64)
+        print(kept.reused)
+
+    Inside the block a forward with ``is_first_microbatch=None`` (what HF and most code pass) quantizes each weight
+    once and keeps the copies; later forwards take them as long as the recipe is the same and the weight has not
+    changed: its version counter (bumped by every in-place update, ``copy_`` and optimizer steps included) and its
+    storage are checked on every call, and a changed weight is quantized again. As ``is_first_microbatch=False``,
+    a kept weight is not re-checked by the NaN sentry, and a DelayedScaling weight's amax is recorded only when it is
+    quantized. A write the version counter does not see (through ``.data``) is not detected: quantize again by
+    leaving and re-entering the block.
+
+    Costs the quantized copies' memory (about one byte a parameter for FP8) until the block exits, where they are
+    dropped. Eager only: calls under ``torch.compile``, during CUDA-graph capture, and of inference-tensor weights
+    (made under ``torch.inference_mode``) quantize as usual. Blocks nest. ``model``: a module holding lowbit modules
+    (after :func:`lowbit.convert`); ``reused``: how many forwards inside the block took a kept weight.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self._layers = [g for m in model.modules() if isinstance(m, LowbitModule)
+                        for g in getattr(m, "_gemms", {}).values()]
+        if not self._layers:
+            raise ValueError(f"model: a {type(model).__name__} with no lowbit modules has no quantized weights to "
+                             "keep; convert it first (lowbit.convert)")
+        self._start = None
+
+    def __enter__(self) -> "cached_weights":
+        if self._start is not None:
+            raise RuntimeError("cached_weights: this block is already open (make one object per with-statement)")
+        for g in self._layers:
+            g.keep_weights += 1
+        self._start = sum(g.kept_uses for g in self._layers)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for g in self._layers:
+            g.keep_weights -= 1
+            if g.keep_weights == 0:
+                g.wcache = None
+        self._reused = self.reused
+        self._start = None
+
+    @property
+    def reused(self) -> int:
+        """Forwards inside this block (so far, or until it exited) that took a kept weight."""
+        if self._start is None:
+            return getattr(self, "_reused", 0)
+        return sum(g.kept_uses for g in self._layers) - self._start

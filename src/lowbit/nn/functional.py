@@ -134,7 +134,11 @@ class GemmLayer:
         delayed: :class:`~lowbit.nn.state.DelayedScalingState` once a DelayedScaling forward ran
             (or a checkpoint with one was loaded).
         wcache: ``(recipe, weight version, weight data_ptr, QuantizedTensor)`` of the last weight
-            quantized with ``is_first_microbatch=True``.
+            quantized with ``is_first_microbatch=True`` (or kept by :class:`lowbit.nn.cached_weights`).
+        keep_weights: how many open :class:`lowbit.nn.cached_weights` blocks cover this layer: while > 0 an eager
+            forward with ``is_first_microbatch=None`` reuses ``wcache`` where it is still the weight's, else
+            quantizes and keeps the weight.
+        kept_uses: how many forwards took a kept weight.
         fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
         fresh_uses: how many forwards took them.
         sentry_slots: (input's, weight's, grad_output's) int32 (1,) tensors on the weight's device, the amaxes (as
@@ -150,6 +154,8 @@ class GemmLayer:
         self.delayed: _ac.DelayedScalingState | None = None
         self._loaded: dict | None = None  # delayed state loaded before a DelayedScaling forward built it
         self.wcache = None
+        self.keep_weights = 0
+        self.kept_uses = 0
         self.fresh: FreshWeight | None = None
         self.fresh_uses = 0
         # FP8 grad_output handed over by the next op (see offer_grad_output)
@@ -334,6 +340,13 @@ class GemmLayer:
             gq = getattr(w, "lowbit_gathered", None)
             if gq is not None:
                 return self._gathered_weight(gq, recipe, columnwise, policy)
+        if is_first_microbatch is None and self.keep_weights and self._may_keep(w):
+            c = self.wcache
+            if (c is not None and c[0] == recipe and c[1] == w._version and c[2] == w.data_ptr()
+                    and (c[3].columnwise is not None or not columnwise)):
+                self.kept_uses += 1
+                return c[3]
+            is_first_microbatch = True  # quantize and keep (the copies the weight's GEMMs may need, as True does)
         if is_first_microbatch is False:
             c = self.wcache
             if c is None:
@@ -381,6 +394,14 @@ class GemmLayer:
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
 
+
+    @staticmethod
+    def _may_keep(w: torch.Tensor) -> bool:
+        """Whether a kept copy of ``w`` can be checked against it on the next call: eager, outside CUDA-graph capture
+        (a replay would reuse the recorded copy whatever the weight holds), and a weight with a version counter (an
+        inference tensor has none: an in-place change could not be seen)."""
+        return not (torch.compiler.is_compiling() or w.is_inference()
+                    or (w.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def _gathered_weight(self, q: QuantizedTensor, recipe: Recipe, columnwise: bool, policy: str) -> QuantizedTensor:
         """The copies FSDP2 gathered (rowwise; the columnwise one is made from it where dgrad needs it:
