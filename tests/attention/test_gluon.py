@@ -408,8 +408,8 @@ def test_gluon_attention_compiles_for_sm90(variant):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) < 32
     assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "P·V without a register A operand"
     assert "VIMNMX3" in sass
-    # a key tile's warpgroup barriers: Triton 3.6 puts one after the wgmma waits; the mbarrier hand-back adds the
-    # single-thread arrive's, the named one (bar.arrive) none
+    # a key tile's warpgroup barriers: Triton 3.6 puts one before the wait on the tile's `ready` mbarrier; the
+    # mbarrier hand-back adds the single-thread arrive's, the named one (bar.arrive) none
     for body in _key_tile_loops(sass):
         assert len(re.findall(r"\bBAR\.SYNC\b", body)) == (1 if const["NAMED"] else 2)
         assert ("BAR.ARV" in body) == const["NAMED"]

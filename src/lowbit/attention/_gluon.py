@@ -469,7 +469,8 @@ DEFAULT_DIMS = (128,)
 PERSISTENT_DIMS = (64,)
 # The named-barrier hand-back (``GluonOptions.named``) by default at head dim 64 only: 2-5% faster there, neutral to
 # slower at 128. Triton 3.6 keeps one warpgroup barrier a key tile either way: its shared-memory barrier pass puts
-# one after the wgmma waits.
+# one before each key tile's wait on the ring's `ready` mbarrier (it orders two waits on one barrier array as
+# conflicting accesses; without the wait the barrier goes).
 NAMED_DIMS = (64,)
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)

@@ -95,9 +95,9 @@ class cached_weights:
     once and keeps the copies; later forwards take them as long as the recipe is the same and the weight has not
     changed: its version counter (bumped by every in-place update, ``copy_`` and optimizer steps included) and its
     storage are checked on every call, and a changed weight is quantized again. As ``is_first_microbatch=False``,
-    a kept weight is not re-checked by the NaN sentry, and a DelayedScaling weight's amax is recorded only when it is
-    quantized. A write the version counter does not see (through ``.data``) is not detected: quantize again by
-    leaving and re-entering the block.
+    a kept weight is not re-checked by the NaN sentry, and a DelayedScaling weight keeps the scale it was quantized
+    with (its amax is recorded only then). A write the version counter does not see (through ``.data``) is not
+    detected: quantize again by leaving and re-entering the block.
 
     Costs the quantized copies' memory (about one byte a parameter for FP8) until the block exits, where they are
     dropped. Eager only: calls under ``torch.compile``, during CUDA-graph capture, and of inference-tensor weights
