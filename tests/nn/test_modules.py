@@ -314,7 +314,9 @@ def test_cached_weights_reuse_and_invalidation(recipe):
                 return (mod or m)(x)
 
     def fresh(x):  # the same weights quantized afresh: a copy the block does not cover
-        return run(x, mod=copy.deepcopy(m))
+        c = copy.deepcopy(m)
+        assert all(g.keep_weights == 0 for g in c._gemms.values())
+        return run(x, mod=c)
 
     gemms = list(m._gemms.values())
     with lowbit.nn.cached_weights(m) as kept:

@@ -172,6 +172,7 @@ class GemmLayer:
         self.__dict__.update(state)
         _LAYERS.add(self)
         self.sentry_slots, self.sentry_armed = None, ""  # (its own, allocated at the next entry)
+        self.keep_weights = 0  # (the blocks that cover the original do not cover the copy)
         _ac.register_slot_holder(self)
 
     # -- FP8 grad_output hand-off -----------------------------------------------------------------
