@@ -173,6 +173,7 @@ class GemmLayer:
         _LAYERS.add(self)
         self.sentry_slots, self.sentry_armed = None, ""  # (its own, allocated at the next entry)
         self.keep_weights = 0  # (the blocks that cover the original do not cover the copy)
+        self.__dict__.setdefault("kept_uses", 0)  # (a layer pickled before the counter existed)
         _ac.register_slot_holder(self)
 
     # -- FP8 grad_output hand-off -----------------------------------------------------------------
