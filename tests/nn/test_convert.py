@@ -105,6 +105,8 @@ def test_convert_errors():
         lowbit.convert(TinyGPT(n=4), keep_high_precision_blocks=5)
     with pytest.raises(TypeError, match="skip: expected name patterns"):
         lowbit.convert(TinyGPT(n=2), skip=(1,))
+    with pytest.raises(TypeError, match="skip: expected a name pattern .str. or several, got 5"):
+        lowbit.convert(TinyGPT(n=2), skip=5)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))  # no repeated-block container
     # an invalid value is reported as such, before the model is looked at (not as "no repeated-block container")
     for bad, msg in (("last", r"expected 'auto', None, an int >= 0 .*got 'last'"), (True, "got True"),

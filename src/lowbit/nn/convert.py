@@ -244,7 +244,10 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
         raise TypeError(f"recipe: expected a lowbit.recipes recipe or None, got {recipe!r}")
     if isinstance(skip, str):
         skip = (skip,)
-    skip = tuple(skip)
+    try:
+        skip = tuple(skip)
+    except TypeError:
+        raise TypeError(f"skip: expected a name pattern (str) or several, got {skip!r}") from None
     for p in skip:
         if not isinstance(p, str):
             raise TypeError(f"skip: expected name patterns (str), got {p!r}")
