@@ -21,7 +21,7 @@ def test_cpu_run_writes_rows(tmp_path):
     # tiny: 2 layers, one attention call each a forward; 1 timed call + 1 queued after the snapshot
     assert rows["int8-bf16"]["served"] == rows["int8-bf16"]["attention_calls"] == 4
     assert rows["fp8-block+sdpa"]["converted"] > 0 and "fused" not in rows["fp8-block+sdpa"]
-    assert rows["fp8-block:fused+sdpa"]["fused"] == 2 + 2 + 2  # each layer's QKV and MLP, and its norm moved in
+    assert rows["fp8-block:fused+sdpa"]["fused"] == 4 * 2  # each layer's QKV and MLP, and both its norms moved in
     # :cached: each layer's 4 GEMMs (QKV, O, gate/up, down) quantized in the warm-up call, kept for the 2 timed calls
     assert rows["fp8-block:fused:cached+sdpa"]["weights_reused"] == 2 * 4 * 2
     assert rows["fp8-block:fused:cached+sdpa"]["nrmse"] == rows["fp8-block:fused+sdpa"]["nrmse"]  # the same bits

@@ -203,7 +203,7 @@ def test_gated_mlp_fused_and_summary(name):
     deferred = model.model.layers[0].post_attention_layernorm
     assert isinstance(deferred, lowbit.nn.DeferredRMSNorm) and mlp.norm is deferred
     assert deferred.weight is norm_weight and deferred.variance_epsilon == 1e-6
-    assert "applied by the MLP after it" in repr(deferred) and "normalizes its input" in repr(mlp)
+    assert "applied by the module after it" in repr(deferred) and "normalizes its input" in repr(mlp)
     assert dict(not_fused)["model.layers.0.self_attn"] == QKV_NOT_FUSED
     assert isinstance(model.model.layers[0].self_attn.q_proj, lowbit.nn.Linear)
     assert "model.layers.0.post_attention_layernorm" not in dict(s.kept)
@@ -395,8 +395,10 @@ def test_moved_norm_trains_as_the_kept_norm(name):
     computes what the MLP after HF's norm computes, bit for bit: loss, logits and every gradient (the norm's weight
     included, under its HF name); and a deep copy keeps the moved norm's weight in one Parameter."""
     a, b = _model(name), _model(name)
-    lowbit.convert(a, fuse_mlp=True)
-    lowbit.convert(b, fuse_mlp=True, fuse_norms=False)
+    lowbit.convert(a, fuse_mlp=True, fuse_qkv=True)
+    lowbit.convert(b, fuse_mlp=True, fuse_qkv=True, fuse_norms=False)
+    assert isinstance(a.model.layers[0].input_layernorm, lowbit.nn.DeferredRMSNorm)
+    assert not isinstance(b.model.layers[0].input_layernorm, lowbit.nn.DeferredRMSNorm)
     ids = _ids()
     for recipe in ("fp8-block", "fp8-current"):
         outs = []
@@ -409,12 +411,15 @@ def test_moved_norm_trains_as_the_kept_norm(name):
         (la, ga_logits, ga), (lb, gb_logits, gb) = outs
         assert torch.equal(la, lb) and torch.equal(ga_logits, gb_logits), recipe
         assert ga.keys() == gb.keys() and "model.layers.0.post_attention_layernorm.weight" in ga
+        assert "model.layers.0.input_layernorm.weight" in ga
         for k in ga:
             assert torch.equal(ga[k], gb[k]), (recipe, k)
     c = copy.deepcopy(a)
     layer = c.model.layers[1]
     assert layer.mlp.norm is layer.post_attention_layernorm
     assert layer.mlp.norm.weight is dict(c.named_parameters())["model.layers.1.post_attention_layernorm.weight"]
+    assert layer.self_attn.q_proj.norm is layer.input_layernorm
+    assert layer.self_attn.q_proj.norm.weight is dict(c.named_parameters())["model.layers.1.input_layernorm.weight"]
 
 
 def test_take_norm_errors():
@@ -423,9 +428,80 @@ def test_take_norm_errors():
         mlp.take_norm(torch.nn.LayerNorm(64))
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    with pytest.raises(ValueError, match=r"norm: expected weight \(64,\) and a float variance_epsilon, got \(32,\)"):
+    with pytest.raises(ValueError, match=r"norm: expected weight \(64,\) \(the hidden_size\) and a float "
+                                         r"variance_epsilon, got \(32,\)"):
         mlp.take_norm(LlamaRMSNorm(32))
     assert mlp.norm is None
+    qkv, _, _ = lowbit.nn.QKVLinear.fuse(*(torch.nn.Linear(64, n) for n in (64, 32, 32)))
+    with pytest.raises(ValueError, match=r"norm: expected weight \(64,\) \(the in_features\)"):
+        qkv.take_norm(LlamaRMSNorm(32))
+    with pytest.raises(TypeError, match="norm: expected one of"):
+        qkv.take_norm(torch.nn.RMSNorm(64))
+    assert qkv.norm is None
+
+
+def _same_with_gradients(a, b, pairs):
+    """``a`` equals ``b`` bit for bit, and after the same backward through both so does each pair's ``.grad``."""
+    assert torch.equal(a, b)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(g)
+    for u, v in pairs:
+        assert torch.equal(u.grad, v.grad)
+
+
+def _qkv_with_norm(device, dtype=torch.float32):
+    """A QKVLinear (64 q, 32 k, 32 v rows of width 256, no bias) with a LlamaRMSNorm moved in, and lowbit's
+    LayerNormLinear(RMSNorm) with the same weights."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(256, n, bias=False, device=device, dtype=dtype) for n in (128, 64, 64)]
+    norm = LlamaRMSNorm(256, eps=1e-5).to(device)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    qkv, kp, vp = lowbit.nn.QKVLinear.fuse(*lins)
+    qkv.take_norm(norm)
+    ref = lowbit.nn.LayerNormLinear(256, 256, eps=1e-5, normalization="RMSNorm", bias=False, device=device)
+    with torch.no_grad():
+        ref.layer_norm_weight.copy_(norm.weight)
+        ref.weight.copy_(qkv.weight)
+    return qkv, kp, vp, norm, ref
+
+
+def check_moved_qkv_norm_in_the_quantizer(device):
+    """With an FP32 input under fp8-block where the norm runs inside the input quantizer (CUDA, or Triton's
+    interpreter), the QKV parts with the input norm moved in equal lowbit's LayerNormLinear(RMSNorm) with the same
+    weights bit for bit (the same fused call), gradients too; the norm is computed once for the three parts."""
+    from lowbit.ops import norm_quant
+
+    qkv, kp, vp, norm, ref = _qkv_with_norm(device)
+    x = torch.randn(3, 128, 256, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    calls, real = [], norm_quant.rmsnorm_quantize_1x128
+    norm_quant.rmsnorm_quantize_1x128 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with lowbit.autocast(recipe=from_name("fp8-block")):
+            assert ref.fuses_norm(x2)
+            parts = [qkv(x), kp(x), vp(x)]
+            assert len(calls) == 1  # the norm inside the one GEMM's input quantizer, once for the three parts
+            b = ref(x2)
+    finally:
+        norm_quant.rmsnorm_quantize_1x128 = real
+    _same_with_gradients(torch.cat(parts, -1), b, [(x, x2), (norm.weight, ref.layer_norm_weight),
+                                                   (qkv.weight, ref.weight)])
+    print("ok")
+
+
+def test_moved_qkv_norm_in_the_quantizer_interpreted():
+    pytest.importorskip("triton")
+    from interp_helper import run_interpreted
+
+    run_interpreted(__file__, "check_moved_qkv_norm_in_the_quantizer('cpu')")
+
+
+@pytest.mark.gpu
+def test_gpu_moved_qkv_norm_runs_in_the_quantizer():
+    check_moved_qkv_norm_in_the_quantizer("cuda")
 
 
 @pytest.mark.gpu
@@ -451,12 +527,7 @@ def test_gpu_moved_norm_runs_in_the_quantizer():
     with lowbit.autocast(recipe=from_name("fp8-block")):
         assert ref.fuses_norm(x)
         a, b = mlp(x), ref(x2)
-    assert torch.equal(a, b)
-    g = torch.randn_like(a)
-    a.backward(g)
-    b.backward(g)
-    assert torch.equal(x.grad, x2.grad) and torch.equal(norm.weight.grad, ref.layer_norm_weight.grad)
-    assert torch.equal(mlp.fc1_weight.grad, ref.fc1_weight.grad)
+    _same_with_gradients(a, b, [(x, x2), (norm.weight, ref.layer_norm_weight), (mlp.fc1_weight, ref.fc1_weight)])
 
 
 # ----------------------------------------------------------------------------- fuse_qkv
@@ -545,8 +616,10 @@ def test_qkv_fused_runs_one_gemm_inside_autocast(name, monkeypatch):
         k2 = at.k_proj(y)
         v = at.v_proj(y)
     assert len(calls) == 3 and at.q_proj._pending is not None  # (x's q taken; y's output still waits for its q)
+    nrm = at.q_proj.norm  # (the layer's input_layernorm, moved in: the parts normalize their input)
     with lowbit.autocast(recipe=from_name("fp8-block")):
-        fused_y = hf_modules.quantized_linear(y, at.q_proj.weight, at.q_proj.bias, at.q_proj._gemms[""])
+        fused_y = hf_modules.quantized_linear(hf_modules.hf_rms_norm(y, nrm.weight, nrm.variance_epsilon),
+                                              at.q_proj.weight, at.q_proj.bias, at.q_proj._gemms[""])
     assert q.shape == (2, 5, 64) and torch.equal(k, fused_y[..., 64:96]) and torch.equal(k2, k)
     assert torch.equal(v, fused_y[..., 96:])
 

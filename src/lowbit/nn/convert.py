@@ -32,12 +32,15 @@ GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP
 
 DECODER_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 """transformers decoder layers (by name) whose ``post_attention_layernorm`` output is read by their ``mlp`` alone
-(``mlp(post_attention_layernorm(h))``): ``fuse_mlp`` with ``fuse_norms`` moves that norm into the fused MLP."""
+(``mlp(post_attention_layernorm(h))``) and whose ``input_layernorm`` output by their ``self_attn`` alone
+(``self_attn(input_layernorm(h))``, which hands it to q_proj, k_proj and v_proj only: :data:`ATTENTION_CLASSES`):
+with ``fuse_norms``, ``fuse_mlp`` moves the first into the fused MLP and ``fuse_qkv`` the second into the fused
+QKV projection."""
 
 NORM_NOT_FUSED = (
-    "the RMSNorm before it is not fused: it is not a post_attention_layernorm of a DECODER_LAYER_CLASSES layer that "
-    "feeds this MLP alone, of one of HF_RMSNORM_CLASSES (whose forward lowbit computes bit for bit), or fuse_norms is "
-    "False"
+    "the RMSNorm before it is not fused: it is not the post_attention_layernorm (input_layernorm) of a "
+    "DECODER_LAYER_CLASSES layer that feeds this MLP (attention) alone, of one of HF_RMSNORM_CLASSES (whose forward "
+    "lowbit computes bit for bit), or fuse_norms is False"
 )
 """Why :func:`convert` leaves a Hugging Face RMSNorm out of the fused MLP (and QKV) modules."""
 
@@ -213,7 +216,10 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
       attention of :data:`ATTENTION_CLASSES` into one :class:`lowbit.nn.QKVLinear` (weight [q; k; v], copied; in
       ``q_proj``'s place, ``k_proj`` and ``v_proj`` :class:`lowbit.nn.QKVPart` s reading its rows): inside autocast
       the attention's three projections of one input run as one quantized GEMM, the input quantized once; outside,
-      bit-identical to the three; the ``state_dict`` keeps the HF keys. Not fused, with the reason in
+      bit-identical to the three; the ``state_dict`` keeps the HF keys. With ``fuse_norms`` too, the decoder layer's
+      ``input_layernorm`` moves into the QKVLinear as ``post_attention_layernorm`` into a SwiGLUMLP
+      (:meth:`lowbit.nn.QKVLinear.take_norm`: normalized once for the three projections). Not fused, with the reason
+      in
       ``summary.not_fused`` (with ``fuse_mlp`` or ``fuse_qkv``): other attention classes, a part kept in high
       precision, or without ``fuse_qkv`` (:data:`QKV_NOT_FUSED`).
 
@@ -329,7 +335,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
     if fuse_mlp:
         fused |= _fuse_gated_mlps(model, summary, reason_to_keep, parent_of, fuse_norms)
     if fuse_mlp or fuse_qkv:
-        fused |= _fuse_qkvs(model, summary, reason_to_keep, fuse_qkv)
+        fused |= _fuse_qkvs(model, summary, reason_to_keep, parent_of, fuse_qkv, fuse_norms)
 
     for name, lin in _modules(model, names):
         if name in fused or not _is_linear(lin):
@@ -417,24 +423,34 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, 
         done.update(sub)
         summary.converted.append((name, f"SwiGLUMLP (fused from {cls})"))
         summary.fused.append((name, "gate_proj + up_proj -> fc1 of a SwiGLUMLP (fused SwiGLU inside autocast)"))
-        norm = getattr(parent, "post_attention_layernorm", None)
-        if (fuse_norms and child == "mlp" and type(parent).__name__ in DECODER_LAYER_CLASSES
-                and type(norm).__name__ in HF_RMSNORM_CLASSES):
-            parent.post_attention_layernorm = new.take_norm(norm)
-            pname = name.rpartition(".")[0]
-            summary.fused.append((f"{pname}.post_attention_layernorm" if pname else "post_attention_layernorm",
-                                  f"{type(norm).__name__} moved into {name} (inside autocast: fc1's input quantizer "
-                                  "where it can run there; the norm's place keeps its weight)"))
-        else:
-            summary.not_fused.append((name, NORM_NOT_FUSED))
+        _move_norm(summary, fuse_norms, parent, child, "mlp", "post_attention_layernorm", new, name,
+                   "inside autocast: fc1's input quantizer where it can run there")
         summary.new_parameters.append(name)
     return done
 
 
-def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, enabled: bool) -> set:
+def _move_norm(summary: ConvertSummary, fuse_norms: bool, parent, child: str, reader: str, norm_attr: str,
+               fused, fused_name: str, how: str, reported_at: str | None = None) -> None:
+    """Where ``fuse_norms``, ``parent`` is a :data:`DECODER_LAYER_CLASSES` layer, ``child`` its ``reader``
+    (``"mlp"``, ``"self_attn"``) and its ``norm_attr`` one of ``HF_RMSNORM_CLASSES``: move that norm into the
+    ``fused`` module (``take_norm``; its :class:`DeferredRMSNorm` takes the norm's place) and list it in
+    ``summary.fused``; else list why not (:data:`NORM_NOT_FUSED`) under ``reported_at`` (default ``fused_name``)."""
+    norm = getattr(parent, norm_attr, None)
+    if not (fuse_norms and child == reader and type(parent).__name__ in DECODER_LAYER_CLASSES
+            and type(norm).__name__ in HF_RMSNORM_CLASSES):
+        summary.not_fused.append((reported_at or fused_name, NORM_NOT_FUSED))
+        return
+    setattr(parent, norm_attr, fused.take_norm(norm))
+    pname = (reported_at or fused_name).rpartition(".")[0]
+    summary.fused.append((f"{pname}.{norm_attr}" if pname else norm_attr,
+                          f"{type(norm).__name__} moved into {fused_name} ({how}; the norm's place keeps its weight)"))
+
+
+def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, parent_of, enabled: bool, fuse_norms: bool) -> set:
     """Each HF attention with ``q_proj``, ``k_proj``, ``v_proj`` ``nn.Linear`` s: fused into a :class:`QKVLinear`
-    where ``enabled`` (``fuse_qkv``) and it can be, else the reason in ``summary.not_fused``; the qualified names of
-    the Linears fused (the others stay for the Linear pass)."""
+    where ``enabled`` (``fuse_qkv``) and it can be, else the reason in ``summary.not_fused``, with its decoder layer's
+    ``input_layernorm`` moved in where ``fuse_norms`` and it is one (:data:`DECODER_LAYER_CLASSES`); the qualified
+    names of the Linears fused (the others stay for the Linear pass)."""
     done = set()
     for name, m in _modules(model):
         sub, lins = _linear_group(name, m, ("q_proj", "k_proj", "v_proj"))
@@ -455,10 +471,15 @@ def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, enabled: bool) ->
         if why:
             summary.not_fused.append((name, why))
             continue
-        m.q_proj, m.k_proj, m.v_proj = QKVLinear.fuse(*lins)
+        qkv, m.k_proj, m.v_proj = QKVLinear.fuse(*lins)
+        m.q_proj = qkv
         done.update(sub)
         summary.converted.append((sub[0], "QKVLinear (q_proj with k_proj and v_proj fused in, a new Parameter)"))
         summary.converted += [(n, "QKVPart (its rows of the QKVLinear)") for n in sub[1:]]
         summary.fused.append((name, "q_proj + k_proj + v_proj -> one QKVLinear (one GEMM inside autocast)"))
+        parent, child = parent_of(name)
+        _move_norm(summary, fuse_norms, parent, child, "self_attn", "input_layernorm", qkv, sub[0],
+                   "normalized once for q, k and v; inside autocast: the GEMM's input quantizer where it can run there",
+                   reported_at=name)
         summary.new_parameters.append(sub[0])
     return done

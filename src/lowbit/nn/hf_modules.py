@@ -3,7 +3,8 @@
 * :class:`Conv1DLinear` — GPT-2's ``Conv1D`` (``y = x @ W + b``, W stored (in, out)).
 * :class:`QKVLinear` — a Llama / Mistral / Qwen2 / Qwen3 attention's ``q_proj`` with ``k_proj`` and ``v_proj`` fused
   into it (one [q; k; v] GEMM inside autocast), ``k_proj`` / ``v_proj`` replaced by :class:`QKVPart` s that hand out
-  their columns of that one output.
+  their columns of that one output; optionally with the decoder layer's ``input_layernorm`` moved in
+  (:meth:`QKVLinear.take_norm`).
 * :class:`SwiGLUMLP` — the Llama / Mistral / Qwen2 gated MLP ``down(silu(gate(x)) * up(x))`` with gate and up as one
   fc1 = [gate; up], so the fused SwiGLU path of :class:`LayerNormMLP` applies inside autocast; optionally with the
   decoder layer's RMSNorm before it moved in (:meth:`SwiGLUMLP.take_norm`), its place held by a
@@ -128,7 +129,35 @@ class Conv1DLinear(Linear):
         return super().extra_repr() + ", from Conv1D (state_dict weight (in, out))"
 
 
-class QKVLinear(Linear):
+class _MovedNorm:
+    """Mixin of the modules a Hugging Face RMSNorm can move into (``take_norm``): ``_norm`` holds its
+    :class:`DeferredRMSNorm` (a tuple: not a submodule, so the weight's state_dict key stays the norm's), or ()."""
+
+    _norm: tuple = ()
+
+    def _take_norm(self, norm: torch.nn.Module, width: int, name: str) -> "DeferredRMSNorm":
+        deferred = _deferred_norm(norm, width, name)
+        self._norm = (deferred,)
+        return deferred
+
+    @property
+    def norm(self) -> "DeferredRMSNorm | None":
+        """The place of the RMSNorm moved in by ``take_norm`` (its weight and epsilon), or None."""
+        return self._norm[0] if self._norm else None
+
+    def _normalize(self, input: torch.Tensor, st, weight: torch.Tensor, is_first_microbatch) -> tuple:
+        """(input for the GEMM by ``weight``, its norm arguments): ``(input, {norm_weight, norm_eps})`` where the
+        moved norm runs inside the GEMM's input quantizer (autocast, :func:`lowbit.nn.functional.norm_fuses`, and
+        not where the GEMM traces inside torch.compile: HF's norm is then torch's, which Inductor compiles), else
+        ``(hf_rms_norm(input), {})``."""
+        w, eps = self._norm[0].weight, self._norm[0].variance_epsilon
+        if (st.enabled and norm_fuses(input, w, st.recipe)
+                and not linear_traces(input, weight, st.recipe, is_first_microbatch)):
+            return input, dict(norm_weight=w, norm_eps=eps)
+        return hf_rms_norm(input, w, eps), {}
+
+
+class QKVLinear(_MovedNorm, Linear):
     """:class:`lowbit.nn.Linear` standing in for a Hugging Face attention's ``q_proj``, with ``k_proj`` and ``v_proj``
     fused into it: ``weight`` = [Wq; Wk; Wv] ((nq + nk + nv, hidden), a copy: a new Parameter), ``bias`` likewise.
     The attention's ``k_proj`` and ``v_proj`` become :class:`QKVPart` s that read from it (:meth:`fuse`).
@@ -150,7 +179,7 @@ class QKVLinear(Linear):
                 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
             raise ValueError(f"sizes: expected three positive ints (nq, nk, nv), got {sizes!r}")
         super().__init__(in_features, sum(sizes), bias=bias, device=device, dtype=dtype)
-        self.sizes, self._pending = tuple(sizes), None
+        self.sizes, self._pending, self._norm = tuple(sizes), None, ()
 
     @classmethod
     def from_linear(cls, lin):
@@ -177,7 +206,7 @@ class QKVLinear(Linear):
             m.weight = torch.nn.Parameter(torch.cat([x.weight for x in lins]), requires_grad=q.weight.requires_grad)
             m.bias = None if q.bias is None else torch.nn.Parameter(torch.cat([x.bias for x in lins]),
                                                                     requires_grad=q.bias.requires_grad)
-        m._pending = None
+        m._pending, m._norm = None, ()
         m.train(q.training)
         m._init_gemms("")
         return m, QKVPart(m, 1), QKVPart(m, 2)
@@ -186,6 +215,14 @@ class QKVLinear(Linear):
         """The rows of ``weight`` (and ``bias``) of part 0 (q), 1 (k) or 2 (v)."""
         start = sum(self.sizes[:part])
         return slice(start, start + self.sizes[part])
+
+    def take_norm(self, norm: torch.nn.Module) -> "DeferredRMSNorm":
+        """Move a Hugging Face RMSNorm whose output only this attention's q, k and v projections read (the decoder
+        layer's ``input_layernorm``) into it, as :meth:`SwiGLUMLP.take_norm` does for an MLP: the parts then take the
+        norm's input, normalized once for the three (by :func:`hf_rms_norm`, bit for bit, or inside autocast where
+        :func:`lowbit.nn.functional.norm_fuses`, inside the input quantizer of the one GEMM). Returns the
+        :class:`DeferredRMSNorm` to put in the norm's place."""
+        return self._take_norm(norm, self.in_features, "in_features")
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """q_proj's output (see the class); ``is_first_microbatch`` as :meth:`Linear.forward`."""
@@ -196,16 +233,28 @@ class QKVLinear(Linear):
         check_microbatch_arg(is_first_microbatch)
         st = _ac.get_state()
         r = self.rows(part)
-        if not st.enabled:
+        if not st.enabled and not self._norm:
             return F.linear(input, self.weight[r], None if self.bias is None else self.bias[r])
         pending = self._pending
-        if pending is None or pending[0] is not input or pending[2][part]:
-            y = quantized_linear(input, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st)
-            # (one split: the three gradients meet in one backward node, concatenated once into dy)
-            pending = (input, y.split(self.sizes, dim=-1), (False, False, False))
+        if pending is None or pending[0] is not input or pending[2][part] or pending[3] != st.enabled:
+            # the work the three parts share, once: the quantized GEMM's output split in three (one split: the
+            # three gradients meet in one backward node, concatenated once into dy), or outside autocast the
+            # moved norm's output
+            x, nkw = input, {}
+            if self._norm:
+                check_norm_input(input, self.in_features, "in_features")
+                x, nkw = self._normalize(input, st, self.weight, is_first_microbatch)
+            if st.enabled:
+                y = quantized_linear(x, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, **nkw)
+                shared = y.split(self.sizes, dim=-1)
+            else:
+                shared = x
+            pending = (input, shared, (False, False, False), st.enabled)
         done = tuple(d or i == part for i, d in enumerate(pending[2]))
-        self._pending = None if all(done) else (pending[0], pending[1], done)
-        return pending[1][part]
+        self._pending = None if all(done) else (pending[0], pending[1], done, pending[3])
+        if st.enabled:
+            return pending[1][part]
+        return F.linear(pending[1], self.weight[r], None if self.bias is None else self.bias[r])
 
     def _hf_tensors(self, part: int) -> dict:
         """HF state_dict key (relative to the part's module) -> the view of ``weight`` / ``bias`` it maps to."""
@@ -222,8 +271,9 @@ class QKVLinear(Linear):
         _load_views(self, self._hf_tensors(0), *args)
 
     def extra_repr(self) -> str:
+        moved = f", normalizes its input ({self.norm.norm_type})" if self._norm else ""
         return (f"in_features={self.in_features}, q/k/v out_features={self.sizes}, bias={self.bias is not None} "
-                "(q_proj with k_proj and v_proj fused in; HF state_dict)")
+                f"(q_proj with k_proj and v_proj fused in; HF state_dict){moved}")
 
 
 class QKVPart(torch.nn.Module):
@@ -288,7 +338,7 @@ def _load_views(module, tensors: dict, state_dict, prefix: str, local_metadata, 
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in known)
 
 
-class SwiGLUMLP(LowbitModule, torch.nn.Module):
+class SwiGLUMLP(_MovedNorm, LowbitModule, torch.nn.Module):
     """``y = down(silu(gate(x)) · up(x))`` — the gated MLP of Llama / Mistral / Qwen2 — with fc1 = [gate; up] as one
     weight so that inside autocast it runs as :class:`LayerNormMLP`'s SwiGLU does (one fc1 GEMM, the fused SwiGLU,
     inside fc2's input quantizer under 1x128 blockwise recipes with no bias). It has no norm: HF's RMSNorm is not
@@ -358,21 +408,7 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
         quantizer, where the normalized input is never written (the same two FP32 products as HF's RMSNorm on an FP32
         input; its row statistics rounded as the kernel's). Returns the :class:`DeferredRMSNorm` to put in the
         norm's place: it owns the norm's Parameter, which this MLP reads from it at every call."""
-        if type(norm).__name__ not in HF_RMSNORM_CLASSES:
-            raise TypeError(f"norm: expected one of {HF_RMSNORM_CLASSES}, got {type(norm).__name__}")
-        w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-        if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (self.hidden_size,) or not isinstance(
-                eps, float):
-            raise ValueError(f"norm: expected weight ({self.hidden_size},) and a float variance_epsilon, got "
-                             f"{tuple(getattr(w, 'shape', ()))} and {eps!r}")
-        deferred = DeferredRMSNorm(w, eps, type(norm).__name__)
-        self._norm = (deferred,)  # (a tuple: not a submodule; the weight's state_dict key stays the norm's)
-        return deferred
-
-    @property
-    def norm(self) -> "DeferredRMSNorm | None":
-        """The place of the RMSNorm moved in by :meth:`take_norm` (its weight and epsilon), or None."""
-        return self._norm[0] if self._norm else None
+        return self._take_norm(norm, self.hidden_size, "hidden_size")
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """``input`` (..., hidden_size) -> (..., hidden_size) (with a norm moved in: the norm's input);
@@ -382,13 +418,7 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
         st = _ac.get_state()
         nkw = {}
         if self._norm:
-            w, eps = self._norm[0].weight, self._norm[0].variance_epsilon
-            # (not inside torch.compile where fc1 traces: HF's norm is then torch's, which Inductor compiles)
-            if (st.enabled and norm_fuses(input, w, st.recipe)
-                    and not linear_traces(input, self.fc1_weight, st.recipe, is_first_microbatch)):
-                nkw = dict(norm_weight=w, norm_eps=eps)
-            else:
-                input = hf_rms_norm(input, w, eps)
+            input, nkw = self._normalize(input, st, self.fc1_weight, is_first_microbatch)
         if st.enabled:
             return quantized_swiglu_branch(input, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
                                            self._gemms["fc1"], self._gemms["fc2"], is_first_microbatch, st, None,
@@ -421,9 +451,23 @@ class SwiGLUMLP(LowbitModule, torch.nn.Module):
                 f"{moved}")
 
 
+def _deferred_norm(norm: torch.nn.Module, width: int, name: str) -> "DeferredRMSNorm":
+    """The :class:`DeferredRMSNorm` holding ``norm`` 's Parameter and epsilon, for a module of input width ``width``
+    (its argument ``name``) to take it in; TypeError / ValueError where ``norm`` is not one of
+    :data:`HF_RMSNORM_CLASSES` of that width."""
+    if type(norm).__name__ not in HF_RMSNORM_CLASSES:
+        raise TypeError(f"norm: expected one of {HF_RMSNORM_CLASSES}, got {type(norm).__name__}")
+    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (width,) or not isinstance(eps, float):
+        raise ValueError(f"norm: expected weight ({width},) (the {name}) and a float variance_epsilon, got "
+                         f"{tuple(getattr(w, 'shape', ()))} and {eps!r}")
+    return DeferredRMSNorm(w, eps, type(norm).__name__)
+
+
 class DeferredRMSNorm(torch.nn.Module):
-    """The place of a Hugging Face RMSNorm moved into the :class:`SwiGLUMLP` that alone reads its output
-    (:meth:`SwiGLUMLP.take_norm`): ``forward`` returns its input unchanged, for that MLP to normalize. It owns the
+    """The place of a Hugging Face RMSNorm moved into the module that alone reads its output (a :class:`SwiGLUMLP`,
+    :meth:`SwiGLUMLP.take_norm`, or a :class:`QKVLinear`, :meth:`QKVLinear.take_norm`): ``forward`` returns its input
+    unchanged, for that module to normalize. It owns the
     norm's ``weight`` (the same Parameter) and keeps its ``variance_epsilon``, so the model's ``state_dict`` keys, its
     checkpoints, its optimizer and FSDP2's sharding of the weight are unchanged. Do not call it for a normalized
     output: there is none here."""
@@ -436,7 +480,8 @@ class DeferredRMSNorm(torch.nn.Module):
         return hidden_states
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, {self.norm_type} applied by the MLP after it"
+        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, {self.norm_type} applied by the module "
+                "after it")
 
 
 HF_RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
