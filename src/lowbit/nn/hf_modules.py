@@ -166,7 +166,8 @@ class QKVLinear(_MovedNorm, Linear):
     the three calls runs one quantized GEMM for all three (``x`` quantized once) and each call returns its columns
     of that output (a view); the output is dropped once all three have taken theirs, and a call on another input (or
     a second call of the same part) runs the GEMM again. Outside autocast each part is ``F.linear`` on its rows of the
-    weight (contiguous slices: the GEMMs of the Hugging Face modules, bit-identical values and gradients).
+    weight (contiguous slices: the GEMMs of the Hugging Face modules, bit-identical values and gradients). With the
+    decoder layer's norm moved in (:meth:`take_norm`), ``x`` is the norm's input, normalized once for the three.
 
     ``state_dict()`` keeps the Hugging Face keys and shapes: ``weight`` / ``bias`` here are q_proj's rows (plus
     ``_extra_state``), the parts store theirs under their own names.
