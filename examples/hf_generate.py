@@ -46,8 +46,8 @@ def load(args):
 
 
 def cache_kw(model):
-    """The forward's KV-cache argument and its output's field: "cache" (transformers >= 5.2x), else
-    "past_key_values"."""
+    """The forward's KV-cache argument and its output's field: "cache" where the model's forward takes it (newer
+    transformers), else "past_key_values"."""
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
