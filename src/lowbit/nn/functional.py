@@ -343,40 +343,37 @@ class GemmLayer:
             if gq is not None:
                 return self._gathered_weight(gq, recipe, columnwise, policy)
         if is_first_microbatch is None and self.keep_weights and self._may_keep(w):
-            c = self.wcache
-            if (c is not None and c[0] == recipe and c[1] == w._version and c[2] == w.data_ptr()
-                    and (c[3].columnwise is not None or not columnwise)):
+            if self._cache_fault(w, recipe, columnwise) is None:
                 self.kept_uses += 1
-                return c[3]
+                return self.wcache[3]
             is_first_microbatch = True  # quantize and keep (the copies the weight's GEMMs may need, as True does)
         if is_first_microbatch is False:
-            c = self.wcache
-            if c is None:
+            fault = self._cache_fault(w, recipe, columnwise)
+            if fault == "missing":
                 raise ValueError(
                     "is_first_microbatch: False needs a quantized weight cached by an earlier call with True "
                     "in this step; "
                     f"layer {self.name!r} has none. Pass True on the first microbatch of each step (or None "
                     "to not cache)."
                 )
-            crecipe, version, ptr, q = c
-            if crecipe != recipe:
+            if fault == "recipe":
                 raise ValueError(
-                    f"is_first_microbatch: False reuses the weight cached under {crecipe}, but the active recipe "
-                    f"is {recipe}; "
+                    f"is_first_microbatch: False reuses the weight cached under {self.wcache[0]}, but the active "
+                    f"recipe is {recipe}; "
                     f"pass True when the recipe changes (layer {self.name!r})"
                 )
-            if version != w._version or ptr != w.data_ptr():
+            if fault == "modified":
                 raise ValueError(
                     f"is_first_microbatch: False, but the weight of layer {self.name!r} was modified since "
                     "it was cached "
                     "(optimizer step?); pass True on the first microbatch after each weight update"
                 )
-            if columnwise and q.columnwise is None:
+            if fault == "no columnwise":
                 raise ValueError(
                     f"is_first_microbatch: the cached weight of layer {self.name!r} was quantized without gradients "
                     "(no columnwise copy for dgrad); pass True under autograd first"
                 )
-            return q
+            return self.wcache[3]
         cache = is_first_microbatch is True
         sch = fresh_weight_scheme(w, recipe)
         if sch is not None:
@@ -396,6 +393,20 @@ class GemmLayer:
         self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
 
+    def _cache_fault(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> str | None:
+        """Why ``wcache`` is not ``w``'s copies for this call ("missing", "recipe", "modified": its version or
+        storage moved, "no columnwise": a dgrad needs one), or None where it is: the one rule for
+        ``is_first_microbatch=False`` and :class:`lowbit.nn.cached_weights`."""
+        c = self.wcache
+        if c is None:
+            return "missing"
+        if c[0] != recipe:
+            return "recipe"
+        if c[1] != w._version or c[2] != w.data_ptr():
+            return "modified"
+        if columnwise and c[3].columnwise is None:
+            return "no columnwise"
+        return None
 
     @staticmethod
     def _may_keep(w: torch.Tensor) -> bool:
