@@ -113,7 +113,8 @@ class cached_weights:
         if not self._layers:
             raise ValueError(f"model: a {type(model).__name__} with no lowbit modules has no quantized weights to "
                              "keep; convert it first (lowbit.convert)")
-        self._start = None
+        self._start = None  # (the layers' reuse count at entry while the block is open)
+        self._reused = 0
 
     def __enter__(self) -> "cached_weights":
         if self._start is not None:
@@ -135,5 +136,5 @@ class cached_weights:
     def reused(self) -> int:
         """Forwards inside this block (so far, or until it exited) that took a kept weight."""
         if self._start is None:
-            return getattr(self, "_reused", 0)
+            return self._reused
         return sum(g.kept_uses for g in self._layers) - self._start

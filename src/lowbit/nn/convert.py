@@ -219,8 +219,7 @@ def convert(model: torch.nn.Module, recipe: Recipe | None = None, skip=(), keep_
       bit-identical to the three; the ``state_dict`` keeps the HF keys. With ``fuse_norms`` too, the decoder layer's
       ``input_layernorm`` moves into the QKVLinear as ``post_attention_layernorm`` into a SwiGLUMLP
       (:meth:`lowbit.nn.QKVLinear.take_norm`: normalized once for the three projections). Not fused, with the reason
-      in
-      ``summary.not_fused`` (with ``fuse_mlp`` or ``fuse_qkv``): other attention classes, a part kept in high
+      in ``summary.not_fused`` (with ``fuse_mlp`` or ``fuse_qkv``): other attention classes, a part kept in high
       precision, or without ``fuse_qkv`` (:data:`QKV_NOT_FUSED`).
 
     Kept in high precision (and listed in the summary with the reason):

@@ -180,7 +180,7 @@ class QKVLinear(_MovedNorm, Linear):
                 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
             raise ValueError(f"sizes: expected three positive ints (nq, nk, nv), got {sizes!r}")
         super().__init__(in_features, sum(sizes), bias=bias, device=device, dtype=dtype)
-        self.sizes, self._pending, self._norm = tuple(sizes), None, ()
+        self.sizes, self._pending = tuple(sizes), None
 
     @classmethod
     def from_linear(cls, lin):
@@ -207,7 +207,7 @@ class QKVLinear(_MovedNorm, Linear):
             m.weight = torch.nn.Parameter(torch.cat([x.weight for x in lins]), requires_grad=q.weight.requires_grad)
             m.bias = None if q.bias is None else torch.nn.Parameter(torch.cat([x.bias for x in lins]),
                                                                     requires_grad=q.bias.requires_grad)
-        m._pending, m._norm = None, ()
+        m._pending = None
         m.train(q.training)
         m._init_gemms("")
         return m, QKVPart(m, 1), QKVPart(m, 2)
@@ -365,7 +365,6 @@ class SwiGLUMLP(_MovedNorm, LowbitModule, torch.nn.Module):
         check_module_args(dict(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size),
                           lambda: (3 * hidden_size + 2) * ffn_hidden_size + hidden_size, bias, device, dtype)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self._norm: tuple = ()
         fk = dict(device=device, dtype=dtype)
         lin = [torch.nn.Linear(hidden_size, ffn_hidden_size, bias=bias, **fk) for _ in range(2)]
         down = torch.nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **fk)
@@ -396,7 +395,7 @@ class SwiGLUMLP(_MovedNorm, LowbitModule, torch.nn.Module):
                              "(hidden, ffn))")
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
-        m.hidden_size, m.ffn_hidden_size, m._norm = h, f, ()
+        m.hidden_size, m.ffn_hidden_size = h, f
         m._set(gate, up, down)
         m.train(mlp.training)
         return m
@@ -468,10 +467,9 @@ def _deferred_norm(norm: torch.nn.Module, width: int, name: str) -> "DeferredRMS
 class DeferredRMSNorm(torch.nn.Module):
     """The place of a Hugging Face RMSNorm moved into the module that alone reads its output (a :class:`SwiGLUMLP`,
     :meth:`SwiGLUMLP.take_norm`, or a :class:`QKVLinear`, :meth:`QKVLinear.take_norm`): ``forward`` returns its input
-    unchanged, for that module to normalize. It owns the
-    norm's ``weight`` (the same Parameter) and keeps its ``variance_epsilon``, so the model's ``state_dict`` keys, its
-    checkpoints, its optimizer and FSDP2's sharding of the weight are unchanged. Do not call it for a normalized
-    output: there is none here."""
+    unchanged, for that module to normalize. It owns the norm's ``weight`` (the same Parameter) and keeps its
+    ``variance_epsilon``, so the model's ``state_dict`` keys, its checkpoints, its optimizer and FSDP2's sharding of
+    the weight are unchanged. Do not call it for a normalized output: there is none here."""
 
     def __init__(self, weight: torch.nn.Parameter, variance_epsilon: float, norm_type: str):
         super().__init__()
