@@ -378,12 +378,13 @@ def _fuse(norm, lin: torch.nn.Linear) -> LayerNormLinear:
     return m
 
 
-def _linear_group(name: str, m: torch.nn.Module, attrs: tuple) -> tuple[list, list]:
-    """(qualified names, modules) of ``m``'s children ``attrs`` where each is a plain ``nn.Linear``, else ([], [])."""
-    lins = [getattr(m, n, None) for n in attrs]
-    if not all(type(p) is torch.nn.Linear for p in lins):
-        return [], []
-    return [f"{name}.{n}" if name else n for n in attrs], lins
+def _linear_groups(model: torch.nn.Module, attrs: tuple):
+    """(name, module, qualified names of its children ``attrs``, those children) for each module of ``model`` whose
+    ``attrs`` are all plain ``nn.Linear`` s (looked up as :func:`_modules` does)."""
+    for name, m in _modules(model):
+        lins = [getattr(m, n, None) for n in attrs]
+        if all(type(p) is torch.nn.Linear for p in lins):
+            yield name, m, [f"{name}.{n}" if name else n for n in attrs], lins
 
 
 def _kept(sub: list, lins: list, reason_to_keep) -> str | None:
@@ -400,10 +401,7 @@ def _fuse_gated_mlps(model, summary: ConvertSummary, reason_to_keep, parent_of, 
     """``fuse_mlp``: each HF gated MLP that can be fused becomes a :class:`SwiGLUMLP`; the qualified names of the
     Linears it absorbed (the others, with the reason in ``summary.not_fused``, stay for the Linear pass)."""
     done = set()
-    for name, m in _modules(model):
-        sub, parts = _linear_group(name, m, ("gate_proj", "up_proj", "down_proj"))
-        if not parts:
-            continue
+    for name, m, sub, parts in _linear_groups(model, ("gate_proj", "up_proj", "down_proj")):
         cls = type(m).__name__
         act = getattr(m, "act_fn", None)
         if cls not in GATED_MLP_CLASSES:
@@ -451,10 +449,7 @@ def _fuse_qkvs(model, summary: ConvertSummary, reason_to_keep, parent_of, enable
     ``input_layernorm`` moved in where ``fuse_norms`` and it is one (:data:`DECODER_LAYER_CLASSES`); the qualified
     names of the Linears fused (the others stay for the Linear pass)."""
     done = set()
-    for name, m in _modules(model):
-        sub, lins = _linear_group(name, m, ("q_proj", "k_proj", "v_proj"))
-        if not lins:
-            continue
+    for name, m, sub, lins in _linear_groups(model, ("q_proj", "k_proj", "v_proj")):
         cls = type(m).__name__
         if not enabled:
             why = QKV_NOT_FUSED
