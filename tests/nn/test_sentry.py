@@ -644,3 +644,39 @@ def test_converted_model_is_freed_after_inference_on_cuda():
     gc.collect()
     assert [r() for r in refs] == [None, None]
     nonfinite_events()
+
+
+_INFERENCE_FIRST = """
+import torch, lowbit
+from lowbit import recipes
+from lowbit.nn import NonFiniteAmaxError
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).cuda()
+lowbit.convert(model)
+x = torch.randn(256, 512, device="cuda")
+with torch.inference_mode(), lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+    model(x)
+for _ in range(3):
+    with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        y = model(x)
+    y.float().sum().backward()
+lowbit.nn.check_nonfinite()
+try:
+    with lowbit.autocast(recipe=recipes.Float8BlockScaling()):
+        model(torch.full_like(x, float("nan")))
+    lowbit.nn.check_nonfinite()
+except NonFiniteAmaxError as e:
+    print("raised", e.event.layer, e.event.role)
+"""
+
+
+@pytest.mark.gpu
+def test_inference_mode_first_then_training_on_cuda():
+    """The sentry's host slots and graph board are made at the first autocast region: when that region runs under
+    ``torch.inference_mode`` (a ``generate()`` before training, in a fresh process), they must still take the
+    checks of the training steps after it, and a NaN there must still raise."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _INFERENCE_FIRST], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "raised 0 input" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -458,7 +458,8 @@ class _PinnedRing:
 
     def take(self) -> tuple[torch.Tensor, int] | None:
         if self.buf is None:
-            self.buf = torch.empty(self.n, dtype=torch.float32, pin_memory=True)
+            with torch.inference_mode(False):  # (a first check under inference_mode: later ones copy in outside it)
+                self.buf = torch.empty(self.n, dtype=torch.float32, pin_memory=True)
             self.free = list(range(self.n))
         if not self.free:
             return None
@@ -567,7 +568,8 @@ def _launch_check(recs: list, gather: "_Gather | None" = None) -> None:
             _drain(True, raise_errors=False)
             slot = _ring.take()
         if slot is None:  # every slot held by checks take_checks() took: one more (allocating it synchronizes)
-            slot = torch.empty(1, dtype=torch.float32, pin_memory=True), None
+            with torch.inference_mode(False):
+                slot = torch.empty(1, dtype=torch.float32, pin_memory=True), None
         host, i = slot
         host.copy_(mx, non_blocking=True)
         ev = torch.cuda.Event()
@@ -740,7 +742,8 @@ def prepare_board() -> None:
     dev = torch.device("cuda", idx)
     if idx in _boards or in_graph_pool(dev):
         return
-    _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=dev)
+    with torch.inference_mode(False):  # (an entry under inference_mode: graphs recorded outside it write the board)
+        _boards[idx] = torch.zeros(BOARD_SLOTS, dtype=torch.float32, device=dev)
 
 
 def _board_layer_ref(layer, key):
