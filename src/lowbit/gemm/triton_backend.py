@@ -17,7 +17,7 @@ from ..quant.tensor import cdiv
 from ..runtime import env
 from ..runtime.autotune import bucket, tuned_config, tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
-from ..runtime.launch import ensure_tma_allocator
+from ..runtime.launch import ensure_tma_allocator, launcher
 from ..runtime.log import declined
 from . import check_k_contiguous, gemm_dims, register_backend
 from .kernels import gemm as G
@@ -163,12 +163,25 @@ narrow it to force one config."""
 # default one with what is left), one loader warp with 24; 12 warps in all at maxnreg 168 = the 64K register file.
 _WS_LAUNCH = dict(NMATH=2, LOAD_REGS=24, MATH_REGS=232, num_warps=4, maxnreg=168)
 
-def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, **consts):
+def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, key=None, **consts):
     """G.gemm_gluon_ws on a persistent grid (one CTA per SM at most) with config cfg (BM, BN, STAGES); ptrs: its
-    seven pointer arguments (A, B, their scales, C, pre-GELU, bias)."""
+    seven pointer arguments (A, B, their scales, C, pre-GELU, bias). ``key``: given, the launch is keyed on it
+    (:func:`_launch_key`, which with cfg must determine every argument's specialization)."""
     tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-    G.gemm_gluon_ws[(min(tiles, num_sms(dev)),)](*ptrs, M, N, K, lda_s, ldb_s, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8,
-                                                   STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
+    kw = dict(BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
+    grid = (min(tiles, num_sms(dev)),)
+    if key is None:
+        launcher(G.gemm_gluon_ws)[grid](*ptrs, M, N, K, lda_s, ldb_s, **kw)
+    else:
+        launcher(G.gemm_gluon_ws).keyed(grid, ("ws", key), (*ptrs, M, N, K, lda_s, ldb_s), kw)
+
+
+def _launch_key(cfg, ptrs, *ints_and_flags) -> tuple:
+    """A GEMM launch's key for ``SpecializedLaunch.keyed``: the config, every integer argument and constexpr flag
+    as given (Triton specializes integers on == 1 and % 16), and each pointer argument's dtype and 16-byte
+    alignment (views into a fused output may be unaligned). Built per call: cheaper than deriving one from the
+    argument list."""
+    return (tuple(cfg.items()), *ints_and_flags, *[(t.dtype, not t.data_ptr() & 15) for t in ptrs])
 
 
 def _check_bias(bias):
@@ -192,20 +205,20 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     tma = _tma_ok(A, B, K)
     gluon = tma and _gluon_ok(sa_mode, sb_mode, bs, dev)
 
+    ptrs = (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c)
+    consts = dict(SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
+
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
+        key = _launch_key(cfg, ptrs, M, N, K, lda, ldb, sa_mode, sb_mode, bs, bias is not None, gelu, accumulate, tma)
         if cfg.get("WS"):
-            _launch_ws(dev, cfg, (A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c), M, N, K, lda,
-                       ldb,
-                       SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
+            _launch_ws(dev, cfg, ptrs, M, N, K, lda, ldb, key, **consts)
             return
         if cfg.get("GLUON"):
             kern, extra = G.fp8_gemm_gluon, dict(STAGES=cfg["STAGES"])
         else:
             kern, extra = G.fp8_gemm_kernel, dict(TMA=tma, num_stages=cfg["num_stages"])
-        kern[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
-            A, B, sa, sb, c, pre if gelu else c, bias if bias is not None else c, M, N, K, lda, ldb,
-            SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate,
-            BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
+        launcher(kern).keyed((cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),), key, (*ptrs, M, N, K, lda, ldb),
+                             dict(consts, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra))
 
     def cands():
         out = _candidates(M, N, False)
@@ -279,8 +292,9 @@ def dequantize_bf16(c, nv: bool, two_d: bool, rows: int, K: int) -> torch.Tensor
     """
     out = torch.empty(rows, K, dtype=torch.float32 if INTERPRET else torch.bfloat16, device=c.data.device)
     br, bk = (16, 32) if INTERPRET else (32, 128)  # bk: a multiple of both block lengths (16, 32)
-    G.dequant_bf16_kernel[(cdiv(rows, br), cdiv(K, bk))](c.data, c.scale_inv, out, rows, K, c.scale_inv.stride(0),
-                                                         NV=nv, TWO_D=two_d, F32=INTERPRET, BR=br, BK=bk, num_warps=4)
+    launcher(G.dequant_bf16_kernel)[(cdiv(rows, br), cdiv(K, bk))](
+        c.data, c.scale_inv, out, rows, K, c.scale_inv.stride(0), NV=nv, TWO_D=two_d, F32=INTERPRET, BR=br, BK=bk,
+        num_warps=4)
     return out
 
 
@@ -318,11 +332,11 @@ def _scaled_mm_emu(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out,
             return
         if cfg.get("CUBLAS"):
             acc = _mm_cublas(A, B, fp32_out=True)
-            G.scale_epilogue_kernel[(cdiv(M, 64), cdiv(N, 128))](
+            launcher(G.scale_epilogue_kernel)[(cdiv(M, 64), cdiv(N, 128))](
                 acc, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, NV=nv,
                 HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate, BM=64, BN=128, num_warps=8)
             return
-        G.emu_gemm_kernel[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
+        launcher(G.emu_gemm_kernel)[(cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)](
             A, B, sa, sb, gsa, gsb, c, pre_out if gelu else c, bias if bias is not None else c, M, N, K,
             sa.stride(0), sb.stride(0), NV=nv, A2D=a2d, B2D=b2d, F32=INTERPRET, PRE=pre, HAS_BIAS=bias is not None,
             GELU=gelu, ACCUM=accumulate, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, TMA=tma,

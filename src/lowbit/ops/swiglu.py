@@ -16,7 +16,7 @@ from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..quant.tensor import QuantizedTensor
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
-from ..runtime.launch import remember
+from ..runtime.launch import launcher, remember
 from ..runtime.log import declined
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_backward", "swiglu_backward_reference", "swiglu_op",
@@ -102,7 +102,7 @@ def _forward(h: torch.Tensor) -> torch.Tensor:
     rows = h.numel() // (2 * F)
     out = torch.empty(*h.shape[:-1], F, dtype=h.dtype, device=h.device)
     grid, block, warps = _grid(rows, F)
-    _swiglu_kernel[grid](h, h, out, F, BLOCK=block, BACKWARD=False, num_warps=warps)
+    launcher(_swiglu_kernel)[grid](h, h, out, F, BLOCK=block, BACKWARD=False, num_warps=warps)
     return out
 
 
@@ -126,7 +126,7 @@ def swiglu_backward(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     rows = h.numel() // (2 * F)
     dh = torch.empty_like(h)
     grid, block, warps = _grid(rows, F)
-    _swiglu_kernel[grid](h, g.contiguous(), dh, F, BLOCK=block, BACKWARD=True, num_warps=warps)
+    launcher(_swiglu_kernel)[grid](h, g.contiguous(), dh, F, BLOCK=block, BACKWARD=True, num_warps=warps)
     return dh
 
 
@@ -454,12 +454,12 @@ def swiglu_quantize_1x128(u: torch.Tensor, scheme, *, rowwise: bool = True, colu
         kw = {k: v for k, v in c.items() if k not in ("KIND", "CTAS")}
         if c.get("KIND") in ("regs", "packed"):
             fn, g, _, kw = plan.launch_args(c)  # quant_gluon.rowcol_1x128_regs(_packed) on h's (M, F) tile grid
-            fn[g](*args, **kw, SWIGLU=True)
+            launcher(fn)[g](*args, **kw, SWIGLU=True)
         elif c.get("KIND") == "tile":
             n_prog = min(n_tiles, plan.nsm * c["CTAS"])
-            _swiglu_quant_tile_kernel[(n_prog,)](*args, n_prog, **plan.kw, EVEN=M % 128 == 0, **kw)
+            launcher(_swiglu_quant_tile_kernel)[(n_prog,)](*args, n_prog, **plan.kw, EVEN=M % 128 == 0, **kw)
         else:
-            _swiglu_quant_kernel[grid](*args, **plan.kw, **kw)
+            launcher(_swiglu_quant_kernel)[grid](*args, **plan.kw, **kw)
 
     packed = regs and packed_ok(u)  # (u's alignment: not in the plan's key)
     tuned_launch("swiglu_quant", (rowwise, columnwise, u.dtype, bucket(M), bucket(F), regs, packed),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from . import env
 from .device import INTERPRET
 
-__all__ = ["CachedLaunch", "SpecializedLaunch", "ensure_tma_allocator", "remember"]
+__all__ = ["CachedLaunch", "SpecializedLaunch", "ensure_tma_allocator", "launcher", "remember"]
 
 _ENABLED = not INTERPRET
 
@@ -172,7 +172,24 @@ class SpecializedLaunch(CachedLaunch):
             full.append(kwargs.pop(n) if n in kwargs else self._defaults[n])
         dev = _driver.active.get_current_device()
         key = (dev, *_spec_key(full, self._const), *sorted(kwargs.items()))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable constexpr: Triton's own binding, every call
+            return self.fn[grid](*full, **kwargs)
         return self(grid, key, *full, **kwargs)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(fn) -> SpecializedLaunch:
+    """The process's one :class:`SpecializedLaunch` of the JIT kernel ``fn``, made at its first launch:
+    ``launcher(kernel)[grid](*args, **kwargs)`` launches as ``kernel[grid](...)`` does, without Triton's per-call
+    binding once a specialization has run."""
+    s = _LAUNCHERS.get(id(fn))  # (by id: a JITFunction hashes its source; the entry keeps fn, so the id stays its)
+    if s is None:
+        s = _LAUNCHERS[id(fn)] = SpecializedLaunch(fn)
+    return s
 
 
 def _torch_scratch(size: int, alignment: int, stream):
