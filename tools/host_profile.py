@@ -11,13 +11,16 @@ than the host enqueues (the default).
 does: the per-step costs (the autocast's entry and exit, the NaN sentry's two checks) are then shared, and the
 times printed are per Linear.
 
+``--inference`` profiles the forward alone under ``torch.inference_mode`` (a prefill or decode step of an inference
+server or ``generate()``; ``--shape 1x2048x2048`` is one decode token).
+
 ``--floor`` prints, before the profiles, the host time of the parts any quantized Linear forward + backward is made
 of, each alone: the three GEMMs as bare ``torch._scaled_mm`` calls on ready FP8 operands, an empty autograd Function,
 and lowbit's three quantizations and three GEMMs per recipe. Their sum against 1.5x BF16 is the bound on how cheap an
 eager quantized Linear can be with these calls.
 
 Usage: ``python tools/host_profile.py [--shape 4096x1024x1024] [--recipes fp8-current,fp8-block] [--top 30]
-[--floor]`` (``--device cpu`` profiles the reference path: a smoke test, not the GPU path).
+[--floor] [--inference]`` (``--device cpu`` profiles the reference path: a smoke test, not the GPU path).
 """
 
 from __future__ import annotations
@@ -35,7 +38,18 @@ from lowbit.bench.linear import host_ms
 from lowbit.recipes import QUANTIZED_NAMES, from_name
 
 
-def _step(module, x, dy, recipe):
+def _step(module, x, dy, recipe, inference=False):
+    if inference:
+        def fwd():
+            with torch.inference_mode(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+                if recipe is None:
+                    module(x)
+                else:
+                    with lowbit.autocast(recipe=recipe):
+                        module(x)
+
+        return fwd
+
     def fn():
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             if recipe is None:
@@ -116,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--floor", action="store_true", help="first, the host time of each part alone (CUDA only)")
     ap.add_argument("--layers", type=int, default=1, help="Linears in the profiled stack (times are per Linear)")
+    ap.add_argument("--inference", action="store_true", help="the forward alone, under torch.inference_mode")
     args = ap.parse_args(argv)
     try:
         M, K, N = (int(v) for v in args.shape.lower().split("x"))
@@ -134,16 +149,17 @@ def main(argv=None) -> int:
         return torch.nn.Sequential(*[make(K if i == 0 else N, N) for i in range(L)])
 
     base = stack(lambda k, n: torch.nn.Linear(k, n, bias=False, device=dev))
-    t_bf16 = host_ms(_step(base, x, dy, None), [x, *base.parameters()], device=dev) / L
-    print(f"torch.nn.Linear (FP32 params, autocast bf16): host {t_bf16:.3f} ms per forward + backward"
+    what = "forward (inference_mode)" if args.inference else "forward + backward"
+    t_bf16 = host_ms(_step(base, x, dy, None, args.inference), [x, *base.parameters()], device=dev) / L
+    print(f"torch.nn.Linear (FP32 params, autocast bf16): host {t_bf16:.3f} ms per {what}"
           + (f" (a stack of {L})" if L > 1 else ""))
-    if args.floor and dev.type == "cuda":
+    if args.floor and dev.type == "cuda" and not args.inference:
         _floor(M, K, N, recipes, dev, t_bf16)
     for name, recipe in recipes:
         lin = stack(lambda k, n: lowbit.nn.Linear(k, n, bias=False, device=dev))
-        fn = _step(lin, x, dy, recipe)
+        fn = _step(lin, x, dy, recipe, args.inference)
         t = host_ms(fn, [x, *lin.parameters()], device=dev) / L
-        print(f"\n## {name}: host {t:.3f} ms per forward + backward ({t / t_bf16:.2f}x BF16)")
+        print(f"\n## {name}: host {t:.3f} ms per {what} ({t / t_bf16:.2f}x BF16)")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
