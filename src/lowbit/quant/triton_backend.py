@@ -43,7 +43,7 @@ from ..formats import E4M3, FloatFormat
 from ..runtime.amax_arena import arena_slot
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET, capability, num_sms
-from ..runtime.launch import CachedLaunch, SpecializedLaunch, launcher
+from ..runtime.launch import CachedLaunch, SpecializedLaunch
 from ..runtime.log import declined
 from . import register_backend
 from .kernels import quant as K
@@ -400,12 +400,12 @@ def rowcol_regs_prologue(name: str, tkey: tuple, shape: tuple, scheme, candidate
     def launch(c):
         if c["KIND"] == "two":
             fn, grid, _, kw = plan.launch_args(REGS_CONFIGS[0])
-            launcher(fn)[grid](unfused(), *args, **kw)
+            fn[grid](unfused(), *args, **kw)
         else:
             if c.get("PACK") and x.dtype != torch.bfloat16:  # (BF16 pairs only: FP16 runs the form without)
                 c = dict(c, PACK=False)
             fn, grid, _, kw = plan.launch_args(c)
-            launcher(fn)[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
+            fn[grid](x, *args, **kw, **prologue(c), H=_regs_half_layout(c["num_warps"], c["LC"]))
 
     tuned_launch(name, tkey, lambda: bf16_pack_candidates(candidates() if callable(candidates) else candidates,
                                                           x.dtype),
@@ -689,14 +689,12 @@ def _mxfp8(qt, x2, sch: MXFP8, rowwise, columnwise):
 
     def launch(c):
         if c.get("KIND") == "regs":
-            launcher(QG.mxfp8_rowcol_regs)[((M // 128) * (Kd // 128),)](
-                x2, rq, rs, cq, cs, amax_i, M, Kd, EMAX=fmt.emax, num_warps=8, maxnreg=c["maxnreg"],
-                **_regs_layouts(8, 8))
+            QG.mxfp8_rowcol_regs[((M // 128) * (Kd // 128),)](x2, rq, rs, cq, cs, amax_i, M, Kd, EMAX=fmt.emax,
+                                                               num_warps=8, maxnreg=c["maxnreg"], **_regs_layouts(8, 8))
             return
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-        launcher(K.mxfp8_kernel)[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, **_fmt_args(fmt), EMAX=fmt.emax,
-                                       ROW=rowwise, COL=columnwise, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
-                                       num_warps=c["num_warps"])
+        K.mxfp8_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, M, Kd, **_fmt_args(fmt), EMAX=fmt.emax, ROW=rowwise,
+                             COL=columnwise, SW=SW_ROUND, BM=c["BM"], BK=c["BK"], num_warps=c["num_warps"])
 
     tuned_launch("mxfp8", (rowwise, columnwise, x2.dtype, regs, bucket(M), bucket(Kd)), cands, launch)
     amax = amax_i.view(torch.float32)
@@ -742,9 +740,9 @@ def _nvfp4(qt, x2, sch: NVFP4, rowwise, columnwise, seed, *, amax_i: torch.Tenso
 
     def launch(c):
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-        launcher(K.nvfp4_kernel)[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, signs, TWO_D=sch.two_d,
-                                       ROW=rowwise, COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND,
-                                       BM=c["BM"], BK=c["BK"], RHT=rht, SEED_PTR=seed_ptr, num_warps=c["num_warps"])
+        K.nvfp4_kernel[grid](x2, rq_, rs_, cq_, cs_, amax_i, gs, M, Kd, seed, signs, TWO_D=sch.two_d, ROW=rowwise,
+                             COL=columnwise, SR=sch.stochastic_rounding, SW=SW_ROUND, BM=c["BM"], BK=c["BK"],
+                             RHT=rht, SEED_PTR=seed_ptr, num_warps=c["num_warps"])
 
     tuned_launch("nvfp4", (sch.two_d, sch.stochastic_rounding, rowwise, columnwise, rht, x2.dtype, bucket(M),
                            bucket(Kd)), cands, launch)
@@ -766,8 +764,8 @@ def _nvfp4_rht(qt, x2, sch: NVFP4, rowwise, seed):
 
     def launch(c):
         grid = (cdiv(M, c["BM"]), cdiv(Kd, c["BK"]))
-        launcher(K.amax_rht_kernel)[grid](x2, amax_c, amax_r, M, Kd, int(sch.rht_signs), PLAIN=rowwise, BM=c["BM"],
-                                          BK=c["BK"], num_warps=c["num_warps"])
+        K.amax_rht_kernel[grid](x2, amax_c, amax_r, M, Kd, int(sch.rht_signs), PLAIN=rowwise, BM=c["BM"], BK=c["BK"],
+                                num_warps=c["num_warps"])
 
     tuned_launch("amax_rht", (rowwise, x2.dtype, bucket(M), bucket(Kd)), cands, launch)
     if rowwise:
