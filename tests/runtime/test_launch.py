@@ -187,6 +187,26 @@ def test_keyed_launch_keys_are_bounded(fake_env, monkeypatch):
     assert len(jit.calls) == 6
 
 
+def test_unhashable_constexpr_takes_the_jit_path_every_call(fake_env):
+    """A constexpr SpecializedLaunch cannot key on (an unhashable value) is passed to Triton's own launch, every
+    call, with every parameter given: nothing cached under a partial key."""
+    jit = _JIT()
+    jit.params = [_Param("x"), _Param("L", True)]
+    sl = _launch.SpecializedLaunch(jit)
+    x = _Tensor(4096)
+    for _ in range(2):
+        sl[(1,)](x, L=[1, 2], num_warps=4)
+    assert jit.calls == [((1,), (x, [1, 2]), {"num_warps": 4})] * 2 and not sl.compiled and not jit.compiled.runs
+
+
+def test_launcher_is_one_per_kernel():
+    """launcher(fn): the process's one SpecializedLaunch of each kernel, made at the first call."""
+    a, b = _JIT(), _JIT()
+    la = _launch.launcher(a)
+    assert isinstance(la, _launch.SpecializedLaunch) and la.fn is a
+    assert _launch.launcher(a) is la and _launch.launcher(b) is not la and _launch.launcher(b).fn is b
+
+
 def test_specialized_launch_disabled_is_the_jit_call(fake_env, monkeypatch):
     jit = _JIT()  # no .params: never read while the shortcut is off (an interpreted kernel has none)
     monkeypatch.setattr(_launch, "_ENABLED", False)
