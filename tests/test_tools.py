@@ -214,3 +214,17 @@ def test_compiled_bound_arithmetic():
                        Avg("aten::t", 30.0, 60)], steps=3, n=2)
     assert got == [{"name": "cuLaunchKernel", "ms": 2.0, "calls": 100.0},
                    {"name": "aten::_scaled_mm", "ms": 1.0, "calls": 10.0}]
+
+
+@pytest.mark.parametrize("mode", [[], ["--inference"]], ids=["train", "inference"])
+def test_host_profile_runs_on_cpu(mode):
+    """tools/host_profile.py on the CPU (the reference path: a smoke test), a stack of two, forward + backward and
+    ``--inference`` (the forward alone under inference_mode): it times both sides and prints both profiles."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(TOOLS / "host_profile.py"), "--device", "cpu", "--shape", "4x128x128",
+                        "--recipes", "fp8-block", "--layers", "2", "--calls", "2", "--top", "3", *mode],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    what = "forward (inference_mode)" if mode else "forward + backward"
+    assert "host " in r.stdout and f"per {what} (a stack of 2)" in r.stdout, r.stdout[-2000:]
+    assert "## fp8-block: host " in r.stdout and "x BF16)" in r.stdout and "### by cumulative" in r.stdout
