@@ -633,20 +633,21 @@ def test_gluon_ws_compiles_for_sm90(variant):
 
 
 def test_gemm_launch_key_covers_what_triton_specializes():
-    """The FP8 GEMM launches are keyed by ``_launch_key``: the config, every integer and flag as given, and each
-    pointer's dtype and 16-byte alignment. A change in any of them is a new key; the same call is the same key."""
+    """The FP8 GEMM launches are keyed by ``_launch_key``, made of the launch's own arguments: every integer as given,
+    every keyword (config and flags), and each pointer's dtype and 16-byte alignment. A change in any of them is a
+    new key; the same call is the same key."""
     pytest.importorskip("triton")
     from lowbit.gemm.triton_backend import _launch_key
 
     base = torch.empty(64, dtype=torch.uint8)
     a, b, c = base[:16], base[16:32], base[32:48].view(torch.bfloat16)
-    cfg = dict(WS=True, BM=128, BN=128, STAGES=4)
-    k0 = _launch_key(cfg, (a, b, c), 1, 2048, 2048, True)
-    assert k0 == _launch_key(dict(cfg), (a, b, c), 1, 2048, 2048, True)
-    for other in [_launch_key(dict(cfg, STAGES=5), (a, b, c), 1, 2048, 2048, True),
-                  _launch_key(cfg, (base[1:17], b, c), 1, 2048, 2048, True),       # A misaligned
-                  _launch_key(cfg, (a, b.view(torch.int8), c), 1, 2048, 2048, True),  # a dtype
-                  _launch_key(cfg, (a, b, c), 2, 2048, 2048, True),                # M == 1 no more
-                  _launch_key(cfg, (a, b, c), 1, 2056, 2048, True),                # N % 16
-                  _launch_key(cfg, (a, b, c), 1, 2048, 2048, False)]:              # a flag
+    kw = dict(BM=128, BN=128, STAGES=4, GELU=True)
+    k0 = _launch_key((a, b, c), (1, 2048, 2048), kw)
+    assert k0 == _launch_key((a, b, c), (1, 2048, 2048), dict(kw))
+    for other in [_launch_key((a, b, c), (1, 2048, 2048), dict(kw, STAGES=5)),
+                  _launch_key((base[1:17], b, c), (1, 2048, 2048), kw),       # A misaligned
+                  _launch_key((a, b.view(torch.int8), c), (1, 2048, 2048), kw),  # a dtype
+                  _launch_key((a, b, c), (2, 2048, 2048), kw),                # M == 1 no more
+                  _launch_key((a, b, c), (1, 2056, 2048), kw),                # N % 16
+                  _launch_key((a, b, c), (1, 2048, 2048), dict(kw, GELU=False))]:  # a flag
         assert other != k0

@@ -163,25 +163,25 @@ narrow it to force one config."""
 # default one with what is left), one loader warp with 24; 12 warps in all at maxnreg 168 = the 64K register file.
 _WS_LAUNCH = dict(NMATH=2, LOAD_REGS=24, MATH_REGS=232, num_warps=4, maxnreg=168)
 
-def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, key=None, **consts):
+def _launch_ws(dev, cfg, ptrs, M, N, K, lda_s, ldb_s, keyed=False, **consts):
     """G.gemm_gluon_ws on a persistent grid (one CTA per SM at most) with config cfg (BM, BN, STAGES); ptrs: its
-    seven pointer arguments (A, B, their scales, C, pre-GELU, bias). ``key``: given, the launch is keyed on it
-    (:func:`_launch_key`, which with cfg must determine every argument's specialization)."""
+    seven pointer arguments (A, B, their scales, C, pre-GELU, bias). ``keyed``: the launch is keyed by
+    :func:`_launch_key`."""
     tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, STAGES=cfg["STAGES"], **consts, **_WS_LAUNCH)
-    grid = (min(tiles, num_sms(dev)),)
-    if key is None:
-        launcher(G.gemm_gluon_ws)[grid](*ptrs, M, N, K, lda_s, ldb_s, **kw)
+    grid, ints = (min(tiles, num_sms(dev)),), (M, N, K, lda_s, ldb_s)
+    if keyed:
+        launcher(G.gemm_gluon_ws).keyed(grid, _launch_key(ptrs, ints, kw), (*ptrs, *ints), kw)
     else:
-        launcher(G.gemm_gluon_ws).keyed(grid, ("ws", key), (*ptrs, M, N, K, lda_s, ldb_s), kw)
+        launcher(G.gemm_gluon_ws)[grid](*ptrs, *ints, **kw)
 
 
-def _launch_key(cfg, ptrs, *ints_and_flags) -> tuple:
-    """A GEMM launch's key for ``SpecializedLaunch.keyed``: the config, every integer argument and constexpr flag
-    as given (Triton specializes integers on == 1 and % 16), and each pointer argument's dtype and 16-byte
-    alignment (views into a fused output may be unaligned). Built per call: cheaper than deriving one from the
-    argument list."""
-    return (tuple(cfg.items()), *ints_and_flags, *[(t.dtype, not t.data_ptr() & 15) for t in ptrs])
+def _launch_key(ptrs, ints, kwargs) -> tuple:
+    """A GEMM launch's key for ``SpecializedLaunch.keyed``, made of the launch's own arguments: every integer as given
+    (Triton specializes integers on == 1 and % 16), every keyword (constexprs and launch options), and each pointer
+    argument's dtype and 16-byte alignment (views into a fused output may be unaligned). Built per call: cheaper than
+    deriving one parameter by parameter."""
+    return (*ints, *kwargs.items(), *[(t.dtype, not t.data_ptr() & 15) for t in ptrs])
 
 
 def _check_bias(bias):
@@ -209,16 +209,16 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
     consts = dict(SA=sa_mode, SB=sb_mode, BS=bs, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate)
 
     def launch(cfg):  # (the K loop steps by the scale block BS: cfg["BK"] is for the emulated kernel)
-        key = _launch_key(cfg, ptrs, M, N, K, lda, ldb, sa_mode, sb_mode, bs, bias is not None, gelu, accumulate, tma)
         if cfg.get("WS"):
-            _launch_ws(dev, cfg, ptrs, M, N, K, lda, ldb, key, **consts)
+            _launch_ws(dev, cfg, ptrs, M, N, K, lda, ldb, keyed=True, **consts)
             return
         if cfg.get("GLUON"):
             kern, extra = G.fp8_gemm_gluon, dict(STAGES=cfg["STAGES"])
         else:
             kern, extra = G.fp8_gemm_kernel, dict(TMA=tma, num_stages=cfg["num_stages"])
-        launcher(kern).keyed((cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),), key, (*ptrs, M, N, K, lda, ldb),
-                             dict(consts, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra))
+        kw = dict(consts, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
+        ints, grid = (M, N, K, lda, ldb), (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
+        launcher(kern).keyed(grid, _launch_key(ptrs, ints, kw), (*ptrs, *ints), kw)
 
     def cands():
         out = _candidates(M, N, False)
