@@ -136,7 +136,15 @@ class _MovedNorm:
     _norm: tuple = ()
 
     def _take_norm(self, norm: torch.nn.Module, width: int, name: str) -> "DeferredRMSNorm":
-        deferred = _deferred_norm(norm, width, name)
+        """Take ``norm`` in (one of :data:`HF_RMSNORM_CLASSES` of input width ``width``, this module's argument
+        ``name``; else TypeError / ValueError): its :class:`DeferredRMSNorm`, which holds its Parameter and epsilon."""
+        if type(norm).__name__ not in HF_RMSNORM_CLASSES:
+            raise TypeError(f"norm: expected one of {HF_RMSNORM_CLASSES}, got {type(norm).__name__}")
+        w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+        if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (width,) or not isinstance(eps, float):
+            raise ValueError(f"norm: expected weight ({width},) (the {name}) and a float variance_epsilon, got "
+                             f"{tuple(getattr(w, 'shape', ()))} and {eps!r}")
+        deferred = DeferredRMSNorm(w, eps, type(norm).__name__)
         self._norm = (deferred,)
         return deferred
 
@@ -449,19 +457,6 @@ class SwiGLUMLP(_MovedNorm, LowbitModule, torch.nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"bias={self.fc1_bias is not None}, activation=swiglu (HF gate_proj/up_proj/down_proj state_dict)"
                 f"{moved}")
-
-
-def _deferred_norm(norm: torch.nn.Module, width: int, name: str) -> "DeferredRMSNorm":
-    """The :class:`DeferredRMSNorm` holding ``norm`` 's Parameter and epsilon, for a module of input width ``width``
-    (its argument ``name``) to take it in; TypeError / ValueError where ``norm`` is not one of
-    :data:`HF_RMSNORM_CLASSES` of that width."""
-    if type(norm).__name__ not in HF_RMSNORM_CLASSES:
-        raise TypeError(f"norm: expected one of {HF_RMSNORM_CLASSES}, got {type(norm).__name__}")
-    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (width,) or not isinstance(eps, float):
-        raise ValueError(f"norm: expected weight ({width},) (the {name}) and a float variance_epsilon, got "
-                         f"{tuple(getattr(w, 'shape', ()))} and {eps!r}")
-    return DeferredRMSNorm(w, eps, type(norm).__name__)
 
 
 class DeferredRMSNorm(torch.nn.Module):
