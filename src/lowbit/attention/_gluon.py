@@ -91,24 +91,6 @@ if GLUON_WS:
         gl.inline_asm_elementwise("bar.sync $1, $2;", "=r,r,r", [bid, NB_COUNT], dtype=gl.int32, is_pure=False,
                                   pack=1)
 
-    # PINGPONG: the two math warpgroups take turns issuing their wgmma (FlashAttention-3's warp-scheduler barrier):
-    # a warpgroup waits on its own named barrier (id SCHED_BASE + PART) before issuing, and arrives on the other's
-    # after, so one's softmax runs while the other's products occupy the tensor cores, instead of both drifting into
-    # the same phase. 256 threads a barrier: the 128 that wait and the other warpgroup's 128 that arrive.
-    SCHED_COUNT = gl.constexpr(256)
-
-    @gluon.jit
-    def _sched_sync(bid):
-        """bar.sync on scheduler barrier ``bid``: wait for this warpgroup's turn to issue."""
-        gl.inline_asm_elementwise("bar.sync $1, $2;", "=r,r,r", [bid, SCHED_COUNT], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _sched_arrive(bid):
-        """bar.arrive on scheduler barrier ``bid``: hand the turn to the other warpgroup."""
-        gl.inline_asm_elementwise("bar.arrive $1, $2;", "=r,r,r", [bid, SCHED_COUNT], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
     @gluon.jit
     def _fa_tile(t, n_m, Sq, Sk, win_right, REVERSE_M: gl.constexpr):
         """Work tile t (query block fastest, then batch·head): (pid_m, bh, number of mask-free key tiles, number of
@@ -271,8 +253,7 @@ if GLUON_WS:
     @gluon.jit
     def _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m, j, c, Sk, diag, win_right,
                  K_SCALE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, NAMED: gl.constexpr,
-                 PINGPONG: gl.constexpr, SCHED: gl.constexpr, PART: gl.constexpr):
+                 LAST: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr, NAMED: gl.constexpr):
         """Key tile j from its scores (s0, s1): its softmax; then tile j + 1's scores (unless LAST) and tile j's
         P·V (its two 64-key halves, P in registers, FP8 wgmmas from zero) go to the tensor cores together; tile j is
         folded into acc (acc·alpha + o: the FP32 promotion) and its stage goes back to the loader. Both wgmma groups
@@ -286,14 +267,10 @@ if GLUON_WS:
         a1 = _fa_p_operand(p1, mma_o)
         st = c % STAGES
         zo = gl.zeros((BM // 2, HEAD_DIM), gl.float32, mma_o)
-        if PINGPONG:
-            _sched_sync(SCHED + PART)
         if not LAST:
             t0, t1 = _fa_qk(q, k_s, ready, c + 1, STAGES, mma_s)
         o = warpgroup_mma(a0, v_s.index(2 * st).permute((1, 0)), zo, use_acc=False, is_async=True)
         o = warpgroup_mma(a1, v_s.index(2 * st + 1).permute((1, 0)), o, is_async=True)
-        if PINGPONG:
-            _sched_arrive(SCHED + 1 - PART)
         if not LAST:
             s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(t0, t1))  # (each wgmma call is one group)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -310,27 +287,18 @@ if GLUON_WS:
                  slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                  Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                  RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr, PINGPONG: gl.constexpr):
-        """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of each work tile of this CTA.
-        PINGPONG: warpgroup 0 takes the first turn (1 arrives once at the start) and takes the last hand-over at
-        the end (no barrier left part-arrived at exit); both issue the same number of times (the same key tiles)."""
-        SCHED: gl.constexpr = NB_BASE + STAGES + 2
+                 STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr):
+        """Math partition PART (one warpgroup): query rows PART*64 .. PART*64+63 of each work tile of this CTA."""
         n_m = gl.cdiv(Sq, BM)
         c = 0
         i = 0
-        if PINGPONG:
-            if PART == 1:
-                _sched_arrive(SCHED)
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             c += _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh, skmb, skmh,
                                slb, slh, sls, H, GROUP, Sq, Sk, win_right, _fa_order(t, n_tiles, REVERSE_M), n_m, c, i,
                                Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM, STAGES, PART,
-                               NAMED, PINGPONG, SCHED)
+                               NAMED)
             i += 1
-        if PINGPONG:
-            if PART == 0:
-                _sched_sync(SCHED)
 
     @gluon.jit
     def _fa_math_tile(q_s, k_s, v_s, qbar, q_empty, ready, empty,
@@ -338,8 +306,7 @@ if GLUON_WS:
                       slb, slh, sls, H, GROUP, Sq, Sk, win_right, t, n_m, c0, i,
                       Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                       RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr, PINGPONG: gl.constexpr,
-                      SCHED: gl.constexpr):
+                      STAGES: gl.constexpr, PART: gl.constexpr, NAMED: gl.constexpr):
         """One work tile t: its key tiles occupy ring slots c0, c0 + 1, ...; its Q tile is in buffer i % 2. Returns
         its number of key tiles."""
         NW: gl.constexpr = gl.num_warps()
@@ -368,27 +335,21 @@ if GLUON_WS:
         mbarrier.wait(qbar.index(qb), (i // 2) & 1)
         q = q_s.index(qb).slice(R0, ROWS, dim=0)
         if n_all > 0:
-            if PINGPONG:
-                _sched_sync(SCHED + PART)
             t0, t1 = _fa_qk(q, k_s, ready, c0, STAGES, mma_s)  # tile 0's scores
-            if PINGPONG:
-                _sched_arrive(SCHED + 1 - PART)
             s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1))
             n_a = gl.minimum(n_full, n_all - 1)
             for j in range(0, n_a):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, False, False, mma_s, mma_o, NAMED, PINGPONG, SCHED,
-                                                 PART)
+                                                 STAGES, False, False, mma_s, mma_o, NAMED)
             for j in range(n_a, n_all - 1):
                 acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base,
                                                  offs_m, j, c0 + j, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                                 STAGES, True, False, mma_s, mma_o, NAMED, PINGPONG, SCHED,
-                                                 PART)
+                                                 STAGES, True, False, mma_s, mma_o, NAMED)
             # the last tile (masked: harmless where it is not needed, and it runs once)
             acc, l_i, m_i, s0, s1 = _fa_step(acc, l_i, m_i, s0, s1, q, q_sc, k_s, v_s, ready, empty, ks_base, offs_m,
                                              n_all - 1, c0 + n_all - 1, Sk, diag, win_right, K_SCALE_ROWS, HEAD_DIM,
-                                             STAGES, True, True, mma_s, mma_o, NAMED, PINGPONG, SCHED, PART)
+                                             STAGES, True, True, mma_s, mma_o, NAMED)
         l_i = gl.convert_layout(gl.sum(l_i, 1), row_l)
 
         # ---- epilogue: out = acc / l · v_scale (acc and l both carry the factor 448)
@@ -427,7 +388,7 @@ if GLUON_WS:
                              Q_SCALE_ROWS: gl.constexpr, K_SCALE_ROWS: gl.constexpr, HAS_KMEAN: gl.constexpr,
                              RETURN_LSE: gl.constexpr, REVERSE_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                              STAGES: gl.constexpr, FLAT: gl.constexpr, LOAD_REGS: gl.constexpr,
-                             MATH_REGS: gl.constexpr, NAMED: gl.constexpr, PINGPONG: gl.constexpr):
+                             MATH_REGS: gl.constexpr, NAMED: gl.constexpr):
         """Work tiles: cdiv(Sq, 128) query blocks x B·Hq heads, query block fastest. num_warps 4 (+ one loader warp
         and a second math warpgroup), one CTA an SM.
 
@@ -489,14 +450,14 @@ if GLUON_WS:
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, gl.constexpr(0), NAMED, PINGPONG)),
+                                        STAGES, gl.constexpr(0), NAMED)),
                             (_fa_loader, (qd, kd, vd, q_s, k_s, v_s, qbar, q_empty, ready, empty, H, GROUP, Sq, Sk,
                                           win_right, n_tiles, REVERSE_M, STAGES, FLAT, HEAD_DIM, NAMED)),
                             (_fa_math, (q_s, k_s, v_s, qbar, q_empty, ready, empty,
                                         O, LSE, QS, KS, VS, KM, sob, soh, sos, sqsb, sqsh, sksb, sksh, svsb, svsh,
                                         skmb, skmh, slb, slh, sls, H, GROUP, Sq, Sk, win_right, n_tiles,
                                         Q_SCALE_ROWS, K_SCALE_ROWS, HAS_KMEAN, RETURN_LSE, REVERSE_M, HEAD_DIM,
-                                        STAGES, gl.constexpr(1), NAMED, PINGPONG))],
+                                        STAGES, gl.constexpr(1), NAMED))],
                            [1, gl.num_warps()], [LOAD_REGS, MATH_REGS])
 
 
@@ -511,7 +472,6 @@ PERSISTENT_DIMS = (64,)
 # one before each key tile's wait on the ring's `ready` mbarrier (it orders two waits on one barrier array as
 # conflicting accesses; without the wait the barrier goes).
 NAMED_DIMS = (64,)
-PINGPONG_DIMS = ()
 STAGES = {64: 3, 128: 3}  # key tiles in flight: 32 + 3 x 32 KB of shared memory at D = 128, 16 + 3 x 16 at 64
 # Registers: two math warpgroups (the second with MATH_REGS, the default partition gets what is left: 504 - 24 - 240)
 # and the loader warp with LOAD_REGS; launched at maxnreg 168 x 12 warps = the 64K register file, one CTA an SM. At
@@ -535,19 +495,12 @@ class GluonOptions:
     """A FLAT call (``_flat``) runs on a persistent grid (one CTA an SM, each taking work tiles in turn) rather than
     one CTA a work tile."""
     stages: Optional[int] = None
-    """Key tiles in flight. None: ``STAGES[head_dim]``. At most ``16 - NAMED_BARRIER_BASE - 2`` with the
-    named-barrier hand-back, two fewer with ``pingpong`` too."""
-    pingpong: Optional[bool] = None
-    """The two math warpgroups take turns issuing their wgmma through two named barriers (FlashAttention-3's
-    warp-scheduler barrier). None: at the head dims of ``PINGPONG_DIMS``."""
+    """Key tiles in flight. None: ``STAGES[head_dim]``. With the named-barrier hand-back at most
+    ``16 - NAMED_BARRIER_BASE - 2``."""
 
     def named_at(self, head_dim: int) -> bool:
         """Whether a call of this head dim uses the named-barrier hand-back."""
         return head_dim in NAMED_DIMS if self.named is None else bool(self.named)
-
-    def pingpong_at(self, head_dim: int) -> bool:
-        """Whether a call of this head dim runs the math warpgroups' wgmma in turns."""
-        return head_dim in PINGPONG_DIMS if self.pingpong is None else bool(self.pingpong)
 
     def stages_at(self, head_dim: int) -> int:
         """Key tiles in flight for a call of this head dim."""
@@ -655,14 +608,11 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
                 B, Hq, Hq // Hkv, Sq, Sk, right)
         const = dict(Q_SCALE_ROWS=q_scale_rows, K_SCALE_ROWS=k_scale_rows, HAS_KMEAN=k_mean is not None,
                      RETURN_LSE=bool(return_lse), REVERSE_M=bool(reverse_m), HEAD_DIM=D,
-                     STAGES=options.stages_at(D), FLAT=flat, NAMED=options.named_at(D),
-                     PINGPONG=options.pingpong_at(D), **_LAUNCH)
-        extra = 2 * const["PINGPONG"]  # (the scheduler barriers' ids follow the hand-back's)
-        if (const["NAMED"] or extra) and NAMED_BARRIER_BASE + const["STAGES"] + 2 + extra > 16:  # 16 a CTA
-            raise ValueError(f"GluonOptions.stages={const['STAGES']} with the named-barrier hand-back"
-                             f"{' and pingpong' if extra else ''} needs barrier ids up to "
-                             f"{NAMED_BARRIER_BASE + const['STAGES'] + 1 + extra} (at most 15): set at most "
-                             f"{16 - NAMED_BARRIER_BASE - 2 - extra} stages or turn those options off")
+                     STAGES=options.stages_at(D), FLAT=flat, NAMED=options.named_at(D), **_LAUNCH)
+        if const["NAMED"] and NAMED_BARRIER_BASE + const["STAGES"] + 2 > 16:  # 16 named barriers a CTA
+            raise ValueError(f"GluonOptions.stages={const['STAGES']} with the named-barrier hand-back needs "
+                             f"barrier ids up to {NAMED_BARRIER_BASE + const['STAGES'] + 1} (at most 15): set at "
+                             f"most {16 - NAMED_BARRIER_BASE - 2} stages or GluonOptions.named=False")
         plan = (grid, ints, const)
         if key is not None:
             remember(_PLANS, key, plan)
