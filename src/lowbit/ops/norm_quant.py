@@ -25,7 +25,7 @@ from ..quant.tensor import QuantizedTensor
 from ..runtime import env
 from ..runtime.autotune import bucket, tuned_launch
 from ..runtime.device import INTERPRET
-from ..runtime.launch import remember
+from ..runtime.launch import launcher, remember
 from ..runtime.log import declined
 
 __all__ = ["rmsnorm_quantize_1x128", "rmsnorm_quantize_reference", "rmsnorm_rstd_reference", "norm_quant_fusable",
@@ -213,7 +213,8 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     if rstd is None:
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         tuned_launch("rms_rstd", (bucket(M), bucket(Kd)), lambda: row_reduce_configs(Kd),
-                     lambda c: _rms_rstd_kernel[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps), **c))
+                     lambda c: launcher(_rms_rstd_kernel)[(triton.cdiv(M, c["ROWS"]),)](x, rstd, M, Kd, float(eps),
+                                                                                       **c))
     elif not (isinstance(rstd, torch.Tensor) and rstd.dtype == torch.float32 and tuple(rstd.shape) == (M,)
               and rstd.device == x.device and rstd.is_contiguous()):
         raise ValueError(f"rstd: expected a contiguous float32 tensor of shape ({M},) on {x.device} (one per "
@@ -235,7 +236,7 @@ def rmsnorm_quantize_1x128(x: torch.Tensor, weight: torch.Tensor, eps: float, sc
     # on the H200 0.93 of an FP32 copy's bandwidth, above the slab walk)
     def launch(c):
         fn, grid, extra, kw = plan.launch_args(c)  # rowcol_1x128_regs, or blockwise_kernel's slab configs
-        fn[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)
+        launcher(fn)[grid](x, *args, *extra, **kw, NORM=True, rstd_ptr=rstd, nw_ptr=w)
 
     tuned_launch("rms_quant", (rowwise, columnwise, regs, bucket(M), bucket(Kd)),
                  lambda: (list(REGS_CONFIGS) if regs else []) + _quant_configs(rowwise, columnwise), launch)

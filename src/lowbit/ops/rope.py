@@ -19,6 +19,7 @@ import torch
 from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..runtime.autotune import bucket
 from ..runtime.device import INTERPRET
+from ..runtime.launch import launcher
 from ..runtime.log import declined
 
 __all__ = ["rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_op", "rope_qkv_backward_op",
@@ -119,8 +120,8 @@ def _launch(srcs, dsts, cos, sin, rows, T, H, D, src_row, dst_row, sign):
     bh = triton.next_power_of_2(H)
     bd = triton.next_power_of_2(half)
     warps = 4 if bh * bd <= 2048 else 8
-    _rope_kernel[(rows,)](*srcs, *dsts, cos, sin, T, H, src_row, dst_row, cos.stride(0), D=D, HALF=half,
-                          BLOCK_H=bh, BLOCK_D=bd, SIGN=sign, num_warps=warps)
+    launcher(_rope_kernel)[(rows,)](*srcs, *dsts, cos, sin, T, H, src_row, dst_row, cos.stride(0), D=D, HALF=half,
+                                    BLOCK_H=bh, BLOCK_D=bd, SIGN=sign, num_warps=warps)
 
 
 def _kernel_runs(t: torch.Tensor) -> bool:
