@@ -64,3 +64,47 @@ def test_table_is_written_after_each_shape(tmp_path, monkeypatch, flag):
     assert table_main([flag, str(out), "--shapes", "4x4"], prog="t", description="t", default_shapes=[],
                       shapes_help="", run=run, markdown=markdown) == 0
     assert out.read_text() == "| (4, 4) |\n"
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--decode", "1"], "--decode: needs --layers"),
+    (["--layers", "1.3b", "--decode", "0,16"], "--decode: expected comma-separated token counts from 1 to 1024, "
+                                              "got '0,16'"),
+    (["--layers", "1.3b", "--decode", "1,x"], "--decode: expected comma-separated token counts .* got '1,x'"),
+    (["--layers", "1.3b", "--decode", "2048"], "--decode: expected .* got '2048'"),
+    (["--layers", "1.3b", "--decode", ""], "--decode: expected .* got ''"),
+    (["--layers", "1.3b", "--tokens", "8192", "--decode", "1"], "--decode: its own token counts replace --tokens"),
+])
+def test_bad_decode_arguments_name_the_rule(argv, msg, capsys):
+    presets, tokens, rest = gemm.parse_layers(argv)
+    with pytest.raises(ValueError, match=msg):
+        gemm.parse_decode(presets, tokens, rest)
+    assert gemm.main(argv) == 2
+    assert "lowbit bench gemm: error: --decode" in capsys.readouterr().err
+
+
+def test_decode_arguments():
+    presets, tokens, rest = gemm.parse_layers(["--layers", "350m", "--decode", "1,16,64", "--rep", "5"])
+    assert gemm.parse_decode(presets, tokens, rest) == ([1, 16, 64], ["--rep", "5"])
+    assert gemm.parse_decode(None, None, ["--rep", "5"]) == (None, ["--rep", "5"])
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_decode_calls_time_the_forward_as_a_decode_step_runs_it(tokens):
+    """The decode rows' calls (CPU here): BF16 torch.mm; cuBLAS's FP8 rows only where the token count is a multiple of
+    16; lowbit's GEMM on the weight quantized once, and with the activation's quantization in the call, which gives
+    the same bits."""
+    import torch
+
+    from lowbit.quant import Float8Blockwise, quantize
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).bfloat16()
+    w = (torch.randn(384, 256, generator=g) * 0.02).bfloat16()
+    calls = gemm._decode_calls(x, w, quantize(w, Float8Blockwise(block_dim=2)))
+    cublas = ["cuBLAS fp8 tensorwise", "cuBLAS fp8 blockwise"] if tokens % 16 == 0 else []
+    assert list(calls) == ["bf16 torch.mm", *cublas, "lowbit fp8-block", "lowbit fp8-block, quantize x + GEMM"]
+    assert calls["bf16 torch.mm"]().shape == (tokens, 384)
+    y = calls["lowbit fp8-block"]()
+    assert y.shape == (tokens, 384) and y.dtype == torch.bfloat16
+    assert torch.equal(calls["lowbit fp8-block, quantize x + GEMM"](), y)

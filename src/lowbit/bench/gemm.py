@@ -13,6 +13,12 @@ tokens, FP32 out). Each against BF16 ``torch.mm``, cuBLAS FP8 tensorwise, cuBLAS
 backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for wgrad) and lowbit's Triton backend;
 wgrad also as ``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
 call (the small layer GEMMs would otherwise show the host).
+
+``--layers 1.3b --decode 1,16,64`` times instead the forward GEMM of each linear layer at those token counts, as a
+decode step runs it (the weight quantized once, as ``lowbit.nn.cached_weights`` keeps it): BF16 ``torch.mm``, cuBLAS
+FP8 tensorwise and blockwise (token counts that are multiples of 16: ``torch._scaled_mm``'s rule), lowbit's
+fp8-block GEMM as ``lowbit.scaled_mm`` dispatches it, and that GEMM with the activation's 1x128 quantization before
+it. GPU time of CUDA-graph replays; the last rows of each token count add up a layer.
 """
 
 from __future__ import annotations
@@ -225,6 +231,59 @@ def run_layers(presets, tokens, rep=100, rows=None, done=None):
     return rows
 
 
+def _decode_calls(x, w, qw):
+    """{kernel: fn} for one layer's forward GEMM at decode sizes: x (tokens, in) BF16, w (out, in) BF16, qw its
+    128x128 blockwise copy (made once, outside the timing)."""
+    from lowbit.gemm import scaled_mm
+    from lowbit.quant import Float8Blockwise, quantize
+
+    bf16, M = torch.bfloat16, x.shape[0]
+    qx = quantize(x, Float8Blockwise())
+    calls = {"bf16 torch.mm": lambda: torch.mm(x, w.t())}
+    if M % 16 == 0:  # (torch._scaled_mm takes dims that are multiples of 16 only)
+        one = torch.ones((), device=x.device)
+        xa, wa = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        calls["cuBLAS fp8 tensorwise"] = lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
+                                                                  out_dtype=bf16)
+        calls["cuBLAS fp8 blockwise"] = lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cublas")
+    else:
+        print(f"    (cuBLAS fp8 rows skipped: {M} tokens, not a multiple of 16)", flush=True)
+    calls["lowbit fp8-block"] = lambda: scaled_mm(qx, qw, out_dtype=bf16)
+    calls["lowbit fp8-block, quantize x + GEMM"] = lambda: scaled_mm(quantize(x, Float8Blockwise()), qw,
+                                                                     out_dtype=bf16)
+    return calls
+
+
+def run_decode(presets, tokens_list, rep=100, rows=None, done=None):
+    """Rows of :func:`markdown` for the forward GEMM of each linear layer of ``presets`` at each token count of
+    ``tokens_list``, then a row a kernel for the layer's sum (kernels timed on every GEMM of the layer); ``done()``
+    after each token count."""
+    from lowbit.quant import Float8Blockwise, quantize
+
+    rows = [] if rows is None else rows
+    dev = torch.device("cuda")
+    for preset in presets:
+        for T in tokens_list:
+            total: dict = {}
+            flops = 0.0
+            for layer, n_out, k_in in layer_shapes(preset):
+                x = torch.randn(T, k_in, device=dev, dtype=torch.bfloat16)
+                w = torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02
+                label = f"{preset} {layer} decode {T}x{k_in}x{n_out}"
+                print(f"[gemm] {label}", flush=True)
+                res = {k: _graph_ms(fn, rep) for k, fn in _decode_calls(x, w, quantize(w, Float8Blockwise(
+                    block_dim=2))).items()}
+                _append_rows(rows, label, 2.0 * T * n_out * k_in, res)
+                flops += 2.0 * T * n_out * k_in
+                for k, t in res.items():
+                    total[k] = None if t is None or total.get(k, 0.0) is None else total.get(k, 0.0) + t
+            _append_rows(rows, f"{preset} a layer, decode {T} tokens", flops, total)
+            torch.cuda.empty_cache()
+            if done is not None:
+                done()
+    return rows
+
+
 def _append_rows(rows, label, flops, res):
     bf = res.get("bf16 torch.mm")
     cb = res.get("cuBLAS fp8 blockwise")
@@ -261,7 +320,8 @@ def markdown(rows) -> str:
 
 
 def parse_layers(argv=None):
-    """(the ``--layers`` presets or None, ``--tokens`` or None, the other arguments); ValueError naming a bad one."""
+    """(the ``--layers`` presets or None, ``--tokens`` or None, the other arguments); ValueError naming a bad one.
+    ``--decode`` is read by :func:`parse_decode` (and left in the other arguments here)."""
     import argparse
 
     p = argparse.ArgumentParser(add_help=False)
@@ -283,12 +343,47 @@ def parse_layers(argv=None):
     return presets, args.tokens, rest
 
 
+DECODE_MAX_TOKENS = 1024
+"""``--decode``'s largest token count (a decode step or a small batch of them; prefills are ``--tokens``')."""
+
+
+def parse_decode(presets, tokens, argv):
+    """(the ``--decode`` token counts or None, the other arguments) of ``argv`` (the arguments :func:`parse_layers`
+    left); ValueError naming a bad one: the counts positive integers up to ``DECODE_MAX_TOKENS``, with ``--layers``
+    and not with ``--tokens``."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--decode", default=None)
+    args, rest = p.parse_known_args(argv)
+    if args.decode is None:
+        return None, rest
+    if presets is None:
+        raise ValueError("--decode: needs --layers (the presets whose layers it times)")
+    if tokens is not None:
+        raise ValueError("--decode: its own token counts replace --tokens; pass one of them")
+    try:
+        counts = [int(v) for v in args.decode.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(not 1 <= c <= DECODE_MAX_TOKENS for c in counts):
+        raise ValueError(f"--decode: expected comma-separated token counts from 1 to {DECODE_MAX_TOKENS}, got "
+                         f"{args.decode!r}")
+    return counts, rest
+
+
 def main(argv=None) -> int:
     try:
         presets, tokens, rest = parse_layers(sys.argv[1:] if argv is None else argv)
+        decode, rest = parse_decode(presets, tokens, rest)
     except ValueError as e:
         print(f"lowbit bench gemm: error: {e}", file=sys.stderr)
         return 2
+    if decode is not None:
+        return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=[None],
+                          shapes_help="(not with --decode)",
+                          run=lambda shapes, rep, rows, done: run_decode(presets, decode, rep, rows, done),
+                          markdown=markdown)
     if presets is not None:
         return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=[None],
                           shapes_help="(not with --layers)",
@@ -296,7 +391,8 @@ def main(argv=None) -> int:
                           markdown=markdown)
     return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
                       shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes); --layers 350m,1.3b "
-                                  "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead",
+                                  "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead; --layers P "
+                                  "--decode 1,16,64: their forward GEMMs at decode sizes",
                       run=run, markdown=markdown)
 
 
