@@ -347,6 +347,37 @@ def test_cached_weights_reuse_and_invalidation(recipe):
     assert kept.reused == 4 * len(gemms)
 
 
+def test_cached_weights_skipped_inside_a_graph_pool(monkeypatch):
+    """While a CUDA graph records or torch.compile's graph trees warm up (in_graph_pool, faked here on the CPU) a
+    call inside the block neither takes a kept copy nor keeps one (a copy made there would live in the graph's
+    private pool); outside it, the block keeps and reuses as usual."""
+    from lowbit.nn import functional as fn
+
+    torch.manual_seed(2)
+    m = lowbit.nn.Linear(128, 64)
+    r = recipes.from_name("fp8-block")
+    x = torch.randn(16, 128)
+
+    def run():
+        with lowbit.autocast(recipe=r), torch.no_grad():
+            return m(x)
+
+    fresh = run()
+    pool = [True]
+    monkeypatch.setattr(fn, "in_graph_pool", lambda device: pool[0])
+    g = m._gemms[""]
+    with lowbit.nn.cached_weights(m) as kept:
+        assert torch.equal(run(), fresh) and torch.equal(run(), fresh)
+        assert kept.reused == 0 and g.wcache is None
+        pool[0] = False
+        assert torch.equal(run(), fresh) and g.wcache is not None
+        pool[0] = True
+        assert torch.equal(run(), fresh) and kept.reused == 0
+        pool[0] = False
+        assert torch.equal(run(), fresh) and kept.reused == 0  # (the pooled call dropped the copy: kept anew)
+        assert torch.equal(run(), fresh) and kept.reused == 1
+
+
 def test_cached_weights_rejects_and_skips():
     torch.manual_seed(0)
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got list"):

@@ -410,11 +410,11 @@ class GemmLayer:
 
     @staticmethod
     def _may_keep(w: torch.Tensor) -> bool:
-        """Whether a kept copy of ``w`` can be checked against it on the next call: eager, outside CUDA-graph capture
-        (a replay would reuse the recorded copy whatever the weight holds), and a weight with a version counter (an
-        inference tensor has none: an in-place change could not be seen)."""
-        return not (torch.compiler.is_compiling() or w.is_inference()
-                    or (w.is_cuda and torch.cuda.is_current_stream_capturing()))
+        """Whether a kept copy of ``w`` can be checked against it on the next call: eager, outside a CUDA graph's
+        private memory pool (a capture, or torch.compile's graph trees warming up or recording: a replay would reuse
+        the recorded copy whatever the weight holds, and a copy made there must not outlive the call), and a weight
+        with a version counter (an inference tensor has none: an in-place change could not be seen)."""
+        return not (torch.compiler.is_compiling() or w.is_inference() or in_graph_pool(w.device))
 
     def _gathered_weight(self, q: QuantizedTensor, recipe: Recipe, columnwise: bool, policy: str) -> QuantizedTensor:
         """The copies FSDP2 gathered (rowwise; the columnwise one is made from it where dgrad needs it:
