@@ -100,11 +100,7 @@ def _run_shape(M, K, N, rep, rows):
     flops = 2.0 * M * N * K
     res = {}
     res["bf16 torch.mm"] = time_ms(lambda: torch.mm(x, w.t()), rep)
-    xa = x.to(torch.float8_e4m3fn)
-    wa = w.to(torch.float8_e4m3fn)
-    one = torch.ones((), device=dev)
-    res["cuBLAS fp8 tensorwise"] = time_ms(lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
-                                                                   out_dtype=torch.bfloat16), rep)
+    res["cuBLAS fp8 tensorwise"] = time_ms(_tensorwise(x, w, torch.bfloat16), rep)
     qa = quantize(x, Float8Blockwise())
     qb = quantize(w, Float8Blockwise(block_dim=2))
     if hasattr(F, "scaled_mm"):
@@ -159,30 +155,32 @@ def _graph_ms(fn, rep) -> float | None:
         return None
 
 
+def _tensorwise(a, bt, out_dtype):
+    """cuBLAS's FP8 tensorwise ``a · btᵀ`` as a call (E4M3 codes made here, outside the timing; unit scales: the time
+    does not depend on the values)."""
+    one = torch.ones((), device=a.device)
+    qa, qb = a.to(torch.float8_e4m3fn).contiguous(), bt.to(torch.float8_e4m3fn).contiguous()
+    return lambda: torch._scaled_mm(qa, qb.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+
 def _layer_calls(x, dy, w, qx, qdy, qw):
     """{pairing: {kernel: fn}} for one linear layer's operands (codes and scales made here, outside the timing)."""
     from lowbit.gemm import scaled_mm, wgrad_mm
 
     bf16, f32 = torch.bfloat16, torch.float32
-    one = torch.ones((), device=x.device)
-
-    def tensorwise(a, bt, out_dtype):  # (unit scales: the time does not depend on the values)
-        qa, qb = a.to(torch.float8_e4m3fn).contiguous(), bt.to(torch.float8_e4m3fn).contiguous()
-        return lambda: torch._scaled_mm(qa, qb.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
-
     calls = {
         "fprop": {"bf16 torch.mm": lambda: torch.mm(x, w.t()),
-                  "cuBLAS fp8 tensorwise": tensorwise(x, w, bf16),
+                  "cuBLAS fp8 tensorwise": _tensorwise(x, w, bf16),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"),
                   "lowbit triton blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="triton")},
         "dgrad": {"bf16 torch.mm": lambda: torch.mm(dy, w),
-                  "cuBLAS fp8 tensorwise": tensorwise(dy, w.t(), bf16),
+                  "cuBLAS fp8 tensorwise": _tensorwise(dy, w.t(), bf16),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
                                                             backend="cublas"),
                   "lowbit triton blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
                                                                backend="triton")},
         "wgrad": {"bf16 torch.mm": lambda: torch.mm(dy.t(), x),
-                  "cuBLAS fp8 tensorwise": tensorwise(dy.t(), x.t(), f32),
+                  "cuBLAS fp8 tensorwise": _tensorwise(dy.t(), x.t(), f32),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
                                                             out_dtype=f32, backend="cublas"),
                   "lowbit triton blockwise": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
@@ -241,10 +239,7 @@ def _decode_calls(x, w, qw):
     qx = quantize(x, Float8Blockwise())
     calls = {"bf16 torch.mm": lambda: torch.mm(x, w.t())}
     if M % 16 == 0:  # (torch._scaled_mm takes dims that are multiples of 16 only)
-        one = torch.ones((), device=x.device)
-        xa, wa = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-        calls["cuBLAS fp8 tensorwise"] = lambda: torch._scaled_mm(xa, wa.t(), scale_a=one, scale_b=one,
-                                                                  out_dtype=bf16)
+        calls["cuBLAS fp8 tensorwise"] = _tensorwise(x, w, bf16)
         calls["cuBLAS fp8 blockwise"] = lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cublas")
     else:
         print(f"    (cuBLAS fp8 rows skipped: {M} tokens, not a multiple of 16)", flush=True)
@@ -271,11 +266,11 @@ def run_decode(presets, tokens_list, rep=100, rows=None, done=None):
                 w = torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02
                 label = f"{preset} {layer} decode {T}x{k_in}x{n_out}"
                 print(f"[gemm] {label}", flush=True)
-                res = {k: _graph_ms(fn, rep) for k, fn in _decode_calls(x, w, quantize(w, Float8Blockwise(
-                    block_dim=2))).items()}
+                qw = quantize(w, Float8Blockwise(block_dim=2))
+                res = {k: _graph_ms(fn, rep) for k, fn in _decode_calls(x, w, qw).items()}
                 _append_rows(rows, label, 2.0 * T * n_out * k_in, res)
                 flops += 2.0 * T * n_out * k_in
-                for k, t in res.items():
+                for k, t in res.items():  # (a kernel that failed on one GEMM has no layer sum)
                     total[k] = None if t is None or total.get(k, 0.0) is None else total.get(k, 0.0) + t
             _append_rows(rows, f"{preset} a layer, decode {T} tokens", flops, total)
             torch.cuda.empty_cache()
