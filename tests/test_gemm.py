@@ -382,6 +382,33 @@ def test_triton_gemm_gluon_vs_reference(cuda, monkeypatch, switches, mode):
         _gluon_cases(tb, cuda)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 8192), (16, 384, 1024), (40, 320, 2176), (64, 3072, 2048)])
+def test_split_k_every_candidate_gpu(cuda, monkeypatch, switches, M, N, K):
+    """Each small-M candidate of fp8_gemm_kernel (split_k_candidates: 16-64-row tiles, the K blocks split 1-8 ways)
+    forced alone, 1x128 x 128x128: exact on small-integer operands (the same bits for every split), within the
+    reference's bound on random ones, with a bias, GELU and accumulation into an FP32 out."""
+    import lowbit.gemm.triton_backend as tb
+
+    switches(LOWBIT_AUTOTUNE=False, LOWBIT_GEMM_GLUON="0")
+    sa, sb = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
+    cands = tb.split_k_candidates(M, N, K, 128, torch.cuda.get_device_properties(cuda).multi_processor_count)
+    assert any(c["SPLIT_K"] > 1 for c in cands)
+    exact = []
+    for cfg in cands:
+        monkeypatch.setattr(tb, "_candidates", lambda *_, c=cfg: [c])
+        forget_tuned()
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N, ints=True)
+        _check(a, b, "rowwise", "rowwise", "triton", exact=True)
+        exact.append(scaled_mm(a, b, out_dtype=torch.float32, backend="triton"))
+        a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", cuda, seed=M + N + 1)
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=torch.bfloat16)
+        _check(a, b, "rowwise", "rowwise", "triton", out_dtype=torch.bfloat16, bias=torch.randn(N, device=cuda),
+               gelu=True)
+        _check(a, b, "rowwise", "rowwise", "triton", accumulate=True, out=torch.randn(M, N, device=cuda))
+    assert all(torch.equal(e, exact[0]) for e in exact), cands
+
+
 def _gluon_cases(tb, cuda):
     sa, sb = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
     for (M, N, K) in [(129, 257, 1000), (1, 17, 129), (300, 64, 4096), (1000, 384, 640), (1025, 2304, 1152),
@@ -549,8 +576,86 @@ def test_gemm_kernels_in_interpreter():
     assert "gemm interp failures: 0 (TMA cases: 12)" in p.stdout, p.stdout[-2000:]
 
 
+def _interp_split_k() -> int:
+    """Split-K (fp8_gemm_kernel's SPLIT_K, its partials added by scale_epilogue_kernel) in the interpreter, each
+    split count forced alone: exact on operands whose every partial sum is exact (small integers, power-of-two
+    scales: any order of the sums gives the reference's bits), within the reference's bound otherwise, with every
+    epilogue; splits past the last K block add zeros."""
+    import lowbit.gemm.triton_backend as tb
+    from lowbit.gemm.triton_backend import scaled_mm_triton
+
+    fails = 0
+    real = tb._candidates
+    sa, sb = Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32)
+    cases = [(3, 40, 160, {}), (1, 64, 96, {"bias": torch.randn(64), "out_dtype": torch.bfloat16}),
+             (17, 33, 224, {"gelu": True, "out_dtype": torch.bfloat16}), (5, 32, 128, {"accumulate": True})]
+    for M, N, K, epi in cases:
+        for ints in (True, False):
+            a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", "cpu", seed=M + N, ints=ints)
+            outs = []
+            for split in (1, 2, 3, 4, 8):
+                tb._candidates = lambda *_, s=split: [dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1, SPLIT_K=s)]
+                forget_tuned()
+                kw = {"out_dtype": torch.float32, **epi}
+                if epi.get("accumulate"):
+                    kw["out"] = torch.full((M, N), 0.25)
+                y, _ = scaled_mm_triton(a, b, a_copy="rowwise", b_copy="rowwise",
+                                        **{"bias": None, "gelu": False, "accumulate": False, "out": None, **kw})
+                if epi.get("accumulate"):
+                    kw["out"] = torch.full((M, N), 0.25)
+                ref, _ = scaled_mm_reference(a, b, a_copy="rowwise", b_copy="rowwise", **kw)
+                A, B = dequantize_exact(a, "rowwise"), dequantize_exact(b, "rowwise")
+                S = A.abs() @ B.abs().t()
+                err = (y.double() - ref.double()).abs()
+                bound = ((0 if ints else 2.0**-20) * S + OUT_RTOL[y.dtype] * ref.double().abs()
+                         + 2.0**-20 * ref.double().abs() * bool(epi))
+                if epi.get("gelu"):  # (FP32 erf against float64's: _check's allowance)
+                    bound = bound + 1.13 * 2.0**-12 * S
+                if not bool((err <= bound).all()):
+                    fails += 1
+                    print("FAIL split", split, M, N, K, epi, ints, (err / (S + 1e-300)).max().item())
+                outs.append(y)
+            if ints and not all(torch.equal(o, outs[0]) for o in outs):
+                fails += 1
+                print("FAIL split bits differ on exact operands", M, N, K, epi)
+    tb._candidates = real
+    print(f"split-k interp failures: {fails}")
+    return 1 if fails else 0
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_split_k_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, __file__, "--interp-split"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "split-k interp failures: 0" in p.stdout, p.stdout[-2000:]
+
+
+def test_split_k_candidates_rules():
+    """Split-K candidates only at small M, each split keeping two K blocks or more and the grid within four programs
+    an SM; the unsplit small tiles among them."""
+    import lowbit.gemm.triton_backend as tb
+
+    if tb.INTERPRET:
+        pytest.skip("the interpreter takes one fixed candidate")
+    assert tb.split_k_candidates(tb.SPLIT_K_MAX_M + 1, 2048, 8192, 128, 132) == []
+    c = tb.split_k_candidates(1, 2048, 8192, 128, 132)
+    assert {x["BM"] for x in c} == {16} and {x["BN"] for x in c} == {64, 128}
+    assert {x["SPLIT_K"] for x in c} == {1, 2, 4, 8}
+    for x in c:
+        tiles = -(-1 // x["BM"]) * -(-2048 // x["BN"])
+        assert x["SPLIT_K"] == 1 or (64 >= 2 * x["SPLIT_K"] and tiles * x["SPLIT_K"] <= 4 * 132)
+    assert {x["SPLIT_K"] for x in tb.split_k_candidates(64, 2048, 384, 128, 132)} == {1}  # 3 K blocks: no split
+    assert {x["BM"] for x in tb.split_k_candidates(40, 2048, 8192, 128, 132)} == {64}
+
+
 if __name__ == "__main__" and "--interp" in sys.argv:
     sys.exit(_interp_main())
+if __name__ == "__main__" and "--interp-split" in sys.argv:
+    sys.exit(_interp_split_k())
 
 
 @pytest.mark.gpu

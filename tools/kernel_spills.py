@@ -92,7 +92,7 @@ def fp8_gemm():
 
     print("FP8 GEMM (fp8_gemm_kernel), 1x128 x 128x128 scales, BF16 out")
     ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", c_ptr="*bf16", pre_ptr="*bf16",
-                bias_ptr="*bf16")
+                bias_ptr="*bf16", ws_ptr="*fp32")
     for bm, bn, w, st in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)):
         for tma in (False, True):
             sig, const = _signature(G.fp8_gemm_kernel, ptrs)

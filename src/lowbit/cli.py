@@ -21,6 +21,7 @@ BENCHES = {
     "optim": "lowbit.bench.optim",
     "model": "lowbit.bench.model",
     "prefill": "lowbit.bench.prefill",
+    "decode": "lowbit.bench.decode",
     "scale": "lowbit.bench.scale",
 }
 
@@ -204,7 +205,7 @@ COMMANDS = {
     "demo": (cmd_demo, "the embedded default: short training runs under BF16 / FP8 / NVFP4, with a report"),
     "train": (cmd_train, "train a GPT under a recipe (see `lowbit train --help`)"),
     "eval": (cmd_eval, "a checkpoint's validation loss with each attention variant (SDPA, INT8, FP8) and the gaps"),
-    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim, model, prefill; "
+    "bench": (cmd_bench, "GPU benchmarks against peers: quant, gemm, linear, attention, optim, model, prefill, decode; "
                          "scale: lowbit train over GPUs"),
     "quant-demo": (cmd_quant_demo, "per-format quantization error and memory tables"),
 }

@@ -925,6 +925,53 @@ def test_traced_linear_compiled_gradients_equal_its_eager_run_on_cpu(monkeypatch
     _check_same(eager, compiled)
 
 
+def test_cached_weights_compiled_take_the_kept_copies(monkeypatch):
+    """Inside lowbit.nn.cached_weights a compiled layer runs as lowbit's operator (not the traced Function), which
+    takes the copies the block keeps: the same bits as eager and as outside the block; leaving the block recompiles
+    back to the traced Function (Dynamo guards on the block's count)."""
+    _trace_on_cpu(monkeypatch)
+    torch.manual_seed(3)
+    m = lowbit.nn.Linear(128, 96)
+    x = torch.randn(2, 32, 128)
+    rec = from_name("fp8-current")
+    codes = []
+    c = torch.compile(m, backend=recording_backend(codes), fullgraph=True)
+
+    def run(mod):
+        with lowbit.autocast(recipe=rec), torch.no_grad():
+            return mod(x)
+
+    with lowbit.nn.cached_weights(m) as kept:
+        eager = run(m)  # keeps the copy
+        assert torch.equal(run(c), eager) and torch.equal(run(c), eager)
+        assert kept.reused == 2
+        assert "quantized_linear" in lowbit_ops(codes)
+    n = len(codes)
+    out = run(c)
+    assert len(codes) == n + 1 and "quantized_linear" not in lowbit_ops(codes[n:])  # traced again outside
+    assert kept.reused == 2 and m._gemms[""].wcache is None
+    assert out.shape == eager.shape
+
+
+def test_cached_weights_keep_the_norm_fusions_where_the_linear_would_trace(monkeypatch):
+    """A fused module asks linear_traces with its GEMM's layer: where the plain linear would trace, it gives its norm
+    (and SwiGLU) fusion to Inductor; inside a cached_weights block the linear runs as the operator instead, so the
+    fusions stay."""
+    from lowbit.nn import layernorm_linear, layernorm_mlp
+
+    _trace_on_cpu(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for mod in (layernorm_linear, layernorm_mlp):  # (the fused norm quantizer runs on CUDA only)
+        monkeypatch.setattr(mod, "norm_fuses", lambda *a: True)
+    lin = lowbit.nn.LayerNormLinear(128, 128, normalization="RMSNorm")
+    mlp = lowbit.nn.LayerNormMLP(128, 256, normalization="RMSNorm", activation="swiglu")
+    x = torch.randn(32, 128)
+    with lowbit.autocast(recipe=from_name("fp8-current")):
+        assert not lin.fuses_norm(x) and not mlp.fuses_norm(x)
+        with lowbit.nn.cached_weights(lin), lowbit.nn.cached_weights(mlp):
+            assert lin.fuses_norm(x) and mlp.fuses_norm(x)
+
+
 def test_traced_linear_dynamic_shapes_on_cpu(monkeypatch):
     """With dynamic=True (as Dynamo turns on by itself at a second batch shape) the traced Function runs for several
     token counts, each call's results equal to those of a graph compiled for its static shape."""

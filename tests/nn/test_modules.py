@@ -347,35 +347,43 @@ def test_cached_weights_reuse_and_invalidation(recipe):
     assert kept.reused == 4 * len(gemms)
 
 
-def test_cached_weights_skipped_inside_a_graph_pool(monkeypatch):
-    """While a CUDA graph records or torch.compile's graph trees warm up (in_graph_pool, faked here on the CPU) a
-    call inside the block neither takes a kept copy nor keeps one (a copy made there would live in the graph's
-    private pool); outside it, the block keeps and reuses as usual."""
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_cached_weights_inside_a_graph_pool(recipe, monkeypatch):
+    """While a CUDA graph records (here: in_graph_pool faked on the CPU) a call takes the copy an earlier call of the
+    block kept, which the layer then holds for the graph's replays (past the block's exit, until
+    clear_weight_cache), and keeps none of its own: a weight changed since is quantized afresh for that call, the
+    kept copy neither replaced nor dropped there; the next call outside the pool keeps a new copy."""
     from lowbit.nn import functional as fn
 
     torch.manual_seed(2)
     m = lowbit.nn.Linear(128, 64)
-    r = recipes.from_name("fp8-block")
+    r = recipes.from_name(recipe)
     x = torch.randn(16, 128)
 
-    def run():
+    def run(mod=None):
         with lowbit.autocast(recipe=r), torch.no_grad():
-            return m(x)
+            return (mod or m)(x)
 
-    fresh = run()
-    pool = [True]
-    monkeypatch.setattr(fn, "in_graph_pool", lambda device: pool[0])
     g = m._gemms[""]
+    pool = [False]
+    monkeypatch.setattr(fn, "in_graph_pool", lambda device: pool[0])
     with lowbit.nn.cached_weights(m) as kept:
-        assert torch.equal(run(), fresh) and torch.equal(run(), fresh)
-        assert kept.reused == 0 and g.wcache is None
-        pool[0] = False
-        assert torch.equal(run(), fresh) and g.wcache is not None
+        a = run()  # outside a pool: quantized and kept
+        kept_copy = g.wcache
         pool[0] = True
-        assert torch.equal(run(), fresh) and kept.reused == 0
+        assert torch.equal(run(), a) and kept.reused == 1 and g.wcache is kept_copy  # taken inside the pool
+        with torch.no_grad():
+            m.weight.mul_(0.5)
+        assert len(g.graph_pins) == 1 and g.graph_pins[0] is kept_copy[3]  # held for the graph's replays
+        b = run()  # changed: quantized afresh for this call; nothing kept from the pool, nothing dropped
+        assert torch.equal(b, run(copy.deepcopy(m))) and not torch.equal(b, a)
+        assert kept.reused == 1 and g.wcache is kept_copy
         pool[0] = False
-        assert torch.equal(run(), fresh) and kept.reused == 0  # (the pooled call dropped the copy: kept anew)
-        assert torch.equal(run(), fresh) and kept.reused == 1
+        assert torch.equal(run(), b) and g.wcache is not kept_copy and kept.reused == 1  # kept anew, outside
+        assert torch.equal(run(), b) and kept.reused == 2
+    assert g.wcache is None and len(g.graph_pins) == 1  # the block's exit does not free what a graph reads
+    m.clear_weight_cache()
+    assert g.graph_pins == []
 
 
 def test_cached_weights_rejects_and_skips():

@@ -103,6 +103,28 @@ def _candidates(M, N, emulated: bool):
     return out or [dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)]
 
 
+SPLIT_K_MAX_M = 64
+"""Split-K candidates for M up to this (decode steps, small batches): below it the output tiles are too few to fill
+the SMs, each streaming its whole K alone."""
+
+
+def split_k_candidates(M: int, N: int, K: int, bs: int, sms: int) -> list[dict]:
+    """The small-M candidates of :func:`fp8_gemm_kernel` (blockwise scales only): 16-64-row tiles (the bucket of M),
+    64 or 128 columns, the K blocks split 2, 4 or 8 ways (SPLIT_K) where each split keeps at least two blocks and
+    the grid stays within four programs an SM, and the unsplit small tiles."""
+    if M > SPLIT_K_MAX_M or INTERPRET:
+        return []
+    nkb = cdiv(K, bs)
+    bm = min(max(bucket(M), 16), 64)
+    out = []
+    for bn in (64, 128):
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        for split in (1, 2, 4, 8):
+            if split == 1 or (nkb >= 2 * split and tiles * split <= 4 * sms):
+                out.append(dict(BM=bm, BN=bn, BK=bs, num_warps=4, num_stages=3, SPLIT_K=split))
+    return out
+
+
 def _tma_ok(A, B, row_bytes) -> bool:
     """Operand tiles by TMA descriptors (``LOWBIT_TMA``, default on: the FP8 GEMM measured 1.10-1.19x faster with
     them on the H200, the dequantized BF16 GEMM within 1%) where TMA's rules hold: K-contiguous operands with
@@ -212,16 +234,27 @@ def scaled_mm_triton(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
         if cfg.get("WS"):
             _launch_ws(dev, cfg, ptrs, M, N, K, lda, ldb, keyed=True, **consts)
             return
+        split = cfg.get("SPLIT_K", 1)
         if cfg.get("GLUON"):
-            kern, extra = G.fp8_gemm_gluon, dict(STAGES=cfg["STAGES"])
+            kern, extra, p = G.fp8_gemm_gluon, dict(STAGES=cfg["STAGES"]), ptrs
         else:
-            kern, extra = G.fp8_gemm_kernel, dict(TMA=tma, num_stages=cfg["num_stages"])
+            # split-K: the FP32 partials of each split, added in order by scale_epilogue_kernel
+            ws = torch.empty((split, M, N), dtype=torch.float32, device=dev) if split > 1 else c
+            kern, extra, p = G.fp8_gemm_kernel, dict(TMA=tma, num_stages=cfg["num_stages"], SPLIT_K=split), (*ptrs, ws)
         kw = dict(consts, BM=cfg["BM"], BN=cfg["BN"], GROUP_M=8, num_warps=cfg["num_warps"], **extra)
-        ints, grid = (M, N, K, lda, ldb), (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
-        launcher(kern).keyed(grid, _launch_key(ptrs, ints, kw), (*ptrs, *ints), kw)
+        ints, grid = (M, N, K, lda, ldb), (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]) * split,)
+        launcher(kern).keyed(grid, _launch_key(p, ints, kw), (*p, *ints), kw)
+        if split > 1:
+            ep = (ws, ws, ws, c, ptrs[5], ptrs[6])
+            ekw = dict(NV=False, HAS_BIAS=bias is not None, GELU=gelu, ACCUM=accumulate, BM=16, BN=128, SPLIT=split,
+                       num_warps=4)
+            launcher(G.scale_epilogue_kernel).keyed((cdiv(M, 16), cdiv(N, 128)), _launch_key(ep, (M, N), ekw),
+                                                    (*ep, M, N), ekw)
 
     def cands():
         out = _candidates(M, N, False)
+        if sa_mode >= 2 and sb_mode >= 2:
+            out = out + split_k_candidates(M, N, K, bs, num_sms(dev) if dev.type == "cuda" else 132)
         if gluon:  # (128x128 / 8 warps / 4 stages: faster than the tl kernel on large shapes)
             g = [dict(GLUON=True, BM=bm, BN=128, num_warps=w, STAGES=st)
                  for bm, w, st in ((128, 8, 4), (128, 8, 3), (64, 4, 3)) if bm <= max(bucket(M), 64)]

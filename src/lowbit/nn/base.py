@@ -68,9 +68,11 @@ class LowbitModule:
         return None if suffix is None else self._gemms.get(suffix)
 
     def clear_weight_cache(self) -> None:
-        """Drop cached quantized weights (they are rebuilt by the next ``is_first_microbatch=True`` call)."""
+        """Drop cached quantized weights (they are rebuilt by the next ``is_first_microbatch=True`` call), and the
+        kept copies recorded CUDA graphs read (replay none of those graphs after this: ``torch.compiler.reset()``)."""
         for g in self._gemms.values():
             g.wcache = None
+            g.graph_pins = []
 
 
 def name_modules(model: torch.nn.Module, prefix: str = "") -> int:
@@ -100,9 +102,15 @@ class cached_weights:
     detected: quantize again by leaving and re-entering the block.
 
     Costs the quantized copies' memory (about one byte a parameter for FP8) until the block exits, where they are
-    dropped. Eager only: calls under ``torch.compile``, during CUDA-graph capture, and of inference-tensor weights
-    (made under ``torch.inference_mode``) quantize as usual. Blocks nest. ``model``: a module holding lowbit modules
-    (after :func:`lowbit.convert`); ``reused``: how many forwards inside the block took a kept weight.
+    dropped. Under ``torch.compile`` a layer inside the block runs as lowbit's operator, which keeps and checks the
+    copies as an eager call does. CUDA graphs (a capture, or ``torch.compile(mode="reduce-overhead")``) take the
+    copies an earlier call of the block kept (``generate()``'s eager prefill is one) and keep none of their own: the
+    copy is checked against the weight when the graph is recorded, not at each replay, and the layer holds it for
+    as long as such a graph may replay (``clear_weight_cache`` drops it): change no weight while compiled calls
+    that recorded inside a block are in use, or call ``torch.compiler.reset()`` after changing one.
+    Inference-tensor weights (made under ``torch.inference_mode``) quantize as usual. Blocks nest.
+    ``model``: a module holding lowbit modules (after :func:`lowbit.convert`); ``reused``: how many forwards inside
+    the block took a kept weight.
     """
 
     def __init__(self, model: torch.nn.Module):

@@ -139,6 +139,9 @@ class GemmLayer:
             forward with ``is_first_microbatch=None`` reuses ``wcache`` where it is still the weight's, else
             quantizes and keeps the weight.
         kept_uses: how many forwards took a kept weight.
+        graph_pins: the kept copies a CUDA graph recorded inside a block reads at each replay, held here so that
+            leaving the block or keeping a newer copy never frees them under the graph (dropped by
+            ``clear_weight_cache``, after which such graphs must not replay: ``torch.compiler.reset()``).
         fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
         fresh_uses: how many forwards took them.
         sentry_slots: (input's, weight's, grad_output's) int32 (1,) tensors on the weight's device, the amaxes (as
@@ -156,6 +159,7 @@ class GemmLayer:
         self.wcache = None
         self.keep_weights = 0
         self.kept_uses = 0
+        self.graph_pins: list = []  # kept copies a recorded CUDA graph reads (see quantized_weight)
         self.fresh: FreshWeight | None = None
         self.fresh_uses = 0
         # FP8 grad_output handed over by the next op (see offer_grad_output)
@@ -173,6 +177,7 @@ class GemmLayer:
         _LAYERS.add(self)
         self.sentry_slots, self.sentry_armed = None, ""  # (its own, allocated at the next entry)
         self.keep_weights = 0  # (the blocks that cover the original do not cover the copy)
+        self.graph_pins = []
         self.__dict__.setdefault("kept_uses", 0)  # (a layer pickled before the counter existed)
         _ac.register_slot_holder(self)
 
@@ -342,11 +347,18 @@ class GemmLayer:
             gq = getattr(w, "lowbit_gathered", None)
             if gq is not None:
                 return self._gathered_weight(gq, recipe, columnwise, policy)
+        pooled_miss = False
         if is_first_microbatch is None and self.keep_weights and self._may_keep(w):
             if self._cache_fault(w, recipe, columnwise) is None:
                 self.kept_uses += 1
-                return self.wcache[3]
-            is_first_microbatch = True  # quantize and keep (the copies the weight's GEMMs may need, as True does)
+                q = self.wcache[3]
+                if in_graph_pool(w.device) and not any(p is q for p in self.graph_pins):
+                    self.graph_pins.append(q)  # (a recorded graph reads it at every replay: never freed under it)
+                return q
+            if in_graph_pool(w.device):  # quantize for this call inside the graph; keep nothing, drop nothing
+                pooled_miss = True
+            else:
+                is_first_microbatch = True  # quantize and keep (the copies the weight's GEMMs may need, as True does)
         if is_first_microbatch is False:
             fault = self._cache_fault(w, recipe, columnwise)
             if fault == "missing":
@@ -390,7 +402,8 @@ class GemmLayer:
         q = self.quantize(w.detach(), "weight", recipe, rowwise=True,
                           columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
-        self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+        if not pooled_miss:
+            self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
         return q
 
     def _cache_fault(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> str | None:
@@ -410,11 +423,13 @@ class GemmLayer:
 
     @staticmethod
     def _may_keep(w: torch.Tensor) -> bool:
-        """Whether a kept copy of ``w`` can be checked against it on the next call: eager, outside a CUDA graph's
-        private memory pool (a capture, or torch.compile's graph trees warming up or recording: a replay would reuse
-        the recorded copy whatever the weight holds, and a copy made there must not outlive the call), and a weight
-        with a version counter (an inference tensor has none: an in-place change could not be seen)."""
-        return not (torch.compiler.is_compiling() or w.is_inference() or in_graph_pool(w.device))
+        """Whether a kept copy of ``w`` can be checked against it when a call takes it: not while Dynamo traces (the
+        check would run once, at tracing), and a weight with a version counter (an inference tensor has none: an
+        in-place change could not be seen). A CUDA-graph capture, or torch.compile's graph trees warming up or
+        recording (:func:`~lowbit.runtime.device.in_graph_pool`), takes a kept copy made before it, checked then,
+        and does not keep one of its own (it would live in the graph's private pool); its replays read the copy
+        whatever the weight holds by then."""
+        return not (torch.compiler.is_compiling() or w.is_inference())
 
     def _gathered_weight(self, q: QuantizedTensor, recipe: Recipe, columnwise: bool, policy: str) -> QuantizedTensor:
         """The copies FSDP2 gathered (rowwise; the columnwise one is made from it where dgrad needs it:
@@ -1209,15 +1224,17 @@ sentry_pass_op = torch.ops.lowbit.sentry_pass.default
 _ROLES = ("input", "weight", "grad_output")
 
 
-def linear_traces(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, is_first_microbatch=None) -> bool:
+def linear_traces(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, is_first_microbatch=None,
+                  layer: "GemmLayer | None" = None) -> bool:
     """Whether :func:`quantized_linear` of ``x`` by ``weight`` under ``recipe`` (no fused norm, no GELU), called now,
     runs as torch operations in the compiled graph (the traced Function; no lowbit Python per call): inside
     torch.compile, on plain CUDA tensors, within :func:`traced_linear_rules`. A fused module (a norm inside the input
     quantizer, the SwiGLU MLP) asks this to leave its fusions to Inductor where the plain linear traces: its fused
-    form is an operator whose Python runs every call."""
+    form is an operator whose Python runs every call. ``layer``: the GEMM's layer (inside a
+    :class:`lowbit.nn.cached_weights` block the linear runs as the operator, which takes the kept copy)."""
     if not torch.compiler.is_compiling() or _fp8_gathered(weight):
         return False
-    cfg = _Cfg(None, recipe, is_first_microbatch, False, "raise", _out_dtype(x))
+    cfg = _Cfg(layer, recipe, is_first_microbatch, False, "raise", _out_dtype(x))
     return _traced_linear_fits(x, weight, recipe, cfg)
 
 
@@ -1233,13 +1250,15 @@ def _traced_linear_fits(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, c
 def traced_linear_rules(recipe: Recipe, cfg: _Cfg, M: int, N: int, K: int, x_dtype: torch.dtype,
                         w_dtype: torch.dtype) -> bool:
     """The recipe, epilogue and shape rules of the traced linear, for x (M, K) and a weight (N, K): no GELU, fused
-    norm or weight cached across micro-batches; every role FP8 that :mod:`lowbit.quant.traceable` covers for its
-    copies, current-scaled, or all three per-tensor with delayed scaling; the three GEMMs cuBLAS's
-    (:func:`lowbit.gemm.cublas.schemes_supported`)."""
+    norm or weight cached across micro-batches or kept by :class:`lowbit.nn.cached_weights`; every role FP8 that
+    :mod:`lowbit.quant.traceable` covers for its copies, current-scaled, or all three per-tensor with delayed scaling;
+    the three GEMMs cuBLAS's (:func:`lowbit.gemm.cublas.schemes_supported`)."""
     from ..gemm.cublas import schemes_supported
     from ..quant.traceable import traceable_fits
 
     if cfg.gelu or cfg.norm_eps is not None or cfg.is_first_microbatch is not None:
+        return False
+    if cfg.layer is not None and cfg.layer.keep_weights:  # (the operator takes the copy cached_weights keeps)
         return False
     sin, sw, sg = (recipe.role(r).scheme for r in _ROLES)
     delayed = [recipe.role(r).delayed for r in _ROLES]

@@ -153,14 +153,14 @@ class _MovedNorm:
         """The place of the RMSNorm moved in by ``take_norm`` (its weight and epsilon), or None."""
         return self._norm[0] if self._norm else None
 
-    def _normalize(self, input: torch.Tensor, st, weight: torch.Tensor, is_first_microbatch) -> tuple:
+    def _normalize(self, input: torch.Tensor, st, weight: torch.Tensor, layer, is_first_microbatch) -> tuple:
         """(input for the GEMM by ``weight``, its norm arguments): ``(input, {norm_weight, norm_eps})`` where the
         moved norm runs inside the GEMM's input quantizer (autocast, :func:`lowbit.nn.functional.norm_fuses`, and
         not where the GEMM traces inside torch.compile: HF's norm is then torch's, which Inductor compiles), else
         ``(hf_rms_norm(input), {})``."""
         w, eps = self._norm[0].weight, self._norm[0].variance_epsilon
         if (st.enabled and norm_fuses(input, w, st.recipe)
-                and not linear_traces(input, weight, st.recipe, is_first_microbatch)):
+                and not linear_traces(input, weight, st.recipe, is_first_microbatch, layer)):
             return input, dict(norm_weight=w, norm_eps=eps)
         return hf_rms_norm(input, w, eps), {}
 
@@ -252,7 +252,7 @@ class QKVLinear(_MovedNorm, Linear):
             x, nkw = input, {}
             if self._norm:
                 check_norm_input(input, self.in_features, "in_features")
-                x, nkw = self._normalize(input, st, self.weight, is_first_microbatch)
+                x, nkw = self._normalize(input, st, self.weight, self._gemms[""], is_first_microbatch)
             if st.enabled:
                 y = quantized_linear(x, self.weight, self.bias, self._gemms[""], is_first_microbatch, state=st, **nkw)
                 shared = y.split(self.sizes, dim=-1)
@@ -426,7 +426,7 @@ class SwiGLUMLP(_MovedNorm, LowbitModule, torch.nn.Module):
         st = _ac.get_state()
         nkw = {}
         if self._norm:
-            input, nkw = self._normalize(input, st, self.fc1_weight, is_first_microbatch)
+            input, nkw = self._normalize(input, st, self.fc1_weight, self._gemms["fc1"], is_first_microbatch)
         if st.enabled:
             return quantized_swiglu_branch(input, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
                                            self._gemms["fc1"], self._gemms["fc2"], is_first_microbatch, st, None,

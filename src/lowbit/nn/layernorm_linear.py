@@ -152,7 +152,7 @@ class LayerNormLinear(LowbitModule, torch.nn.Module):
         st = _ac.get_state()
         return (not self.return_layernorm_output and st.enabled and self.normalization == "RMSNorm"
                 and norm_fuses(input, self.layer_norm_weight, st.recipe)
-                and not linear_traces(input, self.weight, st.recipe, is_first_microbatch))
+                and not linear_traces(input, self.weight, st.recipe, is_first_microbatch, self._gemms[""]))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
                 input_rstd: torch.Tensor | None = None,

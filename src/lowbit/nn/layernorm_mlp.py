@@ -58,7 +58,7 @@ def quantized_swiglu_branch(ln: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, 
     # (inside torch.compile, where fc1 traces as torch operations, fc1, the SwiGLU and fc2 each stay in the graph:
     # the fused MLP is an operator whose Python runs every call)
     if (fused_swiglu is not False and ln.numel() > 0 and swiglu_mlp_fusable(ln, fc1_weight, fc1_bias, st.recipe)
-            and not linear_traces(ln, fc1_weight, st.recipe, is_first_microbatch)):
+            and not linear_traces(ln, fc1_weight, st.recipe, is_first_microbatch, g1)):
         return quantized_swiglu_mlp(ln, fc1_weight, fc2_weight, fc2_bias, g1, g2, is_first_microbatch, state=st, **nkw)
     h = quantized_linear(ln, fc1_weight, fc1_bias, g1, is_first_microbatch, state=st, **nkw)
     h = swiglu_act(h, fused_swiglu, fused_default=True)
@@ -134,7 +134,8 @@ class LayerNormMLP(LowbitModule, torch.nn.Module):
         st = _ac.get_state()
         return (st.enabled and self.normalization == "RMSNorm" and norm_fuses(input, self.layer_norm_weight, st.recipe)
                 and not (self.activation == "swiglu"
-                         and linear_traces(input, self.fc1_weight, st.recipe, is_first_microbatch)))
+                         and linear_traces(input, self.fc1_weight, st.recipe, is_first_microbatch,
+                                           self._gemms["fc1"])))
 
     def forward(self, input: torch.Tensor, is_first_microbatch: bool | None = None,
                 input_rstd: torch.Tensor | None = None, input_norm_link=None) -> torch.Tensor:

@@ -92,15 +92,26 @@ def _fold(acc, part, fa, fb, A_VEC: tl.constexpr, B_VEC: tl.constexpr):
 
 
 @triton.jit
-def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, K, lda_s, ldb_s,
+def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, ws_ptr, M, N, K, lda_s, ldb_s,
                     SA: tl.constexpr, SB: tl.constexpr, BS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False):
+                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr = False,
+                    SPLIT_K: tl.constexpr = 1):
+    """C = A·Bᵀ of FP8 operands with their scales, one output tile a program (grouped along M for L2 reuse), the K
+    blocks of BS in order. SPLIT_K > 1 (blockwise SA, SB only: every scale folded per K block): SPLIT_K programs a
+    tile, each summing one contiguous share of the K blocks into ws_ptr's FP32 slice (SPLIT_K, M, N) of its split;
+    :func:`scale_epilogue_kernel` adds the slices in split order and runs the epilogue. Small M (a decode step) has
+    too few output tiles to keep the SMs busy otherwise."""
+    tl.static_assert(SPLIT_K == 1 or (SA >= 2 and SB >= 2), "split-K folds every scale per K block: blockwise only")
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
     num_pn = tl.cdiv(N, BN)
     nkb = tl.cdiv(K, BS)
-    tile = pid  # one output tile per program (grouped along M for L2 reuse)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    per = tl.cdiv(nkb, SPLIT_K)
+    k_lo = split * per
+    k_hi = tl.minimum(nkb, k_lo + per)
     pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
@@ -114,7 +125,7 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N
         # 16-byte aligned data).
         ad = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BS])
         bd = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BS])
-    for kb in range(0, nkb):
+    for kb in range(k_lo, k_hi):
         if TMA:
             a = ad.load([pid_m * BM, kb * BS])
             b = bd.load([pid_n * BN, kb * BS])
@@ -127,15 +138,19 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, M, N
         fa = _tile_scale(sa_ptr, offs_m, mmask, pid_m * BM, kb, lda_s, SA, BS, BM)
         fb = _tile_scale(sb_ptr, offs_n, nmask, pid_n * BN, kb, ldb_s, SB, BS, BN)
         acc = _fold(acc, part, fa, fb, SA == 2 or (SA == 3 and BS % BM != 0), SB == 2 or (SB == 3 and BS % BN != 0))
-    if SA == 0:
-        acc = acc * tl.load(sa_ptr)
-    if SA == 1:
-        acc = acc * tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
-    if SB == 0:
-        acc = acc * tl.load(sb_ptr)
-    if SB == 1:
-        acc = acc * tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)[None, :]
-    _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
+    if SPLIT_K > 1:
+        w = ws_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(w, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        if SA == 0:
+            acc = acc * tl.load(sa_ptr)
+        if SA == 1:
+            acc = acc * tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
+        if SB == 0:
+            acc = acc * tl.load(sb_ptr)
+        if SB == 1:
+            acc = acc * tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+        _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
 
 
 @triton.jit
@@ -184,11 +199,15 @@ def _emu_tile(p_ptr, s_ptr, offs_r, rmask, k0, K, ld_s,
 @triton.jit
 def scale_epilogue_kernel(acc_ptr, gsa_ptr, gsb_ptr, c_ptr, pre_ptr, bias_ptr, M, N, NV: tl.constexpr,
                           HAS_BIAS: tl.constexpr, GELU: tl.constexpr, ACCUM: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr = 1):
+    """The epilogue of an FP32 product acc (M, N), or (SPLIT) the sum of its SPLIT slices (SPLIT, M, N) in order
+    (:func:`fp8_gemm_kernel`'s split-K partials); NV: divided by the two global scales first."""
     offs_m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
     offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
-    acc = tl.load(acc_ptr + offs_m[:, None] * N + offs_n[None, :], mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-                  other=0.0)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    acc = tl.load(acc_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(acc_ptr + (offs_m[:, None] + s * M) * N + offs_n[None, :], mask=mask, other=0.0)
     if NV:  # the same two divisions as emu_gemm_kernel
         acc = acc / tl.load(gsa_ptr) / tl.load(gsb_ptr)
     _epilogue(acc, c_ptr, pre_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS, GELU, ACCUM)
