@@ -580,16 +580,18 @@ def _interp_split_k() -> int:
     """Split-K (fp8_gemm_kernel's SPLIT_K, its partials added by scale_epilogue_kernel) in the interpreter, each
     split count forced alone: exact on operands whose every partial sum is exact (small integers, power-of-two
     scales: any order of the sums gives the reference's bits), within the reference's bound otherwise, with every
-    epilogue; splits past the last K block add zeros."""
+    epilogue; splits given no K block add zeros. 1x32 · 32x32 scales (the weight's 2D blocks) by TMA and, with K not
+    a multiple of 16, by pointers; 32x32 · 1x32 once."""
     import lowbit.gemm.triton_backend as tb
     from lowbit.gemm.triton_backend import scaled_mm_triton
 
     fails = 0
     real = tb._candidates
-    sa, sb = Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32)
-    cases = [(3, 40, 160, {}), (1, 64, 96, {"bias": torch.randn(64), "out_dtype": torch.bfloat16}),
-             (17, 33, 224, {"gelu": True, "out_dtype": torch.bfloat16}), (5, 32, 128, {"accumulate": True})]
-    for M, N, K, epi in cases:
+    s1, s2 = Float8Blockwise(block_size=32), Float8Blockwise(block_dim=2, block_size=32)
+    cases = [(3, 40, 160, {}, s1, s2), (1, 64, 96, {"bias": torch.randn(64), "out_dtype": torch.bfloat16}, s1, s2),
+             (17, 33, 224, {"gelu": True, "out_dtype": torch.bfloat16}, s1, s2),
+             (5, 32, 128, {"accumulate": True}, s1, s2), (6, 24, 100, {}, s1, s2), (33, 20, 136, {}, s2, s1)]
+    for M, N, K, epi, sa, sb in cases:
         for ints in (True, False):
             a, b = _operands(M, N, K, sa, sb, "rowwise", "rowwise", "cpu", seed=M + N, ints=ints)
             outs = []

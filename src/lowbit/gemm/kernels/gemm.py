@@ -99,9 +99,9 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, ws_p
                     SPLIT_K: tl.constexpr = 1):
     """C = A·Bᵀ of FP8 operands with their scales, one output tile a program (grouped along M for L2 reuse), the K
     blocks of BS in order. SPLIT_K > 1 (blockwise SA, SB only: every scale folded per K block): SPLIT_K programs a
-    tile, each summing one contiguous share of the K blocks into ws_ptr's FP32 slice (SPLIT_K, M, N) of its split;
-    :func:`scale_epilogue_kernel` adds the slices in split order and runs the epilogue. Small M (a decode step) has
-    too few output tiles to keep the SMs busy otherwise."""
+    tile, each summing one contiguous share of the K blocks (balanced) into ws_ptr's FP32 slice (SPLIT_K, M, N) of
+    its split; :func:`scale_epilogue_kernel` adds the slices in split order and runs the epilogue. Small M (a decode
+    step) has too few output tiles to keep the SMs busy otherwise."""
     tl.static_assert(SPLIT_K == 1 or (SA >= 2 and SB >= 2), "split-K folds every scale per K block: blockwise only")
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BM)
@@ -109,9 +109,8 @@ def fp8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, pre_ptr, bias_ptr, ws_p
     nkb = tl.cdiv(K, BS)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
-    per = tl.cdiv(nkb, SPLIT_K)
-    k_lo = split * per
-    k_hi = tl.minimum(nkb, k_lo + per)
+    k_lo = split * nkb // SPLIT_K  # (balanced shares: their sizes differ by at most one block)
+    k_hi = (split + 1) * nkb // SPLIT_K
     pid_m, pid_n = _tile_ids(tile, num_pm, num_pn, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
