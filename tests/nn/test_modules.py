@@ -374,16 +374,67 @@ def test_cached_weights_inside_a_graph_pool(recipe, monkeypatch):
         assert torch.equal(run(), a) and kept.reused == 1 and g.wcache is kept_copy  # taken inside the pool
         with torch.no_grad():
             m.weight.mul_(0.5)
-        assert len(g.graph_pins) == 1 and g.graph_pins[0] is kept_copy[3]  # held for the graph's replays
+        assert len(g.graph_pins) == 1 and g.graph_pins[0][3] is kept_copy[3]  # held for the graph's replays
         b = run()  # changed: quantized afresh for this call; nothing kept from the pool, nothing dropped
         assert torch.equal(b, run(copy.deepcopy(m))) and not torch.equal(b, a)
         assert kept.reused == 1 and g.wcache is kept_copy
         pool[0] = False
-        assert torch.equal(run(), b) and g.wcache is not kept_copy and kept.reused == 1  # kept anew, outside
+        # outside: quantized again and written into the pinned copy (what the graph replays), which is kept
+        assert torch.equal(run(), b) and g.wcache is not kept_copy and kept.reused == 1
+        assert g.wcache[3] is kept_copy[3] and len(g.graph_pins) == 1 and _holds(g, m.weight, r)
         assert torch.equal(run(), b) and kept.reused == 2
     assert g.wcache is None and len(g.graph_pins) == 1  # the block's exit does not free what a graph reads
+    assert not copy.deepcopy(m)._gemms[""].graph_pins  # (a copy records no graph: it holds none)
     m.clear_weight_cache()
     assert g.graph_pins == []
+
+
+def _holds(g, w, r) -> bool:
+    """Whether every pinned copy of layer ``g`` holds ``w`` quantized under ``r`` now (bit for bit)."""
+    q = g.quantize(w.detach(), "weight", r, rowwise=True, columnwise=False, phase="forward", policy="off")
+    return all(p[1] == w._version and p[2] == w.data_ptr() and torch.equal(p[3].rowwise.data.view(torch.uint8),
+                                                                        q.rowwise.data.view(torch.uint8))
+               and torch.equal(p[3].rowwise.scale_inv, q.rowwise.scale_inv) for p in g.graph_pins)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block"])
+def test_cached_weights_pins_across_blocks(recipe, monkeypatch):
+    """A copy a CUDA graph recorded in one block (in_graph_pool faked) is taken again by the next block's eager call
+    while the weight is unchanged (no second copy, however many blocks record); a weight changed between blocks is
+    written into it when the next block is entered (the graph replays the new weight); a NaN weight raises there."""
+    from lowbit.nn import functional as fn
+
+    torch.manual_seed(3)
+    m = lowbit.nn.Linear(128, 64)
+    r = recipes.from_name(recipe)
+    x = torch.randn(8, 128)
+    g = m._gemms[""]
+    pool = [False]
+    monkeypatch.setattr(fn, "in_graph_pool", lambda device: pool[0])
+
+    def block():
+        with lowbit.nn.cached_weights(m) as kept, lowbit.autocast(recipe=r), torch.no_grad():
+            pool[0] = False
+            y = m(x)  # eager (a prefill): keeps a copy, or takes the pinned one
+            pool[0] = True
+            assert torch.equal(m(x), y)  # a graph records: pins the kept copy
+            pool[0] = False
+        return kept.reused
+
+    assert block() == 1 and len(g.graph_pins) == 1
+    pinned = g.graph_pins[0][3]
+    assert block() == 2 and len(g.graph_pins) == 1 and g.graph_pins[0][3] is pinned  # taken again, not copied
+    with torch.no_grad():
+        m.weight.mul_(-0.75)  # an optimizer step between two evaluations
+    assert not _holds(g, m.weight, r)
+    with lowbit.nn.cached_weights(m):
+        assert _holds(g, m.weight, r) and g.graph_pins[0][3] is pinned  # written in place on entry
+    with torch.no_grad():
+        m.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"hold NaN or Inf"):
+        with lowbit.nn.cached_weights(m):
+            pass
+    assert g.keep_weights == 0
 
 
 def test_cached_weights_rejects_and_skips():

@@ -98,16 +98,18 @@ class cached_weights:
     changed: its version counter (bumped by every in-place update, ``copy_`` and optimizer steps included) and its
     storage are checked on every call, and a changed weight is quantized again. As ``is_first_microbatch=False``,
     a kept weight is not re-checked by the NaN sentry, and a DelayedScaling weight keeps the scale it was quantized
-    with (its amax is recorded only then). A write the version counter does not see (through ``.data``) is not
-    detected: quantize again by leaving and re-entering the block.
+    with (its amax is recorded only then). A write the version counter does not see (in place through ``.data``) is
+    not detected: quantize again by leaving and re-entering the block (where compiled calls recorded CUDA graphs in a
+    block: ``clear_weight_cache()`` and ``torch.compiler.reset()``).
 
     Costs the quantized copies' memory (about one byte a parameter for FP8) until the block exits, where they are
     dropped. Under ``torch.compile`` a layer inside the block runs as lowbit's operator, which keeps and checks the
     copies as an eager call does. CUDA graphs (a capture, or ``torch.compile(mode="reduce-overhead")``) take the
-    copies an earlier call of the block kept (``generate()``'s eager prefill is one) and keep none of their own: the
-    copy is checked against the weight when the graph is recorded, not at each replay, and the layer holds it for
-    as long as such a graph may replay (``clear_weight_cache`` drops it): change no weight while compiled calls
-    that recorded inside a block are in use, or call ``torch.compiler.reset()`` after changing one.
+    copies an earlier call of the block kept (``generate()``'s eager prefill is one) and keep none of their own; the
+    layer holds such a copy for as long as the graph may replay (``clear_weight_cache`` drops it). A replay reads the
+    copy without checking the weight: a weight changed since is written into the copy (in place) when a block is
+    entered and when an eager call inside a block quantizes it, but not between two replays. So inside a block,
+    after changing a weight, make one eager call before the compiled ones (or leave and re-enter the block).
     Inference-tensor weights (made under ``torch.inference_mode``) quantize as usual. Blocks nest.
     ``model``: a module holding lowbit modules (after :func:`lowbit.convert`); ``reused``: how many forwards inside
     the block took a kept weight.
@@ -116,8 +118,10 @@ class cached_weights:
     def __init__(self, model: torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        self._layers = [g for m in model.modules() if isinstance(m, LowbitModule)
-                        for g in getattr(m, "_gemms", {}).values()]
+        # (each GEMM with its module and weight attribute: "" multiplies by "weight", "fc1" by "fc1_weight")
+        self._weights = [(g, m, "weight" if s == "" else f"{s}_weight") for m in model.modules()
+                         if isinstance(m, LowbitModule) for s, g in getattr(m, "_gemms", {}).items()]
+        self._layers = [g for g, _, _ in self._weights]
         if not self._layers:
             raise ValueError(f"model: a {type(model).__name__} with no lowbit modules has no quantized weights to "
                              "keep; convert it first (lowbit.convert)")
@@ -127,6 +131,7 @@ class cached_weights:
     def __enter__(self) -> "cached_weights":
         if self._start is not None:
             raise RuntimeError("cached_weights: this block is already open (make one object per with-statement)")
+        self._refresh_pins()
         for g in self._layers:
             g.keep_weights += 1
         self._start = sum(g.kept_uses for g in self._layers)
@@ -139,6 +144,21 @@ class cached_weights:
                 g.wcache = None
         self._reused = self.reused
         self._start = None
+
+    def _refresh_pins(self) -> None:
+        """Write each weight changed since a CUDA graph recorded its kept copy into that copy (in place: the graph
+        replays it); a non-finite amax among them raises (one device sync, only where a copy was written)."""
+        if torch.compiler.is_compiling():
+            return
+        amaxes = []
+        for g, m, attr in self._weights:
+            w = getattr(m, attr, None) if g.graph_pins else None
+            if isinstance(w, torch.Tensor):
+                amaxes += [(g, a) for a in g.refresh_pins(w)]
+        if amaxes and not bool(torch.isfinite(torch.cat([a.reshape(-1) for _, a in amaxes])).all()):
+            bad = sorted({g.name for g, a in amaxes if not bool(torch.isfinite(a).all())})
+            raise ValueError(f"cached_weights: the weights of {', '.join(bad)} hold NaN or Inf; their FP8 copies that "
+                             "recorded CUDA graphs read were written with them")
 
     @property
     def reused(self) -> int:

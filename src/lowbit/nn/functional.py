@@ -126,6 +126,42 @@ class FreshWeight:
         return self.version == w._version and self.ptr == w.data_ptr() and self.scheme == scheme
 
 
+def _copy_parts(q: QuantizedTensor) -> list[tuple[str, list[torch.Tensor]]]:
+    """(direction, [data, scale_inv, amax, global_scale?]) of each copy ``q`` has."""
+    out = []
+    for which in ("rowwise", "columnwise"):
+        c = getattr(q, which)
+        if c is not None:
+            out.append((which, [c.data, c.scale_inv, c.amax] + ([c.global_scale] if c.global_scale is not None
+                                                                  else [])))
+    return out
+
+
+def _same_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
+    """Whether ``src`` has exactly ``dst``'s copies, tensor for tensor of the same shape and dtype."""
+    a, b = _copy_parts(dst), _copy_parts(src)
+    return [w for w, _ in a] == [w for w, _ in b] and all(
+        len(x) == len(y) and all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(x, y))
+        for (_, x), (_, y) in zip(a, b))
+
+
+def _write_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
+    """Copy each of ``dst``'s copies from ``src``'s of the same direction, in place (False, nothing written, unless
+    ``src`` has every one of them with the same tensors' shapes and dtypes)."""
+    have = dict(_copy_parts(src))
+    pairs = []
+    for which, ts in _copy_parts(dst):
+        us = have.get(which)
+        if us is None or len(us) != len(ts) or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(ts, us)):
+            return False
+        pairs += zip(ts, us)
+    with torch.no_grad():
+        for t, u in pairs:
+            if t is not u:
+                t.copy_(u)
+    return True
+
+
 class GemmLayer:
     """Per-GEMM state of a lowbit module (not an nn.Module; owned by one).
 
@@ -139,9 +175,12 @@ class GemmLayer:
             forward with ``is_first_microbatch=None`` reuses ``wcache`` where it is still the weight's, else
             quantizes and keeps the weight.
         kept_uses: how many forwards took a kept weight.
-        graph_pins: the kept copies a CUDA graph recorded inside a block reads at each replay, held here so that
-            leaving the block or keeping a newer copy never frees them under the graph (dropped by
-            ``clear_weight_cache``, after which such graphs must not replay: ``torch.compiler.reset()``).
+        graph_pins: ``[recipe, weight version, weight data_ptr, QuantizedTensor]`` of each kept copy a CUDA graph
+            recorded inside a block reads at every replay, held here so that leaving the block or keeping a newer
+            copy never frees it under the graph (dropped by ``clear_weight_cache``, after which such graphs must not
+            replay: ``torch.compiler.reset()``). A later eager call in a block takes a pinned copy that is still the
+            weight's, and one that quantizes a changed weight writes the new copy into the pinned ones in place
+            (:meth:`refresh_pins`; so does entering a block), so replays read the weight as it is then.
         fresh: :class:`FreshWeight`, the weight's copies as its optimizer wrote them (None: none does).
         fresh_uses: how many forwards took them.
         sentry_slots: (input's, weight's, grad_output's) int32 (1,) tensors on the weight's device, the amaxes (as
@@ -169,6 +208,11 @@ class GemmLayer:
         self.sentry_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.sentry_armed = ""
         _ac.register_slot_holder(self)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["graph_pins"] = []  # (a copy records no graph: the pinned copies are not copied with it)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         # a copy (copy.deepcopy of its module, unpickling) is a layer of its own: layer_of must find it, or a compiled
@@ -347,18 +391,24 @@ class GemmLayer:
             gq = getattr(w, "lowbit_gathered", None)
             if gq is not None:
                 return self._gathered_weight(gq, recipe, columnwise, policy)
-        pooled_miss = False
+        pooled_miss = refresh = False
         if is_first_microbatch is None and self.keep_weights and self._may_keep(w):
             if self._cache_fault(w, recipe, columnwise) is None:
                 self.kept_uses += 1
-                q = self.wcache[3]
-                if in_graph_pool(w.device) and not any(p is q for p in self.graph_pins):
-                    self.graph_pins.append(q)  # (a recorded graph reads it at every replay: never freed under it)
-                return q
+                c = self.wcache
+                if in_graph_pool(w.device) and not any(p[3] is c[3] for p in self.graph_pins):
+                    self.graph_pins.append(list(c))  # (a recorded graph reads it at every replay: never freed under it)
+                return c[3]
             if in_graph_pool(w.device):  # quantize for this call inside the graph; keep nothing, drop nothing
                 pooled_miss = True
             else:
+                pin = self._pin_for(w, recipe, columnwise)
+                if pin is not None:  # a copy a graph reads is still the weight's: keep it again
+                    self.wcache = tuple(pin)
+                    self.kept_uses += 1
+                    return pin[3]
                 is_first_microbatch = True  # quantize and keep (the copies the weight's GEMMs may need, as True does)
+                refresh = True
         if is_first_microbatch is False:
             fault = self._cache_fault(w, recipe, columnwise)
             if fault == "missing":
@@ -397,14 +447,58 @@ class GemmLayer:
                 q = f.q
                 _ac.sentry([c.amax for c in q._copies()], layer=self, role="weight", phase="forward", policy=policy)
                 self.fresh_uses += 1
-                self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
-                return q
+                if not pooled_miss:
+                    self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+                return self._refreshed(w, recipe, q, policy) if refresh else q
         q = self.quantize(w.detach(), "weight", recipe, rowwise=True,
                           columnwise=columnwise or (cache and torch.is_grad_enabled()),
                           phase="forward", policy=policy)
         if not pooled_miss:
             self.wcache = (recipe, w._version, w.data_ptr(), q) if cache else None
+        return self._refreshed(w, recipe, q, policy) if refresh else q
+
+    # -- copies recorded CUDA graphs read (graph_pins) -------------------------------------------------------------
+    def _pin_for(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> list | None:
+        """A pinned copy holding ``w`` as it is now under ``recipe`` (with a columnwise copy where asked), or None."""
+        for p in self.graph_pins:
+            if p[0] == recipe and p[1] == w._version and p[2] == w.data_ptr() and (
+                    not columnwise or p[3].columnwise is not None):
+                return p
+        return None
+
+    def _refreshed(self, w: torch.Tensor, recipe: Recipe, q: QuantizedTensor, policy: str) -> QuantizedTensor:
+        """After an eager call in a block quantized the changed ``w`` into ``q`` and kept it: the pinned copies
+        written with the weight as it is (:meth:`refresh_pins`, from ``q`` where its copies match), and the kept copy
+        made the pinned one where they match (no second copy held); returns the copy the call takes."""
+        self.refresh_pins(w, policy, src=(recipe, q))
+        for p in self.graph_pins:
+            if p[0] == recipe and p[1] == w._version and p[2] == w.data_ptr() and _same_copies(p[3], q):
+                if self.wcache is not None and self.wcache[3] is q:
+                    self.wcache = tuple(p)
+                return p[3]
         return q
+
+    def refresh_pins(self, w: torch.Tensor, policy: str = "off", src=None) -> list[torch.Tensor]:
+        """Write ``w`` (this layer's weight), quantized under each pinned copy's own recipe, into every pinned copy
+        that no longer holds it, in place, so recorded CUDA graphs replay the weight as it is; ``src``: (recipe,
+        QuantizedTensor) of ``w`` already quantized, taken where its copies match. ``policy``: the NaN sentry's for
+        the quantizations made here. Returns the amaxes of what was written (none: nothing was stale).
+        :class:`lowbit.nn.cached_weights` calls it on entry, for weights changed between blocks (an optimizer step
+        between two evaluations that replay the same graphs)."""
+        amaxes = []
+        for p in self.graph_pins:
+            if p[1] == w._version and p[2] == w.data_ptr():
+                continue
+            if src is None or src[0] != p[0] or not _write_copies(p[3], src[1]):
+                with torch.no_grad():
+                    q = self.quantize(w.detach(), "weight", p[0], rowwise=p[3].rowwise is not None,
+                                      columnwise=p[3].columnwise is not None, phase="forward", policy=policy)
+                if not _write_copies(p[3], q):
+                    raise RuntimeError(f"layer {self.name!r}: the weight's shape changed since a CUDA graph recorded "
+                                       "its kept copy; call clear_weight_cache() and torch.compiler.reset()")
+            p[1], p[2] = w._version, w.data_ptr()
+            amaxes += [c.amax for c in p[3]._copies()]
+        return amaxes
 
     def _cache_fault(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> str | None:
         """Why ``wcache`` is not ``w``'s copies for this call ("missing", "recipe", "modified": its version or
