@@ -128,3 +128,37 @@ def test_cuda_cached_weights(rname, cuda):
     assert kept.reused == 2 + 1  # both GEMMs on the second call; fc2 on the third
     assert torch.equal(a, fresh) and torch.equal(b, fresh)
     assert torch.equal(c, run()) and not torch.equal(c, fresh)
+
+
+def test_cuda_cached_weights_compiled_graphs(cuda):
+    """cached_weights under torch.compile(mode="reduce-overhead") (CUDA graph trees): warm-up, recording and replays
+    take the copy the block's eager call kept (its bits); a weight changed between blocks is written into the copy
+    the graph replays when the next block is entered, with no eager call in that block; one pinned copy throughout."""
+    torch.manual_seed(0)
+    m = lowbit.nn.Linear(256, 384, device=cuda, dtype=torch.bfloat16)
+    r = recipes.from_name("fp8-block")
+    x = torch.randn(16, 256, device=cuda, dtype=torch.bfloat16)
+    f = torch.compile(m, mode="reduce-overhead")
+    g = m._gemms[""]
+
+    def call(fn):
+        with torch.no_grad(), lowbit.autocast(recipe=r):
+            return fn(x).clone()
+
+    torch.compiler.reset()
+    try:
+        with lowbit.nn.cached_weights(m) as kept:
+            ref = call(m)  # eager: quantized and kept
+            outs = [call(f) for _ in range(4)]  # warm-up, recording, replays
+        assert kept.reused >= 2 and all(torch.equal(o, ref) for o in outs) and len(g.graph_pins) == 1
+        for _ in range(2):
+            with torch.no_grad():
+                m.weight.mul_(-0.5)  # an optimizer step between two evaluations
+            fresh = call(m)  # outside a block: quantized afresh
+            with lowbit.nn.cached_weights(m):
+                outs = [call(f) for _ in range(2)]  # replays only
+            assert all(torch.equal(o, fresh) for o in outs) and not torch.equal(fresh, ref)
+            assert len(g.graph_pins) == 1
+    finally:
+        m.clear_weight_cache()
+        torch.compiler.reset()
