@@ -151,12 +151,21 @@ def test_cuda_cached_weights_compiled_graphs(cuda):
             ref = call(m)  # eager: quantized and kept
             outs = [call(f) for _ in range(4)]  # warm-up, recording, replays
         assert kept.reused >= 2 and all(torch.equal(o, ref) for o in outs) and len(g.graph_pins) == 1
+        quantized, real = [0], g.quantize
+
+        def counted(*a, **k):
+            quantized[0] += 1
+            return real(*a, **k)
+
         for _ in range(2):
             with torch.no_grad():
                 m.weight.mul_(-0.5)  # an optimizer step between two evaluations
             fresh = call(m)  # outside a block: quantized afresh
+            g.quantize, quantized[0] = counted, 0
             with lowbit.nn.cached_weights(m):
                 outs = [call(f) for _ in range(2)]  # replays only
+            del g.quantize
+            assert quantized[0] == 1  # the pinned copy written on entry; no graph recorded again (it would quantize)
             assert all(torch.equal(o, fresh) for o in outs) and not torch.equal(fresh, ref)
             assert len(g.graph_pins) == 1
     finally:

@@ -384,9 +384,25 @@ def test_cached_weights_inside_a_graph_pool(recipe, monkeypatch):
         assert g.wcache[3] is kept_copy[3] and len(g.graph_pins) == 1 and _holds(g, m.weight, r)
         assert torch.equal(run(), b) and kept.reused == 2
     assert g.wcache is None and len(g.graph_pins) == 1  # the block's exit does not free what a graph reads
+    n_copied = _tensors_deep_copied(m, monkeypatch)
     assert not copy.deepcopy(m)._gemms[""].graph_pins  # (a copy records no graph: it holds none)
     m.clear_weight_cache()
     assert g.graph_pins == []
+    assert _tensors_deep_copied(m, monkeypatch) == n_copied  # the pinned copy was not copied with the module
+
+
+def _tensors_deep_copied(m, monkeypatch) -> int:
+    """How many tensors ``copy.deepcopy(m)`` copies."""
+    n, real = [0], torch.Tensor.__deepcopy__
+
+    def spy(self, memo):
+        n[0] += 1
+        return real(self, memo)
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", spy)
+    copy.deepcopy(m)
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", real)
+    return n[0]
 
 
 def _holds(g, w, r) -> bool:
@@ -431,10 +447,50 @@ def test_cached_weights_pins_across_blocks(recipe, monkeypatch):
         assert _holds(g, m.weight, r) and g.graph_pins[0][3] is pinned  # written in place on entry
     with torch.no_grad():
         m.weight[3, 5] = float("nan")
-    with pytest.raises(ValueError, match=r"hold NaN or Inf"):
-        with lowbit.nn.cached_weights(m):
-            pass
+    for _ in range(2):  # (and again at the next entry: the copy stays stale until a finite weight is written)
+        with pytest.raises(ValueError, match=r"hold NaN or Inf"):
+            with lowbit.nn.cached_weights(m):
+                pass
     assert g.keep_weights == 0
+
+
+def test_cached_weights_pins_made_under_inference_mode(monkeypatch):
+    """Copies pinned inside torch.inference_mode (inference tensors) are written outside it, on entry and by an
+    eager call; a write that fails leaves no kept copy behind (the next call quantizes again, it does not take one
+    while the pinned copy is stale)."""
+    from lowbit.nn import functional as fn
+
+    torch.manual_seed(4)
+    m = lowbit.nn.Linear(128, 64)
+    r = recipes.from_name("fp8-block")
+    x = torch.randn(8, 128)
+    g = m._gemms[""]
+    pool = [False]
+    monkeypatch.setattr(fn, "in_graph_pool", lambda device: pool[0])
+    with torch.inference_mode(), lowbit.nn.cached_weights(m), lowbit.autocast(recipe=r):
+        m(x)
+        pool[0] = True
+        m(x)
+        pool[0] = False
+    assert len(g.graph_pins) == 1 and g.graph_pins[0][3].rowwise.data.is_inference()
+    with torch.no_grad():
+        m.weight.mul_(2.0)
+    with lowbit.nn.cached_weights(m):
+        assert _holds(g, m.weight, r)
+    with lowbit.nn.cached_weights(m), lowbit.autocast(recipe=r), torch.no_grad():
+        m(x)  # keeps the pinned copy
+        m.weight.mul_(0.5)
+        m(x)  # quantizes the changed weight and writes it into the inference-tensor copy
+        assert _holds(g, m.weight, r) and g.wcache[3] is g.graph_pins[0][3]
+        m.weight.mul_(3.0)
+
+        def broken(*a, **k):
+            raise RuntimeError("write failed")
+
+        monkeypatch.setattr(g, "refresh_pins", broken)
+        with pytest.raises(RuntimeError, match="write failed"):
+            m(x)
+        assert g.wcache is None
 
 
 def test_cached_weights_rejects_and_skips():

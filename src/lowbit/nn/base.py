@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.device import in_graph_pool
 from . import state as _ac
 from .functional import GemmLayer
 
@@ -107,9 +108,10 @@ class cached_weights:
     copies as an eager call does. CUDA graphs (a capture, or ``torch.compile(mode="reduce-overhead")``) take the
     copies an earlier call of the block kept (``generate()``'s eager prefill is one) and keep none of their own; the
     layer holds such a copy for as long as the graph may replay (``clear_weight_cache`` drops it). A replay reads the
-    copy without checking the weight: a weight changed since is written into the copy (in place) when a block is
-    entered and when an eager call inside a block quantizes it, but not between two replays. So inside a block,
-    after changing a weight, make one eager call before the compiled ones (or leave and re-enter the block).
+    copy without checking the weight: a weight changed since is written into the copy (in place, on the current
+    stream: replay on that stream) when a block is entered and when an eager forward inside a block with
+    ``is_first_microbatch=None`` quantizes it, but not between two replays. So inside a block, after changing a
+    weight, make one such eager call before the compiled ones (or leave and re-enter the block).
     Inference-tensor weights (made under ``torch.inference_mode``) quantize as usual. Blocks nest.
     ``model``: a module holding lowbit modules (after :func:`lowbit.convert`); ``reused``: how many forwards inside
     the block took a kept weight.
@@ -153,10 +155,13 @@ class cached_weights:
         amaxes = []
         for g, m, attr in self._weights:
             w = getattr(m, attr, None) if g.graph_pins else None
-            if isinstance(w, torch.Tensor):
+            if isinstance(w, torch.Tensor) and not in_graph_pool(w.device):  # (not written into a graph capturing)
                 amaxes += [(g, a) for a in g.refresh_pins(w)]
         if amaxes and not bool(torch.isfinite(torch.cat([a.reshape(-1) for _, a in amaxes])).all()):
-            bad = sorted({g.name for g, a in amaxes if not bool(torch.isfinite(a).all())})
+            bad = {g for g, a in amaxes if not bool(torch.isfinite(a).all())}
+            for g in bad:
+                g.mark_pins_stale()  # (written and checked again at the next entry)
+            bad = sorted(g.name for g in bad)
             raise ValueError(f"cached_weights: the weights of {', '.join(bad)} hold NaN or Inf; their FP8 copies that "
                              "recorded CUDA graphs read were written with them")
 

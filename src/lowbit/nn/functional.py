@@ -155,7 +155,7 @@ def _write_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
         if us is None or len(us) != len(ts) or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(ts, us)):
             return False
         pairs += zip(ts, us)
-    with torch.no_grad():
+    with torch.inference_mode():  # (a pinned copy made under inference_mode is an inference tensor; others allow it)
         for t, u in pairs:
             if t is not u:
                 t.copy_(u)
@@ -470,7 +470,11 @@ class GemmLayer:
         """After an eager call in a block quantized the changed ``w`` into ``q`` and kept it: the pinned copies
         written with the weight as it is (:meth:`refresh_pins`, from ``q`` where its copies match), and the kept copy
         made the pinned one where they match (no second copy held); returns the copy the call takes."""
-        self.refresh_pins(w, policy, src=(recipe, q))
+        try:
+            self.refresh_pins(w, policy, src=(recipe, q))
+        except BaseException:
+            self.wcache = None  # (the next call must not take a kept copy while a pinned one is stale)
+            raise
         for p in self.graph_pins:
             if p[0] == recipe and p[1] == w._version and p[2] == w.data_ptr() and _same_copies(p[3], q):
                 if self.wcache is not None and self.wcache[3] is q:
@@ -482,14 +486,18 @@ class GemmLayer:
         """Write ``w`` (this layer's weight), quantized under each pinned copy's own recipe, into every pinned copy
         that no longer holds it, in place, so recorded CUDA graphs replay the weight as it is; ``src``: (recipe,
         QuantizedTensor) of ``w`` already quantized, taken where its copies match. ``policy``: the NaN sentry's for
-        the quantizations made here. Returns the amaxes of what was written (none: nothing was stale).
+        the quantizations made here (a DelayedScaling copy takes the layer's current scale, and its amax is recorded
+        as a forward's). Returns the amaxes of what was written (none: nothing was stale).
         :class:`lowbit.nn.cached_weights` calls it on entry, for weights changed between blocks (an optimizer step
         between two evaluations that replay the same graphs)."""
         amaxes = []
+        f = self.fresh
         for p in self.graph_pins:
             if p[1] == w._version and p[2] == w.data_ptr():
                 continue
-            if src is None or src[0] != p[0] or not _write_copies(p[3], src[1]):
+            if f is not None and p[3] is f.q and f.valid_for(w, fresh_weight_scheme(w, p[0])):
+                pass  # (the optimizer's own copies, which it wrote with the weight: current already)
+            elif src is None or src[0] != p[0] or not _write_copies(p[3], src[1]):
                 with torch.no_grad():
                     q = self.quantize(w.detach(), "weight", p[0], rowwise=p[3].rowwise is not None,
                                       columnwise=p[3].columnwise is not None, phase="forward", policy=policy)
@@ -499,6 +507,11 @@ class GemmLayer:
             p[1], p[2] = w._version, w.data_ptr()
             amaxes += [c.amax for c in p[3]._copies()]
         return amaxes
+
+    def mark_pins_stale(self) -> None:
+        """Make every pinned copy count as not holding the weight (the next entry or keeping call writes it again)."""
+        for p in self.graph_pins:
+            p[1] = -1
 
     def _cache_fault(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> str | None:
         """Why ``wcache`` is not ``w``'s copies for this call ("missing", "recipe", "modified": its version or
