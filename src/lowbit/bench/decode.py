@@ -13,8 +13,9 @@ prompts of ``--prompt`` random tokens. Variants (``--variants``, comma-separated
 
 Columns: **tokens/s**: new tokens (batch x N) over the median time of ``--reps`` calls, each waited for (the prefill
 included, as a user's call has it); **x bf16**: against the ``bf16`` variant of the same mode (eager or compiled);
-**same tokens**: the share of the new tokens equal to that variant's; **kept**: forwards whose Python took a kept
-weight (a compiled variant's graph replays are not counted);
+**same tokens**: the share of the new tokens equal to that variant's (a random-init model's logits are
+nearly flat, so FP8's roundings change its greedy path from the first token: near 0% is expected there);
+**kept**: forwards whose Python took a kept weight (a compiled variant's graph replays are not counted);
 **peak GiB**. ``--device cpu`` runs a tiny model, eager only: a smoke test of the code path.
 """
 
