@@ -20,9 +20,20 @@ def test_layer_gemms_are_the_three_pairings_of_each_layer():
     for layer, _, M, K, N in gemm.layer_gemms("1.3b", 8192):
         assert M * K * N == 8192 * shapes[layer], layer
 
+def test_square_layers_are_the_three_pairings_at_m_k_n():
+    """A square size in --layers is one layer of that many outputs and inputs, over as many tokens: each pairing
+    runs at M = K = N; presets and squares mix."""
+    assert gemm.layer_shapes("8192") == [("square", 8192, 8192)]
+    assert [(p, M, K, N) for _, p, M, K, N in gemm.layer_gemms("4096", 4096)] == [
+        ("fprop", 4096, 4096, 4096), ("dgrad", 4096, 4096, 4096), ("wgrad", 4096, 4096, 4096)]
+    assert gemm.parse_layers(["--layers", "350m,16384"]) == (["350m", "16384"], None, [])
+
+
 @pytest.mark.parametrize("argv,msg", [
-    (["--layers", "7b"], "--layers: expected presets from 350m, 1.3b, got '7b'"),
-    (["--layers", ""], "--layers: expected presets from 350m, 1.3b, got ''"),
+    (["--layers", "7b"], "--layers: expected presets from 350m, 1.3b or square sizes .* got '7b'"),
+    (["--layers", ""], "--layers: expected presets from 350m, 1.3b or square sizes .* got ''"),
+    (["--layers", "350m,4000"], r"--layers: .*square sizes \(multiples of 128 from 256 to 32768\), got '350m,4000'"),
+    (["--layers", "65536"], "--layers: .* got '65536'"),
     (["--tokens", "8192"], "--tokens: needs --layers"),
     (["--layers", "350m", "--tokens", "1000"], "--tokens: expected a positive multiple of 128 .* got 1000"),
 ])

@@ -14,6 +14,9 @@ backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for w
 wgrad also as ``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
 call (the small layer GEMMs would otherwise show the host).
 
+``--layers 4096,8192,16384`` (square sizes, alone or among the presets) times the same three GEMMs of one square
+layer over as many tokens: the three pairings at M = K = N.
+
 ``--layers 1.3b --decode 1,16,64`` times instead the forward GEMM of each linear layer at those token counts, as a
 decode step runs it (the weight quantized once, as ``lowbit.nn.cached_weights`` keeps it): BF16 ``torch.mm``, cuBLAS
 FP8 tensorwise and blockwise (token counts that are multiples of 16: ``torch._scaled_mm``'s rule), lowbit's
@@ -36,8 +39,15 @@ LAYER_TOKENS = {"350m": 8 * 2048, "1.3b": 4 * 2048}
 """Tokens of one ``lowbit train`` step of each preset (batch x 2048, as BENCHMARKS runs them)."""
 
 
+SQUARE_SIZES = (256, 32768)
+"""The square sizes ``--layers`` takes besides the presets (multiples of 128 in this range)."""
+
+
 def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
-    """(layer, out features, in features) of the linear layers of one block of the GPT ``preset``."""
+    """(layer, out features, in features) of the linear layers of one block of the GPT ``preset``, or for a square
+    size (``"8192"``) the one square layer of that many outputs and inputs."""
+    if preset.isdigit():
+        return [("square", int(preset), int(preset))]
     from lowbit.models.gpt import config_from_preset
 
     c = config_from_preset(preset)
@@ -215,7 +225,7 @@ def run_layers(presets, tokens, rep=100, rows=None, done=None):
     rows = [] if rows is None else rows
     dev = torch.device("cuda")
     for preset in presets:
-        T = tokens or LAYER_TOKENS[preset]
+        T = tokens or LAYER_TOKENS.get(preset) or int(preset)  # (a square layer runs over as many tokens)
         for layer, n_out, k_in in layer_shapes(preset):
             for pairing, fns in _layer_calls(*layer_operands(T, n_out, k_in, dev)).items():
                 M, K, N = layer_gemm_dims(pairing, T, n_out, k_in)
@@ -326,9 +336,12 @@ def parse_layers(argv=None):
     presets = None
     if args.layers is not None:
         presets = [v.strip() for v in args.layers.split(",") if v.strip()]
-        bad = [v for v in presets if v not in LAYER_TOKENS]
+        lo, hi = SQUARE_SIZES
+        bad = [v for v in presets if v not in LAYER_TOKENS
+               and not (v.isdigit() and lo <= int(v) <= hi and int(v) % 128 == 0)]
         if bad or not presets:
-            raise ValueError(f"--layers: expected presets from {', '.join(LAYER_TOKENS)}, got {args.layers!r}")
+            raise ValueError(f"--layers: expected presets from {', '.join(LAYER_TOKENS)} or square sizes (multiples "
+                             f"of 128 from {lo} to {hi}), got {args.layers!r}")
     if args.tokens is not None:
         if presets is None:
             raise ValueError("--tokens: needs --layers (it is the GEMMs' token count there)")
@@ -386,8 +399,9 @@ def main(argv=None) -> int:
                           markdown=markdown)
     return table_main(rest, prog="lowbit bench gemm", description=__doc__.splitlines()[0], default_shapes=SHAPES,
                       shapes_help="comma-separated MxKxN list (default: five GPT-sized shapes); --layers 350m,1.3b "
-                                  "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead; --layers P "
-                                  "--decode 1,16,64: their forward GEMMs at decode sizes",
+                                  "[--tokens N]: the presets' fprop / dgrad / wgrad GEMMs instead (square sizes too: "
+                                  "--layers 4096,16384); --layers P --decode 1,16,64: their forward GEMMs at decode "
+                                  "sizes",
                       run=run, markdown=markdown)
 
 
