@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import statistics
-import sys
 import time
 
 import torch
 
 from . import git_commit
-from .prefill import SEED, SIZES, build_model
+from .prefill import SEED, SIZES, build_model, checked_config, failed_status, release
 
 PROG = "lowbit bench decode"
 DEFAULT_VARIANTS = "bf16,fp8-block,bf16:compiled,fp8-block:compiled"
@@ -136,14 +134,12 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         row["tokens"] = out[:, ids.shape[1]:].cpu()
         log(f"[bench decode] {name}: {row['tokens_per_s']:.1f} tokens/s")
     except Exception as e:  # noqa: BLE001 - a failed variant is a row; the others still run
-        row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        row.update(status=failed_status(e))
         log(f"[bench decode] {name}: {row['status']}")
     finally:
         model = None
         torch.compiler.reset()  # (each variant compiles its own model; its graphs' pool goes with them)
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        release(dev)
     return row
 
 
@@ -192,16 +188,9 @@ def run(cfg: dict, log=print) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = resolve(args)
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print(f"{PROG}: needs transformers (pip install transformers)", file=sys.stderr)
-        return 1
+    cfg, rc = checked_config(PROG, resolve, args)
+    if cfg is None:
+        return rc
     rows = run(cfg)
     print("\n" + markdown(cfg, rows), flush=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1

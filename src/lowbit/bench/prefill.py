@@ -134,6 +134,35 @@ def build_model(m: dict, seq: int, device: str):
     return model.to(torch.bfloat16).eval()
 
 
+def checked_config(prog: str, resolve, args: argparse.Namespace) -> tuple[dict | None, int]:
+    """(``resolve(args)``, 0), or (None, the exit code) once it says why not on stderr: a bad argument (2) or no
+    transformers installed (1). The HF benches' (prefill, decode) shared start."""
+    try:
+        cfg = resolve(args)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None, 2
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"{prog}: needs transformers (pip install transformers)", file=sys.stderr)
+        return None, 1
+    return cfg, 0
+
+
+def failed_status(e: Exception) -> str:
+    """A failed variant's row status: the exception's type and first line."""
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def release(device: str) -> None:
+    """Free what a variant's model held before the next one is built (lowbit modules and their GEMM state are
+    reference cycles: collected here, so each variant's peak memory is its own)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -201,13 +230,11 @@ def run_variant(name: str, cfg: dict, ids: torch.Tensor, log) -> dict:
         row["logits"] = logits[:, -1].float().cpu()
         log(f"[bench prefill] {name}: TTFT {row['ttft_ms']:.2f} ms (host {row['host_ms']:.2f} ms)")
     except Exception as e:  # noqa: BLE001 - a failed variant is a row; the others still run
-        row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        row.update(status=failed_status(e))
         log(f"[bench prefill] {name}: {row['status']}")
     finally:
         model = None
-        gc.collect()  # (lowbit modules and their GEMM state are reference cycles: freed here, each peak its own)
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        release(dev)
     return row
 
 
@@ -305,16 +332,9 @@ def run(cfg: dict, log=print) -> tuple[list[dict], list[dict]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = resolve(args)
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print(f"{PROG}: needs transformers (pip install transformers)", file=sys.stderr)
-        return 1
+    cfg, rc = checked_config(PROG, resolve, args)
+    if cfg is None:
+        return rc
     rows, bounds = run(cfg)
     md = markdown(cfg, rows, bounds)
     print("\n" + md, flush=True)
