@@ -137,12 +137,16 @@ def _copy_parts(q: QuantizedTensor) -> list[tuple[str, list[torch.Tensor]]]:
     return out
 
 
+def _alike(ts: list[torch.Tensor] | None, us: list[torch.Tensor]) -> bool:
+    """Whether two copies' tensor lists match tensor for tensor in shape and dtype (``ts`` None: no such copy)."""
+    return ts is not None and len(ts) == len(us) and all(t.shape == u.shape and t.dtype == u.dtype
+                                                         for t, u in zip(ts, us))
+
+
 def _same_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
     """Whether ``src`` has exactly ``dst``'s copies, tensor for tensor of the same shape and dtype."""
-    a, b = _copy_parts(dst), _copy_parts(src)
-    return [w for w, _ in a] == [w for w, _ in b] and all(
-        len(x) == len(y) and all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(x, y))
-        for (_, x), (_, y) in zip(a, b))
+    a, b = _copy_parts(dst), dict(_copy_parts(src))
+    return len(a) == len(b) and all(_alike(b.get(which), ts) for which, ts in a)
 
 
 def _write_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
@@ -152,7 +156,7 @@ def _write_copies(dst: QuantizedTensor, src: QuantizedTensor) -> bool:
     pairs = []
     for which, ts in _copy_parts(dst):
         us = have.get(which)
-        if us is None or len(us) != len(ts) or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(ts, us)):
+        if not _alike(us, ts):
             return False
         pairs += zip(ts, us)
     with torch.inference_mode():  # (a pinned copy made under inference_mode is an inference tensor; others allow it)
