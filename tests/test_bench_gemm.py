@@ -119,3 +119,60 @@ def test_decode_calls_time_the_forward_as_a_decode_step_runs_it(tokens):
     y = calls["lowbit fp8-block"]()
     assert y.shape == (tokens, 384) and y.dtype == torch.bfloat16
     assert torch.equal(calls["lowbit fp8-block, quantize x + GEMM"](), y)
+
+
+def _fake_deep_gemm():
+    """A stand-in for ``deep_gemm`` (CPU, float64) keeping its contract: ``fp8_fp4_gemm_nt((A, sfa), (B, sfb), d, c=,
+    recipe=)`` writes d = (A·sfa)(B·sfb)ᵀ (+ c), with sfa one scale per row and 128 K-elements, sfb the same for
+    ``recipe=(1, 1, 128)`` and one per 128x128 block for ``(1, 128, 128)``; both operands K-major; the TMA-aligned
+    1x128 scale layout is column-major."""
+    import types
+
+    def aligned(s):
+        return s.t().contiguous().t()
+
+    def expand(s, rows, k, per_block_rows):
+        s = s.double().repeat_interleave(128, 1)[:, :k]
+        return s.repeat_interleave(128, 0)[:rows] if per_block_rows else s
+
+    def fp8_fp4_gemm_nt(a, b, d, c=None, recipe=None, disable_ue8m0_cast=False):
+        (A, sa), (B, sb) = a, b
+        assert disable_ue8m0_cast and recipe in ((1, 128, 128), (1, 1, 128))
+        assert A.stride(1) == 1 and B.stride(1) == 1 and sa.stride(0) == 1, "K-major codes, MN-major 1x128 scales"
+        (m, k), n = A.shape, B.shape[0]
+        acc = (A.double() * expand(sa, m, k, False)) @ (B.double() * expand(sb, n, k, recipe[1] == 128)).t()
+        d.copy_(acc + (c.double() if c is not None else 0))
+
+    return types.SimpleNamespace(fp8_fp4_gemm_nt=fp8_fp4_gemm_nt, get_mn_major_tma_aligned_tensor=aligned)
+
+
+def test_deepgemm_rows_compute_the_pairings_on_the_same_codes(monkeypatch):
+    """Where ``deep_gemm`` imports, each pairing gets a DeepGEMM row whose call computes that pairing from the same
+    codes and scales as lowbit's (checked here against the float64 reference through a stand-in that keeps
+    DeepGEMM's operand contract); without it, no rows."""
+    import sys
+
+    import torch
+
+    from lowbit.gemm.reference import scaled_mm_reference
+    from lowbit.quant import Float8Blockwise, quantize
+
+    g = torch.Generator().manual_seed(3)
+    x, dy, w = (torch.randn(*shape, generator=g) for shape in ((256, 384), (256, 640), (640, 384)))
+    act = Float8Blockwise()
+    qx, qdy = (quantize(t.bfloat16(), act, rowwise=True, columnwise=True) for t in (x, dy))
+    qw = quantize(w.bfloat16(), Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    assert gemm._deepgemm_calls(qx, qdy, qw) == {}
+    monkeypatch.setitem(sys.modules, "deep_gemm", _fake_deep_gemm())
+    calls = gemm._deepgemm_calls(qx, qdy, qw)
+    assert {p: list(f) for p, f in calls.items()} == {
+        "fprop": ["DeepGEMM 1d2d"], "dgrad": ["DeepGEMM 1d2d"], "wgrad": ["DeepGEMM 1d1d, += fp32"]}
+    bf16 = torch.bfloat16
+    ref = {"fprop": scaled_mm_reference(qx, qw, out_dtype=bf16)[0],
+           "dgrad": scaled_mm_reference(qdy, qw, b_copy="columnwise", out_dtype=bf16)[0],
+           "wgrad": scaled_mm_reference(qdy, qx, a_copy="columnwise", b_copy="columnwise")[0]}
+    for pairing, fns in calls.items():
+        (fn,) = fns.values()
+        assert torch.equal(fn(), ref[pairing]), pairing
+    assert torch.equal(calls["wgrad"]["DeepGEMM 1d1d, += fp32"](), 2 * ref["wgrad"])  # (it accumulates)

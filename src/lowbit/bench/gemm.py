@@ -10,8 +10,9 @@ lowbit's NVFP4 and MXFP8 emulated GEMMs (dequantize-then-BF16-GEMM and the fused
 ``lowbit train`` step (``--tokens``), as the fp8-block recipe pairs them: fprop Y = X·Wᵀ and dgrad dX = dY·W (1x128
 activations or gradients against the 128x128 weight, BF16 out), wgrad dW = dYᵀ·X (1x128 against 1x128 along the
 tokens, FP32 out). Each against BF16 ``torch.mm``, cuBLAS FP8 tensorwise, cuBLAS blockwise (lowbit's ``cublas``
-backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for wgrad) and lowbit's Triton backend;
-wgrad also as ``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
+backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for wgrad), lowbit's Triton backend and
+DeepGEMM's SM90 kernels (only if ``deep_gemm`` is importable: it is built from source); wgrad also as
+``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
 call (the small layer GEMMs would otherwise show the host).
 
 ``--layers 4096,8192,16384`` (square sizes, alone or among the presets) times the same three GEMMs of one square
@@ -216,7 +217,44 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
             qdy.columnwise.data, qx.columnwise.data.t(), a_s, b_s)
     except Exception as e:  # noqa: BLE001 - any import problem means "no torchao rows"
         print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
+    for pairing, fns in _deepgemm_calls(qx, qdy, qw).items():
+        calls[pairing].update(fns)
     return calls
+
+
+def _deepgemm_calls(qx, qdy, qw):
+    """{pairing: {kernel: fn}} of DeepGEMM's SM90 kernels on the same codes and scales, where ``deep_gemm`` is
+    importable (it is built from source; no rows otherwise): 1x128 · 128x128 (its "1D2D" kernel, BF16 out) for fprop
+    and dgrad, 1x128 · 1x128 ("1D1D", accumulating into an FP32 output, the only FP32 form it has) for wgrad. The 1x128
+    scales are put in the MN-major, TMA-aligned layout it requires outside the timing."""
+    try:
+        import deep_gemm  # type: ignore
+    except Exception as e:  # noqa: BLE001 - any import problem means "no DeepGEMM rows"
+        if not isinstance(e, ModuleNotFoundError):
+            print(f"# deepgemm: {type(e).__name__}: {e}", file=sys.stderr)
+        return {}
+    mm, aligned = deep_gemm.fp8_fp4_gemm_nt, deep_gemm.get_mn_major_tma_aligned_tensor
+
+    def operand(q, copy, align):
+        s = q.logical_scales(copy).float().contiguous()
+        return q.rowwise.data if copy == "rowwise" else q.columnwise.data, aligned(s) if align else s
+
+    def call(a, b, d, recipe, c=None):
+        def fn():
+            mm(a, b, d, c=c, recipe=recipe, disable_ue8m0_cast=True)
+            return d
+        return fn
+
+    fa, fb = operand(qx, "rowwise", True), operand(qw, "rowwise", False)
+    da, db = operand(qdy, "rowwise", True), operand(qw, "columnwise", False)
+    wa, wb = operand(qdy, "columnwise", True), operand(qx, "columnwise", True)
+    dev, (T, n_out), k_in = qx.rowwise.data.device, qdy.shape, qx.shape[1]
+    y, dx = (torch.empty(T, n, device=dev, dtype=torch.bfloat16) for n in (n_out, k_in))
+    dw = torch.zeros(n_out, k_in, device=dev, dtype=torch.float32)
+    block, rows = (1, 128, 128), (1, 1, 128)
+    return {"fprop": {"DeepGEMM 1d2d": call(fa, fb, y, block)},
+            "dgrad": {"DeepGEMM 1d2d": call(da, db, dx, block)},
+            "wgrad": {"DeepGEMM 1d1d, += fp32": call(wa, wb, dw, rows, c=dw)}}
 
 
 def run_layers(presets, tokens, rep=100, rows=None, done=None):
