@@ -128,6 +128,8 @@ def _fake_deep_gemm():
     1x128 scale layout is column-major."""
     import types
 
+    import torch
+
     def aligned(s):
         return s.t().contiguous().t()
 
@@ -138,9 +140,16 @@ def _fake_deep_gemm():
     def fp8_fp4_gemm_nt(a, b, d, c=None, recipe=None, disable_ue8m0_cast=False):
         (A, sa), (B, sb) = a, b
         assert disable_ue8m0_cast and recipe in ((1, 128, 128), (1, 1, 128))
-        assert A.stride(1) == 1 and B.stride(1) == 1 and sa.stride(0) == 1, "K-major codes, MN-major 1x128 scales"
+        blocks = recipe[1] == 128  # the 1D2D kernel: BF16 out, no accumulation; 1D1D: FP32 accumulated
+        assert (c is None and d.dtype == torch.bfloat16) if blocks else (c is d and d.dtype == torch.float32)
         (m, k), n = A.shape, B.shape[0]
-        acc = (A.double() * expand(sa, m, k, False)) @ (B.double() * expand(sb, n, k, recipe[1] == 128)).t()
+        assert A.stride(1) == 1 and B.stride(1) == 1, "K-major codes"
+        assert sa.shape == (m, -(-k // 128)) and sa.stride(0) == 1, "1x128 scales of A: (M, K/128), MN-major"
+        if blocks:
+            assert sb.shape == (-(-n // 128), -(-k // 128)), "128x128 scales of B: (N/128, K/128)"
+        else:
+            assert sb.shape == (n, -(-k // 128)) and sb.stride(0) == 1, "1x128 scales of B: (N, K/128), MN-major"
+        acc = (A.double() * expand(sa, m, k, False)) @ (B.double() * expand(sb, n, k, blocks)).t()
         d.copy_(acc + (c.double() if c is not None else 0))
 
     return types.SimpleNamespace(fp8_fp4_gemm_nt=fp8_fp4_gemm_nt, get_mn_major_tma_aligned_tensor=aligned)

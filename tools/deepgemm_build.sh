@@ -13,6 +13,7 @@ if [ ! -d "$src/third-party/cutlass/include/cute" ] || [ ! -d "$src/third-party/
   exit 2
 fi
 cd "$src"
+rm -rf deep_gemm/include/cutlass deep_gemm/include/cute  # (links its develop.sh may have made)
 cp -r third-party/cutlass/include/cutlass third-party/cutlass/include/cute deep_gemm/include/
 cxx=${DEEPGEMM_CXX:-/usr/bin/g++}
 CC=$cxx CXX=$cxx LDSHARED="$cxx -shared" DG_USE_LOCAL_VERSION=0 python3 setup.py build_ext --inplace
@@ -22,7 +23,8 @@ import torch, deep_gemm
 a = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)
 d = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
 sa = deep_gemm.get_mn_major_tma_aligned_tensor(torch.ones(128, 2, device="cuda"))
-deep_gemm.fp8_fp4_gemm_nt((a, sa), (a, torch.ones(1, 2, device="cuda")), d, recipe=(1, 128, 128), disable_ue8m0_cast=True)
+sb = torch.ones(1, 2, device="cuda")
+deep_gemm.fp8_fp4_gemm_nt((a, sa), (a, sb), d, recipe=(1, 128, 128), disable_ue8m0_cast=True)
 ref = a.float() @ a.float().t()
 assert torch.allclose(d.float(), ref, rtol=1e-2, atol=1e-2), "deep_gemm built, but its GEMM is wrong"
 print("deep_gemm", deep_gemm.__version__, "built and runs")
