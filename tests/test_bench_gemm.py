@@ -185,3 +185,45 @@ def test_deepgemm_rows_compute_the_pairings_on_the_same_codes(monkeypatch):
         (fn,) = fns.values()
         assert torch.equal(fn(), ref[pairing]), pairing
     assert torch.equal(calls["wgrad"]["DeepGEMM 1d1d, += fp32"](), 2 * ref["wgrad"])  # (it accumulates)
+
+
+def test_back_to_back_rows_run_a_steps_gemms_in_order():
+    """The back-to-back rows run each family's GEMMs in a step's order (forwards in layer order, then dgrad and wgrad
+    from the last layer back), each layer's own call; a family missing from any layer gets no row."""
+    ran = []
+
+    def layer(i, with_deepgemm):
+        calls = {p: {k: (lambda i=i, p=p, k=k: ran.append((i, p, k))) for k in
+                     ("bf16 torch.mm", "cuBLAS fp8 tensorwise", "cuBLAS fp8 blockwise")}
+                 for p in ("fprop", "dgrad", "wgrad")}
+        calls["fprop"]["lowbit fp8-block"] = calls["dgrad"]["lowbit fp8-block"] = lambda i=i: ran.append((i, "lb"))
+        calls["wgrad"]["lowbit wgrad_mm"] = lambda i=i: ran.append((i, "wgrad_mm"))
+        if with_deepgemm:
+            calls["fprop"]["DeepGEMM 1d2d"] = lambda: None
+        return calls
+
+    rows = gemm.block_calls([layer(0, True), layer(1, False)])
+    assert list(rows) == ["bf16 torch.mm", "cuBLAS fp8 tensorwise", "cuBLAS fp8 blockwise", "lowbit fp8-block"]
+    rows["cuBLAS fp8 blockwise"]()
+    k = "cuBLAS fp8 blockwise"
+    assert ran == [(0, "fprop", k), (1, "fprop", k), (1, "dgrad", k), (1, "wgrad", k), (0, "dgrad", k), (0, "wgrad", k)]
+    ran.clear()
+    rows["lowbit fp8-block"]()
+    assert ran == [(0, "lb"), (1, "lb"), (1, "lb"), (1, "wgrad_mm"), (0, "lb"), (0, "wgrad_mm")]
+    assert gemm.block_calls([]) == {}
+
+
+def test_lowbit_fp8_block_rows_are_what_scaled_mm_picks():
+    """The per-GEMM rows' "lowbit fp8-block" calls are ``scaled_mm`` with no backend named: fprop and dgrad give the
+    float64 reference's bits wherever they run (here on the CPU, the reference itself)."""
+    import torch
+
+    from lowbit.gemm.reference import scaled_mm_reference
+
+    torch.manual_seed(5)
+    x, dy, w, qx, qdy, qw = gemm.layer_operands(128, 256, 384, torch.device("cpu"))
+    calls = gemm._layer_calls(x, dy, w, qx, qdy, qw)
+    bf16 = torch.bfloat16
+    assert torch.equal(calls["fprop"]["lowbit fp8-block"](), scaled_mm_reference(qx, qw, out_dtype=bf16)[0])
+    assert torch.equal(calls["dgrad"]["lowbit fp8-block"](),
+                       scaled_mm_reference(qdy, qw, b_copy="columnwise", out_dtype=bf16)[0])

@@ -12,8 +12,11 @@ activations or gradients against the 128x128 weight, BF16 out), wgrad dW = dYᵀ
 tokens, FP32 out). Each against BF16 ``torch.mm``, cuBLAS FP8 tensorwise, cuBLAS blockwise (lowbit's ``cublas``
 backend), torchao's Triton kernels (``1x128_128x128``, and ``1x128_128x1`` for wgrad), lowbit's Triton backend and
 DeepGEMM's SM90 kernels (only if ``deep_gemm`` is importable: it is built from source); wgrad also as
-``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice). GPU time of a CUDA-graph replay of each
-call (the small layer GEMMs would otherwise show the host).
+``lowbit.gemm.wgrad_mm`` runs it (its operand-order choice); fprop and dgrad also as ``lowbit.scaled_mm`` picks the
+backend ("lowbit fp8-block"). GPU time of a CUDA-graph replay of each call (the small layer GEMMs would otherwise
+show the host). Last, for each preset, all its GEMMs back to back in one graph, in a step's order, for BF16, cuBLAS
+per-tensor and blockwise, lowbit's fp8-block and DeepGEMM: a GEMM replayed alone may read operands its previous
+replay left in L2.
 
 ``--layers 4096,8192,16384`` (square sizes, alone or among the presets) times the same three GEMMs of one square
 layer over as many tokens: the three pairings at M = K = N.
@@ -183,13 +186,15 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
         "fprop": {"bf16 torch.mm": lambda: torch.mm(x, w.t()),
                   "cuBLAS fp8 tensorwise": _tensorwise(x, w, bf16),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"),
-                  "lowbit triton blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="triton")},
+                  "lowbit triton blockwise": lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="triton"),
+                  "lowbit fp8-block": lambda: scaled_mm(qx, qw, out_dtype=bf16)},
         "dgrad": {"bf16 torch.mm": lambda: torch.mm(dy, w),
                   "cuBLAS fp8 tensorwise": _tensorwise(dy, w.t(), bf16),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
                                                             backend="cublas"),
                   "lowbit triton blockwise": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
-                                                               backend="triton")},
+                                                               backend="triton"),
+                  "lowbit fp8-block": lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16)},
         "wgrad": {"bf16 torch.mm": lambda: torch.mm(dy.t(), x),
                   "cuBLAS fp8 tensorwise": _tensorwise(dy.t(), x.t(), f32),
                   "cuBLAS fp8 blockwise": lambda: scaled_mm(qdy, qx, a_copy="columnwise", b_copy="columnwise",
@@ -257,23 +262,56 @@ def _deepgemm_calls(qx, qdy, qw):
             "wgrad": {"DeepGEMM 1d1d, += fp32": call(wa, wb, dw, rows, c=dw)}}
 
 
+BLOCK_FAMILIES = {
+    "bf16 torch.mm": ("bf16 torch.mm",) * 3,
+    "cuBLAS fp8 tensorwise": ("cuBLAS fp8 tensorwise",) * 3,
+    "cuBLAS fp8 blockwise": ("cuBLAS fp8 blockwise",) * 3,
+    "lowbit fp8-block": ("lowbit fp8-block", "lowbit fp8-block", "lowbit wgrad_mm"),
+    "DeepGEMM": ("DeepGEMM 1d2d", "DeepGEMM 1d2d", "DeepGEMM 1d1d, += fp32"),
+}
+"""The back-to-back rows' kernels: {row name: its (fprop, dgrad, wgrad) kernels among the per-GEMM rows}."""
+
+
+def block_calls(layers) -> dict:
+    """{row name: fn} for the back-to-back rows: ``fn`` runs every GEMM of ``layers`` (:func:`_layer_calls` results,
+    in layer order) in a step's order, the forwards in layer order, then each layer's dgrad and wgrad from the last
+    layer back, each GEMM with its own operands; one entry for each :data:`BLOCK_FAMILIES` row every layer has."""
+    out = {}
+    for name, (fprop, dgrad, wgrad) in BLOCK_FAMILIES.items():
+        seq = [layer["fprop"].get(fprop) for layer in layers]
+        seq += [layer[p].get(k) for layer in reversed(layers) for p, k in (("dgrad", dgrad), ("wgrad", wgrad))]
+        if layers and all(seq):
+            out[name] = lambda seq=tuple(seq): [fn() for fn in seq]
+    return out
+
+
 def run_layers(presets, tokens, rep=100, rows=None, done=None):
-    """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``, appended to ``rows``;
-    ``done()`` after each GEMM."""
+    """Rows of :func:`markdown` for the three GEMMs of each linear layer of ``presets``, then for all of a preset's
+    GEMMs back to back (:func:`block_calls`: per call the GEMMs may find their operands in L2, in a step they
+    mostly do not), appended to ``rows``; ``done()`` after each row group."""
     rows = [] if rows is None else rows
     dev = torch.device("cuda")
     for preset in presets:
         T = tokens or LAYER_TOKENS.get(preset) or int(preset)  # (a square layer runs over as many tokens)
+        layers, flops = [], 0.0
         for layer, n_out, k_in in layer_shapes(preset):
-            for pairing, fns in _layer_calls(*layer_operands(T, n_out, k_in, dev)).items():
+            layers.append(_layer_calls(*layer_operands(T, n_out, k_in, dev)))
+            for pairing, fns in layers[-1].items():
                 M, K, N = layer_gemm_dims(pairing, T, n_out, k_in)
                 label = f"{preset} {layer} {pairing} {M}x{K}x{N}"
                 print(f"[gemm] {label}", flush=True)
                 res = {k: _graph_ms(fn, rep) for k, fn in fns.items()}
                 _append_rows(rows, label, 2.0 * M * N * K, res)
+                flops += 2.0 * M * N * K
                 if done is not None:
                     done()
-            torch.cuda.empty_cache()  # (the layer's operands died with its calls)
+        label = f"{preset} all {3 * len(layers)} GEMMs back to back"
+        print(f"[gemm] {label}", flush=True)
+        _append_rows(rows, label, flops, {k: _graph_ms(fn, rep) for k, fn in block_calls(layers).items()})
+        if done is not None:
+            done()
+        del layers
+        torch.cuda.empty_cache()  # (the preset's operands died with its calls)
     return rows
 
 
