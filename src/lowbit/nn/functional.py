@@ -462,11 +462,15 @@ class GemmLayer:
         return self._refreshed(w, recipe, q, policy) if refresh else q
 
     # -- copies recorded CUDA graphs read (graph_pins) -------------------------------------------------------------
+    @staticmethod
+    def _pin_holds(p: list, w: torch.Tensor, recipe: Recipe | None = None) -> bool:
+        """Whether pinned copy ``p`` holds ``w`` as it is now (its version and storage), under ``recipe`` if given."""
+        return p[1] == w._version and p[2] == w.data_ptr() and (recipe is None or p[0] == recipe)
+
     def _pin_for(self, w: torch.Tensor, recipe: Recipe, columnwise: bool) -> list | None:
         """A pinned copy holding ``w`` as it is now under ``recipe`` (with a columnwise copy where asked), or None."""
         for p in self.graph_pins:
-            if p[0] == recipe and p[1] == w._version and p[2] == w.data_ptr() and (
-                    not columnwise or p[3].columnwise is not None):
+            if self._pin_holds(p, w, recipe) and (not columnwise or p[3].columnwise is not None):
                 return p
         return None
 
@@ -480,7 +484,7 @@ class GemmLayer:
             self.wcache = None  # (the next call must not take a kept copy while a pinned one is stale)
             raise
         for p in self.graph_pins:
-            if p[0] == recipe and p[1] == w._version and p[2] == w.data_ptr() and _same_copies(p[3], q):
+            if self._pin_holds(p, w, recipe) and _same_copies(p[3], q):
                 if self.wcache is not None and self.wcache[3] is q:
                     self.wcache = tuple(p)
                 return p[3]
@@ -497,7 +501,7 @@ class GemmLayer:
         amaxes = []
         f = self.fresh
         for p in self.graph_pins:
-            if p[1] == w._version and p[2] == w.data_ptr():
+            if self._pin_holds(p, w):
                 continue
             if f is not None and p[3] is f.q and f.valid_for(w, fresh_weight_scheme(w, p[0])):
                 pass  # (the optimizer's own copies, which it wrote with the weight: current already)
