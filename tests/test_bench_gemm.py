@@ -1,5 +1,6 @@
 """``lowbit bench gemm --layers``: the presets' three GEMMs a linear layer, and its argument rules (CPU; the timing
 itself needs a GPU)."""
+import fake_deep_gemm
 import pytest
 
 from lowbit.bench import gemm
@@ -121,40 +122,6 @@ def test_decode_calls_time_the_forward_as_a_decode_step_runs_it(tokens):
     assert torch.equal(calls["lowbit fp8-block, quantize x + GEMM"](), y)
 
 
-def _fake_deep_gemm():
-    """A stand-in for ``deep_gemm`` (CPU, float64) keeping its contract: ``fp8_fp4_gemm_nt((A, sfa), (B, sfb), d, c=,
-    recipe=)`` writes d = (A·sfa)(B·sfb)ᵀ (+ c), with sfa one scale per row and 128 K-elements, sfb the same for
-    ``recipe=(1, 1, 128)`` and one per 128x128 block for ``(1, 128, 128)``; both operands K-major; the TMA-aligned
-    1x128 scale layout is column-major."""
-    import types
-
-    import torch
-
-    def aligned(s):
-        return s.t().contiguous().t()
-
-    def expand(s, rows, k, per_block_rows):
-        s = s.double().repeat_interleave(128, 1)[:, :k]
-        return s.repeat_interleave(128, 0)[:rows] if per_block_rows else s
-
-    def fp8_fp4_gemm_nt(a, b, d, c=None, recipe=None, disable_ue8m0_cast=False):
-        (A, sa), (B, sb) = a, b
-        assert disable_ue8m0_cast and recipe in ((1, 128, 128), (1, 1, 128))
-        blocks = recipe[1] == 128  # the 1D2D kernel: BF16 out, no accumulation; 1D1D: FP32 accumulated
-        assert (c is None and d.dtype == torch.bfloat16) if blocks else (c is d and d.dtype == torch.float32)
-        (m, k), n = A.shape, B.shape[0]
-        assert A.stride(1) == 1 and B.stride(1) == 1, "K-major codes"
-        assert sa.shape == (m, -(-k // 128)) and sa.stride(0) == 1, "1x128 scales of A: (M, K/128), MN-major"
-        if blocks:
-            assert sb.shape == (-(-n // 128), -(-k // 128)), "128x128 scales of B: (N/128, K/128)"
-        else:
-            assert sb.shape == (n, -(-k // 128)) and sb.stride(0) == 1, "1x128 scales of B: (N, K/128), MN-major"
-        acc = (A.double() * expand(sa, m, k, False)) @ (B.double() * expand(sb, n, k, blocks)).t()
-        d.copy_(acc + (c.double() if c is not None else 0))
-
-    return types.SimpleNamespace(fp8_fp4_gemm_nt=fp8_fp4_gemm_nt, get_mn_major_tma_aligned_tensor=aligned)
-
-
 def test_deepgemm_rows_compute_the_pairings_on_the_same_codes(monkeypatch):
     """Where ``deep_gemm`` imports, each pairing gets a DeepGEMM row whose call computes that pairing from the same
     codes and scales as lowbit's (checked here against the float64 reference through a stand-in that keeps
@@ -173,7 +140,7 @@ def test_deepgemm_rows_compute_the_pairings_on_the_same_codes(monkeypatch):
     qw = quantize(w.bfloat16(), Float8Blockwise(block_dim=2), rowwise=True, columnwise=True)
     monkeypatch.setitem(sys.modules, "deep_gemm", None)
     assert gemm._deepgemm_calls(qx, qdy, qw) == {}
-    monkeypatch.setitem(sys.modules, "deep_gemm", _fake_deep_gemm())
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm.make())
     calls = gemm._deepgemm_calls(qx, qdy, qw)
     assert {p: list(f) for p, f in calls.items()} == {
         "fprop": ["DeepGEMM 1d2d"], "dgrad": ["DeepGEMM 1d2d"], "wgrad": ["DeepGEMM 1d1d, += fp32"]}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build DeepGEMM in place so that `lowbit bench gemm --layers` gets its rows (the strongest public blockwise GEMM):
+# Build DeepGEMM in place (the strongest public blockwise GEMM). On PYTHONPATH it gives `lowbit bench gemm --layers` its
+# rows, and lowbit's "deepgemm" GEMM backend runs fp8-block's forward and data-gradient GEMMs (`lowbit info` says so):
 #   git clone --recursive https://github.com/deepseek-ai/DeepGEMM     (on a machine with network)
 #   bash tools/deepgemm_build.sh DeepGEMM                               (on the GPU machine; about 80 s)
 #   PYTHONPATH=DeepGEMM:src python3 -m lowbit bench gemm --layers 1.3b

@@ -84,10 +84,12 @@ def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
 
 
 def kernel_family(name: str) -> str:
-    """The library a kernel comes from, by its name: ``cublas`` (nvjet / cutlass GEMMs), ``cudnn``, ``torch`` (ATen's
-    templates) or ``triton:<name>`` (anything else: lowbit's Triton / Gluon kernels)."""
+    """The library a kernel comes from, by its name: ``cublas`` (nvjet / cutlass GEMMs), ``deepgemm``, ``cudnn``,
+    ``torch`` (ATen's templates) or ``triton:<name>`` (anything else: lowbit's Triton / Gluon kernels)."""
     if name.startswith(("nvjet", "sm90_xmma", "cutlass")):
         return "cublas"
+    if "deep_gemm::" in name:
+        return "deepgemm"
     if "cudnn" in name:
         return "cudnn"
     if name.startswith(("void at::", "void (anonymous namespace)", "void at_cuda_detail", "memset", "memcpy")):

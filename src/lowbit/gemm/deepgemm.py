@@ -1,0 +1,136 @@
+"""DeepGEMM backend for :func:`lowbit.gemm.scaled_mm`: registers ``"deepgemm"``, ahead of cuBLAS.
+
+Where the ``deep_gemm`` package imports (it is built from source: ``tools/deepgemm_build.sh``), its SM90 "1D2D"
+kernel takes the blockwise FP8 forward and data-gradient GEMMs: 1x128 activations or gradients against 128x128
+weights, BF16 out. It ran every such GEMM of the 350m and 1.3b GPTs and of the 8192³ / 16384³ squares at 1.05-1.24x
+cuBLAS's blockwise kernel, and the 350m fp8-block training step 3% faster (H200, BENCHMARKS.md, GEMM).
+
+What it takes (``supports``): an sm_90 GPU; A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
+both E4M3 with 128-element blocks; K a multiple of 128 and N of 8 (its TMA rows are 16-byte aligned); BF16 out with no
+epilogue (no bias, GELU, accumulation or ``out``): every other call goes to the next backend. ``LOWBIT_DEEPGEMM=0``
+turns it off.
+
+Numerics: DeepGEMM forms each 128-wide K block's sum on the tensor cores and promotes it into FP32 with both scales,
+as NUMERICS §5 requires of a fast backend; the GPU test holds it to that section's bound and to the reference's bits
+where every partial sum is exact.
+
+Operands go in as lowbit stores them: the 1x128 scales' stored layout, (K/128, pad4(rows)), is already the MN-major,
+TMA-aligned one DeepGEMM reads; a 128x128 grid whose K/128 is not a multiple of 4 is stored with padded rows, so that
+grid (N/128 x K/128 floats) is copied to a contiguous one first. DeepGEMM compiles a kernel the first time it sees an
+(N, K): that call takes seconds (``LOWBIT_LOG=info`` says when). Nothing here touches CUDA or imports ``deep_gemm`` at
+import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import torch
+
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..runtime import env
+from ..runtime.device import capability
+from ..runtime.log import logger, warn_once
+from . import check_k_contiguous, gemm_dims, register_backend
+
+__all__ = ["supports", "scaled_mm_deepgemm", "status", "RECIPE"]
+
+RECIPE = (1, 128, 128)
+"""DeepGEMM's scaling recipe for the pairing it takes: one A scale per row and 128 K-elements, one B scale per 128x128
+block."""
+
+_lock = threading.Lock()
+_loaded: dict = {}  # "module": the deep_gemm module or None; "why": why it is not used
+_compiled: set = set()  # (device index, N, K) this process has launched: a new one makes DeepGEMM compile
+
+
+def _module():
+    """``deep_gemm`` if it imports and has the API this backend calls (``fp8_fp4_gemm_nt``), else None; tried once.
+    A package that is installed but fails to import (a build for another torch or CUDA) is warned about once."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    with _lock:
+        if "module" in _loaded:
+            return _loaded["module"]
+        mod, why = None, ""
+        try:
+            mod = importlib.import_module("deep_gemm")
+        except ModuleNotFoundError:
+            why = "the deep_gemm package is not installed (tools/deepgemm_build.sh builds it)"
+        except Exception as e:  # noqa: BLE001 - a broken build must not break lowbit: say so, use the next backend
+            why = f"deep_gemm is installed but does not import: {type(e).__name__}: {e}"
+            warn_once(f"lowbit: {why}; the blockwise GEMMs run on cuBLAS instead")
+        if mod is not None and not callable(getattr(mod, "fp8_fp4_gemm_nt", None)):
+            why = (f"deep_gemm {getattr(mod, '__version__', '(no version)')} has no fp8_fp4_gemm_nt (lowbit calls "
+                   "the API of DeepGEMM 2.x)")
+            mod = None
+        _loaded["module"], _loaded["why"] = mod, why
+        return mod
+
+
+def status(device=None) -> str:
+    """One line for ``lowbit info``: whether this backend runs on ``device`` (default: the current CUDA device), and
+    why not."""
+    if not env.get("LOWBIT_DEEPGEMM"):
+        return "off (LOWBIT_DEEPGEMM=0)"
+    if _module() is None:
+        return f"not used: {_loaded['why']}"
+    if device is None:
+        if not torch.cuda.is_available():
+            return "not used: no CUDA device"
+        device = torch.device("cuda")
+    if not _on_sm90(device):
+        return f"not used: its kernels are sm_90's, this GPU is sm_{''.join(map(str, capability(device)))}"
+    return ("1x128 x 128x128 blockwise FP8, BF16 out, no epilogue (fprop, dgrad): DeepGEMM "
+            f"{getattr(_module(), '__version__', '')}".rstrip())
+
+
+def _on_sm90(device) -> bool:
+    return device.type == "cuda" and capability(device) == (9, 0)
+
+
+def _is(sch, block_dim: int) -> bool:
+    return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
+            and sch.block_size == BLOCK_SIZE)
+
+
+def supports(a, b, a_copy, b_copy, opts) -> bool:
+    """The calls this backend takes (the module docstring's rules); checks the cheap rules before importing."""
+    if not (_is(a.scheme, 1) and _is(b.scheme, 2)):
+        return False
+    if opts.get("out_dtype") != torch.bfloat16 or opts.get("bias") is not None or opts.get("gelu") \
+            or opts.get("accumulate") or opts.get("out") is not None:
+        return False
+    _, N, K = gemm_dims(a, b, a_copy, b_copy)
+    if K % BLOCK_SIZE or N % 8 or not env.get("LOWBIT_DEEPGEMM"):
+        return False
+    return _on_sm90(a.device) and _on_sm90(b.device) and _module() is not None
+
+
+def scaled_mm_deepgemm(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """``A · Bᵀ`` in BF16 through DeepGEMM's 1D2D kernel (see :func:`lowbit.gemm.scaled_mm`); returns ``(y, None)``.
+    Operands whose data is not 16-byte aligned (views into larger buffers) go to cuBLAS for that call."""
+    A, B = getattr(a, a_copy).data, getattr(b, b_copy).data
+    check_k_contiguous("a", a_copy, A, "DeepGEMM")
+    check_k_contiguous("b", b_copy, B, "DeepGEMM")
+    if A.data_ptr() % 16 or B.data_ptr() % 16:
+        from .cublas import scaled_mm_cublas
+
+        return scaled_mm_cublas(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
+                                accumulate=accumulate, out=out)
+    M, N = A.shape[0], B.shape[0]
+    key = (A.device.index, N, A.shape[1])
+    if key not in _compiled:
+        _compiled.add(key)
+        logger.info("DeepGEMM: first call with N=%d, K=%d on %s (it compiles a kernel for it unless cached)", N,
+                    A.shape[1], A.device)
+    sfb = b.logical_scales(b_copy)
+    if not sfb.is_contiguous():  # K/128 not a multiple of 4: the stored grid's rows are padded
+        sfb = sfb.contiguous()
+    y = torch.empty(M, N, device=A.device, dtype=torch.bfloat16)
+    _module().fp8_fp4_gemm_nt((A, a.logical_scales(a_copy)), (B, sfb), y, recipe=RECIPE, disable_ue8m0_cast=True)
+    return y, None
+
+
+register_backend("deepgemm", supports, scaled_mm_deepgemm)

@@ -1,0 +1,180 @@
+"""The DeepGEMM backend (``lowbit.gemm.deepgemm``): which calls it takes, and that it hands DeepGEMM lowbit's operands
+in the layouts DeepGEMM requires.
+
+On the CPU through a stand-in for ``deep_gemm`` that keeps its operand contract (``fake_deep_gemm``); on the GPU, where
+the real package imports, against the float64 reference under NUMERICS §5's bound, and bit for bit where every
+partial sum is exact.
+"""
+from __future__ import annotations
+
+import sys
+
+import fake_deep_gemm
+import pytest
+import torch
+
+from lowbit.gemm import backend_for, deepgemm, scaled_mm, scaled_mm_reference
+from lowbit.quant import Float8Blockwise, quantize
+from lowbit.runtime import env
+
+ACT, WEIGHT = Float8Blockwise(), Float8Blockwise(block_dim=2)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The stand-in as ``deep_gemm``, with the CPU taken for an sm_90 GPU."""
+    mod = fake_deep_gemm.make()
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+    monkeypatch.setattr(deepgemm, "_loaded", {})
+    monkeypatch.setattr(deepgemm, "_on_sm90", lambda device: True)
+    return mod
+
+
+def _layer(M, K, N, seed, device="cpu"):
+    """x (M, K) and w (N, K) quantized as an fp8-block Linear does: both copies of each."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))
+    w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, 1, generator=g))
+    qx = quantize(x.bfloat16().to(device), ACT, rowwise=True, columnwise=True)
+    qw = quantize(w.bfloat16().to(device), WEIGHT, rowwise=True, columnwise=True)
+    return qx, qw
+
+
+# (M, K, N): M not a multiple of 4 or 128 (padded scale columns); K / 128 of 3 and 22 (the 128x128 grid's stored rows
+# padded to 4 and 24: a contiguous copy goes in) and of 4; N a multiple of 8 only, and of 128 (dgrad contracts over N:
+# 3 blocks, padded again, and 8)
+SHAPES = [(200, 384, 264), (130, 2816, 384), (64, 512, 1024)]
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_fprop_and_dgrad_go_to_deepgemm_with_its_layouts(fake, M, K, N):
+    """The forward (x · wᵀ) and the data gradient (dy · w, w's columnwise copy) pick the backend by default and
+    give the float64 reference's bits (the stand-in computes exactly; it asserts DeepGEMM's operand layouts)."""
+    qx, qw = _layer(M, K, N, seed=M)
+    y = scaled_mm(qx, qw, out_dtype=torch.bfloat16)
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) == "deepgemm" and fake.calls["n"] == 1
+    assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=torch.bfloat16)[0])
+    g = torch.Generator().manual_seed(M + 1)
+    qdy = quantize(torch.randn(M, N, generator=g).bfloat16(), ACT)
+    if N % 128:  # dgrad contracts over N: DeepGEMM needs whole 128-blocks of it
+        assert backend_for(qdy, qw, b_copy="columnwise", out_dtype=torch.bfloat16) != "deepgemm"
+        return
+    dx = scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=torch.bfloat16)
+    assert fake.calls["n"] == 2
+    assert torch.equal(dx, scaled_mm_reference(qdy, qw, b_copy="columnwise", out_dtype=torch.bfloat16)[0])
+
+
+def test_the_calls_it_declines(fake, monkeypatch):
+    """Anything but a plain BF16-out 1x128 · 128x128 E4M3 GEMM with K a multiple of 128 and N of 8 goes to the next
+    backend, and so does everything with the switch off, without the package, or off sm_90."""
+    qx, qw = _layer(256, 256, 256, seed=1)
+    bf16 = torch.bfloat16
+    assert backend_for(qx, qw, out_dtype=bf16) == "deepgemm"
+    declined = [
+        dict(out_dtype=torch.float32), dict(out_dtype=torch.float16), dict(out_dtype=bf16, bias=torch.zeros(256)),
+        dict(out_dtype=bf16, gelu=True), dict(out_dtype=bf16, accumulate=True, out=torch.zeros(256, 256, dtype=bf16)),
+        dict(out_dtype=bf16, out=torch.empty(256, 256, dtype=bf16)),
+    ]
+    for opts in declined:
+        assert backend_for(qx, qw, **opts) != "deepgemm", opts
+    x = torch.randn(256, 256).bfloat16()
+    for sa, sb, shape in [(ACT, ACT, None), (Float8Blockwise(fmt="e5m2"), WEIGHT, None),
+                          (Float8Blockwise(block_size=64), Float8Blockwise(block_size=64, block_dim=2), None),
+                          (ACT, WEIGHT, (256, 320)), (ACT, WEIGHT, (260, 256))]:
+        a = quantize(x if shape is None else torch.randn(256, shape[1]).bfloat16(), sa)
+        b = quantize(x if shape is None else torch.randn(*shape).bfloat16(), sb)
+        assert backend_for(a, b, out_dtype=bf16) != "deepgemm", (sa, sb, shape)
+    with env.override(LOWBIT_DEEPGEMM=False):
+        assert backend_for(qx, qw, out_dtype=bf16) != "deepgemm"
+        assert deepgemm.status() == "off (LOWBIT_DEEPGEMM=0)"
+    with pytest.raises(NotImplementedError, match="'deepgemm' does not support"):
+        scaled_mm(qx, qw, out_dtype=torch.float32, backend="deepgemm")
+    monkeypatch.setattr(deepgemm, "_on_sm90", lambda device: False)
+    assert backend_for(qx, qw, out_dtype=bf16) != "deepgemm"
+    assert fake.calls["n"] == 0
+
+
+def test_without_a_usable_package_it_says_why(monkeypatch):
+    """No package, a package that fails to import (warned about once), or a DeepGEMM without the 2.x API: the backend
+    takes nothing and ``status`` (``lowbit info``) says why."""
+    monkeypatch.setattr(deepgemm, "_on_sm90", lambda device: True)
+    qx, qw = _layer(128, 256, 128, seed=2)
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # (import raises ModuleNotFoundError)
+    monkeypatch.setattr(deepgemm, "_loaded", {})
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) != "deepgemm"
+    assert "not installed" in deepgemm.status(torch.device("cpu"))
+
+    class Broken:
+        def __getattr__(self, name):
+            raise ImportError("undefined symbol: _ZN3c10")
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", Broken())
+    import importlib
+
+    real = importlib.import_module
+
+    def failing(name, *a, **k):
+        if name == "deep_gemm":
+            raise ImportError("deep_gemm/_C.so: undefined symbol: _ZN3c10")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(deepgemm.importlib, "import_module", failing)
+    monkeypatch.setattr(deepgemm, "_loaded", {})
+    with pytest.warns(UserWarning, match="does not import: ImportError: deep_gemm/_C.so"):
+        assert backend_for(qx, qw, out_dtype=torch.bfloat16) != "deepgemm"
+    assert "undefined symbol" in deepgemm.status(torch.device("cpu"))
+    monkeypatch.setattr(deepgemm.importlib, "import_module", real)
+    old = type(sys)("deep_gemm")
+    old.gemm_fp8_fp8_bf16_nt = lambda *a: None  # DeepGEMM 1.x's entry point
+    monkeypatch.setitem(sys.modules, "deep_gemm", old)
+    monkeypatch.setattr(deepgemm, "_loaded", {})
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) != "deepgemm"
+    assert "no fp8_fp4_gemm_nt" in deepgemm.status(torch.device("cpu"))
+
+
+def _real_deepgemm(cuda):
+    pytest.importorskip("deep_gemm", reason="DeepGEMM is not installed (tools/deepgemm_build.sh)")
+    if not deepgemm._on_sm90(cuda):
+        pytest.skip("DeepGEMM's kernels are sm_90's")
+    deepgemm._loaded.clear()
+    if deepgemm._module() is None:
+        pytest.skip(deepgemm.status(cuda))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", SHAPES + [(1040, 2048, 2832), (4096, 1024, 3072)])
+def test_gpu_deepgemm_vs_reference(M, K, N, cuda):
+    """The real kernel, chosen by default, within NUMERICS §5's bound of the float64 reference (the test_gemm bound:
+    one K-block truncation, a rounding per promotion, one BF16 rounding) on random data; bit for bit on small
+    integers with power-of-two scales, where every partial sum is exact."""
+    _real_deepgemm(cuda)
+    from test_gemm import _check, _operands
+
+    a, b = _operands(M, N, K, ACT, WEIGHT, "rowwise", "rowwise", cuda, seed=K)
+    assert backend_for(a, b, out_dtype=torch.bfloat16) == "deepgemm"
+    _check(a, b, "rowwise", "rowwise", "deepgemm", out_dtype=torch.bfloat16)
+    pow2 = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
+    a, b = _operands(M, N, K, *pow2, "rowwise", "rowwise", cuda, seed=K + 1, ints=True)
+    y = scaled_mm(a, b, out_dtype=torch.bfloat16)
+    assert torch.equal(y, scaled_mm_reference(a, b, out_dtype=torch.bfloat16)[0].to(cuda))
+    if N % 128 == 0:  # dgrad: the weight's columnwise copy
+        a, b = _operands(M, K, N, ACT, WEIGHT, "rowwise", "columnwise", cuda, seed=N)
+        assert backend_for(a, b, b_copy="columnwise", out_dtype=torch.bfloat16) == "deepgemm"
+        _check(a, b, "rowwise", "columnwise", "deepgemm", out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_deepgemm_in_a_cuda_graph(cuda):
+    """A call captured in a CUDA graph replays on new operand values with the bits of an eager call on them."""
+    _real_deepgemm(cuda)
+    qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
+    y0 = scaled_mm(qx, qw, out_dtype=torch.bfloat16)  # (compiles outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = scaled_mm(qx, qw, out_dtype=torch.bfloat16)
+    nx, _ = _layer(512, 1024, 768, seed=8, device=cuda)
+    qx.rowwise.data.copy_(nx.rowwise.data)
+    qx.rowwise.scale_inv.copy_(nx.rowwise.scale_inv)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, scaled_mm(nx, qw, out_dtype=torch.bfloat16)) and not torch.equal(y, y0)
