@@ -64,6 +64,19 @@ def test_fprop_and_dgrad_go_to_deepgemm_with_its_layouts(fake, M, K, N):
     assert torch.equal(dx, scaled_mm_reference(qdy, qw, b_copy="columnwise", out_dtype=torch.bfloat16)[0])
 
 
+def test_the_first_call_of_a_shape_is_logged_once(fake, monkeypatch, caplog):
+    """DeepGEMM compiles a kernel on the first call of each (N, K): that call's pause is logged at INFO, once."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lowbit")
+    monkeypatch.setattr(deepgemm, "_compiled", set())
+    qx, qw = _layer(128, 384, 256, seed=3)
+    for _ in range(2):
+        scaled_mm(qx, qw, out_dtype=torch.bfloat16)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "lowbit" and "DeepGEMM" in r.getMessage()]
+    assert msgs == ["DeepGEMM: first call with N=256, K=384 on cpu (it compiles a kernel for it unless cached)"]
+
+
 def test_the_calls_it_declines(fake, monkeypatch):
     """Anything but a plain BF16-out 1x128 · 128x128 E4M3 GEMM with K a multiple of 128 and N of 8 goes to the next
     backend, and so does everything with the switch off, without the package, or off sm_90."""

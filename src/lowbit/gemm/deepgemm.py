@@ -31,7 +31,7 @@ import torch
 from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..runtime import env
 from ..runtime.device import capability
-from ..runtime.log import logger, warn_once
+from ..runtime.log import info, warn_once
 from . import check_k_contiguous, gemm_dims, register_backend
 
 __all__ = ["supports", "scaled_mm_deepgemm", "status", "RECIPE"]
@@ -123,8 +123,8 @@ def scaled_mm_deepgemm(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     key = (A.device.index, N, A.shape[1])
     if key not in _compiled:
         _compiled.add(key)
-        logger.info("DeepGEMM: first call with N=%d, K=%d on %s (it compiles a kernel for it unless cached)", N,
-                    A.shape[1], A.device)
+        info("DeepGEMM: first call with N=%d, K=%d on %s (it compiles a kernel for it unless cached)", N, A.shape[1],
+             A.device)
     sfb = b.logical_scales(b_copy)
     if not sfb.is_contiguous():  # K/128 not a multiple of 4: the stored grid's rows are padded
         sfb = sfb.contiguous()

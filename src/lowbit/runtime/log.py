@@ -16,7 +16,7 @@ import torch
 
 from . import env
 
-__all__ = ["logger", "declined", "declines", "warn_once"]
+__all__ = ["logger", "declined", "declines", "info", "warn_once"]
 
 logger = logging.getLogger("lowbit")
 _counts: Counter = Counter()
@@ -55,6 +55,13 @@ def declined(path: str, reason) -> None:
     if first:
         _configure()
         logger.debug("%s declined a call: %s", path, reason)
+
+
+def info(msg: str, *args) -> None:
+    """``msg % args`` at INFO on the ``lowbit`` logger (``LOWBIT_LOG=info`` shows it): a slow first-time event, such
+    as a kernel compiled on first use."""
+    _configure()
+    logger.info(msg, *args)
 
 
 _warned: set = set()
