@@ -64,17 +64,23 @@ def test_fprop_and_dgrad_go_to_deepgemm_with_its_layouts(fake, M, K, N):
     assert torch.equal(dx, scaled_mm_reference(qdy, qw, b_copy="columnwise", out_dtype=torch.bfloat16)[0])
 
 
-def test_the_first_call_of_a_shape_is_logged_once(fake, monkeypatch, caplog):
-    """DeepGEMM compiles a kernel on the first call of each (N, K): that call's pause is logged at INFO, once."""
+def test_the_first_call_of_a_shape_is_logged_once(fake, monkeypatch, caplog, capsys):
+    """DeepGEMM compiles a kernel on the first call of each (N, K): the process's first such call prints a notice to
+    stderr, and each shape's first call is logged at INFO, once."""
     import logging
 
     caplog.set_level(logging.INFO, logger="lowbit")
     monkeypatch.setattr(deepgemm, "_compiled", set())
     qx, qw = _layer(128, 384, 256, seed=3)
+    qx2, qw2 = _layer(64, 256, 128, seed=4)
     for _ in range(2):
         scaled_mm(qx, qw, out_dtype=torch.bfloat16)
+        scaled_mm(qx2, qw2, out_dtype=torch.bfloat16)
     msgs = [r.getMessage() for r in caplog.records if r.name == "lowbit" and "DeepGEMM" in r.getMessage()]
-    assert msgs == ["DeepGEMM: first call with N=256, K=384 on cpu (it compiles a kernel for it unless cached)"]
+    assert msgs == [f"DeepGEMM: first call with N={n}, K={k} on cpu (it compiles a kernel for it unless cached)"
+                    for n, k in ((256, 384), (128, 256))]
+    err = capsys.readouterr().err
+    assert err.count("[lowbit] DeepGEMM runs the blockwise FP8") == 1 and "LOWBIT_DEEPGEMM=0" in err
 
 
 def test_the_calls_it_declines(fake, monkeypatch):

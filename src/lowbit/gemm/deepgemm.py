@@ -17,13 +17,14 @@ where every partial sum is exact.
 Operands go in as lowbit stores them: the 1x128 scales' stored layout, (K/128, pad4(rows)), is already the MN-major,
 TMA-aligned one DeepGEMM reads; a 128x128 grid whose K/128 is not a multiple of 4 is stored with padded rows, so that
 grid (N/128 x K/128 floats) is copied to a contiguous one first. DeepGEMM compiles a kernel the first time it sees an
-(N, K): that call takes seconds (``LOWBIT_LOG=info`` says when). Nothing here touches CUDA or imports ``deep_gemm`` at
-import time.
+(N, K): that call takes seconds (the process's first such call prints a notice; ``LOWBIT_LOG=info`` names each shape).
+Nothing here touches CUDA or imports ``deep_gemm`` at import time.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 
 import torch
@@ -122,6 +123,10 @@ def scaled_mm_deepgemm(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     M, N = A.shape[0], B.shape[0]
     key = (A.device.index, N, A.shape[1])
     if key not in _compiled:
+        if not _compiled:
+            print("[lowbit] DeepGEMM runs the blockwise FP8 forward / data-gradient GEMMs; it compiles a kernel for "
+                  "each new (N, K) on first use (nvcc, seconds each; kept in its disk cache after). LOWBIT_LOG=info "
+                  "names each, LOWBIT_DEEPGEMM=0 turns DeepGEMM off", file=sys.stderr, flush=True)
         _compiled.add(key)
         info("DeepGEMM: first call with N=%d, K=%d on %s (it compiles a kernel for it unless cached)", N, A.shape[1],
              A.device)
