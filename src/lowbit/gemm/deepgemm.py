@@ -3,7 +3,7 @@
 Where the ``deep_gemm`` package imports (it is built from source: ``tools/deepgemm_build.sh``), its SM90 "1D2D"
 kernel takes the blockwise FP8 forward and data-gradient GEMMs: 1x128 activations or gradients against 128x128
 weights, BF16 out. It ran every such GEMM of the 350m and 1.3b GPTs and of the 8192³ / 16384³ squares at 1.05-1.24x
-cuBLAS's blockwise kernel, and the 350m fp8-block training step 3% faster (H200, BENCHMARKS.md, GEMM).
+cuBLAS's blockwise kernel, and the 350m and 1.3b fp8-block training steps 2-3% faster (H200, BENCHMARKS.md).
 
 What it takes (``supports``): an sm_90 GPU; A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
 both E4M3 with 128-element blocks; K a multiple of 128 and N of 8 (its TMA rows are 16-byte aligned); BF16 out with no
