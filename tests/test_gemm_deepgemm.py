@@ -27,6 +27,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", mod)
     monkeypatch.setattr(deepgemm, "_loaded", {})
     monkeypatch.setattr(deepgemm, "_on_sm90", lambda device: True)
+    monkeypatch.setattr(deepgemm, "_failed", {})
     return mod
 
 
@@ -81,6 +82,35 @@ def test_the_first_call_of_a_shape_is_logged_once(fake, monkeypatch, caplog, cap
                     for n, k in ((256, 384), (128, 256))]
     err = capsys.readouterr().err
     assert err.count("[lowbit] DeepGEMM runs the blockwise FP8") == 1 and "LOWBIT_DEEPGEMM=0" in err
+
+
+def test_a_shape_deepgemm_fails_on_goes_to_the_next_backend(fake, monkeypatch):
+    """DeepGEMM raising for an (N, K) (here: no nvcc to compile its kernel) is warned about once; that call and later
+    ones of the same (N, K) get the next backend's result (the reference, on the CPU), other shapes stay on DeepGEMM.
+    Out of memory propagates and marks nothing."""
+    real = fake.fp8_fp4_gemm_nt
+
+    def failing(a, b, d, **kw):
+        if b[0].shape[0] == 256:
+            raise RuntimeError("Assertion error (csrc/jit/compiler.hpp:175): std::filesystem::exists(nvcc_path)")
+        if b[0].shape[0] == 384:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real(a, b, d, **kw)
+
+    monkeypatch.setattr(fake, "fp8_fp4_gemm_nt", failing)
+    bf16 = torch.bfloat16
+    qx, qw = _layer(128, 384, 256, seed=5)
+    with pytest.warns(UserWarning, match=r"DeepGEMM failed on a GEMM with N=256, K=384 \(RuntimeError: .*nvcc_path"):
+        y = scaled_mm(qx, qw, out_dtype=bf16)
+    assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=bf16)[0])
+    assert backend_for(qx, qw, out_dtype=bf16) != "deepgemm"
+    assert torch.equal(scaled_mm(qx, qw, out_dtype=bf16), y)
+    qx2, qw2 = _layer(128, 384, 128, seed=6)
+    assert backend_for(qx2, qw2, out_dtype=bf16) == "deepgemm"
+    qx3, qw3 = _layer(128, 256, 384, seed=7)
+    with pytest.raises(torch.OutOfMemoryError):
+        scaled_mm(qx3, qw3, out_dtype=bf16)
+    assert backend_for(qx3, qw3, out_dtype=bf16) == "deepgemm"
 
 
 def test_the_calls_it_declines(fake, monkeypatch):

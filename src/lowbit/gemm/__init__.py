@@ -18,7 +18,7 @@ from ..runtime.device import INTERPRET, TRITON_MISSING, triton_installed
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
-           "dequantize_exact", "apply_epilogue"]
+           "dequantize_exact", "apply_epilogue", "not_capability"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
 # accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may
@@ -42,6 +42,20 @@ def forget_choices() -> None:
     """Drop the memo of which backend runs each call signature: the next calls ask the backends' ``supports`` again
     (a backend whose support changed at run time calls this)."""
     _CHOICE.clear()
+
+
+_NOT_CAPABILITY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "illegal memory access", "device-side assert")
+
+
+def not_capability(e: BaseException) -> bool:
+    """Whether a backend's error says nothing about what the backend supports: out of memory, a CUDA runtime error (a
+    faulted context: torch.AcceleratorError). Backends let these propagate, and remember any other refusal as a limit
+    of theirs (a call it answers with the next backend). (Not every "CUDA error: ..." message: torch words cuBLAS's own
+    refusals "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED".)"""
+    if isinstance(e, torch.OutOfMemoryError) or isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return True
+    msg = str(e)
+    return any(m in msg for m in _NOT_CAPABILITY)
 
 
 def _all():

@@ -116,20 +116,6 @@ def _scales(t, which, rows):
     return t.logical_scales(which)  # 1x128: (rows, K/128) strides (1, rows); 128x128: (rows/128, K/128)
 
 
-_NOT_CAPABILITY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "illegal memory access", "device-side assert")
-
-
-def _not_capability(e: BaseException) -> bool:
-    """Errors that say nothing about what this cuBLAS build supports: out of memory, a CUDA runtime error (a
-    faulted context: torch.AcceleratorError). They propagate, and the signature is not added to REJECTED.
-    (Not every "CUDA error: ..." message: torch words cuBLAS's own refusals "CUDA error:
-CUBLAS_STATUS_NOT_SUPPORTED".)"""
-    if isinstance(e, torch.OutOfMemoryError) or isinstance(e, getattr(torch, "AcceleratorError", ())):
-        return True
-    msg = str(e)
-    return any(m in msg for m in _NOT_CAPABILITY)
-
-
 def _scaled_mm_v1(A, B, sa, sb, mm_dtype, sig, sch_a, sch_b):
     """Rowwise and blockwise through ``torch._scaled_mm``, which infers the scaling from the scale shapes: the same
     cuBLAS kernels as ``F.scaled_mm`` (bit-identical results, tested) at a quarter less host time a call. A pairing
@@ -138,7 +124,7 @@ def _scaled_mm_v1(A, B, sa, sb, mm_dtype, sig, sch_a, sch_b):
         try:
             return torch._scaled_mm(A, B.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype)
         except (RuntimeError, ValueError) as e:
-            if _not_capability(e):
+            if _gemm.not_capability(e):
                 raise
             V1_DECLINED.add(sig)
     return _F.scaled_mm(A, B.t(), sa, _recipe(sch_a), sb, _recipe(sch_b), output_dtype=mm_dtype)
@@ -208,7 +194,7 @@ def scaled_mm_cublas(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, 
                 sb = sb.t()
             acc = _scaled_mm_v1(A, B, sa, sb, mm_dtype, _sig(a, b, out_dtype, K), a.scheme, b.scheme)
     except (RuntimeError, ValueError) as e:
-        if _not_capability(e):
+        if _gemm.not_capability(e):
             raise
         sig = _sig(a, b, out_dtype, K)
         REJECTED.add(sig)

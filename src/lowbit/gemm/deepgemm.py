@@ -18,6 +18,8 @@ Operands go in as lowbit stores them: the 1x128 scales' stored layout, (K/128, p
 TMA-aligned one DeepGEMM reads; a 128x128 grid whose K/128 is not a multiple of 4 is stored with padded rows, so that
 grid (N/128 x K/128 floats) is copied to a contiguous one first. DeepGEMM compiles a kernel the first time it sees an
 (N, K): that call takes seconds (the process's first such call prints a notice; ``LOWBIT_LOG=info`` names each shape).
+Where DeepGEMM raises for an (N, K) (a kernel that cannot compile: no nvcc, say), lowbit warns once, answers the call
+with the next backend and sends that (N, K) there from then on; out-of-memory and CUDA errors propagate.
 Nothing here touches CUDA or imports ``deep_gemm`` at import time.
 """
 
@@ -33,7 +35,7 @@ from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..runtime import env
 from ..runtime.device import capability
 from ..runtime.log import info, warn_once
-from . import check_k_contiguous, gemm_dims, register_backend
+from . import check_k_contiguous, forget_choices, gemm_dims, not_capability, register_backend, scaled_mm
 
 __all__ = ["supports", "scaled_mm_deepgemm", "status", "RECIPE"]
 
@@ -44,6 +46,7 @@ block."""
 _lock = threading.Lock()
 _loaded: dict = {}  # "module": the deep_gemm module or None; "why": why it is not used
 _compiled: set = set()  # (device index, N, K) this process has launched: a new one makes DeepGEMM compile
+_failed: dict = {}  # (device index, N, K) -> the error DeepGEMM raised for it: such calls go to the next backend
 
 
 def _module():
@@ -104,7 +107,7 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
             or opts.get("accumulate") or opts.get("out") is not None:
         return False
     _, N, K = gemm_dims(a, b, a_copy, b_copy)
-    if K % BLOCK_SIZE or N % 8 or not env.get("LOWBIT_DEEPGEMM"):
+    if K % BLOCK_SIZE or N % 8 or not env.get("LOWBIT_DEEPGEMM") or (a.device.index, N, K) in _failed:
         return False
     return _on_sm90(a.device) and _on_sm90(b.device) and _module() is not None
 
@@ -134,7 +137,16 @@ def scaled_mm_deepgemm(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
     if not sfb.is_contiguous():  # K/128 not a multiple of 4: the stored grid's rows are padded
         sfb = sfb.contiguous()
     y = torch.empty(M, N, device=A.device, dtype=torch.bfloat16)
-    _module().fp8_fp4_gemm_nt((A, a.logical_scales(a_copy)), (B, sfb), y, recipe=RECIPE, disable_ue8m0_cast=True)
+    try:
+        _module().fp8_fp4_gemm_nt((A, a.logical_scales(a_copy)), (B, sfb), y, recipe=RECIPE, disable_ue8m0_cast=True)
+    except RuntimeError as e:  # (DeepGEMM's own errors, a failed kernel compile among them, arrive as RuntimeError)
+        if not_capability(e):
+            raise
+        _failed[key] = f"{type(e).__name__}: {str(e)[:400]}"
+        warn_once(f"lowbit: DeepGEMM failed on a GEMM with N={N}, K={A.shape[1]} ({_failed[key]}); such calls run on "
+                  "the next backend (cuBLAS) from now on")
+        forget_choices()  # the dispatcher's memo re-asks supports(), which now declines this (N, K)
+        return scaled_mm(a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype), None
     return y, None
 
 
