@@ -53,7 +53,8 @@ def test_fprop_and_dgrad_go_to_deepgemm_with_its_layouts(fake, M, K, N):
     give the float64 reference's bits (the stand-in computes exactly; it asserts DeepGEMM's operand layouts)."""
     qx, qw = _layer(M, K, N, seed=M)
     y = scaled_mm(qx, qw, out_dtype=torch.bfloat16)
-    assert backend_for(qx, qw, out_dtype=torch.bfloat16) == "deepgemm" and fake.calls["n"] == 1
+    assert fake.calls["n"] == 1
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) == backend_for(qx, qw) == "deepgemm"  # (BF16: the default)
     assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=torch.bfloat16)[0])
     g = torch.Generator().manual_seed(M + 1)
     qdy = quantize(torch.randn(M, N, generator=g).bfloat16(), ACT)

@@ -148,7 +148,11 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
 
 
 def backend_for(a, b, *, a_copy="rowwise", b_copy="rowwise", **opts) -> str:
-    """Name of the backend :func:`scaled_mm` would run."""
+    """Name of the backend :func:`scaled_mm` would run for these arguments (``out_dtype`` left out or None: its
+    default, as :func:`scaled_mm` takes it)."""
+    if opts.get("out_dtype") is None:
+        out = opts.get("out")
+        opts["out_dtype"] = torch.bfloat16 if out is None else getattr(out, "dtype", None)
     for name, (supports, _) in _all():
         if supports(a, b, a_copy, b_copy, opts):
             return name
