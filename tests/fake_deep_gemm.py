@@ -4,7 +4,8 @@ disable_ue8m0_cast=True)`` writes d = (A·sfa)(B·sfb)ᵀ (+ c) with
 
 - both codes K-major; float32 scales;
 - sfa one scale per row and 128 K-elements, (M, K/128), MN-major with the column stride padded to 4 rows (TMA-aligned);
-- sfb for ``recipe=(1, 128, 128)`` one scale per 128x128 block, (N/128, K/128), contiguous or contiguous transposed;
+- sfb for ``recipe=(1, 128, 128)`` one scale per 128x128 block, (N/128, K/128), its strides those of a packed
+  row- or column-major grid (checked as strides, as DeepGEMM does);
   for ``(1, 1, 128)`` laid out as sfa;
 - ``(1, 128, 128)`` writes BF16 without accumulation; ``(1, 1, 128)`` accumulates into FP32 (c is d).
 
@@ -55,7 +56,9 @@ def make():
         _check_mn_major(sa, m, k, "sfa")
         if blocks:
             assert sb.dtype == torch.float32 and sb.shape == (-(-n // 128), -(-k // 128)), "sfb: (N/128, K/128)"
-            assert sb.is_contiguous() or sb.t().is_contiguous(), "sfb: contiguous (or transposed)"
+            packed = (sb.stride(1) == 1 and sb.stride(0) == sb.shape[1]) or (sb.stride(0) == 1
+                                                                              and sb.stride(1) == sb.shape[0])
+            assert packed, f"sfb: packed row- or column-major (DeepGEMM checks the strides), got {sb.stride()}"
         else:
             _check_mn_major(sb, n, k, "sfb")
         acc = (A.double() * expand(sa, m, k, False)) @ (B.double() * expand(sb, n, k, blocks)).t()

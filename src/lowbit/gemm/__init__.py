@@ -18,7 +18,7 @@ from ..runtime.device import INTERPRET, TRITON_MISSING, triton_installed
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
-           "dequantize_exact", "apply_epilogue", "not_capability"]
+           "dequantize_exact", "apply_epilogue", "not_capability", "run_after"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
 # accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may
@@ -159,6 +159,19 @@ def backend_for(a, b, *, a_copy="rowwise", b_copy="rowwise", **opts) -> str:
     return "reference"
 
 
+def run_after(name: str, a, b, *, a_copy: str, b_copy: str, **opts):
+    """Run a call :func:`scaled_mm` dispatched to backend ``name`` on the first backend registered after it that
+    supports the call (the reference last): for a backend that finds, once it runs, that it cannot take this one call.
+    ``opts``: the backend function's keywords (``out_dtype``, ``bias``, ``gelu``, ``accumulate``, ``out``); returns
+    what that backend's function returns."""
+    names = list(BACKENDS)
+    later = list(BACKENDS.items())[names.index(name) + 1:] if name in names else list(BACKENDS.items())
+    for _, (supports, fn) in later:
+        if supports(a, b, a_copy, b_copy, opts):
+            return fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
+    return scaled_mm_reference(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
+
+
 def scaled_mm(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -208,7 +221,8 @@ def scaled_mm(
             key = (a.device, b.device, a.scheme, b.scheme, a_copy, b_copy, a.rows, a.cols, b.rows, b.cols, out_dtype,
                    None if bias is None else (bias.shape, bias.device, bias.dtype), gelu.__class__, gelu,
                    accumulate.__class__, accumulate, None if out is None else (out.shape, out.device, out.dtype),
-                   getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None)
+                   getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None,
+                   env.get("LOWBIT_DEEPGEMM"))
             fn = _CHOICE.get(key)
         except (TypeError, AttributeError):  # unhashable, or a bias / out that is no tensor: _validate names it
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)
