@@ -248,11 +248,11 @@ def test_gpu_deepgemm_vs_reference(M, K, N, cuda):
 @pytest.mark.gpu
 def test_gpu_deepgemm_in_a_cuda_graph(cuda):
     """A call captured in a CUDA graph replays on new operand values with the bits of an eager call on them; a shape
-    first seen inside the capture runs on cuBLAS there (the bits of cuBLAS's call)."""
+    first seen inside the capture runs on the next backend there (here cuBLAS: the bits of cuBLAS's call)."""
     _real_deepgemm(cuda)
     bf16 = torch.bfloat16
     qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
-    fresh, _ = _layer(520, 1024, 768, seed=9, device=cuda)
+    fresh, _ = _layer(528, 1024, 768, seed=9, device=cuda)  # (M a multiple of 16: cuBLAS takes it)
     y0 = scaled_mm(qx, qw, out_dtype=bf16, backend="deepgemm")  # (compiles outside the capture)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -241,7 +241,7 @@ def _deepgemm_calls(qx, qdy, qw):
     mm, aligned = deep_gemm.fp8_fp4_gemm_nt, deep_gemm.get_mn_major_tma_aligned_tensor
 
     def operand(q, copy, align):
-        s = q.logical_scales(copy).float().contiguous()
+        s = q.logical_scales(copy).float().clone(memory_format=torch.contiguous_format)  # (packed by strides)
         return q.rowwise.data if copy == "rowwise" else q.columnwise.data, aligned(s) if align else s
 
     def call(a, b, d, recipe, c=None):

@@ -20,9 +20,10 @@ TMA-aligned one DeepGEMM reads; a 128x128 grid whose K/128 is not a multiple of 
 grid (N/128 x K/128 floats) is copied to a packed one first. DeepGEMM compiles a kernel for each new GEMM shape (its
 tile choice depends on M too) the first time it sees it: that call takes seconds (the process's first one prints a
 notice; ``LOWBIT_LOG=info`` names each shape). A shape first seen inside a CUDA-graph capture runs on the next backend
-instead (no compile during a capture). Where DeepGEMM raises for a shape (a kernel that cannot compile: no nvcc, say),
-lowbit warns once, answers the call with the next backend and sends that (N, K) there from then on; out-of-memory and
-CUDA errors propagate. Nothing here touches CUDA or imports ``deep_gemm`` at import time.
+instead (no compile during a capture; cuBLAS, or the Gluon / Triton kernel where cuBLAS does not take the call). Where
+DeepGEMM raises for a shape (a kernel that cannot compile: no nvcc, say), lowbit warns once, answers the call with the
+next backend and sends that (N, K) there from then on; out-of-memory and CUDA errors propagate. Nothing here touches
+CUDA or imports ``deep_gemm`` at import time.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def status(device=None) -> str:
         device = torch.device("cuda")
     if not _on_sm90(device):
         return f"not used: its kernels are sm_90's, this GPU is sm_{''.join(map(str, capability(device)))}"
-    return ("1x128 x 128x128 blockwise FP8, BF16 out, no epilogue (fprop, dgrad): DeepGEMM "
-            f"{getattr(_module(), '__version__', '')}".rstrip())
+    return (f"1x128 x 128x128 blockwise FP8, BF16 out, no epilogue, M >= {MIN_M} (fprop, dgrad of training-sized "
+            f"token counts; fewer when named): DeepGEMM {getattr(_module(), '__version__', '')}".rstrip())
 
 
 def _on_sm90(device) -> bool:
@@ -160,8 +161,8 @@ def scaled_mm_deepgemm(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False
         if not_capability(e):
             raise
         _failed[(A.device.index, N, K)] = why = f"{type(e).__name__}: {str(e)[:400]}"
-        warn_once(f"lowbit: DeepGEMM failed on a GEMM with N={N}, K={K} ({why}); such calls run on the next backend "
-                  "(cuBLAS) from now on")
+        warn_once(f"lowbit: DeepGEMM failed on a GEMM with N={N}, K={K} ({why}); GEMMs of this N and K run on the "
+                  "next backend (cuBLAS, or lowbit's Gluon / Triton kernel) from now on")
         forget_choices()  # the dispatcher's memo re-asks supports(), which now declines this (N, K)
         return run_after("deepgemm", a, b, **kw)
     return y, None

@@ -115,8 +115,9 @@ SWITCHES: dict[str, Switch] = _switches(
            "The Gluon FP8 blockwise GEMMs on sm_90: 1 as autotune candidates, 0 never, force / ws: only the "
            "one-tile / warp-specialized kernel."),
     Switch("LOWBIT_DEEPGEMM", _bool, True,
-           "DeepGEMM's sm_90 kernel for the blockwise FP8 forward and data-gradient GEMMs (1x128 x 128x128, BF16 "
-           "out) where the deep_gemm package imports; 0: never (cuBLAS and the Gluon kernel take them)."),
+           "DeepGEMM's sm_90 kernel for the blockwise FP8 forward and data-gradient GEMMs of at least 8192 tokens "
+           "(1x128 x 128x128, BF16 out) where the deep_gemm package imports; 0: never (cuBLAS and the Gluon kernel "
+           "take them)."),
     Switch("LOWBIT_UNFUSE", _fusions, frozenset(),
            "Comma-separated fused kernels to replace by their unfused path (same bits; norm_quant and "
            "norm_backward to FP32 rounding), or 'all': "
