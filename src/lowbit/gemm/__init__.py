@@ -147,12 +147,18 @@ def _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out):
     return M, N, K
 
 
+def _default_out_dtype(out_dtype, out):
+    """:func:`scaled_mm`'s ``out_dtype`` when None: ``out``'s dtype when ``out`` is given, else bfloat16 (a non-tensor
+    ``out`` gives None, which :func:`_validate` names)."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if out is None else getattr(out, "dtype", None)
+
+
 def backend_for(a, b, *, a_copy="rowwise", b_copy="rowwise", **opts) -> str:
     """Name of the backend :func:`scaled_mm` would run for these arguments (``out_dtype`` left out or None: its
     default, as :func:`scaled_mm` takes it)."""
-    if opts.get("out_dtype") is None:
-        out = opts.get("out")
-        opts["out_dtype"] = torch.bfloat16 if out is None else getattr(out, "dtype", None)
+    opts["out_dtype"] = _default_out_dtype(opts.get("out_dtype"), opts.get("out"))
     for name, (supports, _) in _all():
         if supports(a, b, a_copy, b_copy, opts):
             return name
@@ -164,12 +170,11 @@ def run_after(name: str, a, b, *, a_copy: str, b_copy: str, **opts):
     supports the call (the reference last): for a backend that finds, once it runs, that it cannot take this one call.
     ``opts``: the backend function's keywords (``out_dtype``, ``bias``, ``gelu``, ``accumulate``, ``out``); returns
     what that backend's function returns."""
-    names = list(BACKENDS)
-    later = list(BACKENDS.items())[names.index(name) + 1:] if name in names else list(BACKENDS.items())
-    for _, (supports, fn) in later:
-        if supports(a, b, a_copy, b_copy, opts):
+    passed = False
+    for n, (supports, fn) in _all():
+        if passed and supports(a, b, a_copy, b_copy, opts):
             return fn(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
-    return scaled_mm_reference(a, b, a_copy=a_copy, b_copy=b_copy, **opts)
+        passed = passed or n == name
 
 
 def scaled_mm(
@@ -211,8 +216,7 @@ def scaled_mm(
     """
     check_bool("return_pre_gelu", return_pre_gelu)
     check_bool("check_operands", check_operands)
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if out is None else getattr(out, "dtype", None)  # (a non-tensor out: _validate)
+    out_dtype = _default_out_dtype(out_dtype, out)
     opts = dict(out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
     if backend is None and isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         # Hot path: validity and the backend choice depend only on these properties, so a key seen before
