@@ -126,7 +126,8 @@ def test_gluon_named_barrier_hand_back(B, Hq, Hkv, Sq, Sk, causal, D, persist, m
 def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, monkeypatch, switches):
     """The persistent grid (each CTA several work tiles, the next tile's Q and keys loaded during the last one) and
     the one-CTA-a-tile grid give the same bits; so do the all-heads TMA descriptors (FLAT, contiguous Q/K/V, rows of
-    the next head read past Sq / Sk and masked) and the per-head ones (a Q, K and V with padded head strides)."""
+    the next head read past Sq / Sk and masked) and the per-head ones (a Q, K and V with padded head strides), and,
+    causal, the work tiles taken head by head and heaviest first across all heads."""
     from lowbit.attention import _triton as T
     switches(LOWBIT_ATTN_GLUON="force")
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq)
@@ -155,6 +156,10 @@ def test_gluon_persistent_grid_and_flat_descriptors(B, Hq, Hkv, Sq, Sk, causal, 
     assert _nrmse(o1, ro) < TIGHT
     assert torch.equal(o1, o0) and torch.equal(o1, op)
     assert torch.equal(l1, l0) and torch.equal(l1, lp)
+    if causal:  # both orders of the work tiles (the default picks one by the size of the K and V codes)
+        for heavy in (False, True):
+            oh, lh = T.attention_fwd_triton(qq.q, qq.k, vp, gluon_options=G.GluonOptions(heavy_first=heavy), **kw)
+            assert torch.equal(o1, oh) and torch.equal(l1, lh)
 
 
 @gpu
@@ -367,7 +372,7 @@ def _key_tile_loops(sass: str) -> list:
     return loops
 
 
-@pytest.mark.parametrize("variant", ["plain", "causal_lse_kmean", "d64"])
+@pytest.mark.parametrize("variant", ["plain", "causal_lse_kmean", "d64", "d64_causal_heavy_first"])
 def test_gluon_attention_compiles_for_sm90(variant):
     """The kernel compiles for Hopper here (no GPU: Triton's own ptxas). With the Triton the kernel was measured
     with (3.6): no spills, the P·V wgmmas take P from registers (QGMMA with a register A operand, no shared-memory
@@ -381,11 +386,13 @@ def test_gluon_attention_compiles_for_sm90(variant):
         pytest.skip("this Triton has no Gluon warp_specialize")
     const = dict(Q_SCALE_ROWS=128, K_SCALE_ROWS=64, HAS_KMEAN=False, RETURN_LSE=False, REVERSE_M=False, HEAD_DIM=128,
                  STAGES=G.STAGES[128], FLAT=True, LOAD_REGS=G._LAUNCH["LOAD_REGS"],
-                 MATH_REGS=G._LAUNCH["MATH_REGS"])
+                 MATH_REGS=G._LAUNCH["MATH_REGS"], HEAVY_FIRST=False)
     if variant == "causal_lse_kmean":
         const.update(REVERSE_M=True, RETURN_LSE=True, HAS_KMEAN=True, FLAT=False)
     elif variant == "d64":
         const.update(HEAD_DIM=64, STAGES=G.STAGES[64])
+    elif variant == "d64_causal_heavy_first":
+        const.update(HEAD_DIM=64, STAGES=G.STAGES[64], REVERSE_M=True, HEAVY_FIRST=True)
     const["NAMED"] = G.DEFAULT_OPTIONS.named_at(const["HEAD_DIM"])  # the default: named-barrier hand-back at D = 64
     ptrs = dict(Q="*i8", K="*i8", V="*fp8e4nv", O="*bf16")
     sig = {}
@@ -436,9 +443,33 @@ def test_named_rejects_too_many_stages(monkeypatch, switches):
 def test_gluon_options_defaults():
     """GluonOptions' defaults: the named-barrier hand-back at NAMED_DIMS only, STAGES per head dim, persistent."""
     o = G.GluonOptions()
-    assert o.named_at(64) and not o.named_at(128) and o.persistent
+    assert o.named_at(64) and not o.named_at(128) and o.persistent and o.heavy_first is None
     assert not G.GluonOptions(named=False).named_at(64) and G.GluonOptions(named=True).named_at(128)
     assert o.stages_at(128) == G.STAGES[128] and G.GluonOptions(stages=2).stages_at(128) == 2
+
+
+@pytest.mark.parametrize("B,H,S,D,faster", [  # causal, H200 (132 SMs, 60 MiB L2): heavy first / head by head
+    (8, 16, 2048, 64, 1.031), (4, 16, 2048, 64, 1.105), (16, 16, 2048, 64, 0.964), (4, 32, 4096, 64, 0.974),
+    (2, 16, 4096, 128, 1.175), (4, 32, 4096, 128, 0.909), (1, 32, 8192, 128, 1.137), (2, 32, 2048, 128, 1.082)])
+def test_heavy_first_rule_picks_the_faster_order_measured(B, H, S, D, faster, monkeypatch):
+    """The default work-tile order of a causal call is the one measured faster at each of these shapes."""
+    monkeypatch.setattr(G, "l2_bytes", lambda device: 60 << 20)
+    n_tiles = -(-S // G.BLOCK_M) * B * H
+    assert G.heavy_first_pays(B=B, Hq=H, Hkv=H, Sq=S, Sk=S, D=D, grid=min(n_tiles, 132), device="cuda") == (faster > 1)
+
+
+def test_causal_balance_model():
+    """The balance model: 1.0 when every CTA gets the same work; each work tile counted once whatever the order (a
+    one-CTA grid has balance 1); the head-by-head order leaves a CTA with a class of query blocks (132 CTAs, 16
+    blocks a head: 10.6% over an even split), heaviest first evens it out; Sq < Sk (bottom-right) costs more keys."""
+    kw = dict(n_m=16, n_bh=128, Sq=2048, Sk=2048)
+    for heavy in (False, True):
+        assert G.causal_balance(**kw, grid=1, heavy_first=heavy) == 1.0
+        assert G.causal_balance(n_m=4, n_bh=2, grid=8, Sq=512, Sk=512, heavy_first=heavy) == 5 / 3.5
+    assert G.causal_balance(**kw, grid=132, heavy_first=False) == pytest.approx(1.106, abs=1e-3)
+    assert G.causal_balance(**kw, grid=132, heavy_first=True) == pytest.approx(1.031, abs=1e-3)
+    assert G.causal_balance(n_m=2, n_bh=1, grid=2, Sq=256, Sk=256, heavy_first=True) == 3 / 2.5
+    assert G.causal_balance(n_m=2, n_bh=1, grid=2, Sq=256, Sk=512, heavy_first=True) == 5 / 4.5
 
 
 def test_key_order_cache_is_per_signature_and_bounded(monkeypatch, switches):

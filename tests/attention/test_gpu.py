@@ -84,7 +84,8 @@ TIGHT_OUT_FP8_QK = {torch.bfloat16: 4.5e-3, torch.float16: 3.5e-3}
 @pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
 @pytest.mark.parametrize("S", [1, 17, 1000, 4096])
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernel_vs_references(qk, pv, granularity, D, dtype, S, causal):
+def test_kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, switches):
+    switches(LOWBIT_AUTOTUNE=False)  # the reference tiles by the heuristic config's key block (_block_n)
     Hq, Hkv = (4, 2) if causal else (4, 4)  # GQA and MHA both covered
     seed = zlib.crc32(repr((qk, pv, granularity, D, S, causal, str(dtype))).encode()) % 1000
     _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, seed)
@@ -111,14 +112,15 @@ MORE_CASES = [  # (qk, pv, granularity, D, dtype, S, causal, Hq, Hkv)
 
 
 @pytest.mark.parametrize("qk,pv,granularity,D,dtype,S,causal,Hq,Hkv", MORE_CASES)
-def test_kernel_vs_references_more_modes(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv):
+def test_kernel_vs_references_more_modes(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, switches):
+    switches(LOWBIT_AUTOTUNE=False)  # the reference tiles by the heuristic config's key block (_block_n)
     seed = zlib.crc32(repr((qk, pv, granularity, D, S, causal, Hq, Hkv)).encode()) % 1000
     _kernel_vs_references(qk, pv, granularity, D, dtype, S, causal, Hq, Hkv, seed)
 
 
 def _block_n(tri, qk, pv, S, D):
     """The key-tile width of the kernel a dense call runs: the Gluon INT8·FP8 kernel's 128 where it applies (sm_90,
-    LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (tests run with LOWBIT_AUTOTUNE=0)."""
+    LOWBIT_ATTN_GLUON not 0), else the Triton kernel's heuristic config (its callers set LOWBIT_AUTOTUNE=0)."""
     from lowbit.attention import _gluon as G
     if (qk, pv) == ("int8", "fp8") and G.runs_by_default("cuda", D):
         return G.BLOCK_N

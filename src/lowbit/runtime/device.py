@@ -66,6 +66,11 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).L2_cache_size)
+
+
 def capability(device) -> tuple:
     """(major, minor) compute capability of CUDA ``device`` (a torch.device, string or index)."""
     return _capability(_index(device))
@@ -74,6 +79,11 @@ def capability(device) -> tuple:
 def num_sms(device) -> int:
     """Streaming multiprocessors of CUDA ``device``."""
     return _num_sms(_index(device))
+
+
+def l2_bytes(device) -> int:
+    """L2 cache size of CUDA ``device`` in bytes."""
+    return _l2_bytes(_index(device))
 
 
 def memory_bytes(device) -> int | None:
