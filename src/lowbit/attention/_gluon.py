@@ -22,7 +22,9 @@ softmax never hides the other's MMAs. Here:
   prepass's V buffer): one TMA descriptor per operand spans every head, one CTA an SM takes work tiles (128 query
   rows of one head) in turn, Q is double-buffered, and the loader fetches the next tile's Q and keys while the math
   warpgroups finish the last one — the per-CTA start (launch, Q load, pipeline fill) and the epilogue no longer
-  stall the SM. Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
+  stall the SM. Causal, the CTAs take the work tiles heaviest first: each head's last query block first, or, where
+  ``heavy_first_pays``, across all heads (every head's last block, then the one before: the CTAs' shares of the
+  triangle even out). Other layouts get one CTA a work tile with per-head descriptors (same numbers, bit for bit).
 
 At head dim 128 it runs up to 1.4x cuDNN BF16 on the persistent grid (BENCHMARKS.md). Latency-bound: a mask-free tile
 costs 524 instructions a thread (I2F, the exp2's FFMA, MUFU.EX2, the row sums and the FP32 promotion: 64 each). At
