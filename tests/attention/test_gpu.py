@@ -178,6 +178,27 @@ def test_tma_descriptors_same_as_pointers(qk, pv, granularity, D, S, layout, mon
         assert torch.equal(o0, o1) and torch.equal(l0, l1), (causal, (o0.float() - o1.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("qk,pv,D", [("int8", "bf16", 64), ("fp8", "fp8", 128), ("bf16", "bf16", 64)])
+@pytest.mark.parametrize("Hq,Hkv,Sq,Sk", [(8, 2, 1000, 1000), (4, 4, 300, 1100), (6, 3, 2100, 700)])
+def test_triton_heavy_first_same_bits(qk, pv, D, Hq, Hkv, Sq, Sk, switches):
+    """The compiled Triton forward, causal: the grid launched heaviest first across heads gives the head-by-head
+    grid's output and LSE bit for bit (GQA, Sq < Sk and Sq > Sk), with 128- and 64-row query blocks."""
+    from lowbit.attention import _triton as T
+    from lowbit.attention.api import resolve_pv, triton_operands
+    switches(LOWBIT_ATTN_GLUON="0")
+    q = rand(2, Hq, Sq, D, dtype=torch.bfloat16, seed=Sq)
+    k, v = rand(2, Hkv, Sk, D, dtype=torch.bfloat16, seed=Sk), rand(2, Hkv, Sk, D, dtype=torch.bfloat16, seed=7)
+    qa, ka, qs, ks, km, rows, va, vs, order = (
+        (q, k, None, None, None, 128, v, None, "natural") if qk == "bf16"
+        else triton_operands(q, k, v, qk=qk, pv=resolve_pv(pv, qk, q.dtype), causal=True))
+    kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, k_mean=km, q_scale_rows=rows, causal=True, return_lse=True,
+              out_dtype=torch.float32, v_key_order=order)
+    for cfg in (T.heuristic_config(Sq, D), (64, 64, 4, 2)):
+        o0, l0 = T.attention_fwd_triton(qa, ka, va, config=cfg, heavy_first=False, **kw)
+        o1, l1 = T.attention_fwd_triton(qa, ka, va, config=cfg, heavy_first=True, **kw)
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), cfg
+
+
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp16"), ("int8", "fp8")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_kernel(qk, pv, causal):

@@ -640,14 +640,19 @@ def launch(q, k, v, o, lse, q_scale, k_scale, v_scale, k_mean, *, qv, kv, vv, ov
         _LAUNCHER.keyed(grid, key, args, const)
 
 
-# Heavy first where it evens the CTAs' causal shares by at least 5% (modeled) and the K and V codes take at most two
-# L2 caches: measured on an H200 (60 MiB L2), 3-18% faster at five shapes of 16-64 MiB it picks, 0.91x at 128 MiB.
 HEAVY_FIRST_MIN_GAIN = 1.05
-HEAVY_FIRST_MAX_L2 = 2
+"""Heavy first across heads (Gluon) only where the modeled balance of the CTAs' work gains at least this factor."""
+HEAVY_FIRST_MAX_L2_CACHES = 2.5
+"""Heavy first across heads (Gluon and Triton) only where K and V take at most this many L2 caches: each round of
+heavy-first tiles reads every head's keys (measured: the Triton kernel's heavy-first order lost at 192 MiB of K and
+V on a 60 MiB L2)."""
+HEAVY_FIRST_MAX_ROUNDS = 32
+"""Heavy first across heads (Gluon) only where a CTA takes at most this many work tiles: past that both orders give
+every CTA a like mix of tiles (and the model's host cost grows with the tiles)."""
 
 
-def causal_balance(*, n_m: int, n_bh: int, grid: int, Sq: int, Sk: int, heavy_first: bool) -> float:
-    """Modeled makespan of a causal call's CTAs over a perfect split (1.0: every CTA the same work): work tile t
+def causal_makespan_over_mean(*, n_m: int, n_bh: int, grid: int, Sq: int, Sk: int, heavy_first: bool) -> float:
+    """Modeled makespan of a causal call's CTAs over their mean work (1.0: every CTA the same work): work tile t
     (``_fa_order``'s snake, then ``_fa_tile``'s order) runs on CTA t % grid and costs its key tiles plus one (its
     Q load and epilogue)."""
     n = n_m * n_bh
@@ -662,16 +667,20 @@ def causal_balance(*, n_m: int, n_bh: int, grid: int, Sq: int, Sk: int, heavy_fi
 
 
 def heavy_first_pays(*, B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, grid: int, device) -> bool:
-    """Whether a causal FLAT call runs faster with its work tiles heaviest first across all heads: the modeled
-    balance (:func:`causal_balance`) gains at least ``HEAVY_FIRST_MIN_GAIN`` and the K and V codes of all heads take
-    at most ``HEAVY_FIRST_MAX_L2`` L2 caches (heavy first reads every head's keys in each round; head by head keeps
-    one head's in L2 while its query blocks run)."""
-    kv_bytes = B * Hkv * D * (Sk + -(-Sk // 32) * 32)
-    if kv_bytes > HEAVY_FIRST_MAX_L2 * l2_bytes(device):
-        return False
+    """Whether a causal FLAT call takes its work tiles heaviest first across all heads: the modeled balance
+    (:func:`causal_makespan_over_mean`) gains at least ``HEAVY_FIRST_MIN_GAIN``, a CTA takes at most
+    ``HEAVY_FIRST_MAX_ROUNDS`` tiles and K and V take at most ``HEAVY_FIRST_MAX_L2_CACHES`` L2 caches. Measured on
+    an H200: it picked the faster order at eight shapes (BENCHMARKS.md)."""
     n_m = -(-Sq // BLOCK_M)
+    n_tiles = n_m * B * Hq
+    if grid <= 1 or n_tiles == 0 or n_tiles > HEAVY_FIRST_MAX_ROUNDS * grid:
+        return False
+    kv_bytes = B * Hkv * D * (Sk + -(-Sk // 32) * 32)
+    if kv_bytes > HEAVY_FIRST_MAX_L2_CACHES * l2_bytes(device):
+        return False
     kw = dict(n_m=n_m, n_bh=B * Hq, grid=grid, Sq=Sq, Sk=Sk)
-    return causal_balance(**kw, heavy_first=False) >= HEAVY_FIRST_MIN_GAIN * causal_balance(**kw, heavy_first=True)
+    by_head = causal_makespan_over_mean(**kw, heavy_first=False)
+    return by_head >= HEAVY_FIRST_MIN_GAIN * causal_makespan_over_mean(**kw, heavy_first=True)
 
 
 def _flat(qv, kv, vv, *, B, Hq, Hkv, Sq, Sk, D) -> bool:

@@ -48,7 +48,7 @@ from ..runtime.device import l2_bytes
 from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
 from . import _gluon
 from ._checks import views
-from ._gluon import DEFAULT_OPTIONS, HEAVY_FIRST_MAX_L2, GluonOptions
+from ._gluon import DEFAULT_OPTIONS, HEAVY_FIRST_MAX_L2_CACHES, GluonOptions
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
 BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
@@ -564,14 +564,14 @@ INTERPRETED = isinstance(attn_fwd, _Interp) if _Interp else False
 
 def heavy_first_pays(k, v, *, B: int, Hkv: int, Sk: int, varlen: bool, device) -> bool:
     """Whether a causal call of the Triton kernel launches its query blocks heaviest first across all heads rather
-    than head by head: dense calls whose K and V take at most ``HEAVY_FIRST_MAX_L2`` L2 caches. The blocks start in
-    launch order as SMs free up; head by head, the last heads' heaviest blocks start last and the SMs finish unevenly.
-    Heaviest first evens that out, but each wave of blocks reads every head's keys. Measured (H200): 1.03-1.18x at
-    the shapes it picks, 0.99-1.01x at 128-192 MiB of K and V, which it leaves head by head."""
+    than head by head: dense calls whose K and V take at most ``HEAVY_FIRST_MAX_L2_CACHES`` L2 caches. The blocks
+    start in launch order as SMs free up; head by head, the last heads' heaviest blocks start last and the SMs finish
+    unevenly. Heaviest first evens that out, but each wave of blocks reads every head's keys. Measured on an H200:
+    it picked the faster order at sixteen (shape, mode) pairs (BENCHMARKS.md)."""
     if varlen:
         return False
     kv_bytes = B * Hkv * Sk * k.shape[-1] * (k.element_size() + v.element_size())
-    return device.type == "cuda" and kv_bytes <= HEAVY_FIRST_MAX_L2 * l2_bytes(device)
+    return device.type == "cuda" and kv_bytes <= HEAVY_FIRST_MAX_L2_CACHES * l2_bytes(device)
 
 
 def heuristic_config(max_seqlen_q: int, head_dim: int):
@@ -919,8 +919,9 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
     the Gluon kernel runs a dense INT8·FP8 call it takes (``_gluon.GluonOptions``; default: the measured choices).
     ``out_like``: a tensor of q's shape whose memory order the output takes (``torch.empty_like``; e.g. the 16-bit Q
     a quantized q was made from, a (B, H, S, D) view of a (B, S, H, D) tensor); None: contiguous. ``heavy_first``
-    (causal, the Triton kernel): True launches every head's last query block first, then every head's one before, ...;
-    False each head's query blocks together, last first; None: as ``heavy_first_pays`` (tests and benchmarks).
+    (causal without a window, the Triton kernel): True launches every head's last query block first, then every
+    head's one before, ...; False each head's query blocks together, last first; None: as ``heavy_first_pays``
+    (tests and benchmarks).
     """
     options = gluon_options or DEFAULT_OPTIONS
     if v_key_order not in KEY_ORDERS:
@@ -1004,8 +1005,10 @@ def attention_fwd_triton(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, k
                 HAS_KMEAN=km is not None, RETURN_LSE=bool(return_lse), VARLEN=varlen,
                 REVERSE_M=right != BIG, HEAD_DIM=D, INTERPRET=INTERPRETED,
                 TMA=tma_enabled(k, v, kv, vv, pv_fp8, varlen))
-    heavy = right != BIG and (heavy_first_pays(k, v, B=B, Hkv=Hkv, Sk=Sk, varlen=varlen, device=q.device)
-                              if heavy_first is None else bool(heavy_first))
+    # heavy first: causal without a window, its query blocks (of at least 16 rows) within grid dimension 1's limit
+    heavy = bool(causal) and window is None and -(-Sq // 16) <= 65535 and (
+        heavy_first_pays(k, v, B=B, Hkv=Hkv, Sk=Sk, varlen=varlen, device=q.device) if heavy_first is None
+        else bool(heavy_first))
     if heavy:
         meta["HEAVY_FIRST"] = True
 
