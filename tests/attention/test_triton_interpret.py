@@ -258,7 +258,7 @@ def test_forward_heavy_first_same_bits(tri, qk, pv, Sq, Sk, causal, window, layo
 def test_heavy_first_rule_against_measured(tri, B, H, S, D, int8_bf16, fp8_fp8, monkeypatch):
     """The Triton kernel's default order at measured shapes (INT8 Q·Kᵀ with BF16 V carried in FP16, and FP8 / FP8):
     heavy first wherever it measured at least as fast, head by head where it measured slower; varlen head by head."""
-    monkeypatch.setattr(tri, "l2_bytes", lambda device: 60 << 20)
+    monkeypatch.setattr(tri._gluon, "l2_bytes", lambda device: 60 << 20)
     cuda = torch.device("cuda")
     for (kd, vd), faster in (((torch.int8, torch.float16), int8_bf16),
                              ((torch.float8_e4m3fn, torch.float8_e4m3fn), fp8_fp8)):

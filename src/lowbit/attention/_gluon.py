@@ -651,6 +651,11 @@ HEAVY_FIRST_MAX_ROUNDS = 32
 every CTA a like mix of tiles (and the model's host cost grows with the tiles)."""
 
 
+def heavy_first_kv_fits(kv_bytes: int, device) -> bool:
+    """Whether K and V of ``kv_bytes`` are few enough for a heavy-first order (``HEAVY_FIRST_MAX_L2_CACHES``)."""
+    return kv_bytes <= HEAVY_FIRST_MAX_L2_CACHES * l2_bytes(device)
+
+
 def causal_makespan_over_mean(*, n_m: int, n_bh: int, grid: int, Sq: int, Sk: int, heavy_first: bool) -> float:
     """Modeled makespan of a causal call's CTAs over their mean work (1.0: every CTA the same work): work tile t
     (``_fa_order``'s snake, then ``_fa_tile``'s order) runs on CTA t % grid and costs its key tiles plus one (its
@@ -675,8 +680,7 @@ def heavy_first_pays(*, B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, gri
     n_tiles = n_m * B * Hq
     if grid <= 1 or n_tiles == 0 or n_tiles > HEAVY_FIRST_MAX_ROUNDS * grid:
         return False
-    kv_bytes = B * Hkv * D * (Sk + -(-Sk // 32) * 32)
-    if kv_bytes > HEAVY_FIRST_MAX_L2_CACHES * l2_bytes(device):
+    if not heavy_first_kv_fits(2 * B * Hkv * Sk * D, device):  # (INT8 K, E4M3 V)
         return False
     kw = dict(n_m=n_m, n_bh=B * Hq, grid=grid, Sq=Sq, Sk=Sk)
     by_head = causal_makespan_over_mean(**kw, heavy_first=False)

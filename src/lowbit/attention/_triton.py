@@ -44,11 +44,10 @@ except Exception:  # pragma: no cover
     _Interp = ()
 
 from ..runtime import env
-from ..runtime.device import l2_bytes
 from ..runtime.launch import SpecializedLaunch, ensure_tma_allocator, remember
 from . import _gluon
 from ._checks import views
-from ._gluon import DEFAULT_OPTIONS, HEAVY_FIRST_MAX_L2_CACHES, GluonOptions
+from ._gluon import DEFAULT_OPTIONS, GluonOptions
 from .reference import E4M3_MAX, INT8_MAX, LOG2E, QKQuantized, n_q_groups
 
 BIG = 1 << 30  # "no window limit" (keeps i + off + BIG inside int32)
@@ -571,7 +570,7 @@ def heavy_first_pays(k, v, *, B: int, Hkv: int, Sk: int, varlen: bool, device) -
     if varlen:
         return False
     kv_bytes = B * Hkv * Sk * k.shape[-1] * (k.element_size() + v.element_size())
-    return device.type == "cuda" and kv_bytes <= HEAVY_FIRST_MAX_L2_CACHES * l2_bytes(device)
+    return device.type == "cuda" and _gluon.heavy_first_kv_fits(kv_bytes, device)
 
 
 def heuristic_config(max_seqlen_q: int, head_dim: int):
