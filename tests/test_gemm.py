@@ -455,7 +455,7 @@ def test_cpu_dispatch_uses_reference_and_backends_registered():
     a, b = _operands(32, 16, 256, Float8Blockwise(), Float8Blockwise(block_dim=2), "rowwise", "rowwise", "cpu")
     assert backend_for(a, b) == "reference"
     if HAVE_TRITON:
-        assert list(BACKENDS)[:5] == ["deepgemm", "cublas", "triton", "triton_dequant", "triton_emulated"]
+        assert list(BACKENDS)[:6] == ["deepgemm", "cuda", "cublas", "triton", "triton_dequant", "triton_emulated"]
         with pytest.raises(NotImplementedError, match="does not support"):
             scaled_mm(a, b, backend="triton")
         with pytest.raises(NotImplementedError, match="does not support"):

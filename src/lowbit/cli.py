@@ -78,9 +78,10 @@ def cmd_info(argv=None) -> int:
         name = (f"{type(sa).__name__}{'' if not hasattr(sa, 'block_dim') else f'[{sa.block_dim}D]'} x "
                 f"{type(sb).__name__}{'' if not hasattr(sb, 'block_dim') else f'[{sb.block_dim}D]'}")
         print(f"  {name:<50} -> {gemm.backend_for(a, b)}")
-    from lowbit.gemm import deepgemm
+    from lowbit.gemm import cuda_sm90, deepgemm
 
     print(f"  deepgemm: {deepgemm.status(dev if dev.type == 'cuda' else None)}")
+    print(f"  cuda: {cuda_sm90.status(dev if dev.type == 'cuda' else None)}")
     print("\nrecipes (lowbit train --recipe NAME):")
     import warnings
 

@@ -222,6 +222,12 @@ def _layer_calls(x, dy, w, qx, qdy, qw):
             qdy.columnwise.data, qx.columnwise.data.t(), a_s, b_s)
     except Exception as e:  # noqa: BLE001 - any import problem means "no torchao rows"
         print(f"# torchao triton blockwise: {type(e).__name__}: {e}", file=sys.stderr)
+    from lowbit.gemm import BACKENDS
+
+    if "cuda" in BACKENDS:  # lowbit's NVRTC-compiled 1x128 · 128x128 kernel (sm_90)
+        calls["fprop"]["lowbit cuda blockwise"] = lambda: scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
+        calls["dgrad"]["lowbit cuda blockwise"] = lambda: scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16,
+                                                                    backend="cuda")
     for pairing, fns in _deepgemm_calls(qx, qdy, qw).items():
         calls[pairing].update(fns)
     return calls

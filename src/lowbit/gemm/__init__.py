@@ -328,11 +328,11 @@ def wgrad_mm(dy: QuantizedTensor, x: QuantizedTensor, *, out_dtype: torch.dtype 
 
 
 def _load_fast_backends() -> None:
-    """Import the GEMM backends (DeepGEMM where it is installed, cuBLAS through torch, Triton), which register what
-    they support, in this order of preference."""
+    """Import the GEMM backends (DeepGEMM where it is installed, lowbit's CUDA kernel, cuBLAS through torch, Triton),
+    which register what they support, in this order of preference."""
     import importlib.util
 
-    for mod in ("lowbit.gemm.deepgemm", "lowbit.gemm.cublas", "lowbit.gemm.triton_backend"):
+    for mod in ("lowbit.gemm.deepgemm", "lowbit.gemm.cuda_sm90", "lowbit.gemm.cublas", "lowbit.gemm.triton_backend"):
         if mod.endswith("triton_backend") and not triton_installed():
             continue
         if importlib.util.find_spec(mod) is not None:

@@ -1,0 +1,139 @@
+"""lowbit's CUDA backend for :func:`lowbit.gemm.scaled_mm`: registers ``"cuda"``.
+
+Its kernel (``kernels/fp8_1d2d_sm90.py``) is CUDA C++ that NVRTC compiles at run time (``lowbit.runtime.nvrtc``: no
+nvcc, no build step; the cubin is cached on disk) for the blockwise FP8 forward and data-gradient GEMMs: 1x128
+activations or gradients against 128x128 weights, BF16 out.
+
+What it takes (``supports``): an sm_90 GPU; A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
+both E4M3 with 128-element blocks; K a multiple of 16 and N of 8 (TMA's 16-byte row pitch); BF16 out with no epilogue
+(no bias, GELU, accumulation or ``out``); M at least :data:`MIN_M` unless the call names this backend. Every other
+call goes to the next backend.
+
+Numerics: each 128-wide K block's sum is formed on the tensor cores and promoted into FP32 with both scales, as
+NUMERICS §5 requires of a fast backend; the GPU test holds it to that section's bound and to the reference's bits where
+every partial sum is exact.
+
+Where the kernel cannot be built (no NVRTC library, a driver without TMA), lowbit warns once and this backend takes no
+more calls; the call runs on the next backend. Nothing here touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..quant.tensor import cdiv
+from ..runtime import nvrtc
+from ..runtime.device import capability, num_sms
+from ..runtime.log import declined, warn_once
+from . import check_k_contiguous, forget_choices, gemm_dims, register_backend, run_after
+from .kernels import fp8_1d2d_sm90 as K1D2D
+
+__all__ = ["supports", "scaled_mm_cuda", "status", "MIN_M", "TILE"]
+
+MIN_M = 8192
+"""The fewest rows (tokens) a call needs for this backend to take it unasked."""
+
+TILE = dict(block_m=256, block_n=128, stages=3, group_m=8, cluster=2)
+"""The kernel's tile: ``block_m`` x ``block_n`` outputs a CTA, ``stages`` shared-memory stages, row-block groups of
+``group_m``, ``cluster`` CTAs (side by side along N) sharing A's tile by TMA multicast."""
+
+_lock = threading.Lock()
+_state: dict = {}  # "kernel": the CudaKernel; "why": why the backend is off (a build that failed)
+
+
+def _kernel() -> nvrtc.CudaKernel:
+    k = _state.get("kernel")
+    if k is None:
+        with _lock:
+            k = _state.get("kernel")
+            if k is None:
+                k = nvrtc.CudaKernel(K1D2D.source(**TILE), K1D2D.KERNEL_NAME, "sm_90a",
+                                     shared_bytes=K1D2D.shared_bytes(TILE["block_m"], TILE["block_n"], TILE["stages"]))
+                _state["kernel"] = k
+    return k
+
+
+def status(device=None) -> str:
+    """One line for ``lowbit info``: whether this backend runs on ``device`` (default: the current CUDA device)."""
+    if "why" in _state:
+        return f"off: {_state['why']}"
+    if device is None:
+        if not torch.cuda.is_available():
+            return "not used: no CUDA device"
+        device = torch.device("cuda")
+    if device.type != "cuda":
+        return f"not used: {device} is not a CUDA device"
+    if not _on_sm90(device):
+        return f"not used: its kernel is sm_90's, this GPU is sm_{''.join(map(str, capability(device)))}"
+    return f"1x128 x 128x128 blockwise FP8, BF16 out, no epilogue, M >= {MIN_M} (NVRTC, cached in {nvrtc.cache_dir()})"
+
+
+def _on_sm90(device) -> bool:
+    return device.type == "cuda" and capability(device) == (9, 0)
+
+
+def _is(sch, block_dim: int) -> bool:
+    return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
+            and sch.block_size == BLOCK_SIZE)
+
+
+def supports(a, b, a_copy, b_copy, opts) -> bool:
+    """The calls this backend takes (the module docstring's rules)."""
+    if "why" in _state or not (_is(a.scheme, 1) and _is(b.scheme, 2)):
+        return False
+    if opts.get("out_dtype") != torch.bfloat16 or opts.get("bias") is not None or opts.get("gelu") \
+            or opts.get("accumulate") or opts.get("out") is not None:
+        return False
+    M, N, K = gemm_dims(a, b, a_copy, b_copy)
+    if K % 16 or N % 8 or M == 0 or N == 0 or K == 0:
+        return False
+    if M < MIN_M and not opts.get("forced"):
+        return False
+    return _on_sm90(a.device) and _on_sm90(b.device)
+
+
+def _aligned(*ts) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """``A · Bᵀ`` in BF16 through the 1x128 · 128x128 kernel (see :func:`lowbit.gemm.scaled_mm`); returns
+    ``(y, None)``. Operands whose data or scales are not 16-byte aligned (views into a larger buffer) run on the next
+    backend."""
+    kw = dict(a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
+    ca, cb = getattr(a, a_copy), getattr(b, b_copy)
+    A, B, SA, SB = ca.data, cb.data, ca.scale_inv, cb.scale_inv
+    check_k_contiguous("a", a_copy, A, "cuda")
+    check_k_contiguous("b", b_copy, B, "cuda")
+    if not _aligned(A, B, SA) or SA.stride(1) != 1 or SB.stride(1) != 1:
+        declined("cuda", "operand data or scales not 16-byte aligned")
+        return run_after("cuda", a, b, **kw)
+    M, N, Kd = gemm_dims(a, b, a_copy, b_copy)
+    y = torch.empty(M, N, device=A.device, dtype=torch.bfloat16)
+    bm, bk, bn, cl = TILE["block_m"], K1D2D.BLOCK_K, TILE["block_n"], TILE["cluster"]
+    try:
+        kernel = _kernel()
+        args = [
+            nvrtc.tensor_map_2d(A, nvrtc.U8, M, Kd, A.stride(0), bm // cl, bk, nvrtc.SWIZZLE_128B),
+            nvrtc.tensor_map_2d(B, nvrtc.U8, N, Kd, B.stride(0), bn, bk, nvrtc.SWIZZLE_128B),
+            nvrtc.tensor_map_2d(SA, nvrtc.F32, cdiv(Kd, bk), M, SA.stride(0) * 4, 1, bm, nvrtc.SWIZZLE_NONE),
+            nvrtc.tensor_map_2d(y, nvrtc.BF16, M, N, N * 2, bm, 64, nvrtc.SWIZZLE_128B),
+            ctypes.c_void_p(SB.data_ptr()),
+            ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kd), ctypes.c_int(SB.stride(0)),
+        ]
+        tiles = cdiv(M, bm) * cdiv(N, bn * cl)  # (of cl CTAs each)
+        kernel.launch(A.device, (min(tiles, num_sms(A.device) // cl) * cl, 1, 1), K1D2D.THREADS, args, cluster=cl)
+    except nvrtc.KernelUnavailable as e:
+        _state["why"] = str(e).splitlines()[0]
+        warn_once(f"lowbit: the CUDA GEMM kernel is unavailable ({_state['why']}); blockwise GEMMs run on the next "
+                  "backend (cuBLAS, or lowbit's Gluon / Triton kernel)")
+        forget_choices()
+        return run_after("cuda", a, b, **kw)
+    return y, None
+
+
+register_backend("cuda", supports, scaled_mm_cuda)

@@ -1,0 +1,186 @@
+"""lowbit's CUDA backend (``lowbit.gemm.cuda_sm90``) and the NVRTC runtime under it (``lowbit.runtime.nvrtc``).
+
+On the CPU: which calls the backend takes, that a kernel that cannot be built sends calls to the next backend with one
+warning, the compile cache, and (where an NVRTC library is installed: it compiles without a GPU) that the kernel
+compiles for sm_90a without spilling. On the GPU: against the float64 reference under NUMERICS §5's bound on odd
+shapes, bit for bit where every partial sum is exact, inside a CUDA graph, and a corrupted cache file.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_gemm_deepgemm import _layer  # (x and w quantized as an fp8-block Linear does)
+
+from lowbit.gemm import backend_for, cuda_sm90, forget_choices, scaled_mm, scaled_mm_reference
+from lowbit.gemm.kernels import fp8_1d2d_sm90 as K1D2D
+from lowbit.quant import Float8Blockwise, quantize
+from lowbit.runtime import env, nvrtc
+
+ACT, WEIGHT = Float8Blockwise(), Float8Blockwise(block_dim=2)
+
+
+def _nvrtc_or_skip():
+    try:
+        nvrtc.nvrtc_version()
+    except nvrtc.KernelUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The backend's state fresh, the CPU taken for an sm_90 GPU, and the dispatcher's memo forgotten before and
+    after."""
+    monkeypatch.setattr(cuda_sm90, "_state", {})
+    monkeypatch.setattr(cuda_sm90, "_on_sm90", lambda device: True)
+    forget_choices()
+    yield
+    forget_choices()
+
+
+def test_the_calls_it_takes(fresh, monkeypatch):
+    """A plain BF16-out 1x128 · 128x128 E4M3 GEMM with K a multiple of 16 and N of 8, of at least MIN_M rows unless
+    named; nothing else, and nothing off sm_90."""
+    monkeypatch.setattr(cuda_sm90, "MIN_M", 1)
+    monkeypatch.setattr("lowbit.gemm.deepgemm._module", lambda: None)
+    bf16 = torch.bfloat16
+    qx, qw = _layer(256, 272, 264, seed=1)
+    assert backend_for(qx, qw, out_dtype=bf16) == "cuda"
+    for opts in [dict(out_dtype=torch.float32), dict(out_dtype=bf16, bias=torch.zeros(264)),
+                 dict(out_dtype=bf16, gelu=True), dict(out_dtype=bf16, out=torch.empty(256, 264, dtype=bf16))]:
+        assert backend_for(qx, qw, **opts) != "cuda", opts
+    for sa, sb, (k, n) in [(ACT, ACT, (256, 256)), (Float8Blockwise(fmt="e5m2"), WEIGHT, (256, 256)),
+                           (ACT, WEIGHT, (264, 256)), (ACT, WEIGHT, (256, 258))]:
+        a = quantize(torch.randn(64, k).bfloat16(), sa)
+        b = quantize(torch.randn(n, k).bfloat16(), sb)
+        assert backend_for(a, b, out_dtype=bf16) != "cuda", (sa, sb, k, n)
+    monkeypatch.setattr(cuda_sm90, "MIN_M", 512)
+    assert backend_for(qx, qw, out_dtype=bf16) != "cuda"
+    with pytest.raises(NotImplementedError, match="'cuda' does not support"):
+        scaled_mm(qx, qw, out_dtype=torch.float32, backend="cuda")
+    monkeypatch.setattr(cuda_sm90, "_on_sm90", lambda device: False)
+    assert backend_for(qx, qw, out_dtype=bf16, backend=None) != "cuda"
+    assert cuda_sm90.status(torch.device("cpu")) == "not used: cpu is not a CUDA device"
+
+
+def test_a_kernel_that_cannot_be_built_sends_calls_on(fresh, monkeypatch):
+    """No NVRTC (or a source it rejects): one warning naming what is missing, the call answered by the next backend
+    (the reference here), the backend off from then on and ``status`` saying why."""
+    def missing():
+        raise nvrtc.KernelUnavailable("NVRTC (libnvrtc.so.13) was not found: pip install nvidia-cuda-nvrtc")
+
+    monkeypatch.setattr(cuda_sm90, "_kernel", missing)
+    qx, qw = _layer(200, 384, 264, seed=2)
+    with pytest.warns(UserWarning, match=r"CUDA GEMM kernel is unavailable \(NVRTC \(libnvrtc.so.13\) was not found"):
+        y = scaled_mm(qx, qw, out_dtype=torch.bfloat16, backend="cuda")
+    assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=torch.bfloat16)[0])
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) != "cuda"
+    assert cuda_sm90.status().startswith("off: NVRTC (libnvrtc.so.13) was not found")
+
+
+def test_source_rejects_a_tile_wgmma_lacks():
+    for bad in (0, 24, 272):
+        with pytest.raises(ValueError, match=f"block_n: expected a multiple of 16 in \\[16, 128\\].*got {bad}"):
+            K1D2D.source(128, bad, 4, 8)
+    with pytest.raises(ValueError, match="block_m: expected 128 or 256.*got 64"):
+        K1D2D.source(64, 128, 4, 8)
+
+
+def test_the_kernel_compiles_for_sm90a_without_spills():
+    """NVRTC compiles without a GPU: the kernel at the backend's tile builds for sm_90a, and ptxas reports no spills
+    and at most 168 registers a thread (384 threads a CTA)."""
+    _nvrtc_or_skip()
+    src = K1D2D.source(**cuda_sm90.TILE)
+    _, log = nvrtc.compile_cubin(src, K1D2D.KERNEL_NAME, "sm_90a", ("--ptxas-options=-v",), cache=False)
+    assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert regs <= 168, log
+
+
+def test_compiled_kernels_are_cached_on_disk(tmp_path):
+    """The first compile writes the cubin under the cache directory; a second gets those bytes back without NVRTC's
+    log; a source NVRTC rejects raises KernelUnavailable with its log."""
+    _nvrtc_or_skip()
+    src = 'extern "C" __global__ void lowbit_probe(float* x) { x[threadIdx.x] += 1.f; }\n'
+    with env.override(LOWBIT_CACHE=str(tmp_path)):
+        cubin, log = nvrtc.compile_cubin(src, "lowbit_probe", "sm_90a", ("--ptxas-options=-v",))
+        files = list((tmp_path / "kernels").glob("lowbit_probe-*.cubin"))
+        assert len(files) == 1 and files[0].read_bytes() == cubin and "lowbit_probe" in log
+        again, log2 = nvrtc.compile_cubin(src, "lowbit_probe", "sm_90a", ("--ptxas-options=-v",))
+        assert again == cubin and log2 == ""
+        other, _ = nvrtc.compile_cubin(src, "lowbit_probe", "sm_90a")  # other options: another key
+        assert len(list((tmp_path / "kernels").glob("lowbit_probe-*.cubin"))) == 2 and other
+        with pytest.raises(nvrtc.KernelUnavailable, match=r"could not compile lowbit_bad.*\n.*error"):
+            nvrtc.compile_cubin("this is not CUDA", "lowbit_bad", "sm_90a")
+
+
+# (M, K, N): M below one tile, ragged and above a wave of tiles; K a multiple of 16 but not of 128 (the last block
+# zero-filled by TMA), K / 128 of 3 and 22 (the 128x128 grid's rows padded); N a multiple of 8, not of 128 (an odd
+# number of column blocks: the cluster's second CTA computes past N and stores nothing)
+GPU_SHAPES = [(72, 384, 128), (200, 400, 264), (1040, 2816, 2832), (4096, 1024, 3072), (8192, 512, 264),
+              (130, 144, 1024)]
+
+
+def _sm90(cuda):
+    if not cuda_sm90._on_sm90(cuda):
+        pytest.skip("the kernel is sm_90's")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", GPU_SHAPES)
+def test_gpu_cuda_vs_reference(M, K, N, cuda):
+    """The kernel within NUMERICS §5's bound of the float64 reference (the test_gemm bound) on random data, forward
+    and data gradient; bit for bit on small integers with power-of-two scales, where every partial sum is exact."""
+    _sm90(cuda)
+    from test_gemm import _check, _operands
+
+    a, b = _operands(M, N, K, ACT, WEIGHT, "rowwise", "rowwise", cuda, seed=K)
+    _check(a, b, "rowwise", "rowwise", "cuda", out_dtype=torch.bfloat16)
+    pow2 = Float8Blockwise(pow2=True), Float8Blockwise(block_dim=2, pow2=True)
+    a, b = _operands(M, N, K, *pow2, "rowwise", "rowwise", cuda, seed=K + 1, ints=True)
+    y = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="cuda")
+    assert torch.equal(y, scaled_mm_reference(a, b, out_dtype=torch.bfloat16)[0].to(cuda))
+    if N % 16 == 0:  # the data gradient contracts over N
+        a, b = _operands(M, K, N, ACT, WEIGHT, "rowwise", "columnwise", cuda, seed=N)
+        _check(a, b, "rowwise", "columnwise", "cuda", out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_in_a_cuda_graph_and_from_a_corrupted_cache(cuda, tmp_path, monkeypatch):
+    """A captured call replays on new operand values with the bits of an eager call on them; a cache file that is
+    not a cubin is compiled afresh (and rewritten) rather than failing the call."""
+    _sm90(cuda)
+    bf16 = torch.bfloat16
+    with env.override(LOWBIT_CACHE=str(tmp_path)):
+        monkeypatch.setattr(cuda_sm90, "_state", {})
+        qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
+        y0 = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
+        nx, _ = _layer(512, 1024, 768, seed=8, device=cuda)
+        qx.rowwise.data.copy_(nx.rowwise.data)
+        qx.rowwise.scale_inv.copy_(nx.rowwise.scale_inv)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, scaled_mm(nx, qw, out_dtype=bf16, backend="cuda")) and not torch.equal(y, y0)
+        (cached,) = (tmp_path / "kernels").glob("*.cubin")
+        good = cached.read_bytes()
+        cached.write_bytes(b"not a cubin")
+        monkeypatch.setattr(cuda_sm90, "_state", {})
+        assert torch.equal(scaled_mm(qx, qw, out_dtype=bf16, backend="cuda"), y)
+        assert cached.read_bytes() == good
+
+
+def test_a_fresh_compile_rewrites_the_cached_file(tmp_path):
+    """``fresh=True`` (what the loader asks for when the driver rejects a cached cubin) compiles again and replaces
+    the cached file."""
+    _nvrtc_or_skip()
+    src = 'extern "C" __global__ void lowbit_probe2(float* x) { x[threadIdx.x] *= 2.f; }\n'
+    with env.override(LOWBIT_CACHE=str(tmp_path)):
+        good, _ = nvrtc.compile_cubin(src, "lowbit_probe2", "sm_90a")
+        (cached,) = (tmp_path / "kernels").glob("lowbit_probe2-*.cubin")
+        cached.write_bytes(b"not a cubin")
+        assert nvrtc.compile_cubin(src, "lowbit_probe2", "sm_90a")[0] == b"not a cubin"
+        assert nvrtc.compile_cubin(src, "lowbit_probe2", "sm_90a", fresh=True)[0] == good == cached.read_bytes()
