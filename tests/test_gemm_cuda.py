@@ -55,6 +55,10 @@ def test_the_calls_it_takes(fresh, monkeypatch):
         a = quantize(torch.randn(64, k).bfloat16(), sa)
         b = quantize(torch.randn(n, k).bfloat16(), sb)
         assert backend_for(a, b, out_dtype=bf16) != "cuda", (sa, sb, k, n)
+    with env.override(LOWBIT_CUDA_GEMM=False):
+        assert backend_for(qx, qw, out_dtype=bf16) != "cuda"
+        assert cuda_sm90.status() == "off (LOWBIT_CUDA_GEMM=0)"
+    assert backend_for(qx, qw, out_dtype=bf16) == "cuda"
     monkeypatch.setattr(cuda_sm90, "MIN_M", 512)
     assert backend_for(qx, qw, out_dtype=bf16) != "cuda"
     with pytest.raises(NotImplementedError, match="'cuda' does not support"):
@@ -148,13 +152,20 @@ def test_gpu_cuda_vs_reference(M, K, N, cuda):
 
 @pytest.mark.gpu
 def test_gpu_cuda_in_a_cuda_graph_and_from_a_corrupted_cache(cuda, tmp_path, monkeypatch):
-    """A captured call replays on new operand values with the bits of an eager call on them; a cache file that is
-    not a cubin is compiled afresh (and rewritten) rather than failing the call."""
+    """A first call inside a capture runs on the next backend (cuBLAS); a captured call replays on new operand values
+    with the bits of an eager call on them; a cache file that is not a cubin is compiled afresh (and rewritten) rather
+    than failing the call."""
     _sm90(cuda)
     bf16 = torch.bfloat16
     with env.override(LOWBIT_CACHE=str(tmp_path)):
         monkeypatch.setattr(cuda_sm90, "_state", {})
         qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
+        first = torch.cuda.CUDAGraph()  # the first call inside a capture: no compile there, cuBLAS runs it
+        with torch.cuda.graph(first):
+            z = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
+        first.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(z, scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"))
         y0 = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -184,3 +195,19 @@ def test_a_fresh_compile_rewrites_the_cached_file(tmp_path):
         cached.write_bytes(b"not a cubin")
         assert nvrtc.compile_cubin(src, "lowbit_probe2", "sm_90a")[0] == b"not a cubin"
         assert nvrtc.compile_cubin(src, "lowbit_probe2", "sm_90a", fresh=True)[0] == good == cached.read_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(8192, 1024, 3072), (8192, 2816, 1024), (4096, 2048, 5632), (2048, 11264, 2048)])
+def test_gpu_cuda_gives_cublas_bits(M, K, N, cuda):
+    """On the GPT layer shapes it forms the same block sums and promotes them in the same order as cuBLAS's blockwise
+    kernel: the same bits, forward and data gradient, so a traced linear (cuBLAS) agrees with eager (this kernel)."""
+    _sm90(cuda)
+    qx, qw = _layer(M, K, N, seed=M + K, device=cuda)
+    bf16 = torch.bfloat16
+    assert torch.equal(scaled_mm(qx, qw, out_dtype=bf16, backend="cuda"),
+                       scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"))
+    g = torch.Generator().manual_seed(N)
+    qdy = quantize(torch.randn(M, N, generator=g).bfloat16().to(cuda), ACT)
+    assert torch.equal(scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16, backend="cuda"),
+                       scaled_mm(qdy, qw, b_copy="columnwise", out_dtype=bf16, backend="cublas"))

@@ -226,7 +226,7 @@ def scaled_mm(
                    None if bias is None else (bias.shape, bias.device, bias.dtype), gelu.__class__, gelu,
                    accumulate.__class__, accumulate, None if out is None else (out.shape, out.device, out.dtype),
                    getattr(a, a_copy, None) is not None, getattr(b, b_copy, None) is not None,
-                   env.get("LOWBIT_DEEPGEMM"))
+                   env.get("LOWBIT_DEEPGEMM"), env.get("LOWBIT_CUDA_GEMM"))
             fn = _CHOICE.get(key)
         except (TypeError, AttributeError):  # unhashable, or a bias / out that is no tensor: _validate names it
             _validate(a, b, a_copy, b_copy, out_dtype, bias, gelu, accumulate, out)

@@ -7,14 +7,16 @@ activations or gradients against 128x128 weights, BF16 out.
 What it takes (``supports``): an sm_90 GPU; A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
 both E4M3 with 128-element blocks; K a multiple of 16 and N of 8 (TMA's 16-byte row pitch); BF16 out with no epilogue
 (no bias, GELU, accumulation or ``out``); M at least :data:`MIN_M` unless the call names this backend. Every other
-call goes to the next backend.
+call goes to the next backend. ``LOWBIT_CUDA_GEMM=0`` turns it off.
 
 Numerics: each 128-wide K block's sum is formed on the tensor cores and promoted into FP32 with both scales, as
 NUMERICS §5 requires of a fast backend; the GPU test holds it to that section's bound and to the reference's bits where
 every partial sum is exact.
 
 Where the kernel cannot be built (no NVRTC library, a driver without TMA), lowbit warns once and this backend takes no
-more calls; the call runs on the next backend. Nothing here touches CUDA at import time.
+more calls; the call runs on the next backend. The first call on a device compiles (a fraction of a second; the cubin is
+kept in the disk cache) and loads the kernel, so a first call inside a CUDA-graph capture runs on the next backend too.
+Nothing here touches CUDA at import time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..quant.tensor import cdiv
-from ..runtime import nvrtc
+from ..runtime import env, nvrtc
 from ..runtime.device import capability, num_sms
 from ..runtime.log import declined, warn_once
 from . import check_k_contiguous, forget_choices, gemm_dims, register_backend, run_after
@@ -59,6 +61,8 @@ def _kernel() -> nvrtc.CudaKernel:
 
 def status(device=None) -> str:
     """One line for ``lowbit info``: whether this backend runs on ``device`` (default: the current CUDA device)."""
+    if not env.get("LOWBIT_CUDA_GEMM"):
+        return "off (LOWBIT_CUDA_GEMM=0)"
     if "why" in _state:
         return f"off: {_state['why']}"
     if device is None:
@@ -83,7 +87,7 @@ def _is(sch, block_dim: int) -> bool:
 
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     """The calls this backend takes (the module docstring's rules)."""
-    if "why" in _state or not (_is(a.scheme, 1) and _is(b.scheme, 2)):
+    if "why" in _state or not (_is(a.scheme, 1) and _is(b.scheme, 2)) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
     if opts.get("out_dtype") != torch.bfloat16 or opts.get("bias") is not None or opts.get("gelu") \
             or opts.get("accumulate") or opts.get("out") is not None:
@@ -117,6 +121,9 @@ def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, ac
     bm, bk, bn, cl = TILE["block_m"], K1D2D.BLOCK_K, TILE["block_n"], TILE["cluster"]
     try:
         kernel = _kernel()
+        if A.is_cuda and torch.cuda.is_current_stream_capturing() and not kernel.loaded(A.device.index):
+            declined("cuda", "the kernel's first call on this device inside a CUDA-graph capture (no compile there)")
+            return run_after("cuda", a, b, **kw)
         args = [
             nvrtc.tensor_map_2d(A, nvrtc.U8, M, Kd, A.stride(0), bm // cl, bk, nvrtc.SWIZZLE_128B),
             nvrtc.tensor_map_2d(B, nvrtc.U8, N, Kd, B.stride(0), bn, bk, nvrtc.SWIZZLE_128B),

@@ -118,6 +118,9 @@ SWITCHES: dict[str, Switch] = _switches(
            "DeepGEMM's sm_90 kernel for the blockwise FP8 forward and data-gradient GEMMs of at least 8192 tokens "
            "(1x128 x 128x128, BF16 out) where the deep_gemm package imports; 0: never (cuBLAS and the Gluon kernel "
            "take them)."),
+    Switch("LOWBIT_CUDA_GEMM", _bool, True,
+           "lowbit's CUDA kernel (compiled at run time by NVRTC) for the blockwise FP8 forward and data-gradient "
+           "GEMMs of at least 8192 tokens on sm_90; 0: never (cuBLAS takes them)."),
     Switch("LOWBIT_UNFUSE", _fusions, frozenset(),
            "Comma-separated fused kernels to replace by their unfused path (same bits; norm_quant and "
            "norm_backward to FP32 rounding), or 'all': "
@@ -129,7 +132,8 @@ SWITCHES: dict[str, Switch] = _switches(
            "Every NaN-sentry check waits for the GPU, so a non-finite value raises at the exit of the step that "
            "made it (one sync per check)."),
     Switch("LOWBIT_CACHE", _path, None,
-           "Directory of the training corpus cache (default $XDG_CACHE_HOME/lowbit or ~/.cache/lowbit)."),
+           "Directory of the training corpus cache and of the compiled CUDA kernels (kernels/) (default "
+           "$XDG_CACHE_HOME/lowbit or ~/.cache/lowbit)."),
     Switch("LOWBIT_LOG", _choice("warning", "info", "debug"), "warning",
            "Level of the 'lowbit' logger; debug says why a fast path declined a call."),
 )

@@ -187,6 +187,10 @@ class CudaKernel:
         self.shared_bytes = shared_bytes
         self._fn: dict[int, ctypes.c_void_p] = {}
 
+    def loaded(self, index: int) -> bool:
+        """Whether the kernel is loaded on CUDA device ``index`` (a launch there compiles and loads nothing)."""
+        return index in self._fn
+
     def cubin(self) -> bytes:
         return compile_cubin(self.source, self.name, self.arch, self.options)[0]
 

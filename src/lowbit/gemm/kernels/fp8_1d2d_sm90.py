@@ -255,16 +255,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) @NAME@(
       if (threadIdx.x == 128) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
       consumers_sync();
       {
-        // row % 8 is lane / 4 for both of a thread's rows: the swizzle XORs each 16-byte chunk index with it
-        const u32 base = smem_addr(s_d) + row * 128 + (lane % 4) * 4, x = lane / 4;
+        // stmatrix x4: four 8 x 8 blocks a call (rows 0-7 and 8-15 of this warp's 16, two 8-column groups), lane l
+        // addressing row l % 8 of block l / 8; a block row is one 16-byte chunk, at chunk ^ (row % 8) = chunk ^ l % 8
+        const int m = lane / 8, r = lane % 8;
+        const u32 row_at = smem_addr(s_d) + (wg_row + warp * 16 + 8 * (m % 2) + r) * 128;
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
 #pragma unroll
-          for (int j = 0; j < BLOCK_N / 2; j += 4) {
-            const u32 at = base + ((j / 32) * BLOCK_M + 64 * h) * 128 + ((((j / 4) % 8) ^ x) * 16);
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(bf16x2(acc[h][j], acc[h][j + 1])) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 8 * 128), "r"(bf16x2(acc[h][j + 2], acc[h][j + 3]))
-                         : "memory");
+          for (int g = 0; g < BLOCK_N / 8; g += 2) {
+            const int col_group = g + m / 2;  // this lane's 8-column group
+            const u32 at = row_at + ((col_group / 8) * BLOCK_M + 64 * h) * 128 + (((col_group % 8) ^ r) * 16);
+            const float* v = &acc[h][4 * g];
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                         :: "r"(at), "r"(bf16x2(v[0], v[1])), "r"(bf16x2(v[2], v[3])), "r"(bf16x2(v[4], v[5])),
+                            "r"(bf16x2(v[6], v[7])) : "memory");
           }
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (generic writes, read by TMA)
