@@ -44,6 +44,7 @@ def test_transition_gaps_whole_gpu_idle_by_family():
 
     assert kernel_family("nvjet_sm90_qqtst_128x128") == "cublas"
     assert kernel_family("cudnn_generated_fort_native_sdpa") == "cudnn"
+    assert kernel_family("lowbit_fp8_gemm_1x128_128x128_sm90") == "cuda:lowbit_fp8_gemm_1x128_128x128_sm90"
     assert kernel_family("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 2048u, 128u>(float*, int*)") == "deepgemm"
     assert kernel_family("void at::native::vectorized_elementwise_kernel<4>") == "torch"
     assert kernel_family("rowcol_1x128_regs") == "triton:rowcol_1x128_regs"

@@ -85,9 +85,12 @@ def summarize(kernels: list[tuple[float, float, str]], top: int = 25) -> dict:
 
 def kernel_family(name: str) -> str:
     """The library a kernel comes from, by its name: ``cublas`` (nvjet / cutlass GEMMs), ``deepgemm``, ``cudnn``,
-    ``torch`` (ATen's templates) or ``triton:<name>`` (anything else: lowbit's Triton / Gluon kernels)."""
+    ``torch`` (ATen's templates), ``cuda:<name>`` (lowbit's NVRTC-compiled kernels, named ``lowbit_*``) or
+    ``triton:<name>`` (anything else: lowbit's Triton / Gluon kernels)."""
     if name.startswith(("nvjet", "sm90_xmma", "cutlass")):
         return "cublas"
+    if name.startswith("lowbit_"):
+        return "cuda:" + name[:40]
     if "deep_gemm::" in name:
         return "deepgemm"
     if "cudnn" in name:
