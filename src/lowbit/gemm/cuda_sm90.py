@@ -43,6 +43,8 @@ TILE = dict(block_m=256, block_n=128, stages=3, group_m=8, cluster=2)
 """The kernel's tile: ``block_m`` x ``block_n`` outputs a CTA, ``stages`` shared-memory stages, row-block groups of
 ``group_m``, ``cluster`` CTAs (side by side along N) sharing A's tile by TMA multicast."""
 
+_MAX_DIM = 2**31 - 256  # (TMA coordinates and the kernel's sizes are 32-bit)
+
 _lock = threading.Lock()
 _state: dict = {}  # "kernel": the CudaKernel; "why": why the backend is off (a build that failed)
 
@@ -93,11 +95,16 @@ def supports(a, b, a_copy, b_copy, opts) -> bool:
             or opts.get("accumulate") or opts.get("out") is not None:
         return False
     M, N, K = gemm_dims(a, b, a_copy, b_copy)
-    if K % 16 or N % 8 or M == 0 or N == 0 or K == 0:
+    if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:
         return False
     if M < MIN_M and not opts.get("forced"):
         return False
     return _on_sm90(a.device) and _on_sm90(b.device)
+
+
+def _row_pitch(t: torch.Tensor) -> int:
+    """Elements between rows of a 2D grid (torch gives a one-row tensor any row stride)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
 def _aligned(*ts) -> bool:
@@ -113,9 +120,15 @@ def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, ac
     A, B, SA, SB = ca.data, cb.data, ca.scale_inv, cb.scale_inv
     check_k_contiguous("a", a_copy, A, "cuda")
     check_k_contiguous("b", b_copy, B, "cuda")
-    if not _aligned(A, B, SA) or SA.stride(1) != 1 or SB.stride(1) != 1:
+    if not _aligned(A, B, SA):
         declined("cuda", "operand data or scales not 16-byte aligned")
         return run_after("cuda", a, b, **kw)
+    if (SA.shape[1] > 1 and SA.stride(1) != 1) or (SB.shape[1] > 1 and SB.stride(1) != 1) or _row_pitch(SA) % 4:
+        declined("cuda", "scale grids with strided rows, or A's rows not 16 bytes apart")
+        return run_after("cuda", a, b, **kw)
+    if A.is_cuda and A.device.index != torch.cuda.current_device():
+        with torch.cuda.device(A.device):
+            return scaled_mm_cuda(a, b, **kw)
     M, N, Kd = gemm_dims(a, b, a_copy, b_copy)
     y = torch.empty(M, N, device=A.device, dtype=torch.bfloat16)
     bm, bk, bn, cl = TILE["block_m"], K1D2D.BLOCK_K, TILE["block_n"], TILE["cluster"]
@@ -125,12 +138,12 @@ def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, ac
             declined("cuda", "the kernel's first call on this device inside a CUDA-graph capture (no compile there)")
             return run_after("cuda", a, b, **kw)
         args = [
-            nvrtc.tensor_map_2d(A, nvrtc.U8, M, Kd, A.stride(0), bm // cl, bk, nvrtc.SWIZZLE_128B),
-            nvrtc.tensor_map_2d(B, nvrtc.U8, N, Kd, B.stride(0), bn, bk, nvrtc.SWIZZLE_128B),
-            nvrtc.tensor_map_2d(SA, nvrtc.F32, cdiv(Kd, bk), M, SA.stride(0) * 4, 1, bm, nvrtc.SWIZZLE_NONE),
+            nvrtc.tensor_map_2d(A, nvrtc.U8, M, Kd, Kd, bm // cl, bk, nvrtc.SWIZZLE_128B),
+            nvrtc.tensor_map_2d(B, nvrtc.U8, N, Kd, Kd, bn, bk, nvrtc.SWIZZLE_128B),
+            nvrtc.tensor_map_2d(SA, nvrtc.F32, cdiv(Kd, bk), M, _row_pitch(SA) * 4, 1, bm, nvrtc.SWIZZLE_NONE),
             nvrtc.tensor_map_2d(y, nvrtc.BF16, M, N, N * 2, bm, 64, nvrtc.SWIZZLE_128B),
             ctypes.c_void_p(SB.data_ptr()),
-            ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kd), ctypes.c_int(SB.stride(0)),
+            ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kd), ctypes.c_int(_row_pitch(SB)),
         ]
         tiles = cdiv(M, bm) * cdiv(N, bn * cl)  # (of cl CTAs each)
         kernel.launch(A.device, (min(tiles, num_sms(A.device) // cl) * cl, 1, 1), K1D2D.THREADS, args, cluster=cl)

@@ -13,6 +13,7 @@ a library or touches CUDA at import time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
@@ -81,7 +82,24 @@ def _cuda():
     return _libs["cuda"]
 
 
+def _bind_primary_context(index: int) -> None:
+    """Make device ``index``'s primary context (the one torch uses) current on this thread if no context is."""
+    cu = _cuda()
+    ctx = ctypes.c_void_p()
+    _check_cu(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        dev = ctypes.c_int()
+        _check_cu(cu.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        _check_cu(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
 def _check_cu(res: int, what: str) -> None:
+    if res == _CUDA_ERROR_OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError(f"CUDA out of memory in {what}")
     if res:
         msg = ctypes.c_char_p()
         _cuda().cuGetErrorString(res, ctypes.byref(msg))
@@ -143,21 +161,36 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
     opts = [f"--gpu-architecture={arch}", "-std=c++17", *options]
     key = hashlib.sha256("\0".join([source, *opts, repr(nvrtc_version())]).encode()).hexdigest()[:32]
     path = cache_dir() / f"{name}-{key}.cubin"
-    if cache and not fresh and path.is_file():
-        data = path.read_bytes()
+    if cache and not fresh:
+        try:
+            data = path.read_bytes()
+        except OSError:  # not there, or not readable (another user's cache): compile
+            data = b""
         if data:
             return data, ""
     cubin, log = _compile(source, name, opts)
     if cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache: compile again next process
+        _write_atomic(path, cubin)
     return cubin, log
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary file renamed over it (readers see the old file or the new one),
+    readable by others as a plain file would be; a cache that cannot be written is skipped."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -198,24 +231,33 @@ class CudaKernel:
         with _lock:
             if index in self._fn:
                 return self._fn[index]
-            cu = _cuda()
-            with torch.cuda.device(index):
-                torch.cuda.current_stream()  # (the runtime makes the device's primary context current)
-                module = ctypes.c_void_p()
-                cubin = self.cubin()
-                res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
-                if res in _CUDA_ERROR_INVALID_IMAGE:  # a corrupted cache file: compile afresh and rewrite it
-                    cubin = compile_cubin(self.source, self.name, self.arch, self.options, fresh=True)[0]
-                    res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
-                _check_cu(res, f"cuModuleLoadData({self.name})")
-                fn = ctypes.c_void_p()
-                _check_cu(cu.cuModuleGetFunction(ctypes.byref(fn), module, self.name.encode()),
-                          f"cuModuleGetFunction({self.name})")
-                if self.shared_bytes:
-                    _check_cu(cu.cuFuncSetAttribute(fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                    self.shared_bytes), f"cuFuncSetAttribute({self.name})")
+            try:
+                fn = self._load_on(index)
+            except (RuntimeError, AttributeError) as e:  # (a driver without the entry points, an image it rejects)
+                if isinstance(e, (KernelUnavailable, torch.OutOfMemoryError)):
+                    raise
+                raise KernelUnavailable(f"the CUDA driver did not load {self.name}: {e}") from e
             self._fn[index] = fn
             return fn
+
+    def _load_on(self, index: int) -> ctypes.c_void_p:
+        cu = _cuda()
+        with torch.cuda.device(index):
+            _bind_primary_context(index)
+            module = ctypes.c_void_p()
+            cubin = self.cubin()
+            res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
+            if res in _CUDA_ERROR_INVALID_IMAGE:  # a corrupted cache file: compile afresh and rewrite it
+                cubin = compile_cubin(self.source, self.name, self.arch, self.options, fresh=True)[0]
+                res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
+            _check_cu(res, f"cuModuleLoadData({self.name})")
+            fn = ctypes.c_void_p()
+            _check_cu(cu.cuModuleGetFunction(ctypes.byref(fn), module, self.name.encode()),
+                      f"cuModuleGetFunction({self.name})")
+            if self.shared_bytes:
+                _check_cu(cu.cuFuncSetAttribute(fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                self.shared_bytes), f"cuFuncSetAttribute({self.name})")
+        return fn
 
     def launch(self, device: torch.device, grid: tuple[int, int, int], block: int, args: list,
                cluster: int = 1) -> None:
@@ -223,6 +265,9 @@ class CudaKernel:
         (``ctypes.c_void_p`` for pointers, ``ctypes.c_int`` for ints, a :func:`tensor_map_2d` buffer for a
         ``__grid_constant__`` descriptor). ``cluster``: CTAs per cluster along x (1: none)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.current_device() != index:  # (the driver launches into the current context)
+            with torch.cuda.device(index):
+                return self.launch(device, grid, block, args, cluster)
         fn = self._fn.get(index) or self._load(index)
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, self.shared_bytes,
@@ -243,6 +288,14 @@ def tensor_map_2d(t: torch.Tensor, dtype: int, rows: int, cols: int, row_stride_
     rows are ``row_stride_bytes`` apart (a multiple of 16), read or written in ``box_rows`` x ``box_cols`` boxes;
     out-of-bounds elements read as zero and are not written. ``dtype``: :data:`U8`, :data:`F32` or :data:`BF16`;
     ``swizzle``: :data:`SWIZZLE_NONE` or :data:`SWIZZLE_128B`."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"t: a TMA descriptor needs 16-byte aligned data, got address {t.data_ptr():#x}")
+    if row_stride_bytes % 16 or row_stride_bytes <= 0:
+        raise ValueError(f"row_stride_bytes: a TMA descriptor needs a positive multiple of 16, got {row_stride_bytes}")
+    if not (1 <= box_rows <= 256 and 1 <= box_cols <= 256):
+        raise ValueError(f"box_rows, box_cols: a TMA box is 1-256 elements a side, got {box_rows} x {box_cols}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows, cols: expected at least 1 each, got {rows} x {cols}")
     out = _TMAP()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(row_stride_bytes)

@@ -314,6 +314,8 @@ def source(block_m: int, block_n: int, stages: int, group_m: int, cluster: int =
     if block_m not in (128, 256):
         raise ValueError(f"block_m: expected 128 or 256 (one or two 64-row wgmma blocks a consumer warpgroup), got "
                          f"{block_m}")
+    if stages < 2 or group_m < 1:
+        raise ValueError(f"stages, group_m: expected at least 2 and 1, got {stages} and {group_m}")
     if cluster not in (1, 2):
         raise ValueError(f"cluster: expected 1 or 2 (CTAs sharing A's tile by TMA multicast), got {cluster}")
     defines = dict(CLUSTER=cluster, BLOCK_M=block_m, BLOCK_K=BLOCK_K, BLOCK_N=block_n, STAGES=stages, GROUP_M=group_m)
