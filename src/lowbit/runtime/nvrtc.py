@@ -280,14 +280,19 @@ class CudaKernel:
 
 
 _TMAP = ctypes.c_uint64 * 16
-
+_TMAPS: dict = {}  # encoded descriptors by what they encode: a call on the same buffers skips the driver
 
 def tensor_map_2d(t: torch.Tensor, dtype: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,
                   box_cols: int, swizzle: int) -> ctypes.Array:
     """A TMA descriptor (``CUtensorMap``, 128 bytes) of the ``rows`` x ``cols`` matrix at ``t.data_ptr()`` whose
     rows are ``row_stride_bytes`` apart (a multiple of 16), read or written in ``box_rows`` x ``box_cols`` boxes;
     out-of-bounds elements read as zero and are not written. ``dtype``: :data:`U8`, :data:`F32` or :data:`BF16`;
-    ``swizzle``: :data:`SWIZZLE_NONE` or :data:`SWIZZLE_128B`."""
+    ``swizzle``: :data:`SWIZZLE_NONE` or :data:`SWIZZLE_128B`. Kept by what it encodes, so a call on the same
+    buffers (a weight, an activation buffer the allocator hands out again) reuses it."""
+    key = (t.data_ptr(), dtype, rows, cols, row_stride_bytes, box_rows, box_cols, swizzle)
+    out = _TMAPS.get(key)
+    if out is not None:  # (a descriptor holds only these numbers: the same key encodes the same bytes)
+        return out
     if t.data_ptr() % 16:
         raise ValueError(f"t: a TMA descriptor needs 16-byte aligned data, got address {t.data_ptr():#x}")
     if row_stride_bytes % 16 or row_stride_bytes <= 0:
@@ -304,4 +309,7 @@ def tensor_map_2d(t: torch.Tensor, dtype: int, rows: int, cols: int, row_stride_
     _check_cu(_cuda().cuTensorMapEncodeTiled(ctypes.byref(out), dtype, 2, ctypes.c_void_p(t.data_ptr()), dims,
                                              strides, box, one, 0, swizzle, _L2_256B, 0),
               f"cuTensorMapEncodeTiled({rows}x{cols}, box {box_rows}x{box_cols})")
+    if len(_TMAPS) >= 1024:
+        _TMAPS.clear()
+    _TMAPS[key] = out
     return out
