@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..quant.schemes import MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from ..quant.schemes import BLOCK_SIZE, MXFP8, NVFP4, Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from ..quant.tensor import QuantizedTensor
 from ..runtime import env
 from ..runtime.checks import check_bool
@@ -18,7 +18,7 @@ from ..runtime.device import INTERPRET, TRITON_MISSING, triton_installed
 from .reference import apply_epilogue, dequantize_exact, scaled_mm_reference
 
 __all__ = ["scaled_mm", "wgrad_mm", "register_backend", "backend_for", "BACKENDS", "scaled_mm_reference",
-           "dequantize_exact", "apply_epilogue", "not_capability", "run_after"]
+           "dequantize_exact", "apply_epilogue", "not_capability", "run_after", "blockwise_1d2d_bf16"]
 
 # name -> (supports(a, b, a_copy, b_copy, opts) -> bool, fn(a, b, a_copy=, b_copy=, out_dtype=, bias=, gelu=,
 # accumulate=, out=)); opts["forced"] is set when the caller named the backend: a preference (e.g. a size threshold) may
@@ -56,6 +56,19 @@ def not_capability(e: BaseException) -> bool:
         return True
     msg = str(e)
     return any(m in msg for m in _NOT_CAPABILITY)
+
+
+def blockwise_1d2d_bf16(a, b, opts) -> bool:
+    """Whether a call is fp8-block's forward / data-gradient pairing with nothing around it, what the sm_90 kernels of
+    DeepGEMM and lowbit's CUDA backend take: A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
+    both E4M3 with 128-element blocks; BF16 out, no bias, GELU, accumulation or ``out``."""
+    def blockwise(sch, block_dim):
+        return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
+                and sch.block_size == BLOCK_SIZE)
+
+    return (blockwise(a.scheme, 1) and blockwise(b.scheme, 2) and opts.get("out_dtype") == torch.bfloat16
+            and opts.get("bias") is None and not opts.get("gelu") and not opts.get("accumulate")
+            and opts.get("out") is None)
 
 
 def _all():

@@ -26,12 +26,11 @@ import threading
 
 import torch
 
-from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
 from ..quant.tensor import cdiv
 from ..runtime import env, nvrtc
 from ..runtime.device import capability, num_sms
 from ..runtime.log import declined, warn_once
-from . import check_k_contiguous, forget_choices, gemm_dims, register_backend, run_after
+from . import blockwise_1d2d_bf16, check_k_contiguous, forget_choices, gemm_dims, register_backend, run_after
 from .kernels import fp8_1d2d_sm90 as K1D2D
 
 __all__ = ["supports", "scaled_mm_cuda", "status", "MIN_M", "TILE"]
@@ -82,17 +81,9 @@ def _on_sm90(device) -> bool:
     return device.type == "cuda" and capability(device) == (9, 0)
 
 
-def _is(sch, block_dim: int) -> bool:
-    return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
-            and sch.block_size == BLOCK_SIZE)
-
-
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     """The calls this backend takes (the module docstring's rules)."""
-    if "why" in _state or not (_is(a.scheme, 1) and _is(b.scheme, 2)) or not env.get("LOWBIT_CUDA_GEMM"):
-        return False
-    if opts.get("out_dtype") != torch.bfloat16 or opts.get("bias") is not None or opts.get("gelu") \
-            or opts.get("accumulate") or opts.get("out") is not None:
+    if "why" in _state or not blockwise_1d2d_bf16(a, b, opts) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
     M, N, K = gemm_dims(a, b, a_copy, b_copy)
     if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:

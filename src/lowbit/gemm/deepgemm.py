@@ -34,11 +34,19 @@ import threading
 
 import torch
 
-from ..quant.schemes import BLOCK_SIZE, Float8Blockwise
+from ..quant.schemes import BLOCK_SIZE
 from ..runtime import env
 from ..runtime.device import capability
 from ..runtime.log import declined, info, warn_once
-from . import check_k_contiguous, forget_choices, gemm_dims, not_capability, register_backend, run_after
+from . import (
+    blockwise_1d2d_bf16,
+    check_k_contiguous,
+    forget_choices,
+    gemm_dims,
+    not_capability,
+    register_backend,
+    run_after,
+)
 
 __all__ = ["supports", "scaled_mm_deepgemm", "status", "RECIPE", "MIN_M"]
 
@@ -105,17 +113,9 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _is(sch, block_dim: int) -> bool:
-    return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
-            and sch.block_size == BLOCK_SIZE)
-
-
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     """The calls this backend takes (the module docstring's rules); checks the cheap rules before importing."""
-    if not (_is(a.scheme, 1) and _is(b.scheme, 2)):
-        return False
-    if opts.get("out_dtype") != torch.bfloat16 or opts.get("bias") is not None or opts.get("gelu") \
-            or opts.get("accumulate") or opts.get("out") is not None:
+    if not blockwise_1d2d_bf16(a, b, opts):
         return False
     M, N, K = gemm_dims(a, b, a_copy, b_copy)
     if K % BLOCK_SIZE or N % 8 or not env.get("LOWBIT_DEEPGEMM") or (a.device.index, N, K) in _failed:
