@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from test_gemm_deepgemm import _layer  # (x and w quantized as an fp8-block Linear does)
+from test_gemm_deepgemm import _layer, replays_on_new_values  # (x and w quantized as an fp8-block Linear does)
 
 from lowbit.gemm import backend_for, cuda_sm90, forget_choices, scaled_mm, scaled_mm_reference
 from lowbit.gemm.kernels import fp8_1d2d_sm90 as K1D2D
@@ -203,16 +203,7 @@ def test_gpu_cuda_in_a_cuda_graph_and_from_a_corrupted_cache(cuda, tmp_path, mon
         torch.cuda.synchronize()
         assert not cuda_sm90._kernel().loaded(cuda.index or 0)
         assert torch.equal(z, scaled_mm(qx, qw, out_dtype=bf16, backend="cublas"))
-        y0 = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = scaled_mm(qx, qw, out_dtype=bf16, backend="cuda")
-        nx, _ = _layer(512, 1024, 768, seed=8, device=cuda)
-        qx.rowwise.data.copy_(nx.rowwise.data)
-        qx.rowwise.scale_inv.copy_(nx.rowwise.scale_inv)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, scaled_mm(nx, qw, out_dtype=bf16, backend="cuda")) and not torch.equal(y, y0)
+        qx, qw, y, _ = replays_on_new_values("cuda", cuda)
         (cached,) = (tmp_path / "kernels").glob("*.cubin")
         good = cached.read_bytes()
         cached.write_bytes(b"not a cubin")

@@ -240,23 +240,34 @@ def test_gpu_deepgemm_vs_reference(M, K, N, cuda):
         _check(a, b, "rowwise", "columnwise", "deepgemm", out_dtype=torch.bfloat16)
 
 
+def replays_on_new_values(backend, cuda, also=None):
+    """A BF16 ``scaled_mm`` on ``backend`` captured in a CUDA graph (with ``also(qw)`` captured after it, where given)
+    replays on new values of its activation's codes and scales with the bits of an eager call on them, which differ
+    from the first values'. Returns ``(qx, qw, y, also's result)``: the operands (now holding the new values), the
+    captured output."""
+    bf16 = torch.bfloat16
+    qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
+    y0 = scaled_mm(qx, qw, out_dtype=bf16, backend=backend)  # (a first call outside the capture: compiles there)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = scaled_mm(qx, qw, out_dtype=bf16, backend=backend)
+        extra = None if also is None else also(qw)
+    nx, _ = _layer(512, 1024, 768, seed=8, device=cuda)
+    qx.rowwise.data.copy_(nx.rowwise.data)
+    qx.rowwise.scale_inv.copy_(nx.rowwise.scale_inv)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, scaled_mm(nx, qw, out_dtype=bf16, backend=backend)) and not torch.equal(y, y0)
+    return qx, qw, y, extra
+
+
 @pytest.mark.gpu
 def test_gpu_deepgemm_in_a_cuda_graph(cuda):
     """A call captured in a CUDA graph replays on new operand values with the bits of an eager call on them; a shape
     first seen inside the capture runs on the next backend there (here cuBLAS: the bits of cuBLAS's call)."""
     _real_deepgemm(cuda)
     bf16 = torch.bfloat16
-    qx, qw = _layer(512, 1024, 768, seed=7, device=cuda)
     fresh, _ = _layer(528, 1024, 768, seed=9, device=cuda)  # (M a multiple of 16: cuBLAS takes it)
-    y0 = scaled_mm(qx, qw, out_dtype=bf16, backend="deepgemm")  # (compiles outside the capture)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = scaled_mm(qx, qw, out_dtype=bf16, backend="deepgemm")
-        z = scaled_mm(fresh, qw, out_dtype=bf16, backend="deepgemm")
-    nx, _ = _layer(512, 1024, 768, seed=8, device=cuda)
-    qx.rowwise.data.copy_(nx.rowwise.data)
-    qx.rowwise.scale_inv.copy_(nx.rowwise.scale_inv)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, scaled_mm(nx, qw, out_dtype=bf16, backend="deepgemm")) and not torch.equal(y, y0)
+    _, qw, _, z = replays_on_new_values("deepgemm", cuda,
+                                        also=lambda qw: scaled_mm(fresh, qw, out_dtype=bf16, backend="deepgemm"))
     assert torch.equal(z, scaled_mm(fresh, qw, out_dtype=bf16, backend="cublas"))
