@@ -15,9 +15,10 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["Switch", "SWITCHES", "FUSIONS", "get", "override", "describe", "unknown", "fused"]
+__all__ = ["Switch", "SWITCHES", "FUSIONS", "get", "override", "describe", "unknown", "fused", "cache_root"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -170,6 +171,13 @@ def get(name: str) -> Any:
     if value.__class__ is _Invalid:
         raise ValueError(str(value.error))
     return value
+
+
+def cache_root() -> Path:
+    """lowbit's cache directory: ``$LOWBIT_CACHE``, else ``$XDG_CACHE_HOME/lowbit``, else ``~/.cache/lowbit``."""
+    if get("LOWBIT_CACHE"):
+        return Path(get("LOWBIT_CACHE"))
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "lowbit"
 
 
 def fused(name: str) -> bool:

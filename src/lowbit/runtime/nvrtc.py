@@ -118,9 +118,7 @@ def nvrtc_version() -> tuple[int, int]:
 def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$LOWBIT_CACHE/kernels``, else ``$XDG_CACHE_HOME/lowbit/kernels``, else
     ``~/.cache/lowbit/kernels``."""
-    root = env.get("LOWBIT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                                     "lowbit")
-    return Path(root) / "kernels"
+    return env.cache_root() / "kernels"
 
 
 def _compile(source: str, name: str, options: list[str]) -> tuple[bytes, str]:

@@ -38,11 +38,8 @@ FORMAT_VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    """``$LOWBIT_CACHE`` or ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``."""
-    if env.get("LOWBIT_CACHE"):
-        return Path(env.get("LOWBIT_CACHE"))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lowbit"
+    """Where the tokenized corpus is kept: lowbit's cache directory (:func:`lowbit.runtime.env.cache_root`)."""
+    return env.cache_root()
 
 
 def check_writable_dir(path: str | os.PathLike, name: str) -> Path:
