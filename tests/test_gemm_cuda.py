@@ -95,6 +95,41 @@ def test_unaligned_operands_go_to_the_next_backend(fresh, monkeypatch):
     assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=torch.bfloat16)[0])
 
 
+def test_traced_call_runs_the_operator_where_eager_runs_the_kernel(fresh, monkeypatch):
+    """``scaled_mm_traceable`` (what a compiled fp8-block linear calls) calls the backend's operator exactly where
+    eager would run this backend, and cuBLAS's traceable calls elsewhere; the operator answers a call the kernel
+    declines at run time with cuBLAS's result; on meta tensors it is shape-only."""
+    from lowbit.gemm import cublas
+
+    qx, qw = _layer(256, 512, 384, seed=5)
+    A, B, sa, sb = qx.rowwise.data, qw.rowwise.data, qx.logical_scales("rowwise"), qw.logical_scales("rowwise")
+    kernel_y, cublas_y = torch.full((256, 384), 1.0), torch.full((256, 384), 2.0)
+    seen = []
+
+    def launch(a, b, sa_stored, sb_stored):
+        seen.append((sa_stored.shape, sb_stored.shape))
+        return kernel_y
+
+    monkeypatch.setattr(cuda_sm90, "_launch", launch)
+    monkeypatch.setattr(cublas, "scaled_mm_cublas_traceable", lambda *a, **k: cublas_y)
+    monkeypatch.setattr(cuda_sm90, "MIN_M", 256)
+    kw = dict(a_scheme=ACT, b_scheme=WEIGHT, out_dtype=torch.bfloat16)
+    assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is kernel_y
+    assert seen == [((512 // 128, 256), (384 // 128, 512 // 128))]  # (A's scales K-block-major, as stored)
+    for other in (dict(kw, out_dtype=torch.float32), dict(kw, bias=torch.zeros(384)), dict(kw, a_scheme=WEIGHT)):
+        assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **other) is cublas_y, other
+    monkeypatch.setattr(cuda_sm90, "MIN_M", 512)
+    assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
+    monkeypatch.setattr(cuda_sm90, "MIN_M", 256)
+    with env.override(LOWBIT_CUDA_GEMM=False):
+        assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
+    monkeypatch.setattr(cuda_sm90, "_launch", lambda *a: None)
+    assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
+    meta = [t.to("meta") for t in (A, B, sa, sb)]
+    y = torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16(*meta)
+    assert y.device.type == "meta" and y.shape == (256, 384) and y.dtype == torch.bfloat16
+
+
 def test_tensor_maps_refuse_what_tma_cannot_read():
     """A TMA descriptor's rules, checked before the driver is asked: 16-byte aligned data and row pitch, boxes of
     1-256 elements a side."""

@@ -337,6 +337,33 @@ def test_gpu_traced_linear_fp32_matches_eager(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_traced_linear_runs_the_cuda_gemm_as_eager_does(mode, monkeypatch):
+    """At M >= lowbit.gemm.cuda_sm90.MIN_M on sm_90 the traced fp8-block linear's forward and data-gradient GEMMs run
+    lowbit's CUDA kernel (its operator in the graph), as eager's do: three Inductor steps (CUDA-graphed too) equal
+    eager's bit for bit, and the compiled steps launch the kernel."""
+    from lowbit.gemm import cuda_sm90
+
+    if not cuda_sm90.status().startswith("1x128"):
+        pytest.skip(f"lowbit's CUDA GEMM: {cuda_sm90.status()}")
+    launches = []
+    launch = cuda_sm90._launch
+    monkeypatch.setattr(cuda_sm90, "_launch", lambda *a: launches.append(a[0].shape) or launch(*a))
+    torch.manual_seed(0)
+    # (what the kernel takes: BF16 out, no bias; the data gradient comes out in x's dtype)
+    base = lowbit.nn.Linear(1024, 1536, bias=False, device="cuda")
+    x = torch.randn(8, cuda_sm90.MIN_M // 8, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rec = from_name("fp8-block")
+    eager = _run(copy.deepcopy(base), x, rec, steps=3, autocast_dtype=torch.bfloat16)
+    assert len(launches) == 6, launches  # (eager: the forward and the data gradient of each step)
+    launches.clear()
+    compiled = _run(torch.compile(copy.deepcopy(base), fullgraph=mode is None, mode=mode), x, rec, steps=3,
+                    autocast_dtype=torch.bfloat16)
+    assert len(launches) == 6 if mode is None else len(launches) >= 2, launches  # (CUDA graphs: replays run none)
+    _check_same(eager, compiled)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("module", ["linear_traced", "linear_operator"])
 def test_gpu_reduce_overhead_delayed_scaling_matches_eager(module):
     """Delayed scaling under torch.compile's CUDA graphs, the traced linear (its histories' device state read and

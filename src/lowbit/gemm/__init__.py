@@ -58,15 +58,16 @@ def not_capability(e: BaseException) -> bool:
     return any(m in msg for m in _NOT_CAPABILITY)
 
 
-def blockwise_1d2d_bf16(a, b, opts) -> bool:
-    """Whether a call is fp8-block's forward / data-gradient pairing with nothing around it, what the sm_90 kernels of
-    DeepGEMM and lowbit's CUDA backend take: A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
-    both E4M3 with 128-element blocks; BF16 out, no bias, GELU, accumulation or ``out``."""
+def blockwise_1d2d_bf16(a_scheme, b_scheme, opts) -> bool:
+    """Whether a call with operands under these schemes is fp8-block's forward / data-gradient pairing with nothing
+    around it, what the sm_90 kernels of DeepGEMM and lowbit's CUDA backend take: A ``Float8Blockwise(block_dim=1)``,
+    B ``Float8Blockwise(block_dim=2)``, both E4M3 with 128-element blocks; BF16 out, no bias, GELU, accumulation or
+    ``out``."""
     def blockwise(sch, block_dim):
         return (isinstance(sch, Float8Blockwise) and sch.block_dim == block_dim and sch.fmt == "e4m3"
                 and sch.block_size == BLOCK_SIZE)
 
-    return (blockwise(a.scheme, 1) and blockwise(b.scheme, 2) and opts.get("out_dtype") == torch.bfloat16
+    return (blockwise(a_scheme, 1) and blockwise(b_scheme, 2) and opts.get("out_dtype") == torch.bfloat16
             and opts.get("bias") is None and not opts.get("gelu") and not opts.get("accumulate")
             and opts.get("out") is None)
 

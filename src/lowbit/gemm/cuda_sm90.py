@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from ..quant.schemes import Float8Blockwise
 from ..quant.tensor import cdiv
 from ..runtime import env, nvrtc
 from ..runtime.device import capability, num_sms
@@ -33,7 +34,7 @@ from ..runtime.log import declined, warn_once
 from . import blockwise_1d2d_bf16, check_k_contiguous, forget_choices, gemm_dims, register_backend, run_after
 from .kernels import fp8_1d2d_sm90 as K1D2D
 
-__all__ = ["supports", "scaled_mm_cuda", "status", "MIN_M", "TILE"]
+__all__ = ["supports", "scaled_mm_cuda", "scaled_mm_traceable", "status", "MIN_M", "TILE"]
 
 MIN_M = 8192
 """The fewest rows (tokens) a call needs for this backend to take it unasked."""
@@ -81,16 +82,20 @@ def _on_sm90(device) -> bool:
     return device.type == "cuda" and capability(device) == (9, 0)
 
 
-def supports(a, b, a_copy, b_copy, opts) -> bool:
-    """The calls this backend takes (the module docstring's rules)."""
-    if "why" in _state or not blockwise_1d2d_bf16(a, b, opts) or not env.get("LOWBIT_CUDA_GEMM"):
+def _takes(a_scheme, b_scheme, M: int, N: int, K: int, device, opts) -> bool:
+    """The module docstring's rules for a call of these schemes and dims on ``device``."""
+    if "why" in _state or not blockwise_1d2d_bf16(a_scheme, b_scheme, opts) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
-    M, N, K = gemm_dims(a, b, a_copy, b_copy)
     if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:
         return False
     if M < MIN_M and not opts.get("forced"):
         return False
-    return _on_sm90(a.device) and _on_sm90(b.device)
+    return _on_sm90(device)
+
+
+def supports(a, b, a_copy, b_copy, opts) -> bool:
+    """The calls this backend takes (the module docstring's rules)."""
+    return a.device == b.device and _takes(a.scheme, b.scheme, *gemm_dims(a, b, a_copy, b_copy), a.device, opts)
 
 
 def _row_pitch(t: torch.Tensor) -> int:
@@ -102,32 +107,27 @@ def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
-def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
-    """``A · Bᵀ`` in BF16 through the 1x128 · 128x128 kernel (see :func:`lowbit.gemm.scaled_mm`); returns
-    ``(y, None)``. Operands whose data or scales are not 16-byte aligned (views into a larger buffer) run on the next
-    backend."""
-    kw = dict(a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu, accumulate=accumulate, out=out)
-    ca, cb = getattr(a, a_copy), getattr(b, b_copy)
-    A, B, SA, SB = ca.data, cb.data, ca.scale_inv, cb.scale_inv
-    check_k_contiguous("a", a_copy, A, "cuda")
-    check_k_contiguous("b", b_copy, B, "cuda")
+def _launch(A: torch.Tensor, B: torch.Tensor, SA: torch.Tensor, SB: torch.Tensor) -> torch.Tensor | None:
+    """``A · Bᵀ`` (BF16) by the kernel from A (M, K) and B (N, K) E4M3, row-major, A's scales stored (K / 128, M...)
+    and B's (N / 128, K / 128...), both with unit column stride; None where the kernel declines this call (the
+    reason logged by :func:`lowbit.runtime.log.declined`; a kernel that cannot be built turns the backend off)."""
     if not _aligned(A, B, SA):
         declined("cuda", "operand data or scales not 16-byte aligned")
-        return run_after("cuda", a, b, **kw)
+        return None
     if (SA.shape[1] > 1 and SA.stride(1) != 1) or (SB.shape[1] > 1 and SB.stride(1) != 1) or _row_pitch(SA) % 4:
         declined("cuda", "scale grids with strided rows, or A's rows not 16 bytes apart")
-        return run_after("cuda", a, b, **kw)
+        return None
     if A.is_cuda and A.device.index != torch.cuda.current_device():
         with torch.cuda.device(A.device):
-            return scaled_mm_cuda(a, b, **kw)
-    M, N, Kd = gemm_dims(a, b, a_copy, b_copy)
+            return _launch(A, B, SA, SB)
+    (M, Kd), N = A.shape, B.shape[0]
     y = torch.empty(M, N, device=A.device, dtype=torch.bfloat16)
     bm, bk, bn, cl = TILE["block_m"], K1D2D.BLOCK_K, TILE["block_n"], TILE["cluster"]
     try:
         kernel = _kernel()
         if A.is_cuda and torch.cuda.is_current_stream_capturing() and not kernel.loaded(A.device.index):
             declined("cuda", "the kernel's first call on this device inside a CUDA-graph capture (no compile there)")
-            return run_after("cuda", a, b, **kw)
+            return None
         args = [
             nvrtc.tensor_map_2d(A, nvrtc.U8, M, Kd, Kd, bm // cl, bk, nvrtc.SWIZZLE_128B),
             nvrtc.tensor_map_2d(B, nvrtc.U8, N, Kd, Kd, bn, bk, nvrtc.SWIZZLE_128B),
@@ -143,8 +143,78 @@ def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, ac
         warn_once(f"lowbit: the CUDA GEMM kernel is unavailable ({_state['why']}); blockwise GEMMs run on the next "
                   "backend (cuBLAS, or lowbit's Gluon / Triton kernel)")
         forget_choices()
-        return run_after("cuda", a, b, **kw)
+        return None
+    return y
+
+
+def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, accumulate=False, out=None):
+    """``A · Bᵀ`` in BF16 through the 1x128 · 128x128 kernel (see :func:`lowbit.gemm.scaled_mm`); returns
+    ``(y, None)``. Operands whose data or scales are not 16-byte aligned (views into a larger buffer) run on the next
+    backend."""
+    ca, cb = getattr(a, a_copy), getattr(b, b_copy)
+    check_k_contiguous("a", a_copy, ca.data, "cuda")
+    check_k_contiguous("b", b_copy, cb.data, "cuda")
+    y = _launch(ca.data, cb.data, ca.scale_inv, cb.scale_inv)
+    if y is None:
+        return run_after("cuda", a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
+                         accumulate=accumulate, out=out)
     return y, None
 
 
 register_backend("cuda", supports, scaled_mm_cuda)
+
+
+# ------------------------------------------------------------------------------------------------
+# The traced call (torch.compile)
+# ------------------------------------------------------------------------------------------------
+# A compiled fp8-block linear holds its GEMMs as calls on plain tensors (lowbit.nn.functional's traced linear). Where
+# eager would run this backend, the graph calls it as the operator below, so that compiled and eager run the same
+# kernel; elsewhere, cuBLAS's aten calls (lowbit.gemm.cublas.scaled_mm_cublas_traceable). The operator answers a call
+# the kernel declines at run time (a first call inside a CUDA-graph capture, an unaligned view) with cuBLAS, whose bits
+# the GPU test checks are the kernel's on the layer shapes. It is defined with torch.library.Library, whose call
+# reaches the Python kernel directly (torch.library.custom_op's wrappers cost about 9 us of host time a call).
+_LIB = torch.library.Library("lowbit", "FRAGMENT")
+_LIB.define("fp8_gemm_1x128_128x128_bf16(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+_ACT, _WEIGHT = Float8Blockwise(block_dim=1), Float8Blockwise(block_dim=2)
+
+
+def _cublas_traced(a, b, a_scale_inv, b_scale_inv) -> torch.Tensor:
+    from .cublas import scaled_mm_cublas_traceable
+
+    return scaled_mm_cublas_traceable(a, b, a_scale_inv, b_scale_inv, a_scheme=_ACT, b_scheme=_WEIGHT,
+                                      out_dtype=torch.bfloat16)
+
+
+def _gemm_op(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor) -> torch.Tensor:
+    """``a · bᵀ`` in BF16: a (M, K) and b (N, K) E4M3, row-major; their scales in the logical layouts of
+    :meth:`lowbit.quant.QuantizedTensor.logical_scales`, a's (M, K / 128) per 1x128 segment, b's (N / 128, K / 128)
+    per 128x128 block."""
+    sa = a_scale_inv.t()
+    if sa.shape[1] > 1 and sa.stride(1) != 1:  # (a logical grid stored row-major: the kernel reads it K-block-major)
+        sa = sa.contiguous()
+    y = _launch(a, b, sa, b_scale_inv)
+    return _cublas_traced(a, b, a_scale_inv, b_scale_inv) if y is None else y
+
+
+_LIB.impl("fp8_gemm_1x128_128x128_bf16", _gemm_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lowbit::fp8_gemm_1x128_128x128_bf16", lib=_LIB)
+def _(a, b, a_scale_inv, b_scale_inv):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+
+
+def scaled_mm_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, a_scheme, b_scheme,
+                        out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A · Bᵀ (+ bias)`` as :func:`lowbit.gemm.scaled_mm` runs it eagerly, in calls a compiled graph holds: this
+    backend's operator where eager runs this backend, else
+    :func:`lowbit.gemm.cublas.scaled_mm_cublas_traceable` (whose arguments these are)."""
+    (M, K), N = A.shape, B.shape[0]
+    if _takes(a_scheme, b_scheme, M, N, K, A.device, dict(out_dtype=out_dtype, bias=bias)):
+        return torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16(A, B, sa, sb)
+    from .cublas import scaled_mm_cublas_traceable
+
+    return scaled_mm_cublas_traceable(A, B, sa, sb, a_scheme=a_scheme, b_scheme=b_scheme, out_dtype=out_dtype,
+                                      bias=bias)

@@ -115,7 +115,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def supports(a, b, a_copy, b_copy, opts) -> bool:
     """The calls this backend takes (the module docstring's rules); checks the cheap rules before importing."""
-    if not blockwise_1d2d_bf16(a, b, opts):
+    if not blockwise_1d2d_bf16(a.scheme, b.scheme, opts):
         return False
     M, N, K = gemm_dims(a, b, a_copy, b_copy)
     if K % BLOCK_SIZE or N % 8 or not env.get("LOWBIT_DEEPGEMM") or (a.device.index, N, K) in _failed:

@@ -1243,18 +1243,19 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # The quantized linear traced (inside torch.compile, FP8)
 # ------------------------------------------------------------------------------------------------
 # Where the recipe quantizes every role under Float8Tensorwise or Float8Blockwise with current scaling (fp8-current,
-# fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds
-# the layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
+# fp8-block), or per tensor with delayed scaling (fp8-delayed), and the GEMMs are cuBLAS's, the compiled graph holds the
+# layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
-# the aten calls eager makes (lowbit.gemm.cublas.scaled_mm_cublas_traceable), the NaN sentry's amaxes max-accumulated
+# eager runs them (cuBLAS's aten calls, lowbit.gemm.cublas.scaled_mm_cublas_traceable; the forward and data gradient as
+# lowbit's CUDA kernel's operator where eager runs it, lowbit.gemm.cuda_sm90), the NaN sentry's amaxes max-accumulated
 # into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
 # lowbit.nn.state checks them; no launch of their own under fp8-block). Delayed scaling reads each role's scale and
-# record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and
-# folds the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The
-# input reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not
-# allocated yet (the sentry's record operators); the bits are eager's. Not traced (the operators above run): a GELU
-# or RMSNorm fused into the layer, a weight cached across micro-batches, dims the GEMMs or blocks do not divide. A
-# weight FSDP2 gathers as FP8 copies runs the layer eager (a graph break: _gathered_fp8_weight_runs_eager).
+# record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and folds
+# the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The input
+# reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not allocated
+# yet (the sentry's record operators); the bits are eager's. Not traced (the operators above run): a GELU or RMSNorm
+# fused into the layer, a weight cached across micro-batches, dims the GEMMs or blocks do not divide. A weight FSDP2
+# gathers as FP8 copies runs the layer eager (a graph break: _gathered_fp8_weight_runs_eager).
 #
 # Where they run, the sentry's records run once per layer and pass: they are defined with
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
@@ -1393,15 +1394,15 @@ class _TracedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, key: str, out_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
                 x_slot: torch.Tensor | None, w_slot: torch.Tensor | None, dy_slot: torch.Tensor | None,
                 x_state: torch.Tensor | None, w_state: torch.Tensor | None, dy_state: torch.Tensor | None):
-        from ..gemm.cublas import scaled_mm_cublas_traceable
+        from ..gemm.cuda_sm90 import scaled_mm_traceable
 
         recipe, _ = _ac.from_key(key)
         sin, sw = recipe.role("input").scheme, recipe.role("weight").scheme
         items = [(x, sin, True, need_wgrad, "input", x_slot, x_state),
                  (weight, sw, True, need_dgrad, "weight", w_slot, w_state)]
         qx, qw = _recorded_copies(items, weight, key, "forward")
-        y = scaled_mm_cublas_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin,
-                                       b_scheme=sw, out_dtype=out_dtype, bias=bias)
+        y = scaled_mm_traceable(qx.rowwise, qw.rowwise, qx.row_scale_inv, qw.row_scale_inv, a_scheme=sin, b_scheme=sw,
+                                out_dtype=out_dtype, bias=bias)
         ctx.save_for_backward(qx.columnwise, qx.col_scale_inv, qw.columnwise, qw.col_scale_inv, weight, dy_slot,
                               dy_state)
         ctx.key, ctx.need = key, (need_dgrad, need_wgrad)
@@ -1411,6 +1412,7 @@ class _TracedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         from ..gemm.cublas import scaled_mm_cublas_traceable
+        from ..gemm.cuda_sm90 import scaled_mm_traceable
 
         xc, xcs, wc, wcs, weight, slot, state = ctx.saved_tensors
         recipe, _ = _ac.from_key(ctx.key)
@@ -1422,8 +1424,8 @@ class _TracedLinearFn(torch.autograd.Function):
             (q,) = _recorded_copies([(dy, sg, need_dgrad, need_wgrad, "grad_output", slot, state)], weight, ctx.key,
                                     "backward")
             if need_dgrad:
-                dx = scaled_mm_cublas_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
-                                                out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+                dx = scaled_mm_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
+                                         out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
             if need_wgrad:
                 dw = scaled_mm_cublas_traceable(q.columnwise, xc, q.col_scale_inv, xcs, a_scheme=sg, b_scheme=sin,
                                                 out_dtype=weight.dtype)
