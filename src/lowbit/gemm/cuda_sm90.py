@@ -17,6 +17,9 @@ Where the kernel cannot be built (no NVRTC library, a driver without TMA), lowbi
 more calls; the call runs on the next backend. The first call on a device compiles (a fraction of a second; the cubin is
 kept in the disk cache) and loads the kernel, so a first call inside a CUDA-graph capture runs on the next backend too.
 Nothing here touches CUDA at import time.
+
+Under ``torch.compile`` a traced fp8-block linear calls :func:`scaled_mm_traceable`, which puts this kernel in the
+graph as the operator ``lowbit::fp8_gemm_1x128_128x128_bf16`` where eager would run it (see the section at the end).
 """
 
 from __future__ import annotations
