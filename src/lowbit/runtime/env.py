@@ -121,7 +121,7 @@ SWITCHES: dict[str, Switch] = _switches(
            "take them)."),
     Switch("LOWBIT_CUDA_GEMM", _bool, True,
            "lowbit's CUDA kernel (compiled at run time by NVRTC) for the blockwise FP8 forward and data-gradient "
-           "GEMMs of at least 8192 tokens on sm_90; 0: never (cuBLAS takes them)."),
+           "GEMMs of at least 4096 tokens on sm_90; 0: never (cuBLAS takes them)."),
     Switch("LOWBIT_UNFUSE", _fusions, frozenset(),
            "Comma-separated fused kernels to replace by their unfused path (same bits; norm_quant and "
            "norm_backward to FP32 rounding), or 'all': "
