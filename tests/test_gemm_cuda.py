@@ -97,8 +97,10 @@ def test_unaligned_operands_go_to_the_next_backend(fresh, monkeypatch):
 
 def test_traced_call_runs_the_operator_where_eager_runs_the_kernel(fresh, monkeypatch):
     """``scaled_mm_traceable`` (what a compiled fp8-block linear calls) calls the backend's operator exactly where
-    eager would run this backend, and cuBLAS's traceable calls elsewhere; the operator answers a call the kernel
-    declines at run time with cuBLAS's result; on meta tensors it is shape-only."""
+    eager's dispatch picks this backend (DeepGEMM absent), and cuBLAS's traceable calls elsewhere; the kernel reads
+    the scales as stored (no copy; a row-major logical grid is copied into that layout); the operator answers a call
+    the kernel declines at run time, strided operands and a backend turned off with cuBLAS's result; on meta tensors
+    it is shape-only."""
     from lowbit.gemm import cublas
 
     qx, qw = _layer(256, 512, 384, seed=5)
@@ -107,22 +109,36 @@ def test_traced_call_runs_the_operator_where_eager_runs_the_kernel(fresh, monkey
     seen = []
 
     def launch(a, b, sa_stored, sb_stored):
-        seen.append((sa_stored.shape, sb_stored.shape))
+        seen.append((sa_stored, sb_stored))
         return kernel_y
 
     monkeypatch.setattr(cuda_sm90, "_launch", launch)
     monkeypatch.setattr(cublas, "scaled_mm_cublas_traceable", lambda *a, **k: cublas_y)
     monkeypatch.setattr(cuda_sm90, "MIN_M", 256)
     kw = dict(a_scheme=ACT, b_scheme=WEIGHT, out_dtype=torch.bfloat16)
+    with env.override(LOWBIT_DEEPGEMM=False):
+        assert backend_for(qx, qw, out_dtype=torch.bfloat16) == "cuda"
     assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is kernel_y
-    assert seen == [((512 // 128, 256), (384 // 128, 512 // 128))]  # (A's scales K-block-major, as stored)
+    (sa_k, sb_k), = seen  # (A's scales K-block-major: the stored grid itself)
+    stored_a, stored_b = qx.rowwise.scale_inv, qw.rowwise.scale_inv
+    assert sa_k.shape == (512 // 128, 256) and sa_k.data_ptr() == stored_a.data_ptr()
+    assert sa_k.stride() == stored_a.stride() and sb_k.data_ptr() == stored_b.data_ptr()
+    seen.clear()
+    assert cuda_sm90.scaled_mm_traceable(A, B, sa.contiguous(), sb, **kw) is kernel_y
+    assert seen[0][0].stride(1) == 1 and torch.equal(seen[0][0], sa_k)
     for other in (dict(kw, out_dtype=torch.float32), dict(kw, bias=torch.zeros(384)), dict(kw, a_scheme=WEIGHT)):
         assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **other) is cublas_y, other
     monkeypatch.setattr(cuda_sm90, "MIN_M", 512)
+    assert backend_for(qx, qw, out_dtype=torch.bfloat16) != "cuda"
     assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
     monkeypatch.setattr(cuda_sm90, "MIN_M", 256)
     with env.override(LOWBIT_CUDA_GEMM=False):
         assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
+    op = torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16
+    assert op(A.t().contiguous().t(), B, sa, sb) is cublas_y  # (a column-major A: not what the kernel reads)
+    monkeypatch.setitem(cuda_sm90._state, "why", "NVRTC was not found")
+    assert op(A, B, sa, sb) is cublas_y
+    del cuda_sm90._state["why"]
     monkeypatch.setattr(cuda_sm90, "_launch", lambda *a: None)
     assert cuda_sm90.scaled_mm_traceable(A, B, sa, sb, **kw) is cublas_y
     meta = [t.to("meta") for t in (A, B, sa, sb)]

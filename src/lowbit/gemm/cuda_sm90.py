@@ -19,11 +19,13 @@ kept in the disk cache) and loads the kernel, so a first call inside a CUDA-grap
 Nothing here touches CUDA at import time.
 
 Under ``torch.compile`` a traced fp8-block linear calls :func:`scaled_mm_traceable`, which puts this kernel in the
-graph as the operator ``lowbit::fp8_gemm_1x128_128x128_bf16`` where eager would run it (see the section at the end).
+graph as the operator ``lowbit::fp8_gemm_1x128_128x128_bf16`` where this backend supports the call (see the section
+at the end).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -160,8 +162,9 @@ def scaled_mm_cuda(a, b, *, a_copy, b_copy, out_dtype, bias=None, gelu=False, ac
     check_k_contiguous("b", b_copy, cb.data, "cuda")
     y = _launch(ca.data, cb.data, ca.scale_inv, cb.scale_inv)
     if y is None:
-        return run_after("cuda", a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
-                         accumulate=accumulate, out=out)
+        with torch.cuda.device(ca.data.device) if ca.data.is_cuda else contextlib.nullcontext():
+            return run_after("cuda", a, b, a_copy=a_copy, b_copy=b_copy, out_dtype=out_dtype, bias=bias, gelu=gelu,
+                             accumulate=accumulate, out=out)
     return y, None
 
 
@@ -172,11 +175,14 @@ register_backend("cuda", supports, scaled_mm_cuda)
 # The traced call (torch.compile)
 # ------------------------------------------------------------------------------------------------
 # A compiled fp8-block linear holds its GEMMs as calls on plain tensors (lowbit.nn.functional's traced linear). Where
-# eager would run this backend, the graph calls it as the operator below, so that compiled and eager run the same
-# kernel; elsewhere, cuBLAS's aten calls (lowbit.gemm.cublas.scaled_mm_cublas_traceable). The operator answers a call
-# the kernel declines at run time (a first call inside a CUDA-graph capture, an unaligned view) with cuBLAS, whose bits
-# the GPU test checks are the kernel's on the layer shapes. It is defined with torch.library.Library, whose call
-# reaches the Python kernel directly (torch.library.custom_op's wrappers cost about 9 us of host time a call).
+# this backend supports a call (supports' rules, DeepGEMM aside: where it is installed, eager runs it first), the graph
+# calls the kernel as the operator below; elsewhere, cuBLAS's aten calls (lowbit.gemm.cublas.scaled_mm_cublas_traceable,
+# imported where called: importing it here would register cuBLAS ahead of this backend). The operator answers a call
+# the kernel declines at run time (a first call inside a CUDA-graph capture, an unaligned or strided view, a kernel
+# that cannot be built) with cuBLAS, whose bits the GPU test checks are the kernel's on the layer shapes. Whether the
+# backend is on is read when the graph is traced: a kernel that fails to build recompiles the graphs that held it. The
+# operator is defined with torch.library.Library, whose call reaches the Python kernel directly
+# (torch.library.custom_op's wrappers cost about 9 us of host time a call).
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _LIB.define("fp8_gemm_1x128_128x128_bf16(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv) -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
@@ -195,10 +201,14 @@ def _gemm_op(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scal
     """``a · bᵀ`` in BF16: a (M, K) and b (N, K) E4M3, row-major; their scales in the logical layouts of
     :meth:`lowbit.quant.QuantizedTensor.logical_scales`, a's (M, K / 128) per 1x128 segment, b's (N / 128, K / 128)
     per 128x128 block."""
-    sa = a_scale_inv.t()
+    if "why" in _state or not (a.is_contiguous() and b.is_contiguous()):
+        return _cublas_traced(a, b, a_scale_inv, b_scale_inv)
+    sa, sb = a_scale_inv.t(), b_scale_inv
     if sa.shape[1] > 1 and sa.stride(1) != 1:  # (a logical grid stored row-major: the kernel reads it K-block-major)
         sa = sa.contiguous()
-    y = _launch(a, b, sa, b_scale_inv)
+    if sb.shape[1] > 1 and sb.stride(1) != 1:
+        sb = sb.contiguous()
+    y = _launch(a, b, sa, sb)
     return _cublas_traced(a, b, a_scale_inv, b_scale_inv) if y is None else y
 
 
@@ -212,9 +222,9 @@ def _(a, b, a_scale_inv, b_scale_inv):
 
 def scaled_mm_traceable(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, a_scheme, b_scheme,
                         out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``A · Bᵀ (+ bias)`` as :func:`lowbit.gemm.scaled_mm` runs it eagerly, in calls a compiled graph holds: this
-    backend's operator where eager runs this backend, else
-    :func:`lowbit.gemm.cublas.scaled_mm_cublas_traceable` (whose arguments these are)."""
+    """``A · Bᵀ (+ bias)`` in calls a compiled graph holds: this backend's operator where the backend supports the
+    call (as eager runs it where DeepGEMM is not installed), else :func:`lowbit.gemm.cublas.scaled_mm_cublas_traceable`
+    (whose arguments these are)."""
     (M, K), N = A.shape, B.shape[0]
     if _takes(a_scheme, b_scheme, M, N, K, A.device, dict(out_dtype=out_dtype, bias=bias)):
         return torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16(A, B, sa, sb)

@@ -1253,9 +1253,10 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and folds
 # the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The input
 # reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not allocated
-# yet (the sentry's record operators); the bits are eager's. Not traced (the operators above run): a GELU or RMSNorm
-# fused into the layer, a weight cached across micro-batches, dims the GEMMs or blocks do not divide. A weight FSDP2
-# gathers as FP8 copies runs the layer eager (a graph break: _gathered_fp8_weight_runs_eager).
+# yet (the sentry's record operators) and the CUDA GEMM's operator (its launch); the bits are eager's. Not traced (the
+# operators above run): a GELU or RMSNorm fused into the layer, a weight cached across micro-batches, dims the GEMMs or
+# blocks do not divide. A weight FSDP2 gathers as FP8 copies runs the layer eager (a graph break:
+# _gathered_fp8_weight_runs_eager).
 #
 # Where they run, the sentry's records run once per layer and pass: they are defined with
 # torch.library.Library, whose call reaches the Python kernel directly, not through torch.library.custom_op's Python
@@ -1343,7 +1344,8 @@ _ROLES = ("input", "weight", "grad_output")
 def linear_traces(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, is_first_microbatch=None,
                   layer: "GemmLayer | None" = None) -> bool:
     """Whether :func:`quantized_linear` of ``x`` by ``weight`` under ``recipe`` (no fused norm, no GELU), called now,
-    runs as torch operations in the compiled graph (the traced Function; no lowbit Python per call): inside
+    runs as torch operations in the compiled graph (the traced Function; no lowbit Python per call but the CUDA GEMM
+    operator's launch, lowbit.gemm.cuda_sm90): inside
     torch.compile, on plain CUDA tensors, within :func:`traced_linear_rules`. A fused module (a norm inside the input
     quantizer, the SwiGLU MLP) asks this to leave its fusions to Inductor where the plain linear traces: its fused
     form is an operator whose Python runs every call. ``layer``: the GEMM's layer (inside a

@@ -73,6 +73,8 @@ def _l2_bytes(index: int) -> int:
 
 def capability(device) -> tuple:
     """(major, minor) compute capability of CUDA ``device`` (a torch.device, string or index)."""
+    if torch.compiler.is_compiling():  # (torch's query, which Dynamo folds; it warns on a call into an lru_cache)
+        return tuple(torch.cuda.get_device_capability(_index(device)))
     return _capability(_index(device))
 
 
