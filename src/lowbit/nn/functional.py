@@ -1247,15 +1247,15 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, c
 # layer itself instead of one opaque operator: per-tensor quantization as torch operations Inductor fuses, each
 # blockwise tensor's copies from one operator over lowbit's kernels (lowbit.quant.traceable has both), the GEMMs as
 # eager runs them (cuBLAS's aten calls, lowbit.gemm.cublas.scaled_mm_cublas_traceable; the forward and data gradient as
-# lowbit's CUDA kernel's operator where eager runs it, lowbit.gemm.cuda_sm90), the NaN sentry's amaxes max-accumulated
-# into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel itself;
-# lowbit.nn.state checks them; no launch of their own under fp8-block). Delayed scaling reads each role's scale and
-# record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and folds
-# the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The input
-# reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not allocated
-# yet (the sentry's record operators) and the CUDA GEMM's operator (its launch); the bits are eager's. Not traced (the
-# operators above run): a GELU or RMSNorm fused into the layer, a weight cached across micro-batches, dims the GEMMs or
-# blocks do not divide. A weight FSDP2 gathers as FP8 copies runs the layer eager (a graph break:
+# lowbit's CUDA kernel's operator where that backend takes the call, lowbit.gemm.cuda_sm90), the NaN sentry's amaxes
+# max-accumulated into the layer's slot tensors inside the graph (GemmLayer.sentry_slots, by the blockwise kernel
+# itself; lowbit.nn.state checks them; no launch of their own under fp8-block). Delayed scaling reads each role's scale
+# and record count from its AmaxHistory's device_state (a graph input, allocated at the outermost autocast entry) and
+# folds the amax into its pending max in place; the outermost exit commits them on the device (lowbit.nn.state). The
+# input reaches the quantizers N-D, as it came. Per call no lowbit Python runs but for a layer whose slots are not
+# allocated yet (the sentry's record operators) and the CUDA GEMM's operator (its launch); the bits are eager's. Not
+# traced (the operators above run): a GELU or RMSNorm fused into the layer, a weight cached across micro-batches, dims
+# the GEMMs or blocks do not divide. A weight FSDP2 gathers as FP8 copies runs the layer eager (a graph break:
 # _gathered_fp8_weight_runs_eager).
 #
 # Where they run, the sentry's records run once per layer and pass: they are defined with
