@@ -146,6 +146,17 @@ def test_traced_call_runs_the_operator_where_eager_runs_the_kernel(fresh, monkey
     assert y.device.type == "meta" and y.shape == (256, 384) and y.dtype == torch.bfloat16
 
 
+def test_traced_operator_passes_opcheck(fresh, monkeypatch):
+    """torch.library.opcheck on the traced call's operator: its fake agrees with what it returns (shape, dtype,
+    strides), eager and through AOTAutograd with static and dynamic shapes (the launch replaced by an FP32 product on
+    the CPU; the schema check runs FP8 operations the CPU lacks)."""
+    monkeypatch.setattr(cuda_sm90, "_launch", lambda a, b, sa, sb: (a.float() @ b.float().t()).bfloat16())
+    qx, qw = _layer(256, 512, 384, seed=6)
+    args = (qx.rowwise.data, qw.rowwise.data, qx.logical_scales("rowwise"), qw.logical_scales("rowwise"))
+    torch.library.opcheck(torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
+
+
 def test_tensor_maps_refuse_what_tma_cannot_read():
     """A TMA descriptor's rules, checked before the driver is asked: 16-byte aligned data and row pitch, boxes of
     1-256 elements a side."""
