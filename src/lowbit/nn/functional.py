@@ -1413,7 +1413,6 @@ class _TracedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from ..gemm.cublas import scaled_mm_cublas_traceable
         from ..gemm.cuda_sm90 import scaled_mm_traceable
 
         xc, xcs, wc, wcs, weight, slot, state = ctx.saved_tensors
@@ -1429,8 +1428,8 @@ class _TracedLinearFn(torch.autograd.Function):
                 dx = scaled_mm_traceable(q.rowwise, wc, q.row_scale_inv, wcs, a_scheme=sg, b_scheme=sw,
                                          out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
             if need_wgrad:
-                dw = scaled_mm_cublas_traceable(q.columnwise, xc, q.col_scale_inv, xcs, a_scheme=sg, b_scheme=sin,
-                                                out_dtype=weight.dtype)
+                dw = scaled_mm_traceable(q.columnwise, xc, q.col_scale_inv, xcs, a_scheme=sg, b_scheme=sin,
+                                         out_dtype=weight.dtype)
         if ctx.needs_input_grad[2]:
             db = column_sum_op(dy.reshape(-1, dy.shape[-1]), ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
