@@ -3,7 +3,8 @@
 On the CPU: which calls the backend takes, that a kernel that cannot be built sends calls to the next backend with one
 warning, the compile cache, and (where an NVRTC library is installed: it compiles without a GPU) that the kernel
 compiles for sm_90a without spilling. On the GPU: against the float64 reference under NUMERICS §5's bound on odd
-shapes, bit for bit where every partial sum is exact, inside a CUDA graph, and a corrupted cache file.
+shapes, bit for bit where every partial sum is exact, inside a CUDA graph, and a corrupted cache file. The operator a
+compiled linear calls (``scaled_mm_traceable``): where it is called, its fallbacks, opcheck.
 """
 from __future__ import annotations
 
@@ -291,7 +292,8 @@ def test_a_fresh_compile_rewrites_the_cached_file(tmp_path):
 @pytest.mark.parametrize("M,K,N", [(8192, 1024, 3072), (8192, 2816, 1024), (4096, 2048, 5632), (2048, 11264, 2048)])
 def test_gpu_cuda_gives_cublas_bits(M, K, N, cuda):
     """On the GPT layer shapes it forms the same block sums and promotes them in the same order as cuBLAS's blockwise
-    kernel: the same bits, forward and data gradient, so a traced linear (cuBLAS) agrees with eager (this kernel)."""
+    kernel: the same bits, forward and data gradient, so a call the kernel declines (cuBLAS runs it, eager or as the
+    traced operator's fallback) gives the bits the kernel would have."""
     _sm90(cuda)
     qx, qw = _layer(M, K, N, seed=M + K, device=cuda)
     bf16 = torch.bfloat16
