@@ -41,8 +41,8 @@ def fresh(monkeypatch):
 
 
 def test_the_calls_it_takes(fresh, monkeypatch):
-    """A plain BF16-out 1x128 · 128x128 E4M3 GEMM with K a multiple of 16 and N of 8, of at least MIN_M rows unless
-    named; nothing else, and nothing off sm_90."""
+    """A plain BF16-out 1x128 · 128x128 E4M3 GEMM with K a multiple of 16 (at most MAX_K_BLOCKS blocks) and N of 8, of
+    at least MIN_M rows unless named; nothing else, and nothing off sm_90."""
     monkeypatch.setattr(cuda_sm90, "MIN_M", 1)
     monkeypatch.setattr("lowbit.gemm.deepgemm._module", lambda: None)
     bf16 = torch.bfloat16
@@ -59,6 +59,10 @@ def test_the_calls_it_takes(fresh, monkeypatch):
     with env.override(LOWBIT_CUDA_GEMM=False):
         assert backend_for(qx, qw, out_dtype=bf16) != "cuda"
         assert cuda_sm90.status() == "off (LOWBIT_CUDA_GEMM=0)"
+    assert backend_for(qx, qw, out_dtype=bf16) == "cuda"
+    with monkeypatch.context() as m:  # more K blocks than B's scales have room for (K 272: three)
+        m.setattr(K1D2D, "MAX_K_BLOCKS", 2)
+        assert backend_for(qx, qw, out_dtype=bf16) != "cuda"
     assert backend_for(qx, qw, out_dtype=bf16) == "cuda"
     monkeypatch.setattr(cuda_sm90, "MIN_M", 512)
     assert backend_for(qx, qw, out_dtype=bf16) != "cuda"

@@ -5,9 +5,10 @@ nvcc, no build step; the cubin is cached on disk) for the blockwise FP8 forward 
 activations or gradients against 128x128 weights, BF16 out.
 
 What it takes (``supports``): an sm_90 GPU; A ``Float8Blockwise(block_dim=1)``, B ``Float8Blockwise(block_dim=2)``,
-both E4M3 with 128-element blocks; K a multiple of 16 and N of 8 (TMA's 16-byte row pitch); BF16 out with no epilogue
-(no bias, GELU, accumulation or ``out``); M at least :data:`MIN_M` unless the call names this backend. Every other
-call goes to the next backend. ``LOWBIT_CUDA_GEMM=0`` turns it off.
+both E4M3 with 128-element blocks; K a multiple of 16 and N of 8 (TMA's 16-byte row pitch), K at most 131072 (B's
+scales for a tile sit in shared memory); BF16 out with no epilogue (no bias, GELU, accumulation or ``out``); M at least
+:data:`MIN_M` unless the call names this backend. Every other call goes to the next backend. ``LOWBIT_CUDA_GEMM=0``
+turns it off.
 
 Numerics: each 128-wide K block's sum is formed on the tensor cores and promoted into FP32 with both scales, as
 NUMERICS §5 requires of a fast backend; the GPU test holds it to that section's bound and to the reference's bits where
@@ -93,6 +94,8 @@ def _takes(a_scheme, b_scheme, M: int, N: int, K: int, device, opts) -> bool:
     if "why" in _state or not blockwise_1d2d_bf16(a_scheme, b_scheme, opts) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
     if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:
+        return False
+    if cdiv(K, K1D2D.BLOCK_K) > K1D2D.MAX_K_BLOCKS:
         return False
     if M < MIN_M and not opts.get("forced"):
         return False

@@ -6,22 +6,26 @@ product is formed on the tensor cores (wgmma, FP32) and promoted into an FP32 ac
 ``acc += partial · (sa · sb)``, the sum NUMERICS §5 defines; the result is rounded once to BF16.
 
 The schedule: persistent CTAs of three warpgroups. Warpgroup 0 keeps 40 registers a thread and one thread of it loads
-A, B and A's scales into a ring of ``STAGES`` shared-memory stages with TMA; warpgroups 1 and 2 take 232 registers
-and each computes half the rows of the CTA's ``BLOCK_M`` x ``BLOCK_N`` tile, 64 rows at a time: four wgmma of K 32 a
-block, waited for, then the promotion while the other warpgroup's wgmma run. With ``CLUSTER`` 2, two CTAs side by side
-along N share A's tile: each loads half of it into both by TMA multicast, and a stage is refilled once the consumers of
-both have released it. The tile goes out through shared memory and a TMA store, which the next tile's mainloop
-overlaps. Tiles go to CTAs in groups of ``GROUP_M`` row blocks, so that the tiles running at once share their operands
-in L2.
+A, B and A's scales into a ring of ``STAGES`` shared-memory stages with TMA; warpgroups 1 and 2 take 232 registers and
+each computes half the rows of the CTA's ``BLOCK_M`` x ``BLOCK_N`` tile, 64 rows at a time: four wgmma of K 32 a block,
+waited for, then the promotion while the other warpgroup's wgmma run; the K loop is unrolled four deep, and B's scales
+for the tile's column block are copied into shared memory before its mainloop. With ``CLUSTER`` 2, two CTAs side by
+side along N share A's tile: each loads half of it into both by TMA multicast, and a stage is refilled once the
+consumers of both have released it. The tile goes out through shared memory and a TMA store, which the next tile's
+mainloop overlaps. Tiles go to CTAs in groups of ``GROUP_M`` row blocks, so that the tiles running at once share their
+operands in L2.
 """
 
 from __future__ import annotations
 
-__all__ = ["source", "KERNEL_NAME", "shared_bytes", "THREADS", "BLOCK_K"]
+__all__ = ["source", "KERNEL_NAME", "shared_bytes", "THREADS", "BLOCK_K", "MAX_K_BLOCKS"]
 
 KERNEL_NAME = "lowbit_fp8_gemm_1x128_128x128_sm90"
 THREADS = 384
 BLOCK_K = 128
+MAX_K_BLOCKS = 1024
+"""The most 128-wide K blocks a call may have (K up to 131072): B's scales for a tile's column block sit in shared
+memory."""
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -139,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) @NAME@(
   float* s_sa = (float*)(s_b + STAGES * B_BYTES);
   u64* full = (u64*)(s_sa + STAGES * BLOCK_M);
   u64* empty = full + STAGES;
+  float* s_sb = (float*)(empty + STAGES);  // B's scales for the tile's column block, one a K block
 
   const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
   const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
@@ -217,10 +222,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) @NAME@(
       for (int h = 0; h < HALVES; ++h)
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 2; ++j) acc[h][j] = 0.f;
-      float sb_next = sb_row[0];
+      // (the previous tile's mainloops are done with s_sb: its epilogue synchronized the consumers after them)
+      for (int i = threadIdx.x - 128; i < num_kb; i += 256) s_sb[i] = sb_row[i];
+      consumers_sync();
+#pragma unroll 4
       for (int kb = 0; kb < num_kb; ++kb) {
-        const float sb_k = sb_next;
-        if (kb + 1 < num_kb) sb_next = sb_row[kb + 1];
+        const float sb_k = s_sb[kb];
         mbar_wait(&full[stage], phase);
         // A's scales are read before the wgmma are issued: the stage is released right after they finish
         float sa_k[HALVES][2];
@@ -324,5 +331,7 @@ def source(block_m: int, block_n: int, stages: int, group_m: int, cluster: int =
 
 
 def shared_bytes(block_m: int, block_n: int, stages: int) -> int:
-    """Dynamic shared memory of a launch: the output tile, the stages, the barriers and 1024 bytes for the alignment."""
-    return block_m * block_n * 2 + stages * (block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4) + stages * 16 + 1024
+    """Dynamic shared memory of a launch: the output tile, the stages, the barriers, B's scales and 1024 bytes for the
+    alignment."""
+    return (block_m * block_n * 2 + stages * (block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4) + stages * 16
+            + MAX_K_BLOCKS * 4 + 1024)
