@@ -100,6 +100,20 @@ def test_unaligned_operands_go_to_the_next_backend(fresh, monkeypatch):
     assert torch.equal(y, scaled_mm_reference(qx, qw, out_dtype=torch.bfloat16)[0])
 
 
+def test_the_operator_called_directly_declines_a_k_too_long(fresh, monkeypatch):
+    """The traced operator called with more K blocks than the kernel holds B's scales for answers with cuBLAS's call
+    and never launches the kernel."""
+    from lowbit.gemm import cublas
+
+    monkeypatch.setattr(cuda_sm90, "_kernel", lambda: pytest.fail("the kernel was asked for too long a K"))
+    cublas_y = torch.full((256, 384), 2.0)
+    monkeypatch.setattr(cublas, "scaled_mm_cublas_traceable", lambda *a, **k: cublas_y)
+    monkeypatch.setattr(K1D2D, "MAX_K_BLOCKS", 3)  # (K 512: four)
+    qx, qw = _layer(256, 512, 384, seed=8)
+    args = (qx.rowwise.data, qw.rowwise.data, qx.logical_scales("rowwise"), qw.logical_scales("rowwise"))
+    assert torch.ops.lowbit.fp8_gemm_1x128_128x128_bf16(*args) is cublas_y
+
+
 def test_traced_call_runs_the_operator_where_eager_runs_the_kernel(fresh, monkeypatch):
     """``scaled_mm_traceable`` (what a compiled fp8-block linear calls) calls the backend's operator exactly where
     eager's dispatch picks this backend (DeepGEMM absent), and cuBLAS's traceable calls elsewhere; the kernel reads

@@ -126,6 +126,9 @@ def _launch(A: torch.Tensor, B: torch.Tensor, SA: torch.Tensor, SB: torch.Tensor
     if (SA.shape[1] > 1 and SA.stride(1) != 1) or (SB.shape[1] > 1 and SB.stride(1) != 1) or _row_pitch(SA) % 4:
         declined("cuda", "scale grids with strided rows, or A's rows not 16 bytes apart")
         return None
+    if cdiv(A.shape[1], K1D2D.BLOCK_K) > K1D2D.MAX_K_BLOCKS:  # (the operator called directly: _takes not asked)
+        declined("cuda", f"K = {A.shape[1]}: more than {K1D2D.MAX_K_BLOCKS} K blocks of B's scales for shared memory")
+        return None
     if A.is_cuda and A.device.index != torch.cuda.current_device():
         with torch.cuda.device(A.device):
             return _launch(A, B, SA, SB)
