@@ -89,13 +89,18 @@ def _on_sm90(device) -> bool:
     return device.type == "cuda" and capability(device) == (9, 0)
 
 
+def _k_fits(K: int) -> bool:
+    """Whether B's scales for a tile of a K-long contraction fit the kernel's shared memory."""
+    return cdiv(K, K1D2D.BLOCK_K) <= K1D2D.MAX_K_BLOCKS
+
+
 def _takes(a_scheme, b_scheme, M: int, N: int, K: int, device, opts) -> bool:
     """The module docstring's rules for a call of these schemes and dims on ``device``."""
     if "why" in _state or not blockwise_1d2d_bf16(a_scheme, b_scheme, opts) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
     if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:
         return False
-    if cdiv(K, K1D2D.BLOCK_K) > K1D2D.MAX_K_BLOCKS:
+    if not _k_fits(K):
         return False
     if M < MIN_M and not opts.get("forced"):
         return False
@@ -126,7 +131,7 @@ def _launch(A: torch.Tensor, B: torch.Tensor, SA: torch.Tensor, SB: torch.Tensor
     if (SA.shape[1] > 1 and SA.stride(1) != 1) or (SB.shape[1] > 1 and SB.stride(1) != 1) or _row_pitch(SA) % 4:
         declined("cuda", "scale grids with strided rows, or A's rows not 16 bytes apart")
         return None
-    if cdiv(A.shape[1], K1D2D.BLOCK_K) > K1D2D.MAX_K_BLOCKS:  # (the operator called directly: _takes not asked)
+    if not _k_fits(A.shape[1]):  # (the operator called directly: _takes not asked)
         declined("cuda", f"K = {A.shape[1]}: more than {K1D2D.MAX_K_BLOCKS} K blocks of B's scales for shared memory")
         return None
     if A.is_cuda and A.device.index != torch.cuda.current_device():
