@@ -44,7 +44,7 @@ __all__ = ["supports", "scaled_mm_cuda", "scaled_mm_traceable", "status", "MIN_M
 
 MIN_M = 4096
 """The fewest rows (tokens) a call needs for this backend to take it unasked: at 4096 the 350m and 1.3b GPT layers'
-forward and data-gradient GEMMs ran 1.07x cuBLAS's blockwise ones summed, at 2048 0.97x (BENCHMARKS.md)."""
+forward and data-gradient GEMMs ran 1.09x cuBLAS's blockwise ones summed, at 2048 1.00x (BENCHMARKS.md)."""
 
 TILE = dict(block_m=256, block_n=128, stages=3, group_m=8, cluster=2)
 """The kernel's tile: ``block_m`` x ``block_n`` outputs a CTA, ``stages`` shared-memory stages, row-block groups of
