@@ -98,9 +98,7 @@ def _takes(a_scheme, b_scheme, M: int, N: int, K: int, device, opts) -> bool:
     """The module docstring's rules for a call of these schemes and dims on ``device``."""
     if "why" in _state or not blockwise_1d2d_bf16(a_scheme, b_scheme, opts) or not env.get("LOWBIT_CUDA_GEMM"):
         return False
-    if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N, K) >= _MAX_DIM:
-        return False
-    if not _k_fits(K):
+    if K % 16 or N % 8 or M == 0 or N == 0 or K == 0 or max(M, N) >= _MAX_DIM or not _k_fits(K):
         return False
     if M < MIN_M and not opts.get("forced"):
         return False

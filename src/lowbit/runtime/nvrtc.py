@@ -47,6 +47,7 @@ _L2_256B = 3
 _CUDA_ERROR_INVALID_IMAGE = (200, 209, 218, 222)  # invalid image / no binary for GPU / invalid PTX / unsupported PTX
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def _nvrtc():
@@ -92,9 +93,6 @@ def _bind_primary_context(index: int) -> None:
         _check_cu(cu.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
         _check_cu(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         _check_cu(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-
-_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def _check_cu(res: int, what: str) -> None:
@@ -222,8 +220,9 @@ class CudaKernel:
         """Whether the kernel is loaded on CUDA device ``index`` (a launch there compiles and loads nothing)."""
         return index in self._fn
 
-    def cubin(self) -> bytes:
-        return compile_cubin(self.source, self.name, self.arch, self.options)[0]
+    def cubin(self, fresh: bool = False) -> bytes:
+        """The compiled kernel (from the disk cache unless ``fresh``: see :func:`compile_cubin`)."""
+        return compile_cubin(self.source, self.name, self.arch, self.options, fresh=fresh)[0]
 
     def _load(self, index: int) -> ctypes.c_void_p:
         with _lock:
@@ -246,7 +245,7 @@ class CudaKernel:
             cubin = self.cubin()
             res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
             if res in _CUDA_ERROR_INVALID_IMAGE:  # a corrupted cache file: compile afresh and rewrite it
-                cubin = compile_cubin(self.source, self.name, self.arch, self.options, fresh=True)[0]
+                cubin = self.cubin(fresh=True)
                 res = cu.cuModuleLoadData(ctypes.byref(module), cubin)
             _check_cu(res, f"cuModuleLoadData({self.name})")
             fn = ctypes.c_void_p()
@@ -279,6 +278,7 @@ class CudaKernel:
 
 _TMAP = ctypes.c_uint64 * 16
 _TMAPS: dict = {}  # encoded descriptors by what they encode: a call on the same buffers skips the driver
+
 
 def tensor_map_2d(t: torch.Tensor, dtype: int, rows: int, cols: int, row_stride_bytes: int, box_rows: int,
                   box_cols: int, swizzle: int) -> ctypes.Array:
